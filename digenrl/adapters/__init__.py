@@ -1,0 +1,26 @@
+"""Adapter registry: model family name -> adapter class (imported lazily; diffusers is heavy)."""
+
+from __future__ import annotations
+
+import importlib
+
+from digenrl.errors import UserError
+
+#: family name -> "module:Class"
+ADAPTERS: dict[str, str] = {
+    "flux": "digenrl.adapters.flux:FluxAdapter",
+    "wan": "digenrl.adapters.wan:WanAdapter",
+    "hunyuan_video": "digenrl.adapters.hunyuan_video:HunyuanVideoAdapter",
+    "qwen_image": "digenrl.adapters.qwen_image:QwenImageAdapter",
+}
+
+
+def adapter_class(name: str):
+    if name not in ADAPTERS:
+        raise UserError(f"model.adapter: unknown adapter '{name}' (available: {', '.join(sorted(ADAPTERS))})")
+    module, cls = ADAPTERS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_adapter(model_cfg, sampling_cfg, device="cpu"):
+    return adapter_class(model_cfg.adapter)(model_cfg, sampling_cfg, device)

@@ -1,0 +1,151 @@
+"""The adapter protocol: step-level hooks over one model family's real diffusers classes.
+
+An adapter knows nothing of RL. The sampler (``digenrl.algorithms.sde``) owns the step loop and
+calls :meth:`Adapter.velocity` once per step; with noise level 0 it must reproduce the family's
+own diffusers pipeline. Latents are kept in the model's native layout (FLUX / Qwen: packed 2x2
+tokens; Wan / Hunyuan: (B, C, F, H, W)) and always in fp32 outside the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from digenrl.config import ModelConfig, SamplingConfig
+from digenrl.errors import UserError
+
+
+@dataclass
+class Cond:
+    """Prompt conditioning, batch-first; travels with the samples from rollout to training.
+
+    ``batched`` tensors have the batch on dim 0; ``shared`` ones (e.g. FLUX ``txt_ids``) do not.
+    """
+
+    batched: dict[str, torch.Tensor]
+    shared: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return next(iter(self.batched.values())).shape[0]
+
+    def select(self, idx) -> Cond:
+        return Cond({k: v[idx] for k, v in self.batched.items()}, self.shared)
+
+    def repeat_interleave(self, n: int) -> Cond:
+        return Cond({k: v.repeat_interleave(n, dim=0) for k, v in self.batched.items()}, self.shared)
+
+    def to(self, device) -> Cond:
+        return Cond({k: v.to(device) for k, v in self.batched.items()}, {k: v.to(device) for k, v in self.shared.items()})
+
+    @staticmethod
+    def cat(conds: list[Cond]) -> Cond:
+        keys = conds[0].batched.keys()
+        return Cond({k: torch.cat([c.batched[k] for c in conds]) for k in keys}, conds[0].shared)
+
+
+class Adapter(ABC):
+    """One model family. Subclasses set ``name``, ``default_lora_targets`` and implement the hooks."""
+
+    name: str = ""
+    default_lora_targets: tuple[str, ...] = ()
+    #: timestep scale the transformer expects: 1.0 (FLUX, Qwen: sigma in [0,1]) or 1000.0 (Wan, Hunyuan)
+    timestep_scale: float = 1.0
+    video: bool = False
+
+    def __init__(self, model: ModelConfig, sampling: SamplingConfig, device: torch.device | str = "cpu"):
+        self.cfg = model
+        self.sampling = sampling
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, model.dtype)
+        self.transformer: nn.Module
+        self.scheduler = None  # FlowMatchEulerDiscreteScheduler
+        self.check_shapes()
+        if model.pretrained is not None:
+            path = Path(model.pretrained)
+            if not path.is_dir():
+                raise UserError(f"model.pretrained: checkpoint directory not found: {path}")
+            self.build_pretrained(path)
+        else:
+            self.build_preset(model.preset)
+        self.transformer.to(self.device)
+        if getattr(self, "vae", None) is not None:
+            self.vae.to(self.device)
+
+    # ------------------------------------------------------------------ build
+    @abstractmethod
+    def build_preset(self, preset: str) -> None:
+        """Tiny (or named) preset of the real classes, random init, no download."""
+
+    @abstractmethod
+    def build_pretrained(self, path: Path) -> None:
+        """Load a local ``from_pretrained`` checkpoint directory (no hub access)."""
+
+    def check_shapes(self) -> None:
+        """Reject resolutions / frame counts the model cannot take, with a clear message."""
+
+    # ------------------------------------------------------------------ hooks
+    @abstractmethod
+    def encode_prompts(self, prompts: list[str]) -> Cond:
+        """Text conditioning for each prompt (with negative-prompt tensors when the family uses CFG)."""
+
+    @abstractmethod
+    def latent_shape(self) -> tuple[int, ...]:
+        """Shape of one sample's latents in the transformer's native layout."""
+
+    def initial_noise(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn((n, *self.latent_shape()), generator=generator, dtype=torch.float32).to(self.device)
+
+    @abstractmethod
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """N+1 fp32 sigmas from 1 to 0, as the family's own pipeline computes them."""
+
+    @abstractmethod
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
+        """Guided model output at (latents, sigma) for a batch; fp32 in, fp32 out. ``sigma`` is (B,)."""
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Pixels in [0,1]: images (N,C,H,W), videos (N,C,F,H,W)."""
+
+    # ------------------------------------------------------------------ helpers
+    def autocast(self):
+        """Mixed precision when the model dtype is not fp32 (trainable LoRA params stay fp32)."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def model_signature(self) -> dict:
+        n = sum(p.numel() for p in self.transformer.parameters())
+        return {"adapter": self.name, "class": type(self.transformer).__name__, "params": n,
+                "config": {k: v for k, v in dict(self.transformer.config).items() if not k.startswith("_")}}
+
+    def flow_scheduler(self, config: dict | None = None):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler(**(config or {}))
+
+    def _set_timesteps(self, num_steps: int, mu: float | None = None) -> torch.Tensor:
+        """Fixed-shift or dynamic-shift sigmas from the scheduler (which appends the final 0)."""
+        sched = self.scheduler
+        if self.sampling.shift is not None:  # user-fixed shift overrides the model's own schedule
+            sched = self.flow_scheduler({"shift": self.sampling.shift, "use_dynamic_shifting": False})
+            sched.set_timesteps(num_steps)
+        elif sched.config.use_dynamic_shifting:
+            sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+        else:
+            sched.set_timesteps(num_steps)
+        return sched.sigmas.to(torch.float32).clone()
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Deterministic random init of a tiny preset without touching the caller's RNG state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield

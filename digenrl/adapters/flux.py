@@ -1,0 +1,156 @@
+"""FLUX.1 (``FluxTransformer2DModel``): packed 2x2 latent tokens, guidance embedding, dynamic shift.
+
+Mirrors ``diffusers.FluxPipeline``: latents (B, C, H, W) are packed into (B, H/2*W/2, 4C) tokens with
+2-D ``img_ids`` rows [0, row, col]; ``txt_ids`` are zeros; the timestep is sigma in [0, 1]; the sigma
+schedule is ``linspace(1, 1/N, N)`` shifted by ``mu = calculate_shift(image_seq_len)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from digenrl.adapters.base import Adapter, Cond, seeded
+from digenrl.adapters.tiny_text import HashTextEncoder
+from digenrl.errors import UserError
+
+TINY_TRANSFORMER = dict(
+    patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+    num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
+    guidance_embeds=True,
+)
+TINY_VAE = dict(
+    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+    up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+    latent_channels=4, norm_num_groups=4, sample_size=32,
+)
+# FLUX.1's own scheduler config (dynamic shifting from the image token count)
+FLUX_SCHEDULER = dict(
+    shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+    base_image_seq_len=256, max_image_seq_len=4096,
+)
+
+
+def calculate_shift(seq_len: int, base_len: int, max_len: int, base_shift: float, max_shift: float) -> float:
+    """Resolution-dependent shift mu: linear in the number of image tokens (as FLUX's pipeline)."""
+    m = (max_shift - base_shift) / (max_len - base_len)
+    return seq_len * m + base_shift - m * base_len
+
+
+class FluxAdapter(Adapter):
+    name = "flux"
+    default_lora_targets = (
+        "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+    )
+    timestep_scale = 1.0
+    pipeline_class = "FluxPipeline"
+
+    # ------------------------------------------------------------------ build
+    def build_preset(self, preset: str) -> None:
+        from diffusers import AutoencoderKL, FluxTransformer2DModel
+
+        if preset != "tiny":
+            raise UserError(f"model.preset: unknown preset '{preset}' for flux (available: tiny)")
+        with seeded(1234):
+            self.transformer = FluxTransformer2DModel(**TINY_TRANSFORMER)
+            self.vae = AutoencoderKL(**TINY_VAE).eval()
+        tcfg = self.transformer.config
+        self.text = HashTextEncoder(tcfg.joint_attention_dim, self.cfg.max_text_len, tcfg.pooled_projection_dim)
+        self.pipe = None
+        self.scheduler = self.flow_scheduler(FLUX_SCHEDULER)
+
+    def build_pretrained(self, path: Path) -> None:
+        from diffusers import FluxPipeline
+
+        if not (path / "model_index.json").is_file():
+            raise UserError(f"model.pretrained: {path} is not a diffusers FLUX checkpoint (no model_index.json)")
+        self.pipe = FluxPipeline.from_pretrained(path, torch_dtype=self.dtype)
+        self.pipe.to(self.device)
+        self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
+        self.text = None
+
+    @property
+    def vae_scale(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    def check_shapes(self) -> None:
+        # FLUX packs 2x2 latent patches: pixels must divide by vae_scale * 2 (16 for the real VAE)
+        h, w = self.cfg.height, self.cfg.width
+        unit = 16 if self.cfg.pretrained is not None else 4
+        if h % unit or w % unit:
+            raise UserError(f"model.height/width: FLUX needs multiples of {unit} pixels, got {h}x{w}")
+        if self.cfg.frames not in (None, 1):
+            raise UserError("model.frames: FLUX is an image model; leave frames unset")
+
+    # ------------------------------------------------------------------ hooks
+    def encode_prompts(self, prompts: list[str]) -> Cond:
+        if self.pipe is not None:
+            with torch.no_grad():
+                embeds, pooled, txt_ids = self.pipe.encode_prompt(
+                    prompt=prompts, prompt_2=prompts, device=self.device, max_sequence_length=self.cfg.max_text_len
+                )
+            return Cond({"prompt_embeds": embeds, "pooled": pooled}, {"txt_ids": txt_ids})
+        t = self.text(prompts)
+        return Cond(
+            {"prompt_embeds": t["embeds"].to(self.device), "pooled": t["pooled"].to(self.device)},
+            {"txt_ids": torch.zeros(self.cfg.max_text_len, 3, device=self.device)},
+        )
+
+    def _grid(self) -> tuple[int, int]:
+        """Packed token grid (rows, cols)."""
+        return self.cfg.height // self.vae_scale // 2, self.cfg.width // self.vae_scale // 2
+
+    def latent_shape(self) -> tuple[int, ...]:
+        rows, cols = self._grid()
+        return (rows * cols, self.transformer.config.in_channels)
+
+    def img_ids(self) -> torch.Tensor:
+        rows, cols = self._grid()
+        ids = torch.zeros(rows, cols, 3)
+        ids[..., 1] = torch.arange(rows)[:, None]
+        ids[..., 2] = torch.arange(cols)[None, :]
+        return ids.reshape(rows * cols, 3).to(self.device)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        c = self.scheduler.config
+        mu = calculate_shift(
+            self.latent_shape()[0], c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+            c.get("base_shift", 0.5), c.get("max_shift", 1.15),
+        )
+        return self._set_timesteps(num_steps, mu)
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
+        b = latents.shape[0]
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((b,), self.sampling.guidance, device=self.device, dtype=torch.float32)
+        # the pipeline feeds timesteps = sigma * 1000 and divides by 1000: mirror it bit for bit
+        t = (sigma.to(torch.float32) * 1000) / 1000
+        with self.autocast():
+            out = self.transformer(
+                hidden_states=latents.to(self.dtype),
+                timestep=t.to(self.dtype),
+                guidance=guidance,
+                pooled_projections=cond.batched["pooled"].to(self.dtype),
+                encoder_hidden_states=cond.batched["prompt_embeds"].to(self.dtype),
+                txt_ids=cond.shared["txt_ids"],
+                img_ids=self.img_ids(),
+                return_dict=False,
+            )[0]
+        return out.float()
+
+    def unpack(self, latents: torch.Tensor) -> torch.Tensor:
+        rows, cols = self._grid()
+        b, _, c = latents.shape
+        x = latents.view(b, rows, cols, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, c // 4, rows * 2, cols * 2)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        x = self.unpack(latents.float())
+        vc = self.vae.config
+        x = x / vc.scaling_factor + (vc.shift_factor or 0.0)
+        image = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)

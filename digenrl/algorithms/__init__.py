@@ -1,0 +1,1 @@
+"""Sampling math (sde) and the GRPO objective (grpo)."""

@@ -1,0 +1,284 @@
+"""RunConfig: one Pydantic v2 model describing a whole DigenRL run.
+
+Load order: model defaults (= the tiny FLUX demo) <- YAML file <- repeated ``--set dotted.key=value``.
+Unknown keys and invalid values raise :class:`ConfigError` naming the dotted path and the reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from digenrl.errors import UserError
+
+
+class ConfigError(UserError):
+    pass
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------- model
+class LoraConfig(_Section):
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[str] | None = Field(None, description="module-name suffixes; None = the adapter's default list")
+    init_seed: int = 0
+
+
+class ModelConfig(_Section):
+    adapter: str = "flux"
+    preset: str | None = Field("tiny", description="tiny random-init preset of the real classes (no download)")
+    pretrained: Path | None = Field(None, description="local diffusers checkpoint directory")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    height: int = Field(32, gt=0)
+    width: int = Field(32, gt=0)
+    frames: int | None = Field(None, gt=0, description="video models only")
+    lora: LoraConfig | None = Field(default_factory=LoraConfig, description="null = full fine-tuning")
+    max_text_len: int = Field(16, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pretrained_replaces_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("pretrained") is not None and "preset" not in data:
+            data = {**data, "preset": None}
+        return data
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.preset is None) == (self.pretrained is None):
+            raise ValueError("set exactly one of model.preset (tiny, random init) or model.pretrained (local path)")
+        return self
+
+
+# ------------------------------------------------------------------------------------ sampling
+class SamplingConfig(_Section):
+    steps: int = Field(8, gt=0, description="denoising steps during RL rollouts")
+    eval_steps: int = Field(16, gt=0)
+    shift: float | None = Field(None, gt=0, description="fixed sigma shift; None = the model's own (FLUX/Qwen: dynamic mu)")
+    guidance: float = Field(3.5, ge=0, description="guidance scale in the model's own style")
+    negative_prompt: str = ""
+    sde: Literal["flow_grpo", "dance_grpo", "cps"] = "flow_grpo"
+    noise_level: float = Field(0.7, ge=0, description="eta; 0 = deterministic ODE (Euler) sampling")
+
+
+# ----------------------------------------------------------------------------------- algorithm
+class TimestepConfig(_Section):
+    mode: Literal["fraction", "random", "window"] = "fraction"
+    fraction: float = Field(0.99, gt=0, le=1, description="fraction: first floor(N*f) steps; random: floor((N-1)*f) per sample")
+    window: int = Field(2, gt=0, description="window mode: SDE steps per trajectory (ODE elsewhere)")
+    window_shift_every: int = Field(0, ge=0, description="0 = random window start (Flow-GRPO-Fast); K = slide by one every K iterations (MixGRPO)")
+
+
+class AlgorithmConfig(_Section):
+    name: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
+    group_size: int = Field(8, ge=2, description="G samples per prompt; 1 would leave no advantage")
+    clip_range: float = Field(1e-4, gt=0)
+    adv_clip: float = Field(5.0, gt=0)
+    std: Literal["per_prompt", "global"] = "per_prompt"
+    kl_beta: float = Field(0.0, ge=0)
+    is_cap: float = Field(2.0, ge=1, description="cap of the importance weight for stale samples (decoupled PPO)")
+    timesteps: TimestepConfig = Field(default_factory=TimestepConfig)
+
+
+# -------------------------------------------------------------------------------------- reward
+class RewardTerm(_Section):
+    name: str
+    weight: float = 1.0
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class RewardConfig(_Section):
+    components: list[RewardTerm] = Field(default_factory=lambda: [RewardTerm(name="prompt_color")], min_length=1)
+    combine: Literal["weighted_sum", "per_reward_advantage"] = "weighted_sum"
+    nan_policy: Literal["fail", "drop"] = "fail"
+
+
+# ------------------------------------------------------------------------------------- prompts
+class PromptsConfig(_Section):
+    builtin: str | None = Field("colors", description="built-in prompt set")
+    file: Path | None = Field(None, description="one prompt per line (.txt) or JSONL with a 'prompt' field")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _file_replaces_builtin(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("file") is not None and "builtin" not in data:
+            data = {**data, "builtin": None}
+        return data
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PromptsConfig:
+        if (self.builtin is None) == (self.file is None):
+            raise ValueError("set exactly one of prompts.builtin or prompts.file")
+        return self
+
+
+# --------------------------------------------------------------------------------------- train
+class TrainConfig(_Section):
+    iterations: int = Field(45, gt=0)
+    prompts_per_iteration: int = Field(4, gt=0)
+    micro_batch: int = Field(16, gt=0, description="samples per forward/backward inside a train unit")
+    lr: float = Field(3e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(1e-4, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+# ----------------------------------------------------------------------- cluster / placement / engine
+class PoolConfig(_Section):
+    name: str
+    device: str = Field("cpu", description="device type: cpu (logical) or a GPU name such as H800, H20, A100")
+    count: int = Field(1, gt=0)
+
+
+class ClusterConfig(_Section):
+    pools: list[PoolConfig] = Field(
+        default_factory=lambda: [PoolConfig(name="rollout", device="cpu"), PoolConfig(name="trainer", device="cpu")],
+        min_length=1,
+    )
+
+
+class PlacementConfig(_Section):
+    mode: Literal["local", "colocated", "disaggregated"] = Field(
+        "local", description="local = one process, no Ray; colocated / disaggregated = the engine"
+    )
+    rollout_pool: str = "rollout"
+    trainer_pool: str = "trainer"
+
+
+class EngineConfig(_Section):
+    unit_groups: int = Field(1, gt=0, description="GAP unit size: prompt groups per rollout unit")
+    gap: bool = True
+    tsp_degree: int = Field(1, gt=0)
+    tag: bool = True
+    max_staleness: Literal[0, 1] = 0
+
+
+# -------------------------------------------------------------------------------------- output
+class OutputConfig(_Section):
+    run_dir: Path | None = Field(None, description="default runs/<name>-<timestamp>")
+    name: str = "digenrl"
+    checkpoint_every: int = Field(0, ge=0, description="0 = only at the end")
+    keep_last: int = Field(3, gt=0)
+    log_every: int = Field(1, gt=0)
+    save_samples_every: int = Field(0, ge=0, description="0 = never")
+    eval_every: int = Field(0, ge=0)
+    tensorboard: bool = True
+
+
+class RunConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    prompts: PromptsConfig = Field(default_factory=PromptsConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        if self.train.prompts_per_iteration % self.engine.unit_groups:
+            raise ValueError(
+                f"engine.unit_groups ({self.engine.unit_groups}) must divide train.prompts_per_iteration "
+                f"({self.train.prompts_per_iteration}) into whole groups per unit"
+            )
+        if self.placement.mode != "local":
+            names = [p.name for p in self.cluster.pools]
+            for key in ("rollout_pool", "trainer_pool"):
+                pool = getattr(self.placement, key)
+                if pool not in names:
+                    raise ValueError(f"placement.{key} '{pool}' is not a pool of cluster.pools {names}")
+        return self
+
+    def dump_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------- loading
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    path = ".".join(str(p) for p in first["loc"]) or "config"
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif "input" in first and not isinstance(first["input"], (dict, list)):
+        msg = f"{msg} (got {first['input']!r})"
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{path}: {msg}{more}"
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    """Apply one ``dotted.key=value`` in place; the value is parsed as a YAML scalar/list."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected dotted.key=value")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {assignment!r}: empty key segment")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: value is not valid YAML ({exc.__class__.__name__})") from None
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            node = node[_index(node, part, parts[: i + 1])]
+            continue
+        if not isinstance(node.get(part, {}), (dict, list)) and node.get(part) is not None:
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, not a section")
+        if node.get(part) is None:
+            node[part] = {}
+        node = node[part]
+    if isinstance(node, list):
+        node[_index(node, parts[-1], parts)] = value
+    else:
+        node[parts[-1]] = value
+
+
+def _index(node: list, part: str, path: list[str]) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"{'.'.join(path)}: no list element {part!r} (list has {len(node)})")
+    return int(part)
+
+
+def read_yaml(path: Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: malformed YAML{where}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Defaults <- YAML file <- overrides, validated. Raises ConfigError with a one-line reason."""
+    data = read_yaml(path) if path is not None else {}
+    for assignment in overrides or []:
+        apply_override(data, assignment)
+    return validate_config(data)
+
+
+def validate_config(data: dict) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None

@@ -1,0 +1,1 @@
+"""Execution engine: the scheduling policy, Ray workers, weight sync, runtime and timeline."""

@@ -1,0 +1,271 @@
+"""The scheduling policy: which unit of work each worker does next (DESIGN.md §4).
+
+One policy, two drivers: the Ray runtime calls it for real workers and the planner's
+simulator calls it in virtual time. It is therefore pure Python: no Ray, no torch, no clock.
+A driver asks ``next_unit(worker)`` whenever a worker is idle and reports ``complete(unit)``
+when it finishes; ``None`` means "nothing for you now, ask again after the next completion".
+
+Versions: version k is the policy after k optimizer steps; iteration k trains version k into
+version k+1 with exactly one optimizer step. Rollout units of iteration k may be generated
+with version k - max_staleness or newer; they are always stamped with the newest version.
+
+Knobs (see the table in DESIGN.md §4):
+- placement "colocated": every device rolls out iteration k, then trains it, then steps;
+  phases never overlap (max_staleness must be 0; ``gap`` and ``tag`` have no effect).
+- placement "disaggregated": "rollout" workers only roll out, "trainer" workers train.
+- gap: train units of a rollout unit are released as soon as it completes (else when the
+  whole iteration is rolled out). ``wait_for_full_batch`` forces the latter (global-std
+  advantages need every reward of the iteration).
+- tsp_degree: each rolled-out unit is trained as ``tsp_degree`` train units, one per
+  timestep residue class, so the last unit of an iteration is spread over several ranks.
+- tag: an idle trainer rank takes a pending rollout unit (it holds the newest weights).
+- max_staleness 1: rollout of iteration k+1 may start with version k while k trains.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal, Union
+
+Role = Literal["rollout", "trainer", "both"]
+Placement = Literal["colocated", "disaggregated"]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str
+    role: Role  # "both": a colocated device that rolls out and is a trainer rank
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    placement: Placement
+    groups_per_iteration: int  # prompts per iteration; each prompt is one group of G samples
+    unit_groups: int  # GAP unit size m: groups per rollout unit
+    tsp_degree: int = 1  # time-step parallelism degree D
+    tag: bool = False  # trainer-assisted generation
+    gap: bool = True  # release train units per rollout unit (else per iteration)
+    max_staleness: int = 0  # 0 (on-policy) or 1 (one-step async)
+    iterations: int = 1
+    wait_for_full_batch: bool = False  # train units wait for the whole iteration's rollout
+
+    def __post_init__(self) -> None:
+        if self.placement not in ("colocated", "disaggregated"):
+            raise ValueError(
+                f"placement must be 'colocated' or 'disaggregated', got {self.placement!r}"
+            )
+        for name in ("groups_per_iteration", "unit_groups", "tsp_degree", "iterations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.groups_per_iteration % self.unit_groups:
+            raise ValueError(
+                f"unit_groups ({self.unit_groups}) must divide "
+                f"groups_per_iteration ({self.groups_per_iteration})"
+            )
+        if self.max_staleness not in (0, 1):
+            raise ValueError(f"max_staleness must be 0 or 1, got {self.max_staleness!r}")
+        if self.placement == "colocated" and self.max_staleness:
+            raise ValueError(
+                "max_staleness must be 0 with placement 'colocated' "
+                "(the devices cannot roll out while they train)"
+            )
+
+    @property
+    def units_per_iteration(self) -> int:
+        return self.groups_per_iteration // self.unit_groups
+
+    @property
+    def barrier(self) -> bool:
+        """True when train units of iteration k wait until all of k is rolled out."""
+        return self.placement == "colocated" or not self.gap or self.wait_for_full_batch
+
+
+@dataclass(frozen=True)
+class RolloutUnit:
+    uid: str
+    iteration: int
+    index: int  # position within the iteration
+    groups: tuple[int, ...]  # global group ids within the iteration
+    version: int  # policy version to generate with (the newest one at hand-out)
+
+
+@dataclass(frozen=True)
+class TrainUnit:
+    uid: str
+    iteration: int
+    rollout_uid: str  # the rollout unit whose samples this trains
+    groups: tuple[int, ...]
+    sample_version: int  # version the samples were generated with
+    tsp_rank: int  # trains trained-timestep positions j with j % tsp_degree == tsp_rank
+    tsp_degree: int
+    version: int  # trainer weights version (== iteration)
+
+
+@dataclass(frozen=True)
+class StepUnit:
+    """One trainer rank's share of iteration k's collective all-reduce + optimizer step.
+
+    Every rank gets its own StepUnit (uid ``step-<k>/<worker>``); ``version`` is the version
+    the step publishes, k + 1.
+    """
+
+    uid: str
+    iteration: int
+    version: int
+
+
+Unit = Union[RolloutUnit, TrainUnit, StepUnit]
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, workers: list[WorkerSpec]) -> None:
+        self.cfg = cfg
+        self._roles: dict[str, Role] = {}
+        for w in workers:
+            if w.role not in ("rollout", "trainer", "both"):
+                raise ValueError(f"worker {w.name!r}: role must be 'rollout', 'trainer' or 'both', got {w.role!r}")
+            if w.name in self._roles:
+                raise ValueError(f"worker names must be unique, {w.name!r} appears twice")
+            self._roles[w.name] = w.role
+        self._check_pools()
+        # Trainer ranks: they train and all take part in every optimizer step.
+        self._ranks = frozenset(n for n, r in self._roles.items() if r != "rollout")
+
+        self.published_version = 0  # optimizer steps completed
+        self.record: list[tuple[str, Unit]] = []  # (worker, unit) in hand-out order
+        self._in_flight: dict[str, str] = {}  # unit uid -> worker running it
+        self._held_version = {n: 0 for n, r in self._roles.items() if r == "rollout"}
+
+        n = cfg.iterations
+        self._next_rollout = (0, 0)  # (iteration, index) of the next rollout unit to hand out
+        self._rolled_out = [0] * n  # completed rollout units per iteration
+        self._held: list[list[TrainUnit]] = [[] for _ in range(n)]  # behind the barrier
+        self._ready: list[deque[TrainUnit]] = [deque() for _ in range(n)]
+        self._train_left = [cfg.units_per_iteration * cfg.tsp_degree] * n  # not yet complete
+        # Ranks that have not finished the open optimizer step (of iteration published_version);
+        # non-empty exactly while a step is open.
+        self._step_unfinished: set[str] = set()
+
+    def _check_pools(self) -> None:
+        roles = set(self._roles.values())
+        if not roles:
+            raise ValueError("workers: at least one worker is required")
+        if self.cfg.placement == "colocated":
+            if roles != {"both"}:
+                raise ValueError("workers: placement 'colocated' needs every worker to have role 'both'")
+            return
+        if "both" in roles:
+            raise ValueError("workers: role 'both' is only valid with placement 'colocated'")
+        if "trainer" not in roles:
+            raise ValueError("workers: placement 'disaggregated' needs at least one 'trainer' worker")
+        if "rollout" not in roles and not self.cfg.tag:
+            raise ValueError(
+                "workers: placement 'disaggregated' needs a 'rollout' worker, or tag=True so trainers roll out"
+            )
+
+    # -- the two calls -------------------------------------------------------------------
+
+    def next_unit(self, worker: str) -> Unit | None:
+        role = self._role(worker)
+        if worker in self._in_flight.values():
+            raise RuntimeError(f"worker {worker!r} asked for work while it still runs a unit")
+        unit = self._pick(worker, role)
+        if unit is not None:
+            self._in_flight[unit.uid] = worker
+            self.record.append((worker, unit))
+            if isinstance(unit, RolloutUnit) and role == "rollout":
+                self._held_version[worker] = unit.version  # it syncs before starting
+        return unit
+
+    def complete(self, unit: Unit, result: object = None) -> None:
+        """Mark ``unit`` done. ``result`` is the driver's payload; the policy does not read it."""
+        worker = self._in_flight.pop(unit.uid, None)
+        if worker is None:
+            raise ValueError(f"unit {unit.uid!r} is not in flight (never handed out, or completed twice)")
+        if isinstance(unit, RolloutUnit):
+            self._rollout_done(unit)
+        elif isinstance(unit, TrainUnit):
+            self._train_done(unit)
+        else:
+            self._step_unfinished.discard(worker)
+            if not self._step_unfinished:  # the last rank finished: the new weights exist
+                self.published_version += 1
+
+    def done(self) -> bool:
+        return self.published_version == self.cfg.iterations
+
+    def worker_version(self, worker: str) -> int:
+        """Policy version the worker holds: trainer ranks hold the published weights, rollout
+        workers the version of the last unit they were handed (0 before any)."""
+        return self._held_version[worker] if self._role(worker) == "rollout" else self.published_version
+
+    # -- policy --------------------------------------------------------------------------
+
+    def _pick(self, worker: str, role: Role) -> Unit | None:
+        if role == "rollout":
+            return self._take_rollout()
+        # A trainer rank: own step > train unit > (TAG or colocated) rollout unit.
+        if self._step_unfinished:
+            # The step is collective: until every rank finished it, a rank takes nothing else.
+            # An idle rank still in the set has not been handed its share yet (a rank running
+            # it is in flight and cannot ask).
+            if worker not in self._step_unfinished:
+                return None
+            k = self.published_version
+            return StepUnit(uid=f"step-{k}/{worker}", iteration=k, version=k + 1)
+        # Only iteration published_version can train: its train units need exactly those weights.
+        k = self.published_version
+        if k < self.cfg.iterations and self._ready[k]:
+            return self._ready[k].popleft()
+        if role == "both" or self.cfg.tag:
+            return self._take_rollout()
+        return None
+
+    def _take_rollout(self) -> RolloutUnit | None:
+        k, j = self._next_rollout
+        if k >= self.cfg.iterations or self.published_version < k - self.cfg.max_staleness:
+            return None
+        m = self.cfg.unit_groups
+        self._next_rollout = (k, j + 1) if j + 1 < self.cfg.units_per_iteration else (k + 1, 0)
+        return RolloutUnit(
+            uid=f"rollout-{k}-{j}",
+            iteration=k,
+            index=j,
+            groups=tuple(range(j * m, (j + 1) * m)),
+            version=self.published_version,
+        )
+
+    def _rollout_done(self, unit: RolloutUnit) -> None:
+        k, degree = unit.iteration, self.cfg.tsp_degree
+        self._held[k].extend(
+            TrainUnit(
+                uid=f"train-{k}-{unit.index}-{r}",
+                iteration=k,
+                rollout_uid=unit.uid,
+                groups=unit.groups,
+                sample_version=unit.version,
+                tsp_rank=r,
+                tsp_degree=degree,
+                version=k,
+            )
+            for r in range(degree)
+        )
+        self._rolled_out[k] += 1
+        if not self.cfg.barrier or self._rolled_out[k] == self.cfg.units_per_iteration:
+            self._ready[k].extend(self._held[k])  # oldest first: in completion order
+            self._held[k].clear()
+
+    def _train_done(self, unit: TrainUnit) -> None:
+        self._train_left[unit.iteration] -= 1
+        if self._train_left[unit.iteration] == 0:
+            # Every gradient of the iteration is accumulated: open the collective step.
+            # (Train units of k only run at published_version == k, so this is that step.)
+            self._step_unfinished = set(self._ranks)
+
+    def _role(self, worker: str) -> Role:
+        try:
+            return self._roles[worker]
+        except KeyError:
+            raise ValueError(f"unknown worker {worker!r}") from None
