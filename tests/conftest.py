@@ -4,7 +4,7 @@ import pytest
 import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny models: threads only add sync overhead on 2 cores
 
 
 @pytest.fixture

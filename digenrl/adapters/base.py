@@ -57,6 +57,7 @@ class Adapter(ABC):
     #: timestep scale the transformer expects: 1.0 (FLUX, Qwen: sigma in [0,1]) or 1000.0 (Wan, Hunyuan)
     timestep_scale: float = 1.0
     video: bool = False
+    preview = None  # LatentRGBDecoder for tiny presets, None = decode with the real VAE
 
     def __init__(self, model: ModelConfig, sampling: SamplingConfig, device: torch.device | str = "cpu"):
         self.cfg = model
@@ -109,9 +110,22 @@ class Adapter(ABC):
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
         """Guided model output at (latents, sigma) for a batch; fp32 in, fp32 out. ``sigma`` is (B,)."""
 
+    def to_spatial(self, latents: torch.Tensor) -> torch.Tensor:
+        """Native latents -> the VAE's layout (N,C,H,W) / (N,C,F,H,W); packed families unpack here."""
+        return latents
+
     @abstractmethod
+    def vae_decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Spatial latents -> pixels in [0,1] through the family's real VAE."""
+
+    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Pixels in [0,1]: images (N,C,H,W), videos (N,C,F,H,W)."""
+        """Pixels in [0,1]: images (N,C,H,W), videos (N,C,F,H,W). Tiny presets use ``preview``
+        (adapters/preview.py: a random-init VAE decoder makes colour nearly independent of latents)."""
+        x = self.to_spatial(latents.float())
+        if self.preview is not None:
+            return self.preview(x)
+        return self.vae_decode(x)
 
     # ------------------------------------------------------------------ helpers
     def autocast(self):

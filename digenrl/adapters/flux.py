@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from digenrl.adapters.base import Adapter, Cond, seeded
+from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
 
@@ -60,6 +61,7 @@ class FluxAdapter(Adapter):
         self.text = HashTextEncoder(tcfg.joint_attention_dim, self.cfg.max_text_len, tcfg.pooled_projection_dim)
         self.pipe = None
         self.scheduler = self.flow_scheduler(FLUX_SCHEDULER)
+        self.preview = LatentRGBDecoder(self.vae.config.latent_channels, self.vae_scale)
 
     def build_pretrained(self, path: Path) -> None:
         from diffusers import FluxPipeline
@@ -141,15 +143,13 @@ class FluxAdapter(Adapter):
             )[0]
         return out.float()
 
-    def unpack(self, latents: torch.Tensor) -> torch.Tensor:
+    def to_spatial(self, latents: torch.Tensor) -> torch.Tensor:
         rows, cols = self._grid()
         b, _, c = latents.shape
         x = latents.view(b, rows, cols, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
         return x.reshape(b, c // 4, rows * 2, cols * 2)
 
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        x = self.unpack(latents.float())
+    def vae_decode(self, x: torch.Tensor) -> torch.Tensor:
         vc = self.vae.config
         x = x / vc.scaling_factor + (vc.shift_factor or 0.0)
         image = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0]

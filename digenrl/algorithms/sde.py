@@ -81,8 +81,14 @@ class Trajectory:
 
 @torch.no_grad()
 def sample(adapter, cond, noise: torch.Tensor, sigmas: torch.Tensor, kind: str, eta: float,
-           generator: torch.Generator | None, sde_mask: torch.Tensor | None = None) -> Trajectory:
-    """Run the step loop, recording every latent and transition log-prob (eta = 0: pure ODE)."""
+           randn=None, sde_mask: torch.Tensor | None = None) -> Trajectory:
+    """Run the step loop, recording every latent and transition log-prob (eta = 0: pure ODE).
+
+    ``randn(shape)`` draws the per-step N(0, I) noise for the whole batch (a torch.Generator works too).
+    """
+    if isinstance(randn, torch.Generator):
+        gen = randn
+        randn = lambda shape: torch.randn(shape, generator=gen)  # noqa: E731
     n = len(sigmas) - 1
     if sde_mask is None:
         sde_mask = torch.ones(n, dtype=torch.bool)
@@ -93,7 +99,7 @@ def sample(adapter, cond, noise: torch.Tensor, sigmas: torch.Tensor, kind: str, 
         v = adapter.velocity(x, sig, cond)
         eps = None
         if eta > 0 and bool(sde_mask[i]):
-            eps = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(x.device)
+            eps = randn(tuple(x.shape)).to(device=x.device, dtype=torch.float32)
         x, lp, _ = sde_step(kind, x, v, sigmas, i, eta, eps)
         xs.append(x)
         lps.append(lp)

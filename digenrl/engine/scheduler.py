@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 Role = Literal["rollout", "trainer", "both"]
 Placement = Literal["colocated", "disaggregated"]
@@ -116,16 +116,25 @@ class StepUnit:
     version: int
 
 
-Unit = Union[RolloutUnit, TrainUnit, StepUnit]
+Unit = RolloutUnit | TrainUnit | StepUnit
 
 
 class Scheduler:
+    """Hands out units one at a time; the state changes only in ``next_unit`` and ``complete``.
+
+    Raises on driver misuse (unknown worker, a busy worker asking, a unit completed twice)
+    rather than guessing, since a silent slip here would corrupt versions.
+    """
+
     def __init__(self, cfg: SchedulerConfig, workers: list[WorkerSpec]) -> None:
         self.cfg = cfg
         self._roles: dict[str, Role] = {}
         for w in workers:
             if w.role not in ("rollout", "trainer", "both"):
-                raise ValueError(f"worker {w.name!r}: role must be 'rollout', 'trainer' or 'both', got {w.role!r}")
+                raise ValueError(
+                    f"worker {w.name!r}: role must be 'rollout', 'trainer' or 'both', "
+                    f"got {w.role!r}"
+                )
             if w.name in self._roles:
                 raise ValueError(f"worker names must be unique, {w.name!r} appears twice")
             self._roles[w.name] = w.role
@@ -136,12 +145,12 @@ class Scheduler:
         self.published_version = 0  # optimizer steps completed
         self.record: list[tuple[str, Unit]] = []  # (worker, unit) in hand-out order
         self._in_flight: dict[str, str] = {}  # unit uid -> worker running it
-        self._held_version = {n: 0 for n, r in self._roles.items() if r == "rollout"}
+        self._rollout_version = {n: 0 for n, r in self._roles.items() if r == "rollout"}
 
         n = cfg.iterations
         self._next_rollout = (0, 0)  # (iteration, index) of the next rollout unit to hand out
         self._rolled_out = [0] * n  # completed rollout units per iteration
-        self._held: list[list[TrainUnit]] = [[] for _ in range(n)]  # behind the barrier
+        self._behind_barrier: list[list[TrainUnit]] = [[] for _ in range(n)]
         self._ready: list[deque[TrainUnit]] = [deque() for _ in range(n)]
         self._train_left = [cfg.units_per_iteration * cfg.tsp_degree] * n  # not yet complete
         # Ranks that have not finished the open optimizer step (of iteration published_version);
@@ -154,15 +163,20 @@ class Scheduler:
             raise ValueError("workers: at least one worker is required")
         if self.cfg.placement == "colocated":
             if roles != {"both"}:
-                raise ValueError("workers: placement 'colocated' needs every worker to have role 'both'")
+                raise ValueError(
+                    "workers: placement 'colocated' needs every worker to have role 'both'"
+                )
             return
         if "both" in roles:
             raise ValueError("workers: role 'both' is only valid with placement 'colocated'")
         if "trainer" not in roles:
-            raise ValueError("workers: placement 'disaggregated' needs at least one 'trainer' worker")
+            raise ValueError(
+                "workers: placement 'disaggregated' needs at least one 'trainer' worker"
+            )
         if "rollout" not in roles and not self.cfg.tag:
             raise ValueError(
-                "workers: placement 'disaggregated' needs a 'rollout' worker, or tag=True so trainers roll out"
+                "workers: placement 'disaggregated' needs a 'rollout' worker, "
+                "or tag=True so that trainers roll out"
             )
 
     # -- the two calls -------------------------------------------------------------------
@@ -176,14 +190,16 @@ class Scheduler:
             self._in_flight[unit.uid] = worker
             self.record.append((worker, unit))
             if isinstance(unit, RolloutUnit) and role == "rollout":
-                self._held_version[worker] = unit.version  # it syncs before starting
+                self._rollout_version[worker] = unit.version  # it syncs before starting
         return unit
 
     def complete(self, unit: Unit, result: object = None) -> None:
         """Mark ``unit`` done. ``result`` is the driver's payload; the policy does not read it."""
         worker = self._in_flight.pop(unit.uid, None)
         if worker is None:
-            raise ValueError(f"unit {unit.uid!r} is not in flight (never handed out, or completed twice)")
+            raise ValueError(
+                f"unit {unit.uid!r} is not in flight (never handed out, or completed twice)"
+            )
         if isinstance(unit, RolloutUnit):
             self._rollout_done(unit)
         elif isinstance(unit, TrainUnit):
@@ -199,7 +215,9 @@ class Scheduler:
     def worker_version(self, worker: str) -> int:
         """Policy version the worker holds: trainer ranks hold the published weights, rollout
         workers the version of the last unit they were handed (0 before any)."""
-        return self._held_version[worker] if self._role(worker) == "rollout" else self.published_version
+        if self._role(worker) == "rollout":
+            return self._rollout_version[worker]
+        return self.published_version
 
     # -- policy --------------------------------------------------------------------------
 
@@ -238,8 +256,10 @@ class Scheduler:
         )
 
     def _rollout_done(self, unit: RolloutUnit) -> None:
+        """Turn the rolled-out groups into one train unit per TSP rank (same samples, a
+        different residue class of the trained timesteps each)."""
         k, degree = unit.iteration, self.cfg.tsp_degree
-        self._held[k].extend(
+        new = [
             TrainUnit(
                 uid=f"train-{k}-{unit.index}-{r}",
                 iteration=k,
@@ -251,11 +271,16 @@ class Scheduler:
                 version=k,
             )
             for r in range(degree)
-        )
+        ]
         self._rolled_out[k] += 1
-        if not self.cfg.barrier or self._rolled_out[k] == self.cfg.units_per_iteration:
-            self._ready[k].extend(self._held[k])  # oldest first: in completion order
-            self._held[k].clear()
+        # Train queues are FIFO: oldest (earliest rolled-out) first.
+        if not self.cfg.barrier:
+            self._ready[k].extend(new)  # GAP: train while later units still generate
+            return
+        self._behind_barrier[k].extend(new)
+        if self._rolled_out[k] == self.cfg.units_per_iteration:
+            self._ready[k].extend(self._behind_barrier[k])
+            self._behind_barrier[k].clear()
 
     def _train_done(self, unit: TrainUnit) -> None:
         self._train_left[unit.iteration] -= 1

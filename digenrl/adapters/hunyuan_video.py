@@ -1,0 +1,143 @@
+"""HunyuanVideo (``HunyuanVideoTransformer3DModel``): (B, C, F, H, W) latents, embedded guidance, fixed shift.
+
+Mirrors ``diffusers.HunyuanVideoPipeline``:
+- sigmas: ``set_timesteps(sigmas=np.linspace(1, 0, N + 1)[:-1])`` through the scheduler's fixed ``shift``
+  (7.0 in HunyuanVideo's scheduler config); the scheduler appends the final 0. This is NOT what
+  ``set_timesteps(N)`` gives (that one spaces from the shifted sigma_min, ending ~0.55 -> 0.05 -> 0 at N=8),
+  so the adapter builds its sigmas itself instead of calling ``Adapter._set_timesteps``.
+- timestep: ``sigma * 1000`` in fp32 (the pipeline casts it to the latents' dtype, fp32).
+- guidance: embedded, ``tensor([scale] * B, dtype=transformer dtype) * 1000``; one pass, no CFG.
+- ``encoder_attention_mask`` is required and the transformer only uses its SUM (per-sample valid length),
+  so valid tokens must be a left-aligned prefix: checked in :meth:`encode_prompts`.
+- LoRA: ``to_q``/``to_k``/``to_v``/``to_out.0`` also match the token-refiner blocks' self-attention
+  (``context_embedder.token_refiner.*``); accepted, as the reference recipe's names (ALGORITHMS.md) do the
+  same. Single-stream blocks have only ``to_q/k/v`` (their output layer is ``proj_out``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from digenrl.adapters.base import Adapter, Cond, seeded
+from digenrl.adapters.preview import LatentRGBDecoder
+from digenrl.adapters.tiny_text import HashTextEncoder
+from digenrl.errors import UserError
+
+# values as in diffusers' own HunyuanVideo tests (NOTES.md)
+TINY_TRANSFORMER = dict(
+    in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
+    num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,
+    text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4),
+)
+# diffusers' dummy VAE for HunyuanVideoPipeline tests: 4 blocks -> the real 8x spatial / 4x temporal compression
+TINY_VAE = dict(
+    in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+    up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+    act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
+    temporal_compression_ratio=4, mid_block_add_attention=True,
+)
+HUNYUAN_SHIFT = 7.0  # HunyuanVideo's scheduler config (FlowMatchEulerDiscreteScheduler(shift=7.0))
+PIXEL_UNIT = 16  # the pipeline's own check_inputs: height/width % 16 (VAE 8x x real patch_size 2)
+TEMPORAL = 4  # causal 3-D VAE: frames = 4k + 1 -> k + 1 latent frames
+
+
+class HunyuanVideoAdapter(Adapter):
+    name = "hunyuan_video"
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    timestep_scale = 1000.0
+    video = True
+    pipeline_class = "HunyuanVideoPipeline"
+
+    # ------------------------------------------------------------------ build
+    def build_preset(self, preset: str) -> None:
+        from diffusers import AutoencoderKLHunyuanVideo, HunyuanVideoTransformer3DModel
+
+        if preset != "tiny":
+            raise UserError(f"model.preset: unknown preset '{preset}' for hunyuan_video (available: tiny)")
+        with seeded(1234):
+            self.transformer = HunyuanVideoTransformer3DModel(**TINY_TRANSFORMER)
+            self.vae = AutoencoderKLHunyuanVideo(**TINY_VAE).eval()
+        tcfg = self.transformer.config
+        self.text = HashTextEncoder(tcfg.text_embed_dim, self.cfg.max_text_len, tcfg.pooled_projection_dim)
+        self.pipe = None
+        self.scheduler = self.flow_scheduler({"shift": HUNYUAN_SHIFT})
+        self.preview = LatentRGBDecoder(self.vae.config.latent_channels, self.vae.spatial_compression_ratio,
+                                        self.vae.temporal_compression_ratio)
+
+    def build_pretrained(self, path: Path) -> None:
+        from diffusers import HunyuanVideoPipeline
+
+        if not (path / "model_index.json").is_file():
+            raise UserError(
+                f"model.pretrained: {path} is not a diffusers HunyuanVideo checkpoint (no model_index.json)"
+            )
+        self.pipe = HunyuanVideoPipeline.from_pretrained(path, torch_dtype=self.dtype)  # LLaMA + CLIP encoders
+        self.pipe.to(self.device)
+        self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
+        self.text = None
+
+    def check_shapes(self) -> None:
+        # runs before build: the tiny preset and the real checkpoint share the 8x/4x VAE, so constants suffice
+        h, w, f = self.cfg.height, self.cfg.width, self.cfg.frames
+        for field, size in (("height", h), ("width", w)):
+            if size % PIXEL_UNIT:
+                raise UserError(f"model.{field}: HunyuanVideo needs a multiple of {PIXEL_UNIT} pixels, got {size}")
+        if f is None:
+            raise UserError("model.frames: HunyuanVideo is a video model; set frames (4k+1, e.g. 9, 33, 53, 129)")
+        if (f - 1) % TEMPORAL:
+            raise UserError(f"model.frames: HunyuanVideo's causal VAE needs 4k+1 frames (e.g. 9, 33, 53), got {f}")
+
+    # ------------------------------------------------------------------ hooks
+    def encode_prompts(self, prompts: list[str]) -> Cond:
+        if self.pipe is not None:
+            with torch.no_grad():
+                embeds, pooled, mask = self.pipe.encode_prompt(
+                    prompt=prompts, device=self.device, max_sequence_length=self.cfg.max_text_len
+                )
+        else:
+            t = self.text(prompts)
+            embeds, pooled, mask = t["embeds"], t["pooled"], t["mask"]
+        # the transformer reads only mask.sum(1): a right-padded (left-aligned) mask is the only correct one
+        prefix = torch.arange(mask.shape[1], device=mask.device)[None] < mask.sum(1, keepdim=True)
+        if not torch.equal(mask.bool(), prefix):  # only a checkpoint's tokenizer (padding_side="left") can do this
+            raise UserError(f"model.pretrained: {self.cfg.pretrained}: the tokenizer must pad on the right for Hunyuan")
+        return Cond({k: v.to(self.device) for k, v in (("prompt_embeds", embeds), ("pooled", pooled), ("mask", mask))})
+
+    def latent_shape(self) -> tuple[int, ...]:
+        # as HunyuanVideoPipeline.prepare_latents
+        s = self.vae.spatial_compression_ratio
+        frames = (self.cfg.frames - 1) // self.vae.temporal_compression_ratio + 1
+        return (self.transformer.config.in_channels, frames, self.cfg.height // s, self.cfg.width // s)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        shift = self.sampling.shift if self.sampling.shift is not None else self.scheduler.config.shift
+        sched = self.flow_scheduler({**dict(self.scheduler.config), "shift": shift})
+        sched.set_timesteps(sigmas=np.linspace(1.0, 0.0, num_steps + 1)[:-1])  # the pipeline's own call
+        return sched.sigmas.to(torch.float32).clone()
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
+        b = latents.shape[0]
+        # pipeline: torch.tensor([g] * B, dtype=transformer_dtype) * 1000.0 (rounded in the model dtype first)
+        guidance = torch.full((b,), self.sampling.guidance, dtype=self.dtype, device=self.device) * 1000.0
+        # pipeline: timesteps = sigmas * 1000 (fp32), expanded and cast to the latents' dtype (fp32)
+        t = sigma.to(torch.float32) * 1000
+        with self.autocast():
+            out = self.transformer(
+                hidden_states=latents.to(self.dtype),
+                timestep=t,
+                encoder_hidden_states=cond.batched["prompt_embeds"].to(self.dtype),
+                encoder_attention_mask=cond.batched["mask"].to(self.dtype),
+                pooled_projections=cond.batched["pooled"].to(self.dtype),
+                guidance=guidance,
+                return_dict=False,
+            )[0]
+        return out.float()
+
+    @torch.no_grad()
+    def vae_decode(self, x: torch.Tensor) -> torch.Tensor:
+        x = x / self.vae.config.scaling_factor  # no shift factor for this VAE
+        video = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0]
+        return (video.float() / 2 + 0.5).clamp(0, 1)  # VideoProcessor.postprocess_video: [-1,1] -> [0,1]

@@ -1,0 +1,174 @@
+"""Qwen-Image (``QwenImageTransformer2DModel``): packed 2x2 latent tokens, true CFG with norm rescale.
+
+Mirrors ``diffusers.QwenImagePipeline``: latents (B, C, H, W) are packed into (B, H/2*W/2, 4C) tokens;
+RoPE positions come from ``img_shapes = [[(1, H/2, W/2)]] * B`` over the packed grid (the model only
+checks the token total, so a wrong grid would run silently); the timestep is sigma in [0, 1]; the
+sigma schedule is ``linspace(1, 1/N, N)`` shifted by ``mu = calculate_shift(image_seq_len)`` (and
+stretched to ``shift_terminal``); guidance is two passes, ``v = v_unc + g (v_cond - v_unc)``, rescaled
+to the conditional prediction's norm over the channel (last) dim.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from digenrl.adapters.base import Adapter, Cond, seeded
+from digenrl.adapters.preview import LatentRGBDecoder
+from digenrl.adapters.flux import calculate_shift
+from digenrl.adapters.tiny_text import HashTextEncoder
+from digenrl.errors import UserError
+
+TINY_TRANSFORMER = dict(
+    patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+    joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+)
+# diffusers' own dummy VAE (z_dim = out_channels = 4, spatial factor 2**len(temperal_downsample) = 4);
+# non-trivial latents_mean/std so that decode's de-normalisation is exercised
+TINY_VAE = dict(
+    base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
+    latents_mean=[0.1, -0.2, 0.05, 0.0], latents_std=[1.5, 0.8, 1.2, 1.0],
+)
+# Qwen-Image's own scheduler_config.json: dynamic (exponential) shift, stretched to end at 0.02
+QWEN_SCHEDULER = dict(
+    shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+    max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+)
+
+
+class QwenImageAdapter(Adapter):
+    name = "qwen_image"
+    default_lora_targets = (
+        "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+    )
+    timestep_scale = 1.0
+    video = False
+    pipeline_class = "QwenImagePipeline"
+
+    # ------------------------------------------------------------------ build
+    def build_preset(self, preset: str) -> None:
+        from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+
+        if preset != "tiny":
+            raise UserError(f"model.preset: unknown preset '{preset}' for qwen_image (available: tiny)")
+        with seeded(1234):
+            self.transformer = QwenImageTransformer2DModel(**TINY_TRANSFORMER)
+            self.vae = AutoencoderKLQwenImage(**TINY_VAE).eval()
+        self.text = HashTextEncoder(self.transformer.config.joint_attention_dim, self.cfg.max_text_len)
+        self.pipe = None
+        self.scheduler = self.flow_scheduler(QWEN_SCHEDULER)
+        self.preview = LatentRGBDecoder(self.vae.config.z_dim, self.vae_scale)
+
+    def build_pretrained(self, path: Path) -> None:
+        from diffusers import QwenImagePipeline
+
+        if not (path / "model_index.json").is_file():
+            raise UserError(f"model.pretrained: {path} is not a diffusers Qwen-Image checkpoint (no model_index.json)")
+        self.pipe = QwenImagePipeline.from_pretrained(path, torch_dtype=self.dtype)  # Qwen2.5-VL text encoder
+        self.pipe.to(self.device)
+        self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
+        self.text = None
+
+    @property
+    def vae_scale(self) -> int:
+        return 2 ** len(self.vae.config.temperal_downsample)  # as the pipeline's vae_scale_factor
+
+    def check_shapes(self) -> None:
+        # 2x2 packing on top of the VAE's compression: pixels must divide by vae_scale * 2 (16 for the
+        # real VAE, 8 for the tiny one); the pipeline would silently round the size down instead
+        h, w = self.cfg.height, self.cfg.width
+        unit = 16 if self.cfg.pretrained is not None else 8
+        if h % unit or w % unit:
+            raise UserError(f"model.height/width: Qwen-Image needs multiples of {unit} pixels, got {h}x{w}")
+        if self.cfg.frames is not None:
+            raise UserError("model.frames: Qwen-Image is an image model; leave frames unset")
+
+    # ------------------------------------------------------------------ hooks
+    def _encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embeds (B, L, D), mask (B, L) long) padded / truncated to a fixed L = model.max_text_len,
+        so that Conds from different rollout batches concatenate (padding is masked out)."""
+        L = self.cfg.max_text_len
+        if self.pipe is None:
+            t = self.text(prompts)
+            return t["embeds"].to(self.device), t["mask"].to(self.device)
+        with torch.no_grad():
+            embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device, max_sequence_length=L)
+        if mask is None:  # the pipeline drops an all-ones mask
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+        pad = L - embeds.shape[1]
+        return F.pad(embeds, (0, 0, 0, pad)), F.pad(mask.long(), (0, pad))
+
+    def encode_prompts(self, prompts: list[str]) -> Cond:
+        embeds, mask = self._encode(prompts)
+        batched = {"prompt_embeds": embeds, "mask": mask}
+        if self.sampling.guidance > 1:  # true CFG: the negative prompt travels with every sample
+            # the pipeline's docs use " " as the empty negative prompt
+            neg, neg_mask = self._encode([self.sampling.negative_prompt or " "])
+            batched["neg_prompt_embeds"] = neg.expand(len(prompts), -1, -1).clone()
+            batched["neg_mask"] = neg_mask.expand(len(prompts), -1).clone()
+        return Cond(batched)
+
+    def _grid(self) -> tuple[int, int]:
+        """Packed token grid (rows, cols)."""
+        return self.cfg.height // self.vae_scale // 2, self.cfg.width // self.vae_scale // 2
+
+    def latent_shape(self) -> tuple[int, ...]:
+        rows, cols = self._grid()
+        return (rows * cols, self.transformer.config.in_channels)
+
+    def img_shapes(self, batch: int) -> list[list[tuple[int, int, int]]]:
+        return [[(1, *self._grid())]] * batch
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        c = self.scheduler.config
+        mu = calculate_shift(
+            self.latent_shape()[0], c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+            c.get("base_shift", 0.5), c.get("max_shift", 1.15),
+        )
+        return self._set_timesteps(num_steps, mu)
+
+    def _forward(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor):
+        """One transformer pass (one side of the CFG pair), fp32 out."""
+        with self.autocast():
+            out = self.transformer(
+                hidden_states=latents.to(self.dtype),
+                timestep=t.to(self.dtype),
+                encoder_hidden_states=embeds.to(self.dtype),
+                # as QwenImagePipeline.encode_prompt: an all-valid mask is passed as None
+                encoder_hidden_states_mask=None if mask.all() else mask,
+                img_shapes=self.img_shapes(latents.shape[0]),
+                return_dict=False,
+            )[0]
+        return out.float()
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
+        # the pipeline feeds timesteps = sigma * 1000 and divides by 1000: mirror it bit for bit
+        t = (sigma.to(torch.float32) * 1000) / 1000
+        b = cond.batched
+        v = self._forward(latents, t, b["prompt_embeds"], b["mask"])
+        g = self.sampling.guidance
+        if g <= 1:
+            return v
+        # true CFG (two passes, gradient through both), then rescale to the conditional norm per token
+        v_unc = self._forward(latents, t, b["neg_prompt_embeds"], b["neg_mask"])
+        v_cfg = v_unc + g * (v - v_unc)
+        return v_cfg * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(v_cfg, dim=-1, keepdim=True))
+
+    def to_spatial(self, latents: torch.Tensor) -> torch.Tensor:
+        """(B, rows*cols, 4C) tokens -> (B, C, H, W)."""
+        rows, cols = self._grid()
+        b, _, c = latents.shape
+        x = latents.view(b, rows, cols, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, c // 4, rows * 2, cols * 2)
+
+    def vae_decode(self, x: torch.Tensor) -> torch.Tensor:
+        vc = self.vae.config
+        x = x[:, :, None].to(self.vae.dtype)  # the VAE is video-style: one frame
+        mean = torch.tensor(vc.latents_mean).view(1, vc.z_dim, 1, 1, 1).to(x.device, x.dtype)
+        inv_std = 1.0 / torch.tensor(vc.latents_std).view(1, vc.z_dim, 1, 1, 1).to(x.device, x.dtype)
+        x = x / inv_std + mean  # the pipeline's exact op order
+        image = self.vae.decode(x, return_dict=False)[0][:, :, 0]  # drop the frame dim
+        return (image.float() / 2 + 0.5).clamp(0, 1)

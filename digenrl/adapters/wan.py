@@ -1,0 +1,167 @@
+"""Wan2.1 (``WanTransformer3DModel``): video latents (B, C, F, H, W), two-pass CFG, fixed shift.
+
+Mirrors ``diffusers.WanPipeline``: the VAE compresses time by 4 and space by 8 (``(F-1)//4 + 1`` latent
+frames); the transformer patches (1, 2, 2); the timestep is ``1000 * sigma`` (the scheduler's own
+``timesteps``) in fp32; CFG runs the network twice, ``v = v_unc + g (v_cond - v_unc)``, when g > 1.
+The checkpoint ships UniPC with a ``flow_shift``; RL sampling always uses FlowMatchEulerDiscreteScheduler
+with that same fixed shift (``sampling.shift`` overrides it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from digenrl.adapters.base import Adapter, Cond, seeded
+from digenrl.adapters.preview import LatentRGBDecoder
+from digenrl.adapters.tiny_text import HashTextEncoder
+from digenrl.errors import UserError
+
+# values as in diffusers' own Wan tests (NOTES.md), with 4 latent channels
+TINY_TRANSFORMER = dict(
+    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+    text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+)
+# two down stages, both spatio-temporal: x4 in time (as the real VAE) and x4 in space (real: x8).
+# scale_factor_* are plain config values the pipeline trusts, so they must match the architecture.
+TINY_VAE = dict(
+    base_dim=8, z_dim=4, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[True, True],
+    scale_factor_temporal=4, scale_factor_spatial=4,
+    latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075], latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
+)
+TINY_SHIFT = 3.0
+DEFAULT_SHIFT = 5.0  # when a checkpoint's scheduler names no shift (Wan: 3.0 for 480p, 5.0 for 720p)
+
+
+class WanAdapter(Adapter):
+    name = "wan"
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # FFN (optional): "ffn.net.0.proj", "ffn.net.2"
+    timestep_scale = 1000.0
+    video = True
+    pipeline_class = "WanPipeline"
+    _neg: torch.Tensor | None = None  # negative-prompt embedding (1, L, D), encoded once
+
+    # ------------------------------------------------------------------ build
+    def build_preset(self, preset: str) -> None:
+        from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+        if preset != "tiny":
+            raise UserError(f"model.preset: unknown preset '{preset}' for wan (available: tiny)")
+        with seeded(1234):
+            self.transformer = WanTransformer3DModel(**TINY_TRANSFORMER)
+            self.vae = AutoencoderKLWan(**TINY_VAE).eval()
+        self.text = HashTextEncoder(self.transformer.config.text_dim, self.cfg.max_text_len)
+        self.pipe = None
+        self.scheduler = self.flow_scheduler({"shift": TINY_SHIFT})
+        vc = self.vae.config
+        self.preview = LatentRGBDecoder(vc.z_dim, vc.scale_factor_spatial, vc.scale_factor_temporal)
+
+    def build_pretrained(self, path: Path) -> None:
+        from diffusers import AutoencoderKLWan, WanPipeline
+
+        if not (path / "model_index.json").is_file():
+            raise UserError(f"model.pretrained: {path} is not a diffusers Wan checkpoint (no model_index.json)")
+        # the Wan VAE is numerically fragile in half precision: keep it fp32 (as diffusers' example does)
+        vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", dtype=torch.float32)
+        self.pipe = WanPipeline.from_pretrained(path, vae=vae, dtype=self.dtype)
+        self.pipe.to(self.device)
+        self.transformer, self.vae, self.text = self.pipe.transformer, self.pipe.vae, None
+        self.vae.enable_slicing()  # decode one video at a time
+        sc = self.pipe.scheduler.config  # UniPC (as shipped): flow_shift; FlowMatchEuler: shift
+        shift = sc.get("flow_shift", sc.get("shift", DEFAULT_SHIFT))
+        self.scheduler = self.pipe.scheduler = self.flow_scheduler({"shift": float(shift)})
+
+    def _component_configs(self) -> tuple[dict, dict] | None:
+        """(transformer, vae) configs without building: the tiny ones, or the checkpoint's config.json files."""
+        if self.cfg.pretrained is None:
+            return TINY_TRANSFORMER, TINY_VAE
+        try:
+            return tuple(json.loads((Path(self.cfg.pretrained) / sub / "config.json").read_text())
+                         for sub in ("transformer", "vae"))
+        except (OSError, ValueError):
+            return None  # missing / unreadable checkpoint: reported by the build
+
+    def _latent_shape(self, tcfg, vcfg) -> tuple[int, int, int, int]:
+        """As WanPipeline.prepare_latents: (C, (F-1)//t + 1, H//s, W//s)."""
+        t, s = vcfg.get("scale_factor_temporal") or 4, vcfg.get("scale_factor_spatial") or 8
+        return (tcfg.get("in_channels", 16), (self.cfg.frames - 1) // t + 1, self.cfg.height // s, self.cfg.width // s)
+
+    def check_shapes(self) -> None:
+        # runs before the (possibly 14B) load, from config files only
+        f, h, w = self.cfg.frames, self.cfg.height, self.cfg.width
+        if f is None:
+            raise UserError("model.frames: Wan is a video model; set model.frames (4k+1, e.g. 33 or 81)")
+        configs = self._component_configs()
+        if configs is None:
+            return
+        tcfg, vcfg = configs
+        t, s = vcfg.get("scale_factor_temporal") or 4, vcfg.get("scale_factor_spatial") or 8
+        if (f - 1) % t:  # the pipeline would silently round; we refuse
+            raise UserError(f"model.frames: Wan needs {t}k+1 frames (e.g. {(f - 1) // t * t + 1} or "
+                            f"{(f - 1) // t * t + t + 1}), got {f}")
+        pt, ph, pw = tcfg.get("patch_size", (1, 2, 2))
+        for key, px, p in (("height", h, ph), ("width", w, pw)):
+            # a latent side not divisible by the patch is silently cut by the patch embedding (7 -> 6)
+            if px % (s * p):
+                raise UserError(f"model.{key}: Wan needs a multiple of {s * p} pixels (VAE x{s}, patch {p}), got {px}")
+        _, lf, lh, lw = self._latent_shape(tcfg, vcfg)
+        rope = tcfg.get("rope_max_seq_len", 1024)
+        for key, n in (("frames", lf // pt), ("height", lh // ph), ("width", lw // pw)):
+            if n > rope:
+                raise UserError(f"model.{key}: {n} tokens along this axis exceed the transformer's "
+                                f"rope_max_seq_len ({rope}); use a smaller model.{key}")
+
+    # ------------------------------------------------------------------ hooks
+    def _embed(self, prompts: list[str]) -> torch.Tensor:
+        if self.pipe is not None:
+            with torch.no_grad():
+                embeds, _ = self.pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device=self.device,
+                                                    max_sequence_length=self.cfg.max_text_len)
+            return embeds
+        return self.text(prompts)["embeds"].to(self.device)
+
+    def encode_prompts(self, prompts: list[str]) -> Cond:
+        batched = {"prompt_embeds": self._embed(prompts)}
+        if self.sampling.guidance > 1.0:  # CFG: the negative prompt travels with every sample
+            if self._neg is None:  # the same for every prompt: encode it once
+                self._neg = self._embed([self.sampling.negative_prompt])
+            batched["neg_prompt_embeds"] = self._neg.repeat(len(prompts), 1, 1)
+        return Cond(batched)
+
+    def latent_shape(self) -> tuple[int, ...]:
+        return self._latent_shape(self.transformer.config, self.vae.config)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        return self._set_timesteps(num_steps)  # fixed shift, no mu
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
+        # WanPipeline passes scheduler.timesteps[i] = sigmas[i] * 1000, computed in fp32; keep it fp32 even
+        # under bf16 (bf16 would round 937.5 to 936) -- the time embedding casts it itself.
+        t = sigma.to(torch.float32) * 1000
+        x = latents.to(self.dtype)
+
+        def forward(embeds: torch.Tensor) -> torch.Tensor:
+            with self.autocast():
+                out = self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(self.dtype),
+                                       return_dict=False)[0]
+            return out.float()
+
+        v = forward(cond.batched["prompt_embeds"])
+        g = self.sampling.guidance
+        if g > 1.0:  # two passes, both in the graph: training recomputes the guided velocity
+            v_unc = forward(cond.batched["neg_prompt_embeds"])
+            v = v_unc + g * (v - v_unc)  # in fp32 (the pipeline combines in the transformer dtype)
+        return v
+
+    @torch.no_grad()
+    def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
+        vc = self.vae.config
+        x = latents.to(self.device, self.vae.dtype)
+        mean = torch.tensor(vc.latents_mean).view(1, vc.z_dim, 1, 1, 1).to(x.device, x.dtype)
+        inv_std = 1.0 / torch.tensor(vc.latents_std).view(1, vc.z_dim, 1, 1, 1).to(x.device, x.dtype)
+        x = x / inv_std + mean  # the same float ops as WanPipeline
+        video = self.vae.decode(x, return_dict=False)[0]  # (N, 3, F, H, W) in [-1, 1]
+        return (video.float() / 2 + 0.5).clamp(0, 1)

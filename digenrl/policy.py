@@ -1,0 +1,95 @@
+"""The trained policy: an adapter's transformer + LoRA (or full weights) + optimizer + version counter.
+
+One ``Policy`` lives in every process that samples or trains (the local trainer, each Ray worker).
+Version k = the weights after k optimizer steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from digenrl.adapters import build_adapter
+from digenrl.config import RunConfig
+from digenrl.lora import apply_lora, checksum, load_lora_state_dict, lora_state_dict
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        from digenrl.errors import UserError
+
+        raise UserError("train.device: cuda requested but no CUDA device is visible")
+    return torch.device(name)
+
+
+class Policy:
+    def __init__(self, cfg: RunConfig, device: torch.device | str | None = None, trainable: bool = True):
+        self.cfg = cfg
+        self.device = torch.device(device) if device is not None else pick_device(cfg.train.device)
+        self.adapter = build_adapter(cfg.model, cfg.sampling, self.device)
+        net = self.adapter.transformer
+        self.lora = cfg.model.lora is not None
+        if self.lora:
+            self.lora_targets = apply_lora(net, cfg.model.lora, self.adapter.default_lora_targets)
+        else:
+            net.requires_grad_(True)
+        self._ref = None
+        if not self.lora and cfg.algorithm.kl_beta > 0:  # full fine-tuning: KL needs a frozen copy
+            self._ref = copy.deepcopy(net).requires_grad_(False)
+        self.params = [p for p in net.parameters() if p.requires_grad]
+        self.optimizer = None
+        if trainable:
+            t = cfg.train
+            self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        self.version = 0
+
+    # ------------------------------------------------------------------ optimisation
+    def optimizer_step(self) -> float:
+        """Clip the accumulated gradient, step, zero it, bump the version. Returns the pre-clip grad norm."""
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return float(norm)
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The KL reference: the same network with LoRA disabled (free), or the frozen initial copy."""
+        net = self.adapter.transformer
+        if self._ref is not None:
+            self.adapter.transformer = self._ref
+            try:
+                yield
+            finally:
+                self.adapter.transformer = net
+        else:
+            net.disable_adapters()
+            try:
+                yield
+            finally:
+                net.enable_adapters()
+
+    # ------------------------------------------------------------------ weights (sync, checkpoints)
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What a weight sync ships: LoRA tensors only with LoRA, all weights otherwise."""
+        if self.lora:
+            return lora_state_dict(self.adapter.transformer)
+        return {k: v.detach().cpu().clone() for k, v in self.adapter.transformer.state_dict().items()}
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int, expected_checksum: str | None = None):
+        if self.lora:
+            load_lora_state_dict(self.adapter.transformer, state, expected_checksum)
+        else:
+            from digenrl.lora import WeightSyncError
+
+            result = self.adapter.transformer.load_state_dict(state, strict=False)
+            if result.missing_keys or result.unexpected_keys:
+                raise WeightSyncError(f"weight load mismatch: missing {result.missing_keys[:3]}, "
+                                      f"unexpected {result.unexpected_keys[:3]}")
+            if expected_checksum is not None and checksum(self.weights()) != expected_checksum:
+                raise WeightSyncError("weight checksum mismatch after load")
+        self.version = version

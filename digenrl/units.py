@@ -1,0 +1,201 @@
+"""The two units of work (DESIGN.md §4), as plain functions any driver can call.
+
+- :func:`rollout_unit`: m whole prompt groups, generated with ONE policy version from the first
+  denoising step to the reward.
+- :func:`train_unit`: a set of rolled-out samples x a subset of their trained timesteps; it only
+  accumulates gradients (the driver calls ``Policy.optimizer_step`` once per iteration).
+
+Randomness is drawn per prompt group from a seed of (run seed, iteration, group id), so a sample
+is the same whichever unit, worker or batch it is generated in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from digenrl.adapters.base import Cond
+from digenrl.algorithms import grpo
+from digenrl.algorithms.sde import recompute_logprob, sample
+from digenrl.prompts import Prompt
+
+
+def stream_seed(*parts) -> int:
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+
+
+class GroupRNG:
+    """One torch.Generator per prompt group; draws the batch's noise as a concatenation of groups."""
+
+    def __init__(self, seeds: list[int], group_size: int):
+        self.gens = [torch.Generator().manual_seed(s) for s in seeds]
+        self.g = group_size
+
+    def __call__(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.cat([torch.randn((self.g, *shape[1:]), generator=gen) for gen in self.gens])
+
+
+@dataclass
+class Samples:
+    """A rollout unit's output; CPU tensors so it can travel between processes."""
+
+    iteration: int
+    version: int  # policy version that generated every sample
+    group_ids: list[int]
+    prompts: list[str]  # one per sample (each prompt repeated G times)
+    cond: Cond
+    latents: torch.Tensor  # (B, N+1, ...) fp32
+    log_probs: torch.Tensor  # (B, N) behaviour log-probs
+    sigmas: torch.Tensor
+    sde_mask: torch.Tensor  # (N,)
+    train_idx: torch.Tensor  # (B, T) step indices to train
+    rewards: torch.Tensor  # (B,) weighted total
+    reward_parts: dict[str, torch.Tensor]
+    advantages: torch.Tensor | None = None  # (B,), set once the group's rewards are known
+    preview: torch.Tensor | None = None  # uint8 pixels of the first sample of each group
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+@torch.no_grad()
+def rollout_unit(policy, reward_fn, prompts: list[Prompt], group_ids: list[int], iteration: int,
+                 seed: int) -> Samples:
+    """Generate G samples for each prompt with the policy's current weights, decode and score them."""
+    cfg, ad = policy.cfg, policy.adapter
+    G, n_steps = cfg.algorithm.group_size, cfg.sampling.steps
+    rng = GroupRNG([stream_seed(seed, iteration, gid) for gid in group_ids], G)
+    cond = ad.encode_prompts([p.text for p in prompts]).repeat_interleave(G)
+    noise = rng((len(prompts) * G, *ad.latent_shape()))
+    sigmas = ad.sigmas(n_steps)
+    sde_mask, train_idx = _timestep_selection(cfg, iteration, seed, group_ids)
+    traj = sample(ad, cond.to(ad.device), noise.to(ad.device), sigmas, cfg.sampling.sde, cfg.sampling.noise_level,
+                  rng, sde_mask)
+    pixels = ad.decode(traj.latents[:, -1])
+    texts = [p.text for p in prompts for _ in range(G)]
+    metas = [p.meta for p in prompts for _ in range(G)]
+    total, parts = reward_fn(pixels, texts, metas)
+    return Samples(
+        iteration=iteration, version=policy.version, group_ids=list(group_ids), prompts=texts,
+        cond=cond.to("cpu"), latents=traj.latents.cpu(), log_probs=traj.log_probs.cpu(), sigmas=sigmas.cpu(),
+        sde_mask=sde_mask, train_idx=train_idx, rewards=total, reward_parts=parts,
+        preview=(pixels[::G].clamp(0, 1) * 255).round().to(torch.uint8).cpu(),
+    )
+
+
+def _timestep_selection(cfg, iteration: int, seed: int, group_ids: list[int]):
+    """SDE steps (shared by the whole iteration) and trained steps per sample (per group's own seed)."""
+    ts, n_steps, G = cfg.algorithm.timesteps, cfg.sampling.steps, cfg.algorithm.group_size
+
+    def select(n, *stream):
+        gen = torch.Generator().manual_seed(stream_seed(seed, iteration, *stream))
+        return grpo.select_timesteps(ts.mode, n_steps, n, gen, fraction=ts.fraction, window=ts.window,
+                                     iteration=iteration, shift_every=ts.window_shift_every)
+
+    sde_mask, _ = select(1, "window")
+    if ts.mode == "random":
+        return sde_mask, torch.cat([select(G, gid, "t")[1] for gid in group_ids])
+    return sde_mask, select(len(group_ids) * G, "window")[1]
+
+
+def assign_advantages(batches: list[Samples], cfg) -> None:
+    """Group-relative advantages; with global std, over all the given batches together."""
+    alg = cfg.algorithm
+    if alg.std == "global":
+        rewards = torch.cat([b.rewards for b in batches])
+        adv = grpo.group_advantages(rewards, alg.group_size, "global", alg.adv_clip)
+        for b, a in zip(batches, adv.split([len(b) for b in batches])):
+            b.advantages = a
+    else:
+        for b in batches:
+            b.advantages = grpo.group_advantages(b.rewards, alg.group_size, "per_prompt", alg.adv_clip)
+
+
+def train_unit(policy, samples: Samples, total_terms: int, tsp_rank: int = 0, tsp_degree: int = 1) -> dict:
+    """Accumulate the gradient of this unit's share of the iteration loss.
+
+    The iteration loss is the mean over every (sample, trained step) term; each term here is
+    divided by ``total_terms`` so the units' gradients add up to the full-batch gradient.
+    Trains the trained-step positions j with j % tsp_degree == tsp_rank (time-step parallelism).
+    """
+    cfg, ad = policy.cfg, policy.adapter
+    alg, kind, eta = cfg.algorithm, cfg.sampling.sde, cfg.sampling.noise_level
+    stale = samples.version < policy.version  # one-step async: decoupled PPO
+    stats = _Stats()
+    positions = [j for j in range(samples.train_idx.shape[1]) if j % tsp_degree == tsp_rank]
+    sig = samples.sigmas.to(ad.device)
+    for mb in torch.arange(len(samples)).split(cfg.train.micro_batch):
+        cond = samples.cond.select(mb).to(ad.device)
+        adv = samples.advantages[mb].to(ad.device)
+        for j in positions:
+            steps = samples.train_idx[mb, j]
+            for i in steps.unique().tolist():  # samples at the same step share one forward
+                sel = (steps == i).nonzero().squeeze(1)
+                rows = mb[sel]
+                x = samples.latents[rows, i].to(ad.device)
+                x_next = samples.latents[rows, i + 1].to(ad.device)
+                c = cond.select(sel) if len(sel) < len(mb) else cond
+                logp, mu, std = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
+                behaviour = samples.log_probs[rows, i].to(ad.device)
+                if stale:  # clip around the proximal policy, weight by capped exp(logp_prox - logp_behav)
+                    prox = logp.detach()
+                    w = torch.exp(prox - behaviour).clamp(max=alg.is_cap)
+                    loss, st = grpo.clipped_objective(logp, prox, adv[sel], alg.clip_range, w)
+                    stats.add_is(w)
+                else:
+                    loss, st = grpo.clipped_objective(logp, behaviour, adv[sel], alg.clip_range)
+                if alg.kl_beta > 0:
+                    with torch.no_grad(), policy.reference():
+                        _, mu_ref, _ = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
+                    kl = grpo.kl_to_reference(mu, mu_ref, std)
+                    loss = loss + alg.kl_beta * kl
+                    stats.kl += kl.detach().sum().item()
+                (loss.sum() / total_terms).backward()
+                stats.add(loss.detach(), st, len(rows), total_terms)
+    return stats.as_dict()
+
+
+class _Stats:
+    """Sums over a unit's terms; merged across units by :func:`merge_stats`."""
+
+    def __init__(self):
+        self.loss = self.kl = self.ratio_sum = self.clip_sum = 0.0
+        self.terms = 0
+        self.ratio_max, self.ratio_min = float("-inf"), float("inf")
+        self.is_sum, self.is_max, self.is_n = 0.0, 0.0, 0
+
+    def add(self, loss, st, n, total_terms):
+        self.loss += loss.sum().item() / total_terms
+        self.terms += n
+        self.ratio_sum += st["ratio_mean"] * n
+        self.clip_sum += st["clip_frac"] * n
+        self.ratio_max, self.ratio_min = max(self.ratio_max, st["ratio_max"]), min(self.ratio_min, st["ratio_min"])
+
+    def add_is(self, w):
+        self.is_sum += w.sum().item()
+        self.is_max = max(self.is_max, w.max().item())
+        self.is_n += w.numel()
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def merge_stats(parts: list[dict]) -> dict:
+    """Combine unit stats into the iteration's metrics."""
+    terms = sum(p["terms"] for p in parts) or 1
+    out = {
+        "loss": sum(p["loss"] for p in parts),
+        "kl": sum(p["kl"] for p in parts) / terms,
+        "ratio_mean": sum(p["ratio_sum"] for p in parts) / terms,
+        "ratio_max": max(p["ratio_max"] for p in parts),
+        "ratio_min": min(p["ratio_min"] for p in parts),
+        "clip_frac": sum(p["clip_sum"] for p in parts) / terms,
+    }
+    is_n = sum(p["is_n"] for p in parts)
+    if is_n:
+        out["is_weight_mean"] = sum(p["is_sum"] for p in parts) / is_n
+        out["is_weight_max"] = max(p["is_max"] for p in parts)
+    return out

@@ -1,0 +1,399 @@
+"""The scheduling policy, driven in virtual time: invariants on every mode, plus worked examples."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from digenrl.engine.scheduler import (
+    RolloutUnit,
+    Scheduler,
+    SchedulerConfig,
+    StepUnit,
+    TrainUnit,
+    Unit,
+    WorkerSpec,
+)
+
+Duration = Callable[[str, Unit], float]
+
+
+@dataclass(frozen=True)
+class Event:
+    worker: str
+    unit: Unit
+    start: float
+    end: float
+
+
+def simulate(
+    cfg: SchedulerConfig, workers: list[WorkerSpec], duration: Duration
+) -> tuple[Scheduler, list[Event]]:
+    """Event-driven virtual-time driver: after each completion, every idle worker asks for work."""
+    sched = Scheduler(cfg, workers)
+    idle = {w.name for w in workers}
+    heap: list[tuple[float, int, Event]] = []
+    seq = itertools.count()
+    events: list[Event] = []
+    now = 0.0
+    for _ in range(100_000):
+        for w in workers:  # fixed order keeps runs reproducible
+            if w.name not in idle:
+                continue
+            unit = sched.next_unit(w.name)
+            if unit is None:
+                continue
+            if isinstance(unit, RolloutUnit):
+                assert unit.version == sched.published_version == sched.worker_version(w.name)
+            elif isinstance(unit, TrainUnit):
+                assert sched.published_version == unit.iteration == sched.worker_version(w.name)
+            idle.remove(w.name)
+            event = Event(w.name, unit, now, now + duration(w.name, unit))
+            heapq.heappush(heap, (event.end, next(seq), event))
+        if not heap:
+            assert sched.done(), (
+                f"deadlock at t={now}: nothing in flight, "
+                f"published {sched.published_version} of {cfg.iterations} versions"
+            )
+            break
+        now, _, event = heapq.heappop(heap)
+        before = sched.published_version
+        sched.complete(event.unit)
+        assert sched.published_version - before in (0, 1), "versions must increase one at a time"
+        idle.add(event.worker)
+        events.append(event)
+    else:
+        pytest.fail("the run did not terminate")
+    assert all(sched.next_unit(w.name) is None for w in workers), "work handed out after done()"
+    return sched, events
+
+
+def check_invariants(
+    cfg: SchedulerConfig, workers: list[WorkerSpec], sched: Scheduler, events: list[Event]
+) -> None:
+    roles = {w.name: w.role for w in workers}
+    ranks = sorted(n for n, r in roles.items() if r != "rollout")
+    m, n_groups, degree = cfg.unit_groups, cfg.groups_per_iteration, cfg.tsp_degree
+    stale, n_iter = cfg.max_staleness, cfg.iterations
+    rollouts = [e for e in events if isinstance(e.unit, RolloutUnit)]
+    trains = [e for e in events if isinstance(e.unit, TrainUnit)]
+    steps = [e for e in events if isinstance(e.unit, StepUnit)]
+    assert len(rollouts) + len(trains) + len(steps) == len(events) == len(sched.record)
+
+    # A worker runs one unit at a time.
+    for name in roles:
+        mine = sorted((e for e in events if e.worker == name), key=lambda e: e.start)
+        assert all(a.end <= b.start for a, b in itertools.pairwise(mine))
+
+    # Every group of every iteration rolled out exactly once, in (iteration, index) order.
+    rolled = Counter((e.unit.iteration, g) for e in rollouts for g in e.unit.groups)
+    assert rolled == Counter({(k, g): 1 for k in range(n_iter) for g in range(n_groups)})
+    handed = [(u.iteration, u.index) for _, u in sched.record if isinstance(u, RolloutUnit)]
+    assert handed == sorted(handed)
+    for e in rollouts:
+        u = e.unit
+        assert u.groups == tuple(range(u.index * m, (u.index + 1) * m))
+        assert u.iteration - stale <= u.version <= u.iteration
+        if roles[e.worker] == "trainer":
+            assert cfg.tag, "a trainer rolled out without TAG"
+
+    # ... and trained exactly once per TSP rank, from samples at most max_staleness old.
+    trained = Counter((e.unit.iteration, g, e.unit.tsp_rank) for e in trains for g in e.unit.groups)
+    expected = {(k, g, r): 1 for k in range(n_iter) for g in range(n_groups) for r in range(degree)}
+    assert trained == Counter(expected)
+    source = {e.unit.uid: e for e in rollouts}
+    for e in trains:
+        u, src = e.unit, source[e.unit.rollout_uid]
+        assert roles[e.worker] != "rollout"
+        assert (u.iteration, u.groups) == (src.unit.iteration, src.unit.groups)
+        assert u.sample_version == src.unit.version
+        assert 0 <= u.iteration - u.sample_version <= stale
+        assert u.version == u.iteration and u.tsp_degree == degree
+        assert e.start >= src.end
+
+    # Exactly one step per iteration, on every rank, after all of the iteration's train units;
+    # it publishes version k + 1, and the ranks take nothing else until every share is done.
+    step_end: list[float] = []
+    for k in range(n_iter):
+        mine = [e for e in steps if e.unit.iteration == k]
+        assert sorted(e.worker for e in mine) == ranks
+        assert all(e.unit.version == k + 1 for e in mine)
+        start, end = min(e.start for e in mine), max(e.end for e in mine)
+        assert all(e.end <= start for e in trains if e.unit.iteration == k)
+        assert all(e.start >= end for e in trains if e.unit.iteration == k + 1)
+        for s in mine:
+            others = [e for e in events if e.worker == s.worker and e is not s]
+            assert not [e for e in others if s.start <= e.start < end]
+        step_end.append(end)
+    assert step_end == sorted(step_end)
+
+    for k in range(n_iter):
+        rollout_k = [e for e in rollouts if e.unit.iteration == k]
+        # Rollout of k needs version k - max_staleness: with staleness 0, it waits for step k - 1.
+        if k - stale >= 1:
+            assert min(e.start for e in rollout_k) >= step_end[k - stale - 1]
+        if cfg.barrier:
+            first_train = min(e.start for e in trains if e.unit.iteration == k)
+            assert first_train >= max(e.end for e in rollout_k)
+
+    if cfg.placement == "colocated":  # phases alternate: no rollout overlaps any training
+        work = trains + steps
+        assert not [(r, w) for r in rollouts for w in work if r.start < w.end and w.start < r.end]
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def fixed(rollout: float = 1.0, train: float = 0.5, step: float = 0.1) -> Duration:
+    return lambda worker, unit: {RolloutUnit: rollout, TrainUnit: train, StepUnit: step}[type(unit)]
+
+
+def random_durations(seed: int, ties: bool) -> Duration:
+    """Per-unit random times with per-worker speeds; ``ties`` draws small integers so that
+    many completions coincide."""
+    rng = random.Random(seed)
+    speed: dict[str, float] = {}
+
+    def duration(worker: str, unit: Unit) -> float:
+        if ties:
+            return float(rng.choice([1, 2]))
+        base = {RolloutUnit: 2.0, TrainUnit: 0.5, StepUnit: 0.1}[type(unit)]
+        return base * speed.setdefault(worker, rng.uniform(0.5, 2.0)) * rng.uniform(0.2, 3.0)
+
+    return duration
+
+
+def pools(n_rollout: int, n_trainer: int) -> list[WorkerSpec]:
+    return [WorkerSpec(f"r{i}", "rollout") for i in range(n_rollout)] + [
+        WorkerSpec(f"t{i}", "trainer") for i in range(n_trainer)
+    ]
+
+
+def run(cfg: SchedulerConfig, workers: list[WorkerSpec], duration: Duration) -> list[Event]:
+    sched, events = simulate(cfg, workers, duration)
+    check_invariants(cfg, workers, sched, events)
+    return events
+
+
+def of(events: list[Event], kind: type, iteration: int) -> list[Event]:
+    return [e for e in events if isinstance(e.unit, kind) and e.unit.iteration == iteration]
+
+
+def overlaps(a: list[Event], b: list[Event]) -> bool:
+    return any(x.start < y.end and y.start < x.end for x in a for y in b)
+
+
+# -- property test -------------------------------------------------------------------------
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[WorkerSpec]]:
+    placement = draw(st.sampled_from(["colocated", "disaggregated"]))
+    tag = draw(st.booleans())
+    if placement == "colocated":
+        workers = [WorkerSpec(f"d{i}", "both") for i in range(draw(st.integers(1, 4)))]
+        stale = 0
+    else:
+        n_rollout = draw(st.integers(0, 4))
+        workers = pools(n_rollout, draw(st.integers(1, 4)))
+        tag = tag or n_rollout == 0  # trainers must be able to roll out
+        stale = draw(st.integers(0, 1))
+    m = draw(st.integers(1, 3))
+    cfg = SchedulerConfig(
+        placement=placement,
+        groups_per_iteration=m * draw(st.integers(1, 4)),
+        unit_groups=m,
+        tsp_degree=draw(st.integers(1, 3)),
+        tag=tag,
+        gap=draw(st.booleans()),
+        max_staleness=stale,
+        iterations=draw(st.integers(1, 3)),
+        wait_for_full_batch=draw(st.booleans()),
+    )
+    return cfg, workers
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenario=scenarios(), seed=st.integers(0, 2**32 - 1), ties=st.booleans())
+def test_invariants_hold_on_every_mode(scenario, seed, ties):
+    cfg, workers = scenario
+    run(cfg, workers, random_durations(seed, ties))
+
+
+# -- worked examples -----------------------------------------------------------------------
+
+
+def disagg(**kw) -> SchedulerConfig:
+    base = {"placement": "disaggregated", "groups_per_iteration": 4, "unit_groups": 1}
+    return SchedulerConfig(**{**base, **kw})
+
+
+def test_gap_trains_before_the_last_rollout_unit_finishes():
+    events = run(disagg(), pools(1, 1), fixed())
+    first_train = min(e.start for e in of(events, TrainUnit, 0))
+    last_rollout = max(e.end for e in of(events, RolloutUnit, 0))
+    assert first_train == 1.0 < last_rollout == 4.0
+
+
+@pytest.mark.parametrize("kw", [{"gap": False}, {"wait_for_full_batch": True}])
+def test_barrier_holds_training_until_the_iteration_is_rolled_out(kw):
+    events = run(disagg(**kw), pools(1, 1), fixed())
+    assert min(e.start for e in of(events, TrainUnit, 0)) == 4.0
+
+
+def test_one_step_async_overlaps_rollout_of_next_iteration_with_training():
+    cfg = disagg(groups_per_iteration=2, iterations=2, max_staleness=1)
+    events = run(cfg, pools(1, 1), fixed(train=1.0))
+    assert overlaps(of(events, RolloutUnit, 1), of(events, TrainUnit, 0))
+    assert {e.unit.sample_version for e in of(events, TrainUnit, 1)} == {0}  # one version stale
+
+
+def test_on_policy_rollout_waits_for_the_step():
+    cfg = disagg(groups_per_iteration=2, iterations=2)
+    events = run(cfg, pools(1, 1), fixed(train=1.0))
+    step_end = max(e.end for e in of(events, StepUnit, 0))
+    assert min(e.start for e in of(events, RolloutUnit, 1)) == step_end
+    assert {e.unit.sample_version for e in of(events, TrainUnit, 1)} == {1}
+
+
+@pytest.mark.parametrize("tag", [False, True])
+def test_tag_lets_an_idle_trainer_roll_out(tag):
+    sched, _ = simulate(disagg(tag=tag), pools(1, 1), fixed())
+    at_start = [(w, u.uid) for w, u in sched.record[:2]]
+    if tag:
+        assert at_start == [("r0", "rollout-0-0"), ("t0", "rollout-0-1")]
+    else:
+        assert at_start == [("r0", "rollout-0-0"), ("r0", "rollout-0-1")]
+        assert all(w == "r0" for w, u in sched.record if isinstance(u, RolloutUnit))
+
+
+def test_trainer_prefers_training_over_tag_rollout():
+    sched = Scheduler(disagg(tag=True), pools(1, 1))
+    first = sched.next_unit("r0")
+    sched.next_unit("t0")  # TAG: rollout-0-1
+    sched.complete(first)
+    sched.complete(sched.record[1][1])
+    unit = sched.next_unit("t0")
+    assert isinstance(unit, TrainUnit) and unit.rollout_uid == "rollout-0-0"
+
+
+def test_tsp_spreads_one_unit_over_the_ranks():
+    cfg = disagg(groups_per_iteration=1, tsp_degree=2)
+    events = run(cfg, pools(1, 2), fixed())
+    trains = of(events, TrainUnit, 0)
+    placed = sorted((e.worker, e.unit.tsp_rank, e.start) for e in trains)
+    assert placed == [("t0", 0, 1.0), ("t1", 1, 1.0)]
+
+
+def test_colocated_alternates_phases():
+    cfg = SchedulerConfig(
+        "colocated", groups_per_iteration=4, unit_groups=1, tsp_degree=2, iterations=2
+    )
+    workers = [WorkerSpec("d0", "both"), WorkerSpec("d1", "both")]
+    sched, events = simulate(cfg, workers, fixed())
+    check_invariants(cfg, workers, sched, events)
+    kinds = [type(u).__name__[0] for _, u in sched.record]
+    assert [k for k, _ in itertools.groupby(kinds)] == ["R", "T", "S", "R", "T", "S"]
+    assert Counter(kinds) == {"R": 8, "T": 16, "S": 4}
+
+
+def test_a_rank_in_the_step_takes_nothing_else():
+    # Two trainer ranks, TAG, one-step async: a rollout unit of iteration 1 is pending while
+    # the step of iteration 0 is open; the rank that finished its share must still wait.
+    cfg = disagg(groups_per_iteration=2, iterations=2, max_staleness=1, tag=True)
+    sched = Scheduler(cfg, pools(0, 2))
+    r0, r1 = sched.next_unit("t0"), sched.next_unit("t1")
+    sched.complete(r0), sched.complete(r1)
+    a, b = sched.next_unit("t0"), sched.next_unit("t1")
+    sched.complete(a)
+    tag_unit = sched.next_unit("t0")
+    assert isinstance(tag_unit, RolloutUnit) and (tag_unit.iteration, tag_unit.version) == (1, 0)
+    sched.complete(b)  # all of iteration 0 trained: the step opens
+    step_b = sched.next_unit("t1")
+    assert step_b == StepUnit(uid="step-0/t1", iteration=0, version=1)
+    sched.complete(step_b)
+    assert sched.next_unit("t1") is None  # rollout-1-1 is pending, but t0 owes its share
+    assert sched.published_version == 0
+    sched.complete(tag_unit)
+    step_a = sched.next_unit("t0")
+    assert isinstance(step_a, StepUnit)
+    sched.complete(step_a)
+    assert sched.published_version == 1 == sched.worker_version("t1")
+    assert isinstance(sched.next_unit("t1"), TrainUnit)  # trained before the pending rollout
+
+
+def test_rollout_worker_version_follows_its_last_unit():
+    cfg = disagg(groups_per_iteration=1, iterations=2, max_staleness=1)
+    sched = Scheduler(cfg, pools(1, 1))
+    assert sched.worker_version("r0") == 0
+    u0 = sched.next_unit("r0")
+    sched.complete(u0)
+    u1 = sched.next_unit("r0")  # iteration 1 with version 0: one step behind
+    assert (u1.iteration, u1.version, sched.worker_version("r0")) == (1, 0, 0)
+
+
+def test_record_is_in_hand_out_order():
+    sched = Scheduler(disagg(), pools(2, 1))
+    units = [sched.next_unit("r0"), sched.next_unit("r1")]
+    assert sched.record == [("r0", units[0]), ("r1", units[1])]
+
+
+# -- misuse and bad configuration ----------------------------------------------------------
+
+
+def test_driver_misuse_raises():
+    sched = Scheduler(disagg(), pools(1, 1))
+    unit = sched.next_unit("r0")
+    with pytest.raises(RuntimeError, match="r0"):
+        sched.next_unit("r0")
+    with pytest.raises(ValueError, match="unknown worker"):
+        sched.next_unit("nobody")
+    sched.complete(unit)
+    with pytest.raises(ValueError, match="not in flight"):
+        sched.complete(unit)
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"unit_groups": 3}, "unit_groups"),
+        ({"groups_per_iteration": 0}, "groups_per_iteration"),
+        ({"unit_groups": 0}, "unit_groups"),
+        ({"tsp_degree": 0}, "tsp_degree"),
+        ({"iterations": -1}, "iterations"),
+        ({"max_staleness": 2}, "max_staleness"),
+        ({"placement": "colocated", "max_staleness": 1}, "max_staleness"),
+        ({"placement": "hybrid"}, "placement"),
+    ],
+)
+def test_bad_config_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        disagg(**kw)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "workers"),
+    [
+        (disagg(), pools(0, 1)),  # nobody can roll out
+        (disagg(), pools(2, 0)),  # nobody trains
+        (disagg(tag=True), [WorkerSpec("d0", "both")]),
+        (SchedulerConfig("colocated", 4, 1), pools(1, 1)),
+        (disagg(), []),
+        (disagg(), [WorkerSpec("a", "rollout"), WorkerSpec("a", "trainer")]),
+    ],
+)
+def test_bad_pools_raise(cfg, workers):
+    with pytest.raises(ValueError, match="worker"):
+        Scheduler(cfg, workers)
+
+
+def test_tag_alone_makes_trainers_a_rollout_pool():
+    run(disagg(tag=True, iterations=2, tsp_degree=2), pools(0, 3), fixed())
