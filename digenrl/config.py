@@ -65,7 +65,7 @@ class SamplingConfig(_Section):
     guidance: float = Field(3.5, ge=0, description="guidance scale in the model's own style")
     negative_prompt: str = ""
     sde: Literal["flow_grpo", "dance_grpo", "cps"] = "flow_grpo"
-    noise_level: float = Field(0.7, ge=0, description="eta; 0 = deterministic ODE (Euler) sampling")
+    noise_level: float = Field(1.0, ge=0, description="eta; 0 = deterministic ODE (Euler) sampling")
 
 
 # ----------------------------------------------------------------------------------- algorithm
@@ -121,10 +121,10 @@ class PromptsConfig(_Section):
 
 # --------------------------------------------------------------------------------------- train
 class TrainConfig(_Section):
-    iterations: int = Field(45, gt=0)
+    iterations: int = Field(120, gt=0)
     prompts_per_iteration: int = Field(4, gt=0)
     micro_batch: int = Field(16, gt=0, description="samples per forward/backward inside a train unit")
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(1e-2, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(1e-4, ge=0)
     grad_clip: float = Field(1.0, gt=0)
@@ -269,9 +269,13 @@ def read_yaml(path: Path) -> dict:
     return data
 
 
+#: the embedded default: the tiny FLUX Flow-GRPO demo (configs/flux_tiny.yaml links to it)
+DEFAULT_CONFIG = Path(__file__).parent / "data" / "flux_tiny.yaml"
+
+
 def load_config(path: Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Defaults <- YAML file <- overrides, validated. Raises ConfigError with a one-line reason."""
-    data = read_yaml(path) if path is not None else {}
+    """Embedded default (or the given YAML file) <- overrides, validated. Raises ConfigError."""
+    data = read_yaml(path if path is not None else DEFAULT_CONFIG)
     for assignment in overrides or []:
         apply_override(data, assignment)
     return validate_config(data)
