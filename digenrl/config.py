@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from digenrl.errors import UserError
 
@@ -43,11 +43,20 @@ class ModelConfig(_Section):
     lora: LoraConfig | None = Field(default_factory=LoraConfig, description="null = full fine-tuning")
     max_text_len: int = Field(16, gt=0)
 
+    @field_validator("adapter")
+    @classmethod
+    def _known_adapter(cls, name: str) -> str:
+        from digenrl.adapters import ADAPTERS  # a name table only; no model code is imported
+
+        if name not in ADAPTERS:
+            raise ValueError(f"unknown adapter '{name}' (available: {', '.join(sorted(ADAPTERS))})")
+        return name
+
     @model_validator(mode="before")
     @classmethod
     def _pretrained_replaces_preset(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("pretrained") is not None and "preset" not in data:
-            data = {**data, "preset": None}
+        if isinstance(data, dict) and data.get("pretrained") is not None and data.get("preset", "tiny") == "tiny":
+            data = {**data, "preset": None}  # a checkpoint replaces the default tiny preset
         return data
 
     @model_validator(mode="after")
@@ -108,8 +117,8 @@ class PromptsConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _file_replaces_builtin(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("file") is not None and "builtin" not in data:
-            data = {**data, "builtin": None}
+        if isinstance(data, dict) and data.get("file") is not None and data.get("builtin") == "colors":
+            data = {**data, "builtin": None}  # a file replaces the default built-in set
         return data
 
     @model_validator(mode="after")
@@ -212,7 +221,7 @@ def _format_error(err: ValidationError) -> str:
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
-    elif "input" in first and not isinstance(first["input"], (dict, list)):
+    elif first["type"] != "value_error" and "input" in first and not isinstance(first["input"], (dict, list)):
         msg = f"{msg} (got {first['input']!r})"
     more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     return f"{path}: {msg}{more}"

@@ -12,7 +12,7 @@ import torch
 from digenrl.config import PromptsConfig
 from digenrl.errors import UserError
 
-_COLORS = ["red", "green", "blue", "yellow", "purple", "white", "black", "orange"]
+_COLORS = ["red", "green", "blue", "yellow"]
 _OBJECTS = ["apple", "car", "bird", "house", "flower", "boat"]
 
 BUILTIN: dict[str, list[str]] = {

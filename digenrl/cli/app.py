@@ -1,0 +1,114 @@
+"""The ``digenrl`` command line. It only parses, loads a config and calls one function per command."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from digenrl.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False, help=(
+    "DigenRL: online RL post-training (Flow-GRPO, DanceGRPO) for diffusion / flow-matching generators "
+    "on disaggregated hardware."))
+config_app = typer.Typer(help="Show or validate a run configuration.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+console = Console()
+err = Console(stderr=True)
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML run config (default: the embedded tiny FLUX demo).")
+SetOpt = typer.Option(None, "--set", "-s", help="Override a value: dotted.key=value (repeatable).")
+
+
+def _load(config: Optional[Path], sets: Optional[List[str]]):
+    from digenrl.config import load_config
+
+    return load_config(config, sets or [])
+
+
+@app.command()
+def train(
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help="Override: dotted.key=value (repeatable)."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run directory (default runs/<name>-<time>)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Join an existing Ray cluster."),
+):
+    """Train with online RL. With no arguments: the tiny FLUX colour demo on this CPU."""
+    from digenrl.cli.train import run_train
+
+    cfg = _load(config, set_)
+    run_train(cfg, run_dir, ray_address, console)
+
+
+@config_app.command("show")
+def config_show(config: Optional[Path] = ConfigOpt, set_: Optional[List[str]] = SetOpt):
+    """Print the resolved config (defaults <- file <- --set) as YAML."""
+    cfg = _load(config, set_)
+    console.print(cfg.dump_yaml(), end="", markup=False, highlight=False)
+
+
+@config_app.command("validate")
+def config_validate(config: Optional[Path] = ConfigOpt, set_: Optional[List[str]] = SetOpt):
+    """Check a config; exit 2 with the offending dotted path on error."""
+    cfg = _load(config, set_)
+    console.print(f"ok: {config or 'embedded default'} ({cfg.model.adapter}, {cfg.algorithm.name}, "
+                  f"placement {cfg.placement.mode})")
+
+
+def _not_built(name: str, issue: str):
+    print(f"digenrl {name}: not available yet in this version ({issue}); nothing was run.", file=sys.stderr)
+    raise typer.Exit(1)
+
+
+@app.command()
+def profile(
+    config: Optional[Path] = ConfigOpt,
+    device: str = typer.Option("cpu", help="cpu | cuda"),
+    out: Path = typer.Option(Path("profile.json"), help="Where to write the profile."),
+):
+    """Measure rollout / train step times vs batch size, decode, reward, weight-sync and memory on this device."""
+    _not_built("profile", "planned: measured costs for the planner")
+
+
+@app.command()
+def plan(
+    config: Optional[Path] = ConfigOpt,
+    cluster: Optional[Path] = typer.Option(None, help="Cluster file (pools of device types and counts)."),
+    profile_file: Optional[Path] = typer.Option(None, "--profile", help="A profile.json to calibrate the cost model."),
+    top: int = typer.Option(5, help="How many placements to show."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    write: Optional[Path] = typer.Option(None, help="Write the best plan as a config for `digenrl train`."),
+):
+    """Search placements (pool split, unit size, TSP, TAG, staleness) by simulating the engine's scheduler."""
+    _not_built("plan", "planned: cost model + simulator + placement search")
+
+
+@app.command("eval")
+def eval_(
+    checkpoint: Optional[Path] = typer.Option(None, help="Checkpoint directory."),
+    config: Optional[Path] = ConfigOpt,
+    prompts: Optional[Path] = typer.Option(None, help="Eval prompt file."),
+    baseline: Optional[str] = typer.Option(None, help="Baseline checkpoint dir or 'base'."),
+    out: Optional[Path] = typer.Option(None, help="Output directory."),
+):
+    """Evaluate a checkpoint with ODE sampling and fixed seeds; write eval.json and image grids."""
+    _not_built("eval", "planned: checkpoint evaluation")
+
+
+def main() -> None:
+    """Console entry point: user errors become one line on stderr and exit code 2, no traceback."""
+    try:
+        app()  # standalone: usage errors exit 2, typer.Exit its code
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)  # one line, never wrapped
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

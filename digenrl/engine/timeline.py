@@ -1,0 +1,293 @@
+"""The run's timeline: every unit each worker ran, with its wall-clock (or virtual) span.
+
+The Ray runtime feeds it measured times and the planner's simulator virtual ones; both get the
+same outputs (DESIGN.md §6):
+
+- :meth:`Timeline.to_chrome_trace` -> ``timeline.json`` (Chrome trace format, opens in
+  Perfetto): one complete event (``"ph": "X"``) per unit; ``pid`` is the pool and ``tid`` the
+  worker, both named by metadata events; ``args`` hold kind, unit, iteration, version and, for
+  train units, the versions of the samples trained.
+- :meth:`Timeline.to_png` -> ``timeline.png``: a Gantt chart drawn with PIL, one row per
+  worker, units coloured by kind and labelled by version.
+- :meth:`Timeline.iteration_stats` -> per iteration ``samples_per_s`` and ``bubble_fraction``.
+
+Iteration k's span runs from the end of iteration k-1's optimizer step (or the start of the
+run) to the end of its own step, so the spans tile the run: with pipelining they contain
+work of several iterations, and a worker counts as busy whatever iteration it works on. The
+bubble fraction is 1 - busy worker-time / total worker-time over the span, where a worker's
+busy time is the union of its events (nested events such as a reward inside its rollout
+count once).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KINDS = ("rollout", "train", "step", "sync", "reward")
+#: sub-unit kinds drawn as thin bars (they nest in, or sit beside, a unit)
+MINOR_KINDS = ("sync", "reward")
+
+
+@dataclass(frozen=True)
+class Event:
+    worker: str
+    pool: str
+    kind: str  # one of KINDS
+    uid: str
+    iteration: int
+    version: int  # policy version the unit ran with (for sync: the version shipped)
+    start: float  # seconds since run start
+    end: float
+    sample_versions: tuple[int, ...] = ()  # train units: versions of the samples trained
+    args: dict = field(default_factory=dict, hash=False, compare=False)  # extra: samples, bytes, ...
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.workers: dict[str, str] = {}  # worker -> pool, in registration order (rows)
+        self.events: list[Event] = []
+
+    # -- recording -----------------------------------------------------------------------
+
+    def add_worker(self, name: str, pool: str) -> None:
+        """Register a worker, so that it counts in the bubble even if it never gets work."""
+        self.workers.setdefault(name, pool)
+
+    def add(self, event: Event) -> Event:
+        if event.kind not in KINDS:
+            raise ValueError(f"event kind must be one of {KINDS}, got {event.kind!r}")
+        if event.end < event.start:
+            raise ValueError(f"event {event.uid!r} ends before it starts")
+        self.add_worker(event.worker, event.pool)
+        self.events.append(event)
+        return event
+
+    def record(self, worker: str, kind: str, uid: str, iteration: int, version: int, start: float,
+               end: float, sample_versions=(), **args) -> Event:
+        return self.add(Event(worker, self.workers.get(worker, "default"), kind, uid, iteration, version,
+                              start, end, tuple(sample_versions), args))
+
+    # -- analysis ------------------------------------------------------------------------
+
+    def of(self, kind: str) -> list[Event]:
+        return [e for e in self.events if e.kind == kind]
+
+    def iteration_spans(self) -> dict[int, tuple[float, float]]:
+        """Iteration -> (start, end): from the previous step's end to this one's end. An
+        iteration without step events (a partial run) ends at its last event."""
+        iterations = sorted({e.iteration for e in self.events if e.kind != "sync"})
+        if not iterations:
+            return {}
+        origin = min(e.start for e in self.events)
+        spans, start = {}, origin
+        for k in iterations:
+            steps = [e.end for e in self.events if e.kind == "step" and e.iteration == k]
+            mine = [e.end for e in self.events if e.iteration == k and e.kind != "sync"]
+            end = max(steps) if steps else max(mine)
+            spans[k] = (start, max(end, start))
+            start = spans[k][1]
+        return spans
+
+    def busy(self, worker: str, start: float, end: float) -> float:
+        """Seconds of [start, end] in which ``worker`` ran something (union of its events)."""
+        intervals = sorted((max(e.start, start), min(e.end, end)) for e in self.events if e.worker == worker)
+        total, cur_s, cur_e = 0.0, None, None
+        for s, e in intervals:
+            if e <= s:
+                continue
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    total += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        if cur_e is not None:
+            total += cur_e - cur_s
+        return total
+
+    def bubble_fraction(self, start: float, end: float) -> float:
+        width = (end - start) * len(self.workers)
+        if width <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy(w, start, end) for w in self.workers) / width
+
+    def iteration_stats(self) -> list[dict]:
+        """Per iteration: span, samples rolled out, samples_per_s, bubble_fraction, device-seconds
+        of rollout / train (+ step) work, and weight-sync seconds and bytes."""
+        rows = []
+        for k, (start, end) in self.iteration_spans().items():
+            mine = [e for e in self.events if e.iteration == k]
+            samples = sum(e.args.get("samples", 0) for e in mine if e.kind == "rollout")
+            wall = end - start
+            rows.append({
+                "iteration": k,
+                "start": start,
+                "end": end,
+                "wall_s": wall,
+                "samples": samples,
+                "samples_per_s": samples / wall if wall > 0 else 0.0,
+                "bubble_fraction": self.bubble_fraction(start, end),
+                "rollout_device_s": sum(e.duration for e in mine if e.kind == "rollout"),
+                "train_device_s": sum(e.duration for e in mine if e.kind in ("train", "step")),
+                "sync_s": sum(e.duration for e in mine if e.kind == "sync"),
+                "sync_bytes": sum(e.args.get("bytes", 0) for e in mine if e.kind == "sync"),
+            })
+        return rows
+
+    def summary(self, skip: int = 0) -> dict:
+        """Throughput and bubble over iterations ``skip``.. (skip warm-up iterations)."""
+        rows = self.iteration_stats()[skip:]
+        if not rows:
+            return {"samples_per_s": 0.0, "bubble_fraction": 0.0, "wall_s": 0.0, "samples": 0}
+        start, end = rows[0]["start"], rows[-1]["end"]
+        samples = sum(r["samples"] for r in rows)
+        n = len(rows)
+        return {
+            "iterations": n,
+            "wall_s": end - start,
+            "samples": samples,
+            "samples_per_s": samples / (end - start) if end > start else 0.0,
+            "bubble_fraction": self.bubble_fraction(start, end),
+            "iteration_s": (end - start) / n,
+            "rollout_device_s": sum(r["rollout_device_s"] for r in rows) / n,
+            "train_device_s": sum(r["train_device_s"] for r in rows) / n,
+            "sync_s": sum(r["sync_s"] for r in rows) / n,
+            "sync_bytes": sum(r["sync_bytes"] for r in rows) / n,
+        }
+
+    # -- Chrome trace --------------------------------------------------------------------
+
+    def to_chrome_trace(self) -> dict:
+        pools = list(dict.fromkeys(self.workers.values()))
+        pid = {p: i + 1 for i, p in enumerate(pools)}
+        tid = {w: i + 1 for i, w in enumerate(self.workers)}
+        trace = []
+        for p in pools:
+            trace.append({"ph": "M", "name": "process_name", "pid": pid[p], "tid": 0, "args": {"name": p}})
+        for w, p in self.workers.items():
+            trace.append({"ph": "M", "name": "thread_name", "pid": pid[p], "tid": tid[w], "args": {"name": w}})
+        for e in sorted(self.events, key=lambda e: e.start):
+            args = {"kind": e.kind, "unit": e.uid, "iteration": e.iteration, "version": e.version}
+            if e.kind == "train":
+                args["sample_versions"] = list(e.sample_versions)
+            args.update(e.args)
+            trace.append({
+                "name": f"{e.kind} {e.uid} v{e.version}",
+                "cat": e.kind,
+                "ph": "X",
+                "ts": e.start * 1e6,
+                "dur": e.duration * 1e6,
+                "pid": pid[e.pool],
+                "tid": tid[e.worker],
+                "args": args,
+            })
+        return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+    def save_json(self, path: Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_chrome_trace(), default=_jsonable))
+        return path
+
+    @classmethod
+    def from_chrome_trace(cls, trace: dict | str | Path) -> Timeline:
+        """Rebuild a timeline from ``timeline.json`` (or its parsed content)."""
+        if not isinstance(trace, dict):
+            trace = json.loads(Path(trace).read_text())
+        names = {}
+        for ev in trace["traceEvents"]:
+            if ev["ph"] == "M":
+                names[(ev["name"], ev["pid"], ev["tid"] if ev["name"] == "thread_name" else 0)] = ev["args"]["name"]
+        tl = cls()
+        for (kind, pid, tid), name in names.items():
+            if kind == "thread_name":
+                tl.add_worker(name, names[("process_name", pid, 0)])
+        for ev in trace["traceEvents"]:
+            if ev["ph"] != "X":
+                continue
+            args = dict(ev["args"])
+            kind, uid = args.pop("kind"), args.pop("unit")
+            iteration, version = args.pop("iteration"), args.pop("version")
+            sample_versions = tuple(args.pop("sample_versions", ()))
+            worker = names[("thread_name", ev["pid"], ev["tid"])]
+            start = ev["ts"] / 1e6
+            tl.add(Event(worker, tl.workers[worker], kind, uid, iteration, version, start,
+                         start + ev["dur"] / 1e6, sample_versions, args))
+        return tl
+
+    # -- Gantt chart ---------------------------------------------------------------------
+
+    def to_png(self, path: Path, width: int = 1400) -> Path:
+        """One row per worker; units coloured by kind (shade alternating with the version) and
+        labelled ``v<version>`` where they are wide enough; sync / reward as thin bars."""
+        from PIL import Image, ImageDraw, ImageFont
+
+        font = ImageFont.load_default()
+        label_w, top, row_h, axis_h, legend_h = 150, 10, 34, 30, 24
+        rows = list(self.workers)
+        height = top + row_h * max(1, len(rows)) + axis_h + legend_h
+        img = Image.new("RGB", (width, height), "white")
+        draw = ImageDraw.Draw(img)
+        end = max((e.end for e in self.events), default=1.0) or 1.0
+        plot_w = width - label_w - 20
+        x = lambda t: label_w + t / end * plot_w  # noqa: E731
+
+        for i, w in enumerate(rows):
+            y0 = top + i * row_h
+            draw.rectangle([label_w, y0, label_w + plot_w, y0 + row_h - 4], fill=(245, 245, 245))
+            draw.text((5, y0 + 10), f"{self.workers[w]}/{w}", fill="black", font=font)
+        for e in sorted(self.events, key=lambda e: e.kind in MINOR_KINDS):  # minor bars on top
+            i = rows.index(e.worker)
+            y0, y1 = top + i * row_h, top + i * row_h + row_h - 4
+            if e.kind in MINOR_KINDS:
+                y0 = y1 - (row_h - 4) // 3
+            x0, x1 = x(e.start), max(x(e.end), x(e.start) + 1)
+            draw.rectangle([x0, y0, x1, y1], fill=_colour(e.kind, e.version), outline=(60, 60, 60))
+            label = f"v{e.version}"
+            if e.kind not in MINOR_KINDS and x1 - x0 > 6 * len(label) + 4:
+                draw.text((x0 + 3, y0 + 3), label, fill="black", font=font)
+
+        axis_y = top + row_h * max(1, len(rows))
+        draw.line([label_w, axis_y, label_w + plot_w, axis_y], fill="black")
+        for j in range(11):
+            t = end * j / 10
+            draw.line([x(t), axis_y, x(t), axis_y + 4], fill="black")
+            draw.text((x(t) - 10, axis_y + 6), f"{t:.2f}s", fill="black", font=font)
+        lx = label_w
+        for kind in KINDS:
+            draw.rectangle([lx, axis_y + axis_h, lx + 14, axis_y + axis_h + 12], fill=_colour(kind, 0))
+            draw.text((lx + 18, axis_y + axis_h), kind, fill="black", font=font)
+            lx += 90
+        path = Path(path)
+        img.save(path)
+        return path
+
+
+_BASE = {
+    "rollout": (66, 133, 244),
+    "train": (244, 160, 0),
+    "step": (219, 68, 55),
+    "sync": (15, 157, 88),
+    "reward": (171, 71, 188),
+}
+
+
+def _colour(kind: str, version: int) -> tuple[int, int, int]:
+    """The kind's colour, lightened on odd versions so that consecutive versions differ."""
+    r, g, b = _BASE.get(kind, (128, 128, 128))
+    if version % 2:
+        r, g, b = (c + (255 - c) // 2 for c in (r, g, b))
+    return r, g, b
+
+
+def _jsonable(value):
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    return str(value)

@@ -1,0 +1,194 @@
+"""The Ray actor that executes units: one per device, in the role the placement gives it.
+
+Every worker process builds the same things from the RunConfig in the same order as the
+single-process :class:`~digenrl.trainer.LocalTrainer` (seed, prompts, reward, policy), so the
+same seed gives identical initial weights everywhere; the runtime checks the checksums.
+
+- role ``rollout``: runs :func:`~digenrl.units.rollout_unit` (generation, decode, reward: the
+  reward stays off the trainer's critical path). Before a unit of a newer version it loads
+  that version's published weights, verified (:mod:`digenrl.engine.weight_sync`).
+- role ``trainer``: one rank of the trainer group. Runs :func:`~digenrl.units.train_unit`
+  (accumulating gradients), and on its StepUnit all-reduces the gradients as ONE flat buffer
+  (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, NOTES.md) and steps; rank 0 then
+  publishes the new weights. With TAG it also rolls out, with its own (newest) weights.
+- role ``both`` (colocated): a trainer rank that also rolls out; the all-reduce keeps every
+  rank's weights identical, so no weight sync is needed.
+
+Each call returns its results plus timeline events (absolute ``time.time()`` spans measured
+here, in the worker) that the driver records relative to the run start.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from digenrl.engine import weight_sync
+from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
+from digenrl.lora import checksum, save_lora
+from digenrl.policy import Policy
+from digenrl.prompts import PromptSampler, load_prompts
+from digenrl.rewards import build_reward
+from digenrl.units import Samples, rollout_unit, train_unit
+
+
+def unit_event(kind: str, unit, start: float, end: float, version: int, sample_versions=(), **args) -> dict:
+    return {"kind": kind, "uid": unit.uid, "iteration": unit.iteration, "version": version, "start": start,
+            "end": end, "sample_versions": tuple(sample_versions), "args": args}
+
+
+class _TimedReward:
+    """Wraps the reward so each call inside a rollout unit shows up as a "reward" event."""
+
+    def __init__(self, fn):
+        self.fn, self.spans = fn, []
+
+    def __call__(self, *args):
+        start = time.time()
+        out = self.fn(*args)
+        self.spans.append((start, time.time()))
+        return out
+
+
+class EngineWorker:
+    """Plain class; the runtime wraps it with ``ray.remote`` and the pool's resources."""
+
+    def __init__(self, cfg, name: str, role: str):
+        torch.set_num_threads(1)  # CPU workers: one thread each (2-core machines, tiny models)
+        self.cfg, self.name, self.role = cfg, name, role
+        torch.manual_seed(cfg.train.seed)  # same construction order as LocalTrainer
+        self.prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed)
+        self.reward = _TimedReward(build_reward(cfg.reward))
+        self.policy = Policy(cfg, trainable=role != "rollout")
+        self.expected_keys = frozenset(self.policy.weights())
+        self.world = 1
+
+    def ready(self) -> dict:
+        return {"checksum": checksum(self.policy.weights()), "device": str(self.policy.device),
+                "pid": os.getpid(), "version": self.policy.version}
+
+    # -- trainer group -------------------------------------------------------------------
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join_group(self, address: str, port: int, rank: int, world: int, backend: str) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(minutes=30))
+        self.world = world
+
+    def _all_reduce_gradients(self) -> None:
+        """Sum the accumulated gradients over the ranks, flattened into one buffer.
+
+        A rank that trained nothing this iteration contributes zeros (its grads are None)."""
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        params = self.policy.params
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    # -- units ---------------------------------------------------------------------------
+
+    def rollout(self, unit: RolloutUnit, packet: weight_sync.WeightPacket | None) -> tuple[Samples, dict]:
+        """Generate, decode and score the unit's groups with exactly version ``unit.version``."""
+        events = []
+        if unit.version != self.policy.version:
+            if self.role != "rollout" or unit.version < self.policy.version:
+                raise RuntimeError(f"{self.name} holds version {self.policy.version}, unit {unit.uid} "
+                                   f"needs {unit.version}")
+            if packet is None or packet.version != unit.version:
+                raise RuntimeError(f"{self.name}: no weights of version {unit.version} for {unit.uid}")
+            events.append(weight_sync.load(self.policy, packet, self.expected_keys))
+        cfg = self.cfg
+        everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
+        self.reward.spans.clear()
+        start = time.time()
+        samples = rollout_unit(self.policy, self.reward, [everything[g] for g in unit.groups], list(unit.groups),
+                               unit.iteration, cfg.train.seed)
+        end = time.time()
+        if samples.version != unit.version or self.policy.version != unit.version:
+            raise RuntimeError(f"{unit.uid}: weights changed inside the unit")
+        events.append(unit_event("rollout", unit, start, end, unit.version, samples=len(samples),
+                                 groups=list(unit.groups)))
+        events += [unit_event("reward", unit, s, e, unit.version) for s, e in self.reward.spans]
+        summary = {
+            "rewards": samples.rewards,
+            "reward_parts": samples.reward_parts,
+            "terms": len(samples) * samples.train_idx.shape[1],  # (sample, trained step) terms
+            "version": samples.version,
+            "events": events,
+        }
+        return samples, summary
+
+    def train(self, unit: TrainUnit, samples: Samples, advantages: torch.Tensor, total_terms: int) -> dict:
+        """Accumulate this unit's share of the iteration gradient (no optimizer step)."""
+        if self.policy.version != unit.version:
+            raise RuntimeError(f"{self.name} holds version {self.policy.version}, {unit.uid} needs {unit.version}")
+        if (samples.iteration, tuple(samples.group_ids), samples.version) != (
+                unit.iteration, unit.groups, unit.sample_version):
+            raise RuntimeError(f"{unit.uid}: received samples of another unit")
+        samples.advantages = advantages
+        start = time.time()
+        stats = train_unit(self.policy, samples, total_terms, unit.tsp_rank, unit.tsp_degree)
+        end = time.time()
+        event = unit_event("train", unit, start, end, self.policy.version, sample_versions=[samples.version],
+                           groups=list(samples.group_ids), tsp_rank=unit.tsp_rank, tsp_degree=unit.tsp_degree)
+        return {"stats": stats, "events": [event]}
+
+    def step(self, unit: StepUnit, publish: bool) -> dict:
+        """All-reduce, one optimizer step (-> version k+1), and on rank 0 the weight publish."""
+        start = time.time()
+        self._all_reduce_gradients()
+        grad_norm = self.policy.optimizer_step()
+        if self.policy.version != unit.version:
+            raise RuntimeError(f"{self.name}: stepped to version {self.policy.version}, expected {unit.version}")
+        events, packet = [], None
+        if publish:
+            packet, sync = weight_sync.publish(self.policy)
+            events.append(sync)
+        digest = checksum(self.policy.weights()) if self.policy.lora else None  # ranks must agree
+        events.insert(0, unit_event("step", unit, start, time.time(), unit.version - 1))
+        return {"grad_norm": grad_norm, "packet": packet, "checksum": digest, "events": events}
+
+    # -- results -------------------------------------------------------------------------
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.policy.weights()
+
+    def export_final(self) -> dict[str, bytes]:
+        """The final weights as LocalTrainer writes them (``final/``), returned as file bytes so
+        the driver can write them wherever its run directory is (possibly another node)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp)
+            if self.policy.lora:
+                save_lora(self.policy.adapter, out)
+            else:
+                from safetensors.torch import save_file
+
+                save_file(self.policy.weights(), out / "transformer.safetensors")
+            return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
