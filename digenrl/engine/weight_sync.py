@@ -45,12 +45,13 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def sync_event(version: int, direction: str, start: float, end: float, nbytes: int) -> dict:
-    """A timeline event; the sync of version v belongs to iteration v - 1 (the step that made it)."""
+def sync_event(version: int, iteration: int, direction: str, start: float, end: float, nbytes: int) -> dict:
+    """A timeline event. A publish belongs to the iteration whose step made the version, a
+    fetch to the iteration of the rollout unit it precedes (where its time is spent)."""
     return {
         "kind": "sync",
         "uid": f"sync-{version}-{direction}",
-        "iteration": version - 1,
+        "iteration": iteration,
         "version": version,
         "start": start,
         "end": end,
@@ -73,7 +74,7 @@ def publish(policy, put=None) -> tuple[WeightPacket, dict]:
         nbytes=state_bytes(state),
         ref=put(state),
     )
-    return packet, sync_event(packet.version, "publish", start, time.time(), packet.nbytes)
+    return packet, sync_event(packet.version, packet.version - 1, "publish", start, time.time(), packet.nbytes)
 
 
 def fetch(packet: WeightPacket, get=None) -> dict[str, torch.Tensor]:
@@ -102,11 +103,11 @@ def verify(state: dict[str, torch.Tensor], packet: WeightPacket, expected_keys) 
         )
 
 
-def load(policy, packet: WeightPacket, expected_keys, get=None) -> dict:
+def load(policy, packet: WeightPacket, expected_keys, iteration: int, get=None) -> dict:
     """Fetch, verify and load a packet into ``policy`` (which re-checks the checksum after the
-    load); returns the sync event."""
+    load) before a rollout unit of ``iteration``; returns the sync event."""
     start = time.time()
     state = fetch(packet, get)
     verify(state, packet, expected_keys)
     policy.load_weights(state, packet.version, expected_checksum=packet.checksum)
-    return sync_event(packet.version, "fetch", start, time.time(), packet.nbytes)
+    return sync_event(packet.version, iteration, "fetch", start, time.time(), packet.nbytes)

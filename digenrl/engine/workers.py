@@ -32,7 +32,7 @@ import torch
 from digenrl.engine import weight_sync
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.lora import checksum, save_lora
-from digenrl.policy import Policy
+from digenrl.policy import Policy, pick_device
 from digenrl.prompts import PromptSampler, load_prompts
 from digenrl.rewards import build_reward
 from digenrl.units import Samples, rollout_unit, train_unit
@@ -60,7 +60,8 @@ class EngineWorker:
     """Plain class; the runtime wraps it with ``ray.remote`` and the pool's resources."""
 
     def __init__(self, cfg, name: str, role: str):
-        torch.set_num_threads(1)  # CPU workers: one thread each (2-core machines, tiny models)
+        if pick_device(cfg.train.device).type == "cpu":
+            torch.set_num_threads(1)  # one thread per CPU worker: they share few cores with each other
         self.cfg, self.name, self.role = cfg, name, role
         torch.manual_seed(cfg.train.seed)  # same construction order as LocalTrainer
         self.prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed)
@@ -117,7 +118,7 @@ class EngineWorker:
                                    f"needs {unit.version}")
             if packet is None or packet.version != unit.version:
                 raise RuntimeError(f"{self.name}: no weights of version {unit.version} for {unit.uid}")
-            events.append(weight_sync.load(self.policy, packet, self.expected_keys))
+            events.append(weight_sync.load(self.policy, packet, self.expected_keys, unit.iteration))
         cfg = self.cfg
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
         self.reward.spans.clear()
@@ -166,7 +167,7 @@ class EngineWorker:
             packet, sync = weight_sync.publish(self.policy)
             events.append(sync)
         digest = checksum(self.policy.weights()) if self.policy.lora else None  # ranks must agree
-        events.insert(0, unit_event("step", unit, start, time.time(), unit.version - 1))
+        events.insert(0, unit_event("step", unit, start, time.time(), unit.version - 1, publishes=unit.version))
         return {"grad_norm": grad_norm, "packet": packet, "checksum": digest, "events": events}
 
     # -- results -------------------------------------------------------------------------

@@ -1,0 +1,476 @@
+"""The Ray runtime: the scheduler's decisions executed by Ray actors (DESIGN.md §4).
+
+    ask the scheduler for work for every idle worker -> submit it to that worker's actor
+    -> wait for the first unit to finish -> record it (timeline, rewards, gradients, weights)
+    -> tell the scheduler -> repeat until the last optimizer step is done
+
+All policy lives in :class:`~digenrl.engine.scheduler.Scheduler` (the planner's simulator
+drives the same class in virtual time); this module only moves data: rollout samples and
+published weights go through the Ray object store, the driver keeps only rewards, stats and
+references. Advantages are computed here because only the driver sees every reward: per
+prompt as soon as a rollout unit arrives, with global std once the whole iteration is in
+(the scheduler then holds training back: ``wait_for_full_batch``).
+
+Placement is data: pools map to Ray resources. A CPU pool is a logical custom resource
+``pool:<name>`` (a local run creates them; a joined cluster must have them), a GPU pool asks
+for ``num_gpus=1`` plus its type (Ray's ``accelerator_type:<TYPE>`` or a custom resource named
+after the type; ``gpu`` / ``cuda`` = any GPU). Everything is reserved as one placement group
+after checking ``ray.cluster_resources()``, so an impossible placement fails in seconds with
+a message, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from digenrl.config import PoolConfig, RunConfig
+from digenrl.engine.scheduler import RolloutUnit, Scheduler, SchedulerConfig, StepUnit, TrainUnit, Unit, WorkerSpec
+from digenrl.engine.timeline import Timeline
+from digenrl.errors import UserError
+from digenrl.lora import WeightSyncError
+from digenrl.prompts import load_prompts
+from digenrl.rewards import build_reward
+from digenrl.runlog import RunDir
+from digenrl.trainer import RunResult, iteration_metrics
+from digenrl.units import assign_advantages, merge_stats
+
+PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give up, say so
+ADDRESS_PROBE_S = 3.0  # a wrong --ray-address must fail fast
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callable[[dict], None] | None = None,
+               ray_address: str | None = None) -> RunResult:
+    """Train ``cfg`` on Ray with placement ``cfg.placement.mode`` (colocated | disaggregated).
+
+    Writes the same run directory as :meth:`LocalTrainer.run` plus ``timeline.json`` and
+    ``timeline.png``. ``ray_address`` joins an existing cluster; without it a local one is
+    started (or the one this process is already connected to is used). Ray is shut down, and
+    every actor killed, on return and on any exception.
+    """
+    if cfg.placement.mode == "local":
+        raise UserError("placement.mode: 'local' runs without the engine (use LocalTrainer)")
+    plan = worker_plan(cfg)
+    scheduler = Scheduler(scheduler_config(cfg), [spec for spec, _ in plan])
+    load_prompts(cfg.prompts)  # validate what the workers will build before starting anything
+    build_reward(cfg.reward)
+    with _user_errors(), ray_workers(cfg, plan, ray_address) as actors:
+        out = RunDir(cfg, run_dir)
+        engine = Engine(cfg, scheduler, plan, actors, out, on_iteration)
+        try:
+            rows = engine.run()
+            engine.save_final()
+        finally:
+            engine.save_timeline()
+            out.close()
+    return RunResult(out.path, rows)
+
+
+def worker_plan(cfg: RunConfig) -> list[tuple[WorkerSpec, PoolConfig]]:
+    """One worker per device. Colocated: every device of every pool does both jobs (the same
+    hardware a disaggregated run of those pools gets). Disaggregated: the rollout pool's
+    devices roll out, the trainer pool's are the trainer ranks. Rollout workers come first:
+    they ask for work first, so with TAG a trainer takes only the rollout units left over."""
+    pools = {p.name: p for p in cfg.cluster.pools}
+    if cfg.placement.mode == "colocated":
+        plan = [(WorkerSpec(f"{p.name}{i}", "both"), p) for p in cfg.cluster.pools for i in range(p.count)]
+    else:
+        rollout, trainer = pools[cfg.placement.rollout_pool], pools[cfg.placement.trainer_pool]
+        if rollout is trainer:
+            raise UserError("placement: disaggregated needs placement.rollout_pool and placement.trainer_pool "
+                            f"to be different pools (both are '{rollout.name}')")
+        plan = [(WorkerSpec(f"{rollout.name}{i}", "rollout"), rollout) for i in range(rollout.count)]
+        plan += [(WorkerSpec(f"{trainer.name}{i}", "trainer"), trainer) for i in range(trainer.count)]
+    if cfg.train.device == "cuda" and any(p.device.lower() == "cpu" for _, p in plan):
+        raise UserError("train.device: cuda, but cluster.pools devices are 'cpu' (logical CPU pools); "
+                        "set the pools' device to 'gpu' or a GPU type such as H100")
+    return plan
+
+
+def scheduler_config(cfg: RunConfig) -> SchedulerConfig:
+    e = cfg.engine
+    try:
+        return SchedulerConfig(
+            placement=cfg.placement.mode,
+            groups_per_iteration=cfg.train.prompts_per_iteration,
+            unit_groups=e.unit_groups,
+            tsp_degree=e.tsp_degree,
+            tag=e.tag,
+            gap=e.gap,
+            max_staleness=e.max_staleness,
+            iterations=cfg.train.iterations,
+            wait_for_full_batch=cfg.algorithm.std == "global",  # global std needs every reward
+        )
+    except ValueError as exc:
+        raise UserError(f"engine: {exc}") from None
+
+
+@contextlib.contextmanager
+def _user_errors():
+    """A UserError / WeightSyncError raised inside an actor reaches the caller as itself."""
+    import ray
+
+    try:
+        yield
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, (UserError, WeightSyncError)):
+            raise cause from None
+        raise
+
+
+# ------------------------------------------------------------------------- the driver loop
+
+
+@dataclass
+class RewardBatch:
+    """What the driver keeps of a rollout unit: its rewards (advantages, metrics), not its samples."""
+
+    rewards: torch.Tensor
+    reward_parts: dict[str, torch.Tensor]
+    advantages: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.rewards)
+
+
+class Engine:
+    """Drives the scheduler with Ray actors; records the timeline and the metrics."""
+
+    def __init__(self, cfg: RunConfig, scheduler: Scheduler, plan, actors: dict, out: RunDir,
+                 on_iteration: Callable[[dict], None] | None):
+        self.cfg, self.sched, self.actors, self.out, self.on_iteration = cfg, scheduler, actors, out, on_iteration
+        self.order = [spec.name for spec, _ in plan]  # idle workers ask in this order
+        self.role = {spec.name: spec.role for spec, _ in plan}
+        self.rank0 = next(spec.name for spec, _ in plan if spec.role != "rollout")
+        self.timeline = Timeline()
+        for spec, pool in plan:
+            self.timeline.add_worker(spec.name, pool.name)
+        self.t0 = time.time()
+
+        self.in_flight: dict = {}  # ObjectRef to wait on -> (worker, unit)
+        self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples
+        self.batches: dict[str, RewardBatch] = {}  # rollout uid -> rewards / advantages
+        self.trained: Counter[str] = Counter()  # rollout uid -> TSP shares trained
+        self.total_terms: dict[int, int] = {}  # iteration -> (sample, trained step) terms
+        self.stats: dict[int, list[dict]] = defaultdict(list)
+        self.grad_norm: dict[int, float] = {}
+        self.staleness: dict[int, int] = defaultdict(int)
+        self.packets: dict = {}  # version -> WeightPacket published by rank 0
+        self.rank_checksums: dict[int, set[str]] = defaultdict(set)
+        self.waiting: dict[int, set[str]] = {}  # finished iteration -> units still running from its span
+        self.rows: list[dict] = []
+
+    def run(self) -> list[dict]:
+        import ray
+
+        self.t0 = time.time()
+        idle = set(self.order)
+        while not self.sched.done():
+            for worker in [w for w in self.order if w in idle]:
+                unit = self.sched.next_unit(worker)
+                if unit is not None:
+                    idle.discard(worker)
+                    self.submit(worker, unit)
+            if not self.in_flight:
+                raise RuntimeError(f"engine stalled: nothing in flight at version {self.sched.published_version}")
+            (ref,), _ = ray.wait(list(self.in_flight), num_returns=1)
+            worker, unit = self.in_flight.pop(ref)
+            result = ray.get(ref)
+            self.absorb(worker, unit, result)
+            before = self.sched.published_version
+            self.sched.complete(unit, result)
+            idle.add(worker)
+            self.iteration_bookkeeping(unit, finished=before if self.sched.published_version > before else None)
+        return self.rows
+
+    # -- submit: one Ray call per unit ---------------------------------------------------
+
+    def submit(self, worker: str, unit: Unit) -> None:
+        actor = self.actors[worker]
+        if isinstance(unit, RolloutUnit):
+            # rollout workers swap to the unit's version first (trainer ranks already hold it)
+            packet = self.packets.get(unit.version) if self.role[worker] == "rollout" else None
+            samples, ref = actor.rollout.options(num_returns=2).remote(unit, packet)
+            self.samples[unit.uid] = samples
+        elif isinstance(unit, TrainUnit):
+            batch = self.batches[unit.rollout_uid]
+            assert batch.advantages is not None, "train unit handed out before its advantages exist"
+            ref = actor.train.remote(unit, self.samples[unit.rollout_uid], batch.advantages,
+                                     self.total_terms[unit.iteration])
+        else:
+            ref = actor.step.remote(unit, worker == self.rank0 and "rollout" in self.role.values())
+        self.in_flight[ref] = (worker, unit)
+
+    # -- absorb: what a finished unit leaves behind --------------------------------------
+
+    def absorb(self, worker: str, unit: Unit, result: dict) -> None:
+        for ev in result["events"]:
+            self.timeline.record(worker, ev["kind"], ev["uid"], ev["iteration"], ev["version"],
+                                 ev["start"] - self.t0, ev["end"] - self.t0, ev.get("sample_versions", ()),
+                                 **ev["args"])
+        k = unit.iteration
+        if isinstance(unit, RolloutUnit):
+            self.rolled_out(unit, result)
+        elif isinstance(unit, TrainUnit):
+            self.stats[k].append(result["stats"])
+            self.staleness[k] = max(self.staleness[k], k - unit.sample_version)
+            self.trained[unit.rollout_uid] += 1
+            if self.trained[unit.rollout_uid] == unit.tsp_degree:  # every TSP share done: free it
+                del self.samples[unit.rollout_uid]
+        elif isinstance(unit, StepUnit):
+            if worker == self.rank0:
+                self.grad_norm[k] = result["grad_norm"]
+                if result["packet"] is not None:
+                    self.packets[unit.version] = result["packet"]
+            if result["checksum"] is not None:
+                self.rank_checksums[unit.version].add(result["checksum"])
+                if len(self.rank_checksums[unit.version]) > 1:
+                    raise WeightSyncError(f"trainer ranks hold different weights after step {k}")
+
+    def rolled_out(self, unit: RolloutUnit, summary: dict) -> None:
+        k, per_iteration = unit.iteration, self.sched.cfg.units_per_iteration
+        batch = self.batches[unit.uid] = RewardBatch(summary["rewards"], summary["reward_parts"])
+        terms = summary["terms"] * per_iteration  # every unit of an iteration has the same size
+        if self.total_terms.setdefault(k, terms) != terms:
+            raise RuntimeError(f"{unit.uid}: units of iteration {k} differ in size")
+        if self.cfg.algorithm.std == "global":
+            mine = self.iteration_batches(k)
+            if len(mine) == per_iteration:  # the scheduler holds training back until now
+                assign_advantages(mine, self.cfg)
+        else:
+            assign_advantages([batch], self.cfg)
+
+    def iteration_batches(self, k: int) -> list[RewardBatch]:
+        """The iteration's rolled-out batches in group order (as the LocalTrainer sees them)."""
+        uids = [f"rollout-{k}-{j}" for j in range(self.sched.cfg.units_per_iteration)]
+        return [self.batches[u] for u in uids if u in self.batches]
+
+    # -- metrics rows --------------------------------------------------------------------
+
+    def iteration_bookkeeping(self, unit: Unit, finished: int | None) -> None:
+        """Write iteration k's metrics once its step is done and every unit that was running
+        during its span has finished too (so the bubble counts their busy time)."""
+        for running in self.waiting.values():
+            running.discard(unit.uid)
+        if finished is not None:
+            self.waiting[finished] = {u.uid for _, u in self.in_flight.values()}
+            oldest = self.sched.published_version - self.sched.cfg.max_staleness
+            self.packets = {v: p for v, p in self.packets.items() if v >= oldest}
+        while self.waiting and not self.waiting[min(self.waiting)]:
+            k = min(self.waiting)
+            del self.waiting[k]
+            row = self.metrics_row(k)
+            self.rows.append(row)
+            self.out.log(row)
+            if self.on_iteration:
+                self.on_iteration(row)
+
+    def metrics_row(self, k: int) -> dict:
+        span = {r["iteration"]: r for r in self.timeline.iteration_stats()}[k]
+        stats = merge_stats(self.stats.pop(k))
+        stats["grad_norm"] = self.grad_norm.pop(k)
+        batches = self.iteration_batches(k)
+        row = iteration_metrics(k, k + 1, batches, stats, span["wall_s"], rollout_s=span["rollout_device_s"],
+                                train_s=span["train_device_s"], sync_s=span["sync_s"],
+                                sync_bytes=span["sync_bytes"], sample_staleness=self.staleness.pop(k, 0))
+        row["samples_per_s"] = span["samples_per_s"]
+        row["bubble_fraction"] = span["bubble_fraction"]
+        for j in range(self.sched.cfg.units_per_iteration):
+            self.batches.pop(f"rollout-{k}-{j}", None)
+        return row
+
+    # -- outputs -------------------------------------------------------------------------
+
+    def save_final(self) -> None:
+        """``final/`` from trainer rank 0's weights, written exactly as LocalTrainer writes it."""
+        import ray
+
+        files = ray.get(self.actors[self.rank0].export_final.remote())
+        final = self.out.path / "final"
+        final.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (final / name).write_bytes(data)
+
+    def save_timeline(self) -> None:
+        if self.timeline.events:
+            self.timeline.save_json(self.out.path / "timeline.json")
+            self.timeline.to_png(self.out.path / "timeline.png")
+
+
+# ------------------------------------------------------------------- Ray: cluster and actors
+
+
+@contextlib.contextmanager
+def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_address: str | None):
+    """Connect (or start Ray), check and reserve the placement, start one actor per worker and
+    wait until every one has built its policy; on exit kill them and release everything."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from digenrl.engine.workers import EngineWorker
+
+    ours = connect(plan, ray_address)
+    group, actors = None, {}
+    try:
+        bundles = resource_bundles(plan, ray.cluster_resources())
+        group = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise UserError(f"cluster: could not reserve {_asked(plan)} within {PLACEMENT_TIMEOUT_S:.0f}s "
+                            f"(bundles {bundles}); free now: {_describe(ray.available_resources())}") from None
+        remote = ray.remote(EngineWorker)
+        for i, (spec, _) in enumerate(plan):
+            b = bundles[i]
+            actors[spec.name] = remote.options(
+                num_cpus=b.get("CPU", 0),
+                num_gpus=b.get("GPU", 0),
+                resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+                max_restarts=0,
+            ).remote(cfg, spec.name, spec.role)
+        ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
+        if len({r["checksum"] for r in ready.values()}) > 1:
+            raise WeightSyncError(f"initial weights differ between workers: {ready}")
+        form_trainer_group(plan, actors, ready)
+        yield actors
+    finally:
+        for actor in actors.values():
+            ray.kill(actor, no_restart=True)
+        if group is not None:
+            remove_placement_group(group)
+        if ours:
+            ray.shutdown()
+
+
+def form_trainer_group(plan, actors: dict, ready: dict) -> None:
+    """The trainer ranks (roles trainer / both) form one torch.distributed group."""
+    import ray
+
+    ranks = [spec.name for spec, _ in plan if spec.role != "rollout"]
+    if len(ranks) < 2:
+        return
+    backend = "nccl" if all(ready[r]["device"].startswith("cuda") for r in ranks) else "gloo"
+    address, port = ray.get(actors[ranks[0]].rendezvous_address.remote())
+    ray.get([actors[r].join_group.remote(address, port, i, len(ranks), backend) for i, r in enumerate(ranks)])
+
+
+def connect(plan, ray_address: str | None) -> bool:
+    """Join ``ray_address``, or start a local cluster whose logical resources are the CPU pools.
+    Returns True when this call connected (and so must disconnect)."""
+    import ray
+
+    if ray_address is None:
+        if ray.is_initialized():  # the caller's cluster (tests, notebooks): use it, leave it up
+            return False
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        pools = {p.name: p for _, p in plan}
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING,
+                 resources={f"pool:{p.name}": p.count for p in pools.values() if p.device.lower() == "cpu"})
+        return True
+    _probe(ray_address)
+    if ray.is_initialized():
+        current = ray.get_runtime_context().gcs_address
+        if _same_address(ray_address, current):
+            return False
+        raise UserError(f"ray address {ray_address}: this process is already connected to the Ray cluster "
+                        f"at {current}")
+    try:
+        ray.init(address=ray_address, logging_level=logging.WARNING)
+    except Exception as exc:  # ConnectionError, RuntimeError, ...: all mean "not a usable cluster"
+        raise UserError(f"ray address {ray_address}: could not join a Ray cluster there ({exc})") from None
+    return True
+
+
+def _probe(address: str) -> None:
+    """Fail in seconds when nothing listens at the address (ray.init would retry for a minute)."""
+    if address == "auto":
+        return
+    host, port = _host_port(address)
+    try:
+        socket.create_connection((host, port), timeout=ADDRESS_PROBE_S).close()
+    except (OSError, ValueError) as exc:
+        raise UserError(f"ray address {address}: no Ray cluster answers there ({exc}); start one with "
+                        "`ray start --head` or leave the address out to run on a local cluster") from None
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    rest = address.split("://", 1)[-1]
+    host, _, port = rest.rpartition(":")
+    if not host:
+        return rest, 10001 if address.startswith("ray://") else 6379
+    try:
+        return host, int(port)
+    except ValueError:
+        raise UserError(f"ray address {address}: expected host:port") from None
+
+
+def _same_address(a: str, b: str) -> bool:
+    (ha, pa), (hb, pb) = _host_port(a), _host_port(b)
+    try:
+        return pa == pb and socket.gethostbyname(ha) == socket.gethostbyname(hb)
+    except OSError:
+        return False
+
+
+def resource_bundles(plan, have: dict) -> list[dict]:
+    """One placement-group bundle per worker: its device plus a CPU share that fits the cluster
+    (fractional requests beyond the CPUs would wait forever). Raises UserError, naming what was
+    asked and what exists, when the cluster cannot hold them."""
+    share = math.floor(min(1.0, have.get("CPU", 0) / len(plan)) * 100) / 100
+    bundles = []
+    for _, pool in plan:
+        bundle = {"CPU": share} if share > 0 else {}
+        bundle.update(_device_resources(pool, have))
+        bundles.append(bundle)
+    need = Counter()
+    for b in bundles:
+        need.update(b)
+    short = [f"{k} {v:g} needed, {have.get(k, 0):g} exist" for k, v in need.items() if have.get(k, 0) < v - 1e-9]
+    if short:
+        raise UserError(f"cluster: cannot place {_asked(plan)}: {'; '.join(short)}. "
+                        f"The Ray cluster has {_describe(have)}")
+    return bundles
+
+
+def _device_resources(pool: PoolConfig, have: dict) -> dict:
+    device = pool.device
+    if device.lower() == "cpu":
+        return {f"pool:{pool.name}": 1}
+    if device.lower() in ("gpu", "cuda"):
+        return {"GPU": 1}
+    for key in have:  # Ray's detected type (1 per node, so a tiny share) or a custom resource
+        if key.lower() == f"accelerator_type:{device}".lower():
+            return {"GPU": 1, key: 0.001}
+    for key in have:
+        if key.lower() == device.lower():
+            return {"GPU": 1, key: 1}
+    raise UserError(f"cluster.pools: pool '{pool.name}' asks for device type '{device}', which the Ray cluster "
+                    f"does not have (it has {_describe(have)}); use 'cpu' (logical), 'gpu' (any GPU) or a type "
+                    "Ray reports as accelerator_type:<TYPE>")
+
+
+def _asked(plan) -> str:
+    counts = Counter((pool.name, pool.device) for _, pool in plan)
+    return ", ".join(f"{n} x {device} for pool '{name}'" for (name, device), n in counts.items())
+
+
+def _describe(resources: dict) -> str:
+    keep = {k: v for k, v in resources.items()
+            if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(keep.items())) or "no resources"
