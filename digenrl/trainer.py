@@ -49,7 +49,7 @@ class LocalTrainer:
 
     def iteration(self, iteration: int) -> dict:
         t0 = time.perf_counter()
-        units = self.rollout(iteration)
+        units = self.last_units = self.rollout(iteration)
         t_roll = time.perf_counter() - t0
         assign_advantages(units, self.cfg)
         total_terms = sum(len(u) * u.train_idx.shape[1] for u in units)
@@ -57,6 +57,12 @@ class LocalTrainer:
         stats["grad_norm"] = self.policy.optimizer_step()
         wall = time.perf_counter() - t0
         return iteration_metrics(iteration, self.policy.version, units, stats, wall, rollout_s=t_roll)
+
+    def maybe_save_samples(self, run_dir: Path, it: int, row: dict) -> None:
+        every = self.cfg.output.save_samples_every
+        last = it == self.cfg.train.iterations - 1
+        if (every and it % every == 0) or last:
+            save_iteration_samples(run_dir, it, self.last_units)
 
     def run(self, run_dir: Path | None = None, on_iteration: Callable[[dict], None] | None = None) -> RunResult:
         out = RunDir(self.cfg, run_dir)
@@ -68,6 +74,7 @@ class LocalTrainer:
                 out.log(row)
                 if on_iteration:
                     on_iteration(row)
+                self.maybe_save_samples(out.path, it, row)
             if self.policy.lora:
                 save_lora(self.policy.adapter, out.path / "final")
             else:
@@ -78,6 +85,16 @@ class LocalTrainer:
         finally:
             out.close()
         return RunResult(out.path, rows)
+
+
+def save_iteration_samples(run_dir: Path, iteration: int, units: list[Samples]) -> Path:
+    """One sample per prompt group of the iteration, captioned with its prompt and reward."""
+    from digenrl.media import save_samples
+
+    G = len(units[0]) // len(units[0].group_ids)
+    pixels = torch.cat([u.preview for u in units])
+    captions = [f"{u.prompts[j * G]} {u.rewards[j * G]:.2f}" for u in units for j in range(len(u.group_ids))]
+    return save_samples(pixels, captions, run_dir / "samples" / f"iter-{iteration:06d}")
 
 
 def iteration_metrics(iteration: int, version: int, units: list[Samples], stats: dict, wall: float, **extra) -> dict:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from digenrl.engine import weight_sync
+from digenrl.errors import UserError
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.lora import checksum, save_lora
 from digenrl.policy import Policy, pick_device
@@ -60,17 +61,27 @@ class EngineWorker:
     """Plain class; the runtime wraps it with ``ray.remote`` and the pool's resources."""
 
     def __init__(self, cfg, name: str, role: str):
+        self.cfg, self.name, self.role, self.world = cfg, name, role, 1
+        # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
+        # and raise it from ready(), where Ray hands the driver the exception itself.
+        self.init_error = None
+        try:
+            self._build(cfg)
+        except UserError as exc:
+            self.init_error = exc
+
+    def _build(self, cfg) -> None:
         if pick_device(cfg.train.device).type == "cpu":
             torch.set_num_threads(1)  # one thread per CPU worker: they share few cores with each other
-        self.cfg, self.name, self.role = cfg, name, role
         torch.manual_seed(cfg.train.seed)  # same construction order as LocalTrainer
         self.prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed)
         self.reward = _TimedReward(build_reward(cfg.reward))
-        self.policy = Policy(cfg, trainable=role != "rollout")
+        self.policy = Policy(cfg, trainable=self.role != "rollout")
         self.expected_keys = frozenset(self.policy.weights())
-        self.world = 1
 
     def ready(self) -> dict:
+        if self.init_error is not None:
+            raise self.init_error
         return {"checksum": checksum(self.policy.weights()), "device": str(self.policy.device),
                 "pid": os.getpid(), "version": self.policy.version}
 
