@@ -15,10 +15,11 @@ if [ ! -f "$VENV/.installed" ] || [ pyproject.toml -nt "$VENV/.installed" ]; the
   echo "setting up $VENV ..." >&2
   "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip >/dev/null 2>&1 || true
+  quiet() { "$@" 2>&1 | { grep -vE "Location 'file:.* is ignored|BuildBackendWarning|^\s*(!!|\*+)?\s*$" || true; }; }
   if ! command -v nvidia-smi >/dev/null 2>&1; then
-    "$VENV/bin/pip" install -q "torch==2.13.0"
+    quiet "$VENV/bin/pip" install -q "torch==2.13.0"
   fi
-  "$VENV/bin/pip" install -q -e ".[dev]"
+  quiet "$VENV/bin/pip" install -q -e ".[dev]"
   touch "$VENV/.installed"
 fi
 

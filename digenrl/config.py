@@ -117,7 +117,7 @@ class PromptsConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _file_replaces_builtin(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("file") is not None and data.get("builtin") == "colors":
+        if isinstance(data, dict) and data.get("file") is not None and data.get("builtin", "colors") == "colors":
             data = {**data, "builtin": None}  # a file replaces the default built-in set
         return data
 

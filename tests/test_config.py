@@ -64,6 +64,9 @@ def _cli(monkeypatch, capsys, *argv):
     (["config", "show", "--set", "model.adapter=sdxl"], "available: flux, hunyuan_video, qwen_image, wan"),
     (["config", "validate", "--config", "MISSING.yaml"], "MISSING.yaml: config file not found"),
     (["train", "--set", "prompts.file=/nonexistent/prompts.txt", "--run-dir", "{tmp}/run"], "prompts.file"),
+    (["train", "--set", "model.height=30", "--run-dir", "{tmp}/run"], "model.height"),
+    (["train", "-c", "configs/wan_tiny.yaml", "--set", "model.frames=6", "--run-dir", "{tmp}/run"], "model.frames"),
+    (["train", "--set", "model.pretrained={tmp}/no-such-ckpt", "--run-dir", "{tmp}/run"], "no-such-ckpt"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(monkeypatch, capsys, tmp_path, argv, needle):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
