@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from digenrl.adapters.base import Adapter, Cond, seeded
+from digenrl.adapters.base import Cond, seeded
+from digenrl.adapters.packed import PackedLatentAdapter
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
@@ -33,13 +34,7 @@ FLUX_SCHEDULER = dict(
 )
 
 
-def calculate_shift(seq_len: int, base_len: int, max_len: int, base_shift: float, max_shift: float) -> float:
-    """Resolution-dependent shift mu: linear in the number of image tokens (as FLUX's pipeline)."""
-    m = (max_shift - base_shift) / (max_len - base_len)
-    return seq_len * m + base_shift - m * base_len
-
-
-class FluxAdapter(Adapter):
+class FluxAdapter(PackedLatentAdapter):
     name = "flux"
     default_lora_targets = (
         "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -100,28 +95,12 @@ class FluxAdapter(Adapter):
             {"txt_ids": torch.zeros(self.cfg.max_text_len, 3, device=self.device)},
         )
 
-    def _grid(self) -> tuple[int, int]:
-        """Packed token grid (rows, cols)."""
-        return self.cfg.height // self.vae_scale // 2, self.cfg.width // self.vae_scale // 2
-
-    def latent_shape(self) -> tuple[int, ...]:
-        rows, cols = self._grid()
-        return (rows * cols, self.transformer.config.in_channels)
-
     def img_ids(self) -> torch.Tensor:
         rows, cols = self._grid()
         ids = torch.zeros(rows, cols, 3)
         ids[..., 1] = torch.arange(rows)[:, None]
         ids[..., 2] = torch.arange(cols)[None, :]
         return ids.reshape(rows * cols, 3).to(self.device)
-
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        c = self.scheduler.config
-        mu = calculate_shift(
-            self.latent_shape()[0], c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-            c.get("base_shift", 0.5), c.get("max_shift", 1.15),
-        )
-        return self._set_timesteps(num_steps, mu)
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
         b = latents.shape[0]
@@ -142,12 +121,6 @@ class FluxAdapter(Adapter):
                 return_dict=False,
             )[0]
         return out.float()
-
-    def to_spatial(self, latents: torch.Tensor) -> torch.Tensor:
-        rows, cols = self._grid()
-        b, _, c = latents.shape
-        x = latents.view(b, rows, cols, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, c // 4, rows * 2, cols * 2)
 
     def vae_decode(self, x: torch.Tensor) -> torch.Tensor:
         vc = self.vae.config

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from digenrl.adapters.base import Adapter, Cond, seeded
+from digenrl.adapters.base import Cond, seeded
+from digenrl.adapters.packed import PackedLatentAdapter
 from digenrl.adapters.preview import LatentRGBDecoder
-from digenrl.adapters.flux import calculate_shift
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
 
@@ -38,7 +38,7 @@ QWEN_SCHEDULER = dict(
 )
 
 
-class QwenImageAdapter(Adapter):
+class QwenImageAdapter(PackedLatentAdapter):
     name = "qwen_image"
     default_lora_targets = (
         "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -111,24 +111,8 @@ class QwenImageAdapter(Adapter):
             batched["neg_mask"] = neg_mask.expand(len(prompts), -1).clone()
         return Cond(batched)
 
-    def _grid(self) -> tuple[int, int]:
-        """Packed token grid (rows, cols)."""
-        return self.cfg.height // self.vae_scale // 2, self.cfg.width // self.vae_scale // 2
-
-    def latent_shape(self) -> tuple[int, ...]:
-        rows, cols = self._grid()
-        return (rows * cols, self.transformer.config.in_channels)
-
     def img_shapes(self, batch: int) -> list[list[tuple[int, int, int]]]:
         return [[(1, *self._grid())]] * batch
-
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        c = self.scheduler.config
-        mu = calculate_shift(
-            self.latent_shape()[0], c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-            c.get("base_shift", 0.5), c.get("max_shift", 1.15),
-        )
-        return self._set_timesteps(num_steps, mu)
 
     def _forward(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor):
         """One transformer pass (one side of the CFG pair), fp32 out."""
@@ -156,13 +140,6 @@ class QwenImageAdapter(Adapter):
         v_unc = self._forward(latents, t, b["neg_prompt_embeds"], b["neg_mask"])
         v_cfg = v_unc + g * (v - v_unc)
         return v_cfg * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(v_cfg, dim=-1, keepdim=True))
-
-    def to_spatial(self, latents: torch.Tensor) -> torch.Tensor:
-        """(B, rows*cols, 4C) tokens -> (B, C, H, W)."""
-        rows, cols = self._grid()
-        b, _, c = latents.shape
-        x = latents.view(b, rows, cols, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, c // 4, rows * 2, cols * 2)
 
     def vae_decode(self, x: torch.Tensor) -> torch.Tensor:
         vc = self.vae.config
