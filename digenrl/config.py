@@ -99,14 +99,33 @@ class AlgorithmConfig(_Section):
 # -------------------------------------------------------------------------------------- reward
 class RewardTerm(_Section):
     name: str
-    weight: float = 1.0
-    args: dict[str, Any] = Field(default_factory=dict)
+    weight: float = Field(1.0, description="0 = logged only (reward/<name>), not trained on")
+    args: dict[str, Any] = Field(default_factory=dict, description="the reward's own arguments")
+
+
+class RewardServiceConfig(_Section):
+    """The reward actor's own Ray resource request (engine placements only; local runs score inline)."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0, description="> 0: the reward models go on a GPU of the cluster")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. a GPU type")
 
 
 class RewardConfig(_Section):
     components: list[RewardTerm] = Field(default_factory=lambda: [RewardTerm(name="prompt_color")], min_length=1)
-    combine: Literal["weighted_sum", "per_reward_advantage"] = "weighted_sum"
-    nan_policy: Literal["fail", "drop"] = "fail"
+    combine: Literal["weighted_sum", "per_reward_advantage"] = Field(
+        "weighted_sum", description="advantages of the weighted sum, or the weighted sum of per-reward advantages")
+    nan_policy: Literal["fail", "drop"] = Field("fail", description="drop: NaN samples get advantage 0")
+    service: RewardServiceConfig | None = Field(None, description="null = rewards run inside the rollout worker")
+
+    @field_validator("components")
+    @classmethod
+    def _unique_names(cls, terms: list[RewardTerm]) -> list[RewardTerm]:
+        names = [t.name for t in terms]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"reward '{dup}' is listed twice (each reward is logged and weighted by its name)")
+        return terms
 
 
 # ------------------------------------------------------------------------------------- prompts
@@ -181,6 +200,7 @@ class OutputConfig(_Section):
     save_samples_every: int = Field(0, ge=0, description="0 = never")
     eval_every: int = Field(0, ge=0)
     tensorboard: bool = True
+    wandb: bool = Field(False, description="also log to Weights & Biases (needs the wandb package)")
 
 
 class RunConfig(_Section):

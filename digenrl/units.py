@@ -102,16 +102,28 @@ def _timestep_selection(cfg, iteration: int, seed: int, group_ids: list[int]):
 
 
 def assign_advantages(batches: list[Samples], cfg) -> None:
-    """Group-relative advantages; with global std, over all the given batches together."""
-    alg = cfg.algorithm
-    if alg.std == "global":
-        rewards = torch.cat([b.rewards for b in batches])
-        adv = grpo.group_advantages(rewards, alg.group_size, "global", alg.adv_clip)
-        for b, a in zip(batches, adv.split([len(b) for b in batches])):
+    """Group-relative advantages; with global std, over all the given batches together.
+
+    ``reward.combine: weighted_sum`` normalises the weighted total per group;
+    ``per_reward_advantage`` (DanceGRPO / MixGRPO) normalises each component per group and sums
+    the advantages with the components' weights, clipping the sum. A sample whose total is NaN
+    (``nan_policy: drop``) gets advantage 0 and is left out of every group statistic.
+    """
+    alg, rc = cfg.algorithm, cfg.reward
+    chunks = [batches] if alg.std == "global" else [[b] for b in batches]
+    for chunk in chunks:
+        total = torch.cat([b.rewards for b in chunk]).float()
+        if rc.combine == "weighted_sum":
+            adv = grpo.group_advantages(total, alg.group_size, alg.std, alg.adv_clip)
+        else:
+            dropped = torch.isnan(total)
+            adv = torch.zeros_like(total)
+            for term in rc.components:
+                r = torch.cat([b.reward_parts[term.name] for b in chunk]).float().masked_fill(dropped, float("nan"))
+                adv += term.weight * grpo.group_advantages(r, alg.group_size, alg.std, float("inf"))
+            adv = adv.clamp(-alg.adv_clip, alg.adv_clip)
+        for b, a in zip(chunk, adv.split([len(b) for b in chunk])):
             b.advantages = a
-    else:
-        for b in batches:
-            b.advantages = grpo.group_advantages(b.rewards, alg.group_size, "per_prompt", alg.adv_clip)
 
 
 def train_unit(policy, samples: Samples, total_terms: int, tsp_rank: int = 0, tsp_degree: int = 1) -> dict:

@@ -13,10 +13,19 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std: str = "per_pro
 
     ``rewards`` is flat (num_groups * G,), grouped contiguously. ``std`` is the per-prompt std or the
     global std of the whole batch (Flow-GRPO's ``global_std``). Zero-variance groups give A = 0.
+    NaN rewards (``reward.nan_policy: drop``) get A = 0 and are left out of every mean and std;
+    a group with fewer than two scored samples gives A = 0.
     """
     r = rewards.float().view(-1, group_size)
-    centered = r - r.mean(dim=1, keepdim=True)
-    scale = r.std(dim=1, keepdim=True) if std == "per_prompt" else rewards.float().std()
+    ok = ~torch.isnan(r)
+    n = ok.sum(dim=1, keepdim=True)
+    mean = torch.where(ok, r, 0.0).sum(dim=1, keepdim=True) / n.clamp(min=1)
+    centered = torch.where(ok, r - mean, 0.0)
+    if std == "per_prompt":
+        scale = (centered.square().sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+    else:
+        scored = r[ok]
+        scale = scored.std() if scored.numel() > 1 else torch.zeros(())
     return (centered / (scale + eps)).clamp(-clip, clip).reshape(-1)
 
 

@@ -1,12 +1,18 @@
 """Rewards: a registry of scorers and their weighted combination.
 
 A reward is a callable ``(pixels, prompts, metadata) -> (N,) float tensor``; ``pixels`` are in [0,1],
-images (N,C,H,W) or videos (N,C,F,H,W). Image rewards score videos per frame (averaged) unless
-they declare ``video_native = True``.
+images (N,C,H,W) or videos (N,C,F,H,W). Image rewards score videos per frame unless they declare
+``video_native = True``: frames 0, s, 2s, ... (``frame_stride`` s, default 1 = every frame) are
+scored and their scores averaged per video.
+
+Rewards are built from ``reward.components`` (``name``, ``weight``, ``args``); every component may
+take ``frame_stride`` in its ``args``. :class:`CombinedReward` returns the weighted sum and each
+component; :meth:`CombinedReward.check` is the dry run that catches a broken reward before training.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Callable
 
@@ -27,9 +33,18 @@ def register(name: str):
     return deco
 
 
+class RewardArgError(UserError):
+    """A bad value for one of a reward's ``args``; :class:`CombinedReward` prefixes the config path."""
+
+    def __init__(self, arg: str, message: str):
+        super().__init__(f"args.{arg}: {message}")
+        self.arg, self.message = arg, message
+
+
 class Reward(ABC):
     name = ""
     video_native = False
+    frame_stride = 1  # videos: score frames 0, s, 2s, ... and average
 
     @abstractmethod
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
@@ -37,7 +52,8 @@ class Reward(ABC):
 
     def __call__(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
         metadata = metadata or [{} for _ in prompts]
-        if pixels.ndim == 5 and not self.video_native:  # video: score every frame, average per video
+        if pixels.ndim == 5 and not self.video_native:  # video: score sampled frames, average per video
+            pixels = pixels[:, :, :: self.frame_stride]
             n, c, f, h, w = pixels.shape
             frames = pixels.permute(0, 2, 1, 3, 4).reshape(n * f, c, h, w)
             rep = lambda xs: [x for x in xs for _ in range(f)]  # noqa: E731
@@ -45,37 +61,118 @@ class Reward(ABC):
         return self.score(pixels, prompts, metadata)
 
 
+def _frame_stride(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RewardArgError("frame_stride", f"must be a positive integer (got {value!r})")
+    return value
+
+
 class CombinedReward:
-    """Weighted sum of the configured components; also returns each component for logging."""
+    """Weighted sum of the configured components; also returns each component for logging.
+
+    ``__call__`` returns ``(total, parts)``: CPU float tensors, ``parts`` keyed by reward name.
+    A NaN score fails (``nan_policy: fail``) or is passed on (``drop``: the total is NaN too, and
+    advantages leave the sample out); an infinite score, a wrong shape or a non-tensor always fail.
+    ``last_timings`` holds the seconds each component took in the latest call.
+    """
 
     def __init__(self, cfg: RewardConfig):
-        self.terms = []
-        for term in cfg.components:
+        self.terms: list[tuple[str, float, Reward]] = []
+        for i, term in enumerate(cfg.components):
+            where = f"reward.components.{i}"
             if term.name not in REWARDS:
-                raise UserError(f"reward.components: unknown reward '{term.name}' (available: {', '.join(sorted(REWARDS))})")
+                raise UserError(f"{where}: unknown reward '{term.name}' (available: {', '.join(sorted(REWARDS))})")
+            args = dict(term.args)
             try:
-                self.terms.append((term.name, term.weight, REWARDS[term.name](**term.args)))
+                stride = _frame_stride(args.pop("frame_stride", 1))
+                fn = REWARDS[term.name](**args)
+            except RewardArgError as exc:
+                raise UserError(f"{where}.args.{exc.arg}: reward '{term.name}': {exc.message}") from None
             except TypeError as exc:
-                raise UserError(f"reward.components.{term.name}.args: {exc}") from None
+                raise UserError(f"{where}.args: reward '{term.name}': {exc}") from None
+            fn.frame_stride = stride
+            self.terms.append((term.name, term.weight, fn))
         self.nan_policy = cfg.nan_policy
+        self.last_timings: dict[str, float] = {}
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {name: w for name, w, _ in self.terms}
 
     def __call__(self, pixels, prompts, metadata=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        parts = {}
+        parts, timings = {}, {}
         for name, _, fn in self.terms:
-            r = fn(pixels, prompts, metadata).float().cpu()
-            if r.shape != (len(prompts),):
-                raise UserError(f"reward '{name}' returned shape {tuple(r.shape)}, expected ({len(prompts)},)")
-            if torch.isnan(r).any() and self.nan_policy == "fail":
-                raise UserError(f"reward '{name}' returned NaN for {int(torch.isnan(r).sum())} samples "
-                                "(set reward.nan_policy=drop to skip them)")
-            parts[name] = r
+            t0 = time.perf_counter()
+            r = fn(pixels, prompts, metadata)
+            timings[name] = time.perf_counter() - t0
+            parts[name] = self._validated(name, r, len(prompts), self.nan_policy)
+        self.last_timings = timings
         total = sum(w * parts[name] for name, w, _ in self.terms)
         return total, parts
 
+    @staticmethod
+    def _validated(name: str, r, n: int, nan_policy: str, context: str = "") -> torch.Tensor:
+        if not isinstance(r, torch.Tensor):
+            raise UserError(f"reward '{name}'{context} returned {type(r).__name__}, expected a tensor of shape ({n},)")
+        r = r.detach().float().cpu()
+        if r.shape != (n,):
+            raise UserError(f"reward '{name}'{context} returned shape {tuple(r.shape)}, expected ({n},)")
+        if torch.isinf(r).any():
+            raise UserError(f"reward '{name}'{context} returned inf for {int(torch.isinf(r).sum())} of {n} samples")
+        nans = int(torch.isnan(r).sum())
+        if nans and (nan_policy == "fail" or nans == n):
+            hint = " (set reward.nan_policy=drop to skip them)" if nan_policy == "fail" else ""
+            raise UserError(f"reward '{name}'{context} returned NaN for {nans} of {n} samples{hint}")
+        return r
+
+    def check(self, prompts: list[str], shape: tuple[int, ...], metadata: list[dict] | None = None,
+              n: int = 2, seed: int = 0) -> dict[str, float]:
+        """Dry run before training: score ``n`` random samples of one sample's pixel ``shape``
+        ((C,H,W) or (C,F,H,W), as the adapter decodes) with the run's own prompts.
+
+        Raises a UserError naming the reward that crashes, returns the wrong shape, inf, or NaN
+        (any NaN with ``nan_policy: fail``; NaN for every sample with ``drop``). Returns the
+        seconds each component took.
+        """
+        if not prompts:
+            raise ValueError("check needs at least one prompt")
+        pixels = torch.rand((n, *shape), generator=torch.Generator().manual_seed(seed))
+        texts = [prompts[i % len(prompts)] for i in range(n)]
+        metas = [(metadata or [{}] * len(prompts))[i % len(prompts)] for i in range(n)]
+        context = f" in its dry run on {n} random samples of shape {tuple(shape)}"
+        timings = {}
+        for i, (name, _, fn) in enumerate(self.terms):
+            t0 = time.perf_counter()
+            try:
+                r = fn(pixels, texts, metas)
+            except UserError as exc:
+                raise UserError(f"reward.components.{i}: reward '{name}' failed{context}: {exc}") from None
+            except Exception as exc:  # a reward that cannot score the run's samples: stop before training
+                raise UserError(f"reward.components.{i}: reward '{name}' failed{context}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+            timings[name] = time.perf_counter() - t0
+            self._validated(name, r, n, self.nan_policy, context)
+        return timings
+
+
+def reward_metrics(rewards: torch.Tensor, parts: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Metrics of an iteration's rewards that NaN (``nan_policy: drop``) cannot poison:
+    ``reward_mean`` / ``reward_std`` / ``reward/<name>`` over the scored samples, ``reward_nan``
+    the number of dropped ones."""
+    rewards = rewards.float()
+    ok = ~torch.isnan(rewards)
+    kept = rewards[ok]
+    row = {
+        "reward_mean": kept.mean().item() if len(kept) else float("nan"),
+        "reward_std": kept.std().item() if len(kept) > 1 else 0.0,
+        "reward_nan": int((~ok).sum()),
+    }
+    for name, r in parts.items():
+        row[f"reward/{name}"] = r.float().nanmean().item()
+    return row
+
 
 def build_reward(cfg: RewardConfig) -> CombinedReward:
-    from digenrl.rewards import basic  # noqa: F401  (registers the weight-free rewards)
+    from digenrl.rewards import basic, clip_models  # noqa: F401  (registers the rewards; models load lazily)
 
     return CombinedReward(cfg)
-
-

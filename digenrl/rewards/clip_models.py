@@ -1,0 +1,274 @@
+"""Model rewards on a CLIP backbone, loaded from a local ``from_pretrained`` directory (never a hub).
+
+| reward | score | range |
+|---|---|---|
+| ``clipscore`` | CLIPScore (Hessel et al. 2021): ``w * max(cos(image, prompt), 0)``, w = 2.5 | [0, w] |
+| ``pickscore`` | PickScore (Kirstain et al. 2023): ``logit_scale.exp() * cos(image, prompt)`` | [-s, s], s ~ 100 |
+| ``aesthetic`` | LAION aesthetic predictor: MLP head on the L2-normalised CLIP image embedding | ~ [1, 10] |
+
+Common ``args``: ``path`` (a directory with a transformers ``CLIPModel``, its tokenizer and, when
+present, ``preprocessor_config.json``), ``processor_path`` (tokenizer / preprocessor config from
+another directory, e.g. PickScore's weights with the CLIP-ViT-H-14 processor), ``batch_size``
+(images per forward), ``device`` (``auto`` | ``cpu`` | ``cuda[:i]``), ``dtype``.
+
+Images arrive as float NCHW in [0,1] and are preprocessed with torch ops on the model's device, as
+the CLIP processor does: bicubic resize of the shortest edge (antialiased), centre crop, normalise
+with the processor's mean / std (OpenAI CLIP's when the directory has no preprocessor config).
+Prompts are embedded once per distinct prompt in a call (a group's G samples share one).
+Models sharing a directory, device and dtype (e.g. ``clipscore`` and ``aesthetic`` on ViT-L/14)
+are loaded once.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from digenrl.rewards import Reward, RewardArgError, register
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise RewardArgError("device", f"not a torch device: {name!r} (auto, cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RewardArgError("device", f"{name!r} asked for, but CUDA is not available here")
+    return dev
+
+
+class ClipBackbone:
+    """A CLIPModel, its tokenizer and its image preprocessing, on one device."""
+
+    def __init__(self, path: Path, processor_path: Path, device: torch.device, dtype: torch.dtype):
+        from transformers import AutoTokenizer, CLIPModel
+
+        try:
+            self.model = CLIPModel.from_pretrained(path).to(device=device, dtype=dtype).eval()
+        except (OSError, ValueError, KeyError) as exc:
+            raise RewardArgError("path", f"{path} is not a loadable CLIPModel directory ({exc})") from None
+        self.model.requires_grad_(False)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(processor_path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            arg = "path" if processor_path == path else "processor_path"
+            raise RewardArgError(arg, f"no CLIP tokenizer in {processor_path} ({exc})") from None
+        self.device, self.dtype = device, dtype
+        self.max_length = self.model.config.text_config.max_position_embeddings
+        self._read_preprocessing(processor_path)
+
+    def _read_preprocessing(self, where: Path) -> None:
+        """Resize / crop / normalisation from the processor's own config (CLIPImageProcessor keys)."""
+        side = self.model.config.vision_config.image_size
+        file = where / "preprocessor_config.json"
+        pp = json.loads(file.read_text()) if file.is_file() else {}
+        size, crop = pp.get("size", side), pp.get("crop_size", side)
+        self.resize = pp.get("do_resize", True)
+        if isinstance(size, dict):
+            size = size.get("shortest_edge") or (size["height"], size["width"])
+        self.size = size  # int: shortest edge; (h, w): exact
+        self.crop = (crop, crop) if isinstance(crop, int) else (crop["height"], crop["width"])
+        self.do_crop = pp.get("do_center_crop", True)
+        self.normalize = pp.get("do_normalize", True)
+        self.mean = torch.tensor(pp.get("image_mean", OPENAI_CLIP_MEAN), device=self.device).view(1, -1, 1, 1)
+        self.std = torch.tensor(pp.get("image_std", OPENAI_CLIP_STD), device=self.device).view(1, -1, 1, 1)
+
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        """(n,3,H,W) in [0,1] -> CLIP pixel_values on the model's device and dtype."""
+        if images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"CLIP rewards take RGB images (n,3,H,W), got shape {tuple(images.shape)}")
+        x = images.to(self.device, torch.float32)
+        if self.resize:
+            h, w = x.shape[-2:]
+            if isinstance(self.size, int):  # shortest edge -> size, keep the aspect ratio
+                out = (self.size, int(self.size * w / h)) if h <= w else (int(self.size * h / w), self.size)
+            else:
+                out = tuple(self.size)
+            if out != (h, w):
+                x = F.interpolate(x, size=out, mode="bicubic", align_corners=False, antialias=True).clamp(0, 1)
+        if self.do_crop:
+            h, w = x.shape[-2:]
+            ch, cw = self.crop
+            if h < ch or w < cw:  # as the processor does: pad a too-small image with zeros
+                ph, pw = max(ch - h, 0), max(cw - w, 0)
+                x = F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2))
+                h, w = x.shape[-2:]
+            top, left = (h - ch) // 2, (w - cw) // 2
+            x = x[..., top : top + ch, left : left + cw]
+        if self.normalize:
+            x = (x - self.mean) / self.std
+        return x.to(self.dtype)
+
+    @torch.no_grad()
+    def image_embeds(self, images: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """L2-normalised projected image embeddings (n, projection_dim), fp32."""
+        out = []
+        for chunk in images.split(batch_size):
+            pooled = self.model.vision_model(pixel_values=self.preprocess(chunk)).pooler_output
+            out.append(F.normalize(self.model.visual_projection(pooled).float(), dim=-1))
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def text_embeds(self, prompts: list[str], batch_size: int) -> torch.Tensor:
+        """L2-normalised projected text embeddings, one per prompt (each distinct prompt encoded once)."""
+        unique = list(dict.fromkeys(prompts))
+        out = []
+        for i in range(0, len(unique), batch_size):
+            tok = self.tokenizer(unique[i : i + batch_size], padding="max_length", truncation=True,
+                                 max_length=self.max_length, return_tensors="pt").to(self.device)
+            pooled = self.model.text_model(input_ids=tok["input_ids"],
+                                           attention_mask=tok["attention_mask"]).pooler_output
+            out.append(F.normalize(self.model.text_projection(pooled).float(), dim=-1))
+        row = {p: i for i, p in enumerate(unique)}
+        return torch.cat(out)[[row[p] for p in prompts]]
+
+
+_LOADED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def load_backbone(path, processor_path=None, device: str = "auto", dtype: str = "float32") -> ClipBackbone:
+    """Checks the arguments (errors name the arg) and loads, or reuses, the backbone."""
+    if path is None:
+        raise RewardArgError("path", "required: a local directory with the CLIP weights (from_pretrained layout)")
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise RewardArgError("path", f"weights directory {path} not found")
+    if not (path / "config.json").is_file():
+        raise RewardArgError("path", f"{path} has no config.json (expected a transformers CLIPModel directory)")
+    proc = Path(processor_path).expanduser() if processor_path is not None else path
+    if not proc.is_dir():
+        raise RewardArgError("processor_path", f"directory {proc} not found")
+    if dtype not in DTYPES:
+        raise RewardArgError("dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+    dev = _device(device)
+    key = (str(path.resolve()), str(proc.resolve()), str(dev), dtype)
+    backbone = _LOADED.get(key)
+    if backbone is None:
+        backbone = _LOADED[key] = ClipBackbone(path, proc, dev, DTYPES[dtype])
+    return backbone
+
+
+class _ClipReward(Reward):
+    """Shared loading, batching and video handling; subclasses turn embeddings into scores."""
+
+    def __init__(self, path=None, processor_path=None, batch_size: int = 16, device: str = "auto",
+                 dtype: str = "float32", frame_stride: int = 1):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise RewardArgError("batch_size", f"must be a positive integer (got {batch_size!r})")
+        if isinstance(frame_stride, bool) or not isinstance(frame_stride, int) or frame_stride < 1:
+            raise RewardArgError("frame_stride", f"must be a positive integer (got {frame_stride!r})")
+        self.backbone = load_backbone(path, processor_path, device, dtype)
+        self.batch_size, self.frame_stride = batch_size, frame_stride
+
+    @property
+    def device(self) -> torch.device:
+        return self.backbone.device
+
+    def cosine(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        img = self.backbone.image_embeds(images, self.batch_size)
+        txt = self.backbone.text_embeds(prompts, self.batch_size)
+        return (img * txt).sum(dim=-1)
+
+
+@register("clipscore")
+class ClipScore(_ClipReward):
+    """CLIPScore: ``w * max(cos, 0)`` with w = 2.5 (Hessel et al. 2021); in [0, w]."""
+
+    def __init__(self, w: float = 2.5, **kwargs):
+        super().__init__(**kwargs)
+        self.w = float(w)
+
+    def score(self, images, prompts, metadata):
+        return (self.w * self.cosine(images, prompts).clamp(min=0)).cpu()
+
+
+@register("pickscore")
+class PickScore(_ClipReward):
+    """PickScore: the fine-tuned CLIP's ``logit_scale.exp()`` times the image-prompt cosine
+    (Flow-GRPO trains on it divided by 26: set the component's weight accordingly)."""
+
+    def score(self, images, prompts, metadata):
+        scale = self.backbone.model.logit_scale.detach().float().exp()
+        return (scale * self.cosine(images, prompts)).cpu()
+
+
+LAION_HIDDEN = (1024, 128, 64, 16)  # the LAION improved aesthetic predictor's MLP, on ViT-L/14's 768-d embedding
+LAION_DROPOUT = (0.2, 0.2, 0.1, 0.0)
+
+
+class AestheticHead(nn.Module):
+    """in_dim -> 1024 -> 128 -> 64 -> 16 -> 1, purely linear (with dropout between, as trained).
+    Layer indices 0, 2, 4, 6, 7 match the published ``layers.N.weight`` state-dict keys."""
+
+    def __init__(self, in_dim: int):
+        super().__init__()
+        layers: list[nn.Module] = []
+        dims = (in_dim, *LAION_HIDDEN)
+        for i, p in enumerate(LAION_DROPOUT):
+            layers.append(nn.Linear(dims[i], dims[i + 1]))
+            if p:
+                layers.append(nn.Dropout(p))
+        layers.append(nn.Linear(LAION_HIDDEN[-1], 1))
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def load_head_state(head) -> dict[str, torch.Tensor]:
+    if head is None:
+        raise RewardArgError("head", "required: the MLP head's weights (.safetensors, .pt or .pth)")
+    head = Path(head).expanduser()
+    if not head.is_file():
+        raise RewardArgError("head", f"head weights file {head} not found")
+    try:
+        if head.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(head)
+        else:
+            state = torch.load(head, map_location="cpu", weights_only=True)
+    except Exception as exc:  # corrupt / not a weights file
+        raise RewardArgError("head", f"cannot read {head} ({type(exc).__name__}: {exc})") from None
+    if isinstance(state, dict) and "state_dict" in state:
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise RewardArgError("head", f"{head} does not hold a state dict of tensors")
+    return {k if k.startswith("layers.") else f"layers.{k}": v for k, v in state.items()}
+
+
+@register("aesthetic")
+class Aesthetic(_ClipReward):
+    """LAION-style aesthetic predictor: the MLP ``head`` (a local file) on the L2-normalised CLIP
+    image embedding; its input size is the CLIP projection size (768 for ViT-L/14)."""
+
+    def __init__(self, head=None, **kwargs):
+        state = load_head_state(head)
+        super().__init__(**kwargs)
+        in_dim = self.backbone.model.config.projection_dim
+        self.head = AestheticHead(in_dim)
+        try:
+            self.head.load_state_dict(state)
+        except RuntimeError as exc:
+            first = state.get("layers.0.weight")
+            got = f" (its first layer takes {first.shape[-1]} features)" if first is not None and first.ndim == 2 else ""
+            mlp = "->".join(map(str, (in_dim, *LAION_HIDDEN, 1)))
+            raise RewardArgError("head", f"{head} does not fit the MLP {mlp} on this CLIP's {in_dim}-d "
+                                 f"embedding{got}: {str(exc).splitlines()[0]}") from None
+        self.head.to(self.device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def score(self, images, prompts, metadata):
+        emb = self.backbone.image_embeds(images, self.batch_size)
+        return self.head(emb).squeeze(-1).float().cpu()

@@ -1,0 +1,200 @@
+"""Rewards served apart from the rollout workers: a Ray actor and the client a worker holds.
+
+    worker: pixels = decode(...) -> ref = client.submit(pixels, prompts, metas) -> go on sampling
+            ... later: total, parts = client.result(ref)   (or hand ``ref`` on: it is an ObjectRef)
+
+- :class:`RewardActor` holds one :class:`~digenrl.rewards.CombinedReward` with its own resource
+  request (``reward.service``: a CPU fraction, a GPU of the cluster, custom resources). It is a
+  threaded actor: calls from many workers queue on one lock (so models are never run twice at
+  once), while ``stats()`` answers at any time with per-reward latency and the queue depth.
+- :class:`RewardClient` submits to the actor and returns at once; :class:`InlineRewardClient` has
+  the same interface and scores in the caller's process (no Ray: ``placement.mode: local`` or
+  ``reward.service: null``). Both are also plain reward functions: ``client(pixels, prompts, metas)``
+  blocks and returns ``(total, parts)``, as :class:`CombinedReward` does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+from digenrl.config import RewardConfig
+from digenrl.errors import UserError
+from digenrl.rewards import CombinedReward, build_reward
+
+ACTOR_CONCURRENCY = 16  # threads: calls waiting on the scoring lock (= observable queue) + stats()
+
+
+class _Latency:
+    """Per-reward latency and call counts, shared by the actor and the inline client."""
+
+    def __init__(self):
+        self.calls = self.samples = 0
+        self.seconds = 0.0
+        self.per_reward: dict[str, dict] = {}
+
+    def record(self, n: int, seconds: float, timings: dict[str, float]) -> None:
+        self.calls += 1
+        self.samples += n
+        self.seconds += seconds
+        for name, s in timings.items():
+            r = self.per_reward.setdefault(name, {"calls": 0, "total_s": 0.0, "max_s": 0.0, "last_s": 0.0})
+            r["calls"] += 1
+            r["total_s"] += s
+            r["max_s"] = max(r["max_s"], s)
+            r["last_s"] = s
+
+    def as_dict(self) -> dict:
+        per = {name: {**r, "mean_s": r["total_s"] / r["calls"]} for name, r in self.per_reward.items()}
+        return {"calls": self.calls, "samples": self.samples, "busy_s": self.seconds, "rewards": per}
+
+
+class RewardActor:
+    """Plain class; :func:`start_reward_actor` wraps it with ``ray.remote`` and its resources."""
+
+    def __init__(self, cfg: RewardConfig):
+        self.init_error = None  # raised from ready(): Ray hands the caller the exception itself
+        try:
+            self.reward: CombinedReward = build_reward(cfg)
+        except UserError as exc:
+            self.init_error = exc
+        self.lock, self.mu = threading.Lock(), threading.Lock()
+        self.waiting = self.max_waiting = 0
+        self.latency = _Latency()
+
+    def ready(self) -> list[str]:
+        if self.init_error is not None:
+            raise self.init_error
+        return [name for name, _, _ in self.reward.terms]
+
+    def score(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None):
+        """One batch of decoded samples -> ``(total, parts)`` (CPU tensors)."""
+        with self.mu:
+            self.waiting += 1
+            self.max_waiting = max(self.max_waiting, self.waiting)
+        with self.lock:
+            with self.mu:
+                self.waiting -= 1
+            t0 = time.perf_counter()
+            total, parts = self.reward(pixels, prompts, metadata)
+            self.latency.record(len(prompts), time.perf_counter() - t0, self.reward.last_timings)
+        return total, parts
+
+    def check(self, prompts: list[str], shape: tuple[int, ...], metadata: list[dict] | None = None) -> dict:
+        with self.lock:
+            return self.reward.check(prompts, shape, metadata)
+
+    def stats(self) -> dict:
+        """Per-reward latency (calls, mean / max / last / total seconds), samples scored, and the
+        queue depth: calls waiting for the models now and at most so far."""
+        with self.mu:
+            depth, peak = self.waiting, self.max_waiting
+        return {**self.latency.as_dict(), "queue_depth": depth, "max_queue_depth": peak}
+
+
+def start_reward_actor(cfg: RewardConfig, name: str | None = None):
+    """Start the reward actor on the connected Ray cluster with ``cfg.service``'s resources and
+    wait until its models are loaded (a bad reward config raises its UserError here)."""
+    import ray
+
+    svc = cfg.service
+    opts = {"max_concurrency": ACTOR_CONCURRENCY}
+    if svc is not None:
+        opts.update(num_cpus=svc.num_cpus, num_gpus=svc.num_gpus)
+        if svc.resources:
+            opts["resources"] = dict(svc.resources)
+    if name is not None:
+        opts["name"] = name
+    handle = ray.remote(RewardActor).options(**opts).remote(cfg)
+    try:
+        _get(handle.ready.remote())
+    except BaseException:
+        ray.kill(handle)
+        raise
+    return handle
+
+
+def _get(ref, timeout: float | None = None):
+    """ray.get, with a UserError raised inside the actor re-raised as itself."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, UserError):
+            raise cause from None
+        raise
+
+
+class RewardClient:
+    """A rollout worker's handle on the reward actor: ``submit`` returns an ObjectRef at once."""
+
+    def __init__(self, actor):
+        self.actor = actor
+        self.pending: list = []
+
+    def submit(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None):
+        ref = self.actor.score.remote(pixels.detach().cpu(), list(prompts), metadata)
+        self.pending.append(ref)
+        return ref
+
+    def result(self, ref, timeout: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return _get(ref, timeout)
+
+    def __call__(self, pixels, prompts, metadata=None):
+        return self.result(self.submit(pixels, prompts, metadata))
+
+    def in_flight(self) -> int:
+        """This client's submissions not yet scored."""
+        import ray
+
+        if self.pending:
+            _, self.pending = ray.wait(self.pending, num_returns=len(self.pending), timeout=0)
+        return len(self.pending)
+
+    def check(self, prompts, shape, metadata=None) -> dict:
+        return _get(self.actor.check.remote(prompts, tuple(shape), metadata))
+
+    def stats(self) -> dict:
+        return {**_get(self.actor.stats.remote()), "in_flight": self.in_flight()}
+
+
+class InlineRewardClient:
+    """The same interface without Ray: scores in this process when submitted."""
+
+    def __init__(self, reward: CombinedReward):
+        self.reward = reward
+        self.latency = _Latency()
+
+    def submit(self, pixels, prompts, metadata=None) -> Future:
+        fut: Future = Future()
+        try:
+            t0 = time.perf_counter()
+            out = self.reward(pixels, prompts, metadata)
+            self.latency.record(len(prompts), time.perf_counter() - t0, self.reward.last_timings)
+            fut.set_result(out)
+        except Exception as exc:  # kept in the future, raised by result(), as a remote call would
+            fut.set_exception(exc)
+        return fut
+
+    def result(self, fut: Future, timeout: float | None = None):
+        return fut.result(timeout)
+
+    def __call__(self, pixels, prompts, metadata=None):
+        return self.result(self.submit(pixels, prompts, metadata))
+
+    def check(self, prompts, shape, metadata=None) -> dict:
+        return self.reward.check(prompts, shape, metadata)
+
+    def stats(self) -> dict:
+        return {**self.latency.as_dict(), "queue_depth": 0, "max_queue_depth": 0, "in_flight": 0}
+
+
+def reward_client(cfg: RewardConfig, actor=None) -> RewardClient | InlineRewardClient:
+    """The client for a worker: on ``actor`` (a handle from :func:`start_reward_actor`) when
+    given, else inline."""
+    return RewardClient(actor) if actor is not None else InlineRewardClient(build_reward(cfg))
