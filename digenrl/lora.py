@@ -80,5 +80,11 @@ def save_lora(adapter, directory: Path) -> Path:
 
     pipeline_cls = getattr(diffusers, adapter.pipeline_class)
     directory.mkdir(parents=True, exist_ok=True)
-    pipeline_cls.save_lora_weights(directory, transformer_lora_layers=lora_state_dict(adapter.transformer))
+    # the adapter's own rank / alpha / targets travel in the file's metadata: without them
+    # load_lora_weights guesses alpha = rank and scales the trained update by rank/alpha
+    peft_cfg = adapter.transformer.peft_config["default"]
+    metadata = {"r": peft_cfg.r, "lora_alpha": peft_cfg.lora_alpha, "lora_dropout": peft_cfg.lora_dropout,
+                "target_modules": sorted(peft_cfg.target_modules), "bias": "none"}
+    pipeline_cls.save_lora_weights(directory, transformer_lora_layers=lora_state_dict(adapter.transformer),
+                                   transformer_lora_adapter_metadata=metadata)
     return directory / "pytorch_lora_weights.safetensors"

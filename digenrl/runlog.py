@@ -1,9 +1,20 @@
-"""The run directory (DESIGN.md §6): resolved config, metrics.jsonl, final weights."""
+"""The run directory (DESIGN.md §6): resolved config, metrics.jsonl, TensorBoard events, optional W&B.
+
+``metrics.jsonl`` is the machine-readable record (one JSON object per iteration). Every numeric
+key of a row also goes to TensorBoard (``tensorboard/``, when ``output.tensorboard``) and to
+Weights & Biases (when ``output.wandb`` and the ``wandb`` package is importable), at step
+``row["iteration"]``.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from digenrl.config import RunConfig
@@ -14,8 +25,37 @@ def default_run_dir(cfg: RunConfig) -> Path:
     return Path("runs") / f"{cfg.output.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def check_writable(path: Path, what: str) -> None:
+    """Raise a one-line UserError unless ``path`` (or the nearest existing folder above it) is writable."""
+    path = Path(path)
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise UserError(f"{what}: {path} is not writable ({probe} is a file, not a directory)")
+    try:  # create nothing that stays: a probe file in the nearest existing folder
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise UserError(f"{what}: {path} is not writable ({exc.strerror or exc} in {probe})") from None
+
+
+def numeric_items(row: dict):
+    """(key, float) for every number of a metrics row except the step counter itself."""
+    for k, v in row.items():
+        if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            yield k, float(v)
+
+
 class RunDir:
-    def __init__(self, cfg: RunConfig, path: Path | None = None):
+    """Opens (or reopens) a run directory for writing.
+
+    ``history``: on resume, the rows of the iterations before the checkpoint; ``metrics.jsonl`` is
+    rewritten to exactly those (dropping rows logged after the checkpoint by the interrupted run)
+    and new rows are appended. TensorBoard drops its events from that step on as well.
+    """
+
+    def __init__(self, cfg: RunConfig, path: Path | None = None, history: list[dict] | None = None):
         self.path = Path(path or cfg.output.run_dir or default_run_dir(cfg))
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -25,14 +65,57 @@ class RunDir:
         except OSError as exc:
             raise UserError(f"output.run_dir: {self.path} is not writable ({exc.strerror})") from None
         (self.path / "config.yaml").write_text(cfg.dump_yaml())
-        self._metrics = open(self.path / "metrics.jsonl", "a")
+        metrics = self.path / "metrics.jsonl"
+        start = None
+        if history is not None:
+            tmp = metrics.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
+            os.replace(tmp, metrics)
+            start = history[-1]["iteration"] + 1 if history else 0
+        self._metrics = open(metrics, "a")
+        self._tb = self._open_tensorboard(start) if cfg.output.tensorboard else None
+        self._wandb = self._open_wandb(cfg) if cfg.output.wandb else None
+
+    def _open_tensorboard(self, purge_step: int | None):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            print("warning: output.tensorboard is on but the tensorboard package is not installed "
+                  "(pip install tensorboard); logging to metrics.jsonl only", file=sys.stderr)
+            return None
+        return SummaryWriter(str(self.path / "tensorboard"), purge_step=purge_step, flush_secs=10)
+
+    def _open_wandb(self, cfg: RunConfig):
+        try:
+            import wandb
+        except ImportError:
+            print("warning: output.wandb is on but the wandb package is not installed; skipping W&B",
+                  file=sys.stderr)
+            return None
+        id_file = self.path / "wandb-id"  # the same W&B run across resumes
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        id_file.write_text(run_id)
+        return wandb.init(project="digenrl", name=self.path.name, id=run_id, resume="allow", dir=str(self.path),
+                          config=cfg.model_dump(mode="json"))
 
     def log(self, row: dict) -> None:
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
+        step = int(row.get("iteration", 0))
+        if self._tb is not None:
+            for k, v in numeric_items(row):
+                self._tb.add_scalar(k, v, global_step=step)
+        if self._wandb is not None:
+            self._wandb.log(dict(numeric_items(row)), step=step)
 
     def close(self) -> None:
         self._metrics.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 def read_metrics(path: Path) -> list[dict]:

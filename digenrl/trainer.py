@@ -3,10 +3,16 @@
     for each iteration:
         sample prompts -> rollout units (generate, decode, score) -> group advantages
         -> train units (accumulate gradients) -> one optimizer step -> log
+        [-> eval every output.eval_every] [-> checkpoint every output.checkpoint_every]
+
+Resume (``LocalTrainer(cfg, resume=RUN_OR_CHECKPOINT)``) is exact: the randomness of iteration k
+is derived from (seed, k, group) and the prompts of k from (seed, k), so restoring weights,
+optimizer state, version and RNG states reproduces the uninterrupted run iteration for iteration.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,13 +20,14 @@ from typing import Callable
 
 import torch
 
+from digenrl.checkpoint import CheckpointState, find_checkpoint, load_checkpoint, save_checkpoint
 from digenrl.config import RunConfig
 from digenrl.lora import save_lora
 from digenrl.policy import Policy
 from digenrl.prompts import PromptSampler, load_prompts
-from digenrl.rewards import build_reward
+from digenrl.rewards import build_reward, reward_metrics
 from digenrl.runlog import RunDir
-from digenrl.units import Samples, assign_advantages, merge_stats, rollout_unit, train_unit
+from digenrl.units import Samples, assign_advantages, merge_stats, preflight_reward, rollout_unit, train_unit
 
 
 @dataclass
@@ -32,13 +39,20 @@ class RunResult:
 class LocalTrainer:
     """Everything in this process: one policy that both samples and trains."""
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, resume: Path | None = None):
+        """``resume``: a run directory (its latest complete checkpoint) or a checkpoint directory."""
         self.cfg = cfg
         torch.manual_seed(cfg.train.seed)
         # build (and so validate) everything before anything is written
         self.prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed)
         self.reward = build_reward(cfg.reward)
         self.policy = Policy(cfg)
+        preflight_reward(self.reward, self.policy.adapter, self.prompts.prompts)
+        self.start_iteration = 0
+        self.resumed: CheckpointState | None = None
+        if resume is not None:  # weights, version, optimizer and RNG states (refused if it does not fit)
+            self.resumed = load_checkpoint(find_checkpoint(resume), self.policy)
+            self.start_iteration = self.resumed.iteration
 
     def rollout(self, iteration: int) -> list[Samples]:
         cfg = self.cfg
@@ -64,17 +78,40 @@ class LocalTrainer:
         if (every and it % every == 0) or last:
             save_iteration_samples(run_dir, it, self.last_units)
 
+    def evaluate(self) -> dict:
+        """``eval/<reward>`` means of the current weights over the whole prompt set (ODE, fixed seeds)."""
+        from digenrl.evaluate import evaluate_policy
+
+        if not hasattr(self, "_eval_prompts"):
+            self._eval_prompts = load_prompts(self.cfg.prompts)
+        return evaluate_policy(self.policy, self.reward, self._eval_prompts).metrics()
+
     def run(self, run_dir: Path | None = None, on_iteration: Callable[[dict], None] | None = None) -> RunResult:
-        out = RunDir(self.cfg, run_dir)
-        rows = []
+        """Iterations ``start_iteration .. train.iterations-1``; a resumed run continues in the
+        checkpoint's run directory (unless ``run_dir`` forks it elsewhere) and appends to its metrics."""
+        cfg, out_cfg = self.cfg, self.cfg.output
+        history = None
+        if self.resumed is not None:
+            source = self.resumed.run_dir
+            run_dir = run_dir or source
+            history = [r for r in _read_rows(source) if r.get("iteration", -1) < self.start_iteration] if source else []
+            if self.start_iteration >= cfg.train.iterations:  # finished already: nothing to do
+                return RunResult(Path(run_dir) if run_dir else self.resumed.path, history)
+        out = RunDir(cfg, run_dir, history=history)
+        rows = list(history or [])
         try:
-            for it in range(self.cfg.train.iterations):
+            for it in range(self.start_iteration, cfg.train.iterations):
                 row = self.iteration(it)
+                done = it + 1  # iterations completed = the version a resume starts from
+                if out_cfg.eval_every and done % out_cfg.eval_every == 0:
+                    row.update(self.evaluate())
                 rows.append(row)
                 out.log(row)
                 if on_iteration:
                     on_iteration(row)
                 self.maybe_save_samples(out.path, it, row)
+                if (out_cfg.checkpoint_every and done % out_cfg.checkpoint_every == 0) or done == cfg.train.iterations:
+                    save_checkpoint(out.path, self.policy, done, cfg, keep_last=out_cfg.keep_last)
             if self.policy.lora:
                 save_lora(self.policy.adapter, out.path / "final")
             else:
@@ -85,6 +122,19 @@ class LocalTrainer:
         finally:
             out.close()
         return RunResult(out.path, rows)
+
+
+def _read_rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl rows, skipping a line cut short by a crash."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
 
 
 def save_iteration_samples(run_dir: Path, iteration: int, units: list[Samples]) -> Path:
@@ -99,20 +149,18 @@ def save_iteration_samples(run_dir: Path, iteration: int, units: list[Samples]) 
 
 def iteration_metrics(iteration: int, version: int, units: list[Samples], stats: dict, wall: float, **extra) -> dict:
     rewards = torch.cat([u.rewards for u in units])
+    parts = {name: torch.cat([u.reward_parts[name] for u in units]) for name in units[0].reward_parts}
     n = len(rewards)
     row = {
         "iteration": iteration,
         "version": version,
-        "reward_mean": rewards.mean().item(),
-        "reward_std": rewards.std().item(),
+        **reward_metrics(rewards, parts),  # reward_mean / reward_std / reward/<name>, NaN-safe
         "loss": stats.pop("loss"),
         "samples": n,
         "wall_s": wall,
         "samples_per_s": n / wall,
         "bubble_fraction": 0.0,
     }
-    for name in units[0].reward_parts:
-        row[f"reward/{name}"] = torch.cat([u.reward_parts[name] for u in units]).mean().item()
     row.update(stats)
     row.update(extra)
     return row

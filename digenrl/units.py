@@ -86,6 +86,15 @@ def rollout_unit(policy, reward_fn, prompts: list[Prompt], group_ids: list[int],
     )
 
 
+def preflight_reward(reward_fn, adapter, prompts: list[Prompt]) -> dict[str, float]:
+    """Dry-run the rewards on two random samples of the adapter's decoded shape, before training:
+    a reward that crashes, or returns NaN / inf / the wrong shape, fails here naming itself."""
+    with torch.no_grad():
+        shape = tuple(adapter.decode(torch.zeros(1, *adapter.latent_shape(), device=adapter.device))[0].shape)
+    head = prompts[:2]
+    return reward_fn.check([p.text for p in head], shape, [p.meta for p in head])
+
+
 def _timestep_selection(cfg, iteration: int, seed: int, group_ids: list[int]):
     """SDE steps (shared by the whole iteration) and trained steps per sample (per group's own seed)."""
     ts, n_steps, G = cfg.algorithm.timesteps, cfg.sampling.steps, cfg.algorithm.group_size

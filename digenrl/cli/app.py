@@ -35,12 +35,20 @@ def train(
     set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help="Override: dotted.key=value (repeatable)."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run directory (default runs/<name>-<time>)."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Join an existing Ray cluster."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help=(
+        "Continue RUN_DIR from its latest complete checkpoint, or from CHECKPOINT_DIR; the config is the "
+        "checkpoint's unless -c, with --set on top (e.g. train.iterations=N to extend the run).")),
 ):
     """Train with online RL. With no arguments: the tiny FLUX colour demo on this CPU."""
     from digenrl.cli.train import run_train
 
+    if resume is not None:
+        from digenrl.checkpoint import find_checkpoint
+
+        resume = find_checkpoint(resume)
+        config = config or resume / "config.yaml"
     cfg = _load(config, set_)
-    run_train(cfg, run_dir, ray_address, console)
+    run_train(cfg, run_dir, ray_address, console, resume=resume)
 
 
 @config_app.command("show")
@@ -70,7 +78,9 @@ def profile(
     out: Path = typer.Option(Path("profile.json"), help="Where to write the profile."),
 ):
     """Measure rollout / train step times vs batch size, decode, reward, weight-sync and memory on this device."""
-    _not_built("profile", "planned: measured costs for the planner")
+    from digenrl.cli.profile import run_profile_command
+
+    run_profile_command(_load(config, None), device, out, console)
 
 
 @app.command()
@@ -83,19 +93,24 @@ def plan(
     write: Optional[Path] = typer.Option(None, help="Write the best plan as a config for `digenrl train`."),
 ):
     """Search placements (pool split, unit size, TSP, TAG, staleness) by simulating the engine's scheduler."""
-    _not_built("plan", "planned: cost model + simulator + placement search")
+    from digenrl.cli.plan import run_plan_command
+
+    run_plan_command(_load(config, None), cluster, profile_file, top, json_out, write, console)
 
 
 @app.command("eval")
 def eval_(
-    checkpoint: Optional[Path] = typer.Option(None, help="Checkpoint directory."),
-    config: Optional[Path] = ConfigOpt,
-    prompts: Optional[Path] = typer.Option(None, help="Eval prompt file."),
-    baseline: Optional[str] = typer.Option(None, help="Baseline checkpoint dir or 'base'."),
-    out: Optional[Path] = typer.Option(None, help="Output directory."),
+    checkpoint: Optional[Path] = typer.Option(None, help="Checkpoint directory, or a run directory (its latest)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c",
+                                          help="YAML run config (default: the checkpoint's config.yaml)."),
+    prompts: Optional[Path] = typer.Option(None, help="Eval prompt file (default: the config's prompts)."),
+    baseline: Optional[str] = typer.Option(None, help="'base' (the initial weights) or another checkpoint dir."),
+    out: Optional[Path] = typer.Option(None, help="Output directory (default RUN/eval/iter-NNNNNN)."),
 ):
     """Evaluate a checkpoint with ODE sampling and fixed seeds; write eval.json and image grids."""
-    _not_built("eval", "planned: checkpoint evaluation")
+    from digenrl.cli.eval import run_eval
+
+    run_eval(checkpoint, config, prompts, baseline, out, console)
 
 
 def main() -> None:

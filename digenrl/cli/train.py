@@ -10,7 +10,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from digenrl.config import RunConfig
 
 
-def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, console: Console):
+def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, console: Console,
+              resume: Path | None = None):
     progress = Progress(
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
         TimeElapsedColumn(), console=console,
@@ -19,14 +20,27 @@ def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, con
         if cfg.placement.mode == "local":
             from digenrl.trainer import LocalTrainer
 
-            driver = LocalTrainer(cfg)
+            driver = LocalTrainer(cfg, resume=resume)
             start = lambda cb: driver.run(run_dir, cb)  # noqa: E731
+            done = driver.start_iteration
         else:
             from digenrl.engine.runtime import run_engine
 
+            if resume is not None:
+                from digenrl.errors import UserError
+
+                raise UserError(f"--resume: placement.mode {cfg.placement.mode} (the Ray engine) cannot resume yet; "
+                                "resume with --set placement.mode=local")
+            done = 0
+
             start = lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address)  # noqa: E731
+    if resume is not None:
+        console.print(f"resuming from {driver.resumed.path} (iteration {done} of {cfg.train.iterations})")
+    if done >= cfg.train.iterations:
+        console.print(f"nothing to do: the run already completed {done} of {cfg.train.iterations} iterations "
+                      "(extend it with --set train.iterations=N)")
     with progress:
-        task = progress.add_task("train", total=cfg.train.iterations, stats="")
+        task = progress.add_task("train", total=cfg.train.iterations, completed=done, stats="")
 
         def on_iteration(row: dict) -> None:
             progress.update(task, advance=1, stats=(
@@ -34,6 +48,9 @@ def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, con
 
         result = start(on_iteration)
     rows = result.metrics
+    if not rows:
+        console.print(f"run directory: {result.run_dir}")
+        return
     k = max(1, len(rows) // 3)
     first = sum(r["reward_mean"] for r in rows[:k]) / k
     last = sum(r["reward_mean"] for r in rows[-k:]) / k

@@ -1,0 +1,340 @@
+"""Checkpoints (DESIGN.md §6): ``RUN/checkpoints/iter-NNNNNN/``, written atomically, loaded with checks.
+
+A checkpoint directory (NNNNNN = iterations completed) holds
+
+    pytorch_lora_weights.safetensors   LoRA in the diffusers format (``Pipeline.load_lora_weights(dir)``)
+      or transformer.safetensors       full weights (``model.lora: null``)
+    optimizer.pt                       the optimizer's ``state_dict()``
+    rng.pt                             torch CPU (+ CUDA) / python ``random`` / numpy generator states
+    config.yaml                        the resolved config of the run that wrote it
+    state.json                         counters, model signature, file sizes; written LAST (completion marker)
+
+It is written into ``checkpoints/.tmp-iter-NNNNNN`` and renamed into place, so a crash leaves at most
+a ``.tmp-`` directory: never read, removed by the next save. Only directories holding ``state.json``
+count as checkpoints.
+
+The functions take a :class:`~digenrl.policy.Policy` and plain counters, so any driver (the local
+trainer, the Ray engine's trainer rank 0) saves and restores the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from digenrl.errors import UserError
+
+FORMAT = 1  # bump when the layout changes; older formats are refused with a message
+LORA_FILE = "pytorch_lora_weights.safetensors"
+FULL_FILE = "transformer.safetensors"
+STATE_FILE = "state.json"
+_NAME = re.compile(r"^iter-(\d{6,})$")
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete, corrupt, or does not fit the model."""
+
+
+@dataclass
+class CheckpointState:
+    """What ``state.json`` says about a checkpoint."""
+
+    path: Path
+    iteration: int  # iterations completed; a resumed run continues at this iteration
+    version: int  # policy version (optimizer steps taken)
+    lora: bool
+    signature: dict  # adapter.model_signature()
+    compat: dict  # the config fields that fix the weights' shapes and meaning
+    files: dict[str, int]  # file name -> size in bytes
+    extra: dict = field(default_factory=dict)  # driver counters (the engine's, say)
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run directory that holds this checkpoint (RUN/checkpoints/iter-N), if it is one."""
+        return self.path.parent.parent if self.path.parent.name == "checkpoints" else None
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter-{iteration:06d}"
+
+
+# ---------------------------------------------------------------------------------------- finding
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run directory, oldest first (``.tmp-`` and marker-less dirs skipped)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()
+             and (p / STATE_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(path: Path) -> Path | None:
+    """The newest complete checkpoint: ``path`` itself if it is one, else the latest under
+    ``path/checkpoints`` (a run directory) or under ``path`` (a ``checkpoints`` directory)."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path
+    found = list_checkpoints(path) or (list_checkpoints(path.parent) if path.name == "checkpoints" else [])
+    return found[-1] if found else None
+
+
+def find_checkpoint(path: Path) -> Path:
+    """Like :func:`latest_checkpoint`, but a user error (naming what is wrong) when there is none."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint: {path} not found")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint: {path} is not a directory")
+    found = latest_checkpoint(path)
+    if found is not None:
+        return found
+    if _NAME.match(path.name) or path.name.startswith(".tmp-") or any(
+            (path / f).exists() for f in (LORA_FILE, FULL_FILE, "optimizer.pt")):
+        raise CheckpointError(f"checkpoint: {path} is incomplete (no {STATE_FILE}: its write did not finish)")
+    raise CheckpointError(f"checkpoint: no complete checkpoint in {path} (looked for {path}/checkpoints/iter-*/"
+                          f"{STATE_FILE})")
+
+
+def read_state(path: Path) -> CheckpointState:
+    """Read and check ``state.json`` and the sizes of the files it lists (a truncated file is refused)."""
+    path = Path(path)
+    try:
+        raw = json.loads((path / STATE_FILE).read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not an object")
+        fmt = raw["format"]
+        state = CheckpointState(path=path, iteration=int(raw["iteration"]), version=int(raw["version"]),
+                                lora=bool(raw["lora"]), signature=raw["model_signature"], compat=raw["compat"],
+                                files={str(k): int(v) for k, v in raw["files"].items()}, extra=raw.get("extra", {}))
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint: {path} is incomplete (no {STATE_FILE})") from None
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        raise CheckpointError(f"checkpoint: {path / STATE_FILE} is corrupt (not a DigenRL checkpoint state)") from None
+    if fmt != FORMAT:
+        raise CheckpointError(f"checkpoint: {path} has format {fmt}, this DigenRL reads format {FORMAT}")
+    for name, size in state.files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint: {path} is corrupt: {name} is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint: {path} is corrupt: {name} has {f.stat().st_size} bytes, "
+                                  f"expected {size} (truncated or overwritten)")
+    return state
+
+
+# ---------------------------------------------------------------------------------------- compatibility
+def compat_fields(policy) -> dict:
+    """The config that fixes the weights' shapes and meaning: a checkpoint only fits a model that agrees."""
+    m = policy.cfg.model
+    out = {
+        "model.adapter": m.adapter,
+        "model.preset": m.preset,
+        "model.pretrained": str(m.pretrained) if m.pretrained is not None else None,
+        "model.lora": "lora" if policy.lora else "full fine-tuning",
+        "model.height": m.height,
+        "model.width": m.width,
+        "model.frames": m.frames,
+    }
+    if policy.lora:
+        out.update({"model.lora.rank": m.lora.rank, "model.lora.alpha": m.lora.alpha,
+                    "model.lora.targets": sorted(policy.lora_targets)})
+    return out
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=str))
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_compatible(state: CheckpointState, policy) -> None:
+    """Refuse a checkpoint of another model / adapter / LoRA layout / resolution, naming every difference."""
+    now = _jsonable(compat_fields(policy))
+    diffs = [f"{k}: checkpoint {state.compat.get(k)!r}, config {now.get(k)!r}"
+             for k in sorted(set(now) | set(state.compat)) if state.compat.get(k) != now.get(k)]
+    if not diffs:  # same config fields but a different network (another diffusers version, say)
+        old, new = _flat(state.signature), _flat(_jsonable(policy.adapter.model_signature()))
+        diffs = [f"model signature {k}: checkpoint {old.get(k)!r}, model {new.get(k)!r}"
+                 for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if diffs:
+        more = f" (+{len(diffs) - 4} more)" if len(diffs) > 4 else ""
+        raise CheckpointError(f"checkpoint {state.path} does not fit this config: {'; '.join(diffs[:4])}{more}")
+
+
+# ---------------------------------------------------------------------------------------- RNG
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": list(random.getstate()),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------- save
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: Path, policy, iteration: int, cfg=None, keep_last: int | None = None,
+                    extra: dict | None = None) -> Path:
+    """Write ``run_dir/checkpoints/iter-NNNNNN`` atomically and keep the newest ``keep_last``.
+
+    ``iteration`` is the number of iterations completed (the one a resumed run starts at); ``cfg``
+    defaults to the policy's; ``extra`` (JSON) is stored for the driver, e.g. the engine's counters.
+    """
+    cfg = cfg or policy.cfg
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):  # left by a crash mid-write: never a checkpoint
+        shutil.rmtree(stale, ignore_errors=True)
+    name = checkpoint_name(iteration)
+    tmp, final = root / f".tmp-{name}", root / name
+    tmp.mkdir()
+    if policy.lora:
+        from digenrl.lora import save_lora
+
+        save_lora(policy.adapter, tmp)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(policy.weights(), tmp / FULL_FILE)
+    if policy.optimizer is not None:
+        torch.save(policy.optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / "config.yaml").write_text(cfg.dump_yaml())
+    files = {}
+    for f in sorted(tmp.iterdir()):
+        _fsync(f)
+        files[f.name] = f.stat().st_size
+    state = {
+        "format": FORMAT,
+        "iteration": iteration,
+        "version": policy.version,
+        "lora": policy.lora,
+        "weights_checksum": _lora_checksum(policy) if policy.lora else None,
+        "compat": compat_fields(policy),
+        "model_signature": policy.adapter.model_signature(),
+        "files": files,
+        "extra": extra or {},
+    }
+    marker = tmp / STATE_FILE
+    marker.with_suffix(".tmp").write_text(json.dumps(state, indent=1, default=str))
+    os.replace(marker.with_suffix(".tmp"), marker)  # the completion marker, last
+    _fsync(marker)
+    _fsync(tmp)
+    if final.exists():  # re-saving the same iteration (a forked run): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(root)
+    if keep_last:
+        for old in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _lora_checksum(policy) -> str:
+    from digenrl.lora import checksum
+
+    return checksum(policy.weights())
+
+
+# ---------------------------------------------------------------------------------------- load
+def read_weights(path: Path, lora: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights as the policy names them (LoRA: peft keys, without diffusers' prefix)."""
+    from safetensors.torch import load_file
+
+    f = Path(path) / (LORA_FILE if lora else FULL_FILE)
+    try:
+        state = load_file(f)
+    except Exception as exc:  # noqa: BLE001  (safetensors raises its own error types)
+        raise CheckpointError(f"checkpoint: {f} is corrupt or unreadable ({type(exc).__name__})") from None
+    if lora:
+        state = {k.removeprefix("transformer."): v for k, v in state.items()}
+    return state
+
+
+def _torch_load(f: Path):
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001  (pickle / zip errors of a damaged file)
+        raise CheckpointError(f"checkpoint: {f} is corrupt or unreadable ({type(exc).__name__})") from None
+
+
+def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = True) -> CheckpointState:
+    """Restore weights (verified), version, optimizer state and RNG states into ``policy``.
+
+    ``path`` is a checkpoint or a run directory (its latest complete checkpoint). Refuses, before
+    touching the policy, a checkpoint that is corrupt or was written for another model. The
+    optimizer keeps its state but takes lr / betas / weight decay from the policy's current config
+    (so a resumed run may change them). Returns the checkpoint's :class:`CheckpointState`.
+    """
+    from digenrl.lora import WeightSyncError
+
+    state = read_state(find_checkpoint(path))
+    check_compatible(state, policy)
+    if state.lora != policy.lora:  # also caught by compat; kept for engine callers that skip it
+        raise CheckpointError(f"checkpoint {state.path}: LoRA checkpoint vs full fine-tuning model")
+    weights = read_weights(state.path, state.lora)
+    opt_state = None
+    if optimizer and policy.optimizer is not None:
+        if "optimizer.pt" not in state.files:
+            raise CheckpointError(f"checkpoint {state.path} holds no optimizer state (written without an optimizer)")
+        opt_state = _torch_load(state.path / "optimizer.pt")
+    rngs = _torch_load(state.path / "rng.pt") if rng else None
+    raw = json.loads((state.path / STATE_FILE).read_text())
+    try:
+        policy.load_weights(weights, state.version, expected_checksum=raw.get("weights_checksum"))
+    except WeightSyncError as exc:
+        raise CheckpointError(f"checkpoint {state.path}: weights do not load cleanly ({exc})") from None
+    if opt_state is not None:
+        try:
+            policy.optimizer.load_state_dict(opt_state)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint {state.path}: optimizer.pt does not fit this model ({exc})") from None
+        t = policy.cfg.train
+        for group in policy.optimizer.param_groups:
+            group.update(lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    if rngs is not None:
+        set_rng_state(rngs)
+    return state

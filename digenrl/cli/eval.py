@@ -1,0 +1,48 @@
+"""``digenrl eval``: check the inputs, sample with a progress bar, print the reward table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+def run_eval(checkpoint: Path | None, config: Path | None, prompts: Path | None, baseline: str | None,
+             out: Path | None, console: Console) -> dict:
+    from digenrl.evaluate import evaluate_checkpoint, prepare_eval
+
+    job = prepare_eval(checkpoint, config, prompts, baseline, out)  # every input checked: UserError
+    n = len(job.prompts) * (2 if job.baseline is not None else 1)
+    progress = Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console)
+    with progress:
+        task = progress.add_task("eval", total=n)
+        report = evaluate_checkpoint(job, on_batch=lambda k: progress.advance(task, k))
+    console.print(reward_table(report))
+    files = [report["grid"], *([report["comparison"]] if "comparison" in report else [])]
+    console.print(f"{len(job.prompts)} prompts, {report['eval_steps']} ODE steps, {report['seconds']:.1f} s; "
+                  f"wrote {job.out / 'eval.json'}, {', '.join(files)}")
+    return report
+
+
+def reward_table(report: dict) -> Table:
+    base = report.get("baseline")
+    table = Table(title=f"{Path(report['checkpoint']).name} (version {report['version']})")
+    table.add_column("reward")
+    table.add_column("checkpoint", justify="right")
+    if base:
+        table.add_column(f"baseline ({Path(base['source']).name})", justify="right")
+        table.add_column("difference", justify="right")
+    for name, r in report["rewards"].items():
+        cells = [name, _mean_std(r)]
+        if base:
+            d = report["difference"][name]
+            cells += [_mean_std(base["rewards"][name]), "n/a" if d is None else f"{d:+.4f}"]
+        table.add_row(*cells)
+    return table
+
+
+def _mean_std(r: dict) -> str:
+    return "n/a (all NaN)" if r["mean"] is None else f"{r['mean']:.4f} ± {r['std']:.4f}"

@@ -1,0 +1,190 @@
+"""``digenrl eval`` on a checkpoint of every family, baselines, periodic eval, TensorBoard / W&B logging, bad input."""
+
+import json
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from digenrl.config import load_config
+from digenrl.runlog import RunDir, read_metrics
+from digenrl.trainer import LocalTrainer
+
+FAMILIES = {
+    "flux": ("configs/flux_tiny.yaml", ["model.height=16", "model.width=16"]),
+    "wan": ("configs/wan_tiny.yaml", []),
+    "hunyuan_video": ("configs/hunyuan_tiny.yaml", []),
+    "qwen_image": ("configs/qwen_tiny.yaml", []),
+}
+# one quick iteration: 1 prompt x 2 samples x 2 steps; eval with 4 ODE steps
+QUICK = ["train.prompts_per_iteration=1", "algorithm.group_size=2", "sampling.steps=2", "sampling.eval_steps=4",
+         "output.tensorboard=false"]
+
+
+def cli(monkeypatch, capsys, *argv):
+    from digenrl.cli.app import main
+
+    monkeypatch.setattr(sys, "argv", ["digenrl", *argv])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def train(family, run_dir, *extra):
+    path, sets = FAMILIES[family]
+    cfg = load_config(Path(path), [*sets, *QUICK, f"output.run_dir={run_dir}", *extra])
+    return LocalTrainer(cfg).run()
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    f = tmp_path_factory.mktemp("prompts") / "eval.txt"
+    f.write_text("a red car\na green bird\na blue boat\na yellow house\n")
+    return f
+
+
+@pytest.fixture(scope="module")
+def flux_run(tmp_path_factory):
+    """Tiny FLUX, 2 iterations, a checkpoint after each."""
+    return train("flux", tmp_path_factory.mktemp("flux") / "run", "train.iterations=2",
+                 "output.checkpoint_every=1").run_dir
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eval_a_checkpoint_of_each_family_against_base(family, tmp_path, prompt_file, monkeypatch, capsys):
+    run = train(family, tmp_path / "run", "train.iterations=1").run_dir
+    code, out, err = cli(monkeypatch, capsys, "eval", "--checkpoint", str(run), "--prompts", str(prompt_file),
+                         "--baseline", "base")
+    assert code == 0, err
+    out_dir = run / "eval" / "iter-000001"  # the default output directory
+    report = json.loads((out_dir / "eval.json").read_text())
+    assert report["adapter"] == family and report["eval_steps"] == 4 and report["iteration"] == 1
+    assert report["prompts"] == prompt_file.read_text().split("\n")[:4]
+    for rewards in (report["rewards"], report["baseline"]["rewards"]):
+        assert set(rewards) == {"prompt_color", "total"}
+        r = rewards["prompt_color"]
+        assert len(r["values"]) == 4 and 0 < r["mean"] < 1 and r["std"] >= 0
+    d = report["difference"]["prompt_color"]
+    assert d == pytest.approx(report["rewards"]["prompt_color"]["mean"]
+                              - report["baseline"]["rewards"]["prompt_color"]["mean"])
+    ext = ".gif" if family in ("wan", "hunyuan_video") else ".png"
+    assert report["grid"] == f"eval{ext}" and report["comparison"] == f"compare{ext}"
+    assert (out_dir / f"eval{ext}").stat().st_size > 0 and (out_dir / f"compare{ext}").stat().st_size > 0
+    assert "prompt_color" in out and "difference" in out  # the rich table
+    if ext == ".gif":
+        from PIL import Image
+
+        assert Image.open(out_dir / "eval.gif").n_frames > 1  # animated (Pillow merges repeated frames)
+
+
+def test_baseline_checkpoint_same_noise_and_every_reward(flux_run, tmp_path, prompt_file, monkeypatch, capsys):
+    ckpts = flux_run / "checkpoints"
+    # a config with two rewards: every configured reward is scored
+    cfg = load_config(ckpts / "iter-000002" / "config.yaml")
+    data = cfg.model_dump(mode="json")
+    data["reward"]["components"].append({"name": "jpeg_compressibility", "weight": 0.01, "args": {}})
+    two = tmp_path / "two.yaml"
+    two.write_text(json.dumps(data))
+    code, _, err = cli(monkeypatch, capsys, "eval", "--checkpoint", str(ckpts / "iter-000002"), "--config", str(two),
+                       "--prompts", str(prompt_file), "--baseline", str(ckpts / "iter-000001"),
+                       "--out", str(tmp_path / "vs1"))
+    assert code == 0, err
+    report = json.loads((tmp_path / "vs1" / "eval.json").read_text())
+    assert set(report["rewards"]) == {"prompt_color", "jpeg_compressibility", "total"}
+    assert report["baseline"]["source"].endswith("iter-000001") and report["version"] == 2
+    assert any(report["difference"][k] != 0 for k in report["difference"])  # different weights, different images
+    # against itself: same weights and the same fixed noise per prompt -> identical values
+    code, _, _ = cli(monkeypatch, capsys, "eval", "--checkpoint", str(ckpts / "iter-000002"),
+                     "--prompts", str(prompt_file), "--baseline", str(ckpts / "iter-000002"),
+                     "--out", str(tmp_path / "self"))
+    same = json.loads((tmp_path / "self" / "eval.json").read_text())
+    assert code == 0 and all(v == 0 for v in same["difference"].values())
+    assert same["rewards"]["prompt_color"]["values"] == same["baseline"]["rewards"]["prompt_color"]["values"]
+    assert same["rewards"]["prompt_color"] == report["rewards"]["prompt_color"]  # deterministic across calls
+
+
+def test_periodic_eval_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = train("flux", tmp_path / "run", "train.iterations=2", "output.eval_every=2", "output.tensorboard=true")
+    rows = read_metrics(run.run_dir)
+    assert "eval/prompt_color" not in rows[0] and 0 < rows[1]["eval/prompt_color"] < 1
+    assert rows[1]["eval/reward_mean"] == rows[1]["eval/prompt_color"]
+    events = EventAccumulator(str(run.run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for key in ("reward_mean", "reward_std", "loss", "kl", "ratio_mean", "clip_frac", "samples_per_s",
+                "bubble_fraction", "grad_norm", "reward/prompt_color", "eval/prompt_color"):
+        assert key in tags, key
+    assert [e.step for e in events.Scalars("loss")] == [0, 1]
+    assert events.Scalars("reward_mean")[1].value == pytest.approx(rows[1]["reward_mean"])
+
+
+def test_wandb_only_when_enabled_and_importable(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeRun:
+        def log(self, data, step):
+            calls.append(("log", step, data))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw["id"])) or FakeRun()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    row = {"iteration": 3, "version": 4, "reward_mean": 0.5, "note": "x", "ok": True}
+    for enabled in (False, True):
+        cfg = load_config(None, ["output.tensorboard=false", f"output.wandb={str(enabled).lower()}"])
+        out = RunDir(cfg, tmp_path / str(enabled))
+        out.log(row)
+        out.close()
+    assert [c[0] for c in calls] == ["init", "log", "finish"]
+    assert calls[1] == ("log", 3, {"version": 4.0, "reward_mean": 0.5})
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: a warning, never an error
+    out = RunDir(load_config(None, ["output.tensorboard=false", "output.wandb=true"]), tmp_path / "none")
+    out.log(row)
+    out.close()
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("missing", "not found"),
+    ("no checkpoint", "no complete checkpoint in"),
+    ("corrupt", "optimizer.pt has"),
+    ("empty prompts", "holds no prompts"),
+    ("out is under a file", "is not writable"),
+    ("missing baseline", "nope not found"),
+    ("no --checkpoint", "--checkpoint: required"),
+])
+def test_eval_bad_input_exits_2_with_one_line(case, needle, flux_run, tmp_path, monkeypatch, capsys):
+    ckpt = flux_run / "checkpoints" / "iter-000002"
+    out = tmp_path / "out"
+    args = ["--checkpoint", str(ckpt), "--out", str(out)]
+    if case == "missing":
+        args[1] = str(tmp_path / "gone")
+    elif case == "no checkpoint":
+        (tmp_path / "empty-run").mkdir()
+        args[1] = str(tmp_path / "empty-run")
+    elif case == "corrupt":
+        bad = tmp_path / "bad" / "checkpoints" / "iter-000002"
+        shutil.copytree(ckpt, bad)
+        (bad / "optimizer.pt").write_bytes(b"x")
+        args[1] = str(bad)
+    elif case == "empty prompts":
+        (tmp_path / "empty.txt").write_text("\n\n")
+        args += ["--prompts", str(tmp_path / "empty.txt")]
+    elif case == "out is under a file":
+        (tmp_path / "file").write_text("")
+        out = tmp_path / "file" / "out"
+        args[3] = str(out)
+    elif case == "missing baseline":
+        args += ["--baseline", str(tmp_path / "nope")]
+    elif case == "no --checkpoint":
+        args = args[2:]
+    code, _, err = cli(monkeypatch, capsys, "eval", *args)
+    assert code == 2 and needle in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists()  # nothing half-written
