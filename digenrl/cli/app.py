@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -115,6 +116,9 @@ def eval_(
 
 def main() -> None:
     """Console entry point: user errors become one line on stderr and exit code 2, no traceback."""
+    # library chatter (e.g. transformers' "requires torchvision" notes) would bury our one-line errors
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     try:
         app()  # standalone: usage errors exit 2, typer.Exit its code
     except UserError as exc:
