@@ -89,9 +89,3 @@ def test_cli_show_round_trips(monkeypatch, capsys, tmp_path):
     dumped = tmp_path / "c.yaml"
     dumped.write_text(out)
     assert load_config(dumped) == load_config(None, ["train.seed=7"])
-
-
-@pytest.mark.parametrize("cmd", ["profile", "plan"])
-def test_unbuilt_commands_say_so_and_fail(monkeypatch, capsys, cmd):
-    code, out, err = _cli(monkeypatch, capsys, cmd)
-    assert code != 0 and "not available yet" in err and out == ""

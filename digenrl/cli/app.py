@@ -67,11 +67,6 @@ def config_validate(config: Optional[Path] = ConfigOpt, set_: Optional[List[str]
                   f"placement {cfg.placement.mode})")
 
 
-def _not_built(name: str, issue: str):
-    print(f"digenrl {name}: not available yet in this version ({issue}); nothing was run.", file=sys.stderr)
-    raise typer.Exit(1)
-
-
 @app.command()
 def profile(
     config: Optional[Path] = ConfigOpt,

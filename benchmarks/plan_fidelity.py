@@ -1,0 +1,217 @@
+"""How well does the planner predict the engine? Profile, predict every engine mode, run it, compare.
+
+    python benchmarks/plan_fidelity.py [--config FILE] [--workload balanced|flow_grpo] [--iterations 8]
+                                       [--calibration run|ray] [--json fidelity.json] [--timelines DIR]
+
+1. ``digenrl profile`` of the configured tiny model on this CPU (one thread per worker, as the engine
+   runs), with the engine's own overheads measured either from a short calibration run of the engine
+   (``run``: disaggregated sync, 1 + 1 workers, 3 iterations; the default) or from Ray micro-benchmarks
+   only (``ray``: actor call round trip, object-store transfer);
+2. for each mode (the knobs and workloads of benchmarks/engine_modes.py, 1 rollout + 1 trainer device):
+     colocated    both devices roll out, then both train
+     sync         disaggregated, gap false, tag false, tsp 1, staleness 0
+     gap          + gap
+     gap_tsp      + tsp 2
+     gap_tsp_tag  + tag
+     full         + max_staleness 1
+   the simulator's prediction (the engine's Scheduler in virtual time with the profiled costs), then a
+   real run of ``digenrl.engine.runtime.run_engine`` on a local Ray cluster;
+3. samples/s and bubble fraction of both, over the same iterations (the first and the last left out),
+   with the relative error of the prediction; and a "replay" prediction -- the simulator fed with the
+   unit durations the run itself measured -- whose error is that of the scheduling and overhead model
+   alone, without the profile's timing noise. ``--reprofile`` re-measures the call times right
+   before each mode's run (less drift between profile and run when other work comes and goes).
+
+Timings on a shared machine are noisy (other processes take cores): rerun before trusting an outlier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+from digenrl.config import load_config  # noqa: E402
+
+# The knobs of benchmarks/engine_modes.py (the engine's own benchmark), on the same hardware:
+# 1 rollout + 1 trainer logical CPU device (colocated: the same 2 devices both roll out and train).
+SIZE = ["model.height=48", "model.width=48", "sampling.steps=8", "algorithm.group_size=8",
+        "train.prompts_per_iteration=8", "engine.unit_groups=2"]
+WORKLOADS = {
+    "balanced": SIZE + ["algorithm.timesteps.fraction=0.5"],  # training ~ rollout
+    "flow_grpo": SIZE + ["algorithm.timesteps.fraction=0.99"],  # training ~3x rollout
+}
+DISAGG = ["placement.mode=disaggregated", "engine.max_staleness=0"]
+MODES = {
+    "colocated": ["placement.mode=colocated", "engine.gap=false", "engine.tag=false"],
+    "sync": DISAGG + ["engine.gap=false", "engine.tag=false", "engine.tsp_degree=1"],
+    "gap": DISAGG + ["engine.gap=true", "engine.tag=false", "engine.tsp_degree=1"],
+    "gap_tsp": DISAGG + ["engine.gap=true", "engine.tag=false", "engine.tsp_degree=2"],
+    "gap_tsp_tag": DISAGG + ["engine.gap=true", "engine.tag=true", "engine.tsp_degree=2"],
+    "full": ["placement.mode=disaggregated", "engine.gap=true", "engine.tag=true", "engine.tsp_degree=2",
+             "engine.max_staleness=1"],
+}
+QUIET = ["output.save_samples_every=0", "output.checkpoint_every=0", "train.device=cpu"]
+
+
+def mode_config(config, workload: str, mode: str, iterations: int):
+    return load_config(config, WORKLOADS[workload] + MODES[mode] + QUIET + [f"train.iterations={iterations}"])
+
+
+def replay_cost(cost, measured):
+    """The same cost model, but every unit takes what it took in the measured run (mean per kind and
+    TSP rank), and no CPU sharing on top (measured durations include it): what the simulator predicts
+    when the unit times are right, i.e. the error of the scheduling + overhead model alone."""
+    import statistics
+
+    from digenrl.planner.costmodel import CostModel
+
+    by = {}
+    for e in measured.events:
+        if e.kind == "sync" and e.args.get("direction") != "fetch":
+            continue
+        by.setdefault((e.kind, e.args.get("tsp_rank", 0)), []).append(e.duration)
+    med = {k: statistics.mean(v) for k, v in by.items()}  # throughput: the mean, not the median
+    steps = {}
+    for e in measured.events:
+        if e.kind == "step":
+            steps.setdefault(e.uid.split("/")[0], []).append(e.duration)
+    step_s = statistics.median(min(v) for v in steps.values())  # the last rank's share: no waiting
+
+    class Replay(CostModel):
+        def rollout_unit(self, device, groups):
+            return med[("rollout", 0)], med.get(("reward", 0), 0.0)
+
+        def train_unit(self, device, groups, tsp_rank, tsp_degree, setup=None):
+            return med.get(("train", tsp_rank), med[("train", 0)])
+
+        def step(self, device, ranks, publish, setup=None):
+            return step_s, 0.0
+
+        def sync_fetch(self, device):
+            return med.get(("sync", 0), 0.0)
+
+        def cpu_rate(self, busy):
+            return 1.0
+
+    return Replay(cost.w, cost.cluster, profile=cost.profile)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", type=Path, default=None, help="run config (default: the embedded tiny FLUX)")
+    ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="balanced")
+    ap.add_argument("--calibration", choices=("run", "ray"), default="run")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--profile", type=Path, default=None, help="reuse a profile.json instead of profiling")
+    ap.add_argument("--cpu-sharing", choices=("cores", "measured"), default="cores",
+                    help="concurrent workers: processor sharing of the cores, or the profile's measured slowdown")
+    ap.add_argument("--reprofile", action="store_true",
+                    help="re-measure the model's call times right before each mode's run (the engine overheads "
+                         "stay those of the first profile): less drift on a machine whose load changes")
+    ap.add_argument("--json", type=Path, default=None, help="write the table as JSON")
+    ap.add_argument("--timelines", type=Path, default=None, help="keep predicted and measured timeline.json/png here")
+    args = ap.parse_args(argv)
+
+    import ray
+    import torch
+
+    from digenrl.engine.runtime import run_engine
+    from digenrl.engine.timeline import Timeline
+    from digenrl.planner.costmodel import CostModel, CostParams, Workload
+    from digenrl.planner.gpus import cluster_from_dict
+    from digenrl.planner.profile import load_profile, run_profile, save_profile
+    from digenrl.planner.simulator import Plan, simulate, steady_summary
+
+    torch.set_num_threads(1)
+    base = load_config(args.config, WORKLOADS[args.workload] + QUIET)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    t0 = time.time()
+    if args.profile is not None:
+        profile = load_profile(args.profile)
+    else:
+        profile = run_profile(base, "cpu", engine=args.calibration,
+                              on_step=lambda s: print(f"  [{time.time() - t0:5.1f}s] profile: {s}", flush=True))
+        save_profile(profile, Path(tempfile.gettempdir()) / "digenrl-fidelity-profile.json")
+    eng = profile["engine"] or {}
+    print(f"profile done in {time.time() - t0:.1f}s; engine overheads: call {eng.get('call_s', 0) * 1e3:.1f} ms, "
+          f"transfer {eng.get('transfer_latency_s', 0) * 1e3:.1f} ms ({eng.get('source')}); units in a worker "
+          f"take x{eng.get('unit_time_factor')} the standalone time; with n concurrent workers "
+          f"x{profile['measurements'].get('cpu_slowdown')}", flush=True)
+    ray.init(num_cpus=os.cpu_count(), resources={"pool:rollout": 1, "pool:trainer": 1}, include_dashboard=False,
+             logging_level=logging.WARNING)
+    try:
+        workload = Workload.from_config(base)
+        rows = []
+        for mode in modes:
+            cfg = mode_config(args.config, args.workload, mode, args.iterations)
+            if args.reprofile:  # no fork-based sharing probe once Ray runs in this process: keep the first one
+                fresh = run_profile(base, "cpu", engine="none", sharing=0)
+                sharing = profile["measurements"].get("cpu_slowdown")
+                profile = {**fresh, "engine": eng or None}
+                if sharing:
+                    profile["measurements"]["cpu_slowdown"] = sharing
+            cluster = cluster_from_dict({"name": "local_cpu", "pools": [p.model_dump() for p in cfg.cluster.pools]})
+            cost = CostModel(workload, cluster, CostParams(cpu_sharing=args.cpu_sharing), profile=profile)
+            sim = simulate(Plan.from_run_config(cfg), cost, args.iterations,
+                           wait_for_full_batch=cfg.algorithm.std == "global")
+            with tempfile.TemporaryDirectory() as tmp:
+                run_dir = Path(tmp) / mode
+                t1 = time.time()
+                run_engine(cfg, run_dir)
+                measured_tl = Timeline.from_chrome_trace(run_dir / "timeline.json")
+                if args.timelines is not None:
+                    out = args.timelines / mode
+                    sim.save(out / "predicted")
+                    (out / "measured").mkdir(parents=True, exist_ok=True)
+                    measured_tl.save_json(out / "measured" / "timeline.json")
+                    measured_tl.to_png(out / "measured" / "timeline.png")
+            meas = steady_summary(measured_tl)
+            pred = sim.summary
+            err = (pred["samples_per_s"] - meas["samples_per_s"]) / meas["samples_per_s"]
+            replay = simulate(Plan.from_run_config(cfg), replay_cost(cost, measured_tl), args.iterations,
+                              wait_for_full_batch=cfg.algorithm.std == "global").summary
+            replay_err = (replay["samples_per_s"] - meas["samples_per_s"]) / meas["samples_per_s"]
+            rows.append({"mode": mode, "predicted_samples_per_s": pred["samples_per_s"],
+                         "measured_samples_per_s": meas["samples_per_s"], "rel_error": err,
+                         "predicted_bubble_fraction": pred["bubble_fraction"],
+                         "measured_bubble_fraction": meas["bubble_fraction"],
+                         "predicted_iteration_s": pred["iteration_s"], "measured_iteration_s": meas["iteration_s"],
+                         "replay_samples_per_s": replay["samples_per_s"], "replay_rel_error": replay_err,
+                         "run_s": time.time() - t1})
+            r = rows[-1]
+            print(f"{mode:12s} predicted {r['predicted_samples_per_s']:7.2f} samples/s  measured "
+                  f"{r['measured_samples_per_s']:7.2f}  error {err:+6.1%}   bubble predicted "
+                  f"{r['predicted_bubble_fraction']:.2f} measured {r['measured_bubble_fraction']:.2f}   "
+                  f"replay error {replay_err:+6.1%}", flush=True)
+    finally:
+        ray.shutdown()
+
+    print()
+    print(f"{'mode':12s} {'pred. samples/s':>16s} {'meas. samples/s':>16s} {'rel. error':>10s} "
+          f"{'pred. bubble':>12s} {'meas. bubble':>12s} {'replay error':>12s}")
+    for r in rows:
+        print(f"{r['mode']:12s} {r['predicted_samples_per_s']:16.2f} {r['measured_samples_per_s']:16.2f} "
+              f"{r['rel_error']:+10.1%} {r['predicted_bubble_fraction']:12.2f} {r['measured_bubble_fraction']:12.2f} "
+              f"{r['replay_rel_error']:+12.1%}")
+    worst = max(abs(r["rel_error"]) for r in rows)
+    print(f"worst |error| {worst:.1%} (target 10%); machine load while measuring: {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} cores")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"modes": rows, "profile_engine": eng, "iterations": args.iterations,
+                                         "workload": args.workload,
+                                         "config": str(args.config or "embedded tiny FLUX")}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

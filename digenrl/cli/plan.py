@@ -1,0 +1,201 @@
+"""``digenrl plan``: rank the placements of a cluster by simulated throughput; write the best as a config."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from digenrl.config import RunConfig
+from digenrl.errors import UserError
+
+
+def run_plan_command(cfg: RunConfig, cluster_path: Path | None, profile_path: Path | None, top: int, json_out: bool,
+                     write: Path | None, console: Console, iterations: int = 4, timeline_dir: Path | None = None,
+                     ladder: bool = False) -> dict:
+    from digenrl.planner.costmodel import CostModel, Workload
+    from digenrl.planner.gpus import cluster_from_run_config, load_cluster
+    from digenrl.planner.profile import load_profile
+    from digenrl.planner.search import ladder as knob_ladder
+    from digenrl.planner.search import search
+
+    if top < 1:
+        raise UserError(f"--top: must be at least 1, got {top}")
+    if cluster_path is not None:
+        cluster = load_cluster(cluster_path)
+    else:
+        cluster = cluster_from_run_config(cfg)
+    profile = load_profile(profile_path) if profile_path is not None else None
+    status = console.status("reading the model shape...") if not json_out else _Quiet()
+    with status:
+        workload = Workload.from_config(cfg)
+        cost = CostModel(workload, cluster, profile=profile)
+        result = search(cost, cluster, top=top, iterations=iterations,
+                        wait_for_full_batch=cfg.algorithm.std == "global")
+        steps = knob_ladder(cost, cluster, iterations) if ladder else []
+    report = plan_report(result, cost, cluster, top, steps)
+    if json_out:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        console.print(plan_table(report))
+        for line in report_notes(report):
+            console.print(line)
+    if timeline_dir is not None:
+        best = result.ranked[0]
+        best.save(Path(timeline_dir) / "best")
+        if result.best_colocated is not None:
+            result.best_colocated.save(Path(timeline_dir) / "colocated")
+    if write is not None:
+        path = write_plan_config(cfg, result.ranked[0], cluster, write, report["plans"][0])
+        if not json_out:
+            console.print(f"wrote {path} (digenrl train -c {path})")
+    return report
+
+
+class _Quiet:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def plan_row(r, result, rank: int | None = None) -> dict:
+    sp = result.speedup(r)
+    micro = min((s.micro_batch for name, s in r.setups.items()
+                 if next(p for p in r.plan.pools if p.name == name).role != "rollout"), default=None)
+    notes = sorted({n for s in r.setups.values() for n in s.notes()})
+    return {
+        "rank": rank,
+        "plan": r.plan.label(),
+        "where": r.plan.where(),
+        "knobs": r.plan.knobs(),
+        "placement": r.plan.placement,
+        "pools": [asdict(p) for p in r.plan.pools],
+        "engine": {"unit_groups": r.plan.unit_groups, "gap": r.plan.gap, "tsp_degree": r.plan.tsp_degree,
+                   "tag": r.plan.tag, "max_staleness": r.plan.max_staleness},
+        "micro_batch": micro,
+        "samples_per_s": r.samples_per_s,
+        "iteration_s": r.iteration_s,
+        "bubble_fraction": r.bubble_fraction,
+        "bound_s": r.bound_s,
+        "efficiency": r.efficiency,
+        "speedup_vs_colocated": sp,
+        "notes": notes,
+        "memory_gib": {name: round(s.need_bytes / 2**30, 2) for name, s in r.setups.items()},
+    }
+
+
+def plan_report(result, cost, cluster, top: int, steps=()) -> dict:
+    rows = [plan_row(r, result, i + 1) for i, r in enumerate(result.ranked[:top])]
+    sources = {d: cost.times(d).source for d in cluster.devices}
+    return {
+        "model": cost.w.summary(),
+        "cluster": {"name": cluster.name, "devices": cluster.devices, "gpus_per_node": cluster.gpus_per_node,
+                    "interconnect": cluster.interconnect.model_dump()},
+        "cost_model": {"times": sources, "params": asdict(cost.p), "colocation": asdict(cost.col),
+                       "engine_overheads": asdict(cost.ov)},
+        "search": {"candidates": result.candidates, "simulated": result.simulated,
+                   "rejected_by_memory": len(result.rejected), "seconds": result.seconds},
+        "best_colocated": plan_row(result.best_colocated, result) if result.best_colocated else None,
+        "plans": rows,
+        "ladder": [{"step": name, **(plan_row(r, result) if r else {"plan": None})} for name, r in steps],
+    }
+
+
+def _fmt_speedup(x) -> str:
+    return f"{x:.2f}x" if x is not None else "n/a"
+
+
+def plan_table(report: dict) -> Table:
+    m, c = report["model"], report["cluster"]
+    t = Table(title=f"{m['shape_source']} | {m['prompts']} prompts x {m['group_size']} samples, {m['steps']} steps "
+                    f"| cluster {c['name']} ({' + '.join(f'{n}x{d}' for d, n in c['devices'].items())})")
+    for col in ("#", "placement", "knobs"):
+        t.add_column(col, overflow="fold")
+    for col in ("samples/s", "s/iter", "bubble", "eff.", "vs col."):
+        t.add_column(col, justify="right", no_wrap=True, min_width=len(col))
+    t.add_column("notes", overflow="fold")
+
+    def add(row, label):
+        notes = row["notes"] + ([f"mb {row['micro_batch']}"] if row["micro_batch"] not in (None, m["micro_batch"]) else [])
+        t.add_row(label, row["where"], row["knobs"], f"{row['samples_per_s']:.4g}", f"{row['iteration_s']:.4g}",
+                  f"{row['bubble_fraction']:.0%}", f"{row['efficiency']:.2f}", _fmt_speedup(row["speedup_vs_colocated"]),
+                  ", ".join(notes))
+
+    for row in report["plans"]:
+        add(row, str(row["rank"]))
+    col = report["best_colocated"]
+    if col is not None and all(r["plan"] != col["plan"] for r in report["plans"]):
+        t.add_section()
+        add(col, "col.")
+    for step in report.get("ladder", []):
+        if step.get("plan"):
+            add(step, step["step"])
+    return t
+
+
+def report_notes(report: dict) -> list[str]:
+    s, cm = report["search"], report["cost_model"]
+    lines = ["eff. = DESIGN §4 bound / predicted iteration time; vs col. = speedup over the best colocated plan"]
+    lines += [f"searched {s['candidates']} placements: {s['rejected_by_memory']} do not fit in memory, "
+             f"{s['simulated']} simulated ({s['seconds']:.1f} s); times from "
+             + "; ".join(f"{d}: {src}" for d, src in cm["times"].items())]
+    if report["best_colocated"] is None:
+        lines.append("no colocated placement fits in memory: speedups are n/a")
+    if "cpu" in cm["times"] and not cm["times"]["cpu"].startswith("profile"):
+        lines.append("cpu devices without a profile: nominal times only; run `digenrl profile --device cpu` "
+                     "and pass --profile")
+    lines.append("predictions of the cost model + simulator, not measurements (docs/scaling.md)")
+    return lines
+
+
+# ------------------------------------------------------------------------------ the config
+
+
+def plan_config(cfg: RunConfig, r, cluster) -> RunConfig:
+    """``cfg`` with the plan's cluster, placement and engine sections (and micro-batch, device)."""
+    from digenrl.config import validate_config
+
+    plan = r.plan
+    data = cfg.model_dump(mode="json")
+    if plan.placement == "colocated":
+        pools = [{"name": p.name, "device": p.device, "count": p.count} for p in plan.pools]
+        placement = {"mode": "colocated", "rollout_pool": pools[0]["name"], "trainer_pool": pools[-1]["name"]}
+    else:
+        pools = [{"name": p.name, "device": p.device, "count": p.count} for p in plan.pools]
+        placement = {"mode": "disaggregated", "rollout_pool": plan.rollout_pool.name,
+                     "trainer_pool": plan.trainer_pools[0].name}
+    data["cluster"] = {"pools": pools}
+    data["placement"] = placement
+    data["engine"] = {**data["engine"], "unit_groups": plan.unit_groups, "gap": plan.gap,
+                      "tsp_degree": plan.tsp_degree, "tag": plan.tag, "max_staleness": plan.max_staleness}
+    micro = [s.micro_batch for name, s in r.setups.items()
+             if next(p for p in plan.pools if p.name == name).role != "rollout"]
+    if micro:
+        data["train"] = {**data["train"], "micro_batch": min(micro)}
+    data["train"] = {**data["train"], "device": "cpu" if cluster.is_cpu else "cuda"}
+    return validate_config(data)
+
+
+def write_plan_config(cfg: RunConfig, r, cluster, path: Path, row: dict) -> Path:
+    out = plan_config(cfg, r, cluster)
+    path = Path(path)
+    header = [
+        f"# written by `digenrl plan` for cluster {cluster.name} ({cluster.describe()})",
+        f"# plan: {row['plan']}",
+        f"# predicted: {row['samples_per_s']:.4g} samples/s, {row['iteration_s']:.4g} s/iteration, "
+        f"bubble {row['bubble_fraction']:.1%}, {_fmt_speedup(row['speedup_vs_colocated'])} the best colocated plan",
+        "# (a model prediction: compare with the run's metrics.jsonl samples_per_s / bubble_fraction)",
+    ]
+    if row["notes"]:
+        header.append(f"# memory: the plan assumes {', '.join(row['notes'])} on the trainer devices")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(header) + "\n" + out.dump_yaml())
+    return path

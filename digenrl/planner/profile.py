@@ -1,0 +1,585 @@
+"""``digenrl profile``: measure what the cost model needs, on this device, for the configured model.
+
+Every number is the median of ``repeats`` timed calls after ``warmup`` untimed ones (CUDA:
+synchronised around each call). On CPU the torch thread count is set to ``threads`` (default 1,
+as every engine worker runs).
+
+measurements
+  rollout_step_s[b]   one ``Adapter.velocity`` call at batch b with the model's guidance (both
+                      passes with two-pass CFG), no grad
+  train_step_s[b]     forward + backward of ``recompute_logprob`` on the trained parameters
+  ref_forward_s[b]    the KL reference forward (LoRA disabled), no grad
+  decode / reward / encode   per sample / per sample / per prompt
+  optimizer_step_s    grad-norm clip + AdamW on the trained parameters
+  weight_sync         bytes of ``Policy.weights()``, pack (weights + checksum), verified load
+  unit_overhead       a real ``rollout_unit`` / ``train_unit`` of one group minus the sum of its calls
+  cpu_slowdown        (CPU) time per rollout step with n = 1, 2, 3 forked workers computing at once,
+                      relative to one: what concurrent workers get from this host's cores
+  peak_memory_bytes   CUDA ``max_memory_allocated`` per phase, or the process's peak RSS on CPU
+engine (optional)
+  ``ray``: Ray micro-benchmarks -- actor call round trip, object-store transfer between two actors
+  at two sizes (latency + bytes/s), ``ray.put`` / ``ray.get`` of the weights, gloo all-reduce of
+  the gradients; ``run``: additionally a 3-iteration run of the engine itself (disaggregated, sync,
+  1 + 1 workers) whose timeline gives the per-unit dispatch gap, the samples transfer, the
+  publish / fetch times as the runtime really pays them (what the simulator adds around units),
+  and how much slower a unit runs inside an engine worker than measured standalone here
+  (``unit_time_factor``: the driver and Ray's processes share the CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from digenrl.errors import UserError
+
+PROFILE_VERSION = 1
+DEFAULT_BATCHES = (1, 2, 4, 8, 16)
+
+
+def batch_sizes(cfg, requested: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """(rollout, train) batch sizes: the requested ones (default 1..16) plus every batch the
+    workload runs: rollout units of m groups (m | prompts, <= 64 samples), the micro-batch."""
+    base = sorted(set(requested or DEFAULT_BATCHES))
+    G, P, mb = cfg.algorithm.group_size, cfg.train.prompts_per_iteration, cfg.train.micro_batch
+    roll = set(base) | {m * G for m in range(1, P + 1) if P % m == 0 and m * G <= 64}
+    train = {b for b in base if b <= max(mb, G)} | {min(mb, G), mb}
+    return sorted(roll), sorted(train)
+
+
+def device_info(device: torch.device, threads: int) -> dict:
+    from digenrl.planner.gpus import match_device_name
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        key = match_device_name(name)
+        return {"kind": "gpu", "name": name, "table_key": key, "torch_device": str(device),
+                "memory_bytes": torch.cuda.get_device_properties(device).total_memory}
+    return {"kind": "cpu", "name": f"cpu ({platform.machine()}, {os.cpu_count()} cores, {threads} thread(s))",
+            "table_key": "cpu", "torch_device": "cpu", "threads": threads, "cores": os.cpu_count()}
+
+
+class _Clock:
+    """Median of timed calls: at least ``repeats``, more (up to ``max_repeats``) until ``min_time``
+    seconds have been timed, so that millisecond calls on a shared CPU get enough samples."""
+
+    def __init__(self, device: torch.device, warmup: int, repeats: int, min_time: float = 0.3,
+                 max_repeats: int = 60):
+        self.device, self.warmup, self.repeats = device, warmup, repeats
+        self.min_time, self.max_repeats = min_time, max(repeats, max_repeats)
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def median(self, fn: Callable[[], object], repeats: int | None = None, warmup: int | None = None) -> float:
+        for _ in range(self.warmup if warmup is None else warmup):
+            fn()
+        times: list[float] = []
+        least = repeats or self.repeats
+        while len(times) < least or (sum(times) < self.min_time and len(times) < self.max_repeats):
+            self.sync()
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+@contextlib.contextmanager
+def _threads(n: int | None):
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def steps_total(cfg, engine: str, requested: list[int] | None = None, device: str = "cpu", sharing: int = 3) -> int:
+    roll, train = batch_sizes(cfg, requested)
+    extra = 1 if device == "cpu" and sharing else 0
+    return 1 + len(roll) + 2 * len(train) + 6 + extra + {"none": 0, "ray": 1, "run": 2}[engine]
+
+
+def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, repeats: int = 5, warmup: int = 2,
+                threads: int | None = 1, engine: str = "none", min_time: float = 0.3, sharing: int = 3,
+                on_step: Callable[[str], None] | None = None) -> dict:
+    """Measure ``cfg``'s model on ``device``; returns the profile dict (see the module docstring)."""
+    from digenrl.algorithms.sde import recompute_logprob
+    from digenrl.engine.weight_sync import state_bytes
+    from digenrl.lora import checksum
+    from digenrl.planner.costmodel import ProfiledTimes, Workload, rollout_unit_time, train_unit_time
+    from digenrl.policy import Policy, pick_device
+    from digenrl.prompts import load_prompts
+    from digenrl.rewards import build_reward
+    from digenrl.units import assign_advantages, rollout_unit, train_unit
+
+    if engine not in ("none", "ray", "run"):
+        raise UserError(f"--engine: expected none, ray or run, got '{engine}'")
+    dev = pick_device(device)
+    step = on_step or (lambda what: None)
+    with _threads(threads if dev.type == "cpu" else None):
+        step("building the model")
+        torch.manual_seed(cfg.train.seed)
+        policy = Policy(cfg, dev)
+        ad = policy.adapter
+        workload = Workload.from_config(cfg)
+        prompts = load_prompts(cfg.prompts)
+        reward = build_reward(cfg.reward)
+        clock = _Clock(dev, warmup, repeats, min_time)
+        roll_b, train_b = batch_sizes(cfg, batches)
+        G, N = cfg.algorithm.group_size, cfg.sampling.steps
+        kind, eta = cfg.sampling.sde, cfg.sampling.noise_level
+        cond1 = ad.encode_prompts([prompts[0].text])
+        sig = ad.sigmas(N).to(dev)
+        gen = torch.Generator().manual_seed(0)
+        peaks: dict[str, int] = {}
+
+        def inputs(b):
+            x = torch.randn((b, *ad.latent_shape()), generator=gen).to(dev)
+            return cond1.repeat_interleave(b).to(dev), x
+
+        def reset_peak():
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+
+        def peak(name):
+            peaks[name] = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else _peak_rss()
+
+        m: dict = {"rollout_step_s": {}, "train_step_s": {}, "ref_forward_s": {}}
+        skipped: dict[str, list[int]] = {"rollout": [], "train": []}
+
+        # -- rollout steps vs batch ----------------------------------------------------
+        reset_peak()
+        for b in roll_b:
+            step(f"rollout step, batch {b}")
+            cond, x = inputs(b)
+            s = sig[1].expand(b)
+            try:
+                with torch.no_grad():
+                    m["rollout_step_s"][str(b)] = clock.median(lambda: ad.velocity(x, s, cond))
+            except torch.cuda.OutOfMemoryError:
+                skipped["rollout"].append(b)
+                torch.cuda.empty_cache()
+        peak("rollout")
+
+        # -- train steps (forward + backward) and reference forwards vs micro-batch -----
+        reset_peak()
+        for b in train_b:
+            step(f"train step, batch {b}")
+            cond, x = inputs(b)
+            x_next = x + 0.1 * torch.randn(x.shape, generator=gen).to(dev)
+
+            def fwd_bwd():
+                logp, _, _ = recompute_logprob(ad, cond, x, x_next, sig, 1, kind, eta)
+                logp.sum().backward()
+
+            def ref():
+                with torch.no_grad(), policy.reference():
+                    recompute_logprob(ad, cond, x, x_next, sig, 1, kind, eta)
+
+            try:
+                m["train_step_s"][str(b)] = clock.median(fwd_bwd)
+                step(f"reference forward, batch {b}")
+                m["ref_forward_s"][str(b)] = clock.median(ref)
+            except torch.cuda.OutOfMemoryError:
+                skipped["train"].append(b)
+                torch.cuda.empty_cache()
+            policy.optimizer.zero_grad(set_to_none=True)
+        peak("train")
+        if not m["rollout_step_s"] or not m["train_step_s"]:
+            raise UserError(f"profile: the model does not fit this device even at batch 1 ({dev})")
+
+        # -- decode, reward, prompt encoding ---------------------------------------------
+        step("decode")
+        _, x = inputs(G)
+        with torch.no_grad():
+            m["decode_s_per_sample"] = clock.median(lambda: ad.decode(x)) / G
+            pixels = ad.decode(x)
+        step("reward")
+        texts = [prompts[i % len(prompts)].text for i in range(G)]
+        metas = [prompts[i % len(prompts)].meta for i in range(G)]
+        m["reward_s_per_sample"] = clock.median(lambda: reward(pixels.cpu(), texts, metas)) / G
+        step("prompt encoding")
+        P = cfg.train.prompts_per_iteration
+        ptexts = [prompts[i % len(prompts)].text for i in range(P)]
+        with torch.no_grad():
+            m["encode_s_per_prompt"] = clock.median(lambda: ad.encode_prompts(ptexts)) / P
+
+        # -- optimizer step and weight sync ------------------------------------------------
+        step("optimizer step")
+
+        def opt():
+            for p in policy.params:
+                p.grad = torch.ones_like(p) * 1e-3
+            policy.optimizer_step()
+
+        m["optimizer_step_s"] = clock.median(opt)
+        step("weight sync")
+        state = policy.weights()
+        digest = checksum(state)
+        m["weight_sync"] = {
+            "bytes": state_bytes(state),
+            "tensors": len(state),
+            "pack_s": clock.median(lambda: checksum(policy.weights())),
+            "load_s": clock.median(lambda: policy.load_weights(state, policy.version, expected_checksum=digest)),
+        }
+
+        # -- whole units: what the sum of the calls leaves out ------------------------------
+        step("one rollout unit and one train unit")
+        reset_peak()
+        samples_box = {}
+
+        def one_rollout():
+            samples_box["s"] = rollout_unit(policy, reward, prompts[:1], [0], 0, cfg.train.seed)
+
+        unit_clock = _Clock(dev, 1, max(3, repeats // 2), 3 * min_time)
+        rollout_s = unit_clock.median(one_rollout)
+        samples = samples_box["s"]
+        assign_advantages([samples], cfg)
+        terms = len(samples) * samples.train_idx.shape[1]
+        train_s = unit_clock.median(lambda: train_unit(policy, samples, terms))
+        policy.optimizer.zero_grad(set_to_none=True)
+        peak("units")
+        m["unit_overhead"] = {"rollout_s": 0.0, "train_s": 0.0}
+        partial = {"device": {"name": "partial"}, "measurements": m}
+        times = ProfiledTimes(partial)
+        composed_roll = rollout_unit_time(times, workload, 1)[0]
+        composed_train = train_unit_time(times, workload, 1, 0, 1, cfg.train.micro_batch)
+        m["unit_overhead"] = {"rollout_s": rollout_s - composed_roll, "train_s": train_s - composed_train,
+                              "rollout_unit_s": rollout_s, "train_unit_s": train_s}
+        m["sample_bytes"] = _samples_bytes(samples) / len(samples)
+        m["peak_memory_bytes"] = peaks
+        if dev.type == "cpu" and sharing:  # before Ray starts in this process: the probe forks
+            step("CPU sharing between concurrent workers")
+            cond, x = inputs(G)
+            s_ = sig[1].expand(G)
+
+            def work():
+                with torch.no_grad():
+                    ad.velocity(x, s_, cond)
+
+            m["cpu_slowdown"] = cpu_slowdown(work, max_workers=sharing, seconds=max(1.0, min_time))
+    out = {
+        "version": PROFILE_VERSION,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "device": device_info(dev, threads if dev.type == "cpu" else torch.get_num_threads()),
+        "dtype": cfg.model.dtype,
+        "torch": torch.__version__,
+        "model": ad.model_signature(),
+        "workload": {
+            "steps": N, "trained_steps": workload.trained_steps, "timestep_mode": workload.timestep_mode,
+            "group_size": G, "prompts_per_iteration": P, "guidance_passes": workload.passes,
+            "guidance": cfg.sampling.guidance, "micro_batch": cfg.train.micro_batch, "kl": workload.kl,
+            "lora": workload.lora, "trained_params": workload.trained_params,
+            "tokens": {"x": workload.shape.tokens.x, "text": workload.shape.tokens.text},
+            "height": cfg.model.height, "width": cfg.model.width, "frames": cfg.model.frames,
+        },
+        "settings": {"repeats": repeats, "warmup": warmup, "min_time_s": min_time, "skipped_batches_oom": skipped},
+        "measurements": m,
+        "engine": None,
+    }
+    if engine != "none":
+        step("engine: Ray call / transfer / all-reduce")
+        out["engine"] = ray_overheads(m["sample_bytes"] * G, m["weight_sync"]["bytes"], workload.trained_params)
+        if engine == "run":
+            step("engine: a 3-iteration calibration run")
+            out["engine"].update(engine_run_overheads(cfg, m))
+    return out
+
+
+def _loop(fn, seconds: float, barrier, conn) -> None:
+    """A forked worker: run ``fn`` for ``seconds`` once every worker is ready; report seconds per call."""
+    result = None
+    try:
+        torch.set_num_threads(1)
+        fn()  # warm
+        barrier.wait(timeout=30)
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            fn()
+            calls += 1
+        result = (time.perf_counter() - t0) / calls  # throughput, not a per-call median: time slices
+    except BaseException as exc:  # noqa: BLE001 (reported to the parent)
+        result = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.send(result)  # synchronous: written before we exit
+        os._exit(0)
+
+
+def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float = 0.5) -> dict[str, float]:
+    """How much slower each worker gets when ``n`` worker processes compute at once on this host
+    (forked copies running ``fn`` in a loop): {n: time per call with n / time per call alone}. On an
+    idle machine with C cores this is ~max(1, n / C); on a shared one it shows what is left to us."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    per_call = {}
+    for n in range(1, max_workers + 1):
+        barrier = ctx.Barrier(n)
+        pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
+        procs = [ctx.Process(target=_loop, args=(fn, seconds, barrier, send), daemon=True) for _, send in pipes]
+        for p in procs:
+            p.start()
+        try:
+            got = [recv.recv() if recv.poll(60 + 10 * seconds) else "no answer within the timeout"
+                   for recv, _ in pipes]
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+        bad = [g for g in got if not isinstance(g, float)]
+        if bad:
+            raise RuntimeError(f"CPU sharing probe failed in a worker: {bad[0]}")
+        per_call[n] = statistics.mean(got)
+    return {str(n): per_call[n] / per_call[1] for n in per_call}
+
+
+def _samples_bytes(samples) -> int:
+    total = 0
+    for v in vars(samples).values():
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+        elif hasattr(v, "batched"):
+            total += sum(t.numel() * t.element_size() for t in v.batched.values())
+    return total
+
+
+# ------------------------------------------------------------------------------------ Ray
+
+
+class _Probe:
+    """A stand-in engine worker for timing Ray itself (wrapped with ray.remote by the profile)."""
+
+    def __init__(self):
+        torch.set_num_threads(1)
+
+    def ping(self, unit=None, packet=None) -> dict:
+        now = time.time()
+        return {"events": [{"kind": "rollout", "uid": "u", "iteration": 0, "version": 0, "start": now, "end": now,
+                            "args": {}}], "rewards": torch.zeros(8)}
+
+    def produce(self, nbytes: int):
+        data = torch.zeros(max(1, nbytes // 4))
+        return data, {"n": data.numel()}
+
+    def consume(self, data, *args) -> dict:
+        return {"n": int(data.numel())}
+
+    def put(self, nbytes: int):
+        import ray
+
+        state = {"w": torch.zeros(max(1, nbytes // 4))}
+        t0 = time.perf_counter()
+        ref = ray.put(state)
+        return [ref], time.perf_counter() - t0
+
+    def get(self, refs) -> float:
+        import ray
+
+        t0 = time.perf_counter()
+        ray.get(refs[0])
+        return time.perf_counter() - t0
+
+    def address(self):
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join(self, address: str, port: int, rank: int, world: int) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=world)
+
+    def allreduce(self, numel: int, repeats: int) -> float:
+        import torch.distributed as dist
+
+        flat = torch.zeros(max(1, numel))
+        dist.all_reduce(flat)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dist.all_reduce(flat)
+            times.append(time.perf_counter() - t0)
+        dist.destroy_process_group()
+        return statistics.median(times)
+
+
+def ray_overheads(unit_bytes: float, weight_bytes: int, trained_params: int, repeats: int = 30) -> dict:
+    """Ray's own costs between two actors on this machine (a local cluster, started and stopped here)."""
+    import logging
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    ours = not ray.is_initialized()
+    if ours:
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        remote = ray.remote(num_cpus=0.01)(_Probe)
+        a, b = remote.remote(), remote.remote()
+        ray.get([a.ping.remote(), b.ping.remote()])
+
+        def call(actor_call) -> float:
+            t0 = time.perf_counter()
+            ref = actor_call()
+            ray.wait([ref], num_returns=1)
+            ray.get(ref)
+            return time.perf_counter() - t0
+
+        for _ in range(5):
+            call(lambda: a.ping.remote())
+        call_s = statistics.median(call(lambda: a.ping.remote()) for _ in range(repeats))
+        sizes = [max(1024, int(unit_bytes)), max(4 * 2**20, 8 * int(unit_bytes))]
+        transfer = []
+        for size in sizes:
+            times = []
+            for _ in range(max(5, repeats // 3)):
+                data, small = a.produce.options(num_returns=2).remote(size)
+                ray.get(small)
+                times.append(call(lambda: b.consume.remote(data)) - call_s)
+            transfer.append(max(0.0, statistics.median(times)))
+        per_byte = max(1e-12, (transfer[1] - transfer[0]) / (sizes[1] - sizes[0]))
+        latency = max(0.0, transfer[0] - per_byte * sizes[0])
+        puts, gets = [], []
+        for _ in range(max(5, repeats // 3)):
+            refs, put_s = ray.get(a.put.remote(weight_bytes))
+            puts.append(put_s)
+            gets.append(ray.get(b.get.remote(refs)))
+        address, port = ray.get(a.address.remote())
+        ray.get([a.join.remote(address, port, 0, 2), b.join.remote(address, port, 1, 2)])
+        ar = ray.get([a.allreduce.remote(trained_params, repeats), b.allreduce.remote(trained_params, repeats)])
+        for actor in (a, b):
+            ray.kill(actor)
+        return {"call_s": call_s, "transfer_latency_s": latency, "transfer_bytes_per_s": 1.0 / per_byte,
+                "transfer_sizes": sizes, "transfer_s": transfer, "put_s": statistics.median(puts),
+                "get_s": statistics.median(gets), "allreduce_s": max(ar), "source": "ray micro-benchmarks"}
+    finally:
+        if ours:
+            ray.shutdown()
+
+
+def engine_run_overheads(cfg, m: dict, iterations: int = 3) -> dict:
+    """Run the engine itself (disaggregated, GAP/TSP/TAG off, 1 rollout + 1 trainer CPU worker) and
+    read from its timeline what it pays around the units: the dispatch gap before a unit (median),
+    the extra before a train unit that waits on another worker's samples, publish and fetch times."""
+    from digenrl.config import validate_config
+    from digenrl.engine.runtime import run_engine
+    from digenrl.engine.timeline import Timeline
+
+    data = cfg.model_dump(mode="json")
+    data["cluster"] = {"pools": [{"name": "rollout", "device": "cpu", "count": 1},
+                                 {"name": "trainer", "device": "cpu", "count": 1}]}
+    data["placement"] = {"mode": "disaggregated", "rollout_pool": "rollout", "trainer_pool": "trainer"}
+    data["engine"] = {**data["engine"], "gap": False, "tag": False, "tsp_degree": 1, "max_staleness": 0}
+    data["train"] = {**data["train"], "iterations": iterations, "device": "cpu"}
+    data["output"] = {**data["output"], "save_samples_every": 0, "checkpoint_every": 0, "eval_every": 0}
+    cal = validate_config(data)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run_engine(cal, Path(tmp) / "run")
+        tl = Timeline.from_chrome_trace(Path(tmp) / "run" / "timeline.json")
+    out = timeline_overheads(tl, m)
+    out["unit_time_factor"] = unit_time_factors(tl, cal, m)
+    out["calibration_rows"] = [{k: r[k] for k in ("iteration", "wall_s", "samples_per_s", "bubble_fraction")}
+                               for r in result.metrics]
+    return out
+
+
+def unit_time_factors(tl, cfg, m: dict) -> dict:
+    """How much longer units take inside the engine's worker processes than the profile's standalone
+    measurements predict (the driver, Ray's own processes and the other worker share the host):
+    median measured / predicted per unit kind, over the iterations after the first."""
+    from digenrl.planner.costmodel import ProfiledTimes, Workload, rollout_unit_time, train_unit_time
+
+    w = Workload.from_config(cfg)
+    times = ProfiledTimes({"device": {"name": "profile"}, "measurements": m})
+    groups = cfg.engine.unit_groups
+    predicted = {"rollout": rollout_unit_time(times, w, groups)[0],
+                 "train": train_unit_time(times, w, groups, 0, 1, cfg.train.micro_batch)}
+    out = {}
+    for kind, pred in predicted.items():
+        got = [e.duration for e in tl.events if e.kind == kind and e.iteration > 0]
+        if got and pred > 0:
+            out[kind] = statistics.median(got) / pred
+    return out
+
+
+def timeline_overheads(tl, m: dict) -> dict:
+    main = sorted((e for e in tl.events if e.kind in ("rollout", "train", "step")
+                   or (e.kind == "sync" and e.args.get("direction") == "fetch")), key=lambda e: e.start)
+    calls, transfers = [], []
+    last_on: dict[str, object] = {}
+    for e in main:
+        before = [f for f in main if f.end <= e.start + 1e-9 and f is not e]
+        prev = last_on.get(e.worker)
+        last_on[e.worker] = e
+        if not before or (prev is not None and prev.kind == "sync"):
+            continue  # the run's first unit, or a rollout right after its own weight fetch
+        trigger = max(before, key=lambda f: f.end)
+        gap = e.start - trigger.end
+        if e.kind == "train" and trigger.kind == "rollout" and trigger.worker != e.worker:
+            transfers.append(gap)
+        else:
+            calls.append(gap)
+    call_s = statistics.median(calls) if calls else 0.0
+    fetch = [e.duration for e in tl.events if e.kind == "sync" and e.args.get("direction") == "fetch"]
+    publish = [e.duration for e in tl.events if e.kind == "sync" and e.args.get("direction") == "publish"]
+    ws = m["weight_sync"]
+    out = {"call_s": call_s, "source": "engine calibration run (timeline gaps)", "gaps": len(calls)}
+    if transfers:
+        out["transfer_latency_s"] = max(0.0, statistics.median(transfers) - call_s)
+    if fetch:
+        out["get_s"] = max(0.0, statistics.median(fetch) - ws["load_s"])
+    if publish:
+        out["put_s"] = max(0.0, statistics.median(publish) - ws["pack_s"])
+    return out
+
+
+# ------------------------------------------------------------------------------ load / save
+
+
+def save_profile(profile: dict, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile, indent=2, default=str))
+    return path
+
+
+def load_profile(path: Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--profile: file not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--profile: {path} is not valid JSON (line {exc.lineno})") from None
+    needed = ("device", "model", "measurements", "workload")
+    if not isinstance(data, dict) or any(k not in data for k in needed) or data.get("version") != PROFILE_VERSION:
+        raise UserError(f"--profile: {path} is not a digenrl profile (version {PROFILE_VERSION}); "
+                        "write one with `digenrl profile`")
+    return data

@@ -1,0 +1,444 @@
+"""The engine's scheduler in virtual time (DESIGN.md §4-5).
+
+The simulator drives the SAME :class:`~digenrl.engine.scheduler.Scheduler` the Ray runtime drives,
+the same way: after every completion each idle worker, in the runtime's worker order, asks
+``next_unit``; completions are taken one at a time, earliest first (submission order breaks ties,
+as ``ray.wait`` does). What a unit costs comes from the cost model, per worker device type, plus
+what the engine adds around it:
+
+- every unit starts ``call_s`` after it is handed out (driver -> actor call);
+- a train unit first receives its samples (``transfer``);
+- a rollout worker handed a unit of a newer version first loads it (a ``sync`` event, as the
+  runtime records it), trainer rank 0 publishes after each step (a ``sync`` nested in the step);
+- the optimizer step is collective: a rank's step event starts when it arrives and ends when the
+  all-reduce -- which waits for the last rank -- and its update are done;
+- a colocated device pays a phase switch (idle, so counted as bubble) when it turns from training
+  to sampling or back;
+- ``device: cpu`` pools share the host's cores: when ``n`` workers compute at once on ``C``
+  cores each runs at ``min(1, C / n)`` speed (processor sharing; or what the profile measured for
+  ``n`` concurrent workers, ``CostParams.cpu_sharing = "measured"``), and the driver's work between
+  units (``call_s``) at the speed of ``n + 1``.
+
+Everything is recorded into the same :class:`~digenrl.engine.timeline.Timeline` a real run fills,
+so ``timeline.json``, ``timeline.png`` and the per-iteration samples/s and bubble fraction are
+computed by the same code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from digenrl.engine.scheduler import RolloutUnit, Scheduler, SchedulerConfig, TrainUnit, WorkerSpec
+from digenrl.engine.timeline import Timeline
+from digenrl.planner.costmodel import CostModel, DeviceSetup
+
+EPS = 1e-12
+
+
+# ------------------------------------------------------------------------------------ plan
+
+
+@dataclass(frozen=True)
+class Pool:
+    name: str
+    device: str  # a gpus.DEVICES key
+    count: int
+    role: str  # "rollout" | "trainer" | "both"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement + engine knobs: exactly what a RunConfig's cluster / placement / engine sections say."""
+
+    placement: str  # "colocated" | "disaggregated"
+    pools: tuple[Pool, ...]
+    unit_groups: int
+    tsp_degree: int = 1
+    tag: bool = False
+    gap: bool = True
+    max_staleness: int = 0
+    micro_batch: int | None = None  # None: the config's
+
+    def workers(self) -> list[tuple[WorkerSpec, Pool]]:
+        """One worker per device, named and ordered as the runtime's ``worker_plan`` does."""
+        pools = list(self.pools)
+        if self.placement == "disaggregated":
+            pools = [p for p in pools if p.role == "rollout"] + [p for p in pools if p.role == "trainer"]
+        return [(WorkerSpec(f"{p.name}{i}", p.role), p) for p in pools for i in range(p.count)]
+
+    def scheduler_config(self, prompts: int, iterations: int, wait_for_full_batch: bool = False) -> SchedulerConfig:
+        return SchedulerConfig(placement=self.placement, groups_per_iteration=prompts, unit_groups=self.unit_groups,
+                               tsp_degree=self.tsp_degree, tag=self.tag, gap=self.gap,
+                               max_staleness=self.max_staleness, iterations=iterations,
+                               wait_for_full_batch=wait_for_full_batch)
+
+    @property
+    def rollout_pool(self) -> Pool | None:
+        return next((p for p in self.pools if p.role == "rollout"), None)
+
+    @property
+    def trainer_pools(self) -> list[Pool]:
+        return [p for p in self.pools if p.role != "rollout"]
+
+    @property
+    def ranks(self) -> int:
+        return sum(p.count for p in self.trainer_pools)
+
+    def where(self) -> str:
+        """The hardware: 'colocated 16xH800' or 'R 4xH20 / T 8xH800'."""
+        if self.placement == "colocated":
+            per_type: dict[str, int] = {}
+            for p in self.pools:
+                per_type[p.device] = per_type.get(p.device, 0) + p.count
+            return "colocated " + "+".join(f"{n}x{d}" for d, n in per_type.items())
+        r, t = self.rollout_pool, self.trainer_pools[0]
+        return f"R {r.count}x{r.device} / T {t.count}x{t.device}"
+
+    def knobs(self) -> str:
+        k = [f"m={self.unit_groups}"]
+        if self.placement == "disaggregated":
+            k.append("GAP" if self.gap else "no GAP")
+        if self.tsp_degree > 1:
+            k.append(f"TSP{self.tsp_degree}")
+        if self.placement == "disaggregated":
+            if self.tag:
+                k.append("TAG")
+            if self.max_staleness:
+                k.append("async")
+        return " ".join(k)
+
+    def label(self) -> str:
+        return f"{self.where()} ({self.knobs()})"
+
+    @classmethod
+    def from_run_config(cls, cfg) -> Plan:
+        from digenrl.errors import UserError
+        from digenrl.planner.gpus import device_spec
+
+        def dev(p):
+            if p.device.lower() in ("gpu", "cuda"):
+                raise UserError(f"cluster.pools: pool '{p.name}' has device '{p.device}': name a GPU type to simulate it")
+            return device_spec(p.device, f"cluster.pools.{p.name}.device").name
+
+        e, pools = cfg.engine, {p.name: p for p in cfg.cluster.pools}
+        if cfg.placement.mode == "colocated":
+            plan_pools = tuple(Pool(p.name, dev(p), p.count, "both") for p in cfg.cluster.pools)
+        elif cfg.placement.mode == "disaggregated":
+            r, t = pools[cfg.placement.rollout_pool], pools[cfg.placement.trainer_pool]
+            plan_pools = (Pool(r.name, dev(r), r.count, "rollout"), Pool(t.name, dev(t), t.count, "trainer"))
+        else:
+            raise UserError("placement.mode: 'local' has no engine placement to simulate; use colocated or disaggregated")
+        return cls(cfg.placement.mode, plan_pools, e.unit_groups, e.tsp_degree, e.tag, e.gap, e.max_staleness,
+                   cfg.train.micro_batch)
+
+
+class DoesNotFit(Exception):
+    """The plan's memory does not fit on some device: ``args`` = (why, need / have)."""
+
+
+def setups(plan: Plan, cost: CostModel) -> dict[str, DeviceSetup]:
+    """Per pool: how its devices run (memory decisions), or DoesNotFit."""
+    out = {}
+    for p in plan.pools:
+        if p.role == "rollout":
+            s = cost.rollout_memory(p.device, plan.unit_groups)
+        elif p.role == "trainer":
+            s = cost.trainer_setup(p.device, plan.ranks, plan.tag, plan.unit_groups)
+        else:
+            s = cost.colocated_setup(p.device, plan.ranks, plan.unit_groups)
+        if plan.micro_batch is not None and s.fits and p.role != "rollout" and s.micro_batch > plan.micro_batch:
+            s = DeviceSetup(**{**s.__dict__, "micro_batch": plan.micro_batch})
+        if not s.fits:
+            raise DoesNotFit(s.why, s.need_bytes / max(s.have_bytes, 1.0))
+        out[p.name] = s
+    return out
+
+
+# ---------------------------------------------------------------------------------- result
+
+
+@dataclass
+class SimResult:
+    plan: Plan
+    timeline: Timeline
+    scheduler: Scheduler
+    summary: dict  # Timeline.summary over the measured iterations
+    bound_s: float  # DESIGN §4 bound on the iteration time
+    setups: dict[str, DeviceSetup] = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.summary["samples_per_s"]
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.summary["bubble_fraction"]
+
+    @property
+    def iteration_s(self) -> float:
+        return self.summary.get("iteration_s", 0.0)
+
+    @property
+    def efficiency(self) -> float:
+        return self.bound_s / self.iteration_s if self.iteration_s else 0.0
+
+    def save(self, directory: Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.timeline.save_json(directory / "timeline.json")
+        self.timeline.to_png(directory / "timeline.png")
+
+
+# ------------------------------------------------------------------------------- simulation
+
+
+@dataclass
+class _Seg:
+    kind: str  # "call" | "wait" | "switch" | a timeline kind
+    amount: float  # seconds at full speed (inf: until released)
+    cpu: bool  # competes for host cores (cpu pools)
+    event: dict | None = None  # timeline event fields, recorded when the segment ends
+    start: float = 0.0
+
+
+@dataclass
+class _Job:
+    seq: int
+    worker: str
+    unit: object
+    segs: list[_Seg]
+    i: int = 0
+    remaining: float = 0.0
+    arrived: float = 0.0  # step: when the rank reached the collective
+
+    @property
+    def seg(self) -> _Seg:
+        return self.segs[self.i]
+
+
+class Simulator:
+    """One simulated run of ``plan`` for ``iterations`` iterations."""
+
+    def __init__(self, plan: Plan, cost: CostModel, iterations: int = 3, wait_for_full_batch: bool = False):
+        self.plan, self.cost, self.iterations = plan, cost, iterations
+        self.w = cost.w
+        self.setups = setups(plan, cost)
+        self.workers = plan.workers()
+        self.pool = {spec.name: pool for spec, pool in self.workers}
+        self.order = [spec.name for spec, _ in self.workers]
+        self.ranks = [spec.name for spec, _ in self.workers if spec.role != "rollout"]
+        self.rank0 = self.ranks[0]
+        self.publish = any(spec.role == "rollout" for spec, _ in self.workers)
+        self.sched = Scheduler(plan.scheduler_config(self.w.prompts, iterations, wait_for_full_batch),
+                               [spec for spec, _ in self.workers])
+        self.shared = cost.cluster.is_cpu  # logical CPU devices share the host's cores
+        self.timeline = Timeline()
+        for spec, pool in self.workers:
+            self.timeline.add_worker(spec.name, pool.name)
+        self.held = {n: 0 for n in self.order}  # weights version each rollout worker holds
+        self.phase = {n: "rollout" for n in self.order}  # colocated: what the device is set up for
+        self._cache: dict = {}
+
+    # -- durations (cached) --------------------------------------------------------------
+
+    def _d(self, key, fn):
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    def _segments(self, worker: str, unit) -> list[_Seg]:
+        pool, cost, ov = self.pool[worker], self.cost, self.cost.ov
+        dev, setup = pool.device, self.setups[pool.name]
+        segs = [_Seg("call", ov.call_s, False)]
+        base = {"uid": unit.uid, "iteration": unit.iteration}
+        if isinstance(unit, RolloutUnit):
+            if pool.role == "rollout" and unit.version != self.held[worker]:
+                segs.append(_Seg("sync", self._d(("fetch", dev), lambda: cost.sync_fetch(dev)), True, dict(
+                    base, kind="sync", uid=f"sync-{unit.version}-fetch", version=unit.version,
+                    args={"direction": "fetch", "bytes": self.w.sync_bytes})))
+                self.held[worker] = unit.version
+            segs += self._switch(worker, "rollout", dev, setup)
+            total, reward = self._d(("rollout", dev, len(unit.groups)), lambda: cost.rollout_unit(dev, len(unit.groups)))
+            segs.append(_Seg("rollout", total, True, dict(
+                base, kind="rollout", version=unit.version, reward_s=reward,
+                args={"samples": len(unit.groups) * self.w.group_size, "groups": list(unit.groups)})))
+        elif isinstance(unit, TrainUnit):
+            segs[0].amount += self._d(("transfer", len(unit.groups)), lambda: cost.transfer(len(unit.groups)))
+            segs += self._switch(worker, "train", dev, setup)
+            d = self._d(("train", dev, len(unit.groups), unit.tsp_rank, unit.tsp_degree),
+                        lambda: cost.train_unit(dev, len(unit.groups), unit.tsp_rank, unit.tsp_degree, setup))
+            segs.append(_Seg("train", d, True, dict(
+                base, kind="train", version=unit.version, sample_versions=(unit.sample_version,),
+                args={"groups": list(unit.groups), "tsp_rank": unit.tsp_rank, "tsp_degree": unit.tsp_degree})))
+        else:
+            publish = self.publish and worker == self.rank0
+            segs += self._switch(worker, "train", dev, setup)
+            d, pub = self._d(("step", dev, publish), lambda: cost.step(dev, len(self.ranks), publish, setup))
+            segs.append(_Seg("wait", math.inf, False))
+            segs.append(_Seg("step", d, True, dict(base, kind="step", version=unit.version - 1, publish_s=pub,
+                                                   args={"publishes": unit.version})))
+        return segs
+
+    def _switch(self, worker: str, phase: str, dev: str, setup: DeviceSetup) -> list[_Seg]:
+        if self.pool[worker].role != "both" or self.phase[worker] == phase:
+            return []
+        self.phase[worker] = phase
+        s = self._d(("switch", dev), lambda: self.cost.switch(dev, setup))
+        return [_Seg("switch", s, False)] if s > 0 else []
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(self) -> Timeline:
+        sched, now, seq = self.sched, 0.0, 0
+        idle = set(self.order)
+        running: list[_Job] = []
+        for _ in range(10_000_000):
+            if sched.done():
+                break
+            for worker in [w for w in self.order if w in idle]:
+                unit = sched.next_unit(worker)
+                if unit is not None:
+                    idle.discard(worker)
+                    job = _Job(seq, worker, unit, self._segments(worker, unit))
+                    seq += 1
+                    self._enter(job, now)
+                    running.append(job)
+            self._release_collective(running, now)
+            if not running:
+                raise RuntimeError(f"simulation stalled at t={now:.3f}s, version {sched.published_version}")
+            rates = self._rates(running)
+            dt = min((j.remaining / rates[j.seq] for j in running if j.remaining < math.inf), default=math.inf)
+            if dt == math.inf:
+                raise RuntimeError(f"simulation deadlock at t={now:.3f}s (every rank waits in the step)")
+            now += dt
+            for j in running:
+                if j.remaining < math.inf:
+                    j.remaining -= dt * rates[j.seq]
+            # move jobs through finished inner segments (zero-time ones too)
+            changed = True
+            while changed:
+                changed = False
+                for j in running:
+                    while j.remaining <= EPS and j.i < len(j.segs) - 1:
+                        self._leave(j, now)
+                        j.i += 1
+                        self._enter(j, now)
+                        changed = True
+                if self._release_collective(running, now):
+                    changed = True
+            done = [j for j in running if j.remaining <= EPS and j.i == len(j.segs) - 1]
+            if not done:
+                continue
+            job = min(done, key=lambda j: j.seq)  # one completion at a time, as ray.wait(num_returns=1)
+            self._leave(job, now)
+            running.remove(job)
+            sched.complete(job.unit)
+            idle.add(job.worker)
+        else:  # pragma: no cover
+            raise RuntimeError("simulation did not terminate")
+        return self.timeline
+
+    def _enter(self, job: _Job, now: float) -> None:
+        seg = job.seg
+        seg.start = now
+        job.remaining = seg.amount
+        if seg.kind == "wait":
+            job.arrived = now
+
+    def _release_collective(self, running: list[_Job], now: float) -> bool:
+        waiting = [j for j in running if j.seg.kind == "wait"]
+        if len(waiting) < len(self.ranks):
+            return False
+        for j in waiting:  # the last rank arrived: the all-reduce runs
+            j.remaining = 0.0
+            j.seg.amount = 0.0
+        return True
+
+    def _rates(self, running: list[_Job]) -> dict[int, float]:
+        if not self.shared:
+            return {j.seq: 1.0 for j in running}
+        busy = sum(1 for j in running if j.seg.cpu and j.remaining < math.inf)
+        share = self.cost.cpu_rate(busy)
+        driver = self.cost.cpu_rate(busy + 1)  # a "call" is the driver's work: it competes with the workers
+        return {j.seq: (share if j.seg.cpu else driver if j.seg.kind == "call" else 1.0) for j in running}
+
+    def _leave(self, job: _Job, now: float) -> None:
+        seg = job.seg
+        if seg.event is None:
+            return
+        ev = dict(seg.event)
+        start = job.arrived if ev["kind"] == "step" else seg.start
+        reward_s, publish_s = ev.pop("reward_s", 0.0), ev.pop("publish_s", 0.0)
+        self.timeline.record(job.worker, ev["kind"], ev["uid"], ev["iteration"], ev["version"], start, now,
+                             ev.get("sample_versions", ()), **ev.get("args", {}))
+        if ev["kind"] == "rollout" and reward_s > 0:
+            self.timeline.record(job.worker, "reward", ev["uid"], ev["iteration"], ev["version"],
+                                 max(seg.start, now - reward_s), now)
+        if ev["kind"] == "step" and publish_s > 0:
+            v = ev["args"]["publishes"]
+            self.timeline.record(job.worker, "sync", f"sync-{v}-publish", v - 1, v, max(seg.start, now - publish_s),
+                                 now, direction="publish", bytes=self.w.sync_bytes)
+
+
+def simulate(plan: Plan, cost: CostModel, iterations: int = 4, skip: int | None = None, tail: int | None = None,
+             wait_for_full_batch: bool = False) -> SimResult:
+    """Simulate ``iterations`` iterations and summarise the steady state: the first ``skip`` (default
+    1: nothing to overlap with yet) and the last ``tail`` (default 1 from 3 iterations on: with
+    one-step async the last span holds no next rollout) are left out."""
+    sim = Simulator(plan, cost, iterations, wait_for_full_batch)
+    timeline = sim.run()
+    return SimResult(plan, timeline, sim.sched, steady_summary(timeline, skip, tail), bound(plan, cost, sim.setups),
+                     sim.setups)
+
+
+def steady_summary(timeline: Timeline, skip: int | None = None, tail: int | None = None) -> dict:
+    """:meth:`Timeline.summary` of the steady state, the same for a real run's timeline.json and a
+    simulated one: without the first iteration (nothing to overlap with yet) and, from 3 iterations
+    on, the last (with one-step async it holds no next rollout)."""
+    n = len(timeline.iteration_spans())
+    skip = (1 if n > 1 else 0) if skip is None else skip
+    tail = (1 if n - skip > 1 and n >= 3 else 0) if tail is None else tail
+    return {"iterations": 0, "iteration_s": 0.0, **timeline.summary(skip=skip, tail=tail)}
+
+
+# ----------------------------------------------------------------------------------- bound
+
+
+def bound(plan: Plan, cost: CostModel, setup: dict[str, DeviceSetup] | None = None) -> float:
+    """DESIGN §4's bound on the iteration time, generalised to device types of different speeds by
+    a fluid split of the work: colocated ``(R+T)/(r+t)``, disaggregated ``max(R/r, T/t)``, with TAG
+    ``max(T/t, (R+T)/(r+t))`` (R, T: rollout / train device-seconds; T includes every rank's step and,
+    colocated, the phase switches). Engine overheads (calls, transfers, weight sync) are left out."""
+    setup = setup if setup is not None else setups(plan, cost)
+    m, D, ranks = plan.unit_groups, plan.tsp_degree, plan.ranks
+    units = cost.w.prompts // m
+
+    def work(pool: Pool) -> tuple[float, float, float]:
+        s = setup[pool.name]
+        R = units * cost.rollout_unit(pool.device, m)[0]
+        if pool.role == "rollout":
+            return R, 0.0, 0.0
+        T = units * sum(cost.train_unit(pool.device, m, r, D, s) for r in range(D))
+        own = cost.step(pool.device, ranks, False, s)[0]
+        if pool.role == "both":
+            own += 2 * cost.switch(pool.device, s)
+        return R, T, own
+
+    if plan.placement == "colocated":
+        inv, off = 0.0, 0.0
+        for p in plan.pools:
+            R, T, own = work(p)
+            inv += p.count / (R + T)
+            off += p.count * own / (R + T)
+        return (1 + off) / inv
+    r_pool, t_pool = plan.rollout_pool, plan.trainer_pools[0]
+    Rr, _, _ = work(r_pool)
+    Rt, Tt, own = work(t_pool)
+    r, t = r_pool.count, t_pool.count
+    train_time = Tt / t + own
+    if not plan.tag or Rr / r <= train_time:
+        return max(Rr / r, train_time)
+    x = ((Rt + Tt) / t + own) / (Rr / r + Rt / t)  # share of the rollout the rollout pool does
+    return max(train_time, x * Rr / r)

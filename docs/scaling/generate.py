@@ -1,0 +1,106 @@
+"""Regenerate the tables and Gantt charts of docs/scaling.md (model predictions, not measurements).
+
+    python docs/scaling/generate.py              # search every model x cluster: predictions.json, Gantt charts
+    python docs/scaling/generate.py --markdown   # the tables of docs/scaling.md from predictions.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from digenrl.config import load_config
+from digenrl.planner.costmodel import CostModel, Workload
+from digenrl.planner.gpus import load_cluster
+from digenrl.planner.search import ladder, search
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = Path(__file__).resolve().parent
+MODELS = {
+    "FLUX.1-dev (12B)": "flux1_dev.yaml",
+    "Wan2.1-T2V-14B": "wan2.1_t2v_14b.yaml",
+    "HunyuanVideo (13B)": "hunyuan_video.yaml",
+    "Qwen-Image (20B)": "qwen_image.yaml",
+}
+CLUSTERS = ["16xH800", "8xH800_16xH20", "32xA100", "16xH100_16xL40S"]
+GANTT = ("FLUX.1-dev (12B)", "8xH800_16xH20")
+
+
+def main() -> int:
+    rows = {}
+    t0 = time.time()
+    for label, cfg_file in MODELS.items():
+        cfg = load_config(ROOT / "configs" / cfg_file)
+        w = Workload.from_config(cfg)
+        for cname in CLUSTERS:
+            cluster = load_cluster(ROOT / "configs" / "clusters" / f"{cname}.yaml")
+            cost = CostModel(w, cluster)
+            res = search(cost, cluster, top=1)
+            best, col = res.ranked[0], res.best_colocated
+            steps = ladder(cost, cluster)
+            rows[(label, cname)] = {
+                "best": best.plan.label(), "best_sps": best.samples_per_s, "best_bubble": best.bubble_fraction,
+                "best_notes": sorted({n for s in best.setups.values() for n in s.notes()}),
+                "col": col.plan.label() if col else None, "col_sps": col.samples_per_s if col else None,
+                "col_bubble": col.bubble_fraction if col else None,
+                "ladder": {name: (r.samples_per_s if r else None) for name, r in steps},
+                "ladder_bubble": {name: (r.bubble_fraction if r else None) for name, r in steps},
+                "seconds": res.seconds,
+            }
+            if (label, cname) == GANTT:
+                best.save(OUT / "gantt_best")
+                if col:
+                    col.save(OUT / "gantt_colocated")
+            print(f"{label} on {cname}: {rows[(label, cname)]['best']} {best.samples_per_s:.3f} sps "
+                  f"({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+        rows[("workload", label)] = w.summary()
+    (OUT / "predictions.json").write_text(json.dumps({f"{k[0]} | {k[1]}": v for k, v in rows.items()}, indent=1,
+                                                     default=str))
+    print(json.dumps({"cost_params": asdict(CostModel(w, cluster).p)}, indent=1))
+    return 0
+
+
+
+
+def markdown(path: Path = OUT / "predictions.json") -> str:
+    """The tables of docs/scaling.md from predictions.json."""
+    d = json.loads(path.read_text())
+    lines = []
+    for label in MODELS:
+        w = d[f"workload | {label}"]
+        t = w["tokens"]
+        lines += [f"### {label}", "",
+                  f"{w['prompts']} prompts x {w['group_size']} samples per iteration, {w['steps']} steps, "
+                  f"{w['trained_steps']} trained steps per sample ({w['timestep_mode']}), {w['passes']} pass(es) per "
+                  f"step, KL {'on' if w['kl'] else 'off'}, LoRA {w['params']['lora'] / 1e6:.0f}M params; "
+                  f"{t['x']} image/video + {t['text']} text tokens, "
+                  f"{w['forward_tflops_per_sample']:.1f} TFLOPs per sample per pass.", "",
+                  "| cluster | best plan | samples/s | bubble | best colocated | samples/s | bubble | speedup |",
+                  "|---|---|---:|---:|---|---:|---:|---:|"]
+        for c in CLUSTERS:
+            r = d[f"{label} | {c}"]
+            notes = f" [{', '.join(r['best_notes'])}]" if r["best_notes"] else ""
+            col = r["col"] or "none fits"
+            col_sps = f"{r['col_sps']:.3g}" if r["col_sps"] else "-"
+            col_b = f"{r['col_bubble']:.0%}" if r["col_bubble"] is not None else "-"
+            sp = f"{r['best_sps'] / r['col_sps']:.2f}x" if r["col_sps"] else "n/a"
+            lines.append(f"| {c} | {r['best']}{notes} | {r['best_sps']:.3g} | {r['best_bubble']:.0%} | {col} | "
+                         f"{col_sps} | {col_b} | {sp} |")
+        lines += ["", "What each knob adds (best disaggregated plan with the knobs up to that column; samples/s):", "",
+                  "| cluster | sync | +GAP | +TSP | +TAG | +async (= DigenRL) |", "|---|---:|---:|---:|---:|---:|"]
+        for c in CLUSTERS:
+            lad = d[f"{label} | {c}"]["ladder"]
+            lines.append(f"| {c} | " + " | ".join(f"{lad[k]:.3g}" if lad[k] else "-" for k in
+                                                   ("sync", "+GAP", "+TSP", "+TAG", "+async")) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--markdown"]:
+        print(markdown())
+        sys.exit(0)
+    sys.exit(main())

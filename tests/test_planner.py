@@ -1,0 +1,309 @@
+"""The planner: cluster files, analytic cost model, memory model, the simulator (driving the engine's
+own Scheduler in virtual time), the placement search and the `digenrl plan` command."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from digenrl.cli.app import app
+from digenrl.config import load_config
+from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit
+from digenrl.engine.timeline import Timeline
+from digenrl.errors import UserError
+from digenrl.planner.costmodel import CostModel, EngineOverheads, Workload, interpolate
+from digenrl.planner.gpus import DEVICES, cluster_from_dict, load_cluster, match_device_name
+from digenrl.planner.search import candidates, search
+from digenrl.planner.shapes import attention_fraction, forward_flops, model_shape
+from digenrl.planner.simulator import Plan, Pool, bound, simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTERS = ROOT / "configs" / "clusters"
+runner = CliRunner()
+
+
+def cli(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def exit_code(result) -> int:
+    """CliRunner surfaces a UserError as the exception; the entry point turns it into exit 2."""
+    if isinstance(result.exception, UserError):
+        return result.exception.exit_code
+    return result.exit_code
+
+
+# ----------------------------------------------------------------------------- hardware
+
+
+def test_cluster_files_load():
+    for path in sorted(CLUSTERS.glob("*.yaml")):
+        cluster = load_cluster(path)
+        assert sum(cluster.devices.values()) >= 2, path
+    assert load_cluster(CLUSTERS / "8xH800_16xH20.yaml").devices == {"H800": 8, "H20": 16}
+    assert load_cluster(CLUSTERS / "local_cpu.yaml").is_cpu
+
+
+def test_unknown_device_type_lists_the_known_ones(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools:\n  - {name: x, device: B200, count: 8}\n")
+    with pytest.raises(UserError, match=r"unknown device type 'B200' \(known: H100, H200, H800, H20"):
+        load_cluster(bad)
+    result = cli("plan", "--cluster", str(bad))
+    assert exit_code(result) == 2
+
+
+def test_device_names_match_the_table():
+    assert match_device_name("NVIDIA H200") == "H200"  # not H20
+    assert match_device_name("NVIDIA H20") == "H20"
+    assert match_device_name("NVIDIA H100 80GB HBM3") == "H100"
+    assert match_device_name("NVIDIA GeForce RTX 4090") == "RTX4090"
+    assert match_device_name("Tesla T4") is None
+    with pytest.raises(UserError, match="unknown key"):
+        cluster_from_dict({"pools": [{"name": "a", "device": "H100", "count": 1}], "nodes": 2})
+
+
+# ---------------------------------------------------------------------------- cost model
+
+
+def test_interpolation_is_exact_at_points_linear_between_and_extrapolates():
+    table = {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5}
+    assert interpolate(table, 4) == 2.5
+    assert interpolate(table, 3) == pytest.approx(2.0)
+    assert interpolate(table, 16) == pytest.approx(8.5)  # along the last segment (0.5 s per sample)
+    assert interpolate(table, 6) == pytest.approx(3.5)
+
+
+@pytest.mark.parametrize("name", ["flux1_dev", "wan2.1_t2v_14b", "hunyuan_video", "qwen_image"])
+def test_known_shapes_and_flops(name):
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+    w = Workload.from_config(cfg)
+    published = {"flux": 11.9e9, "wan": 14.0e9, "hunyuan_video": 12.8e9, "qwen_image": 20.4e9}[cfg.model.adapter]
+    assert w.params.total == pytest.approx(published, rel=0.03)
+    assert 0 < w.params.lora < 0.05 * w.params.total
+    # doubling every token doubles the linear FLOPs and quadruples the attention products
+    shape = w.shape
+    t = shape.tokens
+    doubled = type(t)(2 * t.x, 2 * t.text, t.latent_elements, t.pixels)
+    ratio = forward_flops(shape, doubled) / forward_flops(shape)
+    a = attention_fraction(shape)
+    assert ratio == pytest.approx(2 * (1 - a) + 4 * a, rel=0.02)
+    assert 2.0 <= ratio <= 3.0
+    # and FLOPs per token are ~2 x the parameters a token passes through (a dual-stream block sends a
+    # token through one stream; the modulation weights act once per sample)
+    per_token = forward_flops(shape) / (t.x + t.text)
+    assert 0.5 * w.params.total < per_token < 4 * w.params.total
+
+
+@pytest.mark.parametrize("name", ["flux_tiny", "wan_tiny", "hunyuan_tiny", "qwen_tiny"])
+def test_flop_formula_matches_torch_flop_counter_on_the_tiny_models(name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from digenrl.adapters import build_adapter
+
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+    ad = build_adapter(cfg.model, cfg.sampling)
+    shape = model_shape(cfg.model)
+    assert shape.tokens.latent_elements == torch.Size(ad.latent_shape()).numel()
+    cond = ad.encode_prompts(["a red apple"])
+    x = torch.randn(1, *ad.latent_shape())
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        ad.velocity(x, torch.full((1,), 0.5), cond)
+    passes = 2 if cfg.model.adapter in ("wan", "qwen_image") else 1
+    assert forward_flops(shape) == pytest.approx(counter.get_total_flops() / passes, rel=0.1)
+
+
+def test_memory_model_rejects_what_does_not_fit(tmp_path):
+    cfg = load_config(ROOT / "configs" / "qwen_image.yaml")
+    w = Workload.from_config(cfg)
+    small = cluster_from_dict({"name": "8x4090", "pools": [{"name": "g", "device": "RTX4090", "count": 8}]})
+    cost = CostModel(w, small)
+    assert not cost.rollout_memory("RTX4090", 1).fits
+    assert "RTX4090 needs" in cost.rollout_memory("RTX4090", 1).why
+    with pytest.raises(UserError, match="fits no placement"):
+        search(cost, small)
+    path = tmp_path / "8x4090.yaml"
+    path.write_text("pools:\n  - {name: g, device: RTX4090, count: 8}\n")
+    result = cli("plan", "-c", str(ROOT / "configs" / "qwen_image.yaml"), "--cluster", str(path))
+    assert exit_code(result) == 2
+    assert "fits no placement" in str(result.exception)
+    # on an H100 the same model fits, with LoRA state and activations accounted for
+    big = CostModel(w, load_cluster(CLUSTERS / "16xH100_16xL40S.yaml"))
+    setup = big.trainer_setup("H100", 8, False, 1)
+    assert setup.fits and setup.parts["trained state"] == pytest.approx(w.params.lora * 16)
+
+
+# ------------------------------------------------------------------------------- simulator
+
+
+class ConstantCost(CostModel):
+    """Fixed unit durations and no engine overheads: the closed forms of DESIGN §4 apply."""
+
+    def __init__(self, cfg, rollout=1.0, train=0.5, step=0.1):
+        cluster = cluster_from_dict({"name": "h", "pools": [{"name": "g", "device": "H100", "count": 4}]})
+        super().__init__(Workload.from_config(cfg), cluster,
+                         overheads=EngineOverheads(call_s=0.0, transfer_latency_s=0.0, allreduce_latency_s=0.0))
+        self.r, self.t, self.s = rollout, train, step
+
+    def rollout_unit(self, device, groups):
+        return self.r, 0.0
+
+    def train_unit(self, device, groups, tsp_rank, tsp_degree, setup=None):
+        return self.t
+
+    def step(self, device, ranks, publish, setup=None):
+        return self.s, 0.0
+
+    def sync_fetch(self, device):
+        return 0.0
+
+    def transfer(self, groups):
+        return 0.0
+
+    def switch(self, device, setup):
+        return 0.0
+
+
+def disagg(rollout: int, trainers: int, **knobs) -> Plan:
+    return Plan("disaggregated", (Pool("rollout", "H100", rollout, "rollout"), Pool("trainer", "H100", trainers, "trainer")),
+                **{"unit_groups": 1, **knobs})
+
+
+def test_simulator_drives_the_engine_scheduler_and_fills_a_timeline(tiny_cfg, tmp_path):
+    cfg = tiny_cfg("train.prompts_per_iteration=4")
+    cost = ConstantCost(cfg)
+    res = simulate(disagg(1, 2, tsp_degree=2, tag=True), cost, iterations=3)
+    assert isinstance(res.scheduler, Scheduler) and res.scheduler.done()
+    kinds = [type(u) for _, u in res.scheduler.record]
+    assert kinds.count(RolloutUnit) == 3 * 4 and kinds.count(TrainUnit) == 3 * 4 * 2 and kinds.count(StepUnit) == 3 * 2
+    units = {u.uid for _, u in res.scheduler.record}
+    recorded = {e.uid for e in res.timeline.events if e.kind in ("rollout", "train", "step")}
+    assert recorded == units
+    # the same files a real run writes, readable by the same code
+    res.save(tmp_path)
+    back = Timeline.from_chrome_trace(tmp_path / "timeline.json")
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    assert [r["samples"] for r in back.iteration_stats()] == [32, 32, 32]
+    assert back.iteration_stats()[1]["samples_per_s"] == pytest.approx(res.timeline.iteration_stats()[1]["samples_per_s"])
+
+
+def test_disaggregated_sync_bubble_is_the_closed_form(tiny_cfg):
+    r, t, s, units, R, T = 1.0, 0.5, 0.1, 4, 2, 1
+    cost = ConstantCost(tiny_cfg("train.prompts_per_iteration=4"), r, t, s)
+    res = simulate(disagg(R, T, gap=False), cost, iterations=3)
+    span = units / R * r + units / T * t + s
+    busy = units * r + units * t + T * s
+    assert res.iteration_s == pytest.approx(span)
+    assert res.bubble_fraction == pytest.approx(1 - busy / ((R + T) * span))
+
+
+def test_balanced_async_reaches_the_design_bound(tiny_cfg):
+    cost = ConstantCost(tiny_cfg("train.prompts_per_iteration=4"), 1.0, 1.0, 0.1)
+    plan = disagg(1, 1, max_staleness=1)
+    res = simulate(plan, cost, iterations=5)
+    assert bound(plan, cost) == pytest.approx(max(4 * 1.0, 4 * 1.0 + 0.1))  # max(R/r, T/t)
+    assert res.iteration_s == pytest.approx(bound(plan, cost))
+    assert res.efficiency == pytest.approx(1.0)
+    # with TAG the bound is max(T/t, (R+T)/(r+t)); colocated (R+T)/(r+t)
+    assert bound(disagg(1, 1, tag=True), cost) == pytest.approx(max(4.1, 8.1 / 2))
+    colocated = Plan("colocated", (Pool("g", "H100", 2, "both"),), 1)
+    assert bound(colocated, cost) == pytest.approx((4 + 4 + 2 * 0.1) / 2)
+
+
+def test_cpu_workers_share_the_host_cores(tiny_cfg):
+    cfg = tiny_cfg()
+    w = Workload.from_config(cfg)
+    plan = Plan("disaggregated", (Pool("rollout", "cpu", 1, "rollout"), Pool("trainer", "cpu", 2, "trainer")), 1,
+                tsp_degree=2)
+    fast = simulate(plan, CostModel(w, cluster_from_dict({"pools": [{"name": "c", "device": "cpu", "count": 3}],
+                                                          "host_cores": 3})))
+    slow = simulate(plan, CostModel(w, cluster_from_dict({"pools": [{"name": "c", "device": "cpu", "count": 3}],
+                                                          "host_cores": 1})))
+    assert slow.iteration_s > 1.5 * fast.iteration_s
+
+
+def test_colocated_pays_phase_switches(tiny_cfg):
+    cfg = load_config(ROOT / "configs" / "flux1_dev.yaml")
+    w = Workload.from_config(cfg)
+    cluster = load_cluster(CLUSTERS / "16xH800.yaml")
+    plan = Plan("colocated", (Pool("h800", "H800", 16, "both"),), 2)
+    cheap = CostModel(w, cluster)
+    cheap.col.switch_latency_s = 0.0
+    dear = CostModel(w, cluster)
+    dear.col.switch_latency_s = 5.0
+    gap = simulate(plan, dear).iteration_s - simulate(plan, cheap).iteration_s
+    assert gap == pytest.approx(2 * 5.0, rel=0.05)  # two switches per iteration
+
+
+# ---------------------------------------------------------------------------------- search
+
+
+def test_plan_on_a_32_gpu_cluster(tmp_path):
+    cfg = load_config(ROOT / "configs" / "flux1_dev.yaml")
+    t0 = time.perf_counter()
+    cost = CostModel(Workload.from_config(cfg), load_cluster(CLUSTERS / "16xH100_16xL40S.yaml"))
+    res = search(cost, cost.cluster, top=5)
+    assert time.perf_counter() - t0 < 60
+    assert len(res.ranked) >= 5 and res.best_colocated is not None
+    sps = [r.samples_per_s for r in res.ranked]
+    assert sps == sorted(sps, reverse=True) and sps[0] > 0
+    assert res.simulated < res.candidates  # the bound pruned most candidates
+    assert all(0 <= r.bubble_fraction < 1 for r in res.ranked)
+
+
+def test_candidates_cover_the_knobs():
+    cluster = load_cluster(CLUSTERS / "8xH800_16xH20.yaml")
+    plans = candidates(cluster, 8)
+    assert {p.unit_groups for p in plans} == {1, 2, 4, 8}
+    assert {p.tsp_degree for p in plans} == {1, 2, 4}
+    assert {(p.tag, p.max_staleness) for p in plans if p.placement == "disaggregated"} == {
+        (False, 0), (False, 1), (True, 0), (True, 1)}
+    splits = {(p.rollout_pool.device, p.rollout_pool.count, p.trainer_pools[0].device, p.trainer_pools[0].count)
+              for p in plans if p.placement == "disaggregated"}
+    assert ("H20", 16, "H800", 8) in splits and ("H800", 3, "H800", 5) in splits
+
+
+def test_plan_cli_json_and_write_then_train_one_iteration(tmp_path):
+    out = tmp_path / "plan.yaml"
+    result = cli("plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"), "--top", "3", "--json", "--write", str(out))
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert 1 <= len(report["plans"]) <= 3
+    assert {"samples_per_s", "bubble_fraction", "speedup_vs_colocated", "engine", "pools"} <= set(report["plans"][0])
+    cfg = load_config(out)
+    assert cfg.placement.mode in ("colocated", "disaggregated") and cfg.train.device == "cpu"
+    assert {p.device for p in cfg.cluster.pools} == {"cpu"}
+    run_dir = tmp_path / "run"
+    result = cli("train", "-c", str(out), "--set", "train.iterations=1", "--set", "model.height=16",
+                 "--set", "model.width=16", "--set", "output.tensorboard=false", "--run-dir", str(run_dir))
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["samples_per_s"] > 0
+    assert (run_dir / "timeline.json").is_file()
+
+
+def test_plan_table_output():
+    result = cli("plan", "-c", str(ROOT / "configs" / "wan2.1_t2v_14b.yaml"), "--cluster",
+                 str(CLUSTERS / "8xH800_16xH20.yaml"), "--top", "2")
+    assert result.exit_code == 0, result.output
+    assert "samples/s" in result.output and "vs col." in result.output
+    assert "predictions" in result.output
+
+
+def test_plan_without_a_cluster_uses_the_configs_typed_pools_or_says_what_is_missing():
+    result = cli("plan", "-c", str(ROOT / "configs" / "qwen_image.yaml"), "--json", "--top", "1")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["cluster"]["devices"] == {"H20": 4, "H800": 4}
+
+
+def test_known_gpu_table_has_datasheet_numbers():
+    assert DEVICES["H100"].bf16_flops == pytest.approx(989.5e12)
+    assert DEVICES["H20"].memory == pytest.approx(96e9)
+    assert DEVICES["A100"].mem_bw == pytest.approx(2.039e12)
+    assert {"H100", "H200", "H800", "H20", "A100", "L40S", "RTX4090"} <= set(DEVICES)

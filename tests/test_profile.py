@@ -1,0 +1,100 @@
+"""`digenrl profile` on the tiny presets of every family (fast settings), and the profile feeding the
+cost model. No timing is asserted beyond "positive": the numbers belong to benchmarks/."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from digenrl.cli.app import app
+from digenrl.config import load_config
+from digenrl.errors import UserError
+from digenrl.planner.costmodel import CostModel, ProfiledTimes, Workload
+from digenrl.planner.gpus import load_cluster
+from digenrl.planner.profile import batch_sizes, load_profile, run_profile, save_profile
+from digenrl.planner.simulator import Plan, Pool, simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["sampling.steps=2", "train.prompts_per_iteration=2", "algorithm.group_size=2", "train.micro_batch=2"]
+
+
+def fast_profile(cfg, **kw):
+    return run_profile(cfg, "cpu", batches=[1, 2], repeats=1, warmup=0, min_time=0.0, **kw)
+
+
+@pytest.mark.parametrize("family", ["flux", "wan", "hunyuan", "qwen"])
+def test_profile_each_tiny_family(family, tmp_path):
+    cfg = load_config(ROOT / "configs" / f"{family}_tiny.yaml", FAST)
+    profile = fast_profile(cfg, sharing=0)
+    m, w = profile["measurements"], profile["workload"]
+    assert profile["device"]["kind"] == "cpu" and profile["torch"]
+    assert profile["model"]["class"].endswith("Model") and profile["model"]["params"] > 0
+    assert w["steps"] == 2 and w["group_size"] == 2
+    assert w["guidance_passes"] == (2 if family in ("wan", "qwen") else 1)
+    rollout_b, train_b = batch_sizes(cfg, [1, 2])
+    assert set(map(int, m["rollout_step_s"])) == set(rollout_b) and set(map(int, m["train_step_s"])) == set(train_b)
+    assert all(v > 0 for v in m["rollout_step_s"].values()) and all(v > 0 for v in m["train_step_s"].values())
+    for key in ("decode_s_per_sample", "reward_s_per_sample", "encode_s_per_prompt", "optimizer_step_s"):
+        assert m[key] > 0, key
+    lora = Workload.from_config(cfg).params.lora
+    assert m["weight_sync"]["bytes"] == 4 * lora  # LoRA tensors in fp32
+    assert m["weight_sync"]["pack_s"] > 0 and m["weight_sync"]["load_s"] > 0
+    assert m["unit_overhead"]["rollout_unit_s"] > 0 and m["peak_memory_bytes"]["train"] > 0
+    # it round-trips through profile.json and calibrates the cost model of the same model
+    path = save_profile(profile, tmp_path / "profile.json")
+    again = load_profile(path)
+    cost = CostModel(Workload.from_config(cfg), load_cluster(ROOT / "configs" / "clusters" / "local_cpu.yaml"),
+                     profile=again)
+    assert isinstance(cost.times("cpu"), ProfiledTimes)
+    assert cost.rollout_unit("cpu", 1)[0] > 0 and cost.train_unit("cpu", 1, 0, 1) > 0
+    plan = Plan("disaggregated", (Pool("rollout", "cpu", 1, "rollout"), Pool("trainer", "cpu", 1, "trainer")), 1)
+    assert simulate(plan, cost).samples_per_s > 0
+
+
+def test_profile_measures_cpu_sharing():
+    cfg = load_config(None, FAST)
+    slow = fast_profile(cfg, sharing=2)["measurements"]["cpu_slowdown"]
+    assert slow["1"] == 1.0 and slow["2"] > 0.5
+
+
+def test_profile_of_another_model_is_refused(tmp_path):
+    cfg = load_config(None, FAST)
+    path = save_profile(fast_profile(cfg, sharing=0), tmp_path / "flux.json")
+    wan = load_config(ROOT / "configs" / "wan_tiny.yaml", FAST)
+    with pytest.raises(UserError, match="measured on FluxTransformer2DModel"):
+        CostModel(Workload.from_config(wan), load_cluster(ROOT / "configs" / "clusters" / "local_cpu.yaml"),
+                  profile=load_profile(path))
+    bigger = load_config(None, FAST + ["model.height=64", "model.width=64"])
+    with pytest.raises(UserError, match="tokens per sample"):
+        CostModel(Workload.from_config(bigger), load_cluster(ROOT / "configs" / "clusters" / "local_cpu.yaml"),
+                  profile=load_profile(path))
+    (tmp_path / "junk.json").write_text("{}")
+    with pytest.raises(UserError, match="not a digenrl profile"):
+        load_profile(tmp_path / "junk.json")
+
+
+def test_profile_cli_writes_json_and_prints_a_table(tmp_path):
+    cfg_file = tmp_path / "small.yaml"
+    cfg_file.write_text("sampling: {steps: 2}\nalgorithm: {group_size: 2}\ntrain: {prompts_per_iteration: 2, "
+                        "micro_batch: 2}\n")
+    out = tmp_path / "p" / "profile.json"
+    result = CliRunner().invoke(app, ["profile", "--config", str(cfg_file), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "rollout step" in result.output and "engine: call round trip" in result.output
+    data = json.loads(out.read_text())
+    assert data["engine"]["call_s"] > 0 and data["engine"]["transfer_bytes_per_s"] > 0
+    # and `digenrl plan` takes it
+    result = CliRunner().invoke(app, ["plan", "--config", str(cfg_file), "--cluster",
+                                      str(ROOT / "configs" / "clusters" / "local_cpu.yaml"), "--profile", str(out),
+                                      "--json", "--top", "2"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["cost_model"]["times"]["cpu"].startswith("profile")
+
+
+def test_profile_of_a_missing_checkpoint_exits_2():
+    result = CliRunner().invoke(app, ["profile", "--config", str(ROOT / "configs" / "flux1_dev.yaml")])
+    assert isinstance(result.exception, UserError) and result.exception.exit_code == 2
+    assert "model.pretrained" in str(result.exception)
