@@ -16,7 +16,8 @@ Placement is data: pools map to Ray resources. A CPU pool is a logical custom re
 for ``num_gpus=1`` plus its type (Ray's ``accelerator_type:<TYPE>`` or a custom resource named
 after the type; ``gpu`` / ``cuda`` = any GPU). Everything is reserved as one placement group
 after checking ``ray.cluster_resources()``, so an impossible placement fails in seconds with
-a message, never a hang.
+a message, never a hang. With ``reward.service`` one reward actor, outside the placement group,
+scores for every worker that rolls out.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from digenrl.lora import WeightSyncError
 from digenrl.prompts import load_prompts
 from digenrl.rewards import build_reward
 from digenrl.runlog import RunDir
-from digenrl.trainer import RunResult, iteration_metrics
+from digenrl.trainer import RunResult, iteration_metrics, save_iteration_samples
 from digenrl.units import assign_advantages, merge_stats
 
 PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give up, say so
@@ -137,10 +138,14 @@ def _user_errors():
 
 @dataclass
 class RewardBatch:
-    """What the driver keeps of a rollout unit: its rewards (advantages, metrics), not its samples."""
+    """What the driver keeps of a rollout unit: rewards (advantages, metrics) and the preview
+    pixels (sample grids), not its samples. Quacks like ``Samples`` for those uses."""
 
     rewards: torch.Tensor
     reward_parts: dict[str, torch.Tensor]
+    prompts: list[str]
+    group_ids: list[int]
+    preview: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -164,6 +169,7 @@ class Engine:
         self.in_flight: dict = {}  # ObjectRef to wait on -> (worker, unit)
         self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples
         self.batches: dict[str, RewardBatch] = {}  # rollout uid -> rewards / advantages
+        self.unit_uids: dict[int, dict[int, str]] = defaultdict(dict)  # iteration -> index -> rollout uid
         self.trained: Counter[str] = Counter()  # rollout uid -> TSP shares trained
         self.total_terms: dict[int, int] = {}  # iteration -> (sample, trained step) terms
         self.stats: dict[int, list[dict]] = defaultdict(list)
@@ -243,7 +249,9 @@ class Engine:
 
     def rolled_out(self, unit: RolloutUnit, summary: dict) -> None:
         k, per_iteration = unit.iteration, self.sched.cfg.units_per_iteration
-        batch = self.batches[unit.uid] = RewardBatch(summary["rewards"], summary["reward_parts"])
+        batch = self.batches[unit.uid] = RewardBatch(summary["rewards"], summary["reward_parts"], summary["prompts"],
+                                                     summary["group_ids"], summary["preview"])
+        self.unit_uids[k][unit.index] = unit.uid
         terms = summary["terms"] * per_iteration  # every unit of an iteration has the same size
         if self.total_terms.setdefault(k, terms) != terms:
             raise RuntimeError(f"{unit.uid}: units of iteration {k} differ in size")
@@ -256,8 +264,8 @@ class Engine:
 
     def iteration_batches(self, k: int) -> list[RewardBatch]:
         """The iteration's rolled-out batches in group order (as the LocalTrainer sees them)."""
-        uids = [f"rollout-{k}-{j}" for j in range(self.sched.cfg.units_per_iteration)]
-        return [self.batches[u] for u in uids if u in self.batches]
+        uids = self.unit_uids[k]
+        return [self.batches[uids[j]] for j in sorted(uids)]
 
     # -- metrics rows --------------------------------------------------------------------
 
@@ -280,7 +288,7 @@ class Engine:
                 self.on_iteration(row)
 
     def metrics_row(self, k: int) -> dict:
-        span = {r["iteration"]: r for r in self.timeline.iteration_stats()}[k]
+        (span,) = self.timeline.iteration_stats(only=k)
         stats = merge_stats(self.stats.pop(k))
         stats["grad_norm"] = self.grad_norm.pop(k)
         batches = self.iteration_batches(k)
@@ -289,8 +297,11 @@ class Engine:
                                 sync_bytes=span["sync_bytes"], sample_staleness=self.staleness.pop(k, 0))
         row["samples_per_s"] = span["samples_per_s"]
         row["bubble_fraction"] = span["bubble_fraction"]
-        for j in range(self.sched.cfg.units_per_iteration):
-            self.batches.pop(f"rollout-{k}-{j}", None)
+        every = self.cfg.output.save_samples_every
+        if (every and k % every == 0) or k == self.cfg.train.iterations - 1:  # as LocalTrainer does
+            save_iteration_samples(self.out.path, k, batches)
+        for uid in self.unit_uids.pop(k).values():
+            del self.batches[uid]
         return row
 
     # -- outputs -------------------------------------------------------------------------
@@ -325,15 +336,19 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
     from digenrl.engine.workers import EngineWorker
 
     ours = connect(plan, ray_address)
-    group, actors = None, {}
+    group, actors, reward_actor = None, {}, None
     try:
-        bundles = resource_bundles(plan, ray.cluster_resources())
+        bundles = resource_bundles(plan, ray.cluster_resources(), reserve=reward_service_resources(cfg))
         group = placement_group(bundles, strategy="PACK")
         try:
             ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             raise UserError(f"cluster: could not reserve {_asked(plan)} within {PLACEMENT_TIMEOUT_S:.0f}s "
                             f"(bundles {bundles}); free now: {_describe(ray.available_resources())}") from None
+        if cfg.reward.service is not None:  # one reward actor shared by every worker that scores
+            from digenrl.rewards.service import start_reward_actor
+
+            reward_actor = start_reward_actor(cfg.reward)
         remote = ray.remote(EngineWorker)
         for i, (spec, _) in enumerate(plan):
             b = bundles[i]
@@ -343,15 +358,16 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
                 resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
                 max_restarts=0,
-            ).remote(cfg, spec.name, spec.role)
+            ).remote(cfg, spec.name, spec.role, reward_actor)
         ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
         if len({r["checksum"] for r in ready.values()}) > 1:
             raise WeightSyncError(f"initial weights differ between workers: {ready}")
         form_trainer_group(plan, actors, ready)
         yield actors
     finally:
-        for actor in actors.values():
-            ray.kill(actor, no_restart=True)
+        for actor in [*actors.values(), reward_actor]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
         if group is not None:
             remove_placement_group(group)
         if ours:
@@ -428,22 +444,35 @@ def _same_address(a: str, b: str) -> bool:
         return False
 
 
-def resource_bundles(plan, have: dict) -> list[dict]:
+def reward_service_resources(cfg: RunConfig) -> dict[str, float]:
+    """What the reward actor (``reward.service``) asks for, beside the placement group."""
+    svc = cfg.reward.service
+    if svc is None:
+        return {}
+    need = {"CPU": svc.num_cpus, "GPU": svc.num_gpus, **svc.resources}
+    return {k: v for k, v in need.items() if v > 0}
+
+
+def resource_bundles(plan, have: dict, reserve: dict[str, float] | None = None) -> list[dict]:
     """One placement-group bundle per worker: its device plus a CPU share that fits the cluster
-    (fractional requests beyond the CPUs would wait forever). Raises UserError, naming what was
-    asked and what exists, when the cluster cannot hold them."""
-    share = math.floor(min(1.0, have.get("CPU", 0) / len(plan)) * 100) / 100
+    beside ``reserve`` (the reward actor's request; fractional requests beyond the CPUs would
+    wait forever). Raises UserError, naming what was asked and what exists, when the cluster
+    cannot hold them."""
+    reserve = reserve or {}
+    free_cpus = max(0.0, have.get("CPU", 0) - reserve.get("CPU", 0))
+    share = math.floor(min(1.0, free_cpus / len(plan)) * 100) / 100
     bundles = []
     for _, pool in plan:
         bundle = {"CPU": share} if share > 0 else {}
         bundle.update(_device_resources(pool, have))
         bundles.append(bundle)
-    need = Counter()
+    need = Counter(reserve)
     for b in bundles:
         need.update(b)
     short = [f"{k} {v:g} needed, {have.get(k, 0):g} exist" for k, v in need.items() if have.get(k, 0) < v - 1e-9]
     if short:
-        raise UserError(f"cluster: cannot place {_asked(plan)}: {'; '.join(short)}. "
+        extra = f" + the reward actor ({_describe(reserve)})" if reserve else ""
+        raise UserError(f"cluster: cannot place {_asked(plan)}{extra}: {'; '.join(short)}. "
                         f"The Ray cluster has {_describe(have)}")
     return bundles
 

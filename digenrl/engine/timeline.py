@@ -81,22 +81,25 @@ class Timeline:
     def iteration_spans(self) -> dict[int, tuple[float, float]]:
         """Iteration -> (start, end): from the previous step's end to this one's end. An
         iteration without step events (a partial run) ends at its last event."""
-        iterations = sorted({e.iteration for e in self.events if e.kind != "sync"})
-        if not iterations:
-            return {}
-        origin = min(e.start for e in self.events)
-        spans, start = {}, origin
-        for k in iterations:
-            steps = [e.end for e in self.events if e.kind == "step" and e.iteration == k]
-            mine = [e.end for e in self.events if e.iteration == k and e.kind != "sync"]
-            end = max(steps) if steps else max(mine)
-            spans[k] = (start, max(end, start))
-            start = spans[k][1]
+        step_end: dict[int, float] = {}
+        last_end: dict[int, float] = {}
+        for e in self.events:
+            if e.kind == "sync":  # a fetch is booked to the unit it precedes; it defines no span
+                continue
+            last_end[e.iteration] = max(last_end.get(e.iteration, e.end), e.end)
+            if e.kind == "step":
+                step_end[e.iteration] = max(step_end.get(e.iteration, e.end), e.end)
+        spans, start = {}, min((e.start for e in self.events), default=0.0)
+        for k in sorted(last_end):
+            end = max(step_end.get(k, last_end[k]), start)
+            spans[k] = (start, end)
+            start = end
         return spans
 
     def busy(self, worker: str, start: float, end: float) -> float:
         """Seconds of [start, end] in which ``worker`` ran something (union of its events)."""
-        intervals = sorted((max(e.start, start), min(e.end, end)) for e in self.events if e.worker == worker)
+        intervals = sorted((max(e.start, start), min(e.end, end)) for e in self.events
+                           if e.worker == worker and e.end > start and e.start < end)
         total, cur_s, cur_e = 0.0, None, None
         for s, e in intervals:
             if e <= s:
@@ -117,14 +120,21 @@ class Timeline:
             return 0.0
         return 1.0 - sum(self.busy(w, start, end) for w in self.workers) / width
 
-    def iteration_stats(self) -> list[dict]:
-        """Per iteration: span, samples rolled out, samples_per_s, bubble_fraction, device-seconds
-        of rollout / train (+ step) work, and weight-sync seconds and bytes."""
+    def iteration_stats(self, only: int | None = None) -> list[dict]:
+        """Per iteration (or just iteration ``only``): span, samples rolled out, samples_per_s,
+        bubble_fraction, device-seconds of rollout / train (+ step) work, and weight-sync
+        seconds and bytes."""
+        spans = self.iteration_spans()
+        if only is not None:
+            spans = {only: spans[only]}
+        mine: dict[int, list[Event]] = {k: [] for k in spans}
+        for e in self.events:
+            if e.iteration in mine:
+                mine[e.iteration].append(e)
         rows = []
-        for k, (start, end) in self.iteration_spans().items():
-            mine = [e for e in self.events if e.iteration == k]
-            samples = sum(e.args.get("samples", 0) for e in mine if e.kind == "rollout")
-            wall = end - start
+        for k, (start, end) in spans.items():
+            events, wall = mine[k], end - start
+            samples = sum(e.args.get("samples", 0) for e in events if e.kind == "rollout")
             rows.append({
                 "iteration": k,
                 "start": start,
@@ -133,16 +143,19 @@ class Timeline:
                 "samples": samples,
                 "samples_per_s": samples / wall if wall > 0 else 0.0,
                 "bubble_fraction": self.bubble_fraction(start, end),
-                "rollout_device_s": sum(e.duration for e in mine if e.kind == "rollout"),
-                "train_device_s": sum(e.duration for e in mine if e.kind in ("train", "step")),
-                "sync_s": sum(e.duration for e in mine if e.kind == "sync"),
-                "sync_bytes": sum(e.args.get("bytes", 0) for e in mine if e.kind == "sync"),
+                "rollout_device_s": sum(e.duration for e in events if e.kind == "rollout"),
+                "train_device_s": sum(e.duration for e in events if e.kind in ("train", "step")),
+                "sync_s": sum(e.duration for e in events if e.kind == "sync"),
+                "sync_bytes": sum(e.args.get("bytes", 0) for e in events if e.kind == "sync"),
             })
         return rows
 
-    def summary(self, skip: int = 0) -> dict:
-        """Throughput and bubble over iterations ``skip``.. (skip warm-up iterations)."""
-        rows = self.iteration_stats()[skip:]
+    def summary(self, skip: int = 0, tail: int = 0) -> dict:
+        """Throughput and bubble over the steady state: without the first ``skip`` iterations
+        (warm-up) and the last ``tail`` (with one-step async the last one has no next rollout
+        to overlap)."""
+        rows = self.iteration_stats()
+        rows = rows[skip : len(rows) - tail]
         if not rows:
             return {"samples_per_s": 0.0, "bubble_fraction": 0.0, "wall_s": 0.0, "samples": 0}
         start, end = rows[0]["start"], rows[-1]["end"]
@@ -257,7 +270,7 @@ class Timeline:
         for j in range(11):
             t = end * j / 10
             draw.line([x(t), axis_y, x(t), axis_y + 4], fill="black")
-            draw.text((x(t) - 10, axis_y + 6), f"{t:.2f}s", fill="black", font=font)
+            draw.text((x(t) - 10, axis_y + 6), f"{t:.3g}s", fill="black", font=font)
         lx = label_w
         for kind in KINDS:
             draw.rectangle([lx, axis_y + axis_h, lx + 14, axis_y + axis_h + 12], fill=_colour(kind, 0))

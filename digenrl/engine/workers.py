@@ -5,7 +5,8 @@ single-process :class:`~digenrl.trainer.LocalTrainer` (seed, prompts, reward, po
 same seed gives identical initial weights everywhere; the runtime checks the checksums.
 
 - role ``rollout``: runs :func:`~digenrl.units.rollout_unit` (generation, decode, reward: the
-  reward stays off the trainer's critical path). Before a unit of a newer version it loads
+  reward stays off the trainer's critical path; with ``reward.service`` the worker's reward
+  calls go to the shared reward actor). Before a unit of a newer version it loads
   that version's published weights, verified (:mod:`digenrl.engine.weight_sync`).
 - role ``trainer``: one rank of the trainer group. Runs :func:`~digenrl.units.train_unit`
   (accumulating gradients), and on its StepUnit all-reduces the gradients as ONE flat buffer
@@ -30,13 +31,14 @@ from pathlib import Path
 import torch
 
 from digenrl.engine import weight_sync
-from digenrl.errors import UserError
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
+from digenrl.errors import UserError
 from digenrl.lora import checksum, save_lora
 from digenrl.policy import Policy, pick_device
 from digenrl.prompts import PromptSampler, load_prompts
 from digenrl.rewards import build_reward
-from digenrl.units import Samples, rollout_unit, train_unit
+from digenrl.rewards.service import reward_client
+from digenrl.units import Samples, preflight_reward, rollout_unit, train_unit
 
 
 def unit_event(kind: str, unit, start: float, end: float, version: int, sample_versions=(), **args) -> dict:
@@ -60,24 +62,30 @@ class _TimedReward:
 class EngineWorker:
     """Plain class; the runtime wraps it with ``ray.remote`` and the pool's resources."""
 
-    def __init__(self, cfg, name: str, role: str):
+    def __init__(self, cfg, name: str, role: str, reward_actor=None):
         self.cfg, self.name, self.role, self.world = cfg, name, role, 1
         # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
         # and raise it from ready(), where Ray hands the driver the exception itself.
         self.init_error = None
         try:
-            self._build(cfg)
+            self._build(cfg, reward_actor)
         except UserError as exc:
             self.init_error = exc
 
-    def _build(self, cfg) -> None:
+    def _build(self, cfg, reward_actor) -> None:
         if pick_device(cfg.train.device).type == "cpu":
             torch.set_num_threads(1)  # one thread per CPU worker: they share few cores with each other
         torch.manual_seed(cfg.train.seed)  # same construction order as LocalTrainer
         self.prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed)
-        self.reward = _TimedReward(build_reward(cfg.reward))
+        reward = build_reward(cfg.reward)
+        if reward_actor is not None:  # reward.service: scored by the shared reward actor instead
+            reward = reward_client(cfg.reward, reward_actor)
+        self.reward = _TimedReward(reward)
+        self.remote_reward = reward_actor is not None
         self.policy = Policy(cfg, trainable=self.role != "rollout")
         self.expected_keys = frozenset(self.policy.weights())
+        if self.role != "trainer" or cfg.engine.tag:  # this worker scores samples: dry-run the rewards
+            preflight_reward(self.reward.fn, self.policy.adapter, self.prompts.prompts)
 
     def ready(self) -> dict:
         if self.init_error is not None:
@@ -103,20 +111,24 @@ class EngineWorker:
         self.world = world
 
     def _all_reduce_gradients(self) -> None:
-        """Sum the accumulated gradients over the ranks, flattened into one buffer.
+        """Sum the accumulated gradients over the ranks, flattened into one buffer (one per
+        dtype: LoRA trains in fp32 only, a full fine-tune may mix).
 
         A rank that trained nothing this iteration contributes zeros (its grads are None)."""
         if self.world == 1:
             return
         import torch.distributed as dist
 
-        params = self.policy.params
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        dist.all_reduce(flat)
-        offset = 0
-        for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        by_dtype: dict[torch.dtype, list] = {}
+        for p in self.policy.params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for params in by_dtype.values():
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
 
     # -- units ---------------------------------------------------------------------------
 
@@ -141,11 +153,15 @@ class EngineWorker:
             raise RuntimeError(f"{unit.uid}: weights changed inside the unit")
         events.append(unit_event("rollout", unit, start, end, unit.version, samples=len(samples),
                                  groups=list(unit.groups)))
-        events += [unit_event("reward", unit, s, e, unit.version) for s, e in self.reward.spans]
+        events += [unit_event("reward", unit, s, e, unit.version, service=self.remote_reward)
+                   for s, e in self.reward.spans]
         summary = {
             "rewards": samples.rewards,
             "reward_parts": samples.reward_parts,
             "terms": len(samples) * samples.train_idx.shape[1],  # (sample, trained step) terms
+            "prompts": samples.prompts,
+            "group_ids": samples.group_ids,
+            "preview": samples.preview,  # first sample of each group, uint8: for the sample grids
             "version": samples.version,
             "events": events,
         }
@@ -198,9 +214,3 @@ class EngineWorker:
 
                 save_file(self.policy.weights(), out / "transformer.safetensors")
             return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()

@@ -1,0 +1,111 @@
+"""Timeline: Chrome trace schema, bubble fraction in closed form, Gantt PNG. No Ray needed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from digenrl.engine.timeline import Timeline
+
+
+def pipeline() -> Timeline:
+    """1 rollout worker + 1 trainer, 2 iterations, hand-made (seconds):
+
+        rollout0: rollout k0 [0,2]  sync v1 [3,3.5]  rollout k1 [3.5,5.5]
+        trainer0: train  k0 [2,3]   step k0 [3,3.25] (publish [3.2,3.25])  train k1 [5.5,6.5]  step k1 [6.5,7]
+    """
+    tl = Timeline()
+    tl.add_worker("rollout0", "rollout")
+    tl.add_worker("trainer0", "trainer")
+    tl.record("rollout0", "rollout", "rollout-0-0", 0, 0, 0.0, 2.0, samples=8, groups=[0])
+    tl.record("rollout0", "reward", "rollout-0-0", 0, 0, 1.8, 2.0)
+    tl.record("trainer0", "train", "train-0-0-0", 0, 0, 2.0, 3.0, sample_versions=[0], groups=[0])
+    tl.record("trainer0", "step", "step-0/trainer0", 0, 0, 3.0, 3.25)
+    tl.record("trainer0", "sync", "sync-1-publish", 0, 1, 3.2, 3.25, direction="publish", bytes=100)
+    tl.record("rollout0", "sync", "sync-1-fetch", 1, 1, 3.0, 3.5, direction="fetch", bytes=100)
+    tl.record("rollout0", "rollout", "rollout-1-0", 1, 1, 3.5, 5.5, samples=8, groups=[0])
+    tl.record("trainer0", "train", "train-1-0-0", 1, 1, 5.5, 6.5, sample_versions=[1], groups=[0])
+    tl.record("trainer0", "step", "step-1/trainer0", 1, 1, 6.5, 7.0)
+    return tl
+
+
+def test_chrome_trace_schema():
+    tl = pipeline()
+    trace = tl.to_chrome_trace()
+    json.dumps(trace)  # serialisable as is
+    meta = [e for e in trace["traceEvents"] if e["ph"] == "M"]
+    units = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(units) == len(tl.events)
+    pools = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
+    workers = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+    assert set(pools.values()) == {"rollout", "trainer"} and set(workers.values()) == {"rollout0", "trainer0"}
+    for e in units:
+        assert {"name", "ph", "ts", "dur", "pid", "tid", "args"} <= e.keys()
+        assert isinstance(e["pid"], int) and isinstance(e["tid"], int) and e["dur"] >= 0
+        assert pools[e["pid"]] == tl.workers[workers[(e["pid"], e["tid"])]]  # the worker sits in its pool
+        args = e["args"]
+        assert args["kind"] in ("rollout", "train", "step", "sync", "reward")
+        assert {"kind", "unit", "iteration", "version"} <= args.keys()
+        if args["kind"] == "train":
+            assert isinstance(args["sample_versions"], list)
+    first_train = next(e for e in units if e["args"]["kind"] == "train")
+    assert first_train["ts"] == 2.0e6 and first_train["dur"] == 1.0e6  # microseconds
+    assert first_train["args"]["sample_versions"] == [0]
+    # and back: the same events
+    again = Timeline.from_chrome_trace(trace)
+    assert again.workers == tl.workers
+    key = lambda e: (e.worker, e.kind, e.uid, e.start)  # noqa: E731
+    for a, b in zip(sorted(again.events, key=key), sorted(tl.events, key=key)):
+        assert (a.kind, a.uid, a.iteration, a.version, a.sample_versions) == (b.kind, b.uid, b.iteration, b.version,
+                                                                             b.sample_versions)
+        assert a.start == pytest.approx(b.start) and a.end == pytest.approx(b.end) and a.args == b.args
+
+
+def test_bubble_fraction_closed_form():
+    tl = pipeline()
+    spans = tl.iteration_spans()
+    assert spans == {0: (0.0, 3.25), 1: (3.25, 7.0)}
+    stats = {r["iteration"]: r for r in tl.iteration_stats()}
+    # iteration 0, [0, 3.25] x 2 workers: rollout0 busy [0,2] + [3,3.25] (its fetch) = 2.25,
+    # trainer0 busy [2,3.25] = 1.25 (the publish nests in the step) -> 1 - 3.5 / 6.5
+    assert stats[0]["bubble_fraction"] == pytest.approx(1 - 3.5 / 6.5)
+    # iteration 1, [3.25, 7]: rollout0 [3.25,5.5] = 2.25; trainer0 [5.5,7] = 1.5 -> 1 - 3.75 / 7.5
+    assert stats[1]["bubble_fraction"] == pytest.approx(1 - 3.75 / 7.5)
+    assert stats[0]["samples_per_s"] == pytest.approx(8 / 3.25)
+    assert stats[1]["samples_per_s"] == pytest.approx(8 / 3.75)
+    assert stats[0]["sync_bytes"] == 100 and stats[1]["sync_bytes"] == 100
+    assert stats[1]["sync_s"] == pytest.approx(0.5) and stats[0]["sync_s"] == pytest.approx(0.05)
+    assert stats[0]["rollout_device_s"] == pytest.approx(2.0) and stats[0]["train_device_s"] == pytest.approx(1.25)
+    whole = tl.summary()
+    assert whole["samples_per_s"] == pytest.approx(16 / 7.0)
+    assert whole["bubble_fraction"] == pytest.approx(1 - (3.5 + 3.75) / 14.0)
+    assert tl.summary(skip=1)["samples_per_s"] == pytest.approx(8 / 3.75)
+    assert tl.summary(tail=1)["bubble_fraction"] == pytest.approx(1 - 3.5 / 6.5)
+
+
+def test_idle_worker_counts_in_the_bubble():
+    tl = Timeline()
+    tl.add_worker("a", "p")
+    tl.add_worker("b", "p")  # never gets work
+    tl.record("a", "rollout", "rollout-0-0", 0, 0, 0.0, 1.0, samples=4)
+    tl.record("a", "step", "step-0/a", 0, 0, 1.0, 2.0)
+    assert tl.iteration_stats()[0]["bubble_fraction"] == pytest.approx(0.5)
+
+
+def test_rejects_bad_events():
+    tl = Timeline()
+    with pytest.raises(ValueError):
+        tl.record("a", "nap", "x", 0, 0, 0.0, 1.0)
+    with pytest.raises(ValueError):
+        tl.record("a", "train", "x", 0, 0, 2.0, 1.0)
+
+
+def test_png_written(tmp_path):
+    path = pipeline().to_png(tmp_path / "timeline.png")
+    with Image.open(path) as img:
+        assert img.format == "PNG" and img.width > 400 and img.height > 60
+        colours = {c for _, c in img.getcolors(maxcolors=1 << 16)}
+    assert (66, 133, 244) in colours and (244, 160, 0) in colours  # rollout v0 and train v0 drawn
+    assert Timeline().to_png(tmp_path / "empty.png").exists()  # an empty run still draws
