@@ -42,22 +42,10 @@ from digenrl.config import load_config  # noqa: E402
 
 # The knobs of benchmarks/engine_modes.py (the engine's own benchmark), on the same hardware:
 # 1 rollout + 1 trainer logical CPU device (colocated: the same 2 devices both roll out and train).
-SIZE = ["model.height=48", "model.width=48", "sampling.steps=8", "algorithm.group_size=8",
-        "train.prompts_per_iteration=8", "engine.unit_groups=2"]
-WORKLOADS = {
-    "balanced": SIZE + ["algorithm.timesteps.fraction=0.5"],  # training ~ rollout
-    "flow_grpo": SIZE + ["algorithm.timesteps.fraction=0.99"],  # training ~3x rollout
-}
-DISAGG = ["placement.mode=disaggregated", "engine.max_staleness=0"]
-MODES = {
-    "colocated": ["placement.mode=colocated", "engine.gap=false", "engine.tag=false"],
-    "sync": DISAGG + ["engine.gap=false", "engine.tag=false", "engine.tsp_degree=1"],
-    "gap": DISAGG + ["engine.gap=true", "engine.tag=false", "engine.tsp_degree=1"],
-    "gap_tsp": DISAGG + ["engine.gap=true", "engine.tag=false", "engine.tsp_degree=2"],
-    "gap_tsp_tag": DISAGG + ["engine.gap=true", "engine.tag=true", "engine.tsp_degree=2"],
-    "full": ["placement.mode=disaggregated", "engine.gap=true", "engine.tag=true", "engine.tsp_degree=2",
-             "engine.max_staleness=1"],
-}
+# the same workloads and mode definitions as benchmarks/engine_modes.py (one source of truth)
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_modes import MODES, WORKLOADS  # noqa: E402
+
 QUIET = ["output.save_samples_every=0", "output.checkpoint_every=0", "train.device=cpu"]
 
 

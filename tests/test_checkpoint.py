@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import sys
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from digenrl.config import load_config
 from digenrl.policy import Policy
 from digenrl.runlog import read_metrics
 from digenrl.trainer import LocalTrainer
+from helpers import cli
 
 # tiny FLUX, small enough that an iteration takes a fraction of a second on 2 cores
 SMALL = ["model.height=16", "model.width=16", "train.prompts_per_iteration=2", "algorithm.group_size=4",
@@ -21,16 +21,6 @@ SMALL = ["model.height=16", "model.width=16", "train.prompts_per_iteration=2", "
 
 def cfg_of(*overrides):
     return load_config(None, [*SMALL, *overrides])
-
-
-def cli(monkeypatch, capsys, *argv):
-    from digenrl.cli.app import main
-
-    monkeypatch.setattr(sys, "argv", ["digenrl", *argv])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
 
 
 @pytest.fixture(scope="module")

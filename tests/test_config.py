@@ -1,12 +1,11 @@
 """RunConfig: defaults, files, overrides, and one-line errors naming the dotted path (exit code 2)."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from digenrl.cli.app import main
 from digenrl.config import DEFAULT_CONFIG, ConfigError, RunConfig, load_config
+from helpers import cli
 
 CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
 
@@ -50,14 +49,6 @@ def test_invalid_values_name_the_dotted_path(override, path, reason):
     assert path in msg and reason in msg and "\n" not in msg
 
 
-def _cli(monkeypatch, capsys, *argv):
-    monkeypatch.setattr(sys, "argv", ["digenrl", *argv])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
-
-
 @pytest.mark.parametrize("argv, needle", [
     (["config", "validate", "--set", "train.iterations=-1"], "train.iterations"),
     (["config", "validate", "--set", "nosuch.key=1"], "nosuch: unknown key"),
@@ -70,7 +61,7 @@ def _cli(monkeypatch, capsys, *argv):
 ])
 def test_cli_bad_input_exits_2_with_one_line(monkeypatch, capsys, tmp_path, argv, needle):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    code, _, err = _cli(monkeypatch, capsys, *argv)
+    code, _, err = cli(monkeypatch, capsys, *argv)
     assert code == 2
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "run").exists()  # nothing half-written
@@ -79,12 +70,12 @@ def test_cli_bad_input_exits_2_with_one_line(monkeypatch, capsys, tmp_path, argv
 def test_cli_malformed_yaml(monkeypatch, capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [flux\n")
-    code, _, err = _cli(monkeypatch, capsys, "config", "validate", "-c", str(bad))
+    code, _, err = cli(monkeypatch, capsys, "config", "validate", "-c", str(bad))
     assert code == 2 and "malformed YAML at line" in err and str(bad) in err
 
 
 def test_cli_show_round_trips(monkeypatch, capsys, tmp_path):
-    code, out, _ = _cli(monkeypatch, capsys, "config", "show", "--set", "train.seed=7")
+    code, out, _ = cli(monkeypatch, capsys, "config", "show", "--set", "train.seed=7")
     assert code == 0
     dumped = tmp_path / "c.yaml"
     dumped.write_text(out)

@@ -11,6 +11,7 @@ import pytest
 from digenrl.config import load_config
 from digenrl.runlog import RunDir, read_metrics
 from digenrl.trainer import LocalTrainer
+from helpers import cli
 
 FAMILIES = {
     "flux": ("configs/flux_tiny.yaml", ["model.height=16", "model.width=16"]),
@@ -21,16 +22,6 @@ FAMILIES = {
 # one quick iteration: 1 prompt x 2 samples x 2 steps; eval with 4 ODE steps
 QUICK = ["train.prompts_per_iteration=1", "algorithm.group_size=2", "sampling.steps=2", "sampling.eval_steps=4",
          "output.tensorboard=false"]
-
-
-def cli(monkeypatch, capsys, *argv):
-    from digenrl.cli.app import main
-
-    monkeypatch.setattr(sys, "argv", ["digenrl", *argv])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
 
 
 def train(family, run_dir, *extra):
