@@ -19,6 +19,16 @@ class ConfigError(UserError):
     pass
 
 
+def first_duplicate(names: list[str]) -> str | None:
+    """The first name that appears more than once, or None."""
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            return n
+        seen.add(n)
+    return None
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -121,8 +131,7 @@ class RewardConfig(_Section):
     @field_validator("components")
     @classmethod
     def _unique_names(cls, terms: list[RewardTerm]) -> list[RewardTerm]:
-        names = [t.name for t in terms]
-        dup = next((n for n in names if names.count(n) > 1), None)
+        dup = first_duplicate([t.name for t in terms])
         if dup is not None:
             raise ValueError(f"reward '{dup}' is listed twice (each reward is logged and weighted by its name)")
         return terms

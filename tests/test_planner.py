@@ -274,7 +274,7 @@ def test_plan_cli_json_and_write_then_train_one_iteration(tmp_path):
     result = cli("plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"), "--top", "3", "--json", "--write", str(out))
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    assert 1 <= len(report["plans"]) <= 3
+    assert 0 < len(report["plans"]) <= 3
     assert {"samples_per_s", "bubble_fraction", "speedup_vs_colocated", "engine", "pools"} <= set(report["plans"][0])
     cfg = load_config(out)
     assert cfg.placement.mode in ("colocated", "disaggregated") and cfg.train.device == "cpu"

@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from digenrl.config import first_duplicate
 from digenrl.errors import UserError
 
 GB = 1e9
@@ -142,8 +143,7 @@ class ClusterSpec(_Strict):
     @field_validator("pools")
     @classmethod
     def _unique(cls, pools: list[PoolSpec]) -> list[PoolSpec]:
-        names = [p.name for p in pools]
-        dup = next((n for n in names if names.count(n) > 1), None)
+        dup = first_duplicate([p.name for p in pools])
         if dup is not None:
             raise ValueError(f"pool name '{dup}' appears twice")
         kinds = {DEVICES[p.device].kind for p in pools}
