@@ -223,14 +223,14 @@ def save_checkpoint(run_dir: Path, policy, iteration: int, cfg=None, keep_last: 
     ``iteration`` is the number of iterations completed (the one a resumed run starts at); ``cfg``
     defaults to the policy's; ``extra`` (JSON) is stored for the driver, e.g. the engine's counters.
     """
+    return commit_checkpoint(run_dir, iteration, lambda tmp: write_checkpoint(tmp, policy, iteration, cfg, extra),
+                             keep_last)
+
+
+def write_checkpoint(directory: Path, policy, iteration: int, cfg=None, extra: dict | None = None) -> None:
+    """The checkpoint's files into an existing (empty) ``directory``; ``state.json`` last."""
     cfg = cfg or policy.cfg
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-*"):  # left by a crash mid-write: never a checkpoint
-        shutil.rmtree(stale, ignore_errors=True)
-    name = checkpoint_name(iteration)
-    tmp, final = root / f".tmp-{name}", root / name
-    tmp.mkdir()
+    tmp = Path(directory)
     if policy.lora:
         from digenrl.lora import save_lora
 
@@ -243,10 +243,7 @@ def save_checkpoint(run_dir: Path, policy, iteration: int, cfg=None, keep_last: 
         torch.save(policy.optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "config.yaml").write_text(cfg.dump_yaml())
-    files = {}
-    for f in sorted(tmp.iterdir()):
-        _fsync(f)
-        files[f.name] = f.stat().st_size
+    files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.name != STATE_FILE}
     state = {
         "format": FORMAT,
         "iteration": iteration,
@@ -258,9 +255,47 @@ def save_checkpoint(run_dir: Path, policy, iteration: int, cfg=None, keep_last: 
         "files": files,
         "extra": extra or {},
     }
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
+
+
+def checkpoint_files(policy, iteration: int, cfg=None, extra: dict | None = None) -> dict[str, bytes]:
+    """The checkpoint as file name -> bytes (a Ray worker hands these to the driver, which may run
+    on another node, to :func:`save_checkpoint_files`)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint(Path(tmp), policy, iteration, cfg, extra)
+        return {f.name: f.read_bytes() for f in Path(tmp).iterdir()}
+
+
+def save_checkpoint_files(run_dir: Path, iteration: int, files: dict[str, bytes],
+                          keep_last: int | None = None) -> Path:
+    """:func:`checkpoint_files`' output written atomically as ``run_dir/checkpoints/iter-NNNNNN``."""
+    if STATE_FILE not in files:
+        raise ValueError(f"checkpoint files lack {STATE_FILE}")
+
+    def fill(tmp: Path) -> None:
+        for name, data in sorted(files.items(), key=lambda kv: kv[0] == STATE_FILE):  # state.json last
+            (tmp / name).write_bytes(data)
+
+    return commit_checkpoint(run_dir, iteration, fill, keep_last)
+
+
+def commit_checkpoint(run_dir: Path, iteration: int, fill, keep_last: int | None = None) -> Path:
+    """``fill(tmp)`` writes a checkpoint into ``checkpoints/.tmp-iter-NNNNNN``; every file is fsynced,
+    ``state.json`` (the completion marker) last, and the directory renamed into place."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):  # left by a crash mid-write: never a checkpoint
+        shutil.rmtree(stale, ignore_errors=True)
+    name = checkpoint_name(iteration)
+    tmp, final = root / f".tmp-{name}", root / name
+    tmp.mkdir()
+    fill(tmp)
     marker = tmp / STATE_FILE
-    marker.with_suffix(".tmp").write_text(json.dumps(state, indent=1, default=str))
-    os.replace(marker.with_suffix(".tmp"), marker)  # the completion marker, last
+    for f in sorted(tmp.iterdir()):
+        if f != marker:
+            _fsync(f)
     _fsync(marker)
     _fsync(tmp)
     if final.exists():  # re-saving the same iteration (a forked run): replace it

@@ -90,13 +90,9 @@ class LocalTrainer:
         """Iterations ``start_iteration .. train.iterations-1``; a resumed run continues in the
         checkpoint's run directory (unless ``run_dir`` forks it elsewhere) and appends to its metrics."""
         cfg, out_cfg = self.cfg, self.cfg.output
-        history = None
-        if self.resumed is not None:
-            source = self.resumed.run_dir
-            run_dir = run_dir or source
-            history = [r for r in _read_rows(source) if r.get("iteration", -1) < self.start_iteration] if source else []
-            if self.start_iteration >= cfg.train.iterations:  # finished already: nothing to do
-                return RunResult(Path(run_dir) if run_dir else self.resumed.path, history)
+        run_dir, history = resume_history(self.resumed, run_dir)
+        if self.resumed is not None and self.start_iteration >= cfg.train.iterations:  # finished already
+            return RunResult(Path(run_dir), history)
         out = RunDir(cfg, run_dir, history=history)
         rows = list(history or [])
         try:
@@ -122,6 +118,17 @@ class LocalTrainer:
         finally:
             out.close()
         return RunResult(out.path, rows)
+
+
+def resume_history(resumed: CheckpointState | None, run_dir: Path | None) -> tuple[Path | None, list[dict] | None]:
+    """Where a (resumed) run writes and the metrics rows it keeps: a resumed run continues in its
+    checkpoint's run directory unless ``run_dir`` forks it elsewhere, keeping the rows of the
+    iterations the checkpoint holds (rows logged after it are dropped: they are run again)."""
+    if resumed is None:
+        return run_dir, None
+    source = resumed.run_dir
+    history = [r for r in _read_rows(source) if r.get("iteration", -1) < resumed.iteration] if source else []
+    return run_dir or source or resumed.path, history
 
 
 def _read_rows(run_dir: Path) -> list[dict]:

@@ -82,7 +82,7 @@ def check_invariants(
     roles = {w.name: w.role for w in workers}
     ranks = sorted(n for n, r in roles.items() if r != "rollout")
     m, n_groups, degree = cfg.unit_groups, cfg.groups_per_iteration, cfg.tsp_degree
-    stale, n_iter = cfg.max_staleness, cfg.iterations
+    stale, n_iter, first = cfg.max_staleness, cfg.iterations, cfg.start_iteration  # first: resumed at
     rollouts = [e for e in events if isinstance(e.unit, RolloutUnit)]
     trains = [e for e in events if isinstance(e.unit, TrainUnit)]
     steps = [e for e in events if isinstance(e.unit, StepUnit)]
@@ -95,7 +95,7 @@ def check_invariants(
 
     # Every group of every iteration rolled out exactly once, in (iteration, index) order.
     rolled = Counter((e.unit.iteration, g) for e in rollouts for g in e.unit.groups)
-    assert rolled == Counter({(k, g): 1 for k in range(n_iter) for g in range(n_groups)})
+    assert rolled == Counter({(k, g): 1 for k in range(first, n_iter) for g in range(n_groups)})
     handed = [(u.iteration, u.index) for _, u in sched.record if isinstance(u, RolloutUnit)]
     assert handed == sorted(handed)
     for e in rollouts:
@@ -107,7 +107,7 @@ def check_invariants(
 
     # ... and trained exactly once per TSP rank, from samples at most max_staleness old.
     trained = Counter((e.unit.iteration, g, e.unit.tsp_rank) for e in trains for g in e.unit.groups)
-    expected = {(k, g, r): 1 for k in range(n_iter) for g in range(n_groups) for r in range(degree)}
+    expected = {(k, g, r): 1 for k in range(first, n_iter) for g in range(n_groups) for r in range(degree)}
     assert trained == Counter(expected)
     source = {e.unit.uid: e for e in rollouts}
     for e in trains:
@@ -121,8 +121,8 @@ def check_invariants(
 
     # Exactly one step per iteration, on every rank, after all of the iteration's train units;
     # it publishes version k + 1, and the ranks take nothing else until every share is done.
-    step_end: list[float] = []
-    for k in range(n_iter):
+    step_end: dict[int, float] = {}
+    for k in range(first, n_iter):
         mine = [e for e in steps if e.unit.iteration == k]
         assert sorted(e.worker for e in mine) == ranks
         assert all(e.unit.version == k + 1 for e in mine)
@@ -132,13 +132,15 @@ def check_invariants(
         for s in mine:
             others = [e for e in events if e.worker == s.worker and e is not s]
             assert not [e for e in others if s.start <= e.start < end]
-        step_end.append(end)
-    assert step_end == sorted(step_end)
+        step_end[k] = end
+    assert list(step_end.values()) == sorted(step_end.values())
 
-    for k in range(n_iter):
+    for k in range(first, n_iter):
         rollout_k = [e for e in rollouts if e.unit.iteration == k]
         # Rollout of k needs version k - max_staleness: with staleness 0, it waits for step k - 1.
-        if k - stale >= 1:
+        # (a resumed run starts with version `first`: nothing of it is stale or waits)
+        assert all(e.unit.version >= first for e in rollout_k)
+        if k - stale >= first + 1:
             assert min(e.start for e in rollout_k) >= step_end[k - stale - 1]
         if cfg.barrier:
             first_train = min(e.start for e in trains if e.unit.iteration == k)
@@ -215,8 +217,9 @@ def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[WorkerSpec]]:
         tag=tag,
         gap=draw(st.booleans()),
         max_staleness=stale,
-        iterations=draw(st.integers(1, 3)),
+        iterations=(n := draw(st.integers(1, 3))),
         wait_for_full_batch=draw(st.booleans()),
+        start_iteration=draw(st.integers(0, n - 1)),  # a resumed run
     )
     return cfg, workers
 
@@ -372,6 +375,8 @@ def test_driver_misuse_raises():
         ({"max_staleness": 2}, "max_staleness"),
         ({"placement": "colocated", "max_staleness": 1}, "max_staleness"),
         ({"placement": "hybrid"}, "placement"),
+        ({"iterations": 2, "start_iteration": 3}, "start_iteration"),
+        ({"start_iteration": -1}, "start_iteration"),
     ],
 )
 def test_bad_config_names_the_field(kw, field):

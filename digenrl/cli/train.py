@@ -16,26 +16,24 @@ def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, con
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
         TimeElapsedColumn(), console=console,
     )
+    resumed = None
+    if resume is not None:
+        from digenrl.checkpoint import find_checkpoint, read_state
+
+        resumed = read_state(find_checkpoint(resume))
     with console.status("building model, reward and prompts..."):
         if cfg.placement.mode == "local":
             from digenrl.trainer import LocalTrainer
 
             driver = LocalTrainer(cfg, resume=resume)
             start = lambda cb: driver.run(run_dir, cb)  # noqa: E731
-            done = driver.start_iteration
         else:
             from digenrl.engine.runtime import run_engine
 
-            if resume is not None:
-                from digenrl.errors import UserError
-
-                raise UserError(f"--resume: placement.mode {cfg.placement.mode} (the Ray engine) cannot resume yet; "
-                                "resume with --set placement.mode=local")
-            done = 0
-
-            start = lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address)  # noqa: E731
-    if resume is not None:
-        console.print(f"resuming from {driver.resumed.path} (iteration {done} of {cfg.train.iterations})")
+            start = lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address, resume=resume)  # noqa: E731
+    done = resumed.iteration if resumed is not None else 0
+    if resumed is not None:
+        console.print(f"resuming from {resumed.path} (iteration {done} of {cfg.train.iterations})")
     if done >= cfg.train.iterations:
         console.print(f"nothing to do: the run already completed {done} of {cfg.train.iterations} iterations "
                       "(extend it with --set train.iterations=N)")

@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from digenrl.checkpoint import find_checkpoint, read_state, save_checkpoint_files
 from digenrl.config import PoolConfig, RunConfig
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, SchedulerConfig, StepUnit, TrainUnit, Unit, WorkerSpec
 from digenrl.engine.timeline import Timeline
@@ -43,7 +44,7 @@ from digenrl.lora import WeightSyncError
 from digenrl.prompts import load_prompts
 from digenrl.rewards import build_reward
 from digenrl.runlog import RunDir
-from digenrl.trainer import RunResult, iteration_metrics, save_iteration_samples
+from digenrl.trainer import RunResult, iteration_metrics, resume_history, save_iteration_samples
 from digenrl.units import assign_advantages, merge_stats
 
 PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give up, say so
@@ -54,23 +55,38 @@ ADDRESS_PROBE_S = 3.0  # a wrong --ray-address must fail fast
 
 
 def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callable[[dict], None] | None = None,
-               ray_address: str | None = None) -> RunResult:
+               ray_address: str | None = None, resume: Path | None = None) -> RunResult:
     """Train ``cfg`` on Ray with placement ``cfg.placement.mode`` (colocated | disaggregated).
 
     Writes the same run directory as :meth:`LocalTrainer.run` plus ``timeline.json`` and
     ``timeline.png``. ``ray_address`` joins an existing cluster; without it a local one is
     started (or the one this process is already connected to is used). Ray is shut down, and
     every actor killed, on return and on any exception.
+
+    ``resume`` (a run or checkpoint directory) starts every worker from the latest complete
+    checkpoint -- weights, version, optimizer and RNG states -- with an empty pipeline: a rollout
+    of a later iteration that was generated (async mode) but not trained before the stop is
+    generated again with the checkpoint's weights, so no sample is trained twice. A resumed run
+    appends to the checkpoint's run directory unless ``run_dir`` forks it elsewhere.
     """
     if cfg.placement.mode == "local":
         raise UserError("placement.mode: 'local' runs without the engine (use LocalTrainer)")
+    resumed = read_state(find_checkpoint(resume)) if resume is not None else None
+    start = resumed.iteration if resumed is not None else 0
+    if start > cfg.train.iterations:
+        raise UserError(f"--resume: the checkpoint has {start} iterations done, more than train.iterations "
+                        f"({cfg.train.iterations})")
     plan = worker_plan(cfg)
-    scheduler = Scheduler(scheduler_config(cfg), [spec for spec, _ in plan])
+    scheduler = Scheduler(scheduler_config(cfg, start), [spec for spec, _ in plan])
     load_prompts(cfg.prompts)  # validate what the workers will build before starting anything
     build_reward(cfg.reward)
-    with _user_errors(), ray_workers(cfg, plan, ray_address) as actors:
-        out = RunDir(cfg, run_dir)
-        engine = Engine(cfg, scheduler, plan, actors, out, on_iteration)
+    run_dir, history = resume_history(resumed, run_dir)
+    if resumed is not None and start == cfg.train.iterations:  # finished already: nothing to do
+        return RunResult(Path(run_dir), history)
+    files = {f.name: f.read_bytes() for f in resumed.path.iterdir() if f.is_file()} if resumed else None
+    with _user_errors(), ray_workers(cfg, plan, ray_address, files) as actors:
+        out = RunDir(cfg, run_dir, history=history)
+        engine = Engine(cfg, scheduler, plan, actors, out, on_iteration, history)
         try:
             rows = engine.run()
             engine.save_final()
@@ -101,7 +117,7 @@ def worker_plan(cfg: RunConfig) -> list[tuple[WorkerSpec, PoolConfig]]:
     return plan
 
 
-def scheduler_config(cfg: RunConfig) -> SchedulerConfig:
+def scheduler_config(cfg: RunConfig, start_iteration: int = 0) -> SchedulerConfig:
     e = cfg.engine
     try:
         return SchedulerConfig(
@@ -114,6 +130,7 @@ def scheduler_config(cfg: RunConfig) -> SchedulerConfig:
             max_staleness=e.max_staleness,
             iterations=cfg.train.iterations,
             wait_for_full_batch=cfg.algorithm.std == "global",  # global std needs every reward
+            start_iteration=start_iteration,
         )
     except ValueError as exc:
         raise UserError(f"engine: {exc}") from None
@@ -156,7 +173,7 @@ class Engine:
     """Drives the scheduler with Ray actors; records the timeline and the metrics."""
 
     def __init__(self, cfg: RunConfig, scheduler: Scheduler, plan, actors: dict, out: RunDir,
-                 on_iteration: Callable[[dict], None] | None):
+                 on_iteration: Callable[[dict], None] | None, history: list[dict] | None = None):
         self.cfg, self.sched, self.actors, self.out, self.on_iteration = cfg, scheduler, actors, out, on_iteration
         self.order = [spec.name for spec, _ in plan]  # idle workers ask in this order
         self.role = {spec.name: spec.role for spec, _ in plan}
@@ -178,7 +195,10 @@ class Engine:
         self.packets: dict = {}  # version -> WeightPacket published by rank 0
         self.rank_checksums: dict[int, set[str]] = defaultdict(set)
         self.waiting: dict[int, set[str]] = {}  # finished iteration -> units still running from its span
-        self.rows: list[dict] = []
+        self.side: dict = {}  # ObjectRef of a rank-0 call (checkpoint, eval) -> (what, iteration)
+        self.evals: dict[int, dict] = {}  # iteration -> eval/<reward> metrics
+        self.checkpoints: dict[int, dict[str, bytes]] = {}  # iteration -> files, written after its row
+        self.rows: list[dict] = list(history or [])
 
     def run(self) -> list[dict]:
         import ray
@@ -191,9 +211,12 @@ class Engine:
                 if unit is not None:
                     idle.discard(worker)
                     self.submit(worker, unit)
-            if not self.in_flight:
+            if not self.in_flight and not self.side:
                 raise RuntimeError(f"engine stalled: nothing in flight at version {self.sched.published_version}")
-            (ref,), _ = ray.wait(list(self.in_flight), num_returns=1)
+            (ref,), _ = ray.wait([*self.in_flight, *self.side], num_returns=1)
+            if ref in self.side:
+                self.side_done(ref)
+                continue
             worker, unit = self.in_flight.pop(ref)
             result = ray.get(ref)
             self.absorb(worker, unit, result)
@@ -201,7 +224,39 @@ class Engine:
             self.sched.complete(unit, result)
             idle.add(worker)
             self.iteration_bookkeeping(unit, finished=before if self.sched.published_version > before else None)
+        while self.side:  # the last checkpoint / eval
+            (ref,), _ = ray.wait(list(self.side), num_returns=1)
+            self.side_done(ref)
         return self.rows
+
+    # -- rank-0 side calls: checkpoint and eval after a step ----------------------------
+
+    def after_step(self, k: int) -> list[str]:
+        """Ask rank 0 for iteration k's checkpoint / eval now: it has just stepped to version k+1
+        and gets no other work before these calls run (an actor runs its calls in order). Returns
+        the names the metrics row of k waits for."""
+        done, out_cfg, rank0 = k + 1, self.cfg.output, self.actors[self.rank0]
+        names = []
+        if out_cfg.eval_every and done % out_cfg.eval_every == 0:
+            self.side[rank0.evaluate.remote()] = ("eval", k)
+            names.append(f"eval-{k}")
+        if (out_cfg.checkpoint_every and done % out_cfg.checkpoint_every == 0) or done == self.cfg.train.iterations:
+            extra = {"driver": "engine", "placement": self.cfg.placement.mode,
+                     "max_staleness": self.cfg.engine.max_staleness}
+            self.side[rank0.checkpoint.remote(done, extra)] = ("checkpoint", k)
+            names.append(f"checkpoint-{k}")
+        return names
+
+    def side_done(self, ref) -> None:
+        import ray
+
+        what, k = self.side.pop(ref)
+        result = ray.get(ref)
+        if what == "eval":
+            self.evals[k] = result
+        else:
+            self.checkpoints[k] = result
+        self.iteration_bookkeeping(None, finished=None, done_name=f"{what}-{k}")
 
     # -- submit: one Ray call per unit ---------------------------------------------------
 
@@ -269,13 +324,14 @@ class Engine:
 
     # -- metrics rows --------------------------------------------------------------------
 
-    def iteration_bookkeeping(self, unit: Unit, finished: int | None) -> None:
+    def iteration_bookkeeping(self, unit: Unit | None, finished: int | None, done_name: str | None = None) -> None:
         """Write iteration k's metrics once its step is done and every unit that was running
-        during its span has finished too (so the bubble counts their busy time)."""
+        during its span has finished too (so the bubble counts their busy time), and its eval;
+        then its checkpoint (so a checkpoint never runs ahead of the metrics it resumes after)."""
         for running in self.waiting.values():
-            running.discard(unit.uid)
+            running.discard(unit.uid if unit is not None else done_name)
         if finished is not None:
-            self.waiting[finished] = {u.uid for _, u in self.in_flight.values()}
+            self.waiting[finished] = {u.uid for _, u in self.in_flight.values()} | set(self.after_step(finished))
             oldest = self.sched.published_version - self.sched.cfg.max_staleness
             self.packets = {v: p for v, p in self.packets.items() if v >= oldest}
         while self.waiting and not self.waiting[min(self.waiting)]:
@@ -286,6 +342,8 @@ class Engine:
             self.out.log(row)
             if self.on_iteration:
                 self.on_iteration(row)
+            if k in self.checkpoints:
+                save_checkpoint_files(self.out.path, k + 1, self.checkpoints.pop(k), self.cfg.output.keep_last)
 
     def metrics_row(self, k: int) -> dict:
         (span,) = self.timeline.iteration_stats(only=k)
@@ -297,6 +355,7 @@ class Engine:
                                 sync_bytes=span["sync_bytes"], sample_staleness=self.staleness.pop(k, 0))
         row["samples_per_s"] = span["samples_per_s"]
         row["bubble_fraction"] = span["bubble_fraction"]
+        row.update(self.evals.pop(k, {}))
         every = self.cfg.output.save_samples_every
         if (every and k % every == 0) or k == self.cfg.train.iterations - 1:  # as LocalTrainer does
             save_iteration_samples(self.out.path, k, batches)
@@ -326,9 +385,11 @@ class Engine:
 
 
 @contextlib.contextmanager
-def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_address: str | None):
+def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_address: str | None,
+                resume: dict[str, bytes] | None = None):
     """Connect (or start Ray), check and reserve the placement, start one actor per worker and
-    wait until every one has built its policy; on exit kill them and release everything."""
+    wait until every one has built its policy (from the ``resume`` checkpoint's files when given);
+    on exit kill them and release everything."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -349,6 +410,7 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
             from digenrl.rewards.service import start_reward_actor
 
             reward_actor = start_reward_actor(cfg.reward)
+        resume_ref = ray.put(resume) if resume is not None else None
         remote = ray.remote(EngineWorker)
         for i, (spec, _) in enumerate(plan):
             b = bundles[i]
@@ -358,7 +420,7 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
                 resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
                 max_restarts=0,
-            ).remote(cfg, spec.name, spec.role, reward_actor)
+            ).remote(cfg, spec.name, spec.role, reward_actor, resume_ref)
         ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
         if len({r["checksum"] for r in ready.values()}) > 1:
             raise WeightSyncError(f"initial weights differ between workers: {ready}")

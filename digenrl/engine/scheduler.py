@@ -49,6 +49,7 @@ class SchedulerConfig:
     max_staleness: int = 0  # 0 (on-policy) or 1 (one-step async)
     iterations: int = 1
     wait_for_full_batch: bool = False  # train units wait for the whole iteration's rollout
+    start_iteration: int = 0  # resume: iterations already done (the published version to start from)
 
     def __post_init__(self) -> None:
         if self.placement not in ("colocated", "disaggregated"):
@@ -64,6 +65,9 @@ class SchedulerConfig:
                 f"unit_groups ({self.unit_groups}) must divide "
                 f"groups_per_iteration ({self.groups_per_iteration})"
             )
+        if isinstance(self.start_iteration, bool) or not 0 <= self.start_iteration <= self.iterations:
+            raise ValueError(f"start_iteration must be in 0..iterations ({self.iterations}), "
+                             f"got {self.start_iteration!r}")
         if self.max_staleness not in (0, 1):
             raise ValueError(f"max_staleness must be 0 or 1, got {self.max_staleness!r}")
         if self.placement == "colocated" and self.max_staleness:
@@ -142,13 +146,15 @@ class Scheduler:
         # Trainer ranks: they train and all take part in every optimizer step.
         self._ranks = frozenset(n for n, r in self._roles.items() if r != "rollout")
 
-        self.published_version = 0  # optimizer steps completed
+        # optimizer steps completed; a resumed run starts at its checkpoint's version, with an empty
+        # pipeline: nothing generated before the stop is trained after it
+        self.published_version = cfg.start_iteration
         self.record: list[tuple[str, Unit]] = []  # (worker, unit) in hand-out order
         self._in_flight: dict[str, str] = {}  # unit uid -> worker running it
-        self._rollout_version = {n: 0 for n, r in self._roles.items() if r == "rollout"}
+        self._rollout_version = {n: cfg.start_iteration for n, r in self._roles.items() if r == "rollout"}
 
         n = cfg.iterations
-        self._next_rollout = (0, 0)  # (iteration, index) of the next rollout unit to hand out
+        self._next_rollout = (cfg.start_iteration, 0)  # (iteration, index) of the next rollout unit
         self._rolled_out = [0] * n  # completed rollout units per iteration
         self._behind_barrier: list[list[TrainUnit]] = [[] for _ in range(n)]
         self._ready: list[deque[TrainUnit]] = [deque() for _ in range(n)]
@@ -214,7 +220,7 @@ class Scheduler:
 
     def worker_version(self, worker: str) -> int:
         """Policy version the worker holds: trainer ranks hold the published weights, rollout
-        workers the version of the last unit they were handed (0 before any)."""
+        workers the version of the last unit they were handed (the start version before any)."""
         if self._role(worker) == "rollout":
             return self._rollout_version[worker]
         return self.published_version

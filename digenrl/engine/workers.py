@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from digenrl.checkpoint import checkpoint_files, load_checkpoint
 from digenrl.engine import weight_sync
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.errors import UserError
@@ -62,15 +63,25 @@ class _TimedReward:
 class EngineWorker:
     """Plain class; the runtime wraps it with ``ray.remote`` and the pool's resources."""
 
-    def __init__(self, cfg, name: str, role: str, reward_actor=None):
+    def __init__(self, cfg, name: str, role: str, reward_actor=None, resume: dict[str, bytes] | None = None):
+        """``resume``: a checkpoint's files (name -> bytes, from the driver) to start from."""
         self.cfg, self.name, self.role, self.world = cfg, name, role, 1
         # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
         # and raise it from ready(), where Ray hands the driver the exception itself.
         self.init_error = None
         try:
             self._build(cfg, reward_actor)
+            if resume is not None:
+                self._resume(resume)
         except UserError as exc:
             self.init_error = exc
+
+    def _resume(self, files: dict[str, bytes]) -> None:
+        """Weights, version, RNG states (and, on trainer ranks, optimizer state) of the checkpoint."""
+        with tempfile.TemporaryDirectory() as tmp:
+            for fname, data in files.items():
+                (Path(tmp) / fname).write_bytes(data)
+            load_checkpoint(Path(tmp), self.policy, optimizer=self.policy.optimizer is not None)
 
     def _build(self, cfg, reward_actor) -> None:
         if pick_device(cfg.train.device).type == "cpu":
@@ -201,6 +212,20 @@ class EngineWorker:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.policy.weights()
+
+    def checkpoint(self, iteration: int, extra: dict) -> dict[str, bytes]:
+        """This rank's checkpoint after ``iteration`` iterations, as file bytes for the driver.
+        The driver calls it right after the step, before handing this rank more work (an actor runs
+        its calls in order), so it holds exactly version ``iteration`` and no partial gradient."""
+        if self.policy.version != iteration:
+            raise RuntimeError(f"{self.name}: checkpoint of iteration {iteration} asked at version {self.policy.version}")
+        return checkpoint_files(self.policy, iteration, self.cfg, extra)
+
+    def evaluate(self) -> dict[str, float]:
+        """``eval/<reward>`` of the current weights (ODE, fixed seeds), as LocalTrainer.evaluate."""
+        from digenrl.evaluate import evaluate_policy
+
+        return evaluate_policy(self.policy, self.reward.fn, self.prompts.prompts).metrics()
 
     def export_final(self) -> dict[str, bytes]:
         """The final weights as LocalTrainer writes them (``final/``), returned as file bytes so
