@@ -41,7 +41,9 @@ WORKLOADS = {
 }
 DISAGG = ["placement.mode=disaggregated", "engine.max_staleness=0"]
 MODES = {
-    "colocated": ["placement.mode=colocated", "engine.gap=false", "engine.tag=false"],
+    # every knob explicit (DISAGG pins max_staleness 0): the default config turns all of them on
+    "colocated": ["placement.mode=colocated", "engine.gap=false", "engine.tag=false", "engine.tsp_degree=1",
+                  "engine.max_staleness=0"],
     "sync": DISAGG + ["engine.gap=false", "engine.tag=false", "engine.tsp_degree=1"],
     "gap": DISAGG + ["engine.gap=true", "engine.tag=false", "engine.tsp_degree=1"],
     "gap_tsp": DISAGG + ["engine.gap=true", "engine.tag=false", "engine.tsp_degree=2"],

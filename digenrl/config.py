@@ -191,12 +191,20 @@ class PlacementConfig(_Section):
     trainer_pool: str = "trainer"
 
 
+class FaultConfig(_Section):
+    worker: str = Field(description="worker name, e.g. rollout0 (pool name + index) or reward")
+    unit: str = Field(description="unit uid, e.g. rollout-2-0 (iteration 2, unit 0) or train-1-0-0")
+
+
 class EngineConfig(_Section):
     unit_groups: int = Field(1, gt=0, description="GAP unit size: prompt groups per rollout unit")
     gap: bool = True
     tsp_degree: int = Field(1, gt=0)
     tag: bool = True
     max_staleness: Literal[0, 1] = 0
+    max_restarts: int = Field(3, ge=0, description="restarts per rollout worker / reward actor before the run stops")
+    faults: list[FaultConfig] = Field(default_factory=list, description=(
+        "fault injection (tests, soak): kill `worker` while it runs `unit`; also DIGENRL_FAULTS=worker@unit,..."))
 
 
 # -------------------------------------------------------------------------------------- output

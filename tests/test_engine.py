@@ -28,7 +28,7 @@ from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
 
 BASE = ["model.height=16", "model.width=16", "train.iterations=2", "train.prompts_per_iteration=2",
-        "algorithm.group_size=4", "sampling.steps=4"]
+        "algorithm.group_size=4", "sampling.steps=4", "engine.tsp_degree=1", "engine.max_staleness=0"]
 DISAGG = ["placement.mode=disaggregated"]
 TWO_TRAINERS = ["cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]"]
 

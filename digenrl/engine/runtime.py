@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -35,20 +36,21 @@ from typing import Callable
 
 import torch
 
-from digenrl.checkpoint import find_checkpoint, read_state, save_checkpoint_files
+from digenrl.checkpoint import find_checkpoint, latest_checkpoint, read_state, save_checkpoint_files
 from digenrl.config import PoolConfig, RunConfig
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, SchedulerConfig, StepUnit, TrainUnit, Unit, WorkerSpec
 from digenrl.engine.timeline import Timeline
-from digenrl.errors import UserError
+from digenrl.errors import RunStopped, UserError
 from digenrl.lora import WeightSyncError
 from digenrl.prompts import load_prompts
 from digenrl.rewards import build_reward
-from digenrl.runlog import RunDir
+from digenrl.runlog import RunDir, check_writable, default_run_dir
 from digenrl.trainer import RunResult, iteration_metrics, resume_history, save_iteration_samples
 from digenrl.units import assign_advantages, merge_stats
 
 PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give up, say so
 ADDRESS_PROBE_S = 3.0  # a wrong --ray-address must fail fast
+RESTART_POLL_S = 0.5  # how often to ask a restarting worker whether it is back
 
 
 # ------------------------------------------------------------------------------ the run
@@ -78,9 +80,9 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
                         f"({cfg.train.iterations})")
     plan = worker_plan(cfg)
     scheduler = Scheduler(scheduler_config(cfg, start), [spec for spec, _ in plan])
-    load_prompts(cfg.prompts)  # validate what the workers will build before starting anything
-    build_reward(cfg.reward)
+    preflight(cfg, resumed)
     run_dir, history = resume_history(resumed, run_dir)
+    check_writable(run_dir or cfg.output.run_dir or default_run_dir(cfg), "output.run_dir")
     if resumed is not None and start == cfg.train.iterations:  # finished already: nothing to do
         return RunResult(Path(run_dir), history)
     files = {f.name: f.read_bytes() for f in resumed.path.iterdir() if f.is_file()} if resumed else None
@@ -94,6 +96,49 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
             engine.save_timeline()
             out.close()
     return RunResult(out.path, rows)
+
+
+def preflight(cfg: RunConfig, resumed=None) -> None:
+    """Validate here, in seconds and before Ray starts, what every worker will build: prompts, the
+    reward (dry-run on a decoded sample) and -- for a random-init preset, which is cheap to build
+    -- the model, its LoRA targets and the fit of a checkpoint to resume. A pretrained model is
+    only built by the workers (its errors reach the caller from there, as the same one line)."""
+    prompts = load_prompts(cfg.prompts)
+    reward = build_reward(cfg.reward)
+    if cfg.model.pretrained is None:
+        from digenrl.checkpoint import load_checkpoint
+        from digenrl.policy import Policy
+        from digenrl.units import preflight_reward
+
+        policy = Policy(cfg, device="cpu", trainable=resumed is not None)
+        preflight_reward(reward, policy.adapter, prompts)
+        if resumed is not None:  # fits this model, every file reads back (weights verified)
+            load_checkpoint(resumed.path, policy, rng=False)
+
+
+def fault_plan(cfg: RunConfig) -> set[tuple[str, str]]:
+    """``engine.faults`` plus ``DIGENRL_FAULTS=worker@unit,worker@unit`` (tests, soak runs)."""
+    plan = {(f.worker, f.unit) for f in cfg.engine.faults}
+    for item in filter(None, os.environ.get("DIGENRL_FAULTS", "").split(",")):
+        worker, sep, unit = item.strip().partition("@")
+        if not sep or not worker or not unit:
+            raise UserError(f"DIGENRL_FAULTS: expected worker@unit (e.g. rollout0@rollout-1-0), got {item!r}")
+        plan.add((worker, unit))
+    return plan
+
+
+def _actor_died(exc: Exception) -> bool:
+    """The call failed because an actor process died (the worker's own, or one it called)."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return True
+    return isinstance(getattr(exc, "cause", None), ray.exceptions.RayActorError)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
 
 
 def worker_plan(cfg: RunConfig) -> list[tuple[WorkerSpec, PoolConfig]]:
@@ -199,26 +244,53 @@ class Engine:
         self.evals: dict[int, dict] = {}  # iteration -> eval/<reward> metrics
         self.checkpoints: dict[int, dict[str, bytes]] = {}  # iteration -> files, written after its row
         self.rows: list[dict] = list(history or [])
+        self.restarts: Counter[str] = Counter()  # worker -> times it died and was restarted
+        self.faults = fault_plan(cfg)  # (worker, unit uid) to kill, each once
+        self.start_checksum: str | None = None  # weights every (re)started worker must hold
+        self.idle: set[str] = set()
+        self.restarting: dict[str, float] = {}  # worker -> when to ask it for ready() again
+
+    def inject(self, worker: str, unit: Unit) -> bool:
+        """Fault injection: True (once) when ``worker`` is to die in ``unit``."""
+        if (worker, unit.uid) in self.faults:
+            self.faults.discard((worker, unit.uid))
+            return True
+        return False
 
     def run(self) -> list[dict]:
         import ray
 
         self.t0 = time.time()
-        idle = set(self.order)
+        idle = self.idle = set(self.order)
+        rank0 = self.actors[self.rank0]
+        self.start_checksum = ray.get(rank0.ready.remote())["checksum"]
+        if any(role == "rollout" for role in self.role.values()):  # for a re-queued unit of this version
+            self.packets[self.sched.published_version] = ray.get(rank0.publish.remote())
         while not self.sched.done():
             for worker in [w for w in self.order if w in idle]:
                 unit = self.sched.next_unit(worker)
                 if unit is not None:
                     idle.discard(worker)
                     self.submit(worker, unit)
-            if not self.in_flight and not self.side:
+            self.poll_restarts()
+            if not self.in_flight and not self.side and not self.restarting:
                 raise RuntimeError(f"engine stalled: nothing in flight at version {self.sched.published_version}")
-            (ref,), _ = ray.wait([*self.in_flight, *self.side], num_returns=1)
+            ready, _ = ray.wait([*self.in_flight, *self.side], num_returns=1,
+                                timeout=RESTART_POLL_S if self.restarting else None)
+            if not ready:
+                continue
+            ref = ready[0]
             if ref in self.side:
                 self.side_done(ref)
                 continue
             worker, unit = self.in_flight.pop(ref)
-            result = ray.get(ref)
+            try:
+                result = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                if not _actor_died(exc):
+                    raise
+                self.worker_died(worker, unit, exc)  # re-queues its unit, or stops the run
+                continue
             self.absorb(worker, unit, result)
             before = self.sched.published_version
             self.sched.complete(unit, result)
@@ -251,12 +323,65 @@ class Engine:
         import ray
 
         what, k = self.side.pop(ref)
+        if what == "restart":
+            return self.restarted(k, ref)
         result = ray.get(ref)
         if what == "eval":
             self.evals[k] = result
         else:
             self.checkpoints[k] = result
         self.iteration_bookkeeping(None, finished=None, done_name=f"{what}-{k}")
+
+    # -- faults: a dead rollout worker's unit is re-queued whole; a dead trainer rank stops ----
+
+    def worker_died(self, worker: str, unit: Unit, exc: Exception) -> None:
+        """Ray restarts a rollout worker (up to ``engine.max_restarts``); its unit goes back to the
+        scheduler whole, with its original version, and is generated again from its first step.
+        A trainer rank holds the optimizer state and its share of the gradient: the run stops,
+        the last complete checkpoint stays as it is, and the message says how to resume."""
+        self.samples.pop(getattr(unit, "uid", None), None)
+        limit = self.cfg.engine.max_restarts
+        if self.role[worker] != "rollout" or not isinstance(unit, RolloutUnit):
+            raise RunStopped(f"trainer rank {worker} died while running {unit.uid} ({_first_line(exc)}); "
+                             f"the run stopped. {self.resume_hint()}")
+        self.restarts[worker] += 1
+        if self.restarts[worker] > limit:
+            raise RunStopped(f"rollout worker {worker} died {self.restarts[worker]} times (engine.max_restarts: "
+                             f"{limit}); the run stopped. {self.resume_hint()}")
+        print(f"warning: rollout worker {worker} died in {unit.uid}; restarting it "
+              f"({self.restarts[worker]} of {limit}) and generating {unit.uid} again", file=sys.stderr)
+        self.sched.requeue(unit)
+        self.restarting[worker] = time.time() + RESTART_POLL_S  # asked to report ready once rebuilt
+
+    def poll_restarts(self) -> None:
+        """Ask each restarting worker for ready(): the answer comes once Ray has rebuilt it (a call
+        while it is still restarting fails at once with ActorUnavailableError: ask again later)."""
+        now = time.time()
+        for worker, at in list(self.restarting.items()):
+            if at <= now:
+                del self.restarting[worker]
+                self.side[self.actors[worker].ready.remote()] = ("restart", worker)
+
+    def restarted(self, worker: str, ref) -> None:
+        import ray
+
+        try:
+            ready = ray.get(ref)
+        except ray.exceptions.ActorUnavailableError:  # still restarting
+            self.restarting[worker] = time.time() + RESTART_POLL_S
+            return
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            raise RunStopped(f"rollout worker {worker} did not come back after a restart ({_first_line(exc)}); "
+                             f"the run stopped. {self.resume_hint()}") from None
+        if ready["checksum"] != self.start_checksum:
+            raise WeightSyncError(f"{worker} restarted with other weights than the run started with")
+        self.idle.add(worker)
+
+    def resume_hint(self) -> str:
+        last = latest_checkpoint(self.out.path)
+        if last is None:
+            return f"No checkpoint was written yet (output.checkpoint_every: {self.cfg.output.checkpoint_every})."
+        return f"Last checkpoint: {last}; resume with: digenrl train --resume {self.out.path}"
 
     # -- submit: one Ray call per unit ---------------------------------------------------
 
@@ -265,13 +390,13 @@ class Engine:
         if isinstance(unit, RolloutUnit):
             # rollout workers swap to the unit's version first (trainer ranks already hold it)
             packet = self.packets.get(unit.version) if self.role[worker] == "rollout" else None
-            samples, ref = actor.rollout.options(num_returns=2).remote(unit, packet)
+            samples, ref = actor.rollout.options(num_returns=2).remote(unit, packet, self.inject(worker, unit))
             self.samples[unit.uid] = samples
         elif isinstance(unit, TrainUnit):
             batch = self.batches[unit.rollout_uid]
             assert batch.advantages is not None, "train unit handed out before its advantages exist"
             ref = actor.train.remote(unit, self.samples[unit.rollout_uid], batch.advantages,
-                                     self.total_terms[unit.iteration])
+                                     self.total_terms[unit.iteration], self.inject(worker, unit))
         else:
             ref = actor.step.remote(unit, worker == self.rank0 and "rollout" in self.role.values())
         self.in_flight[ref] = (worker, unit)
@@ -356,6 +481,7 @@ class Engine:
         row["samples_per_s"] = span["samples_per_s"]
         row["bubble_fraction"] = span["bubble_fraction"]
         row.update(self.evals.pop(k, {}))
+        row["worker_restarts"] = sum(self.restarts.values())
         every = self.cfg.output.save_samples_every
         if (every and k % every == 0) or k == self.cfg.train.iterations - 1:  # as LocalTrainer does
             save_iteration_samples(self.out.path, k, batches)
@@ -419,7 +545,10 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
                 num_gpus=b.get("GPU", 0),
                 resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-                max_restarts=0,
+                # a rollout worker holds nothing that cannot be rebuilt: Ray restarts it and the
+                # engine re-queues its unit; a trainer rank's death stops the run (worker_died)
+                max_restarts=cfg.engine.max_restarts if spec.role == "rollout" else 0,
+                max_task_retries=0,
             ).remote(cfg, spec.name, spec.role, reward_actor, resume_ref)
         ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
         if len({r["checksum"] for r in ready.values()}) > 1:

@@ -162,6 +162,7 @@ class Scheduler:
         # Ranks that have not finished the open optimizer step (of iteration published_version);
         # non-empty exactly while a step is open.
         self._step_unfinished: set[str] = set()
+        self._retry: deque[RolloutUnit] = deque()  # re-queued rollout units, handed out first
 
     def _check_pools(self) -> None:
         roles = set(self._roles.values())
@@ -215,6 +216,17 @@ class Scheduler:
             if not self._step_unfinished:  # the last rank finished: the new weights exist
                 self.published_version += 1
 
+    def requeue(self, unit: RolloutUnit) -> None:
+        """A rollout unit whose worker died: hand it out again whole, with its original uid, groups
+        and version (the trajectory is regenerated from its first step, never resumed halfway).
+        It goes before any new rollout unit, to a rollout worker (which loads that version), or
+        to a TAG trainer rank only while that version is still the newest."""
+        if not isinstance(unit, RolloutUnit):
+            raise ValueError(f"only rollout units can be re-queued, not {unit.uid!r} (a trainer rank holds state)")
+        if self._in_flight.pop(unit.uid, None) is None:
+            raise ValueError(f"unit {unit.uid!r} is not in flight (never handed out, or completed)")
+        self._retry.append(unit)
+
     def done(self) -> bool:
         return self.published_version == self.cfg.iterations
 
@@ -229,7 +241,7 @@ class Scheduler:
 
     def _pick(self, worker: str, role: Role) -> Unit | None:
         if role == "rollout":
-            return self._take_rollout()
+            return self._take_rollout(any_version=True)
         # A trainer rank: own step > train unit > (TAG or colocated) rollout unit.
         if self._step_unfinished:
             # The step is collective: until every rank finished it, a rank takes nothing else.
@@ -247,7 +259,13 @@ class Scheduler:
             return self._take_rollout()
         return None
 
-    def _take_rollout(self) -> RolloutUnit | None:
+    def _take_rollout(self, any_version: bool = False) -> RolloutUnit | None:
+        """The next rollout unit: a re-queued one first (a trainer rank, which holds the newest
+        weights, only takes one of the newest version), else the next new one."""
+        for unit in self._retry:
+            if any_version or unit.version == self.published_version:
+                self._retry.remove(unit)
+                return unit
         k, j = self._next_rollout
         if k >= self.cfg.iterations or self.published_version < k - self.cfg.max_staleness:
             return None

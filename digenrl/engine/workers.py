@@ -60,6 +60,14 @@ class _TimedReward:
         return out
 
 
+def _die(name: str, unit) -> None:
+    """Fault injection: end this process the way a crash would (no cleanup, no reply)."""
+    import sys
+
+    print(f"fault injection: {name} dies in {unit.uid}", file=sys.stderr, flush=True)
+    os._exit(17)
+
+
 class EngineWorker:
     """Plain class; the runtime wraps it with ``ray.remote`` and the pool's resources."""
 
@@ -143,11 +151,14 @@ class EngineWorker:
 
     # -- units ---------------------------------------------------------------------------
 
-    def rollout(self, unit: RolloutUnit, packet: weight_sync.WeightPacket | None) -> tuple[Samples, dict]:
-        """Generate, decode and score the unit's groups with exactly version ``unit.version``."""
+    def rollout(self, unit: RolloutUnit, packet: weight_sync.WeightPacket | None,
+                die: bool = False) -> tuple[Samples, dict]:
+        """Generate, decode and score the unit's groups with exactly version ``unit.version`` (a
+        re-queued unit may be older than what this worker holds: the packet has its weights).
+        ``die``: fault injection -- the process exits before the unit's result is returned."""
         events = []
         if unit.version != self.policy.version:
-            if self.role != "rollout" or unit.version < self.policy.version:
+            if self.role != "rollout":
                 raise RuntimeError(f"{self.name} holds version {self.policy.version}, unit {unit.uid} "
                                    f"needs {unit.version}")
             if packet is None or packet.version != unit.version:
@@ -160,6 +171,8 @@ class EngineWorker:
         samples = rollout_unit(self.policy, self.reward, [everything[g] for g in unit.groups], list(unit.groups),
                                unit.iteration, cfg.train.seed)
         end = time.time()
+        if die:
+            _die(self.name, unit)
         if samples.version != unit.version or self.policy.version != unit.version:
             raise RuntimeError(f"{unit.uid}: weights changed inside the unit")
         events.append(unit_event("rollout", unit, start, end, unit.version, samples=len(samples),
@@ -178,7 +191,8 @@ class EngineWorker:
         }
         return samples, summary
 
-    def train(self, unit: TrainUnit, samples: Samples, advantages: torch.Tensor, total_terms: int) -> dict:
+    def train(self, unit: TrainUnit, samples: Samples, advantages: torch.Tensor, total_terms: int,
+              die: bool = False) -> dict:
         """Accumulate this unit's share of the iteration gradient (no optimizer step)."""
         if self.policy.version != unit.version:
             raise RuntimeError(f"{self.name} holds version {self.policy.version}, {unit.uid} needs {unit.version}")
@@ -188,6 +202,8 @@ class EngineWorker:
         samples.advantages = advantages
         start = time.time()
         stats = train_unit(self.policy, samples, total_terms, unit.tsp_rank, unit.tsp_degree)
+        if die:
+            _die(self.name, unit)
         end = time.time()
         event = unit_event("train", unit, start, end, self.policy.version, sample_versions=[samples.version],
                            groups=list(samples.group_ids), tsp_rank=unit.tsp_rank, tsp_degree=unit.tsp_degree)
@@ -212,6 +228,11 @@ class EngineWorker:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.policy.weights()
+
+    def publish(self) -> weight_sync.WeightPacket:
+        """The weights this worker holds as a packet (the driver keeps the starting version's, for
+        a re-queued unit of that version on a rollout worker that has moved on)."""
+        return weight_sync.publish(self.policy)[0]
 
     def checkpoint(self, iteration: int, extra: dict) -> dict[str, bytes]:
         """This rank's checkpoint after ``iteration`` iterations, as file bytes for the driver.

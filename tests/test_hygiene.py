@@ -1,0 +1,87 @@
+"""Resource hygiene (issue #8): `digenrl train` on the engine leaves no process behind, whether it
+ends normally or is interrupted with Ctrl-C, and an interrupted run leaves nothing half-written.
+
+Each run is a real subprocess with a marker in its environment; every process it starts (the Ray
+head, raylet, workers) inherits the marker, so any survivor is found through /proc."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc (Linux)")
+
+SMALL = ["model.height=16", "model.width=16", "train.prompts_per_iteration=2", "algorithm.group_size=4",
+         "sampling.steps=4", "output.save_samples_every=0", "output.checkpoint_every=1"]
+
+
+def marked(marker: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``marker``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (proc / "environ").read_bytes():
+                status = (proc / "status").read_text()
+                if "\nState:\tZ" not in status:  # a zombie holds no resources (and is not ours to reap)
+                    pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def start_train(run_dir: Path, iterations: int) -> tuple[subprocess.Popen, str]:
+    marker = f"DIGENRL_HYGIENE_{uuid.uuid4().hex}"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", marker: "1",
+           "RAY_TMPDIR": tempfile.mkdtemp(prefix="dh", dir="/tmp")}  # short: Ray's socket paths are limited
+    argv = [sys.executable, "-m", "digenrl.cli.app", "train", "--run-dir", str(run_dir),
+            "--set", f"train.iterations={iterations}", *sum((["--set", s] for s in SMALL), [])]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, marker
+
+
+def wait_gone(marker: str, timeout: float = 30.0) -> list[int]:
+    deadline = time.time() + timeout
+    while (left := marked(marker)) and time.time() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def test_normal_exit_leaves_no_process(tmp_path):
+    proc, marker = start_train(tmp_path / "run", iterations=2)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert wait_gone(marker) == []
+
+
+def test_ctrl_c_stops_the_actors_and_writes_nothing_partial(tmp_path):
+    run = tmp_path / "run"
+    proc, marker = start_train(run, iterations=200)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:  # interrupt once training is under way
+        if (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1]
+    assert len(marked(marker)) > 1  # the driver and the Ray processes it started
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the driver
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    assert wait_gone(marker) == []
+    # nothing half-written: whole metrics rows, only complete checkpoints, the config
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == list(range(len(rows)))
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    assert all((c / "state.json").is_file() for c in (run / "checkpoints").iterdir())
+    assert (run / "config.yaml").is_file()
