@@ -31,13 +31,27 @@ class Event:
     worker: str
     unit: Unit
     start: float
-    end: float
+    end: float  # the worker is free again
+    scored: float | None = None  # a released rollout unit: its rewards arrive (complete) here
+
+    @property
+    def ready(self) -> float:
+        """When the unit's output is usable (the scheduler's ``complete``)."""
+        return self.end if self.scored is None else self.scored
+
+
+#: reward-service latency of a rollout unit: None = scored inside the unit (no release)
+Scoring = Callable[[str, RolloutUnit], float | None]
 
 
 def simulate(
-    cfg: SchedulerConfig, workers: list[WorkerSpec], duration: Duration
+    cfg: SchedulerConfig, workers: list[WorkerSpec], duration: Duration, scoring: Scoring | None = None
 ) -> tuple[Scheduler, list[Event]]:
-    """Event-driven virtual-time driver: after each completion, every idle worker asks for work."""
+    """Event-driven virtual-time driver: after each completion, every idle worker asks for work.
+
+    With ``scoring``, a rollout unit given a latency is ``release``d when its worker finishes
+    (the worker asks for work at once) and ``complete``d that latency later, as the runtime does
+    with the reward service."""
     sched = Scheduler(cfg, workers)
     idle = {w.name for w in workers}
     heap: list[tuple[float, int, Event]] = []
@@ -65,10 +79,22 @@ def simulate(
             )
             break
         now, _, event = heapq.heappop(heap)
+        if event.scored is not None:  # the reward service answers
+            before = sched.published_version
+            sched.complete(event.unit)
+            assert sched.published_version == before, "a rollout completion never steps"
+            events.append(event)
+            continue
+        latency = scoring(event.worker, event.unit) if scoring and isinstance(event.unit, RolloutUnit) else None
+        idle.add(event.worker)
+        if latency is not None:  # generated and handed to the reward service: the worker goes on
+            sched.release(event.unit)
+            event = Event(event.worker, event.unit, event.start, event.end, now + latency)
+            heapq.heappush(heap, (event.scored, next(seq), event))
+            continue
         before = sched.published_version
         sched.complete(event.unit)
         assert sched.published_version - before in (0, 1), "versions must increase one at a time"
-        idle.add(event.worker)
         events.append(event)
     else:
         pytest.fail("the run did not terminate")
@@ -117,7 +143,7 @@ def check_invariants(
         assert u.sample_version == src.unit.version
         assert 0 <= u.iteration - u.sample_version <= stale
         assert u.version == u.iteration and u.tsp_degree == degree
-        assert e.start >= src.end
+        assert e.start >= src.ready  # never trained before its rewards are in
 
     # Exactly one step per iteration, on every rank, after all of the iteration's train units;
     # it publishes version k + 1, and the ranks take nothing else until every share is done.
@@ -142,7 +168,7 @@ def check_invariants(
             assert min(e.start for e in rollout_k) >= step_end[k - stale - 1]
         if cfg.barrier:
             first_train = min(e.start for e in trains if e.unit.iteration == k)
-            assert first_train >= max(e.end for e in rollout_k)
+            assert first_train >= max(e.ready for e in rollout_k)
 
     if cfg.placement == "colocated":  # phases alternate: no rollout overlaps any training
         work = trains + steps
@@ -177,8 +203,9 @@ def pools(n_rollout: int, n_trainer: int) -> list[WorkerSpec]:
     ]
 
 
-def run(cfg: SchedulerConfig, workers: list[WorkerSpec], duration: Duration) -> list[Event]:
-    sched, events = simulate(cfg, workers, duration)
+def run(cfg: SchedulerConfig, workers: list[WorkerSpec], duration: Duration,
+        scoring: Scoring | None = None) -> list[Event]:
+    sched, events = simulate(cfg, workers, duration, scoring)
     check_invariants(cfg, workers, sched, events)
     return events
 
@@ -226,6 +253,30 @@ def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[WorkerSpec]]:
 def test_invariants_hold_on_every_mode(scenario, seed, ties):
     cfg, workers = scenario
     run(cfg, workers, random_durations(seed, ties))
+
+
+def random_scoring(seed: int, ties: bool) -> Scoring:
+    """Per rollout unit: scored inline (None, a third of them) or released with a random reward
+    latency, from 0 (complete at the release instant) to longer than a rollout unit."""
+    rng = random.Random(seed)
+
+    def scoring(worker: str, unit: RolloutUnit) -> float | None:
+        if rng.random() < 1 / 3:
+            return None
+        return float(rng.choice([0, 1, 2])) if ties else rng.uniform(0.0, 4.0)
+
+    return scoring
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenario=scenarios(), seed=st.integers(0, 2**32 - 1), ties=st.booleans())
+def test_invariants_hold_when_rewards_arrive_after_release(scenario, seed, ties):
+    """Release-then-complete in random orders (reward latencies that overtake each other, tie
+    with other completions, or outlast the next rollout unit): exactly once, no version mixing,
+    the staleness bound, and nothing trained before its rewards are in."""
+    cfg, workers = scenario
+    events = run(cfg, workers, random_durations(seed, ties), random_scoring(seed ^ 0x5EED, ties))
+    assert all(e.scored is None or e.scored >= e.end for e in events)
 
 
 # -- worked examples -----------------------------------------------------------------------
@@ -344,6 +395,47 @@ def test_record_is_in_hand_out_order():
     sched = Scheduler(disagg(), pools(2, 1))
     units = [sched.next_unit("r0"), sched.next_unit("r1")]
     assert sched.record == [("r0", units[0]), ("r1", units[1])]
+
+
+def test_released_worker_generates_the_next_unit_while_the_rewards_are_scored():
+    cfg = disagg(groups_per_iteration=2)
+    events = run(cfg, pools(1, 1), fixed(), scoring=lambda w, u: 1.5)
+    r0, r1 = sorted(of(events, RolloutUnit, 0), key=lambda e: e.start)
+    assert (r0.end, r0.scored, r1.start) == (1.0, 2.5, 1.0)  # unit 1 generates while unit 0 is scored
+    trains = sorted(of(events, TrainUnit, 0), key=lambda e: e.start)
+    assert [t.start for t in trains] == [2.5, 3.5]  # each trained once its rewards are in
+
+
+def test_release_then_complete_by_hand():
+    sched = Scheduler(disagg(groups_per_iteration=2), pools(1, 1))
+    u0 = sched.next_unit("r0")
+    sched.release(u0)
+    assert sched.next_unit("t0") is None  # no train unit before the rewards are in
+    u1 = sched.next_unit("r0")  # the worker is free at once
+    assert (u1.index, u1.version) == (1, 0)
+    sched.complete(u1)  # rewards may arrive in any order
+    assert sched.next_unit("t0").rollout_uid == u1.uid
+    sched.complete(u0)
+    assert sched.published_version == 0 and not sched.done()
+    with pytest.raises(ValueError, match="not in flight"):
+        sched.complete(u0)
+
+
+def test_release_misuse_raises():
+    sched = Scheduler(disagg(groups_per_iteration=1), pools(1, 1))
+    unit = sched.next_unit("r0")
+    sched.release(unit)
+    with pytest.raises(ValueError, match="not running"):
+        sched.release(unit)  # twice
+    sched.complete(unit)
+    with pytest.raises(ValueError, match="not running"):
+        sched.release(unit)  # after complete
+    train = sched.next_unit("t0")
+    with pytest.raises(ValueError, match="only rollout units"):
+        sched.release(train)
+    never = RolloutUnit("rollout-9-9", 9, 9, (0,), 0)
+    with pytest.raises(ValueError, match="not running"):
+        sched.release(never)
 
 
 # -- misuse and bad configuration ----------------------------------------------------------

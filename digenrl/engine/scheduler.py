@@ -4,6 +4,9 @@ One policy, two drivers: the Ray runtime calls it for real workers and the plann
 simulator calls it in virtual time. It is therefore pure Python: no Ray, no torch, no clock.
 A driver asks ``next_unit(worker)`` whenever a worker is idle and reports ``complete(unit)``
 when it finishes; ``None`` means "nothing for you now, ask again after the next completion".
+A rollout unit whose rewards are scored elsewhere (the reward service) may first be
+``release``d: its worker is free for the next unit, but its train units only appear at
+``complete``, once the rewards are in.
 
 Versions: version k is the policy after k optimizer steps; iteration k trains version k into
 version k+1 with exactly one optimizer step. Rollout units of iteration k may be generated
@@ -120,7 +123,8 @@ Unit = RolloutUnit | TrainUnit | StepUnit
 
 
 class Scheduler:
-    """Hands out units one at a time; the state changes only in ``next_unit`` and ``complete``.
+    """Hands out units one at a time; the state changes only in ``next_unit``, ``release`` and
+    ``complete``.
 
     Raises on driver misuse (unknown worker, a busy worker asking, a unit completed twice)
     rather than guessing, since a silent slip here would corrupt versions.
@@ -145,6 +149,7 @@ class Scheduler:
         self.published_version = 0  # optimizer steps completed
         self.record: list[tuple[str, Unit]] = []  # (worker, unit) in hand-out order
         self._in_flight: dict[str, str] = {}  # unit uid -> worker running it
+        self._released: set[str] = set()  # rollout units generated, their rewards not yet in
         self._rollout_version = {n: 0 for n, r in self._roles.items() if r == "rollout"}
 
         n = cfg.iterations
@@ -193,9 +198,23 @@ class Scheduler:
                 self._rollout_version[worker] = unit.version  # it syncs before starting
         return unit
 
+    def release(self, unit: RolloutUnit) -> None:
+        """The worker of rollout ``unit`` is free (it generated the samples and handed them to
+        the reward service), but the unit's output is not usable yet: nothing is trained from
+        it until ``complete(unit)``. Changes no version and releases no train unit."""
+        if not isinstance(unit, RolloutUnit):
+            raise ValueError(f"only rollout units can be released, got {unit.uid!r}")
+        if self._in_flight.pop(unit.uid, None) is None:
+            raise ValueError(f"unit {unit.uid!r} is not running (never handed out, released or completed already)")
+        self._released.add(unit.uid)
+
     def complete(self, unit: Unit, result: object = None) -> None:
-        """Mark ``unit`` done. ``result`` is the driver's payload; the policy does not read it."""
+        """Mark ``unit`` done (running or released). ``result`` is the driver's payload; the
+        policy does not read it."""
         worker = self._in_flight.pop(unit.uid, None)
+        if worker is None and unit.uid in self._released:
+            self._released.discard(unit.uid)
+            worker = ""  # a released unit holds no worker
         if worker is None:
             raise ValueError(
                 f"unit {unit.uid!r} is not in flight (never handed out, or completed twice)"
