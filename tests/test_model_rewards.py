@@ -23,9 +23,10 @@ def _byte_chars() -> list[str]:
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
-def make_tiny_clip(path, seed: int = 0):
-    """A random CLIPModel (hidden 32, 2 layers, 2 heads, 32 px, patch 8, projection 16) with a
-    byte-level CLIP tokenizer (no merges) and a CLIP image processor config, saved to ``path``."""
+def make_tiny_clip(path, seed: int = 0, image_size: int = 32, hidden: int = 32, layers: int = 2):
+    """A random CLIPModel (by default hidden 32, 2 layers, 2 heads, 32 px, patch 8, projection 16)
+    with a byte-level CLIP tokenizer (no merges) and a CLIP image processor config, saved to
+    ``path``. A larger ``image_size`` / ``hidden`` / ``layers`` gives a slower one."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPTokenizer
 
     path.mkdir(parents=True, exist_ok=True)
@@ -35,16 +36,17 @@ def make_tiny_clip(path, seed: int = 0):
     (path / "vocab.json").write_text(json.dumps(vocab))
     (path / "merges.txt").write_text("#version: 0.2\n")
     CLIPTokenizer.from_pretrained(path).save_pretrained(path)
-    small = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2)
+    small = dict(hidden_size=hidden, intermediate_size=hidden + 5, num_hidden_layers=layers, num_attention_heads=2)
     cfg = CLIPConfig(
         text_config=dict(vocab_size=514, max_position_embeddings=77, bos_token_id=512, eos_token_id=513,
                          pad_token_id=513, **small),
-        vision_config=dict(image_size=32, patch_size=8, **small),
+        vision_config=dict(image_size=image_size, patch_size=8, **small),
         projection_dim=16,
     )
     torch.manual_seed(seed)
     CLIPModel(cfg).save_pretrained(path)
-    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(path)
+    CLIPImageProcessor(size={"shortest_edge": image_size},
+                       crop_size={"height": image_size, "width": image_size}).save_pretrained(path)
     return path
 
 

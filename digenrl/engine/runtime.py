@@ -17,7 +17,10 @@ for ``num_gpus=1`` plus its type (Ray's ``accelerator_type:<TYPE>`` or a custom 
 after the type; ``gpu`` / ``cuda`` = any GPU). Everything is reserved as one placement group
 after checking ``ray.cluster_resources()``, so an impossible placement fails in seconds with
 a message, never a hang. With ``reward.service`` one reward actor, outside the placement group,
-scores for every worker that rolls out.
+scores for every worker that rolls out: a rollout unit's result carries the ref of its scores,
+the scheduler ``release``s the worker (it takes its next unit at once) and the driver waits on
+that ref like on any unit; the unit is ``complete`` (advantages, train units) when the scores
+arrive. The actor's scoring spans are the timeline's ``reward`` row.
 """
 
 from __future__ import annotations
@@ -37,15 +40,17 @@ import torch
 
 from digenrl.config import PoolConfig, RunConfig
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, SchedulerConfig, StepUnit, TrainUnit, Unit, WorkerSpec
-from digenrl.engine.timeline import Timeline
+from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.errors import UserError
 from digenrl.lora import WeightSyncError
 from digenrl.prompts import load_prompts
 from digenrl.rewards import build_reward
+from digenrl.rewards.service import reward_call_metrics
 from digenrl.runlog import RunDir
 from digenrl.trainer import RunResult, iteration_metrics, save_iteration_samples
 from digenrl.units import assign_advantages, merge_stats
 
+REWARD_ROW = "reward"  # the reward actor's timeline row (pool SERVICE_POOL), and its in-flight entries
 PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give up, say so
 ADDRESS_PROBE_S = 3.0  # a wrong --ray-address must fail fast
 
@@ -164,11 +169,15 @@ class Engine:
         self.timeline = Timeline()
         for spec, pool in plan:
             self.timeline.add_worker(spec.name, pool.name)
+        if cfg.reward.service is not None:
+            self.timeline.add_worker(REWARD_ROW, SERVICE_POOL)
         self.t0 = time.time()
 
         self.in_flight: dict = {}  # ObjectRef to wait on -> (worker, unit)
         self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples
         self.batches: dict[str, RewardBatch] = {}  # rollout uid -> rewards / advantages
+        self.unscored: dict[str, dict] = {}  # released rollout uid -> its summary, until the scores arrive
+        self.reward_calls: dict[int, list[dict]] = defaultdict(list)  # iteration -> reward calls (latency)
         self.unit_uids: dict[int, dict[int, str]] = defaultdict(dict)  # iteration -> index -> rollout uid
         self.trained: Counter[str] = Counter()  # rollout uid -> TSP shares trained
         self.total_terms: dict[int, int] = {}  # iteration -> (sample, trained step) terms
@@ -196,10 +205,17 @@ class Engine:
             (ref,), _ = ray.wait(list(self.in_flight), num_returns=1)
             worker, unit = self.in_flight.pop(ref)
             result = ray.get(ref)
-            self.absorb(worker, unit, result)
+            if worker == REWARD_ROW:  # the scores of a released rollout unit: now it is complete
+                self.scored(unit, result)
+            else:
+                idle.add(worker)
+                pending = self.absorb(worker, unit, result)
+                if pending is not None:  # scored by the reward service: the worker is free, the unit not done
+                    self.sched.release(unit)
+                    self.in_flight[pending] = (REWARD_ROW, unit)
+                    continue
             before = self.sched.published_version
             self.sched.complete(unit, result)
-            idle.add(worker)
             self.iteration_bookkeeping(unit, finished=before if self.sched.published_version > before else None)
         return self.rows
 
@@ -223,13 +239,18 @@ class Engine:
 
     # -- absorb: what a finished unit leaves behind --------------------------------------
 
-    def absorb(self, worker: str, unit: Unit, result: dict) -> None:
+    def absorb(self, worker: str, unit: Unit, result: dict):
+        """Returns the ref of the unit's scores when the reward service still computes them."""
         for ev in result["events"]:
             self.timeline.record(worker, ev["kind"], ev["uid"], ev["iteration"], ev["version"],
                                  ev["start"] - self.t0, ev["end"] - self.t0, ev.get("sample_versions", ()),
                                  **ev["args"])
         k = unit.iteration
         if isinstance(unit, RolloutUnit):
+            if "reward_ref" in result:
+                self.unscored[unit.uid] = result
+                return result["reward_ref"]
+            self.reward_calls[k] += result["reward_calls"]
             self.rolled_out(unit, result)
         elif isinstance(unit, TrainUnit):
             self.stats[k].append(result["stats"])
@@ -246,6 +267,19 @@ class Engine:
                 self.rank_checksums[unit.version].add(result["checksum"])
                 if len(self.rank_checksums[unit.version]) > 1:
                     raise WeightSyncError(f"trainer ranks hold different weights after step {k}")
+        return None
+
+    def scored(self, unit: RolloutUnit, scored) -> None:
+        """The reward actor's :class:`~digenrl.rewards.service.Scored` for a released unit: its
+        scoring span on the reward row, its latency, then the unit as if scored inline."""
+        self.timeline.record(REWARD_ROW, "reward", unit.uid, unit.iteration, unit.version, scored.start - self.t0,
+                             scored.end - self.t0, service=True, samples=len(scored.total),
+                             wait_s=scored.wait_s, queue_depth=scored.queue_depth)
+        self.reward_calls[unit.iteration].append({"seconds": scored.end - scored.start, "timings": scored.timings,
+                                                  "wait_s": scored.wait_s, "queue_depth": scored.queue_depth})
+        summary = self.unscored.pop(unit.uid)
+        summary["rewards"], summary["reward_parts"] = scored.total, scored.parts
+        self.rolled_out(unit, summary)
 
     def rolled_out(self, unit: RolloutUnit, summary: dict) -> None:
         k, per_iteration = unit.iteration, self.sched.cfg.units_per_iteration
@@ -297,6 +331,7 @@ class Engine:
                                 sync_bytes=span["sync_bytes"], sample_staleness=self.staleness.pop(k, 0))
         row["samples_per_s"] = span["samples_per_s"]
         row["bubble_fraction"] = span["bubble_fraction"]
+        row.update(reward_call_metrics(self.reward_calls.pop(k, [])))
         every = self.cfg.output.save_samples_every
         if (every and k % every == 0) or k == self.cfg.train.iterations - 1:  # as LocalTrainer does
             save_iteration_samples(self.out.path, k, batches)

@@ -5,9 +5,11 @@ single-process :class:`~digenrl.trainer.LocalTrainer` (seed, prompts, reward, po
 same seed gives identical initial weights everywhere; the runtime checks the checksums.
 
 - role ``rollout``: runs :func:`~digenrl.units.rollout_unit` (generation, decode, reward: the
-  reward stays off the trainer's critical path; with ``reward.service`` the worker's reward
-  calls go to the shared reward actor). Before a unit of a newer version it loads
-  that version's published weights, verified (:mod:`digenrl.engine.weight_sync`).
+  reward stays off the trainer's critical path). With ``reward.service`` the worker does not
+  wait for the scores: it submits the decoded samples to the shared reward actor and returns
+  the reward ObjectRef in its result; the driver waits on it while this worker already
+  generates its next unit. Before a unit of a newer version it loads that version's
+  published weights, verified (:mod:`digenrl.engine.weight_sync`).
 - role ``trainer``: one rank of the trainer group. Runs :func:`~digenrl.units.train_unit`
   (accumulating gradients), and on its StepUnit all-reduces the gradients as ONE flat buffer
   (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, NOTES.md) and steps; rank 0 then
@@ -47,16 +49,32 @@ def unit_event(kind: str, unit, start: float, end: float, version: int, sample_v
 
 
 class _TimedReward:
-    """Wraps the reward so each call inside a rollout unit shows up as a "reward" event."""
+    """Wraps the (inline) reward so each call inside a rollout unit shows up as a "reward"
+    event, with the seconds each component took."""
 
     def __init__(self, fn):
-        self.fn, self.spans = fn, []
+        self.fn, self.spans, self.calls = fn, [], []
 
     def __call__(self, *args):
         start = time.time()
         out = self.fn(*args)
-        self.spans.append((start, time.time()))
+        end = time.time()
+        self.spans.append((start, end))
+        self.calls.append({"seconds": end - start, "timings": dict(getattr(self.fn, "last_timings", {}))})
         return out
+
+
+class _SubmittedReward:
+    """``reward.service``: hands the decoded samples to the reward actor and returns at once.
+    The scores it returns are NaN placeholders (the samples travel to the trainer without
+    them); the real ones arrive at the driver through ``refs`` (:class:`~digenrl.rewards.service.Scored`)."""
+
+    def __init__(self, client):
+        self.fn, self.refs = client, []
+
+    def __call__(self, pixels, prompts, metadata=None):
+        self.refs.append(self.fn.submit_scored(pixels, prompts, metadata))
+        return torch.full((len(prompts),), float("nan")), {}
 
 
 class EngineWorker:
@@ -79,8 +97,9 @@ class EngineWorker:
         self.prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed)
         reward = build_reward(cfg.reward)
         if reward_actor is not None:  # reward.service: scored by the shared reward actor instead
-            reward = reward_client(cfg.reward, reward_actor)
-        self.reward = _TimedReward(reward)
+            self.reward = _SubmittedReward(reward_client(cfg.reward, reward_actor))
+        else:
+            self.reward = _TimedReward(reward)
         self.remote_reward = reward_actor is not None
         self.policy = Policy(cfg, trainable=self.role != "rollout")
         self.expected_keys = frozenset(self.policy.weights())
@@ -133,7 +152,11 @@ class EngineWorker:
     # -- units ---------------------------------------------------------------------------
 
     def rollout(self, unit: RolloutUnit, packet: weight_sync.WeightPacket | None) -> tuple[Samples, dict]:
-        """Generate, decode and score the unit's groups with exactly version ``unit.version``."""
+        """Generate, decode and score the unit's groups with exactly version ``unit.version``.
+
+        With ``reward.service`` the scoring is only submitted: the summary's ``reward_ref``
+        (an ObjectRef of a :class:`~digenrl.rewards.service.Scored`) replaces its rewards, and
+        the samples carry NaN placeholders."""
         events = []
         if unit.version != self.policy.version:
             if self.role != "rollout" or unit.version < self.policy.version:
@@ -144,7 +167,11 @@ class EngineWorker:
             events.append(weight_sync.load(self.policy, packet, self.expected_keys, unit.iteration))
         cfg = self.cfg
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
-        self.reward.spans.clear()
+        if self.remote_reward:
+            self.reward.refs.clear()
+        else:
+            self.reward.spans.clear()
+            self.reward.calls.clear()
         start = time.time()
         samples = rollout_unit(self.policy, self.reward, [everything[g] for g in unit.groups], list(unit.groups),
                                unit.iteration, cfg.train.seed)
@@ -153,8 +180,6 @@ class EngineWorker:
             raise RuntimeError(f"{unit.uid}: weights changed inside the unit")
         events.append(unit_event("rollout", unit, start, end, unit.version, samples=len(samples),
                                  groups=list(unit.groups)))
-        events += [unit_event("reward", unit, s, e, unit.version, service=self.remote_reward)
-                   for s, e in self.reward.spans]
         summary = {
             "rewards": samples.rewards,
             "reward_parts": samples.reward_parts,
@@ -165,6 +190,13 @@ class EngineWorker:
             "version": samples.version,
             "events": events,
         }
+        if self.remote_reward:  # scored in the reward actor: the driver waits for it, not this worker
+            (summary["reward_ref"],) = self.reward.refs
+            self.reward.refs.clear()
+            del summary["rewards"], summary["reward_parts"]
+        else:
+            events += [unit_event("reward", unit, s, e, unit.version, service=False) for s, e in self.reward.spans]
+            summary["reward_calls"] = list(self.reward.calls)
         return samples, summary
 
     def train(self, unit: TrainUnit, samples: Samples, advantages: torch.Tensor, total_terms: int) -> dict:
