@@ -21,6 +21,7 @@ from safetensors.torch import load_file  # noqa: E402
 from digenrl.config import load_config  # noqa: E402
 from digenrl.engine import weight_sync  # noqa: E402
 from digenrl.engine.runtime import run_engine  # noqa: E402
+from digenrl.engine.scheduler import TrainUnit  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.errors import UserError  # noqa: E402
 from digenrl.lora import WeightSyncError  # noqa: E402
@@ -195,6 +196,38 @@ def test_reward_error_in_the_actor_reaches_the_cli(cluster, tmp_path, monkeypatc
     assert err.startswith("error: reward prompt_color: prompt 'a thing number") and "names no colour" in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
+
+
+def test_late_scores_follow_the_nan_policy(tmp_path):
+    """The driver's side of a released unit (no Ray): NaN scores that arrive after the worker
+    moved on (``nan_policy: drop``, passed on by the actor) get advantage 0, and are counted;
+    the scoring span lands on the reward row."""
+    from digenrl.engine.runtime import Engine, scheduler_config, worker_plan
+    from digenrl.engine.scheduler import Scheduler
+    from digenrl.rewards.service import Scored
+    from digenrl.rewards import reward_metrics
+
+    cfg = load_config(None, BASE + SERVICE + ["reward.nan_policy=drop"])
+    plan = worker_plan(cfg)
+    sched = Scheduler(scheduler_config(cfg), [spec for spec, _ in plan])
+    engine = Engine(cfg, sched, plan, actors={}, out=None, on_iteration=None)
+    unit = sched.next_unit("rollout0")
+    sched.release(unit)
+    assert sched.next_unit("trainer0") is None  # nothing to train before the scores
+    engine.unscored[unit.uid] = {"terms": 8, "prompts": ["a red car"] * 4, "group_ids": [0], "preview": None}
+    total = torch.tensor([0.2, float("nan"), 0.6, 0.4])
+    t = engine.t0
+    engine.scored(unit, Scored(total, {"prompt_color": total}, t + 1.0, t + 1.5, {"prompt_color": 0.5}, 0.25, 1))
+    sched.complete(unit)
+    adv = engine.batches[unit.uid].advantages
+    assert adv[1] == 0 and not torch.isnan(adv).any() and adv[0] < 0 < adv[2]
+    batch = engine.batches[unit.uid]
+    assert reward_metrics(batch.rewards, batch.reward_parts)["reward_nan"] == 1  # as the metrics row counts it
+    (event,) = engine.timeline.of("reward")
+    assert (event.worker, event.start, event.end, event.args["queue_depth"]) == ("reward", 1.0, 1.5, 1)
+    assert engine.reward_calls[0] == [{"seconds": 0.5, "timings": {"prompt_color": 0.5}, "wait_s": 0.25,
+                                       "queue_depth": 1}]
+    assert isinstance(sched.next_unit("trainer0"), TrainUnit)
 
 
 def check_reward_events(tl: Timeline, rows: list[dict], service: bool) -> None:

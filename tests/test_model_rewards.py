@@ -262,6 +262,51 @@ def test_actor_counts_queue_depth_and_latency():
 
 
 
+def test_actor_applies_the_nan_policy_to_late_nan():
+    """NaN that shows up only in the run (the dry run scored 2 samples, the run scores 4):
+    ``drop`` passes it on as NaN in the total (the driver gives it advantage 0), ``fail``
+    raises the UserError naming the reward from the actor, which stays usable."""
+    from digenrl.rewards import REWARDS, Reward, register
+    from digenrl.rewards.service import RewardActor
+
+    @register("_nan_when_big")
+    class NanWhenBig(Reward):
+        def score(self, images, prompts, metadata):
+            r = torch.ones(len(prompts))
+            if len(prompts) > 2:
+                r[1] = float("nan")
+            return r
+
+    try:
+        terms = [{"name": "_nan_when_big"}, {"name": "prompt_color", "weight": 0.5}]
+        drop = RewardActor(RewardConfig(components=terms, nan_policy="drop"))
+        drop.check(["a red car"], (3, 8, 8))
+        scored = drop.score_timed(images(4), ["a red car"] * 4)
+        assert torch.isnan(scored.total).tolist() == [False, True, False, False]
+        assert scored.end >= scored.start and scored.wait_s >= 0 and scored.queue_depth == 0
+        assert set(scored.timings) == {"_nan_when_big", "prompt_color"}
+        fail = RewardActor(RewardConfig(components=terms))
+        fail.check(["a red car"], (3, 8, 8))
+        with pytest.raises(UserError, match=r"reward '_nan_when_big' returned NaN for 1 of 4 samples"):
+            fail.score_timed(images(4), ["a red car"] * 4)
+        assert fail.stats()["queue_depth"] == 0 and fail.score_timed(images(2), ["a red car"] * 2).queue_depth == 0
+    finally:
+        REWARDS.pop("_nan_when_big")
+
+
+def test_reward_call_metrics():
+    from digenrl.rewards.service import reward_call_metrics
+
+    inline = [{"seconds": 0.2, "timings": {"a": 0.1, "b": 0.1}}, {"seconds": 0.4, "timings": {"a": 0.3, "b": 0.1}}]
+    assert reward_call_metrics(inline) == pytest.approx(
+        {"reward_latency_s": 0.3, "reward_latency_s/a": 0.2, "reward_latency_s/b": 0.1})
+    served = [{**c, "wait_s": w, "queue_depth": q} for c, w, q in zip(inline, (0.0, 0.5), (0, 2))]
+    assert reward_call_metrics(served) == pytest.approx({"reward_latency_s": 0.3, "reward_latency_s/a": 0.2,
+                                                         "reward_latency_s/b": 0.1, "reward_wait_s": 0.25,
+                                                         "reward_queue_depth": 2})
+    assert reward_call_metrics([]) == {}
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     import ray
