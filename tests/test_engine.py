@@ -42,7 +42,9 @@ MODES = {
     "gap": DISAGG + ["engine.gap=true", "engine.tag=false", "reward.service={num_cpus: 0.1}"],
     "gap_tsp": DISAGG + TWO_TRAINERS + ["engine.tag=false", "engine.tsp_degree=2"],
     "gap_tsp_tag": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2"],
-    "async": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "engine.max_staleness=1"],
+    # async also scores through the reward actor: TAG trainer ranks release rollout units too
+    "async": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "engine.max_staleness=1",
+                                      "reward.service={num_cpus: 0.1}"],
 }
 
 
