@@ -1,6 +1,6 @@
 """Scoring off the critical path: the same engine run with rewards inline and with ``reward.service``.
 
-    python benchmarks/reward_overlap.py [--iterations 6] [--clip-size 192] [--clip-layers 4] [--json FILE]
+    python benchmarks/reward_overlap.py [--iterations 6] [--clip-size 192] [--clip-layers 4] [--json FILE] [--keep DIR]
 
 A local Ray cluster with 1 rollout + 1 trainer logical device (GAP, on-policy); the reward is
 CLIPScore on a random CLIP built here (no download) whose size sets how long scoring takes.
@@ -70,6 +70,7 @@ def main() -> None:
     p.add_argument("--clip-size", type=int, default=192, help="image side of the random CLIP (slower when larger)")
     p.add_argument("--clip-layers", type=int, default=4)
     p.add_argument("--json", type=Path)
+    p.add_argument("--keep", type=Path, help="keep the two run directories here (timeline.json, metrics.jsonl)")
     args = p.parse_args()
 
     import ray
@@ -91,7 +92,7 @@ def main() -> None:
                  logging_level="WARNING", log_to_driver=False)
         try:
             for mode, extra in {"inline": [], "service": ["reward.service={num_cpus: 0.1}"]}.items():
-                run_dir = Path(tmp) / mode
+                run_dir = (args.keep or Path(tmp)) / mode
                 run_engine(load_config(None, BASE + reward + extra), run_dir=run_dir)
                 out[mode] = measure(run_dir)
                 print(mode, json.dumps({k: round(v, 4) for k, v in out[mode].items()}), flush=True)

@@ -160,7 +160,10 @@ def slow_clip(tmp_path_factory):
 
 
 def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip, tmp_path):
-    overrides = BASE + SERVICE + ["train.iterations=3", f"reward.components=[{{name: clipscore, args: {{path: {slow_clip}}}}}]"]
+    # 4 rollout units per iteration: the actor scores a unit slower than the worker generates
+    # one, so units queue for it and overlap with generation even on a loaded machine
+    overrides = BASE + SERVICE + ["train.prompts_per_iteration=4",
+                                  f"reward.components=[{{name: clipscore, args: {{path: {slow_clip}}}}}]"]
     cfg = load_config(None, overrides)
     result = run_engine(cfg, run_dir=tmp_path / "service")
     tl = Timeline.from_chrome_trace(tmp_path / "service" / "timeline.json")
