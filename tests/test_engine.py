@@ -203,6 +203,14 @@ def test_reward_error_in_the_actor_reaches_the_cli(cluster, tmp_path, monkeypatc
     assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
 
 
+def test_bad_reward_with_service_fails_before_training(cluster, tmp_path):
+    """With reward.service only the reward actor loads the models: its error reaches the caller,
+    in seconds, and everything is released."""
+    cfg = load_config(None, BASE + SERVICE + [f"reward.components=[{{name: clipscore, args: {{path: {tmp_path / 'no-clip'}}}}}]"])
+    expect_user_error(cfg, ["reward.components.0.args.path", "no-clip", "not found"], run_dir=tmp_path / "run")
+    assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
+
+
 def test_late_scores_follow_the_nan_policy(tmp_path):
     """The driver's side of a released unit (no Ray): NaN scores that arrive after the worker
     moved on (``nan_policy: drop``, passed on by the actor) get advantage 0, and are counted;

@@ -294,6 +294,18 @@ def test_actor_applies_the_nan_policy_to_late_nan():
         REWARDS.pop("_nan_when_big")
 
 
+def test_building_rewards_draws_no_random_numbers(clip_dir, head_file):
+    """Workers that do not score (reward.service, trainer ranks) skip building the rewards; the
+    policy each process builds next must not notice."""
+    cfg = RewardConfig(components=[{"name": "aesthetic", "args": {"path": str(clip_dir), "head": str(head_file[0])}},
+                                   {"name": "clipscore", "args": {"path": str(clip_dir)}}])
+    torch.manual_seed(3)
+    build_reward(cfg)
+    after = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(4))
+
+
 def test_reward_call_metrics():
     from digenrl.rewards.service import reward_call_metrics
 

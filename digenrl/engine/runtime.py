@@ -72,7 +72,8 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
     plan = worker_plan(cfg)
     scheduler = Scheduler(scheduler_config(cfg), [spec for spec, _ in plan])
     load_prompts(cfg.prompts)  # validate what the workers will build before starting anything
-    build_reward(cfg.reward)
+    if cfg.reward.service is None:  # (with the service, the reward actor loads and checks them, before training)
+        build_reward(cfg.reward)
     with _user_errors(), ray_workers(cfg, plan, ray_address) as actors:
         out = RunDir(cfg, run_dir)
         engine = Engine(cfg, scheduler, plan, actors, out, on_iteration)

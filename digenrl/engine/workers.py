@@ -2,7 +2,9 @@
 
 Every worker process builds the same things from the RunConfig in the same order as the
 single-process :class:`~digenrl.trainer.LocalTrainer` (seed, prompts, reward, policy), so the
-same seed gives identical initial weights everywhere; the runtime checks the checksums.
+same seed gives identical initial weights everywhere; the runtime checks the checksums. Only
+workers that score build the reward models (never with ``reward.service``, never a trainer
+rank without TAG); building them draws no random numbers, so skipping it changes nothing.
 
 - role ``rollout``: runs :func:`~digenrl.units.rollout_unit` (generation, decode, reward: the
   reward stays off the trainer's critical path). With ``reward.service`` the worker does not
@@ -95,15 +97,17 @@ class EngineWorker:
             torch.set_num_threads(1)  # one thread per CPU worker: they share few cores with each other
         torch.manual_seed(cfg.train.seed)  # same construction order as LocalTrainer
         self.prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed)
-        reward = build_reward(cfg.reward)
-        if reward_actor is not None:  # reward.service: scored by the shared reward actor instead
-            self.reward = _SubmittedReward(reward_client(cfg.reward, reward_actor))
-        else:
-            self.reward = _TimedReward(reward)
+        scores = self.role != "trainer" or cfg.engine.tag  # this worker rolls out, so it scores
         self.remote_reward = reward_actor is not None
+        if self.remote_reward:  # reward.service: the reward models live in the shared actor only
+            self.reward = _SubmittedReward(reward_client(cfg.reward, reward_actor))
+        elif scores:
+            self.reward = _TimedReward(build_reward(cfg.reward))
+        else:
+            self.reward = None
         self.policy = Policy(cfg, trainable=self.role != "rollout")
         self.expected_keys = frozenset(self.policy.weights())
-        if self.role != "trainer" or cfg.engine.tag:  # this worker scores samples: dry-run the rewards
+        if scores:  # dry-run the rewards on this worker's decoded shape
             preflight_reward(self.reward.fn, self.policy.adapter, self.prompts.prompts)
 
     def ready(self) -> dict:
