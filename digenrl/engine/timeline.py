@@ -261,7 +261,7 @@ class Timeline:
         for e in sorted(self.events, key=lambda e: e.kind in MINOR_KINDS):  # minor bars on top
             i = rows.index(e.worker)
             y0, y1 = top + i * row_h, top + i * row_h + row_h - 4
-            if e.kind in MINOR_KINDS:
+            if e.kind in MINOR_KINDS and e.pool != SERVICE_POOL:  # a service row holds nothing to nest in
                 y0 = y1 - (row_h - 4) // 3
             x0, x1 = x(e.start), max(x(e.end), x(e.start) + 1)
             draw.rectangle([x0, y0, x1, y1], fill=_colour(e.kind, e.version), outline=(60, 60, 60))
