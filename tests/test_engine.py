@@ -206,7 +206,8 @@ def test_reward_error_in_the_actor_reaches_the_cli(cluster, tmp_path, monkeypatc
 def test_bad_reward_with_service_fails_before_training(cluster, tmp_path):
     """With reward.service only the reward actor loads the models: its error reaches the caller,
     in seconds, and everything is released."""
-    cfg = load_config(None, BASE + SERVICE + [f"reward.components=[{{name: clipscore, args: {{path: {tmp_path / 'no-clip'}}}}}]"])
+    missing = f"reward.components=[{{name: clipscore, args: {{path: {tmp_path / 'no-clip'}}}}}]"
+    cfg = load_config(None, BASE + SERVICE + [missing])
     expect_user_error(cfg, ["reward.components.0.args.path", "no-clip", "not found"], run_dir=tmp_path / "run")
     assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
 
