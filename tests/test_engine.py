@@ -21,11 +21,13 @@ from safetensors.torch import load_file  # noqa: E402
 from digenrl.config import load_config  # noqa: E402
 from digenrl.engine import weight_sync  # noqa: E402
 from digenrl.engine.runtime import run_engine  # noqa: E402
+from digenrl.engine.scheduler import TrainUnit  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.errors import UserError  # noqa: E402
 from digenrl.lora import WeightSyncError  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
+from helpers import cli  # noqa: E402
 
 BASE = ["model.height=16", "model.width=16", "train.iterations=2", "train.prompts_per_iteration=2",
         "algorithm.group_size=4", "sampling.steps=4", "engine.tsp_degree=1", "engine.max_staleness=0"]
@@ -40,7 +42,9 @@ MODES = {
     "gap": DISAGG + ["engine.gap=true", "engine.tag=false", "reward.service={num_cpus: 0.1}"],
     "gap_tsp": DISAGG + TWO_TRAINERS + ["engine.tag=false", "engine.tsp_degree=2"],
     "gap_tsp_tag": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2"],
-    "async": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "engine.max_staleness=1"],
+    # async also scores through the reward actor: TAG trainer ranks release rollout units too
+    "async": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "engine.max_staleness=1",
+                                      "reward.service={num_cpus: 0.1}"],
 }
 
 
@@ -122,10 +126,7 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
         fetched = {(s.worker, s.version) for s in tl.of("sync") if s.args["direction"] == "fetch"}
         used = {(r.worker, r.version) for r in rollouts if tl.workers[r.worker] == "rollout" and r.version > 0}
         assert fetched == used and all(s.args["bytes"] > 0 for s in tl.of("sync"))
-    rewards = {(w.worker, w.uid): w for w in tl.of("reward")}  # scored in the rollout, after decode
-    assert all(r.start <= rewards[(r.worker, r.uid)].start <= rewards[(r.worker, r.uid)].end <= r.end
-               for r in rollouts)
-    assert all(w.args["service"] == (cfg.reward.service is not None) for w in rewards.values())
+    check_reward_events(tl, rows, service=cfg.reward.service is not None)
 
     if stale == 0:  # on-policy: the same update as the single-process trainer
         ref_weights, ref_rows = reference(cfg.algorithm.std)
@@ -142,6 +143,127 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
             assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
             assert mine["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}, "placement group or actors left behind"
+
+
+# -- the reward service: scoring off the critical path ---------------------------------------
+
+SERVICE = DISAGG + ["engine.gap=true", "engine.tag=false", "reward.service={num_cpus: 0.1}"]
+
+
+@pytest.fixture(scope="module")
+def slow_clip(tmp_path_factory):
+    """A random CLIP big enough (192 px, 4 layers) that scoring a unit takes about as long as
+    generating one: the overlap is then visible, as with real reward models."""
+    from test_model_rewards import make_tiny_clip
+
+    return make_tiny_clip(tmp_path_factory.mktemp("slow-clip"), image_size=192, hidden=64, layers=4)
+
+
+def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip, tmp_path):
+    # 4 rollout units per iteration: the actor scores a unit slower than the worker generates
+    # one, so units queue for it and overlap with generation even on a loaded machine
+    overrides = BASE + SERVICE + ["train.prompts_per_iteration=4",
+                                  f"reward.components=[{{name: clipscore, args: {{path: {slow_clip}}}}}]"]
+    cfg = load_config(None, overrides)
+    result = run_engine(cfg, run_dir=tmp_path / "service")
+    tl = Timeline.from_chrome_trace(tmp_path / "service" / "timeline.json")
+    rows = read_metrics(tmp_path / "service")
+    check_reward_events(tl, rows, service=True)
+    rollouts = {r.uid: r for r in tl.of("rollout")}
+    position = {uid: (r.iteration, r.args["groups"][0]) for uid, r in rollouts.items()}
+    overlapped = [(w.uid, r.uid) for w in tl.of("reward") for r in rollouts.values()
+                  if position[r.uid] > position[w.uid] and w.start < r.end and r.start < w.end]
+    assert overlapped, "no unit was scored while a later one generated"
+    # ... and every train unit started only once its samples were scored
+    scored = {w.uid: w.end for w in tl.of("reward")}
+    assert all(t.start >= scored[f"rollout-{t.iteration}-{t.args['groups'][0]}"] for t in tl.of("train"))
+    assert all(r["reward_latency_s/clipscore"] > 0 for r in rows)
+
+    # the same update as the single-process trainer, which scores inline (as test_mode_invariants)
+    local = LocalTrainer(load_config(None, [o for o in overrides if o not in SERVICE])).run(tmp_path / "local")
+    ref = load_file(tmp_path / "local" / "final" / "pytorch_lora_weights.safetensors")
+    got = load_file(tmp_path / "service" / "final" / "pytorch_lora_weights.safetensors")
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=1e-4, rtol=0)
+    for mine, theirs in zip(result.metrics, local.metrics, strict=True):
+        assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+
+
+def test_reward_error_in_the_actor_reaches_the_cli(cluster, tmp_path, monkeypatch, capsys):
+    """A UserError raised while the actor scores (a prompt the dry run did not see names no
+    colour) ends the run: one line on stderr, exit 2."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red car\na blue bird\n" + "".join(f"a thing number {i}\n" for i in range(8)))
+    sets = [a for o in BASE + SERVICE + [f"prompts.file={prompts}"] for a in ("--set", o)]
+    code, _, err = cli(monkeypatch, capsys, "train", *sets, "--run-dir", str(tmp_path / "run"))
+    assert code == 2, err
+    assert err.startswith("error: reward prompt_color: prompt 'a thing number") and "names no colour" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
+
+
+def test_bad_reward_with_service_fails_before_training(cluster, tmp_path):
+    """With reward.service only the reward actor loads the models: its error reaches the caller,
+    in seconds, and everything is released."""
+    missing = f"reward.components=[{{name: clipscore, args: {{path: {tmp_path / 'no-clip'}}}}}]"
+    cfg = load_config(None, BASE + SERVICE + [missing])
+    expect_user_error(cfg, ["reward.components.0.args.path", "no-clip", "not found"], run_dir=tmp_path / "run")
+    assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
+
+
+def test_late_scores_follow_the_nan_policy(tmp_path):
+    """The driver's side of a released unit (no Ray): NaN scores that arrive after the worker
+    moved on (``nan_policy: drop``, passed on by the actor) get advantage 0, and are counted;
+    the scoring span lands on the reward row."""
+    from digenrl.engine.runtime import Engine, scheduler_config, worker_plan
+    from digenrl.engine.scheduler import Scheduler
+    from digenrl.rewards.service import Scored
+    from digenrl.rewards import reward_metrics
+
+    cfg = load_config(None, BASE + SERVICE + ["reward.nan_policy=drop"])
+    plan = worker_plan(cfg)
+    sched = Scheduler(scheduler_config(cfg), [spec for spec, _ in plan])
+    engine = Engine(cfg, sched, plan, actors={}, out=None, on_iteration=None)
+    unit = sched.next_unit("rollout0")
+    sched.release(unit)
+    assert sched.next_unit("trainer0") is None  # nothing to train before the scores
+    engine.unscored[unit.uid] = {"terms": 8, "prompts": ["a red car"] * 4, "group_ids": [0], "preview": None}
+    total = torch.tensor([0.2, float("nan"), 0.6, 0.4])
+    t = engine.t0
+    engine.scored(unit, Scored(total, {"prompt_color": total}, t + 1.0, t + 1.5, {"prompt_color": 0.5}, 0.25, 1))
+    sched.complete(unit)
+    adv = engine.batches[unit.uid].advantages
+    assert adv[1] == 0 and not torch.isnan(adv).any() and adv[0] < 0 < adv[2]
+    batch = engine.batches[unit.uid]
+    assert reward_metrics(batch.rewards, batch.reward_parts)["reward_nan"] == 1  # as the metrics row counts it
+    (event,) = engine.timeline.of("reward")
+    assert (event.worker, event.start, event.end, event.args["queue_depth"]) == ("reward", 1.0, 1.5, 1)
+    assert engine.reward_calls[0] == [{"seconds": 0.5, "timings": {"prompt_color": 0.5}, "wait_s": 0.25,
+                                       "queue_depth": 1}]
+    assert isinstance(sched.next_unit("trainer0"), TrainUnit)
+
+
+def check_reward_events(tl: Timeline, rows: list[dict], service: bool) -> None:
+    """Inline: each rollout unit's scoring nests in it, on its worker's row. Service: once per
+    rollout unit on the reward actor's own row (pool ``service``, not a device: outside the
+    bubble), measured in the actor, after the unit's generation began. Latency per reward in
+    every metrics row; the service's queue depth only with the service."""
+    rollouts = {r.uid: r for r in tl.of("rollout")}
+    rewards = tl.of("reward")
+    assert sorted(w.uid for w in rewards) == sorted(rollouts)
+    if service:
+        assert {w.worker for w in rewards} == {"reward"} and tl.workers["reward"] == "service"
+        assert all(w.args["service"] and rollouts[w.uid].start <= w.start for w in rewards)
+    else:
+        assert all(not w.args["service"] and w.worker == rollouts[w.uid].worker
+                   and rollouts[w.uid].start <= w.start <= w.end <= rollouts[w.uid].end for w in rewards)
+    for r in rows:
+        names = [k.removeprefix("reward/") for k in r if k.startswith("reward/")]
+        assert names and all(r[f"reward_latency_s/{n}"] > 0 for n in names)
+        assert ("reward_queue_depth" in r) == ("reward_wait_s" in r) == service
+        if service:
+            assert r["reward_queue_depth"] >= 0 and r["reward_wait_s"] >= 0
 
 
 def test_weight_sync_is_verified(cluster):

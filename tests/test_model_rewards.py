@@ -23,9 +23,10 @@ def _byte_chars() -> list[str]:
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
-def make_tiny_clip(path, seed: int = 0):
-    """A random CLIPModel (hidden 32, 2 layers, 2 heads, 32 px, patch 8, projection 16) with a
-    byte-level CLIP tokenizer (no merges) and a CLIP image processor config, saved to ``path``."""
+def make_tiny_clip(path, seed: int = 0, image_size: int = 32, hidden: int = 32, layers: int = 2):
+    """A random CLIPModel (by default hidden 32, 2 layers, 2 heads, 32 px, patch 8, projection 16)
+    with a byte-level CLIP tokenizer (no merges) and a CLIP image processor config, saved to
+    ``path``. A larger ``image_size`` / ``hidden`` / ``layers`` gives a slower one."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPTokenizer
 
     path.mkdir(parents=True, exist_ok=True)
@@ -35,16 +36,17 @@ def make_tiny_clip(path, seed: int = 0):
     (path / "vocab.json").write_text(json.dumps(vocab))
     (path / "merges.txt").write_text("#version: 0.2\n")
     CLIPTokenizer.from_pretrained(path).save_pretrained(path)
-    small = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2)
+    small = dict(hidden_size=hidden, intermediate_size=hidden + 5, num_hidden_layers=layers, num_attention_heads=2)
     cfg = CLIPConfig(
         text_config=dict(vocab_size=514, max_position_embeddings=77, bos_token_id=512, eos_token_id=513,
                          pad_token_id=513, **small),
-        vision_config=dict(image_size=32, patch_size=8, **small),
+        vision_config=dict(image_size=image_size, patch_size=8, **small),
         projection_dim=16,
     )
     torch.manual_seed(seed)
     CLIPModel(cfg).save_pretrained(path)
-    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(path)
+    CLIPImageProcessor(size={"shortest_edge": image_size},
+                       crop_size={"height": image_size, "width": image_size}).save_pretrained(path)
     return path
 
 
@@ -258,6 +260,63 @@ def test_actor_counts_queue_depth_and_latency():
     finally:
         REWARDS.pop("_gated")
 
+
+
+def test_actor_applies_the_nan_policy_to_late_nan():
+    """NaN that shows up only in the run (the dry run scored 2 samples, the run scores 4):
+    ``drop`` passes it on as NaN in the total (the driver gives it advantage 0), ``fail``
+    raises the UserError naming the reward from the actor, which stays usable."""
+    from digenrl.rewards import REWARDS, Reward, register
+    from digenrl.rewards.service import RewardActor
+
+    @register("_nan_when_big")
+    class NanWhenBig(Reward):
+        def score(self, images, prompts, metadata):
+            r = torch.ones(len(prompts))
+            if len(prompts) > 2:
+                r[1] = float("nan")
+            return r
+
+    try:
+        terms = [{"name": "_nan_when_big"}, {"name": "prompt_color", "weight": 0.5}]
+        drop = RewardActor(RewardConfig(components=terms, nan_policy="drop"))
+        drop.check(["a red car"], (3, 8, 8))
+        scored = drop.score_timed(images(4), ["a red car"] * 4)
+        assert torch.isnan(scored.total).tolist() == [False, True, False, False]
+        assert scored.end >= scored.start and scored.wait_s >= 0 and scored.queue_depth == 0
+        assert set(scored.timings) == {"_nan_when_big", "prompt_color"}
+        fail = RewardActor(RewardConfig(components=terms))
+        fail.check(["a red car"], (3, 8, 8))
+        with pytest.raises(UserError, match=r"reward '_nan_when_big' returned NaN for 1 of 4 samples"):
+            fail.score_timed(images(4), ["a red car"] * 4)
+        assert fail.stats()["queue_depth"] == 0 and fail.score_timed(images(2), ["a red car"] * 2).queue_depth == 0
+    finally:
+        REWARDS.pop("_nan_when_big")
+
+
+def test_building_rewards_draws_no_random_numbers(clip_dir, head_file):
+    """Workers that do not score (reward.service, trainer ranks) skip building the rewards; the
+    policy each process builds next must not notice."""
+    cfg = RewardConfig(components=[{"name": "aesthetic", "args": {"path": str(clip_dir), "head": str(head_file[0])}},
+                                   {"name": "clipscore", "args": {"path": str(clip_dir)}}])
+    torch.manual_seed(3)
+    build_reward(cfg)
+    after = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(4))
+
+
+def test_reward_call_metrics():
+    from digenrl.rewards.service import reward_call_metrics
+
+    inline = [{"seconds": 0.2, "timings": {"a": 0.1, "b": 0.1}}, {"seconds": 0.4, "timings": {"a": 0.3, "b": 0.1}}]
+    assert reward_call_metrics(inline) == pytest.approx(
+        {"reward_latency_s": 0.3, "reward_latency_s/a": 0.2, "reward_latency_s/b": 0.1})
+    served = [{**c, "wait_s": w, "queue_depth": q} for c, w, q in zip(inline, (0.0, 0.5), (0, 2))]
+    assert reward_call_metrics(served) == pytest.approx({"reward_latency_s": 0.3, "reward_latency_s/a": 0.2,
+                                                         "reward_latency_s/b": 0.1, "reward_wait_s": 0.25,
+                                                         "reward_queue_depth": 2})
+    assert reward_call_metrics([]) == {}
 
 
 @pytest.fixture(scope="module")

@@ -31,15 +31,29 @@ class Event:
     worker: str
     unit: Unit
     start: float
-    end: float
+    end: float  # the worker is free again
+    scored: float | None = None  # a released rollout unit: its rewards arrive (complete) here
+
+    @property
+    def ready(self) -> float:
+        """When the unit's output is usable (the scheduler's ``complete``)."""
+        return self.end if self.scored is None else self.scored
+
+
+#: reward-service latency of a rollout unit: None = scored inside the unit (no release)
+Scoring = Callable[[str, RolloutUnit], float | None]
 
 
 def simulate(
-    cfg: SchedulerConfig, workers: list[WorkerSpec], duration: Duration, dies=None
+    cfg: SchedulerConfig, workers: list[WorkerSpec], duration: Duration, scoring: Scoring | None = None,
+    dies=None,
 ) -> tuple[Scheduler, list[Event]]:
     """Event-driven virtual-time driver: after each completion, every idle worker asks for work.
-    ``dies(event)``: the rollout worker running ``event`` dies before finishing it (its unit is
-    re-queued, the worker comes back idle); failed events are not returned."""
+
+    With ``scoring``, a rollout unit given a latency is ``release``d when its worker finishes
+    (the worker asks for work at once) and ``complete``d that latency later, as the runtime does
+    with the reward service. ``dies(event)``: the rollout worker running ``event`` dies before
+    finishing it (its unit is re-queued, the worker comes back idle); failed events are not returned."""
     sched = Scheduler(cfg, workers)
     idle = {w.name for w in workers}
     mortal = {w.name for w in workers if w.role == "rollout"}  # a dead trainer rank stops the run instead
@@ -57,6 +71,7 @@ def simulate(
             if isinstance(unit, RolloutUnit):
                 assert unit.version == sched.worker_version(w.name)
                 assert unit.version == sched.published_version or (w.role == "rollout" and dies is not None)
+                assert unit.version >= unit.iteration - cfg.max_staleness
             elif isinstance(unit, TrainUnit):
                 assert sched.published_version == unit.iteration == sched.worker_version(w.name)
             idle.remove(w.name)
@@ -69,14 +84,29 @@ def simulate(
             )
             break
         now, _, event = heapq.heappop(heap)
+        if event.scored is not None and dies is not None and dies(event):  # the scores were lost
+            sched.requeue(event.unit)
+            continue
+        if event.scored is not None:  # the reward service answers
+            before = sched.published_version
+            sched.complete(event.unit)
+            assert sched.published_version == before, "a rollout completion never steps"
+            events.append(event)
+            continue
         if dies is not None and isinstance(event.unit, RolloutUnit) and event.worker in mortal and dies(event):
             sched.requeue(event.unit)
             idle.add(event.worker)
             continue
+        latency = scoring(event.worker, event.unit) if scoring and isinstance(event.unit, RolloutUnit) else None
+        idle.add(event.worker)
+        if latency is not None:  # generated and handed to the reward service: the worker goes on
+            sched.release(event.unit)
+            event = Event(event.worker, event.unit, event.start, event.end, now + latency)
+            heapq.heappush(heap, (event.scored, next(seq), event))
+            continue
         before = sched.published_version
         sched.complete(event.unit)
         assert sched.published_version - before in (0, 1), "versions must increase one at a time"
-        idle.add(event.worker)
         events.append(event)
     else:
         pytest.fail("the run did not terminate")
@@ -126,7 +156,7 @@ def check_invariants(
         assert u.sample_version == src.unit.version
         assert 0 <= u.iteration - u.sample_version <= stale
         assert u.version == u.iteration and u.tsp_degree == degree
-        assert e.start >= src.end
+        assert e.start >= src.ready  # never trained before its rewards are in
 
     # Exactly one step per iteration, on every rank, after all of the iteration's train units;
     # it publishes version k + 1, and the ranks take nothing else until every share is done.
@@ -153,7 +183,7 @@ def check_invariants(
             assert min(e.start for e in rollout_k) >= step_end[k - stale - 1]
         if cfg.barrier:
             first_train = min(e.start for e in trains if e.unit.iteration == k)
-            assert first_train >= max(e.end for e in rollout_k)
+            assert first_train >= max(e.ready for e in rollout_k)
 
     if cfg.placement == "colocated":  # phases alternate: no rollout overlaps any training
         work = trains + steps
@@ -188,8 +218,9 @@ def pools(n_rollout: int, n_trainer: int) -> list[WorkerSpec]:
     ]
 
 
-def run(cfg: SchedulerConfig, workers: list[WorkerSpec], duration: Duration, dies=None) -> list[Event]:
-    sched, events = simulate(cfg, workers, duration, dies)
+def run(cfg: SchedulerConfig, workers: list[WorkerSpec], duration: Duration,
+        scoring: Scoring | None = None, dies=None) -> list[Event]:
+    sched, events = simulate(cfg, workers, duration, scoring, dies)
     check_invariants(cfg, workers, sched, events)
     return events
 
@@ -243,9 +274,9 @@ def test_invariants_hold_on_every_mode(scenario, seed, ties):
 @settings(max_examples=300, deadline=None)
 @given(scenario=scenarios(), seed=st.integers(0, 2**32 - 1), p=st.floats(0.05, 0.6))
 def test_invariants_hold_when_rollout_workers_die(scenario, seed, p):
-    """Rollout workers die mid-unit at random (probability p per unit, at most once per unit, so
-    the run ends): every group is still rolled out and trained exactly once, with the
-    version it was first handed out with; staleness and version invariants hold as before."""
+    """Rollout workers die mid-unit, or the scores of a released unit are lost, at random
+    (probability p per unit, at most once per unit, so the run ends): every group is still rolled
+    out and trained exactly once; staleness and version invariants hold as before."""
     cfg, workers = scenario
     rng, failed = random.Random(seed), set()
 
@@ -255,7 +286,7 @@ def test_invariants_hold_when_rollout_workers_die(scenario, seed, p):
         failed.add(event.unit.uid)
         return True
 
-    run(cfg, workers, random_durations(seed, ties=False), dies)
+    run(cfg, workers, random_durations(seed, ties=False), random_scoring(seed ^ 0x5EED, False), dies)
 
 
 def test_requeued_unit_keeps_its_version_and_goes_first():
@@ -268,6 +299,30 @@ def test_requeued_unit_keeps_its_version_and_goes_first():
         sched.requeue(b)  # completed units cannot come back
     with pytest.raises(ValueError, match="only rollout units"):
         sched.requeue(StepUnit("step-0/t0", 0, 1))
+
+
+def random_scoring(seed: int, ties: bool) -> Scoring:
+    """Per rollout unit: scored inline (None, a third of them) or released with a random reward
+    latency, from 0 (complete at the release instant) to longer than a rollout unit."""
+    rng = random.Random(seed)
+
+    def scoring(worker: str, unit: RolloutUnit) -> float | None:
+        if rng.random() < 1 / 3:
+            return None
+        return float(rng.choice([0, 1, 2])) if ties else rng.uniform(0.0, 4.0)
+
+    return scoring
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenario=scenarios(), seed=st.integers(0, 2**32 - 1), ties=st.booleans())
+def test_invariants_hold_when_rewards_arrive_after_release(scenario, seed, ties):
+    """Release-then-complete in random orders (reward latencies that overtake each other, tie
+    with other completions, or outlast the next rollout unit): exactly once, no version mixing,
+    the staleness bound, and nothing trained before its rewards are in."""
+    cfg, workers = scenario
+    events = run(cfg, workers, random_durations(seed, ties), random_scoring(seed ^ 0x5EED, ties))
+    assert all(e.scored is None or e.scored >= e.end for e in events)
 
 
 # -- worked examples -----------------------------------------------------------------------
@@ -386,6 +441,47 @@ def test_record_is_in_hand_out_order():
     sched = Scheduler(disagg(), pools(2, 1))
     units = [sched.next_unit("r0"), sched.next_unit("r1")]
     assert sched.record == [("r0", units[0]), ("r1", units[1])]
+
+
+def test_released_worker_generates_the_next_unit_while_the_rewards_are_scored():
+    cfg = disagg(groups_per_iteration=2)
+    events = run(cfg, pools(1, 1), fixed(), scoring=lambda w, u: 1.5)
+    r0, r1 = sorted(of(events, RolloutUnit, 0), key=lambda e: e.start)
+    assert (r0.end, r0.scored, r1.start) == (1.0, 2.5, 1.0)  # unit 1 generates while unit 0 is scored
+    trains = sorted(of(events, TrainUnit, 0), key=lambda e: e.start)
+    assert [t.start for t in trains] == [2.5, 3.5]  # each trained once its rewards are in
+
+
+def test_release_then_complete_by_hand():
+    sched = Scheduler(disagg(groups_per_iteration=2), pools(1, 1))
+    u0 = sched.next_unit("r0")
+    sched.release(u0)
+    assert sched.next_unit("t0") is None  # no train unit before the rewards are in
+    u1 = sched.next_unit("r0")  # the worker is free at once
+    assert (u1.index, u1.version) == (1, 0)
+    sched.complete(u1)  # rewards may arrive in any order
+    assert sched.next_unit("t0").rollout_uid == u1.uid
+    sched.complete(u0)
+    assert sched.published_version == 0 and not sched.done()
+    with pytest.raises(ValueError, match="not in flight"):
+        sched.complete(u0)
+
+
+def test_release_misuse_raises():
+    sched = Scheduler(disagg(groups_per_iteration=1), pools(1, 1))
+    unit = sched.next_unit("r0")
+    sched.release(unit)
+    with pytest.raises(ValueError, match="not running"):
+        sched.release(unit)  # twice
+    sched.complete(unit)
+    with pytest.raises(ValueError, match="not running"):
+        sched.release(unit)  # after complete
+    train = sched.next_unit("t0")
+    with pytest.raises(ValueError, match="only rollout units"):
+        sched.release(train)
+    never = RolloutUnit("rollout-9-9", 9, 9, (0,), 0)
+    with pytest.raises(ValueError, match="not running"):
+        sched.release(never)
 
 
 # -- misuse and bad configuration ----------------------------------------------------------

@@ -94,6 +94,17 @@ def test_idle_worker_counts_in_the_bubble():
     assert tl.iteration_stats()[0]["bubble_fraction"] == pytest.approx(0.5)
 
 
+def test_reward_service_row_is_drawn_but_not_a_device(tmp_path):
+    tl = pipeline()
+    before = [r["bubble_fraction"] for r in tl.iteration_stats()]
+    tl.add_worker("reward", "service")
+    tl.record("reward", "reward", "rollout-0-0", 0, 0, 2.0, 2.6, service=True)  # beside the next work
+    again = Timeline.from_chrome_trace(tl.to_chrome_trace())
+    assert again.workers["reward"] == "service"
+    assert [r["bubble_fraction"] for r in again.iteration_stats()] == pytest.approx(before)
+    tl.to_png(tmp_path / "t.png")
+
+
 def test_rejects_bad_events():
     tl = Timeline()
     with pytest.raises(ValueError):

@@ -122,6 +122,10 @@ def main() -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except SystemExit as exc:  # typer turns Ctrl-C into a silent exit 130, after our cleanup ran
+        if exc.code == 130:
+            print("interrupted", file=sys.stderr)
+        raise
 
 
 if __name__ == "__main__":

@@ -17,7 +17,10 @@ for ``num_gpus=1`` plus its type (Ray's ``accelerator_type:<TYPE>`` or a custom 
 after the type; ``gpu`` / ``cuda`` = any GPU). Everything is reserved as one placement group
 after checking ``ray.cluster_resources()``, so an impossible placement fails in seconds with
 a message, never a hang. With ``reward.service`` one reward actor, outside the placement group,
-scores for every worker that rolls out.
+scores for every worker that rolls out: a rollout unit's result carries the ref of its scores,
+the scheduler ``release``s the worker (it takes its next unit at once) and the driver waits on
+that ref like on any unit; the unit is ``complete`` (advantages, train units) when the scores
+arrive. The actor's scoring spans are the timeline's ``reward`` row.
 """
 
 from __future__ import annotations
@@ -39,15 +42,17 @@ import torch
 from digenrl.checkpoint import find_checkpoint, latest_checkpoint, read_state, save_checkpoint_files
 from digenrl.config import PoolConfig, RunConfig
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, SchedulerConfig, StepUnit, TrainUnit, Unit, WorkerSpec
-from digenrl.engine.timeline import Timeline
+from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.errors import RunStopped, UserError
 from digenrl.lora import WeightSyncError
 from digenrl.prompts import load_prompts
 from digenrl.rewards import build_reward
+from digenrl.rewards.service import reward_call_metrics
 from digenrl.runlog import RunDir, check_writable, default_run_dir
 from digenrl.trainer import RunResult, iteration_metrics, resume_history, save_iteration_samples
 from digenrl.units import assign_advantages, merge_stats
 
+REWARD_ROW = "reward"  # the reward actor's timeline row (pool SERVICE_POOL), and its in-flight entries
 PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give up, say so
 ADDRESS_PROBE_S = 3.0  # a wrong --ray-address must fail fast
 RESTART_POLL_S = 0.5  # how often to ask a restarting worker whether it is back
@@ -104,14 +109,16 @@ def preflight(cfg: RunConfig, resumed=None) -> None:
     -- the model, its LoRA targets and the fit of a checkpoint to resume. A pretrained model is
     only built by the workers (its errors reach the caller from there, as the same one line)."""
     prompts = load_prompts(cfg.prompts)
-    reward = build_reward(cfg.reward)
+    # with reward.service only the reward actor loads the reward models (and checks them, before training)
+    reward = build_reward(cfg.reward) if cfg.reward.service is None else None
     if cfg.model.pretrained is None:
         from digenrl.checkpoint import load_checkpoint
         from digenrl.policy import Policy
         from digenrl.units import preflight_reward
 
         policy = Policy(cfg, device="cpu", trainable=resumed is not None)
-        preflight_reward(reward, policy.adapter, prompts)
+        if reward is not None:
+            preflight_reward(reward, policy.adapter, prompts)
         if resumed is not None:  # fits this model, every file reads back (weights verified)
             load_checkpoint(resumed.path, policy, rng=False)
 
@@ -131,9 +138,8 @@ def _actor_died(exc: Exception) -> bool:
     """The call failed because an actor process died (the worker's own, or one it called)."""
     import ray
 
-    if isinstance(exc, ray.exceptions.RayActorError):
-        return True
-    return isinstance(getattr(exc, "cause", None), ray.exceptions.RayActorError)
+    died = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)  # lost: its owner process died
+    return isinstance(exc, died) or isinstance(getattr(exc, "cause", None), died)
 
 
 def _first_line(exc: Exception) -> str:
@@ -226,11 +232,15 @@ class Engine:
         self.timeline = Timeline()
         for spec, pool in plan:
             self.timeline.add_worker(spec.name, pool.name)
+        if cfg.reward.service is not None:
+            self.timeline.add_worker(REWARD_ROW, SERVICE_POOL)
         self.t0 = time.time()
 
         self.in_flight: dict = {}  # ObjectRef to wait on -> (worker, unit)
         self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples
         self.batches: dict[str, RewardBatch] = {}  # rollout uid -> rewards / advantages
+        self.unscored: dict[str, dict] = {}  # released rollout uid -> its summary, until the scores arrive
+        self.reward_calls: dict[int, list[dict]] = defaultdict(list)  # iteration -> reward calls (latency)
         self.unit_uids: dict[int, dict[int, str]] = defaultdict(dict)  # iteration -> index -> rollout uid
         self.trained: Counter[str] = Counter()  # rollout uid -> TSP shares trained
         self.total_terms: dict[int, int] = {}  # iteration -> (sample, trained step) terms
@@ -249,6 +259,7 @@ class Engine:
         self.start_checksum: str | None = None  # weights every (re)started worker must hold
         self.idle: set[str] = set()
         self.restarting: dict[str, float] = {}  # worker -> when to ask it for ready() again
+        self.reward_restarting = False  # the reward actor died and has not answered ready() yet
 
     def inject(self, worker: str, unit: Unit) -> bool:
         """Fault injection: True (once) when ``worker`` is to die in ``unit``."""
@@ -268,6 +279,8 @@ class Engine:
             self.packets[self.sched.published_version] = ray.get(rank0.publish.remote())
         while not self.sched.done():
             for worker in [w for w in self.order if w in idle]:
+                if self.reward_restarting and self.role[worker] == "rollout":
+                    continue  # its scores would be lost again: wait until the reward actor is back
                 unit = self.sched.next_unit(worker)
                 if unit is not None:
                     idle.discard(worker)
@@ -286,15 +299,22 @@ class Engine:
             worker, unit = self.in_flight.pop(ref)
             try:
                 result = ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.ObjectLostError) as exc:
                 if not _actor_died(exc):
                     raise
                 self.worker_died(worker, unit, exc)  # re-queues its unit, or stops the run
                 continue
-            self.absorb(worker, unit, result)
+            if worker == REWARD_ROW:  # the scores of a released rollout unit: now it is complete
+                self.scored(unit, result)
+            else:
+                idle.add(worker)
+                pending = self.absorb(worker, unit, result)
+                if pending is not None:  # scored by the reward service: the worker is free, the unit not done
+                    self.sched.release(unit)
+                    self.in_flight[pending] = (REWARD_ROW, unit)
+                    continue
             before = self.sched.published_version
             self.sched.complete(unit, result)
-            idle.add(worker)
             self.iteration_bookkeeping(unit, finished=before if self.sched.published_version > before else None)
         while self.side:  # the last checkpoint / eval
             (ref,), _ = ray.wait(list(self.side), num_returns=1)
@@ -341,6 +361,21 @@ class Engine:
         the last complete checkpoint stays as it is, and the message says how to resume."""
         self.samples.pop(getattr(unit, "uid", None), None)
         limit = self.cfg.engine.max_restarts
+        if worker == REWARD_ROW:  # the scores were lost: the reward actor, or the worker that owns them, died
+            print(f"warning: the scores of {unit.uid} were lost ({_first_line(exc)}); generating it again",
+                  file=sys.stderr)
+            self.sched.requeue(unit)
+            import ray
+
+            owner_died = isinstance(exc, ray.exceptions.ObjectLostError)  # the submitting worker died, not the actor
+            if REWARD_ROW in self.actors and not owner_died and not self.reward_restarting:  # a new death of the actor
+                self.restarts[worker] += 1
+                if self.restarts[worker] > limit:
+                    raise RunStopped(f"the reward actor died {self.restarts[worker]} times (engine.max_restarts: "
+                                     f"{limit}); the run stopped. {self.resume_hint()}")
+                self.reward_restarting = True  # until it answers ready(): rollout workers wait
+                self.restarting[worker] = time.time() + RESTART_POLL_S
+            return
         if self.role[worker] != "rollout" or not isinstance(unit, RolloutUnit):
             raise RunStopped(f"trainer rank {worker} died while running {unit.uid} ({_first_line(exc)}); "
                              f"the run stopped. {self.resume_hint()}")
@@ -371,8 +406,11 @@ class Engine:
             self.restarting[worker] = time.time() + RESTART_POLL_S
             return
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-            raise RunStopped(f"rollout worker {worker} did not come back after a restart ({_first_line(exc)}); "
+            raise RunStopped(f"{worker} did not come back after a restart ({_first_line(exc)}); "
                              f"the run stopped. {self.resume_hint()}") from None
+        if worker == REWARD_ROW:  # the reward actor is back: rollout workers may submit again
+            self.reward_restarting = False
+            return
         if ready["checksum"] != self.start_checksum:
             raise WeightSyncError(f"{worker} restarted with other weights than the run started with")
         self.idle.add(worker)
@@ -390,7 +428,8 @@ class Engine:
         if isinstance(unit, RolloutUnit):
             # rollout workers swap to the unit's version first (trainer ranks already hold it)
             packet = self.packets.get(unit.version) if self.role[worker] == "rollout" else None
-            samples, ref = actor.rollout.options(num_returns=2).remote(unit, packet, self.inject(worker, unit))
+            samples, ref = actor.rollout.options(num_returns=2).remote(unit, packet, self.inject(worker, unit),
+                                                                       self.inject(REWARD_ROW, unit))
             self.samples[unit.uid] = samples
         elif isinstance(unit, TrainUnit):
             batch = self.batches[unit.rollout_uid]
@@ -403,13 +442,18 @@ class Engine:
 
     # -- absorb: what a finished unit leaves behind --------------------------------------
 
-    def absorb(self, worker: str, unit: Unit, result: dict) -> None:
+    def absorb(self, worker: str, unit: Unit, result: dict):
+        """Returns the ref of the unit's scores when the reward service still computes them."""
         for ev in result["events"]:
             self.timeline.record(worker, ev["kind"], ev["uid"], ev["iteration"], ev["version"],
                                  ev["start"] - self.t0, ev["end"] - self.t0, ev.get("sample_versions", ()),
                                  **ev["args"])
         k = unit.iteration
         if isinstance(unit, RolloutUnit):
+            if "reward_ref" in result:
+                self.unscored[unit.uid] = result
+                return result["reward_ref"]
+            self.reward_calls[k] += result["reward_calls"]
             self.rolled_out(unit, result)
         elif isinstance(unit, TrainUnit):
             self.stats[k].append(result["stats"])
@@ -426,6 +470,19 @@ class Engine:
                 self.rank_checksums[unit.version].add(result["checksum"])
                 if len(self.rank_checksums[unit.version]) > 1:
                     raise WeightSyncError(f"trainer ranks hold different weights after step {k}")
+        return None
+
+    def scored(self, unit: RolloutUnit, scored) -> None:
+        """The reward actor's :class:`~digenrl.rewards.service.Scored` for a released unit: its
+        scoring span on the reward row, its latency, then the unit as if scored inline."""
+        self.timeline.record(REWARD_ROW, "reward", unit.uid, unit.iteration, unit.version, scored.start - self.t0,
+                             scored.end - self.t0, service=True, samples=len(scored.total),
+                             wait_s=scored.wait_s, queue_depth=scored.queue_depth)
+        self.reward_calls[unit.iteration].append({"seconds": scored.end - scored.start, "timings": scored.timings,
+                                                  "wait_s": scored.wait_s, "queue_depth": scored.queue_depth})
+        summary = self.unscored.pop(unit.uid)
+        summary["rewards"], summary["reward_parts"] = scored.total, scored.parts
+        self.rolled_out(unit, summary)
 
     def rolled_out(self, unit: RolloutUnit, summary: dict) -> None:
         k, per_iteration = unit.iteration, self.sched.cfg.units_per_iteration
@@ -480,6 +537,7 @@ class Engine:
                                 sync_bytes=span["sync_bytes"], sample_staleness=self.staleness.pop(k, 0))
         row["samples_per_s"] = span["samples_per_s"]
         row["bubble_fraction"] = span["bubble_fraction"]
+        row.update(reward_call_metrics(self.reward_calls.pop(k, [])))
         row.update(self.evals.pop(k, {}))
         row["worker_restarts"] = sum(self.restarts.values())
         every = self.cfg.output.save_samples_every
@@ -535,7 +593,7 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
         if cfg.reward.service is not None:  # one reward actor shared by every worker that scores
             from digenrl.rewards.service import start_reward_actor
 
-            reward_actor = start_reward_actor(cfg.reward)
+            reward_actor = start_reward_actor(cfg.reward, max_restarts=cfg.engine.max_restarts)
         resume_ref = ray.put(resume) if resume is not None else None
         remote = ray.remote(EngineWorker)
         for i, (spec, _) in enumerate(plan):
@@ -554,7 +612,7 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
         if len({r["checksum"] for r in ready.values()}) > 1:
             raise WeightSyncError(f"initial weights differ between workers: {ready}")
         form_trainer_group(plan, actors, ready)
-        yield actors
+        yield {**actors, REWARD_ROW: reward_actor} if reward_actor is not None else actors
     finally:
         for actor in [*actors.values(), reward_actor]:
             if actor is not None:

@@ -4,6 +4,9 @@ One policy, two drivers: the Ray runtime calls it for real workers and the plann
 simulator calls it in virtual time. It is therefore pure Python: no Ray, no torch, no clock.
 A driver asks ``next_unit(worker)`` whenever a worker is idle and reports ``complete(unit)``
 when it finishes; ``None`` means "nothing for you now, ask again after the next completion".
+A rollout unit whose rewards are scored elsewhere (the reward service) may first be
+``release``d: its worker is free for the next unit, but its train units only appear at
+``complete``, once the rewards are in.
 
 Versions: version k is the policy after k optimizer steps; iteration k trains version k into
 version k+1 with exactly one optimizer step. Rollout units of iteration k may be generated
@@ -25,7 +28,7 @@ Knobs (see the table in DESIGN.md §4):
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 Role = Literal["rollout", "trainer", "both"]
@@ -124,7 +127,8 @@ Unit = RolloutUnit | TrainUnit | StepUnit
 
 
 class Scheduler:
-    """Hands out units one at a time; the state changes only in ``next_unit`` and ``complete``.
+    """Hands out units one at a time; the state changes only in ``next_unit``, ``release`` and
+    ``complete``.
 
     Raises on driver misuse (unknown worker, a busy worker asking, a unit completed twice)
     rather than guessing, since a silent slip here would corrupt versions.
@@ -151,6 +155,7 @@ class Scheduler:
         self.published_version = cfg.start_iteration
         self.record: list[tuple[str, Unit]] = []  # (worker, unit) in hand-out order
         self._in_flight: dict[str, str] = {}  # unit uid -> worker running it
+        self._released: set[str] = set()  # rollout units generated, their rewards not yet in
         self._rollout_version = {n: cfg.start_iteration for n, r in self._roles.items() if r == "rollout"}
 
         n = cfg.iterations
@@ -200,9 +205,23 @@ class Scheduler:
                 self._rollout_version[worker] = unit.version  # it syncs before starting
         return unit
 
+    def release(self, unit: RolloutUnit) -> None:
+        """The worker of rollout ``unit`` is free (it generated the samples and handed them to
+        the reward service), but the unit's output is not usable yet: nothing is trained from
+        it until ``complete(unit)``. Changes no version and releases no train unit."""
+        if not isinstance(unit, RolloutUnit):
+            raise ValueError(f"only rollout units can be released, got {unit.uid!r}")
+        if self._in_flight.pop(unit.uid, None) is None:
+            raise ValueError(f"unit {unit.uid!r} is not running (never handed out, released or completed already)")
+        self._released.add(unit.uid)
+
     def complete(self, unit: Unit, result: object = None) -> None:
-        """Mark ``unit`` done. ``result`` is the driver's payload; the policy does not read it."""
+        """Mark ``unit`` done (running or released). ``result`` is the driver's payload; the
+        policy does not read it."""
         worker = self._in_flight.pop(unit.uid, None)
+        if worker is None and unit.uid in self._released:
+            self._released.discard(unit.uid)
+            worker = ""  # a released unit holds no worker
         if worker is None:
             raise ValueError(
                 f"unit {unit.uid!r} is not in flight (never handed out, or completed twice)"
@@ -217,14 +236,17 @@ class Scheduler:
                 self.published_version += 1
 
     def requeue(self, unit: RolloutUnit) -> None:
-        """A rollout unit whose worker died: hand it out again whole, with its original uid, groups
-        and version (the trajectory is regenerated from its first step, never resumed halfway).
-        It goes before any new rollout unit, to a rollout worker (which loads that version), or
-        to a TAG trainer rank only while that version is still the newest."""
+        """A rollout unit whose worker died (running), or whose scores were lost (released): hand
+        it out again whole, with its original uid, groups and version (the trajectory is generated
+        again from its first step, never resumed halfway). It goes before any new rollout unit; a
+        rollout worker loads that version; a TAG trainer rank, which only holds the newest
+        weights, generates it with those (newer, so within the staleness bound)."""
         if not isinstance(unit, RolloutUnit):
             raise ValueError(f"only rollout units can be re-queued, not {unit.uid!r} (a trainer rank holds state)")
         if self._in_flight.pop(unit.uid, None) is None:
-            raise ValueError(f"unit {unit.uid!r} is not in flight (never handed out, or completed)")
+            if unit.uid not in self._released:
+                raise ValueError(f"unit {unit.uid!r} is not in flight (never handed out, or completed)")
+            self._released.discard(unit.uid)
         self._retry.append(unit)
 
     def done(self) -> bool:
@@ -260,12 +282,11 @@ class Scheduler:
         return None
 
     def _take_rollout(self, any_version: bool = False) -> RolloutUnit | None:
-        """The next rollout unit: a re-queued one first (a trainer rank, which holds the newest
-        weights, only takes one of the newest version), else the next new one."""
-        for unit in self._retry:
-            if any_version or unit.version == self.published_version:
-                self._retry.remove(unit)
-                return unit
+        """The next rollout unit: a re-queued one first (for a trainer rank, stamped with the newest
+        version, the one it holds), else the next new one."""
+        if self._retry:
+            unit = self._retry.popleft()
+            return unit if any_version else replace(unit, version=self.published_version)
         k, j = self._next_rollout
         if k >= self.cfg.iterations or self.published_version < k - self.cfg.max_staleness:
             return None

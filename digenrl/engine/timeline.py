@@ -16,7 +16,8 @@ run) to the end of its own step, so the spans tile the run: with pipelining they
 work of several iterations, and a worker counts as busy whatever iteration it works on. The
 bubble fraction is 1 - busy worker-time / total worker-time over the span, where a worker's
 busy time is the union of its events (nested events such as a reward inside its rollout
-count once).
+count once). Rows of pool ``service`` (the reward actor) are drawn and traced but are not
+devices of the placement, so they do not count in the bubble.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 KINDS = ("rollout", "train", "step", "sync", "reward")
+#: pool of helper rows (the reward actor): shown, not counted in the bubble
+SERVICE_POOL = "service"
 #: sub-unit kinds drawn as thin bars (they nest in, or sit beside, a unit)
 MINOR_KINDS = ("sync", "reward")
 
@@ -115,10 +118,11 @@ class Timeline:
         return total
 
     def bubble_fraction(self, start: float, end: float) -> float:
-        width = (end - start) * len(self.workers)
+        devices = [w for w, pool in self.workers.items() if pool != SERVICE_POOL]
+        width = (end - start) * len(devices)
         if width <= 0:
             return 0.0
-        return 1.0 - sum(self.busy(w, start, end) for w in self.workers) / width
+        return 1.0 - sum(self.busy(w, start, end) for w in devices) / width
 
     def iteration_stats(self, only: int | None = None) -> list[dict]:
         """Per iteration (or just iteration ``only``): span, samples rolled out, samples_per_s,
@@ -257,7 +261,7 @@ class Timeline:
         for e in sorted(self.events, key=lambda e: e.kind in MINOR_KINDS):  # minor bars on top
             i = rows.index(e.worker)
             y0, y1 = top + i * row_h, top + i * row_h + row_h - 4
-            if e.kind in MINOR_KINDS:
+            if e.kind in MINOR_KINDS and e.pool != SERVICE_POOL:  # a service row holds nothing to nest in
                 y0 = y1 - (row_h - 4) // 3
             x0, x1 = x(e.start), max(x(e.end), x(e.start) + 1)
             draw.rectangle([x0, y0, x1, y1], fill=_colour(e.kind, e.version), outline=(60, 60, 60))

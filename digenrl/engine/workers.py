@@ -2,12 +2,16 @@
 
 Every worker process builds the same things from the RunConfig in the same order as the
 single-process :class:`~digenrl.trainer.LocalTrainer` (seed, prompts, reward, policy), so the
-same seed gives identical initial weights everywhere; the runtime checks the checksums.
+same seed gives identical initial weights everywhere; the runtime checks the checksums. Only
+workers that score build the reward models (never with ``reward.service``, never a trainer
+rank without TAG); building them draws no random numbers, so skipping it changes nothing.
 
 - role ``rollout``: runs :func:`~digenrl.units.rollout_unit` (generation, decode, reward: the
-  reward stays off the trainer's critical path; with ``reward.service`` the worker's reward
-  calls go to the shared reward actor). Before a unit of a newer version it loads
-  that version's published weights, verified (:mod:`digenrl.engine.weight_sync`).
+  reward stays off the trainer's critical path). With ``reward.service`` the worker does not
+  wait for the scores: it submits the decoded samples to the shared reward actor and returns
+  the reward ObjectRef in its result; the driver waits on it while this worker already
+  generates its next unit. Before a unit of a newer version it loads that version's
+  published weights, verified (:mod:`digenrl.engine.weight_sync`).
 - role ``trainer``: one rank of the trainer group. Runs :func:`~digenrl.units.train_unit`
   (accumulating gradients), and on its StepUnit all-reduces the gradients as ONE flat buffer
   (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, NOTES.md) and steps; rank 0 then
@@ -48,15 +52,18 @@ def unit_event(kind: str, unit, start: float, end: float, version: int, sample_v
 
 
 class _TimedReward:
-    """Wraps the reward so each call inside a rollout unit shows up as a "reward" event."""
+    """Wraps the (inline) reward so each call inside a rollout unit shows up as a "reward"
+    event, with the seconds each component took."""
 
     def __init__(self, fn):
-        self.fn, self.spans = fn, []
+        self.fn, self.spans, self.calls = fn, [], []
 
     def __call__(self, *args):
         start = time.time()
         out = self.fn(*args)
-        self.spans.append((start, time.time()))
+        end = time.time()
+        self.spans.append((start, end))
+        self.calls.append({"seconds": end - start, "timings": dict(getattr(self.fn, "last_timings", {}))})
         return out
 
 
@@ -66,6 +73,21 @@ def _die(name: str, unit) -> None:
 
     print(f"fault injection: {name} dies in {unit.uid}", file=sys.stderr, flush=True)
     os._exit(17)
+
+
+class _SubmittedReward:
+    """``reward.service``: hands the decoded samples to the reward actor and returns at once.
+    The scores it returns are NaN placeholders (the samples travel to the trainer without
+    them); the real ones arrive at the driver through ``refs`` (:class:`~digenrl.rewards.service.Scored`)."""
+
+    def __init__(self, client):
+        self.fn, self.refs = client, []
+        self.die = False  # fault injection: the actor dies scoring the next call
+
+    def __call__(self, pixels, prompts, metadata=None):
+        self.refs.append(self.fn.submit_scored(pixels, prompts, metadata, self.die))
+        self.die = False
+        return torch.full((len(prompts),), float("nan")), {}
 
 
 class EngineWorker:
@@ -96,14 +118,17 @@ class EngineWorker:
             torch.set_num_threads(1)  # one thread per CPU worker: they share few cores with each other
         torch.manual_seed(cfg.train.seed)  # same construction order as LocalTrainer
         self.prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed)
-        reward = build_reward(cfg.reward)
-        if reward_actor is not None:  # reward.service: scored by the shared reward actor instead
-            reward = reward_client(cfg.reward, reward_actor)
-        self.reward = _TimedReward(reward)
+        scores = self.role != "trainer" or cfg.engine.tag  # this worker rolls out, so it scores
         self.remote_reward = reward_actor is not None
+        if self.remote_reward:  # reward.service: the reward models live in the shared actor only
+            self.reward = _SubmittedReward(reward_client(cfg.reward, reward_actor))
+        elif scores:
+            self.reward = _TimedReward(build_reward(cfg.reward))
+        else:
+            self.reward = None
         self.policy = Policy(cfg, trainable=self.role != "rollout")
         self.expected_keys = frozenset(self.policy.weights())
-        if self.role != "trainer" or cfg.engine.tag:  # this worker scores samples: dry-run the rewards
+        if scores:  # dry-run the rewards on this worker's decoded shape
             preflight_reward(self.reward.fn, self.policy.adapter, self.prompts.prompts)
 
     def ready(self) -> dict:
@@ -152,10 +177,15 @@ class EngineWorker:
     # -- units ---------------------------------------------------------------------------
 
     def rollout(self, unit: RolloutUnit, packet: weight_sync.WeightPacket | None,
-                die: bool = False) -> tuple[Samples, dict]:
+                die: bool = False, kill_reward: bool = False) -> tuple[Samples, dict]:
         """Generate, decode and score the unit's groups with exactly version ``unit.version`` (a
         re-queued unit may be older than what this worker holds: the packet has its weights).
-        ``die``: fault injection -- the process exits before the unit's result is returned."""
+        ``die``: fault injection -- the process exits before the unit's result is returned;
+        ``kill_reward``: the reward actor's process exits while it scores this unit.
+
+        With ``reward.service`` the scoring is only submitted: the summary's ``reward_ref``
+        (an ObjectRef of a :class:`~digenrl.rewards.service.Scored`) replaces its rewards, and
+        the samples carry NaN placeholders."""
         events = []
         if unit.version != self.policy.version:
             if self.role != "rollout":
@@ -166,7 +196,12 @@ class EngineWorker:
             events.append(weight_sync.load(self.policy, packet, self.expected_keys, unit.iteration))
         cfg = self.cfg
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
-        self.reward.spans.clear()
+        if self.remote_reward:
+            self.reward.refs.clear()
+            self.reward.die = kill_reward
+        else:
+            self.reward.spans.clear()
+            self.reward.calls.clear()
         start = time.time()
         samples = rollout_unit(self.policy, self.reward, [everything[g] for g in unit.groups], list(unit.groups),
                                unit.iteration, cfg.train.seed)
@@ -177,8 +212,6 @@ class EngineWorker:
             raise RuntimeError(f"{unit.uid}: weights changed inside the unit")
         events.append(unit_event("rollout", unit, start, end, unit.version, samples=len(samples),
                                  groups=list(unit.groups)))
-        events += [unit_event("reward", unit, s, e, unit.version, service=self.remote_reward)
-                   for s, e in self.reward.spans]
         summary = {
             "rewards": samples.rewards,
             "reward_parts": samples.reward_parts,
@@ -189,6 +222,13 @@ class EngineWorker:
             "version": samples.version,
             "events": events,
         }
+        if self.remote_reward:  # scored in the reward actor: the driver waits for it, not this worker
+            (summary["reward_ref"],) = self.reward.refs
+            self.reward.refs.clear()
+            del summary["rewards"], summary["reward_parts"]
+        else:
+            events += [unit_event("reward", unit, s, e, unit.version, service=False) for s, e in self.reward.spans]
+            summary["reward_calls"] = list(self.reward.calls)
         return samples, summary
 
     def train(self, unit: TrainUnit, samples: Samples, advantages: torch.Tensor, total_terms: int,
@@ -246,6 +286,8 @@ class EngineWorker:
         """``eval/<reward>`` of the current weights (ODE, fixed seeds), as LocalTrainer.evaluate."""
         from digenrl.evaluate import evaluate_policy
 
+        if self.reward is None:  # a trainer rank that never scores: build the rewards for eval only
+            self.reward = _TimedReward(build_reward(self.cfg.reward))
         return evaluate_policy(self.policy, self.reward.fn, self.prompts.prompts).metrics()
 
     def export_final(self) -> dict[str, bytes]:

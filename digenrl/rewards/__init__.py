@@ -173,6 +173,11 @@ def reward_metrics(rewards: torch.Tensor, parts: dict[str, torch.Tensor]) -> dic
 
 
 def build_reward(cfg: RewardConfig) -> CombinedReward:
-    from digenrl.rewards import basic, clip_models  # noqa: F401  (registers the rewards; models load lazily)
+    """The configured rewards, their models loaded. Building them draws nothing from torch's
+    global CPU generator (a model head's init would): the policy built next gets the same
+    initial weights in every process, whether or not that process builds the rewards (with
+    ``reward.service`` only the reward actor does)."""
+    from digenrl.rewards import basic, clip_models  # noqa: F401  (registers the rewards)
 
-    return CombinedReward(cfg)
+    with torch.random.fork_rng(devices=[]):
+        return CombinedReward(cfg)

@@ -3,6 +3,11 @@
     worker: pixels = decode(...) -> ref = client.submit(pixels, prompts, metas) -> go on sampling
             ... later: total, parts = client.result(ref)   (or hand ``ref`` on: it is an ObjectRef)
 
+The engine's rollout workers use :meth:`RewardClient.submit_scored`: the ref, to a :class:`Scored`
+(scores plus the wall-clock span of the scoring measured in the actor, per-reward seconds and
+the queue the call found), travels to the driver in the unit's result, and the worker takes its
+next unit at once (DESIGN.md §4: the scheduler's ``release``).
+
 - :class:`RewardActor` holds one :class:`~digenrl.rewards.CombinedReward` with its own resource
   request (``reward.service``: a CPU fraction, a GPU of the cluster, custom resources). It is a
   threaded actor: calls from many workers queue on one lock (so models are never run twice at
@@ -18,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +58,23 @@ class _Latency:
         return {"calls": self.calls, "samples": self.samples, "busy_s": self.seconds, "rewards": per}
 
 
+@dataclass
+class Scored:
+    """One scoring call's result and how it went, measured where it ran.
+
+    ``start`` / ``end``: ``time.time()`` of the scoring itself (after any wait for the models);
+    ``wait_s``: seconds queued behind other calls; ``queue_depth``: calls ahead of this one when
+    it arrived (being scored or waiting); ``timings``: seconds per reward."""
+
+    total: torch.Tensor
+    parts: dict[str, torch.Tensor]
+    start: float
+    end: float
+    timings: dict[str, float] = field(default_factory=dict)
+    wait_s: float = 0.0
+    queue_depth: int = 0
+
+
 class RewardActor:
     """Plain class; :func:`start_reward_actor` wraps it with ``ray.remote`` and its resources."""
 
@@ -62,7 +85,7 @@ class RewardActor:
         except UserError as exc:
             self.init_error = exc
         self.lock, self.mu = threading.Lock(), threading.Lock()
-        self.waiting = self.max_waiting = 0
+        self.waiting = self.max_waiting = self.scoring = 0
         self.latency = _Latency()
 
     def ready(self) -> list[str]:
@@ -72,16 +95,38 @@ class RewardActor:
 
     def score(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None):
         """One batch of decoded samples -> ``(total, parts)`` (CPU tensors)."""
+        scored = self.score_timed(pixels, prompts, metadata)
+        return scored.total, scored.parts
+
+    def score_timed(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None,
+                    die: bool = False) -> Scored:
+        """:meth:`score`, plus the span, per-reward seconds and queue of the call (:class:`Scored`).
+        ``die``: fault injection -- the actor's process exits instead (as a crash would)."""
+        if die:
+            import os
+            import sys
+
+            print("fault injection: the reward actor dies", file=sys.stderr, flush=True)
+            os._exit(17)
+        arrived = time.time()
         with self.mu:
+            ahead = self.waiting + self.scoring
             self.waiting += 1
             self.max_waiting = max(self.max_waiting, self.waiting)
         with self.lock:
             with self.mu:
                 self.waiting -= 1
-            t0 = time.perf_counter()
-            total, parts = self.reward(pixels, prompts, metadata)
-            self.latency.record(len(prompts), time.perf_counter() - t0, self.reward.last_timings)
-        return total, parts
+                self.scoring = 1
+            try:
+                start, t0 = time.time(), time.perf_counter()
+                total, parts = self.reward(pixels, prompts, metadata)
+                seconds = time.perf_counter() - t0
+                timings = dict(self.reward.last_timings)
+                self.latency.record(len(prompts), seconds, timings)
+            finally:
+                with self.mu:
+                    self.scoring = 0
+        return Scored(total, parts, start, start + seconds, timings, start - arrived, ahead)
 
     def check(self, prompts: list[str], shape: tuple[int, ...], metadata: list[dict] | None = None) -> dict:
         with self.lock:
@@ -95,13 +140,15 @@ class RewardActor:
         return {**self.latency.as_dict(), "queue_depth": depth, "max_queue_depth": peak}
 
 
-def start_reward_actor(cfg: RewardConfig, name: str | None = None):
+def start_reward_actor(cfg: RewardConfig, name: str | None = None, max_restarts: int = 0):
     """Start the reward actor on the connected Ray cluster with ``cfg.service``'s resources and
-    wait until its models are loaded (a bad reward config raises its UserError here)."""
+    wait until its models are loaded (a bad reward config raises its UserError here). Ray restarts
+    it up to ``max_restarts`` times if its process dies (the engine re-queues the units whose
+    scores were lost)."""
     import ray
 
     svc = cfg.service
-    opts = {"max_concurrency": ACTOR_CONCURRENCY}
+    opts = {"max_concurrency": ACTOR_CONCURRENCY, "max_restarts": max_restarts, "max_task_retries": 0}
     if svc is not None:
         opts.update(num_cpus=svc.num_cpus, num_gpus=svc.num_gpus)
         if svc.resources:
@@ -138,7 +185,15 @@ class RewardClient:
         self.pending: list = []
 
     def submit(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None):
-        ref = self.actor.score.remote(pixels.detach().cpu(), list(prompts), metadata)
+        return self._track(self.actor.score.remote(pixels.detach().cpu(), list(prompts), metadata))
+
+    def submit_scored(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None,
+                      die: bool = False):
+        """Like :meth:`submit`, to a :class:`Scored` (what the engine's driver waits on)."""
+        return self._track(self.actor.score_timed.remote(pixels.detach().cpu(), list(prompts), metadata, die))
+
+    def _track(self, ref):
+        self.in_flight()  # forget the finished ones: holding their refs would pin their results
         self.pending.append(ref)
         return ref
 
@@ -192,6 +247,26 @@ class InlineRewardClient:
 
     def stats(self) -> dict:
         return {**self.latency.as_dict(), "queue_depth": 0, "max_queue_depth": 0, "in_flight": 0}
+
+
+def reward_call_metrics(calls: list[dict]) -> dict[str, float]:
+    """An iteration's reward calls -> metrics: ``reward_latency_s`` (mean seconds per call) and
+    ``reward_latency_s/<name>`` (mean per reward); for calls to the reward service also
+    ``reward_wait_s`` (mean seconds queued) and ``reward_queue_depth`` (the most calls ahead of
+    one). Each call: ``seconds``, ``timings`` (per reward) and, from the service, ``wait_s`` and
+    ``queue_depth``."""
+    if not calls:
+        return {}
+    row = {"reward_latency_s": sum(c["seconds"] for c in calls) / len(calls)}
+    names = dict.fromkeys(name for c in calls for name in c["timings"])
+    for name in names:
+        mine = [c["timings"][name] for c in calls if name in c["timings"]]
+        row[f"reward_latency_s/{name}"] = sum(mine) / len(mine)
+    served = [c for c in calls if "queue_depth" in c]
+    if served:
+        row["reward_wait_s"] = sum(c["wait_s"] for c in served) / len(served)
+        row["reward_queue_depth"] = max(c["queue_depth"] for c in served)
+    return row
 
 
 def reward_client(cfg: RewardConfig, actor=None) -> RewardClient | InlineRewardClient:
