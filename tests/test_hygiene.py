@@ -85,3 +85,40 @@ def test_ctrl_c_stops_the_actors_and_writes_nothing_partial(tmp_path):
     assert not list((run / "checkpoints").glob(".tmp-*"))
     assert all((c / "state.json").is_file() for c in (run / "checkpoints").iterdir())
     assert (run / "config.yaml").is_file()
+
+
+def test_killed_ray_head_stops_the_run_within_seconds(tmp_path):
+    """The driver joined a cluster (--ray-address) whose head dies mid-run: one line saying so and
+    how to resume, exit 1, within seconds (Ray alone would hang a minute, then end the process)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    head_dir = tempfile.mkdtemp(prefix="dk", dir="/tmp")
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                    '--resources={"pool:rollout": 1, "pool:trainer": 1}', f"--temp-dir={head_dir}"],
+                   env=env, check=True, capture_output=True, timeout=120)
+    run = tmp_path / "run"
+    try:
+        argv = [sys.executable, "-m", "digenrl.cli.app", "train", "--run-dir", str(run), "--ray-address",
+                f"127.0.0.1:{port}", "--set", "train.iterations=500", *sum((["--set", s] for s in SMALL), [])]
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            if (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[1]
+        subprocess.run(["pkill", "-9", "-f", f"(gcs_server|raylet).*{head_dir}"], check=False)  # the head dies
+        killed = time.time()
+        _, err = proc.communicate(timeout=60)
+        assert time.time() - killed < 20
+        assert proc.returncode == 1, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(f"error: the Ray cluster's head at ") and ":" + str(port) in last
+        assert last.endswith(f"resume with: digenrl train --resume {run}")
+    finally:
+        subprocess.run(["pkill", "-9", "-f", head_dir], check=False)

@@ -56,6 +56,11 @@ REWARD_ROW = "reward"  # the reward actor's timeline row (pool SERVICE_POOL), an
 PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give up, say so
 ADDRESS_PROBE_S = 3.0  # a wrong --ray-address must fail fast
 RESTART_POLL_S = 0.5  # how often to ask a restarting worker whether it is back
+HEAD_PROBE_S = 2.0  # how often the driver checks that the cluster's head still answers
+
+
+class ClusterGone(RunStopped):
+    """The Ray head went away mid-run: nothing of the cluster can be cleaned up from here."""
 
 
 # ------------------------------------------------------------------------------ the run
@@ -260,6 +265,8 @@ class Engine:
         self.idle: set[str] = set()
         self.restarting: dict[str, float] = {}  # worker -> when to ask it for ready() again
         self.reward_restarting = False  # the reward actor died and has not answered ready() yet
+        self.gcs: tuple[str, int] = ("", 0)  # the head's address, probed every HEAD_PROBE_S
+        self.last_probe = 0.0
 
     def inject(self, worker: str, unit: Unit) -> bool:
         """Fault injection: True (once) when ``worker`` is to die in ``unit``."""
@@ -273,6 +280,7 @@ class Engine:
 
         self.t0 = time.time()
         idle = self.idle = set(self.order)
+        self.gcs, self.last_probe = _host_port(ray.get_runtime_context().gcs_address), time.time()
         rank0 = self.actors[self.rank0]
         self.start_checksum = ray.get(rank0.ready.remote())["checksum"]
         if any(role == "rollout" for role in self.role.values()):  # for a re-queued unit of this version
@@ -289,7 +297,8 @@ class Engine:
             if not self.in_flight and not self.side and not self.restarting:
                 raise RuntimeError(f"engine stalled: nothing in flight at version {self.sched.published_version}")
             ready, _ = ray.wait([*self.in_flight, *self.side], num_returns=1,
-                                timeout=RESTART_POLL_S if self.restarting else None)
+                                timeout=RESTART_POLL_S if self.restarting else HEAD_PROBE_S)
+            self.check_head()
             if not ready:
                 continue
             ref = ready[0]
@@ -414,6 +423,19 @@ class Engine:
         if ready["checksum"] != self.start_checksum:
             raise WeightSyncError(f"{worker} restarted with other weights than the run started with")
         self.idle.add(worker)
+
+    def check_head(self) -> None:
+        """Every HEAD_PROBE_S: does the cluster's head (GCS) still accept connections? Ray itself
+        would wait a minute and then end this process without a word."""
+        now = time.time()
+        if now - self.last_probe < HEAD_PROBE_S:
+            return
+        self.last_probe = now
+        try:
+            socket.create_connection(self.gcs, timeout=ADDRESS_PROBE_S).close()
+        except OSError as exc:
+            raise ClusterGone(f"the Ray cluster's head at {self.gcs[0]}:{self.gcs[1]} stopped answering "
+                              f"({exc.strerror or exc}); the run stopped. {self.resume_hint()}") from None
 
     def resume_hint(self) -> str:
         last = latest_checkpoint(self.out.path)
@@ -581,7 +603,7 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
     from digenrl.engine.workers import EngineWorker
 
     ours = connect(plan, ray_address)
-    group, actors, reward_actor = None, {}, None
+    group, actors, reward_actor, gone = None, {}, None, False
     try:
         bundles = resource_bundles(plan, ray.cluster_resources(), reserve=reward_service_resources(cfg))
         group = placement_group(bundles, strategy="PACK")
@@ -613,12 +635,16 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
             raise WeightSyncError(f"initial weights differ between workers: {ready}")
         form_trainer_group(plan, actors, ready)
         yield {**actors, REWARD_ROW: reward_actor} if reward_actor is not None else actors
+    except ClusterGone:
+        gone = True  # every call below would wait for the dead head: the cluster took its processes along
+        raise
     finally:
-        for actor in [*actors.values(), reward_actor]:
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
-        if group is not None:
-            remove_placement_group(group)
+        if not gone:
+            for actor in [*actors.values(), reward_actor]:
+                if actor is not None:
+                    ray.kill(actor, no_restart=True)
+            if group is not None:
+                remove_placement_group(group)
         if ours:
             ray.shutdown()
 
