@@ -1,17 +1,19 @@
 """Soak: the engine for many iterations with rollout workers killed at random, then the books.
 
     python benchmarks/soak.py [--iterations 40] [--fault-rate 0.15] [--seed 0] [--rollout-workers 2]
-                              [--json soak.json] [--run-dir DIR]
+                              [--reward-service] [--json soak.json] [--run-dir DIR]
 
 Every rollout unit of the run is, with probability ``--fault-rate``, marked to kill the rollout
-worker that runs it (``engine.faults``: the worker's process exits mid-unit, as a crash would).
-Ray restarts the worker and the engine generates the unit again whole. The run uses all engine
+worker that runs it, or with ``--reward-service`` half the time the reward actor scoring it
+(``engine.faults``: the process exits mid-unit, as a crash would). Ray restarts it and the engine
+generates the unit again whole. The run uses all engine
 features (GAP, TSP 2, TAG, one-step async). Afterwards the run directory's timeline is audited:
 
     iterations   iterations completed (metrics rows)
     restarts     worker restarts (the engine's count; each injected fault that fired is one)
     lost         (iteration, group, TSP share) that were never trained            -- must be 0
     duplicated   (iteration, group, TSP share) trained more than once              -- must be 0
+    rollouts_generated_again   rollout units run twice because a worker died with its results
 
 ``--json FILE`` writes ``{"iterations": n, "restarts": n, "lost": n, "duplicated": n, ...}``.
 Not a test: it takes minutes, and its numbers go into the closing note of the reliability work.
@@ -40,12 +42,23 @@ TINY = ["model.height=16", "model.width=16", "train.prompts_per_iteration=4", "a
         "engine.tsp_degree=2", "engine.tag=true", "engine.max_staleness=1"]
 
 
-def fault_list(iterations: int, units: int, workers: int, rate: float, seed: int) -> list[tuple[str, str]]:
-    """(worker, unit) pairs: each rollout unit, with probability ``rate``, kills one of the rollout
-    workers if that worker is the one that runs it (the scheduler decides who does)."""
+def fault_list(iterations: int, units: int, workers: int, rate: float, seed: int,
+               reward_service: bool) -> list[tuple[str, str]]:
+    """(worker, unit) pairs: each rollout unit, with probability ``rate``, kills whichever rollout
+    worker runs it (a TAG trainer rank that takes it is spared: a trainer death ends the run), or
+    with the reward service, half the time, the reward actor while it scores the unit."""
     rng = random.Random(seed)
-    return [(f"rollout{rng.randrange(workers)}", f"rollout-{k}-{j}")
-            for k in range(iterations) for j in range(units) if rng.random() < rate]
+    out = []
+    for k in range(iterations):
+        for j in range(units):
+            if rng.random() >= rate:
+                continue
+            unit = f"rollout-{k}-{j}"
+            if reward_service and rng.random() < 0.5:
+                out.append(("reward", unit))
+            else:
+                out += [(f"rollout{i}", unit) for i in range(workers)]
+    return out
 
 
 def audit(run_dir: Path, iterations: int, groups: int, degree: int) -> dict:
@@ -57,7 +70,7 @@ def audit(run_dir: Path, iterations: int, groups: int, degree: int) -> dict:
     return {
         "lost": sum(1 for key in expected if trained[key] == 0),
         "duplicated": sum(n - 1 for n in trained.values() if n > 1) + sum(1 for key in trained if key not in expected),
-        "rollout_units_recorded_twice": sum(n - 1 for n in rolled.values() if n > 1),
+        "rollouts_generated_again": sum(n - 1 for n in rolled.values() if n > 1),  # results lost with a worker
     }
 
 
@@ -67,21 +80,24 @@ def main() -> None:
     ap.add_argument("--fault-rate", type=float, default=0.15)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rollout-workers", type=int, default=2)
+    ap.add_argument("--reward-service", action="store_true", help="score in a reward actor (killed too)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--run-dir", type=Path)
     args = ap.parse_args()
 
     probe = load_config(None, TINY)
     units = probe.train.prompts_per_iteration // probe.engine.unit_groups
-    faults = fault_list(args.iterations, units, args.rollout_workers, args.fault_rate, args.seed)
+    faults = fault_list(args.iterations, units, args.rollout_workers, args.fault_rate, args.seed,
+                        args.reward_service)
+    service = ["reward.service={num_cpus: 0.1}"] if args.reward_service else []
     pools = f"cluster.pools=[{{name: rollout, count: {args.rollout_workers}}}, {{name: trainer, count: 1}}]"
     spec = ", ".join(f"{{worker: {w}, unit: {u}}}" for w, u in faults)
-    cfg = load_config(None, TINY + [pools, f"train.iterations={args.iterations}", f"train.seed={args.seed}",
+    cfg = load_config(None, TINY + service + [pools, f"train.iterations={args.iterations}", f"train.seed={args.seed}",
                                     f"engine.faults=[{spec}]", f"engine.max_restarts={len(faults) + 1}"])
+    # (a unit with a fault kills its rollout worker each time one runs it; a TAG trainer spares it)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="digenrl-soak-"))
-    print(f"soak: {args.iterations} iterations, {len(faults)} faults planned "
-          f"({args.fault_rate:.0%} of {args.iterations * units} rollout units), run directory {run_dir}",
-          file=sys.stderr)
+    print(f"soak: {args.iterations} iterations, faults planned on {len({u for _, u in faults})} of "
+          f"{args.iterations * units} rollout units, run directory {run_dir}", file=sys.stderr)
     t0 = time.time()
     result = run_engine(cfg, run_dir)
     wall = time.time() - t0
@@ -91,8 +107,8 @@ def main() -> None:
         "restarts": result.metrics[-1]["worker_restarts"] if result.metrics else 0,
         "lost": books["lost"],
         "duplicated": books["duplicated"],
-        "faults_planned": len(faults),
-        "rollout_units_recorded_twice": books["rollout_units_recorded_twice"],
+        "units_with_a_fault": len({u for _, u in faults}),
+        "rollouts_generated_again": books["rollouts_generated_again"],
         "wall_s": round(wall, 1),
         "samples_per_s": round(sum(r["samples"] for r in result.metrics) / wall, 2),
     }

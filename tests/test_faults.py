@@ -95,13 +95,17 @@ def test_fault_plan_from_the_environment(monkeypatch):
         fault_plan(load_config(None, BASE))
 
 
-def test_killed_reward_actor_is_restarted_and_the_unit_scored_again(cluster, tmp_path):
+def test_killed_reward_actor_is_restarted_and_the_call_run_again(cluster, tmp_path):
     """reward.service: the actor dies scoring rollout-1-0 (the worker has already moved on); Ray
-    restarts it, the unit whose scores were lost is generated and scored again, nothing is lost."""
+    restarts it and runs the lost call again (scoring is pure), so no unit loses its scores or is
+    generated twice, and every group is trained exactly once."""
     cfg = load_config(None, BASE + ["engine.tag=false", "reward.service={num_cpus: 0.1}",
                                     faults("reward@rollout-1-0")])
     result = run_engine(cfg, tmp_path / "run")
     assert [r["iteration"] for r in result.metrics] == [0, 1, 2]
-    assert result.metrics[-1]["worker_restarts"] == 1
+    assert result.metrics[-1]["worker_restarts"] == 1  # a second reward actor process answered
     assert trained_groups(tmp_path / "run") == Counter({(k, g, r): 1 for k in range(3) for g in range(2)
                                                         for r in range(2)})
+    events = json.loads((tmp_path / "run" / "timeline.json").read_text())["traceEvents"]
+    rolled = Counter(e["args"]["unit"] for e in events if e.get("ph") == "X" and e["args"]["kind"] == "rollout")
+    assert set(rolled.values()) == {1}

@@ -264,7 +264,7 @@ class Engine:
         self.start_checksum: str | None = None  # weights every (re)started worker must hold
         self.idle: set[str] = set()
         self.restarting: dict[str, float] = {}  # worker -> when to ask it for ready() again
-        self.reward_restarting = False  # the reward actor died and has not answered ready() yet
+        self.reward_pids: set[int] = set()  # reward actor processes seen: more than one = restarts
         self.gcs: tuple[str, int] = ("", 0)  # the head's address, probed every HEAD_PROBE_S
         self.last_probe = 0.0
 
@@ -287,8 +287,6 @@ class Engine:
             self.packets[self.sched.published_version] = ray.get(rank0.publish.remote())
         while not self.sched.done():
             for worker in [w for w in self.order if w in idle]:
-                if self.reward_restarting and self.role[worker] == "rollout":
-                    continue  # its scores would be lost again: wait until the reward actor is back
                 unit = self.sched.next_unit(worker)
                 if unit is not None:
                     idle.discard(worker)
@@ -370,20 +368,18 @@ class Engine:
         the last complete checkpoint stays as it is, and the message says how to resume."""
         self.samples.pop(getattr(unit, "uid", None), None)
         limit = self.cfg.engine.max_restarts
-        if worker == REWARD_ROW:  # the scores were lost: the reward actor, or the worker that owns them, died
-            print(f"warning: the scores of {unit.uid} were lost ({_first_line(exc)}); generating it again",
-                  file=sys.stderr)
-            self.sched.requeue(unit)
+        if worker == REWARD_ROW:
             import ray
 
-            owner_died = isinstance(exc, ray.exceptions.ObjectLostError)  # the submitting worker died, not the actor
-            if REWARD_ROW in self.actors and not owner_died and not self.reward_restarting:  # a new death of the actor
-                self.restarts[worker] += 1
-                if self.restarts[worker] > limit:
-                    raise RunStopped(f"the reward actor died {self.restarts[worker]} times (engine.max_restarts: "
-                                     f"{limit}); the run stopped. {self.resume_hint()}")
-                self.reward_restarting = True  # until it answers ready(): rollout workers wait
-                self.restarting[worker] = time.time() + RESTART_POLL_S
+            # A reward actor that dies is restarted by Ray, which runs its lost calls again; a call
+            # fails only when the actor is gone for good, or its owner (the rollout worker that
+            # submitted it) died: then the scores are lost and the unit is generated again.
+            if not isinstance(exc, ray.exceptions.ObjectLostError):
+                raise RunStopped(f"the reward actor died and was not restarted (engine.max_restarts: {limit}; "
+                                 f"{_first_line(exc)}); the run stopped. {self.resume_hint()}")
+            print(f"warning: the scores of {unit.uid} were lost with the worker that submitted them; "
+                  "generating it again", file=sys.stderr)
+            self.sched.requeue(unit)
             return
         if self.role[worker] != "rollout" or not isinstance(unit, RolloutUnit):
             raise RunStopped(f"trainer rank {worker} died while running {unit.uid} ({_first_line(exc)}); "
@@ -417,9 +413,6 @@ class Engine:
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             raise RunStopped(f"{worker} did not come back after a restart ({_first_line(exc)}); "
                              f"the run stopped. {self.resume_hint()}") from None
-        if worker == REWARD_ROW:  # the reward actor is back: rollout workers may submit again
-            self.reward_restarting = False
-            return
         if ready["checksum"] != self.start_checksum:
             raise WeightSyncError(f"{worker} restarted with other weights than the run started with")
         self.idle.add(worker)
@@ -502,6 +495,7 @@ class Engine:
                              wait_s=scored.wait_s, queue_depth=scored.queue_depth)
         self.reward_calls[unit.iteration].append({"seconds": scored.end - scored.start, "timings": scored.timings,
                                                   "wait_s": scored.wait_s, "queue_depth": scored.queue_depth})
+        self.reward_pids.add(scored.pid)
         summary = self.unscored.pop(unit.uid)
         summary["rewards"], summary["reward_parts"] = scored.total, scored.parts
         self.rolled_out(unit, summary)
@@ -561,7 +555,7 @@ class Engine:
         row["bubble_fraction"] = span["bubble_fraction"]
         row.update(reward_call_metrics(self.reward_calls.pop(k, [])))
         row.update(self.evals.pop(k, {}))
-        row["worker_restarts"] = sum(self.restarts.values())
+        row["worker_restarts"] = sum(self.restarts.values()) + max(0, len(self.reward_pids) - 1)
         every = self.cfg.output.save_samples_every
         if (every and k % every == 0) or k == self.cfg.train.iterations - 1:  # as LocalTrainer does
             save_iteration_samples(self.out.path, k, batches)

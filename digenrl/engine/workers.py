@@ -67,6 +67,20 @@ class _TimedReward:
         return out
 
 
+def _restarted() -> bool:
+    """True in an actor that Ray has restarted after its process died."""
+    import warnings
+
+    try:
+        import ray
+
+        with warnings.catch_warnings():  # (its implementation calls a deprecated Ray API)
+            warnings.simplefilter("ignore")
+            return ray.get_runtime_context().was_current_actor_reconstructed
+    except Exception:  # noqa: BLE001  (not in a Ray actor: a plain object, e.g. in tests)
+        return False
+
+
 def _die(name: str, unit) -> None:
     """Fault injection: end this process the way a crash would (no cleanup, no reply)."""
     import sys
@@ -82,11 +96,11 @@ class _SubmittedReward:
 
     def __init__(self, client):
         self.fn, self.refs = client, []
-        self.die = False  # fault injection: the actor dies scoring the next call
+        self.die: str | None = None  # fault injection: the actor dies scoring the next call (a token)
 
     def __call__(self, pixels, prompts, metadata=None):
         self.refs.append(self.fn.submit_scored(pixels, prompts, metadata, self.die))
-        self.die = False
+        self.die = None
         return torch.full((len(prompts),), float("nan")), {}
 
 
@@ -128,7 +142,8 @@ class EngineWorker:
             self.reward = None
         self.policy = Policy(cfg, trainable=self.role != "rollout")
         self.expected_keys = frozenset(self.policy.weights())
-        if scores:  # dry-run the rewards on this worker's decoded shape
+        if scores and not _restarted():  # dry-run the rewards on this worker's decoded shape (once:
+            # a restarted worker was checked at the start, and the reward actor may be restarting too)
             preflight_reward(self.reward.fn, self.policy.adapter, self.prompts.prompts)
 
     def ready(self) -> dict:
@@ -198,7 +213,7 @@ class EngineWorker:
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
         if self.remote_reward:
             self.reward.refs.clear()
-            self.reward.die = kill_reward
+            self.reward.die = unit.uid if kill_reward else None
         else:
             self.reward.spans.clear()
             self.reward.calls.clear()

@@ -20,10 +20,12 @@ next unit at once (DESIGN.md §4: the scheduler's ``release``).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -73,6 +75,21 @@ class Scored:
     timings: dict[str, float] = field(default_factory=dict)
     wait_s: float = 0.0
     queue_depth: int = 0
+    pid: int = 0  # the actor's process: a new one means Ray restarted it
+
+
+def _die_once(token: str) -> None:
+    """Fault injection: exit this process unless ``token`` has already killed it once (the mark
+    outlives the process; the retried call finds it and goes on)."""
+    import sys
+    import tempfile
+
+    mark = Path(tempfile.gettempdir()) / f"digenrl-fault-{os.getppid()}-{token}"
+    if mark.exists():
+        return
+    mark.touch()
+    print(f"fault injection: the reward actor dies scoring {token}", file=sys.stderr, flush=True)
+    os._exit(17)
 
 
 class RewardActor:
@@ -99,15 +116,13 @@ class RewardActor:
         return scored.total, scored.parts
 
     def score_timed(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None,
-                    die: bool = False) -> Scored:
+                    die: str | None = None) -> Scored:
         """:meth:`score`, plus the span, per-reward seconds and queue of the call (:class:`Scored`).
-        ``die``: fault injection -- the actor's process exits instead (as a crash would)."""
-        if die:
-            import os
-            import sys
-
-            print("fault injection: the reward actor dies", file=sys.stderr, flush=True)
-            os._exit(17)
+        ``die``: fault injection -- a token (the unit's uid): the first call carrying it ends the
+        actor's process, as a crash would; Ray restarts the actor and retries the call (scoring is
+        a pure function), which then scores."""
+        if die is not None:
+            _die_once(die)
         arrived = time.time()
         with self.mu:
             ahead = self.waiting + self.scoring
@@ -126,7 +141,7 @@ class RewardActor:
             finally:
                 with self.mu:
                     self.scoring = 0
-        return Scored(total, parts, start, start + seconds, timings, start - arrived, ahead)
+        return Scored(total, parts, start, start + seconds, timings, start - arrived, ahead, os.getpid())
 
     def check(self, prompts: list[str], shape: tuple[int, ...], metadata: list[dict] | None = None) -> dict:
         with self.lock:
@@ -148,7 +163,9 @@ def start_reward_actor(cfg: RewardConfig, name: str | None = None, max_restarts:
     import ray
 
     svc = cfg.service
-    opts = {"max_concurrency": ACTOR_CONCURRENCY, "max_restarts": max_restarts, "max_task_retries": 0}
+    # a restarted actor runs the calls it lost again (scoring is a pure function): no unit loses its scores
+    opts = {"max_concurrency": ACTOR_CONCURRENCY, "max_restarts": max_restarts,
+            "max_task_retries": -1 if max_restarts else 0}
     if svc is not None:
         opts.update(num_cpus=svc.num_cpus, num_gpus=svc.num_gpus)
         if svc.resources:
@@ -188,7 +205,7 @@ class RewardClient:
         return self._track(self.actor.score.remote(pixels.detach().cpu(), list(prompts), metadata))
 
     def submit_scored(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None,
-                      die: bool = False):
+                      die: str | None = None):
         """Like :meth:`submit`, to a :class:`Scored` (what the engine's driver waits on)."""
         return self._track(self.actor.score_timed.remote(pixels.detach().cpu(), list(prompts), metadata, die))
 
