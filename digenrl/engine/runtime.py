@@ -147,6 +147,19 @@ def _actor_died(exc: Exception) -> bool:
     return isinstance(exc, died) or isinstance(getattr(exc, "cause", None), died)
 
 
+def _num_restarts(actor) -> int:
+    """How often Ray has restarted ``actor`` (from the GCS actor table; 0 when unknown). The reward
+    actor's restarts are Ray's alone: it reruns the lost calls, the engine never sees them."""
+    if actor is None:
+        return 0
+    try:
+        from ray._private import state
+
+        return int(state.actors(actor._actor_id.hex()).get("NumRestarts", 0))
+    except Exception:  # noqa: BLE001  (a private API: a metric is not worth a crash)
+        return 0
+
+
 def _first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
@@ -264,7 +277,6 @@ class Engine:
         self.start_checksum: str | None = None  # weights every (re)started worker must hold
         self.idle: set[str] = set()
         self.restarting: dict[str, float] = {}  # worker -> when to ask it for ready() again
-        self.reward_pids: set[int] = set()  # reward actor processes seen: more than one = restarts
         self.gcs: tuple[str, int] = ("", 0)  # the head's address, probed every HEAD_PROBE_S
         self.last_probe = 0.0
 
@@ -495,7 +507,6 @@ class Engine:
                              wait_s=scored.wait_s, queue_depth=scored.queue_depth)
         self.reward_calls[unit.iteration].append({"seconds": scored.end - scored.start, "timings": scored.timings,
                                                   "wait_s": scored.wait_s, "queue_depth": scored.queue_depth})
-        self.reward_pids.add(scored.pid)
         summary = self.unscored.pop(unit.uid)
         summary["rewards"], summary["reward_parts"] = scored.total, scored.parts
         self.rolled_out(unit, summary)
@@ -555,7 +566,7 @@ class Engine:
         row["bubble_fraction"] = span["bubble_fraction"]
         row.update(reward_call_metrics(self.reward_calls.pop(k, [])))
         row.update(self.evals.pop(k, {}))
-        row["worker_restarts"] = sum(self.restarts.values()) + max(0, len(self.reward_pids) - 1)
+        row["worker_restarts"] = sum(self.restarts.values()) + _num_restarts(self.actors.get(REWARD_ROW))
         every = self.cfg.output.save_samples_every
         if (every and k % every == 0) or k == self.cfg.train.iterations - 1:  # as LocalTrainer does
             save_iteration_samples(self.out.path, k, batches)
