@@ -362,7 +362,8 @@ def test_worker_plan_per_placement():
 
 
 def test_resource_bundles_for_gpu_pools():
-    from digenrl.engine.runtime import resource_bundles, worker_plan
+    from digenrl.engine.cluster import resource_bundles
+    from digenrl.engine.runtime import worker_plan
 
     gpus = load_config(None, BASE + DISAGG + [
         "cluster.pools=[{name: rollout, device: H20, count: 2}, {name: trainer, device: h800, count: 2}]"])

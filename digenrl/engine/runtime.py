@@ -11,12 +11,7 @@ references. Advantages are computed here because only the driver sees every rewa
 prompt as soon as a rollout unit arrives, with global std once the whole iteration is in
 (the scheduler then holds training back: ``wait_for_full_batch``).
 
-Placement is data: pools map to Ray resources. A CPU pool is a logical custom resource
-``pool:<name>`` (a local run creates them; a joined cluster must have them), a GPU pool asks
-for ``num_gpus=1`` plus its type (Ray's ``accelerator_type:<TYPE>`` or a custom resource named
-after the type; ``gpu`` / ``cuda`` = any GPU). Everything is reserved as one placement group
-after checking ``ray.cluster_resources()``, so an impossible placement fails in seconds with
-a message, never a hang. With ``reward.service`` one reward actor, outside the placement group,
+Placement and Ray plumbing live in :mod:`digenrl.engine.cluster`. With ``reward.service`` one reward actor, outside the placement group,
 scores for every worker that rolls out: a rollout unit's result carries the ref of its scores,
 the scheduler ``release``s the worker (it takes its next unit at once) and the driver waits on
 that ref like on any unit; the unit is ``complete`` (advantages, train units) when the scores
@@ -26,9 +21,6 @@ arrive. The actor's scoring spans are the timeline's ``reward`` row.
 from __future__ import annotations
 
 import contextlib
-import logging
-import math
-import os
 import socket
 import sys
 import time
@@ -41,6 +33,8 @@ import torch
 
 from digenrl.checkpoint import find_checkpoint, latest_checkpoint, read_state, save_checkpoint_files
 from digenrl.config import PoolConfig, RunConfig
+from digenrl.engine.cluster import (ADDRESS_PROBE_S, REWARD_ROW, ClusterGone, actor_died, fault_plan, first_line,
+                                    host_port, num_restarts, ray_workers)
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, SchedulerConfig, StepUnit, TrainUnit, Unit, WorkerSpec
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.errors import RunStopped, UserError
@@ -52,15 +46,8 @@ from digenrl.runlog import RunDir, check_writable, default_run_dir
 from digenrl.trainer import RunResult, iteration_metrics, resume_history, save_iteration_samples
 from digenrl.units import assign_advantages, merge_stats
 
-REWARD_ROW = "reward"  # the reward actor's timeline row (pool SERVICE_POOL), and its in-flight entries
-PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give up, say so
-ADDRESS_PROBE_S = 3.0  # a wrong --ray-address must fail fast
 RESTART_POLL_S = 0.5  # how often to ask a restarting worker whether it is back
 HEAD_PROBE_S = 2.0  # how often the driver checks that the cluster's head still answers
-
-
-class ClusterGone(RunStopped):
-    """The Ray head went away mid-run: nothing of the cluster can be cleaned up from here."""
 
 
 # ------------------------------------------------------------------------------ the run
@@ -126,43 +113,6 @@ def preflight(cfg: RunConfig, resumed=None) -> None:
             preflight_reward(reward, policy.adapter, prompts)
         if resumed is not None:  # fits this model, every file reads back (weights verified)
             load_checkpoint(resumed.path, policy, rng=False)
-
-
-def fault_plan(cfg: RunConfig) -> set[tuple[str, str]]:
-    """``engine.faults`` plus ``DIGENRL_FAULTS=worker@unit,worker@unit`` (tests, soak runs)."""
-    plan = {(f.worker, f.unit) for f in cfg.engine.faults}
-    for item in filter(None, os.environ.get("DIGENRL_FAULTS", "").split(",")):
-        worker, sep, unit = item.strip().partition("@")
-        if not sep or not worker or not unit:
-            raise UserError(f"DIGENRL_FAULTS: expected worker@unit (e.g. rollout0@rollout-1-0), got {item!r}")
-        plan.add((worker, unit))
-    return plan
-
-
-def _actor_died(exc: Exception) -> bool:
-    """The call failed because an actor process died (the worker's own, or one it called)."""
-    import ray
-
-    died = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)  # lost: its owner process died
-    return isinstance(exc, died) or isinstance(getattr(exc, "cause", None), died)
-
-
-def _num_restarts(actor) -> int:
-    """How often Ray has restarted ``actor`` (from the GCS actor table; 0 when unknown). The reward
-    actor's restarts are Ray's alone: it reruns the lost calls, the engine never sees them."""
-    if actor is None:
-        return 0
-    try:
-        from ray._private import state
-
-        return int(state.actors(actor._actor_id.hex()).get("NumRestarts", 0))
-    except Exception:  # noqa: BLE001  (a private API: a metric is not worth a crash)
-        return 0
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
 
 
 def worker_plan(cfg: RunConfig) -> list[tuple[WorkerSpec, PoolConfig]]:
@@ -292,7 +242,7 @@ class Engine:
 
         self.t0 = time.time()
         idle = self.idle = set(self.order)
-        self.gcs, self.last_probe = _host_port(ray.get_runtime_context().gcs_address), time.time()
+        self.gcs, self.last_probe = host_port(ray.get_runtime_context().gcs_address), time.time()
         rank0 = self.actors[self.rank0]
         self.start_checksum = ray.get(rank0.ready.remote())["checksum"]
         if any(role == "rollout" for role in self.role.values()):  # for a re-queued unit of this version
@@ -319,7 +269,7 @@ class Engine:
             try:
                 result = ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.ObjectLostError) as exc:
-                if not _actor_died(exc):
+                if not actor_died(exc):
                     raise
                 self.worker_died(worker, unit, exc)  # re-queues its unit, or stops the run
                 continue
@@ -388,13 +338,13 @@ class Engine:
             # submitted it) died: then the scores are lost and the unit is generated again.
             if not isinstance(exc, ray.exceptions.ObjectLostError):
                 raise RunStopped(f"the reward actor died and was not restarted (engine.max_restarts: {limit}; "
-                                 f"{_first_line(exc)}); the run stopped. {self.resume_hint()}")
+                                 f"{first_line(exc)}); the run stopped. {self.resume_hint()}")
             print(f"warning: the scores of {unit.uid} were lost with the worker that submitted them; "
                   "generating it again", file=sys.stderr)
             self.sched.requeue(unit)
             return
         if self.role[worker] != "rollout" or not isinstance(unit, RolloutUnit):
-            raise RunStopped(f"trainer rank {worker} died while running {unit.uid} ({_first_line(exc)}); "
+            raise RunStopped(f"trainer rank {worker} died while running {unit.uid} ({first_line(exc)}); "
                              f"the run stopped. {self.resume_hint()}")
         self.restarts[worker] += 1
         if self.restarts[worker] > limit:
@@ -423,7 +373,7 @@ class Engine:
             self.restarting[worker] = time.time() + RESTART_POLL_S
             return
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-            raise RunStopped(f"{worker} did not come back after a restart ({_first_line(exc)}); "
+            raise RunStopped(f"{worker} did not come back after a restart ({first_line(exc)}); "
                              f"the run stopped. {self.resume_hint()}") from None
         if ready["checksum"] != self.start_checksum:
             raise WeightSyncError(f"{worker} restarted with other weights than the run started with")
@@ -566,7 +516,7 @@ class Engine:
         row["bubble_fraction"] = span["bubble_fraction"]
         row.update(reward_call_metrics(self.reward_calls.pop(k, [])))
         row.update(self.evals.pop(k, {}))
-        row["worker_restarts"] = sum(self.restarts.values()) + _num_restarts(self.actors.get(REWARD_ROW))
+        row["worker_restarts"] = sum(self.restarts.values()) + num_restarts(self.actors.get(REWARD_ROW))
         every = self.cfg.output.save_samples_every
         if (every and k % every == 0) or k == self.cfg.train.iterations - 1:  # as LocalTrainer does
             save_iteration_samples(self.out.path, k, batches)
@@ -590,196 +540,3 @@ class Engine:
         if self.timeline.events:
             self.timeline.save_json(self.out.path / "timeline.json")
             self.timeline.to_png(self.out.path / "timeline.png")
-
-
-# ------------------------------------------------------------------- Ray: cluster and actors
-
-
-@contextlib.contextmanager
-def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_address: str | None,
-                resume: dict[str, bytes] | None = None):
-    """Connect (or start Ray), check and reserve the placement, start one actor per worker and
-    wait until every one has built its policy (from the ``resume`` checkpoint's files when given);
-    on exit kill them and release everything."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from digenrl.engine.workers import EngineWorker
-
-    ours = connect(plan, ray_address)
-    group, actors, reward_actor, gone = None, {}, None, False
-    try:
-        bundles = resource_bundles(plan, ray.cluster_resources(), reserve=reward_service_resources(cfg))
-        group = placement_group(bundles, strategy="PACK")
-        try:
-            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            raise UserError(f"cluster: could not reserve {_asked(plan)} within {PLACEMENT_TIMEOUT_S:.0f}s "
-                            f"(bundles {bundles}); free now: {_describe(ray.available_resources())}") from None
-        if cfg.reward.service is not None:  # one reward actor shared by every worker that scores
-            from digenrl.rewards.service import start_reward_actor
-
-            reward_actor = start_reward_actor(cfg.reward, max_restarts=cfg.engine.max_restarts)
-        resume_ref = ray.put(resume) if resume is not None else None
-        remote = ray.remote(EngineWorker)
-        for i, (spec, _) in enumerate(plan):
-            b = bundles[i]
-            actors[spec.name] = remote.options(
-                num_cpus=b.get("CPU", 0),
-                num_gpus=b.get("GPU", 0),
-                resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-                # a rollout worker holds nothing that cannot be rebuilt: Ray restarts it and the
-                # engine re-queues its unit; a trainer rank's death stops the run (worker_died)
-                max_restarts=cfg.engine.max_restarts if spec.role == "rollout" else 0,
-                max_task_retries=0,
-            ).remote(cfg, spec.name, spec.role, reward_actor, resume_ref)
-        ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
-        if len({r["checksum"] for r in ready.values()}) > 1:
-            raise WeightSyncError(f"initial weights differ between workers: {ready}")
-        form_trainer_group(plan, actors, ready)
-        yield {**actors, REWARD_ROW: reward_actor} if reward_actor is not None else actors
-    except ClusterGone:
-        gone = True  # every call below would wait for the dead head: the cluster took its processes along
-        raise
-    finally:
-        if not gone:
-            for actor in [*actors.values(), reward_actor]:
-                if actor is not None:
-                    ray.kill(actor, no_restart=True)
-            if group is not None:
-                remove_placement_group(group)
-        if ours:
-            ray.shutdown()
-
-
-def form_trainer_group(plan, actors: dict, ready: dict) -> None:
-    """The trainer ranks (roles trainer / both) form one torch.distributed group."""
-    import ray
-
-    ranks = [spec.name for spec, _ in plan if spec.role != "rollout"]
-    if len(ranks) < 2:
-        return
-    backend = "nccl" if all(ready[r]["device"].startswith("cuda") for r in ranks) else "gloo"
-    address, port = ray.get(actors[ranks[0]].rendezvous_address.remote())
-    ray.get([actors[r].join_group.remote(address, port, i, len(ranks), backend) for i, r in enumerate(ranks)])
-
-
-def connect(plan, ray_address: str | None) -> bool:
-    """Join ``ray_address``, or start a local cluster whose logical resources are the CPU pools.
-    Returns True when this call connected (and so must disconnect)."""
-    import ray
-
-    if ray_address is None:
-        if ray.is_initialized():  # the caller's cluster (tests, notebooks): use it, leave it up
-            return False
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        pools = {p.name: p for _, p in plan}
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING,
-                 resources={f"pool:{p.name}": p.count for p in pools.values() if p.device.lower() == "cpu"})
-        return True
-    _probe(ray_address)
-    if ray.is_initialized():
-        current = ray.get_runtime_context().gcs_address
-        if _same_address(ray_address, current):
-            return False
-        raise UserError(f"ray address {ray_address}: this process is already connected to the Ray cluster "
-                        f"at {current}")
-    try:
-        ray.init(address=ray_address, logging_level=logging.WARNING)
-    except Exception as exc:  # ConnectionError, RuntimeError, ...: all mean "not a usable cluster"
-        raise UserError(f"ray address {ray_address}: could not join a Ray cluster there ({exc})") from None
-    return True
-
-
-def _probe(address: str) -> None:
-    """Fail in seconds when nothing listens at the address (ray.init would retry for a minute)."""
-    if address == "auto":
-        return
-    host, port = _host_port(address)
-    try:
-        socket.create_connection((host, port), timeout=ADDRESS_PROBE_S).close()
-    except (OSError, ValueError) as exc:
-        raise UserError(f"ray address {address}: no Ray cluster answers there ({exc}); start one with "
-                        "`ray start --head` or leave the address out to run on a local cluster") from None
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    rest = address.split("://", 1)[-1]
-    host, _, port = rest.rpartition(":")
-    if not host:
-        return rest, 10001 if address.startswith("ray://") else 6379
-    try:
-        return host, int(port)
-    except ValueError:
-        raise UserError(f"ray address {address}: expected host:port") from None
-
-
-def _same_address(a: str, b: str) -> bool:
-    (ha, pa), (hb, pb) = _host_port(a), _host_port(b)
-    try:
-        return pa == pb and socket.gethostbyname(ha) == socket.gethostbyname(hb)
-    except OSError:
-        return False
-
-
-def reward_service_resources(cfg: RunConfig) -> dict[str, float]:
-    """What the reward actor (``reward.service``) asks for, beside the placement group."""
-    svc = cfg.reward.service
-    if svc is None:
-        return {}
-    need = {"CPU": svc.num_cpus, "GPU": svc.num_gpus, **svc.resources}
-    return {k: v for k, v in need.items() if v > 0}
-
-
-def resource_bundles(plan, have: dict, reserve: dict[str, float] | None = None) -> list[dict]:
-    """One placement-group bundle per worker: its device plus a CPU share that fits the cluster
-    beside ``reserve`` (the reward actor's request; fractional requests beyond the CPUs would
-    wait forever). Raises UserError, naming what was asked and what exists, when the cluster
-    cannot hold them."""
-    reserve = reserve or {}
-    free_cpus = max(0.0, have.get("CPU", 0) - reserve.get("CPU", 0))
-    share = math.floor(min(1.0, free_cpus / len(plan)) * 100) / 100
-    bundles = []
-    for _, pool in plan:
-        bundle = {"CPU": share} if share > 0 else {}
-        bundle.update(_device_resources(pool, have))
-        bundles.append(bundle)
-    need = Counter(reserve)
-    for b in bundles:
-        need.update(b)
-    short = [f"{k} {v:g} needed, {have.get(k, 0):g} exist" for k, v in need.items() if have.get(k, 0) < v - 1e-9]
-    if short:
-        extra = f" + the reward actor ({_describe(reserve)})" if reserve else ""
-        raise UserError(f"cluster: cannot place {_asked(plan)}{extra}: {'; '.join(short)}. "
-                        f"The Ray cluster has {_describe(have)}")
-    return bundles
-
-
-def _device_resources(pool: PoolConfig, have: dict) -> dict:
-    device = pool.device
-    if device.lower() == "cpu":
-        return {f"pool:{pool.name}": 1}
-    if device.lower() in ("gpu", "cuda"):
-        return {"GPU": 1}
-    for key in have:  # Ray's detected type (1 per node, so a tiny share) or a custom resource
-        if key.lower() == f"accelerator_type:{device}".lower():
-            return {"GPU": 1, key: 0.001}
-    for key in have:
-        if key.lower() == device.lower():
-            return {"GPU": 1, key: 1}
-    raise UserError(f"cluster.pools: pool '{pool.name}' asks for device type '{device}', which the Ray cluster "
-                    f"does not have (it has {_describe(have)}); use 'cpu' (logical), 'gpu' (any GPU) or a type "
-                    "Ray reports as accelerator_type:<TYPE>")
-
-
-def _asked(plan) -> str:
-    counts = Counter((pool.name, pool.device) for _, pool in plan)
-    return ", ".join(f"{n} x {device} for pool '{name}'" for (name, device), n in counts.items())
-
-
-def _describe(resources: dict) -> str:
-    keep = {k: v for k, v in resources.items()
-            if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
-    return ", ".join(f"{k} {v:g}" for k, v in sorted(keep.items())) or "no resources"
