@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cli as cli_main
 from typer.testing import CliRunner
 
 from digenrl.cli.app import app
@@ -307,3 +308,51 @@ def test_known_gpu_table_has_datasheet_numbers():
     assert DEVICES["H20"].memory == pytest.approx(96e9)
     assert DEVICES["A100"].mem_bw == pytest.approx(2.039e12)
     assert {"H100", "H200", "H800", "H20", "A100", "L40S", "RTX4090"} <= set(DEVICES)
+
+
+# ------------------------------------------------------------------- plan: --iterations, --timeline, --ladder
+
+
+def test_plan_ladder_timeline_and_iterations(monkeypatch, capsys, tmp_path):
+    code, out, err = cli_main(monkeypatch, capsys, "plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"), "--json",
+                             "--top", "1", "--iterations", "3", "--ladder", "--timeline", str(tmp_path / "tl"))
+    assert code in (0, None), err
+    report = json.loads(out)
+    steps = [row["step"] for row in report["ladder"]]
+    assert steps == ["sync", "+GAP", "+TSP", "+TAG", "+async"]
+    assert report["ladder"][0]["gain_vs_previous"] is None
+    sps = [row["samples_per_s"] for row in report["ladder"]]
+    for row, before in zip(report["ladder"][1:], sps):
+        # each step searches a superset of the previous one's plans: never worse (up to simulation ties)
+        assert row["gain_vs_previous"] == pytest.approx(row["samples_per_s"] / before)
+        assert row["samples_per_s"] >= before * 0.999
+    for name in ("best", "colocated"):
+        assert (tmp_path / "tl" / name / "timeline.json").is_file() and (tmp_path / "tl" / name / "timeline.png").is_file()
+    tl = Timeline.from_chrome_trace(tmp_path / "tl" / "best" / "timeline.json")
+    assert len(tl.iteration_spans()) == 3
+    # the table form prints the ladder as its own table
+    code, out, err = cli_main(monkeypatch, capsys, "plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"), "--top", "1",
+                             "--ladder")
+    assert code in (0, None), err
+    assert "what each knob adds" in out and "+async" in out and "vs previous" in out
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["plan", "--iterations", "0"], "--iterations"),
+    (["plan", "--top", "0"], "--top"),
+    (["profile", "--engine", "fast"], "--engine"),
+    (["profile", "--repeats", "0"], "--repeats"),
+    (["profile", "--device", "tpu"], "--device"),
+])
+def test_plan_and_profile_bad_options_exit_2_naming_the_option(monkeypatch, capsys, argv, option):
+    code, out, err = cli_main(monkeypatch, capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and option in lines[0], err
+
+
+def test_plan_timeline_that_is_a_file_exits_2(monkeypatch, capsys, tmp_path):
+    (tmp_path / "f").write_text("x")
+    code, out, err = cli_main(monkeypatch, capsys, "plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"),
+                             "--timeline", str(tmp_path / "f"))
+    assert code == 2 and "--timeline" in err and len(err.strip().splitlines()) == 1

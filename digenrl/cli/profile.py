@@ -19,6 +19,10 @@ def run_profile_command(cfg: RunConfig, device: str, out: Path, console: Console
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device: expected cpu or cuda, got '{device}'")
     engine = engine or ("ray" if device == "cpu" else "none")
+    if engine not in ("none", "ray", "run"):
+        raise UserError(f"--engine: expected none, ray or run, got '{engine}'")
+    if repeats < 1:
+        raise UserError(f"--repeats: must be at least 1, got {repeats}")
     progress = Progress(TextColumn("[bold]profile"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.description}"), TimeElapsedColumn(), console=console)
     with progress:
