@@ -67,10 +67,11 @@ def profile_table(p: dict) -> Table:
     t.add_row(f"weight sync: {ws['bytes'] / 1e6:.3f} MB in {ws['tensors']} tensors", f"pack {_ms(ws['pack_s'])}",
               f"load {_ms(ws['load_s'])}")
     u = m["unit_overhead"]
-    t.add_row(f"rollout unit (1 group = {w['group_size']} samples, {w['steps']} steps)", _ms(u["rollout_unit_s"]),
-              f"+{_ms(u['rollout_s'])} beyond calls")
-    t.add_row(f"train unit (1 group, {w['trained_steps']} trained steps)", _ms(u["train_unit_s"]),
-              f"+{_ms(u['train_s'])} beyond calls")
+    g = u.get("groups", 1)
+    t.add_row(f"rollout unit ({g} group(s) = {g * w['group_size']} samples, {w['steps']} steps)",
+              _ms(u["rollout_unit_s"]), f"x{u.get('rollout_factor', 1.0):.2f} its calls")
+    t.add_row(f"train unit ({g} group(s), {w['trained_steps']} trained steps)", _ms(u["train_unit_s"]),
+              f"x{u.get('train_factor', 1.0):.2f} its calls")
     if m.get("cpu_slowdown"):
         t.add_row("CPU: slowdown with n concurrent workers",
                   ", ".join(f"{n}: x{v:.2f}" for n, v in m["cpu_slowdown"].items()), "")

@@ -74,6 +74,14 @@ class CostParams:
     # cpu clusters: "cores" = processor sharing of the host's cores; "measured" = the profile's cpu_slowdown
     # (what n concurrent workers got at profiling time -- on a shared host, only as good as that moment)
     cpu_sharing: str = "cores"
+    # cpu clusters, "cores" sharing: cores busy with other processes (other users of the host), beside
+    # which the profile's times were measured; None = what the profile measured (``other_load_cores``)
+    cpu_other_load: float | None = None
+    # cpu clusters: scale units by the engine calibration run's ``unit_time_factor`` (engine worker /
+    # standalone). Off by default: one worker computing alone gets a core of its own (the driver and
+    # Ray's processes use the other), so the factor is 1 up to the load drift between the profile and
+    # the calibration run (measured 0.74-1.05 on the 2-core host) -- applying it adds that drift
+    engine_unit_factor: bool = False
 
 
 @dataclass
@@ -212,8 +220,10 @@ class CallTimes:
     def optimizer(self) -> float: ...
     def pack(self) -> float: ...  # Policy.weights() + checksum
     def load(self) -> float: ...  # verified load of shipped weights
-    rollout_overhead_s = 0.0
+    rollout_overhead_s = 0.0  # per unit, beyond its calls (analytic model; profiles of version 1 before factors)
     train_overhead_s = 0.0
+    rollout_unit_factor = 1.0  # a whole unit / the sum of its calls, as profiled (CPU engine: SDE / loss math)
+    train_unit_factor = 1.0
 
 
 class ProfiledTimes(CallTimes):
@@ -226,9 +236,11 @@ class ProfiledTimes(CallTimes):
         self._roll = {int(k): v for k, v in m["rollout_step_s"].items()}
         self._train = {int(k): v for k, v in m["train_step_s"].items()}
         self._ref = {int(k): v for k, v in m.get("ref_forward_s", m["rollout_step_s"]).items()}
-        # signed: a whole unit may also cost less than the sum of its calls measured alone
-        self.rollout_overhead_s = m["unit_overhead"]["rollout_s"]
-        self.train_overhead_s = m["unit_overhead"]["train_s"]
+        u = m.get("unit_overhead") or {}
+        if "rollout_factor" in u:  # whole units measured at the run's unit size: scale by the ratio
+            self.rollout_unit_factor, self.train_unit_factor = u["rollout_factor"], u["train_factor"]
+        else:  # older profiles: the difference in seconds, measured on a unit of one group
+            self.rollout_overhead_s, self.train_overhead_s = u.get("rollout_s", 0.0), u.get("train_s", 0.0)
 
     def rollout_step(self, b):
         return interpolate(self._roll, b)
@@ -327,7 +339,7 @@ def rollout_unit_time(t: CallTimes, w: Workload, groups: int) -> tuple[float, fl
     b = groups * w.group_size
     reward = t.reward(b)
     calls = t.encode(groups) + w.steps * t.rollout_step(b) + t.decode(b) + reward
-    return max(0.5 * calls, calls + t.rollout_overhead_s), reward
+    return max(0.5 * calls, calls * t.rollout_unit_factor + t.rollout_overhead_s), reward
 
 
 def train_unit_time(t: CallTimes, w: Workload, groups: int, tsp_rank: int, tsp_degree: int, micro_batch: int) -> float:
@@ -343,7 +355,7 @@ def train_unit_time(t: CallTimes, w: Workload, groups: int, tsp_rank: int, tsp_d
         else:
             per_position += t.train_step(size) + (t.ref_forward(size) if w.kl else 0.0)
     calls = w.positions(tsp_rank, tsp_degree) * per_position
-    return max(0.5 * calls, calls + t.train_overhead_s)
+    return max(0.5 * calls, calls * t.train_unit_factor + t.train_overhead_s)
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -404,9 +416,11 @@ class CostModel:
         self._times: dict = {}
 
     def cpu_rate(self, busy: int) -> float:
-        """Speed of each of ``busy`` processes computing at once on the CPU host: processor sharing
-        of the host's cores (``host_cores``, default this machine's), or with ``cpu_sharing:
-        measured`` the profile's ``cpu_slowdown`` (what n concurrent workers got, other load included)."""
+        """Speed of each of ``busy`` processes computing at once on the CPU host, relative to one alone:
+        processor sharing of the host's cores (``host_cores``, default this machine's) with the other
+        load L the profile measured beside its times (``other_load_cores``), ``min(1, C / (n + L)) /
+        min(1, C / (1 + L))``; or with ``cpu_sharing: measured`` the profile's ``cpu_slowdown`` (what n
+        concurrent workers got at one moment, other load included)."""
         if busy <= 1:
             return 1.0
         table = (self.profile or {}).get("measurements", {}).get("cpu_slowdown")
@@ -415,7 +429,19 @@ class CostModel:
             top = max(slow)
             factor = slow[busy] if busy in slow else slow[top] * busy / top
             return 1.0 / max(1.0, factor)
-        return min(1.0, self.cluster.cores() / busy)
+        # processor sharing of C cores between our ``busy`` workers and L cores of other load, relative
+        # to what one worker got beside that load when the profile measured it
+        cores, other = self.cluster.cores(), self.other_load()
+        alone = min(1.0, cores / (1 + other))
+        return min(1.0, cores / (busy + other)) / alone
+
+    def other_load(self) -> float:
+        """L: cores the host's other processes use (``CostParams.cpu_other_load``, else the profile's)."""
+        if self.p.cpu_other_load is not None:
+            return self.p.cpu_other_load
+        if self.profiled("cpu"):
+            return float((self.profile or {}).get("measurements", {}).get("other_load_cores", 0.0))
+        return 0.0
 
     # -- calibration ---------------------------------------------------------------------
 
@@ -442,7 +468,8 @@ class CostModel:
                 transfer_bytes_per_s=engine["transfer_bytes_per_s"], publish_s=engine["put_s"],
                 fetch_s=engine["get_s"], allreduce_latency_s=engine.get("allreduce_s", 0.0),
                 source=f"profile ({engine.get('source', profile['device']['name'])})")
-            self.unit_factor = dict(engine.get("unit_time_factor") or {})
+            if self.p.engine_unit_factor:
+                self.unit_factor = dict(engine.get("unit_time_factor") or {})
 
     def profiled(self, device: str) -> bool:
         if self.profile is None:

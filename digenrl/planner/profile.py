@@ -12,10 +12,14 @@ measurements
   decode / reward / encode   per sample / per sample / per prompt
   optimizer_step_s    grad-norm clip + AdamW on the trained parameters
   weight_sync         bytes of ``Policy.weights()``, pack (weights + checksum), verified load
-  unit_overhead       a real ``rollout_unit`` / ``train_unit`` of one group minus the sum of its calls
+  unit_overhead       a real ``rollout_unit`` / ``train_unit`` of ``engine.unit_groups`` groups against
+                      the sum of its calls: ``*_factor`` = whole unit / composed calls (the cost model
+                      scales every composed unit by it), ``*_s`` = the difference in seconds
   cpu_slowdown        (CPU) time per rollout step with n = 1, 2, 3 forked workers computing at once,
                       relative to one: what concurrent workers get from this host's cores
   peak_memory_bytes   CUDA ``max_memory_allocated`` per phase, or the process's peak RSS on CPU
+  other_load_cores    (CPU) cores used by other processes (not this one or its children) while
+                      measuring: the call times above were measured beside that much foreign load
 engine (optional)
   ``ray``: Ray micro-benchmarks -- actor call round trip, object-store transfer between two actors
   at two sizes (latency + bytes/s), ``ray.put`` / ``ray.get`` of the weights, gloo all-reduce of
@@ -114,6 +118,11 @@ def _threads(n: int | None):
         torch.set_num_threads(before)
 
 
+def unit_groups(cfg) -> int:
+    """The rollout unit size the run uses (``engine.unit_groups``, at most the prompts per iteration)."""
+    return max(1, min(cfg.engine.unit_groups, cfg.train.prompts_per_iteration))
+
+
 def steps_total(cfg, engine: str, requested: list[int] | None = None, device: str = "cpu", sharing: int = 3) -> int:
     roll, train = batch_sizes(cfg, requested)
     extra = 1 if device == "cpu" and sharing else 0
@@ -137,7 +146,8 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
         raise UserError(f"--engine: expected none, ray or run, got '{engine}'")
     dev = pick_device(device)
     step = on_step or (lambda what: None)
-    with _threads(threads if dev.type == "cpu" else None):
+    load = OtherLoad()
+    with _threads(threads if dev.type == "cpu" else None), load:
         step("building the model")
         torch.manual_seed(cfg.train.seed)
         policy = Policy(cfg, dev)
@@ -244,29 +254,67 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
             "load_s": clock.median(lambda: policy.load_weights(state, policy.version, expected_checksum=digest)),
         }
 
-        # -- whole units: what the sum of the calls leaves out ------------------------------
-        step("one rollout unit and one train unit")
+        # -- whole units at the run's unit size: what the sum of the calls leaves out ----------
+        # (the SDE step and log-prob math, the loss, gathering latents, stats): a unit is measured
+        # as the engine runs it, m = engine.unit_groups groups, and its ratio to the composed call
+        # times scales every unit size, TSP share and micro-batch split the planner composes. On a
+        # shared host the load drifts between the call tables and this point, so each round times a
+        # unit and, right after it, the unit's main call: the ratio of that call to its table entry
+        # rescales the composed time to the load of the moment (median over the rounds).
+        groups = unit_groups(cfg)
+        step(f"one rollout unit and one train unit ({groups} group(s))")
         reset_peak()
         samples_box = {}
 
         def one_rollout():
-            samples_box["s"] = rollout_unit(policy, reward, prompts[:1], [0], 0, cfg.train.seed)
+            samples_box["s"] = rollout_unit(policy, reward, prompts[:groups], list(range(groups)), 0, cfg.train.seed)
 
-        unit_clock = _Clock(dev, 1, max(3, repeats // 2), 3 * min_time)
-        rollout_s = unit_clock.median(one_rollout)
+        one_rollout()  # warm, and the samples the train unit needs
         samples = samples_box["s"]
         assign_advantages([samples], cfg)
         terms = len(samples) * samples.train_idx.shape[1]
-        train_s = unit_clock.median(lambda: train_unit(policy, samples, terms))
+        partial = {"device": {"name": "partial"}, "measurements": {**m, "unit_overhead": {}}}
+        times = ProfiledTimes(partial)
+        composed_roll = rollout_unit_time(times, workload, groups)[0]
+        composed_train = train_unit_time(times, workload, groups, 0, 1, cfg.train.micro_batch)
+        b_roll, b_train = len(samples), min(cfg.train.micro_batch, len(samples))
+        cond_r, x_r = inputs(b_roll)
+        s_r = sig[1].expand(b_roll)
+        cond_t, x_t = inputs(b_train)
+        x_t_next = x_t + 0.1 * torch.randn(x_t.shape, generator=gen).to(dev)
+
+        def roll_call():
+            with torch.no_grad():
+                ad.velocity(x_r, s_r, cond_r)
+
+        def train_call():
+            logp, _, _ = recompute_logprob(ad, cond_t, x_t, x_t_next, sig, 1, kind, eta)
+            logp.sum().backward()
+
+        def rounds(unit_fn, call_fn, composed: float, table: float) -> tuple[float, float]:
+            units, ratios, spent = [], [], 0.0
+            while len(units) < max(3, repeats) or (spent < 5 * min_time and len(units) < 20):
+                clock.sync()
+                t0 = time.perf_counter()
+                unit_fn()
+                clock.sync()
+                u = time.perf_counter() - t0
+                call = clock.median(call_fn, repeats=3, warmup=0)
+                units.append(u)
+                ratios.append(u / (composed * call / table))
+                spent += u + 3 * call
+            return statistics.median(units), statistics.median(ratios)
+
+        rollout_s, rollout_factor = rounds(one_rollout, roll_call, composed_roll, times.rollout_step(b_roll))
+        train_s, train_factor = rounds(lambda: train_unit(policy, samples, terms), train_call, composed_train,
+                                       times.train_step(b_train))
         policy.optimizer.zero_grad(set_to_none=True)
         peak("units")
-        m["unit_overhead"] = {"rollout_s": 0.0, "train_s": 0.0}
-        partial = {"device": {"name": "partial"}, "measurements": m}
-        times = ProfiledTimes(partial)
-        composed_roll = rollout_unit_time(times, workload, 1)[0]
-        composed_train = train_unit_time(times, workload, 1, 0, 1, cfg.train.micro_batch)
-        m["unit_overhead"] = {"rollout_s": rollout_s - composed_roll, "train_s": train_s - composed_train,
-                              "rollout_unit_s": rollout_s, "train_unit_s": train_s}
+        m["unit_overhead"] = {"groups": groups, "rollout_unit_s": rollout_s, "train_unit_s": train_s,
+                              "rollout_s": rollout_s - composed_roll, "train_s": train_s - composed_train,
+                              "rollout_factor": rollout_factor, "train_factor": train_factor}
+        if dev.type == "cpu":  # what other processes took from the host's cores while we measured
+            m["other_load_cores"] = load.other_cores
         m["sample_bytes"] = _samples_bytes(samples) / len(samples)
         m["peak_memory_bytes"] = peaks
         if dev.type == "cpu" and sharing:  # before Ray starts in this process: the probe forks
@@ -363,6 +411,72 @@ def _samples_bytes(samples) -> int:
         elif hasattr(v, "batched"):
             total += sum(t.numel() * t.element_size() for t in v.batched.values())
     return total
+
+
+class OtherLoad:
+    """Cores used by processes that are not ours (other users of a shared host) while a block runs:
+    a thread samples every process's CPU time in /proc twice a second; a process counts as ours
+    when this process is among its ancestors (a Ray cluster it started, the engine's workers, the
+    forked sharing probe). Reads 0 where there is no /proc."""
+
+    def __init__(self, every: float = 0.5):
+        import threading
+
+        self.every, self.me = every, os.getpid()
+        self.other = self.ours = 0.0
+        self.seconds = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _snapshot() -> dict[int, tuple[int, float]]:
+        out = {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[int(pid)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        return out
+
+    def _is_ours(self, pid: int, snap: dict) -> bool:
+        seen = 0
+        while pid > 1 and seen < 64:
+            if pid == self.me:
+                return True
+            pid = snap.get(pid, (0, 0.0))[0]
+            seen += 1
+        return False
+
+    def _run(self) -> None:
+        last, t_last = self._snapshot(), time.perf_counter()
+        while not self._stop.wait(self.every):
+            snap, now = self._snapshot(), time.perf_counter()
+            for pid, (_, cpu) in snap.items():
+                used = cpu - last[pid][1] if pid in last else 0.0
+                if used > 0:
+                    if self._is_ours(pid, snap):
+                        self.ours += used
+                    else:
+                        self.other += used
+            self.seconds += now - t_last
+            last, t_last = snap, now
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        return False
+
+    @property
+    def other_cores(self) -> float:
+        return self.other / self.seconds if self.seconds else 0.0
 
 
 # ------------------------------------------------------------------------------------ Ray
