@@ -29,6 +29,7 @@ Timings on a shared machine are noisy (other processes take cores): rerun before
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -91,6 +92,22 @@ def replay_cost(cost, measured):
             return 1.0
 
     return Replay(cost.w, cost.cluster, profile=cost.profile)
+
+
+def unit_ms(predicted, measured) -> dict:
+    """Mean duration (ms) per unit kind (train per TSP rank) after the first iteration: predicted, measured."""
+    import statistics
+
+    def means(tl):
+        by = {}
+        for e in tl.events:
+            if e.iteration > 0 and e.kind in ("rollout", "train", "step"):
+                by.setdefault(e.kind + (str(e.args.get("tsp_rank", 0)) if e.kind == "train" else ""), []).append(
+                    e.duration * 1e3)
+        return {k: statistics.mean(v) for k, v in by.items()}
+
+    p, m = means(predicted), means(measured)
+    return {k: (p[k], m.get(k, float("nan"))) for k in sorted(p)}
 
 
 def median(xs):
@@ -162,7 +179,8 @@ def main(argv=None) -> int:
             for mode in modes:
                 cfg = mode_config(args.config, args.workload, mode, args.iterations)
                 if args.reprofile:  # the batches this workload runs; no fork-based sharing probe once Ray runs
-                    fresh = run_profile(base, "cpu", engine="none", sharing=0, batches=[unit_groups(base) * G])
+                    fresh = run_profile(base, "cpu", engine="none", sharing=0, batches=[unit_groups(base) * G],
+                                        min_time=0.6)
                     sharing = profile["measurements"].get("cpu_slowdown")
                     profile = {**fresh, "engine": eng or None}
                     if sharing:
@@ -180,11 +198,18 @@ def main(argv=None) -> int:
                     if args.timelines is not None:
                         out = args.timelines / (mode if args.repeats == 1 else f"{mode}-{rep}")
                         sim.save(out / "predicted")
+                        save_profile(profile, out / "profile.json")
                         (out / "measured").mkdir(parents=True, exist_ok=True)
                         measured_tl.save_json(out / "measured" / "timeline.json")
                         measured_tl.to_png(out / "measured" / "timeline.png")
                 meas = steady_summary(measured_tl)
                 pred = sim.summary
+                # the same prediction, but beside the other processes' load the run really had (their
+                # runnable threads, measured during the run): what the planner would have said, had it
+                # known what the other users of the host would do -- the load is an input, not a fit
+                at_load = simulate(Plan.from_run_config(cfg), CostModel(
+                    workload, cluster, dataclasses.replace(params, cpu_other_load=load.other_runnable),
+                    profile=profile), args.iterations, wait_for_full_batch=cfg.algorithm.std == "global").summary
                 replay = simulate(Plan.from_run_config(cfg), replay_cost(cost, measured_tl), args.iterations,
                                   wait_for_full_batch=cfg.algorithm.std == "global").summary
                 r = {"mode": mode, "repeat": rep, "predicted_samples_per_s": pred["samples_per_s"],
@@ -193,15 +218,26 @@ def main(argv=None) -> int:
                      "predicted_bubble_fraction": pred["bubble_fraction"],
                      "measured_bubble_fraction": meas["bubble_fraction"],
                      "predicted_iteration_s": pred["iteration_s"], "measured_iteration_s": meas["iteration_s"],
+                     "at_run_load_samples_per_s": at_load["samples_per_s"],
+                     "at_run_load_rel_error": (at_load["samples_per_s"] - meas["samples_per_s"]) / meas["samples_per_s"],
                      "replay_samples_per_s": replay["samples_per_s"],
                      "replay_rel_error": (replay["samples_per_s"] - meas["samples_per_s"]) / meas["samples_per_s"],
-                     "other_load_cores": load.other_cores, "run_s": time.time() - t1}
+                     "other_load_cores": load.other_cores, "other_runnable": load.other_runnable,
+                     "profile_other_runnable": profile["measurements"].get("other_runnable"),
+                     "run_s": time.time() - t1,
+                     "unit_ms": unit_ms(sim.timeline, measured_tl),
+                     "profile_other_load_cores": profile["measurements"].get("other_load_cores"),
+                     "profile_unit_factors": [profile["measurements"]["unit_overhead"].get(k)
+                                              for k in ("rollout_factor", "train_factor")]}
                 runs[mode].append(r)
                 print(f"{mode:12s} #{rep + 1} predicted {r['predicted_samples_per_s']:7.2f} samples/s  measured "
                       f"{r['measured_samples_per_s']:7.2f}  error {r['rel_error']:+6.1%}   bubble predicted "
                       f"{r['predicted_bubble_fraction']:.2f} measured {r['measured_bubble_fraction']:.2f}   "
-                      f"replay error {r['replay_rel_error']:+6.1%}   other load {r['other_load_cores']:.2f} cores",
-                      flush=True)
+                      f"replay error {r['replay_rel_error']:+6.1%}\n    other processes: {r['other_runnable']:.1f} runnable "
+                      f"threads, {r['other_load_cores']:.2f} cores (profiled beside {r['profile_other_runnable'] or 0:.1f}, "
+                      f"{r['profile_other_load_cores'] or 0:.2f}); at the run's load predicted "
+                      f"{r['at_run_load_samples_per_s']:.2f}, error {r['at_run_load_rel_error']:+.1%}\n    unit ms predicted / measured: "
+                      + ", ".join(f"{k} {p:.0f}/{m:.0f}" for k, (p, m) in r["unit_ms"].items()), flush=True)
     finally:
         ray.shutdown()
 
@@ -214,19 +250,24 @@ def main(argv=None) -> int:
                      "predicted_bubble_fraction": median([r["predicted_bubble_fraction"] for r in rs]),
                      "measured_bubble_fraction": median([r["measured_bubble_fraction"] for r in rs]),
                      "replay_rel_error": median([r["replay_rel_error"] for r in rs]),
+                     "at_run_load_samples_per_s": median([r["at_run_load_samples_per_s"] for r in rs]),
                      "other_load_cores": median([r["other_load_cores"] for r in rs]),
+                     "other_runnable": median([r["other_runnable"] for r in rs]),
                      "runs": rs})
+    for r in rows:
+        r["at_run_load_rel_error"] = ((r["at_run_load_samples_per_s"] - r["measured_samples_per_s"])
+                                      / r["measured_samples_per_s"])
     print()
     print(f"{'mode':12s} {'pred. samples/s':>16s} {'meas. samples/s':>16s} {'rel. error':>10s} "
-          f"{'pred. bubble':>12s} {'meas. bubble':>12s} {'replay error':>12s} {'other load':>10s}")
+          f"{'pred. bubble':>12s} {'meas. bubble':>12s} {'at run load':>11s} {'replay error':>12s} {'other thr.':>10s}")
     for r in rows:
         print(f"{r['mode']:12s} {r['predicted_samples_per_s']:16.2f} {r['measured_samples_per_s']:16.2f} "
               f"{r['rel_error']:+10.1%} {r['predicted_bubble_fraction']:12.2f} {r['measured_bubble_fraction']:12.2f} "
-              f"{r['replay_rel_error']:+12.1%} {r['other_load_cores']:10.2f}")
+              f"{r['at_run_load_rel_error']:+11.1%} {r['replay_rel_error']:+12.1%} {r['other_runnable']:10.1f}")
     worst = max(abs(r["rel_error"]) for r in rows)
     print(f"{'median of ' + str(args.repeats) + ' runs per mode; ' if args.repeats > 1 else ''}worst |error| "
-          f"{worst:.1%} (target 10%); other load = cores used by processes not ours during the runs "
-          f"(on {os.cpu_count()} cores)")
+          f"{worst:.1%} (target 10%); at run load = the prediction beside the other processes' load measured "
+          f"during the run; other thr. = their runnable threads (on {os.cpu_count()} cores)")
     if args.json is not None:
         args.json.write_text(json.dumps({"modes": rows, "profile_engine": eng, "iterations": args.iterations,
                                          "repeats": args.repeats, "workload": args.workload,

@@ -17,7 +17,7 @@ from digenrl.config import load_config
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit
 from digenrl.engine.timeline import Timeline
 from digenrl.errors import UserError
-from digenrl.planner.costmodel import CostModel, EngineOverheads, Workload, interpolate
+from digenrl.planner.costmodel import AnalyticTimes, CostModel, EngineOverheads, Workload, interpolate
 from digenrl.planner.gpus import DEVICES, cluster_from_dict, load_cluster, match_device_name
 from digenrl.planner.search import candidates, search
 from digenrl.planner.shapes import attention_fraction, forward_flops, model_shape
@@ -78,6 +78,26 @@ def test_interpolation_is_exact_at_points_linear_between_and_extrapolates():
     assert interpolate(table, 3) == pytest.approx(2.0)
     assert interpolate(table, 16) == pytest.approx(8.5)  # along the last segment (0.5 s per sample)
     assert interpolate(table, 6) == pytest.approx(3.5)
+    # below the table: never free, never dearer than the smallest batch measured
+    noisy = {8: 0.05, 16: 0.11}  # a first segment steeper than linear: extrapolated, b = 1 would cost < 0
+    assert interpolate(noisy, 1) == pytest.approx(0.05 / 8)
+    assert 0.05 / 8 * 4 <= interpolate(noisy, 4) <= 0.05
+
+
+def test_a_run_configs_micro_batch_is_simulated_as_configured(monkeypatch):
+    """A plan read from a run config trains at its micro-batch even when a (noisy) profile makes a
+    smaller one look cheaper per sample; the search, free to choose, may pick the smaller one."""
+    cfg = load_config(None, ["train.micro_batch=16", "algorithm.group_size=8", "engine.unit_groups=2",
+                             "train.prompts_per_iteration=4"])
+    w = Workload.from_config(cfg)
+    cluster = load_cluster(CLUSTERS / "local_cpu.yaml")
+    cheap8 = {8: 0.040, 16: 0.100}  # per sample: 5 ms at 8, 6.25 ms at 16 (checkpointing: +1 forward)
+    monkeypatch.setattr(AnalyticTimes, "train_step",
+                        lambda self, b: interpolate(cheap8, b) * (1.3 if self.checkpointing else 1.0))
+    cost = CostModel(w, cluster)
+    assert cost.trainer_setup("cpu", 1, False, 2).micro_batch == 8
+    assert cost.trainer_setup("cpu", 1, False, 2, micro_batch=16).micro_batch == 16
+    assert cost.colocated_setup("cpu", 2, 2, micro_batch=16).micro_batch == 16
 
 
 @pytest.mark.parametrize("name", ["flux1_dev", "wan2.1_t2v_14b", "hunyuan_video", "qwen_image"])

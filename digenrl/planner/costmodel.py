@@ -74,8 +74,8 @@ class CostParams:
     # cpu clusters: "cores" = processor sharing of the host's cores; "measured" = the profile's cpu_slowdown
     # (what n concurrent workers got at profiling time -- on a shared host, only as good as that moment)
     cpu_sharing: str = "cores"
-    # cpu clusters, "cores" sharing: cores busy with other processes (other users of the host), beside
-    # which the profile's times were measured; None = what the profile measured (``other_load_cores``)
+    # cpu clusters, "cores" sharing: runnable threads of other processes (other users of the host) our
+    # workers share the cores with; None = what the profile measured beside its times (``other_runnable``)
     cpu_other_load: float | None = None
     # cpu clusters: scale units by the engine calibration run's ``unit_time_factor`` (engine worker /
     # standalone). Off by default: one worker computing alone gets a core of its own (the driver and
@@ -203,7 +203,10 @@ def interpolate(table: dict[int, float], b: float) -> float:
         x0, x1 = xs[i - 1], xs[i]
     y0, y1 = table[x0], table[x1]
     y = y0 + (y1 - y0) * (b - x0) / (x1 - x0)
-    return max(y, 0.0 if b < x0 else min(y0, y1) * 0.5)
+    if b < xs[0]:  # below the table: a smaller batch costs no more than the smallest measured one, and
+        # no less per sample (a noisy first segment extrapolated to b -> 0 would make small batches free)
+        return min(table[xs[0]], max(y, table[xs[0]] * b / xs[0]))
+    return max(y, min(y0, y1) * 0.5)
 
 
 class CallTimes:
@@ -417,31 +420,37 @@ class CostModel:
 
     def cpu_rate(self, busy: int) -> float:
         """Speed of each of ``busy`` processes computing at once on the CPU host, relative to one alone:
-        processor sharing of the host's cores (``host_cores``, default this machine's) with the other
-        load L the profile measured beside its times (``other_load_cores``), ``min(1, C / (n + L)) /
-        min(1, C / (1 + L))``; or with ``cpu_sharing: measured`` the profile's ``cpu_slowdown`` (what n
-        concurrent workers got at one moment, other load included)."""
-        if busy <= 1:
-            return 1.0
+        processor sharing of the host's C cores (``host_cores``, default this machine's) with K
+        runnable threads of other processes, relative to one worker beside the profile's K_p
+        (``other_runnable``): ``min(1, C / (n + K)) / min(1, C / (1 + K_p))``, K = K_p unless
+        ``cpu_other_load`` says otherwise; or with ``cpu_sharing: measured`` the profile's
+        ``cpu_slowdown`` (what n concurrent workers got at one moment, other load included)."""
+        busy = max(1, busy)
         table = (self.profile or {}).get("measurements", {}).get("cpu_slowdown")
         if self.p.cpu_sharing == "measured" and table and self.profiled("cpu"):
+            if busy == 1:
+                return 1.0
             slow = {int(k): v for k, v in table.items()}
             top = max(slow)
             factor = slow[busy] if busy in slow else slow[top] * busy / top
             return 1.0 / max(1.0, factor)
-        # processor sharing of C cores between our ``busy`` workers and L cores of other load, relative
-        # to what one worker got beside that load when the profile measured it
+        # processor sharing of C cores between our ``busy`` workers and K runnable threads of other
+        # processes, relative to what one worker got beside the load the profile was measured at
         cores, other = self.cluster.cores(), self.other_load()
-        alone = min(1.0, cores / (1 + other))
+        alone = min(1.0, cores / (1 + self.profiled_load()))
         return min(1.0, cores / (busy + other)) / alone
 
+    def profiled_load(self) -> float:
+        """K at profiling time: runnable threads of other processes beside which the profile measured."""
+        if self.profiled("cpu"):
+            return float((self.profile or {}).get("measurements", {}).get("other_runnable", 0.0))
+        return 0.0
+
     def other_load(self) -> float:
-        """L: cores the host's other processes use (``CostParams.cpu_other_load``, else the profile's)."""
+        """K predicted for the run: ``CostParams.cpu_other_load``, else the profile's (the load persists)."""
         if self.p.cpu_other_load is not None:
             return self.p.cpu_other_load
-        if self.profiled("cpu"):
-            return float((self.profile or {}).get("measurements", {}).get("other_load_cores", 0.0))
-        return 0.0
+        return self.profiled_load()
 
     # -- calibration ---------------------------------------------------------------------
 
@@ -634,10 +643,19 @@ class CostModel:
             score += 2 * self.switch(device, setup)
         return score
 
-    def _best(self, fits: list[DeviceSetup], device: str, ranks: int, colocated: bool) -> DeviceSetup:
+    def _best(self, fits: list[DeviceSetup], device: str, ranks: int, colocated: bool,
+              micro_batch: int | None = None) -> DeviceSetup:
+        """The cheapest fitting setup; with ``micro_batch`` (a run's configured one) only the largest
+        micro-batch up to it that fits competes: the run trains at its micro-batch, smaller only when
+        memory forces it (the search leaves it free and writes the one it picks into the config)."""
+        if micro_batch is not None:
+            fits = [s for s in fits if s.micro_batch <= micro_batch] or fits
+            top = max(s.micro_batch for s in fits)
+            fits = [s for s in fits if s.micro_batch == top]
         return min(fits, key=lambda s: (self._score(device, s, ranks, colocated), s.shard, s.offload))
 
-    def trainer_setup(self, device: str, ranks: int, tag: bool, groups: int) -> DeviceSetup:
+    def trainer_setup(self, device: str, ranks: int, tag: bool, groups: int,
+                      micro_batch: int | None = None) -> DeviceSetup:
         """The cheapest way a trainer rank of this type fits (``tag``: it also rolls out units of ``groups``)."""
         have = self.have(device)
         fits, last = [], None
@@ -653,14 +671,14 @@ class CostModel:
             if need <= have:
                 fits.append(DeviceSetup(True, mb, ckpt, shard, False, need, have, parts))
         if fits:
-            return self._best(fits, device, ranks, False)
+            return self._best(fits, device, ranks, False, micro_batch)
         need, parts, mb, ckpt, shard = last
         return DeviceSetup(False, mb, ckpt, shard, False, need, have, parts,
                            why=f"a trainer on {device} needs {_gib(need)} ({_parts(parts)}) > {_gib(have)} usable "
                                f"even at micro-batch {mb}" + (f", FSDP x{shard}" if shard > 1 else "")
                                + (", activation checkpointing" if ckpt else ""))
 
-    def colocated_setup(self, device: str, ranks: int, groups: int) -> DeviceSetup:
+    def colocated_setup(self, device: str, ranks: int, groups: int, micro_batch: int | None = None) -> DeviceSetup:
         """A colocated device: training state and sampling state, at once or with offloading between phases."""
         have = self.have(device)
         offloads = {"auto": (False, True), "always": (True,), "never": (False,)}[self.col.offload]
@@ -684,7 +702,7 @@ class CostModel:
                     fits.append(DeviceSetup(True, mb, ckpt, shard, offload, need, have, parts))
                     break  # offloading only when it is needed
         if fits:
-            return self._best(fits, device, ranks, True)
+            return self._best(fits, device, ranks, True, micro_batch)
         need, parts, mb, ckpt, shard, offload = last
         return DeviceSetup(False, mb, ckpt, shard, offload, need, have, parts,
                            why=f"a colocated device {device} needs {_gib(need)} ({_parts(parts)}) > {_gib(have)} "

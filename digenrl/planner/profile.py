@@ -1,8 +1,10 @@
 """``digenrl profile``: measure what the cost model needs, on this device, for the configured model.
 
-Every number is the median of ``repeats`` timed calls after ``warmup`` untimed ones (CUDA:
-synchronised around each call). On CPU the torch thread count is set to ``threads`` (default 1,
-as every engine worker runs).
+Every number is the mean of timed calls after ``warmup`` untimed ones (CUDA: synchronised around
+each call), taken in round robin: each round times every measurement once, for at least ``repeats``
+rounds and ``10 x min_time`` seconds, so that on a shared host every entry -- and the ratio of a
+whole unit to its calls -- spans the same stretch of the other processes' load. On CPU the torch
+thread count is set to ``threads`` (default 1, as every engine worker runs).
 
 measurements
   rollout_step_s[b]   one ``Adapter.velocity`` call at batch b with the model's guidance (both
@@ -18,8 +20,9 @@ measurements
   cpu_slowdown        (CPU) time per rollout step with n = 1, 2, 3 forked workers computing at once,
                       relative to one: what concurrent workers get from this host's cores
   peak_memory_bytes   CUDA ``max_memory_allocated`` per phase, or the process's peak RSS on CPU
-  other_load_cores    (CPU) cores used by other processes (not this one or its children) while
-                      measuring: the call times above were measured beside that much foreign load
+  other_runnable      (CPU) mean number of runnable threads of other processes (not this one or its
+                      children) while measuring: the call times above were measured beside that
+                      demand on the host's cores; ``other_load_cores``: the CPU they got
 engine (optional)
   ``ray``: Ray micro-benchmarks -- actor call round trip, object-store transfer between two actors
   at two sizes (latency + bytes/s), ``ray.put`` / ``ray.get`` of the weights, gloo all-reduce of
@@ -126,7 +129,7 @@ def unit_groups(cfg) -> int:
 def steps_total(cfg, engine: str, requested: list[int] | None = None, device: str = "cpu", sharing: int = 3) -> int:
     roll, train = batch_sizes(cfg, requested)
     extra = 1 if device == "cpu" and sharing else 0
-    return 1 + len(roll) + 2 * len(train) + 6 + extra + {"none": 0, "ray": 1, "run": 2}[engine]
+    return 1 + len(roll) + len(train) + 3 + extra + {"none": 0, "ray": 1, "run": 2}[engine]
 
 
 def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, repeats: int = 5, warmup: int = 2,
@@ -177,6 +180,24 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
 
         m: dict = {"rollout_step_s": {}, "train_step_s": {}, "ref_forward_s": {}}
         skipped: dict[str, list[int]] = {"rollout": [], "train": []}
+        # Every measurement is an item; they are warmed up phase by phase (peak memory per phase,
+        # batches that do not fit dropped), then timed in ROUND ROBIN: round r times each item
+        # once, so that every median spans the same stretch of time. On a shared host the load of
+        # other processes comes and goes within seconds: measured one after the other, a table
+        # entry taken in a quiet second and a whole unit taken in a busy one would disagree by 2x.
+        items: dict[str, Callable[[], object]] = {}
+
+        def warm(name: str, fn, phase: str) -> bool:
+            try:
+                for _ in range(max(1, warmup)):
+                    fn()
+                    clock.sync()
+            except torch.cuda.OutOfMemoryError:
+                skipped[phase].append(int(name.rsplit(":", 1)[1]))
+                torch.cuda.empty_cache()
+                return False
+            items[name] = fn
+            return True
 
         # -- rollout steps vs batch ----------------------------------------------------
         reset_peak()
@@ -184,83 +205,73 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
             step(f"rollout step, batch {b}")
             cond, x = inputs(b)
             s = sig[1].expand(b)
-            try:
+
+            def velocity(x=x, s=s, cond=cond):
                 with torch.no_grad():
-                    m["rollout_step_s"][str(b)] = clock.median(lambda: ad.velocity(x, s, cond))
-            except torch.cuda.OutOfMemoryError:
-                skipped["rollout"].append(b)
-                torch.cuda.empty_cache()
+                    ad.velocity(x, s, cond)
+
+            warm(f"rollout:{b}", velocity, "rollout")
         peak("rollout")
 
         # -- train steps (forward + backward) and reference forwards vs micro-batch -----
         reset_peak()
         for b in train_b:
-            step(f"train step, batch {b}")
+            step(f"train step and reference forward, batch {b}")
             cond, x = inputs(b)
             x_next = x + 0.1 * torch.randn(x.shape, generator=gen).to(dev)
 
-            def fwd_bwd():
+            def fwd_bwd(cond=cond, x=x, x_next=x_next):
                 logp, _, _ = recompute_logprob(ad, cond, x, x_next, sig, 1, kind, eta)
                 logp.sum().backward()
 
-            def ref():
+            def ref(cond=cond, x=x, x_next=x_next):
                 with torch.no_grad(), policy.reference():
                     recompute_logprob(ad, cond, x, x_next, sig, 1, kind, eta)
 
-            try:
-                m["train_step_s"][str(b)] = clock.median(fwd_bwd)
-                step(f"reference forward, batch {b}")
-                m["ref_forward_s"][str(b)] = clock.median(ref)
-            except torch.cuda.OutOfMemoryError:
-                skipped["train"].append(b)
-                torch.cuda.empty_cache()
+            if warm(f"train:{b}", fwd_bwd, "train"):
+                warm(f"ref:{b}", ref, "train")
             policy.optimizer.zero_grad(set_to_none=True)
         peak("train")
-        if not m["rollout_step_s"] or not m["train_step_s"]:
+        if not any(k.startswith("rollout:") for k in items) or not any(k.startswith("train:") for k in items):
             raise UserError(f"profile: the model does not fit this device even at batch 1 ({dev})")
 
-        # -- decode, reward, prompt encoding ---------------------------------------------
-        step("decode")
+        # -- decode, reward, prompt encoding, optimizer step, weight sync -------------------
+        step("decode, reward, prompt encoding, optimizer step, weight sync")
         _, x = inputs(G)
         with torch.no_grad():
-            m["decode_s_per_sample"] = clock.median(lambda: ad.decode(x)) / G
             pixels = ad.decode(x)
-        step("reward")
+
+        def decode(x=x):
+            with torch.no_grad():
+                ad.decode(x)
+
         texts = [prompts[i % len(prompts)].text for i in range(G)]
         metas = [prompts[i % len(prompts)].meta for i in range(G)]
-        m["reward_s_per_sample"] = clock.median(lambda: reward(pixels.cpu(), texts, metas)) / G
-        step("prompt encoding")
         P = cfg.train.prompts_per_iteration
         ptexts = [prompts[i % len(prompts)].text for i in range(P)]
-        with torch.no_grad():
-            m["encode_s_per_prompt"] = clock.median(lambda: ad.encode_prompts(ptexts)) / P
 
-        # -- optimizer step and weight sync ------------------------------------------------
-        step("optimizer step")
+        def encode():
+            with torch.no_grad():
+                ad.encode_prompts(ptexts)
 
         def opt():
             for p in policy.params:
                 p.grad = torch.ones_like(p) * 1e-3
             policy.optimizer_step()
 
-        m["optimizer_step_s"] = clock.median(opt)
-        step("weight sync")
         state = policy.weights()
         digest = checksum(state)
-        m["weight_sync"] = {
-            "bytes": state_bytes(state),
-            "tensors": len(state),
-            "pack_s": clock.median(lambda: checksum(policy.weights())),
-            "load_s": clock.median(lambda: policy.load_weights(state, policy.version, expected_checksum=digest)),
-        }
+        warm("decode", decode, "rollout")
+        warm("reward", lambda: reward(pixels.cpu(), texts, metas), "rollout")
+        warm("encode", encode, "rollout")
+        warm("optimizer", opt, "train")
+        warm("pack", lambda: checksum(policy.weights()), "train")
+        warm("load", lambda: policy.load_weights(state, policy.version, expected_checksum=digest), "train")
 
         # -- whole units at the run's unit size: what the sum of the calls leaves out ----------
-        # (the SDE step and log-prob math, the loss, gathering latents, stats): a unit is measured
-        # as the engine runs it, m = engine.unit_groups groups, and its ratio to the composed call
-        # times scales every unit size, TSP share and micro-batch split the planner composes. On a
-        # shared host the load drifts between the call tables and this point, so each round times a
-        # unit and, right after it, the unit's main call: the ratio of that call to its table entry
-        # rescales the composed time to the load of the moment (median over the rounds).
+        # (the SDE step and log-prob math, the loss, gathering latents, stats): a unit of
+        # m = engine.unit_groups groups, as the engine runs it; its ratio to the composed call times
+        # scales every unit size, TSP share and micro-batch split the planner composes
         groups = unit_groups(cfg)
         step(f"one rollout unit and one train unit ({groups} group(s))")
         reset_peak()
@@ -269,51 +280,55 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
         def one_rollout():
             samples_box["s"] = rollout_unit(policy, reward, prompts[:groups], list(range(groups)), 0, cfg.train.seed)
 
-        one_rollout()  # warm, and the samples the train unit needs
+        one_rollout()  # the samples the train unit trains on
         samples = samples_box["s"]
         assign_advantages([samples], cfg)
         terms = len(samples) * samples.train_idx.shape[1]
-        partial = {"device": {"name": "partial"}, "measurements": {**m, "unit_overhead": {}}}
-        times = ProfiledTimes(partial)
-        composed_roll = rollout_unit_time(times, workload, groups)[0]
-        composed_train = train_unit_time(times, workload, groups, 0, 1, cfg.train.micro_batch)
-        b_roll, b_train = len(samples), min(cfg.train.micro_batch, len(samples))
-        cond_r, x_r = inputs(b_roll)
-        s_r = sig[1].expand(b_roll)
-        cond_t, x_t = inputs(b_train)
-        x_t_next = x_t + 0.1 * torch.randn(x_t.shape, generator=gen).to(dev)
-
-        def roll_call():
-            with torch.no_grad():
-                ad.velocity(x_r, s_r, cond_r)
-
-        def train_call():
-            logp, _, _ = recompute_logprob(ad, cond_t, x_t, x_t_next, sig, 1, kind, eta)
-            logp.sum().backward()
-
-        def rounds(unit_fn, call_fn, composed: float, table: float) -> tuple[float, float]:
-            units, ratios, spent = [], [], 0.0
-            while len(units) < max(3, repeats) or (spent < 5 * min_time and len(units) < 20):
-                clock.sync()
-                t0 = time.perf_counter()
-                unit_fn()
-                clock.sync()
-                u = time.perf_counter() - t0
-                call = clock.median(call_fn, repeats=3, warmup=0)
-                units.append(u)
-                ratios.append(u / (composed * call / table))
-                spent += u + 3 * call
-            return statistics.median(units), statistics.median(ratios)
-
-        rollout_s, rollout_factor = rounds(one_rollout, roll_call, composed_roll, times.rollout_step(b_roll))
-        train_s, train_factor = rounds(lambda: train_unit(policy, samples, terms), train_call, composed_train,
-                                       times.train_step(b_train))
+        warm("rollout_unit", one_rollout, "rollout")
+        warm("train_unit", lambda: train_unit(policy, samples, terms), "train")
         policy.optimizer.zero_grad(set_to_none=True)
         peak("units")
+
+        # -- the timed rounds ------------------------------------------------------------------
+        step("timing (round robin)")
+        timed: dict[str, list[float]] = {name: [] for name in items}
+        budget = 10 * min_time  # seconds of rounds at least (and ``repeats`` rounds at least)
+        started = time.perf_counter()
+        while True:
+            for name, fn in items.items():
+                clock.sync()
+                t0 = time.perf_counter()
+                fn()
+                clock.sync()
+                timed[name].append(time.perf_counter() - t0)
+            rounds = len(timed["rollout_unit"])
+            if rounds >= repeats and (time.perf_counter() - started >= budget or rounds >= 40):
+                break
+        policy.optimizer.zero_grad(set_to_none=True)
+        # the mean, not the median: throughput sees the mean, and on a busy host the median of short
+        # calls skips exactly those the scheduler preempted (a 15 ms call often fits in one time
+        # slice, a 300 ms unit never does), so median calls composed into a unit undercount it
+        med = {name: statistics.fmean(v) for name, v in timed.items()}
+        for name, v in med.items():
+            kind_, _, b = name.partition(":")
+            if b:
+                m[{"rollout": "rollout_step_s", "train": "train_step_s", "ref": "ref_forward_s"}[kind_]][b] = v
+        m["decode_s_per_sample"] = med["decode"] / G
+        m["reward_s_per_sample"] = med["reward"] / G
+        m["encode_s_per_prompt"] = med["encode"] / P
+        m["optimizer_step_s"] = med["optimizer"]
+        m["weight_sync"] = {"bytes": state_bytes(state), "tensors": len(state), "pack_s": med["pack"],
+                            "load_s": med["load"]}
+        m["timing_rounds"] = len(timed["rollout_unit"])
+        times = ProfiledTimes({"device": {"name": "partial"}, "measurements": {**m, "unit_overhead": {}}})
+        composed_roll = rollout_unit_time(times, workload, groups)[0]
+        composed_train = train_unit_time(times, workload, groups, 0, 1, cfg.train.micro_batch)
+        rollout_s, train_s = med["rollout_unit"], med["train_unit"]
         m["unit_overhead"] = {"groups": groups, "rollout_unit_s": rollout_s, "train_unit_s": train_s,
                               "rollout_s": rollout_s - composed_roll, "train_s": train_s - composed_train,
-                              "rollout_factor": rollout_factor, "train_factor": train_factor}
-        if dev.type == "cpu":  # what other processes took from the host's cores while we measured
+                              "rollout_factor": rollout_s / composed_roll, "train_factor": train_s / composed_train}
+        if dev.type == "cpu":  # what other processes wanted from / got of the host's cores while we measured
+            m["other_runnable"] = load.other_runnable
             m["other_load_cores"] = load.other_cores
         m["sample_bytes"] = _samples_bytes(samples) / len(samples)
         m["peak_memory_bytes"] = peaks
@@ -414,17 +429,20 @@ def _samples_bytes(samples) -> int:
 
 
 class OtherLoad:
-    """Cores used by processes that are not ours (other users of a shared host) while a block runs:
-    a thread samples every process's CPU time in /proc twice a second; a process counts as ours
-    when this process is among its ancestors (a Ray cluster it started, the engine's workers, the
-    forked sharing probe). Reads 0 where there is no /proc."""
+    """What processes that are not ours (other users of a shared host) do while a block runs: a
+    thread samples /proc every ``every`` seconds. ``other_runnable``: the mean number of their
+    threads that were runnable (the host's run queue, ``/proc/loadavg``, minus our runnable
+    threads) -- the demand our workers share the cores with; ``other_cores``: the CPU time they got
+    per second. A process is ours when this process is among its ancestors (a Ray cluster it
+    started, the engine's workers, the forked sharing probe). Reads 0 where there is no /proc."""
 
-    def __init__(self, every: float = 0.5):
+    def __init__(self, every: float = 0.3):
         import threading
 
         self.every, self.me = every, os.getpid()
         self.other = self.ours = 0.0
         self.seconds = 0.0
+        self.runnable: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -451,14 +469,38 @@ class OtherLoad:
             seen += 1
         return False
 
+    @staticmethod
+    def _running(pid: int) -> int:
+        n = 0
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return 0
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    n += f.read().rsplit(")", 1)[1].split()[0] == "R"
+            except OSError:
+                continue
+        return n
+
     def _run(self) -> None:
         last, t_last = self._snapshot(), time.perf_counter()
         while not self._stop.wait(self.every):
+            try:
+                with open("/proc/loadavg") as f:
+                    queue = int(f.read().split()[3].split("/")[0])
+            except (OSError, ValueError, IndexError):
+                queue = None
             snap, now = self._snapshot(), time.perf_counter()
+            mine = [pid for pid in snap if self._is_ours(pid, snap)]
+            if queue is not None:
+                self.runnable.append(max(0, queue - sum(self._running(pid) for pid in mine)))
+            ours = set(mine)
             for pid, (_, cpu) in snap.items():
                 used = cpu - last[pid][1] if pid in last else 0.0
                 if used > 0:
-                    if self._is_ours(pid, snap):
+                    if pid in ours:
                         self.ours += used
                     else:
                         self.other += used
@@ -477,6 +519,10 @@ class OtherLoad:
     @property
     def other_cores(self) -> float:
         return self.other / self.seconds if self.seconds else 0.0
+
+    @property
+    def other_runnable(self) -> float:
+        return statistics.fmean(self.runnable) if self.runnable else 0.0
 
 
 # ------------------------------------------------------------------------------------ Ray

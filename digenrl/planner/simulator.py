@@ -145,11 +145,9 @@ def setups(plan: Plan, cost: CostModel) -> dict[str, DeviceSetup]:
         if p.role == "rollout":
             s = cost.rollout_memory(p.device, plan.unit_groups)
         elif p.role == "trainer":
-            s = cost.trainer_setup(p.device, plan.ranks, plan.tag, plan.unit_groups)
+            s = cost.trainer_setup(p.device, plan.ranks, plan.tag, plan.unit_groups, plan.micro_batch)
         else:
-            s = cost.colocated_setup(p.device, plan.ranks, plan.unit_groups)
-        if plan.micro_batch is not None and s.fits and p.role != "rollout" and s.micro_batch > plan.micro_batch:
-            s = DeviceSetup(**{**s.__dict__, "micro_batch": plan.micro_batch})
+            s = cost.colocated_setup(p.device, plan.ranks, plan.unit_groups, plan.micro_batch)
         if not s.fits:
             raise DoesNotFit(s.why, s.need_bytes / max(s.have_bytes, 1.0))
         out[p.name] = s
