@@ -129,8 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=Path, default=None, help="reuse a profile.json instead of profiling")
     ap.add_argument("--cpu-sharing", choices=("cores", "measured"), default="cores",
                     help="concurrent workers: processor sharing of the cores, or the profile's measured slowdown")
-    ap.add_argument("--engine-unit-factor", action="store_true",
-                    help="also scale units by the calibration run's engine/standalone unit_time_factor")
+    ap.add_argument("--no-engine-unit-factor", dest="engine_unit_factor", action="store_false",
+                    help="do not scale units by the calibration run's engine/standalone unit_time_factor")
     ap.add_argument("--reprofile", action="store_true",
                     help="re-measure the model's call and unit times right before each run (the engine overheads "
                          "stay those of the first profile): less drift on a machine whose load changes")

@@ -77,11 +77,9 @@ class CostParams:
     # cpu clusters, "cores" sharing: runnable threads of other processes (other users of the host) our
     # workers share the cores with; None = what the profile measured beside its times (``other_runnable``)
     cpu_other_load: float | None = None
-    # cpu clusters: scale units by the engine calibration run's ``unit_time_factor`` (engine worker /
-    # standalone). Off by default: one worker computing alone gets a core of its own (the driver and
-    # Ray's processes use the other), so the factor is 1 up to the load drift between the profile and
-    # the calibration run (measured 0.74-1.05 on the 2-core host) -- applying it adds that drift
-    engine_unit_factor: bool = False
+    # cpu clusters: scale units by the engine calibration run's ``unit_time_factor`` (a unit in an
+    # engine worker / the same unit standalone, measured around the run: 1.1-1.2 on the 2-core host)
+    engine_unit_factor: bool = True
 
 
 @dataclass

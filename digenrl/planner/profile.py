@@ -289,6 +289,20 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
         policy.optimizer.zero_grad(set_to_none=True)
         peak("units")
 
+        def standalone_units(n: int = 3) -> dict[str, float]:
+            """Mean seconds of a whole rollout / train unit run here, ``n`` of each, alternating."""
+            got: dict[str, list[float]] = {"rollout": [], "train": []}
+            with _threads(threads if dev.type == "cpu" else None):
+                for _ in range(n):
+                    for kind_, fn in (("rollout", one_rollout), ("train", items["train_unit"])):
+                        clock.sync()
+                        t0 = time.perf_counter()
+                        fn()
+                        clock.sync()
+                        got[kind_].append(time.perf_counter() - t0)
+                policy.optimizer.zero_grad(set_to_none=True)
+            return {k: statistics.fmean(v) for k, v in got.items()}
+
         # -- the timed rounds ------------------------------------------------------------------
         step("timing (round robin)")
         timed: dict[str, list[float]] = {name: [] for name in items}
@@ -341,7 +355,7 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
                 with torch.no_grad():
                     ad.velocity(x, s_, cond)
 
-            m["cpu_slowdown"] = cpu_slowdown(work, max_workers=sharing, seconds=max(1.0, min_time))
+            m["cpu_slowdown"] = cpu_slowdown(work, max_workers=sharing, seconds=max(0.4, min_time))
     out = {
         "version": PROFILE_VERSION,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -366,7 +380,7 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
         out["engine"] = ray_overheads(m["sample_bytes"] * G, m["weight_sync"]["bytes"], workload.trained_params)
         if engine == "run":
             step("engine: a 3-iteration calibration run")
-            out["engine"].update(engine_run_overheads(cfg, m))
+            out["engine"].update(engine_run_overheads(cfg, m, standalone=standalone_units))
     return out
 
 
@@ -389,15 +403,19 @@ def _loop(fn, seconds: float, barrier, conn) -> None:
         os._exit(0)
 
 
-def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float = 0.5) -> dict[str, float]:
+def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float = 0.4,
+                 rounds: int = 3) -> dict[str, float]:
     """How much slower each worker gets when ``n`` worker processes compute at once on this host
     (forked copies running ``fn`` in a loop): {n: time per call with n / time per call alone}. On an
-    idle machine with C cores this is ~max(1, n / C); on a shared one it shows what is left to us."""
+    idle machine with C cores this is ~max(1, n / C) times what the processes' shared caches and
+    memory bandwidth add; on a shared one it shows what is left to us. Measured in ``rounds`` rounds
+    of n = 1, 2, ..., each ratio within its round, median over the rounds: other processes' load,
+    which comes and goes within seconds, weighs on both sides of a ratio alike."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
-    per_call = {}
-    for n in range(1, max_workers + 1):
+
+    def once(n: int) -> float:
         barrier = ctx.Barrier(n)
         pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
         procs = [ctx.Process(target=_loop, args=(fn, seconds, barrier, send), daemon=True) for _, send in pipes]
@@ -414,8 +432,15 @@ def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float 
         bad = [g for g in got if not isinstance(g, float)]
         if bad:
             raise RuntimeError(f"CPU sharing probe failed in a worker: {bad[0]}")
-        per_call[n] = statistics.mean(got)
-    return {str(n): per_call[n] / per_call[1] for n in per_call}
+        return statistics.mean(got)
+
+    ratios: dict[int, list[float]] = {n: [] for n in range(1, max_workers + 1)}
+    for _ in range(max(1, rounds)):
+        alone = once(1)
+        ratios[1].append(1.0)
+        for n in range(2, max_workers + 1):
+            ratios[n].append(once(n) / alone)
+    return {str(n): statistics.median(v) for n, v in ratios.items()}
 
 
 def _samples_bytes(samples) -> int:
@@ -431,9 +456,8 @@ def _samples_bytes(samples) -> int:
 class OtherLoad:
     """What processes that are not ours (other users of a shared host) do while a block runs: a
     thread samples /proc every ``every`` seconds. ``other_runnable``: the mean number of their
-    threads that were runnable (the host's run queue, ``/proc/loadavg``, minus our runnable
-    threads) -- the demand our workers share the cores with; ``other_cores``: the CPU time they got
-    per second. A process is ours when this process is among its ancestors (a Ray cluster it
+    threads that were runnable, weighted by priority (a nice-0 thread counts 1) -- the demand our
+    workers share the cores with; ``other_cores``: the CPU time they got per second. A process is ours when this process is among its ancestors (a Ray cluster it
     started, the engine's workers, the forked sharing probe). Reads 0 where there is no /proc."""
 
     def __init__(self, every: float = 0.3):
@@ -470,33 +494,32 @@ class OtherLoad:
         return False
 
     @staticmethod
-    def _running(pid: int) -> int:
-        n = 0
+    def _running(pid: int) -> float:
+        """Runnable threads of ``pid``, each weighted as the kernel's fair scheduler weighs it against
+        a nice-0 thread (1.25 ** -nice: Ray starts its workers at nice 15, so another user's idle-
+        priority Ray workers barely take anything from ours)."""
+        n = 0.0
         try:
             tasks = os.listdir(f"/proc/{pid}/task")
         except OSError:
-            return 0
+            return 0.0
         for tid in tasks:
             try:
                 with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    n += f.read().rsplit(")", 1)[1].split()[0] == "R"
+                    fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
+            if fields[0] == "R":
+                n += 1.25 ** -int(fields[16])
         return n
 
     def _run(self) -> None:
         last, t_last = self._snapshot(), time.perf_counter()
         while not self._stop.wait(self.every):
-            try:
-                with open("/proc/loadavg") as f:
-                    queue = int(f.read().split()[3].split("/")[0])
-            except (OSError, ValueError, IndexError):
-                queue = None
             snap, now = self._snapshot(), time.perf_counter()
-            mine = [pid for pid in snap if self._is_ours(pid, snap)]
-            if queue is not None:
-                self.runnable.append(max(0, queue - sum(self._running(pid) for pid in mine)))
-            ours = set(mine)
+            ours = {pid for pid in snap if self._is_ours(pid, snap)}
+            if snap:
+                self.runnable.append(sum(self._running(pid) for pid in snap if pid not in ours))
             for pid, (_, cpu) in snap.items():
                 used = cpu - last[pid][1] if pid in last else 0.0
                 if used > 0:
@@ -644,10 +667,14 @@ def ray_overheads(unit_bytes: float, weight_bytes: int, trained_params: int, rep
             ray.shutdown()
 
 
-def engine_run_overheads(cfg, m: dict, iterations: int = 3) -> dict:
+def engine_run_overheads(cfg, m: dict, iterations: int = 3,
+                         standalone: Callable[[], dict[str, float]] | None = None) -> dict:
     """Run the engine itself (disaggregated, GAP/TSP/TAG off, 1 rollout + 1 trainer CPU worker) and
     read from its timeline what it pays around the units: the dispatch gap before a unit (median),
-    the extra before a train unit that waits on another worker's samples, publish and fetch times."""
+    the extra before a train unit that waits on another worker's samples, publish and fetch times;
+    and how much longer a unit takes in an engine worker than run standalone (``unit_time_factor``)
+    -- against ``standalone()`` unit times measured right before and right after the run, so that
+    the ratio spans one stretch of the host's load (else against the profile's composed times)."""
     from digenrl.config import validate_config
     from digenrl.engine.runtime import run_engine
     from digenrl.engine.timeline import Timeline
@@ -660,32 +687,41 @@ def engine_run_overheads(cfg, m: dict, iterations: int = 3) -> dict:
     data["train"] = {**data["train"], "iterations": iterations, "device": "cpu"}
     data["output"] = {**data["output"], "save_samples_every": 0, "checkpoint_every": 0, "eval_every": 0}
     cal = validate_config(data)
+    before = standalone() if standalone else None
     with tempfile.TemporaryDirectory() as tmp:
         result = run_engine(cal, Path(tmp) / "run")
         tl = Timeline.from_chrome_trace(Path(tmp) / "run" / "timeline.json")
+    reference = None
+    if standalone:
+        after = standalone()
+        reference = {k: (before[k] + after[k]) / 2 for k in before}
     out = timeline_overheads(tl, m)
-    out["unit_time_factor"] = unit_time_factors(tl, cal, m)
+    out["unit_time_factor"] = unit_time_factors(tl, cal, m, reference)
+    if reference:
+        out["standalone_unit_s"] = reference
     out["calibration_rows"] = [{k: r[k] for k in ("iteration", "wall_s", "samples_per_s", "bubble_fraction")}
                                for r in result.metrics]
     return out
 
 
-def unit_time_factors(tl, cfg, m: dict) -> dict:
-    """How much longer units take inside the engine's worker processes than the profile's standalone
-    measurements predict (the driver, Ray's own processes and the other worker share the host):
-    median measured / predicted per unit kind, over the iterations after the first."""
+def unit_time_factors(tl, cfg, m: dict, reference: dict[str, float] | None = None) -> dict:
+    """How much longer units take inside the engine's worker processes than standalone (Ray's
+    worker process and its threads, samples read from the object store, the driver and the other
+    worker between units): mean engine unit time, over the iterations after the first, / the
+    ``reference`` standalone unit time (else the profile's composed prediction), per unit kind."""
     from digenrl.planner.costmodel import ProfiledTimes, Workload, rollout_unit_time, train_unit_time
 
-    w = Workload.from_config(cfg)
-    times = ProfiledTimes({"device": {"name": "profile"}, "measurements": m})
-    groups = cfg.engine.unit_groups
-    predicted = {"rollout": rollout_unit_time(times, w, groups)[0],
-                 "train": train_unit_time(times, w, groups, 0, 1, cfg.train.micro_batch)}
+    if reference is None:
+        w = Workload.from_config(cfg)
+        times = ProfiledTimes({"device": {"name": "profile"}, "measurements": m})
+        groups = cfg.engine.unit_groups
+        reference = {"rollout": rollout_unit_time(times, w, groups)[0],
+                     "train": train_unit_time(times, w, groups, 0, 1, cfg.train.micro_batch)}
     out = {}
-    for kind, pred in predicted.items():
+    for kind, pred in reference.items():
         got = [e.duration for e in tl.events if e.kind == kind and e.iteration > 0]
         if got and pred > 0:
-            out[kind] = statistics.median(got) / pred
+            out[kind] = statistics.fmean(got) / pred
     return out
 
 
