@@ -20,8 +20,9 @@
 3. samples/s and bubble fraction of both, over the same iterations (the first and the last left out),
    with the relative error of the prediction; and a "replay" prediction -- the simulator fed with the
    unit durations the run itself measured -- whose error is that of the scheduling and overhead model
-   alone, without the profile's timing noise. ``--reprofile`` re-measures the call times right
-   before each mode's run (less drift between profile and run when other work comes and goes).
+   alone, without the profile's timing noise. ``--reprofile`` re-measures the call and unit times
+   and the CPU sharing right before each run (less drift between profile and run when other work
+   comes and goes); ``--repeats N`` runs every mode N times in round robin and compares medians.
 
 Timings on a shared machine are noisy (other processes take cores): rerun before trusting an outlier.
 """
@@ -127,8 +128,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", choices=("run", "ray"), default="run")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--profile", type=Path, default=None, help="reuse a profile.json instead of profiling")
-    ap.add_argument("--cpu-sharing", choices=("cores", "measured"), default="cores",
-                    help="concurrent workers: processor sharing of the cores, or the profile's measured slowdown")
+    ap.add_argument("--cpu-sharing", choices=("cores", "measured"), default="measured",
+                    help="concurrent workers: the profile's measured slowdown of n concurrent workers (default), "
+                         "or processor sharing of the cores beside the other processes' runnable threads")
     ap.add_argument("--no-engine-unit-factor", dest="engine_unit_factor", action="store_false",
                     help="do not scale units by the calibration run's engine/standalone unit_time_factor")
     ap.add_argument("--reprofile", action="store_true",
@@ -178,13 +180,10 @@ def main(argv=None) -> int:
         for rep in range(args.repeats):
             for mode in modes:
                 cfg = mode_config(args.config, args.workload, mode, args.iterations)
-                if args.reprofile:  # the batches this workload runs; no fork-based sharing probe once Ray runs
-                    fresh = run_profile(base, "cpu", engine="none", sharing=0, batches=[unit_groups(base) * G],
+                if args.reprofile:  # the batches this workload runs, and the sharing of 2 concurrent workers
+                    fresh = run_profile(base, "cpu", engine="none", sharing=2, batches=[unit_groups(base) * G],
                                         min_time=0.6)
-                    sharing = profile["measurements"].get("cpu_slowdown")
                     profile = {**fresh, "engine": eng or None}
-                    if sharing:
-                        profile["measurements"]["cpu_slowdown"] = sharing
                 cluster = cluster_from_dict({"name": "local_cpu", "pools": [p.model_dump() for p in cfg.cluster.pools]})
                 cost = CostModel(workload, cluster, params, profile=profile)
                 sim = simulate(Plan.from_run_config(cfg), cost, args.iterations,
@@ -235,8 +234,10 @@ def main(argv=None) -> int:
                       f"{r['predicted_bubble_fraction']:.2f} measured {r['measured_bubble_fraction']:.2f}   "
                       f"replay error {r['replay_rel_error']:+6.1%}\n    other processes: {r['other_runnable']:.1f} runnable "
                       f"threads, {r['other_load_cores']:.2f} cores (profiled beside {r['profile_other_runnable'] or 0:.1f}, "
-                      f"{r['profile_other_load_cores'] or 0:.2f}); at the run's load predicted "
-                      f"{r['at_run_load_samples_per_s']:.2f}, error {r['at_run_load_rel_error']:+.1%}\n    unit ms predicted / measured: "
+                      f"{r['profile_other_load_cores'] or 0:.2f})"
+                      + (f"; at the run's load predicted {r['at_run_load_samples_per_s']:.2f}, error "
+                         f"{r['at_run_load_rel_error']:+.1%}" if args.cpu_sharing == "cores" else "")
+                      + "\n    unit ms predicted / measured: "
                       + ", ".join(f"{k} {p:.0f}/{m:.0f}" for k, (p, m) in r["unit_ms"].items()), flush=True)
     finally:
         ray.shutdown()
@@ -258,16 +259,20 @@ def main(argv=None) -> int:
         r["at_run_load_rel_error"] = ((r["at_run_load_samples_per_s"] - r["measured_samples_per_s"])
                                       / r["measured_samples_per_s"])
     print()
+    cores = args.cpu_sharing == "cores"  # only then does the prediction depend on the other load directly
     print(f"{'mode':12s} {'pred. samples/s':>16s} {'meas. samples/s':>16s} {'rel. error':>10s} "
-          f"{'pred. bubble':>12s} {'meas. bubble':>12s} {'at run load':>11s} {'replay error':>12s} {'other thr.':>10s}")
+          f"{'pred. bubble':>12s} {'meas. bubble':>12s}" + (f" {'at run load':>11s}" if cores else "")
+          + f" {'replay error':>12s} {'other cores':>11s}")
     for r in rows:
         print(f"{r['mode']:12s} {r['predicted_samples_per_s']:16.2f} {r['measured_samples_per_s']:16.2f} "
-              f"{r['rel_error']:+10.1%} {r['predicted_bubble_fraction']:12.2f} {r['measured_bubble_fraction']:12.2f} "
-              f"{r['at_run_load_rel_error']:+11.1%} {r['replay_rel_error']:+12.1%} {r['other_runnable']:10.1f}")
+              f"{r['rel_error']:+10.1%} {r['predicted_bubble_fraction']:12.2f} {r['measured_bubble_fraction']:12.2f}"
+              + (f" {r['at_run_load_rel_error']:+11.1%}" if cores else "")
+              + f" {r['replay_rel_error']:+12.1%} {r['other_load_cores']:11.2f}")
     worst = max(abs(r["rel_error"]) for r in rows)
     print(f"{'median of ' + str(args.repeats) + ' runs per mode; ' if args.repeats > 1 else ''}worst |error| "
-          f"{worst:.1%} (target 10%); at run load = the prediction beside the other processes' load measured "
-          f"during the run; other thr. = their runnable threads (on {os.cpu_count()} cores)")
+          f"{worst:.1%} (target 10%); other cores = CPU other processes used during the runs (of "
+          f"{os.cpu_count()} cores)" + ("; at run load = the prediction beside the other processes' runnable "
+                                        "threads measured during the run" if cores else ""))
     if args.json is not None:
         args.json.write_text(json.dumps({"modes": rows, "profile_engine": eng, "iterations": args.iterations,
                                          "repeats": args.repeats, "workload": args.workload,

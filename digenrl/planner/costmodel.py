@@ -71,9 +71,10 @@ class CostParams:
     gradient_checkpointing: str = "auto"  # "auto" (only when activations do not fit), "on", "off"
     allow_fsdp: bool = True  # shard weights / optimizer state over the trainer ranks when they do not fit
     fsdp_overlap: float = 0.7  # share of FSDP all-gather / reduce-scatter time hidden behind compute
-    # cpu clusters: "cores" = processor sharing of the host's cores; "measured" = the profile's cpu_slowdown
-    # (what n concurrent workers got at profiling time -- on a shared host, only as good as that moment)
-    cpu_sharing: str = "cores"
+    # cpu clusters: "measured" = the profile's cpu_slowdown (what n concurrent workers got of this host:
+    # shared caches / memory bandwidth, and on a shared host what other processes left at profiling
+    # time), "cores" when the profile has none; "cores" = processor sharing of the host's cores
+    cpu_sharing: str = "measured"
     # cpu clusters, "cores" sharing: runnable threads of other processes (other users of the host) our
     # workers share the cores with; None = what the profile measured beside its times (``other_runnable``)
     cpu_other_load: float | None = None

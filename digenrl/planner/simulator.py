@@ -14,10 +14,11 @@ what the engine adds around it:
   all-reduce -- which waits for the last rank -- and its update are done;
 - a colocated device pays a phase switch (idle, so counted as bubble) when it turns from training
   to sampling or back;
-- ``device: cpu`` pools share the host's cores: when ``n`` workers compute at once on ``C``
-  cores each runs at ``min(1, C / n)`` speed (processor sharing; or what the profile measured for
-  ``n`` concurrent workers, ``CostParams.cpu_sharing = "measured"``), and the driver's work between
-  units (``call_s``) at the speed of ``n + 1``.
+- ``device: cpu`` pools share the host's cores: when ``n`` workers compute at once each runs at
+  the speed the profile measured for ``n`` concurrent workers (``CostParams.cpu_sharing =
+  "measured"``, the default), or at processor sharing of the ``C`` cores with the other processes'
+  ``K`` runnable threads (``"cores"``, and when the profile has no measurement), and the driver's
+  work between units (``call_s``) at the speed of ``n + 1``.
 
 Everything is recorded into the same :class:`~digenrl.engine.timeline.Timeline` a real run fills,
 so ``timeline.json``, ``timeline.png`` and the per-iteration samples/s and bubble fraction are
