@@ -75,6 +75,9 @@ def profile_table(p: dict) -> Table:
     if m.get("cpu_slowdown"):
         t.add_row("CPU: slowdown with n concurrent workers",
                   ", ".join(f"{n}: x{v:.2f}" for n, v in m["cpu_slowdown"].items()), "")
+    if "other_load_cores" in m:
+        t.add_row("CPU: other processes while measuring", f"{m['other_load_cores']:.2f} cores",
+                  f"{m.get('other_runnable', 0.0):.1f} runnable threads")
     for phase, b in m["peak_memory_bytes"].items():
         t.add_row(f"peak memory ({phase})", f"{b / 2**20:.0f} MiB", "")
     e = p.get("engine")
@@ -84,4 +87,7 @@ def profile_table(p: dict) -> Table:
                   f"{e['transfer_bytes_per_s'] / 1e9:.2f} GB/s")
         t.add_row("engine: weights put / get", _ms(e["put_s"]), _ms(e["get_s"]))
         t.add_row("engine: all-reduce of the gradients", _ms(e.get("allreduce_s", 0.0)), "")
+        if e.get("unit_time_factor"):
+            t.add_row("engine: a unit in a worker / standalone",
+                      ", ".join(f"{k} x{v:.2f}" for k, v in e["unit_time_factor"].items()), "")
     return t
