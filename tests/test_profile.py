@@ -152,3 +152,18 @@ def test_other_load_counts_our_children_as_ours():
     finally:
         spin.wait()
     assert load.ours > 0.5 and load.seconds > 0.8  # the spinning child is ours (we started it)
+
+
+def test_profile_cli_engine_none_measures_the_model_only(monkeypatch, capsys, tmp_path):
+    from helpers import cli
+
+    cfg_file = tmp_path / "small.yaml"
+    cfg_file.write_text("sampling: {steps: 2}\nalgorithm: {group_size: 2}\ntrain: {prompts_per_iteration: 2, "
+                        "micro_batch: 2}\n")
+    out = tmp_path / "profile.json"
+    code, stdout, err = cli(monkeypatch, capsys, "profile", "--config", str(cfg_file), "--out", str(out),
+                            "--engine", "none", "--repeats", "1")
+    assert code in (0, None), err
+    data = json.loads(out.read_text())
+    assert data["engine"] is None and "engine: call round trip" not in stdout
+    assert data["measurements"]["timing_rounds"] >= 1 and "other_load_cores" in data["measurements"]
