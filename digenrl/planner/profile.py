@@ -29,8 +29,8 @@ engine (optional)
   the gradients; ``run``: additionally a 3-iteration run of the engine itself (disaggregated, sync,
   1 + 1 workers) whose timeline gives the per-unit dispatch gap, the samples transfer, the
   publish / fetch times as the runtime really pays them (what the simulator adds around units),
-  and how much slower a unit runs inside an engine worker than measured standalone here
-  (``unit_time_factor``: the driver and Ray's processes share the CPU).
+  and how much slower a unit runs inside an engine worker than the same unit run standalone here
+  right before and after the run (``unit_time_factor``, ~1.1-1.2 on a quiet 2-core host).
 """
 
 from __future__ import annotations
