@@ -1,7 +1,8 @@
 """How well does the planner predict the engine? Profile, predict every engine mode, run it, compare.
 
-    python benchmarks/plan_fidelity.py [--config FILE] [--workload balanced|flow_grpo] [--iterations 8]
-                                       [--calibration run|ray] [--json fidelity.json] [--timelines DIR]
+    python benchmarks/plan_fidelity.py [--config FILE] [--workload balanced|flow_grpo] [--iterations 6]
+                                       [--repeats 3] [--reprofile] [--calibration run|ray]
+                                       [--json fidelity.json] [--timelines DIR]
 
 1. ``digenrl profile`` of the configured tiny model on this CPU (one thread per worker, as the engine
    runs), with the engine's own overheads measured either from a short calibration run of the engine
@@ -19,8 +20,9 @@
 3. samples/s and bubble fraction of both, over the same iterations (the first and the last left out),
    with the relative error of the prediction; and a "replay" prediction -- the simulator fed with the
    unit durations the run itself measured -- whose error is that of the scheduling and overhead model
-   alone, without the profile's timing noise. ``--reprofile`` re-measures the call times right
-   before each mode's run (less drift between profile and run when other work comes and goes).
+   alone, without the profile's timing noise. ``--reprofile`` re-measures the call and unit times
+   and the CPU sharing right before each run (less drift between profile and run when other work
+   comes and goes); ``--repeats N`` runs every mode N times in round robin and compares medians.
 
 Timings on a shared machine are noisy (other processes take cores): rerun before trusting an outlier.
 """
@@ -28,6 +30,7 @@ Timings on a shared machine are noisy (other processes take cores): rerun before
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -92,22 +95,52 @@ def replay_cost(cost, measured):
     return Replay(cost.w, cost.cluster, profile=cost.profile)
 
 
+def unit_ms(predicted, measured) -> dict:
+    """Mean duration (ms) per unit kind (train per TSP rank) after the first iteration: predicted, measured."""
+    import statistics
+
+    def means(tl):
+        by = {}
+        for e in tl.events:
+            if e.iteration > 0 and e.kind in ("rollout", "train", "step"):
+                by.setdefault(e.kind + (str(e.args.get("tsp_rank", 0)) if e.kind == "train" else ""), []).append(
+                    e.duration * 1e3)
+        return {k: statistics.mean(v) for k, v in by.items()}
+
+    p, m = means(predicted), means(measured)
+    return {k: (p[k], m.get(k, float("nan"))) for k in sorted(p)}
+
+
+def median(xs):
+    import statistics
+
+    return statistics.median(xs)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, default=None, help="run config (default: the embedded tiny FLUX)")
-    ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--iterations", type=int, default=6, help="per run; the first and the last are not measured")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per mode, in round robin (background load drifts, modes share it); the table "
+                         "compares the median prediction with the median measurement")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="balanced")
     ap.add_argument("--calibration", choices=("run", "ray"), default="run")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--profile", type=Path, default=None, help="reuse a profile.json instead of profiling")
-    ap.add_argument("--cpu-sharing", choices=("cores", "measured"), default="cores",
-                    help="concurrent workers: processor sharing of the cores, or the profile's measured slowdown")
+    ap.add_argument("--cpu-sharing", choices=("cores", "measured"), default="measured",
+                    help="concurrent workers: the profile's measured slowdown of n concurrent workers (default), "
+                         "or processor sharing of the cores beside the other processes' runnable threads")
+    ap.add_argument("--no-engine-unit-factor", dest="engine_unit_factor", action="store_false",
+                    help="do not scale units by the calibration run's engine/standalone unit_time_factor")
     ap.add_argument("--reprofile", action="store_true",
-                    help="re-measure the model's call times right before each mode's run (the engine overheads "
+                    help="re-measure the model's call and unit times right before each run (the engine overheads "
                          "stay those of the first profile): less drift on a machine whose load changes")
     ap.add_argument("--json", type=Path, default=None, help="write the table as JSON")
     ap.add_argument("--timelines", type=Path, default=None, help="keep predicted and measured timeline.json/png here")
     args = ap.parse_args(argv)
+    if args.iterations < 3 or args.repeats < 1:
+        ap.error("--iterations must be at least 3 (first and last are left out), --repeats at least 1")
 
     import ray
     import torch
@@ -116,7 +149,7 @@ def main(argv=None) -> int:
     from digenrl.engine.timeline import Timeline
     from digenrl.planner.costmodel import CostModel, CostParams, Workload
     from digenrl.planner.gpus import cluster_from_dict
-    from digenrl.planner.profile import load_profile, run_profile, save_profile
+    from digenrl.planner.profile import OtherLoad, load_profile, run_profile, save_profile, unit_groups
     from digenrl.planner.simulator import Plan, simulate, steady_summary
 
     torch.set_num_threads(1)
@@ -130,72 +163,120 @@ def main(argv=None) -> int:
                               on_step=lambda s: print(f"  [{time.time() - t0:5.1f}s] profile: {s}", flush=True))
         save_profile(profile, Path(tempfile.gettempdir()) / "digenrl-fidelity-profile.json")
     eng = profile["engine"] or {}
+    u = profile["measurements"]["unit_overhead"]
     print(f"profile done in {time.time() - t0:.1f}s; engine overheads: call {eng.get('call_s', 0) * 1e3:.1f} ms, "
-          f"transfer {eng.get('transfer_latency_s', 0) * 1e3:.1f} ms ({eng.get('source')}); units in a worker "
-          f"take x{eng.get('unit_time_factor')} the standalone time; with n concurrent workers "
+          f"transfer {eng.get('transfer_latency_s', 0) * 1e3:.1f} ms ({eng.get('source')}); whole units x"
+          f"{u.get('rollout_factor', 1):.2f} / x{u.get('train_factor', 1):.2f} their calls; calibration run's "
+          f"engine/standalone unit time x{eng.get('unit_time_factor')} "
+          f"({'applied' if args.engine_unit_factor else 'not applied'}); with n concurrent workers "
           f"x{profile['measurements'].get('cpu_slowdown')}", flush=True)
+    params = CostParams(cpu_sharing=args.cpu_sharing, engine_unit_factor=args.engine_unit_factor)
+    G = base.algorithm.group_size
     ray.init(num_cpus=os.cpu_count(), resources={"pool:rollout": 1, "pool:trainer": 1}, include_dashboard=False,
              logging_level=logging.WARNING)
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     try:
         workload = Workload.from_config(base)
-        rows = []
-        for mode in modes:
-            cfg = mode_config(args.config, args.workload, mode, args.iterations)
-            if args.reprofile:  # no fork-based sharing probe once Ray runs in this process: keep the first one
-                fresh = run_profile(base, "cpu", engine="none", sharing=0)
-                sharing = profile["measurements"].get("cpu_slowdown")
-                profile = {**fresh, "engine": eng or None}
-                if sharing:
-                    profile["measurements"]["cpu_slowdown"] = sharing
-            cluster = cluster_from_dict({"name": "local_cpu", "pools": [p.model_dump() for p in cfg.cluster.pools]})
-            cost = CostModel(workload, cluster, CostParams(cpu_sharing=args.cpu_sharing), profile=profile)
-            sim = simulate(Plan.from_run_config(cfg), cost, args.iterations,
-                           wait_for_full_batch=cfg.algorithm.std == "global")
-            with tempfile.TemporaryDirectory() as tmp:
-                run_dir = Path(tmp) / mode
-                t1 = time.time()
-                run_engine(cfg, run_dir)
-                measured_tl = Timeline.from_chrome_trace(run_dir / "timeline.json")
-                if args.timelines is not None:
-                    out = args.timelines / mode
-                    sim.save(out / "predicted")
-                    (out / "measured").mkdir(parents=True, exist_ok=True)
-                    measured_tl.save_json(out / "measured" / "timeline.json")
-                    measured_tl.to_png(out / "measured" / "timeline.png")
-            meas = steady_summary(measured_tl)
-            pred = sim.summary
-            err = (pred["samples_per_s"] - meas["samples_per_s"]) / meas["samples_per_s"]
-            replay = simulate(Plan.from_run_config(cfg), replay_cost(cost, measured_tl), args.iterations,
-                              wait_for_full_batch=cfg.algorithm.std == "global").summary
-            replay_err = (replay["samples_per_s"] - meas["samples_per_s"]) / meas["samples_per_s"]
-            rows.append({"mode": mode, "predicted_samples_per_s": pred["samples_per_s"],
-                         "measured_samples_per_s": meas["samples_per_s"], "rel_error": err,
-                         "predicted_bubble_fraction": pred["bubble_fraction"],
-                         "measured_bubble_fraction": meas["bubble_fraction"],
-                         "predicted_iteration_s": pred["iteration_s"], "measured_iteration_s": meas["iteration_s"],
-                         "replay_samples_per_s": replay["samples_per_s"], "replay_rel_error": replay_err,
-                         "run_s": time.time() - t1})
-            r = rows[-1]
-            print(f"{mode:12s} predicted {r['predicted_samples_per_s']:7.2f} samples/s  measured "
-                  f"{r['measured_samples_per_s']:7.2f}  error {err:+6.1%}   bubble predicted "
-                  f"{r['predicted_bubble_fraction']:.2f} measured {r['measured_bubble_fraction']:.2f}   "
-                  f"replay error {replay_err:+6.1%}", flush=True)
+        for rep in range(args.repeats):
+            for mode in modes:
+                cfg = mode_config(args.config, args.workload, mode, args.iterations)
+                if args.reprofile:  # the batches this workload runs, and the sharing of 2 concurrent workers
+                    fresh = run_profile(base, "cpu", engine="none", sharing=2, batches=[unit_groups(base) * G],
+                                        min_time=0.6)
+                    profile = {**fresh, "engine": eng or None}
+                cluster = cluster_from_dict({"name": "local_cpu", "pools": [p.model_dump() for p in cfg.cluster.pools]})
+                cost = CostModel(workload, cluster, params, profile=profile)
+                sim = simulate(Plan.from_run_config(cfg), cost, args.iterations,
+                               wait_for_full_batch=cfg.algorithm.std == "global")
+                with tempfile.TemporaryDirectory() as tmp:
+                    run_dir = Path(tmp) / mode
+                    t1 = time.time()
+                    with OtherLoad() as load:
+                        run_engine(cfg, run_dir)
+                    measured_tl = Timeline.from_chrome_trace(run_dir / "timeline.json")
+                    if args.timelines is not None:
+                        out = args.timelines / (mode if args.repeats == 1 else f"{mode}-{rep}")
+                        sim.save(out / "predicted")
+                        save_profile(profile, out / "profile.json")
+                        (out / "measured").mkdir(parents=True, exist_ok=True)
+                        measured_tl.save_json(out / "measured" / "timeline.json")
+                        measured_tl.to_png(out / "measured" / "timeline.png")
+                meas = steady_summary(measured_tl)
+                pred = sim.summary
+                # the same prediction, but beside the other processes' load the run really had (their
+                # runnable threads, measured during the run): what the planner would have said, had it
+                # known what the other users of the host would do -- the load is an input, not a fit
+                at_load = simulate(Plan.from_run_config(cfg), CostModel(
+                    workload, cluster, dataclasses.replace(params, cpu_other_load=load.other_runnable),
+                    profile=profile), args.iterations, wait_for_full_batch=cfg.algorithm.std == "global").summary
+                replay = simulate(Plan.from_run_config(cfg), replay_cost(cost, measured_tl), args.iterations,
+                                  wait_for_full_batch=cfg.algorithm.std == "global").summary
+                r = {"mode": mode, "repeat": rep, "predicted_samples_per_s": pred["samples_per_s"],
+                     "measured_samples_per_s": meas["samples_per_s"],
+                     "rel_error": (pred["samples_per_s"] - meas["samples_per_s"]) / meas["samples_per_s"],
+                     "predicted_bubble_fraction": pred["bubble_fraction"],
+                     "measured_bubble_fraction": meas["bubble_fraction"],
+                     "predicted_iteration_s": pred["iteration_s"], "measured_iteration_s": meas["iteration_s"],
+                     "at_run_load_samples_per_s": at_load["samples_per_s"],
+                     "at_run_load_rel_error": (at_load["samples_per_s"] - meas["samples_per_s"]) / meas["samples_per_s"],
+                     "replay_samples_per_s": replay["samples_per_s"],
+                     "replay_rel_error": (replay["samples_per_s"] - meas["samples_per_s"]) / meas["samples_per_s"],
+                     "other_load_cores": load.other_cores, "other_runnable": load.other_runnable,
+                     "profile_other_runnable": profile["measurements"].get("other_runnable"),
+                     "run_s": time.time() - t1,
+                     "unit_ms": unit_ms(sim.timeline, measured_tl),
+                     "profile_other_load_cores": profile["measurements"].get("other_load_cores"),
+                     "profile_unit_factors": [profile["measurements"]["unit_overhead"].get(k)
+                                              for k in ("rollout_factor", "train_factor")]}
+                runs[mode].append(r)
+                print(f"{mode:12s} #{rep + 1} predicted {r['predicted_samples_per_s']:7.2f} samples/s  measured "
+                      f"{r['measured_samples_per_s']:7.2f}  error {r['rel_error']:+6.1%}   bubble predicted "
+                      f"{r['predicted_bubble_fraction']:.2f} measured {r['measured_bubble_fraction']:.2f}   "
+                      f"replay error {r['replay_rel_error']:+6.1%}\n    other processes: {r['other_runnable']:.1f} runnable "
+                      f"threads, {r['other_load_cores']:.2f} cores (profiled beside {r['profile_other_runnable'] or 0:.1f}, "
+                      f"{r['profile_other_load_cores'] or 0:.2f})"
+                      + (f"; at the run's load predicted {r['at_run_load_samples_per_s']:.2f}, error "
+                         f"{r['at_run_load_rel_error']:+.1%}" if args.cpu_sharing == "cores" else "")
+                      + "\n    unit ms predicted / measured: "
+                      + ", ".join(f"{k} {p:.0f}/{m:.0f}" for k, (p, m) in r["unit_ms"].items()), flush=True)
     finally:
         ray.shutdown()
 
+    rows = []
+    for mode in modes:
+        rs = runs[mode]
+        pred, meas = median([r["predicted_samples_per_s"] for r in rs]), median([r["measured_samples_per_s"] for r in rs])
+        rows.append({"mode": mode, "predicted_samples_per_s": pred, "measured_samples_per_s": meas,
+                     "rel_error": (pred - meas) / meas,
+                     "predicted_bubble_fraction": median([r["predicted_bubble_fraction"] for r in rs]),
+                     "measured_bubble_fraction": median([r["measured_bubble_fraction"] for r in rs]),
+                     "replay_rel_error": median([r["replay_rel_error"] for r in rs]),
+                     "at_run_load_samples_per_s": median([r["at_run_load_samples_per_s"] for r in rs]),
+                     "other_load_cores": median([r["other_load_cores"] for r in rs]),
+                     "other_runnable": median([r["other_runnable"] for r in rs]),
+                     "runs": rs})
+    for r in rows:
+        r["at_run_load_rel_error"] = ((r["at_run_load_samples_per_s"] - r["measured_samples_per_s"])
+                                      / r["measured_samples_per_s"])
     print()
+    cores = args.cpu_sharing == "cores"  # only then does the prediction depend on the other load directly
     print(f"{'mode':12s} {'pred. samples/s':>16s} {'meas. samples/s':>16s} {'rel. error':>10s} "
-          f"{'pred. bubble':>12s} {'meas. bubble':>12s} {'replay error':>12s}")
+          f"{'pred. bubble':>12s} {'meas. bubble':>12s}" + (f" {'at run load':>11s}" if cores else "")
+          + f" {'replay error':>12s} {'other cores':>11s}")
     for r in rows:
         print(f"{r['mode']:12s} {r['predicted_samples_per_s']:16.2f} {r['measured_samples_per_s']:16.2f} "
-              f"{r['rel_error']:+10.1%} {r['predicted_bubble_fraction']:12.2f} {r['measured_bubble_fraction']:12.2f} "
-              f"{r['replay_rel_error']:+12.1%}")
+              f"{r['rel_error']:+10.1%} {r['predicted_bubble_fraction']:12.2f} {r['measured_bubble_fraction']:12.2f}"
+              + (f" {r['at_run_load_rel_error']:+11.1%}" if cores else "")
+              + f" {r['replay_rel_error']:+12.1%} {r['other_load_cores']:11.2f}")
     worst = max(abs(r["rel_error"]) for r in rows)
-    print(f"worst |error| {worst:.1%} (target 10%); machine load while measuring: {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} cores")
+    print(f"{'median of ' + str(args.repeats) + ' runs per mode; ' if args.repeats > 1 else ''}worst |error| "
+          f"{worst:.1%} (target 10%); other cores = CPU other processes used during the runs (of "
+          f"{os.cpu_count()} cores)" + ("; at run load = the prediction beside the other processes' runnable "
+                                        "threads measured during the run" if cores else ""))
     if args.json is not None:
         args.json.write_text(json.dumps({"modes": rows, "profile_engine": eng, "iterations": args.iterations,
-                                         "workload": args.workload,
+                                         "repeats": args.repeats, "workload": args.workload,
+                                         "reprofile": args.reprofile, "cpu_sharing": args.cpu_sharing,
                                          "config": str(args.config or "embedded tiny FLUX")}, indent=2))
         print(f"wrote {args.json}")
     return 0

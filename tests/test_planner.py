@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cli as cli_main
 from typer.testing import CliRunner
 
 from digenrl.cli.app import app
@@ -16,7 +17,7 @@ from digenrl.config import load_config
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit
 from digenrl.engine.timeline import Timeline
 from digenrl.errors import UserError
-from digenrl.planner.costmodel import CostModel, EngineOverheads, Workload, interpolate
+from digenrl.planner.costmodel import AnalyticTimes, CostModel, EngineOverheads, Workload, interpolate
 from digenrl.planner.gpus import DEVICES, cluster_from_dict, load_cluster, match_device_name
 from digenrl.planner.search import candidates, search
 from digenrl.planner.shapes import attention_fraction, forward_flops, model_shape
@@ -77,6 +78,26 @@ def test_interpolation_is_exact_at_points_linear_between_and_extrapolates():
     assert interpolate(table, 3) == pytest.approx(2.0)
     assert interpolate(table, 16) == pytest.approx(8.5)  # along the last segment (0.5 s per sample)
     assert interpolate(table, 6) == pytest.approx(3.5)
+    # below the table: never free, never dearer than the smallest batch measured
+    noisy = {8: 0.05, 16: 0.11}  # a first segment steeper than linear: extrapolated, b = 1 would cost < 0
+    assert interpolate(noisy, 1) == pytest.approx(0.05 / 8)
+    assert 0.05 / 8 * 4 <= interpolate(noisy, 4) <= 0.05
+
+
+def test_a_run_configs_micro_batch_is_simulated_as_configured(monkeypatch):
+    """A plan read from a run config trains at its micro-batch even when a (noisy) profile makes a
+    smaller one look cheaper per sample; the search, free to choose, may pick the smaller one."""
+    cfg = load_config(None, ["train.micro_batch=16", "algorithm.group_size=8", "engine.unit_groups=2",
+                             "train.prompts_per_iteration=4"])
+    w = Workload.from_config(cfg)
+    cluster = load_cluster(CLUSTERS / "local_cpu.yaml")
+    cheap8 = {8: 0.040, 16: 0.100}  # per sample: 5 ms at 8, 6.25 ms at 16 (checkpointing: +1 forward)
+    monkeypatch.setattr(AnalyticTimes, "train_step",
+                        lambda self, b: interpolate(cheap8, b) * (1.3 if self.checkpointing else 1.0))
+    cost = CostModel(w, cluster)
+    assert cost.trainer_setup("cpu", 1, False, 2).micro_batch == 8
+    assert cost.trainer_setup("cpu", 1, False, 2, micro_batch=16).micro_batch == 16
+    assert cost.colocated_setup("cpu", 2, 2, micro_batch=16).micro_batch == 16
 
 
 @pytest.mark.parametrize("name", ["flux1_dev", "wan2.1_t2v_14b", "hunyuan_video", "qwen_image"])
@@ -307,3 +328,51 @@ def test_known_gpu_table_has_datasheet_numbers():
     assert DEVICES["H20"].memory == pytest.approx(96e9)
     assert DEVICES["A100"].mem_bw == pytest.approx(2.039e12)
     assert {"H100", "H200", "H800", "H20", "A100", "L40S", "RTX4090"} <= set(DEVICES)
+
+
+# ------------------------------------------------------------------- plan: --iterations, --timeline, --ladder
+
+
+def test_plan_ladder_timeline_and_iterations(monkeypatch, capsys, tmp_path):
+    code, out, err = cli_main(monkeypatch, capsys, "plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"), "--json",
+                             "--top", "1", "--iterations", "3", "--ladder", "--timeline", str(tmp_path / "tl"))
+    assert code in (0, None), err
+    report = json.loads(out)
+    steps = [row["step"] for row in report["ladder"]]
+    assert steps == ["sync", "+GAP", "+TSP", "+TAG", "+async"]
+    assert report["ladder"][0]["gain_vs_previous"] is None
+    sps = [row["samples_per_s"] for row in report["ladder"]]
+    for row, before in zip(report["ladder"][1:], sps):
+        # each step searches a superset of the previous one's plans: never worse (up to simulation ties)
+        assert row["gain_vs_previous"] == pytest.approx(row["samples_per_s"] / before)
+        assert row["samples_per_s"] >= before * 0.999
+    for name in ("best", "colocated"):
+        assert (tmp_path / "tl" / name / "timeline.json").is_file() and (tmp_path / "tl" / name / "timeline.png").is_file()
+    tl = Timeline.from_chrome_trace(tmp_path / "tl" / "best" / "timeline.json")
+    assert len(tl.iteration_spans()) == 3
+    # the table form prints the ladder as its own table
+    code, out, err = cli_main(monkeypatch, capsys, "plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"), "--top", "1",
+                             "--ladder")
+    assert code in (0, None), err
+    assert "what each knob adds" in out and "+async" in out and "vs previous" in out
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["plan", "--iterations", "0"], "--iterations"),
+    (["plan", "--top", "0"], "--top"),
+    (["profile", "--engine", "fast"], "--engine"),
+    (["profile", "--repeats", "0"], "--repeats"),
+    (["profile", "--device", "tpu"], "--device"),
+])
+def test_plan_and_profile_bad_options_exit_2_naming_the_option(monkeypatch, capsys, argv, option):
+    code, out, err = cli_main(monkeypatch, capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and option in lines[0], err
+
+
+def test_plan_timeline_that_is_a_file_exits_2(monkeypatch, capsys, tmp_path):
+    (tmp_path / "f").write_text("x")
+    code, out, err = cli_main(monkeypatch, capsys, "plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"),
+                             "--timeline", str(tmp_path / "f"))
+    assert code == 2 and "--timeline" in err and len(err.strip().splitlines()) == 1

@@ -98,3 +98,72 @@ def test_profile_of_a_missing_checkpoint_exits_2():
     result = CliRunner().invoke(app, ["profile", "--config", str(ROOT / "configs" / "flux1_dev.yaml")])
     assert isinstance(result.exception, UserError) and result.exception.exit_code == 2
     assert "model.pretrained" in str(result.exception)
+
+
+def test_whole_unit_factor_scales_every_composed_unit_and_tsp_shares_split_it(tmp_path):
+    """A profile's unit factor (whole unit / its calls, measured at the run's unit size) multiplies
+    every composed unit: a TSP share of a train unit costs its share of the overhead, not all of it."""
+    cfg = load_config(None, FAST + ["engine.unit_groups=1", "sampling.steps=6"])
+    profile = fast_profile(cfg, sharing=0)
+    u = profile["measurements"]["unit_overhead"]
+    assert u["groups"] == 1 and u["rollout_factor"] > 0 and u["train_factor"] > 0
+    cluster = load_cluster(ROOT / "configs" / "clusters" / "local_cpu.yaml")
+    w = Workload.from_config(cfg)
+    base = CostModel(w, cluster, profile=profile)
+    doubled = {**profile, "measurements": {**profile["measurements"],
+                                           "unit_overhead": {**u, "train_factor": 2 * u["train_factor"]}}}
+    slow = CostModel(w, cluster, profile=doubled)
+    assert slow.train_unit("cpu", 1, 0, 1) == pytest.approx(2 * base.train_unit("cpu", 1, 0, 1))
+    # the TSP shares of a unit add up to the unit (overhead included), each in proportion to its positions
+    for D in (2, 3):
+        shares = [base.train_unit("cpu", 1, r, D) for r in range(D)]
+        assert sum(shares) == pytest.approx(base.train_unit("cpu", 1, 0, 1))
+        assert shares[0] == pytest.approx(base.train_unit("cpu", 1, 0, 1) * w.positions(0, D) / w.trained_steps)
+
+
+def test_engine_unit_factor_is_taken_against_the_reference_units():
+    from digenrl.engine.timeline import Timeline
+    from digenrl.planner.profile import unit_time_factors
+
+    tl = Timeline()
+    tl.add_worker("rollout0", "rollout")
+    tl.add_worker("trainer0", "trainer")
+    for k in range(3):  # iteration 0 (warm-up) is left out
+        d = 0.5 if k == 0 else 0.12
+        tl.record("rollout0", "rollout", f"r{k}", k, k, k, k + d)
+        tl.record("trainer0", "train", f"t{k}", k, k, k + d, k + 2 * d)
+    factors = unit_time_factors(tl, load_config(None, FAST), {}, {"rollout": 0.1, "train": 0.1})
+    assert factors == pytest.approx({"rollout": 1.2, "train": 1.2})
+
+
+def test_other_load_counts_our_children_as_ours():
+    import subprocess
+    import sys
+    import time
+
+    from digenrl.planner.profile import OtherLoad
+
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<3: pass"],
+                            start_new_session=True)
+    try:
+        time.sleep(0.3)
+        with OtherLoad(every=0.2) as load:  # a child of ours: not "other"
+            time.sleep(1.2)
+    finally:
+        spin.wait()
+    assert load.ours > 0.5 and load.seconds > 0.8  # the spinning child is ours (we started it)
+
+
+def test_profile_cli_engine_none_measures_the_model_only(monkeypatch, capsys, tmp_path):
+    from helpers import cli
+
+    cfg_file = tmp_path / "small.yaml"
+    cfg_file.write_text("sampling: {steps: 2}\nalgorithm: {group_size: 2}\ntrain: {prompts_per_iteration: 2, "
+                        "micro_batch: 2}\n")
+    out = tmp_path / "profile.json"
+    code, stdout, err = cli(monkeypatch, capsys, "profile", "--config", str(cfg_file), "--out", str(out),
+                            "--engine", "none", "--repeats", "1")
+    assert code in (0, None), err
+    data = json.loads(out.read_text())
+    assert data["engine"] is None and "engine: call round trip" not in stdout
+    assert data["measurements"]["timing_rounds"] >= 1 and "other_load_cores" in data["measurements"]

@@ -72,11 +72,16 @@ def profile(
     config: Optional[Path] = ConfigOpt,
     device: str = typer.Option("cpu", help="cpu | cuda"),
     out: Path = typer.Option(Path("profile.json"), help="Where to write the profile."),
+    engine: Optional[str] = typer.Option(None, help=(
+        "The engine's own overheads: none (the model only), ray (Ray micro-benchmarks: call, object-store "
+        "transfer, all-reduce) or run (ray + a short calibration run of the engine). Default: ray on cpu, "
+        "none on cuda.")),
+    repeats: int = typer.Option(5, help="Timed calls per measurement (the median is kept)."),
 ):
     """Measure rollout / train step times vs batch size, decode, reward, weight-sync and memory on this device."""
     from digenrl.cli.profile import run_profile_command
 
-    run_profile_command(_load(config, None), device, out, console)
+    run_profile_command(_load(config, None), device, out, console, engine=engine, repeats=repeats)
 
 
 @app.command()
@@ -87,11 +92,19 @@ def plan(
     top: int = typer.Option(5, help="How many placements to show."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     write: Optional[Path] = typer.Option(None, help="Write the best plan as a config for `digenrl train`."),
+    iterations: int = typer.Option(4, help="Iterations simulated per plan (the first and last are not measured)."),
+    timeline: Optional[Path] = typer.Option(None, help=(
+        "Write the predicted timeline.json / timeline.png of the best plan (DIR/best) and of the best "
+        "colocated plan (DIR/colocated).")),
+    ladder: bool = typer.Option(False, "--ladder", help=(
+        "Also show what GAP, TSP, TAG and one-step async each add: the best plan with the knobs "
+        "switched on one by one.")),
 ):
     """Search placements (pool split, unit size, TSP, TAG, staleness) by simulating the engine's scheduler."""
     from digenrl.cli.plan import run_plan_command
 
-    run_plan_command(_load(config, None), cluster, profile_file, top, json_out, write, console)
+    run_plan_command(_load(config, None), cluster, profile_file, top, json_out, write, console,
+                     iterations=iterations, timeline_dir=timeline, ladder=ladder)
 
 
 @app.command("eval")

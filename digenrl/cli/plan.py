@@ -24,6 +24,10 @@ def run_plan_command(cfg: RunConfig, cluster_path: Path | None, profile_path: Pa
 
     if top < 1:
         raise UserError(f"--top: must be at least 1, got {top}")
+    if iterations < 1:
+        raise UserError(f"--iterations: must be at least 1, got {iterations}")
+    if timeline_dir is not None and Path(timeline_dir).exists() and not Path(timeline_dir).is_dir():
+        raise UserError(f"--timeline: {timeline_dir} exists and is not a directory")
     if cluster_path is not None:
         cluster = load_cluster(cluster_path)
     else:
@@ -35,12 +39,15 @@ def run_plan_command(cfg: RunConfig, cluster_path: Path | None, profile_path: Pa
         cost = CostModel(workload, cluster, profile=profile)
         result = search(cost, cluster, top=top, iterations=iterations,
                         wait_for_full_batch=cfg.algorithm.std == "global")
-        steps = knob_ladder(cost, cluster, iterations) if ladder else []
+        steps = (knob_ladder(cost, cluster, iterations, wait_for_full_batch=cfg.algorithm.std == "global")
+                 if ladder else [])
     report = plan_report(result, cost, cluster, top, steps)
     if json_out:
         print(json.dumps(report, indent=2, default=str))
     else:
         console.print(plan_table(report))
+        if report["ladder"]:
+            console.print(ladder_table(report))
         for line in report_notes(report):
             console.print(line)
     if timeline_dir is not None:
@@ -105,8 +112,20 @@ def plan_report(result, cost, cluster, top: int, steps=()) -> dict:
                    "rejected_by_memory": len(result.rejected), "seconds": result.seconds},
         "best_colocated": plan_row(result.best_colocated, result) if result.best_colocated else None,
         "plans": rows,
-        "ladder": [{"step": name, **(plan_row(r, result) if r else {"plan": None})} for name, r in steps],
+        "ladder": ladder_rows(steps, result),
     }
+
+
+def ladder_rows(steps, result) -> list[dict]:
+    """What each knob adds: per ladder step the best plan with the knobs so far, its gain over the
+    previous step (``gain_vs_previous``) and over the best colocated plan."""
+    rows, previous = [], None
+    for name, r in steps:
+        row = {"step": name, **(plan_row(r, result) if r else {"plan": None})}
+        row["gain_vs_previous"] = (r.samples_per_s / previous if r is not None and previous else None)
+        previous = r.samples_per_s if r is not None else previous
+        rows.append(row)
+    return rows
 
 
 def _fmt_speedup(x) -> str:
@@ -135,9 +154,23 @@ def plan_table(report: dict) -> Table:
     if col is not None and all(r["plan"] != col["plan"] for r in report["plans"]):
         t.add_section()
         add(col, "col.")
-    for step in report.get("ladder", []):
-        if step.get("plan"):
-            add(step, step["step"])
+    return t
+
+
+def ladder_table(report: dict) -> Table:
+    """GAP, TSP, TAG, async switched on one by one: the best plan at each step and what the step adds."""
+    t = Table(title="what each knob adds (the best disaggregated plan with the knobs up to this line)")
+    for col in ("step", "placement", "knobs"):
+        t.add_column(col, overflow="fold")
+    for col in ("samples/s", "bubble", "vs previous", "vs col."):
+        t.add_column(col, justify="right", no_wrap=True, min_width=len(col))
+    for row in report["ladder"]:
+        if not row.get("plan"):
+            t.add_row(row["step"], "no plan fits", "", "", "", "", "")
+            continue
+        gain = row["gain_vs_previous"]
+        t.add_row(row["step"], row["where"], row["knobs"], f"{row['samples_per_s']:.4g}", f"{row['bubble_fraction']:.0%}",
+                  f"{gain:.2f}x" if gain is not None else "-", _fmt_speedup(row["speedup_vs_colocated"]))
     return t
 
 

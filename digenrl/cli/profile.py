@@ -19,6 +19,10 @@ def run_profile_command(cfg: RunConfig, device: str, out: Path, console: Console
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device: expected cpu or cuda, got '{device}'")
     engine = engine or ("ray" if device == "cpu" else "none")
+    if engine not in ("none", "ray", "run"):
+        raise UserError(f"--engine: expected none, ray or run, got '{engine}'")
+    if repeats < 1:
+        raise UserError(f"--repeats: must be at least 1, got {repeats}")
     progress = Progress(TextColumn("[bold]profile"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.description}"), TimeElapsedColumn(), console=console)
     with progress:
@@ -63,13 +67,17 @@ def profile_table(p: dict) -> Table:
     t.add_row(f"weight sync: {ws['bytes'] / 1e6:.3f} MB in {ws['tensors']} tensors", f"pack {_ms(ws['pack_s'])}",
               f"load {_ms(ws['load_s'])}")
     u = m["unit_overhead"]
-    t.add_row(f"rollout unit (1 group = {w['group_size']} samples, {w['steps']} steps)", _ms(u["rollout_unit_s"]),
-              f"+{_ms(u['rollout_s'])} beyond calls")
-    t.add_row(f"train unit (1 group, {w['trained_steps']} trained steps)", _ms(u["train_unit_s"]),
-              f"+{_ms(u['train_s'])} beyond calls")
+    g = u.get("groups", 1)
+    t.add_row(f"rollout unit ({g} group(s) = {g * w['group_size']} samples, {w['steps']} steps)",
+              _ms(u["rollout_unit_s"]), f"x{u.get('rollout_factor', 1.0):.2f} its calls")
+    t.add_row(f"train unit ({g} group(s), {w['trained_steps']} trained steps)", _ms(u["train_unit_s"]),
+              f"x{u.get('train_factor', 1.0):.2f} its calls")
     if m.get("cpu_slowdown"):
         t.add_row("CPU: slowdown with n concurrent workers",
                   ", ".join(f"{n}: x{v:.2f}" for n, v in m["cpu_slowdown"].items()), "")
+    if "other_load_cores" in m:
+        t.add_row("CPU: other processes while measuring", f"{m['other_load_cores']:.2f} cores",
+                  f"{m.get('other_runnable', 0.0):.1f} runnable threads")
     for phase, b in m["peak_memory_bytes"].items():
         t.add_row(f"peak memory ({phase})", f"{b / 2**20:.0f} MiB", "")
     e = p.get("engine")
@@ -79,4 +87,7 @@ def profile_table(p: dict) -> Table:
                   f"{e['transfer_bytes_per_s'] / 1e9:.2f} GB/s")
         t.add_row("engine: weights put / get", _ms(e["put_s"]), _ms(e["get_s"]))
         t.add_row("engine: all-reduce of the gradients", _ms(e.get("allreduce_s", 0.0)), "")
+        if e.get("unit_time_factor"):
+            t.add_row("engine: a unit in a worker / standalone",
+                      ", ".join(f"{k} x{v:.2f}" for k, v in e["unit_time_factor"].items()), "")
     return t

@@ -71,9 +71,16 @@ class CostParams:
     gradient_checkpointing: str = "auto"  # "auto" (only when activations do not fit), "on", "off"
     allow_fsdp: bool = True  # shard weights / optimizer state over the trainer ranks when they do not fit
     fsdp_overlap: float = 0.7  # share of FSDP all-gather / reduce-scatter time hidden behind compute
-    # cpu clusters: "cores" = processor sharing of the host's cores; "measured" = the profile's cpu_slowdown
-    # (what n concurrent workers got at profiling time -- on a shared host, only as good as that moment)
-    cpu_sharing: str = "cores"
+    # cpu clusters: "measured" = the profile's cpu_slowdown (what n concurrent workers got of this host:
+    # shared caches / memory bandwidth, and on a shared host what other processes left at profiling
+    # time), "cores" when the profile has none; "cores" = processor sharing of the host's cores
+    cpu_sharing: str = "measured"
+    # cpu clusters, "cores" sharing: runnable threads of other processes (other users of the host) our
+    # workers share the cores with; None = what the profile measured beside its times (``other_runnable``)
+    cpu_other_load: float | None = None
+    # cpu clusters: scale units by the engine calibration run's ``unit_time_factor`` (a unit in an
+    # engine worker / the same unit standalone, measured around the run: 1.1-1.2 on the 2-core host)
+    engine_unit_factor: bool = True
 
 
 @dataclass
@@ -195,7 +202,10 @@ def interpolate(table: dict[int, float], b: float) -> float:
         x0, x1 = xs[i - 1], xs[i]
     y0, y1 = table[x0], table[x1]
     y = y0 + (y1 - y0) * (b - x0) / (x1 - x0)
-    return max(y, 0.0 if b < x0 else min(y0, y1) * 0.5)
+    if b < xs[0]:  # below the table: a smaller batch costs no more than the smallest measured one, and
+        # no less per sample (a noisy first segment extrapolated to b -> 0 would make small batches free)
+        return min(table[xs[0]], max(y, table[xs[0]] * b / xs[0]))
+    return max(y, min(y0, y1) * 0.5)
 
 
 class CallTimes:
@@ -212,8 +222,10 @@ class CallTimes:
     def optimizer(self) -> float: ...
     def pack(self) -> float: ...  # Policy.weights() + checksum
     def load(self) -> float: ...  # verified load of shipped weights
-    rollout_overhead_s = 0.0
+    rollout_overhead_s = 0.0  # per unit, beyond its calls (analytic model; profiles of version 1 before factors)
     train_overhead_s = 0.0
+    rollout_unit_factor = 1.0  # a whole unit / the sum of its calls, as profiled (CPU engine: SDE / loss math)
+    train_unit_factor = 1.0
 
 
 class ProfiledTimes(CallTimes):
@@ -226,9 +238,11 @@ class ProfiledTimes(CallTimes):
         self._roll = {int(k): v for k, v in m["rollout_step_s"].items()}
         self._train = {int(k): v for k, v in m["train_step_s"].items()}
         self._ref = {int(k): v for k, v in m.get("ref_forward_s", m["rollout_step_s"]).items()}
-        # signed: a whole unit may also cost less than the sum of its calls measured alone
-        self.rollout_overhead_s = m["unit_overhead"]["rollout_s"]
-        self.train_overhead_s = m["unit_overhead"]["train_s"]
+        u = m.get("unit_overhead") or {}
+        if "rollout_factor" in u:  # whole units measured at the run's unit size: scale by the ratio
+            self.rollout_unit_factor, self.train_unit_factor = u["rollout_factor"], u["train_factor"]
+        else:  # older profiles: the difference in seconds, measured on a unit of one group
+            self.rollout_overhead_s, self.train_overhead_s = u.get("rollout_s", 0.0), u.get("train_s", 0.0)
 
     def rollout_step(self, b):
         return interpolate(self._roll, b)
@@ -327,7 +341,7 @@ def rollout_unit_time(t: CallTimes, w: Workload, groups: int) -> tuple[float, fl
     b = groups * w.group_size
     reward = t.reward(b)
     calls = t.encode(groups) + w.steps * t.rollout_step(b) + t.decode(b) + reward
-    return max(0.5 * calls, calls + t.rollout_overhead_s), reward
+    return max(0.5 * calls, calls * t.rollout_unit_factor + t.rollout_overhead_s), reward
 
 
 def train_unit_time(t: CallTimes, w: Workload, groups: int, tsp_rank: int, tsp_degree: int, micro_batch: int) -> float:
@@ -343,7 +357,7 @@ def train_unit_time(t: CallTimes, w: Workload, groups: int, tsp_rank: int, tsp_d
         else:
             per_position += t.train_step(size) + (t.ref_forward(size) if w.kl else 0.0)
     calls = w.positions(tsp_rank, tsp_degree) * per_position
-    return max(0.5 * calls, calls + t.train_overhead_s)
+    return max(0.5 * calls, calls * t.train_unit_factor + t.train_overhead_s)
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -404,18 +418,38 @@ class CostModel:
         self._times: dict = {}
 
     def cpu_rate(self, busy: int) -> float:
-        """Speed of each of ``busy`` processes computing at once on the CPU host: processor sharing
-        of the host's cores (``host_cores``, default this machine's), or with ``cpu_sharing:
-        measured`` the profile's ``cpu_slowdown`` (what n concurrent workers got, other load included)."""
-        if busy <= 1:
-            return 1.0
+        """Speed of each of ``busy`` processes computing at once on the CPU host, relative to one alone:
+        processor sharing of the host's C cores (``host_cores``, default this machine's) with K
+        runnable threads of other processes, relative to one worker beside the profile's K_p
+        (``other_runnable``): ``min(1, C / (n + K)) / min(1, C / (1 + K_p))``, K = K_p unless
+        ``cpu_other_load`` says otherwise; or with ``cpu_sharing: measured`` the profile's
+        ``cpu_slowdown`` (what n concurrent workers got at one moment, other load included)."""
+        busy = max(1, busy)
         table = (self.profile or {}).get("measurements", {}).get("cpu_slowdown")
         if self.p.cpu_sharing == "measured" and table and self.profiled("cpu"):
+            if busy == 1:
+                return 1.0
             slow = {int(k): v for k, v in table.items()}
             top = max(slow)
             factor = slow[busy] if busy in slow else slow[top] * busy / top
             return 1.0 / max(1.0, factor)
-        return min(1.0, self.cluster.cores() / busy)
+        # processor sharing of C cores between our ``busy`` workers and K runnable threads of other
+        # processes, relative to what one worker got beside the load the profile was measured at
+        cores, other = self.cluster.cores(), self.other_load()
+        alone = min(1.0, cores / (1 + self.profiled_load()))
+        return min(1.0, cores / (busy + other)) / alone
+
+    def profiled_load(self) -> float:
+        """K at profiling time: runnable threads of other processes beside which the profile measured."""
+        if self.profiled("cpu"):
+            return float((self.profile or {}).get("measurements", {}).get("other_runnable", 0.0))
+        return 0.0
+
+    def other_load(self) -> float:
+        """K predicted for the run: ``CostParams.cpu_other_load``, else the profile's (the load persists)."""
+        if self.p.cpu_other_load is not None:
+            return self.p.cpu_other_load
+        return self.profiled_load()
 
     # -- calibration ---------------------------------------------------------------------
 
@@ -442,7 +476,8 @@ class CostModel:
                 transfer_bytes_per_s=engine["transfer_bytes_per_s"], publish_s=engine["put_s"],
                 fetch_s=engine["get_s"], allreduce_latency_s=engine.get("allreduce_s", 0.0),
                 source=f"profile ({engine.get('source', profile['device']['name'])})")
-            self.unit_factor = dict(engine.get("unit_time_factor") or {})
+            if self.p.engine_unit_factor:
+                self.unit_factor = dict(engine.get("unit_time_factor") or {})
 
     def profiled(self, device: str) -> bool:
         if self.profile is None:
@@ -607,10 +642,19 @@ class CostModel:
             score += 2 * self.switch(device, setup)
         return score
 
-    def _best(self, fits: list[DeviceSetup], device: str, ranks: int, colocated: bool) -> DeviceSetup:
+    def _best(self, fits: list[DeviceSetup], device: str, ranks: int, colocated: bool,
+              micro_batch: int | None = None) -> DeviceSetup:
+        """The cheapest fitting setup; with ``micro_batch`` (a run's configured one) only the largest
+        micro-batch up to it that fits competes: the run trains at its micro-batch, smaller only when
+        memory forces it (the search leaves it free and writes the one it picks into the config)."""
+        if micro_batch is not None:
+            fits = [s for s in fits if s.micro_batch <= micro_batch] or fits
+            top = max(s.micro_batch for s in fits)
+            fits = [s for s in fits if s.micro_batch == top]
         return min(fits, key=lambda s: (self._score(device, s, ranks, colocated), s.shard, s.offload))
 
-    def trainer_setup(self, device: str, ranks: int, tag: bool, groups: int) -> DeviceSetup:
+    def trainer_setup(self, device: str, ranks: int, tag: bool, groups: int,
+                      micro_batch: int | None = None) -> DeviceSetup:
         """The cheapest way a trainer rank of this type fits (``tag``: it also rolls out units of ``groups``)."""
         have = self.have(device)
         fits, last = [], None
@@ -626,14 +670,14 @@ class CostModel:
             if need <= have:
                 fits.append(DeviceSetup(True, mb, ckpt, shard, False, need, have, parts))
         if fits:
-            return self._best(fits, device, ranks, False)
+            return self._best(fits, device, ranks, False, micro_batch)
         need, parts, mb, ckpt, shard = last
         return DeviceSetup(False, mb, ckpt, shard, False, need, have, parts,
                            why=f"a trainer on {device} needs {_gib(need)} ({_parts(parts)}) > {_gib(have)} usable "
                                f"even at micro-batch {mb}" + (f", FSDP x{shard}" if shard > 1 else "")
                                + (", activation checkpointing" if ckpt else ""))
 
-    def colocated_setup(self, device: str, ranks: int, groups: int) -> DeviceSetup:
+    def colocated_setup(self, device: str, ranks: int, groups: int, micro_batch: int | None = None) -> DeviceSetup:
         """A colocated device: training state and sampling state, at once or with offloading between phases."""
         have = self.have(device)
         offloads = {"auto": (False, True), "always": (True,), "never": (False,)}[self.col.offload]
@@ -657,7 +701,7 @@ class CostModel:
                     fits.append(DeviceSetup(True, mb, ckpt, shard, offload, need, have, parts))
                     break  # offloading only when it is needed
         if fits:
-            return self._best(fits, device, ranks, True)
+            return self._best(fits, device, ranks, True, micro_batch)
         need, parts, mb, ckpt, shard, offload = last
         return DeviceSetup(False, mb, ckpt, shard, offload, need, have, parts,
                            why=f"a colocated device {device} needs {_gib(need)} ({_parts(parts)}) > {_gib(have)} "

@@ -1,8 +1,10 @@
 """``digenrl profile``: measure what the cost model needs, on this device, for the configured model.
 
-Every number is the median of ``repeats`` timed calls after ``warmup`` untimed ones (CUDA:
-synchronised around each call). On CPU the torch thread count is set to ``threads`` (default 1,
-as every engine worker runs).
+Every number is the mean of timed calls after ``warmup`` untimed ones (CUDA: synchronised around
+each call), taken in round robin: each round times every measurement once, for at least ``repeats``
+rounds and ``10 x min_time`` seconds, so that on a shared host every entry -- and the ratio of a
+whole unit to its calls -- spans the same stretch of the other processes' load. On CPU the torch
+thread count is set to ``threads`` (default 1, as every engine worker runs).
 
 measurements
   rollout_step_s[b]   one ``Adapter.velocity`` call at batch b with the model's guidance (both
@@ -12,18 +14,23 @@ measurements
   decode / reward / encode   per sample / per sample / per prompt
   optimizer_step_s    grad-norm clip + AdamW on the trained parameters
   weight_sync         bytes of ``Policy.weights()``, pack (weights + checksum), verified load
-  unit_overhead       a real ``rollout_unit`` / ``train_unit`` of one group minus the sum of its calls
+  unit_overhead       a real ``rollout_unit`` / ``train_unit`` of ``engine.unit_groups`` groups against
+                      the sum of its calls: ``*_factor`` = whole unit / composed calls (the cost model
+                      scales every composed unit by it), ``*_s`` = the difference in seconds
   cpu_slowdown        (CPU) time per rollout step with n = 1, 2, 3 forked workers computing at once,
                       relative to one: what concurrent workers get from this host's cores
   peak_memory_bytes   CUDA ``max_memory_allocated`` per phase, or the process's peak RSS on CPU
+  other_runnable      (CPU) mean number of runnable threads of other processes (not this one or its
+                      children) while measuring: the call times above were measured beside that
+                      demand on the host's cores; ``other_load_cores``: the CPU they got
 engine (optional)
   ``ray``: Ray micro-benchmarks -- actor call round trip, object-store transfer between two actors
   at two sizes (latency + bytes/s), ``ray.put`` / ``ray.get`` of the weights, gloo all-reduce of
   the gradients; ``run``: additionally a 3-iteration run of the engine itself (disaggregated, sync,
   1 + 1 workers) whose timeline gives the per-unit dispatch gap, the samples transfer, the
   publish / fetch times as the runtime really pays them (what the simulator adds around units),
-  and how much slower a unit runs inside an engine worker than measured standalone here
-  (``unit_time_factor``: the driver and Ray's processes share the CPU).
+  and how much slower a unit runs inside an engine worker than the same unit run standalone here
+  right before and after the run (``unit_time_factor``, ~1.1-1.2 on a quiet 2-core host).
 """
 
 from __future__ import annotations
@@ -114,10 +121,15 @@ def _threads(n: int | None):
         torch.set_num_threads(before)
 
 
+def unit_groups(cfg) -> int:
+    """The rollout unit size the run uses (``engine.unit_groups``, at most the prompts per iteration)."""
+    return max(1, min(cfg.engine.unit_groups, cfg.train.prompts_per_iteration))
+
+
 def steps_total(cfg, engine: str, requested: list[int] | None = None, device: str = "cpu", sharing: int = 3) -> int:
     roll, train = batch_sizes(cfg, requested)
     extra = 1 if device == "cpu" and sharing else 0
-    return 1 + len(roll) + 2 * len(train) + 6 + extra + {"none": 0, "ray": 1, "run": 2}[engine]
+    return 1 + len(roll) + len(train) + 3 + extra + {"none": 0, "ray": 1, "run": 2}[engine]
 
 
 def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, repeats: int = 5, warmup: int = 2,
@@ -137,7 +149,8 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
         raise UserError(f"--engine: expected none, ray or run, got '{engine}'")
     dev = pick_device(device)
     step = on_step or (lambda what: None)
-    with _threads(threads if dev.type == "cpu" else None):
+    load = OtherLoad()
+    with _threads(threads if dev.type == "cpu" else None), load:
         step("building the model")
         torch.manual_seed(cfg.train.seed)
         policy = Policy(cfg, dev)
@@ -167,6 +180,24 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
 
         m: dict = {"rollout_step_s": {}, "train_step_s": {}, "ref_forward_s": {}}
         skipped: dict[str, list[int]] = {"rollout": [], "train": []}
+        # Every measurement is an item; they are warmed up phase by phase (peak memory per phase,
+        # batches that do not fit dropped), then timed in ROUND ROBIN: round r times each item
+        # once, so that every median spans the same stretch of time. On a shared host the load of
+        # other processes comes and goes within seconds: measured one after the other, a table
+        # entry taken in a quiet second and a whole unit taken in a busy one would disagree by 2x.
+        items: dict[str, Callable[[], object]] = {}
+
+        def warm(name: str, fn, phase: str) -> bool:
+            try:
+                for _ in range(max(1, warmup)):
+                    fn()
+                    clock.sync()
+            except torch.cuda.OutOfMemoryError:
+                skipped[phase].append(int(name.rsplit(":", 1)[1]))
+                torch.cuda.empty_cache()
+                return False
+            items[name] = fn
+            return True
 
         # -- rollout steps vs batch ----------------------------------------------------
         reset_peak()
@@ -174,99 +205,145 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
             step(f"rollout step, batch {b}")
             cond, x = inputs(b)
             s = sig[1].expand(b)
-            try:
+
+            def velocity(x=x, s=s, cond=cond):
                 with torch.no_grad():
-                    m["rollout_step_s"][str(b)] = clock.median(lambda: ad.velocity(x, s, cond))
-            except torch.cuda.OutOfMemoryError:
-                skipped["rollout"].append(b)
-                torch.cuda.empty_cache()
+                    ad.velocity(x, s, cond)
+
+            warm(f"rollout:{b}", velocity, "rollout")
         peak("rollout")
 
         # -- train steps (forward + backward) and reference forwards vs micro-batch -----
         reset_peak()
         for b in train_b:
-            step(f"train step, batch {b}")
+            step(f"train step and reference forward, batch {b}")
             cond, x = inputs(b)
             x_next = x + 0.1 * torch.randn(x.shape, generator=gen).to(dev)
 
-            def fwd_bwd():
+            def fwd_bwd(cond=cond, x=x, x_next=x_next):
                 logp, _, _ = recompute_logprob(ad, cond, x, x_next, sig, 1, kind, eta)
                 logp.sum().backward()
 
-            def ref():
+            def ref(cond=cond, x=x, x_next=x_next):
                 with torch.no_grad(), policy.reference():
                     recompute_logprob(ad, cond, x, x_next, sig, 1, kind, eta)
 
-            try:
-                m["train_step_s"][str(b)] = clock.median(fwd_bwd)
-                step(f"reference forward, batch {b}")
-                m["ref_forward_s"][str(b)] = clock.median(ref)
-            except torch.cuda.OutOfMemoryError:
-                skipped["train"].append(b)
-                torch.cuda.empty_cache()
+            if warm(f"train:{b}", fwd_bwd, "train"):
+                warm(f"ref:{b}", ref, "train")
             policy.optimizer.zero_grad(set_to_none=True)
         peak("train")
-        if not m["rollout_step_s"] or not m["train_step_s"]:
+        if not any(k.startswith("rollout:") for k in items) or not any(k.startswith("train:") for k in items):
             raise UserError(f"profile: the model does not fit this device even at batch 1 ({dev})")
 
-        # -- decode, reward, prompt encoding ---------------------------------------------
-        step("decode")
+        # -- decode, reward, prompt encoding, optimizer step, weight sync -------------------
+        step("decode, reward, prompt encoding, optimizer step, weight sync")
         _, x = inputs(G)
         with torch.no_grad():
-            m["decode_s_per_sample"] = clock.median(lambda: ad.decode(x)) / G
             pixels = ad.decode(x)
-        step("reward")
+
+        def decode(x=x):
+            with torch.no_grad():
+                ad.decode(x)
+
         texts = [prompts[i % len(prompts)].text for i in range(G)]
         metas = [prompts[i % len(prompts)].meta for i in range(G)]
-        m["reward_s_per_sample"] = clock.median(lambda: reward(pixels.cpu(), texts, metas)) / G
-        step("prompt encoding")
         P = cfg.train.prompts_per_iteration
         ptexts = [prompts[i % len(prompts)].text for i in range(P)]
-        with torch.no_grad():
-            m["encode_s_per_prompt"] = clock.median(lambda: ad.encode_prompts(ptexts)) / P
 
-        # -- optimizer step and weight sync ------------------------------------------------
-        step("optimizer step")
+        def encode():
+            with torch.no_grad():
+                ad.encode_prompts(ptexts)
 
         def opt():
             for p in policy.params:
                 p.grad = torch.ones_like(p) * 1e-3
             policy.optimizer_step()
 
-        m["optimizer_step_s"] = clock.median(opt)
-        step("weight sync")
         state = policy.weights()
         digest = checksum(state)
-        m["weight_sync"] = {
-            "bytes": state_bytes(state),
-            "tensors": len(state),
-            "pack_s": clock.median(lambda: checksum(policy.weights())),
-            "load_s": clock.median(lambda: policy.load_weights(state, policy.version, expected_checksum=digest)),
-        }
+        warm("decode", decode, "rollout")
+        warm("reward", lambda: reward(pixels.cpu(), texts, metas), "rollout")
+        warm("encode", encode, "rollout")
+        warm("optimizer", opt, "train")
+        warm("pack", lambda: checksum(policy.weights()), "train")
+        warm("load", lambda: policy.load_weights(state, policy.version, expected_checksum=digest), "train")
 
-        # -- whole units: what the sum of the calls leaves out ------------------------------
-        step("one rollout unit and one train unit")
+        # -- whole units at the run's unit size: what the sum of the calls leaves out ----------
+        # (the SDE step and log-prob math, the loss, gathering latents, stats): a unit of
+        # m = engine.unit_groups groups, as the engine runs it; its ratio to the composed call times
+        # scales every unit size, TSP share and micro-batch split the planner composes
+        groups = unit_groups(cfg)
+        step(f"one rollout unit and one train unit ({groups} group(s))")
         reset_peak()
         samples_box = {}
 
         def one_rollout():
-            samples_box["s"] = rollout_unit(policy, reward, prompts[:1], [0], 0, cfg.train.seed)
+            samples_box["s"] = rollout_unit(policy, reward, prompts[:groups], list(range(groups)), 0, cfg.train.seed)
 
-        unit_clock = _Clock(dev, 1, max(3, repeats // 2), 3 * min_time)
-        rollout_s = unit_clock.median(one_rollout)
+        one_rollout()  # the samples the train unit trains on
         samples = samples_box["s"]
         assign_advantages([samples], cfg)
         terms = len(samples) * samples.train_idx.shape[1]
-        train_s = unit_clock.median(lambda: train_unit(policy, samples, terms))
+        warm("rollout_unit", one_rollout, "rollout")
+        warm("train_unit", lambda: train_unit(policy, samples, terms), "train")
         policy.optimizer.zero_grad(set_to_none=True)
         peak("units")
-        m["unit_overhead"] = {"rollout_s": 0.0, "train_s": 0.0}
-        partial = {"device": {"name": "partial"}, "measurements": m}
-        times = ProfiledTimes(partial)
-        composed_roll = rollout_unit_time(times, workload, 1)[0]
-        composed_train = train_unit_time(times, workload, 1, 0, 1, cfg.train.micro_batch)
-        m["unit_overhead"] = {"rollout_s": rollout_s - composed_roll, "train_s": train_s - composed_train,
-                              "rollout_unit_s": rollout_s, "train_unit_s": train_s}
+
+        def standalone_units(n: int = 3) -> dict[str, float]:
+            """Mean seconds of a whole rollout / train unit run here, ``n`` of each, alternating."""
+            got: dict[str, list[float]] = {"rollout": [], "train": []}
+            with _threads(threads if dev.type == "cpu" else None):
+                for _ in range(n):
+                    for kind_, fn in (("rollout", one_rollout), ("train", items["train_unit"])):
+                        clock.sync()
+                        t0 = time.perf_counter()
+                        fn()
+                        clock.sync()
+                        got[kind_].append(time.perf_counter() - t0)
+                policy.optimizer.zero_grad(set_to_none=True)
+            return {k: statistics.fmean(v) for k, v in got.items()}
+
+        # -- the timed rounds ------------------------------------------------------------------
+        step("timing (round robin)")
+        timed: dict[str, list[float]] = {name: [] for name in items}
+        budget = 10 * min_time  # seconds of rounds at least (and ``repeats`` rounds at least)
+        started = time.perf_counter()
+        while True:
+            for name, fn in items.items():
+                clock.sync()
+                t0 = time.perf_counter()
+                fn()
+                clock.sync()
+                timed[name].append(time.perf_counter() - t0)
+            rounds = len(timed["rollout_unit"])
+            if rounds >= repeats and (time.perf_counter() - started >= budget or rounds >= 40):
+                break
+        policy.optimizer.zero_grad(set_to_none=True)
+        # the mean, not the median: throughput sees the mean, and on a busy host the median of short
+        # calls skips exactly those the scheduler preempted (a 15 ms call often fits in one time
+        # slice, a 300 ms unit never does), so median calls composed into a unit undercount it
+        med = {name: statistics.fmean(v) for name, v in timed.items()}
+        for name, v in med.items():
+            kind_, _, b = name.partition(":")
+            if b:
+                m[{"rollout": "rollout_step_s", "train": "train_step_s", "ref": "ref_forward_s"}[kind_]][b] = v
+        m["decode_s_per_sample"] = med["decode"] / G
+        m["reward_s_per_sample"] = med["reward"] / G
+        m["encode_s_per_prompt"] = med["encode"] / P
+        m["optimizer_step_s"] = med["optimizer"]
+        m["weight_sync"] = {"bytes": state_bytes(state), "tensors": len(state), "pack_s": med["pack"],
+                            "load_s": med["load"]}
+        m["timing_rounds"] = len(timed["rollout_unit"])
+        times = ProfiledTimes({"device": {"name": "partial"}, "measurements": {**m, "unit_overhead": {}}})
+        composed_roll = rollout_unit_time(times, workload, groups)[0]
+        composed_train = train_unit_time(times, workload, groups, 0, 1, cfg.train.micro_batch)
+        rollout_s, train_s = med["rollout_unit"], med["train_unit"]
+        m["unit_overhead"] = {"groups": groups, "rollout_unit_s": rollout_s, "train_unit_s": train_s,
+                              "rollout_s": rollout_s - composed_roll, "train_s": train_s - composed_train,
+                              "rollout_factor": rollout_s / composed_roll, "train_factor": train_s / composed_train}
+        if dev.type == "cpu":  # what other processes wanted from / got of the host's cores while we measured
+            m["other_runnable"] = load.other_runnable
+            m["other_load_cores"] = load.other_cores
         m["sample_bytes"] = _samples_bytes(samples) / len(samples)
         m["peak_memory_bytes"] = peaks
         if dev.type == "cpu" and sharing:  # before Ray starts in this process: the probe forks
@@ -278,7 +355,7 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
                 with torch.no_grad():
                     ad.velocity(x, s_, cond)
 
-            m["cpu_slowdown"] = cpu_slowdown(work, max_workers=sharing, seconds=max(1.0, min_time))
+            m["cpu_slowdown"] = cpu_slowdown(work, max_workers=sharing, seconds=max(0.4, min_time))
     out = {
         "version": PROFILE_VERSION,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -303,7 +380,7 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
         out["engine"] = ray_overheads(m["sample_bytes"] * G, m["weight_sync"]["bytes"], workload.trained_params)
         if engine == "run":
             step("engine: a 3-iteration calibration run")
-            out["engine"].update(engine_run_overheads(cfg, m))
+            out["engine"].update(engine_run_overheads(cfg, m, standalone=standalone_units))
     return out
 
 
@@ -326,15 +403,19 @@ def _loop(fn, seconds: float, barrier, conn) -> None:
         os._exit(0)
 
 
-def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float = 0.5) -> dict[str, float]:
+def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float = 0.4,
+                 rounds: int = 3) -> dict[str, float]:
     """How much slower each worker gets when ``n`` worker processes compute at once on this host
     (forked copies running ``fn`` in a loop): {n: time per call with n / time per call alone}. On an
-    idle machine with C cores this is ~max(1, n / C); on a shared one it shows what is left to us."""
+    idle machine with C cores this is ~max(1, n / C) times what the processes' shared caches and
+    memory bandwidth add; on a shared one it shows what is left to us. Measured in ``rounds`` rounds
+    of n = 1, 2, ..., each ratio within its round, median over the rounds: other processes' load,
+    which comes and goes within seconds, weighs on both sides of a ratio alike."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
-    per_call = {}
-    for n in range(1, max_workers + 1):
+
+    def once(n: int) -> float:
         barrier = ctx.Barrier(n)
         pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
         procs = [ctx.Process(target=_loop, args=(fn, seconds, barrier, send), daemon=True) for _, send in pipes]
@@ -351,8 +432,15 @@ def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float 
         bad = [g for g in got if not isinstance(g, float)]
         if bad:
             raise RuntimeError(f"CPU sharing probe failed in a worker: {bad[0]}")
-        per_call[n] = statistics.mean(got)
-    return {str(n): per_call[n] / per_call[1] for n in per_call}
+        return statistics.mean(got)
+
+    ratios: dict[int, list[float]] = {n: [] for n in range(1, max_workers + 1)}
+    for _ in range(max(1, rounds)):
+        alone = once(1)
+        ratios[1].append(1.0)
+        for n in range(2, max_workers + 1):
+            ratios[n].append(once(n) / alone)
+    return {str(n): statistics.median(v) for n, v in ratios.items()}
 
 
 def _samples_bytes(samples) -> int:
@@ -363,6 +451,101 @@ def _samples_bytes(samples) -> int:
         elif hasattr(v, "batched"):
             total += sum(t.numel() * t.element_size() for t in v.batched.values())
     return total
+
+
+class OtherLoad:
+    """What processes that are not ours (other users of a shared host) do while a block runs: a
+    thread samples /proc every ``every`` seconds. ``other_runnable``: the mean number of their
+    threads that were runnable, weighted by priority (a nice-0 thread counts 1) -- the demand our
+    workers share the cores with; ``other_cores``: the CPU time they got per second. A process is ours when this process is among its ancestors (a Ray cluster it
+    started, the engine's workers, the forked sharing probe). Reads 0 where there is no /proc."""
+
+    def __init__(self, every: float = 0.3):
+        import threading
+
+        self.every, self.me = every, os.getpid()
+        self.other = self.ours = 0.0
+        self.seconds = 0.0
+        self.runnable: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _snapshot() -> dict[int, tuple[int, float]]:
+        out = {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[int(pid)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        return out
+
+    def _is_ours(self, pid: int, snap: dict) -> bool:
+        seen = 0
+        while pid > 1 and seen < 64:
+            if pid == self.me:
+                return True
+            pid = snap.get(pid, (0, 0.0))[0]
+            seen += 1
+        return False
+
+    @staticmethod
+    def _running(pid: int) -> float:
+        """Runnable threads of ``pid``, each weighted as the kernel's fair scheduler weighs it against
+        a nice-0 thread (1.25 ** -nice: Ray starts its workers at nice 15, so another user's idle-
+        priority Ray workers barely take anything from ours)."""
+        n = 0.0
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return 0.0
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] == "R":
+                n += 1.25 ** -int(fields[16])
+        return n
+
+    def _run(self) -> None:
+        last, t_last = self._snapshot(), time.perf_counter()
+        while not self._stop.wait(self.every):
+            snap, now = self._snapshot(), time.perf_counter()
+            ours = {pid for pid in snap if self._is_ours(pid, snap)}
+            if snap:
+                self.runnable.append(sum(self._running(pid) for pid in snap if pid not in ours))
+            for pid, (_, cpu) in snap.items():
+                used = cpu - last[pid][1] if pid in last else 0.0
+                if used > 0:
+                    if pid in ours:
+                        self.ours += used
+                    else:
+                        self.other += used
+            self.seconds += now - t_last
+            last, t_last = snap, now
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        return False
+
+    @property
+    def other_cores(self) -> float:
+        return self.other / self.seconds if self.seconds else 0.0
+
+    @property
+    def other_runnable(self) -> float:
+        return statistics.fmean(self.runnable) if self.runnable else 0.0
 
 
 # ------------------------------------------------------------------------------------ Ray
@@ -484,10 +667,14 @@ def ray_overheads(unit_bytes: float, weight_bytes: int, trained_params: int, rep
             ray.shutdown()
 
 
-def engine_run_overheads(cfg, m: dict, iterations: int = 3) -> dict:
+def engine_run_overheads(cfg, m: dict, iterations: int = 3,
+                         standalone: Callable[[], dict[str, float]] | None = None) -> dict:
     """Run the engine itself (disaggregated, GAP/TSP/TAG off, 1 rollout + 1 trainer CPU worker) and
     read from its timeline what it pays around the units: the dispatch gap before a unit (median),
-    the extra before a train unit that waits on another worker's samples, publish and fetch times."""
+    the extra before a train unit that waits on another worker's samples, publish and fetch times;
+    and how much longer a unit takes in an engine worker than run standalone (``unit_time_factor``)
+    -- against ``standalone()`` unit times measured right before and right after the run, so that
+    the ratio spans one stretch of the host's load (else against the profile's composed times)."""
     from digenrl.config import validate_config
     from digenrl.engine.runtime import run_engine
     from digenrl.engine.timeline import Timeline
@@ -500,32 +687,41 @@ def engine_run_overheads(cfg, m: dict, iterations: int = 3) -> dict:
     data["train"] = {**data["train"], "iterations": iterations, "device": "cpu"}
     data["output"] = {**data["output"], "save_samples_every": 0, "checkpoint_every": 0, "eval_every": 0}
     cal = validate_config(data)
+    before = standalone() if standalone else None
     with tempfile.TemporaryDirectory() as tmp:
         result = run_engine(cal, Path(tmp) / "run")
         tl = Timeline.from_chrome_trace(Path(tmp) / "run" / "timeline.json")
+    reference = None
+    if standalone:
+        after = standalone()
+        reference = {k: (before[k] + after[k]) / 2 for k in before}
     out = timeline_overheads(tl, m)
-    out["unit_time_factor"] = unit_time_factors(tl, cal, m)
+    out["unit_time_factor"] = unit_time_factors(tl, cal, m, reference)
+    if reference:
+        out["standalone_unit_s"] = reference
     out["calibration_rows"] = [{k: r[k] for k in ("iteration", "wall_s", "samples_per_s", "bubble_fraction")}
                                for r in result.metrics]
     return out
 
 
-def unit_time_factors(tl, cfg, m: dict) -> dict:
-    """How much longer units take inside the engine's worker processes than the profile's standalone
-    measurements predict (the driver, Ray's own processes and the other worker share the host):
-    median measured / predicted per unit kind, over the iterations after the first."""
+def unit_time_factors(tl, cfg, m: dict, reference: dict[str, float] | None = None) -> dict:
+    """How much longer units take inside the engine's worker processes than standalone (Ray's
+    worker process and its threads, samples read from the object store, the driver and the other
+    worker between units): mean engine unit time, over the iterations after the first, / the
+    ``reference`` standalone unit time (else the profile's composed prediction), per unit kind."""
     from digenrl.planner.costmodel import ProfiledTimes, Workload, rollout_unit_time, train_unit_time
 
-    w = Workload.from_config(cfg)
-    times = ProfiledTimes({"device": {"name": "profile"}, "measurements": m})
-    groups = cfg.engine.unit_groups
-    predicted = {"rollout": rollout_unit_time(times, w, groups)[0],
-                 "train": train_unit_time(times, w, groups, 0, 1, cfg.train.micro_batch)}
+    if reference is None:
+        w = Workload.from_config(cfg)
+        times = ProfiledTimes({"device": {"name": "profile"}, "measurements": m})
+        groups = cfg.engine.unit_groups
+        reference = {"rollout": rollout_unit_time(times, w, groups)[0],
+                     "train": train_unit_time(times, w, groups, 0, 1, cfg.train.micro_batch)}
     out = {}
-    for kind, pred in predicted.items():
+    for kind, pred in reference.items():
         got = [e.duration for e in tl.events if e.kind == kind and e.iteration > 0]
         if got and pred > 0:
-            out[kind] = statistics.median(got) / pred
+            out[kind] = statistics.fmean(got) / pred
     return out
 
 

@@ -142,14 +142,16 @@ LADDER = (
 )
 
 
-def ladder(cost: CostModel, cluster: ClusterSpec, iterations: int = 4) -> list[tuple[str, SimResult | None]]:
+def ladder(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
+           wait_for_full_batch: bool = False) -> list[tuple[str, SimResult | None]]:
     """The best disaggregated plan as GAP, TSP, TAG and one-step async are switched on one by one
     (each line may pick another pool split and unit size)."""
     out = []
     for name, knobs in LADDER:
         plans = candidates(cluster, cost.w.prompts, colocated=False, **knobs)
         try:
-            res = search(cost, cluster, top=1, iterations=iterations, plans=plans)
+            res = search(cost, cluster, top=1, iterations=iterations, plans=plans,
+                         wait_for_full_batch=wait_for_full_batch)
             out.append((name, res.ranked[0] if res.ranked else None))
         except UserError:
             out.append((name, None))

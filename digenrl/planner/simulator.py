@@ -14,10 +14,11 @@ what the engine adds around it:
   all-reduce -- which waits for the last rank -- and its update are done;
 - a colocated device pays a phase switch (idle, so counted as bubble) when it turns from training
   to sampling or back;
-- ``device: cpu`` pools share the host's cores: when ``n`` workers compute at once on ``C``
-  cores each runs at ``min(1, C / n)`` speed (processor sharing; or what the profile measured for
-  ``n`` concurrent workers, ``CostParams.cpu_sharing = "measured"``), and the driver's work between
-  units (``call_s``) at the speed of ``n + 1``.
+- ``device: cpu`` pools share the host's cores: when ``n`` workers compute at once each runs at
+  the speed the profile measured for ``n`` concurrent workers (``CostParams.cpu_sharing =
+  "measured"``, the default), or at processor sharing of the ``C`` cores with the other processes'
+  ``K`` runnable threads (``"cores"``, and when the profile has no measurement), and the driver's
+  work between units (``call_s``) at the speed of ``n + 1``.
 
 Everything is recorded into the same :class:`~digenrl.engine.timeline.Timeline` a real run fills,
 so ``timeline.json``, ``timeline.png`` and the per-iteration samples/s and bubble fraction are
@@ -145,11 +146,9 @@ def setups(plan: Plan, cost: CostModel) -> dict[str, DeviceSetup]:
         if p.role == "rollout":
             s = cost.rollout_memory(p.device, plan.unit_groups)
         elif p.role == "trainer":
-            s = cost.trainer_setup(p.device, plan.ranks, plan.tag, plan.unit_groups)
+            s = cost.trainer_setup(p.device, plan.ranks, plan.tag, plan.unit_groups, plan.micro_batch)
         else:
-            s = cost.colocated_setup(p.device, plan.ranks, plan.unit_groups)
-        if plan.micro_batch is not None and s.fits and p.role != "rollout" and s.micro_batch > plan.micro_batch:
-            s = DeviceSetup(**{**s.__dict__, "micro_batch": plan.micro_batch})
+            s = cost.colocated_setup(p.device, plan.ranks, plan.unit_groups, plan.micro_batch)
         if not s.fits:
             raise DoesNotFit(s.why, s.need_bytes / max(s.have_bytes, 1.0))
         out[p.name] = s
