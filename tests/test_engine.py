@@ -27,6 +27,7 @@ from digenrl.errors import UserError  # noqa: E402
 from digenrl.lora import WeightSyncError  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
+from tests.helpers import local_ray  # noqa: E402
 from helpers import cli  # noqa: E402
 
 BASE = ["model.height=16", "model.width=16", "train.iterations=2", "train.prompts_per_iteration=2",
@@ -51,10 +52,7 @@ MODES = {
 @pytest.fixture(scope="module")
 def cluster():
     """A 2-CPU Ray cluster with 2 rollout + 2 trainer logical devices; yields its address."""
-    ray.init(num_cpus=2, resources={"pool:rollout": 2, "pool:trainer": 2}, include_dashboard=False,
-             logging_level="WARNING")
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    yield from local_ray(rollout=2, trainer=2)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from digenrl.engine.runtime import run_engine  # noqa: E402
 from digenrl.policy import Policy  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
-from tests.helpers import cli  # noqa: E402
+from tests.helpers import cli, local_ray  # noqa: E402
 
 BASE = ["model.height=16", "model.width=16", "train.iterations=4", "train.prompts_per_iteration=2",
         "algorithm.group_size=4", "sampling.steps=4", "output.checkpoint_every=2", "output.eval_every=2",
@@ -36,10 +36,7 @@ ASYNC = BASE + ["engine.max_staleness=1"]
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, resources={"pool:rollout": 1, "pool:trainer": 1}, include_dashboard=False,
-             logging_level="WARNING")
-    yield
-    ray.shutdown()
+    yield from local_ray(rollout=1, trainer=1)
 
 
 @pytest.fixture(scope="module")

@@ -125,7 +125,7 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
         gone = True  # every call below would wait for the dead head: the cluster took its processes along
         raise
     finally:
-        if not gone:
+        if not gone and head_answers():  # (a run stopped for another reason may have lost its head too)
             for actor in [*actors.values(), reward_actor]:
                 if actor is not None:
                     ray.kill(actor, no_restart=True)
@@ -133,6 +133,18 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
                 remove_placement_group(group)
         if ours:
             ray.shutdown()
+
+
+def head_answers() -> bool:
+    """Does the connected cluster's head (GCS) accept connections? Every cleanup call would wait
+    for it otherwise."""
+    import ray
+
+    try:
+        socket.create_connection(host_port(ray.get_runtime_context().gcs_address), timeout=ADDRESS_PROBE_S).close()
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def form_trainer_group(plan, actors: dict, ready: dict) -> None:

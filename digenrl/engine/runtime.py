@@ -328,6 +328,7 @@ class Engine:
         scheduler whole, with its original version, and is generated again from its first step.
         A trainer rank holds the optimizer state and its share of the gradient: the run stops,
         the last complete checkpoint stays as it is, and the message says how to resume."""
+        self.check_head(now_please=True)  # a dead head takes every actor along: that is not a worker fault
         self.samples.pop(getattr(unit, "uid", None), None)
         limit = self.cfg.engine.max_restarts
         if worker == REWARD_ROW:
@@ -379,11 +380,11 @@ class Engine:
             raise WeightSyncError(f"{worker} restarted with other weights than the run started with")
         self.idle.add(worker)
 
-    def check_head(self) -> None:
-        """Every HEAD_PROBE_S: does the cluster's head (GCS) still accept connections? Ray itself
-        would wait a minute and then end this process without a word."""
+    def check_head(self, now_please: bool = False) -> None:
+        """Every HEAD_PROBE_S (or now): does the cluster's head (GCS) still accept connections?
+        Ray itself would wait a minute and then end this process without a word."""
         now = time.time()
-        if now - self.last_probe < HEAD_PROBE_S:
+        if now - self.last_probe < HEAD_PROBE_S and not now_please:
             return
         self.last_probe = now
         try:
