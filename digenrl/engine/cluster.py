@@ -22,7 +22,7 @@ from collections import Counter
 
 from digenrl.config import PoolConfig, RunConfig
 from digenrl.engine.scheduler import WorkerSpec
-from digenrl.errors import RunStopped, UserError
+from digenrl.errors import UserError
 from digenrl.lora import WeightSyncError
 
 REWARD_ROW = "reward"  # the reward actor's timeline row (pool SERVICE_POOL), and its in-flight entries
@@ -30,10 +30,6 @@ PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give 
 ADDRESS_PROBE_S = 3.0  # a wrong --ray-address must fail fast
 RESTART_POLL_S = 0.5  # how often to ask a restarting worker whether it is back
 HEAD_PROBE_S = 2.0  # how often the driver checks that the cluster's head still answers
-
-
-class ClusterGone(RunStopped):
-    """The Ray head went away mid-run: nothing of the cluster can be cleaned up from here."""
 
 
 def fault_plan(cfg: RunConfig) -> set[tuple[str, str]]:
@@ -89,7 +85,7 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
     from digenrl.engine.workers import EngineWorker
 
     ours = connect(plan, ray_address)
-    group, actors, reward_actor, gone = None, {}, None, False
+    group, actors, reward_actor = None, {}, None
     try:
         bundles = resource_bundles(plan, ray.cluster_resources(), reserve=reward_service_resources(cfg))
         group = placement_group(bundles, strategy="PACK")
@@ -121,11 +117,9 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
             raise WeightSyncError(f"initial weights differ between workers: {ready}")
         form_trainer_group(plan, actors, ready)
         yield {**actors, REWARD_ROW: reward_actor} if reward_actor is not None else actors
-    except ClusterGone:
-        gone = True  # every call below would wait for the dead head: the cluster took its processes along
-        raise
     finally:
-        if not gone and head_answers():  # (a run stopped for another reason may have lost its head too)
+        if head_problem() is None:  # with the head gone, every call below would wait a minute for it
+            # (and the cluster took its processes along)
             for actor in [*actors.values(), reward_actor]:
                 if actor is not None:
                     ray.kill(actor, no_restart=True)
@@ -135,16 +129,15 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
             ray.shutdown()
 
 
-def head_answers() -> bool:
-    """Does the connected cluster's head (GCS) accept connections? Every cleanup call would wait
-    for it otherwise."""
+def head_problem() -> str | None:
+    """Why the connected cluster's head (GCS) does not accept connections, or None when it does."""
     import ray
 
     try:
         socket.create_connection(host_port(ray.get_runtime_context().gcs_address), timeout=ADDRESS_PROBE_S).close()
-        return True
-    except (OSError, ValueError):
-        return False
+        return None
+    except (OSError, ValueError) as exc:
+        return getattr(exc, "strerror", None) or str(exc)
 
 
 def form_trainer_group(plan, actors: dict, ready: dict) -> None:

@@ -21,7 +21,6 @@ arrive. The actor's scoring spans are the timeline's ``reward`` row.
 from __future__ import annotations
 
 import contextlib
-import socket
 import sys
 import time
 from collections import Counter, defaultdict
@@ -33,8 +32,8 @@ import torch
 
 from digenrl.checkpoint import find_checkpoint, latest_checkpoint, read_state, save_checkpoint_files
 from digenrl.config import PoolConfig, RunConfig
-from digenrl.engine.cluster import (ADDRESS_PROBE_S, REWARD_ROW, ClusterGone, actor_died, fault_plan, first_line,
-                                    host_port, num_restarts, ray_workers)
+from digenrl.engine.cluster import (REWARD_ROW, actor_died, fault_plan, first_line, head_problem, num_restarts,
+                                    ray_workers)
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, SchedulerConfig, StepUnit, TrainUnit, Unit, WorkerSpec
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.errors import RunStopped, UserError
@@ -227,7 +226,6 @@ class Engine:
         self.start_checksum: str | None = None  # weights every (re)started worker must hold
         self.idle: set[str] = set()
         self.restarting: dict[str, float] = {}  # worker -> when to ask it for ready() again
-        self.gcs: tuple[str, int] = ("", 0)  # the head's address, probed every HEAD_PROBE_S
         self.last_probe = 0.0
 
     def inject(self, worker: str, unit: Unit) -> bool:
@@ -242,7 +240,7 @@ class Engine:
 
         self.t0 = time.time()
         idle = self.idle = set(self.order)
-        self.gcs, self.last_probe = host_port(ray.get_runtime_context().gcs_address), time.time()
+        self.last_probe = time.time()
         rank0 = self.actors[self.rank0]
         self.start_checksum = ray.get(rank0.ready.remote())["checksum"]
         if any(role == "rollout" for role in self.role.values()):  # for a re-queued unit of this version
@@ -387,11 +385,13 @@ class Engine:
         if now - self.last_probe < HEAD_PROBE_S and not now_please:
             return
         self.last_probe = now
-        try:
-            socket.create_connection(self.gcs, timeout=ADDRESS_PROBE_S).close()
-        except OSError as exc:
-            raise ClusterGone(f"the Ray cluster's head at {self.gcs[0]}:{self.gcs[1]} stopped answering "
-                              f"({exc.strerror or exc}); the run stopped. {self.resume_hint()}") from None
+        problem = head_problem()
+        if problem is not None:
+            import ray
+
+            head = ray.get_runtime_context().gcs_address
+            raise RunStopped(f"the Ray cluster's head at {head} stopped answering ({problem}); the run stopped. "
+                             f"{self.resume_hint()}")
 
     def resume_hint(self) -> str:
         last = latest_checkpoint(self.out.path)
