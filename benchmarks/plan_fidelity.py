@@ -6,7 +6,7 @@
 
 1. ``digenrl profile`` of the configured tiny model on this CPU (one thread per worker, as the engine
    runs), with the engine's own overheads measured either from a short calibration run of the engine
-   (``run``: disaggregated sync, 1 + 1 workers, 3 iterations; the default) or from Ray micro-benchmarks
+   (``run``: disaggregated sync, 1 + 1 workers, 4 iterations; the default) or from Ray micro-benchmarks
    only (``ray``: actor call round trip, object-store transfer);
 2. for each mode (the knobs and workloads of benchmarks/engine_modes.py, 1 rollout + 1 trainer device):
      colocated    both devices roll out, then both train
@@ -58,16 +58,18 @@ def mode_config(config, workload: str, mode: str, iterations: int):
 
 def replay_cost(cost, measured):
     """The same cost model, but every unit takes what it took in the measured run (mean per kind and
-    TSP rank), and no CPU sharing on top (measured durations include it): what the simulator predicts
-    when the unit times are right, i.e. the error of the scheduling + overhead model alone."""
+    TSP rank, and the run's unit-to-unit spread), and no CPU sharing on top (measured durations
+    include it): what the simulator predicts when the unit times are right, i.e. the error of the
+    scheduling + overhead model alone."""
     import statistics
 
     from digenrl.planner.costmodel import CostModel
+    from digenrl.planner.profile import unit_spread
 
     by = {}
     for e in measured.events:
-        if e.kind == "sync" and e.args.get("direction") != "fetch":
-            continue
+        if (e.kind == "sync" and e.args.get("direction") != "fetch") or e.iteration == 0:
+            continue  # iteration 0 warms up (and is not in the measured steady state)
         by.setdefault((e.kind, e.args.get("tsp_rank", 0)), []).append(e.duration)
     med = {k: statistics.mean(v) for k, v in by.items()}  # throughput: the mean, not the median
     steps = {}
@@ -75,6 +77,9 @@ def replay_cost(cost, measured):
         if e.kind == "step":
             steps.setdefault(e.uid.split("/")[0], []).append(e.duration)
     step_s = statistics.median(min(v) for v in steps.values())  # the last rank's share: no waiting
+    spread = {kind: unit_spread([[e.duration for e in sorted(measured.events, key=lambda e: e.start)
+                                  if e.kind == kind and e.worker == w and e.iteration > 0]
+                                 for w in measured.workers]) for kind in ("rollout", "train")}
 
     class Replay(CostModel):
         def rollout_unit(self, device, groups):
@@ -92,7 +97,10 @@ def replay_cost(cost, measured):
         def cpu_rate(self, busy):
             return 1.0
 
-    return Replay(cost.w, cost.cluster, profile=cost.profile)
+        def unit_cv(self, device, kind):
+            return spread[kind]
+
+    return Replay(cost.w, cost.cluster, cost.p, profile=cost.profile)
 
 
 def unit_ms(predicted, measured) -> dict:
@@ -182,7 +190,7 @@ def main(argv=None) -> int:
                 cfg = mode_config(args.config, args.workload, mode, args.iterations)
                 if args.reprofile:  # the batches this workload runs, and the sharing of 2 concurrent workers
                     fresh = run_profile(base, "cpu", engine="none", sharing=2, batches=[unit_groups(base) * G],
-                                        min_time=0.6)
+                                        min_time=1.0)
                     profile = {**fresh, "engine": eng or None}
                 cluster = cluster_from_dict({"name": "local_cpu", "pools": [p.model_dump() for p in cfg.cluster.pools]})
                 cost = CostModel(workload, cluster, params, profile=profile)

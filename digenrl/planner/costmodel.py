@@ -38,6 +38,7 @@ from digenrl.planner.gpus import DEVICES, ClusterSpec, DeviceSpec
 from digenrl.planner.shapes import (ModelShape, ParamCounts, attention_fraction, forward_flops, guidance_passes,
                                     model_shape, param_counts)
 
+MIN_UNIT_CV = 0.02  # unit-time spreads below this are simulated as none (see CostModel.unit_cv)
 WEIGHT_FREE_REWARDS = {"prompt_color", "jpeg_compressibility", "jpeg_incompressibility"}
 
 
@@ -81,6 +82,13 @@ class CostParams:
     # cpu clusters: scale units by the engine calibration run's ``unit_time_factor`` (a unit in an
     # engine worker / the same unit standalone, measured around the run: 1.1-1.2 on the 2-core host)
     engine_unit_factor: bool = True
+    # spread of a unit's duration (coefficient of variation, std / mean); None = the profile's measured
+    # ``unit_cv`` on the device it profiled, else 0. With a spread the simulator draws every rollout /
+    # train unit from a lognormal of that mean and spread and averages ``replicas`` seeded runs: ranks
+    # that meet at a barrier (colocated phases, the all-reduce) wait for the slowest, the expected
+    # maximum of their unit times, not the mean (a fixed-duration simulation misses that wait)
+    unit_cv: float | None = None
+    replicas: int = 8
 
 
 @dataclass
@@ -438,6 +446,26 @@ class CostModel:
         cores, other = self.cluster.cores(), self.other_load()
         alone = min(1.0, cores / (1 + self.profiled_load()))
         return min(1.0, cores / (busy + other)) / alone
+
+    def unit_cv(self, device: str, kind: str) -> float:
+        """Spread (std / mean) of a ``kind`` ("rollout" | "train") unit's duration on ``device``:
+        ``CostParams.unit_cv`` if set, else what the profile measured on that device (in the engine
+        calibration run when there was one, else across the standalone timing rounds), else 0. A
+        spread under ``MIN_UNIT_CV`` counts as none (a GPU's steady kernels: the wait it adds is below
+        the model's accuracy, and replicas would multiply the search's time)."""
+        if self.p.unit_cv is not None:
+            cv = self.p.unit_cv
+        elif not self.profiled(device):
+            cv = 0.0
+        else:
+            prof = self.profile or {}
+            measured = (prof.get("engine") or {}).get("unit_cv") or prof.get("measurements", {}).get("unit_cv") or {}
+            cv = float(measured.get(kind, 0.0))
+        return cv if cv >= MIN_UNIT_CV else 0.0
+
+    def has_spread(self) -> bool:
+        devices = {p.device for p in self.cluster.pools}
+        return any(self.unit_cv(d, k) > 0 for d in devices for k in ("rollout", "train"))
 
     def profiled_load(self) -> float:
         """K at profiling time: runnable threads of other processes beside which the profile measured."""

@@ -17,8 +17,12 @@ measurements
   unit_overhead       a real ``rollout_unit`` / ``train_unit`` of ``engine.unit_groups`` groups against
                       the sum of its calls: ``*_factor`` = whole unit / composed calls (the cost model
                       scales every composed unit by it), ``*_s`` = the difference in seconds
+  unit_cv             spread (std / mean, from successive differences) of whole rollout / train unit
+                      times across the timing rounds; the engine run's ``unit_cv``, when there is one,
+                      is the spread inside engine workers (the simulator draws unit times from it)
   cpu_slowdown        (CPU) time per rollout step with n = 1, 2, 3 forked workers computing at once,
-                      relative to one: what concurrent workers get from this host's cores
+                      relative to one: what concurrent workers get from this host's cores (one
+                      observer beside n - 1 neighbours that compute in every other 0.2 s slot)
   peak_memory_bytes   CUDA ``max_memory_allocated`` per phase, or the process's peak RSS on CPU
   other_runnable      (CPU) mean number of runnable threads of other processes (not this one or its
                       children) while measuring: the call times above were measured beside that
@@ -26,11 +30,12 @@ measurements
 engine (optional)
   ``ray``: Ray micro-benchmarks -- actor call round trip, object-store transfer between two actors
   at two sizes (latency + bytes/s), ``ray.put`` / ``ray.get`` of the weights, gloo all-reduce of
-  the gradients; ``run``: additionally a 3-iteration run of the engine itself (disaggregated, sync,
+  the gradients; ``run``: additionally a 4-iteration run of the engine itself (disaggregated, sync,
   1 + 1 workers) whose timeline gives the per-unit dispatch gap, the samples transfer, the
   publish / fetch times as the runtime really pays them (what the simulator adds around units),
   and how much slower a unit runs inside an engine worker than the same unit run standalone here
-  right before and after the run (``unit_time_factor``, ~1.1-1.2 on a quiet 2-core host).
+  right before and after the run (``unit_time_factor``, ~1.0-1.3 on a quiet 2-core host), and the
+  spread of its unit times (``unit_cv``)
 """
 
 from __future__ import annotations
@@ -289,7 +294,7 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
         policy.optimizer.zero_grad(set_to_none=True)
         peak("units")
 
-        def standalone_units(n: int = 3) -> dict[str, float]:
+        def standalone_units(n: int = 4) -> dict[str, float]:
             """Mean seconds of a whole rollout / train unit run here, ``n`` of each, alternating."""
             got: dict[str, list[float]] = {"rollout": [], "train": []}
             with _threads(threads if dev.type == "cpu" else None):
@@ -334,6 +339,7 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
         m["weight_sync"] = {"bytes": state_bytes(state), "tensors": len(state), "pack_s": med["pack"],
                             "load_s": med["load"]}
         m["timing_rounds"] = len(timed["rollout_unit"])
+        m["unit_cv"] = {kind: unit_spread([timed[f"{kind}_unit"]]) for kind in ("rollout", "train")}
         times = ProfiledTimes({"device": {"name": "partial"}, "measurements": {**m, "unit_overhead": {}}})
         composed_roll = rollout_unit_time(times, workload, groups)[0]
         composed_train = train_unit_time(times, workload, groups, 0, 1, cfg.train.micro_batch)
@@ -355,7 +361,7 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
                 with torch.no_grad():
                     ad.velocity(x, s_, cond)
 
-            m["cpu_slowdown"] = cpu_slowdown(work, max_workers=sharing, seconds=max(0.4, min_time))
+            m["cpu_slowdown"] = cpu_slowdown(work, max_workers=sharing, seconds=max(2.4, 8 * min_time))
     out = {
         "version": PROFILE_VERSION,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -379,23 +385,25 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
         step("engine: Ray call / transfer / all-reduce")
         out["engine"] = ray_overheads(m["sample_bytes"] * G, m["weight_sync"]["bytes"], workload.trained_params)
         if engine == "run":
-            step("engine: a 3-iteration calibration run")
+            step("engine: a 4-iteration calibration run")
             out["engine"].update(engine_run_overheads(cfg, m, standalone=standalone_units))
     return out
 
 
-def _loop(fn, seconds: float, barrier, conn) -> None:
-    """A forked worker: run ``fn`` for ``seconds`` once every worker is ready; report seconds per call."""
+def _observe(fn, t0: float, seconds: float, conn) -> None:
+    """A forked observer: run ``fn`` back to back from ``t0`` for ``seconds``; report (start, end) per call."""
     result = None
     try:
         torch.set_num_threads(1)
         fn()  # warm
-        barrier.wait(timeout=30)
-        calls, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
+        while time.monotonic() < t0:
+            time.sleep(0.001)
+        calls = []
+        while time.monotonic() - t0 < seconds:
+            a = time.monotonic()
             fn()
-            calls += 1
-        result = (time.perf_counter() - t0) / calls  # throughput, not a per-call median: time slices
+            calls.append((a, time.monotonic()))
+        result = calls
     except BaseException as exc:  # noqa: BLE001 (reported to the parent)
         result = f"{type(exc).__name__}: {exc}"
     finally:
@@ -403,44 +411,66 @@ def _loop(fn, seconds: float, barrier, conn) -> None:
         os._exit(0)
 
 
-def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float = 0.4,
-                 rounds: int = 3) -> dict[str, float]:
-    """How much slower each worker gets when ``n`` worker processes compute at once on this host
-    (forked copies running ``fn`` in a loop): {n: time per call with n / time per call alone}. On an
-    idle machine with C cores this is ~max(1, n / C) times what the processes' shared caches and
-    memory bandwidth add; on a shared one it shows what is left to us. Measured in ``rounds`` rounds
-    of n = 1, 2, ..., each ratio within its round, median over the rounds: other processes' load,
-    which comes and goes within seconds, weighs on both sides of a ratio alike."""
+def _neighbour(fn, t0: float, seconds: float, slot: float) -> None:
+    """A forked neighbour: from ``t0``, compute (``fn`` back to back) in even slots, sleep in odd ones."""
+    try:
+        torch.set_num_threads(1)
+        fn()  # warm
+        took = 0.0
+        while (now := time.monotonic()) - t0 < seconds:
+            k = (now - t0) // slot if now >= t0 else -1
+            if k >= 0 and k % 2 == 0 and t0 + (k + 1) * slot - now > took:  # room for one more call
+                a = time.monotonic()
+                fn()
+                took = time.monotonic() - a
+            else:
+                time.sleep(0.001)
+    finally:
+        os._exit(0)
+
+
+def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float = 2.4,
+                 slot: float = 0.2) -> dict[str, float]:
+    """How much slower a worker gets when ``n`` worker processes compute at once on this host:
+    {n: time per call with n - 1 neighbours computing / time per call alone}. One forked observer
+    runs ``fn`` back to back for ``seconds`` while n - 1 forked neighbours compute in every other
+    ``slot`` and sleep in between; the ratio compares the observer's calls inside busy slots with
+    those inside idle ones. Interleaved at the slot's time scale, slow drift of the host's speed
+    (other tenants, frequency) weighs on both sides alike -- measuring n = 1 and n = 2 one after
+    the other, a second apart, swung the ratio between 0.85 and 1.5 on the 2-core host. On an idle
+    machine with C cores the ratio is ~max(1, n / C) times what shared caches and memory bandwidth
+    add; on a shared one it shows what is left to us."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
 
     def once(n: int) -> float:
-        barrier = ctx.Barrier(n)
-        pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
-        procs = [ctx.Process(target=_loop, args=(fn, seconds, barrier, send), daemon=True) for _, send in pipes]
+        recv, send = ctx.Pipe(duplex=False)
+        t0 = time.monotonic() + 1.0 + 0.2 * n  # after every process has forked and warmed up
+        procs = [ctx.Process(target=_observe, args=(fn, t0, seconds, send), daemon=True)]
+        procs += [ctx.Process(target=_neighbour, args=(fn, t0, seconds, slot), daemon=True) for _ in range(n - 1)]
         for p in procs:
             p.start()
         try:
-            got = [recv.recv() if recv.poll(60 + 10 * seconds) else "no answer within the timeout"
-                   for recv, _ in pipes]
+            got = recv.recv() if recv.poll(60 + 10 * seconds) else "no answer within the timeout"
         finally:
             for p in procs:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-        bad = [g for g in got if not isinstance(g, float)]
-        if bad:
-            raise RuntimeError(f"CPU sharing probe failed in a worker: {bad[0]}")
-        return statistics.mean(got)
+        if not isinstance(got, list):
+            raise RuntimeError(f"CPU sharing probe failed in a worker: {got}")
+        busy, idle = [], []
+        for a, b in got:  # calls wholly inside one slot only
+            k = (a - t0) // slot
+            if k == (b - t0) // slot and k >= 0:
+                (busy if k % 2 == 0 else idle).append(b - a)
+        if not busy or not idle:
+            raise RuntimeError(f"CPU sharing probe: a call of {statistics.fmean(b - a for a, b in got):.3f} s "
+                               f"does not fit in a {slot} s slot")
+        return statistics.fmean(busy) / statistics.fmean(idle)
 
-    ratios: dict[int, list[float]] = {n: [] for n in range(1, max_workers + 1)}
-    for _ in range(max(1, rounds)):
-        alone = once(1)
-        ratios[1].append(1.0)
-        for n in range(2, max_workers + 1):
-            ratios[n].append(once(n) / alone)
-    return {str(n): statistics.median(v) for n, v in ratios.items()}
+    return {"1": 1.0, **{str(n): once(n) for n in range(2, max_workers + 1)}}
 
 
 def _samples_bytes(samples) -> int:
@@ -667,7 +697,7 @@ def ray_overheads(unit_bytes: float, weight_bytes: int, trained_params: int, rep
             ray.shutdown()
 
 
-def engine_run_overheads(cfg, m: dict, iterations: int = 3,
+def engine_run_overheads(cfg, m: dict, iterations: int = 4,
                          standalone: Callable[[], dict[str, float]] | None = None) -> dict:
     """Run the engine itself (disaggregated, GAP/TSP/TAG off, 1 rollout + 1 trainer CPU worker) and
     read from its timeline what it pays around the units: the dispatch gap before a unit (median),
@@ -697,6 +727,9 @@ def engine_run_overheads(cfg, m: dict, iterations: int = 3,
         reference = {k: (before[k] + after[k]) / 2 for k in before}
     out = timeline_overheads(tl, m)
     out["unit_time_factor"] = unit_time_factors(tl, cal, m, reference)
+    out["unit_cv"] = {kind: unit_spread([[e.duration for e in sorted(tl.events, key=lambda e: e.start)
+                                          if e.kind == kind and e.worker == w and e.iteration > 0]
+                                         for w in tl.workers]) for kind in ("rollout", "train")}
     if reference:
         out["standalone_unit_s"] = reference
     out["calibration_rows"] = [{k: r[k] for k in ("iteration", "wall_s", "samples_per_s", "bubble_fraction")}
@@ -723,6 +756,18 @@ def unit_time_factors(tl, cfg, m: dict, reference: dict[str, float] | None = Non
         if got and pred > 0:
             out[kind] = statistics.fmean(got) / pred
     return out
+
+
+def unit_spread(series: list[list[float]]) -> float:
+    """Coefficient of variation of unit durations from successive differences (von Neumann):
+    ``sqrt(mean((x[i+1] - x[i])^2) / 2) / mean(x)`` within each series (one worker's units, or one
+    item's timing rounds, in time order). What two workers' units differ by at a barrier is their
+    unit-to-unit jitter; a slow drift of the host's speed, which both see alike, does not count."""
+    diffs = [(b - a) ** 2 for xs in series for a, b in zip(xs, xs[1:])]
+    values = [x for xs in series for x in xs]
+    if not diffs or not values:
+        return 0.0
+    return (statistics.fmean(diffs) / 2) ** 0.5 / statistics.fmean(values)
 
 
 def timeline_overheads(tl, m: dict) -> dict:

@@ -7,13 +7,20 @@ as ``ray.wait`` does). What a unit costs comes from the cost model, per worker d
 what the engine adds around it:
 
 - every unit starts ``call_s`` after it is handed out (driver -> actor call);
-- a train unit first receives its samples (``transfer``);
+- a train unit's samples are ready ``transfer`` after its rollout unit ended -- with a barrier
+  (``SchedulerConfig.barrier``) after the iteration's last one did -- (the driver's reward /
+  advantage work, the object-store hop); the unit starts ``call_s`` after it is handed out or after
+  they are ready, whichever is later (a trainer busy with its previous unit hides the transfer);
 - a rollout worker handed a unit of a newer version first loads it (a ``sync`` event, as the
   runtime records it), trainer rank 0 publishes after each step (a ``sync`` nested in the step);
 - the optimizer step is collective: a rank's step event starts when it arrives and ends when the
   all-reduce -- which waits for the last rank -- and its update are done;
 - a colocated device pays a phase switch (idle, so counted as bubble) when it turns from training
   to sampling or back;
+- with a unit-time spread (``CostModel.unit_cv``, measured by the profile) every rollout and train
+  unit's duration is drawn from a lognormal of the cost model's mean and that spread, and
+  :func:`simulate` averages ``CostParams.replicas`` seeded runs: ranks that meet at a barrier (a
+  colocated phase change, the all-reduce) wait for the slowest of them;
 - ``device: cpu`` pools share the host's cores: when ``n`` workers compute at once each runs at
   the speed the profile measured for ``n`` concurrent workers (``CostParams.cpu_sharing =
   "measured"``, the default), or at processor sharing of the ``C`` cores with the other processes'
@@ -28,6 +35,7 @@ computed by the same code.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -195,7 +203,7 @@ class SimResult:
 
 @dataclass
 class _Seg:
-    kind: str  # "call" | "wait" | "switch" | a timeline kind
+    kind: str  # "call" | "samples" (waiting for them) | "wait" (collective) | "switch" | a timeline kind
     amount: float  # seconds at full speed (inf: until released)
     cpu: bool  # competes for host cores (cpu pools)
     event: dict | None = None  # timeline event fields, recorded when the segment ends
@@ -220,8 +228,10 @@ class _Job:
 class Simulator:
     """One simulated run of ``plan`` for ``iterations`` iterations."""
 
-    def __init__(self, plan: Plan, cost: CostModel, iterations: int = 3, wait_for_full_batch: bool = False):
+    def __init__(self, plan: Plan, cost: CostModel, iterations: int = 3, wait_for_full_batch: bool = False,
+                 seed: int | None = None):
         self.plan, self.cost, self.iterations = plan, cost, iterations
+        self.rng = random.Random(seed) if seed is not None else None  # None: every unit takes its mean
         self.w = cost.w
         self.setups = setups(plan, cost)
         self.workers = plan.workers()
@@ -238,6 +248,7 @@ class Simulator:
             self.timeline.add_worker(spec.name, pool.name)
         self.held = {n: 0 for n in self.order}  # weights version each rollout worker holds
         self.phase = {n: "rollout" for n in self.order}  # colocated: what the device is set up for
+        self.rolled: dict[str, float] = {}  # rollout uid -> when it ended (its samples leave then)
         self._cache: dict = {}
 
     # -- durations (cached) --------------------------------------------------------------
@@ -247,7 +258,7 @@ class Simulator:
             self._cache[key] = fn()
         return self._cache[key]
 
-    def _segments(self, worker: str, unit) -> list[_Seg]:
+    def _segments(self, worker: str, unit, now: float) -> list[_Seg]:
         pool, cost, ov = self.pool[worker], self.cost, self.cost.ov
         dev, setup = pool.device, self.setups[pool.name]
         segs = [_Seg("call", ov.call_s, False)]
@@ -260,15 +271,19 @@ class Simulator:
                 self.held[worker] = unit.version
             segs += self._switch(worker, "rollout", dev, setup)
             total, reward = self._d(("rollout", dev, len(unit.groups)), lambda: cost.rollout_unit(dev, len(unit.groups)))
-            segs.append(_Seg("rollout", total, True, dict(
+            segs.append(_Seg("rollout", self._draw(total, dev, "rollout"), True, dict(
                 base, kind="rollout", version=unit.version, reward_s=reward,
                 args={"samples": len(unit.groups) * self.w.group_size, "groups": list(unit.groups)})))
         elif isinstance(unit, TrainUnit):
-            segs[0].amount += self._d(("transfer", len(unit.groups)), lambda: cost.transfer(len(unit.groups)))
+            transfer = self._d(("transfer", len(unit.groups)), lambda: cost.transfer(len(unit.groups)))
+            # with a barrier every train unit of k leaves with k's last rollout (advantages over the batch)
+            ended = self.rolled.get(f"last-{unit.iteration}" if self.sched.cfg.barrier else unit.rollout_uid, now)
+            arrive = ended + transfer  # the samples at the trainer
+            segs.insert(0, _Seg("samples", max(0.0, arrive - now), False))  # then the call
             segs += self._switch(worker, "train", dev, setup)
             d = self._d(("train", dev, len(unit.groups), unit.tsp_rank, unit.tsp_degree),
                         lambda: cost.train_unit(dev, len(unit.groups), unit.tsp_rank, unit.tsp_degree, setup))
-            segs.append(_Seg("train", d, True, dict(
+            segs.append(_Seg("train", self._draw(d, dev, "train"), True, dict(
                 base, kind="train", version=unit.version, sample_versions=(unit.sample_version,),
                 args={"groups": list(unit.groups), "tsp_rank": unit.tsp_rank, "tsp_degree": unit.tsp_degree})))
         else:
@@ -279,6 +294,14 @@ class Simulator:
             segs.append(_Seg("step", d, True, dict(base, kind="step", version=unit.version - 1, publish_s=pub,
                                                    args={"publishes": unit.version})))
         return segs
+
+    def _draw(self, mean: float, dev: str, kind: str) -> float:
+        """One unit's duration: the mean, or a lognormal draw of that mean and the unit-time spread."""
+        cv = self.cost.unit_cv(dev, kind) if self.rng is not None else 0.0
+        if cv <= 0:
+            return mean
+        s2 = math.log1p(cv * cv)  # lognormal with mean 1 and std cv
+        return mean * self.rng.lognormvariate(-s2 / 2, math.sqrt(s2))
 
     def _switch(self, worker: str, phase: str, dev: str, setup: DeviceSetup) -> list[_Seg]:
         if self.pool[worker].role != "both" or self.phase[worker] == phase:
@@ -300,7 +323,7 @@ class Simulator:
                 unit = sched.next_unit(worker)
                 if unit is not None:
                     idle.discard(worker)
-                    job = _Job(seq, worker, unit, self._segments(worker, unit))
+                    job = _Job(seq, worker, unit, self._segments(worker, unit, now))
                     seq += 1
                     self._enter(job, now)
                     running.append(job)
@@ -334,6 +357,8 @@ class Simulator:
             self._leave(job, now)
             running.remove(job)
             sched.complete(job.unit)
+            if isinstance(job.unit, RolloutUnit):
+                self.rolled[job.unit.uid] = self.rolled[f"last-{job.unit.iteration}"] = now
             idle.add(job.worker)
         else:  # pragma: no cover
             raise RuntimeError("simulation did not terminate")
@@ -385,11 +410,31 @@ def simulate(plan: Plan, cost: CostModel, iterations: int = 4, skip: int | None 
              wait_for_full_batch: bool = False) -> SimResult:
     """Simulate ``iterations`` iterations and summarise the steady state: the first ``skip`` (default
     1: nothing to overlap with yet) and the last ``tail`` (default 1 from 3 iterations on: with
-    one-step async the last span holds no next rollout) are left out."""
-    sim = Simulator(plan, cost, iterations, wait_for_full_batch)
-    timeline = sim.run()
-    return SimResult(plan, timeline, sim.sched, steady_summary(timeline, skip, tail), bound(plan, cost, sim.setups),
-                     sim.setups)
+    one-step async the last span holds no next rollout) are left out. With a unit-time spread
+    (:meth:`CostModel.has_spread`) ``cost.p.replicas`` seeded runs are pooled (samples over wall
+    time, bubble and per-iteration figures averaged); the timeline kept is the run closest to the
+    pooled throughput."""
+    seeds = list(range(max(1, cost.p.replicas))) if cost.has_spread() else [None]
+    runs = []
+    for seed in seeds:
+        sim = Simulator(plan, cost, iterations, wait_for_full_batch, seed=seed)
+        timeline = sim.run()
+        runs.append((sim, timeline, steady_summary(timeline, skip, tail)))
+    summary = pool_summaries([r[2] for r in runs])
+    sim, timeline, _ = min(runs, key=lambda r: abs(r[2]["samples_per_s"] - summary["samples_per_s"]))
+    return SimResult(plan, timeline, sim.sched, summary, bound(plan, cost, sim.setups), sim.setups)
+
+
+def pool_summaries(rows: list[dict]) -> dict:
+    """Steady-state summaries of replicated runs as one: samples / wall time over all of them, the
+    other figures averaged."""
+    if len(rows) == 1:
+        return rows[0]
+    out = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    wall, samples = sum(r["wall_s"] for r in rows), sum(r["samples"] for r in rows)
+    out.update(wall_s=wall / len(rows), samples=samples / len(rows),
+               samples_per_s=samples / wall if wall > 0 else 0.0)
+    return out
 
 
 def steady_summary(timeline: Timeline, skip: int | None = None, tail: int | None = None) -> dict:
