@@ -6,7 +6,7 @@
 
 1. ``digenrl profile`` of the configured tiny model on this CPU (one thread per worker, as the engine
    runs), with the engine's own overheads measured either from a short calibration run of the engine
-   (``run``: disaggregated sync, 1 + 1 workers, 4 iterations; the default) or from Ray micro-benchmarks
+   (``run``: disaggregated sync, 1 + 1 workers, 8 iterations; the default) or from Ray micro-benchmarks
    only (``ray``: actor call round trip, object-store transfer);
 2. for each mode (the knobs and workloads of benchmarks/engine_modes.py, 1 rollout + 1 trainer device):
      colocated    both devices roll out, then both train
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
                     help="concurrent workers: the profile's measured slowdown of n concurrent workers (default), "
                          "or processor sharing of the cores beside the other processes' runnable threads")
     ap.add_argument("--no-engine-unit-factor", dest="engine_unit_factor", action="store_false",
-                    help="do not scale units by the calibration run's engine/standalone unit_time_factor")
+                    help="do not scale units by the calibration run's engine/profile unit_time_factor")
     ap.add_argument("--reprofile", action="store_true",
                     help="re-measure the model's call and unit times right before each run (the engine overheads "
                          "stay those of the first profile): less drift on a machine whose load changes")
@@ -167,7 +167,8 @@ def main(argv=None) -> int:
     if args.profile is not None:
         profile = load_profile(args.profile)
     else:
-        profile = run_profile(base, "cpu", engine=args.calibration,
+        # ~17 timing rounds: the engine unit factor is taken against them, for the whole benchmark
+        profile = run_profile(base, "cpu", engine=args.calibration, min_time=1.0,
                               on_step=lambda s: print(f"  [{time.time() - t0:5.1f}s] profile: {s}", flush=True))
         save_profile(profile, Path(tempfile.gettempdir()) / "digenrl-fidelity-profile.json")
     eng = profile["engine"] or {}
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
     print(f"profile done in {time.time() - t0:.1f}s; engine overheads: call {eng.get('call_s', 0) * 1e3:.1f} ms, "
           f"transfer {eng.get('transfer_latency_s', 0) * 1e3:.1f} ms ({eng.get('source')}); whole units x"
           f"{u.get('rollout_factor', 1):.2f} / x{u.get('train_factor', 1):.2f} their calls; calibration run's "
-          f"engine/standalone unit time x{eng.get('unit_time_factor')} "
+          f"engine/profile unit time x{eng.get('unit_time_factor')} "
           f"({'applied' if args.engine_unit_factor else 'not applied'}); with n concurrent workers "
           f"x{profile['measurements'].get('cpu_slowdown')}", flush=True)
     params = CostParams(cpu_sharing=args.cpu_sharing, engine_unit_factor=args.engine_unit_factor)

@@ -4,6 +4,7 @@ own Scheduler in virtual time), the placement search and the `digenrl plan` comm
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from digenrl.config import load_config
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit
 from digenrl.engine.timeline import Timeline
 from digenrl.errors import UserError
-from digenrl.planner.costmodel import AnalyticTimes, CostModel, EngineOverheads, Workload, interpolate
+from digenrl.planner.costmodel import AnalyticTimes, CostModel, CostParams, EngineOverheads, Workload, interpolate
 from digenrl.planner.gpus import DEVICES, cluster_from_dict, load_cluster, match_device_name
 from digenrl.planner.search import candidates, search
 from digenrl.planner.shapes import attention_fraction, forward_flops, model_shape
@@ -166,11 +167,11 @@ def test_memory_model_rejects_what_does_not_fit(tmp_path):
 class ConstantCost(CostModel):
     """Fixed unit durations and no engine overheads: the closed forms of DESIGN §4 apply."""
 
-    def __init__(self, cfg, rollout=1.0, train=0.5, step=0.1):
+    def __init__(self, cfg, rollout=1.0, train=0.5, step=0.1, call=0.0, transfer=0.0, cv=None, replicas=8):
         cluster = cluster_from_dict({"name": "h", "pools": [{"name": "g", "device": "H100", "count": 4}]})
-        super().__init__(Workload.from_config(cfg), cluster,
-                         overheads=EngineOverheads(call_s=0.0, transfer_latency_s=0.0, allreduce_latency_s=0.0))
-        self.r, self.t, self.s = rollout, train, step
+        super().__init__(Workload.from_config(cfg), cluster, CostParams(unit_cv=cv, replicas=replicas),
+                         overheads=EngineOverheads(call_s=call, transfer_latency_s=0.0, allreduce_latency_s=0.0))
+        self.r, self.t, self.s, self.xfer = rollout, train, step, transfer
 
     def rollout_unit(self, device, groups):
         return self.r, 0.0
@@ -185,7 +186,7 @@ class ConstantCost(CostModel):
         return 0.0
 
     def transfer(self, groups):
-        return 0.0
+        return self.xfer
 
     def switch(self, device, setup):
         return 0.0
@@ -235,6 +236,43 @@ def test_balanced_async_reaches_the_design_bound(tiny_cfg):
     assert bound(disagg(1, 1, tag=True), cost) == pytest.approx(max(4.1, 8.1 / 2))
     colocated = Plan("colocated", (Pool("g", "H100", 2, "both"),), 1)
     assert bound(colocated, cost) == pytest.approx((4 + 4 + 2 * 0.1) / 2)
+
+
+def test_unit_time_spread_makes_a_barrier_wait_for_the_slowest(tiny_cfg):
+    # colocated on 2 devices, one rollout and one train unit each per iteration: each phase ends
+    # with the slower of two units, the step waits for both
+    cfg = tiny_cfg("train.prompts_per_iteration=2")
+    plan = Plan("colocated", (Pool("g", "H100", 2, "both"),), 1)
+    r, t, s, c = 1.0, 0.5, 0.1, 0.1
+    fixed = simulate(plan, ConstantCost(cfg, r, t, s), iterations=3)
+    assert fixed.iteration_s == pytest.approx(r + t + s)
+    spread = simulate(plan, ConstantCost(cfg, r, t, s, cv=c, replicas=400), iterations=3)
+    # closed form: the larger of two independent N(mu, (c mu)^2) has mean mu (1 + c / sqrt(pi))
+    # (the lognormal draws are that normal to O(c^2))
+    assert spread.iteration_s == pytest.approx(r + t + s + (r + t) * c / math.sqrt(math.pi), rel=0.01)
+    assert spread.bubble_fraction > fixed.bubble_fraction
+    again = simulate(plan, ConstantCost(cfg, r, t, s, cv=c, replicas=400), iterations=3)
+    assert again.iteration_s == spread.iteration_s  # seeded: a plan's prediction does not move
+    # one device alone never waits for another: the spread averages out
+    alone = Plan("colocated", (Pool("g", "H100", 1, "both"),), 1)
+    one = simulate(alone, ConstantCost(cfg, r, t, s, cv=c, replicas=400), iterations=3)
+    assert one.iteration_s == pytest.approx(2 * (r + t) + s, rel=0.01)
+
+
+def test_samples_transfer_hides_behind_a_busy_trainer(tiny_cfg):
+    cfg = tiny_cfg("train.prompts_per_iteration=4")
+    call, xfer = 0.01, 0.3
+    for gap in (True, False):  # without GAP every train unit leaves with the iteration's last rollout
+        res = simulate(disagg(1, 1, gap=gap), ConstantCost(cfg, 0.1, 1.0, 0.0, call=call, transfer=xfer),
+                       iterations=3)
+        ended = {e.uid.split("-", 1)[1]: e.end for e in res.timeline.events if e.kind == "rollout"}
+        trains = sorted((e for e in res.timeline.events if e.kind == "train" and e.iteration == 1),
+                        key=lambda e: e.start)
+        first = trains[0]
+        samples = ended["1-0"] if gap else max(v for k, v in ended.items() if k.startswith("1-"))
+        assert first.start == pytest.approx(samples + xfer + call)
+        for before, after in zip(trains, trains[1:]):  # the trainer was busy: only the call is paid
+            assert after.start == pytest.approx(before.end + call)
 
 
 def test_cpu_workers_share_the_host_cores(tiny_cfg):

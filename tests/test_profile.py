@@ -43,6 +43,7 @@ def test_profile_each_tiny_family(family, tmp_path):
     assert m["weight_sync"]["bytes"] == 4 * lora  # LoRA tensors in fp32
     assert m["weight_sync"]["pack_s"] > 0 and m["weight_sync"]["load_s"] > 0
     assert m["unit_overhead"]["rollout_unit_s"] > 0 and m["peak_memory_bytes"]["train"] > 0
+    assert set(m["unit_cv"]) == {"rollout", "train"} and all(v >= 0 for v in m["unit_cv"].values())
     # it round-trips through profile.json and calibrates the cost model of the same model
     path = save_profile(profile, tmp_path / "profile.json")
     again = load_profile(path)
@@ -134,6 +135,20 @@ def test_engine_unit_factor_is_taken_against_the_reference_units():
         tl.record("trainer0", "train", f"t{k}", k, k, k + d, k + 2 * d)
     factors = unit_time_factors(tl, load_config(None, FAST), {}, {"rollout": 0.1, "train": 0.1})
     assert factors == pytest.approx({"rollout": 1.2, "train": 1.2})
+
+
+def test_unit_spread_counts_jitter_not_drift():
+    import random
+    import statistics
+
+    from digenrl.planner.profile import unit_spread
+
+    drift = [1.0 + 0.01 * i for i in range(50)]  # the host slowing down steadily: no wait at a barrier
+    assert unit_spread([drift]) < 0.01 < statistics.pstdev(drift) / statistics.fmean(drift)
+    rng = random.Random(0)
+    jitter = [[rng.gauss(2.0, 0.2) for _ in range(1000)] for _ in range(2)]
+    assert unit_spread(jitter) == pytest.approx(0.1, rel=0.1)
+    assert unit_spread([[1.0], []]) == 0.0  # no successive pair
 
 
 def test_other_load_counts_our_children_as_ours():

@@ -88,6 +88,9 @@ def profile_table(p: dict) -> Table:
         t.add_row("engine: weights put / get", _ms(e["put_s"]), _ms(e["get_s"]))
         t.add_row("engine: all-reduce of the gradients", _ms(e.get("allreduce_s", 0.0)), "")
         if e.get("unit_time_factor"):
-            t.add_row("engine: a unit in a worker / standalone",
+            t.add_row("engine: a unit in a worker / in the profile",
                       ", ".join(f"{k} x{v:.2f}" for k, v in e["unit_time_factor"].items()), "")
+        if e.get("unit_cv"):
+            t.add_row("engine: unit-to-unit spread (std / mean)",
+                      ", ".join(f"{k} {v:.2f}" for k, v in e["unit_cv"].items()), "")
     return t
