@@ -20,9 +20,10 @@
 3. samples/s and bubble fraction of both, over the same iterations (the first and the last left out),
    with the relative error of the prediction; and a "replay" prediction -- the simulator fed with the
    unit durations the run itself measured -- whose error is that of the scheduling and overhead model
-   alone, without the profile's timing noise. ``--reprofile`` re-measures the call and unit times
-   and the CPU sharing right before each run (less drift between profile and run when other work
-   comes and goes); ``--repeats N`` runs every mode N times in round robin and compares medians.
+   alone, without the profile's timing noise. ``--reprofile`` profiles (engine calibration included)
+   right before each run instead of once (the host's speed drifts 10-20% within a minute: each run's
+   profile then errs independently); ``--repeats N`` runs every mode N times in round robin and
+   compares medians.
 
 Timings on a shared machine are noisy (other processes take cores): rerun before trusting an outlier.
 """
@@ -119,6 +120,10 @@ def unit_ms(predicted, measured) -> dict:
     return {k: (p[k], m.get(k, float("nan"))) for k in sorted(p)}
 
 
+def fmt(d) -> str:
+    return "{" + ", ".join(f"{k}: {v:.2f}" for k, v in d.items()) + "}" if d else "-"
+
+
 def median(xs):
     import statistics
 
@@ -142,8 +147,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-engine-unit-factor", dest="engine_unit_factor", action="store_false",
                     help="do not scale units by the calibration run's engine/profile unit_time_factor")
     ap.add_argument("--reprofile", action="store_true",
-                    help="re-measure the model's call and unit times right before each run (the engine overheads "
-                         "stay those of the first profile): less drift on a machine whose load changes")
+                    help="profile (engine calibration included) right before each run instead of once: the "
+                         "host's speed drifts, and each run's profile errs independently of the others")
     ap.add_argument("--json", type=Path, default=None, help="write the table as JSON")
     ap.add_argument("--timelines", type=Path, default=None, help="keep predicted and measured timeline.json/png here")
     args = ap.parse_args(argv)
@@ -164,23 +169,31 @@ def main(argv=None) -> int:
     base = load_config(args.config, WORKLOADS[args.workload] + QUIET)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     t0 = time.time()
+    def profiled(what: str) -> dict:
+        """One profile: ~17 timing rounds (the engine unit factor is taken against them)."""
+        p = run_profile(base, "cpu", engine=args.calibration, sharing=2, batches=[unit_groups(base) * G],
+                        min_time=1.0, on_step=lambda s: print(f"  [{time.time() - t0:5.1f}s] {what}: {s}", flush=True))
+        describe(p)
+        return p
+
+    def describe(p: dict) -> None:
+        eng, u = p["engine"] or {}, p["measurements"]["unit_overhead"]
+        print(f"    profile: engine call {eng.get('call_s', 0) * 1e3:.1f} ms, transfer "
+              f"{eng.get('transfer_latency_s', 0) * 1e3:.1f} ms ({eng.get('source')}); whole units x"
+              f"{u.get('rollout_factor', 1):.2f} / x{u.get('train_factor', 1):.2f} their calls; engine/profile unit "
+              f"time {fmt(eng.get('unit_time_factor'))} ({'applied' if args.engine_unit_factor else 'not applied'}); "
+              f"unit spread {fmt(eng.get('unit_cv') or p['measurements'].get('unit_cv'))}; n concurrent workers "
+              f"{fmt(p['measurements'].get('cpu_slowdown'))}", flush=True)
+
+    G = base.algorithm.group_size
+    profile = None
     if args.profile is not None:
         profile = load_profile(args.profile)
-    else:
-        # ~17 timing rounds: the engine unit factor is taken against them, for the whole benchmark
-        profile = run_profile(base, "cpu", engine=args.calibration, min_time=1.0,
-                              on_step=lambda s: print(f"  [{time.time() - t0:5.1f}s] profile: {s}", flush=True))
+        describe(profile)
+    elif not args.reprofile:
+        profile = profiled("profile")
         save_profile(profile, Path(tempfile.gettempdir()) / "digenrl-fidelity-profile.json")
-    eng = profile["engine"] or {}
-    u = profile["measurements"]["unit_overhead"]
-    print(f"profile done in {time.time() - t0:.1f}s; engine overheads: call {eng.get('call_s', 0) * 1e3:.1f} ms, "
-          f"transfer {eng.get('transfer_latency_s', 0) * 1e3:.1f} ms ({eng.get('source')}); whole units x"
-          f"{u.get('rollout_factor', 1):.2f} / x{u.get('train_factor', 1):.2f} their calls; calibration run's "
-          f"engine/profile unit time x{eng.get('unit_time_factor')} "
-          f"({'applied' if args.engine_unit_factor else 'not applied'}); with n concurrent workers "
-          f"x{profile['measurements'].get('cpu_slowdown')}", flush=True)
     params = CostParams(cpu_sharing=args.cpu_sharing, engine_unit_factor=args.engine_unit_factor)
-    G = base.algorithm.group_size
     ray.init(num_cpus=os.cpu_count(), resources={"pool:rollout": 1, "pool:trainer": 1}, include_dashboard=False,
              logging_level=logging.WARNING)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
@@ -189,10 +202,8 @@ def main(argv=None) -> int:
         for rep in range(args.repeats):
             for mode in modes:
                 cfg = mode_config(args.config, args.workload, mode, args.iterations)
-                if args.reprofile:  # the batches this workload runs, and the sharing of 2 concurrent workers
-                    fresh = run_profile(base, "cpu", engine="none", sharing=2, batches=[unit_groups(base) * G],
-                                        min_time=1.0)
-                    profile = {**fresh, "engine": eng or None}
+                if args.reprofile:  # the host's speed drifts 10-20% within a minute: each run gets its own
+                    profile = profiled(f"{mode} #{rep + 1} profile")  # profile, errors average out over repeats
                 cluster = cluster_from_dict({"name": "local_cpu", "pools": [p.model_dump() for p in cfg.cluster.pools]})
                 cost = CostModel(workload, cluster, params, profile=profile)
                 sim = simulate(Plan.from_run_config(cfg), cost, args.iterations,
@@ -236,7 +247,10 @@ def main(argv=None) -> int:
                      "unit_ms": unit_ms(sim.timeline, measured_tl),
                      "profile_other_load_cores": profile["measurements"].get("other_load_cores"),
                      "profile_unit_factors": [profile["measurements"]["unit_overhead"].get(k)
-                                              for k in ("rollout_factor", "train_factor")]}
+                                              for k in ("rollout_factor", "train_factor")],
+                     "engine_unit_factor": (profile["engine"] or {}).get("unit_time_factor"),
+                     "unit_cv": (profile["engine"] or {}).get("unit_cv"),
+                     "cpu_slowdown": profile["measurements"].get("cpu_slowdown")}
                 runs[mode].append(r)
                 print(f"{mode:12s} #{rep + 1} predicted {r['predicted_samples_per_s']:7.2f} samples/s  measured "
                       f"{r['measured_samples_per_s']:7.2f}  error {r['rel_error']:+6.1%}   bubble predicted "
@@ -283,7 +297,8 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} cores)" + ("; at run load = the prediction beside the other processes' runnable "
                                         "threads measured during the run" if cores else ""))
     if args.json is not None:
-        args.json.write_text(json.dumps({"modes": rows, "profile_engine": eng, "iterations": args.iterations,
+        args.json.write_text(json.dumps({"modes": rows, "profile_engine": profile["engine"] if profile else None,
+                                         "iterations": args.iterations,
                                          "repeats": args.repeats, "workload": args.workload,
                                          "reprofile": args.reprofile, "cpu_sharing": args.cpu_sharing,
                                          "config": str(args.config or "embedded tiny FLUX")}, indent=2))

@@ -20,9 +20,10 @@ measurements
   unit_cv             spread (std / mean, from successive differences) of whole rollout / train unit
                       times across the timing rounds; the engine run's ``unit_cv``, when there is one,
                       is the spread inside engine workers (the simulator draws unit times from it)
-  cpu_slowdown        (CPU) time per rollout step with n = 1, 2, 3 forked workers computing at once,
-                      relative to one: what concurrent workers get from this host's cores (one
-                      observer beside n - 1 neighbours that compute in every other 0.2 s slot)
+  cpu_slowdown        (CPU) time per rollout step (a unit's batch) with n = 1, 2, 3 forked workers
+                      computing at once, relative to one: what concurrent workers get of the host (one
+                      observer beside n - 1 neighbours that compute in every other 0.2 s slot,
+                      each process with its own copy of the weights)
   peak_memory_bytes   CUDA ``max_memory_allocated`` per phase, or the process's peak RSS on CPU
   other_runnable      (CPU) mean number of runnable threads of other processes (not this one or its
                       children) while measuring: the call times above were measured beside that
@@ -340,14 +341,15 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
         m["peak_memory_bytes"] = peaks
         if dev.type == "cpu" and sharing:  # before Ray starts in this process: the probe forks
             step("CPU sharing between concurrent workers")
-            cond, x = inputs(G)
-            s_ = sig[1].expand(G)
+            cond, x = inputs(groups * G)  # a rollout unit's batch
+            s_ = sig[1].expand(groups * G)
 
             def work():
                 with torch.no_grad():
                     ad.velocity(x, s_, cond)
 
-            m["cpu_slowdown"] = cpu_slowdown(work, max_workers=sharing, seconds=max(2.4, 8 * min_time))
+            m["cpu_slowdown"] = cpu_slowdown(work, max_workers=sharing, seconds=max(2.4, 8 * min_time),
+                                             prepare=lambda: _private_weights(policy))
     out = {
         "version": PROFILE_VERSION,
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -376,11 +378,22 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
     return out
 
 
-def _observe(fn, t0: float, seconds: float, conn) -> None:
+def _private_weights(policy) -> None:
+    """In a forked child: give every module of the policy its own copy of its weights (fork shares
+    the parent's pages until written; separate engine workers never share them)."""
+    for owner in (policy, policy.adapter):
+        for obj in vars(owner).values():
+            if isinstance(obj, torch.nn.Module):
+                for t in [*obj.parameters(), *obj.buffers()]:
+                    t.data = t.data.clone()
+
+
+def _observe(fn, prepare, t0: float, seconds: float, conn) -> None:
     """A forked observer: run ``fn`` back to back from ``t0`` for ``seconds``; report (start, end) per call."""
     result = None
     try:
         torch.set_num_threads(1)
+        prepare()
         fn()  # warm
         while time.monotonic() < t0:
             time.sleep(0.001)
@@ -397,10 +410,11 @@ def _observe(fn, t0: float, seconds: float, conn) -> None:
         os._exit(0)
 
 
-def _neighbour(fn, t0: float, seconds: float, slot: float) -> None:
+def _neighbour(fn, prepare, t0: float, seconds: float, slot: float) -> None:
     """A forked neighbour: from ``t0``, compute (``fn`` back to back) in even slots, sleep in odd ones."""
     try:
         torch.set_num_threads(1)
+        prepare()
         fn()  # warm
         took = 0.0
         while (now := time.monotonic()) - t0 < seconds:
@@ -416,16 +430,19 @@ def _neighbour(fn, t0: float, seconds: float, slot: float) -> None:
 
 
 def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float = 2.4,
-                 slot: float = 0.2) -> dict[str, float]:
+                 slot: float = 0.2, prepare: Callable[[], object] = lambda: None) -> dict[str, float]:
     """How much slower a worker gets when ``n`` worker processes compute at once on this host:
     {n: time per call with n - 1 neighbours computing / time per call alone}. One forked observer
     runs ``fn`` back to back for ``seconds`` while n - 1 forked neighbours compute in every other
     ``slot`` and sleep in between; the ratio compares the observer's calls inside busy slots with
     those inside idle ones. Interleaved at the slot's time scale, slow drift of the host's speed
     (other tenants, frequency) weighs on both sides alike -- measuring n = 1 and n = 2 one after
-    the other, a second apart, swung the ratio between 0.85 and 1.5 on the 2-core host. On an idle
-    machine with C cores the ratio is ~max(1, n / C) times what shared caches and memory bandwidth
-    add; on a shared one it shows what is left to us."""
+    the other, a second apart, swung the ratio between 0.85 and 1.5 on the 2-core host. Each
+    process first runs ``prepare`` (the profile gives it a private copy of the model's weights, as
+    every engine worker has: forked copies sharing one set of pages read ~1.0 at n = 2 where
+    private copies read ~1.3, the cache they compete for). On an idle machine with C cores the
+    ratio is ~max(1, n / C) times what shared caches and memory bandwidth add; on a shared one it
+    shows what is left to us."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
@@ -433,8 +450,9 @@ def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float 
     def once(n: int) -> float:
         recv, send = ctx.Pipe(duplex=False)
         t0 = time.monotonic() + 1.0 + 0.2 * n  # after every process has forked and warmed up
-        procs = [ctx.Process(target=_observe, args=(fn, t0, seconds, send), daemon=True)]
-        procs += [ctx.Process(target=_neighbour, args=(fn, t0, seconds, slot), daemon=True) for _ in range(n - 1)]
+        procs = [ctx.Process(target=_observe, args=(fn, prepare, t0, seconds, send), daemon=True)]
+        procs += [ctx.Process(target=_neighbour, args=(fn, prepare, t0, seconds, slot), daemon=True)
+                  for _ in range(n - 1)]
         for p in procs:
             p.start()
         try:
