@@ -35,7 +35,7 @@ engine (optional)
   1 + 1 workers) whose timeline gives the per-unit dispatch gap, the samples transfer, the
   publish / fetch times as the runtime really pays them (what the simulator adds around units),
   and how much slower a unit runs inside an engine worker than the profile's round-robin whole
-  unit (``unit_time_factor``, ~1.2 on the quiet 2-core host), and the spread of its unit times
+  unit (``unit_time_factor``, median 1.12 on the quiet 2-core host), and the spread of its unit times
   (``unit_cv``)
 """
 

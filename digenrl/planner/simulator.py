@@ -249,6 +249,7 @@ class Simulator:
         self.held = {n: 0 for n in self.order}  # weights version each rollout worker holds
         self.phase = {n: "rollout" for n in self.order}  # colocated: what the device is set up for
         self.rolled: dict[str, float] = {}  # rollout uid -> when it ended (its samples leave then)
+        self.last_rolled: dict[int, float] = {}  # iteration -> when its last rollout unit ended
         self._cache: dict = {}
 
     # -- durations (cached) --------------------------------------------------------------
@@ -277,7 +278,8 @@ class Simulator:
         elif isinstance(unit, TrainUnit):
             transfer = self._d(("transfer", len(unit.groups)), lambda: cost.transfer(len(unit.groups)))
             # with a barrier every train unit of k leaves with k's last rollout (advantages over the batch)
-            ended = self.rolled.get(f"last-{unit.iteration}" if self.sched.cfg.barrier else unit.rollout_uid, now)
+            ended = (self.last_rolled.get(unit.iteration, now) if self.sched.cfg.barrier
+                     else self.rolled.get(unit.rollout_uid, now))
             arrive = ended + transfer  # the samples at the trainer
             segs.insert(0, _Seg("samples", max(0.0, arrive - now), False))  # then the call
             segs += self._switch(worker, "train", dev, setup)
@@ -358,7 +360,7 @@ class Simulator:
             running.remove(job)
             sched.complete(job.unit)
             if isinstance(job.unit, RolloutUnit):
-                self.rolled[job.unit.uid] = self.rolled[f"last-{job.unit.iteration}"] = now
+                self.rolled[job.unit.uid] = self.last_rolled[job.unit.iteration] = now
             idle.add(job.worker)
         else:  # pragma: no cover
             raise RuntimeError("simulation did not terminate")
