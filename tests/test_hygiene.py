@@ -78,8 +78,8 @@ def test_ctrl_c_stops_the_actors_and_writes_nothing_partial(tmp_path):
     try:
         _, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
-        # once in about ten CI runs the first SIGINT went unseen (the run went on and finished with
-        # exit 0; cause not found -- Ray defers SIGINT inside some of its calls): press it again, as a user would
+        # once (of ~10 CI runs) the first SIGINT went unseen: the run went on and finished with exit 0
+        # (cause not found). Press it again, as a user would; what must hold is what follows
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
