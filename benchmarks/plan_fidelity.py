@@ -65,7 +65,7 @@ def replay_cost(cost, measured):
     import statistics
 
     from digenrl.planner.costmodel import CostModel
-    from digenrl.planner.profile import unit_spread
+    from digenrl.planner.profile import timeline_unit_cv
 
     by = {}
     for e in measured.events:
@@ -78,9 +78,7 @@ def replay_cost(cost, measured):
         if e.kind == "step":
             steps.setdefault(e.uid.split("/")[0], []).append(e.duration)
     step_s = statistics.median(min(v) for v in steps.values())  # the last rank's share: no waiting
-    spread = {kind: unit_spread([[e.duration for e in sorted(measured.events, key=lambda e: e.start)
-                                  if e.kind == kind and e.worker == w and e.iteration > 0]
-                                 for w in measured.workers]) for kind in ("rollout", "train")}
+    spread = timeline_unit_cv(measured)
 
     class Replay(CostModel):
         def rollout_unit(self, device, groups):

@@ -724,9 +724,7 @@ def engine_run_overheads(cfg, m: dict, iterations: int = 8) -> dict:
         tl = Timeline.from_chrome_trace(Path(tmp) / "run" / "timeline.json")
     out = timeline_overheads(tl, m)
     out["unit_time_factor"] = unit_time_factors(tl, cal, m)
-    out["unit_cv"] = {kind: unit_spread([[e.duration for e in sorted(tl.events, key=lambda e: e.start)
-                                          if e.kind == kind and e.worker == w and e.iteration > 0]
-                                         for w in tl.workers]) for kind in ("rollout", "train")}
+    out["unit_cv"] = timeline_unit_cv(tl)
     out["calibration_rows"] = [{k: r[k] for k in ("iteration", "wall_s", "samples_per_s", "bubble_fraction")}
                                for r in result.metrics]
     return out
@@ -767,6 +765,14 @@ def unit_spread(series: list[list[float]]) -> float:
     if not diffs or not values:
         return 0.0
     return (statistics.fmean(diffs) / 2) ** 0.5 / statistics.fmean(values)
+
+
+def timeline_unit_cv(tl) -> dict[str, float]:
+    """:func:`unit_spread` of a run's rollout and train units, each worker's in time order, after
+    the first (warm-up) iteration."""
+    events = sorted(tl.events, key=lambda e: e.start)
+    return {kind: unit_spread([[e.duration for e in events if e.kind == kind and e.worker == w and e.iteration > 0]
+                               for w in tl.workers]) for kind in ("rollout", "train")}
 
 
 def timeline_overheads(tl, m: dict) -> dict:
