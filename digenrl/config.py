@@ -171,6 +171,11 @@ class TrainConfig(_Section):
 
 # ----------------------------------------------------------------------- cluster / placement / engine
 class PoolConfig(_Section):
+    """A pool of devices of one type: the one pool type of run configs, cluster files and plans
+    (:mod:`digenrl.placement`). Frozen: plans hash it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     name: str
     device: str = Field("cpu", description="device type: cpu (logical) or a GPU name such as H800, H20, A100")
     count: int = Field(1, gt=0)

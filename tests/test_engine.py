@@ -214,15 +214,16 @@ def test_late_scores_follow_the_nan_policy(tmp_path):
     """The driver's side of a released unit (no Ray): NaN scores that arrive after the worker
     moved on (``nan_policy: drop``, passed on by the actor) get advantage 0, and are counted;
     the scoring span lands on the reward row."""
-    from digenrl.engine.runtime import Engine, scheduler_config, worker_plan
+    from digenrl.engine.runtime import RayBackend
     from digenrl.engine.scheduler import Scheduler
-    from digenrl.rewards.service import Scored
+    from digenrl.placement import engine_scheduler_config, engine_workers
     from digenrl.rewards import reward_metrics
+    from digenrl.rewards.service import Scored
 
     cfg = load_config(None, BASE + SERVICE + ["reward.nan_policy=drop"])
-    plan = worker_plan(cfg)
-    sched = Scheduler(scheduler_config(cfg), [spec for spec, _ in plan])
-    engine = Engine(cfg, sched, plan, actors={}, out=None, on_iteration=None)
+    workers = engine_workers(cfg)
+    sched = Scheduler(engine_scheduler_config(cfg), workers)
+    engine = RayBackend(cfg, sched, workers, actors={}, out=None)
     unit = sched.next_unit("rollout0")
     sched.release(unit)
     assert sched.next_unit("trainer0") is None  # nothing to train before the scores
@@ -231,14 +232,14 @@ def test_late_scores_follow_the_nan_policy(tmp_path):
     t = engine.t0
     engine.scored(unit, Scored(total, {"prompt_color": total}, t + 1.0, t + 1.5, {"prompt_color": 0.5}, 0.25, 1))
     sched.complete(unit)
-    adv = engine.batches[unit.uid].advantages
+    adv = engine.ledger.batches[unit.uid].advantages
     assert adv[1] == 0 and not torch.isnan(adv).any() and adv[0] < 0 < adv[2]
-    batch = engine.batches[unit.uid]
+    batch = engine.ledger.batches[unit.uid]
     assert reward_metrics(batch.rewards, batch.reward_parts)["reward_nan"] == 1  # as the metrics row counts it
     (event,) = engine.timeline.of("reward")
     assert (event.worker, event.start, event.end, event.args["queue_depth"]) == ("reward", 1.0, 1.5, 1)
-    assert engine.reward_calls[0] == [{"seconds": 0.5, "timings": {"prompt_color": 0.5}, "wait_s": 0.25,
-                                       "queue_depth": 1}]
+    assert engine.ledger.reward_calls[0] == [{"seconds": 0.5, "timings": {"prompt_color": 0.5}, "wait_s": 0.25,
+                                              "queue_depth": 1}]
     assert isinstance(sched.next_unit("trainer0"), TrainUnit)
 
 
@@ -345,14 +346,14 @@ def test_failure_releases_everything(cluster, tmp_path):
 
 
 def test_worker_plan_per_placement():
-    from digenrl.engine.runtime import worker_plan
+    from digenrl.placement import engine_workers as worker_plan
 
     pools = "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 3}]"
     colocated = worker_plan(load_config(None, BASE + ["placement.mode=colocated", pools]))
-    assert [(s.name, s.role) for s, _ in colocated] == [(f"rollout{i}", "both") for i in range(2)] + [
+    assert [(s.name, s.role) for s in colocated] == [(f"rollout{i}", "both") for i in range(2)] + [
         (f"trainer{i}", "both") for i in range(3)]
     disagg = worker_plan(load_config(None, BASE + DISAGG + [pools]))
-    assert [s.role for s, _ in disagg] == ["rollout"] * 2 + ["trainer"] * 3  # rollout workers ask first
+    assert [s.role for s in disagg] == ["rollout"] * 2 + ["trainer"] * 3  # rollout workers ask first
     with pytest.raises(UserError, match="different pools"):
         worker_plan(load_config(None, BASE + DISAGG + ["placement.trainer_pool=rollout"]))
     with pytest.raises(UserError, match="train.device"):
@@ -361,7 +362,7 @@ def test_worker_plan_per_placement():
 
 def test_resource_bundles_for_gpu_pools():
     from digenrl.engine.cluster import resource_bundles
-    from digenrl.engine.runtime import worker_plan
+    from digenrl.placement import engine_workers as worker_plan
 
     gpus = load_config(None, BASE + DISAGG + [
         "cluster.pools=[{name: rollout, device: H20, count: 2}, {name: trainer, device: h800, count: 2}]"])

@@ -10,12 +10,13 @@ import pytest
 from typer.testing import CliRunner
 
 from digenrl.cli.app import app
-from digenrl.config import load_config
+from digenrl.config import PoolConfig, load_config
 from digenrl.errors import UserError
 from digenrl.planner.costmodel import CostModel, ProfiledTimes, Workload
 from digenrl.planner.gpus import load_cluster
 from digenrl.planner.profile import batch_sizes, load_profile, run_profile, save_profile
-from digenrl.planner.simulator import Plan, Pool, simulate
+from digenrl.placement import Plan
+from digenrl.planner.simulator import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["sampling.steps=2", "train.prompts_per_iteration=2", "algorithm.group_size=2", "train.micro_batch=2"]
@@ -51,7 +52,7 @@ def test_profile_each_tiny_family(family, tmp_path):
                      profile=again)
     assert isinstance(cost.times("cpu"), ProfiledTimes)
     assert cost.rollout_unit("cpu", 1)[0] > 0 and cost.train_unit("cpu", 1, 0, 1) > 0
-    plan = Plan("disaggregated", (Pool("rollout", "cpu", 1, "rollout"), Pool("trainer", "cpu", 1, "trainer")), 1)
+    plan = Plan("disaggregated", (PoolConfig(name="rollout", device="cpu"), PoolConfig(name="trainer", device="cpu")), 1)
     assert simulate(plan, cost).samples_per_s > 0
 
 

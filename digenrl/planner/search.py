@@ -21,10 +21,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from digenrl.config import PoolConfig
 from digenrl.errors import UserError
+from digenrl.placement import Plan
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import ClusterSpec
-from digenrl.planner.simulator import DoesNotFit, Plan, Pool, SimResult, bound, setups, simulate
+from digenrl.planner.simulator import DoesNotFit, SimResult, bound, setups, simulate
 
 TSP_DEGREES = (1, 2, 4)
 
@@ -51,15 +53,14 @@ def candidates(cluster: ClusterSpec, prompts: int, *, colocated: bool = True, ga
     units = divisors(prompts)
     plans = []
     if colocated:  # on every device, and (mixed clusters) on the devices of one type
-        groups = [tuple(Pool(p.name, p.device, p.count, "both") for p in cluster.pools)]
+        groups = [tuple(cluster.pools)]
         if len(cluster.devices) > 1:
-            groups += [tuple(Pool(p.name, p.device, p.count, "both") for p in cluster.pools if p.device == d)
-                       for d in cluster.devices]
+            groups += [tuple(p for p in cluster.pools if p.device == d) for d in cluster.devices]
         for pools in groups:
             n = sum(p.count for p in pools)
             plans += [Plan("colocated", pools, m, D) for m in units for D in tsp if D <= n]
     for (dr, r), (dt, t) in pool_splits(cluster):
-        pools = (Pool("rollout", dr, r, "rollout"), Pool("trainer", dt, t, "trainer"))
+        pools = (PoolConfig(name="rollout", device=dr, count=r), PoolConfig(name="trainer", device=dt, count=t))
         plans += [Plan("disaggregated", pools, m, D, tg, g, st)
                   for m in units for D in tsp if D <= t for tg in tag for g in gap for st in staleness]
     return plans
