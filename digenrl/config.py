@@ -209,7 +209,8 @@ class EngineConfig(_Section):
     max_staleness: Literal[0, 1] = 0
     max_restarts: int = Field(3, ge=0, description="restarts per rollout worker / reward actor before the run stops")
     faults: list[FaultConfig] = Field(default_factory=list, description=(
-        "fault injection (tests, soak): kill `worker` while it runs `unit`; also DIGENRL_FAULTS=worker@unit,..."))
+        "fault injection (tests, soak): `worker`'s process exits after the work of `unit`, once per run "
+        "(a plugin in the worker processes, digenrl/faults.py); also DIGENRL_FAULTS=worker@unit,..."))
 
 
 # -------------------------------------------------------------------------------------- output

@@ -1,4 +1,4 @@
-"""The two units of work (DESIGN.md §4), as plain functions any driver can call.
+"""The two units of work (docs/architecture.md), as plain functions any driver can call.
 
 - :func:`rollout_unit`: m whole prompt groups, generated with ONE policy version from the first
   denoising step to the reward.

@@ -1,4 +1,4 @@
-"""The Ray engine end to end on the tiny FLUX, in every mode: the invariants of DESIGN.md §4
+"""The Ray engine end to end on the tiny FLUX, in every mode: the invariants of docs/architecture.md
 read back from the run directory (timeline.json: what each worker actually ran and trained),
 equality with the single-process trainer when on-policy, verified weight sync, and errors that
 come in seconds instead of hangs. One Ray cluster (2 CPUs, 2 + 2 logical devices) per module."""
@@ -345,37 +345,37 @@ def test_failure_releases_everything(cluster, tmp_path):
 # -- placement as data: pure functions, no cluster needed -----------------------------------
 
 
-def test_worker_plan_per_placement():
-    from digenrl.placement import engine_workers as worker_plan
+def test_engine_workers_per_placement():
+    from digenrl.placement import engine_workers
 
     pools = "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 3}]"
-    colocated = worker_plan(load_config(None, BASE + ["placement.mode=colocated", pools]))
+    colocated = engine_workers(load_config(None, BASE + ["placement.mode=colocated", pools]))
     assert [(s.name, s.role) for s in colocated] == [(f"rollout{i}", "both") for i in range(2)] + [
         (f"trainer{i}", "both") for i in range(3)]
-    disagg = worker_plan(load_config(None, BASE + DISAGG + [pools]))
+    disagg = engine_workers(load_config(None, BASE + DISAGG + [pools]))
     assert [s.role for s in disagg] == ["rollout"] * 2 + ["trainer"] * 3  # rollout workers ask first
     with pytest.raises(UserError, match="different pools"):
-        worker_plan(load_config(None, BASE + DISAGG + ["placement.trainer_pool=rollout"]))
+        engine_workers(load_config(None, BASE + DISAGG + ["placement.trainer_pool=rollout"]))
     with pytest.raises(UserError, match="train.device"):
-        worker_plan(load_config(None, BASE + DISAGG + ["train.device=cuda"]))
+        engine_workers(load_config(None, BASE + DISAGG + ["train.device=cuda"]))
 
 
 def test_resource_bundles_for_gpu_pools():
     from digenrl.engine.cluster import resource_bundles
-    from digenrl.placement import engine_workers as worker_plan
+    from digenrl.placement import engine_workers
 
     gpus = load_config(None, BASE + DISAGG + [
         "cluster.pools=[{name: rollout, device: H20, count: 2}, {name: trainer, device: h800, count: 2}]"])
-    plan = worker_plan(gpus)
+    workers = engine_workers(gpus)
     cluster = {"CPU": 64, "GPU": 8, "accelerator_type:H20": 1, "H800": 4, "node:1.2.3.4": 1}
-    bundles = resource_bundles(plan, cluster)
+    bundles = resource_bundles(workers, cluster)
     assert bundles[0] == {"CPU": 1.0, "GPU": 1, "accelerator_type:H20": 0.001}  # Ray's detected type
     assert bundles[2] == {"CPU": 1.0, "GPU": 1, "H800": 1}  # a custom resource per device, any case
     with pytest.raises(UserError, match="GPU 4 needed, 3 exist"):
-        resource_bundles(plan, {**cluster, "GPU": 3})
+        resource_bundles(workers, {**cluster, "GPU": 3})
     with pytest.raises(UserError, match="'h800'"):
-        resource_bundles(plan, {"CPU": 64, "GPU": 8, "accelerator_type:H20": 1})
+        resource_bundles(workers, {"CPU": 64, "GPU": 8, "accelerator_type:H20": 1})
     # CPU shares fit the CPUs left beside the reward actor: never a placement that waits forever
-    cpu = worker_plan(load_config(None, BASE + DISAGG))
+    cpu = engine_workers(load_config(None, BASE + DISAGG))
     shares = resource_bundles(cpu, {"CPU": 2, "pool:rollout": 1, "pool:trainer": 1}, reserve={"CPU": 1})
     assert sum(b["CPU"] for b in shares) <= 1 and shares[0]["pool:rollout"] == 1

@@ -166,7 +166,7 @@ def test_memory_model_rejects_what_does_not_fit(tmp_path):
 
 
 class ConstantCost(CostModel):
-    """Fixed unit durations and no engine overheads: the closed forms of DESIGN §4 apply."""
+    """Fixed unit durations and no engine overheads: the closed forms of docs/architecture.md apply."""
 
     def __init__(self, cfg, rollout=1.0, train=0.5, step=0.1, call=0.0, transfer=0.0, cv=None, replicas=8):
         cluster = cluster_from_dict({"name": "h", "pools": [{"name": "g", "device": "H100", "count": 4}]})

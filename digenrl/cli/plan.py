@@ -175,7 +175,7 @@ def ladder_table(report: dict) -> Table:
 
 def report_notes(report: dict) -> list[str]:
     s, cm = report["search"], report["cost_model"]
-    lines = ["eff. = DESIGN §4 bound / predicted iteration time; vs col. = speedup over the best colocated plan"]
+    lines = ["eff. = throughput bound (docs/architecture.md) / predicted iteration time; vs col. = speedup over the best colocated plan"]
     lines += [f"searched {s['candidates']} placements: {s['rejected_by_memory']} do not fit in memory, "
              f"{s['simulated']} simulated ({s['seconds']:.1f} s); times from "
              + "; ".join(f"{d}: {src}" for d, src in cm["times"].items())]

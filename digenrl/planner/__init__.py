@@ -1,4 +1,4 @@
-"""The planner (DESIGN.md §5): measure (profile), cost model, simulator, placement search.
+"""The planner (docs/architecture.md): measure (profile), cost model, simulator, placement search.
 
 - :mod:`~digenrl.planner.profile`   ``digenrl profile``: per-call times, memory, engine overheads
 - :mod:`~digenrl.planner.gpus`      accelerator table (datasheet numbers) and cluster files

@@ -1,4 +1,4 @@
-"""Enumerate placements of a cluster, keep those that fit in memory, simulate, rank (DESIGN.md §5).
+"""Enumerate placements of a cluster, keep those that fit in memory, simulate, rank (docs/architecture.md).
 
 Candidates:
 
@@ -11,7 +11,7 @@ Candidates:
   ``max_staleness`` 0/1, with GAP on.
 
 Pruning: a candidate whose memory does not fit is dropped (its reason is kept, for the error when
-nothing fits); the others are simulated in order of their DESIGN §4 bound (a lower bound on the
+nothing fits); the others are simulated in order of their throughput bound (a lower bound on the
 iteration time that costs no simulation), and the search stops once the next bound cannot beat the
 K-th best simulated plan. The best colocated plan is always simulated: speedups are against it.
 """
@@ -133,7 +133,7 @@ def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int 
     return SearchResult(results, best_col, len(plans), rejected, simulated, time.perf_counter() - start)
 
 
-#: what each knob adds: the best plan with the knobs up to that line (DESIGN.md §4's table)
+#: what each knob adds: the best plan with the knobs up to that line (the knob table of docs/architecture.md)
 LADDER = (
     ("sync", dict(gap=(False,), tsp=(1,), tag=(False,), staleness=(0,))),
     ("+GAP", dict(gap=(True,), tsp=(1,), tag=(False,), staleness=(0,))),

@@ -1,4 +1,4 @@
-"""The engine's scheduler in virtual time (DESIGN.md §4-5).
+"""The engine's scheduler in virtual time, run by the engine's own driver loop (docs/architecture.md).
 
 The simulator drives the SAME :class:`~digenrl.engine.scheduler.Scheduler` the Ray runtime drives,
 the same way: after every completion each idle worker, in the runtime's worker order, asks
@@ -82,7 +82,7 @@ class SimResult:
     timeline: Timeline
     scheduler: Scheduler
     summary: dict  # Timeline.summary over the measured iterations
-    bound_s: float  # DESIGN §4 bound on the iteration time
+    bound_s: float  # the throughput bound on the iteration time (docs/architecture.md)
     setups: dict[str, DeviceSetup] = field(default_factory=dict)
 
     @property
@@ -367,7 +367,7 @@ def steady_summary(timeline: Timeline, skip: int | None = None, tail: int | None
 
 
 def bound(plan: Plan, cost: CostModel, setup: dict[str, DeviceSetup] | None = None) -> float:
-    """DESIGN §4's bound on the iteration time, generalised to device types of different speeds by
+    """The throughput bound on the iteration time (docs/architecture.md), generalised to device types of different speeds by
     a fluid split of the work: colocated ``(R+T)/(r+t)``, disaggregated ``max(R/r, T/t)``, with TAG
     ``max(T/t, (R+T)/(r+t))`` (R, T: rollout / train device-seconds; T includes every rank's step and,
     colocated, the phase switches). Engine overheads (calls, transfers, weight sync) are left out."""
