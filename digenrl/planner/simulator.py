@@ -1,9 +1,9 @@
 """The engine's scheduler in virtual time, run by the engine's own driver loop (docs/architecture.md).
 
-The simulator drives the SAME :class:`~digenrl.engine.scheduler.Scheduler` the Ray runtime drives,
-the same way: after every completion each idle worker, in the runtime's worker order, asks
-``next_unit``; completions are taken one at a time, earliest first (submission order breaks ties,
-as ``ray.wait`` does). What a unit costs comes from the cost model, per worker device type, plus
+The simulator is a backend of :func:`~digenrl.engine.driver.drive`, the loop the Ray runtime runs:
+the SAME :class:`~digenrl.engine.scheduler.Scheduler`, the same workers in the same order
+(:meth:`~digenrl.placement.Plan.workers`); completions are reported one at a time, earliest first
+(submission order breaks ties, as ``ray.wait`` does). What a unit costs comes from the cost model, per worker device type, plus
 what the engine adds around it:
 
 - every unit starts ``call_s`` after it is handed out (driver -> actor call);
