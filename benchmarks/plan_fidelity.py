@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     from digenrl.planner.costmodel import CostModel, CostParams, Workload
     from digenrl.planner.gpus import cluster_from_dict
     from digenrl.planner.profile import OtherLoad, load_profile, run_profile, save_profile, unit_groups
-    from digenrl.planner.simulator import Plan, simulate, steady_summary
+    from digenrl.placement import Plan
+    from digenrl.planner.simulator import simulate, steady_summary
 
     torch.set_num_threads(1)
     base = load_config(args.config, WORKLOADS[args.workload] + QUIET)
