@@ -85,6 +85,6 @@ def test_a_pool_is_one_type_in_configs_cluster_files_and_plans():
     cluster = cluster_from_dict({"pools": [{"name": "a", "device": "h800", "count": 2}]})
     assert cluster.pools == [PoolConfig(name="a", device="H800", count=2)]  # canonical spelling
     with pytest.raises(UserError, match=r"cluster: pools.0.device: unknown device type 'B200'"):
-        cluster_from_dict({"pools": [{"name": "a", "device": "B200"}]})
+        cluster_from_dict({"pools": [{"name": "a", "device": "B200", "count": 1}]})
     with pytest.raises(ValueError, match="two pools of different names"):
         Plan("disaggregated", (cluster.pools[0], cluster.pools[0]), 1)

@@ -130,6 +130,9 @@ class ClusterSpec(_Strict):
     @classmethod
     def _known_unique(cls, pools: list[PoolConfig]) -> list[PoolConfig]:
         for i, p in enumerate(pools):
+            for key in ("device", "count"):  # a cluster file names both (a run config may default them)
+                if key not in p.model_fields_set:
+                    raise ValueError(f"pools.{i}.{key}: Field required")
             spec = _lookup(p.device)
             if spec is None:
                 raise ValueError(f"pools.{i}.device: {_unknown(p.device)}")
