@@ -177,7 +177,7 @@ def build_reward(cfg: RewardConfig) -> CombinedReward:
     global CPU generator (a model head's init would): the policy built next gets the same
     initial weights in every process, whether or not that process builds the rewards (with
     ``reward.service`` only the reward actor does)."""
-    from digenrl.rewards import basic, clip_models  # noqa: F401  (registers the rewards)
+    from digenrl.rewards import basic, clip_models, remote  # noqa: F401  (registers the rewards)
 
     with torch.random.fork_rng(devices=[]):
         return CombinedReward(cfg)
