@@ -108,7 +108,7 @@ class TimestepConfig(_Section):
 class AlgorithmConfig(_Section):
     name: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
     group_size: int = Field(8, ge=2, description="G samples per prompt; 1 would leave no advantage")
-    clip_range: float | None = Field(None, gt=0, description="PPO clip; null = by sampling.sde: 1e-5 for cps, else 1e-4")
+    clip_range: float | None = Field(None, gt=0, description="PPO clip; null = by sampling.sde: cps 1e-5, else 1e-4")
     adv_clip: float = Field(5.0, gt=0)
     std: Literal["per_prompt", "global"] = "per_prompt"
     std_ddof: Literal[0, 1] = Field(0, description=(

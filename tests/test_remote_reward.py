@@ -20,7 +20,8 @@ from digenrl.rewards import build_reward
 from digenrl.rewards.basic import COLORS, PromptColor, prompt_color
 from digenrl.rewards.remote import RemoteReward, RemoteRewardError
 
-_spec = importlib.util.spec_from_file_location("reward_server", Path(__file__).parents[1] / "benchmarks" / "reward_server.py")
+SERVER_FILE = Path(__file__).parents[1] / "benchmarks" / "reward_server.py"
+_spec = importlib.util.spec_from_file_location("reward_server", SERVER_FILE)
 reward_server = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(reward_server)
 
@@ -124,6 +125,22 @@ def test_configured_as_a_component_and_weighted(server):
     total, parts = reward(pixels, prompts, metas)
     assert torch.allclose(parts["remote"], parts["prompt_color"], atol=1e-6)
     assert torch.allclose(total, 2 * parts["remote"])
+
+
+def test_two_servers_as_labelled_components(server):
+    """``remote:<label>`` lists one reward kind twice: each component its own server, logged by its name."""
+    other = Server(lambda imgs, p, m: [float(i) for i in range(len(imgs))])
+    try:
+        reward = build_reward(RewardConfig(combine="per_reward_advantage", components=[
+            {"name": "remote:colour", "args": {"url": server.url, "format": "array"}},
+            {"name": "remote:index", "weight": 0.5, "args": {"url": other.url}}]))
+        pixels, prompts, metas = batch()
+        total, parts = reward(pixels, prompts, metas)
+        assert set(parts) == {"remote:colour", "remote:index"}
+        assert parts["remote:index"].tolist() == [0, 1, 2, 3, 4, 5]
+        assert torch.allclose(total, parts["remote:colour"] + 0.5 * parts["remote:index"])
+    finally:
+        other.stop()
 
 
 def one_line(err: Exception, *needles: str):

@@ -1,4 +1,7 @@
-"""GRPO for flow models: group-relative advantages, the clipped objective, KL, trained timesteps."""
+"""GRPO for flow models: group-relative advantages, the clipped objective, KL, trained timesteps.
+
+The math in words, with the reasons for each choice: docs/algorithms.md.
+"""
 
 from __future__ import annotations
 

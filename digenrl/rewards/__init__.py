@@ -6,7 +6,8 @@ images (N,C,H,W) or videos (N,C,F,H,W). Image rewards score videos per frame unl
 scored and their scores averaged per video.
 
 Rewards are built from ``reward.components`` (``name``, ``weight``, ``args``); every component may
-take ``frame_stride`` in its ``args``; a name ``kind:label`` lists one kind twice (:func:`reward_kind`). :class:`CombinedReward` returns the weighted sum and each
+take ``frame_stride`` in its ``args``; a name ``kind:label`` lists one kind twice (:func:`reward_kind`).
+:class:`CombinedReward` returns the weighted sum and each
 component; :meth:`CombinedReward.check` is the dry run that catches a broken reward before training.
 """
 

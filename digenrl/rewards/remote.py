@@ -82,7 +82,8 @@ class RemoteReward(Reward):
     def __init__(self, url: str | None = None, timeout: float = 60.0, retries: int = 2, backoff: float = 1.0,
                  batch_size: int = 64, format: str = "png", video_native: bool = False):  # noqa: A002
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise RewardArgError("url", f"an http:// or https:// address of the reward server is required (got {url!r})")
+            raise RewardArgError("url", f"an http:// or https:// address of the reward server is required "
+                                        f"(got {url!r})")
         if format not in ("png", "array"):
             raise RewardArgError("format", f"must be png or array (got {format!r})")
         self.url, self.format = url, format
