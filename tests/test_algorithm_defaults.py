@@ -11,7 +11,7 @@ from tests.helpers import cli
 
 @pytest.mark.parametrize("sde, want", [("flow_grpo", 1e-4), ("dance_grpo", 1e-4), ("cps", 1e-5)])
 def test_clip_range_defaults_by_sde_kind_unless_set(sde, want):
-    cfg = load_config(None, [f"sampling.sde={sde}", "algorithm.clip_range=null"])
+    cfg = load_config(None, [f"sampling.sde={sde}"])  # the default demo leaves clip_range unset
     assert cfg.algorithm.clip_range == want
     assert load_config(None, [f"sampling.sde={sde}", "algorithm.clip_range=3e-4"]).algorithm.clip_range == 3e-4
     again = load_config(None, [f"sampling.sde={sde}", "algorithm.clip_range=null"])
