@@ -3,8 +3,10 @@ its scores equal a local computation of the same function; a server that is down
 garbage or the wrong count stops the run with one line (or the configured retry succeeds); and
 no unit is ever trained on missing scores."""
 
+import contextlib
 import importlib.util
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -84,6 +86,18 @@ def raw_server(respond):
     return httpd, f"http://127.0.0.1:{httpd.server_address[1]}/", count
 
 
+@contextlib.contextmanager
+def nothing_listens():
+    """A URL whose port is held by a bound socket that does not listen: connections are refused, and
+    no other process on the machine can take the port meanwhile (a closed port could be reused)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/"
+    finally:
+        sock.close()
+
+
 def batch(n=6, seed=0):
     pixels = torch.rand(n, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
     prompts = [f"a {c} car" for c in ("red", "green", "blue")] * (n // 3)
@@ -151,11 +165,8 @@ def one_line(err: Exception, *needles: str):
 
 
 def test_server_down_is_one_line_after_the_retries():
-    httpd, url, _ = raw_server(lambda n: (200, b"{}"))
-    httpd.server_close()  # nothing listens on that port any more
-    r = RemoteReward(url=url, retries=2, backoff=0.01)
-    with pytest.raises(RemoteRewardError) as exc:
-        r(*batch())
+    with nothing_listens() as url, pytest.raises(RemoteRewardError) as exc:
+        RemoteReward(url=url, retries=2, backoff=0.01)(*batch())
     one_line(exc.value, f"reward 'remote' at {url}", "no server answers", "after 3 tries")
 
 
@@ -228,11 +239,10 @@ def test_bad_args_name_the_field(args, needle):
 def test_a_server_down_at_start_stops_before_anything_is_written(tmp_path, monkeypatch, capsys):
     from tests.helpers import cli
 
-    httpd, url, _ = raw_server(lambda n: (200, b"{}"))
-    httpd.server_close()
-    code, _, err = cli(monkeypatch, capsys, "train", "--run-dir", str(tmp_path / "run"), "--set",
-                       "placement.mode=local", "--set", "model.height=16", "--set", "model.width=16", "--set",
-                       f"reward.components=[{{name: remote, args: {{url: '{url}', retries: 0}}}}]")
+    with nothing_listens() as url:
+        code, _, err = cli(monkeypatch, capsys, "train", "--run-dir", str(tmp_path / "run"), "--set",
+                           "placement.mode=local", "--set", "model.height=16", "--set", "model.width=16", "--set",
+                           f"reward.components=[{{name: remote, args: {{url: '{url}', retries: 0}}}}]")
     assert code == 2 and "reward.components.0: reward 'remote' failed in its dry run" in err, err
     assert "no server answers" in err and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "run").exists()
