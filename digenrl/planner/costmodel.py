@@ -35,8 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 from digenrl.errors import UserError
 from digenrl.planner.gpus import DEVICES, ClusterSpec, DeviceSpec
-from digenrl.planner.shapes import (ModelShape, ParamCounts, attention_fraction, forward_flops, guidance_passes,
-                                    model_shape, param_counts)
+from digenrl.planner.shapes import ModelShape, ParamCounts, attention_fraction, forward_flops, model_shape, param_counts
 
 MIN_UNIT_CV = 0.02  # unit-time spreads below this are simulated as none (see CostModel.unit_cv)
 WEIGHT_FREE_REWARDS = {"prompt_color", "jpeg_compressibility", "jpeg_incompressibility"}
@@ -143,8 +142,9 @@ class Workload:
         from digenrl.adapters import adapter_class
         from digenrl.algorithms.grpo import select_timesteps
 
+        adapter = adapter_class(cfg.model.adapter)
         shape = model_shape(cfg.model)
-        params = param_counts(shape, cfg.model.lora, adapter_class(cfg.model.adapter).default_lora_targets)
+        params = param_counts(shape, cfg.model.lora, adapter.default_lora_targets)
         ts, n = cfg.algorithm.timesteps, cfg.sampling.steps
         _, idx = select_timesteps(ts.mode, n, 1, torch.Generator().manual_seed(0), fraction=ts.fraction,
                                   window=ts.window, shift_every=ts.window_shift_every)
@@ -152,7 +152,7 @@ class Workload:
         return cls(
             family=cfg.model.adapter, shape=shape, params=params, steps=n, trained_steps=idx.shape[1],
             timestep_mode=ts.mode, group_size=cfg.algorithm.group_size,
-            prompts=cfg.train.prompts_per_iteration, passes=guidance_passes(cfg.model.adapter, cfg.sampling.guidance),
+            prompts=cfg.train.prompts_per_iteration, passes=adapter.guidance_passes(cfg.sampling.guidance),
             kl=cfg.algorithm.kl_beta > 0, lora=cfg.model.lora is not None, micro_batch=cfg.train.micro_batch,
             dtype_bytes=2 if cfg.model.dtype in ("bfloat16", "float16") else 4,
             reward_kind="weight_free" if names <= WEIGHT_FREE_REWARDS else "model",
