@@ -124,7 +124,7 @@ def test_whole_unit_factor_scales_every_composed_unit_and_tsp_shares_split_it(tm
 
 def test_engine_unit_factor_is_taken_against_the_reference_units():
     from digenrl.engine.timeline import Timeline
-    from digenrl.planner.profile import unit_time_factors
+    from digenrl.planner.measure.engine_run import unit_time_factors
 
     tl = Timeline()
     tl.add_worker("rollout0", "rollout")
@@ -141,7 +141,7 @@ def test_unit_spread_counts_jitter_not_drift():
     import random
     import statistics
 
-    from digenrl.planner.profile import unit_spread
+    from digenrl.planner.measure.engine_run import unit_spread
 
     drift = [1.0 + 0.01 * i for i in range(50)]  # the host slowing down steadily: no wait at a barrier
     assert unit_spread([drift]) < 0.01 < statistics.pstdev(drift) / statistics.fmean(drift)
@@ -156,7 +156,7 @@ def test_other_load_counts_our_children_as_ours():
     import sys
     import time
 
-    from digenrl.planner.profile import OtherLoad
+    from digenrl.planner.measure.contention import OtherLoad
 
     spin = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<3: pass"],
                             start_new_session=True)
