@@ -182,3 +182,28 @@ def test_profile_cli_engine_none_measures_the_model_only(monkeypatch, capsys, tm
     data = json.loads(out.read_text())
     assert data["engine"] is None and "engine: call round trip" not in stdout
     assert data["measurements"]["timing_rounds"] >= 1 and "other_load_cores" in data["measurements"]
+
+
+def test_gpu_profile_calibrates_the_mfu_from_the_batches_both_tables_measured():
+    """A GPU profile's rollout table has unit batches (m x G) the train table does not: the MFU is
+    the median over the batches both measured, each FLOPs / (time x the device's peak)."""
+    from digenrl.planner.gpus import DEVICES
+    from digenrl.planner.shapes import attention_fraction, forward_flops
+
+    cfg = load_config(None, FAST)
+    w = Workload.from_config(cfg)
+    peak, flops = DEVICES["H100"].bf16_flops, forward_flops(w.shape) * w.passes
+    train_factor = 2.0 + attention_fraction(w.shape)  # forward + LoRA backward
+    roll_mfu, train_mfu = {4: 0.30, 8: 0.50, 32: 0.05}, {1: 0.7, 4: 0.20, 8: 0.40}
+    profile = {
+        "device": {"kind": "gpu", "name": "NVIDIA H100 80GB HBM3", "table_key": "H100"},
+        "model": w.shape.signature(), "workload": {"tokens": {"x": w.shape.tokens.x, "text": w.shape.tokens.text}},
+        "measurements": {
+            "rollout_step_s": {str(b): b * flops / (u * peak) for b, u in roll_mfu.items()},
+            "train_step_s": {str(b): b * flops * train_factor / (u * peak) for b, u in train_mfu.items()},
+        },
+    }
+    cost = CostModel(w, load_cluster(ROOT / "configs" / "clusters" / "16xH800.yaml"), profile=profile)
+    # batches 4 and 8 are in both tables (32 only rollout, 1 below the calibration's smallest batch)
+    assert cost.p.mfu_rollout == pytest.approx(0.50) and cost.p.mfu_train == pytest.approx(0.40)
+    assert cost.p.mfu_source == "calibrated on NVIDIA H100 80GB HBM3"

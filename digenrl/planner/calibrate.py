@@ -36,16 +36,17 @@ def _norm(config) -> dict:
 
 
 def calibrated_mfu(profile: dict, w: Workload) -> tuple[float, float] | None:
-    """(rollout, train) MFU a profile of a known GPU type measured: the median over its batches of
-    at least ``CALIBRATION_MIN_BATCH`` (all batches when there are none that large) of the FLOPs done
-    / the device's peak; None for a CPU profile or a GPU the table does not know."""
+    """(rollout, train) MFU a profile of a known GPU type measured: the median over the batches both
+    tables measured, of at least ``CALIBRATION_MIN_BATCH`` (all of them when there are none that
+    large), of the FLOPs done / the device's peak; None for a CPU profile or a GPU the table does
+    not know."""
     dev = profile["device"]
     if dev.get("table_key") not in DEVICES or dev["kind"] != "gpu":
         return None
     spec = DEVICES[dev["table_key"]]
     m = profile["measurements"]
     flops = forward_flops(w.shape) * w.passes
-    batches = list(map(int, m["rollout_step_s"]))
+    batches = [b for b in map(int, m["rollout_step_s"]) if str(b) in m["train_step_s"]]
     big = [b for b in batches if b >= CALIBRATION_MIN_BATCH] or batches
     roll = sorted(b * flops / (m["rollout_step_s"][str(b)] * spec.bf16_flops) for b in big)
     factor = 3.0 if not w.lora else 2.0 + attention_fraction(w.shape)  # forward + backward (LoRA: no weight grads)
