@@ -24,6 +24,7 @@ SHARING_START_S = 1.0  # the probe starts this long after forking (+ SHARING_STA
 SHARING_START_PER_WORKER_S = 0.2
 SHARING_TIMEOUT_S = 60  # the observer answers within this (+ SHARING_TIMEOUT_PER_SECOND x its run time)
 SHARING_TIMEOUT_PER_SECOND = 10
+SHARING_JOIN_S = 10  # a probe process still alive this long after answering is killed
 OTHER_LOAD_EVERY_S = 0.3  # /proc sampling period of the other-process load
 NICE_WEIGHT_BASE = 1.25  # the fair scheduler weighs a thread at nice k as NICE_WEIGHT_BASE ** -k
 MAX_ANCESTRY = 64  # parent links followed to decide whether a process is ours

@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from digenrl.planner.constants import (MAX_ANCESTRY, NICE_WEIGHT_BASE, OTHER_LOAD_EVERY_S, SHARING_MIN_SECONDS,
-                                       SHARING_SLOT_S, SHARING_START_PER_WORKER_S, SHARING_START_S,
+from digenrl.planner.constants import (MAX_ANCESTRY, NICE_WEIGHT_BASE, OTHER_LOAD_EVERY_S, SHARING_JOIN_S,
+                                       SHARING_MIN_SECONDS, SHARING_SLOT_S, SHARING_START_PER_WORKER_S, SHARING_START_S,
                                        SHARING_TIMEOUT_PER_SECOND, SHARING_TIMEOUT_S)
 
 
@@ -193,7 +193,7 @@ def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float 
             got = recv.recv() if answered else "no answer within the timeout"
         finally:
             for p in procs:
-                p.join(timeout=10)
+                p.join(timeout=SHARING_JOIN_S)
                 if p.is_alive():
                     p.kill()
         if not isinstance(got, list):
