@@ -43,6 +43,7 @@ class ModelBench:
         self.gen = torch.Generator().manual_seed(0)
         self.groups = 0  # of the whole units, once added
         self.samples = None  # a rollout unit's samples (what the train unit trains on)
+        self.state: dict = {}  # the weights a sync ships, once the calls are added
 
     def inputs(self, b: int):
         """A batch of b: the first prompt's conditioning and noise latents."""
