@@ -13,8 +13,8 @@ pass, the guidance passes per step, and the published reference model's shapes.
 from __future__ import annotations
 
 import contextlib
-from abc import ABC, abstractmethod
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
