@@ -88,6 +88,8 @@ def unit_groups(cfg) -> int:
 
 
 def steps_total(cfg, engine: str, requested: list[int] | None = None, device: str = "cpu", sharing: int = 3) -> int:
+    """Progress steps of :func:`run_profile`: building the model, one per rollout and train batch,
+    calls + units + timing, the CPU sharing probe, the engine's."""
     roll, train = batch_sizes(cfg, requested)
     extra = 1 if device == "cpu" and sharing else 0
     return 1 + len(roll) + len(train) + 3 + extra + ENGINE_MODES[engine]
