@@ -29,7 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from digenrl.config import first_duplicate
-from digenrl.errors import UserError
+from digenrl.errors import UserError, read_user_text
 
 GB = 1e9
 TB = 1e12
@@ -175,7 +175,7 @@ def load_cluster(path: Path) -> ClusterSpec:
     if not path.is_file():
         raise UserError(f"--cluster: cluster file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(read_user_text(path, "--cluster"))
     except yaml.YAMLError:
         raise UserError(f"{path}: malformed YAML") from None
     if not isinstance(data, dict):

@@ -53,7 +53,7 @@ from typing import Callable
 
 import torch
 
-from digenrl.errors import UserError
+from digenrl.errors import UserError, read_user_text
 
 PROFILE_VERSION = 1
 DEFAULT_BATCHES = (1, 2, 4, 8, 16)
@@ -821,7 +821,7 @@ def load_profile(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"--profile: file not found: {path}")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_user_text(path, "--profile"))
     except json.JSONDecodeError as exc:
         raise UserError(f"--profile: {path} is not valid JSON (line {exc.lineno})") from None
     needed = ("device", "model", "measurements", "workload")
