@@ -170,7 +170,8 @@ def test_aesthetic_is_the_mlp_on_the_normalised_image_embedding(clip_dir, head_f
 def test_video_scores_sampled_frames(clip_dir):
     video = torch.rand(2, 3, 5, 32, 32, generator=torch.Generator().manual_seed(6))
     prompts = ["a red car", "a cat"]
-    r = ClipScore(path=str(clip_dir), device="cpu", frame_stride=2)
+    r = ClipScore(path=str(clip_dir), device="cpu")
+    r.frame_stride = 2  # what build_reward sets from args.frame_stride (below)
     got = r(video, prompts)
     for i in range(2):
         frames = video[i, :, ::2].permute(1, 0, 2, 3)  # frames 0, 2, 4
