@@ -1,4 +1,5 @@
-"""``digenrl train``: pick the driver the placement asks for, show progress, print a summary."""
+"""``digenrl train``: check the run directory, pick the driver the placement asks for, show progress
+from the first second, route library output to ``RUN/log.txt``, print a summary."""
 
 from __future__ import annotations
 
@@ -10,47 +11,89 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from digenrl.config import RunConfig
 
 
+def planned_run_dir(cfg: RunConfig, run_dir: Path | None, resumed) -> Path:
+    """Where the run will write: --run-dir, output.run_dir, the resumed run's own directory, or
+    runs/<name>-<time> (the drivers resolve it the same way)."""
+    from digenrl.runlog import default_run_dir
+
+    if run_dir is not None:
+        return Path(run_dir)
+    if resumed is not None:
+        return Path(resumed.run_dir or resumed.path)
+    return Path(cfg.output.run_dir or default_run_dir(cfg))
+
+
 def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, console: Console,
-              resume: Path | None = None):
-    progress = Progress(
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-        TimeElapsedColumn(), console=console,
-    )
+              resume: Path | None = None, overwrite: bool = False, quiet: bool = False, verbose: bool = False):
+    from digenrl.progress import listening
+    from digenrl.runlog import check_new_run_dir, clear_run_dir, keep_log, library_output_to_log
+
     resumed = None
     if resume is not None:
         from digenrl.checkpoint import find_checkpoint, read_state
 
         resumed = read_state(find_checkpoint(resume))
-    with console.status("building model, reward and prompts..."):
-        if cfg.placement.mode == "local":
-            from digenrl.trainer import LocalTrainer
+    target = planned_run_dir(cfg, run_dir, resumed)
+    continuing = resumed is not None and run_dir is None  # a resumed run appends to its own directory
+    if not continuing:
+        check_new_run_dir(target, overwrite)  # before any work: a run is never overwritten by accident
+    from digenrl.preflight import check_resources
 
-            driver = LocalTrainer(cfg, resume=resume)
-            start = lambda cb: driver.run(run_dir, cb)  # noqa: E731
-        else:
-            from digenrl.engine.runtime import run_engine
-
-            start = lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address, resume=resume)  # noqa: E731
+    check_resources(cfg, ray_address)
     done = resumed.iteration if resumed is not None else 0
+    say = (lambda *a, **k: None) if quiet else console.print
     if resumed is not None:
-        console.print(f"resuming from {resumed.path} (iteration {done} of {cfg.train.iterations})")
+        say(f"resuming from {resumed.path} (iteration {done} of {cfg.train.iterations})")
     if done >= cfg.train.iterations:
-        console.print(f"nothing to do: the run already completed {done} of {cfg.train.iterations} iterations "
-                      "(extend it with --set train.iterations=N)")
-    with progress:
-        task = progress.add_task("train", total=cfg.train.iterations, completed=done, stats="")
+        say(f"nothing to do: the run already completed {done} of {cfg.train.iterations} iterations "
+            "(extend it with --set train.iterations=N)")
+    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console,
+                        disable=quiet)
+    result = None
+    with library_output_to_log(console, enabled=not verbose) as log:
+        try:
+            with progress, listening(lambda stage: progress.update(task, stats=stage)):
+                task = progress.add_task("train", total=cfg.train.iterations, completed=done, stats="")
+                if overwrite and not continuing:
+                    clear_run_dir(target)
+                start = _driver(cfg, None if continuing else target, ray_address, resume)
 
-        def on_iteration(row: dict) -> None:
-            progress.update(task, advance=1, stats=(
-                f"reward {row['reward_mean']:.4f}  loss {row['loss']:+.2e}  {row['wall_s']:.2f} s/it"))
+                def on_iteration(row: dict) -> None:
+                    progress.update(task, advance=1, stats=(
+                        f"reward {row['reward_mean']:.4f}  loss {row['loss']:+.2e}  {row['wall_s']:.2f} s/it"))
 
-        result = start(on_iteration)
+                result = start(on_iteration)
+        finally:
+            kept = keep_log(log, result.run_dir if result is not None else target)
+    _summary(result, say, kept)
+    return result
+
+
+def _driver(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, resume: Path | None):
+    """The driver the placement asks for, built (local: model, reward and prompts) and ready to run."""
+    from digenrl.progress import progress
+
+    if cfg.placement.mode == "local":
+        progress("building model, reward and prompts...")
+        from digenrl.trainer import LocalTrainer
+
+        driver = LocalTrainer(cfg, resume=resume)
+        progress("training...")
+        return lambda cb: driver.run(run_dir, cb)
+    from digenrl.engine.runtime import run_engine
+
+    progress("checking the config, starting the Ray cluster and the workers...")
+    return lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address, resume=resume)
+
+
+def _summary(result, say, log: Path | None) -> None:
     rows = result.metrics
-    if not rows:
-        console.print(f"run directory: {result.run_dir}")
-        return
-    k = max(1, len(rows) // 3)
-    first = sum(r["reward_mean"] for r in rows[:k]) / k
-    last = sum(r["reward_mean"] for r in rows[-k:]) / k
-    console.print(f"reward (mean of first third -> last third): {first:.4f} -> {last:.4f} ({last - first:+.4f})")
-    console.print(f"run directory: {result.run_dir}")
+    if rows:
+        k = max(1, len(rows) // 3)
+        first = sum(r["reward_mean"] for r in rows[:k]) / k
+        last = sum(r["reward_mean"] for r in rows[-k:]) / k
+        say(f"reward (mean of first third -> last third): {first:.4f} -> {last:.4f} ({last - first:+.4f})")
+    say(f"run directory: {result.run_dir}" + (f" (library messages: {log})" if log else ""))
+
+
