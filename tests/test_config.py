@@ -124,3 +124,36 @@ def test_cli_show_round_trips(monkeypatch, capsys, tmp_path):
     dumped = tmp_path / "c.yaml"
     dumped.write_text(out)
     assert load_config(dumped) == load_config(None, ["train.seed=7"])
+
+
+def test_non_finite_gradient_names_the_likely_field(tiny_cfg):
+    """An overflowing gradient is reported as what it is (naming train.lr), and the step is refused:
+    the weights stay as they were, so nothing downstream (the reward) sees NaN."""
+    import torch
+
+    from digenrl.errors import UserError
+    from digenrl.policy import Policy
+
+    cfg = tiny_cfg("model.height=16", "model.width=16", "train.lr=5")
+    policy = Policy(cfg, device="cpu")
+    before = [p.detach().clone() for p in policy.params]
+    for p in policy.params:
+        p.grad = torch.full_like(p, float("inf"))
+    with pytest.raises(UserError) as exc:
+        policy.optimizer_step()
+    assert str(exc.value).startswith("train.lr: the loss or its gradient is not finite")
+    assert "train.lr (5) too large" in str(exc.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.params)) and policy.version == 0
+
+
+def test_nan_samples_are_not_blamed_on_the_reward():
+    import torch
+
+    from digenrl.config import RewardConfig
+    from digenrl.errors import UserError
+    from digenrl.rewards import build_reward
+
+    reward = build_reward(RewardConfig())
+    pixels = torch.full((2, 3, 8, 8), float("nan"))
+    with pytest.raises(UserError, match=r"^train.lr: the generated samples hold NaN"):
+        reward(pixels, ["a red apple", "a blue car"])
