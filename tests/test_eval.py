@@ -13,6 +13,8 @@ from digenrl.runlog import RunDir, read_metrics
 from digenrl.trainer import LocalTrainer
 from helpers import cli
 
+pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
+
 FAMILIES = {
     "flux": ("configs/flux_tiny.yaml", ["model.height=16", "model.width=16"]),
     "wan": ("configs/wan_tiny.yaml", []),

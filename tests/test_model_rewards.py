@@ -330,6 +330,7 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_reward_actor_scores_equal_inline(ray_local, clip_dir, head_file):
     from digenrl.rewards.service import RewardClient, reward_client, start_reward_actor
 
@@ -368,6 +369,7 @@ def test_reward_actor_scores_equal_inline(ray_local, clip_dir, head_file):
     ray_local.kill(client.actor)
 
 
+@pytest.mark.slow
 def test_reward_actor_reports_user_errors(ray_local, tmp_path):
     from digenrl.rewards.service import start_reward_actor
 
