@@ -82,9 +82,11 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
     if resumed is not None and start == cfg.train.iterations:  # finished already: nothing to do
         return RunResult(Path(run_dir), history)
     files = {f.name: f.read_bytes() for f in resumed.path.iterdir() if f.is_file()} if resumed else None
+    started = time.time()  # the timeline starts here: Ray and the workers starting up are its first events
     with _user_errors(), ray_workers(cfg, plan, ray_address, files) as actors:
         out = RunDir(cfg, run_dir, history=history)
         engine = Engine(cfg, scheduler, plan, actors, out, on_iteration, history)
+        engine.t0 = started
         try:
             rows = engine.run()
             engine.save_final()
@@ -238,7 +240,8 @@ class Engine:
     def run(self) -> list[dict]:
         import ray
 
-        self.t0 = time.time()
+        for w in self.order:  # start-up: from the run's start until every worker was ready
+            self.timeline.record(w, "start", f"start-{w}", 0, 0, 0.0, time.time() - self.t0)
         idle = self.idle = set(self.order)
         self.last_probe = time.time()
         rank0 = self.actors[self.rank0]
