@@ -26,7 +26,7 @@ def planned_run_dir(cfg: RunConfig, run_dir: Path | None, resumed) -> Path:
 def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, console: Console,
               resume: Path | None = None, overwrite: bool = False, quiet: bool = False, verbose: bool = False):
     from digenrl.progress import listening
-    from digenrl.runlog import check_new_run_dir, clear_run_dir, keep_log, library_output_to_log
+    from digenrl.runlog import check_new_run_dir, keep_log, library_output_to_log
 
     resumed = None
     if resume is not None:
@@ -55,9 +55,9 @@ def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, con
         try:
             with progress, listening(lambda stage: progress.update(task, stats=stage)):
                 task = progress.add_task("train", total=cfg.train.iterations, completed=done, stats="")
-                if overwrite and not continuing:
-                    clear_run_dir(target)
                 start = _driver(cfg, None if continuing else target, ray_address, resume)
+                if overwrite and not continuing and target.exists():
+                    _replace(cfg, target, ray_address)
 
                 def on_iteration(row: dict) -> None:
                     progress.update(task, advance=1, stats=(
@@ -65,7 +65,8 @@ def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, con
 
                 result = start(on_iteration)
         finally:
-            kept = keep_log(log, result.run_dir if result is not None else target)
+            started = result is not None or (target / "config.yaml").exists()  # else bad input: write nothing
+            kept = keep_log(log, (result.run_dir if result is not None else target) if started else None)
     _summary(result, say, kept)
     return result
 
@@ -85,6 +86,20 @@ def _driver(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, resum
 
     progress("checking the config, starting the Ray cluster and the workers...")
     return lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address, resume=resume)
+
+
+def _replace(cfg: RunConfig, target: Path, ray_address: str | None) -> None:
+    """--overwrite: delete the old run, but only once the new one has passed every check that needs
+    no cluster (the local driver has already built everything by now)."""
+    from digenrl.progress import progress
+    from digenrl.runlog import clear_run_dir
+
+    if cfg.placement.mode != "local":
+        from digenrl.preflight import check_config
+
+        progress("checking the config before replacing the old run...")
+        check_config(cfg, ray_address)
+    clear_run_dir(target)
 
 
 def _summary(result, say, log: Path | None) -> None:

@@ -37,6 +37,7 @@ from digenrl.engine.cluster import (REWARD_ROW, actor_died, fault_plan, first_li
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, SchedulerConfig, StepUnit, TrainUnit, Unit, WorkerSpec
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.errors import RunStopped, UserError
+from digenrl.progress import progress
 from digenrl.lora import WeightSyncError
 from digenrl.prompts import load_prompts
 from digenrl.rewards import build_reward
@@ -91,6 +92,7 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
             rows = engine.run()
             engine.save_final()
         finally:
+            progress("stopping workers...")  # the `with` releases them next (Ray shutdown: seconds)
             engine.save_timeline()
             out.close()
     return RunResult(out.path, rows)
