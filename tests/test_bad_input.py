@@ -77,6 +77,8 @@ CASES = {
     "unknown flag": (["train", "--frobnicate"], "error: --frobnicate: no such option of `digenrl train`"),
     "flag without its value": (["eval", "--out"], "error: --out: needs a value"),
     "not an integer": (["plan", "--top", "x"], "error: --top: "),
+    "unknown command": (["trian"], "error: digenrl: no such command 'trian'"),
+    "--quiet with --verbose": (["train", "-q", "-v"], "--quiet and --verbose: choose one"),
     # output paths checked before the work
     "profile --out is a directory": (["profile", "--out", "{t}/adir"], "--out: {t}/adir is a directory; name a file"),
     "plan --write is a directory": (["plan", "--write", "{t}/adir"], "--write: {t}/adir is a directory"),

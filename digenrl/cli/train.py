@@ -59,11 +59,14 @@ def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, con
                 if overwrite and not continuing and target.exists():
                     _replace(cfg, target, ray_address)
 
+                last = {"stats": ""}
+
                 def on_iteration(row: dict) -> None:
-                    progress.update(task, advance=1, stats=(
-                        f"reward {row['reward_mean']:.4f}  loss {row['loss']:+.2e}  {row['wall_s']:.2f} s/it"))
+                    last["stats"] = f"reward {row['reward_mean']:.4f}  loss {row['loss']:+.2e}  {row['wall_s']:.2f} s/it"
+                    progress.update(task, advance=1, stats=last["stats"])
 
                 result = start(on_iteration)
+                progress.update(task, stats=last["stats"])  # the bar ends on the last iteration, not a stage
         finally:
             started = result is not None or (target / "config.yaml").exists()  # else bad input: write nothing
             kept = keep_log(log, (result.run_dir if result is not None else target) if started else None)
