@@ -41,7 +41,7 @@ def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, con
 
     check_resources(cfg, ray_address)
     done = resumed.iteration if resumed is not None else 0
-    say = (lambda *a, **k: None) if quiet else console.print
+    say = (lambda *a: None) if quiet else (lambda text: console.print(text, soft_wrap=True, highlight=False))
     if resumed is not None:
         say(f"resuming from {resumed.path} (iteration {done} of {cfg.train.iterations})")
     if done >= cfg.train.iterations:
@@ -112,6 +112,8 @@ def _summary(result, say, log: Path | None) -> None:
         first = sum(r["reward_mean"] for r in rows[:k]) / k
         last = sum(r["reward_mean"] for r in rows[-k:]) / k
         say(f"reward (mean of first third -> last third): {first:.4f} -> {last:.4f} ({last - first:+.4f})")
-    say(f"run directory: {result.run_dir}" + (f" (library messages: {log})" if log else ""))
+    if log:
+        say(f"library messages (Ray, torch): {log}")
+    say(f"run directory: {result.run_dir}")
 
 
