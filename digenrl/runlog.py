@@ -115,8 +115,7 @@ def library_output_to_log(terminal_console, enabled: bool = True):
             os.close(f)
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         terminal_console.file = old_file
-        terminal.close()
-        log.close()
+        log.flush()  # left open: a library's logging handler may still hold it and write at exit
 
 
 def keep_log(log_path: Path | None, run_dir: Path | None) -> Path | None:

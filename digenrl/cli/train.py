@@ -78,9 +78,11 @@ def _driver(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, resum
     """The driver the placement asks for, built (local: model, reward and prompts) and ready to run."""
     from digenrl.progress import progress
 
+    progress("loading torch and the model code...")
     if cfg.placement.mode == "local":
-        progress("building model, reward and prompts...")
         from digenrl.trainer import LocalTrainer
+
+        progress("building model, reward and prompts...")
 
         driver = LocalTrainer(cfg, resume=resume)
         progress("training...")
