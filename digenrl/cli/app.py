@@ -177,6 +177,8 @@ def main() -> None:
             raise
         print(f"error: {usage_error(exc)}", file=sys.stderr)
         sys.exit(2)
+    if code == 130:  # Typer turns Ctrl-C into exit code 130, after our cleanup ran
+        print("interrupted", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)
 
 
