@@ -87,7 +87,7 @@ def config_validate(
         with console.status("checking placement, model, prompts and reward..."):
             checked += check_config(cfg, ray_address)
     console.print(f"ok: {config or 'the defaults'} ({cfg.model.adapter}, {cfg.algorithm.name}, "
-                  f"placement {cfg.placement.mode}); checked {'; '.join(checked)}", highlight=False)
+                  f"placement {cfg.placement.mode}); checked {'; '.join(checked)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
