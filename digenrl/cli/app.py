@@ -12,9 +12,10 @@ from rich.console import Console
 
 from digenrl.errors import UserError
 
-app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False, rich_markup_mode=None, help=(
-    "DigenRL: online RL post-training (Flow-GRPO, DanceGRPO) for diffusion / flow-matching generators "
-    "on disaggregated hardware."))
+# rich_markup_mode=None: plain --help (no boxes, no <bool> after flags that take no value)
+app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  help=("DigenRL: online RL post-training (Flow-GRPO, DanceGRPO) for diffusion / flow-matching "
+                        "generators on disaggregated hardware."))
 config_app = typer.Typer(help="Show or validate a run configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 console = Console()
