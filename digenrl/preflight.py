@@ -52,7 +52,8 @@ def check_config(cfg: RunConfig, ray_address: str | None = None) -> list[str]:
     if cfg.placement.mode != "local":
         worker_plan(cfg)
         scheduler_config(cfg)
-        checked.append(f"placement {cfg.placement.mode} on {', '.join(f'{p.count}x {p.device}' for p in cfg.cluster.pools)}")
+        pools = ", ".join(f"{p.count}x {p.device}" for p in cfg.cluster.pools)
+        checked.append(f"placement {cfg.placement.mode} on {pools}")
     check_model(cfg)
     checked.append(f"model {cfg.model.adapter} ({cfg.model.preset or cfg.model.pretrained}) "
                    f"{cfg.model.height}x{cfg.model.width}" + (f"x{cfg.model.frames}" if cfg.model.frames else ""))

@@ -89,9 +89,11 @@ CASES = {
     "validate: LoRA targets": (["config", "validate", "--set", "model.lora.targets=[to_qkv]"],
                                "model.lora.targets: ['to_qkv'] match no linear module"),
     "validate: resolution": (["config", "validate", "--set", "model.height=18"], "model.height"),
-    "validate: missing prompt file": (["config", "validate", "--set", "prompts.file={t}/none.txt"], "none.txt not found"),
+    "validate: missing prompt file": (["config", "validate", "--set", "prompts.file={t}/none.txt"],
+                                      "none.txt not found"),
     "validate: unknown preset": (["config", "validate", "--set", "model.preset=huge"], "model.preset: unknown preset"),
-    "validate: host too small": (["config", "validate", "--set", "cluster.pools.0.count=9"], "cluster.pools: 10 logical"),
+    "validate: host too small": (["config", "validate", "--set", "cluster.pools.0.count=9"],
+                                 "cluster.pools: 10 logical"),
     "validate: missing checkpoint": (["config", "validate", "--set", "model.pretrained={t}/nope"], "{t}/nope"),
 }
 

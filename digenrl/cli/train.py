@@ -62,7 +62,8 @@ def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, con
                 last = {"stats": ""}
 
                 def on_iteration(row: dict) -> None:
-                    last["stats"] = f"reward {row['reward_mean']:.4f}  loss {row['loss']:+.2e}  {row['wall_s']:.2f} s/it"
+                    last["stats"] = (f"reward {row['reward_mean']:.4f}  loss {row['loss']:+.2e}  "
+                                     f"{row['wall_s']:.2f} s/it")
                     progress.update(task, advance=1, stats=last["stats"])
 
                 result = start(on_iteration)
