@@ -3,12 +3,14 @@ no traceback, nothing written. The same list is the table in docs/errors.md."""
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from digenrl.cli.app import main
+from digenrl.preflight import CPU_DEVICES_PER_CORE
 
 
 def cli(monkeypatch, capsys, argv):
@@ -36,6 +38,8 @@ def make_inputs(tmp):
 
 
 SMALL = ["--set", "model.height=16", "--set", "model.width=16"]
+#: one logical CPU device more than this host may run (the limit scales with its cores)
+MANY = CPU_DEVICES_PER_CORE * (os.cpu_count() or 1)
 CASES = {
     "malformed YAML": (["train", "-c", "{t}/bad.yaml"], "bad.yaml: malformed YAML at line"),
     "unknown key": (["train", "--set", "train.lr_max=1"], "train.lr_max: unknown key"),
@@ -70,8 +74,8 @@ CASES = {
     "absurd step count": (["train", "--set", "sampling.steps=100000"],
                           "sampling.steps: Input should be less than or equal to 1000"),
     "more CPU devices than the host runs": (["train", "--set",
-                                             "cluster.pools=[{name: rollout, count: 8}, {name: trainer, count: 8}]"],
-                                            "cluster.pools: 16 logical CPU devices on a host with"),
+                                             f"cluster.pools=[{{name: rollout, count: {MANY}}}, {{name: trainer}}]"],
+                                            f"cluster.pools: {MANY + 1} logical CPU devices on a host with"),
     "run name leaving runs/": (["train", "--set", "output.name=../../../x"], "output.name: must be a plain name"),
     # usage errors: the project's one line, not Click's box
     "unknown flag": (["train", "--frobnicate"], "error: --frobnicate: no such option of `digenrl train`"),
@@ -92,8 +96,8 @@ CASES = {
     "validate: missing prompt file": (["config", "validate", "--set", "prompts.file={t}/none.txt"],
                                       "none.txt not found"),
     "validate: unknown preset": (["config", "validate", "--set", "model.preset=huge"], "model.preset: unknown preset"),
-    "validate: host too small": (["config", "validate", "--set", "cluster.pools.0.count=9"],
-                                 "cluster.pools: 10 logical"),
+    "validate: host too small": (["config", "validate", "--set", f"cluster.pools.0.count={MANY}"],
+                                 f"cluster.pools: {MANY + 1} logical"),
     "validate: missing checkpoint": (["config", "validate", "--set", "model.pretrained={t}/nope"], "{t}/nope"),
 }
 
