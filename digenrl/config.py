@@ -259,7 +259,6 @@ class OutputConfig(_Section):
     name: str = Field("flux-tiny", description="a plain name (no path): the run goes to runs/<name>-<timestamp>")
     checkpoint_every: int = Field(0, ge=0, description="0 = only at the end")
     keep_last: int = Field(3, gt=0)
-    log_every: int = Field(1, gt=0)
     save_samples_every: int = Field(30, ge=0, description="0 = never")
     eval_every: int = Field(0, ge=0)
     tensorboard: bool = True
