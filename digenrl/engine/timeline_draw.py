@@ -7,7 +7,8 @@ Two panels, both with one row per worker:
   iteration boundaries marked on the axis. A 1000-iteration run is as legible as a 3-iteration one.
 - **last iterations**: the last ``window`` iterations at full detail (a Gantt chart: units coloured
   by kind, shade alternating with the version, labelled ``v<version>`` where wide enough; sync /
-  reward as thin bars). A run of at most ``window`` iterations is drawn whole, from its first event.
+  reward as thin bars). The run's start-up (kind ``start``) shows in the strip, which begins at the
+  run's first event.
 
 The legend lists only the kinds that are drawn.
 """
@@ -47,9 +48,9 @@ def draw_timeline(tl, path: Path, width: int = 1400, window: int = 3) -> Path:
     end = max((e.end for e in tl.events), default=1.0) or 1.0
     first = min((e.start for e in tl.events), default=0.0)
     origin = min(0.0, first)  # the run's start (0) or its first event, whichever is earlier
-    detail_from = origin
-    if len(spans) > window:  # only the last `window` iterations at full detail
-        detail_from = spans[sorted(spans)[-window]][0]
+    detail_from = origin  # the detail: the last `window` iterations (start-up is in the strip only)
+    if spans:
+        detail_from = spans[sorted(spans)[-min(window, len(spans))]][0]
     strip_h = TITLE_H + STRIP_H * n + AXIS_H
     detail_h = TITLE_H + ROW_H * n + AXIS_H
     img = Image.new("RGB", (width, strip_h + detail_h + LEGEND_H + 10), "white")
@@ -80,7 +81,7 @@ def draw_timeline(tl, path: Path, width: int = 1400, window: int = 3) -> Path:
     # the detail window
     top = strip_h + TITLE_H
     last = sorted(spans)[-min(window, len(spans))] if spans else 0
-    title = (f"last {window} iterations ({last}-{max(spans)}) in detail" if detail_from > origin
+    title = (f"last {window} iterations ({last}-{max(spans)}) in detail" if len(spans) > window
              else "every iteration in detail")
     draw.text((5, strip_h + 3), title, fill="black", font=font)
     x = lambda t: LABEL_W + (t - detail_from) / (end - detail_from) * plot_w  # noqa: E731
@@ -99,7 +100,7 @@ def draw_timeline(tl, path: Path, width: int = 1400, window: int = 3) -> Path:
         draw.rectangle([x0, y0, x1, y1], fill=colour(e.kind, e.version), outline=(60, 60, 60))
         drawn.add(e.kind)
         label = f"v{e.version}"
-        if e.kind not in MINOR_KINDS and x1 - x0 > 6 * len(label) + 4:
+        if e.kind not in (*MINOR_KINDS, "start") and x1 - x0 > 6 * len(label) + 4:
             draw.text((x0 + 3, y0 + 3), label, fill="black", font=font)
     axis_y = top + ROW_H * n
     _axis(draw, font, detail_from, end, plot_w, axis_y)
