@@ -37,10 +37,9 @@ def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, con
     continuing = resumed is not None and run_dir is None  # a resumed run appends to its own directory
     if not continuing:
         check_new_run_dir(target, overwrite)  # before any work: a run is never overwritten by accident
-    from digenrl.preflight import check_model, check_resources
+    from digenrl.preflight import check_resources
 
     check_resources(cfg, ray_address)
-    check_model(cfg)  # shapes, checkpoint directory, LoRA targets (meta device): seconds, before Ray starts
     done = resumed.iteration if resumed is not None else 0
     say = (lambda *a: None) if quiet else (lambda text: console.print(text, soft_wrap=True, highlight=False))
     if resumed is not None:
@@ -80,7 +79,10 @@ def _driver(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, resum
     """The driver the placement asks for, built (local: model, reward and prompts) and ready to run."""
     from digenrl.progress import progress
 
+    from digenrl.preflight import check_model
+
     progress("loading torch and the model code...")
+    check_model(cfg)  # shapes, checkpoint directory, LoRA targets (meta device): seconds, before Ray starts
     if cfg.placement.mode == "local":
         from digenrl.trainer import LocalTrainer
 
