@@ -37,8 +37,8 @@ from digenrl.engine.cluster import (REWARD_ROW, actor_died, fault_plan, first_li
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, SchedulerConfig, StepUnit, TrainUnit, Unit, WorkerSpec
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.errors import RunStopped, UserError
-from digenrl.progress import progress
 from digenrl.lora import WeightSyncError
+from digenrl.progress import progress
 from digenrl.prompts import load_prompts
 from digenrl.rewards import build_reward
 from digenrl.rewards.service import reward_call_metrics
