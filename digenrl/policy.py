@@ -14,6 +14,7 @@ import torch
 from digenrl.adapters import build_adapter
 from digenrl.config import RunConfig
 from digenrl.lora import apply_lora, checksum, load_lora_state_dict, lora_state_dict
+from digenrl.errors import UserError
 
 
 def pick_device(name: str) -> torch.device:
@@ -51,6 +52,9 @@ class Policy:
     def optimizer_step(self) -> float:
         """Clip the accumulated gradient, step, zero it, bump the version. Returns the pre-clip grad norm."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
+        if not torch.isfinite(norm):  # a step now would write NaN into every weight: refuse it, say why
+            self.optimizer.zero_grad(set_to_none=True)
+            raise UserError(non_finite_gradient(self.cfg, float(norm), self.version))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
@@ -93,3 +97,14 @@ class Policy:
             if expected_checksum is not None and checksum(self.weights()) != expected_checksum:
                 raise WeightSyncError("weight checksum mismatch after load")
         self.version = version
+
+
+def non_finite_gradient(cfg, norm: float, version: int) -> str:
+    """The one line for a loss / gradient that overflowed: the fields that most likely caused it."""
+    likely = [f"train.lr ({cfg.train.lr:g}) too large"]
+    if cfg.model.dtype == "float16":
+        likely.append("model.dtype float16 overflowing (try bfloat16)")
+    if cfg.algorithm.kl_beta > 0:
+        likely.append(f"algorithm.kl_beta ({cfg.algorithm.kl_beta:g})")
+    return (f"train.lr: the loss or its gradient is not finite (grad norm {norm}) in the update from version "
+            f"{version}; the weights were not changed. Most likely: {', or '.join(likely)}")

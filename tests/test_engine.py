@@ -82,6 +82,7 @@ def free_pools() -> dict:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.slow
 def test_mode_invariants(mode, cluster, reference, tmp_path):
     cfg = load_config(None, BASE + MODES[mode])
     result = run_engine(cfg, run_dir=tmp_path)
@@ -157,6 +158,7 @@ def slow_clip(tmp_path_factory):
     return make_tiny_clip(tmp_path_factory.mktemp("slow-clip"), image_size=192, hidden=64, layers=4)
 
 
+@pytest.mark.slow
 def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip, tmp_path):
     # 4 rollout units per iteration: the actor scores a unit slower than the worker generates
     # one, so units queue for it and overlap with generation even on a loaded machine
@@ -188,6 +190,7 @@ def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip,
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_reward_error_in_the_actor_reaches_the_cli(cluster, tmp_path, monkeypatch, capsys):
     """A UserError raised while the actor scores (a prompt the dry run did not see names no
     colour) ends the run: one line on stderr, exit 2."""
@@ -201,6 +204,7 @@ def test_reward_error_in_the_actor_reaches_the_cli(cluster, tmp_path, monkeypatc
     assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
 
 
+@pytest.mark.slow
 def test_bad_reward_with_service_fails_before_training(cluster, tmp_path):
     """With reward.service only the reward actor loads the models: its error reaches the caller,
     in seconds, and everything is released."""
@@ -265,6 +269,7 @@ def check_reward_events(tl: Timeline, rows: list[dict], service: bool) -> None:
             assert r["reward_queue_depth"] >= 0 and r["reward_wait_s"] >= 0
 
 
+@pytest.mark.slow
 def test_weight_sync_is_verified(cluster):
     from digenrl.policy import Policy
 
@@ -312,6 +317,7 @@ def expect_user_error(cfg, fragments: list[str], **kwargs) -> None:
         assert fragment in str(err.value), (fragment, str(err.value))
 
 
+@pytest.mark.slow
 def test_unsatisfiable_cluster_fails_fast(cluster, tmp_path):
     three = load_config(None, BASE + DISAGG + ["cluster.pools=[{name: rollout, count: 3}, {name: trainer}]"])
     expect_user_error(three, ["pool:rollout 3 needed, 2 exist", "3 x cpu for pool 'rollout'"],
@@ -321,12 +327,14 @@ def test_unsatisfiable_cluster_fails_fast(cluster, tmp_path):
     assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
 
 
+@pytest.mark.slow
 def test_wrong_ray_address_fails_fast(cluster, tmp_path):
     cfg = load_config(None, BASE + DISAGG)
     expect_user_error(cfg, ["127.0.0.1:1", "no Ray cluster answers"], ray_address="127.0.0.1:1",
                       run_dir=tmp_path)
 
 
+@pytest.mark.slow
 def test_failure_releases_everything(cluster, tmp_path):
     class Stop(Exception):
         pass

@@ -354,6 +354,7 @@ def test_candidates_cover_the_knobs():
     assert ("H20", 16, "H800", 8) in splits and ("H800", 3, "H800", 5) in splits
 
 
+@pytest.mark.slow
 def test_plan_cli_json_and_write_then_train_one_iteration(tmp_path):
     out = tmp_path / "plan.yaml"
     result = cli("plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"), "--top", "3", "--json", "--write", str(out))

@@ -33,6 +33,8 @@ def run_plan_command(cfg: RunConfig, cluster_path: Path | None, profile_path: Pa
     else:
         cluster = cluster_from_run_config(cfg)
     profile = load_profile(profile_path) if profile_path is not None else None
+    if profile is not None:
+        check_profile_device(profile, cluster)
     status = console.status("reading the model shape...") if not json_out else _Quiet()
     with status:
         workload = Workload.from_config(cfg)
@@ -60,6 +62,15 @@ def run_plan_command(cfg: RunConfig, cluster_path: Path | None, profile_path: Pa
         if not json_out:
             console.print(f"wrote {path} (digenrl train -c {path})")
     return report
+
+
+def check_profile_device(profile: dict, cluster) -> None:
+    """A profile calibrates the cost model of its own device type only: one of no device of the
+    cluster would be silently unused."""
+    key = str(profile["device"].get("table_key") or profile["device"].get("kind", ""))
+    if key.lower() not in {d.lower() for d in cluster.devices}:
+        raise UserError(f"--profile: measured on {key} ({profile['device'].get('name', '?')}), a device type "
+                        f"cluster {cluster.name} does not have ({cluster.describe()}); profile one of its devices")
 
 
 class _Quiet:
