@@ -45,13 +45,14 @@ def check_resources(cfg: RunConfig, ray_address: str | None = None) -> None:
 
 def check_config(cfg: RunConfig, ray_address: str | None = None) -> list[str]:
     """Everything train would reject, in the order train meets it; returns what was checked."""
-    from digenrl.engine.runtime import preflight, scheduler_config, worker_plan
+    from digenrl.engine.runtime import preflight
+    from digenrl.placement import engine_scheduler_config, engine_workers
 
     checked = []
     check_resources(cfg, ray_address)
     if cfg.placement.mode != "local":
-        worker_plan(cfg)
-        scheduler_config(cfg)
+        engine_workers(cfg)
+        engine_scheduler_config(cfg)
         pools = ", ".join(f"{p.count}x {p.device}" for p in cfg.cluster.pools)
         checked.append(f"placement {cfg.placement.mode} on {pools}")
     check_model(cfg)
