@@ -20,7 +20,14 @@ from digenrl.distributed.blocks import transformer_blocks
 def _checkpointed(forward, *args, **kwargs):
     if not torch.is_grad_enabled():  # sampling: nothing to save, nothing to recompute
         return forward(*args, **kwargs)
-    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    # keyword tensors travel as positional ones, so autograd saves them (version-checked) rather
+    # than the checkpoint holding them by reference (diffusers calls FLUX blocks by keyword)
+    names, n = list(kwargs), len(args)
+
+    def run(*flat):
+        return forward(*flat[:n], **dict(zip(names, flat[n:])))
+
+    return torch.utils.checkpoint.checkpoint(run, *args, *kwargs.values(), use_reentrant=False)
 
 
 def checkpoint_blocks(model: nn.Module) -> int:
