@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 
 def _options(trainable_only: bool) -> StateDictOptions:
-    return StateDictOptions(ignore_frozen_params=trainable_only)
+    # without the frozen base, a load is partial by design (the base comes from the pretrained files)
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
 def save_sharded(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
