@@ -1,7 +1,9 @@
 """A per-tensor fingerprint computed on the tensor's own device, for verifying weight transfers.
 
-The tensor's bits are read as integers (int16 for bf16 / fp16, int32 for fp32, ...), widened
-to int64 and laid out as rows of ``_ROW`` elements (the tail is a last, shorter row). With r_j the
+The tensor's bytes are read as 16-bit integers (a bf16 element is one, an fp32 element two; an
+odd byte count as 8-bit integers), widened to int32 and laid out as rows of ``_ROW`` values (the
+tail is a last, shorter row); row and column sums are exact in int32 (|sum| < 2^29), the rest
+runs in int64. With r_j the
 row sums and c_k the column sums, the fingerprint is three wrap-around sums:
 
     s1 = sum_j r_j        s2 = sum_j r_j * w_j        s3 = sum_k c_k * w_k,
@@ -19,19 +21,14 @@ from __future__ import annotations
 
 import torch
 
-_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MULTIPLIER = 2654435761  # Knuth's multiplicative hash constant, odd: distinct weights mod 2^32
 _ROW = 1024
-_ROWS_PER_PASS = 1 << 14  # 16M elements per pass: bounds the int64 temporary (128 MiB)
+_ROWS_PER_PASS = 1 << 14  # 16M values per pass: column sums stay < 2^29; temporaries 64 MiB
 
 
 def _as_int(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    return flat.view(_INT_VIEW[flat.element_size()])
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return raw.view(torch.int16) if raw.numel() % 2 == 0 else raw.view(torch.int8)
 
 
 def _weights(start: int, n: int, device) -> torch.Tensor:
@@ -46,9 +43,9 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     cols = torch.zeros(_ROW, dtype=torch.int64, device=x.device)
     out = torch.zeros(3, dtype=torch.int64, device=x.device)
     for row in range(0, full, _ROWS_PER_PASS):
-        block = x[row * _ROW:min(full, row + _ROWS_PER_PASS) * _ROW].view(-1, _ROW).to(torch.int64)
-        rows = block.sum(1)
-        cols += block.sum(0)
+        block = x[row * _ROW:min(full, row + _ROWS_PER_PASS) * _ROW].view(-1, _ROW).to(torch.int32)
+        rows = block.sum(1, dtype=torch.int32).to(torch.int64)
+        cols += block.sum(0, dtype=torch.int32)
         out[0] += rows.sum()
         out[1] += rows.mul_(_weights(row, rows.numel(), x.device)).sum()
     tail = x[full * _ROW:].to(torch.int64)
