@@ -120,9 +120,31 @@ def _check_family(rank, world, adapter, lora, out):
                     "initial": initial}, out)
 
 
-def _run(rank, world, jobs):
-    for adapter, lora, out in jobs:
-        _check_family(rank, world, adapter, lora, out)
+def _bf16_base_lora(rank, world, out):
+    """As on a GPU: a bf16 pretrained base (frozen) beside fp32 LoRA masters in the same FSDP2
+    groups, all-gathered in bf16; the ranks agree on the gradient norm."""
+    from digenrl.config import load_config
+    from digenrl.distributed import fsdp
+    from digenrl.policy import Policy
+
+    policy = Policy(load_config(None, SETS + ["model.dtype=bfloat16"]), device="cpu")
+    net = policy.adapter.transformer
+    for p in net.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    fsdp.shard_policy(policy, fsdp.trainer_mesh())
+    dtypes = sorted({(str(p.dtype), p.requires_grad) for p in net.parameters()})
+    cond = policy.adapter.encode_prompts(["a red cube", "a blue ball"])
+    x = torch.randn((2, *policy.adapter.latent_shape()), generator=torch.Generator().manual_seed(0))
+    policy.adapter.velocity(x, torch.tensor([0.7, 0.3]), cond).square().mean().backward()
+    norm = policy.optimizer_step()
+    torch.save({"dtypes": dtypes, "norm": norm}, out / f"bf16_base_rank{rank}.pt")
+
+
+def _run(rank, world, jobs, out):
+    for adapter, lora, path in jobs:
+        _check_family(rank, world, adapter, lora, path)
+    _bf16_base_lora(rank, world, out)
 
 
 def _max_diff(a, b):
@@ -132,7 +154,7 @@ def _max_diff(a, b):
 def test_fsdp_and_bucketed_allreduce_match_single_process(tmp_path):
     jobs = [("flux", True, tmp_path / "flux_lora.pt"), ("flux", False, tmp_path / "flux_full.pt"),
             ("wan", False, tmp_path / "wan_full.pt")]
-    spawn(_run, 2, jobs)
+    spawn(_run, 2, jobs, tmp_path)
     for _, lora, out in jobs:
         r = torch.load(out)
         assert set(r["ref"]) == set(r["fsdp"]) == set(r["bucketed"]) and r["ref"]
@@ -148,3 +170,6 @@ def test_fsdp_and_bucketed_allreduce_match_single_process(tmp_path):
         whole, trained = r["share"]
         assert 0.4 < whole < 0.6, f"rank 0 holds {whole:.0%} of all parameters"
         assert 0.4 < trained < 0.6, f"rank 0 holds {trained:.0%} of the trained parameters"
+    mixed = [torch.load(tmp_path / f"bf16_base_rank{r}.pt") for r in (0, 1)]
+    assert mixed[0]["dtypes"] == [("torch.bfloat16", False), ("torch.float32", True)]
+    assert mixed[0]["norm"] == mixed[1]["norm"] and 0 < mixed[0]["norm"] < float("inf")
