@@ -150,11 +150,11 @@ class WeightBroadcaster:
                 t = _cast(t, send_dtype)
                 if TensorSpec.of(name, t) != specs[i]:
                     raise WeightSyncError(f"publish: tensor {name} does not match its spec {specs[i]}")
-                prints.append(fingerprint(t).cpu())
+                prints.append(fingerprint(t).to(self.group.device))
                 buf[offset:offset + specs[i].nbytes].copy_(_bytes_of(t))
                 offset += specs[i].nbytes
             self.group.broadcast(buf, self.src)
-        return torch.stack(prints) if prints else torch.zeros(0, 3, dtype=torch.int64)
+        return torch.stack(prints).cpu() if prints else torch.zeros(0, 3, dtype=torch.int64)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

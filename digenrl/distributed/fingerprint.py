@@ -58,7 +58,11 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
 
 
 def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """(n, 3) int64 on CPU: one fingerprint per tensor, computed where each tensor lives."""
+    """(n, 3) int64 on CPU: one fingerprint per tensor, computed where each tensor lives (one
+    device-to-host copy per device, not per tensor)."""
     if not tensors:
         return torch.zeros(0, 3, dtype=torch.int64)
-    return torch.stack([fingerprint(t).cpu() for t in tensors])
+    prints = [fingerprint(t) for t in tensors]
+    if len({p.device for p in prints}) == 1:
+        return torch.stack(prints).cpu()
+    return torch.stack([p.cpu() for p in prints])
