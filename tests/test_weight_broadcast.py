@@ -65,6 +65,13 @@ def _source(group, out):
     _train_a_little(lora, 5)
     sender.publish_async(5, sync_targets(lora.adapter.transformer, lora=True)).result()
     record["lora5"] = checksum(lora_state_dict(lora.adapter.transformer))
+    _train_a_little(full, 6)  # 6: full weights received straight into the receiver's tensors
+    sender.publish(6, sync_targets(full.adapter.transformer, lora=False), send_dtype=torch.bfloat16)
+    record["full6"] = checksum({k: v.to(torch.bfloat16) for k, v in full.adapter.transformer.state_dict().items()})
+    for version in (7, 8):  # 7: refused by the receiver; 8: still in step
+        _train_a_little(lora, version)
+        sender.publish(version, sync_targets(lora.adapter.transformer, lora=True))
+    record["lora8"] = checksum(lora_state_dict(lora.adapter.transformer))
     out.write_text(json.dumps(record))
 
 
@@ -110,6 +117,12 @@ def _receiver(rank, group, out):
     record["lora5"] = checksum(lora_state_dict(lora.adapter.transformer))
     sync = got.event
     record["overlap"] = spans[0][0] < sync["end"] and sync["start"] < spans[-1][1] and len(spans) > 1
+    receiver.receive_into(sync_targets(full.adapter.transformer, lora=False))
+    record["full6"] = checksum(dict(full.adapter.transformer.state_dict()))
+    with pytest.raises(WeightSyncError, match="missing keys"):  # every bucket drained, then refused
+        receiver.receive_into(sync_targets(full.adapter.transformer, lora=False))
+    receiver.receive_into(sync_targets(lora.adapter.transformer, lora=True))
+    record["lora8"] = checksum(lora_state_dict(lora.adapter.transformer))
     out.write_text(json.dumps(record))
 
 
@@ -128,7 +141,7 @@ def test_broadcast_versions_fingerprints_corruption_and_prefetch(tmp_path):
     source = json.loads((tmp_path / "rank0.json").read_text())
     for rank in (1, 2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        for key in ("lora1", "lora2", "full3", "lora5"):  # SHA-256 of the loaded weights, independently
+        for key in ("lora1", "lora2", "full3", "lora5", "full6", "lora8"):  # SHA-256 of the loaded weights, independently
             assert got[key] == source[key], (rank, key)
         assert source["lora1"] != source["lora2"]
         assert got["corrupted_detected"]

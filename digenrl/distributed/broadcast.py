@@ -225,30 +225,73 @@ class WeightReceiver:
         """Copy ``received`` into ``targets`` (name -> the receiver's own tensor, written in
         place), then check the keys, shapes, dtypes and every fingerprint; returns the event."""
         start = time.time()
-        names = [s.name for s in received.specs]
-        missing, unexpected = sorted(set(targets) - set(names)), sorted(set(names) - set(targets))
-        if missing or unexpected:
-            raise WeightSyncError(f"broadcast of version {received.version}: {len(missing)} missing keys "
-                                  f"{missing[:3]}, {len(unexpected)} unexpected keys {unexpected[:3]}")
-        bucket_of = {}
-        with torch.no_grad():
-            for b, (bucket, buf) in enumerate(zip(received.layout, received.buckets)):
-                offset = 0
-                for i in bucket:
-                    spec, dest = received.specs[i], targets[received.specs[i].name]
-                    if TensorSpec.of(spec.name, dest) != spec:
-                        raise WeightSyncError(f"broadcast of version {received.version}: {spec.name} is "
-                                              f"{tuple(dest.shape)} {dest.dtype} here, {spec.shape} {spec.dtype} sent")
-                    src = buf[offset:offset + spec.nbytes].to(dest.device)
-                    _bytes_of_inplace(dest).copy_(src)
-                    offset += spec.nbytes
-                    bucket_of[spec.name] = b
-        got = fingerprints([targets[n] for n in names])
-        bad = [n for n, a, e in zip(names, got, received.fingerprints) if not torch.equal(a, e)]
-        if bad:
-            raise WeightSyncError(f"broadcast of version {received.version}: fingerprint mismatch after load in "
-                                  f"{len(bad)} tensors, first {bad[0]} (bucket {bucket_of[bad[0]]})")
+        problem = _mismatch(received.version, received.specs, targets)
+        if problem:
+            raise WeightSyncError(problem)
+        for bucket, buf in zip(received.layout, received.buckets):
+            _unpack(received.specs, bucket, buf, targets)
+        _verify(received.version, received.specs, received.layout, received.fingerprints, targets)
         return _event("load", received.version, start, time.time(), received.nbytes)
+
+    def receive_into(self, targets: dict[str, torch.Tensor]) -> dict:
+        """Receive the next version straight into ``targets``, one bucket buffer at a time (no
+        staged copy of the whole version: full weights at GB scale when there is nothing to
+        overlap with), then verify as :meth:`load`. Call it only at a unit boundary: the
+        targets change while it runs. Every bucket is received even when the targets do not
+        fit, so the group stays in step; the mismatch is raised after."""
+        start = time.time()
+        header = json.loads(self.group.broadcast_bytes(None, self.src))
+        version = header["version"]
+        specs = [TensorSpec(n, tuple(s), d) for n, s, d in header["tensors"]]
+        layout = bucket_layout(specs, header["bucket_bytes"])
+        problem = _mismatch(version, specs, targets)
+        for bucket in layout:
+            buf = torch.empty(sum(specs[i].nbytes for i in bucket), dtype=torch.uint8, device=self.group.device)
+            self.group.broadcast(buf, self.src)
+            if not problem:
+                _unpack(specs, bucket, buf, targets)
+        prints = torch.tensor(json.loads(self.group.broadcast_bytes(None, self.src)), dtype=torch.int64)
+        if problem:
+            raise WeightSyncError(problem)
+        _verify(version, specs, layout, prints.reshape(-1, 3), targets)
+        return _event("receive_into", version, start, time.time(), sum(s.nbytes for s in specs))
+
+
+def _mismatch(version: int, specs: list[TensorSpec], targets: dict[str, torch.Tensor]) -> str | None:
+    """Why ``targets`` cannot take ``specs`` (keys, shapes, dtypes), or None."""
+    names = [s.name for s in specs]
+    missing, unexpected = sorted(set(targets) - set(names)), sorted(set(names) - set(targets))
+    if missing or unexpected:
+        return (f"broadcast of version {version}: {len(missing)} missing keys {missing[:3]}, "
+                f"{len(unexpected)} unexpected keys {unexpected[:3]}")
+    for spec in specs:
+        dest = targets[spec.name]
+        if TensorSpec.of(spec.name, dest) != spec:
+            return (f"broadcast of version {version}: {spec.name} is {tuple(dest.shape)} {dest.dtype} here, "
+                    f"{spec.shape} {spec.dtype} sent")
+    return None
+
+
+@torch.no_grad()
+def _unpack(specs: list[TensorSpec], bucket: list[int], buf: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
+    offset = 0
+    for i in bucket:
+        spec = specs[i]
+        dest = targets[spec.name]
+        _bytes_of_inplace(dest).copy_(buf[offset:offset + spec.nbytes].to(dest.device))
+        offset += spec.nbytes
+
+
+def _verify(version: int, specs: list[TensorSpec], layout: list[list[int]], expected: torch.Tensor,
+            targets: dict[str, torch.Tensor]) -> None:
+    """Every loaded tensor's fingerprint equals the source's; else name the first bad one and its bucket."""
+    names = [s.name for s in specs]
+    got = fingerprints([targets[n] for n in names])
+    bad = [i for i, (a, e) in enumerate(zip(got, expected)) if not torch.equal(a, e)]
+    if bad:
+        bucket = next(b for b, members in enumerate(layout) if bad[0] in members)
+        raise WeightSyncError(f"broadcast of version {version}: fingerprint mismatch after load in "
+                              f"{len(bad)} tensors, first {names[bad[0]]} (bucket {bucket})")
 
 
 def _bytes_of_inplace(t: torch.Tensor) -> torch.Tensor:
