@@ -147,3 +147,54 @@ def test_broadcast_versions_fingerprints_corruption_and_prefetch(tmp_path):
         assert got["corrupted_detected"]
     # the receiver that signalled kept generating while version 5 arrived
     assert json.loads((tmp_path / "rank1.json").read_text())["overlap"]
+
+
+def _fsdp_source_member(rank, _world, ports, tmp):
+    """Processes 0 and 1: FSDP2 trainer ranks (their own default group); process 2: a rollout
+    receiver. Process 0 is rank 0 of the sync group and streams the gathered full tensors."""
+    import os
+
+    import torch.distributed as dist
+
+    from digenrl.distributed import fsdp
+    from digenrl.distributed.broadcast import SyncGroup, WeightBroadcaster, WeightReceiver, specs_for, sync_targets
+    from digenrl.lora import checksum
+
+    trainer_port, sync_port = ports
+    if rank < 2:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(trainer_port))
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        policy = _policy(False, True)
+        fsdp.shard_policy(policy, fsdp.trainer_mesh())
+        with torch.no_grad():  # move this rank's shards (a stand-in for a sharded optimizer step)
+            gen = torch.Generator().manual_seed(rank)
+            for p in policy.params:
+                local = p.to_local()
+                local.add_(torch.randn(local.shape, generator=gen) * 1e-3)
+        net = policy.adapter.transformer
+        names = sync_targets(net, lora=True)
+        stream = fsdp.full_tensors(net, list(names))
+        if rank == 0:
+            group = SyncGroup(0, 2, "127.0.0.1", sync_port, timeout_s=120)
+            WeightBroadcaster(group, bucket_bytes=SMALL_BUCKETS).publish(1, stream, specs=specs_for(names))
+        else:
+            for _ in stream:  # take part in every gather, in the same order
+                pass
+        full = {n: t.clone() for n, t in fsdp.full_tensors(net, list(names))}
+        if rank == 0:
+            (tmp / "fsdp_source.json").write_text(json.dumps({"sha": checksum(full)}))
+        dist.destroy_process_group()
+    else:
+        group = SyncGroup(1, 2, "127.0.0.1", sync_port, timeout_s=120)
+        lora = _policy(False, False)
+        targets = sync_targets(lora.adapter.transformer, lora=True)
+        before = checksum(dict(targets))
+        WeightReceiver(group).receive_into(targets)
+        (tmp / "fsdp_receiver.json").write_text(json.dumps({"before": before, "sha": checksum(dict(targets))}))
+
+
+def test_fsdp_trainer_ranks_stream_gathered_shards_to_a_receiver(tmp_path):
+    spawn(_fsdp_source_member, 0, (free_port(), free_port()), tmp_path, nprocs=3)
+    sent = json.loads((tmp_path / "fsdp_source.json").read_text())["sha"]
+    got = json.loads((tmp_path / "fsdp_receiver.json").read_text())
+    assert got["sha"] == sent and got["before"] != sent

@@ -26,7 +26,6 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
