@@ -6,7 +6,9 @@ device fingerprint vs SHA-256.
 Transports, each end to end from the source (this driver) to one receiver (a Ray actor), the
 receiver's tensors loaded and verified:
 - ``ray_object_store``: engine/weight_sync.py as the engine runs it (``publish``: SHA-256 + put;
-  the actor: ``fetch`` + ``verify``: get + key check + SHA-256);
+  the actor: ``fetch`` + ``verify``: get + key check + SHA-256). The engine then also loads into
+  a Policy and checks the SHA-256 once more; that part is left out, so this row is a lower bound
+  of the engine's cost;
 - ``broadcast_gloo``: digenrl.distributed.broadcast (header, 256 MiB buckets, fingerprints),
   the actor receiving into staging buffers and loading into its own tensors (group set up once,
   not timed).
