@@ -1,7 +1,7 @@
 """LoRA through peft on the adapter's transformer, with every target checked and every load verified.
 
 peft matches target names as suffixes and silently ignores names that match nothing as long as one
-matches, and loading a state dict reports unexpected keys without raising (NOTES.md): both would
+matches, and loading a state dict reports unexpected keys without raising (docs/architecture.md): both would
 train less than asked without a word, so both are checked here.
 """
 

@@ -1,4 +1,4 @@
-"""The run directory (DESIGN.md §6): resolved config, metrics.jsonl, TensorBoard events, optional W&B.
+"""The run directory (docs/architecture.md): resolved config, metrics.jsonl, TensorBoard events, optional W&B.
 
 ``metrics.jsonl`` is the machine-readable record (one JSON object per iteration). Every numeric
 key of a row also goes to TensorBoard (``tensorboard/``, when ``output.tensorboard``) and to

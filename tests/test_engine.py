@@ -1,4 +1,4 @@
-"""The Ray engine end to end on the tiny FLUX, in every mode: the invariants of DESIGN.md §4
+"""The Ray engine end to end on the tiny FLUX, in every mode: the invariants of docs/architecture.md
 read back from the run directory (timeline.json: what each worker actually ran and trained),
 equality with the single-process trainer when on-policy, verified weight sync, and errors that
 come in seconds instead of hangs. One Ray cluster (2 CPUs, 2 + 2 logical devices) per module."""
@@ -214,15 +214,16 @@ def test_late_scores_follow_the_nan_policy(tmp_path):
     """The driver's side of a released unit (no Ray): NaN scores that arrive after the worker
     moved on (``nan_policy: drop``, passed on by the actor) get advantage 0, and are counted;
     the scoring span lands on the reward row."""
-    from digenrl.engine.runtime import Engine, scheduler_config, worker_plan
+    from digenrl.engine.runtime import RayBackend
     from digenrl.engine.scheduler import Scheduler
-    from digenrl.rewards.service import Scored
+    from digenrl.placement import engine_scheduler_config, engine_workers
     from digenrl.rewards import reward_metrics
+    from digenrl.rewards.service import Scored
 
     cfg = load_config(None, BASE + SERVICE + ["reward.nan_policy=drop"])
-    plan = worker_plan(cfg)
-    sched = Scheduler(scheduler_config(cfg), [spec for spec, _ in plan])
-    engine = Engine(cfg, sched, plan, actors={}, out=None, on_iteration=None)
+    workers = engine_workers(cfg)
+    sched = Scheduler(engine_scheduler_config(cfg), workers)
+    engine = RayBackend(cfg, sched, workers, actors={}, out=None)
     unit = sched.next_unit("rollout0")
     sched.release(unit)
     assert sched.next_unit("trainer0") is None  # nothing to train before the scores
@@ -231,14 +232,14 @@ def test_late_scores_follow_the_nan_policy(tmp_path):
     t = engine.t0
     engine.scored(unit, Scored(total, {"prompt_color": total}, t + 1.0, t + 1.5, {"prompt_color": 0.5}, 0.25, 1))
     sched.complete(unit)
-    adv = engine.batches[unit.uid].advantages
+    adv = engine.ledger.batches[unit.uid].advantages
     assert adv[1] == 0 and not torch.isnan(adv).any() and adv[0] < 0 < adv[2]
-    batch = engine.batches[unit.uid]
+    batch = engine.ledger.batches[unit.uid]
     assert reward_metrics(batch.rewards, batch.reward_parts)["reward_nan"] == 1  # as the metrics row counts it
     (event,) = engine.timeline.of("reward")
     assert (event.worker, event.start, event.end, event.args["queue_depth"]) == ("reward", 1.0, 1.5, 1)
-    assert engine.reward_calls[0] == [{"seconds": 0.5, "timings": {"prompt_color": 0.5}, "wait_s": 0.25,
-                                       "queue_depth": 1}]
+    assert engine.ledger.reward_calls[0] == [{"seconds": 0.5, "timings": {"prompt_color": 0.5}, "wait_s": 0.25,
+                                              "queue_depth": 1}]
     assert isinstance(sched.next_unit("trainer0"), TrainUnit)
 
 
@@ -344,37 +345,37 @@ def test_failure_releases_everything(cluster, tmp_path):
 # -- placement as data: pure functions, no cluster needed -----------------------------------
 
 
-def test_worker_plan_per_placement():
-    from digenrl.engine.runtime import worker_plan
+def test_engine_workers_per_placement():
+    from digenrl.placement import engine_workers
 
     pools = "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 3}]"
-    colocated = worker_plan(load_config(None, BASE + ["placement.mode=colocated", pools]))
-    assert [(s.name, s.role) for s, _ in colocated] == [(f"rollout{i}", "both") for i in range(2)] + [
+    colocated = engine_workers(load_config(None, BASE + ["placement.mode=colocated", pools]))
+    assert [(s.name, s.role) for s in colocated] == [(f"rollout{i}", "both") for i in range(2)] + [
         (f"trainer{i}", "both") for i in range(3)]
-    disagg = worker_plan(load_config(None, BASE + DISAGG + [pools]))
-    assert [s.role for s, _ in disagg] == ["rollout"] * 2 + ["trainer"] * 3  # rollout workers ask first
+    disagg = engine_workers(load_config(None, BASE + DISAGG + [pools]))
+    assert [s.role for s in disagg] == ["rollout"] * 2 + ["trainer"] * 3  # rollout workers ask first
     with pytest.raises(UserError, match="different pools"):
-        worker_plan(load_config(None, BASE + DISAGG + ["placement.trainer_pool=rollout"]))
+        engine_workers(load_config(None, BASE + DISAGG + ["placement.trainer_pool=rollout"]))
     with pytest.raises(UserError, match="train.device"):
-        worker_plan(load_config(None, BASE + DISAGG + ["train.device=cuda"]))
+        engine_workers(load_config(None, BASE + DISAGG + ["train.device=cuda"]))
 
 
 def test_resource_bundles_for_gpu_pools():
     from digenrl.engine.cluster import resource_bundles
-    from digenrl.engine.runtime import worker_plan
+    from digenrl.placement import engine_workers
 
     gpus = load_config(None, BASE + DISAGG + [
         "cluster.pools=[{name: rollout, device: H20, count: 2}, {name: trainer, device: h800, count: 2}]"])
-    plan = worker_plan(gpus)
+    workers = engine_workers(gpus)
     cluster = {"CPU": 64, "GPU": 8, "accelerator_type:H20": 1, "H800": 4, "node:1.2.3.4": 1}
-    bundles = resource_bundles(plan, cluster)
+    bundles = resource_bundles(workers, cluster)
     assert bundles[0] == {"CPU": 1.0, "GPU": 1, "accelerator_type:H20": 0.001}  # Ray's detected type
     assert bundles[2] == {"CPU": 1.0, "GPU": 1, "H800": 1}  # a custom resource per device, any case
     with pytest.raises(UserError, match="GPU 4 needed, 3 exist"):
-        resource_bundles(plan, {**cluster, "GPU": 3})
+        resource_bundles(workers, {**cluster, "GPU": 3})
     with pytest.raises(UserError, match="'h800'"):
-        resource_bundles(plan, {"CPU": 64, "GPU": 8, "accelerator_type:H20": 1})
+        resource_bundles(workers, {"CPU": 64, "GPU": 8, "accelerator_type:H20": 1})
     # CPU shares fit the CPUs left beside the reward actor: never a placement that waits forever
-    cpu = worker_plan(load_config(None, BASE + DISAGG))
+    cpu = engine_workers(load_config(None, BASE + DISAGG))
     shares = resource_bundles(cpu, {"CPU": 2, "pool:rollout": 1, "pool:trainer": 1}, reserve={"CPU": 1})
     assert sum(b["CPU"] for b in shares) <= 1 and shares[0]["pool:rollout"] == 1

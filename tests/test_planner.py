@@ -14,7 +14,7 @@ from helpers import cli as cli_main
 from typer.testing import CliRunner
 
 from digenrl.cli.app import app
-from digenrl.config import load_config
+from digenrl.config import PoolConfig, load_config
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit
 from digenrl.engine.timeline import Timeline
 from digenrl.errors import UserError
@@ -22,7 +22,8 @@ from digenrl.planner.costmodel import AnalyticTimes, CostModel, CostParams, Engi
 from digenrl.planner.gpus import DEVICES, cluster_from_dict, load_cluster, match_device_name
 from digenrl.planner.search import candidates, search
 from digenrl.planner.shapes import attention_fraction, forward_flops, model_shape
-from digenrl.planner.simulator import Plan, Pool, bound, simulate
+from digenrl.placement import Plan
+from digenrl.planner.simulator import bound, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "configs" / "clusters"
@@ -141,6 +142,27 @@ def test_flop_formula_matches_torch_flop_counter_on_the_tiny_models(name):
     assert forward_flops(shape) == pytest.approx(counter.get_total_flops() / passes, rel=0.1)
 
 
+@pytest.mark.parametrize("name", ["flux_tiny", "wan_tiny", "hunyuan_tiny", "qwen_tiny"])
+def test_adapter_cost_hooks_agree_with_the_built_model(name):
+    """The class-level hooks the planner reads (no model built) match what the built adapter does:
+    its latent shape, and the transformer passes one velocity call makes at and below guidance 1."""
+    from digenrl.adapters import adapter_class, build_adapter
+
+    for guidance in (4.5, 1.0):
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml", [f"sampling.guidance={guidance}"])
+        ad = build_adapter(cfg.model, cfg.sampling)
+        cls = adapter_class(cfg.model.adapter)
+        tcfg, vcfg = cls.presets["tiny"]
+        assert cls.latent_shape_for(cfg.model, dict(tcfg), dict(vcfg)) == tuple(ad.latent_shape())
+        calls = []
+        hook = ad.transformer.register_forward_pre_hook(lambda *_: calls.append(1))
+        x = torch.randn(1, *ad.latent_shape())
+        with torch.no_grad():
+            ad.velocity(x, torch.full((1,), 0.5), ad.encode_prompts(["a red apple"]))
+        hook.remove()
+        assert len(calls) == cls.guidance_passes(guidance) == Workload.from_config(cfg).passes
+
+
 def test_memory_model_rejects_what_does_not_fit(tmp_path):
     cfg = load_config(ROOT / "configs" / "qwen_image.yaml")
     w = Workload.from_config(cfg)
@@ -165,7 +187,7 @@ def test_memory_model_rejects_what_does_not_fit(tmp_path):
 
 
 class ConstantCost(CostModel):
-    """Fixed unit durations and no engine overheads: the closed forms of DESIGN §4 apply."""
+    """Fixed unit durations and no engine overheads: the closed forms of docs/architecture.md apply."""
 
     def __init__(self, cfg, rollout=1.0, train=0.5, step=0.1, call=0.0, transfer=0.0, cv=None, replicas=8):
         cluster = cluster_from_dict({"name": "h", "pools": [{"name": "g", "device": "H100", "count": 4}]})
@@ -192,8 +214,12 @@ class ConstantCost(CostModel):
         return 0.0
 
 
+def pool(name: str, device: str, count: int) -> PoolConfig:
+    return PoolConfig(name=name, device=device, count=count)
+
+
 def disagg(rollout: int, trainers: int, **knobs) -> Plan:
-    return Plan("disaggregated", (Pool("rollout", "H100", rollout, "rollout"), Pool("trainer", "H100", trainers, "trainer")),
+    return Plan("disaggregated", (pool("rollout", "H100", rollout), pool("trainer", "H100", trainers)),
                 **{"unit_groups": 1, **knobs})
 
 
@@ -234,7 +260,7 @@ def test_balanced_async_reaches_the_design_bound(tiny_cfg):
     assert res.efficiency == pytest.approx(1.0)
     # with TAG the bound is max(T/t, (R+T)/(r+t)); colocated (R+T)/(r+t)
     assert bound(disagg(1, 1, tag=True), cost) == pytest.approx(max(4.1, 8.1 / 2))
-    colocated = Plan("colocated", (Pool("g", "H100", 2, "both"),), 1)
+    colocated = Plan("colocated", (pool("g", "H100", 2),), 1)
     assert bound(colocated, cost) == pytest.approx((4 + 4 + 2 * 0.1) / 2)
 
 
@@ -242,7 +268,7 @@ def test_unit_time_spread_makes_a_barrier_wait_for_the_slowest(tiny_cfg):
     # colocated on 2 devices, one rollout and one train unit each per iteration: each phase ends
     # with the slower of two units, the step waits for both
     cfg = tiny_cfg("train.prompts_per_iteration=2")
-    plan = Plan("colocated", (Pool("g", "H100", 2, "both"),), 1)
+    plan = Plan("colocated", (pool("g", "H100", 2),), 1)
     r, t, s, c = 1.0, 0.5, 0.1, 0.1
     fixed = simulate(plan, ConstantCost(cfg, r, t, s), iterations=3)
     assert fixed.iteration_s == pytest.approx(r + t + s)
@@ -254,7 +280,7 @@ def test_unit_time_spread_makes_a_barrier_wait_for_the_slowest(tiny_cfg):
     again = simulate(plan, ConstantCost(cfg, r, t, s, cv=c, replicas=400), iterations=3)
     assert again.iteration_s == spread.iteration_s  # seeded: a plan's prediction does not move
     # one device alone never waits for another: the spread averages out
-    alone = Plan("colocated", (Pool("g", "H100", 1, "both"),), 1)
+    alone = Plan("colocated", (pool("g", "H100", 1),), 1)
     one = simulate(alone, ConstantCost(cfg, r, t, s, cv=c, replicas=400), iterations=3)
     assert one.iteration_s == pytest.approx(2 * (r + t) + s, rel=0.01)
 
@@ -278,7 +304,7 @@ def test_samples_transfer_hides_behind_a_busy_trainer(tiny_cfg):
 def test_cpu_workers_share_the_host_cores(tiny_cfg):
     cfg = tiny_cfg()
     w = Workload.from_config(cfg)
-    plan = Plan("disaggregated", (Pool("rollout", "cpu", 1, "rollout"), Pool("trainer", "cpu", 2, "trainer")), 1,
+    plan = Plan("disaggregated", (pool("rollout", "cpu", 1), pool("trainer", "cpu", 2)), 1,
                 tsp_degree=2)
     fast = simulate(plan, CostModel(w, cluster_from_dict({"pools": [{"name": "c", "device": "cpu", "count": 3}],
                                                           "host_cores": 3})))
@@ -291,7 +317,7 @@ def test_colocated_pays_phase_switches(tiny_cfg):
     cfg = load_config(ROOT / "configs" / "flux1_dev.yaml")
     w = Workload.from_config(cfg)
     cluster = load_cluster(CLUSTERS / "16xH800.yaml")
-    plan = Plan("colocated", (Pool("h800", "H800", 16, "both"),), 2)
+    plan = Plan("colocated", (pool("h800", "H800", 16),), 2)
     cheap = CostModel(w, cluster)
     cheap.col.switch_latency_s = 0.0
     dear = CostModel(w, cluster)

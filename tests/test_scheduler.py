@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from digenrl.engine.driver import Back, Done, Lost, Released, Scored, drive
 from digenrl.engine.scheduler import (
     RolloutUnit,
     Scheduler,
@@ -44,74 +45,83 @@ class Event:
 Scoring = Callable[[str, RolloutUnit], float | None]
 
 
+class VirtualTime:
+    """The driver loop's backend for these tests: units take ``duration`` in virtual time and finish
+    earliest first (submission order breaks ties).
+
+    With ``scoring``, a rollout unit given a latency is released when its worker finishes (the
+    worker asks for work at once) and scored that latency later, as the reward service does.
+    ``dies(event)``: the rollout worker running ``event`` dies before finishing it (its unit is
+    lost, the worker comes back idle at once), or the scores of a released unit are lost; failed
+    events are not kept in ``events``."""
+
+    def __init__(self, sched: Scheduler, workers: list[WorkerSpec], duration: Duration,
+                 scoring: Scoring | None = None, dies=None):
+        self.sched, self.cfg, self.duration, self.scoring, self.dies = sched, sched.cfg, duration, scoring, dies
+        self.roles = {w.name: w.role for w in workers}
+        self.mortal = {w.name for w in workers if w.role == "rollout"}  # a dead trainer rank stops the run instead
+        self.heap: list[tuple[float, int, Event]] = []
+        self.seq = itertools.count()
+        self.events: list[Event] = []
+        self.now = 0.0
+        self.back: list[str] = []  # workers that died and are idle again at once
+        self.handed = 0
+
+    def start(self, worker: str, unit: Unit) -> None:
+        sched, cfg = self.sched, self.cfg
+        if isinstance(unit, RolloutUnit):
+            assert unit.version == sched.worker_version(worker)
+            assert unit.version == sched.published_version or (self.roles[worker] == "rollout"
+                                                                and self.dies is not None)
+            assert unit.version >= unit.iteration - cfg.max_staleness
+        elif isinstance(unit, TrainUnit):
+            assert sched.published_version == unit.iteration == sched.worker_version(worker)
+        self.handed += 1
+        assert self.handed < 100_000, "the run did not terminate"
+        event = Event(worker, unit, self.now, self.now + self.duration(worker, unit))
+        heapq.heappush(self.heap, (event.end, next(self.seq), event))
+
+    def next_event(self):
+        if self.back:
+            return Back(self.back.pop())
+        assert self.heap, (f"deadlock at t={self.now}: nothing in flight, "
+                           f"published {self.sched.published_version} of {self.cfg.iterations} versions")
+        self.now, _, event = heapq.heappop(self.heap)
+        if event.scored is not None:  # the reward service answers, or the scores were lost
+            if self.dies is not None and self.dies(event):
+                return Lost(event.unit)
+            self.events.append(event)
+            return Scored(event.unit)
+        if (self.dies is not None and isinstance(event.unit, RolloutUnit) and event.worker in self.mortal
+                and self.dies(event)):
+            self.back.append(event.worker)
+            return Lost(event.unit, event.worker)
+        latency = self.scoring(event.worker, event.unit) if self.scoring and isinstance(event.unit, RolloutUnit) else None
+        if latency is not None:  # generated and handed to the reward service: the worker goes on
+            event = Event(event.worker, event.unit, event.start, event.end, self.now + latency)
+            heapq.heappush(self.heap, (event.scored, next(self.seq), event))
+            return Released(event.worker, event.unit)
+        self.events.append(event)
+        return Done(event.worker, event.unit)
+
+    def completed(self, unit: Unit, stepped: int | None) -> None:
+        assert stepped is None or self.sched.published_version == stepped + 1, "versions increase one at a time"
+        if isinstance(unit, RolloutUnit):
+            assert stepped is None, "a rollout completion never steps"
+
+
 def simulate(
     cfg: SchedulerConfig, workers: list[WorkerSpec], duration: Duration, scoring: Scoring | None = None,
     dies=None,
 ) -> tuple[Scheduler, list[Event]]:
-    """Event-driven virtual-time driver: after each completion, every idle worker asks for work.
-
-    With ``scoring``, a rollout unit given a latency is ``release``d when its worker finishes
-    (the worker asks for work at once) and ``complete``d that latency later, as the runtime does
-    with the reward service. ``dies(event)``: the rollout worker running ``event`` dies before
-    finishing it (its unit is re-queued, the worker comes back idle); failed events are not returned."""
+    """The engine's driver loop on :class:`VirtualTime`: after each completion, every idle worker
+    asks for work, in a fixed order (runs are reproducible)."""
     sched = Scheduler(cfg, workers)
-    idle = {w.name for w in workers}
-    mortal = {w.name for w in workers if w.role == "rollout"}  # a dead trainer rank stops the run instead
-    heap: list[tuple[float, int, Event]] = []
-    seq = itertools.count()
-    events: list[Event] = []
-    now = 0.0
-    for _ in range(100_000):
-        for w in workers:  # fixed order keeps runs reproducible
-            if w.name not in idle:
-                continue
-            unit = sched.next_unit(w.name)
-            if unit is None:
-                continue
-            if isinstance(unit, RolloutUnit):
-                assert unit.version == sched.worker_version(w.name)
-                assert unit.version == sched.published_version or (w.role == "rollout" and dies is not None)
-                assert unit.version >= unit.iteration - cfg.max_staleness
-            elif isinstance(unit, TrainUnit):
-                assert sched.published_version == unit.iteration == sched.worker_version(w.name)
-            idle.remove(w.name)
-            event = Event(w.name, unit, now, now + duration(w.name, unit))
-            heapq.heappush(heap, (event.end, next(seq), event))
-        if not heap:
-            assert sched.done(), (
-                f"deadlock at t={now}: nothing in flight, "
-                f"published {sched.published_version} of {cfg.iterations} versions"
-            )
-            break
-        now, _, event = heapq.heappop(heap)
-        if event.scored is not None and dies is not None and dies(event):  # the scores were lost
-            sched.requeue(event.unit)
-            continue
-        if event.scored is not None:  # the reward service answers
-            before = sched.published_version
-            sched.complete(event.unit)
-            assert sched.published_version == before, "a rollout completion never steps"
-            events.append(event)
-            continue
-        if dies is not None and isinstance(event.unit, RolloutUnit) and event.worker in mortal and dies(event):
-            sched.requeue(event.unit)
-            idle.add(event.worker)
-            continue
-        latency = scoring(event.worker, event.unit) if scoring and isinstance(event.unit, RolloutUnit) else None
-        idle.add(event.worker)
-        if latency is not None:  # generated and handed to the reward service: the worker goes on
-            sched.release(event.unit)
-            event = Event(event.worker, event.unit, event.start, event.end, now + latency)
-            heapq.heappush(heap, (event.scored, next(seq), event))
-            continue
-        before = sched.published_version
-        sched.complete(event.unit)
-        assert sched.published_version - before in (0, 1), "versions must increase one at a time"
-        events.append(event)
-    else:
-        pytest.fail("the run did not terminate")
+    backend = VirtualTime(sched, workers, duration, scoring, dies)
+    drive(sched, [w.name for w in workers], backend)
+    assert not backend.heap, "units still running after the last step"
     assert all(sched.next_unit(w.name) is None for w in workers), "work handed out after done()"
-    return sched, events
+    return sched, backend.events
 
 
 def check_invariants(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -75,8 +75,7 @@ class _Quiet:
 
 def plan_row(r, result, rank: int | None = None) -> dict:
     sp = result.speedup(r)
-    micro = min((s.micro_batch for name, s in r.setups.items()
-                 if next(p for p in r.plan.pools if p.name == name).role != "rollout"), default=None)
+    micro = trainer_micro_batch(r)
     notes = sorted({n for s in r.setups.values() for n in s.notes()})
     return {
         "rank": rank,
@@ -84,7 +83,7 @@ def plan_row(r, result, rank: int | None = None) -> dict:
         "where": r.plan.where(),
         "knobs": r.plan.knobs(),
         "placement": r.plan.placement,
-        "pools": [asdict(p) for p in r.plan.pools],
+        "pools": [{**p.model_dump(mode="json"), "role": r.plan.role(p)} for p in r.plan.pools],
         "engine": {"unit_groups": r.plan.unit_groups, "gap": r.plan.gap, "tsp_degree": r.plan.tsp_degree,
                    "tag": r.plan.tag, "max_staleness": r.plan.max_staleness},
         "micro_batch": micro,
@@ -176,7 +175,7 @@ def ladder_table(report: dict) -> Table:
 
 def report_notes(report: dict) -> list[str]:
     s, cm = report["search"], report["cost_model"]
-    lines = ["eff. = DESIGN §4 bound / predicted iteration time; vs col. = speedup over the best colocated plan"]
+    lines = ["eff. = throughput bound (docs/architecture.md) / predicted iteration time; vs col. = speedup over the best colocated plan"]
     lines += [f"searched {s['candidates']} placements: {s['rejected_by_memory']} do not fit in memory, "
              f"{s['simulated']} simulated ({s['seconds']:.1f} s); times from "
              + "; ".join(f"{d}: {src}" for d, src in cm["times"].items())]
@@ -192,29 +191,18 @@ def report_notes(report: dict) -> list[str]:
 # ------------------------------------------------------------------------------ the config
 
 
+def trainer_micro_batch(r) -> int | None:
+    """The micro-batch the memory model chose for the plan's trainer devices (the smallest over them)."""
+    return min((s.micro_batch for p in r.plan.pools if r.plan.role(p) != "rollout"
+                for s in [r.setups[p.name]]), default=None)
+
+
 def plan_config(cfg: RunConfig, r, cluster) -> RunConfig:
     """``cfg`` with the plan's cluster, placement and engine sections (and micro-batch, device)."""
-    from digenrl.config import validate_config
+    from digenrl.placement import apply_plan
 
-    plan = r.plan
-    data = cfg.model_dump(mode="json")
-    if plan.placement == "colocated":
-        pools = [{"name": p.name, "device": p.device, "count": p.count} for p in plan.pools]
-        placement = {"mode": "colocated", "rollout_pool": pools[0]["name"], "trainer_pool": pools[-1]["name"]}
-    else:
-        pools = [{"name": p.name, "device": p.device, "count": p.count} for p in plan.pools]
-        placement = {"mode": "disaggregated", "rollout_pool": plan.rollout_pool.name,
-                     "trainer_pool": plan.trainer_pools[0].name}
-    data["cluster"] = {"pools": pools}
-    data["placement"] = placement
-    data["engine"] = {**data["engine"], "unit_groups": plan.unit_groups, "gap": plan.gap,
-                      "tsp_degree": plan.tsp_degree, "tag": plan.tag, "max_staleness": plan.max_staleness}
-    micro = [s.micro_batch for name, s in r.setups.items()
-             if next(p for p in plan.pools if p.name == name).role != "rollout"]
-    if micro:
-        data["train"] = {**data["train"], "micro_batch": min(micro)}
-    data["train"] = {**data["train"], "device": "cpu" if cluster.is_cpu else "cuda"}
-    return validate_config(data)
+    plan = replace(r.plan, micro_batch=trainer_micro_batch(r))
+    return apply_plan(cfg, plan, "cpu" if cluster.is_cpu else "cuda")
 
 
 def write_plan_config(cfg: RunConfig, r, cluster, path: Path, row: dict) -> Path:

@@ -7,8 +7,8 @@ after the type; ``gpu`` / ``cuda`` = any GPU). Everything is reserved as one pla
 after checking ``ray.cluster_resources()``, so an impossible placement fails in seconds with
 a message, never a hang.
 
-Faults: ``fault_plan`` reads the injection switch (``engine.faults`` / ``DIGENRL_FAULTS``);
-``actor_died`` tells a dead process from a bug; ``num_restarts`` reads Ray's count.
+Faults: ``actor_died`` tells a dead process from a bug; ``num_restarts`` reads Ray's count (what
+the engine does about a fault is :mod:`digenrl.engine.recovery`).
 """
 
 from __future__ import annotations
@@ -21,26 +21,14 @@ import socket
 from collections import Counter
 
 from digenrl.config import PoolConfig, RunConfig
-from digenrl.engine.scheduler import WorkerSpec
 from digenrl.errors import UserError
+from digenrl.faults import FaultInjector
 from digenrl.lora import WeightSyncError
+from digenrl.placement import Worker
 
 REWARD_ROW = "reward"  # the reward actor's timeline row (pool SERVICE_POOL), and its in-flight entries
 PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give up, say so
 ADDRESS_PROBE_S = 3.0  # a wrong --ray-address must fail fast
-RESTART_POLL_S = 0.5  # how often to ask a restarting worker whether it is back
-HEAD_PROBE_S = 2.0  # how often the driver checks that the cluster's head still answers
-
-
-def fault_plan(cfg: RunConfig) -> set[tuple[str, str]]:
-    """``engine.faults`` plus ``DIGENRL_FAULTS=worker@unit,worker@unit`` (tests, soak runs)."""
-    plan = {(f.worker, f.unit) for f in cfg.engine.faults}
-    for item in filter(None, os.environ.get("DIGENRL_FAULTS", "").split(",")):
-        worker, sep, unit = item.strip().partition("@")
-        if not sep or not worker or not unit:
-            raise UserError(f"DIGENRL_FAULTS: expected worker@unit (e.g. rollout0@rollout-1-0), got {item!r}")
-        plan.add((worker, unit))
-    return plan
 
 
 def actor_died(exc: Exception) -> bool:
@@ -73,7 +61,7 @@ def first_line(exc: Exception) -> str:
 
 
 @contextlib.contextmanager
-def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_address: str | None,
+def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
                 resume: dict[str, bytes] | None = None):
     """Connect (or start Ray), check and reserve the placement, start one actor per worker and
     wait until every one has built its policy (from the ``resume`` checkpoint's files when given);
@@ -84,23 +72,24 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
 
     from digenrl.engine.workers import EngineWorker
 
-    ours = connect(plan, ray_address)
+    ours = connect(workers, ray_address)
     group, actors, reward_actor = None, {}, None
     try:
-        bundles = resource_bundles(plan, ray.cluster_resources(), reserve=reward_service_resources(cfg))
+        bundles = resource_bundles(workers, ray.cluster_resources(), reserve=reward_service_resources(cfg))
         group = placement_group(bundles, strategy="PACK")
         try:
             ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            raise UserError(f"cluster: could not reserve {_asked(plan)} within {PLACEMENT_TIMEOUT_S:.0f}s "
+            raise UserError(f"cluster: could not reserve {_asked(workers)} within {PLACEMENT_TIMEOUT_S:.0f}s "
                             f"(bundles {bundles}); free now: {_describe(ray.available_resources())}") from None
         if cfg.reward.service is not None:  # one reward actor shared by every worker that scores
             from digenrl.rewards.service import start_reward_actor
 
-            reward_actor = start_reward_actor(cfg.reward, max_restarts=cfg.engine.max_restarts)
+            reward_actor = start_reward_actor(cfg.reward, max_restarts=cfg.engine.max_restarts,
+                                              faults=FaultInjector.from_config(cfg, REWARD_ROW))
         resume_ref = ray.put(resume) if resume is not None else None
         remote = ray.remote(EngineWorker)
-        for i, (spec, _) in enumerate(plan):
+        for i, spec in enumerate(workers):
             b = bundles[i]
             actors[spec.name] = remote.options(
                 num_cpus=b.get("CPU", 0),
@@ -115,7 +104,7 @@ def ray_workers(cfg: RunConfig, plan: list[tuple[WorkerSpec, PoolConfig]], ray_a
         ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
         if len({r["checksum"] for r in ready.values()}) > 1:
             raise WeightSyncError(f"initial weights differ between workers: {ready}")
-        form_trainer_group(plan, actors, ready)
+        form_trainer_group(workers, actors, ready)
         yield {**actors, REWARD_ROW: reward_actor} if reward_actor is not None else actors
     finally:
         if head_problem() is None:  # with the head gone, every call below would wait a minute for it
@@ -140,11 +129,11 @@ def head_problem() -> str | None:
         return getattr(exc, "strerror", None) or str(exc)
 
 
-def form_trainer_group(plan, actors: dict, ready: dict) -> None:
+def form_trainer_group(workers: list[Worker], actors: dict, ready: dict) -> None:
     """The trainer ranks (roles trainer / both) form one torch.distributed group."""
     import ray
 
-    ranks = [spec.name for spec, _ in plan if spec.role != "rollout"]
+    ranks = [w.name for w in workers if w.role != "rollout"]
     if len(ranks) < 2:
         return
     backend = "nccl" if all(ready[r]["device"].startswith("cuda") for r in ranks) else "gloo"
@@ -152,7 +141,7 @@ def form_trainer_group(plan, actors: dict, ready: dict) -> None:
     ray.get([actors[r].join_group.remote(address, port, i, len(ranks), backend) for i, r in enumerate(ranks)])
 
 
-def connect(plan, ray_address: str | None) -> bool:
+def connect(workers: list[Worker], ray_address: str | None) -> bool:
     """Join ``ray_address``, or start a local cluster whose logical resources are the CPU pools.
     Returns True when this call connected (and so must disconnect)."""
     import ray
@@ -161,7 +150,7 @@ def connect(plan, ray_address: str | None) -> bool:
         if ray.is_initialized():  # the caller's cluster (tests, notebooks): use it, leave it up
             return False
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        pools = {p.name: p for _, p in plan}
+        pools = {w.pool.name: w.pool for w in workers}
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING,
                  resources={f"pool:{p.name}": p.count for p in pools.values() if p.device.lower() == "cpu"})
         return True
@@ -219,18 +208,18 @@ def reward_service_resources(cfg: RunConfig) -> dict[str, float]:
     return {k: v for k, v in need.items() if v > 0}
 
 
-def resource_bundles(plan, have: dict, reserve: dict[str, float] | None = None) -> list[dict]:
+def resource_bundles(workers: list[Worker], have: dict, reserve: dict[str, float] | None = None) -> list[dict]:
     """One placement-group bundle per worker: its device plus a CPU share that fits the cluster
     beside ``reserve`` (the reward actor's request; fractional requests beyond the CPUs would
     wait forever). Raises UserError, naming what was asked and what exists, when the cluster
     cannot hold them."""
     reserve = reserve or {}
     free_cpus = max(0.0, have.get("CPU", 0) - reserve.get("CPU", 0))
-    share = math.floor(min(1.0, free_cpus / len(plan)) * 100) / 100
+    share = math.floor(min(1.0, free_cpus / len(workers)) * 100) / 100
     bundles = []
-    for _, pool in plan:
+    for w in workers:
         bundle = {"CPU": share} if share > 0 else {}
-        bundle.update(_device_resources(pool, have))
+        bundle.update(_device_resources(w.pool, have))
         bundles.append(bundle)
     need = Counter(reserve)
     for b in bundles:
@@ -238,7 +227,7 @@ def resource_bundles(plan, have: dict, reserve: dict[str, float] | None = None) 
     short = [f"{k} {v:g} needed, {have.get(k, 0):g} exist" for k, v in need.items() if have.get(k, 0) < v - 1e-9]
     if short:
         extra = f" + the reward actor ({_describe(reserve)})" if reserve else ""
-        raise UserError(f"cluster: cannot place {_asked(plan)}{extra}: {'; '.join(short)}. "
+        raise UserError(f"cluster: cannot place {_asked(workers)}{extra}: {'; '.join(short)}. "
                         f"The Ray cluster has {_describe(have)}")
     return bundles
 
@@ -260,8 +249,8 @@ def _device_resources(pool: PoolConfig, have: dict) -> dict:
                     "Ray reports as accelerator_type:<TYPE>")
 
 
-def _asked(plan) -> str:
-    counts = Counter((pool.name, pool.device) for _, pool in plan)
+def _asked(workers: list[Worker]) -> str:
+    counts = Counter((w.pool.name, w.pool.device) for w in workers)
     return ", ".join(f"{n} x {device} for pool '{name}'" for (name, device), n in counts.items())
 
 

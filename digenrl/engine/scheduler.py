@@ -1,8 +1,8 @@
-"""The scheduling policy: which unit of work each worker does next (DESIGN.md §4).
+"""The scheduling policy: which unit of work each worker does next (docs/architecture.md).
 
-One policy, two drivers: the Ray runtime calls it for real workers and the planner's
-simulator calls it in virtual time. It is therefore pure Python: no Ray, no torch, no clock.
-A driver asks ``next_unit(worker)`` whenever a worker is idle and reports ``complete(unit)``
+One policy, one loop (:func:`~digenrl.engine.driver.drive`), two backends: Ray actors for real
+workers and the planner's simulator in virtual time. It is therefore pure Python: no Ray, no
+torch, no clock. The loop asks ``next_unit(worker)`` whenever a worker is idle and reports ``complete(unit)``
 when it finishes; ``None`` means "nothing for you now, ask again after the next completion".
 A rollout unit whose rewards are scored elsewhere (the reward service) may first be
 ``release``d: its worker is free for the next unit, but its train units only appear at
@@ -12,7 +12,7 @@ Versions: version k is the policy after k optimizer steps; iteration k trains ve
 version k+1 with exactly one optimizer step. Rollout units of iteration k may be generated
 with version k - max_staleness or newer; they are always stamped with the newest version.
 
-Knobs (see the table in DESIGN.md §4):
+Knobs (see the table in docs/architecture.md):
 - placement "colocated": every device rolls out iteration k, then trains it, then steps;
   phases never overlap (max_staleness must be 0; ``gap`` and ``tag`` have no effect).
 - placement "disaggregated": "rollout" workers only roll out, "trainer" workers train.
@@ -37,6 +37,8 @@ Placement = Literal["colocated", "disaggregated"]
 
 @dataclass(frozen=True)
 class WorkerSpec:
+    """What the policy knows of a worker (:class:`digenrl.placement.Worker` adds its pool)."""
+
     name: str
     role: Role  # "both": a colocated device that rolls out and is a trainer rank
 

@@ -1,7 +1,7 @@
 """The run's timeline: every unit each worker ran, with its wall-clock (or virtual) span.
 
 The Ray runtime feeds it measured times and the planner's simulator virtual ones; both get the
-same outputs (DESIGN.md §6):
+same outputs (the run-directory contract, docs/architecture.md):
 
 - :meth:`Timeline.to_chrome_trace` -> ``timeline.json`` (Chrome trace format, opens in
   Perfetto): one complete event (``"ph": "X"``) per unit; ``pid`` is the pool and ``tid`` the

@@ -6,7 +6,7 @@ holding the version, the checksum, the key list and an object reference. A rollo
 that is handed a unit of a newer version *fetches* the packet's tensors, *verifies* them and
 loads them at the unit boundary, never inside a unit.
 
-Every sync is verified (DESIGN.md §4): the shipped keys must be exactly the keys the receiver
+Every sync is verified (docs/architecture.md): the shipped keys must be exactly the keys the receiver
 expects (a dropped LoRA module would otherwise leave it sampling with stale weights, as peers
 have shipped) and the checksum must match before and after the load. Any mismatch raises
 :class:`~digenrl.lora.WeightSyncError`.

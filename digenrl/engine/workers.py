@@ -14,7 +14,7 @@ rank without TAG); building them draws no random numbers, so skipping it changes
   published weights, verified (:mod:`digenrl.engine.weight_sync`).
 - role ``trainer``: one rank of the trainer group. Runs :func:`~digenrl.units.train_unit`
   (accumulating gradients), and on its StepUnit all-reduces the gradients as ONE flat buffer
-  (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, NOTES.md) and steps; rank 0 then
+  (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, docs/architecture.md) and steps; rank 0 then
   publishes the new weights. With TAG it also rolls out, with its own (newest) weights.
 - role ``both`` (colocated): a trainer rank that also rolls out; the all-reduce keeps every
   rank's weights identical, so no weight sync is needed.
@@ -38,11 +38,13 @@ from digenrl.checkpoint import checkpoint_files, load_checkpoint
 from digenrl.engine import weight_sync
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.errors import UserError
-from digenrl.lora import checksum, save_lora
+from digenrl.faults import FaultInjector
+from digenrl.lora import checksum
 from digenrl.policy import Policy, pick_device
 from digenrl.prompts import PromptSampler, load_prompts
 from digenrl.rewards import build_reward
 from digenrl.rewards.service import reward_client
+from digenrl.runpolicy import final_files
 from digenrl.units import Samples, preflight_reward, rollout_unit, train_unit
 
 
@@ -81,14 +83,6 @@ def _restarted() -> bool:
         return False
 
 
-def _die(name: str, unit) -> None:
-    """Fault injection: end this process the way a crash would (no cleanup, no reply)."""
-    import sys
-
-    print(f"fault injection: {name} dies in {unit.uid}", file=sys.stderr, flush=True)
-    os._exit(17)
-
-
 class _SubmittedReward:
     """``reward.service``: hands the decoded samples to the reward actor and returns at once.
     The scores it returns are NaN placeholders (the samples travel to the trainer without
@@ -96,11 +90,10 @@ class _SubmittedReward:
 
     def __init__(self, client):
         self.fn, self.refs = client, []
-        self.die: str | None = None  # fault injection: the actor dies scoring the next call (a token)
+        self.label: str | None = None  # what is being scored: the unit's uid
 
     def __call__(self, pixels, prompts, metadata=None):
-        self.refs.append(self.fn.submit_scored(pixels, prompts, metadata, self.die))
-        self.die = None
+        self.refs.append(self.fn.submit_scored(pixels, prompts, metadata, self.label))
         return torch.full((len(prompts),), float("nan")), {}
 
 
@@ -110,6 +103,7 @@ class EngineWorker:
     def __init__(self, cfg, name: str, role: str, reward_actor=None, resume: dict[str, bytes] | None = None):
         """``resume``: a checkpoint's files (name -> bytes, from the driver) to start from."""
         self.cfg, self.name, self.role, self.world = cfg, name, role, 1
+        self.faults = FaultInjector.from_config(cfg, name)  # engine.faults: where this process dies
         # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
         # and raise it from ready(), where Ray hands the driver the exception itself.
         self.init_error = None
@@ -191,12 +185,9 @@ class EngineWorker:
 
     # -- units ---------------------------------------------------------------------------
 
-    def rollout(self, unit: RolloutUnit, packet: weight_sync.WeightPacket | None,
-                die: bool = False, kill_reward: bool = False) -> tuple[Samples, dict]:
+    def rollout(self, unit: RolloutUnit, packet: weight_sync.WeightPacket | None) -> tuple[Samples, dict]:
         """Generate, decode and score the unit's groups with exactly version ``unit.version`` (a
         re-queued unit may be older than what this worker holds: the packet has its weights).
-        ``die``: fault injection -- the process exits before the unit's result is returned;
-        ``kill_reward``: the reward actor's process exits while it scores this unit.
 
         With ``reward.service`` the scoring is only submitted: the summary's ``reward_ref``
         (an ObjectRef of a :class:`~digenrl.rewards.service.Scored`) replaces its rewards, and
@@ -213,7 +204,7 @@ class EngineWorker:
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
         if self.remote_reward:
             self.reward.refs.clear()
-            self.reward.die = unit.uid if kill_reward else None
+            self.reward.label = unit.uid
         else:
             self.reward.spans.clear()
             self.reward.calls.clear()
@@ -221,8 +212,7 @@ class EngineWorker:
         samples = rollout_unit(self.policy, self.reward, [everything[g] for g in unit.groups], list(unit.groups),
                                unit.iteration, cfg.train.seed)
         end = time.time()
-        if die:
-            _die(self.name, unit)
+        self.faults.reached(unit.uid)
         if samples.version != unit.version or self.policy.version != unit.version:
             raise RuntimeError(f"{unit.uid}: weights changed inside the unit")
         events.append(unit_event("rollout", unit, start, end, unit.version, samples=len(samples),
@@ -246,8 +236,7 @@ class EngineWorker:
             summary["reward_calls"] = list(self.reward.calls)
         return samples, summary
 
-    def train(self, unit: TrainUnit, samples: Samples, advantages: torch.Tensor, total_terms: int,
-              die: bool = False) -> dict:
+    def train(self, unit: TrainUnit, samples: Samples, advantages: torch.Tensor, total_terms: int) -> dict:
         """Accumulate this unit's share of the iteration gradient (no optimizer step)."""
         if self.policy.version != unit.version:
             raise RuntimeError(f"{self.name} holds version {self.policy.version}, {unit.uid} needs {unit.version}")
@@ -257,8 +246,7 @@ class EngineWorker:
         samples.advantages = advantages
         start = time.time()
         stats = train_unit(self.policy, samples, total_terms, unit.tsp_rank, unit.tsp_degree)
-        if die:
-            _die(self.name, unit)
+        self.faults.reached(unit.uid)
         end = time.time()
         event = unit_event("train", unit, start, end, self.policy.version, sample_versions=[samples.version],
                            groups=list(samples.group_ids), tsp_rank=unit.tsp_rank, tsp_degree=unit.tsp_degree)
@@ -306,14 +294,6 @@ class EngineWorker:
         return evaluate_policy(self.policy, self.reward.fn, self.prompts.prompts).metrics()
 
     def export_final(self) -> dict[str, bytes]:
-        """The final weights as LocalTrainer writes them (``final/``), returned as file bytes so
-        the driver can write them wherever its run directory is (possibly another node)."""
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp)
-            if self.policy.lora:
-                save_lora(self.policy.adapter, out)
-            else:
-                from safetensors.torch import save_file
-
-                save_file(self.policy.weights(), out / "transformer.safetensors")
-            return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+        """``final/``'s files (:func:`~digenrl.runpolicy.final_files`), as bytes for the driver, which
+        writes them wherever its run directory is (possibly another node)."""
+        return final_files(self.policy)

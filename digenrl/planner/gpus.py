@@ -3,7 +3,7 @@
 Every number in :data:`DEVICES` is the vendor's datasheet value for the SXM / board variant
 named (dense, i.e. without 2:4 sparsity); the comment on each row names the document. The
 planner only uses them through the cost model, which multiplies peak FLOP/s by an efficiency
-factor (MFU) and memory bandwidth by a bandwidth efficiency (``costmodel.CostParams``).
+factor (MFU) and memory bandwidth by a bandwidth efficiency (``params.CostParams``).
 
 A cluster file describes pools of devices::
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from digenrl.config import first_duplicate
+from digenrl.config import PoolConfig, first_duplicate
 from digenrl.errors import UserError
 
 GB = 1e9
@@ -114,20 +114,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class PoolSpec(_Strict):
-    name: str
-    device: str
-    count: int = Field(gt=0)
-
-    @field_validator("device")
-    @classmethod
-    def _known(cls, name: str) -> str:
-        spec = _lookup(name)
-        if spec is None:
-            raise ValueError(_unknown(name))
-        return spec.name  # canonical spelling
-
-
 class Interconnect(_Strict):
     bandwidth_gb_s: float = Field(50.0, gt=0, description="between nodes, per device, one direction (400 Gb/s IB = 50)")
     latency_us: float = Field(10.0, ge=0)
@@ -138,11 +124,19 @@ class ClusterSpec(_Strict):
     gpus_per_node: int = Field(8, gt=0)
     interconnect: Interconnect = Field(default_factory=Interconnect)
     host_cores: int | None = Field(None, gt=0, description="cpu pools: cores they share (default: this machine's)")
-    pools: list[PoolSpec] = Field(min_length=1)
+    pools: list[PoolConfig] = Field(min_length=1, description="device: a known type (canonical spelling kept)")
 
     @field_validator("pools")
     @classmethod
-    def _unique(cls, pools: list[PoolSpec]) -> list[PoolSpec]:
+    def _known_unique(cls, pools: list[PoolConfig]) -> list[PoolConfig]:
+        for i, p in enumerate(pools):
+            for key in ("device", "count"):  # a cluster file names both (a run config may default them)
+                if key not in p.model_fields_set:
+                    raise ValueError(f"pools.{i}.{key}: Field required")
+            spec = _lookup(p.device)
+            if spec is None:
+                raise ValueError(f"pools.{i}.device: {_unknown(p.device)}")
+            pools[i] = p.model_copy(update={"device": spec.name})  # canonical spelling
         dup = first_duplicate([p.name for p in pools])
         if dup is not None:
             raise ValueError(f"pool name '{dup}' appears twice")
@@ -193,16 +187,14 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
         msg = first["msg"].removeprefix("Value error, ")
         if first["type"] == "extra_forbidden":
             msg = "unknown key"
+        if msg.startswith(f"{loc}."):  # a list validator naming the element itself (pools.0.device: ...)
+            loc, msg = msg.split(": ", 1)
         raise UserError(f"{where}: {loc}: {msg}") from None
 
 
 def cluster_from_run_config(cfg) -> ClusterSpec:
     """The cluster a RunConfig's ``cluster.pools`` describes (devices 'gpu'/'cuda' are not a type)."""
-    pools = []
-    for p in cfg.cluster.pools:
-        if p.device.lower() in ("gpu", "cuda"):
-            raise UserError(f"cluster.pools: pool '{p.name}' has device '{p.device}', which names no GPU type; "
-                            f"give a type (known: {', '.join(known_devices())}) or pass --cluster FILE")
-        pools.append({"name": p.name, "device": device_spec(p.device, f"cluster.pools.{p.name}.device").name,
-                      "count": p.count})
+    from digenrl.placement import device_type
+
+    pools = [{"name": p.name, "device": device_type(p), "count": p.count} for p in cfg.cluster.pools]
     return cluster_from_dict({"name": "config", "pools": pools})

@@ -1,4 +1,4 @@
-"""Enumerate placements of a cluster, keep those that fit in memory, simulate, rank (DESIGN.md §5).
+"""Enumerate placements of a cluster, keep those that fit in memory, simulate, rank (docs/architecture.md).
 
 Candidates:
 
@@ -11,7 +11,7 @@ Candidates:
   ``max_staleness`` 0/1, with GAP on.
 
 Pruning: a candidate whose memory does not fit is dropped (its reason is kept, for the error when
-nothing fits); the others are simulated in order of their DESIGN §4 bound (a lower bound on the
+nothing fits); the others are simulated in order of their throughput bound (a lower bound on the
 iteration time that costs no simulation), and the search stops once the next bound cannot beat the
 K-th best simulated plan. The best colocated plan is always simulated: speedups are against it.
 """
@@ -21,10 +21,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from digenrl.config import PoolConfig
 from digenrl.errors import UserError
+from digenrl.placement import Plan
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import ClusterSpec
-from digenrl.planner.simulator import DoesNotFit, Plan, Pool, SimResult, bound, setups, simulate
+from digenrl.planner.simulator import DoesNotFit, SimResult, bound, setups, simulate
 
 TSP_DEGREES = (1, 2, 4)
 
@@ -51,15 +53,14 @@ def candidates(cluster: ClusterSpec, prompts: int, *, colocated: bool = True, ga
     units = divisors(prompts)
     plans = []
     if colocated:  # on every device, and (mixed clusters) on the devices of one type
-        groups = [tuple(Pool(p.name, p.device, p.count, "both") for p in cluster.pools)]
+        groups = [tuple(cluster.pools)]
         if len(cluster.devices) > 1:
-            groups += [tuple(Pool(p.name, p.device, p.count, "both") for p in cluster.pools if p.device == d)
-                       for d in cluster.devices]
+            groups += [tuple(p for p in cluster.pools if p.device == d) for d in cluster.devices]
         for pools in groups:
             n = sum(p.count for p in pools)
             plans += [Plan("colocated", pools, m, D) for m in units for D in tsp if D <= n]
     for (dr, r), (dt, t) in pool_splits(cluster):
-        pools = (Pool("rollout", dr, r, "rollout"), Pool("trainer", dt, t, "trainer"))
+        pools = (PoolConfig(name="rollout", device=dr, count=r), PoolConfig(name="trainer", device=dt, count=t))
         plans += [Plan("disaggregated", pools, m, D, tg, g, st)
                   for m in units for D in tsp if D <= t for tg in tag for g in gap for st in staleness]
     return plans
@@ -132,7 +133,7 @@ def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int 
     return SearchResult(results, best_col, len(plans), rejected, simulated, time.perf_counter() - start)
 
 
-#: what each knob adds: the best plan with the knobs up to that line (DESIGN.md §4's table)
+#: what each knob adds: the best plan with the knobs up to that line (the knob table of docs/architecture.md)
 LADDER = (
     ("sync", dict(gap=(False,), tsp=(1,), tag=(False,), staleness=(0,))),
     ("+GAP", dict(gap=(True,), tsp=(1,), tag=(False,), staleness=(0,))),

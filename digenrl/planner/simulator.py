@@ -1,9 +1,9 @@
-"""The engine's scheduler in virtual time (DESIGN.md §4-5).
+"""The engine's scheduler in virtual time, run by the engine's own driver loop (docs/architecture.md).
 
-The simulator drives the SAME :class:`~digenrl.engine.scheduler.Scheduler` the Ray runtime drives,
-the same way: after every completion each idle worker, in the runtime's worker order, asks
-``next_unit``; completions are taken one at a time, earliest first (submission order breaks ties,
-as ``ray.wait`` does). What a unit costs comes from the cost model, per worker device type, plus
+The simulator is a backend of :func:`~digenrl.engine.driver.drive`, the loop the Ray runtime runs:
+the SAME :class:`~digenrl.engine.scheduler.Scheduler`, the same workers in the same order
+(:meth:`~digenrl.placement.Plan.workers`); completions are reported one at a time, earliest first
+(submission order breaks ties, as ``ray.wait`` does). What a unit costs comes from the cost model, per worker device type, plus
 what the engine adds around it:
 
 - every unit starts ``call_s`` after it is handed out (driver -> actor call);
@@ -39,108 +39,17 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from digenrl.engine.scheduler import RolloutUnit, Scheduler, SchedulerConfig, TrainUnit, WorkerSpec
+from digenrl.config import PoolConfig
+from digenrl.engine.driver import Done, drive
+from digenrl.engine.scheduler import RolloutUnit, Scheduler, TrainUnit
 from digenrl.engine.timeline import Timeline
+from digenrl.placement import Plan
 from digenrl.planner.costmodel import CostModel, DeviceSetup
 
 EPS = 1e-12
 
 
 # ------------------------------------------------------------------------------------ plan
-
-
-@dataclass(frozen=True)
-class Pool:
-    name: str
-    device: str  # a gpus.DEVICES key
-    count: int
-    role: str  # "rollout" | "trainer" | "both"
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A placement + engine knobs: exactly what a RunConfig's cluster / placement / engine sections say."""
-
-    placement: str  # "colocated" | "disaggregated"
-    pools: tuple[Pool, ...]
-    unit_groups: int
-    tsp_degree: int = 1
-    tag: bool = False
-    gap: bool = True
-    max_staleness: int = 0
-    micro_batch: int | None = None  # None: the config's
-
-    def workers(self) -> list[tuple[WorkerSpec, Pool]]:
-        """One worker per device, named and ordered as the runtime's ``worker_plan`` does."""
-        pools = list(self.pools)
-        if self.placement == "disaggregated":
-            pools = [p for p in pools if p.role == "rollout"] + [p for p in pools if p.role == "trainer"]
-        return [(WorkerSpec(f"{p.name}{i}", p.role), p) for p in pools for i in range(p.count)]
-
-    def scheduler_config(self, prompts: int, iterations: int, wait_for_full_batch: bool = False) -> SchedulerConfig:
-        return SchedulerConfig(placement=self.placement, groups_per_iteration=prompts, unit_groups=self.unit_groups,
-                               tsp_degree=self.tsp_degree, tag=self.tag, gap=self.gap,
-                               max_staleness=self.max_staleness, iterations=iterations,
-                               wait_for_full_batch=wait_for_full_batch)
-
-    @property
-    def rollout_pool(self) -> Pool | None:
-        return next((p for p in self.pools if p.role == "rollout"), None)
-
-    @property
-    def trainer_pools(self) -> list[Pool]:
-        return [p for p in self.pools if p.role != "rollout"]
-
-    @property
-    def ranks(self) -> int:
-        return sum(p.count for p in self.trainer_pools)
-
-    def where(self) -> str:
-        """The hardware: 'colocated 16xH800' or 'R 4xH20 / T 8xH800'."""
-        if self.placement == "colocated":
-            per_type: dict[str, int] = {}
-            for p in self.pools:
-                per_type[p.device] = per_type.get(p.device, 0) + p.count
-            return "colocated " + "+".join(f"{n}x{d}" for d, n in per_type.items())
-        r, t = self.rollout_pool, self.trainer_pools[0]
-        return f"R {r.count}x{r.device} / T {t.count}x{t.device}"
-
-    def knobs(self) -> str:
-        k = [f"m={self.unit_groups}"]
-        if self.placement == "disaggregated":
-            k.append("GAP" if self.gap else "no GAP")
-        if self.tsp_degree > 1:
-            k.append(f"TSP{self.tsp_degree}")
-        if self.placement == "disaggregated":
-            if self.tag:
-                k.append("TAG")
-            if self.max_staleness:
-                k.append("async")
-        return " ".join(k)
-
-    def label(self) -> str:
-        return f"{self.where()} ({self.knobs()})"
-
-    @classmethod
-    def from_run_config(cls, cfg) -> Plan:
-        from digenrl.errors import UserError
-        from digenrl.planner.gpus import device_spec
-
-        def dev(p):
-            if p.device.lower() in ("gpu", "cuda"):
-                raise UserError(f"cluster.pools: pool '{p.name}' has device '{p.device}': name a GPU type to simulate it")
-            return device_spec(p.device, f"cluster.pools.{p.name}.device").name
-
-        e, pools = cfg.engine, {p.name: p for p in cfg.cluster.pools}
-        if cfg.placement.mode == "colocated":
-            plan_pools = tuple(Pool(p.name, dev(p), p.count, "both") for p in cfg.cluster.pools)
-        elif cfg.placement.mode == "disaggregated":
-            r, t = pools[cfg.placement.rollout_pool], pools[cfg.placement.trainer_pool]
-            plan_pools = (Pool(r.name, dev(r), r.count, "rollout"), Pool(t.name, dev(t), t.count, "trainer"))
-        else:
-            raise UserError("placement.mode: 'local' has no engine placement to simulate; use colocated or disaggregated")
-        return cls(cfg.placement.mode, plan_pools, e.unit_groups, e.tsp_degree, e.tag, e.gap, e.max_staleness,
-                   cfg.train.micro_batch)
 
 
 class DoesNotFit(Exception):
@@ -151,9 +60,10 @@ def setups(plan: Plan, cost: CostModel) -> dict[str, DeviceSetup]:
     """Per pool: how its devices run (memory decisions), or DoesNotFit."""
     out = {}
     for p in plan.pools:
-        if p.role == "rollout":
+        role = plan.role(p)
+        if role == "rollout":
             s = cost.rollout_memory(p.device, plan.unit_groups)
-        elif p.role == "trainer":
+        elif role == "trainer":
             s = cost.trainer_setup(p.device, plan.ranks, plan.tag, plan.unit_groups, plan.micro_batch)
         else:
             s = cost.colocated_setup(p.device, plan.ranks, plan.unit_groups, plan.micro_batch)
@@ -172,7 +82,7 @@ class SimResult:
     timeline: Timeline
     scheduler: Scheduler
     summary: dict  # Timeline.summary over the measured iterations
-    bound_s: float  # DESIGN §4 bound on the iteration time
+    bound_s: float  # the throughput bound on the iteration time (docs/architecture.md)
     setups: dict[str, DeviceSetup] = field(default_factory=dict)
 
     @property
@@ -230,22 +140,25 @@ class Simulator:
 
     def __init__(self, plan: Plan, cost: CostModel, iterations: int = 3, wait_for_full_batch: bool = False,
                  seed: int | None = None):
+        plan = plan.typed()
         self.plan, self.cost, self.iterations = plan, cost, iterations
         self.rng = random.Random(seed) if seed is not None else None  # None: every unit takes its mean
         self.w = cost.w
         self.setups = setups(plan, cost)
-        self.workers = plan.workers()
-        self.pool = {spec.name: pool for spec, pool in self.workers}
-        self.order = [spec.name for spec, _ in self.workers]
-        self.ranks = [spec.name for spec, _ in self.workers if spec.role != "rollout"]
+        workers = plan.workers()
+        self.pool = {w.name: w.pool for w in workers}
+        self.role = {w.name: w.role for w in workers}
+        self.order = [w.name for w in workers]
+        self.ranks = [w.name for w in workers if w.role != "rollout"]
         self.rank0 = self.ranks[0]
-        self.publish = any(spec.role == "rollout" for spec, _ in self.workers)
-        self.sched = Scheduler(plan.scheduler_config(self.w.prompts, iterations, wait_for_full_batch),
-                               [spec for spec, _ in self.workers])
+        self.publish = any(w.role == "rollout" for w in workers)
+        self.sched = Scheduler(plan.scheduler_config(self.w.prompts, iterations, wait_for_full_batch), workers)
         self.shared = cost.cluster.is_cpu  # logical CPU devices share the host's cores
         self.timeline = Timeline()
-        for spec, pool in self.workers:
-            self.timeline.add_worker(spec.name, pool.name)
+        for w in workers:
+            self.timeline.add_worker(w.name, w.pool.name)
+        self.now, self.seq = 0.0, 0
+        self.running: list[_Job] = []
         self.held = {n: 0 for n in self.order}  # weights version each rollout worker holds
         self.phase = {n: "rollout" for n in self.order}  # colocated: what the device is set up for
         self.rolled: dict[str, float] = {}  # rollout uid -> when it ended (its samples leave then)
@@ -265,7 +178,7 @@ class Simulator:
         segs = [_Seg("call", ov.call_s, False)]
         base = {"uid": unit.uid, "iteration": unit.iteration}
         if isinstance(unit, RolloutUnit):
-            if pool.role == "rollout" and unit.version != self.held[worker]:
+            if self.role[worker] == "rollout" and unit.version != self.held[worker]:
                 segs.append(_Seg("sync", self._d(("fetch", dev), lambda: cost.sync_fetch(dev)), True, dict(
                     base, kind="sync", uid=f"sync-{unit.version}-fetch", version=unit.version,
                     args={"direction": "fetch", "bytes": self.w.sync_bytes})))
@@ -306,37 +219,38 @@ class Simulator:
         return mean * self.rng.lognormvariate(-s2 / 2, math.sqrt(s2))
 
     def _switch(self, worker: str, phase: str, dev: str, setup: DeviceSetup) -> list[_Seg]:
-        if self.pool[worker].role != "both" or self.phase[worker] == phase:
+        if self.role[worker] != "both" or self.phase[worker] == phase:
             return []
         self.phase[worker] = phase
         s = self._d(("switch", dev), lambda: self.cost.switch(dev, setup))
         return [_Seg("switch", s, False)] if s > 0 else []
 
-    # -- the loop ------------------------------------------------------------------------
+    # -- the driver loop's backend: virtual time ------------------------------------------
 
     def run(self) -> Timeline:
-        sched, now, seq = self.sched, 0.0, 0
-        idle = set(self.order)
-        running: list[_Job] = []
-        for _ in range(10_000_000):
-            if sched.done():
-                break
-            for worker in [w for w in self.order if w in idle]:
-                unit = sched.next_unit(worker)
-                if unit is not None:
-                    idle.discard(worker)
-                    job = _Job(seq, worker, unit, self._segments(worker, unit, now))
-                    seq += 1
-                    self._enter(job, now)
-                    running.append(job)
-            self._release_collective(running, now)
-            if not running:
-                raise RuntimeError(f"simulation stalled at t={now:.3f}s, version {sched.published_version}")
+        drive(self.sched, self.order, self)
+        return self.timeline
+
+    def start(self, worker: str, unit) -> None:
+        job = _Job(self.seq, worker, unit, self._segments(worker, unit, self.now))
+        self.seq += 1
+        self._enter(job, self.now)
+        self.running.append(job)
+
+    def next_event(self) -> Done:
+        """Advance virtual time to the next completion; simultaneous ones are reported in submission
+        order, one at a time, as ``ray.wait(num_returns=1)`` does."""
+        running = self.running
+        self._release_collective(running, self.now)
+        if not running:
+            raise RuntimeError(f"simulation stalled at t={self.now:.3f}s, version {self.sched.published_version}")
+        while True:
             rates = self._rates(running)
             dt = min((j.remaining / rates[j.seq] for j in running if j.remaining < math.inf), default=math.inf)
             if dt == math.inf:
-                raise RuntimeError(f"simulation deadlock at t={now:.3f}s (every rank waits in the step)")
-            now += dt
+                raise RuntimeError(f"simulation deadlock at t={self.now:.3f}s (every rank waits in the step)")
+            self.now += dt
+            now = self.now
             for j in running:
                 if j.remaining < math.inf:
                     j.remaining -= dt * rates[j.seq]
@@ -353,18 +267,17 @@ class Simulator:
                 if self._release_collective(running, now):
                     changed = True
             done = [j for j in running if j.remaining <= EPS and j.i == len(j.segs) - 1]
-            if not done:
-                continue
-            job = min(done, key=lambda j: j.seq)  # one completion at a time, as ray.wait(num_returns=1)
-            self._leave(job, now)
-            running.remove(job)
-            sched.complete(job.unit)
-            if isinstance(job.unit, RolloutUnit):
-                self.rolled[job.unit.uid] = self.last_rolled[job.unit.iteration] = now
-            idle.add(job.worker)
-        else:  # pragma: no cover
-            raise RuntimeError("simulation did not terminate")
-        return self.timeline
+            if done:
+                break
+        job = min(done, key=lambda j: j.seq)
+        self._leave(job, now)
+        running.remove(job)
+        if isinstance(job.unit, RolloutUnit):
+            self.rolled[job.unit.uid] = self.last_rolled[job.unit.iteration] = now
+        return Done(job.worker, job.unit)
+
+    def completed(self, unit, stepped: int | None) -> None:
+        """(Nothing to record: the timeline events were written as the segments ended.)"""
 
     def _enter(self, job: _Job, now: float) -> None:
         seg = job.seg
@@ -416,6 +329,7 @@ def simulate(plan: Plan, cost: CostModel, iterations: int = 4, skip: int | None 
     (:meth:`CostModel.has_spread`) ``cost.p.replicas`` seeded runs are pooled (samples over wall
     time, bubble and per-iteration figures averaged); the timeline kept is the run closest to the
     pooled throughput."""
+    plan = plan.typed()
     seeds = list(range(max(1, cost.p.replicas))) if cost.has_spread() else [None]
     runs = []
     for seed in seeds:
@@ -453,7 +367,7 @@ def steady_summary(timeline: Timeline, skip: int | None = None, tail: int | None
 
 
 def bound(plan: Plan, cost: CostModel, setup: dict[str, DeviceSetup] | None = None) -> float:
-    """DESIGN §4's bound on the iteration time, generalised to device types of different speeds by
+    """The throughput bound on the iteration time (docs/architecture.md), generalised to device types of different speeds by
     a fluid split of the work: colocated ``(R+T)/(r+t)``, disaggregated ``max(R/r, T/t)``, with TAG
     ``max(T/t, (R+T)/(r+t))`` (R, T: rollout / train device-seconds; T includes every rank's step and,
     colocated, the phase switches). Engine overheads (calls, transfers, weight sync) are left out."""
@@ -461,14 +375,14 @@ def bound(plan: Plan, cost: CostModel, setup: dict[str, DeviceSetup] | None = No
     m, D, ranks = plan.unit_groups, plan.tsp_degree, plan.ranks
     units = cost.w.prompts // m
 
-    def work(pool: Pool) -> tuple[float, float, float]:
+    def work(pool: PoolConfig) -> tuple[float, float, float]:
         s = setup[pool.name]
         R = units * cost.rollout_unit(pool.device, m)[0]
-        if pool.role == "rollout":
+        if plan.role(pool) == "rollout":
             return R, 0.0, 0.0
         T = units * sum(cost.train_unit(pool.device, m, r, D, s) for r in range(D))
         own = cost.step(pool.device, ranks, False, s)[0]
-        if pool.role == "both":
+        if plan.role(pool) == "both":
             own += 2 * cost.switch(pool.device, s)
         return R, T, own
 

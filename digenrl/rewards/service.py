@@ -6,7 +6,7 @@
 The engine's rollout workers use :meth:`RewardClient.submit_scored`: the ref, to a :class:`Scored`
 (scores plus the wall-clock span of the scoring measured in the actor, per-reward seconds and
 the queue the call found), travels to the driver in the unit's result, and the worker takes its
-next unit at once (DESIGN.md §4: the scheduler's ``release``).
+next unit at once (the scheduler's ``release``, docs/architecture.md).
 
 - :class:`RewardActor` holds one :class:`~digenrl.rewards.CombinedReward` with its own resource
   request (``reward.service``: a CPU fraction, a GPU of the cluster, custom resources). It is a
@@ -25,7 +25,6 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -78,24 +77,12 @@ class Scored:
     pid: int = 0  # the actor's process: a new one means Ray restarted it
 
 
-def _die_once(token: str) -> None:
-    """Fault injection: exit this process unless ``token`` has already killed it once (the mark
-    outlives the process; the retried call finds it and goes on)."""
-    import sys
-    import tempfile
-
-    mark = Path(tempfile.gettempdir()) / f"digenrl-fault-{os.getppid()}-{token}"
-    if mark.exists():
-        return
-    mark.touch()
-    print(f"fault injection: the reward actor dies scoring {token}", file=sys.stderr, flush=True)
-    os._exit(17)
-
-
 class RewardActor:
     """Plain class; :func:`start_reward_actor` wraps it with ``ray.remote`` and its resources."""
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, faults=None):
+        """``faults``: the engine's :class:`~digenrl.faults.FaultInjector` for this actor (``engine.faults``)."""
+        self.faults = faults
         self.init_error = None  # raised from ready(): Ray hands the caller the exception itself
         try:
             self.reward: CombinedReward = build_reward(cfg)
@@ -116,13 +103,12 @@ class RewardActor:
         return scored.total, scored.parts
 
     def score_timed(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None,
-                    die: str | None = None) -> Scored:
+                    label: str | None = None) -> Scored:
         """:meth:`score`, plus the span, per-reward seconds and queue of the call (:class:`Scored`).
-        ``die``: fault injection -- a token (the unit's uid): the first call carrying it ends the
-        actor's process, as a crash would; Ray restarts the actor and retries the call (scoring is
-        a pure function), which then scores."""
-        if die is not None:
-            _die_once(die)
+        ``label``: what is scored (the engine passes the unit's uid; a fault plugin may end the
+        process there: Ray restarts the actor and runs the call again, scoring being pure)."""
+        if self.faults is not None:
+            self.faults.reached(label)
         arrived = time.time()
         with self.mu:
             ahead = self.waiting + self.scoring
@@ -155,11 +141,11 @@ class RewardActor:
         return {**self.latency.as_dict(), "queue_depth": depth, "max_queue_depth": peak}
 
 
-def start_reward_actor(cfg: RewardConfig, name: str | None = None, max_restarts: int = 0):
+def start_reward_actor(cfg: RewardConfig, name: str | None = None, max_restarts: int = 0, faults=None):
     """Start the reward actor on the connected Ray cluster with ``cfg.service``'s resources and
     wait until its models are loaded (a bad reward config raises its UserError here). Ray restarts
     it up to ``max_restarts`` times if its process dies (the engine re-queues the units whose
-    scores were lost)."""
+    scores were lost). ``faults``: its fault plugin (:class:`~digenrl.faults.FaultInjector`)."""
     import ray
 
     svc = cfg.service
@@ -172,7 +158,7 @@ def start_reward_actor(cfg: RewardConfig, name: str | None = None, max_restarts:
             opts["resources"] = dict(svc.resources)
     if name is not None:
         opts["name"] = name
-    handle = ray.remote(RewardActor).options(**opts).remote(cfg)
+    handle = ray.remote(RewardActor).options(**opts).remote(cfg, faults)
     try:
         _get(handle.ready.remote())
     except BaseException:
@@ -205,9 +191,10 @@ class RewardClient:
         return self._track(self.actor.score.remote(pixels.detach().cpu(), list(prompts), metadata))
 
     def submit_scored(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None,
-                      die: str | None = None):
-        """Like :meth:`submit`, to a :class:`Scored` (what the engine's driver waits on)."""
-        return self._track(self.actor.score_timed.remote(pixels.detach().cpu(), list(prompts), metadata, die))
+                      label: str | None = None):
+        """Like :meth:`submit`, to a :class:`Scored` (what the engine's driver waits on); ``label``
+        names what is scored (the unit's uid)."""
+        return self._track(self.actor.score_timed.remote(pixels.detach().cpu(), list(prompts), metadata, label))
 
     def _track(self, ref):
         self.in_flight()  # forget the finished ones: holding their refs would pin their results

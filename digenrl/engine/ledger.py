@@ -1,0 +1,162 @@
+"""The iteration ledger: what the engine's driver keeps of each iteration until its metrics row is out.
+
+Units of several iterations run at once (GAP, TAG, one-step async), and finish in any order; the
+ledger puts what they leave behind back into iterations:
+
+- **advantages**: a rollout unit's rewards become group advantages as soon as it is scored (per
+  prompt std), or once every unit of its iteration is (global std: the scheduler holds training
+  back until then, ``wait_for_full_batch``). Only the driver sees every reward, so they are
+  computed here.
+- **metrics rows**: iteration k's row is written once its optimizer step is done and every unit
+  that was running during its span has finished too (so the bubble counts their busy time), with
+  its eval when one was asked for;
+- **checkpoint ordering**: iteration k's checkpoint is committed after its row, so a checkpoint
+  never runs ahead of the metrics a resumed run keeps.
+
+No Ray here: the dispatcher (:mod:`digenrl.engine.runtime`) feeds it plain results.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from digenrl.checkpoint import save_checkpoint_files
+from digenrl.config import RunConfig
+from digenrl.engine.scheduler import RolloutUnit, SchedulerConfig, TrainUnit
+from digenrl.engine.timeline import Timeline
+from digenrl.rewards.service import reward_call_metrics
+from digenrl.runpolicy import RunPolicy, iteration_metrics, save_iteration_samples
+from digenrl.units import assign_advantages, merge_stats
+
+
+@dataclass
+class RewardBatch:
+    """What the driver keeps of a rollout unit: rewards (advantages, metrics) and the preview
+    pixels (sample grids), not its samples. Quacks like ``Samples`` for those uses."""
+
+    rewards: torch.Tensor
+    reward_parts: dict[str, torch.Tensor]
+    prompts: list[str]
+    group_ids: list[int]
+    preview: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.rewards)
+
+
+class IterationLedger:
+    def __init__(self, cfg: RunConfig, sched_cfg: SchedulerConfig, timeline: Timeline, out,
+                 on_iteration: Callable[[dict], None] | None = None, history: list[dict] | None = None,
+                 restarts: Callable[[], int] = lambda: 0):
+        """``out``: the :class:`~digenrl.runlog.RunDir` rows go to; ``restarts``: the run's worker
+        restarts so far (a metrics column)."""
+        self.cfg, self.units_per_iteration = cfg, sched_cfg.units_per_iteration
+        self.timeline, self.out, self.on_iteration, self.restarts = timeline, out, on_iteration, restarts
+        self.policy = RunPolicy(cfg)
+        self.rows: list[dict] = list(history or [])
+        self.batches: dict[str, RewardBatch] = {}  # rollout uid -> rewards / advantages
+        self.unit_uids: dict[int, dict[int, str]] = defaultdict(dict)  # iteration -> index -> rollout uid
+        self.total_terms: dict[int, int] = {}  # iteration -> (sample, trained step) terms
+        self.reward_calls: dict[int, list[dict]] = defaultdict(list)  # iteration -> reward calls (latency)
+        self.stats: dict[int, list[dict]] = defaultdict(list)
+        self.staleness: dict[int, int] = defaultdict(int)
+        self.grad_norm: dict[int, float] = {}
+        self.evals: dict[int, dict] = {}  # iteration -> eval/<reward> metrics
+        self.checkpoints: dict[int, dict[str, bytes]] = {}  # iteration -> files, committed after its row
+        self.waiting: dict[int, set[str]] = {}  # stepped iteration -> what its row still waits for
+
+    # -- what units leave behind -------------------------------------------------------------
+
+    def rolled_out(self, unit: RolloutUnit, summary: dict) -> None:
+        """A rollout unit is scored: keep its rewards; its advantages as soon as they can be known."""
+        k, per_iteration = unit.iteration, self.units_per_iteration
+        self.reward_calls[k] += summary.get("reward_calls", [])
+        batch = self.batches[unit.uid] = RewardBatch(summary["rewards"], summary["reward_parts"], summary["prompts"],
+                                                     summary["group_ids"], summary["preview"])
+        self.unit_uids[k][unit.index] = unit.uid
+        terms = summary["terms"] * per_iteration  # every unit of an iteration has the same size
+        if self.total_terms.setdefault(k, terms) != terms:
+            raise RuntimeError(f"{unit.uid}: units of iteration {k} differ in size")
+        if self.cfg.algorithm.std == "global":
+            mine = self.iteration_batches(k)
+            if len(mine) == per_iteration:  # the scheduler holds training back until now
+                assign_advantages(mine, self.cfg)
+        else:
+            assign_advantages([batch], self.cfg)
+
+    def advantages(self, unit: TrainUnit) -> torch.Tensor:
+        adv = self.batches[unit.rollout_uid].advantages
+        assert adv is not None, "train unit handed out before its advantages exist"
+        return adv
+
+    def trained(self, unit: TrainUnit, stats: dict) -> None:
+        k = unit.iteration
+        self.stats[k].append(stats)
+        self.staleness[k] = max(self.staleness[k], k - unit.sample_version)
+
+    def stepped(self, k: int, grad_norm: float) -> None:
+        """Trainer rank 0's share of iteration k's optimizer step."""
+        self.grad_norm[k] = grad_norm
+
+    def iteration_batches(self, k: int) -> list[RewardBatch]:
+        """The iteration's rolled-out batches in group order (as the LocalTrainer sees them)."""
+        uids = self.unit_uids[k]
+        return [self.batches[uids[j]] for j in sorted(uids)]
+
+    # -- metrics rows, eval and checkpoints, in order ----------------------------------------
+
+    def wait_for(self, k: int, names: set[str]) -> None:
+        """Iteration k's step is done: its row waits for ``names`` (units still running in its
+        span, the eval / checkpoint asked for)."""
+        self.waiting[k] = set(names)
+        self.flush()
+
+    def finished(self, name: str) -> None:
+        """A unit (its uid) or a side call (``eval-k`` / ``checkpoint-k``) finished."""
+        for running in self.waiting.values():
+            running.discard(name)
+        self.flush()
+
+    def evaluated(self, k: int, metrics: dict) -> None:
+        self.evals[k] = metrics
+        self.finished(f"eval-{k}")
+
+    def checkpointed(self, k: int, files: dict[str, bytes]) -> None:
+        self.checkpoints[k] = files
+        self.finished(f"checkpoint-{k}")
+
+    def flush(self) -> None:
+        """Write every row no longer waiting, oldest first, each followed by its checkpoint."""
+        while self.waiting and not self.waiting[min(self.waiting)]:
+            k = min(self.waiting)
+            del self.waiting[k]
+            row = self.metrics_row(k)
+            self.rows.append(row)
+            self.out.log(row)
+            if self.on_iteration:
+                self.on_iteration(row)
+            if k in self.checkpoints:
+                save_checkpoint_files(self.out.path, k + 1, self.checkpoints.pop(k), self.cfg.output.keep_last)
+
+    def metrics_row(self, k: int) -> dict:
+        (span,) = self.timeline.iteration_stats(only=k)
+        stats = merge_stats(self.stats.pop(k))
+        stats["grad_norm"] = self.grad_norm.pop(k)
+        batches = self.iteration_batches(k)
+        row = iteration_metrics(k, k + 1, batches, stats, span["wall_s"], samples_per_s=span["samples_per_s"],
+                                bubble_fraction=span["bubble_fraction"], rollout_s=span["rollout_device_s"],
+                                train_s=span["train_device_s"], sync_s=span["sync_s"],
+                                sync_bytes=span["sync_bytes"], sample_staleness=self.staleness.pop(k, 0))
+        row.update(reward_call_metrics(self.reward_calls.pop(k, [])))
+        row.update(self.evals.pop(k, {}))
+        row["worker_restarts"] = self.restarts()
+        if self.policy.samples_due(k):
+            save_iteration_samples(self.out.path, k, batches)
+        for uid in self.unit_uids.pop(k).values():
+            del self.batches[uid]
+        return row

@@ -1,0 +1,118 @@
+"""The engine's fault policy: what a dead process means for the run.
+
+- a **rollout worker** holds nothing that cannot be rebuilt: Ray restarts it (up to
+  ``engine.max_restarts`` times), its unit is generated again whole, with its original version
+  and seeds (the driver loop's ``Lost``), and once the restarted worker answers ``ready()`` with
+  the run's starting weights it is idle again (``Back``);
+- the **reward actor** is restarted by Ray, which runs its lost calls again (scoring is pure);
+  a call fails only when the actor is gone for good (the run stops) or when the worker that
+  submitted it died (its scores are lost: the unit is generated again);
+- a **trainer rank** holds optimizer state and its share of the gradient: the run stops, the
+  last complete checkpoint stays as it is, and the message says how to resume;
+- the **head** of the cluster (GCS) gone takes every actor along: not a worker fault, the run
+  stops (Ray itself would wait a minute and then end the driver without a word).
+
+Each decision is one method; the dispatcher (:mod:`digenrl.engine.runtime`) does the Ray calls.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from digenrl.checkpoint import latest_checkpoint
+from digenrl.engine.cluster import REWARD_ROW, first_line, head_problem
+from digenrl.engine.driver import Back, Lost
+from digenrl.engine.scheduler import RolloutUnit, Unit
+from digenrl.errors import RunStopped
+from digenrl.lora import WeightSyncError
+
+RESTART_POLL_S = 0.5  # how often to ask a restarting worker whether it is back
+HEAD_PROBE_S = 2.0  # how often the driver checks that the cluster's head still answers
+
+
+class FaultPolicy:
+    def __init__(self, roles: dict[str, str], max_restarts: int, checkpoint_every: int, run_dir: Path | None):
+        self.roles, self.max_restarts = roles, max_restarts
+        self.checkpoint_every, self.run_dir = checkpoint_every, run_dir
+        self.restarts: Counter[str] = Counter()  # worker -> times it died and was restarted
+        self.restarting: dict[str, float] = {}  # worker -> when to ask it for ready() again
+        self.start_checksum: str | None = None  # the weights every (re)started worker must hold
+        self.last_probe = time.time()
+
+    def died(self, worker: str, unit: Unit, exc: Exception) -> Lost:
+        """``worker`` died running ``unit`` (or, for the reward row, the unit's scores were lost):
+        the unit to generate again, or RunStopped."""
+        self.check_head(now_please=True)  # a dead head takes every actor along: that is not a worker fault
+        limit = self.max_restarts
+        if worker == REWARD_ROW:
+            import ray
+
+            if not isinstance(exc, ray.exceptions.ObjectLostError):
+                raise RunStopped(f"the reward actor died and was not restarted (engine.max_restarts: {limit}; "
+                                 f"{first_line(exc)}); the run stopped. {self.resume_hint()}")
+            print(f"warning: the scores of {unit.uid} were lost with the worker that submitted them; "
+                  "generating it again", file=sys.stderr)
+            return Lost(unit)
+        if self.roles[worker] != "rollout" or not isinstance(unit, RolloutUnit):
+            raise RunStopped(f"trainer rank {worker} died while running {unit.uid} ({first_line(exc)}); "
+                             f"the run stopped. {self.resume_hint()}")
+        self.restarts[worker] += 1
+        if self.restarts[worker] > limit:
+            raise RunStopped(f"rollout worker {worker} died {self.restarts[worker]} times (engine.max_restarts: "
+                             f"{limit}); the run stopped. {self.resume_hint()}")
+        print(f"warning: rollout worker {worker} died in {unit.uid}; restarting it "
+              f"({self.restarts[worker]} of {limit}) and generating {unit.uid} again", file=sys.stderr)
+        self.restarting[worker] = time.time() + RESTART_POLL_S  # asked to report ready once rebuilt
+        return Lost(unit, worker)
+
+    def due_for_ready(self) -> list[str]:
+        """The restarting workers to ask for ready() now (Ray answers once it has rebuilt them)."""
+        now = time.time()
+        due = [w for w, at in self.restarting.items() if at <= now]
+        for worker in due:
+            del self.restarting[worker]
+        return due
+
+    def ready_answer(self, worker: str, get) -> Back | None:
+        """``get()`` returns a restarting worker's ready() answer or raises: ``Back`` when it is
+        rebuilt with the run's starting weights, None while it is still restarting."""
+        import ray
+
+        try:
+            ready = get()
+        except ray.exceptions.ActorUnavailableError:  # still restarting: ask again later
+            self.restarting[worker] = time.time() + RESTART_POLL_S
+            return None
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            raise RunStopped(f"{worker} did not come back after a restart ({first_line(exc)}); "
+                             f"the run stopped. {self.resume_hint()}") from None
+        if ready["checksum"] != self.start_checksum:
+            raise WeightSyncError(f"{worker} restarted with other weights than the run started with")
+        return Back(worker)
+
+    def wait_timeout(self) -> float:
+        """How long the driver may wait for a result before it must look after restarts or the head."""
+        return RESTART_POLL_S if self.restarting else HEAD_PROBE_S
+
+    def check_head(self, now_please: bool = False) -> None:
+        """Every HEAD_PROBE_S (or now): does the cluster's head (GCS) still accept connections?"""
+        now = time.time()
+        if now - self.last_probe < HEAD_PROBE_S and not now_please:
+            return
+        self.last_probe = now
+        problem = head_problem()
+        if problem is not None:
+            import ray
+
+            head = ray.get_runtime_context().gcs_address
+            raise RunStopped(f"the Ray cluster's head at {head} stopped answering ({problem}); the run stopped. "
+                             f"{self.resume_hint()}")
+
+    def resume_hint(self) -> str:
+        last = latest_checkpoint(self.run_dir) if self.run_dir is not None else None
+        if last is None:
+            return f"No checkpoint was written yet (output.checkpoint_every: {self.checkpoint_every})."
+        return f"Last checkpoint: {last}; resume with: digenrl train --resume {self.run_dir}"

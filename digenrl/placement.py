@@ -1,0 +1,188 @@
+"""Placement: which devices exist, which of them roll out and which train -- derived once.
+
+A :class:`Plan` is exactly what a run config's ``cluster`` / ``placement`` / ``engine`` sections
+say, in the form the engine and the planner both read:
+
+    RunConfig --Plan.from_run_config--> Plan --workers()--------> [Worker]   (runtime, simulator)
+                                             --scheduler_config()-> SchedulerConfig
+    Plan --apply_plan--> RunConfig                                           (``plan --write``)
+
+A pool is :class:`~digenrl.config.PoolConfig` (name, device, count) everywhere: in a run config,
+in a cluster file and in a plan. Its role is not a property of the pool but of the placement:
+colocated, every device of every pool rolls out and trains (``both``); disaggregated, a plan
+holds two pools, the first rolls out and the second trains.
+
+One worker per device, named ``<pool><index>``; rollout workers come first, because idle
+workers ask for work in this order and with TAG a trainer should take only the rollout units
+the rollout workers leave over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from digenrl.config import PoolConfig, RunConfig
+from digenrl.engine.scheduler import Role, SchedulerConfig, WorkerSpec
+from digenrl.errors import UserError
+
+PLACEMENTS = ("colocated", "disaggregated")
+
+
+@dataclass(frozen=True)
+class Worker(WorkerSpec):
+    """One engine worker: the scheduler's view (name, role) plus the pool its device belongs to."""
+
+    pool: PoolConfig
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement plus the engine knobs. ``pools``: colocated, the pools whose devices do both jobs;
+    disaggregated, ``(rollout pool, trainer pool)``."""
+
+    placement: str  # "colocated" | "disaggregated"
+    pools: tuple[PoolConfig, ...]
+    unit_groups: int
+    tsp_degree: int = 1
+    tag: bool = False
+    gap: bool = True
+    max_staleness: int = 0
+    micro_batch: int | None = None  # None: the config's
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.placement == "disaggregated" and (len(self.pools) != 2 or self.pools[0].name == self.pools[1].name):
+            raise ValueError("a disaggregated plan has two pools of different names: (rollout, trainer)")
+
+    # -- roles and workers ---------------------------------------------------------------
+
+    def role(self, pool: PoolConfig) -> Role:
+        if self.placement == "colocated":
+            return "both"
+        return "rollout" if pool.name == self.pools[0].name else "trainer"
+
+    @property
+    def rollout_pool(self) -> PoolConfig | None:
+        return self.pools[0] if self.placement == "disaggregated" else None
+
+    @property
+    def trainer_pools(self) -> list[PoolConfig]:
+        return list(self.pools[1:]) if self.placement == "disaggregated" else list(self.pools)
+
+    @property
+    def ranks(self) -> int:
+        """Trainer ranks: every device that trains."""
+        return sum(p.count for p in self.trainer_pools)
+
+    def workers(self) -> list[Worker]:
+        """One worker per device, rollout workers first (the order idle workers ask in)."""
+        return [Worker(f"{p.name}{i}", self.role(p), p) for p in self.pools for i in range(p.count)]
+
+    def scheduler_config(self, groups_per_iteration: int, iterations: int, wait_for_full_batch: bool = False,
+                         start_iteration: int = 0) -> SchedulerConfig:
+        return SchedulerConfig(placement=self.placement, groups_per_iteration=groups_per_iteration,
+                               unit_groups=self.unit_groups, tsp_degree=self.tsp_degree, tag=self.tag, gap=self.gap,
+                               max_staleness=self.max_staleness, iterations=iterations,
+                               wait_for_full_batch=wait_for_full_batch, start_iteration=start_iteration)
+
+    # -- labels ----------------------------------------------------------------------------
+
+    def where(self) -> str:
+        """The hardware: 'colocated 16xH800' or 'R 4xH20 / T 8xH800'."""
+        if self.placement == "colocated":
+            per_type: dict[str, int] = {}
+            for p in self.pools:
+                per_type[p.device] = per_type.get(p.device, 0) + p.count
+            return "colocated " + "+".join(f"{n}x{d}" for d, n in per_type.items())
+        r, t = self.pools
+        return f"R {r.count}x{r.device} / T {t.count}x{t.device}"
+
+    def knobs(self) -> str:
+        k = [f"m={self.unit_groups}"]
+        if self.placement == "disaggregated":
+            k.append("GAP" if self.gap else "no GAP")
+        if self.tsp_degree > 1:
+            k.append(f"TSP{self.tsp_degree}")
+        if self.placement == "disaggregated":
+            if self.tag:
+                k.append("TAG")
+            if self.max_staleness:
+                k.append("async")
+        return " ".join(k)
+
+    def label(self) -> str:
+        return f"{self.where()} ({self.knobs()})"
+
+    # -- run config <-> plan ---------------------------------------------------------------
+
+    @classmethod
+    def from_run_config(cls, cfg: RunConfig) -> Plan:
+        """The plan a run config describes (devices as written; :func:`typed` names their types)."""
+        mode, pools = cfg.placement.mode, {p.name: p for p in cfg.cluster.pools}
+        e = cfg.engine
+        if mode == "local":
+            raise UserError("placement.mode: 'local' runs in one process, without the engine's placement")
+        if mode == "colocated":
+            chosen = tuple(cfg.cluster.pools)
+        else:
+            rollout, trainer = pools[cfg.placement.rollout_pool], pools[cfg.placement.trainer_pool]
+            if rollout is trainer:
+                raise UserError("placement: disaggregated needs placement.rollout_pool and placement.trainer_pool "
+                                f"to be different pools (both are '{rollout.name}')")
+            chosen = (rollout, trainer)
+        return cls(mode, chosen, e.unit_groups, e.tsp_degree, e.tag, e.gap, e.max_staleness, cfg.train.micro_batch)
+
+    def typed(self) -> Plan:
+        """This plan with every pool's device as a known type's canonical name (what the cost model
+        looks up); a pool of 'gpu' / 'cuda' (any GPU) cannot be simulated."""
+        return Plan(self.placement, tuple(p.model_copy(update={"device": device_type(p)}) for p in self.pools),
+                    self.unit_groups, self.tsp_degree, self.tag, self.gap, self.max_staleness, self.micro_batch)
+
+
+def device_type(pool: PoolConfig) -> str:
+    """The canonical device type of ``pool`` (a :data:`~digenrl.planner.gpus.DEVICES` key). 'gpu' and
+    'cuda' mean "any GPU" to the runtime but name no type, so nothing can be predicted for them."""
+    from digenrl.planner.gpus import device_spec, known_devices
+
+    if pool.device.lower() in ("gpu", "cuda"):
+        raise UserError(f"cluster.pools: pool '{pool.name}' has device '{pool.device}', which names no GPU type; "
+                        f"give a type (known: {', '.join(known_devices())}) or pass --cluster FILE")
+    return device_spec(pool.device, f"cluster.pools.{pool.name}.device").name
+
+
+def engine_workers(cfg: RunConfig) -> list[Worker]:
+    """The runtime's workers for ``cfg`` (a CUDA run on logical CPU pools is refused here, before Ray)."""
+    workers = Plan.from_run_config(cfg).workers()
+    if cfg.train.device == "cuda" and any(w.pool.device.lower() == "cpu" for w in workers):
+        raise UserError("train.device: cuda, but cluster.pools devices are 'cpu' (logical CPU pools); "
+                        "set the pools' device to 'gpu' or a GPU type such as H100")
+    return workers
+
+
+def engine_scheduler_config(cfg: RunConfig, start_iteration: int = 0) -> SchedulerConfig:
+    """The scheduler's configuration for ``cfg``: its plan, plus global-std advantages holding training
+    back until every reward of the iteration is in."""
+    try:
+        return Plan.from_run_config(cfg).scheduler_config(
+            cfg.train.prompts_per_iteration, cfg.train.iterations,
+            wait_for_full_batch=cfg.algorithm.std == "global", start_iteration=start_iteration)
+    except ValueError as exc:
+        raise UserError(f"engine: {exc}") from None
+
+
+def apply_plan(cfg: RunConfig, plan: Plan, device: str) -> RunConfig:
+    """``cfg`` with ``plan``'s cluster, placement and engine sections, its micro-batch (when it sets
+    one) and ``train.device`` (``cpu`` or ``cuda``): the config ``plan --write`` writes."""
+    from digenrl.config import validate_config
+
+    data = cfg.model_dump(mode="json")
+    data["cluster"] = {"pools": [p.model_dump(mode="json") for p in plan.pools]}
+    data["placement"] = {"mode": plan.placement, "rollout_pool": plan.pools[0].name,
+                         "trainer_pool": plan.pools[-1].name}
+    data["engine"] = {**data["engine"], "unit_groups": plan.unit_groups, "gap": plan.gap,
+                      "tsp_degree": plan.tsp_degree, "tag": plan.tag, "max_staleness": plan.max_staleness}
+    if plan.micro_batch is not None:
+        data["train"] = {**data["train"], "micro_batch": plan.micro_batch}
+    data["train"] = {**data["train"], "device": device}
+    return validate_config(data)

@@ -1,0 +1,135 @@
+"""What every driver does around its iterations, written once for the local trainer and the engine.
+
+    resume_history                     where a (resumed) run writes and the metrics rows it keeps
+    RunPolicy.eval_due(k)              eval after iteration k        (output.eval_every)
+    RunPolicy.checkpoint_due(k)        checkpoint after iteration k  (output.checkpoint_every, and the last)
+    RunPolicy.samples_due(k)           sample grid of iteration k    (output.save_samples_every, and the last)
+    iteration_metrics                  the metrics row of an iteration
+    save_iteration_samples             samples/iter-NNNNNN.png
+    final_files -> write_final         final/: the trained weights as diffusers / peft load them
+    RunResult                          what a run returns
+
+Iteration ``k`` (0-based) trains version k into k + 1; "done" counts are ``k + 1``, which is also
+the iteration a checkpoint written after k resumes at.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from digenrl.checkpoint import CheckpointState
+from digenrl.config import RunConfig
+from digenrl.rewards import reward_metrics
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    metrics: list[dict]
+
+
+class RunPolicy:
+    """The cadence of a run's side work, from ``output``."""
+
+    def __init__(self, cfg: RunConfig):
+        self.out, self.iterations = cfg.output, cfg.train.iterations
+
+    def eval_due(self, k: int) -> bool:
+        every = self.out.eval_every
+        return bool(every) and (k + 1) % every == 0
+
+    def checkpoint_due(self, k: int) -> bool:
+        every = self.out.checkpoint_every
+        return (bool(every) and (k + 1) % every == 0) or k + 1 == self.iterations
+
+    def samples_due(self, k: int) -> bool:
+        every = self.out.save_samples_every
+        return (bool(every) and k % every == 0) or k == self.iterations - 1
+
+
+def resume_history(resumed: CheckpointState | None, run_dir: Path | None) -> tuple[Path | None, list[dict] | None]:
+    """Where a (resumed) run writes and the metrics rows it keeps: a resumed run continues in its
+    checkpoint's run directory unless ``run_dir`` forks it elsewhere, keeping the rows of the
+    iterations the checkpoint holds (rows logged after it are dropped: they are run again)."""
+    if resumed is None:
+        return run_dir, None
+    source = resumed.run_dir
+    history = [r for r in _read_rows(source) if r.get("iteration", -1) < resumed.iteration] if source else []
+    return run_dir or source or resumed.path, history
+
+
+def _read_rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl rows, skipping a line cut short by a crash."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def iteration_metrics(iteration: int, version: int, units: list, stats: dict, wall: float, *,
+                      samples_per_s: float | None = None, bubble_fraction: float | None = None, **extra) -> dict:
+    """The metrics row: rewards of the iteration's rolled-out ``units`` (anything with ``rewards`` and
+    ``reward_parts``), the merged train ``stats``, wall time and throughput. ``samples_per_s``
+    defaults to samples / ``wall``; ``bubble_fraction`` is only logged by a driver that measured it."""
+    rewards = torch.cat([u.rewards for u in units])
+    parts = {name: torch.cat([u.reward_parts[name] for u in units]) for name in units[0].reward_parts}
+    n = len(rewards)
+    row = {
+        "iteration": iteration,
+        "version": version,
+        **reward_metrics(rewards, parts),  # reward_mean / reward_std / reward/<name>, NaN-safe
+        "loss": stats.pop("loss"),
+        "samples": n,
+        "wall_s": wall,
+        "samples_per_s": n / wall if samples_per_s is None else samples_per_s,
+    }
+    if bubble_fraction is not None:
+        row["bubble_fraction"] = bubble_fraction
+    row.update(stats)
+    row.update(extra)
+    return row
+
+
+def save_iteration_samples(run_dir: Path, iteration: int, units: list) -> Path:
+    """One sample per prompt group of the iteration, captioned with its prompt and reward (``units``:
+    anything with ``preview``, ``prompts``, ``rewards`` and ``group_ids``)."""
+    from digenrl.media import save_samples
+
+    G = len(units[0]) // len(units[0].group_ids)
+    pixels = torch.cat([u.preview for u in units])
+    captions = [f"{u.prompts[j * G]} {u.rewards[j * G]:.2f}" for u in units for j in range(len(u.group_ids))]
+    return save_samples(pixels, captions, run_dir / "samples" / f"iter-{iteration:06d}")
+
+
+def final_files(policy) -> dict[str, bytes]:
+    """The final weights as file bytes: LoRA in the diffusers format (``load_lora_weights``), else the
+    full transformer as safetensors. Bytes, so a driver can write them from another process or node."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        if policy.lora:
+            from digenrl.lora import save_lora
+
+            save_lora(policy.adapter, out)
+        else:
+            from safetensors.torch import save_file
+
+            save_file(policy.weights(), out / "transformer.safetensors")
+        return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+
+def write_final(run_dir: Path, files: dict[str, bytes]) -> Path:
+    final = Path(run_dir) / "final"
+    final.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (final / name).write_bytes(data)
+    return final
