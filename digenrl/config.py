@@ -225,6 +225,30 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, gt=0)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    activation_checkpointing: Literal["auto", "on", "off"] = Field(
+        "auto", description="recompute each transformer block in backward; auto = off until the memory model decides")
+    fsdp: Literal["auto", "off"] | int = Field(
+        "auto", description="FSDP2 sharding degree of the trainer ranks: auto | off | N (not wired into the engine yet)")
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _switch(cls, value):
+        if isinstance(value, bool):  # YAML reads a bare on / off as a boolean
+            return "on" if value else "off"
+        return value
+
+    @field_validator("fsdp", mode="before")
+    @classmethod
+    def _fsdp_degree(cls, value):
+        if value is False:  # YAML reads a bare off as false
+            return "off"
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        if value in ("auto", "off"):
+            return value
+        raise ValueError(f"must be auto, off or a sharding degree >= 1, got {value!r}")
 
 
 # ----------------------------------------------------------------------- cluster / placement / engine
