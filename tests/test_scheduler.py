@@ -413,6 +413,47 @@ def test_trainer_prefers_training_over_tag_rollout():
     assert isinstance(unit, TrainUnit) and unit.rollout_uid == "rollout-0-0"
 
 
+def test_a_half_group_trains_nothing_and_a_late_half_keeps_the_groups_version():
+    """One-step async, 2 parts per group: no train unit while only half of a group is in; the second
+    half of iteration 1's group, handed out after step 0 published version 1, keeps version 0 (its
+    first half's)."""
+    sched = Scheduler(disagg(groups_per_iteration=1, group_parts=2, max_staleness=1, iterations=2), pools(1, 1))
+    first = sched.next_unit("r0")
+    sched.complete(first)
+    assert sched.next_unit("t0") is None  # half of group 0 is not a group: nothing to train yet
+    second = sched.next_unit("r0")
+    assert [(u.part, u.version) for u in (first, second)] == [(0, 0), (1, 0)]
+    sched.complete(second)
+    trains = []
+    for _ in range(2):
+        trains.append(sched.next_unit("t0"))
+        sched.complete(trains[-1])
+    assert [t.rollout_uid for t in trains] == ["rollout-0-0", "rollout-0-1"]
+    ahead = sched.next_unit("r0")  # async: iteration 1's first half, with version 0
+    assert (ahead.uid, ahead.version) == ("rollout-1-0", 0)
+    sched.complete(sched.next_unit("t0"))  # the step: version 1
+    assert sched.published_version == 1
+    sched.complete(ahead)
+    late = sched.next_unit("r0")
+    assert (late.uid, late.part, late.version) == ("rollout-1-1", 1, 0)
+
+
+def test_a_tag_trainer_takes_no_part_pinned_to_an_older_version():
+    sched = Scheduler(disagg(groups_per_iteration=1, group_parts=2, tag=True, max_staleness=1, iterations=2),
+                      pools(1, 1))
+    for unit in [sched.next_unit("r0"), sched.next_unit("t0")]:  # iteration 0's halves, TAG takes one
+        sched.complete(unit)
+    ahead = sched.next_unit("r0")
+    assert (ahead.uid, ahead.version) == ("rollout-1-0", 0)
+    for _ in range(3):  # two train units and the step
+        sched.complete(sched.next_unit("t0"))
+    assert sched.published_version == 1
+    assert sched.next_unit("t0") is None  # rollout-1-1 needs version 0; the trainer holds 1
+    sched.complete(ahead)
+    late = sched.next_unit("r0")
+    assert (late.uid, late.version) == ("rollout-1-1", 0)
+
+
 def test_tsp_spreads_one_unit_over_the_ranks():
     cfg = disagg(groups_per_iteration=1, tsp_degree=2)
     events = run(cfg, pools(1, 2), fixed())
@@ -543,6 +584,8 @@ def test_driver_misuse_raises():
         ({"placement": "hybrid"}, "placement"),
         ({"iterations": 2, "start_iteration": 3}, "start_iteration"),
         ({"start_iteration": -1}, "start_iteration"),
+        ({"group_parts": 2, "unit_groups": 2}, "unit_groups must be 1"),
+        ({"group_parts": 0}, "group_parts"),
     ],
 )
 def test_bad_config_names_the_field(kw, field):
@@ -556,6 +599,7 @@ def test_bad_config_names_the_field(kw, field):
         (disagg(), pools(0, 1)),  # nobody can roll out
         (disagg(), pools(2, 0)),  # nobody trains
         (disagg(tag=True), [WorkerSpec("d0", "both")]),
+        (disagg(tag=True, group_parts=2, max_staleness=1), pools(0, 1)),  # a later part may need older weights
         (SchedulerConfig("colocated", 4, 1), pools(1, 1)),
         (disagg(), []),
         (disagg(), [WorkerSpec("a", "rollout"), WorkerSpec("a", "trainer")]),
