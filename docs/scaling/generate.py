@@ -89,6 +89,40 @@ def _cell(r: dict | None) -> str:
     return f"{r['plan']}{notes}: {r['sps']:.3g} ({r['bubble']:.0%} idle)"
 
 
+MIXED = {"8xH800_16xH20", "16xH100_16xL40S"}
+
+
+def _ratio(a: dict | None, b: dict | None) -> float | None:
+    return a["sps"] / b["sps"] if a and b and b["sps"] else None
+
+
+def _span(xs: list[float | None]) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    lo, hi = min(xs), max(xs)
+    return f"{lo:.2f}x" if abs(hi - lo) < 0.005 else f"{lo:.2f}-{hi:.2f}x"
+
+
+def summary_markdown(d: dict) -> list[str]:
+    """Per model and kind of cluster: DigenRL's predicted gain over each baseline, beside the paper's claim."""
+    lines = ["| model | clusters | DigenRL vs old colocated (whole groups) | vs new colocated (spread) | "
+             "vs separate_async | planner's pick vs new colocated | paper |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for label in MODELS:
+        for kind, names in (("homogeneous", [c for c in CLUSTERS if c not in MIXED]),
+                            ("mixed", [c for c in CLUSTERS if c in MIXED])):
+            rows = [d[f"{label} | {c}"] for c in names]
+            dg = [r["digenrl"] for r in rows]
+            old, new, sep = ([r["baselines"][n] for r in rows] for n in BASELINE_NAMES)
+            pick = [r["best_sps"] / r["baselines"]["colocated"]["sps"] if r["baselines"]["colocated"] else None
+                    for r in rows]
+            lines.append(f"| {label} | {kind} ({', '.join(names)}) | {_span(list(map(_ratio, dg, old)))} | "
+                         f"{_span(list(map(_ratio, dg, new)))} | {_span(list(map(_ratio, dg, sep)))} | "
+                         f"{_span(pick)} | {PAPER_CLAIM} |")
+    return lines + [""]
+
+
 def baseline_markdown(d: dict) -> list[str]:
     """Per model: DigenRL (the best disaggregated plan, every knob) against each peer arrangement."""
     lines = []
@@ -111,12 +145,13 @@ def baseline_markdown(d: dict) -> list[str]:
 def markdown(path: Path = OUT / "predictions.json") -> str:
     """The tables of docs/scaling.md from predictions.json."""
     d = json.loads(path.read_text())
-    lines = ["## DigenRL against the peers' arrangements", ""] + baseline_markdown(d)
-    lines += ["## The planner's pick and what each knob adds", ""]
+    lines = ["### Summary: DigenRL's predicted gain over each baseline", ""] + summary_markdown(d)
+    lines += ["### Per model and cluster", ""] + [x.replace("### ", "#### ") for x in baseline_markdown(d)]
+    lines += ["### The planner's pick and what each knob adds", ""]
     for label in MODELS:
         w = d[f"workload | {label}"]
         t = w["tokens"]
-        lines += [f"### {label}", "",
+        lines += [f"#### {label}", "",
                   f"{w['prompts']} prompts x {w['group_size']} samples per iteration, {w['steps']} steps, "
                   f"{w['trained_steps']} trained steps per sample ({w['timestep_mode']}), {w['passes']} pass(es) per "
                   f"step, KL {'on' if w['kl'] else 'off'}, LoRA {w['params']['lora'] / 1e6:.0f}M params; "
