@@ -354,7 +354,7 @@ class Scheduler:
             if len(held) < unit.parts:
                 return
             new = [t for p in sorted(held) for t in held[p]]  # in part order
-            del self._parts_done[(k, unit.groups[0])]
+            del self._parts_done[(k, unit.groups[0])], self._group_version[(k, unit.groups[0])]
         # Train queues are FIFO: oldest (earliest rolled-out) first.
         if not self.cfg.barrier:
             self._ready[k].extend(new)  # GAP: train while later units still generate
