@@ -93,14 +93,26 @@ class TimestepConfig(_Section):
     fraction: float = Field(0.99, gt=0, le=1, description="fraction: first floor(N*f) steps; random: floor((N-1)*f) per sample")
     window: int = Field(2, gt=0, description="window mode: SDE steps per trajectory (ODE elsewhere)")
     window_shift_every: int = Field(0, ge=0, description="0 = random window start (Flow-GRPO-Fast); K = slide by one every K iterations (MixGRPO)")
+    window_range: tuple[float, float] = Field((0.0, 0.5), description=(
+        "window mode: [start, end) as fractions of sampling.steps that the window stays inside; "
+        "(0, 0.5) = the first half, as flow_grpo-Fast's (0, N//2); the last step is never inside"))
+
+    @field_validator("window_range")
+    @classmethod
+    def _ordered_fractions(cls, r: tuple[float, float]) -> tuple[float, float]:
+        if not 0 <= r[0] < r[1] <= 1:
+            raise ValueError(f"must be [start, end] fractions of the steps with 0 <= start < end <= 1 (got {list(r)})")
+        return r
 
 
 class AlgorithmConfig(_Section):
     name: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
     group_size: int = Field(8, ge=2, description="G samples per prompt; 1 would leave no advantage")
-    clip_range: float = Field(1e-4, gt=0)
+    clip_range: float | None = Field(None, gt=0, description="PPO clip; null = by sampling.sde: cps 1e-5, else 1e-4")
     adv_clip: float = Field(5.0, gt=0)
     std: Literal["per_prompt", "global"] = "per_prompt"
+    std_ddof: Literal[0, 1] = Field(0, description=(
+        "advantage std: 0 = population std (flow_grpo), 1 = sample std (DanceGRPO; advantages sqrt((G-1)/G) smaller)"))
     kl_beta: float = Field(0.0, ge=0)
     is_cap: float = Field(2.0, ge=1, description="cap of the importance weight for stale samples (decoupled PPO)")
     timesteps: TimestepConfig = Field(default_factory=TimestepConfig)
@@ -255,6 +267,7 @@ class RunConfig(_Section):
         if s is not None and self.engine.unit_groups != 1:
             raise ValueError(f"engine.unit_samples ({s}) needs engine.unit_groups 1 (a unit holds part of one "
                              f"group), got {self.engine.unit_groups}")
+        self._algorithm_defaults()
         if self.placement.mode != "local":
             names = [p.name for p in self.cluster.pools]
             for key in ("rollout_pool", "trainer_pool"):
@@ -262,6 +275,18 @@ class RunConfig(_Section):
                 if pool not in names:
                     raise ValueError(f"placement.{key} '{pool}' is not a pool of cluster.pools {names}")
         return self
+
+    def _algorithm_defaults(self) -> None:
+        """Per-sampler clip range (when not set) and a window range that holds the window."""
+        from digenrl.algorithms.grpo import default_clip_range, window_bounds
+
+        alg, ts, steps = self.algorithm, self.algorithm.timesteps, self.sampling.steps
+        if alg.clip_range is None:
+            alg.clip_range = default_clip_range(self.sampling.sde)
+        if ts.mode == "window" and window_bounds(steps, ts.window, ts.window_range) is None:
+            raise ValueError(
+                f"algorithm.timesteps.window_range {list(ts.window_range)} of sampling.steps ({steps}) holds fewer "
+                f"than algorithm.timesteps.window ({ts.window}) steps (the last step is never in a window)")
 
     def dump_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

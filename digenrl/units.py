@@ -116,7 +116,8 @@ def _timestep_selection(cfg, iteration: int, seed: int, group_ids: list[int], sa
     def select(n, *stream):
         gen = torch.Generator().manual_seed(stream_seed(seed, iteration, *stream))
         return grpo.select_timesteps(ts.mode, n_steps, n, gen, fraction=ts.fraction, window=ts.window,
-                                     iteration=iteration, shift_every=ts.window_shift_every)
+                                     iteration=iteration, shift_every=ts.window_shift_every,
+                                     window_range=ts.window_range)
 
     sde_mask, _ = select(1, "window")
     if ts.mode == "random":
@@ -137,13 +138,14 @@ def assign_advantages(batches: list[Samples], cfg) -> None:
     for chunk in chunks:
         total = torch.cat([b.rewards for b in chunk]).float()
         if rc.combine == "weighted_sum":
-            adv = grpo.group_advantages(total, alg.group_size, alg.std, alg.adv_clip)
+            adv = grpo.group_advantages(total, alg.group_size, alg.std, alg.adv_clip, ddof=alg.std_ddof)
         else:
             dropped = torch.isnan(total)
             adv = torch.zeros_like(total)
             for term in rc.components:
                 r = torch.cat([b.reward_parts[term.name] for b in chunk]).float().masked_fill(dropped, float("nan"))
-                adv += term.weight * grpo.group_advantages(r, alg.group_size, alg.std, float("inf"))
+                adv += term.weight * grpo.group_advantages(r, alg.group_size, alg.std, float("inf"),
+                                                            ddof=alg.std_ddof)
             adv = adv.clamp(-alg.adv_clip, alg.adv_clip)
         for b, a in zip(chunk, adv.split([len(b) for b in chunk])):
             b.advantages = a

@@ -164,10 +164,11 @@ class _Batch:  # what assign_advantages needs of a Samples (or the engine's Rewa
         return len(self.rewards)
 
 
-def _run_cfg(combine, group_size, weights, std="per_prompt", nan_policy="fail", adv_clip=5.0):
+def _run_cfg(combine, group_size, weights, std="per_prompt", nan_policy="fail", adv_clip=5.0, std_ddof=1):
+    """The closed forms below use the sample std (ddof 1); the default ddof 0 is tested in test_grpo.py."""
     from digenrl.config import RunConfig
 
-    return RunConfig(algorithm={"group_size": group_size, "std": std, "adv_clip": adv_clip},
+    return RunConfig(algorithm={"group_size": group_size, "std": std, "adv_clip": adv_clip, "std_ddof": std_ddof},
                      reward={"combine": combine, "nan_policy": nan_policy,
                              "components": [{"name": n, "weight": w} for n, w in weights.items()]})
 
@@ -204,10 +205,10 @@ def test_dropped_samples_get_zero_advantage_and_leave_the_group_stats():
     from digenrl.units import assign_advantages
 
     nan, eps = float("nan"), 1e-4
-    a = group_advantages(torch.tensor([1.0, nan, 3.0, 5.0, 7.0, nan, nan, nan]), 4)
+    a = group_advantages(torch.tensor([1.0, nan, 3.0, 5.0, 7.0, nan, nan, nan]), 4, ddof=1)
     assert torch.allclose(a[:4], torch.tensor([-2.0, 0.0, 0.0, 2.0]) / (2 + eps))  # mean 3, std 2 of [1, 3, 5]
     assert torch.all(a[4:] == 0)  # one scored sample: no signal
-    g = group_advantages(torch.tensor([0.0, nan, 2.0, 4.0, 6.0, nan]), 3, std="global")
+    g = group_advantages(torch.tensor([0.0, nan, 2.0, 4.0, 6.0, nan]), 3, std="global", ddof=1)
     s = torch.tensor([0.0, 2.0, 4.0, 6.0]).std()
     assert torch.allclose(g, torch.tensor([-1.0, 0.0, 1.0, -1.0, 1.0, 0.0]) / (s + eps))
     # per-reward advantages: a NaN in one component drops the sample from every component

@@ -1,1 +1,1 @@
-"""Sampling math (sde) and the GRPO objective (grpo)."""
+"""Sampling math (sde) and the GRPO objective (grpo); the math in words: docs/algorithms.md."""

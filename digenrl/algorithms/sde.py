@@ -1,6 +1,6 @@
 """SDE sampling with log-probabilities (Flow-GRPO / DanceGRPO / CPS), all in fp32.
 
-Notation (ALGORITHMS.md): sigmas s_0 = 1 > ... > s_N = 0; step i goes s_i -> s_{i+1},
+Notation (docs/algorithms.md): sigmas s_0 = 1 > ... > s_N = 0; step i goes s_i -> s_{i+1},
 d = s_{i+1} - s_i < 0; v = model velocity at (x, s_i); eta = noise level.
 The log-prob of a transition is the Gaussian log-density reduced by a MEAN over every non-batch
 dim (not a sum) -- this is why Flow-GRPO's clip range is ~1e-4.

@@ -6,7 +6,8 @@ images (N,C,H,W) or videos (N,C,F,H,W). Image rewards score videos per frame unl
 scored and their scores averaged per video.
 
 Rewards are built from ``reward.components`` (``name``, ``weight``, ``args``); every component may
-take ``frame_stride`` in its ``args``. :class:`CombinedReward` returns the weighted sum and each
+take ``frame_stride`` in its ``args``; a name ``kind:label`` lists one kind twice (:func:`reward_kind`).
+:class:`CombinedReward` returns the weighted sum and each
 component; :meth:`CombinedReward.check` is the dry run that catches a broken reward before training.
 """
 
@@ -67,6 +68,12 @@ def _frame_stride(value) -> int:
     return value
 
 
+def reward_kind(name: str) -> str:
+    """The registry entry of a component name: ``kind`` or ``kind:label`` (the label tells apart two
+    components of one kind, e.g. ``remote:hpsv2`` and ``remote:unifiedreward``; logged under the full name)."""
+    return name.split(":", 1)[0]
+
+
 class CombinedReward:
     """Weighted sum of the configured components; also returns each component for logging.
 
@@ -80,12 +87,13 @@ class CombinedReward:
         self.terms: list[tuple[str, float, Reward]] = []
         for i, term in enumerate(cfg.components):
             where = f"reward.components.{i}"
-            if term.name not in REWARDS:
+            kind = reward_kind(term.name)
+            if kind not in REWARDS:
                 raise UserError(f"{where}: unknown reward '{term.name}' (available: {', '.join(sorted(REWARDS))})")
             args = dict(term.args)
             try:
                 stride = _frame_stride(args.pop("frame_stride", 1))
-                fn = REWARDS[term.name](**args)
+                fn = REWARDS[kind](**args)
             except RewardArgError as exc:
                 raise UserError(f"{where}.args.{exc.arg}: reward '{term.name}': {exc.message}") from None
             except TypeError as exc:
@@ -177,7 +185,7 @@ def build_reward(cfg: RewardConfig) -> CombinedReward:
     global CPU generator (a model head's init would): the policy built next gets the same
     initial weights in every process, whether or not that process builds the rewards (with
     ``reward.service`` only the reward actor does)."""
-    from digenrl.rewards import basic, clip_models  # noqa: F401  (registers the rewards)
+    from digenrl.rewards import basic, clip_models, remote  # noqa: F401  (registers the rewards)
 
     with torch.random.fork_rng(devices=[]):
         return CombinedReward(cfg)
