@@ -440,7 +440,7 @@ def test_advantages_wait_for_every_part_of_a_group(tmp_path):
         ledger.advantages(early)
     ledger.rolled_out(first, {**summary, "rewards": rewards[:2], "reward_parts": {"r": rewards[:2]}})
     sched.complete(second)
-    expected = group_advantages(rewards, 4, cfg.algorithm.std, cfg.algorithm.adv_clip)
+    expected = group_advantages(rewards, 4, cfg.algorithm.std, cfg.algorithm.adv_clip, ddof=cfg.algorithm.std_ddof)
     got = torch.cat([ledger.batches[u.uid].advantages for u in (first, second)])
     torch.testing.assert_close(got, expected)
     (whole,) = ledger.iteration_batches(0)
