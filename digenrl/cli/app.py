@@ -63,6 +63,9 @@ def config_show(config: Optional[Path] = ConfigOpt, set_: Optional[List[str]] = 
 def config_validate(config: Optional[Path] = ConfigOpt, set_: Optional[List[str]] = SetOpt):
     """Check a config; exit 2 with the offending dotted path on error."""
     cfg = _load(config, set_)
+    from digenrl.preflight import check_memory  # the placement fits its devices
+
+    check_memory(cfg)
     console.print(f"ok: {config or 'embedded default'} ({cfg.model.adapter}, {cfg.algorithm.name}, "
                   f"placement {cfg.placement.mode})")
 

@@ -57,3 +57,12 @@ MFU_CAP = 0.9  # a calibrated MFU above this is a measurement error
 CALIBRATION_MIN_BATCH = 4  # GPU MFU calibration uses batches from this size up (when there are any)
 FP32_BYTES = 4  # LoRA weights, gradients and latents travel in fp32
 HALF_BYTES = 2  # bf16 / fp16 weights and text embeddings
+
+# ------------------------------------------------------------------------------ memory model
+
+ADAMW_STATE_BYTES = 8  # AdamW's two fp32 moments per trained parameter (the step count is one scalar)
+#: bytes autograd saves per token x hidden per block, one sample, one pass, checkpointing off, in
+#: bf16 with a flash / memory-efficient attention (no T x T scores): measured per family at real
+#: width by benchmarks/memory.py (docs/scaling.md, "Memory model vs measurement"); a family not
+#: listed uses ``CostParams.train_act_bytes``
+ACT_BYTES_PER_TOKEN_HIDDEN: dict[str, float] = {}
