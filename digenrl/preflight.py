@@ -152,7 +152,8 @@ def _check_rollout(cfg, model, pool, device: str, groups: int) -> None:
     s = model.rollout(device, groups)
     if s.fits:
         return
-    smaller = [g for g in range(groups - 1, 0, -1) if model.rollout(device, g).fits]
+    prompts = cfg.train.prompts_per_iteration  # a unit size divides the prompts into whole units
+    smaller = [g for g in range(groups - 1, 0, -1) if prompts % g == 0 and model.rollout(device, g).fits]
     fix = (f"set engine.unit_groups: {smaller[0]} (fewer samples per unit)" if smaller else
            "even a unit of 1 group does not fit: use a larger rollout device")
     raise UserError(f"engine.unit_groups: {_where(pool, device, model)}: a rollout worker needs "

@@ -61,8 +61,10 @@ HALF_BYTES = 2  # bf16 / fp16 weights and text embeddings
 # ------------------------------------------------------------------------------ memory model
 
 ADAMW_STATE_BYTES = 8  # AdamW's two fp32 moments per trained parameter (the step count is one scalar)
-#: bytes autograd saves per token x hidden per block, one sample, one pass, checkpointing off, in
-#: bf16 with a flash / memory-efficient attention (no T x T scores): measured per family at real
-#: width by benchmarks/memory.py (docs/scaling.md, "Memory model vs measurement"); a family not
-#: listed uses ``CostParams.train_act_bytes``
-ACT_BYTES_PER_TOKEN_HIDDEN: dict[str, float] = {}
+#: bytes autograd saves per token x hidden per block (averaged over the model's blocks), one sample,
+#: one pass, checkpointing off, under bf16 autocast with a flash / memory-efficient attention (no
+#: T x T scores; norms and softmax statistics in fp32): measured per family at real width by
+#: benchmarks/memory.py (docs/scaling.md, "Memory model vs measurement"); a family not listed uses
+#: ``CostParams.train_act_bytes``
+ACT_BYTES_PER_TOKEN_HIDDEN: dict[str, float] = {"flux": 42.3, "wan": 51.5, "hunyuan_video": 44.2,
+                                                "qwen_image": 64.9}
