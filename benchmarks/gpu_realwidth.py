@@ -132,6 +132,7 @@ def main():
 
     pipe = FluxPipeline(scheduler=ad.flow_scheduler(ad.scheduler.config), vae=None, text_encoder=None, tokenizer=None,
                         text_encoder_2=None, tokenizer_2=None, transformer=model)
+    pipe.set_progress_bar_config(disable=True)
     pipe_px = 8 * 2 * int(ad.latent_shape()[0] ** 0.5)  # vae scale 8 without a VAE, 2x2 packing: same token count
     embeds, pooled = cond.batched["prompt_embeds"].to(torch.bfloat16), cond.batched["pooled"].to(torch.bfloat16)
     with torch.no_grad():

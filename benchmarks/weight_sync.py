@@ -14,7 +14,8 @@ receiver's tensors loaded and verified:
   not timed).
 Payloads: the tiny FLUX's LoRA and full weights (the real classes), and synthetic bf16 state
 dicts with FLUX-like tensor shapes: LoRA-like (rank 64 A/B pairs of 3072-wide layers) of
-~32 MiB and full-like (3072x3072 / 3072x12288 matrices) of ~384 MiB. Real FLUX sizes (LoRA
+at least 32 MiB and full-like (3072x3072 / 3072x12288 matrices) of at least 384 MiB
+(414 MiB: whole matrices). Real FLUX sizes (LoRA
 0.72 GB, full 23.8 GB) do not fit this machine; scale by bytes/s.
 Not a test: timings are reported, never asserted. The machine may be shared: say so with the numbers.
 """
@@ -125,12 +126,10 @@ def main() -> None:
     ap.add_argument("--full-mib", type=int, default=384, help="size of the full-like payload")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    payloads = {
-        "lora_tiny_flux": tiny_flux(True),
-        "full_tiny_flux": tiny_flux(False),
-        f"lora_like_{args.lora_mib}MiB": synthetic("lora", args.lora_mib * 2**20),
-        f"full_like_{args.full_mib}MiB": synthetic("full", args.full_mib * 2**20),
-    }
+    payloads = {"lora_tiny_flux": tiny_flux(True), "full_tiny_flux": tiny_flux(False)}
+    for kind, mib in (("lora", args.lora_mib), ("full", args.full_mib)):  # named by their real size
+        state = synthetic(kind, mib * 2**20)
+        payloads[f"{kind}_like_{weight_sync.state_bytes(state) / 2**20:.0f}MiB"] = state
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=2 * 2**30, logging_level="ERROR")
     rows = []
     try:
@@ -161,7 +160,7 @@ def main() -> None:
                   flush=True)
     finally:
         ray.shutdown()
-    what = f"full_like_{args.full_mib}MiB"
+    what = list(payloads)[-1]
     big = payloads[what]
     nbytes = weight_sync.state_bytes(big)
     rows.append(row("fingerprint", what, nbytes, median_time(lambda: [fingerprint(t) for t in big.values()], args.repeats)))
