@@ -86,16 +86,19 @@ def resolve_memory_settings(cfg) -> MemorySettings:
     return MemorySettings(s.shard, s.checkpointing, s.micro_batch, s.need_bytes, s.have_bytes, device)
 
 
-def _setting(s, cfg) -> str:
-    """The settings of fitting setup ``s`` that differ from the config, as config keys."""
+def _changes(s, cfg) -> list[tuple[str, object]]:
+    """The ``train`` keys whose values in the config differ from fitting setup ``s``: an explicit
+    value that differs, or ``auto`` where the setup shards / checkpoints (said explicitly)."""
     t, out = cfg.train, []
-    if s.shard != (1 if t.fsdp in ("auto", "off") else t.fsdp) or t.fsdp == "auto" and s.shard > 1:
-        out.append(f"train.fsdp: {s.shard if s.shard > 1 else 'off'}")
-    if s.checkpointing != (t.activation_checkpointing == "on"):
-        out.append(f"train.activation_checkpointing: {'on' if s.checkpointing else 'off'}")
+    fsdp = s.shard if s.shard > 1 else "off"
+    if (t.fsdp == "auto" and s.shard > 1) or (t.fsdp != "auto" and (1 if t.fsdp == "off" else t.fsdp) != s.shard):
+        out.append(("train.fsdp", fsdp))
+    ac = "on" if s.checkpointing else "off"
+    if (t.activation_checkpointing == "auto" and s.checkpointing) or t.activation_checkpointing not in ("auto", ac):
+        out.append(("train.activation_checkpointing", ac))
     if s.micro_batch != t.micro_batch:
-        out.append(f"train.micro_batch: {s.micro_batch}")
-    return ", ".join(out)
+        out.append(("train.micro_batch", s.micro_batch))
+    return out
 
 
 def _where(pool, device: str, model) -> str:
@@ -129,18 +132,17 @@ def check_memory(cfg) -> None:
         if fits:
             continue
         other, _ = model.setups(device, plan.ranks, tag, plan.unit_groups)
-        fix = (f"set {_setting(other[0], cfg)} (needs {other[0].need_bytes / GiB:.1f} GiB)" if other else
-               f"no setting fits {plan.ranks} trainer ranks of this type (FSDP up to {plan.ranks}, activation "
-               "checkpointing, micro-batch 1): use more or larger trainer devices")
-        raise UserError(f"{_key(cfg)}: {_where(pool, device, model)}: a trainer rank needs "
+        changes = _changes(other[0], cfg) if other else []
+        if changes:  # the error names the first key to change
+            key = changes[0][0]
+            fix = (f"set {', '.join(f'{k}: {v}' for k, v in changes)} "
+                   f"(needs {other[0].need_bytes / GiB:.1f} GiB)")
+        else:
+            key = f"cluster.pools.{pool.name}"
+            fix = (f"no setting fits {plan.ranks} trainer ranks of this type (FSDP up to {plan.ranks}, activation "
+                   "checkpointing, micro-batch 1): use more or larger trainer devices")
+        raise UserError(f"{key}: {_where(pool, device, model)}: a trainer rank needs "
                         f"{miss.need_bytes / GiB:.1f} GiB at {_described(miss)}; {fix}")
-
-
-def _key(cfg) -> str:
-    t = cfg.train
-    if t.fsdp != "auto" and t.fsdp != 1 or t.fsdp == "auto" and t.activation_checkpointing == "auto":
-        return "train.fsdp"
-    return "train.activation_checkpointing" if t.activation_checkpointing != "auto" else "train.fsdp"
 
 
 def _described(s) -> str:

@@ -142,3 +142,16 @@ def test_a_rollout_pool_that_cannot_hold_a_unit_names_a_smaller_one(monkeypatch,
     assert "set engine.unit_groups: 4 (fewer samples per unit)" in out.err  # 4 divides the 32 prompts; 5, 6 do not
     code, out = cli(monkeypatch, capsys, ["config", "validate", "-c", FLUX, *pools, "--set", "engine.unit_groups=4"])
     assert code in (0, None), out.err
+
+
+def test_the_error_names_the_key_to_change():
+    from digenrl.errors import UserError
+
+    wan = str(ROOT / "configs" / "wan2.1_t2v_14b.yaml")
+    with pytest.raises(UserError) as exc:  # both CFG passes' activations at once, 40 blocks: needs checkpointing
+        check_memory(load_config(wan, ["train.activation_checkpointing=off"]))
+    assert str(exc.value).startswith("train.activation_checkpointing: pool 'trainer' (8 x H800")
+    assert str(exc.value).endswith("GiB)") and "set train.activation_checkpointing: on (needs" in str(exc.value)
+    small = "cluster.pools=[{name: rollout, device: H800, count: 8}, {name: trainer, device: RTX4090, count: 2}]"
+    with pytest.raises(UserError, match=r"^cluster.pools.trainer: .* no setting fits 2 trainer ranks"):
+        check_memory(load_config(FLUX, ["model.lora=null", small]))
