@@ -43,7 +43,6 @@ class DeviceSetup:
     micro_batch: int
     checkpointing: bool = False
     shard: int = 1  # FSDP degree over the trainer ranks
-    offload: bool = False  # always False: the runtime does not offload (kept for the cost model's switch time)
     need_bytes: float = 0.0
     have_bytes: float = 0.0
     parts: dict = field(default_factory=dict, compare=False)
@@ -196,10 +195,10 @@ class MemoryModel:
             need = sum(parts.values())
             last = (need, parts, mb, ckpt, shard)
             if need <= have:
-                fits.append(DeviceSetup(True, mb, ckpt, shard, False, need, have, parts))
+                fits.append(DeviceSetup(True, mb, ckpt, shard, need, have, parts))
         need, parts, mb, ckpt, shard = last
         role = "a colocated device" if tag else "a trainer"
-        miss = DeviceSetup(False, mb, ckpt, shard, False, need, have, parts,
+        miss = DeviceSetup(False, mb, ckpt, shard, need, have, parts,
                            why=f"{role} on {device} needs {gib(need)} ({describe_parts(parts)}) > {gib(have)} "
                                f"usable even at micro-batch {mb}" + (f", FSDP x{shard}" if shard > 1 else "")
                                + (", activation checkpointing" if ckpt else ""))

@@ -59,7 +59,6 @@ class ColocationCosts:
     """What a colocated device pays to switch between sampling and training, twice per iteration."""
 
     switch_latency_s: float = 0.5  # per switch: cache flush, mode change, process-group barrier (0 on CPU)
-    offload: str = "auto"  # move the other phase's state to the host: "auto" (only when both do not fit), "always", "never"
     regather_sharded_weights: bool = True  # FSDP-sharded weights are all-gathered before sampling
 
 
