@@ -66,8 +66,8 @@ def resolve_memory_settings(cfg) -> MemorySettings:
     explicit values as written; ``auto`` as the first setting that fits the trainer device by the
     memory model, in its preference order (replicated, then the smallest FSDP degree dividing the
     trainer ranks, then the same with checkpointing). ``auto`` on a device with no known memory
-    (CPU, untyped GPU), or where nothing fits, resolves to no sharding and no checkpointing (the
-    preflight refuses the latter)."""
+    (CPU, untyped GPU) resolves to no sharding and no checkpointing; where nothing fits, to the
+    last setting tried (the largest degree, checkpointing on), which :func:`check_memory` refuses."""
     t = cfg.train
     fsdp, ac = _explicit(cfg)
     plain = MemorySettings(1 if fsdp in ("auto", "off") else fsdp, ac == "on", t.micro_batch)
