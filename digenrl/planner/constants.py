@@ -51,7 +51,6 @@ MIN_CALL_FRACTION = 0.5  # an interpolated call never costs less than this x the
 MIN_UNIT_FRACTION = 0.5  # a composed unit never costs less than this x the sum of its calls
 OPTIMIZER_FIXED_S = 0.001  # per optimizer step beyond streaming the trained state
 OPTIMIZER_STATE_PASSES = 3  # an AdamW update reads / writes the trained state about this many times
-FSDP_DEGREES = (2, 4, 8, 16, 32, 64)  # shard degrees the memory search tries (and the rank count)
 FSDP_STEP_SHARE = 0.5  # FSDP: the step's all-reduce is an all-gather only (reduce-scatter ran in the backward)
 MFU_CAP = 0.9  # a calibrated MFU above this is a measurement error
 CALIBRATION_MIN_BATCH = 4  # GPU MFU calibration uses batches from this size up (when there are any)
