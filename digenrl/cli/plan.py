@@ -233,8 +233,22 @@ def plan_config(cfg: RunConfig, r, cluster) -> RunConfig:
     """``cfg`` with the plan's cluster, placement and engine sections (and micro-batch, device)."""
     from digenrl.placement import apply_plan
 
+    from digenrl.config import validate_config
+
     plan = replace(r.plan, micro_batch=trainer_micro_batch(r))
-    return apply_plan(cfg, plan, "cpu" if cluster.is_cpu else "cuda")
+    out = apply_plan(cfg, plan, "cpu" if cluster.is_cpu else "cuda")
+    data = out.model_dump(mode="json")
+    data["train"].update(trainer_memory_settings(r))
+    return validate_config(data)
+
+
+def trainer_memory_settings(r) -> dict:
+    """The sharding and checkpointing the memory model chose for the plan's trainer devices, as the
+    ``train`` keys the runtime reads (the largest FSDP degree / checkpointing on if any pool needs it)."""
+    chosen = [r.setups[p.name] for p in r.plan.pools if r.plan.role(p) != "rollout"]
+    shard = max((s.shard for s in chosen), default=1)
+    ckpt = any(s.checkpointing for s in chosen)
+    return {"fsdp": shard if shard > 1 else "off", "activation_checkpointing": "on" if ckpt else "off"}
 
 
 def write_plan_config(cfg: RunConfig, r, cluster, path: Path, row: dict) -> Path:
@@ -247,8 +261,6 @@ def write_plan_config(cfg: RunConfig, r, cluster, path: Path, row: dict) -> Path
         f"bubble {row['bubble_fraction']:.1%}, {_fmt_speedup(row['speedup_vs_colocated'])} the best colocated plan",
         "# (a model prediction: compare with the run's metrics.jsonl samples_per_s / bubble_fraction)",
     ]
-    if row["notes"]:
-        header.append(f"# memory: the plan assumes {', '.join(row['notes'])} on the trainer devices")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(header) + "\n" + out.dump_yaml())
     return path

@@ -37,8 +37,9 @@ def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, con
     continuing = resumed is not None and run_dir is None  # a resumed run appends to its own directory
     if not continuing:
         check_new_run_dir(target, overwrite)  # before any work: a run is never overwritten by accident
-    from digenrl.preflight import check_resources
+    from digenrl.preflight import check_memory, check_resources
 
+    check_memory(cfg)  # the config's placement against its device types, before this host's devices
     check_resources(cfg, ray_address)
     done = resumed.iteration if resumed is not None else 0
     say = (lambda *a: None) if quiet else (lambda text: console.print(text, soft_wrap=True, highlight=False))

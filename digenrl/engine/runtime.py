@@ -39,6 +39,7 @@ from digenrl.faults import with_fault_plan
 from digenrl.lora import WeightSyncError
 from digenrl.placement import Worker, engine_scheduler_config, engine_workers
 from digenrl.progress import progress
+from digenrl.preflight import check_memory
 from digenrl.prompts import load_prompts
 from digenrl.rewards import build_reward
 from digenrl.runlog import RunDir, check_writable, default_run_dir
@@ -101,6 +102,7 @@ def preflight(cfg: RunConfig, resumed=None) -> None:
     reward (dry-run on a decoded sample) and -- for a random-init preset, which is cheap to build
     -- the model, its LoRA targets and the fit of a checkpoint to resume. A pretrained model is
     only built by the workers (its errors reach the caller from there, as the same one line)."""
+    check_memory(cfg)  # the placement fits its devices (digenrl/preflight.py)
     prompts = load_prompts(cfg.prompts)
     # with reward.service only the reward actor loads the reward models (and checks them, before training)
     reward = build_reward(cfg.reward) if cfg.reward.service is None else None

@@ -200,13 +200,9 @@ class CostModel:
         return self.ov.transfer_latency_s + b / self.network_bw()
 
     def switch(self, device: str, setup: DeviceSetup) -> float:
-        """A colocated device changing phase (paid twice per iteration): latency, offload/reload of
-        the other phase's state over PCIe, re-gathering sharded weights before sampling (half each way)."""
-        spec = DEVICES[device]
+        """A colocated device changing phase (paid twice per iteration): latency, re-gathering sharded
+        weights before sampling (half each way). Nothing is offloaded (the runtime does not offload)."""
         s = self.col.switch_latency_s
-        if setup.offload:
-            moved = setup.parts.get("trained state", 0) + setup.parts.get("rollout models", 0)
-            s += 2 * moved / spec.host_bw / 2  # out and back in, split over the two switches
         if setup.shard > 1 and self.col.regather_sharded_weights:
             s += self.w.params.total * self.w.dtype_bytes * (setup.shard - 1) / setup.shard / self.link_bw(
                 device, setup.shard) / 2
@@ -232,7 +228,7 @@ class CostModel:
         return self._best(fits, device, ranks, False, micro_batch) if fits else miss
 
     def colocated_setup(self, device: str, ranks: int, groups: int, micro_batch: int | None = None) -> DeviceSetup:
-        """A colocated device: training state and sampling state, at once or with offloading between phases."""
+        """A colocated device: training state and sampling state at once."""
         fits, miss = self.memory.colocated(device, ranks, groups)
         return self._best(fits, device, ranks, True, micro_batch) if fits else miss
 
@@ -257,4 +253,4 @@ class CostModel:
             fits = [s for s in fits if s.micro_batch <= micro_batch] or fits
             top = max(s.micro_batch for s in fits)
             fits = [s for s in fits if s.micro_batch == top]
-        return min(fits, key=lambda s: (self._score(device, s, ranks, colocated), s.shard, s.offload))
+        return min(fits, key=lambda s: (self._score(device, s, ranks, colocated), s.shard))

@@ -27,13 +27,10 @@ class CostParams:
     # memory
     usable_memory: float = 0.90  # share of device memory the run may use (CUDA context, fragmentation)
     train_act_bytes: float = 34.0  # activation bytes per token x hidden per block in training (bf16, flash attn)
-    ckpt_act_bytes: float = 2.0  # ... per block with activation checkpointing (the block input), + one block
     infer_act_bytes: float = 24.0  # peak live bytes per token x hidden in one block at inference
     vae_decode_bytes_per_px: float = 1000.0  # VAE decoder peak per output pixel (one sample at a time)
     vae_tile_px: float = 4.0e6  # tiled decoding caps the pixels decoded at once
     trained_state_bytes: float = 16.0  # per trained parameter: fp32 weight/master + grad + AdamW m, v
-    gradient_checkpointing: str = "auto"  # "auto" (only when activations do not fit), "on", "off"
-    allow_fsdp: bool = True  # shard weights / optimizer state over the trainer ranks when they do not fit
     fsdp_overlap: float = 0.7  # share of FSDP all-gather / reduce-scatter time hidden behind compute
     # cpu clusters: "measured" = the profile's cpu_slowdown (what n concurrent workers got of this host:
     # shared caches / memory bandwidth, and on a shared host what other processes left at profiling
@@ -59,7 +56,6 @@ class ColocationCosts:
     """What a colocated device pays to switch between sampling and training, twice per iteration."""
 
     switch_latency_s: float = 0.5  # per switch: cache flush, mode change, process-group barrier (0 on CPU)
-    offload: str = "auto"  # move the other phase's state to the host: "auto" (only when both do not fit), "always", "never"
     regather_sharded_weights: bool = True  # FSDP-sharded weights are all-gathered before sampling
 
 
