@@ -5,6 +5,7 @@ A checkpoint directory (NNNNNN = iterations completed) holds
     pytorch_lora_weights.safetensors   LoRA in the diffusers format (``Pipeline.load_lora_weights(dir)``)
       or transformer.safetensors       full weights (``model.lora: null``)
     optimizer.pt                       the optimizer's ``state_dict()``
+    ema.safetensors                    with ``train.ema``: the fp32 weight average (trained-parameter names)
     rng.pt                             torch CPU (+ CUDA) / python ``random`` / numpy generator states
     config.yaml                        the resolved config of the run that wrote it
     state.json                         counters, model signature, file sizes; written LAST (completion marker)
@@ -35,6 +36,7 @@ from digenrl.errors import UserError
 FORMAT = 1  # bump when the layout changes; older formats are refused with a message
 LORA_FILE = "pytorch_lora_weights.safetensors"
 FULL_FILE = "transformer.safetensors"
+EMA_FILE = "ema.safetensors"
 STATE_FILE = "state.json"
 _NAME = re.compile(r"^iter-(\d{6,})$")
 
@@ -241,6 +243,11 @@ def write_checkpoint(directory: Path, policy, iteration: int, cfg=None, extra: d
         save_file(policy.weights(), tmp / FULL_FILE)
     if policy.optimizer is not None:
         torch.save(policy.optimizer.state_dict(), tmp / "optimizer.pt")
+    ema = getattr(policy, "ema", None)
+    if ema is not None:
+        from safetensors.torch import save_file
+
+        save_file(ema.state(), tmp / EMA_FILE)
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "config.yaml").write_text(cfg.dump_yaml())
     files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.name != STATE_FILE}
@@ -255,6 +262,8 @@ def write_checkpoint(directory: Path, policy, iteration: int, cfg=None, extra: d
         "files": files,
         "extra": extra or {},
     }
+    if ema is not None:  # the average's settings and how many optimizer steps it has seen
+        state["ema"] = {**ema.cfg.model_dump(), "steps": ema.steps}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
 
 
@@ -370,6 +379,40 @@ def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = T
         t = policy.cfg.train
         for group in policy.optimizer.param_groups:
             group.update(lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    if getattr(policy, "ema", None) is not None:  # resume the average, or start it here if none was kept
+        if EMA_FILE in state.files:
+            try:
+                policy.ema.load(_read_safetensors(state.path / EMA_FILE), int(raw.get("ema", {}).get("steps", 0)))
+            except ValueError as exc:
+                raise CheckpointError(f"checkpoint {state.path}: {EMA_FILE} does not fit this model ({exc})") from None
+        else:
+            policy.ema.reset()
     if rngs is not None:
         set_rng_state(rngs)
     return state
+
+
+def _read_safetensors(f: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(f)
+    except Exception as exc:  # noqa: BLE001  (safetensors raises its own error types)
+        raise CheckpointError(f"checkpoint: {f} is corrupt or unreadable ({type(exc).__name__})") from None
+
+
+def use_ema_weights(path: Path, policy) -> dict | None:
+    """Load checkpoint ``path``'s EMA weights (if it holds any) into ``policy``'s trained parameters,
+    after :func:`load_checkpoint`. Returns the average's settings (``decay``, ``every``, ``warmup``,
+    ``steps``), or None when the checkpoint holds no average."""
+    state = read_state(find_checkpoint(path))
+    if EMA_FILE not in state.files:
+        return None
+    average = _read_safetensors(state.path / EMA_FILE)
+    params = policy.named_params
+    if set(average) != set(params):
+        raise CheckpointError(f"checkpoint {state.path}: {EMA_FILE} does not fit this model")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(average[name].to(p.device, p.dtype))
+    return json.loads((state.path / STATE_FILE).read_text()).get("ema", {})

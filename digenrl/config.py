@@ -169,6 +169,15 @@ class PromptsConfig(_Section):
 
 
 # --------------------------------------------------------------------------------------- train
+class EmaConfig(_Section):
+    """An exponential moving average of the trained weights, for eval and export (flow_grpo's ``train.ema``)."""
+
+    decay: float = Field(0.9, gt=0, lt=1, description="the average's decay per update (flow_grpo: 0.9)")
+    every: int = Field(1, gt=0, description="update after every N-th optimizer step (flow_grpo: 8)")
+    warmup: bool = Field(True, description="decay min(decay, (1 + n) / (10 + n)) at the n-th optimizer step, "
+                                           "as flow_grpo; false: always `decay`")
+
+
 class TrainConfig(_Section):
     iterations: int = Field(120, gt=0)
     prompts_per_iteration: int = Field(4, gt=0)
@@ -179,6 +188,9 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, gt=0)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    optimizer_steps: int = Field(1, gt=0, description="mini-batch PPO: optimizer steps per iteration, each over "
+                                                      "an equal share of the iteration's prompt groups")
+    ema: EmaConfig | None = Field(None, description="EMA of the trained weights for eval and final/ (off: null)")
 
 
 # ----------------------------------------------------------------------- cluster / placement / engine
@@ -256,6 +268,12 @@ class RunConfig(_Section):
             raise ValueError(
                 f"engine.unit_groups ({self.engine.unit_groups}) must divide train.prompts_per_iteration "
                 f"({self.train.prompts_per_iteration}) into whole groups per unit"
+            )
+        units = self.train.prompts_per_iteration // self.engine.unit_groups
+        if units % self.train.optimizer_steps:
+            raise ValueError(
+                f"train.optimizer_steps ({self.train.optimizer_steps}) must divide the iteration's rollout units "
+                f"(train.prompts_per_iteration / engine.unit_groups = {units}): a mini-batch holds whole units"
             )
         self._algorithm_defaults()
         if self.placement.mode != "local":

@@ -1,7 +1,8 @@
 """The trained policy: an adapter's transformer + LoRA (or full weights) + optimizer + version counter.
 
 One ``Policy`` lives in every process that samples or trains (the local trainer, each Ray worker).
-Version k = the weights after k optimizer steps.
+Version k = the weights after k iterations; an iteration takes ``train.optimizer_steps`` optimizer
+steps (mini-batch PPO) and only its last one bumps the version.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from digenrl.adapters import build_adapter
 from digenrl.config import RunConfig
+from digenrl.ema import WeightAverage, swapped_in
 from digenrl.lora import apply_lora, checksum, load_lora_state_dict, lora_state_dict
 
 
@@ -40,21 +42,38 @@ class Policy:
         self._ref = None
         if not self.lora and cfg.algorithm.kl_beta > 0:  # full fine-tuning: KL needs a frozen copy
             self._ref = copy.deepcopy(net).requires_grad_(False)
-        self.params = [p for p in net.parameters() if p.requires_grad]
+        self.named_params = {n: p for n, p in net.named_parameters() if p.requires_grad}
+        self.params = list(self.named_params.values())
         self.optimizer = None
+        self.ema: WeightAverage | None = None  # train.ema: on the trainer only
         if trainable:
             t = cfg.train
             self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+            if t.ema is not None:
+                self.ema = WeightAverage(self.named_params, t.ema)
         self.version = 0
 
     # ------------------------------------------------------------------ optimisation
-    def optimizer_step(self) -> float:
-        """Clip the accumulated gradient, step, zero it, bump the version. Returns the pre-clip grad norm."""
+    def optimizer_step(self, publish: bool = True) -> float:
+        """Clip the accumulated gradient, step, zero it, update the EMA; ``publish`` (the iteration's
+        last step) bumps the version. Returns the pre-clip grad norm."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
+        if self.ema is not None:
+            self.ema.update()
+        if publish:
+            self.version += 1
         return float(norm)
+
+    @contextlib.contextmanager
+    def averaged(self):
+        """Inside the block the network holds the EMA weights (``train.ema``); without EMA, a no-op."""
+        if self.ema is None:
+            yield
+            return
+        with swapped_in(self.named_params, self.ema.average):
+            yield
 
     @contextlib.contextmanager
     def reference(self):

@@ -3,7 +3,8 @@
 - :func:`rollout_unit`: m whole prompt groups, generated with ONE policy version from the first
   denoising step to the reward.
 - :func:`train_unit`: a set of rolled-out samples x a subset of their trained timesteps; it only
-  accumulates gradients (the driver calls ``Policy.optimizer_step`` once per iteration).
+  accumulates gradients (the driver calls ``Policy.optimizer_step`` once per mini-batch,
+  :func:`minibatches`; ``train.optimizer_steps`` of them per iteration).
 
 Randomness is drawn per prompt group from a seed of (run seed, iteration, group id), so a sample
 is the same whichever unit, worker or batch it is generated in.
@@ -140,8 +141,12 @@ def assign_advantages(batches: list[Samples], cfg) -> None:
 def train_unit(policy, samples: Samples, total_terms: int, tsp_rank: int = 0, tsp_degree: int = 1) -> dict:
     """Accumulate the gradient of this unit's share of the iteration loss.
 
-    The iteration loss is the mean over every (sample, trained step) term; each term here is
-    divided by ``total_terms`` so the units' gradients add up to the full-batch gradient.
+    The loss of a mini-batch (the whole iteration with ``train.optimizer_steps: 1``) is the mean
+    over its (sample, trained step) terms; each term here is divided by ``total_terms``, the
+    mini-batch's count, so the units' gradients add up to the mini-batch gradient. The ratio is to
+    the behaviour policy (PPO: ~1 in an on-policy first mini-batch, moving after each step); a
+    stale sample (``samples.version`` older than the policy's) is clipped around the proximal
+    policy, the weights at the start of the current mini-batch (decoupled PPO).
     Trains the trained-step positions j with j % tsp_degree == tsp_rank (time-step parallelism).
     """
     cfg, ad = policy.cfg, policy.adapter
@@ -206,11 +211,20 @@ class _Stats:
         return dict(vars(self))
 
 
-def merge_stats(parts: list[dict]) -> dict:
-    """Combine unit stats into the iteration's metrics."""
+def minibatches(units: list, steps: int) -> list[list]:
+    """Mini-batch PPO: the iteration's rollout units, in group order, as ``steps`` equal consecutive
+    shares (``train.optimizer_steps`` divides their number); each is followed by an optimizer step."""
+    if len(units) % steps:
+        raise ValueError(f"{steps} mini-batches do not divide {len(units)} rollout units")
+    per = len(units) // steps
+    return [units[s * per : (s + 1) * per] for s in range(steps)]
+
+
+def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:
+    """Combine unit stats into the iteration's metrics (``loss``: the mean of the mini-batches' losses)."""
     terms = sum(p["terms"] for p in parts) or 1
     out = {
-        "loss": sum(p["loss"] for p in parts),
+        "loss": sum(p["loss"] for p in parts) / minibatches,
         "kl": sum(p["kl"] for p in parts) / terms,
         "ratio_mean": sum(p["ratio_sum"] for p in parts) / terms,
         "ratio_max": max(p["ratio_max"] for p in parts),

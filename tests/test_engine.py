@@ -46,6 +46,8 @@ MODES = {
     # async also scores through the reward actor: TAG trainer ranks release rollout units too
     "async": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "engine.max_staleness=1",
                                       "reward.service={num_cpus: 0.1}"],
+    # mini-batch PPO: two optimizer steps per iteration (one per rollout unit), over two ranks with TAG
+    "minibatch": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "train.optimizer_steps=2"],
 }
 
 
@@ -57,15 +59,16 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """LocalTrainer runs (per advantage std): final LoRA tensors and metrics rows."""
+    """LocalTrainer runs (per advantage std and optimizer steps): final LoRA tensors and metrics rows."""
     out = {}
 
-    def get(std: str):
-        if std not in out:
-            path = tmp_path_factory.mktemp(f"local-{std}")
-            result = LocalTrainer(load_config(None, BASE + [f"algorithm.std={std}"])).run(path)
-            out[std] = (load_file(path / "final" / "pytorch_lora_weights.safetensors"), result.metrics)
-        return out[std]
+    def get(std: str, steps: int = 1):
+        if (std, steps) not in out:
+            path = tmp_path_factory.mktemp(f"local-{std}-{steps}")
+            cfg = load_config(None, BASE + [f"algorithm.std={std}", f"train.optimizer_steps={steps}"])
+            result = LocalTrainer(cfg).run(path)
+            out[std, steps] = (load_file(path / "final" / "pytorch_lora_weights.safetensors"), result.metrics)
+        return out[std, steps]
 
     return get
 
@@ -115,7 +118,10 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
         assert made_by[(t.iteration, tuple(t.args["groups"]))] == t.sample_versions[0]
     steps = tl.of("step")
     ranks = {w for w, pool in tl.workers.items() if cfg.placement.mode == "colocated" or pool == "trainer"}
-    assert Counter(s.iteration for s in steps) == Counter({k: len(ranks) for k in range(n_iter)})
+    n_steps = cfg.train.optimizer_steps  # per rank and iteration; only the last one publishes
+    assert Counter(s.iteration for s in steps) == Counter({k: len(ranks) * n_steps for k in range(n_iter)})
+    assert Counter(s.iteration for s in steps if "publishes" in s.args) == Counter(
+        {k: len(ranks) for k in range(n_iter)})
     if cfg.placement.mode == "colocated":  # phases never overlap
         work = trains + steps
         assert not [(r.uid, w.uid) for r in rollouts for w in work if r.start < w.end and w.start < r.end]
@@ -127,7 +133,7 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
     check_reward_events(tl, rows, service=cfg.reward.service is not None)
 
     if stale == 0:  # on-policy: the same update as the single-process trainer
-        ref_weights, ref_rows = reference(cfg.algorithm.std)
+        ref_weights, ref_rows = reference(cfg.algorithm.std, n_steps)
         got = load_file(tmp_path / "final" / "pytorch_lora_weights.safetensors")
         assert got.keys() == ref_weights.keys()
         # The summed gradient is the same up to float associativity (units accumulate on
@@ -139,7 +145,12 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
         for mine, theirs in zip(rows, ref_rows):
             assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
             assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
-            assert mine["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+            if n_steps == 1:  # one step: every sample on-policy, the ratio 1
+                assert mine["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+            else:  # the later mini-batches see the moved weights: PPO's ratio, the same as the local one
+                assert mine["ratio_mean"] == pytest.approx(theirs["ratio_mean"], abs=1e-6)
+                assert mine["clip_frac"] == pytest.approx(theirs["clip_frac"], abs=1e-6)
+                assert mine["ratio_max"] > 1 + 1e-5 or mine["ratio_min"] < 1 - 1e-5
     assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}, "placement group or actors left behind"
 
 

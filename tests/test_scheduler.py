@@ -168,21 +168,48 @@ def check_invariants(
         assert u.version == u.iteration and u.tsp_degree == degree
         assert e.start >= src.ready  # never trained before its rewards are in
 
-    # Exactly one step per iteration, on every rank, after all of the iteration's train units;
-    # it publishes version k + 1, and the ranks take nothing else until every share is done.
+    # Mini-batch PPO: train unit -> mini-batch s of its groups' equal share of the iteration.
+    n_steps, per_minibatch = cfg.optimizer_steps, n_groups // cfg.optimizer_steps
+    for e in trains:
+        assert {g // per_minibatch for g in e.unit.groups} == {e.unit.step}
+
+    # optimizer_steps steps per iteration, on every rank; step s after all of mini-batch s's train
+    # units and before any of mini-batch s + 1's; only the last one publishes (version k + 1: the
+    # weights are published once per iteration); the ranks take nothing else until every share is done.
     step_end: dict[int, float] = {}
     for k in range(first, n_iter):
         mine = [e for e in steps if e.unit.iteration == k]
-        assert sorted(e.worker for e in mine) == ranks
-        assert all(e.unit.version == k + 1 for e in mine)
-        start, end = min(e.start for e in mine), max(e.end for e in mine)
-        assert all(e.end <= start for e in trains if e.unit.iteration == k)
-        assert all(e.start >= end for e in trains if e.unit.iteration == k + 1)
-        for s in mine:
-            others = [e for e in events if e.worker == s.worker and e is not s]
-            assert not [e for e in others if s.start <= e.start < end]
-        step_end[k] = end
+        assert sorted((e.worker, e.unit.step) for e in mine) == sorted(
+            (r, s) for r in ranks for s in range(n_steps))
+        assert all(e.unit.last == (e.unit.step == n_steps - 1) for e in mine)
+        assert all(e.unit.version == (k + 1 if e.unit.last else k) for e in mine)
+        previous_end = None
+        for s in range(n_steps):
+            share = [e for e in mine if e.unit.step == s]
+            start, end = min(e.start for e in share), max(e.end for e in share)
+            assert previous_end is None or start >= previous_end
+            assert all(e.end <= start for e in trains if (e.unit.iteration, e.unit.step) == (k, s))
+            # no train unit of mini-batch s + 1 (or of iteration k + 1) before step s
+            assert all(e.start >= end for e in trains
+                       if (e.unit.iteration == k and e.unit.step > s) or e.unit.iteration == k + 1)
+            for st in share:
+                others = [e for e in events if e.worker == st.worker and e is not st]
+                assert not [e for e in others if st.start <= e.start < end]
+            previous_end = end
+        step_end[k] = previous_end
     assert list(step_end.values()) == sorted(step_end.values())
+
+    # A trainer rank rolls out (TAG, colocated) only while it holds a published version: after the
+    # publishing step of version v - 1 and before its first step of iteration v.
+    for e in rollouts:
+        if roles[e.worker] == "rollout":
+            continue
+        v = e.unit.version
+        for st in steps:
+            if st.worker == e.worker and st.unit.iteration == v and st.unit.step == 0:
+                assert e.end <= st.start
+            if st.worker == e.worker and st.unit.iteration == v - 1 and st.unit.last:
+                assert e.start >= st.end
 
     for k in range(first, n_iter):
         rollout_k = [e for e in rollouts if e.unit.iteration == k]
@@ -258,10 +285,11 @@ def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[WorkerSpec]]:
         workers = pools(n_rollout, draw(st.integers(1, 4)))
         tag = tag or n_rollout == 0  # trainers must be able to roll out
         stale = draw(st.integers(0, 1))
-    m = draw(st.integers(1, 3))
+    m, units = draw(st.integers(1, 3)), draw(st.integers(1, 4))
     cfg = SchedulerConfig(
         placement=placement,
-        groups_per_iteration=m * draw(st.integers(1, 4)),
+        optimizer_steps=draw(st.sampled_from([s for s in (1, 2, 3, 4) if units % s == 0])),
+        groups_per_iteration=m * units,
         unit_groups=m,
         tsp_degree=draw(st.integers(1, 3)),
         tag=tag,
@@ -522,6 +550,8 @@ def test_driver_misuse_raises():
         ({"placement": "hybrid"}, "placement"),
         ({"iterations": 2, "start_iteration": 3}, "start_iteration"),
         ({"start_iteration": -1}, "start_iteration"),
+        ({"optimizer_steps": 3}, "optimizer_steps"),
+        ({"optimizer_steps": 0}, "optimizer_steps"),
     ],
 )
 def test_bad_config_names_the_field(kw, field):
@@ -547,3 +577,42 @@ def test_bad_pools_raise(cfg, workers):
 
 def test_tag_alone_makes_trainers_a_rollout_pool():
     run(disagg(tag=True, iterations=2, tsp_degree=2), pools(0, 3), fixed())
+
+
+# -- mini-batch PPO ------------------------------------------------------------------------
+
+
+def test_minibatch_steps_follow_their_train_units_and_only_the_last_publishes():
+    cfg = disagg(optimizer_steps=2, iterations=2)
+    sched, events = simulate(cfg, pools(1, 1), fixed())
+    check_invariants(cfg, pools(1, 1), sched, events)
+    trainer = [u for w, u in sched.record if w == "t0"]
+    assert [(type(u).__name__[0], u.iteration, u.step) for u in trainer] == [
+        ("T", 0, 0), ("T", 0, 0), ("S", 0, 0), ("T", 0, 1), ("T", 0, 1), ("S", 0, 1),
+        ("T", 1, 0), ("T", 1, 0), ("S", 1, 0), ("T", 1, 1), ("T", 1, 1), ("S", 1, 1)]
+    step_units = [u for u in trainer if isinstance(u, StepUnit)]
+    assert [(u.uid, u.version, u.last) for u in step_units] == [
+        ("step-0.0/t0", 0, False), ("step-0.1/t0", 1, True), ("step-1.0/t0", 1, False), ("step-1.1/t0", 2, True)]
+    # the rollout worker only ever sees published versions: 0 for iteration 0, 1 for iteration 1
+    assert [u.version for w, u in sched.record if w == "r0"] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_a_trainer_past_the_first_step_takes_no_tag_rollout():
+    """Rollout units left when mini-batch 0 is trained: a TAG trainer that has stepped holds no
+    published version, so the rollout worker generates them."""
+    cfg = disagg(optimizer_steps=2, tag=True)
+    sched, events = simulate(cfg, pools(1, 1), fixed(rollout=3.0, train=0.2))
+    check_invariants(cfg, pools(1, 1), sched, events)
+    first_step = min(e.start for e in of(events, StepUnit, 0))
+    assert all(e.worker == "r0" for e in of(events, RolloutUnit, 0) if e.start >= first_step)
+    assert any(e.worker == "t0" for e in of(events, RolloutUnit, 0))  # TAG before it
+
+
+def test_without_rollout_workers_the_first_step_waits_for_the_whole_rollout():
+    cfg = disagg(optimizer_steps=2, tag=True, tsp_degree=2)
+    sched, events = simulate(cfg, pools(0, 2), fixed())
+    check_invariants(cfg, pools(0, 2), sched, events)
+    first_step = min(e.start for e in of(events, StepUnit, 0))
+    assert first_step >= max(e.end for e in of(events, RolloutUnit, 0))
+    # GAP still trains mini-batch 0 while the rest of the iteration generates
+    assert min(e.start for e in of(events, TrainUnit, 0)) < max(e.end for e in of(events, RolloutUnit, 0))

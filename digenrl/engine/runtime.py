@@ -183,9 +183,9 @@ class RayBackend:
             self.samples[unit.uid] = samples
         elif isinstance(unit, TrainUnit):
             ref = actor.train.remote(unit, self.samples[unit.rollout_uid], self.ledger.advantages(unit),
-                                     self.ledger.total_terms[unit.iteration])
-        else:
-            ref = actor.step.remote(unit, worker == self.rank0 and self.publishes)
+                                     self.ledger.minibatch_terms(unit.iteration))
+        else:  # only the iteration's last optimizer step publishes
+            ref = actor.step.remote(unit, worker == self.rank0 and self.publishes and unit.last)
         self.in_flight[ref] = (worker, unit)
 
     # -- the next event ----------------------------------------------------------------------
@@ -246,8 +246,9 @@ class RayBackend:
             if result["packet"] is not None:
                 self.packets[unit.version] = result["packet"]
         if result["checksum"] is not None:
-            self.rank_checksums[unit.version].add(result["checksum"])
-            if len(self.rank_checksums[unit.version]) > 1:
+            after = (unit.iteration, unit.step)
+            self.rank_checksums[after].add(result["checksum"])
+            if len(self.rank_checksums[after]) > 1:
                 raise WeightSyncError(f"trainer ranks hold different weights after step {unit.iteration}")
 
     def scored(self, unit: RolloutUnit, scored) -> None:

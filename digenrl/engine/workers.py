@@ -162,6 +162,8 @@ class EngineWorker:
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=30))
         self.world = world
+        if rank != 0:  # train.ema: rank 0 alone keeps the average (it evaluates, checkpoints, exports)
+            self.policy.ema = None
 
     def _all_reduce_gradients(self) -> None:
         """Sum the accumulated gradients over the ranks, flattened into one buffer (one per
@@ -237,7 +239,8 @@ class EngineWorker:
         return samples, summary
 
     def train(self, unit: TrainUnit, samples: Samples, advantages: torch.Tensor, total_terms: int) -> dict:
-        """Accumulate this unit's share of the iteration gradient (no optimizer step)."""
+        """Accumulate this unit's share of its mini-batch's gradient (no optimizer step);
+        ``total_terms``: the mini-batch's (sample, trained step) terms."""
         if self.policy.version != unit.version:
             raise RuntimeError(f"{self.name} holds version {self.policy.version}, {unit.uid} needs {unit.version}")
         if (samples.iteration, tuple(samples.group_ids), samples.version) != (
@@ -253,10 +256,11 @@ class EngineWorker:
         return {"stats": stats, "events": [event]}
 
     def step(self, unit: StepUnit, publish: bool) -> dict:
-        """All-reduce, one optimizer step (-> version k+1), and on rank 0 the weight publish."""
+        """All-reduce, one optimizer step (the iteration's last -> version k+1), and on rank 0 after
+        the last step the weight publish."""
         start = time.time()
         self._all_reduce_gradients()
-        grad_norm = self.policy.optimizer_step()
+        grad_norm = self.policy.optimizer_step(publish=unit.last)
         if self.policy.version != unit.version:
             raise RuntimeError(f"{self.name}: stepped to version {self.policy.version}, expected {unit.version}")
         events, packet = [], None
@@ -264,7 +268,8 @@ class EngineWorker:
             packet, sync = weight_sync.publish(self.policy)
             events.append(sync)
         digest = checksum(self.policy.weights()) if self.policy.lora else None  # ranks must agree
-        events.insert(0, unit_event("step", unit, start, time.time(), unit.version - 1, publishes=unit.version))
+        publishes = {"publishes": unit.version} if unit.last else {}
+        events.insert(0, unit_event("step", unit, start, time.time(), unit.iteration, step=unit.step, **publishes))
         return {"grad_norm": grad_norm, "packet": packet, "checksum": digest, "events": events}
 
     # -- results -------------------------------------------------------------------------
@@ -291,7 +296,8 @@ class EngineWorker:
 
         if self.reward is None:  # a trainer rank that never scores: build the rewards for eval only
             self.reward = _TimedReward(build_reward(self.cfg.reward))
-        return evaluate_policy(self.policy, self.reward.fn, self.prompts.prompts).metrics()
+        with self.policy.averaged():  # train.ema: the EMA weights
+            return evaluate_policy(self.policy, self.reward.fn, self.prompts.prompts).metrics()
 
     def export_final(self) -> dict[str, bytes]:
         """``final/``'s files (:func:`~digenrl.runpolicy.final_files`), as bytes for the driver, which
