@@ -46,8 +46,10 @@ MODES = {
     # async also scores through the reward actor: TAG trainer ranks release rollout units too
     "async": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "engine.max_staleness=1",
                                       "reward.service={num_cpus: 0.1}"],
-    # mini-batch PPO: two optimizer steps per iteration (one per rollout unit), over two ranks with TAG
-    "minibatch": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "train.optimizer_steps=2"],
+    # mini-batch PPO: two optimizer steps per iteration (one per rollout unit), over two ranks with TAG;
+    # with an EMA (rank 0 keeps it; final/ holds it)
+    "minibatch": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "train.optimizer_steps=2",
+                                          "train.ema={decay: 0.5, every: 1}"],
 }
 
 
@@ -62,13 +64,13 @@ def reference(tmp_path_factory):
     """LocalTrainer runs (per advantage std and optimizer steps): final LoRA tensors and metrics rows."""
     out = {}
 
-    def get(std: str, steps: int = 1):
-        if (std, steps) not in out:
-            path = tmp_path_factory.mktemp(f"local-{std}-{steps}")
-            cfg = load_config(None, BASE + [f"algorithm.std={std}", f"train.optimizer_steps={steps}"])
-            result = LocalTrainer(cfg).run(path)
-            out[std, steps] = (load_file(path / "final" / "pytorch_lora_weights.safetensors"), result.metrics)
-        return out[std, steps]
+    def get(std: str, train: tuple[str, ...] = ()):
+        """``train``: the mode's train.* overrides (optimizer steps, EMA)."""
+        if (std, train) not in out:
+            path = tmp_path_factory.mktemp(f"local-{std}")
+            result = LocalTrainer(load_config(None, BASE + [f"algorithm.std={std}", *train])).run(path)
+            out[std, train] = (load_file(path / "final" / "pytorch_lora_weights.safetensors"), result.metrics)
+        return out[std, train]
 
     return get
 
@@ -133,7 +135,7 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
     check_reward_events(tl, rows, service=cfg.reward.service is not None)
 
     if stale == 0:  # on-policy: the same update as the single-process trainer
-        ref_weights, ref_rows = reference(cfg.algorithm.std, n_steps)
+        ref_weights, ref_rows = reference(cfg.algorithm.std, tuple(o for o in MODES[mode] if o.startswith("train.")))
         got = load_file(tmp_path / "final" / "pytorch_lora_weights.safetensors")
         assert got.keys() == ref_weights.keys()
         # The summed gradient is the same up to float associativity (units accumulate on
