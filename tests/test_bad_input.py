@@ -31,6 +31,8 @@ CASES = {
     "zero size": (["train", "--set", "model.lora.rank=0"], "model.lora.rank"),
     "group size 1": (["train", "--set", "algorithm.group_size=1"], "algorithm.group_size"),
     "groups do not divide into units": (["train", "--set", "engine.unit_groups=3"], "engine.unit_groups"),
+    "mini-batches that do not divide the units": (["train", "--set", "train.optimizer_steps=3"],
+                                                  "train.optimizer_steps (3) must divide"),
     "LoRA targets matching no module": (["train", *SMALL, "--set", "model.lora.targets=[to_qkv]"],
                                         "model.lora.targets: ['to_qkv'] match no linear module"),
     "missing checkpoint directory (model)": (["train", "--set", "model.pretrained={t}/nope"], "{t}/nope"),
