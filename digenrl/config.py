@@ -188,8 +188,8 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, gt=0)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    optimizer_steps: int = Field(1, gt=0, description="mini-batch PPO: optimizer steps per iteration, each over "
-                                                      "an equal share of the iteration's prompt groups")
+    optimizer_steps: int = Field(1, gt=0, description="mini-batch PPO: optimizer steps per iteration, step s over "
+                                                      "the s-th equal slice of every prompt group's samples")
     ema: EmaConfig | None = Field(None, description="EMA of the trained weights for eval and final/ (off: null)")
 
 
@@ -269,11 +269,10 @@ class RunConfig(_Section):
                 f"engine.unit_groups ({self.engine.unit_groups}) must divide train.prompts_per_iteration "
                 f"({self.train.prompts_per_iteration}) into whole groups per unit"
             )
-        units = self.train.prompts_per_iteration // self.engine.unit_groups
-        if units % self.train.optimizer_steps:
+        if self.algorithm.group_size % self.train.optimizer_steps:
             raise ValueError(
-                f"train.optimizer_steps ({self.train.optimizer_steps}) must divide the iteration's rollout units "
-                f"(train.prompts_per_iteration / engine.unit_groups = {units}): a mini-batch holds whole units"
+                f"train.optimizer_steps ({self.train.optimizer_steps}) must divide algorithm.group_size "
+                f"({self.algorithm.group_size}): each mini-batch holds an equal slice of every group"
             )
         self._algorithm_defaults()
         if self.placement.mode != "local":

@@ -2,8 +2,8 @@
 
     for each iteration:
         sample prompts -> rollout units (generate, decode, score) -> group advantages
-        -> per mini-batch (train.optimizer_steps of them): train units (accumulate gradients)
-           -> one optimizer step (the last one publishes version k + 1) -> log
+        -> per mini-batch s (train.optimizer_steps of them, each a slice of every group):
+           train units (accumulate gradients) -> one optimizer step (the last publishes k + 1) -> log
         [-> eval every output.eval_every] [-> checkpoint every output.checkpoint_every]
 
 The cadence, the metrics row, the sample grids and ``final/`` come from :mod:`digenrl.runpolicy`,
@@ -31,8 +31,7 @@ from digenrl.rewards import build_reward
 from digenrl.runlog import RunDir
 from digenrl.runpolicy import (RunPolicy, RunResult, final_files, iteration_metrics, resume_history,
                                save_iteration_samples, write_final)
-from digenrl.units import (Samples, assign_advantages, merge_stats, minibatches, preflight_reward, rollout_unit,
-                           train_unit)
+from digenrl.units import Samples, assign_advantages, merge_stats, preflight_reward, rollout_unit, train_unit
 
 class LocalTrainer:
     """Everything in this process: one policy that both samples and trains."""
@@ -65,10 +64,10 @@ class LocalTrainer:
         t_roll = time.perf_counter() - t0
         assign_advantages(units, self.cfg)
         steps = self.cfg.train.optimizer_steps  # mini-batch PPO; the last step publishes version k + 1
+        terms = sum(len(u) * u.train_idx.shape[1] for u in units) // steps  # a mini-batch's loss is its mean
         parts, norms = [], []
-        for s, batch in enumerate(minibatches(units, steps)):
-            terms = sum(len(u) * u.train_idx.shape[1] for u in batch)  # each mini-batch's loss is its mean
-            parts += [train_unit(self.policy, u, terms) for u in batch]
+        for s in range(steps):  # mini-batch s: the s-th slice of every group's samples
+            parts += [train_unit(self.policy, u, terms, minibatch=s, minibatches=steps) for u in units]
             norms.append(self.policy.optimizer_step(publish=s == steps - 1))
         stats = merge_stats(parts, steps)
         stats["grad_norm"] = sum(norms) / steps

@@ -3,8 +3,9 @@
 - :func:`rollout_unit`: m whole prompt groups, generated with ONE policy version from the first
   denoising step to the reward.
 - :func:`train_unit`: a set of rolled-out samples x a subset of their trained timesteps; it only
-  accumulates gradients (the driver calls ``Policy.optimizer_step`` once per mini-batch,
-  :func:`minibatches`; ``train.optimizer_steps`` of them per iteration).
+  accumulates gradients (the driver calls ``Policy.optimizer_step`` once per mini-batch:
+  ``train.optimizer_steps`` of them per iteration, mini-batch s being the s-th slice of every
+  group's samples, :func:`minibatch_rows`).
 
 Randomness is drawn per prompt group from a seed of (run seed, iteration, group id), so a sample
 is the same whichever unit, worker or batch it is generated in.
@@ -138,7 +139,8 @@ def assign_advantages(batches: list[Samples], cfg) -> None:
             b.advantages = a
 
 
-def train_unit(policy, samples: Samples, total_terms: int, tsp_rank: int = 0, tsp_degree: int = 1) -> dict:
+def train_unit(policy, samples: Samples, total_terms: int, tsp_rank: int = 0, tsp_degree: int = 1,
+               minibatch: int = 0, minibatches: int = 1) -> dict:
     """Accumulate the gradient of this unit's share of the iteration loss.
 
     The loss of a mini-batch (the whole iteration with ``train.optimizer_steps: 1``) is the mean
@@ -147,7 +149,8 @@ def train_unit(policy, samples: Samples, total_terms: int, tsp_rank: int = 0, ts
     the behaviour policy (PPO: ~1 in an on-policy first mini-batch, moving after each step); a
     stale sample (``samples.version`` older than the policy's) is clipped around the proximal
     policy, the weights at the start of the current mini-batch (decoupled PPO).
-    Trains the trained-step positions j with j % tsp_degree == tsp_rank (time-step parallelism).
+    Trains the trained-step positions j with j % tsp_degree == tsp_rank (time-step parallelism)
+    of the samples of mini-batch ``minibatch`` of ``minibatches`` (:func:`minibatch_rows`).
     """
     cfg, ad = policy.cfg, policy.adapter
     alg, kind, eta = cfg.algorithm, cfg.sampling.sde, cfg.sampling.noise_level
@@ -155,7 +158,7 @@ def train_unit(policy, samples: Samples, total_terms: int, tsp_rank: int = 0, ts
     stats = _Stats()
     positions = [j for j in range(samples.train_idx.shape[1]) if j % tsp_degree == tsp_rank]
     sig = samples.sigmas.to(ad.device)
-    for mb in torch.arange(len(samples)).split(cfg.train.micro_batch):
+    for mb in minibatch_rows(len(samples), alg.group_size, minibatch, minibatches).split(cfg.train.micro_batch):
         cond = samples.cond.select(mb).to(ad.device)
         adv = samples.advantages[mb].to(ad.device)
         for j in positions:
@@ -211,13 +214,16 @@ class _Stats:
         return dict(vars(self))
 
 
-def minibatches(units: list, steps: int) -> list[list]:
-    """Mini-batch PPO: the iteration's rollout units, in group order, as ``steps`` equal consecutive
-    shares (``train.optimizer_steps`` divides their number); each is followed by an optimizer step."""
-    if len(units) % steps:
-        raise ValueError(f"{steps} mini-batches do not divide {len(units)} rollout units")
-    per = len(units) // steps
-    return [units[s * per : (s + 1) * per] for s in range(steps)]
+def minibatch_rows(n: int, group_size: int, minibatch: int, minibatches: int) -> torch.Tensor:
+    """Mini-batch PPO: the rows (of ``n`` samples, whole groups of ``group_size`` in a row) of
+    mini-batch ``minibatch``: the samples j*G/S .. (j+1)*G/S - 1 of every group (S = ``minibatches``
+    divides G). Every mini-batch holds a slice of every group, as in DanceGRPO (each rank's group in
+    gradient-accumulation chunks) and flow_grpo (a random split of all samples)."""
+    rows = torch.arange(n)
+    if minibatches == 1:
+        return rows
+    per = group_size // minibatches
+    return rows[(rows % group_size) // per == minibatch]
 
 
 def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:

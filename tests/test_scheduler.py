@@ -154,9 +154,11 @@ def check_invariants(
         if roles[e.worker] == "trainer":
             assert cfg.tag, "a trainer rolled out without TAG"
 
-    # ... and trained exactly once per TSP rank, from samples at most max_staleness old.
-    trained = Counter((e.unit.iteration, g, e.unit.tsp_rank) for e in trains for g in e.unit.groups)
-    expected = {(k, g, r): 1 for k in range(first, n_iter) for g in range(n_groups) for r in range(degree)}
+    # ... and trained exactly once per TSP rank and mini-batch, from samples at most max_staleness old.
+    n_steps = cfg.optimizer_steps
+    trained = Counter((e.unit.iteration, g, e.unit.tsp_rank, e.unit.step) for e in trains for g in e.unit.groups)
+    expected = {(k, g, r, s): 1 for k in range(first, n_iter) for g in range(n_groups) for r in range(degree)
+                for s in range(n_steps)}
     assert trained == Counter(expected)
     source = {e.unit.uid: e for e in rollouts}
     for e in trains:
@@ -167,11 +169,6 @@ def check_invariants(
         assert 0 <= u.iteration - u.sample_version <= stale
         assert u.version == u.iteration and u.tsp_degree == degree
         assert e.start >= src.ready  # never trained before its rewards are in
-
-    # Mini-batch PPO: train unit -> mini-batch s of its groups' equal share of the iteration.
-    n_steps, per_minibatch = cfg.optimizer_steps, n_groups // cfg.optimizer_steps
-    for e in trains:
-        assert {g // per_minibatch for g in e.unit.groups} == {e.unit.step}
 
     # optimizer_steps steps per iteration, on every rank; step s after all of mini-batch s's train
     # units and before any of mini-batch s + 1's; only the last one publishes (version k + 1: the
@@ -285,11 +282,11 @@ def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[WorkerSpec]]:
         workers = pools(n_rollout, draw(st.integers(1, 4)))
         tag = tag or n_rollout == 0  # trainers must be able to roll out
         stale = draw(st.integers(0, 1))
-    m, units = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    m = draw(st.integers(1, 3))
     cfg = SchedulerConfig(
         placement=placement,
-        optimizer_steps=draw(st.sampled_from([s for s in (1, 2, 3, 4) if units % s == 0])),
-        groups_per_iteration=m * units,
+        optimizer_steps=draw(st.integers(1, 3)),
+        groups_per_iteration=m * draw(st.integers(1, 4)),
         unit_groups=m,
         tsp_degree=draw(st.integers(1, 3)),
         tag=tag,
@@ -550,7 +547,6 @@ def test_driver_misuse_raises():
         ({"placement": "hybrid"}, "placement"),
         ({"iterations": 2, "start_iteration": 3}, "start_iteration"),
         ({"start_iteration": -1}, "start_iteration"),
-        ({"optimizer_steps": 3}, "optimizer_steps"),
         ({"optimizer_steps": 0}, "optimizer_steps"),
     ],
 )
@@ -583,36 +579,36 @@ def test_tag_alone_makes_trainers_a_rollout_pool():
 
 
 def test_minibatch_steps_follow_their_train_units_and_only_the_last_publishes():
-    cfg = disagg(optimizer_steps=2, iterations=2)
+    cfg = disagg(groups_per_iteration=2, optimizer_steps=2, iterations=2)
     sched, events = simulate(cfg, pools(1, 1), fixed())
     check_invariants(cfg, pools(1, 1), sched, events)
     trainer = [u for w, u in sched.record if w == "t0"]
+    # mini-batch 0 of each rollout unit as it arrives (GAP), its step, then mini-batch 1
     assert [(type(u).__name__[0], u.iteration, u.step) for u in trainer] == [
         ("T", 0, 0), ("T", 0, 0), ("S", 0, 0), ("T", 0, 1), ("T", 0, 1), ("S", 0, 1),
         ("T", 1, 0), ("T", 1, 0), ("S", 1, 0), ("T", 1, 1), ("T", 1, 1), ("S", 1, 1)]
+    assert [u.uid for u in trainer[:2]] == ["train-0-0-0.0", "train-0-1-0.0"]
     step_units = [u for u in trainer if isinstance(u, StepUnit)]
     assert [(u.uid, u.version, u.last) for u in step_units] == [
         ("step-0.0/t0", 0, False), ("step-0.1/t0", 1, True), ("step-1.0/t0", 1, False), ("step-1.1/t0", 2, True)]
     # the rollout worker only ever sees published versions: 0 for iteration 0, 1 for iteration 1
-    assert [u.version for w, u in sched.record if w == "r0"] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [u.version for w, u in sched.record if w == "r0"] == [0, 0, 1, 1]
+    # GAP: mini-batch 0 of the first unit trains while the second one generates
+    assert min(e.start for e in of(events, TrainUnit, 0)) < max(e.end for e in of(events, RolloutUnit, 0))
 
 
 def test_a_trainer_past_the_first_step_takes_no_tag_rollout():
-    """Rollout units left when mini-batch 0 is trained: a TAG trainer that has stepped holds no
-    published version, so the rollout worker generates them."""
-    cfg = disagg(optimizer_steps=2, tag=True)
-    sched, events = simulate(cfg, pools(1, 1), fixed(rollout=3.0, train=0.2))
-    check_invariants(cfg, pools(1, 1), sched, events)
-    first_step = min(e.start for e in of(events, StepUnit, 0))
-    assert all(e.worker == "r0" for e in of(events, RolloutUnit, 0) if e.start >= first_step)
-    assert any(e.worker == "t0" for e in of(events, RolloutUnit, 0))  # TAG before it
+    """One-step async with TAG: while iteration 0's later mini-batches train, a rollout unit of
+    iteration 1 (version 0 allowed) is pending; a trainer that has stepped holds no published
+    version, so only the rollout worker takes it."""
+    cfg = disagg(groups_per_iteration=6, optimizer_steps=2, tag=True, max_staleness=1, iterations=2)
+    sched, events = simulate(cfg, pools(1, 2), fixed(rollout=1.0, train=0.2))
+    check_invariants(cfg, pools(1, 2), sched, events)
+    first, last = (min(e.start for e in of(events, StepUnit, 0)), max(e.end for e in of(events, StepUnit, 0)))
+    assert any(e.start < last and e.end > first for e in of(events, RolloutUnit, 1))  # rollout goes on
+    assert not [e for e in events if e.worker != "r0" and isinstance(e.unit, RolloutUnit) and first <= e.start < last]
+    assert any(e.worker != "r0" for e in of(events, RolloutUnit, 0) + of(events, RolloutUnit, 1))  # TAG otherwise
 
 
-def test_without_rollout_workers_the_first_step_waits_for_the_whole_rollout():
-    cfg = disagg(optimizer_steps=2, tag=True, tsp_degree=2)
-    sched, events = simulate(cfg, pools(0, 2), fixed())
-    check_invariants(cfg, pools(0, 2), sched, events)
-    first_step = min(e.start for e in of(events, StepUnit, 0))
-    assert first_step >= max(e.end for e in of(events, RolloutUnit, 0))
-    # GAP still trains mini-batch 0 while the rest of the iteration generates
-    assert min(e.start for e in of(events, TrainUnit, 0)) < max(e.end for e in of(events, RolloutUnit, 0))
+def test_minibatches_with_tag_alone_and_tsp():
+    run(disagg(optimizer_steps=3, tag=True, tsp_degree=2, iterations=2), pools(0, 2), fixed())

@@ -225,7 +225,7 @@ class RayBackend:
         elif isinstance(unit, TrainUnit):
             self.ledger.trained(unit, result["stats"])
             self.trained[unit.rollout_uid] += 1
-            if self.trained[unit.rollout_uid] == unit.tsp_degree:  # every TSP share done: free its samples
+            if self.trained[unit.rollout_uid] == unit.tsp_degree * self.sched.cfg.optimizer_steps:  # all trained
                 del self.samples[unit.rollout_uid]
         elif isinstance(unit, StepUnit):
             self.step_done(worker, unit, result)

@@ -10,13 +10,13 @@ A rollout unit whose rewards are scored elsewhere (the reward service) may first
 
 Versions: version k is the policy after k iterations; iteration k trains version k into
 version k+1 with ``optimizer_steps`` collective steps (mini-batch PPO), of which only the last
-publishes. Mini-batch s of iteration k is the train units of its s-th equal share of prompt
-groups; its step comes after its last train unit, and no train unit of mini-batch s+1 starts
-before that step. Rollout units of iteration k may be generated with version k - max_staleness
-or newer; they are always stamped with the newest version. A trainer rank that has taken an
-intermediate step of iteration k holds no published version, so it rolls out (TAG, colocated)
-only before iteration k's first step; when no rollout worker exists (TAG only), iteration k's
-first step therefore waits until all of k is rolled out.
+publishes. Each rolled-out unit is trained as ``optimizer_steps`` x ``tsp_degree`` train units;
+mini-batch s of iteration k is the train units of the s-th slice of every group's samples, so
+its step comes after the iteration's last rollout unit and its last train unit, and no train
+unit of mini-batch s+1 starts before that step. Rollout units of iteration k may be generated
+with version k - max_staleness or newer; they are always stamped with the newest version. A
+trainer rank that has taken an intermediate step of iteration k holds no published version, so
+it rolls out (TAG, colocated) only before iteration k's first step.
 
 Knobs (see the table in docs/architecture.md):
 - placement "colocated": every device rolls out iteration k, then trains it, then steps;
@@ -77,11 +77,6 @@ class SchedulerConfig:
                 f"unit_groups ({self.unit_groups}) must divide "
                 f"groups_per_iteration ({self.groups_per_iteration})"
             )
-        if self.units_per_iteration % self.optimizer_steps:
-            raise ValueError(
-                f"optimizer_steps ({self.optimizer_steps}) must divide the rollout units per iteration "
-                f"({self.units_per_iteration}): a mini-batch holds whole units"
-            )
         if isinstance(self.start_iteration, bool) or not 0 <= self.start_iteration <= self.iterations:
             raise ValueError(f"start_iteration must be in 0..iterations ({self.iterations}), "
                              f"got {self.start_iteration!r}")
@@ -96,10 +91,6 @@ class SchedulerConfig:
     @property
     def units_per_iteration(self) -> int:
         return self.groups_per_iteration // self.unit_groups
-
-    @property
-    def groups_per_minibatch(self) -> int:
-        return self.groups_per_iteration // self.optimizer_steps
 
     @property
     def barrier(self) -> bool:
@@ -126,7 +117,7 @@ class TrainUnit:
     tsp_rank: int  # trains trained-timestep positions j with j % tsp_degree == tsp_rank
     tsp_degree: int
     version: int  # trainer weights version (== iteration)
-    step: int = 0  # mini-batch: the optimizer step of the iteration this unit's gradient goes into
+    step: int = 0  # mini-batch s: the s-th slice of each group's samples, for the iteration's step s
 
 
 @dataclass(frozen=True)
@@ -186,13 +177,10 @@ class Scheduler:
         self._behind_barrier: list[list[TrainUnit]] = [[] for _ in range(n)]
         S = cfg.optimizer_steps
         self._ready: list[list[deque[TrainUnit]]] = [[deque() for _ in range(S)] for _ in range(n)]  # [k][s]
-        per_minibatch = cfg.units_per_iteration // S * cfg.tsp_degree
+        per_minibatch = cfg.units_per_iteration * cfg.tsp_degree
         self._train_left = [[per_minibatch] * S for _ in range(n)]  # [k][s]: not yet complete
         # Mini-batch of iteration published_version being trained: the steps of it already taken.
         self.minibatch = 0
-        # Without rollout workers, a trainer rank rolls out only before iteration k's first step, so
-        # that step waits for all of k's rollout (with a single step per iteration it does anyway).
-        self._hold_first_step = S > 1 and "rollout" not in self._roles.values()
         # Ranks that have not finished the open optimizer step (of iteration published_version,
         # mini-batch ``minibatch``); non-empty exactly while a step is open.
         self._step_unfinished: set[str] = set()
@@ -340,12 +328,12 @@ class Scheduler:
         )
 
     def _rollout_done(self, unit: RolloutUnit) -> None:
-        """Turn the rolled-out groups into one train unit per TSP rank (same samples, a
-        different residue class of the trained timesteps each)."""
-        k, degree = unit.iteration, self.cfg.tsp_degree
+        """Turn the rolled-out groups into one train unit per mini-batch and TSP rank (a slice of
+        each group's samples, a residue class of the trained timesteps)."""
+        k, degree, S = unit.iteration, self.cfg.tsp_degree, self.cfg.optimizer_steps
         new = [
             TrainUnit(
-                uid=f"train-{k}-{unit.index}-{r}",
+                uid=f"train-{k}-{unit.index}-{r}" if S == 1 else f"train-{k}-{unit.index}-{r}.{s}",
                 iteration=k,
                 rollout_uid=unit.uid,
                 groups=unit.groups,
@@ -353,8 +341,9 @@ class Scheduler:
                 tsp_rank=r,
                 tsp_degree=degree,
                 version=k,
-                step=unit.groups[0] // self.cfg.groups_per_minibatch,
+                step=s,
             )
+            for s in range(S)
             for r in range(degree)
         ]
         self._rolled_out[k] += 1
@@ -368,21 +357,13 @@ class Scheduler:
                 for t in self._behind_barrier[k]:
                     self._ready[k][t.step].append(t)
                 self._behind_barrier[k].clear()
-        self._maybe_open_step()
 
     def _train_done(self, unit: TrainUnit) -> None:
         self._train_left[unit.iteration][unit.step] -= 1
-        self._maybe_open_step()
-
-    def _maybe_open_step(self) -> None:
-        """Open the collective step once every gradient of the current mini-batch is accumulated.
-        (Train units of k only run at published_version == k and mini-batch s == minibatch.)"""
-        k, s = self.published_version, self.minibatch
-        if self._step_unfinished or k >= self.cfg.iterations or self._train_left[k][s]:
-            return
-        if s == 0 and self._hold_first_step and self._rolled_out[k] < self.cfg.units_per_iteration:
-            return
-        self._step_unfinished = set(self._ranks)
+        if self._train_left[unit.iteration][unit.step] == 0:
+            # Every gradient of the mini-batch is accumulated: open its collective step. (Train
+            # units of k, s only run at published_version == k and minibatch == s: this is that step.)
+            self._step_unfinished = set(self._ranks)
 
     def _role(self, worker: str) -> Role:
         try:

@@ -248,11 +248,13 @@ class EngineWorker:
             raise RuntimeError(f"{unit.uid}: received samples of another unit")
         samples.advantages = advantages
         start = time.time()
-        stats = train_unit(self.policy, samples, total_terms, unit.tsp_rank, unit.tsp_degree)
+        stats = train_unit(self.policy, samples, total_terms, unit.tsp_rank, unit.tsp_degree, unit.step,
+                           self.cfg.train.optimizer_steps)
         self.faults.reached(unit.uid)
         end = time.time()
         event = unit_event("train", unit, start, end, self.policy.version, sample_versions=[samples.version],
-                           groups=list(samples.group_ids), tsp_rank=unit.tsp_rank, tsp_degree=unit.tsp_degree)
+                           groups=list(samples.group_ids), tsp_rank=unit.tsp_rank, tsp_degree=unit.tsp_degree,
+                           minibatch=unit.step)
         return {"stats": stats, "events": [event]}
 
     def step(self, unit: StepUnit, publish: bool) -> dict:
