@@ -110,9 +110,12 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
     assert Counter((r.iteration, g) for r in rollouts for g in r.args["groups"]) == Counter(
         {(k, g): 1 for k in range(n_iter) for g in range(n_groups)})
     assert all(r.iteration - stale <= r.version <= r.iteration for r in rollouts)
-    # ... and trained exactly once per TSP rank, from samples of ONE version at most `stale` old
-    assert Counter((t.iteration, g, t.args["tsp_rank"]) for t in trains for g in t.args["groups"]) == Counter(
-        {(k, g, r): 1 for k in range(n_iter) for g in range(n_groups) for r in range(degree)})
+    # ... and trained exactly once per TSP rank and mini-batch, from samples of ONE version at most `stale` old
+    n_steps = cfg.train.optimizer_steps  # mini-batches; per rank and iteration, one step each
+    assert Counter((t.iteration, g, t.args["tsp_rank"], t.args["minibatch"]) for t in trains
+                   for g in t.args["groups"]) == Counter(
+        {(k, g, r, s): 1 for k in range(n_iter) for g in range(n_groups) for r in range(degree)
+         for s in range(n_steps)})
     made_by = {(r.iteration, tuple(r.args["groups"])): r.version for r in rollouts}
     for t in trains:
         assert len(t.sample_versions) == 1 and t.version == t.iteration
@@ -120,7 +123,7 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
         assert made_by[(t.iteration, tuple(t.args["groups"]))] == t.sample_versions[0]
     steps = tl.of("step")
     ranks = {w for w, pool in tl.workers.items() if cfg.placement.mode == "colocated" or pool == "trainer"}
-    n_steps = cfg.train.optimizer_steps  # per rank and iteration; only the last one publishes
+    # only the last step of an iteration publishes
     assert Counter(s.iteration for s in steps) == Counter({k: len(ranks) * n_steps for k in range(n_iter)})
     assert Counter(s.iteration for s in steps if "publishes" in s.args) == Counter(
         {k: len(ranks) for k in range(n_iter)})
