@@ -65,7 +65,7 @@ def replay_cost(cost, measured):
     import statistics
 
     from digenrl.planner.costmodel import CostModel
-    from digenrl.planner.profile import timeline_unit_cv
+    from digenrl.planner.measure.engine_run import timeline_unit_cv
 
     by = {}
     for e in measured.events:
@@ -160,8 +160,9 @@ def main(argv=None) -> int:
     from digenrl.engine.timeline import Timeline
     from digenrl.planner.costmodel import CostModel, CostParams, Workload
     from digenrl.planner.gpus import cluster_from_dict
-    from digenrl.planner.profile import OtherLoad, load_profile, run_profile, save_profile, unit_groups
     from digenrl.placement import Plan
+    from digenrl.planner.measure.contention import OtherLoad
+    from digenrl.planner.profile import load_profile, run_profile, save_profile, unit_groups
     from digenrl.planner.simulator import simulate, steady_summary
 
     torch.set_num_threads(1)

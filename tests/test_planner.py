@@ -142,6 +142,27 @@ def test_flop_formula_matches_torch_flop_counter_on_the_tiny_models(name):
     assert forward_flops(shape) == pytest.approx(counter.get_total_flops() / passes, rel=0.1)
 
 
+@pytest.mark.parametrize("name", ["flux_tiny", "wan_tiny", "hunyuan_tiny", "qwen_tiny"])
+def test_adapter_cost_hooks_agree_with_the_built_model(name):
+    """The class-level hooks the planner reads (no model built) match what the built adapter does:
+    its latent shape, and the transformer passes one velocity call makes at and below guidance 1."""
+    from digenrl.adapters import adapter_class, build_adapter
+
+    for guidance in (4.5, 1.0):
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml", [f"sampling.guidance={guidance}"])
+        ad = build_adapter(cfg.model, cfg.sampling)
+        cls = adapter_class(cfg.model.adapter)
+        tcfg, vcfg = cls.presets["tiny"]
+        assert cls.latent_shape_for(cfg.model, dict(tcfg), dict(vcfg)) == tuple(ad.latent_shape())
+        calls = []
+        hook = ad.transformer.register_forward_pre_hook(lambda *_: calls.append(1))
+        x = torch.randn(1, *ad.latent_shape())
+        with torch.no_grad():
+            ad.velocity(x, torch.full((1,), 0.5), ad.encode_prompts(["a red apple"]))
+        hook.remove()
+        assert len(calls) == cls.guidance_passes(guidance) == Workload.from_config(cfg).passes
+
+
 def test_memory_model_rejects_what_does_not_fit(tmp_path):
     cfg = load_config(ROOT / "configs" / "qwen_image.yaml")
     w = Workload.from_config(cfg)

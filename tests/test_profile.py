@@ -125,7 +125,7 @@ def test_whole_unit_factor_scales_every_composed_unit_and_tsp_shares_split_it(tm
 
 def test_engine_unit_factor_is_taken_against_the_reference_units():
     from digenrl.engine.timeline import Timeline
-    from digenrl.planner.profile import unit_time_factors
+    from digenrl.planner.measure.engine_run import unit_time_factors
 
     tl = Timeline()
     tl.add_worker("rollout0", "rollout")
@@ -142,7 +142,7 @@ def test_unit_spread_counts_jitter_not_drift():
     import random
     import statistics
 
-    from digenrl.planner.profile import unit_spread
+    from digenrl.planner.measure.engine_run import unit_spread
 
     drift = [1.0 + 0.01 * i for i in range(50)]  # the host slowing down steadily: no wait at a barrier
     assert unit_spread([drift]) < 0.01 < statistics.pstdev(drift) / statistics.fmean(drift)
@@ -157,7 +157,7 @@ def test_other_load_counts_our_children_as_ours():
     import sys
     import time
 
-    from digenrl.planner.profile import OtherLoad
+    from digenrl.planner.measure.contention import OtherLoad
 
     spin = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<3: pass"],
                             start_new_session=True)
@@ -183,3 +183,28 @@ def test_profile_cli_engine_none_measures_the_model_only(monkeypatch, capsys, tm
     data = json.loads(out.read_text())
     assert data["engine"] is None and "engine: call round trip" not in stdout
     assert data["measurements"]["timing_rounds"] >= 1 and "other_load_cores" in data["measurements"]
+
+
+def test_gpu_profile_calibrates_the_mfu_from_the_batches_both_tables_measured():
+    """A GPU profile's rollout table has unit batches (m x G) the train table does not: the MFU is
+    the median over the batches both measured, each FLOPs / (time x the device's peak)."""
+    from digenrl.planner.gpus import DEVICES
+    from digenrl.planner.shapes import attention_fraction, forward_flops
+
+    cfg = load_config(None, FAST)
+    w = Workload.from_config(cfg)
+    peak, flops = DEVICES["H100"].bf16_flops, forward_flops(w.shape) * w.passes
+    train_factor = 2.0 + attention_fraction(w.shape)  # forward + LoRA backward
+    roll_mfu, train_mfu = {4: 0.30, 8: 0.50, 32: 0.05}, {1: 0.7, 4: 0.20, 8: 0.40}
+    profile = {
+        "device": {"kind": "gpu", "name": "NVIDIA H100 80GB HBM3", "table_key": "H100"},
+        "model": w.shape.signature(), "workload": {"tokens": {"x": w.shape.tokens.x, "text": w.shape.tokens.text}},
+        "measurements": {
+            "rollout_step_s": {str(b): b * flops / (u * peak) for b, u in roll_mfu.items()},
+            "train_step_s": {str(b): b * flops * train_factor / (u * peak) for b, u in train_mfu.items()},
+        },
+    }
+    cost = CostModel(w, load_cluster(ROOT / "configs" / "clusters" / "16xH800.yaml"), profile=profile)
+    # batches 4 and 8 are in both tables (32 only rollout, 1 below the calibration's smallest batch)
+    assert cost.p.mfu_rollout == pytest.approx(0.50) and cost.p.mfu_train == pytest.approx(0.40)
+    assert cost.p.mfu_source == "calibrated on NVIDIA H100 80GB HBM3"

@@ -4,11 +4,16 @@ An adapter knows nothing of RL. The sampler (``digenrl.algorithms.sde``) owns th
 calls :meth:`Adapter.velocity` once per step; with noise level 0 it must reproduce the family's
 own diffusers pipeline. Latents are kept in the model's native layout (FLUX / Qwen: packed 2x2
 tokens; Wan / Hunyuan: (B, C, F, H, W)) and always in fp32 outside the network.
+
+Each family also states what one sample costs, from configs alone (class-level hooks the planner
+calls without building a model): the latent shape and token counts, the FLOPs of one transformer
+pass, the guidance passes per step, and the published reference model's shapes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,14 +54,43 @@ class Cond:
         return Cond({k: torch.cat([c.batched[k] for c in conds]) for k in keys}, conds[0].shared)
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """One sample as the transformer sees it."""
+
+    x: int  # image / video tokens per sample
+    text: int  # text tokens per sample
+    latent_elements: int  # fp32 latent numbers per sample (one denoising state)
+    pixels: int  # decoded pixels per sample (x frames)
+
+
+@dataclass(frozen=True)
+class PublishedModel:
+    """A family's reference checkpoint as published (the numbers of its diffusers ``config.json``
+    files): what the planner costs when a real-scale config's checkpoint is not on this machine."""
+
+    label: str
+    transformer: dict  # transformer/config.json
+    vae: dict  # the vae/config.json entries that set its compression
+    vae_params: float
+    vae_decode_flops_per_px: float  # VAE decoder FLOPs per output pixel (per frame), rough, from its widths
+    text_encoder_params: float  # the text encoder(s) the rollout side holds
+
+
+def hidden_size(transformer_config: dict) -> int:
+    """The transformer's model width d (every supported family: heads x head dim)."""
+    return transformer_config["num_attention_heads"] * transformer_config["attention_head_dim"]
+
+
 class Adapter(ABC):
-    """One model family. Subclasses set ``name``, ``default_lora_targets`` and implement the hooks."""
+    """One model family. Subclasses set ``name``, ``default_lora_targets``, the cost attributes
+    (``transformer_class``, ``published``, ``presets``) and implement the hooks."""
 
     name: str = ""
     default_lora_targets: tuple[str, ...] = ()
-    #: timestep scale the transformer expects: 1.0 (FLUX, Qwen: sigma in [0,1]) or 1000.0 (Wan, Hunyuan)
-    timestep_scale: float = 1.0
-    video: bool = False
+    transformer_class: str = ""  # the diffusers transformer class
+    published: PublishedModel  # the family's reference model
+    presets: dict[str, tuple[dict, dict]] = {}  # preset name -> (transformer, VAE) configs
     preview = None  # LatentRGBDecoder for tiny presets, None = decode with the real VAE
 
     def __init__(self, model: ModelConfig, sampling: SamplingConfig, device: torch.device | str = "cpu"):
@@ -126,6 +160,47 @@ class Adapter(ABC):
         if self.preview is not None:
             return self.preview(x)
         return self.vae_decode(x)
+
+    # ------------------------------------------------------------------ cost (from configs, no model)
+    @classmethod
+    def vae_factors(cls, vae_config: dict) -> tuple[int, int]:
+        """(spatial, temporal) compression of a VAE with this config."""
+        raise NotImplementedError
+
+    @classmethod
+    def latent_shape_for(cls, model: ModelConfig, transformer_config: dict, vae_config: dict) -> tuple[int, ...]:
+        """One sample's latent shape (as :meth:`latent_shape`) from the component configs."""
+        raise NotImplementedError
+
+    @classmethod
+    def sequence_tokens(cls, transformer_config: dict, latent_shape: tuple[int, ...]) -> int:
+        """Image / video tokens the transformer makes of one sample's latents."""
+        raise NotImplementedError
+
+    @classmethod
+    def tokens(cls, model: ModelConfig, transformer_config: dict, vae_config: dict) -> Tokens:
+        shape = cls.latent_shape_for(model, transformer_config, vae_config)
+        return Tokens(cls.sequence_tokens(transformer_config, shape), model.max_text_len, math.prod(shape),
+                      model.height * model.width * (model.frames or 1))
+
+    @classmethod
+    def forward_flops(cls, transformer_config: dict, tokens: Tokens) -> float:
+        """FLOPs of one transformer pass for one sample (one guidance branch): 2 x the multiply-adds of
+        every linear layer per token, ``4 n_q n_kv d`` per attention, the per-sample modulation layers;
+        norms, RoPE and elementwise work left out."""
+        raise NotImplementedError
+
+    @classmethod
+    def attention_flops(cls, transformer_config: dict, tokens: Tokens) -> float:
+        """The score / value products of one pass: joint attention over image + text tokens in every block."""
+        c = transformer_config
+        n = tokens.x + tokens.text
+        return (c["num_layers"] + c.get("num_single_layers", 0)) * 4 * n * n * hidden_size(c)
+
+    @classmethod
+    def guidance_passes(cls, guidance: float) -> int:
+        """Transformer passes per denoising step at this guidance scale (2 for two-pass CFG)."""
+        return 1
 
     # ------------------------------------------------------------------ helpers
     def autocast(self):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from digenrl.adapters.base import Cond, seeded
+from digenrl.adapters.base import Cond, PublishedModel, Tokens, hidden_size, seeded
 from digenrl.adapters.packed import PackedLatentAdapter
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
@@ -33,6 +33,17 @@ FLUX_SCHEDULER = dict(
     base_image_seq_len=256, max_image_seq_len=4096,
 )
 
+# black-forest-labs/FLUX.1-dev: transformer/config.json, and the VAE's four blocks (8x)
+FLUX1_DEV = PublishedModel(
+    label="FLUX.1-dev (12B)",
+    transformer=dict(attention_head_dim=128, guidance_embeds=True, in_channels=64, joint_attention_dim=4096,
+                     num_attention_heads=24, num_layers=19, num_single_layers=38, patch_size=1,
+                     pooled_projection_dim=768, axes_dims_rope=[16, 56, 56]),
+    vae=dict(block_out_channels=[128, 256, 512, 512]),
+    vae_params=83.8e6, vae_decode_flops_per_px=6.6e6,
+    text_encoder_params=4.76e9 + 0.123e9,  # T5-XXL encoder + CLIP-L
+)
+
 
 class FluxAdapter(PackedLatentAdapter):
     name = "flux"
@@ -40,8 +51,10 @@ class FluxAdapter(PackedLatentAdapter):
         "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
         "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
     )
-    timestep_scale = 1.0
     pipeline_class = "FluxPipeline"
+    transformer_class = "FluxTransformer2DModel"
+    published = FLUX1_DEV
+    presets = {"tiny": (TINY_TRANSFORMER, TINY_VAE)}
 
     # ------------------------------------------------------------------ build
     def build_preset(self, preset: str) -> None:
@@ -68,10 +81,6 @@ class FluxAdapter(PackedLatentAdapter):
         self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
         self.text = None
 
-    @property
-    def vae_scale(self) -> int:
-        return 2 ** (len(self.vae.config.block_out_channels) - 1)
-
     def check_shapes(self) -> None:
         # FLUX packs 2x2 latent patches: pixels must divide by vae_scale * 2 (16 for the real VAE)
         h, w = self.cfg.height, self.cfg.width
@@ -80,6 +89,23 @@ class FluxAdapter(PackedLatentAdapter):
             raise UserError(f"model.height/width: FLUX needs multiples of {unit} pixels, got {h}x{w}")
         if self.cfg.frames not in (None, 1):
             raise UserError("model.frames: FLUX is an image model; leave frames unset")
+
+    # ------------------------------------------------------------------ cost
+    @classmethod
+    def vae_factors(cls, vae_config) -> tuple[int, int]:
+        return 2 ** (len(vae_config.get("block_out_channels", [0] * 4)) - 1), 1
+
+    @classmethod
+    def forward_flops(cls, transformer_config, tokens: Tokens) -> float:
+        c, nx, nt = transformer_config, tokens.x, tokens.text
+        d, n = hidden_size(c), nx + nt
+        cin, cout = c["in_channels"], c.get("out_channels") or c["in_channels"]
+        n_emb = 3 if c.get("guidance_embeds") else 2  # timestep (+ guidance) + pooled text MLPs
+        embed = 2 * cin * d * nx + 2 * c["joint_attention_dim"] * d * nt
+        embed += 2 * (n_emb - 1) * (256 * d + d * d) + 2 * (c["pooled_projection_dim"] * d + d * d)
+        double = c["num_layers"] * (2 * 12 * d * d * n + 4 * n * n * d + 2 * 2 * 6 * d * d)
+        single = c["num_single_layers"] * (2 * 12 * d * d * n + 4 * n * n * d + 2 * 3 * d * d)
+        return embed + double + single + 2 * 2 * d * d + 2 * d * cout * nx
 
     # ------------------------------------------------------------------ hooks
     def encode_prompts(self, prompts: list[str]) -> Cond:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from digenrl.adapters.base import Adapter, Cond, seeded
+from digenrl.adapters.base import Adapter, Cond, PublishedModel, Tokens, hidden_size, seeded
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
@@ -43,13 +43,26 @@ HUNYUAN_SHIFT = 7.0  # HunyuanVideo's scheduler config (FlowMatchEulerDiscreteSc
 PIXEL_UNIT = 16  # the pipeline's own check_inputs: height/width % 16 (VAE 8x x real patch_size 2)
 TEMPORAL = 4  # causal 3-D VAE: frames = 4k + 1 -> k + 1 latent frames
 
+# hunyuanvideo-community/HunyuanVideo: transformer/config.json and vae/config.json's compression
+HUNYUAN_VIDEO = PublishedModel(
+    label="HunyuanVideo (13B)",
+    transformer=dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
+                     num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2,
+                     patch_size_t=1, qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096,
+                     pooled_projection_dim=768, rope_theta=256.0, rope_axes_dim=[16, 56, 56]),
+    vae=dict(spatial_compression_ratio=8, temporal_compression_ratio=4),
+    vae_params=246e6, vae_decode_flops_per_px=20e6,
+    text_encoder_params=7.5e9 + 0.123e9,  # LLaVA-LLaMA-3-8B language model + CLIP-L
+)
+
 
 class HunyuanVideoAdapter(Adapter):
     name = "hunyuan_video"
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
-    timestep_scale = 1000.0
-    video = True
     pipeline_class = "HunyuanVideoPipeline"
+    transformer_class = "HunyuanVideoTransformer3DModel"
+    published = HUNYUAN_VIDEO
+    presets = {"tiny": (TINY_TRANSFORMER, TINY_VAE)}
 
     # ------------------------------------------------------------------ build
     def build_preset(self, preset: str) -> None:
@@ -90,6 +103,41 @@ class HunyuanVideoAdapter(Adapter):
         if (f - 1) % TEMPORAL:
             raise UserError(f"model.frames: HunyuanVideo's causal VAE needs 4k+1 frames (e.g. 9, 33, 53), got {f}")
 
+    # ------------------------------------------------------------------ cost
+    @classmethod
+    def vae_factors(cls, vae_config) -> tuple[int, int]:
+        return vae_config.get("spatial_compression_ratio", 8), vae_config.get("temporal_compression_ratio", 4)
+
+    @classmethod
+    def latent_shape_for(cls, model, transformer_config, vae_config) -> tuple[int, int, int, int]:
+        """As HunyuanVideoPipeline.prepare_latents: (C, (F-1)//t + 1, H//s, W//s)."""
+        s, t = cls.vae_factors(vae_config)
+        frames = ((model.frames or 1) - 1) // t + 1
+        return (transformer_config["in_channels"], frames, model.height // s, model.width // s)
+
+    @classmethod
+    def sequence_tokens(cls, transformer_config, latent_shape) -> int:
+        pt, p = transformer_config.get("patch_size_t", 1), transformer_config.get("patch_size", 2)
+        _, f, h, w = latent_shape
+        return (f // pt) * (h // p) * (w // p)
+
+    @classmethod
+    def forward_flops(cls, transformer_config, tokens: Tokens) -> float:
+        c, nx, nt = transformer_config, tokens.x, tokens.text
+        d, n = hidden_size(c), nx + nt
+        pv = c.get("patch_size_t", 1) * c.get("patch_size", 2) ** 2
+        cin, cout = c["in_channels"], c.get("out_channels") or c["in_channels"]
+        r = c.get("mlp_ratio", 4.0)
+        per_token = (4 + 2 * r) * d * d  # qkv + out (or proj_out's share) + MLP, per stream
+        refiner = 2 * c["text_embed_dim"] * d * nt + 2 * (256 * d + d * d) + c.get("num_refiner_layers", 2) * (
+            2 * per_token * nt + 4 * nt * nt * d + 2 * 2 * d * d)
+        n_emb = 2 if c.get("guidance_embeds") else 1
+        embed = 2 * cin * pv * d * nx + refiner + 2 * n_emb * (256 * d + d * d)
+        embed += 2 * (c["pooled_projection_dim"] * d + d * d)
+        double = c["num_layers"] * (2 * per_token * n + 4 * n * n * d + 2 * 2 * 6 * d * d)
+        single = c["num_single_layers"] * (2 * per_token * n + 4 * n * n * d + 2 * 3 * d * d)
+        return embed + double + single + 2 * 2 * d * d + 2 * d * cout * pv * nx
+
     # ------------------------------------------------------------------ hooks
     def encode_prompts(self, prompts: list[str]) -> Cond:
         if self.pipe is not None:
@@ -107,10 +155,7 @@ class HunyuanVideoAdapter(Adapter):
         return Cond({k: v.to(self.device) for k, v in (("prompt_embeds", embeds), ("pooled", pooled), ("mask", mask))})
 
     def latent_shape(self) -> tuple[int, ...]:
-        # as HunyuanVideoPipeline.prepare_latents
-        s = self.vae.spatial_compression_ratio
-        frames = (self.cfg.frames - 1) // self.vae.temporal_compression_ratio + 1
-        return (self.transformer.config.in_channels, frames, self.cfg.height // s, self.cfg.width // s)
+        return self.latent_shape_for(self.cfg, self.transformer.config, self.vae.config)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         shift = self.sampling.shift if self.sampling.shift is not None else self.scheduler.config.shift

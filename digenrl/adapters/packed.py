@@ -18,15 +18,30 @@ def calculate_shift(seq_len: int, base_len: int, max_len: int, base_shift: float
 
 
 class PackedLatentAdapter(Adapter):
-    vae_scale: int  # spatial compression of the VAE (subclasses define it from their VAE config)
+    @property
+    def vae_scale(self) -> int:
+        """Spatial compression of the VAE (as the pipeline's ``vae_scale_factor``)."""
+        return self.vae_factors(self.vae.config)[0]
+
+    @staticmethod
+    def grid(model, vae_scale: int) -> tuple[int, int]:
+        """Packed token grid (rows, cols): 2x2 latent patches."""
+        return model.height // vae_scale // 2, model.width // vae_scale // 2
 
     def _grid(self) -> tuple[int, int]:
-        """Packed token grid (rows, cols)."""
-        return self.cfg.height // self.vae_scale // 2, self.cfg.width // self.vae_scale // 2
+        return self.grid(self.cfg, self.vae_scale)
+
+    @classmethod
+    def latent_shape_for(cls, model, transformer_config, vae_config) -> tuple[int, ...]:
+        rows, cols = cls.grid(model, cls.vae_factors(vae_config)[0])
+        return (rows * cols, transformer_config["in_channels"])
+
+    @classmethod
+    def sequence_tokens(cls, transformer_config, latent_shape) -> int:
+        return latent_shape[0]  # one token per packed patch
 
     def latent_shape(self) -> tuple[int, ...]:
-        rows, cols = self._grid()
-        return (rows * cols, self.transformer.config.in_channels)
+        return self.latent_shape_for(self.cfg, self.transformer.config, self.vae.config)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         c = self.scheduler.config

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from digenrl.adapters.base import Cond, seeded
+from digenrl.adapters.base import Cond, PublishedModel, Tokens, hidden_size, seeded
 from digenrl.adapters.packed import PackedLatentAdapter
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
@@ -37,6 +37,17 @@ QWEN_SCHEDULER = dict(
     max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
 )
 
+# Qwen/Qwen-Image: transformer/config.json, and the VAE's three temporal-downsample stages (8x)
+QWEN_IMAGE = PublishedModel(
+    label="Qwen-Image (20B)",
+    transformer=dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                     num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
+                     axes_dims_rope=[16, 56, 56]),
+    vae=dict(temperal_downsample=[False, True, True]),
+    vae_params=127e6, vae_decode_flops_per_px=10e6,
+    text_encoder_params=8.29e9,  # Qwen2.5-VL-7B
+)
+
 
 class QwenImageAdapter(PackedLatentAdapter):
     name = "qwen_image"
@@ -44,9 +55,10 @@ class QwenImageAdapter(PackedLatentAdapter):
         "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
         "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
     )
-    timestep_scale = 1.0
-    video = False
     pipeline_class = "QwenImagePipeline"
+    transformer_class = "QwenImageTransformer2DModel"
+    published = QWEN_IMAGE
+    presets = {"tiny": (TINY_TRANSFORMER, TINY_VAE)}
 
     # ------------------------------------------------------------------ build
     def build_preset(self, preset: str) -> None:
@@ -72,10 +84,6 @@ class QwenImageAdapter(PackedLatentAdapter):
         self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
         self.text = None
 
-    @property
-    def vae_scale(self) -> int:
-        return 2 ** len(self.vae.config.temperal_downsample)  # as the pipeline's vae_scale_factor
-
     def check_shapes(self) -> None:
         # 2x2 packing on top of the VAE's compression: pixels must divide by vae_scale * 2 (16 for the
         # real VAE, 8 for the tiny one); the pipeline would silently round the size down instead
@@ -85,6 +93,25 @@ class QwenImageAdapter(PackedLatentAdapter):
             raise UserError(f"model.height/width: Qwen-Image needs multiples of {unit} pixels, got {h}x{w}")
         if self.cfg.frames is not None:
             raise UserError("model.frames: Qwen-Image is an image model; leave frames unset")
+
+    # ------------------------------------------------------------------ cost
+    @classmethod
+    def vae_factors(cls, vae_config) -> tuple[int, int]:
+        return 2 ** len(vae_config.get("temperal_downsample", [0] * 3)), 1  # as the pipeline's vae_scale_factor
+
+    @classmethod
+    def guidance_passes(cls, guidance: float) -> int:
+        return 2 if guidance > 1.0 else 1  # true CFG
+
+    @classmethod
+    def forward_flops(cls, transformer_config, tokens: Tokens) -> float:
+        c, nx, nt = transformer_config, tokens.x, tokens.text
+        d, n = hidden_size(c), nx + nt
+        cin, p = c["in_channels"], c.get("patch_size", 2)
+        cout = c.get("out_channels") or cin // (p * p)
+        embed = 2 * cin * d * nx + 2 * c["joint_attention_dim"] * d * nt + 2 * (256 * d + d * d)
+        blocks = c["num_layers"] * (2 * 12 * d * d * n + 4 * n * n * d + 2 * 2 * 6 * d * d)
+        return embed + blocks + 2 * 2 * d * d + 2 * d * p * p * cout * nx
 
     # ------------------------------------------------------------------ hooks
     def _encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

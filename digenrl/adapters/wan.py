@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from digenrl.adapters.base import Adapter, Cond, seeded
+from digenrl.adapters.base import Adapter, Cond, PublishedModel, Tokens, hidden_size, seeded
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
@@ -35,13 +35,25 @@ TINY_VAE = dict(
 TINY_SHIFT = 3.0
 DEFAULT_SHIFT = 5.0  # when a checkpoint's scheduler names no shift (Wan: 3.0 for 480p, 5.0 for 720p)
 
+# Wan-AI/Wan2.1-T2V-14B-Diffusers: transformer/config.json and vae/config.json's compression
+WAN21_T2V_14B = PublishedModel(
+    label="Wan2.1-T2V-14B",
+    transformer=dict(patch_size=[1, 2, 2], num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                     out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+                     cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+    vae=dict(scale_factor_spatial=8, scale_factor_temporal=4),
+    vae_params=127e6, vae_decode_flops_per_px=10e6,
+    text_encoder_params=5.68e9,  # UMT5-XXL encoder
+)
+
 
 class WanAdapter(Adapter):
     name = "wan"
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # FFN (optional): "ffn.net.0.proj", "ffn.net.2"
-    timestep_scale = 1000.0
-    video = True
     pipeline_class = "WanPipeline"
+    transformer_class = "WanTransformer3DModel"
+    published = WAN21_T2V_14B
+    presets = {"tiny": (TINY_TRANSFORMER, TINY_VAE)}
     _neg: torch.Tensor | None = None  # negative-prompt embedding (1, L, D), encoded once
 
     # ------------------------------------------------------------------ build
@@ -84,10 +96,47 @@ class WanAdapter(Adapter):
         except (OSError, ValueError):
             return None  # missing / unreadable checkpoint: reported by the build
 
-    def _latent_shape(self, tcfg, vcfg) -> tuple[int, int, int, int]:
+    # ------------------------------------------------------------------ cost
+    @classmethod
+    def vae_factors(cls, vae_config) -> tuple[int, int]:
+        return vae_config.get("scale_factor_spatial") or 8, vae_config.get("scale_factor_temporal") or 4
+
+    @classmethod
+    def latent_shape_for(cls, model, transformer_config, vae_config) -> tuple[int, int, int, int]:
         """As WanPipeline.prepare_latents: (C, (F-1)//t + 1, H//s, W//s)."""
-        t, s = vcfg.get("scale_factor_temporal") or 4, vcfg.get("scale_factor_spatial") or 8
-        return (tcfg.get("in_channels", 16), (self.cfg.frames - 1) // t + 1, self.cfg.height // s, self.cfg.width // s)
+        s, t = cls.vae_factors(vae_config)
+        return (transformer_config.get("in_channels", 16), ((model.frames or 1) - 1) // t + 1,
+                model.height // s, model.width // s)
+
+    @classmethod
+    def sequence_tokens(cls, transformer_config, latent_shape) -> int:
+        pt, ph, pw = transformer_config.get("patch_size", (1, 2, 2))
+        _, f, h, w = latent_shape
+        return (f // pt) * (h // ph) * (w // pw)
+
+    @classmethod
+    def guidance_passes(cls, guidance: float) -> int:
+        return 2 if guidance > 1.0 else 1  # two-pass CFG
+
+    @classmethod
+    def forward_flops(cls, transformer_config, tokens: Tokens) -> float:
+        c, nx, nt = transformer_config, tokens.x, tokens.text
+        d = hidden_size(c)
+        pt, ph, pw = c.get("patch_size", (1, 2, 2))
+        pv = pt * ph * pw
+        cin, cout, ffn = c["in_channels"], c.get("out_channels") or c["in_channels"], c["ffn_dim"]
+        embed = 2 * cin * pv * d * nx + 2 * (c["text_dim"] * d + d * d) * nt
+        embed += 2 * (c.get("freq_dim", 256) * d + d * d) + 2 * d * 6 * d
+        block = (2 * 4 * d * d * nx + 4 * nx * nx * d  # self-attention
+                 + 2 * 2 * d * d * nx + 2 * 2 * d * d * nt + 4 * nx * nt * d  # cross-attention to the text
+                 + 2 * 2 * d * ffn * nx)  # FFN
+        return embed + c["num_layers"] * block + 2 * d * cout * pv * nx
+
+    @classmethod
+    def attention_flops(cls, transformer_config, tokens: Tokens) -> float:
+        """Self-attention over the video tokens, cross-attention to the text."""
+        c, nx, nt = transformer_config, tokens.x, tokens.text
+        return c["num_layers"] * (4 * nx * nx * hidden_size(c) + 4 * nx * nt * hidden_size(c))
 
     def check_shapes(self) -> None:
         # runs before the (possibly 14B) load, from config files only
@@ -98,7 +147,7 @@ class WanAdapter(Adapter):
         if configs is None:
             return
         tcfg, vcfg = configs
-        t, s = vcfg.get("scale_factor_temporal") or 4, vcfg.get("scale_factor_spatial") or 8
+        s, t = self.vae_factors(vcfg)
         if (f - 1) % t:  # the pipeline would silently round; we refuse
             raise UserError(f"model.frames: Wan needs {t}k+1 frames (e.g. {(f - 1) // t * t + 1} or "
                             f"{(f - 1) // t * t + t + 1}), got {f}")
@@ -107,7 +156,7 @@ class WanAdapter(Adapter):
             # a latent side not divisible by the patch is silently cut by the patch embedding (7 -> 6)
             if px % (s * p):
                 raise UserError(f"model.{key}: Wan needs a multiple of {s * p} pixels (VAE x{s}, patch {p}), got {px}")
-        _, lf, lh, lw = self._latent_shape(tcfg, vcfg)
+        _, lf, lh, lw = self.latent_shape_for(self.cfg, tcfg, vcfg)
         rope = tcfg.get("rope_max_seq_len", 1024)
         for key, n in (("frames", lf // pt), ("height", lh // ph), ("width", lw // pw)):
             if n > rope:
@@ -132,7 +181,7 @@ class WanAdapter(Adapter):
         return Cond(batched)
 
     def latent_shape(self) -> tuple[int, ...]:
-        return self._latent_shape(self.transformer.config, self.vae.config)
+        return self.latent_shape_for(self.cfg, self.transformer.config, self.vae.config)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         return self._set_timesteps(num_steps)  # fixed shift, no mu

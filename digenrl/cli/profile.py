@@ -14,12 +14,12 @@ from digenrl.config import RunConfig
 def run_profile_command(cfg: RunConfig, device: str, out: Path, console: Console, engine: str | None = None,
                         repeats: int = 5) -> dict:
     from digenrl.errors import UserError
-    from digenrl.planner.profile import run_profile, save_profile, steps_total
+    from digenrl.planner.profile import ENGINE_MODES, run_profile, save_profile, steps_total
 
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device: expected cpu or cuda, got '{device}'")
     engine = engine or ("ray" if device == "cpu" else "none")
-    if engine not in ("none", "ray", "run"):
+    if engine not in ENGINE_MODES:
         raise UserError(f"--engine: expected none, ray or run, got '{engine}'")
     if repeats < 1:
         raise UserError(f"--repeats: must be at least 1, got {repeats}")

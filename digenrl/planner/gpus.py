@@ -3,7 +3,7 @@
 Every number in :data:`DEVICES` is the vendor's datasheet value for the SXM / board variant
 named (dense, i.e. without 2:4 sparsity); the comment on each row names the document. The
 planner only uses them through the cost model, which multiplies peak FLOP/s by an efficiency
-factor (MFU) and memory bandwidth by a bandwidth efficiency (``costmodel.CostParams``).
+factor (MFU) and memory bandwidth by a bandwidth efficiency (``params.CostParams``).
 
 A cluster file describes pools of devices::
 

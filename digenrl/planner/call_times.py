@@ -1,0 +1,197 @@
+"""Seconds per call on one device type, and the rollout / train unit durations composed from them.
+
+- rollout unit of ``m`` groups (``b = m x G`` samples, generated as ONE batch):
+  ``encode(m prompts) + N x step(b) + decode(b) + reward(b) + overhead``, where ``step`` is one
+  ``velocity`` call with the model's guidance (two passes for two-pass CFG);
+- train unit (the unit's samples x its share of the trained steps, ``T_r = |{j < T : j mod D = r}|``
+  for TSP rank r of degree D): for every trained-step position and micro-batch one forward +
+  backward of ``recompute_logprob`` (+ a no-grad reference forward when ``kl_beta > 0``);
+  DanceGRPO's random steps split a micro-batch into one forward per distinct step.
+
+Per-call times come from a profile (:class:`ProfiledTimes`: means vs batch size, interpolated
+piecewise-linearly in the batch, extrapolated along the last segment) or from the analytic model
+(:class:`AnalyticTimes`): FLOPs from the adapter's formula over ``peak bf16 FLOP/s x MFU``, bounded
+below by reading the weights once per pass at ``memory bandwidth x efficiency``.
+"""
+
+from __future__ import annotations
+
+from digenrl.planner.constants import (MIN_CALL_FRACTION, MIN_UNIT_FRACTION, OPTIMIZER_FIXED_S,
+                                       OPTIMIZER_STATE_PASSES)
+from digenrl.planner.gpus import DeviceSpec
+from digenrl.planner.params import CostParams
+from digenrl.planner.shapes import attention_fraction, forward_flops
+from digenrl.planner.workload import Workload
+
+
+def interpolate(table: dict[int, float], b: float) -> float:
+    """Piecewise-linear in the batch size; beyond the table, along its last (or first) segment."""
+    xs = sorted(table)
+    if len(xs) == 1:
+        return table[xs[0]] * b / xs[0]
+    if b <= xs[0]:
+        x0, x1 = xs[0], xs[1]
+    elif b >= xs[-1]:
+        x0, x1 = xs[-2], xs[-1]
+    else:
+        i = next(i for i, x in enumerate(xs) if x >= b)
+        x0, x1 = xs[i - 1], xs[i]
+    y0, y1 = table[x0], table[x1]
+    y = y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+    if b < xs[0]:  # below the table: a smaller batch costs no more than the smallest measured one, and
+        # no less per sample (a noisy first segment extrapolated to b -> 0 would make small batches free)
+        return min(table[xs[0]], max(y, table[xs[0]] * b / xs[0]))
+    return max(y, min(y0, y1) * MIN_CALL_FRACTION)
+
+
+class CallTimes:
+    """Seconds per call on one device type. ``b`` = batch size (may be fractional in expectations)."""
+
+    source = ""
+
+    def rollout_step(self, b: float) -> float: ...  # one velocity call, all guidance passes, no grad
+    def train_step(self, b: float) -> float: ...  # forward + backward of recompute_logprob
+    def ref_forward(self, b: float) -> float: ...  # the KL reference forward (no grad)
+    def decode(self, b: float) -> float: ...
+    def reward(self, b: float) -> float: ...
+    def encode(self, prompts: int) -> float: ...
+    def optimizer(self) -> float: ...
+    def pack(self) -> float: ...  # Policy.weights() + checksum
+    def load(self) -> float: ...  # verified load of shipped weights
+    rollout_overhead_s = 0.0  # per unit, beyond its calls (analytic model; profiles of version 1 before factors)
+    train_overhead_s = 0.0
+    rollout_unit_factor = 1.0  # a whole unit / the sum of its calls, as profiled (CPU engine: SDE / loss math)
+    train_unit_factor = 1.0
+
+
+class ProfiledTimes(CallTimes):
+    """From a profile.json measured on this device type."""
+
+    def __init__(self, profile: dict):
+        self.p = profile
+        self.source = f"profile ({profile['device']['name']})"
+        m = profile["measurements"]
+        self._roll = {int(k): v for k, v in m["rollout_step_s"].items()}
+        self._train = {int(k): v for k, v in m["train_step_s"].items()}
+        self._ref = {int(k): v for k, v in m.get("ref_forward_s", m["rollout_step_s"]).items()}
+        u = m.get("unit_overhead") or {}
+        if "rollout_factor" in u:  # whole units measured at the run's unit size: scale by the ratio
+            self.rollout_unit_factor, self.train_unit_factor = u["rollout_factor"], u["train_factor"]
+        else:  # older profiles: the difference in seconds, measured on a unit of one group
+            self.rollout_overhead_s, self.train_overhead_s = u.get("rollout_s", 0.0), u.get("train_s", 0.0)
+
+    def rollout_step(self, b):
+        return interpolate(self._roll, b)
+
+    def train_step(self, b):
+        return interpolate(self._train, b)
+
+    def ref_forward(self, b):
+        return interpolate(self._ref, b)
+
+    def decode(self, b):
+        return b * self.p["measurements"]["decode_s_per_sample"]
+
+    def reward(self, b):
+        return b * self.p["measurements"]["reward_s_per_sample"]
+
+    def encode(self, prompts):
+        return prompts * self.p["measurements"]["encode_s_per_prompt"]
+
+    def optimizer(self):
+        return self.p["measurements"]["optimizer_step_s"]
+
+    def pack(self):
+        return self.p["measurements"]["weight_sync"]["pack_s"]
+
+    def load(self):
+        return self.p["measurements"]["weight_sync"]["load_s"]
+
+
+class AnalyticTimes(CallTimes):
+    """FLOPs / (peak x MFU), bounded below by streaming the weights once per pass."""
+
+    def __init__(self, w: Workload, dev: DeviceSpec, p: CostParams, checkpointing: bool = False, shard: int = 1,
+                 link_bw: float | None = None):
+        self.w, self.dev, self.p = w, dev, p
+        self.checkpointing, self.shard = checkpointing, shard
+        self.source = f"analytic ({dev.name}, MFU {p.mfu_rollout:.2f}/{p.mfu_train:.2f} {p.mfu_source})"
+        self.flops = forward_flops(w.shape)  # one pass, one sample
+        self.weight_bytes = w.params.total * w.dtype_bytes
+        self.rollout_overhead_s = self.train_overhead_s = p.unit_overhead_s
+        # FSDP: every pass all-gathers the weights (and the backward reduce-scatters full-FT gradients)
+        self.fsdp_s = 0.0
+        if shard > 1:
+            moved = self.weight_bytes * (shard - 1) / shard / (link_bw or dev.link_bw)
+            self.fsdp_s = (1 - p.fsdp_overlap) * moved
+
+    def _pass(self, b: float, mfu: float, flop_factor: float, weight_reads: float) -> float:
+        compute = b * self.flops * flop_factor / (self.dev.bf16_flops * mfu)
+        stream = weight_reads * self.weight_bytes / (self.dev.mem_bw * self.p.mem_bw_efficiency)
+        return max(compute, stream) + self.p.forward_overhead_s
+
+    def rollout_step(self, b):
+        return self.w.passes * (self._pass(b, self.p.mfu_rollout, 1.0, 1.0) + self.fsdp_s)
+
+    def train_step(self, b):
+        a = attention_fraction(self.w.shape)
+        backward = 2.0 if not self.w.lora else 1.0 + a  # LoRA: no weight gradients for the frozen base
+        factor = 1.0 + backward + (1.0 if self.checkpointing else 0.0)
+        reads = 2.0 + (1.0 if self.checkpointing else 0.0)
+        fsdp = self.fsdp_s * (3 if not self.w.lora else 2)
+        return self.w.passes * (self._pass(b, self.p.mfu_train, factor, reads) + fsdp)
+
+    def ref_forward(self, b):
+        return self.w.passes * (self._pass(b, self.p.mfu_train, 1.0, 1.0) + self.fsdp_s)
+
+    def decode(self, b):
+        t = self.w.shape.tokens
+        return b * t.pixels * self.w.shape.vae_decode_flops_per_px / (self.dev.bf16_flops * self.p.vae_mfu)
+
+    def reward(self, b):
+        per = self.p.weight_free_reward_s if self.w.reward_kind == "weight_free" else self.p.model_reward_s
+        return b * per * self.w.video_frames
+
+    def encode(self, prompts):
+        te = self.w.shape.text_encoder_params
+        if not te:
+            return 0.0
+        flops = 2 * te * self.w.shape.tokens.text
+        return prompts * (flops / (self.dev.bf16_flops * self.p.mfu_rollout) + self.p.forward_overhead_s)
+
+    def optimizer(self):
+        n = self.w.trained_params / (self.shard if not self.w.lora else 1)
+        stream = OPTIMIZER_STATE_PASSES * n * self.p.trained_state_bytes
+        return stream / (self.dev.mem_bw * self.p.mem_bw_efficiency) + OPTIMIZER_FIXED_S
+
+    def pack(self):
+        b = self.w.sync_bytes
+        return b / self.dev.host_bw + b / self.p.checksum_bytes_per_s
+
+    def load(self):
+        b = self.w.sync_bytes
+        return b / self.dev.host_bw + 2 * b / self.p.checksum_bytes_per_s
+
+
+def rollout_unit_time(t: CallTimes, w: Workload, groups: int) -> tuple[float, float]:
+    """(seconds, of which reward): encode the prompts, N steps at batch b = groups x G, decode, score."""
+    b = groups * w.group_size
+    reward = t.reward(b)
+    calls = t.encode(groups) + w.steps * t.rollout_step(b) + t.decode(b) + reward
+    return max(MIN_UNIT_FRACTION * calls, calls * t.rollout_unit_factor + t.rollout_overhead_s), reward
+
+
+def train_unit_time(t: CallTimes, w: Workload, groups: int, tsp_rank: int, tsp_degree: int, micro_batch: int) -> float:
+    """The unit's trained-step positions x micro-batches, each one forward + backward (+ reference)."""
+    b = groups * w.group_size
+    sizes = [micro_batch] * (b // micro_batch) + ([b % micro_batch] if b % micro_batch else [])
+    per_position = 0.0
+    for size in sizes:
+        if w.timestep_mode == "random":  # samples at the same step share a forward: one per distinct step
+            choices = max(1, w.steps - 1)
+            k = choices * (1 - (1 - 1 / choices) ** size)
+            per_position += k * (t.train_step(size / k) + (t.ref_forward(size / k) if w.kl else 0.0))
+        else:
+            per_position += t.train_step(size) + (t.ref_forward(size) if w.kl else 0.0)
+    calls = w.positions(tsp_rank, tsp_degree) * per_position
+    return max(MIN_UNIT_FRACTION * calls, calls * t.train_unit_factor + t.train_overhead_s)

@@ -1,0 +1,59 @@
+"""Every fixed number of the planner, named once. Tunable assumptions of the cost model are fields
+of :class:`~digenrl.planner.params.CostParams` (and its siblings) instead; what was measured with
+these settings is in docs/scaling.md ("Measured figures")."""
+
+from __future__ import annotations
+
+# ------------------------------------------------------------------------------ profile.json
+
+PROFILE_VERSION = 1  # the profile.json format
+DEFAULT_BATCHES = (1, 2, 4, 8, 16)  # batch sizes every profile measures
+MAX_PROFILED_UNIT_SAMPLES = 64  # rollout units larger than this are extrapolated, not measured
+
+# ------------------------------------------------------------------------- model-time rounds
+
+TIMING_BUDGET_MIN_TIMES = 10  # the round-robin timing runs at least this many x ``min_time`` seconds
+MAX_TIMING_ROUNDS = 40  # ... and stops after this many rounds once the budget or ``repeats`` is met
+
+# ----------------------------------------------------------------------- CPU contention probe
+
+SHARING_SLOT_S = 0.2  # neighbours compute in every other slot of this length
+SHARING_MIN_SECONDS = 2.4  # the observer runs at least this long per worker count
+SHARING_MIN_TIMES = 8  # ... and at least this many x ``min_time``
+SHARING_START_S = 1.0  # the probe starts this long after forking (+ SHARING_START_PER_WORKER_S each)
+SHARING_START_PER_WORKER_S = 0.2
+SHARING_TIMEOUT_S = 60  # the observer answers within this (+ SHARING_TIMEOUT_PER_SECOND x its run time)
+SHARING_TIMEOUT_PER_SECOND = 10
+SHARING_JOIN_S = 10  # a probe process still alive this long after answering is killed
+OTHER_LOAD_EVERY_S = 0.3  # /proc sampling period of the other-process load
+NICE_WEIGHT_BASE = 1.25  # the fair scheduler weighs a thread at nice k as NICE_WEIGHT_BASE ** -k
+MAX_ANCESTRY = 64  # parent links followed to decide whether a process is ours
+
+# ------------------------------------------------------------------------------ Ray overheads
+
+RAY_REPEATS = 30  # timed actor calls; transfers and put / get take a third of it (at least 5)
+RAY_WARM_CALLS = 5
+RAY_PROBE_CPUS = 0.01  # Ray CPUs a probe actor asks for (two fit beside anything)
+SMALL_TRANSFER_BYTES = 1024  # the two transfer sizes: at least this, and
+LARGE_TRANSFER_BYTES = 4 * 2**20  # at least this or LARGE_TRANSFER_UNITS x a unit's samples
+LARGE_TRANSFER_UNITS = 8
+
+# ------------------------------------------------------------------------- calibration run
+
+CALIBRATION_ITERATIONS = 8  # iterations of the engine calibration run (the first is left out)
+
+# ------------------------------------------------------------------------------ cost model
+
+MIN_UNIT_CV = 0.02  # unit-time spreads below this are simulated as none
+#: rewards with no model weights (JPEG size, prompt colour): CPU time per image only
+WEIGHT_FREE_REWARDS = frozenset({"prompt_color", "jpeg_compressibility", "jpeg_incompressibility"})
+MIN_CALL_FRACTION = 0.5  # an interpolated call never costs less than this x the cheaper neighbour point
+MIN_UNIT_FRACTION = 0.5  # a composed unit never costs less than this x the sum of its calls
+OPTIMIZER_FIXED_S = 0.001  # per optimizer step beyond streaming the trained state
+OPTIMIZER_STATE_PASSES = 3  # an AdamW update reads / writes the trained state about this many times
+FSDP_DEGREES = (2, 4, 8, 16, 32, 64)  # shard degrees the memory search tries (and the rank count)
+FSDP_STEP_SHARE = 0.5  # FSDP: the step's all-reduce is an all-gather only (reduce-scatter ran in the backward)
+MFU_CAP = 0.9  # a calibrated MFU above this is a measurement error
+CALIBRATION_MIN_BATCH = 4  # GPU MFU calibration uses batches from this size up (when there are any)
+FP32_BYTES = 4  # LoRA weights, gradients and latents travel in fp32
+HALF_BYTES = 2  # bf16 / fp16 weights and text embeddings

@@ -1,0 +1,76 @@
+"""The cost model's assumptions, each a named field with its default: the analytic model
+(:class:`CostParams`), colocated phase switches (:class:`ColocationCosts`) and the engine's own
+overheads (:class:`EngineOverheads`). A profile replaces some of them by measured values
+(:mod:`digenrl.planner.calibrate`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CostParams:
+    """Analytic-model parameters. Defaults are typical values for bf16 DiT training with FlashAttention
+    on Hopper/Ampere GPUs; a GPU profile replaces ``mfu_rollout`` / ``mfu_train`` by measured ones."""
+
+    mfu_rollout: float = 0.40  # share of peak bf16 FLOP/s a sampling forward reaches
+    mfu_train: float = 0.35  # ... a training forward + backward (smaller kernels, LoRA branches)
+    mfu_source: str = "default"
+    vae_mfu: float = 0.25  # VAE decoder convolutions
+    mem_bw_efficiency: float = 0.70  # share of peak memory bandwidth a weight-streaming pass reaches
+    forward_overhead_s: float = 0.002  # per transformer call: kernel launches, Python
+    unit_overhead_s: float = 0.010  # per unit: batching, noise, sigmas, host<->device copies
+    checksum_bytes_per_s: float = 1.5e9  # sha256 of shipped weights (one CPU core)
+    weight_free_reward_s: float = 0.002  # per image (per frame for video): JPEG size, prompt colour, on CPU
+    model_reward_s: float = 0.010  # per image (per frame): a CLIP-H class reward model on the device
+    model_reward_params: float = 1.0e9  # its weights on the rollout device (bf16)
+    # memory
+    usable_memory: float = 0.90  # share of device memory the run may use (CUDA context, fragmentation)
+    train_act_bytes: float = 34.0  # activation bytes per token x hidden per block in training (bf16, flash attn)
+    ckpt_act_bytes: float = 2.0  # ... per block with activation checkpointing (the block input), + one block
+    infer_act_bytes: float = 24.0  # peak live bytes per token x hidden in one block at inference
+    vae_decode_bytes_per_px: float = 1000.0  # VAE decoder peak per output pixel (one sample at a time)
+    vae_tile_px: float = 4.0e6  # tiled decoding caps the pixels decoded at once
+    trained_state_bytes: float = 16.0  # per trained parameter: fp32 weight/master + grad + AdamW m, v
+    gradient_checkpointing: str = "auto"  # "auto" (only when activations do not fit), "on", "off"
+    allow_fsdp: bool = True  # shard weights / optimizer state over the trainer ranks when they do not fit
+    fsdp_overlap: float = 0.7  # share of FSDP all-gather / reduce-scatter time hidden behind compute
+    # cpu clusters: "measured" = the profile's cpu_slowdown (what n concurrent workers got of this host:
+    # shared caches / memory bandwidth, and on a shared host what other processes left at profiling
+    # time), "cores" when the profile has none; "cores" = processor sharing of the host's cores
+    cpu_sharing: str = "measured"
+    # cpu clusters, "cores" sharing: runnable threads of other processes (other users of the host) our
+    # workers share the cores with; None = what the profile measured beside its times (``other_runnable``)
+    cpu_other_load: float | None = None
+    # cpu clusters: scale units by the engine calibration run's ``unit_time_factor`` (a unit in an
+    # engine worker / the profile's round-robin whole unit)
+    engine_unit_factor: bool = True
+    # spread of a unit's duration (coefficient of variation, std / mean); None = the profile's measured
+    # ``unit_cv`` on the device it profiled, else 0. With a spread the simulator draws every rollout /
+    # train unit from a lognormal of that mean and spread and averages ``replicas`` seeded runs: ranks
+    # that meet at a barrier (colocated phases, the all-reduce) wait for the slowest, the expected
+    # maximum of their unit times, not the mean (a fixed-duration simulation misses that wait)
+    unit_cv: float | None = None
+    replicas: int = 8
+
+
+@dataclass
+class ColocationCosts:
+    """What a colocated device pays to switch between sampling and training, twice per iteration."""
+
+    switch_latency_s: float = 0.5  # per switch: cache flush, mode change, process-group barrier (0 on CPU)
+    offload: str = "auto"  # move the other phase's state to the host: "auto" (only when both do not fit), "always", "never"
+    regather_sharded_weights: bool = True  # FSDP-sharded weights are all-gathered before sampling
+
+
+@dataclass
+class EngineOverheads:
+    """Costs of the engine itself (Ray): measured by `digenrl profile` on CPU, defaults for GPU clusters."""
+
+    call_s: float = 0.003  # driver -> worker -> driver per unit (a unit starts this long after it is handed out)
+    transfer_latency_s: float = 0.002  # rollout samples to a trainer (object store), fixed part
+    transfer_bytes_per_s: float | None = None  # None: the cluster interconnect
+    publish_s: float = 0.0  # extra (beyond pack) for ray.put of published weights
+    fetch_s: float = 0.0  # extra (beyond load) for ray.get of weights
+    allreduce_latency_s: float = 0.0005  # per all-reduce call
+    source: str = "default"

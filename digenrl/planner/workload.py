@@ -1,0 +1,88 @@
+"""The run's per-iteration work, read from a RunConfig: model shape and parameter counts, steps,
+groups, guidance passes, what travels between workers."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from digenrl.planner.constants import FP32_BYTES, HALF_BYTES, WEIGHT_FREE_REWARDS
+from digenrl.planner.shapes import ModelShape, ParamCounts, forward_flops, model_shape, param_counts
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The run's per-iteration work, from a RunConfig."""
+
+    family: str
+    shape: ModelShape
+    params: ParamCounts
+    steps: int  # N denoising steps per rollout
+    trained_steps: int  # T trained-step positions per sample
+    timestep_mode: str
+    group_size: int
+    prompts: int  # per iteration
+    passes: int  # transformer passes per step (2 with two-pass CFG)
+    kl: bool
+    lora: bool
+    micro_batch: int
+    dtype_bytes: int
+    reward_kind: str  # "weight_free" | "model"
+    video_frames: int
+
+    @classmethod
+    def from_config(cls, cfg) -> Workload:
+        import torch
+
+        from digenrl.adapters import adapter_class
+        from digenrl.algorithms.grpo import select_timesteps
+
+        adapter = adapter_class(cfg.model.adapter)
+        shape = model_shape(cfg.model)
+        params = param_counts(shape, cfg.model.lora, adapter.default_lora_targets)
+        ts, n = cfg.algorithm.timesteps, cfg.sampling.steps
+        _, idx = select_timesteps(ts.mode, n, 1, torch.Generator().manual_seed(0), fraction=ts.fraction,
+                                  window=ts.window, shift_every=ts.window_shift_every)
+        names = {c.name for c in cfg.reward.components}
+        return cls(
+            family=cfg.model.adapter, shape=shape, params=params, steps=n, trained_steps=idx.shape[1],
+            timestep_mode=ts.mode, group_size=cfg.algorithm.group_size,
+            prompts=cfg.train.prompts_per_iteration, passes=adapter.guidance_passes(cfg.sampling.guidance),
+            kl=cfg.algorithm.kl_beta > 0, lora=cfg.model.lora is not None, micro_batch=cfg.train.micro_batch,
+            dtype_bytes=HALF_BYTES if cfg.model.dtype in ("bfloat16", "float16") else FP32_BYTES,
+            reward_kind="weight_free" if names <= WEIGHT_FREE_REWARDS else "model",
+            video_frames=cfg.model.frames or 1,
+        )
+
+    @property
+    def samples(self) -> int:
+        return self.prompts * self.group_size
+
+    @property
+    def trained_params(self) -> int:
+        return self.params.lora if self.lora else self.params.total
+
+    @property
+    def sync_bytes(self) -> int:
+        """What a weight sync ships: LoRA tensors in fp32, or every weight in the model dtype."""
+        return self.params.lora * FP32_BYTES if self.lora else self.params.total * self.dtype_bytes
+
+    @property
+    def sample_bytes(self) -> int:
+        """One rolled-out sample as it travels to a trainer: the latent trajectory (fp32), behaviour
+        log-probs, and its prompt conditioning."""
+        t = self.shape.tokens
+        cond_dim = self.params.hidden  # order of the text embedding width
+        return ((self.steps + 1) * t.latent_elements * FP32_BYTES + self.steps * FP32_BYTES
+                + self.passes * t.text * cond_dim * HALF_BYTES)
+
+    def positions(self, rank: int, degree: int) -> int:
+        return len(range(rank, self.trained_steps, degree))
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("shape")
+        d["params"] = asdict(self.params)
+        d["tokens"] = asdict(self.shape.tokens)
+        d["shape_source"] = self.shape.source
+        d["forward_tflops_per_sample"] = forward_flops(self.shape) / 1e12
+        return d
