@@ -326,13 +326,7 @@ def _lora_checksum(policy) -> str:
 # ---------------------------------------------------------------------------------------- load
 def read_weights(path: Path, lora: bool) -> dict[str, torch.Tensor]:
     """The checkpoint's weights as the policy names them (LoRA: peft keys, without diffusers' prefix)."""
-    from safetensors.torch import load_file
-
-    f = Path(path) / (LORA_FILE if lora else FULL_FILE)
-    try:
-        state = load_file(f)
-    except Exception as exc:  # noqa: BLE001  (safetensors raises its own error types)
-        raise CheckpointError(f"checkpoint: {f} is corrupt or unreadable ({type(exc).__name__})") from None
+    state = read_safetensors(Path(path) / (LORA_FILE if lora else FULL_FILE))
     if lora:
         state = {k.removeprefix("transformer."): v for k, v in state.items()}
     return state
@@ -382,7 +376,7 @@ def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = T
     if getattr(policy, "ema", None) is not None:  # resume the average, or start it here if none was kept
         if EMA_FILE in state.files:
             try:
-                policy.ema.load(_read_safetensors(state.path / EMA_FILE), int(raw.get("ema", {}).get("steps", 0)))
+                policy.ema.load(read_safetensors(state.path / EMA_FILE), int(raw.get("ema", {}).get("steps", 0)))
             except ValueError as exc:
                 raise CheckpointError(f"checkpoint {state.path}: {EMA_FILE} does not fit this model ({exc})") from None
         else:
@@ -392,27 +386,10 @@ def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = T
     return state
 
 
-def _read_safetensors(f: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(f: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     try:
         return load_file(f)
     except Exception as exc:  # noqa: BLE001  (safetensors raises its own error types)
         raise CheckpointError(f"checkpoint: {f} is corrupt or unreadable ({type(exc).__name__})") from None
-
-
-def use_ema_weights(path: Path, policy) -> dict | None:
-    """Load checkpoint ``path``'s EMA weights (if it holds any) into ``policy``'s trained parameters,
-    after :func:`load_checkpoint`. Returns the average's settings (``decay``, ``every``, ``warmup``,
-    ``steps``), or None when the checkpoint holds no average."""
-    state = read_state(find_checkpoint(path))
-    if EMA_FILE not in state.files:
-        return None
-    average = _read_safetensors(state.path / EMA_FILE)
-    params = policy.named_params
-    if set(average) != set(params):
-        raise CheckpointError(f"checkpoint {state.path}: {EMA_FILE} does not fit this model")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(average[name].to(p.device, p.dtype))
-    return json.loads((state.path / STATE_FILE).read_text()).get("ema", {})
