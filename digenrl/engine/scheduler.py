@@ -27,7 +27,8 @@ Knobs (see the table in docs/architecture.md):
   advantages need every reward of the iteration).
 - tsp_degree: each rolled-out unit is trained as ``tsp_degree`` train units, one per
   timestep residue class, so the last unit of an iteration is spread over several ranks.
-- tag: an idle trainer rank takes a pending rollout unit (it holds the newest weights).
+- tag: an idle trainer rank takes a pending rollout unit (it holds the newest weights; with
+  several optimizer steps per iteration, only before the iteration's first step).
 - max_staleness 1: rollout of iteration k+1 may start with version k while k trains.
 """
 
@@ -274,8 +275,9 @@ class Scheduler:
         return self.published_version == self.cfg.iterations
 
     def worker_version(self, worker: str) -> int:
-        """Policy version the worker holds: trainer ranks hold the published weights, rollout
-        workers the version of the last unit they were handed (the start version before any)."""
+        """Policy version the worker holds: trainer ranks hold the published weights (after
+        ``minibatch`` intermediate steps of the next iteration), rollout workers the version of
+        the last unit they were handed (the start version before any)."""
         if self._role(worker) == "rollout":
             return self._rollout_version[worker]
         return self.published_version

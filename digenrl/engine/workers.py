@@ -14,8 +14,10 @@ rank without TAG); building them draws no random numbers, so skipping it changes
   published weights, verified (:mod:`digenrl.engine.weight_sync`).
 - role ``trainer``: one rank of the trainer group. Runs :func:`~digenrl.units.train_unit`
   (accumulating gradients), and on its StepUnit all-reduces the gradients as ONE flat buffer
-  (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, docs/architecture.md) and steps; rank 0 then
-  publishes the new weights. With TAG it also rolls out, with its own (newest) weights.
+  (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, docs/architecture.md) and steps; after
+  an iteration's last step (mini-batch PPO: ``train.optimizer_steps`` per iteration) rank 0
+  publishes the new weights. With TAG it also rolls out, with its own weights (the scheduler hands
+  it rollout units only while they are a published version: before the iteration's first step).
 - role ``both`` (colocated): a trainer rank that also rolls out; the all-reduce keeps every
   rank's weights identical, so no weight sync is needed.
 
