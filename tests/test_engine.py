@@ -137,6 +137,10 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
         assert fetched == used and all(s.args["bytes"] > 0 for s in tl.of("sync"))
     check_reward_events(tl, rows, service=cfg.reward.service is not None)
 
+    if cfg.train.ema is not None:  # rank 0 kept the average over every optimizer step, in its checkpoint
+        last = tmp_path / "checkpoints" / f"iter-{n_iter:06d}"
+        state = json.loads((last / "state.json").read_text())
+        assert (last / "ema.safetensors").is_file() and state["ema"]["steps"] == n_iter * n_steps
     if stale == 0:  # on-policy: the same update as the single-process trainer
         ref_weights, ref_rows = reference(cfg.algorithm.std, tuple(o for o in MODES[mode] if o.startswith("train.")))
         got = load_file(tmp_path / "final" / "pytorch_lora_weights.safetensors")
