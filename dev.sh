@@ -2,7 +2,8 @@
 # DigenRL's two entry points on a fresh machine. Sets up .venv on first use (or when pyproject.toml
 # changed), then runs:
 #   ./dev.sh train [digenrl train options]   the main job (default: the tiny FLUX colour demo)
-#   ./dev.sh test  [pytest options]          the test suite
+#   ./dev.sh test  [pytest options]          the whole test suite (what CI runs)
+#   ./dev.sh test -m "not slow"               the fast loop: no Ray, subprocess or learning tests
 # On a machine without an NVIDIA GPU it installs the CPU build of torch first (torch==2.13.0 is a
 # local CPU build on these machines), never the multi-GB CUDA build.
 set -euo pipefail

@@ -1,11 +1,14 @@
 """RunConfig: one Pydantic v2 model describing a whole DigenRL run.
 
-Load order: model defaults (= the tiny FLUX demo) <- YAML file <- repeated ``--set dotted.key=value``.
-Unknown keys and invalid values raise :class:`ConfigError` naming the dotted path and the reason.
+Load order: the model's defaults <- YAML file <- repeated ``--set dotted.key=value``. The defaults
+*are* the default run (``digenrl train`` with no arguments: the tiny FLUX colour demo on the engine);
+``configs/flux_tiny.yaml`` writes them out with comments. Unknown keys, duplicate keys, non-finite
+numbers, absurd sizes and invalid values raise :class:`ConfigError` naming the dotted path.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,15 +33,29 @@ def first_duplicate(names: list[str]) -> str | None:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf / nan in a float field is refused at validation, naming the field
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+#: upper bounds that catch a typo (an extra zero or three) before a run that would never finish
+MAX_STEPS = 1000
+MAX_PIXELS = 8192
+MAX_BATCH = 4096
+
+#: the tiny demo's LoRA targets: attention + the pooled-text / output-modulation path, so a tiny
+#: model can map a colour word to a global colour shift (real-scale configs list the standard
+#: attention / FFN modules of their family)
+TINY_FLUX_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "text_embedder.linear_1", "text_embedder.linear_2",
+                          "norm_out.linear", "proj_out"]
 
 
 # --------------------------------------------------------------------------------------- model
 class LoraConfig(_Section):
-    rank: int = Field(8, gt=0)
+    rank: int = Field(8, gt=0, le=MAX_BATCH)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    targets: list[str] | None = Field(None, description="module-name suffixes; None = the adapter's default list")
+    targets: list[str] | None = Field(default_factory=lambda: list(TINY_FLUX_LORA_TARGETS), description=(
+        "module-name suffixes (default: the tiny FLUX demo's); null = the adapter's default list"))
     init_seed: int = 0
 
 
@@ -47,11 +64,11 @@ class ModelConfig(_Section):
     preset: str | None = Field("tiny", description="tiny random-init preset of the real classes (no download)")
     pretrained: Path | None = Field(None, description="local diffusers checkpoint directory")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    height: int = Field(32, gt=0)
-    width: int = Field(32, gt=0)
-    frames: int | None = Field(None, gt=0, description="video models only")
+    height: int = Field(32, gt=0, le=MAX_PIXELS)
+    width: int = Field(32, gt=0, le=MAX_PIXELS)
+    frames: int | None = Field(None, gt=0, le=MAX_STEPS, description="video models only")
     lora: LoraConfig | None = Field(default_factory=LoraConfig, description="null = full fine-tuning")
-    max_text_len: int = Field(16, gt=0)
+    max_text_len: int = Field(16, gt=0, le=MAX_BATCH)
 
     @field_validator("adapter")
     @classmethod
@@ -78,8 +95,8 @@ class ModelConfig(_Section):
 
 # ------------------------------------------------------------------------------------ sampling
 class SamplingConfig(_Section):
-    steps: int = Field(8, gt=0, description="denoising steps during RL rollouts")
-    eval_steps: int = Field(16, gt=0)
+    steps: int = Field(8, gt=0, le=MAX_STEPS, description="denoising steps during RL rollouts")
+    eval_steps: int = Field(16, gt=0, le=MAX_STEPS)
     shift: float | None = Field(None, gt=0, description="fixed sigma shift; None = the model's own (FLUX/Qwen: dynamic mu)")
     guidance: float = Field(3.5, ge=0, description="guidance scale in the model's own style")
     negative_prompt: str = ""
@@ -91,7 +108,7 @@ class SamplingConfig(_Section):
 class TimestepConfig(_Section):
     mode: Literal["fraction", "random", "window"] = "fraction"
     fraction: float = Field(0.99, gt=0, le=1, description="fraction: first floor(N*f) steps; random: floor((N-1)*f) per sample")
-    window: int = Field(2, gt=0, description="window mode: SDE steps per trajectory (ODE elsewhere)")
+    window: int = Field(2, gt=0, le=MAX_STEPS, description="window mode: SDE steps per trajectory (ODE elsewhere)")
     window_shift_every: int = Field(0, ge=0, description="0 = random window start (Flow-GRPO-Fast); K = slide by one every K iterations (MixGRPO)")
     window_range: tuple[float, float] = Field((0.0, 0.5), description=(
         "window mode: [start, end) as fractions of sampling.steps that the window stays inside; "
@@ -105,9 +122,36 @@ class TimestepConfig(_Section):
         return r
 
 
+#: what ``algorithm.name`` selects: the defaults of the algorithm's own choices, each of which a
+#: config may still set explicitly (e.g. DanceGRPO's timestep subset with Flow-GRPO's SDE)
+ALGORITHM_DEFAULTS = {
+    # Flow-GRPO: its SDE; train steps 0..T-1 in order, T = floor(0.99 N)
+    "flow_grpo": {"sde": "flow_grpo", "timesteps": {"mode": "fraction", "fraction": 0.99}},
+    # DanceGRPO: its SDE; drop the last step, shuffle, train floor(0.6 (N-1)) per sample
+    "dance_grpo": {"sde": "dance_grpo", "timesteps": {"mode": "random", "fraction": 0.6}},
+}
+
+
+def algorithm_defaults(data: dict) -> dict:
+    """``data`` (a raw config mapping) with the keys ``algorithm.name`` selects filled in where unset."""
+    algorithm = data.get("algorithm", {})
+    if not isinstance(algorithm, dict) or not isinstance(data.get("sampling", {}), dict) \
+            or not isinstance(algorithm.get("timesteps", {}), dict):
+        return data  # not a mapping: validation names the field
+    preset = ALGORITHM_DEFAULTS.get(algorithm.get("name", "flow_grpo"))
+    if preset is None:  # an unknown name: validation names it
+        return data
+    timesteps = {"mode": preset["timesteps"]["mode"], **(algorithm.get("timesteps") or {})}
+    if timesteps["mode"] == preset["timesteps"]["mode"]:
+        timesteps = {"fraction": preset["timesteps"]["fraction"], **timesteps}
+    return {**data, "sampling": {"sde": preset["sde"], **(data.get("sampling") or {})},
+            "algorithm": {**algorithm, "timesteps": timesteps}}
+
+
 class AlgorithmConfig(_Section):
-    name: Literal["flow_grpo", "dance_grpo"] = "flow_grpo"
-    group_size: int = Field(8, ge=2, description="G samples per prompt; 1 would leave no advantage")
+    name: Literal["flow_grpo", "dance_grpo"] = Field("flow_grpo", description=(
+        "selects the defaults of sampling.sde and algorithm.timesteps (see ALGORITHM_DEFAULTS)"))
+    group_size: int = Field(8, ge=2, le=MAX_BATCH, description="G samples per prompt; 1 would leave no advantage")
     clip_range: float | None = Field(None, gt=0, description="PPO clip; null = by sampling.sde: cps 1e-5, else 1e-4")
     adv_clip: float = Field(5.0, gt=0)
     std: Literal["per_prompt", "global"] = "per_prompt"
@@ -179,10 +223,12 @@ class EmaConfig(_Section):
 
 
 class TrainConfig(_Section):
-    iterations: int = Field(120, gt=0)
-    prompts_per_iteration: int = Field(4, gt=0)
-    micro_batch: int = Field(16, gt=0, description="samples per forward/backward inside a train unit")
-    lr: float = Field(1e-2, gt=0)
+    iterations: int = Field(120, gt=0, le=10_000_000)
+    prompts_per_iteration: int = Field(4, gt=0, le=MAX_BATCH)
+    micro_batch: int = Field(16, gt=0, le=MAX_BATCH, description="samples per forward/backward inside a train unit")
+    # one-step async (the default engine) trains on samples one version old (decoupled PPO); a delayed
+    # gradient wants a smaller step than on-policy (1e-2 for the demo with max_staleness 0 / local)
+    lr: float = Field(5e-3, gt=0, lt=10)
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(1e-4, ge=0)
     grad_clip: float = Field(1.0, gt=0)
@@ -191,6 +237,30 @@ class TrainConfig(_Section):
     optimizer_steps: int = Field(1, gt=0, description="mini-batch PPO: optimizer steps per iteration, step s over "
                                                       "the s-th equal slice of every prompt group's samples")
     ema: EmaConfig | None = Field(None, description="EMA of the trained weights for eval and final/ (off: null)")
+    activation_checkpointing: Literal["auto", "on", "off"] = Field(
+        "auto", description="recompute each transformer block in backward; auto = off until the memory model decides")
+    fsdp: Literal["auto", "off"] | int = Field(
+        "auto", description="FSDP2 sharding degree of the trainer ranks: auto | off | N (not wired into the engine yet)")
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _switch(cls, value):
+        if isinstance(value, bool):  # YAML reads a bare on / off as a boolean
+            return "on" if value else "off"
+        return value
+
+    @field_validator("fsdp", mode="before")
+    @classmethod
+    def _fsdp_degree(cls, value):
+        if value is False:  # YAML reads a bare off as false
+            return "off"
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        if value in ("auto", "off"):
+            return value
+        raise ValueError(f"must be auto, off or a sharding degree >= 1, got {value!r}")
 
 
 # ----------------------------------------------------------------------- cluster / placement / engine
@@ -214,7 +284,7 @@ class ClusterConfig(_Section):
 
 class PlacementConfig(_Section):
     mode: Literal["local", "colocated", "disaggregated"] = Field(
-        "local", description="local = one process, no Ray; colocated / disaggregated = the engine"
+        "disaggregated", description="local = one process, no Ray; colocated / disaggregated = the engine"
     )
     rollout_pool: str = "rollout"
     trainer_pool: str = "trainer"
@@ -227,10 +297,14 @@ class FaultConfig(_Section):
 
 class EngineConfig(_Section):
     unit_groups: int = Field(1, gt=0, description="GAP unit size: prompt groups per rollout unit")
+    unit_samples: int | None = Field(None, gt=0, description=(
+        "sub-group units: samples per rollout unit, a divisor of algorithm.group_size (a unit holds part of "
+        "one group; the group trains once all its parts are scored). Unset: engine.unit_groups whole groups "
+        "per unit, except colocated, where groups are split automatically when they are fewer than the devices"))
     gap: bool = True
-    tsp_degree: int = Field(1, gt=0)
+    tsp_degree: int = Field(2, gt=0, le=MAX_STEPS, description="TSP: trained timesteps split over this many ranks")
     tag: bool = True
-    max_staleness: Literal[0, 1] = 0
+    max_staleness: Literal[0, 1] = Field(1, description="1 = one-step async: rollout k+1 with version k")
     max_restarts: int = Field(3, ge=0, description="restarts per rollout worker / reward actor before the run stops")
     faults: list[FaultConfig] = Field(default_factory=list, description=(
         "fault injection (tests, soak): `worker`'s process exits after the work of `unit`, once per run "
@@ -240,14 +314,21 @@ class EngineConfig(_Section):
 # -------------------------------------------------------------------------------------- output
 class OutputConfig(_Section):
     run_dir: Path | None = Field(None, description="default runs/<name>-<timestamp>")
-    name: str = "digenrl"
+    name: str = Field("flux-tiny", description="a plain name (no path): the run goes to runs/<name>-<timestamp>")
     checkpoint_every: int = Field(0, ge=0, description="0 = only at the end")
     keep_last: int = Field(3, gt=0)
-    log_every: int = Field(1, gt=0)
-    save_samples_every: int = Field(0, ge=0, description="0 = never")
+    save_samples_every: int = Field(30, ge=0, description="0 = never")
     eval_every: int = Field(0, ge=0)
     tensorboard: bool = True
     wandb: bool = Field(False, description="also log to Weights & Biases (needs the wandb package)")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise ValueError(f"must be a plain name without '/' or '..' (got {name!r}); set output.run_dir "
+                             "or --run-dir for another place")
+        return name
 
 
 class RunConfig(_Section):
@@ -262,6 +343,11 @@ class RunConfig(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_selects_defaults(cls, data: Any) -> Any:
+        return algorithm_defaults(data) if isinstance(data, dict) else data
+
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         if self.train.prompts_per_iteration % self.engine.unit_groups:
@@ -274,6 +360,12 @@ class RunConfig(_Section):
                 f"train.optimizer_steps ({self.train.optimizer_steps}) must divide algorithm.group_size "
                 f"({self.algorithm.group_size}): each mini-batch holds an equal slice of every group"
             )
+        s, G = self.engine.unit_samples, self.algorithm.group_size
+        if s is not None and G % s:
+            raise ValueError(f"engine.unit_samples ({s}) must divide algorithm.group_size ({G})")
+        if s is not None and self.engine.unit_groups != 1:
+            raise ValueError(f"engine.unit_samples ({s}) needs engine.unit_groups 1 (a unit holds part of one "
+                             f"group), got {self.engine.unit_groups}")
         self._algorithm_defaults()
         if self.placement.mode != "local":
             names = [p.name for p in self.cluster.pools]
@@ -325,14 +417,19 @@ def apply_override(data: dict, assignment: str) -> None:
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {key}: value is not valid YAML ({exc.__class__.__name__})") from None
     node: Any = data
+    default: Any = RunConfig().model_dump(mode="json")  # where an index reaches into a default list
     for i, part in enumerate(parts[:-1]):
         if isinstance(node, list):
             node = node[_index(node, part, parts[: i + 1])]
+            default = None
             continue
         if not isinstance(node.get(part, {}), (dict, list)) and node.get(part) is not None:
             raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, not a section")
+        default = default.get(part) if isinstance(default, dict) else None
         if node.get(part) is None:
-            node[part] = {}
+            # a list is copied from the defaults (reward.components.0.weight=2); a section starts empty so
+            # that what algorithm.name selects still fills the keys left unset
+            node[part] = copy.deepcopy(default) if isinstance(default, list) else {}
         node = node[part]
     if isinstance(node, list):
         node[_index(node, parts[-1], parts)] = value
@@ -347,15 +444,16 @@ def _index(node: list, part: str, path: list[str]) -> int:
 
 
 def read_yaml(path: Path) -> dict:
+    """A run config file as a mapping; an empty (or ``null``) file is ``{}``: the defaults."""
     path = Path(path)
-    if not path.is_file():
+    if not path.is_file() and not path.is_dir():
         raise ConfigError(f"{path}: config file not found")
+    from digenrl.yamlfile import parse_yaml
+
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}: malformed YAML{where}") from None
+        data = parse_yaml(path, "--config")
+    except UserError as exc:
+        raise ConfigError(str(exc)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -363,13 +461,10 @@ def read_yaml(path: Path) -> dict:
     return data
 
 
-#: the embedded default: the tiny FLUX Flow-GRPO demo (configs/flux_tiny.yaml links to it)
-DEFAULT_CONFIG = Path(__file__).parent / "data" / "flux_tiny.yaml"
-
-
 def load_config(path: Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Embedded default (or the given YAML file) <- overrides, validated. Raises ConfigError."""
-    data = read_yaml(path if path is not None else DEFAULT_CONFIG)
+    """The defaults (= the tiny FLUX demo) <- the YAML file, if any <- overrides, validated.
+    Raises ConfigError naming the dotted path."""
+    data = read_yaml(path) if path is not None else {}
     for assignment in overrides or []:
         apply_override(data, assignment)
     return validate_config(data)

@@ -12,3 +12,21 @@ class RunStopped(UserError):
     cleanly and the message says how to resume. Not bad input, so exit code 1."""
 
     exit_code = 1
+
+
+def read_user_text(path, what: str) -> str:
+    """The text of a file the user named, or a one-line UserError: missing, a directory, unreadable
+    or not UTF-8 (``what``: the field or option that named it, e.g. ``prompts.file``)."""
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{what}: {path} not found") from None
+    except IsADirectoryError:
+        raise UserError(f"{what}: {path} is a directory, not a file") from None
+    except OSError as exc:
+        raise UserError(f"{what}: {path} cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{what}: {path} is not UTF-8 text (byte {exc.start})") from None

@@ -202,5 +202,5 @@ def _write_grids(out: Path, main: EvalResult, base: EvalResult | None, base_labe
         pixels = torch.stack([main.pixels, base.pixels], dim=1).flatten(0, 1)  # ckpt_i, base_i, ...
         base_caps = [f"{base_label} {r:.2f}" for r in base.total.tolist()]
         pair_caps = [c for pair in zip(caps, base_caps) for c in pair]
-        files["comparison"] = save_samples(pixels, pair_caps, out / "compare").name  # 4 columns = 2 pairs
+        files["comparison"] = save_samples(pixels, pair_caps, out / "compare", group=2).name  # 2 pairs a row
     return files

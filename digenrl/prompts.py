@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from digenrl.config import PromptsConfig
-from digenrl.errors import UserError
+from digenrl.errors import UserError, read_user_text
 
 _COLORS = ["red", "green", "blue", "yellow"]
 _OBJECTS = ["apple", "car", "bird", "house", "flower", "boat"]
@@ -36,7 +36,7 @@ def load_prompts(cfg: PromptsConfig) -> list[Prompt]:
     if not path.is_file():
         raise UserError(f"prompts.file: {path} not found")
     prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_user_text(path, "prompts.file").splitlines(), 1):
         if not line.strip():
             continue
         if path.suffix == ".jsonl":

@@ -8,6 +8,7 @@ Weights & Biases (when ``output.wandb`` and the ``wandb`` package is importable)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -38,6 +39,97 @@ def check_writable(path: Path, what: str) -> None:
             pass
     except OSError as exc:
         raise UserError(f"{what}: {path} is not writable ({exc.strerror or exc} in {probe})") from None
+
+
+def check_output_file(path: Path, what: str) -> None:
+    """An output file the command will write at the end: refused now (one line) if it is a directory
+    or cannot be written, so that no long run's result is lost to a bad path."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what}: {path} is a directory; name a file")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise UserError(f"{what}: {path} is not writable")
+        return
+    check_writable(path.parent, what)
+
+
+#: files that mark a directory as a DigenRL run (what --overwrite may delete)
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints", "log.txt")
+
+
+def check_new_run_dir(path: Path, overwrite: bool = False) -> None:
+    """Refuse (one line, nothing touched) a run directory that already holds something: a run is never
+    overwritten unless ``overwrite``, and then only a directory that is a run. Call before any work."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--run-dir: {path} is a file, not a directory")
+    if not path.is_dir() or not any(path.iterdir()):
+        check_writable(path, "--run-dir")
+        return
+    if not overwrite:
+        raise UserError(f"--run-dir: {path} already holds a run; continue it with --resume {path}, "
+                        "choose a new --run-dir, or pass --overwrite to replace it")
+    if not any((path / m).exists() for m in RUN_MARKERS):
+        raise UserError(f"--overwrite: {path} is not a run directory (none of {', '.join(RUN_MARKERS)}); "
+                        "refusing to delete it")
+    check_writable(path, "--run-dir")
+
+
+def clear_run_dir(path: Path) -> None:
+    """``--overwrite``: delete the old run in ``path`` (checked by :func:`check_new_run_dir`)."""
+    import shutil
+
+    if Path(path).is_dir():
+        shutil.rmtree(path)
+
+
+@contextlib.contextmanager
+def library_output_to_log(terminal_console, enabled: bool = True):
+    """Route what libraries print (Ray's raylet / worker lines, torch warnings, C-level output of child
+    processes) to a log file while the driver runs; ``terminal_console`` keeps writing to the terminal.
+    Yields the log's temporary path; :func:`keep_log` moves it into the run directory. Only when this
+    process's stdout / stderr are the real ones (not under a test's capture) and ``enabled``."""
+    real = sys.stdout is sys.__stdout__ and sys.stderr is sys.__stderr__
+    if not enabled or not real:
+        yield None
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd, log_path = tempfile.mkstemp(prefix="digenrl-log-", suffix=".txt")
+    terminal = os.fdopen(os.dup(saved[0]), "w", buffering=1)
+    old_file = terminal_console.file
+    log = os.fdopen(fd, "w", buffering=1)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout, sys.stderr = log, log
+    terminal_console.file = terminal
+    try:
+        yield Path(log_path)
+    finally:
+        log.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in saved:
+            os.close(f)
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        terminal_console.file = old_file
+        log.flush()  # left open: a library's logging handler may still hold it and write at exit
+
+
+def keep_log(log_path: Path | None, run_dir: Path | None) -> Path | None:
+    """Append the routed library output to ``RUN/log.txt`` (when the run directory exists); drop it otherwise."""
+    if log_path is None:
+        return None
+    try:
+        if run_dir is not None and Path(run_dir).is_dir():
+            with open(Path(run_dir) / "log.txt", "a") as out:
+                out.write(Path(log_path).read_text(errors="replace"))
+            return Path(run_dir) / "log.txt"
+        return None
+    finally:
+        Path(log_path).unlink(missing_ok=True)
 
 
 def numeric_items(row: dict):

@@ -1,11 +1,16 @@
 """Every bad input a user can cause: one line on stderr naming the field or file, exit code 2,
 no traceback, nothing written. The same list is the table in docs/errors.md."""
 
+import hashlib
+import json
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
 from digenrl.cli.app import main
+from digenrl.preflight import CPU_DEVICES_PER_CORE
 
 
 def cli(monkeypatch, capsys, argv):
@@ -16,7 +21,16 @@ def cli(monkeypatch, capsys, argv):
 
 
 def make_inputs(tmp):
+    from digenrl.planner.profile import PROFILE_VERSION
+
     (tmp / "bad.yaml").write_text("train:\n  iterations: [1\n")
+    (tmp / "latin1.yaml").write_bytes(b"train:\n  lr: 0.1  # caf\xe9\n")
+    (tmp / "latin1.txt").write_bytes(b"a red caf\xe9\n")
+    (tmp / "dup.yaml").write_text("train:\n  lr: 0.1\n  lr: 0.2\n")
+    (tmp / "adir").mkdir()
+    (tmp / "h100.json").write_text(json.dumps({"version": PROFILE_VERSION, "device": {
+        "kind": "gpu", "name": "NVIDIA H100 80GB HBM3", "table_key": "H100"}, "model": {}, "measurements": {},
+        "workload": {}}))
     (tmp / "empty.txt").write_text("\n\n")
     (tmp / "partial").mkdir()
     (tmp / "partial" / "config.yaml").write_text("")
@@ -24,6 +38,8 @@ def make_inputs(tmp):
 
 
 SMALL = ["--set", "model.height=16", "--set", "model.width=16"]
+#: one logical CPU device more than this host may run (the limit scales with its cores)
+MANY = CPU_DEVICES_PER_CORE * (os.cpu_count() or 1)
 CASES = {
     "malformed YAML": (["train", "-c", "{t}/bad.yaml"], "bad.yaml: malformed YAML at line"),
     "unknown key": (["train", "--set", "train.lr_max=1"], "train.lr_max: unknown key"),
@@ -33,6 +49,9 @@ CASES = {
     "groups do not divide into units": (["train", "--set", "engine.unit_groups=3"], "engine.unit_groups"),
     "mini-batches that do not divide a group": (["train", "--set", "train.optimizer_steps=3"],
                                                 "train.optimizer_steps (3) must divide algorithm.group_size"),
+    "unit_samples does not divide G": (["train", "--set", "engine.unit_samples=3"], "engine.unit_samples"),
+    "unit_samples with unit_groups > 1": (["train", "--set", "engine.unit_samples=4", "--set", "engine.unit_groups=2"],
+                                          "engine.unit_samples"),
     "LoRA targets matching no module": (["train", *SMALL, "--set", "model.lora.targets=[to_qkv]"],
                                         "model.lora.targets: ['to_qkv'] match no linear module"),
     "missing checkpoint directory (model)": (["train", "--set", "model.pretrained={t}/nope"], "{t}/nope"),
@@ -47,6 +66,44 @@ CASES = {
     "missing prompt file": (["train", "--set", "prompts.file={t}/none.txt"], "none.txt not found"),
     "unknown adapter": (["train", "--set", "model.adapter=sd3"], "unknown adapter 'sd3'"),
     "resolution the model cannot take": (["train", "--set", "model.height=18"], "model.height"),
+    # files that are not UTF-8 text, a duplicate key
+    "config file not UTF-8": (["train", "-c", "{t}/latin1.yaml"], "--config: {t}/latin1.yaml is not UTF-8 text"),
+    "prompt file not UTF-8": (["train", "--set", "prompts.file={t}/latin1.txt"],
+                              "prompts.file: {t}/latin1.txt is not UTF-8 text"),
+    "cluster file not UTF-8": (["plan", "--cluster", "{t}/latin1.txt"], "--cluster: {t}/latin1.txt is not UTF-8"),
+    "profile not UTF-8": (["plan", "--profile", "{t}/latin1.txt"], "--profile: {t}/latin1.txt is not UTF-8"),
+    "duplicate YAML key": (["train", "-c", "{t}/dup.yaml"], "dup.yaml: key 'lr' appears twice in one mapping"),
+    # numbers that are not finite or absurd, a host too small, a name that leaves runs/
+    "infinite learning rate": (["train", "--set", "train.lr=inf"], "train.lr: Input should be a finite number"),
+    "NaN guidance": (["config", "validate", "--set", "sampling.guidance=.nan"], "sampling.guidance: Input should be"),
+    "absurd step count": (["train", "--set", "sampling.steps=100000"],
+                          "sampling.steps: Input should be less than or equal to 1000"),
+    "more CPU devices than the host runs": (["train", "--set",
+                                             f"cluster.pools=[{{name: rollout, count: {MANY}}}, {{name: trainer}}]"],
+                                            f"cluster.pools: {MANY + 1} logical CPU devices on a host with"),
+    "run name leaving runs/": (["train", "--set", "output.name=../../../x"], "output.name: must be a plain name"),
+    # usage errors: the project's one line, not Click's box
+    "unknown flag": (["train", "--frobnicate"], "error: --frobnicate: no such option of `digenrl train`"),
+    "flag without its value": (["eval", "--out"], "error: --out: needs a value"),
+    "not an integer": (["plan", "--top", "x"], "error: --top: "),
+    "unknown command": (["trian"], "error: digenrl: no such command 'trian'"),
+    "--quiet with --verbose": (["train", "-q", "-v"], "--quiet and --verbose: choose one"),
+    # output paths checked before the work
+    "profile --out is a directory": (["profile", "--out", "{t}/adir"], "--out: {t}/adir is a directory; name a file"),
+    "plan --write is a directory": (["plan", "--write", "{t}/adir"], "--write: {t}/adir is a directory"),
+    "plan --write not writable": (["plan", "--write", "/proc/digenrl-plan.yaml"], "--write: /proc"),
+    "plan --profile of a device type the cluster lacks": (["plan", "--profile", "{t}/h100.json"],
+                                                          "--profile: measured on H100"),
+    # the preflight: what train rejects, config validate rejects too
+    "validate: LoRA targets": (["config", "validate", "--set", "model.lora.targets=[to_qkv]"],
+                               "model.lora.targets: ['to_qkv'] match no linear module"),
+    "validate: resolution": (["config", "validate", "--set", "model.height=18"], "model.height"),
+    "validate: missing prompt file": (["config", "validate", "--set", "prompts.file={t}/none.txt"],
+                                      "none.txt not found"),
+    "validate: unknown preset": (["config", "validate", "--set", "model.preset=huge"], "model.preset: unknown preset"),
+    "validate: host too small": (["config", "validate", "--set", f"cluster.pools.0.count={MANY}"],
+                                 f"cluster.pools: {MANY + 1} logical"),
+    "validate: missing checkpoint": (["config", "validate", "--set", "model.pretrained={t}/nope"], "{t}/nope"),
 }
 
 
@@ -60,3 +117,54 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, monkeypatch, capsys):
     assert needle.replace("{t}", str(t)) in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not (t / "run").exists()  # nothing half-written
+    assert not any((t / "adir").iterdir())
+
+
+def tree_digest(root: Path) -> str:
+    """One checksum over every file's path and bytes under ``root``."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def fake_run(root: Path) -> Path:
+    (root / "checkpoints" / "iter-000002").mkdir(parents=True)
+    (root / "config.yaml").write_text("train: {iterations: 2}\n")
+    (root / "metrics.jsonl").write_text('{"iteration": 0}\n{"iteration": 1}\n')
+    (root / "checkpoints" / "iter-000002" / "state.json").write_text("{}")
+    return root
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ([], "--run-dir: {run} already holds a run; continue it with --resume {run}, choose a new --run-dir, "
+         "or pass --overwrite to replace it"),
+])
+def test_existing_run_directory_is_never_overwritten(tmp_path, monkeypatch, capsys, extra, needle):
+    run = fake_run(tmp_path / "run")
+    before = tree_digest(run)
+    code, err = cli(monkeypatch, capsys, ["train", "--run-dir", str(run), *extra])
+    assert code == 2 and err == f"error: {needle.format(run=run)}\n"
+    assert tree_digest(run) == before
+
+
+def test_overwrite_deletes_only_a_run(tmp_path, monkeypatch, capsys):
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "holiday.jpg").write_bytes(b"\xff\xd8")
+    before = tree_digest(other)
+    code, err = cli(monkeypatch, capsys, ["train", "--run-dir", str(other), "--overwrite"])
+    assert code == 2 and err.startswith(f"error: --overwrite: {other} is not a run directory") and err.count("\n") == 1
+    assert tree_digest(other) == before
+    from digenrl.runlog import check_new_run_dir
+
+    check_new_run_dir(fake_run(tmp_path / "run"), overwrite=True)  # a run may be replaced when asked
+
+
+def test_help_text(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["digenrl", "plan", "--help"])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "--json" in out and "--ladder" in out
+    assert "<bool>" not in out and "╭" not in out

@@ -37,6 +37,7 @@ def runs(tmp_path_factory):
     return full, resumed
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(runs):
     full, resumed = runs
     a, b = read_metrics(full.run_dir), read_metrics(resumed.run_dir)
@@ -57,6 +58,7 @@ def test_resume_reproduces_the_uninterrupted_run(runs):
     assert all(torch.equal(oa["state"][i]["exp_avg_sq"], ob["state"][i]["exp_avg_sq"]) for i in oa["state"])
 
 
+@pytest.mark.slow
 def test_checkpoint_layout(runs):
     full, _ = runs
     assert [p.name for p in list_checkpoints(full.run_dir)] == ["iter-000002", "iter-000004"]
@@ -70,6 +72,7 @@ def test_checkpoint_layout(runs):
     assert load_config(ckpt / "config.yaml").train.iterations == 4
 
 
+@pytest.mark.slow
 def test_resume_of_a_finished_run_just_returns(runs, monkeypatch, capsys):
     full, _ = runs
     before = (full.run_dir / "metrics.jsonl").read_text()
@@ -80,6 +83,7 @@ def test_resume_of_a_finished_run_just_returns(runs, monkeypatch, capsys):
     assert (full.run_dir / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow
 def test_lora_checkpoint_loads_into_flux_pipeline_and_reproduces_the_sampler(runs):
     """The diffusers pipeline with the checkpoint's LoRA gives the trained policy's own ODE sample."""
     from diffusers import FluxPipeline
@@ -191,6 +195,7 @@ def test_incompatible_checkpoint_is_refused_naming_the_difference(tmp_path, over
     assert other.version == 0  # refused before anything was loaded
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_adapter_is_refused_from_the_cli(runs, tmp_path, monkeypatch, capsys):
     full, _ = runs
     before = (full.run_dir / "metrics.jsonl").read_text()
@@ -216,6 +221,7 @@ def copied(runs, tmp_path):
     ("garble optimizer.pt", "optimizer.pt is corrupt"),
     ("delete rng.pt", "rng.pt is missing"),
 ])
+@pytest.mark.slow
 def test_corrupt_checkpoint_exits_2(copied, monkeypatch, capsys, damage, needle):
     verb, name = damage.split()
     f = copied / name
@@ -241,6 +247,7 @@ def test_resume_without_a_checkpoint_exits_2(tmp_path, monkeypatch, capsys, targ
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_read_state_reports_counters(runs):
     full, _ = runs
     state = read_state(latest_checkpoint(full.run_dir))

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import DEFAULT_CONFIG, ConfigError, RunConfig, load_config
+from digenrl.config import ConfigError, RunConfig, load_config
 from helpers import cli
 
 CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
@@ -14,8 +14,45 @@ def test_embedded_default_is_the_tiny_flux_demo():
     cfg = load_config()
     assert cfg.model.adapter == "flux" and cfg.model.preset == "tiny" and cfg.model.lora is not None
     assert cfg.algorithm.name == "flow_grpo"
-    # configs/flux_tiny.yaml is the embedded default, not a copy that could drift
-    assert Path("configs/flux_tiny.yaml").resolve() == DEFAULT_CONFIG.resolve()
+    assert cfg.placement.mode == "disaggregated" and cfg.engine.tsp_degree == 2 and cfg.engine.max_staleness == 1
+
+
+def test_one_source_of_truth_for_the_defaults(tmp_path):
+    """RunConfig() is what `digenrl train` runs with no arguments, configs/flux_tiny.yaml writes
+    exactly that out, and an empty or null file means the same defaults."""
+    default = RunConfig()
+    assert load_config(None, []) == default
+    assert load_config(Path("configs/flux_tiny.yaml")) == default
+    for text in ("", "null\n", "# only a comment\n"):
+        f = tmp_path / "c.yaml"
+        f.write_text(text)
+        assert load_config(f) == default
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("train:\n  iterations: 7\n")
+    layered = load_config(partial)  # a partial file layers on the same defaults
+    assert layered.train.iterations == 7
+    assert layered.model_copy(update={"train": default.train}) == default
+
+
+def test_algorithm_name_selects_its_defaults():
+    flow, dance = load_config(None, []), load_config(None, ["algorithm.name=dance_grpo"])
+    assert flow.sampling.sde == "flow_grpo" and flow.algorithm.timesteps.mode == "fraction"
+    assert flow.algorithm.timesteps.fraction == 0.99
+    assert dance.sampling.sde == "dance_grpo" and dance.algorithm.timesteps.mode == "random"
+    assert dance.algorithm.timesteps.fraction == 0.6
+    # what a config sets explicitly wins over what the name selects
+    mixed = load_config(None, ["algorithm.name=dance_grpo", "sampling.sde=flow_grpo",
+                               "algorithm.timesteps.mode=fraction"])
+    assert mixed.sampling.sde == "flow_grpo" and mixed.algorithm.timesteps.fraction == 0.99
+    assert RunConfig.model_validate(dance.model_dump()) == dance  # a dumped config reads back the same
+
+
+def test_duplicate_yaml_key_is_an_error(tmp_path):
+    f = tmp_path / "dup.yaml"
+    f.write_text("train:\n  lr: 0.1\n  lr: 0.2\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(f)
+    assert str(exc.value) == f"{f}: key 'lr' appears twice in one mapping (line 3)"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -40,6 +77,13 @@ def test_overrides_types_and_lists():
     ("model.adapter=sdxl", "model.adapter", "available: flux"),
     ("sampling.sde=ddim", "sampling.sde", ""),
     ("placement.rollout_pool=nope", "placement.rollout_pool", ""),
+    ("train.lr=inf", "train.lr", "finite"),
+    ("train.lr=.nan", "train.lr", "finite"),
+    ("sampling.guidance=-.inf", "sampling.guidance", "finite"),
+    ("sampling.steps=100000", "sampling.steps", "less than or equal to 1000"),
+    ("model.height=100000", "model.height", "less than or equal to 8192"),
+    ("output.name=../../../x", "output.name", "plain name"),
+    ("output.name=a/b", "output.name", "plain name"),
 ])
 def test_invalid_values_name_the_dotted_path(override, path, reason):
     extra = ["placement.mode=disaggregated"] if "pool" in override else []
@@ -80,3 +124,36 @@ def test_cli_show_round_trips(monkeypatch, capsys, tmp_path):
     dumped = tmp_path / "c.yaml"
     dumped.write_text(out)
     assert load_config(dumped) == load_config(None, ["train.seed=7"])
+
+
+def test_non_finite_gradient_names_the_likely_field(tiny_cfg):
+    """An overflowing gradient is reported as what it is (naming train.lr), and the step is refused:
+    the weights stay as they were, so nothing downstream (the reward) sees NaN."""
+    import torch
+
+    from digenrl.errors import UserError
+    from digenrl.policy import Policy
+
+    cfg = tiny_cfg("model.height=16", "model.width=16", "train.lr=5")
+    policy = Policy(cfg, device="cpu")
+    before = [p.detach().clone() for p in policy.params]
+    for p in policy.params:
+        p.grad = torch.full_like(p, float("inf"))
+    with pytest.raises(UserError) as exc:
+        policy.optimizer_step()
+    assert str(exc.value).startswith("train.lr: the loss or its gradient is not finite")
+    assert "train.lr (5) too large" in str(exc.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.params)) and policy.version == 0
+
+
+def test_nan_samples_are_not_blamed_on_the_reward():
+    import torch
+
+    from digenrl.config import RewardConfig
+    from digenrl.errors import UserError
+    from digenrl.rewards import build_reward
+
+    reward = build_reward(RewardConfig())
+    pixels = torch.full((2, 3, 8, 8), float("nan"))
+    with pytest.raises(UserError, match=r"^train.lr: the generated samples hold NaN"):
+        reward(pixels, ["a red apple", "a blue car"])

@@ -50,6 +50,11 @@ MODES = {
     # with an EMA (rank 0 keeps it; final/ holds it)
     "minibatch": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "train.optimizer_steps=2",
                                           "train.ema={decay: 0.5, every: 1}"],
+    # sub-group units (G/2 samples each) scored by the reward actor: a group trains once both halves are in
+    "sub_groups": DISAGG + ["engine.unit_samples=2", "engine.tag=true", "reward.service={num_cpus: 0.1}",
+                            "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"],
+    # colocated with global std, sub-group units on 2 devices x ... : every device gets half a group
+    "colocated_sub_groups": ["placement.mode=colocated", "algorithm.std=global", "engine.unit_samples=2"],
 }
 
 
@@ -87,6 +92,7 @@ def free_pools() -> dict:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.slow
 def test_mode_invariants(mode, cluster, reference, tmp_path):
     cfg = load_config(None, BASE + MODES[mode])
     result = run_engine(cfg, run_dir=tmp_path)
@@ -106,17 +112,23 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
 
     tl = Timeline.from_chrome_trace(tmp_path / "timeline.json")
     rollouts, trains = tl.of("rollout"), tl.of("train")
-    # every group of every iteration generated once, by one version within the staleness bound
+    # every group (each of its `parts` parts) of every iteration generated once, by one version within
+    # the staleness bound
+    parts = cfg.algorithm.group_size // (e.unit_samples or cfg.algorithm.group_size)
+    assert all(r.args["samples"] == cfg.algorithm.group_size // parts * len(r.args["groups"]) for r in rollouts)
     assert Counter((r.iteration, g) for r in rollouts for g in r.args["groups"]) == Counter(
-        {(k, g): 1 for k in range(n_iter) for g in range(n_groups)})
+        {(k, g): parts for k in range(n_iter) for g in range(n_groups)})
     assert all(r.iteration - stale <= r.version <= r.iteration for r in rollouts)
-    # ... and trained exactly once per TSP rank and mini-batch, from samples of ONE version at most `stale` old
+    # ... and trained exactly once per TSP rank and mini-batch (every part of a group), from samples of ONE
+    # version at most `stale` old
     n_steps = cfg.train.optimizer_steps  # mini-batches; per rank and iteration, one step each
     assert Counter((t.iteration, g, t.args["tsp_rank"], t.args["minibatch"]) for t in trains
                    for g in t.args["groups"]) == Counter(
-        {(k, g, r, s): 1 for k in range(n_iter) for g in range(n_groups) for r in range(degree)
+        {(k, g, r, s): parts for k in range(n_iter) for g in range(n_groups) for r in range(degree)
          for s in range(n_steps)})
     made_by = {(r.iteration, tuple(r.args["groups"])): r.version for r in rollouts}
+    assert all(made_by[(r.iteration, tuple(r.args["groups"]))] == r.version for r in rollouts), \
+        "a group's parts generated with different versions"
     for t in trains:
         assert len(t.sample_versions) == 1 and t.version == t.iteration
         assert 0 <= t.version - t.sample_versions[0] <= stale
@@ -177,6 +189,7 @@ def slow_clip(tmp_path_factory):
     return make_tiny_clip(tmp_path_factory.mktemp("slow-clip"), image_size=192, hidden=64, layers=4)
 
 
+@pytest.mark.slow
 def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip, tmp_path):
     # 4 rollout units per iteration: the actor scores a unit slower than the worker generates
     # one, so units queue for it and overlap with generation even on a loaded machine
@@ -208,6 +221,7 @@ def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip,
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_reward_error_in_the_actor_reaches_the_cli(cluster, tmp_path, monkeypatch, capsys):
     """A UserError raised while the actor scores (a prompt the dry run did not see names no
     colour) ends the run: one line on stderr, exit 2."""
@@ -221,6 +235,7 @@ def test_reward_error_in_the_actor_reaches_the_cli(cluster, tmp_path, monkeypatc
     assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
 
 
+@pytest.mark.slow
 def test_bad_reward_with_service_fails_before_training(cluster, tmp_path):
     """With reward.service only the reward actor loads the models: its error reaches the caller,
     in seconds, and everything is released."""
@@ -285,6 +300,7 @@ def check_reward_events(tl: Timeline, rows: list[dict], service: bool) -> None:
             assert r["reward_queue_depth"] >= 0 and r["reward_wait_s"] >= 0
 
 
+@pytest.mark.slow
 def test_weight_sync_is_verified(cluster):
     from digenrl.policy import Policy
 
@@ -332,6 +348,7 @@ def expect_user_error(cfg, fragments: list[str], **kwargs) -> None:
         assert fragment in str(err.value), (fragment, str(err.value))
 
 
+@pytest.mark.slow
 def test_unsatisfiable_cluster_fails_fast(cluster, tmp_path):
     three = load_config(None, BASE + DISAGG + ["cluster.pools=[{name: rollout, count: 3}, {name: trainer}]"])
     expect_user_error(three, ["pool:rollout 3 needed, 2 exist", "3 x cpu for pool 'rollout'"],
@@ -341,12 +358,14 @@ def test_unsatisfiable_cluster_fails_fast(cluster, tmp_path):
     assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
 
 
+@pytest.mark.slow
 def test_wrong_ray_address_fails_fast(cluster, tmp_path):
     cfg = load_config(None, BASE + DISAGG)
     expect_user_error(cfg, ["127.0.0.1:1", "no Ray cluster answers"], ray_address="127.0.0.1:1",
                       run_dir=tmp_path)
 
 
+@pytest.mark.slow
 def test_failure_releases_everything(cluster, tmp_path):
     class Stop(Exception):
         pass
@@ -399,3 +418,60 @@ def test_resource_bundles_for_gpu_pools():
     cpu = engine_workers(load_config(None, BASE + DISAGG))
     shares = resource_bundles(cpu, {"CPU": 2, "pool:rollout": 1, "pool:trainer": 1}, reserve={"CPU": 1})
     assert sum(b["CPU"] for b in shares) <= 1 and shares[0]["pool:rollout"] == 1
+
+
+# -- sub-group units: the same samples, advantages only over whole groups -------------------------
+
+def test_a_part_of_a_group_generates_the_whole_group_units_samples():
+    """Samples lo..hi-1 of a group generated as a sub-group unit are the ones a whole-group unit
+    generates (same noise, SDE draws, trained steps, rewards), for DanceGRPO's per-sample random steps too."""
+    from digenrl.policy import Policy
+    from digenrl.prompts import PromptSampler, load_prompts
+    from digenrl.rewards import build_reward
+    from digenrl.units import rollout_unit
+
+    cfg = load_config(None, BASE + ["algorithm.timesteps.mode=random", "algorithm.timesteps.fraction=0.6"])
+    torch.manual_seed(cfg.train.seed)
+    prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed).for_iteration(1, 2)
+    reward, policy = build_reward(cfg.reward), Policy(cfg)
+    whole = rollout_unit(policy, reward, prompts[1:2], [1], 1, cfg.train.seed)
+    halves = [rollout_unit(policy, reward, prompts[1:2], [1], 1, cfg.train.seed, (lo, lo + 2)) for lo in (0, 2)]
+    assert [len(h) for h in halves] == [2, 2] and halves[1].prompts == whole.prompts[2:]
+    for name in ("latents", "log_probs", "train_idx", "rewards"):
+        joined = torch.cat([getattr(h, name) for h in halves])
+        torch.testing.assert_close(joined, getattr(whole, name), atol=1e-5, rtol=0)  # batch size 2 vs 4
+    assert not torch.equal(halves[0].train_idx, halves[1].train_idx)  # per-sample steps, not one row copied
+
+
+def test_advantages_wait_for_every_part_of_a_group(tmp_path):
+    """The ledger (no Ray): a group's advantages exist only once all its parts are scored; asking for a
+    part's earlier raises; then they equal the whole group's advantages, split in part order."""
+    from digenrl.algorithms.grpo import group_advantages
+    from digenrl.engine.ledger import IterationLedger
+    from digenrl.engine.scheduler import Scheduler
+    from digenrl.placement import engine_scheduler_config, engine_workers
+
+    cfg = load_config(None, BASE + DISAGG + ["engine.unit_samples=2", "engine.tag=false"])
+    sched_cfg = engine_scheduler_config(cfg)
+    assert sched_cfg.group_parts == 2 and sched_cfg.units_per_iteration == 4
+    sched = Scheduler(sched_cfg, engine_workers(cfg))
+    ledger = IterationLedger(cfg, sched_cfg, Timeline(), out=None)
+    first = sched.next_unit("rollout0")
+    sched.complete(first)
+    second = sched.next_unit("rollout0")
+    assert (first.groups, first.part, second.groups, second.part) == ((0,), 0, (0,), 1)
+    rewards = torch.tensor([0.1, 0.9, 0.4, 0.3])
+    summary = {"terms": 6, "prompts": ["p"] * 2, "group_ids": [0], "preview": None}
+    ledger.rolled_out(second, {**summary, "rewards": rewards[2:], "reward_parts": {"r": rewards[2:]}})
+    assert sched.next_unit("trainer0") is None  # the scheduler holds the half group back too
+    early = TrainUnit("train-0-1-0", 0, second.uid, (0,), 0, 0, 1, 0)
+    with pytest.raises(RuntimeError, match="before every part"):
+        ledger.advantages(early)
+    ledger.rolled_out(first, {**summary, "rewards": rewards[:2], "reward_parts": {"r": rewards[:2]}})
+    sched.complete(second)
+    expected = group_advantages(rewards, 4, cfg.algorithm.std, cfg.algorithm.adv_clip, ddof=cfg.algorithm.std_ddof)
+    got = torch.cat([ledger.batches[u.uid].advantages for u in (first, second)])
+    torch.testing.assert_close(got, expected)
+    (whole,) = ledger.iteration_batches(0)
+    assert len(whole) == 4 and whole.group_ids == [0]
+    assert sched.next_unit("trainer0").rollout_uid == first.uid  # the whole group trains now, part 0 first

@@ -26,6 +26,8 @@ from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
 from tests.helpers import cli, local_ray  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
+
 BASE = ["model.height=16", "model.width=16", "train.iterations=4", "train.prompts_per_iteration=2",
         "algorithm.group_size=4", "sampling.steps=4", "output.checkpoint_every=2", "output.eval_every=2",
         "output.save_samples_every=0", "placement.mode=disaggregated", "engine.gap=true", "engine.tag=true",

@@ -13,6 +13,8 @@ from digenrl.runlog import RunDir, read_metrics
 from digenrl.trainer import LocalTrainer
 from helpers import cli
 
+pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
+
 FAMILIES = {
     "flux": ("configs/flux_tiny.yaml", ["model.height=16", "model.width=16"]),
     "wan": ("configs/wan_tiny.yaml", []),
@@ -147,6 +149,8 @@ def test_wandb_only_when_enabled_and_importable(tmp_path, monkeypatch):
     ("no checkpoint", "no complete checkpoint in"),
     ("corrupt", "optimizer.pt has"),
     ("empty prompts", "holds no prompts"),
+    ("prompts not UTF-8", "latin1.txt is not UTF-8 text"),
+    ("out is a run's file", "is not writable"),
     ("out is under a file", "is not writable"),
     ("missing baseline", "nope not found"),
     ("no --checkpoint", "--checkpoint: required"),
@@ -168,6 +172,13 @@ def test_eval_bad_input_exits_2_with_one_line(case, needle, flux_run, tmp_path, 
     elif case == "empty prompts":
         (tmp_path / "empty.txt").write_text("\n\n")
         args += ["--prompts", str(tmp_path / "empty.txt")]
+    elif case == "prompts not UTF-8":
+        (tmp_path / "latin1.txt").write_bytes(b"a red caf\xe9\n")
+        args += ["--prompts", str(tmp_path / "latin1.txt")]
+    elif case == "out is a run's file":
+        out = flux_run / "metrics.jsonl"
+        before = out.read_bytes()
+        args[3] = str(out)
     elif case == "out is under a file":
         (tmp_path / "file").write_text("")
         out = tmp_path / "file" / "out"
@@ -179,4 +190,7 @@ def test_eval_bad_input_exits_2_with_one_line(case, needle, flux_run, tmp_path, 
     code, _, err = cli(monkeypatch, capsys, "eval", *args)
     assert code == 2 and needle in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert not out.exists()  # nothing half-written
+    if case == "out is a run's file":
+        assert out.read_bytes() == before  # nothing changed
+    else:
+        assert not out.exists()  # nothing half-written

@@ -11,6 +11,8 @@ import torch
 from digenrl.config import load_config
 from digenrl.runlog import read_metrics
 
+pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
+
 FAMILIES = {
     "flux": "configs/flux_tiny.yaml",
     "wan": "configs/wan_tiny.yaml",

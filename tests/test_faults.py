@@ -45,6 +45,7 @@ def trained_groups(run_dir) -> Counter:
                    for a in [e["args"]] if a["kind"] == "train" for g in a["groups"])
 
 
+@pytest.mark.slow
 def test_killed_rollout_worker_is_restarted_and_its_unit_regenerated(cluster, tmp_path):
     # tag off: only rollout0 rolls out, so it certainly runs (and dies in) both units named
     cfg = load_config(None, BASE + ["engine.tag=false", faults("rollout0@rollout-0-1", "rollout0@rollout-2-0")])
@@ -63,6 +64,7 @@ def test_killed_rollout_worker_is_restarted_and_its_unit_regenerated(cluster, tm
                                                                        rel=1e-5)
 
 
+@pytest.mark.slow
 def test_restarts_are_bounded(cluster, tmp_path):
     cfg = load_config(None, BASE + ["engine.tag=false", "engine.max_restarts=1",
                                     faults("rollout0@rollout-0-0", "rollout0@rollout-0-1")])
@@ -70,6 +72,7 @@ def test_restarts_are_bounded(cluster, tmp_path):
         run_engine(cfg, tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_dead_trainer_stops_cleanly_with_a_resume_hint(cluster, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     code, _, err = cli(monkeypatch, capsys, "train", "--run-dir", str(run), *sum(
@@ -93,6 +96,7 @@ def test_fault_plan_from_the_environment(monkeypatch):
         fault_plan(load_config(None, BASE))
 
 
+@pytest.mark.slow
 def test_killed_reward_actor_is_restarted_and_the_call_run_again(cluster, tmp_path):
     """reward.service: the actor dies scoring rollout-1-0 (the worker has already moved on); Ray
     restarts it and runs the lost call again (scoring is pure), so no unit loses its scores or is

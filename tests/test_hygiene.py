@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc (Linux)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc (Linux)")]
 
 SMALL = ["model.height=16", "model.width=16", "train.prompts_per_iteration=2", "algorithm.group_size=4",
          "sampling.steps=4", "output.save_samples_every=0", "output.checkpoint_every=1"]
@@ -61,10 +61,17 @@ def wait_gone(marker: str, timeout: float = 30.0) -> list[int]:
 
 
 def test_normal_exit_leaves_no_process(tmp_path):
+    """... and the terminal gets only DigenRL's own lines: what Ray / torch print goes to RUN/log.txt."""
     proc, marker = start_train(tmp_path / "run", iterations=2)
-    _, err = proc.communicate(timeout=300)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert wait_gone(marker) == []
+    lines = out.splitlines()
+    assert lines[0] == "digenrl train: loading the config..."  # the first thing the user sees
+    assert lines[-1].startswith(f"run directory: {tmp_path / 'run'}")
+    assert err == "" and "\x1b[" not in out
+    assert not any(noise in out for noise in ("raylet", "core_worker", "(EngineWorker", "Warning"))
+    assert (tmp_path / "run" / "log.txt").is_file()
 
 
 def test_ctrl_c_stops_the_actors_and_writes_nothing_partial(tmp_path):

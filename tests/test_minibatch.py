@@ -80,6 +80,9 @@ def test_minibatch_rows_slice_every_group():
     rows = [minibatch_rows(12, 4, s, 2).tolist() for s in range(2)]
     assert rows == [[0, 1, 4, 5, 8, 9], [2, 3, 6, 7, 10, 11]]
     assert minibatch_rows(8, 4, 0, 1).tolist() == list(range(8))
+    # a sub-group unit: samples 2..3 of one group of 4 belong to mini-batch 1 of 2
+    assert minibatch_rows(2, 4, 1, 2, per_group=2, first=2).tolist() == [0, 1]
+    assert minibatch_rows(2, 4, 0, 2, per_group=2, first=2).tolist() == []
 
 
 def test_optimizer_steps_must_divide_the_group_size():

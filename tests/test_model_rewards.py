@@ -170,7 +170,8 @@ def test_aesthetic_is_the_mlp_on_the_normalised_image_embedding(clip_dir, head_f
 def test_video_scores_sampled_frames(clip_dir):
     video = torch.rand(2, 3, 5, 32, 32, generator=torch.Generator().manual_seed(6))
     prompts = ["a red car", "a cat"]
-    r = ClipScore(path=str(clip_dir), device="cpu", frame_stride=2)
+    r = ClipScore(path=str(clip_dir), device="cpu")
+    r.frame_stride = 2  # what build_reward sets from args.frame_stride (below)
     got = r(video, prompts)
     for i in range(2):
         frames = video[i, :, ::2].permute(1, 0, 2, 3)  # frames 0, 2, 4
@@ -329,6 +330,7 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_reward_actor_scores_equal_inline(ray_local, clip_dir, head_file):
     from digenrl.rewards.service import RewardClient, reward_client, start_reward_actor
 
@@ -367,6 +369,7 @@ def test_reward_actor_scores_equal_inline(ray_local, clip_dir, head_file):
     ray_local.kill(client.actor)
 
 
+@pytest.mark.slow
 def test_reward_actor_reports_user_errors(ray_local, tmp_path):
     from digenrl.rewards.service import start_reward_actor
 

@@ -56,6 +56,7 @@ def test_profile_each_tiny_family(family, tmp_path):
     assert simulate(plan, cost).samples_per_s > 0
 
 
+@pytest.mark.slow
 def test_profile_measures_cpu_sharing():
     cfg = load_config(None, FAST)
     slow = fast_profile(cfg, sharing=2)["measurements"]["cpu_slowdown"]
@@ -78,6 +79,7 @@ def test_profile_of_another_model_is_refused(tmp_path):
         load_profile(tmp_path / "junk.json")
 
 
+@pytest.mark.slow
 def test_profile_cli_writes_json_and_prints_a_table(tmp_path):
     cfg_file = tmp_path / "small.yaml"
     cfg_file.write_text("sampling: {steps: 2}\nalgorithm: {group_size: 2}\ntrain: {prompts_per_iteration: 2, "
@@ -152,6 +154,7 @@ def test_unit_spread_counts_jitter_not_drift():
     assert unit_spread([[1.0], []]) == 0.0  # no successive pair
 
 
+@pytest.mark.slow
 def test_other_load_counts_our_children_as_ours():
     import subprocess
     import sys
@@ -170,6 +173,7 @@ def test_other_load_counts_our_children_as_ours():
     assert load.ours > 0.5 and load.seconds > 0.8  # the spinning child is ours (we started it)
 
 
+@pytest.mark.slow
 def test_profile_cli_engine_none_measures_the_model_only(monkeypatch, capsys, tmp_path):
     from helpers import cli
 

@@ -120,3 +120,51 @@ def test_png_written(tmp_path):
         colours = {c for _, c in img.getcolors(maxcolors=1 << 16)}
     assert (66, 133, 244) in colours and (244, 160, 0) in colours  # rollout v0 and train v0 drawn
     assert Timeline().to_png(tmp_path / "empty.png").exists()  # an empty run still draws
+
+
+def long_run(iterations: int) -> Timeline:
+    """The pipeline's pattern repeated: rollout 2 s, then train 1 s + step 0.25 s; workers start up first."""
+    tl = Timeline()
+    tl.add_worker("rollout0", "rollout")
+    tl.add_worker("trainer0", "trainer")
+    tl.record("rollout0", "start", "start-rollout0", 0, 0, 0.0, 5.0)
+    tl.record("trainer0", "start", "start-trainer0", 0, 0, 0.0, 5.0)
+    t = 5.0
+    for k in range(iterations):
+        tl.record("rollout0", "rollout", f"rollout-{k}-0", k, k, t, t + 2.0, samples=8)
+        tl.record("trainer0", "train", f"train-{k}-0-0", k, k, t + 2.0, t + 3.0, sample_versions=[k])
+        tl.record("trainer0", "step", f"step-{k}/trainer0", k, k, t + 3.0, t + 3.25)
+        t += 3.25
+    return tl
+
+
+def test_long_run_png_reads_at_any_length(tmp_path):
+    """120 iterations: the detail panel shows only the last 3 (labelled units), the strip the whole
+    run with start-up; the legend names only the kinds drawn (no reward, no sync here)."""
+    from digenrl.engine.timeline_draw import COLOURS, LABEL_W, _strip
+
+    tl = long_run(120)
+    assert tl.iteration_spans()[0][0] == 5.0  # start-up precedes the first iteration's span
+    with Image.open(tl.to_png(tmp_path / "long.png", window=3)) as img:
+        colours = {c for _, c in img.getcolors(maxcolors=1 << 16)}
+    assert COLOURS["reward"] not in colours and COLOURS["sync"] not in colours  # not in the legend either
+    assert COLOURS["start"] in colours and COLOURS["rollout"] in colours and COLOURS["train"] in colours
+    # the strip: the first columns of each row are start-up, then the rollout worker alternates busy / idle
+    drawn = set()
+    rollout = _strip(tl, "rollout0", 0.0, tl.events[-1].end, 3950, drawn)  # 0.1 s a column
+    assert rollout[0] == COLOURS["start"] and drawn == {"start", "rollout"}
+    busy = sum(1 for c in rollout if c is not None) / len(rollout)
+    assert 0.6 < busy < 0.7  # 5 s start + 120 x 2 s rollout of 395 s: 0.62 busy (+ part-busy columns)
+    assert LABEL_W > 0
+
+
+def test_legend_lists_only_drawn_kinds(tmp_path):
+    tl = Timeline()
+    tl.add_worker("rollout0", "rollout")
+    tl.record("rollout0", "rollout", "rollout-0-0", 0, 0, 0.0, 1.0, samples=4)
+    from digenrl.engine.timeline_draw import COLOURS
+
+    with Image.open(tl.to_png(tmp_path / "one.png")) as img:
+        colours = {c for _, c in img.getcolors(maxcolors=1 << 16)}
+    assert COLOURS["rollout"] in colours
+    assert not {COLOURS[k] for k in ("train", "step", "sync", "reward", "start")} & colours

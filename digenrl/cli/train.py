@@ -1,4 +1,5 @@
-"""``digenrl train``: pick the driver the placement asks for, show progress, print a summary."""
+"""``digenrl train``: check the run directory, pick the driver the placement asks for, show progress
+from the first second, route library output to ``RUN/log.txt``, print a summary."""
 
 from __future__ import annotations
 
@@ -10,47 +11,115 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from digenrl.config import RunConfig
 
 
+def planned_run_dir(cfg: RunConfig, run_dir: Path | None, resumed) -> Path:
+    """Where the run will write: --run-dir, output.run_dir, the resumed run's own directory, or
+    runs/<name>-<time> (the drivers resolve it the same way)."""
+    from digenrl.runlog import default_run_dir
+
+    if run_dir is not None:
+        return Path(run_dir)
+    if resumed is not None:
+        return Path(resumed.run_dir or resumed.path)
+    return Path(cfg.output.run_dir or default_run_dir(cfg))
+
+
 def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, console: Console,
-              resume: Path | None = None):
-    progress = Progress(
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-        TimeElapsedColumn(), console=console,
-    )
+              resume: Path | None = None, overwrite: bool = False, quiet: bool = False, verbose: bool = False):
+    from digenrl.progress import listening
+    from digenrl.runlog import check_new_run_dir, keep_log, library_output_to_log
+
     resumed = None
     if resume is not None:
         from digenrl.checkpoint import find_checkpoint, read_state
 
         resumed = read_state(find_checkpoint(resume))
-    with console.status("building model, reward and prompts..."):
-        if cfg.placement.mode == "local":
-            from digenrl.trainer import LocalTrainer
+    target = planned_run_dir(cfg, run_dir, resumed)
+    continuing = resumed is not None and run_dir is None  # a resumed run appends to its own directory
+    if not continuing:
+        check_new_run_dir(target, overwrite)  # before any work: a run is never overwritten by accident
+    from digenrl.preflight import check_resources
 
-            driver = LocalTrainer(cfg, resume=resume)
-            start = lambda cb: driver.run(run_dir, cb)  # noqa: E731
-        else:
-            from digenrl.engine.runtime import run_engine
-
-            start = lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address, resume=resume)  # noqa: E731
+    check_resources(cfg, ray_address)
     done = resumed.iteration if resumed is not None else 0
+    say = (lambda *a: None) if quiet else (lambda text: console.print(text, soft_wrap=True, highlight=False))
     if resumed is not None:
-        console.print(f"resuming from {resumed.path} (iteration {done} of {cfg.train.iterations})")
+        say(f"resuming from {resumed.path} (iteration {done} of {cfg.train.iterations})")
     if done >= cfg.train.iterations:
-        console.print(f"nothing to do: the run already completed {done} of {cfg.train.iterations} iterations "
-                      "(extend it with --set train.iterations=N)")
-    with progress:
-        task = progress.add_task("train", total=cfg.train.iterations, completed=done, stats="")
+        say(f"nothing to do: the run already completed {done} of {cfg.train.iterations} iterations "
+            "(extend it with --set train.iterations=N)")
+    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console,
+                        disable=quiet)
+    result = None
+    with library_output_to_log(console, enabled=not verbose) as log:
+        try:
+            with progress, listening(lambda stage: progress.update(task, stats=stage)):
+                task = progress.add_task("train", total=cfg.train.iterations, completed=done, stats="")
+                start = _driver(cfg, None if continuing else target, ray_address, resume)
+                if overwrite and not continuing and target.exists():
+                    _replace(cfg, target, ray_address)
 
-        def on_iteration(row: dict) -> None:
-            progress.update(task, advance=1, stats=(
-                f"reward {row['reward_mean']:.4f}  loss {row['loss']:+.2e}  {row['wall_s']:.2f} s/it"))
+                last = {"stats": ""}
 
-        result = start(on_iteration)
+                def on_iteration(row: dict) -> None:
+                    last["stats"] = (f"reward {row['reward_mean']:.4f}  loss {row['loss']:+.2e}  "
+                                     f"{row['wall_s']:.2f} s/it")
+                    progress.update(task, advance=1, stats=last["stats"])
+
+                result = start(on_iteration)
+                progress.update(task, stats=last["stats"])  # the bar ends on the last iteration, not a stage
+        finally:
+            started = result is not None or (target / "config.yaml").exists()  # else bad input: write nothing
+            kept = keep_log(log, (result.run_dir if result is not None else target) if started else None)
+    _summary(result, say, kept)
+    return result
+
+
+def _driver(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, resume: Path | None):
+    """The driver the placement asks for, built (local: model, reward and prompts) and ready to run."""
+    from digenrl.progress import progress
+
+    from digenrl.preflight import check_model
+
+    progress("loading torch and the model code...")
+    check_model(cfg)  # shapes, checkpoint directory, LoRA targets (meta device): seconds, before Ray starts
+    if cfg.placement.mode == "local":
+        from digenrl.trainer import LocalTrainer
+
+        progress("building model, reward and prompts...")
+
+        driver = LocalTrainer(cfg, resume=resume)
+        progress("training...")
+        return lambda cb: driver.run(run_dir, cb)
+    from digenrl.engine.runtime import run_engine
+
+    progress("checking the config, starting the Ray cluster and the workers...")
+    return lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address, resume=resume)
+
+
+def _replace(cfg: RunConfig, target: Path, ray_address: str | None) -> None:
+    """--overwrite: delete the old run, but only once the new one has passed every check that needs
+    no cluster (the local driver has already built everything by now)."""
+    from digenrl.progress import progress
+    from digenrl.runlog import clear_run_dir
+
+    if cfg.placement.mode != "local":
+        from digenrl.preflight import check_config
+
+        progress("checking the config before replacing the old run...")
+        check_config(cfg, ray_address)
+    clear_run_dir(target)
+
+
+def _summary(result, say, log: Path | None) -> None:
     rows = result.metrics
-    if not rows:
-        console.print(f"run directory: {result.run_dir}")
-        return
-    k = max(1, len(rows) // 3)
-    first = sum(r["reward_mean"] for r in rows[:k]) / k
-    last = sum(r["reward_mean"] for r in rows[-k:]) / k
-    console.print(f"reward (mean of first third -> last third): {first:.4f} -> {last:.4f} ({last - first:+.4f})")
-    console.print(f"run directory: {result.run_dir}")
+    if rows:
+        k = max(1, len(rows) // 3)
+        first = sum(r["reward_mean"] for r in rows[:k]) / k
+        last = sum(r["reward_mean"] for r in rows[-k:]) / k
+        say(f"reward (mean of first third -> last third): {first:.4f} -> {last:.4f} ({last - first:+.4f})")
+    if log:
+        say(f"library messages (Ray, torch): {log}")
+    say(f"run directory: {result.run_dir}")
+
+

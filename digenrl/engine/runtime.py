@@ -38,6 +38,7 @@ from digenrl.errors import UserError
 from digenrl.faults import with_fault_plan
 from digenrl.lora import WeightSyncError
 from digenrl.placement import Worker, engine_scheduler_config, engine_workers
+from digenrl.progress import progress
 from digenrl.prompts import load_prompts
 from digenrl.rewards import build_reward
 from digenrl.runlog import RunDir, check_writable, default_run_dir
@@ -78,15 +79,18 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
         return RunResult(Path(run_dir), history)
     files = {f.name: f.read_bytes() for f in resumed.path.iterdir() if f.is_file()} if resumed else None
     worker_cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
+    started = time.time()  # the timeline starts here: Ray and the workers starting up are its first events
     with _user_errors(), ray_workers(worker_cfg, workers, ray_address, files) as actors:
         out = RunDir(cfg, run_dir, history=history)
         backend = RayBackend(cfg, scheduler, workers, actors, out, on_iteration, history)
+        backend.t0 = started
         try:
             backend.begin()
             drive(scheduler, [w.name for w in workers], backend)
             backend.drain()  # the last eval / checkpoint
             write_final(out.path, backend.final_files())
         finally:
+            progress("stopping workers...")  # the `with` releases them next (Ray shutdown: seconds)
             backend.save_timeline()
             out.close()
     return RunResult(out.path, backend.ledger.rows)
@@ -166,7 +170,8 @@ class RayBackend:
         re-queued unit of the starting version) rank 0's packet of them."""
         import ray
 
-        self.t0 = time.time()
+        for w in self.role:  # start-up: from the run's start until every worker was ready
+            self.timeline.record(w, "start", f"start-{w}", 0, 0, 0.0, time.time() - self.t0)
         rank0 = self.actors[self.rank0]
         self.faults.start_checksum = ray.get(rank0.ready.remote())["checksum"]
         if self.publishes:

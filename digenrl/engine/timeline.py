@@ -7,8 +7,8 @@ same outputs (the run-directory contract, docs/architecture.md):
   Perfetto): one complete event (``"ph": "X"``) per unit; ``pid`` is the pool and ``tid`` the
   worker, both named by metadata events; ``args`` hold kind, unit, iteration, version and, for
   train units, the versions of the samples trained.
-- :meth:`Timeline.to_png` -> ``timeline.png``: a Gantt chart drawn with PIL, one row per
-  worker, units coloured by kind and labelled by version.
+- :meth:`Timeline.to_png` -> ``timeline.png``: a whole-run utilisation strip per worker and
+  the last few iterations as a Gantt chart (:mod:`digenrl.engine.timeline_draw`).
 - :meth:`Timeline.iteration_stats` -> per iteration ``samples_per_s`` and ``bubble_fraction``.
 
 Iteration k's span runs from the end of iteration k-1's optimizer step (or the start of the
@@ -26,11 +26,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KINDS = ("rollout", "train", "step", "sync", "reward")
+KINDS = ("start", "rollout", "train", "step", "sync", "reward")  # start: a worker starting up
 #: pool of helper rows (the reward actor): shown, not counted in the bubble
 SERVICE_POOL = "service"
-#: sub-unit kinds drawn as thin bars (they nest in, or sit beside, a unit)
-MINOR_KINDS = ("sync", "reward")
 
 
 @dataclass(frozen=True)
@@ -87,12 +85,12 @@ class Timeline:
         step_end: dict[int, float] = {}
         last_end: dict[int, float] = {}
         for e in self.events:
-            if e.kind == "sync":  # a fetch is booked to the unit it precedes; it defines no span
-                continue
+            if e.kind in ("sync", "start"):  # a fetch is booked to the unit it precedes; start-up precedes
+                continue                     # the first iteration: neither defines a span
             last_end[e.iteration] = max(last_end.get(e.iteration, e.end), e.end)
             if e.kind == "step":
                 step_end[e.iteration] = max(step_end.get(e.iteration, e.end), e.end)
-        spans, start = {}, min((e.start for e in self.events), default=0.0)
+        spans, start = {}, min((e.start for e in self.events if e.kind != "start"), default=0.0)
         for k in sorted(last_end):
             end = max(step_end.get(k, last_end[k]), start)
             spans[k] = (start, end)
@@ -239,67 +237,12 @@ class Timeline:
 
     # -- Gantt chart ---------------------------------------------------------------------
 
-    def to_png(self, path: Path, width: int = 1400) -> Path:
-        """One row per worker; units coloured by kind (shade alternating with the version) and
-        labelled ``v<version>`` where they are wide enough; sync / reward as thin bars."""
-        from PIL import Image, ImageDraw, ImageFont
+    def to_png(self, path: Path, width: int = 1400, window: int = 3) -> Path:
+        """``timeline.png``: a whole-run utilisation strip per worker above the last ``window``
+        iterations at full detail (see :mod:`digenrl.engine.timeline_draw`)."""
+        from digenrl.engine.timeline_draw import draw_timeline
 
-        font = ImageFont.load_default()
-        label_w, top, row_h, axis_h, legend_h = 150, 10, 34, 30, 24
-        rows = list(self.workers)
-        height = top + row_h * max(1, len(rows)) + axis_h + legend_h
-        img = Image.new("RGB", (width, height), "white")
-        draw = ImageDraw.Draw(img)
-        end = max((e.end for e in self.events), default=1.0) or 1.0
-        plot_w = width - label_w - 20
-        x = lambda t: label_w + t / end * plot_w  # noqa: E731
-
-        for i, w in enumerate(rows):
-            y0 = top + i * row_h
-            draw.rectangle([label_w, y0, label_w + plot_w, y0 + row_h - 4], fill=(245, 245, 245))
-            draw.text((5, y0 + 10), f"{self.workers[w]}/{w}", fill="black", font=font)
-        for e in sorted(self.events, key=lambda e: e.kind in MINOR_KINDS):  # minor bars on top
-            i = rows.index(e.worker)
-            y0, y1 = top + i * row_h, top + i * row_h + row_h - 4
-            if e.kind in MINOR_KINDS and e.pool != SERVICE_POOL:  # a service row holds nothing to nest in
-                y0 = y1 - (row_h - 4) // 3
-            x0, x1 = x(e.start), max(x(e.end), x(e.start) + 1)
-            draw.rectangle([x0, y0, x1, y1], fill=_colour(e.kind, e.version), outline=(60, 60, 60))
-            label = f"v{e.version}"
-            if e.kind not in MINOR_KINDS and x1 - x0 > 6 * len(label) + 4:
-                draw.text((x0 + 3, y0 + 3), label, fill="black", font=font)
-
-        axis_y = top + row_h * max(1, len(rows))
-        draw.line([label_w, axis_y, label_w + plot_w, axis_y], fill="black")
-        for j in range(11):
-            t = end * j / 10
-            draw.line([x(t), axis_y, x(t), axis_y + 4], fill="black")
-            draw.text((x(t) - 10, axis_y + 6), f"{t:.3g}s", fill="black", font=font)
-        lx = label_w
-        for kind in KINDS:
-            draw.rectangle([lx, axis_y + axis_h, lx + 14, axis_y + axis_h + 12], fill=_colour(kind, 0))
-            draw.text((lx + 18, axis_y + axis_h), kind, fill="black", font=font)
-            lx += 90
-        path = Path(path)
-        img.save(path)
-        return path
-
-
-_BASE = {
-    "rollout": (66, 133, 244),
-    "train": (244, 160, 0),
-    "step": (219, 68, 55),
-    "sync": (15, 157, 88),
-    "reward": (171, 71, 188),
-}
-
-
-def _colour(kind: str, version: int) -> tuple[int, int, int]:
-    """The kind's colour, lightened on odd versions so that consecutive versions differ."""
-    r, g, b = _BASE.get(kind, (128, 128, 128))
-    if version % 2:
-        r, g, b = (c + (255 - c) // 2 for c in (r, g, b))
-    return r, g, b
+        return draw_timeline(self, path, width=width, window=window)
 
 
 def _jsonable(value):

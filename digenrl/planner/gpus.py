@@ -25,11 +25,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from digenrl.config import PoolConfig, first_duplicate
 from digenrl.errors import UserError
+from digenrl.yamlfile import parse_yaml
 
 GB = 1e9
 TB = 1e12
@@ -168,10 +168,7 @@ def load_cluster(path: Path) -> ClusterSpec:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"--cluster: cluster file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
-        raise UserError(f"{path}: malformed YAML") from None
+    data = parse_yaml(path, "--cluster")  # one line for non-UTF-8, malformed YAML, a duplicate key
     if not isinstance(data, dict):
         raise UserError(f"{path}: a cluster file is a mapping with 'pools' (got {type(data).__name__})")
     data.setdefault("name", path.stem)

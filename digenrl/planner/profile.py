@@ -53,7 +53,7 @@ from typing import Callable
 
 import torch
 
-from digenrl.errors import UserError
+from digenrl.errors import UserError, read_user_text
 from digenrl.planner.constants import (CALIBRATION_ITERATIONS, DEFAULT_BATCHES, MAX_PROFILED_UNIT_SAMPLES,
                                        PROFILE_VERSION)
 
@@ -201,7 +201,7 @@ def load_profile(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"--profile: file not found: {path}")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_user_text(path, "--profile"))
     except json.JSONDecodeError as exc:
         raise UserError(f"--profile: {path} is not valid JSON (line {exc.lineno})") from None
     needed = ("device", "model", "measurements", "workload")

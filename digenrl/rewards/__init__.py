@@ -108,6 +108,9 @@ class CombinedReward:
         return {name: w for name, w, _ in self.terms}
 
     def __call__(self, pixels, prompts, metadata=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if isinstance(pixels, torch.Tensor) and not torch.isfinite(pixels).all():  # not the reward's fault
+            raise UserError("train.lr: the generated samples hold NaN / inf pixels (the policy diverged); most "
+                            "likely train.lr is too large or model.dtype float16 overflowed")
         parts, timings = {}, {}
         for name, _, fn in self.terms:
             t0 = time.perf_counter()

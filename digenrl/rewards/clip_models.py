@@ -160,16 +160,15 @@ def load_backbone(path, processor_path=None, device: str = "auto", dtype: str = 
 
 
 class _ClipReward(Reward):
-    """Shared loading, batching and video handling; subclasses turn embeddings into scores."""
+    """Shared loading and batching; subclasses turn embeddings into scores. (Videos: every reward's
+    ``args.frame_stride`` is read by the reward builder, which sets :attr:`Reward.frame_stride`.)"""
 
     def __init__(self, path=None, processor_path=None, batch_size: int = 16, device: str = "auto",
-                 dtype: str = "float32", frame_stride: int = 1):
+                 dtype: str = "float32"):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise RewardArgError("batch_size", f"must be a positive integer (got {batch_size!r})")
-        if isinstance(frame_stride, bool) or not isinstance(frame_stride, int) or frame_stride < 1:
-            raise RewardArgError("frame_stride", f"must be a positive integer (got {frame_stride!r})")
         self.backbone = load_backbone(path, processor_path, device, dtype)
-        self.batch_size, self.frame_stride = batch_size, frame_stride
+        self.batch_size = batch_size
 
     @property
     def device(self) -> torch.device:
