@@ -55,6 +55,8 @@ MODES = {
                             "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"],
     # colocated with global std, sub-group units on 2 devices x ... : every device gets half a group
     "colocated_sub_groups": ["placement.mode=colocated", "algorithm.std=global", "engine.unit_samples=2"],
+    # sub-group units and mini-batches: each part of a group holds one mini-batch's slice of it
+    "colocated_sub_groups_minibatch": ["placement.mode=colocated", "engine.unit_samples=2", "train.optimizer_steps=2"],
 }
 
 
