@@ -5,6 +5,7 @@ A checkpoint directory (NNNNNN = iterations completed) holds
     pytorch_lora_weights.safetensors   LoRA in the diffusers format (``Pipeline.load_lora_weights(dir)``)
       or transformer.safetensors       full weights (``model.lora: null``)
     optimizer.pt                       the optimizer's ``state_dict()``
+    ema.safetensors                    with ``train.ema``: the fp32 weight average (trained-parameter names)
     rng.pt                             torch CPU (+ CUDA) / python ``random`` / numpy generator states
     config.yaml                        the resolved config of the run that wrote it
     state.json                         counters, model signature, file sizes; written LAST (completion marker)
@@ -35,6 +36,7 @@ from digenrl.errors import UserError
 FORMAT = 1  # bump when the layout changes; older formats are refused with a message
 LORA_FILE = "pytorch_lora_weights.safetensors"
 FULL_FILE = "transformer.safetensors"
+EMA_FILE = "ema.safetensors"
 STATE_FILE = "state.json"
 _NAME = re.compile(r"^iter-(\d{6,})$")
 
@@ -241,6 +243,11 @@ def write_checkpoint(directory: Path, policy, iteration: int, cfg=None, extra: d
         save_file(policy.weights(), tmp / FULL_FILE)
     if policy.optimizer is not None:
         torch.save(policy.optimizer.state_dict(), tmp / "optimizer.pt")
+    ema = getattr(policy, "ema", None)
+    if ema is not None:
+        from safetensors.torch import save_file
+
+        save_file(ema.state(), tmp / EMA_FILE)
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "config.yaml").write_text(cfg.dump_yaml())
     files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.name != STATE_FILE}
@@ -255,6 +262,8 @@ def write_checkpoint(directory: Path, policy, iteration: int, cfg=None, extra: d
         "files": files,
         "extra": extra or {},
     }
+    if ema is not None:  # the average's settings and how many optimizer steps it has seen
+        state["ema"] = {**ema.cfg.model_dump(), "steps": ema.steps}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
 
 
@@ -317,13 +326,7 @@ def _lora_checksum(policy) -> str:
 # ---------------------------------------------------------------------------------------- load
 def read_weights(path: Path, lora: bool) -> dict[str, torch.Tensor]:
     """The checkpoint's weights as the policy names them (LoRA: peft keys, without diffusers' prefix)."""
-    from safetensors.torch import load_file
-
-    f = Path(path) / (LORA_FILE if lora else FULL_FILE)
-    try:
-        state = load_file(f)
-    except Exception as exc:  # noqa: BLE001  (safetensors raises its own error types)
-        raise CheckpointError(f"checkpoint: {f} is corrupt or unreadable ({type(exc).__name__})") from None
+    state = read_safetensors(Path(path) / (LORA_FILE if lora else FULL_FILE))
     if lora:
         state = {k.removeprefix("transformer."): v for k, v in state.items()}
     return state
@@ -370,6 +373,23 @@ def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = T
         t = policy.cfg.train
         for group in policy.optimizer.param_groups:
             group.update(lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    if getattr(policy, "ema", None) is not None:  # resume the average, or start it here if none was kept
+        if EMA_FILE in state.files:
+            try:
+                policy.ema.load(read_safetensors(state.path / EMA_FILE), int(raw.get("ema", {}).get("steps", 0)))
+            except ValueError as exc:
+                raise CheckpointError(f"checkpoint {state.path}: {EMA_FILE} does not fit this model ({exc})") from None
+        else:
+            policy.ema.reset()
     if rngs is not None:
         set_rng_state(rngs)
     return state
+
+
+def read_safetensors(f: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(f)
+    except Exception as exc:  # noqa: BLE001  (safetensors raises its own error types)
+        raise CheckpointError(f"checkpoint: {f} is corrupt or unreadable ({type(exc).__name__})") from None

@@ -213,6 +213,15 @@ class PromptsConfig(_Section):
 
 
 # --------------------------------------------------------------------------------------- train
+class EmaConfig(_Section):
+    """An exponential moving average of the trained weights, for eval and export (flow_grpo's ``train.ema``)."""
+
+    decay: float = Field(0.9, gt=0, lt=1, description="the average's decay per update (flow_grpo: 0.9)")
+    every: int = Field(1, gt=0, description="update after every N-th optimizer step (flow_grpo: 8)")
+    warmup: bool = Field(True, description="decay min(decay, (1 + n) / (10 + n)) at the n-th optimizer step, "
+                                           "as flow_grpo; false: always `decay`")
+
+
 class TrainConfig(_Section):
     iterations: int = Field(120, gt=0, le=10_000_000)
     prompts_per_iteration: int = Field(4, gt=0, le=MAX_BATCH)
@@ -225,6 +234,9 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, gt=0)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    optimizer_steps: int = Field(1, gt=0, description="mini-batch PPO: optimizer steps per iteration, step s over "
+                                                      "the s-th equal slice of every prompt group's samples")
+    ema: EmaConfig | None = Field(None, description="EMA of the trained weights for eval and final/ (off: null)")
     activation_checkpointing: Literal["auto", "on", "off"] = Field(
         "auto", description="recompute each transformer block in backward; auto = off until the memory model decides")
     fsdp: Literal["auto", "off"] | int = Field(
@@ -342,6 +354,11 @@ class RunConfig(_Section):
             raise ValueError(
                 f"engine.unit_groups ({self.engine.unit_groups}) must divide train.prompts_per_iteration "
                 f"({self.train.prompts_per_iteration}) into whole groups per unit"
+            )
+        if self.algorithm.group_size % self.train.optimizer_steps:
+            raise ValueError(
+                f"train.optimizer_steps ({self.train.optimizer_steps}) must divide algorithm.group_size "
+                f"({self.algorithm.group_size}): each mini-batch holds an equal slice of every group"
             )
         s, G = self.engine.unit_samples, self.algorithm.group_size
         if s is not None and G % s:

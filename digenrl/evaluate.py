@@ -7,7 +7,8 @@ them is the weights' doing, not the noise's.
 - :func:`evaluate_policy` samples and scores a prompt set with a policy's current weights (the
   trainer calls it every ``output.eval_every`` iterations).
 - :func:`evaluate_checkpoint` is ``digenrl eval``: a checkpoint (and optionally a baseline: the
-  initial weights or another checkpoint) -> ``eval.json`` and captioned grids / GIFs.
+  initial weights or another checkpoint) -> ``eval.json`` and captioned grids / GIFs. A checkpoint
+  that holds an EMA of the weights (``train.ema``) is evaluated with the EMA weights.
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ def prepare_eval(checkpoint: Path, config: Path | None = None, prompts: Path | N
 def evaluate_checkpoint(job: EvalJob, on_batch: Callable[[int], None] | None = None) -> dict:
     """Run ``digenrl eval``: sample + score the checkpoint (and baseline), write eval.json and grids."""
     from digenrl.checkpoint import load_checkpoint
+    from digenrl.ema import use_ema_weights
     from digenrl.policy import Policy
     from digenrl.rewards import build_reward
 
@@ -154,16 +156,21 @@ def evaluate_checkpoint(job: EvalJob, on_batch: Callable[[int], None] | None = N
     run = lambda: evaluate_policy(policy, reward, job.prompts, on_batch=on_batch)  # noqa: E731
     base = run() if job.baseline == "base" else None
     state = load_checkpoint(job.checkpoint, policy, optimizer=False, rng=False)
+    ema = use_ema_weights(job.checkpoint, policy)  # train.ema: the averaged weights, when kept
     main = run()
     base_label = "base"
     if isinstance(job.baseline, Path):
         load_checkpoint(job.baseline, policy, optimizer=False, rng=False)
+        use_ema_weights(job.baseline, policy)
         base, base_label = run(), job.baseline.name
     report = {
         "checkpoint": str(job.checkpoint), "iteration": state.iteration, "version": state.version,
         "config": str(job.config_path), "adapter": cfg.model.adapter, "eval_steps": cfg.sampling.eval_steps,
         "seed": cfg.train.seed, "prompts": main.prompts, "rewards": main.rewards(),
+        "weights": "ema" if ema is not None else "trained",
     }
+    if ema is not None:
+        report["ema"] = ema
     files = _write_grids(job.out, main, base, base_label)
     if base is not None:
         report["baseline"] = {"source": "base" if job.baseline == "base" else str(job.baseline),

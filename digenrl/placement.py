@@ -19,7 +19,7 @@ the rollout workers leave over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from digenrl.config import PoolConfig, RunConfig
 from digenrl.engine.scheduler import Role, SchedulerConfig, WorkerSpec
@@ -191,9 +191,10 @@ def engine_scheduler_config(cfg: RunConfig, start_iteration: int = 0) -> Schedul
     """The scheduler's configuration for ``cfg``: its plan, plus global-std advantages holding training
     back until every reward of the iteration is in."""
     try:
-        return Plan.from_run_config(cfg).scheduler_config(
+        sched = Plan.from_run_config(cfg).scheduler_config(
             cfg.train.prompts_per_iteration, cfg.train.iterations,
             wait_for_full_batch=cfg.algorithm.std == "global", start_iteration=start_iteration)
+        return replace(sched, optimizer_steps=cfg.train.optimizer_steps)
     except ValueError as exc:
         raise UserError(f"engine: {exc}") from None
 

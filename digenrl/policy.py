@@ -1,7 +1,8 @@
 """The trained policy: an adapter's transformer + LoRA (or full weights) + optimizer + version counter.
 
 One ``Policy`` lives in every process that samples or trains (the local trainer, each Ray worker).
-Version k = the weights after k optimizer steps.
+Version k = the weights after k iterations; an iteration takes ``train.optimizer_steps`` optimizer
+steps (mini-batch PPO) and only its last one bumps the version.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from digenrl.adapters import build_adapter
 from digenrl.config import RunConfig
+from digenrl.ema import WeightAverage, swapped_in
 from digenrl.distributed.checkpointing import checkpoint_blocks
 from digenrl.distributed.precision import fp32_master
 from digenrl.distributed.settings import check_fsdp_wired, resolve_activation_checkpointing
@@ -49,16 +51,21 @@ class Policy:
             fp32_master(net)  # the optimizer steps fp32 masters; compute stays in model.dtype (autocast)
             if resolve_activation_checkpointing(cfg.train):
                 checkpoint_blocks(net)
-        self.params = [p for p in net.parameters() if p.requires_grad]
+        self.named_params = {n: p for n, p in net.named_parameters() if p.requires_grad}
+        self.params = list(self.named_params.values())
         self.optimizer = None
+        self.ema: WeightAverage | None = None  # train.ema: on the trainer only
         if trainable:
             t = cfg.train
             self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+            if t.ema is not None:
+                self.ema = WeightAverage(self.named_params, t.ema)
         self.version = 0
 
     # ------------------------------------------------------------------ optimisation
-    def optimizer_step(self) -> float:
-        """Clip the accumulated gradient, step, zero it, bump the version. Returns the pre-clip grad norm."""
+    def optimizer_step(self, publish: bool = True) -> float:
+        """Clip the accumulated gradient, step, zero it, update the EMA; ``publish`` (the iteration's
+        last step) bumps the version. Returns the pre-clip grad norm."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
         if hasattr(norm, "full_tensor"):  # FSDP2 shards: the norm is a DTensor over the mesh
             norm = norm.full_tensor()
@@ -67,8 +74,20 @@ class Policy:
             raise UserError(non_finite_gradient(self.cfg, float(norm), self.version))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
+        if self.ema is not None:
+            self.ema.update()
+        if publish:
+            self.version += 1
         return float(norm)
+
+    @contextlib.contextmanager
+    def averaged(self):
+        """Inside the block the network holds the EMA weights (``train.ema``); without EMA, a no-op."""
+        if self.ema is None:
+            yield
+            return
+        with swapped_in(self.named_params, self.ema.average):
+            yield
 
     @contextlib.contextmanager
     def reference(self):

@@ -6,7 +6,7 @@
     RunPolicy.samples_due(k)           sample grid of iteration k    (output.save_samples_every, and the last)
     iteration_metrics                  the metrics row of an iteration
     save_iteration_samples             samples/iter-NNNNNN.png
-    final_files -> write_final         final/: the trained weights as diffusers / peft load them
+    final_files -> write_final         final/: the trained (with train.ema: the EMA) weights as diffusers / peft load them
     RunResult                          what a run returns
 
 Iteration ``k`` (0-based) trains version k into k + 1; "done" counts are ``k + 1``, which is also
@@ -113,8 +113,9 @@ def save_iteration_samples(run_dir: Path, iteration: int, units: list) -> Path:
 
 def final_files(policy) -> dict[str, bytes]:
     """The final weights as file bytes: LoRA in the diffusers format (``load_lora_weights``), else the
-    full transformer as safetensors. Bytes, so a driver can write them from another process or node."""
-    with tempfile.TemporaryDirectory() as tmp:
+    full transformer as safetensors; with ``train.ema`` the EMA weights. Bytes, so a driver can write
+    them from another process or node."""
+    with tempfile.TemporaryDirectory() as tmp, policy.averaged():
         out = Path(tmp)
         if policy.lora:
             from digenrl.lora import save_lora

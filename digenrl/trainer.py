@@ -2,7 +2,8 @@
 
     for each iteration:
         sample prompts -> rollout units (generate, decode, score) -> group advantages
-        -> train units (accumulate gradients) -> one optimizer step -> log
+        -> per mini-batch s (train.optimizer_steps of them, each a slice of every group):
+           train units (accumulate gradients) -> one optimizer step (the last publishes k + 1) -> log
         [-> eval every output.eval_every] [-> checkpoint every output.checkpoint_every]
 
 The cadence, the metrics row, the sample grids and ``final/`` come from :mod:`digenrl.runpolicy`,
@@ -62,19 +63,26 @@ class LocalTrainer:
         units = self.last_units = self.rollout(iteration)
         t_roll = time.perf_counter() - t0
         assign_advantages(units, self.cfg)
-        total_terms = sum(len(u) * u.train_idx.shape[1] for u in units)
-        stats = merge_stats([train_unit(self.policy, u, total_terms) for u in units])
-        stats["grad_norm"] = self.policy.optimizer_step()
+        steps = self.cfg.train.optimizer_steps  # mini-batch PPO; the last step publishes version k + 1
+        terms = sum(len(u) * u.train_idx.shape[1] for u in units) // steps  # a mini-batch's loss is its mean
+        parts, norms = [], []
+        for s in range(steps):  # mini-batch s: the s-th slice of every group's samples
+            parts += [train_unit(self.policy, u, terms, minibatch=s, minibatches=steps) for u in units]
+            norms.append(self.policy.optimizer_step(publish=s == steps - 1))
+        stats = merge_stats(parts, steps)
+        stats["grad_norm"] = sum(norms) / steps
         wall = time.perf_counter() - t0
         return iteration_metrics(iteration, self.policy.version, units, stats, wall, rollout_s=t_roll)
 
     def evaluate(self) -> dict:
-        """``eval/<reward>`` means of the current weights over the whole prompt set (ODE, fixed seeds)."""
+        """``eval/<reward>`` means of the current (with ``train.ema``: the EMA) weights over the whole
+        prompt set (ODE, fixed seeds)."""
         from digenrl.evaluate import evaluate_policy
 
         if not hasattr(self, "_eval_prompts"):
             self._eval_prompts = load_prompts(self.cfg.prompts)
-        return evaluate_policy(self.policy, self.reward, self._eval_prompts).metrics()
+        with self.policy.averaged():  # train.ema: the EMA weights
+            return evaluate_policy(self.policy, self.reward, self._eval_prompts).metrics()
 
     def run(self, run_dir: Path | None = None, on_iteration: Callable[[dict], None] | None = None) -> RunResult:
         """Iterations ``start_iteration .. train.iterations-1``; a resumed run continues in the

@@ -3,7 +3,9 @@
 - :func:`rollout_unit`: m whole prompt groups, or a part of one group (samples lo..hi-1 of it),
   generated with ONE policy version from the first denoising step to the reward.
 - :func:`train_unit`: a set of rolled-out samples x a subset of their trained timesteps; it only
-  accumulates gradients (the driver calls ``Policy.optimizer_step`` once per iteration).
+  accumulates gradients (the driver calls ``Policy.optimizer_step`` once per mini-batch:
+  ``train.optimizer_steps`` of them per iteration, mini-batch s being the s-th slice of every
+  group's samples, :func:`minibatch_rows`).
 
 Randomness is drawn per prompt group from a seed of (run seed, iteration, group id), so a sample
 is the same whichever unit, worker or batch it is generated in: a part of a group draws the whole
@@ -62,6 +64,7 @@ class Samples:
     advantages: torch.Tensor | None = None  # (B,), set once the group's rewards are known
     preview: torch.Tensor | None = None  # uint8 pixels of the first sample of each group
     timings: dict[str, float] = field(default_factory=dict)
+    first_sample: int = 0  # a sub-group unit: the in-group index of its groups' first sample
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -94,7 +97,7 @@ def rollout_unit(policy, reward_fn, prompts: list[Prompt], group_ids: list[int],
         iteration=iteration, version=policy.version, group_ids=list(group_ids), prompts=texts,
         cond=cond.to("cpu"), latents=traj.latents.cpu(), log_probs=traj.log_probs.cpu(), sigmas=sigmas.cpu(),
         sde_mask=sde_mask, train_idx=train_idx, rewards=total, reward_parts=parts,
-        preview=(pixels[::n].clamp(0, 1) * 255).round().to(torch.uint8).cpu(),
+        preview=(pixels[::n].clamp(0, 1) * 255).round().to(torch.uint8).cpu(), first_sample=lo,
     )
 
 
@@ -151,12 +154,18 @@ def assign_advantages(batches: list[Samples], cfg) -> None:
             b.advantages = a
 
 
-def train_unit(policy, samples: Samples, total_terms: int, tsp_rank: int = 0, tsp_degree: int = 1) -> dict:
+def train_unit(policy, samples: Samples, total_terms: int, tsp_rank: int = 0, tsp_degree: int = 1,
+               minibatch: int = 0, minibatches: int = 1) -> dict:
     """Accumulate the gradient of this unit's share of the iteration loss.
 
-    The iteration loss is the mean over every (sample, trained step) term; each term here is
-    divided by ``total_terms`` so the units' gradients add up to the full-batch gradient.
-    Trains the trained-step positions j with j % tsp_degree == tsp_rank (time-step parallelism).
+    The loss of a mini-batch (the whole iteration with ``train.optimizer_steps: 1``) is the mean
+    over its (sample, trained step) terms; each term here is divided by ``total_terms``, the
+    mini-batch's count, so the units' gradients add up to the mini-batch gradient. The ratio is to
+    the behaviour policy (PPO: ~1 in an on-policy first mini-batch, moving after each step); a
+    stale sample (``samples.version`` older than the policy's) is clipped around the proximal
+    policy, the weights at the start of the current mini-batch (decoupled PPO).
+    Trains the trained-step positions j with j % tsp_degree == tsp_rank (time-step parallelism)
+    of the samples of mini-batch ``minibatch`` of ``minibatches`` (:func:`minibatch_rows`).
     """
     cfg, ad = policy.cfg, policy.adapter
     alg, kind, eta = cfg.algorithm, cfg.sampling.sde, cfg.sampling.noise_level
@@ -164,7 +173,9 @@ def train_unit(policy, samples: Samples, total_terms: int, tsp_rank: int = 0, ts
     stats = _Stats()
     positions = [j for j in range(samples.train_idx.shape[1]) if j % tsp_degree == tsp_rank]
     sig = samples.sigmas.to(ad.device)
-    for mb in torch.arange(len(samples)).split(cfg.train.micro_batch):
+    rows = minibatch_rows(len(samples), alg.group_size, minibatch, minibatches,
+                          len(samples) // len(samples.group_ids), samples.first_sample)
+    for mb in rows.split(cfg.train.micro_batch):
         cond = samples.cond.select(mb).to(ad.device)
         adv = samples.advantages[mb].to(ad.device)
         for j in positions:
@@ -220,11 +231,25 @@ class _Stats:
         return dict(vars(self))
 
 
-def merge_stats(parts: list[dict]) -> dict:
-    """Combine unit stats into the iteration's metrics."""
+def minibatch_rows(n: int, group_size: int, minibatch: int, minibatches: int, per_group: int | None = None,
+                   first: int = 0) -> torch.Tensor:
+    """Mini-batch PPO: the rows (of ``n`` samples, ``per_group`` of each group in a row: samples
+    ``first ..`` of it; default whole groups) of mini-batch ``minibatch``: the in-group samples
+    s*G/S .. (s+1)*G/S - 1 of every group (S = ``minibatches`` divides G). Every mini-batch holds a
+    slice of every group, as in DanceGRPO (each rank's group in gradient-accumulation chunks) and
+    flow_grpo (a random split of all samples)."""
+    rows = torch.arange(n)
+    if minibatches == 1:
+        return rows
+    in_group = first + rows % (per_group or group_size)
+    return rows[in_group // (group_size // minibatches) == minibatch]
+
+
+def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:
+    """Combine unit stats into the iteration's metrics (``loss``: the mean of the mini-batches' losses)."""
     terms = sum(p["terms"] for p in parts) or 1
     out = {
-        "loss": sum(p["loss"] for p in parts),
+        "loss": sum(p["loss"] for p in parts) / minibatches,
         "kl": sum(p["kl"] for p in parts) / terms,
         "ratio_mean": sum(p["ratio_sum"] for p in parts) / terms,
         "ratio_max": max(p["ratio_max"] for p in parts),

@@ -47,6 +47,8 @@ CASES = {
     "zero size": (["train", "--set", "model.lora.rank=0"], "model.lora.rank"),
     "group size 1": (["train", "--set", "algorithm.group_size=1"], "algorithm.group_size"),
     "groups do not divide into units": (["train", "--set", "engine.unit_groups=3"], "engine.unit_groups"),
+    "mini-batches that do not divide a group": (["train", "--set", "train.optimizer_steps=3"],
+                                                "train.optimizer_steps (3) must divide algorithm.group_size"),
     "unit_samples does not divide G": (["train", "--set", "engine.unit_samples=3"], "engine.unit_samples"),
     "unit_samples with unit_groups > 1": (["train", "--set", "engine.unit_samples=4", "--set", "engine.unit_groups=2"],
                                           "engine.unit_samples"),

@@ -46,11 +46,17 @@ MODES = {
     # async also scores through the reward actor: TAG trainer ranks release rollout units too
     "async": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "engine.max_staleness=1",
                                       "reward.service={num_cpus: 0.1}"],
+    # mini-batch PPO: two optimizer steps per iteration (one per rollout unit), over two ranks with TAG;
+    # with an EMA (rank 0 keeps it; final/ holds it)
+    "minibatch": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "train.optimizer_steps=2",
+                                          "train.ema={decay: 0.5, every: 1}"],
     # sub-group units (G/2 samples each) scored by the reward actor: a group trains once both halves are in
     "sub_groups": DISAGG + ["engine.unit_samples=2", "engine.tag=true", "reward.service={num_cpus: 0.1}",
                             "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"],
     # colocated with global std, sub-group units on 2 devices x ... : every device gets half a group
     "colocated_sub_groups": ["placement.mode=colocated", "algorithm.std=global", "engine.unit_samples=2"],
+    # sub-group units and mini-batches: each part of a group holds one mini-batch's slice of it
+    "colocated_sub_groups_minibatch": ["placement.mode=colocated", "engine.unit_samples=2", "train.optimizer_steps=2"],
 }
 
 
@@ -62,15 +68,16 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """LocalTrainer runs (per advantage std): final LoRA tensors and metrics rows."""
+    """LocalTrainer runs (per advantage std and optimizer steps): final LoRA tensors and metrics rows."""
     out = {}
 
-    def get(std: str):
-        if std not in out:
+    def get(std: str, train: tuple[str, ...] = ()):
+        """``train``: the mode's train.* overrides (optimizer steps, EMA)."""
+        if (std, train) not in out:
             path = tmp_path_factory.mktemp(f"local-{std}")
-            result = LocalTrainer(load_config(None, BASE + [f"algorithm.std={std}"])).run(path)
-            out[std] = (load_file(path / "final" / "pytorch_lora_weights.safetensors"), result.metrics)
-        return out[std]
+            result = LocalTrainer(load_config(None, BASE + [f"algorithm.std={std}", *train])).run(path)
+            out[std, train] = (load_file(path / "final" / "pytorch_lora_weights.safetensors"), result.metrics)
+        return out[std, train]
 
     return get
 
@@ -114,9 +121,13 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
     assert Counter((r.iteration, g) for r in rollouts for g in r.args["groups"]) == Counter(
         {(k, g): parts for k in range(n_iter) for g in range(n_groups)})
     assert all(r.iteration - stale <= r.version <= r.iteration for r in rollouts)
-    # ... and trained exactly once per TSP rank, from samples of ONE version at most `stale` old
-    assert Counter((t.iteration, g, t.args["tsp_rank"]) for t in trains for g in t.args["groups"]) == Counter(
-        {(k, g, r): parts for k in range(n_iter) for g in range(n_groups) for r in range(degree)})
+    # ... and trained exactly once per TSP rank and mini-batch (every part of a group), from samples of ONE
+    # version at most `stale` old
+    n_steps = cfg.train.optimizer_steps  # mini-batches; per rank and iteration, one step each
+    assert Counter((t.iteration, g, t.args["tsp_rank"], t.args["minibatch"]) for t in trains
+                   for g in t.args["groups"]) == Counter(
+        {(k, g, r, s): parts for k in range(n_iter) for g in range(n_groups) for r in range(degree)
+         for s in range(n_steps)})
     made_by = {(r.iteration, tuple(r.args["groups"])): r.version for r in rollouts}
     assert all(made_by[(r.iteration, tuple(r.args["groups"]))] == r.version for r in rollouts), \
         "a group's parts generated with different versions"
@@ -126,7 +137,10 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
         assert made_by[(t.iteration, tuple(t.args["groups"]))] == t.sample_versions[0]
     steps = tl.of("step")
     ranks = {w for w, pool in tl.workers.items() if cfg.placement.mode == "colocated" or pool == "trainer"}
-    assert Counter(s.iteration for s in steps) == Counter({k: len(ranks) for k in range(n_iter)})
+    # only the last step of an iteration publishes
+    assert Counter(s.iteration for s in steps) == Counter({k: len(ranks) * n_steps for k in range(n_iter)})
+    assert Counter(s.iteration for s in steps if "publishes" in s.args) == Counter(
+        {k: len(ranks) for k in range(n_iter)})
     if cfg.placement.mode == "colocated":  # phases never overlap
         work = trains + steps
         assert not [(r.uid, w.uid) for r in rollouts for w in work if r.start < w.end and w.start < r.end]
@@ -137,8 +151,12 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
         assert fetched == used and all(s.args["bytes"] > 0 for s in tl.of("sync"))
     check_reward_events(tl, rows, service=cfg.reward.service is not None)
 
+    if cfg.train.ema is not None:  # rank 0 kept the average over every optimizer step, in its checkpoint
+        last = tmp_path / "checkpoints" / f"iter-{n_iter:06d}"
+        state = json.loads((last / "state.json").read_text())
+        assert (last / "ema.safetensors").is_file() and state["ema"]["steps"] == n_iter * n_steps
     if stale == 0:  # on-policy: the same update as the single-process trainer
-        ref_weights, ref_rows = reference(cfg.algorithm.std)
+        ref_weights, ref_rows = reference(cfg.algorithm.std, tuple(o for o in MODES[mode] if o.startswith("train.")))
         got = load_file(tmp_path / "final" / "pytorch_lora_weights.safetensors")
         assert got.keys() == ref_weights.keys()
         # The summed gradient is the same up to float associativity (units accumulate on
@@ -150,7 +168,12 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
         for mine, theirs in zip(rows, ref_rows):
             assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
             assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
-            assert mine["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+            if n_steps == 1:  # one step: every sample on-policy, the ratio 1
+                assert mine["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+            else:  # the later mini-batches see the moved weights: PPO's ratio, the same as the local one
+                assert mine["ratio_mean"] == pytest.approx(theirs["ratio_mean"], abs=1e-6)
+                assert mine["clip_frac"] == pytest.approx(theirs["clip_frac"], abs=1e-6)
+                assert mine["ratio_max"] > 1 + 1e-5 or mine["ratio_min"] < 1 - 1e-5
     assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}, "placement group or actors left behind"
 
 

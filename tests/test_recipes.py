@@ -45,22 +45,41 @@ def test_recipe_validates_as_published(recipe):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_recipe_runs_two_iterations_on_the_tiny_preset(recipe, tmp_path):
+def test_recipe_runs_two_iterations_on_the_tiny_preset(recipe, tmp_path, monkeypatch):
+    import digenrl.trainer
     from digenrl.trainer import LocalTrainer
+
+    seen = []  # (mini-batch, train unit stats)
+    train_unit = digenrl.trainer.train_unit
+
+    def recording(*args, **kw):
+        stats = train_unit(*args, **kw)
+        seen.append((kw.get("minibatch", 0), stats))
+        return stats
+
+    monkeypatch.setattr(digenrl.trainer, "train_unit", recording)
 
     published = load_config(recipe)
     cfg = load_config(recipe, [*COMMON, *TINY[published.model.adapter], f"output.run_dir={tmp_path / 'run'}"])
     alg, samp = cfg.algorithm, cfg.sampling
     # the algorithm is the recipe's, untouched by the swap
     assert alg.model_dump() == published.algorithm.model_dump() and samp.model_dump() == published.sampling.model_dump()
+    assert (cfg.train.optimizer_steps, cfg.train.ema) == (published.train.optimizer_steps, published.train.ema)
     trainer = LocalTrainer(cfg)
     result = trainer.run()
     rows = result.metrics
     assert [r["iteration"] for r in rows] == [0, 1] and rows[-1]["version"] == 2
     assert rows[0]["samples"] == alg.group_size
-    # on-policy, one optimizer step per iteration: ratio 1, up to recomputing the log-prob in a
-    # smaller micro-batch than the rollout's (~2e-7 measured; below the smallest clip, 1e-5)
-    assert all(abs(r["ratio_min"] - 1) < 1e-6 and abs(r["ratio_max"] - 1) < 1e-6 for r in rows)
+    # on-policy, the first mini-batch of each iteration: ratio 1, up to recomputing the log-prob in
+    # other batch shapes than the rollout's (~2e-7 measured; below the smallest clip, 1e-5); the
+    # later mini-batches (train.optimizer_steps > 1) see the moved weights, as PPO does
+    steps = cfg.train.optimizer_steps
+    assert len(seen) == 2 * steps and sorted(m for m, _ in seen) == sorted(list(range(steps)) * 2)
+    for m, st in seen:
+        if m == 0:
+            assert abs(st["ratio_min"] - 1) < 1e-6 and abs(st["ratio_max"] - 1) < 1e-6 and st["clip_sum"] == 0
+    if steps == 1:
+        assert all(abs(r["ratio_min"] - 1) < 1e-6 and abs(r["ratio_max"] - 1) < 1e-6 for r in rows)
     assert (result.run_dir / "final").is_dir()
     unit = trainer.last_units[0]
     if alg.timesteps.mode == "window":  # SDE (and trained) steps only inside the window and its range

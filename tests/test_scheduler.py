@@ -169,12 +169,13 @@ def check_invariants(
     for e in trains:
         assert all(e.start >= max(p.ready for p in group_parts[(e.unit.iteration, g)]) for g in e.unit.groups)
 
-    # ... and trained exactly once per TSP rank, from samples at most max_staleness old.
+    # ... and trained exactly once per TSP rank and mini-batch, from samples at most max_staleness old.
+    n_steps = cfg.optimizer_steps
     source = {e.unit.uid: e for e in rollouts}
-    trained = Counter((e.unit.iteration, g, source[e.unit.rollout_uid].unit.part, e.unit.tsp_rank)
+    trained = Counter((e.unit.iteration, g, source[e.unit.rollout_uid].unit.part, e.unit.tsp_rank, e.unit.step)
                       for e in trains for g in e.unit.groups)
-    expected = {(k, g, p, r): 1 for k in range(first, n_iter) for g in range(n_groups) for p in range(parts)
-                for r in range(degree)}
+    expected = {(k, g, p, r, s): 1 for k in range(first, n_iter) for g in range(n_groups) for p in range(parts)
+                for r in range(degree) for s in range(n_steps)}
     assert trained == Counter(expected)
     for e in trains:
         u, src = e.unit, source[e.unit.rollout_uid]
@@ -185,21 +186,43 @@ def check_invariants(
         assert u.version == u.iteration and u.tsp_degree == degree
         assert e.start >= src.ready  # never trained before its rewards are in
 
-    # Exactly one step per iteration, on every rank, after all of the iteration's train units;
-    # it publishes version k + 1, and the ranks take nothing else until every share is done.
+    # optimizer_steps steps per iteration, on every rank; step s after all of mini-batch s's train
+    # units and before any of mini-batch s + 1's; only the last one publishes (version k + 1: the
+    # weights are published once per iteration); the ranks take nothing else until every share is done.
     step_end: dict[int, float] = {}
     for k in range(first, n_iter):
         mine = [e for e in steps if e.unit.iteration == k]
-        assert sorted(e.worker for e in mine) == ranks
-        assert all(e.unit.version == k + 1 for e in mine)
-        start, end = min(e.start for e in mine), max(e.end for e in mine)
-        assert all(e.end <= start for e in trains if e.unit.iteration == k)
-        assert all(e.start >= end for e in trains if e.unit.iteration == k + 1)
-        for s in mine:
-            others = [e for e in events if e.worker == s.worker and e is not s]
-            assert not [e for e in others if s.start <= e.start < end]
-        step_end[k] = end
+        assert sorted((e.worker, e.unit.step) for e in mine) == sorted(
+            (r, s) for r in ranks for s in range(n_steps))
+        assert all(e.unit.last == (e.unit.step == n_steps - 1) for e in mine)
+        assert all(e.unit.version == (k + 1 if e.unit.last else k) for e in mine)
+        previous_end = None
+        for s in range(n_steps):
+            share = [e for e in mine if e.unit.step == s]
+            start, end = min(e.start for e in share), max(e.end for e in share)
+            assert previous_end is None or start >= previous_end
+            assert all(e.end <= start for e in trains if (e.unit.iteration, e.unit.step) == (k, s))
+            # no train unit of mini-batch s + 1 (or of iteration k + 1) before step s
+            assert all(e.start >= end for e in trains
+                       if (e.unit.iteration == k and e.unit.step > s) or e.unit.iteration == k + 1)
+            for st in share:
+                others = [e for e in events if e.worker == st.worker and e is not st]
+                assert not [e for e in others if st.start <= e.start < end]
+            previous_end = end
+        step_end[k] = previous_end
     assert list(step_end.values()) == sorted(step_end.values())
+
+    # A trainer rank rolls out (TAG, colocated) only while it holds a published version: after the
+    # publishing step of version v - 1 and before its first step of iteration v.
+    for e in rollouts:
+        if roles[e.worker] == "rollout":
+            continue
+        v = e.unit.version
+        for st in steps:
+            if st.worker == e.worker and st.unit.iteration == v and st.unit.step == 0:
+                assert e.end <= st.start
+            if st.worker == e.worker and st.unit.iteration == v - 1 and st.unit.last:
+                assert e.start >= st.end
 
     for k in range(first, n_iter):
         rollout_k = [e for e in rollouts if e.unit.iteration == k]
@@ -281,6 +304,7 @@ def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[WorkerSpec]]:
         stale = 0  # a later part may need an older version than any trainer rank holds
     cfg = SchedulerConfig(
         placement=placement,
+        optimizer_steps=draw(st.integers(1, 3)),
         groups_per_iteration=m * draw(st.integers(1, 4)),
         unit_groups=m,
         group_parts=parts,
@@ -584,6 +608,7 @@ def test_driver_misuse_raises():
         ({"placement": "hybrid"}, "placement"),
         ({"iterations": 2, "start_iteration": 3}, "start_iteration"),
         ({"start_iteration": -1}, "start_iteration"),
+        ({"optimizer_steps": 0}, "optimizer_steps"),
         ({"group_parts": 2, "unit_groups": 2}, "unit_groups must be 1"),
         ({"group_parts": 0}, "group_parts"),
     ],
@@ -612,3 +637,42 @@ def test_bad_pools_raise(cfg, workers):
 
 def test_tag_alone_makes_trainers_a_rollout_pool():
     run(disagg(tag=True, iterations=2, tsp_degree=2), pools(0, 3), fixed())
+
+
+# -- mini-batch PPO ------------------------------------------------------------------------
+
+
+def test_minibatch_steps_follow_their_train_units_and_only_the_last_publishes():
+    cfg = disagg(groups_per_iteration=2, optimizer_steps=2, iterations=2)
+    sched, events = simulate(cfg, pools(1, 1), fixed())
+    check_invariants(cfg, pools(1, 1), sched, events)
+    trainer = [u for w, u in sched.record if w == "t0"]
+    # mini-batch 0 of each rollout unit as it arrives (GAP), its step, then mini-batch 1
+    assert [(type(u).__name__[0], u.iteration, u.step) for u in trainer] == [
+        ("T", 0, 0), ("T", 0, 0), ("S", 0, 0), ("T", 0, 1), ("T", 0, 1), ("S", 0, 1),
+        ("T", 1, 0), ("T", 1, 0), ("S", 1, 0), ("T", 1, 1), ("T", 1, 1), ("S", 1, 1)]
+    assert [u.uid for u in trainer[:2]] == ["train-0-0-0.0", "train-0-1-0.0"]
+    step_units = [u for u in trainer if isinstance(u, StepUnit)]
+    assert [(u.uid, u.version, u.last) for u in step_units] == [
+        ("step-0.0/t0", 0, False), ("step-0.1/t0", 1, True), ("step-1.0/t0", 1, False), ("step-1.1/t0", 2, True)]
+    # the rollout worker only ever sees published versions: 0 for iteration 0, 1 for iteration 1
+    assert [u.version for w, u in sched.record if w == "r0"] == [0, 0, 1, 1]
+    # GAP: mini-batch 0 of the first unit trains while the second one generates
+    assert min(e.start for e in of(events, TrainUnit, 0)) < max(e.end for e in of(events, RolloutUnit, 0))
+
+
+def test_a_trainer_past_the_first_step_takes_no_tag_rollout():
+    """One-step async with TAG: while iteration 0's later mini-batches train, a rollout unit of
+    iteration 1 (version 0 allowed) is pending; a trainer that has stepped holds no published
+    version, so only the rollout worker takes it."""
+    cfg = disagg(groups_per_iteration=6, optimizer_steps=2, tag=True, max_staleness=1, iterations=2)
+    sched, events = simulate(cfg, pools(1, 2), fixed(rollout=1.0, train=0.2))
+    check_invariants(cfg, pools(1, 2), sched, events)
+    first, last = (min(e.start for e in of(events, StepUnit, 0)), max(e.end for e in of(events, StepUnit, 0)))
+    assert any(e.start < last and e.end > first for e in of(events, RolloutUnit, 1))  # rollout goes on
+    assert not [e for e in events if e.worker != "r0" and isinstance(e.unit, RolloutUnit) and first <= e.start < last]
+    assert any(e.worker != "r0" for e in of(events, RolloutUnit, 0) + of(events, RolloutUnit, 1))  # TAG otherwise
+
+
+def test_minibatches_with_tag_alone_and_tsp():
+    run(disagg(optimizer_steps=3, tag=True, tsp_degree=2, iterations=2), pools(0, 2), fixed())

@@ -20,6 +20,10 @@ def run_eval(checkpoint: Path | None, config: Path | None, prompts: Path | None,
     with progress:
         task = progress.add_task("eval", total=n)
         report = evaluate_checkpoint(job, on_batch=lambda k: progress.advance(task, k))
+    if "ema" in report:  # the checkpoint kept an EMA of the weights (train.ema): that is what was sampled
+        e = report["ema"]
+        console.print(f"using the EMA weights of {Path(report['checkpoint']).name} (decay {e.get('decay')}, "
+                      f"every {e.get('every')} of {e.get('steps')} optimizer steps)", soft_wrap=True)
     console.print(reward_table(report))
     files = [report["grid"], *([report["comparison"]] if "comparison" in report else [])]
     console.print(f"{len(job.prompts)} prompts, {report['eval_steps']} ODE steps, {report['seconds']:.1f} s; "

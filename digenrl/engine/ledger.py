@@ -77,10 +77,11 @@ class IterationLedger:
         self.wholes_per_iteration = sched_cfg.groups_per_iteration // sched_cfg.unit_groups
         self.unit_uids: dict[int, dict[int, str]] = defaultdict(dict)  # iteration -> index -> rollout uid
         self.total_terms: dict[int, int] = {}  # iteration -> (sample, trained step) terms
+        self.optimizer_steps = cfg.train.optimizer_steps  # mini-batches per iteration, of equal size
         self.reward_calls: dict[int, list[dict]] = defaultdict(list)  # iteration -> reward calls (latency)
         self.stats: dict[int, list[dict]] = defaultdict(list)
         self.staleness: dict[int, int] = defaultdict(int)
-        self.grad_norm: dict[int, float] = {}
+        self.grad_norm: dict[int, list[float]] = defaultdict(list)  # iteration -> one per optimizer step
         self.evals: dict[int, dict] = {}  # iteration -> eval/<reward> metrics
         self.checkpoints: dict[int, dict[str, bytes]] = {}  # iteration -> files, committed after its row
         self.waiting: dict[int, set[str]] = {}  # stepped iteration -> what its row still waits for
@@ -149,9 +150,13 @@ class IterationLedger:
         self.stats[k].append(stats)
         self.staleness[k] = max(self.staleness[k], k - unit.sample_version)
 
+    def minibatch_terms(self, k: int) -> int:
+        """(sample, trained step) terms of one mini-batch of iteration k: its loss is their mean."""
+        return self.total_terms[k] // self.optimizer_steps
+
     def stepped(self, k: int, grad_norm: float) -> None:
-        """Trainer rank 0's share of iteration k's optimizer step."""
-        self.grad_norm[k] = grad_norm
+        """Trainer rank 0's share of one of iteration k's optimizer steps."""
+        self.grad_norm[k].append(grad_norm)
 
     def iteration_batches(self, k: int) -> list[RewardBatch]:
         """The iteration's rolled-out batches of whole groups in group order (as the LocalTrainer sees them)."""
@@ -195,8 +200,9 @@ class IterationLedger:
 
     def metrics_row(self, k: int) -> dict:
         (span,) = self.timeline.iteration_stats(only=k)
-        stats = merge_stats(self.stats.pop(k))
-        stats["grad_norm"] = self.grad_norm.pop(k)
+        stats = merge_stats(self.stats.pop(k), self.optimizer_steps)
+        norms = self.grad_norm.pop(k)
+        stats["grad_norm"] = sum(norms) / len(norms)
         batches = self.iteration_batches(k)
         row = iteration_metrics(k, k + 1, batches, stats, span["wall_s"], samples_per_s=span["samples_per_s"],
                                 bubble_fraction=span["bubble_fraction"], rollout_s=span["rollout_device_s"],

@@ -190,9 +190,9 @@ class RayBackend:
             self.samples[unit.uid] = samples
         elif isinstance(unit, TrainUnit):
             ref = actor.train.remote(unit, self.samples[unit.rollout_uid], self.ledger.advantages(unit),
-                                     self.ledger.total_terms[unit.iteration])
-        else:
-            ref = actor.step.remote(unit, worker == self.rank0 and self.publishes)
+                                     self.ledger.minibatch_terms(unit.iteration))
+        else:  # only the iteration's last optimizer step publishes
+            ref = actor.step.remote(unit, worker == self.rank0 and self.publishes and unit.last)
         self.in_flight[ref] = (worker, unit)
 
     # -- the next event ----------------------------------------------------------------------
@@ -232,7 +232,7 @@ class RayBackend:
         elif isinstance(unit, TrainUnit):
             self.ledger.trained(unit, result["stats"])
             self.trained[unit.rollout_uid] += 1
-            if self.trained[unit.rollout_uid] == unit.tsp_degree:  # every TSP share done: free its samples
+            if self.trained[unit.rollout_uid] == unit.tsp_degree * self.sched.cfg.optimizer_steps:  # all trained
                 del self.samples[unit.rollout_uid]
         elif isinstance(unit, StepUnit):
             self.step_done(worker, unit, result)
@@ -253,8 +253,9 @@ class RayBackend:
             if result["packet"] is not None:
                 self.packets[unit.version] = result["packet"]
         if result["checksum"] is not None:
-            self.rank_checksums[unit.version].add(result["checksum"])
-            if len(self.rank_checksums[unit.version]) > 1:
+            after = (unit.iteration, unit.step)
+            self.rank_checksums[after].add(result["checksum"])
+            if len(self.rank_checksums[after]) > 1:
                 raise WeightSyncError(f"trainer ranks hold different weights after step {unit.iteration}")
 
     def scored(self, unit: RolloutUnit, scored) -> None:

@@ -8,9 +8,15 @@ A rollout unit whose rewards are scored elsewhere (the reward service) may first
 ``release``d: its worker is free for the next unit, but its train units only appear at
 ``complete``, once the rewards are in.
 
-Versions: version k is the policy after k optimizer steps; iteration k trains version k into
-version k+1 with exactly one optimizer step. Rollout units of iteration k may be generated
-with version k - max_staleness or newer; they are always stamped with the newest version.
+Versions: version k is the policy after k iterations; iteration k trains version k into
+version k+1 with ``optimizer_steps`` collective steps (mini-batch PPO), of which only the last
+publishes. Each rolled-out unit is trained as ``optimizer_steps`` x ``tsp_degree`` train units;
+mini-batch s of iteration k is the train units of the s-th slice of every group's samples, so
+its step comes after the iteration's last rollout unit and its last train unit, and no train
+unit of mini-batch s+1 starts before that step. Rollout units of iteration k may be generated
+with version k - max_staleness or newer; they are always stamped with the newest version. A
+trainer rank that has taken an intermediate step of iteration k holds no published version, so
+it rolls out (TAG, colocated) only before iteration k's first step.
 
 Knobs (see the table in docs/architecture.md):
 - placement "colocated": every device rolls out iteration k, then trains it, then steps;
@@ -21,7 +27,8 @@ Knobs (see the table in docs/architecture.md):
   advantages need every reward of the iteration).
 - tsp_degree: each rolled-out unit is trained as ``tsp_degree`` train units, one per
   timestep residue class, so the last unit of an iteration is spread over several ranks.
-- tag: an idle trainer rank takes a pending rollout unit (it holds the newest weights).
+- tag: an idle trainer rank takes a pending rollout unit (it holds the newest weights; with
+  several optimizer steps per iteration, only before the iteration's first step).
 - max_staleness 1: rollout of iteration k+1 may start with version k while k trains.
 - group_parts P > 1 (sub-group units): a rollout unit holds 1/P of one group's samples. The
   group's parts are all generated with the version its first part was handed out with (a
@@ -59,6 +66,7 @@ class SchedulerConfig:
     iterations: int = 1
     wait_for_full_batch: bool = False  # train units wait for the whole iteration's rollout
     start_iteration: int = 0  # resume: iterations already done (the published version to start from)
+    optimizer_steps: int = 1  # mini-batch PPO: collective steps per iteration (the last one publishes)
     group_parts: int = 1  # rollout units per group: 1 = whole groups (unit_groups each), P > 1 = 1/P of one group
 
     def __post_init__(self) -> None:
@@ -66,7 +74,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"placement must be 'colocated' or 'disaggregated', got {self.placement!r}"
             )
-        for name in ("groups_per_iteration", "unit_groups", "tsp_degree", "iterations", "group_parts"):
+        for name in ("groups_per_iteration", "unit_groups", "tsp_degree", "iterations", "group_parts",
+                     "optimizer_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -125,19 +134,23 @@ class TrainUnit:
     tsp_rank: int  # trains trained-timestep positions j with j % tsp_degree == tsp_rank
     tsp_degree: int
     version: int  # trainer weights version (== iteration)
+    step: int = 0  # mini-batch s: the s-th slice of each group's samples, for the iteration's step s
 
 
 @dataclass(frozen=True)
 class StepUnit:
-    """One trainer rank's share of iteration k's collective all-reduce + optimizer step.
+    """One trainer rank's share of the collective all-reduce + optimizer step ``step`` of iteration k.
 
-    Every rank gets its own StepUnit (uid ``step-<k>/<worker>``); ``version`` is the version
-    the step publishes, k + 1.
+    Every rank gets its own StepUnit (uid ``step-<k>/<worker>``, with several optimizer steps per
+    iteration ``step-<k>.<s>/<worker>``); ``version`` is the version the rank holds after it: k + 1
+    after the iteration's ``last`` step (which publishes it), k after an intermediate one.
     """
 
     uid: str
     iteration: int
     version: int
+    step: int = 0
+    last: bool = True
 
 
 Unit = RolloutUnit | TrainUnit | StepUnit
@@ -179,10 +192,14 @@ class Scheduler:
         self._next_rollout = (cfg.start_iteration, 0)  # (iteration, index) of the next rollout unit
         self._rolled_out = [0] * n  # completed rollout units per iteration
         self._behind_barrier: list[list[TrainUnit]] = [[] for _ in range(n)]
-        self._ready: list[deque[TrainUnit]] = [deque() for _ in range(n)]
-        self._train_left = [cfg.units_per_iteration * cfg.tsp_degree] * n  # not yet complete
-        # Ranks that have not finished the open optimizer step (of iteration published_version);
-        # non-empty exactly while a step is open.
+        S = cfg.optimizer_steps
+        self._ready: list[list[deque[TrainUnit]]] = [[deque() for _ in range(S)] for _ in range(n)]  # [k][s]
+        per_minibatch = cfg.units_per_iteration * cfg.tsp_degree
+        self._train_left = [[per_minibatch] * S for _ in range(n)]  # [k][s]: not yet complete
+        # Mini-batch of iteration published_version being trained: the steps of it already taken.
+        self.minibatch = 0
+        # Ranks that have not finished the open optimizer step (of iteration published_version,
+        # mini-batch ``minibatch``); non-empty exactly while a step is open.
         self._step_unfinished: set[str] = set()
         self._retry: deque[RolloutUnit] = deque()  # re-queued rollout units, handed out first
         self._group_version: dict[tuple[int, int], int] = {}  # sub-group units: (iteration, group) -> version
@@ -256,8 +273,12 @@ class Scheduler:
             self._train_done(unit)
         else:
             self._step_unfinished.discard(worker)
-            if not self._step_unfinished:  # the last rank finished: the new weights exist
-                self.published_version += 1
+            if not self._step_unfinished:  # the last rank finished the step
+                if self.minibatch == self.cfg.optimizer_steps - 1:  # the iteration's last: publish
+                    self.published_version += 1
+                    self.minibatch = 0
+                else:
+                    self.minibatch += 1
 
     def requeue(self, unit: RolloutUnit) -> None:
         """A rollout unit whose worker died (running), or whose scores were lost (released): hand
@@ -277,8 +298,9 @@ class Scheduler:
         return self.published_version == self.cfg.iterations
 
     def worker_version(self, worker: str) -> int:
-        """Policy version the worker holds: trainer ranks hold the published weights, rollout
-        workers the version of the last unit they were handed (the start version before any)."""
+        """Policy version the worker holds: trainer ranks hold the published weights (after
+        ``minibatch`` intermediate steps of the next iteration), rollout workers the version of
+        the last unit they were handed (the start version before any)."""
         if self._role(worker) == "rollout":
             return self._rollout_version[worker]
         return self.published_version
@@ -295,15 +317,21 @@ class Scheduler:
             # it is in flight and cannot ask).
             if worker not in self._step_unfinished:
                 return None
-            k = self.published_version
-            return StepUnit(uid=f"step-{k}/{worker}", iteration=k, version=k + 1)
-        # Only iteration published_version can train: its train units need exactly those weights.
-        k = self.published_version
-        if k < self.cfg.iterations and self._ready[k]:
-            return self._ready[k].popleft()
-        if role == "both" or self.cfg.tag:
+            return self._step_unit(worker)
+        # Only iteration published_version can train: its train units need exactly those weights,
+        # and only its current mini-batch: the others need the weights after the step before them.
+        k, s = self.published_version, self.minibatch
+        if k < self.cfg.iterations and self._ready[k][s]:
+            return self._ready[k][s].popleft()
+        if (role == "both" or self.cfg.tag) and s == 0:  # it holds the published version k
             return self._take_rollout()
         return None
+
+    def _step_unit(self, worker: str) -> StepUnit:
+        k, s, S = self.published_version, self.minibatch, self.cfg.optimizer_steps
+        uid = f"step-{k}/{worker}" if S == 1 else f"step-{k}.{s}/{worker}"
+        last = s == S - 1
+        return StepUnit(uid=uid, iteration=k, version=k + 1 if last else k, step=s, last=last)
 
     def _take_rollout(self, any_version: bool = False) -> RolloutUnit | None:
         """The next rollout unit: a re-queued one first (for a trainer rank, stamped with the newest
@@ -331,12 +359,12 @@ class Scheduler:
                            part=part, parts=parts)
 
     def _rollout_done(self, unit: RolloutUnit) -> None:
-        """Turn the rolled-out groups into one train unit per TSP rank (same samples, a
-        different residue class of the trained timesteps each)."""
-        k, degree = unit.iteration, self.cfg.tsp_degree
+        """Turn the rolled-out groups into one train unit per mini-batch and TSP rank (a slice of
+        each group's samples, a residue class of the trained timesteps)."""
+        k, degree, S = unit.iteration, self.cfg.tsp_degree, self.cfg.optimizer_steps
         new = [
             TrainUnit(
-                uid=f"train-{k}-{unit.index}-{r}",
+                uid=f"train-{k}-{unit.index}-{r}" if S == 1 else f"train-{k}-{unit.index}-{r}.{s}",
                 iteration=k,
                 rollout_uid=unit.uid,
                 groups=unit.groups,
@@ -344,7 +372,9 @@ class Scheduler:
                 tsp_rank=r,
                 tsp_degree=degree,
                 version=k,
+                step=s,
             )
+            for s in range(S)
             for r in range(degree)
         ]
         self._rolled_out[k] += 1
@@ -357,18 +387,20 @@ class Scheduler:
             del self._parts_done[(k, unit.groups[0])], self._group_version[(k, unit.groups[0])]
         # Train queues are FIFO: oldest (earliest rolled-out) first.
         if not self.cfg.barrier:
-            self._ready[k].extend(new)  # GAP: train while later units still generate
-            return
-        self._behind_barrier[k].extend(new)
-        if self._rolled_out[k] == self.cfg.units_per_iteration:
-            self._ready[k].extend(self._behind_barrier[k])
-            self._behind_barrier[k].clear()
+            for t in new:  # GAP: train while later units still generate
+                self._ready[k][t.step].append(t)
+        else:
+            self._behind_barrier[k].extend(new)
+            if self._rolled_out[k] == self.cfg.units_per_iteration:
+                for t in self._behind_barrier[k]:
+                    self._ready[k][t.step].append(t)
+                self._behind_barrier[k].clear()
 
     def _train_done(self, unit: TrainUnit) -> None:
-        self._train_left[unit.iteration] -= 1
-        if self._train_left[unit.iteration] == 0:
-            # Every gradient of the iteration is accumulated: open the collective step.
-            # (Train units of k only run at published_version == k, so this is that step.)
+        self._train_left[unit.iteration][unit.step] -= 1
+        if self._train_left[unit.iteration][unit.step] == 0:
+            # Every gradient of the mini-batch is accumulated: open its collective step. (Train
+            # units of k, s only run at published_version == k and minibatch == s: this is that step.)
             self._step_unfinished = set(self._ranks)
 
     def _role(self, worker: str) -> Role:

@@ -14,8 +14,10 @@ rank without TAG); building them draws no random numbers, so skipping it changes
   published weights, verified (:mod:`digenrl.engine.weight_sync`).
 - role ``trainer``: one rank of the trainer group. Runs :func:`~digenrl.units.train_unit`
   (accumulating gradients), and on its StepUnit all-reduces the gradients as ONE flat buffer
-  (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, docs/architecture.md) and steps; rank 0 then
-  publishes the new weights. With TAG it also rolls out, with its own (newest) weights.
+  (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, docs/architecture.md) and steps; after
+  an iteration's last step (mini-batch PPO: ``train.optimizer_steps`` per iteration) rank 0
+  publishes the new weights. With TAG it also rolls out, with its own weights (the scheduler hands
+  it rollout units only while they are a published version: before the iteration's first step).
 - role ``both`` (colocated): a trainer rank that also rolls out; the all-reduce keeps every
   rank's weights identical, so no weight sync is needed.
 
@@ -162,6 +164,8 @@ class EngineWorker:
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=30))
         self.world = world
+        if rank != 0:  # train.ema: rank 0 alone keeps the average (it evaluates, checkpoints, exports)
+            self.policy.ema = None
 
     def _all_reduce_gradients(self) -> None:
         """Sum the accumulated gradients over the ranks, flattened into one buffer (one per
@@ -237,7 +241,8 @@ class EngineWorker:
         return samples, summary
 
     def train(self, unit: TrainUnit, samples: Samples, advantages: torch.Tensor, total_terms: int) -> dict:
-        """Accumulate this unit's share of the iteration gradient (no optimizer step)."""
+        """Accumulate this unit's share of its mini-batch's gradient (no optimizer step);
+        ``total_terms``: the mini-batch's (sample, trained step) terms."""
         if self.policy.version != unit.version:
             raise RuntimeError(f"{self.name} holds version {self.policy.version}, {unit.uid} needs {unit.version}")
         if (samples.iteration, tuple(samples.group_ids), samples.version) != (
@@ -245,18 +250,21 @@ class EngineWorker:
             raise RuntimeError(f"{unit.uid}: received samples of another unit")
         samples.advantages = advantages
         start = time.time()
-        stats = train_unit(self.policy, samples, total_terms, unit.tsp_rank, unit.tsp_degree)
+        stats = train_unit(self.policy, samples, total_terms, unit.tsp_rank, unit.tsp_degree, unit.step,
+                           self.cfg.train.optimizer_steps)
         self.faults.reached(unit.uid)
         end = time.time()
         event = unit_event("train", unit, start, end, self.policy.version, sample_versions=[samples.version],
-                           groups=list(samples.group_ids), tsp_rank=unit.tsp_rank, tsp_degree=unit.tsp_degree)
+                           groups=list(samples.group_ids), tsp_rank=unit.tsp_rank, tsp_degree=unit.tsp_degree,
+                           minibatch=unit.step)
         return {"stats": stats, "events": [event]}
 
     def step(self, unit: StepUnit, publish: bool) -> dict:
-        """All-reduce, one optimizer step (-> version k+1), and on rank 0 the weight publish."""
+        """All-reduce, one optimizer step (the iteration's last -> version k+1), and on rank 0 after
+        the last step the weight publish."""
         start = time.time()
         self._all_reduce_gradients()
-        grad_norm = self.policy.optimizer_step()
+        grad_norm = self.policy.optimizer_step(publish=unit.last)
         if self.policy.version != unit.version:
             raise RuntimeError(f"{self.name}: stepped to version {self.policy.version}, expected {unit.version}")
         events, packet = [], None
@@ -264,7 +272,8 @@ class EngineWorker:
             packet, sync = weight_sync.publish(self.policy)
             events.append(sync)
         digest = checksum(self.policy.weights()) if self.policy.lora else None  # ranks must agree
-        events.insert(0, unit_event("step", unit, start, time.time(), unit.version - 1, publishes=unit.version))
+        publishes = {"publishes": unit.version} if unit.last else {}
+        events.insert(0, unit_event("step", unit, start, time.time(), unit.iteration, step=unit.step, **publishes))
         return {"grad_norm": grad_norm, "packet": packet, "checksum": digest, "events": events}
 
     # -- results -------------------------------------------------------------------------
@@ -291,7 +300,8 @@ class EngineWorker:
 
         if self.reward is None:  # a trainer rank that never scores: build the rewards for eval only
             self.reward = _TimedReward(build_reward(self.cfg.reward))
-        return evaluate_policy(self.policy, self.reward.fn, self.prompts.prompts).metrics()
+        with self.policy.averaged():  # train.ema: the EMA weights
+            return evaluate_policy(self.policy, self.reward.fn, self.prompts.prompts).metrics()
 
     def export_final(self) -> dict[str, bytes]:
         """``final/``'s files (:func:`~digenrl.runpolicy.final_files`), as bytes for the driver, which

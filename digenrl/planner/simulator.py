@@ -211,12 +211,12 @@ class Simulator:
                 base, kind="train", version=unit.version, sample_versions=(unit.sample_version,),
                 args={"groups": list(unit.groups), "tsp_rank": unit.tsp_rank, "tsp_degree": unit.tsp_degree})))
         else:
-            publish = self.publish and worker == self.rank0
+            publish = self.publish and worker == self.rank0 and unit.last  # once per iteration
             segs += self._switch(worker, "train", dev, setup)
             d, pub = self._d(("step", dev, publish), lambda: cost.step(dev, len(self.ranks), publish, setup))
             segs.append(_Seg("wait", math.inf, False))
-            segs.append(_Seg("step", d, True, dict(base, kind="step", version=unit.version - 1, publish_s=pub,
-                                                   args={"publishes": unit.version})))
+            segs.append(_Seg("step", d, True, dict(base, kind="step", version=unit.iteration, publish_s=pub,
+                                                   args={"publishes": unit.version} if unit.last else {})))
         return segs
 
     def _draw(self, mean: float, dev: str, kind: str) -> float:
