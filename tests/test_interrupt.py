@@ -80,3 +80,20 @@ def test_ctrl_c_on_the_engine_keeps_the_last_iteration_and_resumes(tmp_path):
 
 def test_ctrl_c_on_the_local_trainer_keeps_the_last_iteration_and_resumes(tmp_path):
     interrupt_then_resume(tmp_path / "run", ["placement.mode=local"])
+
+
+def test_a_fatal_error_mid_run_keeps_the_last_iteration(tmp_path):
+    """The reward actor dies for good while scoring iteration 1 (engine.max_restarts: 0): rank 0's
+    state is intact, so the run stops with a checkpoint of iteration 1 (none was due) and says so."""
+    run = tmp_path / "run"
+    sets = SMALL + ["train.iterations=3", "output.checkpoint_every=0", "engine.max_staleness=0",
+                    "engine.max_restarts=0", "reward.service={num_cpus: 0.1}",
+                    "engine.faults=[{worker: reward, unit: rollout-1-0}]"]
+    proc = train("--run-dir", str(run), *sum((["--set", s] for s in sets), []))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: the reward actor died and was not restarted (engine.max_restarts: 0")
+    assert last.endswith(f"last checkpoint: {run / 'checkpoints' / 'iter-000001'} (iteration 1); "
+                         f"resume with: digenrl train --resume {run}")
+    assert [r["iteration"] for r in rows(run)] == [0] and checkpoints(run) == [1]
