@@ -74,6 +74,7 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
                         f"({cfg.train.iterations})")
     workers = engine_workers(cfg)
     scheduler = Scheduler(engine_scheduler_config(cfg, start), workers)
+    progress("checking prompts, reward and model...")
     preflight(cfg, resumed)
     run_dir, history = resume_history(resumed, run_dir)
     check_writable(run_dir or cfg.output.run_dir or default_run_dir(cfg), "output.run_dir")
@@ -82,9 +83,8 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
     files = {f.name: f.read_bytes() for f in resumed.path.iterdir() if f.is_file()} if resumed else None
     worker_cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
     started = time.time()  # the timeline starts here: Ray and the workers starting up are its first events
-    progress(f"starting the Ray cluster and {len(workers)} workers...")
     with _user_errors(), ray_workers(worker_cfg, workers, ray_address, files) as actors:
-        progress(f"{len(workers)} workers ready ({time.time() - started:.0f} s); first rollouts...")
+        progress(f"{len(workers)} workers ready ({time.time() - started:.0f} s)...")
         out = RunDir(cfg, run_dir, history=history)
         backend = RayBackend(cfg, scheduler, workers, actors, out, on_iteration, history)
         backend.t0 = started
@@ -192,7 +192,9 @@ class RayBackend:
         self.faults.start_checksum = ray.get(rank0.ready.remote())["checksum"]
         if self.publishes:
             self.packets[self.sched.published_version] = ray.get(rank0.publish.remote())
-            progress("first weights published; first rollouts...")
+            progress("first weights published; generating the first rollouts...")
+        else:
+            progress("generating the first rollouts...")
 
     # -- start: one Ray call per unit ------------------------------------------------------
 
