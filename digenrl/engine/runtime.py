@@ -30,7 +30,7 @@ from typing import Callable
 from digenrl.checkpoint import find_checkpoint, read_state, save_checkpoint_files
 from digenrl.config import RunConfig
 from digenrl.engine.cluster import REWARD_ROW, actor_died, first_line, num_restarts, ray_workers
-from digenrl.engine.driver import Done, Event, Released, Scored, drive
+from digenrl.engine.driver import Done, Event, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
 from digenrl.engine.recovery import FaultPolicy, TrainerLost
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit, Unit
@@ -216,10 +216,22 @@ class RayBackend:
     # -- the next event ----------------------------------------------------------------------
 
     def next_event(self) -> Event | None:
-        import ray
-
         if self.stop.requested and not self.stopping:  # Ctrl-C: leave the driver loop between events
             raise KeyboardInterrupt
+        if not self.stopping:
+            return self._next_event()
+        self.faults.restarting.clear()  # stopping: a dead rollout worker is not waited for
+        try:
+            return self._next_event()
+        except (TrainerLost, WeightSyncError):
+            raise
+        except Exception as exc:  # noqa: BLE001 -- stopping: that unit's work is lost, the rest goes on
+            print(f"warning: a unit failed while stopping: {first_line(exc)}", file=sys.stderr)
+            return None
+
+    def _next_event(self) -> Event | None:
+        import ray
+
         for worker in self.faults.due_for_ready():
             self.side[self.actors[worker].ready.remote()] = ("restart", worker)
         if not self.in_flight and not self.side and not self.faults.restarting:
@@ -363,29 +375,12 @@ class RayBackend:
         self.faults.restarting.clear()
         self.side = {ref: what for ref, what in self.side.items() if what[0] != "restart"}
         ranks = [w for w, role in self.role.items() if role != "rollout"]
-        while True:
-            k, busy = self.sched.published_version, {w for w, _ in self.in_flight.values()}
-            started = self.step_shares.get(k, set())
-            for worker in [r for r in ranks if started and r not in started and r not in busy]:
-                unit = self.sched.next_unit(worker)
-                if not isinstance(unit, StepUnit):
-                    raise RuntimeError(f"{worker}: expected its share of step {k}, got {unit}")
-                self.start(worker, unit)
-            if not self.in_flight and not self.side:
-                break
-            try:
-                event = self.next_event()
-            except (TrainerLost, WeightSyncError):
-                raise
-            except Exception as exc:  # noqa: BLE001 -- that unit's work is lost; the rest goes on
-                print(f"warning: a unit failed while stopping: {first_line(exc)}", file=sys.stderr)
-                continue
-            if isinstance(event, Released):
-                self.sched.release(event.unit)
-            elif isinstance(event, (Done, Scored)):
-                before = self.sched.published_version
-                self.sched.complete(event.unit)
-                self.completed(event.unit, before if self.sched.published_version > before else None)
+
+        def owed_step_shares() -> list[str]:
+            started, busy = self.step_shares.get(self.sched.published_version), {w for w, _ in self.in_flight.values()}
+            return [r for r in ranks if started and r not in started and r not in busy]
+
+        finish_running(self.sched, self, owed_step_shares, lambda: bool(self.in_flight or self.side))
         for name in {n for waiting in self.ledger.waiting.values() for n in waiting}:
             self.ledger.finished(name)  # nothing runs any more: what a row still waits for will not come
 
