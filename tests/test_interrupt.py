@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 SMALL = ["model.height=16", "model.width=16", "train.prompts_per_iteration=2", "algorithm.group_size=4",
          "sampling.steps=4", "output.save_samples_every=0"]
 
@@ -72,16 +70,19 @@ def interrupt_then_resume(run: Path, extra: list[str]) -> None:
     assert (run / "final").is_dir()
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_the_engine_keeps_the_last_iteration_and_resumes(tmp_path):
     """The default config: disaggregated, GAP + TSP + TAG + one-step async, so at the interrupt
     rank 0 may be mid-iteration with the next iteration's rollouts in flight."""
     interrupt_then_resume(tmp_path / "run", [])
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_the_local_trainer_keeps_the_last_iteration_and_resumes(tmp_path):
     interrupt_then_resume(tmp_path / "run", ["placement.mode=local"])
 
 
+@pytest.mark.slow
 def test_a_fatal_error_mid_run_keeps_the_last_iteration(tmp_path):
     """The reward actor dies for good while scoring iteration 1 (engine.max_restarts: 0): rank 0's
     state is intact, so the run stops with a checkpoint of iteration 1 (none was due) and says so."""
@@ -97,3 +98,53 @@ def test_a_fatal_error_mid_run_keeps_the_last_iteration(tmp_path):
     assert last.endswith(f"last checkpoint: {run / 'checkpoints' / 'iter-000001'} (iteration 1); "
                          f"resume with: digenrl train --resume {run}")
     assert [r["iteration"] for r in rows(run)] == [0] and checkpoints(run) == [1]
+
+
+def test_first_ctrl_c_asks_a_second_stops_at_once():
+    """The SIGINT handler both drivers install: the first press is a request (or abandons
+    abandonable work), the second raises at once; the previous handler comes back afterwards."""
+    from digenrl.runpolicy import stop_on_interrupt
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal starts us
+    try:
+        with stop_on_interrupt() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            assert stop.requested and not stop.forced
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+            assert stop.forced
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with stop_on_interrupt() as stop:
+            with pytest.raises(KeyboardInterrupt), stop.abandonable():  # a first press abandons this work
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+            assert stop.requested and not stop.forced
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_the_checkpoint_kept_on_a_stop_is_the_last_logged_iteration(tmp_path):
+    """Only when the trainer holds exactly the version after the last row, something was done and
+    no checkpoint of it exists yet; the last line names the newest checkpoint on disk."""
+    from digenrl.checkpoint import save_checkpoint
+    from digenrl.config import load_config
+    from digenrl.errors import RunInterrupted, RunStopped
+    from digenrl.runpolicy import checkpoint_to_keep, stopped
+
+    assert checkpoint_to_keep(tmp_path, 3, 3)
+    assert not checkpoint_to_keep(tmp_path, 3, 4)  # rank 0 stepped past a row not written: cannot
+    assert not checkpoint_to_keep(tmp_path, 0, 0)  # nothing done
+    exc = stopped(KeyboardInterrupt(), tmp_path, 0, 10)
+    assert isinstance(exc, RunInterrupted)
+    assert str(exc) == "interrupted with 0 of 10 iterations done; no checkpoint was written (0 of 10 iterations done, nothing to resume from)"
+    from digenrl.policy import Policy
+
+    policy = Policy(load_config(None, SMALL))
+    policy.version = 3
+    save_checkpoint(tmp_path, policy, 3)
+    assert not checkpoint_to_keep(tmp_path, 3, 3)  # already there
+    exc = stopped(RunStopped("the reward actor died; the run stopped."), tmp_path, 3, 10)
+    assert str(exc) == (f"the reward actor died; the run stopped; last checkpoint: {tmp_path / 'checkpoints' / 'iter-000003'} "
+                        f"(iteration 3); resume with: digenrl train --resume {tmp_path}")
