@@ -7,8 +7,14 @@
 #   all-reduce);
 # - with >= 2 GPUs, disaggregated too: 1 rollout GPU + the rest as trainer ranks, with GAP,
 #   TAG, TSP and one-step async, so the weight sync runs between GPU workers;
-# - `digenrl profile --device cuda` (skipped while that command does not exist).
-# Each run must leave 2 metrics rows, timeline.json / .png and final weights.
+# - `digenrl profile --device cuda` (skipped while that command does not exist);
+# - the real-width check (issue 15 item 8): benchmarks/gpu_realwidth.py, a random-init
+#   FLUX.1-dev-width transformer (2 double + 4 single blocks, bf16, 1024 + 512 tokens): peak
+#   memory per phase vs the static prediction, rollout step vs FluxPipeline, train step and
+#   MFU with and without activation checkpointing, fingerprint / packing bandwidth on the
+#   device, the on-policy ratio on GPU kernels -> $OUT/realwidth.json.
+# Each run must leave 2 metrics rows, timeline.json / .png and final weights. The whole script
+# is sized to finish within 10 minutes on one GPU.
 set -euo pipefail
 
 OUT=${1:-${OUT:-$(mktemp -d)}}
@@ -22,6 +28,12 @@ if [ "${NGPU:-0}" -lt 1 ]; then
   exit 1
 fi
 echo "gpu_smoke: $NGPU GPU(s); output in $OUT"
+
+HERE=$(cd "$(dirname "$0")" && pwd)
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+case "$GPU_NAME" in *H200*) KIND=H200;; *H100*) KIND=H100;; *H800*) KIND=H800;; *A100*) KIND=A100;; *H20*) KIND=H20;; *) KIND=H100;; esac
+timeout 420 "$PY" "$HERE/gpu_realwidth.py" --gpu "$KIND" --json "$OUT/realwidth.json"
+echo "realwidth: ok ($OUT/realwidth.json)"
 
 COMMON=(train.device=cuda train.iterations=2 train.prompts_per_iteration=4 engine.unit_groups=1
         model.height=32 model.width=32 sampling.steps=8 algorithm.group_size=8)

@@ -13,6 +13,9 @@ import torch
 
 from digenrl.adapters import build_adapter
 from digenrl.config import RunConfig
+from digenrl.distributed.checkpointing import checkpoint_blocks
+from digenrl.distributed.precision import fp32_master
+from digenrl.distributed.settings import check_fsdp_wired, resolve_activation_checkpointing
 from digenrl.lora import apply_lora, checksum, load_lora_state_dict, lora_state_dict
 from digenrl.errors import UserError
 
@@ -30,6 +33,7 @@ def pick_device(name: str) -> torch.device:
 class Policy:
     def __init__(self, cfg: RunConfig, device: torch.device | str | None = None, trainable: bool = True):
         self.cfg = cfg
+        check_fsdp_wired(cfg.train)
         self.device = torch.device(device) if device is not None else pick_device(cfg.train.device)
         self.adapter = build_adapter(cfg.model, cfg.sampling, self.device)
         net = self.adapter.transformer
@@ -41,6 +45,10 @@ class Policy:
         self._ref = None
         if not self.lora and cfg.algorithm.kl_beta > 0:  # full fine-tuning: KL needs a frozen copy
             self._ref = copy.deepcopy(net).requires_grad_(False)
+        if trainable:
+            fp32_master(net)  # the optimizer steps fp32 masters; compute stays in model.dtype (autocast)
+            if resolve_activation_checkpointing(cfg.train):
+                checkpoint_blocks(net)
         self.params = [p for p in net.parameters() if p.requires_grad]
         self.optimizer = None
         if trainable:
@@ -52,6 +60,8 @@ class Policy:
     def optimizer_step(self) -> float:
         """Clip the accumulated gradient, step, zero it, bump the version. Returns the pre-clip grad norm."""
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
+        if hasattr(norm, "full_tensor"):  # FSDP2 shards: the norm is a DTensor over the mesh
+            norm = norm.full_tensor()
         if not torch.isfinite(norm):  # a step now would write NaN into every weight: refuse it, say why
             self.optimizer.zero_grad(set_to_none=True)
             raise UserError(non_finite_gradient(self.cfg, float(norm), self.version))
@@ -90,12 +100,21 @@ class Policy:
         else:
             from digenrl.lora import WeightSyncError
 
-            result = self.adapter.transformer.load_state_dict(state, strict=False)
+            net = self.adapter.transformer
+            result = net.load_state_dict(state, strict=False)
             if result.missing_keys or result.unexpected_keys:
                 raise WeightSyncError(f"weight load mismatch: missing {result.missing_keys[:3]}, "
                                       f"unexpected {result.unexpected_keys[:3]}")
-            if expected_checksum is not None and checksum(self.weights()) != expected_checksum:
-                raise WeightSyncError("weight checksum mismatch after load")
+            if expected_checksum is not None:
+                own = net.state_dict()
+                if all(own[k].dtype == v.dtype for k, v in state.items()):
+                    if checksum(self.weights()) != expected_checksum:
+                        raise WeightSyncError("weight checksum mismatch after load")
+                else:  # fp32 masters loaded into a compute-dtype copy: verify what arrived, then the cast
+                    if checksum(state) != expected_checksum:
+                        raise WeightSyncError("weight checksum mismatch of the received weights")
+                    if not all(torch.equal(own[k], v.to(own[k].dtype)) for k, v in state.items()):
+                        raise WeightSyncError("weights differ from the received ones after load")
         self.version = version
 
 

@@ -1,0 +1,110 @@
+"""FSDP2 sharding of the trained transformer: ``fully_shard`` per block, then the root.
+
+What FSDP2 does per step, and so what replaces the flat gradient all-reduce on sharded ranks:
+each block's parameters are all-gathered (in ``param_dtype``) just before its forward and freed
+after it, all-gathered again for its backward, and its gradients are reduce-scattered (in
+``reduce_dtype``, fp32) as soon as the block's backward is done, overlapped with the backward of
+the blocks before it. Each rank keeps, and steps, only its shard of the fp32 parameters and of
+the optimizer state. Works for full fine-tuning and for peft LoRA (frozen base, trainable LoRA
+parameters in the same blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from digenrl.distributed.blocks import transformer_blocks
+from digenrl.distributed.checkpointing import checkpoint_blocks
+from digenrl.distributed.precision import fp32_master
+
+
+def trainer_mesh(degree: int | None = None, device_type: str = "cpu") -> DeviceMesh:
+    """The mesh over the default process group's ranks (already initialised): 1-D when the
+    sharding ``degree`` is the world size (FSDP), 2-D (replicate, shard) when it divides it
+    (HSDP: ``fully_shard`` then shards inside each group of ``degree`` ranks and all-reduces
+    across the groups)."""
+    world = dist.get_world_size()
+    degree = degree or world
+    if degree == world:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (world // degree, degree), mesh_dim_names=("replicate", "shard"))
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype = torch.bfloat16,
+                reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
+                reshard_after_forward: bool = True, gradient_sum: bool = True) -> nn.Module:
+    """Shard ``model`` in place over ``mesh``; returns it (now an ``FSDPModule``).
+
+    Order, as torchtitan: trained parameters to fp32 (the masters), activation checkpointing
+    per block, ``fully_shard`` per block, ``fully_shard`` on the root (embeddings, norms, the
+    output projection and anything outside the blocks). Build the optimizer afterwards: sharding
+    replaces the parameters with ``DTensor`` shards.
+
+    ``gradient_sum``: reduce gradients by sum, as the engine's units are written (each unit's
+    loss is already divided by the iteration's total term count); False averages, as DDP does.
+    """
+    fp32_master(model)
+    if activation_checkpointing:
+        checkpoint_blocks(model)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # the root's parameters are needed again right at the start of backward: keep them gathered
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    if gradient_sum:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def local_numel(model: nn.Module, trainable_only: bool = False) -> int:
+    """Elements this rank stores (its shards, for a sharded model)."""
+    total = 0
+    for p in model.parameters():
+        if trainable_only and not p.requires_grad:
+            continue
+        total += p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+    return total
+
+
+def full_numel(model: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def shard_policy(policy, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None,
+                 activation_checkpointing: bool = False) -> None:
+    """Shard a :class:`~digenrl.policy.Policy`'s transformer and rebuild its optimizer over the
+    shards (same hyper-parameters). ``param_dtype`` defaults to the model's compute dtype
+    (``model.dtype``). Call before the first step; ``Policy.optimizer_step`` works on shards."""
+    net = policy.adapter.transformer
+    dtype = param_dtype or policy.adapter.dtype
+    parallelize(net, mesh, param_dtype=dtype, activation_checkpointing=activation_checkpointing)
+    policy.params = [p for p in net.parameters() if p.requires_grad]
+    if policy.optimizer is not None:
+        t = policy.cfg.train
+        policy.optimizer = torch.optim.AdamW(policy.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+
+
+def full_tensors(model: nn.Module, names: list[str] | None = None, trainable_only: bool = False):
+    """Yield ``(name, full tensor)`` of the model's state, one tensor at a time, gathering each
+    shard (a collective: every rank of the mesh must iterate in the same order). Memory stays at
+    one full tensor beyond the shards, so a sender can stream them into broadcast buckets."""
+    params = dict(model.named_parameters())
+    wanted = set(names) if names is not None else None
+    for name, value in model.state_dict().items():
+        if wanted is not None and name not in wanted:
+            continue
+        if trainable_only and not (name in params and params[name].requires_grad):
+            continue
+        yield name, (value.full_tensor() if isinstance(value, DTensor) else value).detach()
