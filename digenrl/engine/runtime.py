@@ -144,8 +144,6 @@ def _own_error(exc: BaseException) -> BaseException:
     return cause if isinstance(cause, (UserError, WeightSyncError)) else exc
 
 
-
-
 # ---------------------------------------------------------------------- the dispatcher
 
 
@@ -364,9 +362,11 @@ class RayBackend:
                 pass
             except Exception as again:  # noqa: BLE001 -- the first error is the one to report
                 print(f"warning: could not keep the work in progress: {again!r}", file=sys.stderr)
+        return stopped(exc, self.out.path, self.iterations_logged(), self.cfg.train.iterations)
+
+    def iterations_logged(self) -> int:
         rows = self.ledger.rows
-        done = rows[-1]["iteration"] + 1 if rows else self.sched.cfg.start_iteration
-        return stopped(exc, self.out.path, done, self.cfg.train.iterations)
+        return rows[-1]["iteration"] + 1 if rows else self.sched.cfg.start_iteration
 
     def finish_running(self) -> None:
         """No new work: wait for the units and side calls in flight (handing the other ranks their
@@ -388,8 +388,7 @@ class RayBackend:
         """Rank 0's checkpoint of the last completed iteration, when it holds exactly that version."""
         import ray
 
-        rows = self.ledger.rows
-        done = rows[-1]["iteration"] + 1 if rows else self.sched.cfg.start_iteration
+        done = self.iterations_logged()
         if checkpoint_to_keep(self.out.path, done, self.sched.published_version):
             files = ray.get(self.actors[self.rank0].checkpoint.remote(done, self.checkpoint_extra()))
             save_checkpoint_files(self.out.path, done, files, self.cfg.output.keep_last)
