@@ -315,7 +315,7 @@ class EngineConfig(_Section):
 class OutputConfig(_Section):
     run_dir: Path | None = Field(None, description="default runs/<name>-<timestamp>")
     name: str = Field("flux-tiny", description="a plain name (no path): the run goes to runs/<name>-<timestamp>")
-    checkpoint_every: int = Field(0, ge=0, description="0 = only at the end")
+    checkpoint_every: int = Field(20, ge=0, description="every N iterations (and the last); 0 = only at the end")
     keep_last: int = Field(3, gt=0)
     save_samples_every: int = Field(30, ge=0, description="0 = never")
     eval_every: int = Field(0, ge=0)

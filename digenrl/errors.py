@@ -14,6 +14,11 @@ class RunStopped(UserError):
     exit_code = 1
 
 
+class RunInterrupted(Exception):
+    """Ctrl-C stopped a run cleanly (exit code 130); the message is the user's last line: what was
+    kept and how to resume."""
+
+
 def read_user_text(path, what: str) -> str:
     """The text of a file the user named, or a one-line UserError: missing, a directory, unreadable
     or not UTF-8 (``what``: the field or option that named it, e.g. ``prompts.file``)."""

@@ -8,6 +8,8 @@
     save_iteration_samples             samples/iter-NNNNNN.png
     final_files -> write_final         final/: the trained (with train.ema: the EMA) weights as diffusers / peft load them
     RunResult                          what a run returns
+    stop_on_interrupt -> StopRequest   Ctrl-C: stop after the running work (twice: at once)
+    checkpoint_to_keep, stopped        stopping mid-run keeps the last completed iteration; the last line
 
 Iteration ``k`` (0-based) trains version k into k + 1; "done" counts are ``k + 1``, which is also
 the iteration a checkpoint written after k resumes at.
@@ -15,15 +17,20 @@ the iteration a checkpoint written after k resumes at.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from digenrl.checkpoint import CheckpointState
+from digenrl.checkpoint import CheckpointState, latest_checkpoint, read_state
 from digenrl.config import RunConfig
+from digenrl.errors import RunInterrupted, UserError
+from digenrl.progress import progress
 from digenrl.rewards import reward_metrics
 
 
@@ -134,3 +141,83 @@ def write_final(run_dir: Path, files: dict[str, bytes]) -> Path:
     for name, data in files.items():
         (final / name).write_bytes(data)
     return final
+
+
+# ------------------------------------------------------- stopping mid-run keeps the work
+
+
+class StopRequest:
+    """Ctrl-C during a run. The first press asks the driver to stop cleanly: the local trainer
+    abandons the iteration in progress when it is in ``abandonable`` work (rollout and gradients,
+    which leave the weights untouched), else finishes it; the engine lets the units already running
+    finish. Either way a checkpoint of the last completed iteration follows. A second press stops
+    at once (``forced``), keeping only what is already on disk."""
+
+    def __init__(self) -> None:
+        self.requested = self.forced = False
+        self._abandonable = False
+
+    def press(self) -> None:
+        if self.requested or self._abandonable:
+            self.forced = self.requested
+            self.requested = True
+            raise KeyboardInterrupt
+        self.requested = True
+        progress("interrupted: finishing the work in progress, then a checkpoint (Ctrl-C again: stop now)...")
+
+    @contextlib.contextmanager
+    def abandonable(self):
+        """Work that a first Ctrl-C may cut short: it changes no state a checkpoint holds."""
+        if self.requested:
+            raise KeyboardInterrupt
+        self._abandonable = True
+        try:
+            yield
+        finally:
+            self._abandonable = False
+
+
+@contextlib.contextmanager
+def stop_on_interrupt():
+    """A :class:`StopRequest` that SIGINT presses while the ``with`` block runs (main thread only;
+    elsewhere, or where SIGINT is ignored, nothing changes)."""
+    stop = StopRequest()
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is signal.SIG_IGN:
+        yield stop
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: stop.press())
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def checkpoint_to_keep(run_dir: Path, done: int, version: int) -> bool:
+    """Whether a run stopping with ``done`` iterations logged, its trainer at ``version``, should
+    write a checkpoint now: the trainer's state must be exactly that of the last logged iteration
+    (a resumed run keeps the rows before its checkpoint), something was done, and the newest
+    checkpoint is older."""
+    if done <= 0 or version != done:
+        return False
+    last = latest_checkpoint(run_dir)
+    return last is None or read_state(last).iteration < done
+
+
+def stopped(exc: BaseException, run_dir: Path, done: int, total: int) -> BaseException:
+    """The exception a run stopped by ``exc`` ends with, naming the last checkpoint and how to
+    resume: :class:`RunInterrupted` for Ctrl-C (exit 130), ``exc`` itself otherwise (a user error's
+    message gets the hint; any other error carries it as a note under its traceback)."""
+    last = latest_checkpoint(run_dir) if Path(run_dir).is_dir() else None
+    if last is None:
+        hint = f"no checkpoint was written ({done} of {total} iterations done, nothing to resume from)"
+    else:
+        hint = f"last checkpoint: {last} (iteration {read_state(last).iteration}); resume with: digenrl train --resume {run_dir}"
+    if isinstance(exc, KeyboardInterrupt):
+        return RunInterrupted(f"interrupted with {done} of {total} iterations done; {hint}")
+    if isinstance(exc, UserError):
+        if hint not in str(exc):
+            exc.args = (f"{str(exc).rstrip('. ')}; {hint}",)
+        return exc
+    exc.add_note(hint)
+    return exc

@@ -17,6 +17,7 @@ optimizer state, version and RNG states reproduces the uninterrupted run iterati
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,8 +30,9 @@ from digenrl.policy import Policy
 from digenrl.prompts import PromptSampler, load_prompts
 from digenrl.rewards import build_reward
 from digenrl.runlog import RunDir
-from digenrl.runpolicy import (RunPolicy, RunResult, final_files, iteration_metrics, resume_history,
-                               save_iteration_samples, write_final)
+from digenrl.runpolicy import (RunPolicy, RunResult, StopRequest, checkpoint_to_keep, final_files,
+                               iteration_metrics, resume_history, save_iteration_samples, stop_on_interrupt,
+                               stopped, write_final)
 from digenrl.units import Samples, assign_advantages, merge_stats, preflight_reward, rollout_unit, train_unit
 
 class LocalTrainer:
@@ -58,15 +60,19 @@ class LocalTrainer:
         return [rollout_unit(self.policy, self.reward, prompts[j : j + m], list(range(j, j + m)), iteration,
                              cfg.train.seed) for j in range(0, P, m)]
 
-    def iteration(self, iteration: int) -> dict:
+    def iteration(self, iteration: int, stop: StopRequest | None = None) -> dict:
+        """One iteration; a Ctrl-C (``stop``) during its rollout and gradients abandons it: until the
+        optimizer step the weights and optimizer are those of the previous iteration."""
         t0 = time.perf_counter()
-        units = self.last_units = self.rollout(iteration)
-        t_roll = time.perf_counter() - t0
-        assign_advantages(units, self.cfg)
         steps = self.cfg.train.optimizer_steps  # mini-batch PPO; the last step publishes version k + 1
-        terms = sum(len(u) * u.train_idx.shape[1] for u in units) // steps  # a mini-batch's loss is its mean
-        parts, norms = [], []
-        for s in range(steps):  # mini-batch s: the s-th slice of every group's samples
+        with stop.abandonable() if stop is not None else contextlib.nullcontext():  # weights unchanged so far
+            units = self.last_units = self.rollout(iteration)
+            t_roll = time.perf_counter() - t0
+            assign_advantages(units, self.cfg)
+            terms = sum(len(u) * u.train_idx.shape[1] for u in units) // steps  # a mini-batch's loss is its mean
+            parts = [train_unit(self.policy, u, terms, minibatch=0, minibatches=steps) for u in units]
+        norms = [self.policy.optimizer_step(publish=steps == 1)]
+        for s in range(1, steps):  # mini-batch s: the s-th slice of every group's samples
             parts += [train_unit(self.policy, u, terms, minibatch=s, minibatches=steps) for u in units]
             norms.append(self.policy.optimizer_step(publish=s == steps - 1))
         stats = merge_stats(parts, steps)
@@ -94,19 +100,38 @@ class LocalTrainer:
         out = RunDir(cfg, run_dir, history=history)
         rows = list(history or [])
         try:
-            for it in range(self.start_iteration, cfg.train.iterations):
-                row = self.iteration(it)
-                if policy.eval_due(it):
-                    row.update(self.evaluate())
-                rows.append(row)
-                out.log(row)
-                if on_iteration:
-                    on_iteration(row)
-                if policy.samples_due(it):
-                    save_iteration_samples(out.path, it, self.last_units)
-                if policy.checkpoint_due(it):
-                    save_checkpoint(out.path, self.policy, it + 1, cfg, keep_last=cfg.output.keep_last)
+            with stop_on_interrupt() as stop:
+                try:
+                    self._iterations(out, rows, policy, stop, on_iteration)
+                except BaseException as exc:
+                    raise self._keep_work(exc, out.path, rows, stop) from None
             write_final(out.path, final_files(self.policy))
         finally:
             out.close()
         return RunResult(out.path, rows)
+
+    def _iterations(self, out: RunDir, rows: list[dict], policy: RunPolicy, stop: StopRequest, on_iteration) -> None:
+        cfg = self.cfg
+        for it in range(self.start_iteration, cfg.train.iterations):
+            if stop.requested:  # Ctrl-C during the last iteration's logging: stop before the next
+                raise KeyboardInterrupt
+            row = self.iteration(it, stop)
+            if policy.eval_due(it):
+                row.update(self.evaluate())
+            out.log(row)
+            rows.append(row)
+            if on_iteration:
+                on_iteration(row)
+            if policy.samples_due(it):
+                save_iteration_samples(out.path, it, self.last_units)
+            if policy.checkpoint_due(it):
+                save_checkpoint(out.path, self.policy, it + 1, cfg, keep_last=cfg.output.keep_last)
+
+    def _keep_work(self, exc: BaseException, run_dir: Path, rows: list[dict], stop: StopRequest) -> BaseException:
+        """Stopped mid-run (Ctrl-C, or an error such as a reward failure): checkpoint the last completed
+        iteration when the policy still holds exactly it (not after a second Ctrl-C: that means now)."""
+        done = rows[-1]["iteration"] + 1 if rows else self.start_iteration
+        if isinstance(exc, (KeyboardInterrupt, Exception)) and not stop.forced:
+            if checkpoint_to_keep(run_dir, done, self.policy.version):
+                save_checkpoint(run_dir, self.policy, done, self.cfg, keep_last=self.cfg.output.keep_last)
+        return stopped(exc, run_dir, done, self.cfg.train.iterations)

@@ -87,7 +87,9 @@ def test_ctrl_c_stops_the_actors_and_writes_nothing_partial(tmp_path):
     proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the driver
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
-    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    last = err.strip().splitlines()[-1]  # what was kept and how to resume (tests/test_interrupt.py)
+    assert last.startswith("interrupted with ") and last.endswith(f"resume with: digenrl train --resume {run}")
+    assert "Traceback" not in err
     assert wait_gone(marker) == []
     # nothing half-written: whole metrics rows, only complete checkpoints, the config
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

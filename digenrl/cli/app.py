@@ -10,7 +10,7 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 
-from digenrl.errors import UserError
+from digenrl.errors import RunInterrupted, UserError
 
 # rich_markup_mode=None: plain --help (no boxes, no <bool> after flags that take no value)
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -164,6 +164,9 @@ def main() -> None:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)  # one line, never wrapped
         sys.exit(exc.exit_code)
+    except RunInterrupted as exc:  # Ctrl-C mid-run: what was kept, how to resume
+        print(exc, file=sys.stderr)
+        sys.exit(130)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)

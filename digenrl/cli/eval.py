@@ -17,7 +17,9 @@ def run_eval(checkpoint: Path | None, config: Path | None, prompts: Path | None,
     n = len(job.prompts) * (2 if job.baseline is not None else 1)
     progress = Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console)
-    with progress:
+    from digenrl.cli.liblog import library_output_beside
+
+    with library_output_beside(console, lambda: job.out / "log.txt"), progress:
         task = progress.add_task("eval", total=n)
         report = evaluate_checkpoint(job, on_batch=lambda k: progress.advance(task, k))
     if "ema" in report:  # the checkpoint kept an EMA of the weights (train.ema): that is what was sampled

@@ -36,8 +36,12 @@ def run_plan_command(cfg: RunConfig, cluster_path: Path | None, profile_path: Pa
     profile = load_profile(profile_path) if profile_path is not None else None
     if profile is not None:
         check_profile_device(profile, cluster)
+    from digenrl.cli.liblog import library_output_beside
+
     status = console.status("reading the model shape...") if not json_out else _Quiet()
-    with status:
+    beside = (Path(write).with_suffix(".log") if write is not None
+              else Path(timeline_dir) / "log.txt" if timeline_dir is not None else None)
+    with library_output_beside(console, lambda: beside, stderr=json_out), status:
         workload = Workload.from_config(cfg)
         cost = CostModel(workload, cluster, profile=profile)
         result = search(cost, cluster, top=top, iterations=iterations,

@@ -25,7 +25,9 @@ def run_profile_command(cfg: RunConfig, device: str, out: Path, console: Console
         raise UserError(f"--repeats: must be at least 1, got {repeats}")
     progress = Progress(TextColumn("[bold]profile"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.description}"), TimeElapsedColumn(), console=console)
-    with progress:
+    from digenrl.cli.liblog import library_output_beside
+
+    with library_output_beside(console, lambda: Path(out).with_suffix(".log")), progress:
         task = progress.add_task("starting", total=steps_total(cfg, engine, device=device))
         seen = {"n": 0}
 

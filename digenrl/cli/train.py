@@ -94,7 +94,7 @@ def _driver(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, resum
         return lambda cb: driver.run(run_dir, cb)
     from digenrl.engine.runtime import run_engine
 
-    progress("checking the config, starting the Ray cluster and the workers...")
+    progress("starting the engine...")
     return lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address, resume=resume)
 
 

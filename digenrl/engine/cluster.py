@@ -25,6 +25,7 @@ from digenrl.errors import UserError
 from digenrl.faults import FaultInjector
 from digenrl.lora import WeightSyncError
 from digenrl.placement import Worker
+from digenrl.progress import progress
 
 REWARD_ROW = "reward"  # the reward actor's timeline row (pool SERVICE_POOL), and its in-flight entries
 PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give up, say so
@@ -72,9 +73,11 @@ def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
 
     from digenrl.engine.workers import EngineWorker
 
+    progress("starting the Ray cluster..." if ray_address is None else f"joining the Ray cluster at {ray_address}...")
     ours = connect(workers, ray_address)
     group, actors, reward_actor = None, {}, None
     try:
+        progress(f"starting {len(workers)} workers (each builds the model)...")
         bundles = resource_bundles(workers, ray.cluster_resources(), reserve=reward_service_resources(cfg))
         group = placement_group(bundles, strategy="PACK")
         try:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from digenrl.engine.scheduler import RolloutUnit, Scheduler, Unit
+from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, Unit
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,28 @@ def drive(scheduler: Scheduler, order: list[str], backend: Backend) -> None:
             scheduler.release(event.unit)
         elif isinstance(event, Lost):
             scheduler.requeue(event.unit)
+        elif isinstance(event, (Done, Scored)):
+            before = scheduler.published_version
+            scheduler.complete(event.unit)
+            backend.completed(event.unit, before if scheduler.published_version > before else None)
+
+
+def finish_running(scheduler: Scheduler, backend: Backend, owed_step_shares, running) -> None:
+    """After a stop (Ctrl-C, a fatal error): start nothing new except what a collective step already
+    begun still needs (``owed_step_shares()``: the idle ranks not yet handed their share), and hear
+    every running unit out (``running()``: anything still in flight). A unit lost now is not
+    generated again."""
+    while True:
+        for worker in owed_step_shares():
+            unit = scheduler.next_unit(worker)
+            if not isinstance(unit, StepUnit):
+                raise RuntimeError(f"{worker}: expected its share of the open step, got {unit}")
+            backend.start(worker, unit)
+        if not running():
+            return
+        event = backend.next_event()
+        if isinstance(event, Released):
+            scheduler.release(event.unit)
         elif isinstance(event, (Done, Scored)):
             before = scheduler.published_version
             scheduler.complete(event.unit)

@@ -7,8 +7,10 @@
 - the **reward actor** is restarted by Ray, which runs its lost calls again (scoring is pure);
   a call fails only when the actor is gone for good (the run stops) or when the worker that
   submitted it died (its scores are lost: the unit is generated again);
-- a **trainer rank** holds optimizer state and its share of the gradient: the run stops, the
-  last complete checkpoint stays as it is, and the message says how to resume;
+- a **trainer rank** holds optimizer state and its share of the gradient: the run stops
+  (:class:`TrainerLost`), the last complete checkpoint stays as it is, and the message names it;
+  any other stop (a reward actor gone for good, a worker out of restarts, Ctrl-C) leaves rank 0's
+  state intact, and the dispatcher checkpoints the last completed iteration first;
 - the **head** of the cluster (GCS) gone takes every actor along: not a worker fault, the run
   stops (Ray itself would wait a minute and then end the driver without a word).
 
@@ -20,23 +22,25 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
-from digenrl.checkpoint import latest_checkpoint
 from digenrl.engine.cluster import REWARD_ROW, first_line, head_problem
 from digenrl.engine.driver import Back, Lost
 from digenrl.engine.scheduler import RolloutUnit, Unit
 from digenrl.errors import RunStopped
 from digenrl.lora import WeightSyncError
 
+class TrainerLost(RunStopped):
+    """The run stopped with trainer rank 0's state gone (a dead rank, a dead head): nothing newer than
+    the last checkpoint on disk can be kept."""
+
+
 RESTART_POLL_S = 0.5  # how often to ask a restarting worker whether it is back
 HEAD_PROBE_S = 2.0  # how often the driver checks that the cluster's head still answers
 
 
 class FaultPolicy:
-    def __init__(self, roles: dict[str, str], max_restarts: int, checkpoint_every: int, run_dir: Path | None):
+    def __init__(self, roles: dict[str, str], max_restarts: int):
         self.roles, self.max_restarts = roles, max_restarts
-        self.checkpoint_every, self.run_dir = checkpoint_every, run_dir
         self.restarts: Counter[str] = Counter()  # worker -> times it died and was restarted
         self.restarting: dict[str, float] = {}  # worker -> when to ask it for ready() again
         self.start_checksum: str | None = None  # the weights every (re)started worker must hold
@@ -52,17 +56,17 @@ class FaultPolicy:
 
             if not isinstance(exc, ray.exceptions.ObjectLostError):
                 raise RunStopped(f"the reward actor died and was not restarted (engine.max_restarts: {limit}; "
-                                 f"{first_line(exc)}); the run stopped. {self.resume_hint()}")
+                                 f"{first_line(exc)}); the run stopped.")
             print(f"warning: the scores of {unit.uid} were lost with the worker that submitted them; "
                   "generating it again", file=sys.stderr)
             return Lost(unit)
         if self.roles[worker] != "rollout" or not isinstance(unit, RolloutUnit):
-            raise RunStopped(f"trainer rank {worker} died while running {unit.uid} ({first_line(exc)}); "
-                             f"the run stopped. {self.resume_hint()}")
+            raise TrainerLost(f"trainer rank {worker} died while running {unit.uid} ({first_line(exc)}); "
+                              "the run stopped.")
         self.restarts[worker] += 1
         if self.restarts[worker] > limit:
             raise RunStopped(f"rollout worker {worker} died {self.restarts[worker]} times (engine.max_restarts: "
-                             f"{limit}); the run stopped. {self.resume_hint()}")
+                             f"{limit}); the run stopped.")
         print(f"warning: rollout worker {worker} died in {unit.uid}; restarting it "
               f"({self.restarts[worker]} of {limit}) and generating {unit.uid} again", file=sys.stderr)
         self.restarting[worker] = time.time() + RESTART_POLL_S  # asked to report ready once rebuilt
@@ -88,7 +92,7 @@ class FaultPolicy:
             return None
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             raise RunStopped(f"{worker} did not come back after a restart ({first_line(exc)}); "
-                             f"the run stopped. {self.resume_hint()}") from None
+                              "the run stopped.") from None
         if ready["checksum"] != self.start_checksum:
             raise WeightSyncError(f"{worker} restarted with other weights than the run started with")
         return Back(worker)
@@ -108,11 +112,4 @@ class FaultPolicy:
             import ray
 
             head = ray.get_runtime_context().gcs_address
-            raise RunStopped(f"the Ray cluster's head at {head} stopped answering ({problem}); the run stopped. "
-                             f"{self.resume_hint()}")
-
-    def resume_hint(self) -> str:
-        last = latest_checkpoint(self.run_dir) if self.run_dir is not None else None
-        if last is None:
-            return f"No checkpoint was written yet (output.checkpoint_every: {self.checkpoint_every})."
-        return f"Last checkpoint: {last}; resume with: digenrl train --resume {self.run_dir}"
+            raise TrainerLost(f"the Ray cluster's head at {head} stopped answering ({problem}); the run stopped.")

@@ -21,17 +21,18 @@ timeline's ``reward`` row.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable
 
-from digenrl.checkpoint import find_checkpoint, read_state
+from digenrl.checkpoint import find_checkpoint, read_state, save_checkpoint_files
 from digenrl.config import RunConfig
-from digenrl.engine.cluster import REWARD_ROW, actor_died, num_restarts, ray_workers
-from digenrl.engine.driver import Done, Event, Released, Scored, drive
+from digenrl.engine.cluster import REWARD_ROW, actor_died, first_line, num_restarts, ray_workers
+from digenrl.engine.driver import Done, Event, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
-from digenrl.engine.recovery import FaultPolicy
+from digenrl.engine.recovery import FaultPolicy, TrainerLost
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit, Unit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.errors import UserError
@@ -43,7 +44,8 @@ from digenrl.preflight import check_memory
 from digenrl.prompts import load_prompts
 from digenrl.rewards import build_reward
 from digenrl.runlog import RunDir, check_writable, default_run_dir
-from digenrl.runpolicy import RunPolicy, RunResult, resume_history, write_final
+from digenrl.runpolicy import (RunPolicy, RunResult, StopRequest, checkpoint_to_keep, resume_history, stop_on_interrupt,
+                               stopped, write_final)
 
 
 # ------------------------------------------------------------------------------ the run
@@ -73,6 +75,7 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
                         f"({cfg.train.iterations})")
     workers = engine_workers(cfg)
     scheduler = Scheduler(engine_scheduler_config(cfg, start), workers)
+    progress("checking prompts, reward and model...")
     preflight(cfg, resumed)
     run_dir, history = resume_history(resumed, run_dir)
     check_writable(run_dir or cfg.output.run_dir or default_run_dir(cfg), "output.run_dir")
@@ -82,13 +85,18 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
     worker_cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
     started = time.time()  # the timeline starts here: Ray and the workers starting up are its first events
     with _user_errors(), ray_workers(worker_cfg, workers, ray_address, files) as actors:
+        progress(f"{len(workers)} workers ready ({time.time() - started:.0f} s)...")
         out = RunDir(cfg, run_dir, history=history)
         backend = RayBackend(cfg, scheduler, workers, actors, out, on_iteration, history)
         backend.t0 = started
         try:
-            backend.begin()
-            drive(scheduler, [w.name for w in workers], backend)
-            backend.drain()  # the last eval / checkpoint
+            with stop_on_interrupt() as backend.stop:
+                try:
+                    backend.begin()
+                    drive(scheduler, [w.name for w in workers], backend)
+                    backend.drain()  # the last eval / checkpoint
+                except BaseException as exc:  # Ctrl-C, or a fatal error: keep what can be kept
+                    raise backend.keep_work(exc) from None
             write_final(out.path, backend.final_files())
         finally:
             progress("stopping workers...")  # the `with` releases them next (Ray shutdown: seconds)
@@ -121,17 +129,21 @@ def preflight(cfg: RunConfig, resumed=None) -> None:
 @contextlib.contextmanager
 def _user_errors():
     """A UserError / WeightSyncError raised inside an actor reaches the caller as itself."""
-    import ray
-
     try:
         yield
-    except ray.exceptions.RayTaskError as exc:
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, (UserError, WeightSyncError)):
+    except Exception as exc:
+        cause = _own_error(exc)
+        if cause is not exc:
             raise cause from None
         raise
 
 
+def _own_error(exc: BaseException) -> BaseException:
+    """The UserError / WeightSyncError an actor raised, out of Ray's wrapper (else ``exc``)."""
+    import ray
+
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+    return cause if isinstance(cause, (UserError, WeightSyncError)) else exc
 
 
 # ---------------------------------------------------------------------- the dispatcher
@@ -153,8 +165,7 @@ class RayBackend:
             self.timeline.add_worker(w.name, w.pool.name)
         if cfg.reward.service is not None:
             self.timeline.add_worker(REWARD_ROW, SERVICE_POOL)
-        self.faults = FaultPolicy(self.role, cfg.engine.max_restarts, cfg.output.checkpoint_every,
-                                  out.path if out is not None else None)
+        self.faults = FaultPolicy(self.role, cfg.engine.max_restarts)
         self.ledger = IterationLedger(cfg, scheduler.cfg, self.timeline, out, on_iteration, history,
                                       restarts=lambda: sum(self.faults.restarts.values())
                                       + num_restarts(actors.get(REWARD_ROW)))
@@ -166,6 +177,9 @@ class RayBackend:
         self.unscored: dict[str, dict] = {}  # released rollout uid -> its summary, until the scores arrive
         self.packets: dict = {}  # version -> WeightPacket published by rank 0
         self.rank_checksums: dict[int, set[str]] = defaultdict(set)
+        self.step_shares: dict[tuple[int, int], set[str]] = defaultdict(set)  # (iteration, step) -> ranks handed it
+        self.stop = StopRequest()  # Ctrl-C (run_engine installs the real one)
+        self.stopping = False  # after Ctrl-C or a fatal error: no new work, the running units finish
 
     def begin(self) -> None:
         """Before the first unit: the starting weights every restarted worker must hold, and (for a
@@ -178,6 +192,9 @@ class RayBackend:
         self.faults.start_checksum = ray.get(rank0.ready.remote())["checksum"]
         if self.publishes:
             self.packets[self.sched.published_version] = ray.get(rank0.publish.remote())
+            progress("first weights published; generating the first rollouts...")
+        else:
+            progress("generating the first rollouts...")
 
     # -- start: one Ray call per unit ------------------------------------------------------
 
@@ -193,11 +210,26 @@ class RayBackend:
                                      self.ledger.minibatch_terms(unit.iteration))
         else:  # only the iteration's last optimizer step publishes
             ref = actor.step.remote(unit, worker == self.rank0 and self.publishes and unit.last)
+            self.step_shares[(unit.iteration, unit.step)].add(worker)
         self.in_flight[ref] = (worker, unit)
 
     # -- the next event ----------------------------------------------------------------------
 
     def next_event(self) -> Event | None:
+        if self.stop.requested and not self.stopping:  # Ctrl-C: leave the driver loop between events
+            raise KeyboardInterrupt
+        if not self.stopping:
+            return self._next_event()
+        self.faults.restarting.clear()  # stopping: a dead rollout worker is not waited for
+        try:
+            return self._next_event()
+        except (TrainerLost, WeightSyncError):
+            raise
+        except Exception as exc:  # noqa: BLE001 -- stopping: that unit's work is lost, the rest goes on
+            print(f"warning: a unit failed while stopping: {first_line(exc)}", file=sys.stderr)
+            return None
+
+    def _next_event(self) -> Event | None:
         import ray
 
         for worker in self.faults.due_for_ready():
@@ -288,9 +320,7 @@ class RayBackend:
             self.side[rank0.evaluate.remote()] = ("eval", k)
             names.add(f"eval-{k}")
         if self.policy.checkpoint_due(k):
-            extra = {"driver": "engine", "placement": self.cfg.placement.mode,
-                     "max_staleness": self.cfg.engine.max_staleness}
-            self.side[rank0.checkpoint.remote(k + 1, extra)] = ("checkpoint", k)
+            self.side[rank0.checkpoint.remote(k + 1, self.checkpoint_extra())] = ("checkpoint", k)
             names.add(f"checkpoint-{k}")
         return names
 
@@ -313,6 +343,66 @@ class RayBackend:
         while self.side:
             (ref,), _ = ray.wait(list(self.side), num_returns=1)
             self.side_done(ref)
+
+    def checkpoint_extra(self) -> dict:
+        return {"driver": "engine", "placement": self.cfg.placement.mode, "max_staleness": self.cfg.engine.max_staleness}
+
+    # -- stopping mid-run: Ctrl-C, fatal errors ------------------------------------------------
+
+    def keep_work(self, exc: BaseException) -> BaseException:
+        """The run stops on ``exc`` (Ctrl-C, or an error). Unless trainer rank 0's state is gone (a dead
+        rank or head, ranks out of sync) or Ctrl-C was pressed twice: the running units finish, every
+        iteration whose step is done gets its row, and rank 0 checkpoints the last completed
+        iteration. Returns the exception to raise, naming the last checkpoint and how to resume."""
+        exc = _own_error(exc)
+        if not (self.stop.forced or isinstance(exc, (TrainerLost, WeightSyncError))):
+            self.stopping = True
+            try:
+                progress("stopping: finishing the running units, then a checkpoint (Ctrl-C again: stop now)...")
+                self.finish_running()
+                self.checkpoint_last()
+            except KeyboardInterrupt:  # a second Ctrl-C: stop now, with what is on disk
+                pass
+            except Exception as again:  # noqa: BLE001 -- the first error is the one to report
+                print(f"warning: could not keep the work in progress: {again!r}", file=sys.stderr)
+        return stopped(exc, self.out.path, self.iterations_logged(), self.cfg.train.iterations)
+
+    def iterations_logged(self) -> int:
+        rows = self.ledger.rows
+        return rows[-1]["iteration"] + 1 if rows else self.sched.cfg.start_iteration
+
+    def finish_running(self) -> None:
+        """No new work: wait for the units and side calls in flight (handing the other ranks their
+        share of a collective step one rank has begun), as the driver loop would. A unit that fails
+        now is dropped; the rows it held back are written without it."""
+        self.faults.restarting.clear()
+        self.side = {ref: what for ref, what in self.side.items() if what[0] != "restart"}
+        ranks = [w for w, role in self.role.items() if role != "rollout"]
+
+        def owed_step_shares() -> list[str]:
+            begun = self.open_steps()
+            started = self.step_shares[begun[-1]] if begun else set()
+            busy = {w for w, _ in self.in_flight.values()}
+            return [r for r in ranks if started and r not in started and r not in busy]
+
+        finish_running(self.sched, self, owed_step_shares, lambda: bool(self.in_flight or self.side))
+        for name in {n for waiting in self.ledger.waiting.values() for n in waiting}:
+            self.ledger.finished(name)  # nothing runs any more: what a row still waits for will not come
+
+    def open_steps(self) -> list[tuple[int, int]]:
+        """The optimizer steps (iteration, step) handed out of the iteration not yet published, in order."""
+        return sorted(key for key in self.step_shares if key[0] == self.sched.published_version)
+
+    def checkpoint_last(self) -> None:
+        """Rank 0's checkpoint of the last completed iteration, when it holds exactly that version."""
+        import ray
+
+        done = self.iterations_logged()
+        if self.open_steps():  # mini-batch PPO: rank 0 took a step of an unfinished iteration; keep what is on disk
+            return
+        if checkpoint_to_keep(self.out.path, done, self.sched.published_version):
+            files = ray.get(self.actors[self.rank0].checkpoint.remote(done, self.checkpoint_extra()))
+            save_checkpoint_files(self.out.path, done, files, self.cfg.output.keep_last)
 
     # -- outputs -------------------------------------------------------------------------------
 

@@ -1,0 +1,150 @@
+"""Ctrl-C keeps the work (issue #14): `digenrl train` interrupted mid-run writes a checkpoint of the
+last completed iteration, exits 130 with a last line that says how to resume, and `--resume`
+continues from exactly there: every iteration's metrics row once, the interrupted run's rows as
+they were. Each run is a real subprocess sent a real SIGINT, on the engine (the default config) and
+on the local trainer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+SMALL = ["model.height=16", "model.width=16", "train.prompts_per_iteration=2", "algorithm.group_size=4",
+         "sampling.steps=4", "output.save_samples_every=0"]
+
+
+def train(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": tempfile.mkdtemp(prefix="di", dir="/tmp")}
+    argv = [sys.executable, "-m", "digenrl.cli.app", "train", *args]
+    # SIGINT as a terminal delivers it (a suite started in the background would ignore it: see test_hygiene)
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def checkpoints(run: Path) -> list[int]:
+    return sorted(int(json.loads((c / "state.json").read_text())["iteration"])
+                  for c in (run / "checkpoints").glob("iter-*"))
+
+
+def interrupt_then_resume(run: Path, extra: list[str]) -> None:
+    sets = sum((["--set", s] for s in SMALL + extra), [])
+    proc = train("--run-dir", str(run), "--set", "train.iterations=1000", *sets)  # cannot finish in the test
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None and len(rows(run)) < 2:
+        time.sleep(0.3)
+    assert proc.poll() is None, proc.communicate()[1]
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    before = rows(run)
+    done = len(before)
+    assert 2 <= done < 20  # stopped well before the default periodic checkpoint (output.checkpoint_every: 20)
+    assert [r["iteration"] for r in before] == list(range(done))  # whole rows, in order
+    assert checkpoints(run) == [done]  # the checkpoint of the last completed iteration, written on Ctrl-C
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err
+    assert last == (f"interrupted with {done} of 1000 iterations done; last checkpoint: "
+                    f"{run / 'checkpoints' / f'iter-{done:06d}'} (iteration {done}); "
+                    f"resume with: digenrl train --resume {run}")
+
+    proc = train("--resume", str(run), "--set", f"train.iterations={done + 2}")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert f"resuming from {run / 'checkpoints' / f'iter-{done:06d}'} (iteration {done} of {done + 2})" in out
+    after = rows(run)
+    assert [r["iteration"] for r in after] == list(range(done + 2))  # each iteration exactly once
+    assert after[:done] == before  # the interrupted run's rows are kept as they were
+    assert (run / "final").is_dir()
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_the_engine_keeps_the_last_iteration_and_resumes(tmp_path):
+    """The default config: disaggregated, GAP + TSP + TAG + one-step async, so at the interrupt
+    rank 0 may be mid-iteration with the next iteration's rollouts in flight."""
+    interrupt_then_resume(tmp_path / "run", [])
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_the_local_trainer_keeps_the_last_iteration_and_resumes(tmp_path):
+    interrupt_then_resume(tmp_path / "run", ["placement.mode=local"])
+
+
+@pytest.mark.slow
+def test_a_fatal_error_mid_run_keeps_the_last_iteration(tmp_path):
+    """The reward actor dies for good while scoring iteration 1 (engine.max_restarts: 0): rank 0's
+    state is intact, so the run stops with a checkpoint of iteration 1 (none was due) and says so."""
+    run = tmp_path / "run"
+    sets = SMALL + ["train.iterations=3", "output.checkpoint_every=0", "engine.max_staleness=0",
+                    "engine.max_restarts=0", "reward.service={num_cpus: 0.1}",
+                    "engine.faults=[{worker: reward, unit: rollout-1-0}]"]
+    proc = train("--run-dir", str(run), *sum((["--set", s] for s in sets), []))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: the reward actor died and was not restarted (engine.max_restarts: 0")
+    assert last.endswith(f"last checkpoint: {run / 'checkpoints' / 'iter-000001'} (iteration 1); "
+                         f"resume with: digenrl train --resume {run}")
+    assert [r["iteration"] for r in rows(run)] == [0] and checkpoints(run) == [1]
+
+
+def test_first_ctrl_c_asks_a_second_stops_at_once():
+    """The SIGINT handler both drivers install: the first press is a request (or abandons
+    abandonable work), the second raises at once; the previous handler comes back afterwards."""
+    from digenrl.runpolicy import stop_on_interrupt
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal starts us
+    try:
+        with stop_on_interrupt() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            assert stop.requested and not stop.forced
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+            assert stop.forced
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with stop_on_interrupt() as stop:
+            with pytest.raises(KeyboardInterrupt), stop.abandonable():  # a first press abandons this work
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+            assert stop.requested and not stop.forced
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_the_checkpoint_kept_on_a_stop_is_the_last_logged_iteration(tmp_path):
+    """Only when the trainer holds exactly the version after the last row, something was done and
+    no checkpoint of it exists yet; the last line names the newest checkpoint on disk."""
+    from digenrl.checkpoint import save_checkpoint
+    from digenrl.config import load_config
+    from digenrl.errors import RunInterrupted, RunStopped
+    from digenrl.runpolicy import checkpoint_to_keep, stopped
+
+    assert checkpoint_to_keep(tmp_path, 3, 3)
+    assert not checkpoint_to_keep(tmp_path, 3, 4)  # rank 0 stepped past a row not written: cannot
+    assert not checkpoint_to_keep(tmp_path, 0, 0)  # nothing done
+    exc = stopped(KeyboardInterrupt(), tmp_path, 0, 10)
+    assert isinstance(exc, RunInterrupted)
+    assert str(exc) == "interrupted with 0 of 10 iterations done; no checkpoint was written (0 of 10 iterations done, nothing to resume from)"
+    from digenrl.policy import Policy
+
+    policy = Policy(load_config(None, SMALL))
+    policy.version = 3
+    save_checkpoint(tmp_path, policy, 3)
+    assert not checkpoint_to_keep(tmp_path, 3, 3)  # already there
+    exc = stopped(RunStopped("the reward actor died; the run stopped."), tmp_path, 3, 10)
+    assert str(exc) == (f"the reward actor died; the run stopped; last checkpoint: {tmp_path / 'checkpoints' / 'iter-000003'} "
+                        f"(iteration 3); resume with: digenrl train --resume {tmp_path}")
