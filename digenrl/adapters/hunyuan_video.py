@@ -10,7 +10,7 @@ Mirrors ``diffusers.HunyuanVideoPipeline``:
 - ``encoder_attention_mask`` is required and the transformer only uses its SUM (per-sample valid length),
   so valid tokens must be a left-aligned prefix: checked in :meth:`encode_prompts`.
 - LoRA: ``to_q``/``to_k``/``to_v``/``to_out.0`` also match the token-refiner blocks' self-attention
-  (``context_embedder.token_refiner.*``); accepted, as the reference recipe's names (ALGORITHMS.md) do the
+  (``context_embedder.token_refiner.*``); accepted, as the reference recipe's names (docs/algorithms.md) do the
   same. Single-stream blocks have only ``to_q/k/v`` (their output layer is ``proj_out``).
 """
 
@@ -26,7 +26,7 @@ from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
 
-# values as in diffusers' own HunyuanVideo tests (NOTES.md)
+# values as in diffusers' own HunyuanVideo tests
 TINY_TRANSFORMER = dict(
     in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
     num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,

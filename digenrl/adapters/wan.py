@@ -19,7 +19,7 @@ from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
 
-# values as in diffusers' own Wan tests (NOTES.md), with 4 latent channels
+# values as in diffusers' own Wan tests, with 4 latent channels
 TINY_TRANSFORMER = dict(
     patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
     text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
