@@ -108,8 +108,9 @@ def find_checkpoint(path: Path) -> Path:
                           f"{STATE_FILE})")
 
 
-def read_state(path: Path) -> CheckpointState:
-    """Read and check ``state.json`` and the sizes of the files it lists (a truncated file is refused)."""
+def read_state(path: Path, unchecked: tuple[str, ...] = ()) -> CheckpointState:
+    """Read and check ``state.json`` and the sizes of the files it lists (a truncated file is
+    refused), except those named in ``unchecked`` (files the reader will not open)."""
     path = Path(path)
     try:
         raw = json.loads((path / STATE_FILE).read_text())
@@ -126,6 +127,8 @@ def read_state(path: Path) -> CheckpointState:
     if fmt != FORMAT:
         raise CheckpointError(f"checkpoint: {path} has format {fmt}, this DigenRL reads format {FORMAT}")
     for name, size in state.files.items():
+        if name in unchecked:
+            continue
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint: {path} is corrupt: {name} is missing")
@@ -346,13 +349,14 @@ def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = T
     """
     from digenrl.lora import WeightSyncError
 
-    state = read_state(find_checkpoint(path))
+    loads_optimizer = optimizer and policy.optimizer is not None
+    state = read_state(find_checkpoint(path), unchecked=() if loads_optimizer else ("optimizer.pt",))
     check_compatible(state, policy)
     if state.lora != policy.lora:  # also caught by compat; kept for engine callers that skip it
         raise CheckpointError(f"checkpoint {state.path}: LoRA checkpoint vs full fine-tuning model")
     weights = read_weights(state.path, state.lora)
     opt_state = None
-    if optimizer and policy.optimizer is not None:
+    if loads_optimizer:
         if "optimizer.pt" not in state.files:
             raise CheckpointError(f"checkpoint {state.path} holds no optimizer state (written without an optimizer)")
         opt_state = _torch_load(state.path / "optimizer.pt")

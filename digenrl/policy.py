@@ -43,7 +43,8 @@ class Policy:
         else:
             net.requires_grad_(True)
         self._ref = None
-        if not self.lora and cfg.algorithm.kl_beta > 0:  # full fine-tuning: KL needs a frozen copy
+        if trainable and not self.lora and cfg.algorithm.kl_beta > 0:  # full FT: the KL needs a frozen
+            # copy, on the ranks that train only (a rollout policy never computes the KL)
             self._ref = copy.deepcopy(net).requires_grad_(False)
         if trainable:
             fp32_master(net)  # the optimizer steps fp32 masters; compute stays in model.dtype (autocast)

@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import socket
+from pathlib import Path
 from collections import Counter
 
 from digenrl.config import PoolConfig, RunConfig
@@ -62,15 +63,15 @@ def first_line(exc: Exception) -> str:
 
 @contextlib.contextmanager
 def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
-                resume: dict[str, bytes] | None = None):
+                resume: Path | None = None):
     """Connect (or start Ray), check and reserve the placement, start one actor per worker and
-    wait until every one has built its policy (from the ``resume`` checkpoint's files when given);
+    wait until every one has built its policy (from the ``resume`` checkpoint directory when given: read by path);
     on exit kill them and release everything."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from digenrl.engine.workers import EngineWorker
+    from digenrl.engine.workers import EngineWorker, ResumeFrom, rollout_checkpoint_files
 
     ours = connect(workers, ray_address)
     group, actors, reward_actor = None, {}, None
@@ -87,7 +88,9 @@ def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
 
             reward_actor = start_reward_actor(cfg.reward, max_restarts=cfg.engine.max_restarts,
                                               faults=FaultInjector.from_config(cfg, REWARD_ROW))
-        resume_ref = ray.put(resume) if resume is not None else None
+        resume_from = None
+        if resume is not None:  # rollout workers' fallback copy: never the optimizer state
+            resume_from = ResumeFrom(str(Path(resume).resolve()), ray.put(rollout_checkpoint_files(resume)))
         remote = ray.remote(EngineWorker)
         for i, spec in enumerate(workers):
             b = bundles[i]
@@ -100,7 +103,7 @@ def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
                 # engine re-queues its unit; a trainer rank's death stops the run (worker_died)
                 max_restarts=cfg.engine.max_restarts if spec.role == "rollout" else 0,
                 max_task_retries=0,
-            ).remote(cfg, spec.name, spec.role, reward_actor, resume_ref)
+            ).remote(cfg, spec.name, spec.role, reward_actor, resume_from)
         ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
         if len({r["checksum"] for r in ready.values()}) > 1:
             raise WeightSyncError(f"initial weights differ between workers: {ready}")

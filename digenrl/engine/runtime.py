@@ -77,10 +77,9 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
     check_writable(run_dir or cfg.output.run_dir or default_run_dir(cfg), "output.run_dir")
     if resumed is not None and start == cfg.train.iterations:  # finished already: nothing to do
         return RunResult(Path(run_dir), history)
-    files = {f.name: f.read_bytes() for f in resumed.path.iterdir() if f.is_file()} if resumed else None
     worker_cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
     started = time.time()  # the timeline starts here: Ray and the workers starting up are its first events
-    with _user_errors(), ray_workers(worker_cfg, workers, ray_address, files) as actors:
+    with _user_errors(), ray_workers(worker_cfg, workers, ray_address, resumed and resumed.path) as actors:
         out = RunDir(cfg, run_dir, history=history)
         backend = RayBackend(cfg, scheduler, workers, actors, out, on_iteration, history)
         backend.t0 = started

@@ -12,8 +12,10 @@ rank without TAG); building them draws no random numbers, so skipping it changes
   the reward ObjectRef in its result; the driver waits on it while this worker already
   generates its next unit. Before a unit of a newer version it loads that version's
   published weights, verified (:mod:`digenrl.engine.weight_sync`).
-- role ``trainer``: one rank of the trainer group. Runs :func:`~digenrl.units.train_unit`
-  (accumulating gradients), and on its StepUnit all-reduces the gradients as ONE flat buffer
+- role ``trainer``: one rank of the trainer group. It holds no text encoder and no VAE (the
+  samples carry the prompt embeddings and latents) unless it generates: TAG, or evaluation
+  (:func:`generates`). Runs :func:`~digenrl.units.train_unit`
+  (accumulating gradients), and on its StepUnit all-reduces the gradients in ~25 MiB buckets
   (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, docs/architecture.md) and steps; rank 0 then
   publishes the new weights. With TAG it also rolls out, with its own (newest) weights.
 - role ``both`` (colocated): a trainer rank that also rolls out; the all-reduce keeps every
@@ -29,8 +31,10 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -97,11 +101,33 @@ class _SubmittedReward:
         return torch.full((len(prompts),), float("nan")), {}
 
 
+@dataclass(frozen=True)
+class ResumeFrom:
+    """Where the workers start from: the checkpoint directory, and the driver's copy of the files a
+    rollout worker needs (never ``optimizer.pt``) as an ObjectRef nested here, so Ray resolves it
+    only in a worker that cannot read the directory."""
+
+    path: str
+    rollout_files: Any  # ray.ObjectRef of dict[str, bytes]
+
+
+def rollout_checkpoint_files(path: Path) -> dict[str, bytes]:
+    """The files of a checkpoint a rollout worker loads: all but the optimizer state."""
+    return {f.name: f.read_bytes() for f in Path(path).iterdir() if f.is_file() and f.name != "optimizer.pt"}
+
+
+def generates(cfg, role: str) -> bool:
+    """Whether a worker of ``role`` ever encodes prompts or decodes latents: rollout and colocated
+    workers, a trainer rank with TAG (it rolls out), and trainer ranks when ``output.eval_every``
+    is set (rank 0 evaluates; every rank keeps them, as a rank does not know its rank at build)."""
+    return role != "trainer" or cfg.engine.tag or cfg.output.eval_every > 0
+
+
 class EngineWorker:
     """Plain class; the runtime wraps it with ``ray.remote`` and the pool's resources."""
 
-    def __init__(self, cfg, name: str, role: str, reward_actor=None, resume: dict[str, bytes] | None = None):
-        """``resume``: a checkpoint's files (name -> bytes, from the driver) to start from."""
+    def __init__(self, cfg, name: str, role: str, reward_actor=None, resume: ResumeFrom | None = None):
+        """``resume``: the checkpoint to start from (read by path)."""
         self.cfg, self.name, self.role, self.world = cfg, name, role, 1
         self.faults = FaultInjector.from_config(cfg, name)  # engine.faults: where this process dies
         # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
@@ -114,12 +140,25 @@ class EngineWorker:
         except UserError as exc:
             self.init_error = exc
 
-    def _resume(self, files: dict[str, bytes]) -> None:
-        """Weights, version, RNG states (and, on trainer ranks, optimizer state) of the checkpoint."""
+    def _resume(self, source: ResumeFrom) -> None:
+        """Weights, version, RNG states (and, on trainer ranks, optimizer state) of the checkpoint,
+        read from its directory; a rollout worker never opens ``optimizer.pt``. A rollout worker
+        that cannot see the directory (another node, or restarted after the checkpoint was rotated
+        away) reads the files it needs from the driver's copy in the object store."""
+        path = Path(source.path)
+        trains = self.policy.optimizer is not None
+        if path.is_dir():
+            load_checkpoint(path, self.policy, optimizer=trains)
+            return
+        if trains:
+            raise UserError(f"--resume: {path} is not visible on {self.name}'s node: trainer ranks read the "
+                            "checkpoint directory by path (put the run directory where every node mounts it)")
+        import ray
+
         with tempfile.TemporaryDirectory() as tmp:
-            for fname, data in files.items():
+            for fname, data in ray.get(source.rollout_files).items():
                 (Path(tmp) / fname).write_bytes(data)
-            load_checkpoint(Path(tmp), self.policy, optimizer=self.policy.optimizer is not None)
+            load_checkpoint(Path(tmp), self.policy, optimizer=False)
 
     def _build(self, cfg, reward_actor) -> None:
         if pick_device(cfg.train.device).type == "cpu":
@@ -135,6 +174,8 @@ class EngineWorker:
         else:
             self.reward = None
         self.policy = Policy(cfg, trainable=self.role != "rollout")
+        if not generates(cfg, self.role):  # a lean trainer rank: no text encoder, no VAE
+            self.policy.adapter.release_generation_modules()
         self.expected_keys = frozenset(self.policy.weights())
         if scores and not _restarted():  # dry-run the rewards on this worker's decoded shape (once:
             # a restarted worker was checked at the start, and the reward actor may be restarting too)
@@ -164,24 +205,15 @@ class EngineWorker:
         self.world = world
 
     def _all_reduce_gradients(self) -> None:
-        """Sum the accumulated gradients over the ranks, flattened into one buffer (one per
-        dtype: LoRA trains in fp32 only, a full fine-tune may mix).
-
-        A rank that trained nothing this iteration contributes zeros (its grads are None)."""
+        """Sum the accumulated gradients over the ranks in DDP-style buckets
+        (:func:`~digenrl.distributed.grad_sync.all_reduce_gradients`: ~25 MiB each, packed while the
+        previous one is in flight; never a flat copy of every gradient). A rank that trained nothing
+        this iteration contributes zeros (its grads are None)."""
         if self.world == 1:
             return
-        import torch.distributed as dist
+        from digenrl.distributed import grad_sync
 
-        by_dtype: dict[torch.dtype, list] = {}
-        for p in self.policy.params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for params in by_dtype.values():
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-            dist.all_reduce(flat)
-            offset = 0
-            for p in params:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+        grad_sync.all_reduce_gradients(self.policy.params)
 
     # -- units ---------------------------------------------------------------------------
 
