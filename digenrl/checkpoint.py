@@ -230,6 +230,22 @@ def save_checkpoint(run_dir: Path, policy, iteration: int, cfg=None, keep_last: 
                              keep_last)
 
 
+def optimizer_state(policy) -> dict:
+    """``policy.optimizer.state_dict()``; for an FSDP2-sharded policy the full state gathered (a
+    collective) into the same format, indexed by trained parameter, so any trainer count loads it."""
+    from digenrl.distributed.fsdp import is_sharded
+
+    net = policy.adapter.transformer
+    if not is_sharded(net):
+        return policy.optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(net, policy.optimizer, options=StateDictOptions(full_state_dict=True))
+    index = {name: i for i, name in enumerate(n for n, p in net.named_parameters() if p.requires_grad)}
+    return {"state": {index[name]: s for name, s in full["state"].items()},
+            "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in full["param_groups"]]}
+
+
 def write_checkpoint(directory: Path, policy, iteration: int, cfg=None, extra: dict | None = None) -> None:
     """The checkpoint's files into an existing (empty) ``directory``; ``state.json`` last."""
     cfg = cfg or policy.cfg
@@ -243,7 +259,7 @@ def write_checkpoint(directory: Path, policy, iteration: int, cfg=None, extra: d
 
         save_file(policy.weights(), tmp / FULL_FILE)
     if policy.optimizer is not None:
-        torch.save(policy.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(optimizer_state(policy), tmp / "optimizer.pt")
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "config.yaml").write_text(cfg.dump_yaml())
     files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.name != STATE_FILE}

@@ -16,7 +16,7 @@ from digenrl.config import RunConfig
 from digenrl.distributed.checkpointing import checkpoint_blocks
 from digenrl.distributed.precision import fp32_master
 from digenrl.distributed.settings import check_fsdp_wired, resolve_activation_checkpointing
-from digenrl.lora import apply_lora, checksum, load_lora_state_dict, lora_state_dict
+from digenrl.lora import apply_lora, checksum, full_tensor, load_lora_state_dict, lora_state_dict
 from digenrl.errors import UserError
 
 
@@ -33,7 +33,7 @@ def pick_device(name: str) -> torch.device:
 class Policy:
     def __init__(self, cfg: RunConfig, device: torch.device | str | None = None, trainable: bool = True):
         self.cfg = cfg
-        check_fsdp_wired(cfg.train)
+        check_fsdp_wired(cfg)
         self.device = torch.device(device) if device is not None else pick_device(cfg.train.device)
         self.adapter = build_adapter(cfg.model, cfg.sampling, self.device)
         net = self.adapter.transformer
@@ -93,7 +93,7 @@ class Policy:
         """What a weight sync ships: LoRA tensors only with LoRA, all weights otherwise."""
         if self.lora:
             return lora_state_dict(self.adapter.transformer)
-        return {k: v.detach().cpu().clone() for k, v in self.adapter.transformer.state_dict().items()}
+        return {k: full_tensor(v).detach().cpu().clone() for k, v in self.adapter.transformer.state_dict().items()}
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int, expected_checksum: str | None = None):
         if self.lora:

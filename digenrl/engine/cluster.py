@@ -107,7 +107,7 @@ def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
         ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
         if len({r["checksum"] for r in ready.values()}) > 1:
             raise WeightSyncError(f"initial weights differ between workers: {ready}")
-        form_trainer_group(workers, actors, ready)
+        form_trainer_group(workers, actors, ready, sharded=bool(followers(cfg, workers)))
         yield {**actors, REWARD_ROW: reward_actor} if reward_actor is not None else actors
     finally:
         if head_problem() is None:  # with the head gone, every call below would wait a minute for it
@@ -132,7 +132,7 @@ def head_problem() -> str | None:
         return getattr(exc, "strerror", None) or str(exc)
 
 
-def form_trainer_group(workers: list[Worker], actors: dict, ready: dict) -> None:
+def form_trainer_group(workers: list[Worker], actors: dict, ready: dict, sharded: bool = False) -> None:
     """The trainer ranks (roles trainer / both) form one torch.distributed group."""
     import ray
 
@@ -142,6 +142,17 @@ def form_trainer_group(workers: list[Worker], actors: dict, ready: dict) -> None
     backend = "nccl" if all(ready[r]["device"].startswith("cuda") for r in ranks) else "gloo"
     address, port = ray.get(actors[ranks[0]].rendezvous_address.remote())
     ray.get([actors[r].join_group.remote(address, port, i, len(ranks), backend) for i, r in enumerate(ranks)])
+    if sharded:  # rank 0 leads the others through every call
+        ray.get(actors[ranks[0]].lead.remote([actors[r] for r in ranks[1:]]))
+
+
+def followers(cfg: RunConfig, workers: list[Worker]) -> list[str]:
+    """The trainer ranks after rank 0 when they shard with FSDP2 (``train.fsdp``): they run every
+    call of rank 0 with it, and the scheduler does not see them."""
+    from digenrl.distributed.settings import resolve_fsdp
+
+    ranks = [w.name for w in workers if w.role != "rollout"]
+    return ranks[1:] if ranks and resolve_fsdp(cfg.train, len(ranks)) > 1 else []
 
 
 def connect(workers: list[Worker], ray_address: str | None) -> bool:

@@ -28,7 +28,8 @@ from typing import Callable
 
 from digenrl.checkpoint import find_checkpoint, read_state
 from digenrl.config import RunConfig
-from digenrl.engine.cluster import REWARD_ROW, actor_died, num_restarts, ray_workers
+from digenrl.distributed.settings import check_fsdp_wired
+from digenrl.engine.cluster import REWARD_ROW, actor_died, followers, num_restarts, ray_workers
 from digenrl.engine.driver import Done, Event, Released, Scored, drive
 from digenrl.engine.ledger import IterationLedger
 from digenrl.engine.recovery import FaultPolicy
@@ -71,7 +72,13 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
         raise UserError(f"--resume: the checkpoint has {start} iterations done, more than train.iterations "
                         f"({cfg.train.iterations})")
     workers = engine_workers(cfg)
-    scheduler = Scheduler(engine_scheduler_config(cfg, start), workers)
+    if resumed is not None and isinstance(cfg.train.fsdp, int) and cfg.train.fsdp > 1:
+        raise UserError(f"train.fsdp: {cfg.train.fsdp}: resuming sharded trainer ranks is not wired yet; resume "
+                        "with train.fsdp: off (the checkpoint holds the full weights and optimizer state)")
+    check_fsdp_wired(cfg)
+    hidden = set(followers(cfg, workers))  # sharded trainer ranks > 0 follow rank 0
+    scheduled = [w for w in workers if w.name not in hidden]
+    scheduler = Scheduler(engine_scheduler_config(cfg, start), scheduled)
     preflight(cfg, resumed)
     run_dir, history = resume_history(resumed, run_dir)
     check_writable(run_dir or cfg.output.run_dir or default_run_dir(cfg), "output.run_dir")
@@ -85,7 +92,7 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
         backend.t0 = started
         try:
             backend.begin()
-            drive(scheduler, [w.name for w in workers], backend)
+            drive(scheduler, [w.name for w in scheduled], backend)
             backend.drain()  # the last eval / checkpoint
             write_final(out.path, backend.final_files())
         finally:

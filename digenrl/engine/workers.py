@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from digenrl.checkpoint import checkpoint_files, load_checkpoint
+from digenrl.distributed.settings import resolve_fsdp
 from digenrl.engine import weight_sync
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.errors import UserError
@@ -116,6 +117,29 @@ def rollout_checkpoint_files(path: Path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in Path(path).iterdir() if f.is_file() and f.name != "optimizer.pt"}
 
 
+def rank_slice(samples: Samples, rank: int, world: int) -> Samples:
+    """Rank ``rank``'s equal share of a unit's samples (consecutive rows) for a sharded group."""
+    import dataclasses
+
+    n = len(samples)
+    if n % world:
+        raise RuntimeError(f"{n} samples do not split evenly over {world} FSDP ranks")
+    rows = torch.arange(rank * n // world, (rank + 1) * n // world)
+    return dataclasses.replace(
+        samples, prompts=[samples.prompts[i] for i in rows.tolist()], cond=samples.cond.select(rows),
+        latents=samples.latents[rows], log_probs=samples.log_probs[rows], train_idx=samples.train_idx[rows],
+        rewards=samples.rewards[rows], reward_parts={k: v[rows] for k, v in samples.reward_parts.items()},
+        advantages=samples.advantages[rows])
+
+
+def combine_rank_stats(parts: list[dict]) -> dict:
+    """One unit's stats from its ranks' shares (sums add; extremes combine)."""
+    if len(parts) == 1:
+        return parts[0]
+    pick = {"ratio_max": max, "is_max": max, "ratio_min": min}
+    return {k: pick.get(k, sum)(p[k] for p in parts) for k in parts[0]}
+
+
 def generates(cfg, role: str) -> bool:
     """Whether a worker of ``role`` ever encodes prompts or decodes latents: rollout and colocated
     workers, a trainer rank with TAG (it rolls out), and trainer ranks when ``output.eval_every``
@@ -129,6 +153,7 @@ class EngineWorker:
     def __init__(self, cfg, name: str, role: str, reward_actor=None, resume: ResumeFrom | None = None):
         """``resume``: the checkpoint to start from (read by path)."""
         self.cfg, self.name, self.role, self.world = cfg, name, role, 1
+        self.rank, self.sharded, self.followers = 0, False, []  # train.fsdp: the group's other ranks (on rank 0)
         self.faults = FaultInjector.from_config(cfg, name)  # engine.faults: where this process dies
         # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
         # and raise it from ready(), where Ray hands the driver the exception itself.
@@ -184,7 +209,10 @@ class EngineWorker:
     def ready(self) -> dict:
         if self.init_error is not None:
             raise self.init_error
-        return {"checksum": checksum(self.policy.weights()), "device": str(self.policy.device),
+        others = self._fan_out("ready")
+        weights = self.policy.weights()  # on a sharded group, a gather every rank joins
+        self._gather(others)
+        return {"checksum": checksum(weights), "device": str(self.policy.device),
                 "pid": os.getpid(), "version": self.policy.version}
 
     # -- trainer group -------------------------------------------------------------------
@@ -202,7 +230,30 @@ class EngineWorker:
 
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=30))
-        self.world = world
+        self.world, self.rank = world, rank
+        if resolve_fsdp(self.cfg.train, world) > 1:  # FSDP2 over all trainer ranks (settings.check_fsdp_wired)
+            from digenrl.distributed import fsdp
+
+            # activation checkpointing, if on, is already applied by Policy
+            fsdp.shard_policy(self.policy, fsdp.trainer_mesh(world, self.policy.device.type))
+            self.sharded = True
+
+    def lead(self, followers: list) -> None:
+        """Rank 0 of a sharded group: it runs every unit and side call on the other ranks too
+        (same call, same collectives), so the scheduler sees the group as this one worker."""
+        self.followers = list(followers)
+
+    def _fan_out(self, method: str, *args) -> list:
+        """Start ``method(*args)`` on the other ranks of a sharded group; returns their refs."""
+        return [getattr(f, method).remote(*args) for f in self.followers]
+
+    @staticmethod
+    def _gather(refs: list) -> list:
+        if not refs:
+            return []
+        import ray
+
+        return ray.get(refs)
 
     def _all_reduce_gradients(self) -> None:
         """Sum the accumulated gradients over the ranks in DDP-style buckets
@@ -276,8 +327,11 @@ class EngineWorker:
                 unit.iteration, unit.groups, unit.sample_version):
             raise RuntimeError(f"{unit.uid}: received samples of another unit")
         samples.advantages = advantages
+        others = self._fan_out("train", unit, samples, advantages, total_terms)
         start = time.time()
-        stats = train_unit(self.policy, samples, total_terms, unit.tsp_rank, unit.tsp_degree)
+        mine = rank_slice(samples, self.rank, self.world) if self.sharded else samples
+        stats = train_unit(self.policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree)
+        stats = combine_rank_stats([stats] + [r["stats"] for r in self._gather(others)])
         self.faults.reached(unit.uid)
         end = time.time()
         event = unit_event("train", unit, start, end, self.policy.version, sample_versions=[samples.version],
@@ -286,28 +340,43 @@ class EngineWorker:
 
     def step(self, unit: StepUnit, publish: bool) -> dict:
         """All-reduce, one optimizer step (-> version k+1), and on rank 0 the weight publish."""
+        others = self._fan_out("step", unit, publish)
         start = time.time()
-        self._all_reduce_gradients()
+        if not self.sharded:  # FSDP2 reduce-scattered the gradients in backward
+            self._all_reduce_gradients()
         grad_norm = self.policy.optimizer_step()
         if self.policy.version != unit.version:
             raise RuntimeError(f"{self.name}: stepped to version {self.policy.version}, expected {unit.version}")
         events, packet = [], None
-        if publish:
+        if publish and self.rank > 0:  # a sharded rank > 0: its part of the gather, nothing shipped
+            self.policy.weights()
+        elif publish:
             packet, sync = weight_sync.publish(self.policy)
             events.append(sync)
         digest = checksum(self.policy.weights()) if self.policy.lora else None  # ranks must agree
+        self._gather(others)
         events.insert(0, unit_event("step", unit, start, time.time(), unit.version - 1, publishes=unit.version))
         return {"grad_norm": grad_norm, "packet": packet, "checksum": digest, "events": events}
 
     # -- results -------------------------------------------------------------------------
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return self.policy.weights()
+        others = self._fan_out("weights")
+        state = self.policy.weights()
+        self._gather(others)
+        return state
 
     def publish(self) -> weight_sync.WeightPacket:
         """The weights this worker holds as a packet (the driver keeps the starting version's, for
         a re-queued unit of that version on a rollout worker that has moved on)."""
-        return weight_sync.publish(self.policy)[0]
+        others = self._fan_out("publish")
+        packet = None
+        if self.rank > 0:  # a sharded rank > 0: its part of the gather
+            self.policy.weights()
+        else:
+            packet = weight_sync.publish(self.policy)[0]
+        self._gather(others)
+        return packet
 
     def checkpoint(self, iteration: int, extra: dict) -> dict[str, bytes]:
         """This rank's checkpoint after ``iteration`` iterations, as file bytes for the driver.
@@ -315,7 +384,10 @@ class EngineWorker:
         its calls in order), so it holds exactly version ``iteration`` and no partial gradient."""
         if self.policy.version != iteration:
             raise RuntimeError(f"{self.name}: checkpoint of iteration {iteration} asked at version {self.policy.version}")
-        return checkpoint_files(self.policy, iteration, self.cfg, extra)
+        others = self._fan_out("checkpoint", iteration, extra)
+        files = checkpoint_files(self.policy, iteration, self.cfg, extra)  # gathers shards on every rank
+        self._gather(others)
+        return files
 
     def evaluate(self) -> dict[str, float]:
         """``eval/<reward>`` of the current weights (ODE, fixed seeds), as LocalTrainer.evaluate."""
@@ -328,4 +400,7 @@ class EngineWorker:
     def export_final(self) -> dict[str, bytes]:
         """``final/``'s files (:func:`~digenrl.runpolicy.final_files`), as bytes for the driver, which
         writes them wherever its run directory is (possibly another node)."""
-        return final_files(self.policy)
+        others = self._fan_out("export_final")
+        files = final_files(self.policy)  # gathers shards on every rank
+        self._gather(others)
+        return files
