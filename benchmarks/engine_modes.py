@@ -1,7 +1,8 @@
 """Throughput of every engine mode on the same hardware, beside the bound of DESIGN.md §4.
 
     python benchmarks/engine_modes.py [--iterations 7] [--repeats 1] [--pick best|median]
-                                      [--workload balanced|flow_grpo|all] [--modes colocated,sync,...] [--json FILE]
+                                      [--workload balanced|flow_grpo|few_groups|all] [--modes colocated,sync,...]
+                                      [--json FILE]
 
 One local Ray cluster with 1 rollout + 1 trainer logical device (each actor one torch thread:
 the fair split of a 2-core machine); colocated runs 2 "both" workers on the same 2 devices.
@@ -14,7 +15,10 @@ iteration and r, t the device counts: colocated (R+T)/(r+t); disaggregated witho
 max(R/r, T/t); with TAG max(T/t, (R+T)/(r+t)). Efficiency = bound / measured iteration time.
 Workloads: "balanced" tunes the trained-timestep fraction so that training costs about what
 rollout costs; "flow_grpo" is the default Flow-GRPO setting (fraction 0.99: 7 of 8 steps trained,
-training 2-3x rollout).
+training 2-3x rollout). "few_groups" (not part of "all") has fewer groups than rollout devices: 1 group
+of 16 samples per iteration on 2 rollout + 1 trainer devices (GAP, no TAG, on-policy), its modes
+"whole_groups" (the group is one unit: one rollout device idles) and "sub_groups"
+(engine.unit_samples=8: each rollout device generates half the group), run side by side.
 Not a test: timings are reported, never asserted.
 """
 
@@ -39,6 +43,10 @@ WORKLOADS = {
     "balanced": SIZE + ["algorithm.timesteps.fraction=0.5"],  # 4 of 8 steps trained: T ~ R
     "flow_grpo": SIZE + ["algorithm.timesteps.fraction=0.99"],  # 7 of 8 steps trained: T ~ 3R
 }
+FEW_GROUPS = ["model.height=48", "model.width=48", "sampling.steps=8", "algorithm.group_size=16",
+              "train.prompts_per_iteration=1", "engine.unit_groups=1", "algorithm.timesteps.fraction=0.5",
+              "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"]
+DEVICES = {"few_groups": (2, 1)}  # (rollout, trainer) devices; the other workloads 1 + 1
 DISAGG = ["placement.mode=disaggregated", "engine.max_staleness=0"]
 MODES = {
     # every knob explicit (DISAGG pins max_staleness 0): the default config turns all of them on
@@ -51,6 +59,12 @@ MODES = {
     "full": ["placement.mode=disaggregated", "engine.gap=true", "engine.tag=true", "engine.tsp_degree=2",
              "engine.max_staleness=1"],
 }
+FEW_GROUP_MODES = {
+    "whole_groups": DISAGG + ["engine.gap=true", "engine.tag=false", "engine.tsp_degree=1"],
+    "sub_groups": DISAGG + ["engine.gap=true", "engine.tag=false", "engine.tsp_degree=1", "engine.unit_samples=8"],
+}
+WORKLOADS["few_groups"] = FEW_GROUPS
+MODES_OF = {"few_groups": FEW_GROUP_MODES}  # the other workloads: MODES
 
 
 def bound(mode_cfg, R: float, T: float, r: int, t: int) -> float:
@@ -66,14 +80,15 @@ def run_mode(workload: str, mode: str, iterations: int, root: Path) -> dict:
     from digenrl.engine.runtime import run_engine
     from digenrl.engine.timeline import Timeline
 
-    cfg = load_config(None, WORKLOADS[workload] + MODES[mode] + [f"train.iterations={iterations}"])
+    cfg = load_config(None, WORKLOADS[workload] + MODES_OF.get(workload, MODES)[mode] + [f"train.iterations={iterations}"])
     started = time.perf_counter()
     result = run_engine(cfg, run_dir=root / f"{workload}-{mode}")
     total = time.perf_counter() - started
     tl = Timeline.from_chrome_trace(result.run_dir / "timeline.json")
     s = tl.summary(skip=1, tail=1)  # steady state: iteration 0 warms up, the last one drains
     R, T = s["rollout_device_s"], s["train_device_s"]
-    b = bound(cfg, R, T, r=1, t=1)  # colocated: the same 2 devices, r + t = 2
+    r, t = DEVICES.get(workload, (1, 1))
+    b = bound(cfg, R, T, r=r, t=t)  # colocated: the same 2 devices, r + t = 2
     return {
         "mode": mode,
         "samples_per_s": s["samples_per_s"],
@@ -102,13 +117,14 @@ def table(title: str, rows: list[dict]):
 
     by = {r["mode"]: r for r in rows}
     tab = Table(title=title)
-    for col in ("mode", "samples/s", "vs colocated", "vs sync", "bubble", "sync s/iter", "iter s",
+    for col in ("mode", "samples/s", "vs colocated", "vs sync (few_groups: vs whole_groups)", "bubble", "sync s/iter", "iter s",
                 "R dev-s", "T dev-s", "bound s", "efficiency"):
         tab.add_column(col, justify="right" if col != "mode" else "left")
     for r in rows:
         ratio = lambda ref: (f"{r['samples_per_s'] / by[ref]['samples_per_s']:.2f}x"  # noqa: E731
                              if ref in by else "-")
-        tab.add_row(r["mode"], f"{r['samples_per_s']:.1f}", ratio("colocated"), ratio("sync"),
+        tab.add_row(r["mode"], f"{r['samples_per_s']:.1f}", ratio("colocated"), ratio("sync") if "sync" in by
+                    else ratio("whole_groups"),
                     f"{r['bubble_fraction']:.1%}", f"{r['sync_s'] * 1e3:.1f} ms", f"{r['iteration_s']:.3f}",
                     f"{r['R_device_s']:.3f}", f"{r['T_device_s']:.3f}", f"{r['bound_s']:.3f}",
                     f"{r['efficiency']:.2f}")
@@ -119,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=7, help="per mode; the first and last are not measured")
     parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
+    parser.add_argument("--modes", default=None, help="comma-separated subset (default: every mode of the workload)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode, in round robin")
     parser.add_argument("--pick", choices=["best", "median"], default="best",
                         help="which run of the repeats to report (best: least disturbed by other load)")
@@ -130,14 +146,22 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     console = Console(width=170)
-    workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
-    modes = [m for m in args.modes.split(",") if m]
-    ray.init(num_cpus=os.cpu_count(), resources={"pool:rollout": 1, "pool:trainer": 1}, include_dashboard=False,
+    workloads = [w for w in WORKLOADS if w != "few_groups"] if args.workload == "all" else [args.workload]
+    modes_of = {}
+    for workload in workloads:
+        known = MODES_OF.get(workload, MODES)
+        modes_of[workload] = [m for m in (args.modes.split(",") if args.modes else known) if m]
+        if unknown := [m for m in modes_of[workload] if m not in known]:
+            print(f"error: --modes: {', '.join(unknown)} not a mode of workload {workload} ({', '.join(known)})",
+                  file=sys.stderr)
+            return 2
+    ray.init(num_cpus=os.cpu_count(), resources={"pool:rollout": 2, "pool:trainer": 1}, include_dashboard=False,
              logging_level="WARNING", log_to_driver=False)
     results: dict[str, list[dict]] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for workload in workloads:
+                modes = modes_of[workload]
                 runs: dict[str, list[dict]] = {m: [] for m in modes}
                 for rep in range(args.repeats):  # round robin: background load drifts, modes share it
                     for mode in modes:
@@ -145,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                         runs[mode].append(run_mode(workload, mode, args.iterations, Path(tmp) / str(rep)))
                 rows = results[workload] = [pick_run(runs[m], args.pick) for m in modes]
                 load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-                console.print(table(f"engine modes - {workload} workload (1 rollout + 1 trainer device, "
+                r, t = DEVICES.get(workload, (1, 1))
+                console.print(table(f"engine modes - {workload} workload ({r} rollout + {t} trainer device(s), "
                                     f"{os.cpu_count()} CPU cores, {args.pick} of {args.repeats}, load average {load})",
                                     rows))
     finally:

@@ -285,6 +285,10 @@ class FaultConfig(_Section):
 
 class EngineConfig(_Section):
     unit_groups: int = Field(1, gt=0, description="GAP unit size: prompt groups per rollout unit")
+    unit_samples: int | None = Field(None, gt=0, description=(
+        "sub-group units: samples per rollout unit, a divisor of algorithm.group_size (a unit holds part of "
+        "one group; the group trains once all its parts are scored). Unset: engine.unit_groups whole groups "
+        "per unit, except colocated, where groups are split automatically when they are fewer than the devices"))
     gap: bool = True
     tsp_degree: int = Field(2, gt=0, le=MAX_STEPS, description="TSP: trained timesteps split over this many ranks")
     tag: bool = True
@@ -339,6 +343,12 @@ class RunConfig(_Section):
                 f"engine.unit_groups ({self.engine.unit_groups}) must divide train.prompts_per_iteration "
                 f"({self.train.prompts_per_iteration}) into whole groups per unit"
             )
+        s, G = self.engine.unit_samples, self.algorithm.group_size
+        if s is not None and G % s:
+            raise ValueError(f"engine.unit_samples ({s}) must divide algorithm.group_size ({G})")
+        if s is not None and self.engine.unit_groups != 1:
+            raise ValueError(f"engine.unit_samples ({s}) needs engine.unit_groups 1 (a unit holds part of one "
+                             f"group), got {self.engine.unit_groups}")
         self._algorithm_defaults()
         if self.placement.mode != "local":
             names = [p.name for p in self.cluster.pools]

@@ -48,12 +48,20 @@ class Plan:
     gap: bool = True
     max_staleness: int = 0
     micro_batch: int | None = None  # None: the config's
+    group_parts: int = 1  # sub-group units: rollout units per group (1: unit_groups whole groups per unit)
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.placement == "disaggregated" and (len(self.pools) != 2 or self.pools[0].name == self.pools[1].name):
             raise ValueError("a disaggregated plan has two pools of different names: (rollout, trainer)")
+        if self.group_parts > 1 and self.unit_groups != 1:
+            raise ValueError("a plan of sub-group units (group_parts > 1) has unit_groups 1")
+
+    @property
+    def unit_size(self) -> float:
+        """Prompt groups per rollout unit (a fraction for sub-group units)."""
+        return self.unit_groups / self.group_parts
 
     # -- roles and workers ---------------------------------------------------------------
 
@@ -84,7 +92,8 @@ class Plan:
         return SchedulerConfig(placement=self.placement, groups_per_iteration=groups_per_iteration,
                                unit_groups=self.unit_groups, tsp_degree=self.tsp_degree, tag=self.tag, gap=self.gap,
                                max_staleness=self.max_staleness, iterations=iterations,
-                               wait_for_full_batch=wait_for_full_batch, start_iteration=start_iteration)
+                               wait_for_full_batch=wait_for_full_batch, start_iteration=start_iteration,
+                               group_parts=self.group_parts)
 
     # -- labels ----------------------------------------------------------------------------
 
@@ -99,7 +108,7 @@ class Plan:
         return f"R {r.count}x{r.device} / T {t.count}x{t.device}"
 
     def knobs(self) -> str:
-        k = [f"m={self.unit_groups}"]
+        k = [f"m=1/{self.group_parts}" if self.group_parts > 1 else f"m={self.unit_groups}"]
         if self.placement == "disaggregated":
             k.append("GAP" if self.gap else "no GAP")
         if self.tsp_degree > 1:
@@ -131,13 +140,31 @@ class Plan:
                 raise UserError("placement: disaggregated needs placement.rollout_pool and placement.trainer_pool "
                                 f"to be different pools (both are '{rollout.name}')")
             chosen = (rollout, trainer)
-        return cls(mode, chosen, e.unit_groups, e.tsp_degree, e.tag, e.gap, e.max_staleness, cfg.train.micro_batch)
+        G = cfg.algorithm.group_size
+        m, parts = e.unit_groups, G // e.unit_samples if e.unit_samples else 1
+        if mode == "colocated" and e.unit_samples is None:
+            m, parts = spread_units(cfg.train.prompts_per_iteration, m, G, sum(p.count for p in chosen))
+        return cls(mode, chosen, m, e.tsp_degree, e.tag, e.gap, e.max_staleness, cfg.train.micro_batch, parts)
 
     def typed(self) -> Plan:
         """This plan with every pool's device as a known type's canonical name (what the cost model
         looks up); a pool of 'gpu' / 'cuda' (any GPU) cannot be simulated."""
         return Plan(self.placement, tuple(p.model_copy(update={"device": device_type(p)}) for p in self.pools),
-                    self.unit_groups, self.tsp_degree, self.tag, self.gap, self.max_staleness, self.micro_batch)
+                    self.unit_groups, self.tsp_degree, self.tag, self.gap, self.max_staleness, self.micro_batch,
+                    self.group_parts)
+
+
+def spread_units(groups: int, unit_groups: int, group_size: int, devices: int) -> tuple[int, int]:
+    """(unit_groups, group_parts) that give each of ``devices`` devices a rollout unit when the
+    configured ``unit_groups`` would leave some idle: smaller units of whole groups while there are
+    enough groups, else parts of groups (the fewest parts, a divisor of ``group_size``, that cover
+    every device; at most one sample per unit). Unchanged when the units already cover the devices."""
+    if groups // unit_groups >= devices:
+        return unit_groups, 1
+    if groups >= devices:
+        return max(m for m in range(1, unit_groups + 1) if groups % m == 0 and groups // m >= devices), 1
+    parts = next((d for d in range(1, group_size + 1) if group_size % d == 0 and groups * d >= devices), group_size)
+    return 1, parts
 
 
 def device_type(pool: PoolConfig) -> str:
@@ -180,7 +207,9 @@ def apply_plan(cfg: RunConfig, plan: Plan, device: str) -> RunConfig:
     data["cluster"] = {"pools": [p.model_dump(mode="json") for p in plan.pools]}
     data["placement"] = {"mode": plan.placement, "rollout_pool": plan.pools[0].name,
                          "trainer_pool": plan.pools[-1].name}
+    G = data["algorithm"]["group_size"]
     data["engine"] = {**data["engine"], "unit_groups": plan.unit_groups, "gap": plan.gap,
+                      "unit_samples": G // plan.group_parts if plan.group_parts > 1 else None,
                       "tsp_degree": plan.tsp_degree, "tag": plan.tag, "max_staleness": plan.max_staleness}
     if plan.micro_batch is not None:
         data["train"] = {**data["train"], "micro_batch": plan.micro_batch}

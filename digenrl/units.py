@@ -1,12 +1,13 @@
 """The two units of work (docs/architecture.md), as plain functions any driver can call.
 
-- :func:`rollout_unit`: m whole prompt groups, generated with ONE policy version from the first
-  denoising step to the reward.
+- :func:`rollout_unit`: m whole prompt groups, or a part of one group (samples lo..hi-1 of it),
+  generated with ONE policy version from the first denoising step to the reward.
 - :func:`train_unit`: a set of rolled-out samples x a subset of their trained timesteps; it only
   accumulates gradients (the driver calls ``Policy.optimizer_step`` once per iteration).
 
 Randomness is drawn per prompt group from a seed of (run seed, iteration, group id), so a sample
-is the same whichever unit, worker or batch it is generated in.
+is the same whichever unit, worker or batch it is generated in: a part of a group draws the whole
+group's noise from the group's stream and keeps its own samples' share.
 """
 
 from __future__ import annotations
@@ -27,14 +28,19 @@ def stream_seed(*parts) -> int:
 
 
 class GroupRNG:
-    """One torch.Generator per prompt group; draws the batch's noise as a concatenation of groups."""
+    """One torch.Generator per prompt group; draws the batch's noise as a concatenation of groups.
 
-    def __init__(self, seeds: list[int], group_size: int):
+    ``samples``: the samples [lo, hi) of each group the batch holds (a sub-group unit); every draw
+    still takes all ``group_size`` samples' noise from the group's stream, so sample i gets the same
+    noise whichever part of the group it is generated in."""
+
+    def __init__(self, seeds: list[int], group_size: int, samples: tuple[int, int] | None = None):
         self.gens = [torch.Generator().manual_seed(s) for s in seeds]
         self.g = group_size
+        self.lo, self.hi = samples or (0, group_size)
 
     def __call__(self, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.cat([torch.randn((self.g, *shape[1:]), generator=gen) for gen in self.gens])
+        return torch.cat([torch.randn((self.g, *shape[1:]), generator=gen)[self.lo : self.hi] for gen in self.gens])
 
 
 @dataclass
@@ -63,26 +69,32 @@ class Samples:
 
 @torch.no_grad()
 def rollout_unit(policy, reward_fn, prompts: list[Prompt], group_ids: list[int], iteration: int,
-                 seed: int) -> Samples:
-    """Generate G samples for each prompt with the policy's current weights, decode and score them."""
+                 seed: int, samples: tuple[int, int] | None = None) -> Samples:
+    """Generate G samples for each prompt with the policy's current weights, decode and score them;
+    ``samples = (lo, hi)``: only samples lo..hi-1 of each group (a sub-group unit), the same ones a
+    whole-group unit generates."""
     cfg, ad = policy.cfg, policy.adapter
     G, n_steps = cfg.algorithm.group_size, cfg.sampling.steps
-    rng = GroupRNG([stream_seed(seed, iteration, gid) for gid in group_ids], G)
-    cond = ad.encode_prompts([p.text for p in prompts]).repeat_interleave(G)
-    noise = rng((len(prompts) * G, *ad.latent_shape()))
+    lo, hi = samples or (0, G)
+    if not 0 <= lo < hi <= G:
+        raise ValueError(f"samples {samples} is not a range of 0..{G}")
+    n = hi - lo  # samples per group in this unit
+    rng = GroupRNG([stream_seed(seed, iteration, gid) for gid in group_ids], G, (lo, hi))
+    cond = ad.encode_prompts([p.text for p in prompts]).repeat_interleave(n)
+    noise = rng((len(prompts) * n, *ad.latent_shape()))
     sigmas = ad.sigmas(n_steps)
-    sde_mask, train_idx = _timestep_selection(cfg, iteration, seed, group_ids)
+    sde_mask, train_idx = _timestep_selection(cfg, iteration, seed, group_ids, (lo, hi))
     traj = sample(ad, cond.to(ad.device), noise.to(ad.device), sigmas, cfg.sampling.sde, cfg.sampling.noise_level,
                   rng, sde_mask)
     pixels = ad.decode(traj.latents[:, -1])
-    texts = [p.text for p in prompts for _ in range(G)]
-    metas = [p.meta for p in prompts for _ in range(G)]
+    texts = [p.text for p in prompts for _ in range(n)]
+    metas = [p.meta for p in prompts for _ in range(n)]
     total, parts = reward_fn(pixels, texts, metas)
     return Samples(
         iteration=iteration, version=policy.version, group_ids=list(group_ids), prompts=texts,
         cond=cond.to("cpu"), latents=traj.latents.cpu(), log_probs=traj.log_probs.cpu(), sigmas=sigmas.cpu(),
         sde_mask=sde_mask, train_idx=train_idx, rewards=total, reward_parts=parts,
-        preview=(pixels[::G].clamp(0, 1) * 255).round().to(torch.uint8).cpu(),
+        preview=(pixels[::n].clamp(0, 1) * 255).round().to(torch.uint8).cpu(),
     )
 
 
@@ -95,9 +107,11 @@ def preflight_reward(reward_fn, adapter, prompts: list[Prompt]) -> dict[str, flo
     return reward_fn.check([p.text for p in head], shape, [p.meta for p in head])
 
 
-def _timestep_selection(cfg, iteration: int, seed: int, group_ids: list[int]):
-    """SDE steps (shared by the whole iteration) and trained steps per sample (per group's own seed)."""
+def _timestep_selection(cfg, iteration: int, seed: int, group_ids: list[int], samples: tuple[int, int]):
+    """SDE steps (shared by the whole iteration) and trained steps per sample (per group's own seed),
+    for samples [lo, hi) of each group."""
     ts, n_steps, G = cfg.algorithm.timesteps, cfg.sampling.steps, cfg.algorithm.group_size
+    lo, hi = samples
 
     def select(n, *stream):
         gen = torch.Generator().manual_seed(stream_seed(seed, iteration, *stream))
@@ -107,8 +121,8 @@ def _timestep_selection(cfg, iteration: int, seed: int, group_ids: list[int]):
 
     sde_mask, _ = select(1, "window")
     if ts.mode == "random":
-        return sde_mask, torch.cat([select(G, gid, "t")[1] for gid in group_ids])
-    return sde_mask, select(len(group_ids) * G, "window")[1]
+        return sde_mask, torch.cat([select(G, gid, "t")[1][lo:hi] for gid in group_ids])
+    return sde_mask, select(len(group_ids) * (hi - lo), "window")[1]  # the same row for every sample
 
 
 def assign_advantages(batches: list[Samples], cfg) -> None:

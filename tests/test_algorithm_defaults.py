@@ -46,14 +46,14 @@ def test_window_steps_of_a_run_stay_inside_the_range():
     assert cfg.algorithm.timesteps.window_range == (0.0, 0.5)
     starts = set()
     for it in range(40):
-        mask, idx = _timestep_selection(cfg, it, 0, [0, 1])
+        mask, idx = _timestep_selection(cfg, it, 0, [0, 1], (0, 8))
         assert mask.sum() == 2 and mask.nonzero().max() <= 4 and (idx == mask.nonzero().squeeze(1)).all()
         starts.add(int(idx[0, 0]))
     assert starts == {0, 1, 2, 3}
     late = load_config(None, ["algorithm.timesteps.mode=window", "sampling.steps=10",
                               "algorithm.timesteps.window_range=[0.5, 1.0]"])
     for it in range(20):
-        mask, _ = _timestep_selection(late, it, 0, [0])
+        mask, _ = _timestep_selection(late, it, 0, [0], (0, 8))
         assert mask.nonzero().min() >= 5 and mask.nonzero().max() <= 8  # never the last step
 
 

@@ -46,6 +46,11 @@ MODES = {
     # async also scores through the reward actor: TAG trainer ranks release rollout units too
     "async": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "engine.max_staleness=1",
                                       "reward.service={num_cpus: 0.1}"],
+    # sub-group units (G/2 samples each) scored by the reward actor: a group trains once both halves are in
+    "sub_groups": DISAGG + ["engine.unit_samples=2", "engine.tag=true", "reward.service={num_cpus: 0.1}",
+                            "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"],
+    # colocated with global std, sub-group units on 2 devices x ... : every device gets half a group
+    "colocated_sub_groups": ["placement.mode=colocated", "algorithm.std=global", "engine.unit_samples=2"],
 }
 
 
@@ -102,14 +107,19 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
 
     tl = Timeline.from_chrome_trace(tmp_path / "timeline.json")
     rollouts, trains = tl.of("rollout"), tl.of("train")
-    # every group of every iteration generated once, by one version within the staleness bound
+    # every group (each of its `parts` parts) of every iteration generated once, by one version within
+    # the staleness bound
+    parts = cfg.algorithm.group_size // (e.unit_samples or cfg.algorithm.group_size)
+    assert all(r.args["samples"] == cfg.algorithm.group_size // parts * len(r.args["groups"]) for r in rollouts)
     assert Counter((r.iteration, g) for r in rollouts for g in r.args["groups"]) == Counter(
-        {(k, g): 1 for k in range(n_iter) for g in range(n_groups)})
+        {(k, g): parts for k in range(n_iter) for g in range(n_groups)})
     assert all(r.iteration - stale <= r.version <= r.iteration for r in rollouts)
     # ... and trained exactly once per TSP rank, from samples of ONE version at most `stale` old
     assert Counter((t.iteration, g, t.args["tsp_rank"]) for t in trains for g in t.args["groups"]) == Counter(
-        {(k, g, r): 1 for k in range(n_iter) for g in range(n_groups) for r in range(degree)})
+        {(k, g, r): parts for k in range(n_iter) for g in range(n_groups) for r in range(degree)})
     made_by = {(r.iteration, tuple(r.args["groups"])): r.version for r in rollouts}
+    assert all(made_by[(r.iteration, tuple(r.args["groups"]))] == r.version for r in rollouts), \
+        "a group's parts generated with different versions"
     for t in trains:
         assert len(t.sample_versions) == 1 and t.version == t.iteration
         assert 0 <= t.version - t.sample_versions[0] <= stale
@@ -387,3 +397,60 @@ def test_resource_bundles_for_gpu_pools():
     cpu = engine_workers(load_config(None, BASE + DISAGG))
     shares = resource_bundles(cpu, {"CPU": 2, "pool:rollout": 1, "pool:trainer": 1}, reserve={"CPU": 1})
     assert sum(b["CPU"] for b in shares) <= 1 and shares[0]["pool:rollout"] == 1
+
+
+# -- sub-group units: the same samples, advantages only over whole groups -------------------------
+
+def test_a_part_of_a_group_generates_the_whole_group_units_samples():
+    """Samples lo..hi-1 of a group generated as a sub-group unit are the ones a whole-group unit
+    generates (same noise, SDE draws, trained steps, rewards), for DanceGRPO's per-sample random steps too."""
+    from digenrl.policy import Policy
+    from digenrl.prompts import PromptSampler, load_prompts
+    from digenrl.rewards import build_reward
+    from digenrl.units import rollout_unit
+
+    cfg = load_config(None, BASE + ["algorithm.timesteps.mode=random", "algorithm.timesteps.fraction=0.6"])
+    torch.manual_seed(cfg.train.seed)
+    prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed).for_iteration(1, 2)
+    reward, policy = build_reward(cfg.reward), Policy(cfg)
+    whole = rollout_unit(policy, reward, prompts[1:2], [1], 1, cfg.train.seed)
+    halves = [rollout_unit(policy, reward, prompts[1:2], [1], 1, cfg.train.seed, (lo, lo + 2)) for lo in (0, 2)]
+    assert [len(h) for h in halves] == [2, 2] and halves[1].prompts == whole.prompts[2:]
+    for name in ("latents", "log_probs", "train_idx", "rewards"):
+        joined = torch.cat([getattr(h, name) for h in halves])
+        torch.testing.assert_close(joined, getattr(whole, name), atol=1e-5, rtol=0)  # batch size 2 vs 4
+    assert not torch.equal(halves[0].train_idx, halves[1].train_idx)  # per-sample steps, not one row copied
+
+
+def test_advantages_wait_for_every_part_of_a_group(tmp_path):
+    """The ledger (no Ray): a group's advantages exist only once all its parts are scored; asking for a
+    part's earlier raises; then they equal the whole group's advantages, split in part order."""
+    from digenrl.algorithms.grpo import group_advantages
+    from digenrl.engine.ledger import IterationLedger
+    from digenrl.engine.scheduler import Scheduler
+    from digenrl.placement import engine_scheduler_config, engine_workers
+
+    cfg = load_config(None, BASE + DISAGG + ["engine.unit_samples=2", "engine.tag=false"])
+    sched_cfg = engine_scheduler_config(cfg)
+    assert sched_cfg.group_parts == 2 and sched_cfg.units_per_iteration == 4
+    sched = Scheduler(sched_cfg, engine_workers(cfg))
+    ledger = IterationLedger(cfg, sched_cfg, Timeline(), out=None)
+    first = sched.next_unit("rollout0")
+    sched.complete(first)
+    second = sched.next_unit("rollout0")
+    assert (first.groups, first.part, second.groups, second.part) == ((0,), 0, (0,), 1)
+    rewards = torch.tensor([0.1, 0.9, 0.4, 0.3])
+    summary = {"terms": 6, "prompts": ["p"] * 2, "group_ids": [0], "preview": None}
+    ledger.rolled_out(second, {**summary, "rewards": rewards[2:], "reward_parts": {"r": rewards[2:]}})
+    assert sched.next_unit("trainer0") is None  # the scheduler holds the half group back too
+    early = TrainUnit("train-0-1-0", 0, second.uid, (0,), 0, 0, 1, 0)
+    with pytest.raises(RuntimeError, match="before every part"):
+        ledger.advantages(early)
+    ledger.rolled_out(first, {**summary, "rewards": rewards[:2], "reward_parts": {"r": rewards[:2]}})
+    sched.complete(second)
+    expected = group_advantages(rewards, 4, cfg.algorithm.std, cfg.algorithm.adv_clip, ddof=cfg.algorithm.std_ddof)
+    got = torch.cat([ledger.batches[u.uid].advantages for u in (first, second)])
+    torch.testing.assert_close(got, expected)
+    (whole,) = ledger.iteration_batches(0)
+    assert len(whole) == 4 and whole.group_ids == [0]
+    assert sched.next_unit("trainer0").rollout_uid == first.uid  # the whole group trains now, part 0 first

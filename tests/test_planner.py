@@ -441,3 +441,80 @@ def test_plan_timeline_that_is_a_file_exits_2(monkeypatch, capsys, tmp_path):
     code, out, err = cli_main(monkeypatch, capsys, "plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"),
                              "--timeline", str(tmp_path / "f"))
     assert code == 2 and "--timeline" in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- sub-group units and baselines
+
+
+class ProportionalCost(ConstantCost):
+    """Unit times proportional to the groups a unit holds (a half group takes half the time)."""
+
+    def rollout_unit(self, device, groups):
+        return self.r * groups, 0.0
+
+    def train_unit(self, device, groups, tsp_rank, tsp_degree, setup=None):
+        return self.t * groups
+
+
+def test_spread_units_gives_every_device_a_unit():
+    from digenrl.placement import spread_units
+
+    assert spread_units(32, 4, 16, 16) == (2, 1)  # enough groups: smaller units of whole groups
+    assert spread_units(8, 1, 16, 2) == (1, 1)  # already covered: unchanged
+    assert spread_units(4, 1, 24, 16) == (1, 4)  # HunyuanVideo's 4 x 24 on 16 devices: quarter groups
+    assert spread_units(4, 2, 24, 32) == (1, 8)
+    assert spread_units(1, 1, 4, 16) == (1, 4)  # at most one sample per unit
+
+
+def test_colocated_plan_of_a_run_config_splits_groups_fewer_than_devices(tiny_cfg):
+    pools = "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 2}]"
+    cfg = tiny_cfg("placement.mode=colocated", "engine.max_staleness=0", "train.prompts_per_iteration=1",
+                   "algorithm.group_size=8", pools)
+    plan = Plan.from_run_config(cfg)
+    assert (plan.unit_groups, plan.group_parts) == (1, 4) and plan.scheduler_config(1, 1).units_per_iteration == 4
+    pinned = Plan.from_run_config(tiny_cfg("placement.mode=colocated", "train.prompts_per_iteration=1",
+                                           "algorithm.group_size=8", "engine.unit_samples=8", pools))
+    assert pinned.group_parts == 1  # an explicit engine.unit_samples is kept
+    disagg_plan = Plan.from_run_config(tiny_cfg("train.prompts_per_iteration=1", "algorithm.group_size=8", pools))
+    assert disagg_plan.group_parts == 1  # only colocated spreads by itself
+
+
+def test_sub_group_units_keep_every_colocated_device_busy(tiny_cfg):
+    """One group on 4 colocated devices: whole-group units leave 3 idle (r + t + s per iteration), quarter
+    groups spread it (r/4 + t/4 + s), and every device rolls out."""
+    cost = ProportionalCost(tiny_cfg("train.prompts_per_iteration=1", "algorithm.group_size=8"), 1.0, 0.5, 0.1)
+    devices = (pool("g", "H100", 4),)
+    whole = simulate(Plan("colocated", devices, 1), cost, iterations=3)
+    split = simulate(Plan("colocated", devices, 1, group_parts=4), cost, iterations=3)
+    assert whole.iteration_s == pytest.approx(1.0 + 0.5 + 0.1)
+    assert split.iteration_s == pytest.approx(0.25 + 0.125 + 0.1)
+    assert {e.worker for e in split.timeline.of("rollout")} == {"g0", "g1", "g2", "g3"}
+    assert split.timeline.iteration_stats()[1]["samples"] == whole.timeline.iteration_stats()[1]["samples"] == 8
+
+
+def test_baselines_include_spread_colocation_and_separate_async():
+    """HunyuanVideo's 4 prompts x 24 on 16 H800s: the colocated baseline spreads samples over all 16 devices
+    and beats the earlier whole-group baseline; separate_async is disaggregated one-step-off without GAP,
+    TSP or TAG."""
+    from digenrl.planner.search import baselines
+
+    cfg = load_config(ROOT / "configs" / "hunyuan_video.yaml")
+    cluster = load_cluster(CLUSTERS / "16xH800.yaml")
+    peers = baselines(CostModel(Workload.from_config(cfg), cluster), cluster)
+    col, whole, sep = peers["colocated"], peers["colocated_whole_groups"], peers["separate_async"]
+    assert col.plan.group_parts > 1 and whole.plan.group_parts == 1
+    assert col.samples_per_s > whole.samples_per_s
+    assert {e.worker for e in col.timeline.of("rollout")} == {w.name for w in col.plan.workers()}
+    p = sep.plan
+    assert (p.placement, p.gap, p.tsp_degree, p.tag, p.max_staleness) == ("disaggregated", False, 1, False, 1)
+
+
+def test_plan_report_lists_the_baselines(monkeypatch, capsys):
+    code, out, err = cli_main(monkeypatch, capsys, "plan", "-c", str(ROOT / "configs" / "hunyuan_video.yaml"),
+                              "--cluster", str(CLUSTERS / "16xH800.yaml"), "--top", "1", "--json")
+    assert code in (0, None), err
+    report = json.loads(out)
+    assert set(report["baselines"]) == {"colocated", "colocated_whole_groups", "separate_async"}
+    best = report["plans"][0]["samples_per_s"]
+    for row in report["baselines"].values():
+        assert row["best_speedup"] == pytest.approx(best / row["samples_per_s"]) and row["best_speedup"] >= 1 - 1e-9

@@ -71,8 +71,9 @@ class VirtualTime:
         sched, cfg = self.sched, self.cfg
         if isinstance(unit, RolloutUnit):
             assert unit.version == sched.worker_version(worker)
+            # older: a re-queued unit, or a later part of a group pinned to its first part's version
             assert unit.version == sched.published_version or (self.roles[worker] == "rollout"
-                                                                and self.dies is not None)
+                                                                and (self.dies is not None or unit.parts > 1))
             assert unit.version >= unit.iteration - cfg.max_staleness
         elif isinstance(unit, TrainUnit):
             assert sched.published_version == unit.iteration == sched.worker_version(worker)
@@ -141,24 +142,40 @@ def check_invariants(
         mine = sorted((e for e in events if e.worker == name), key=lambda e: e.start)
         assert all(a.end <= b.start for a, b in itertools.pairwise(mine))
 
-    # Every group of every iteration rolled out exactly once, in (iteration, index) order.
-    rolled = Counter((e.unit.iteration, g) for e in rollouts for g in e.unit.groups)
-    assert rolled == Counter({(k, g): 1 for k in range(first, n_iter) for g in range(n_groups)})
+    # Every group (every part of it) of every iteration rolled out exactly once, in (iteration, index) order.
+    parts = cfg.group_parts
+    rolled = Counter((e.unit.iteration, g, e.unit.part) for e in rollouts for g in e.unit.groups)
+    assert rolled == Counter({(k, g, p): 1 for k in range(first, n_iter) for g in range(n_groups) for p in range(parts)})
     handed = [(u.iteration, u.index) for _, u in sched.record if isinstance(u, RolloutUnit)]
     first_hand_out = list(dict.fromkeys(handed))  # a re-queued unit is handed out again later
     assert first_hand_out == sorted(first_hand_out)
     for e in rollouts:
         u = e.unit
-        assert u.groups == tuple(range(u.index * m, (u.index + 1) * m))
+        if parts == 1:
+            assert u.groups == tuple(range(u.index * m, (u.index + 1) * m)) and u.part == 0
+        else:
+            assert (u.groups, u.part, u.parts) == ((u.index // parts,), u.index % parts, parts)
         assert u.iteration - stale <= u.version <= u.iteration
         if roles[e.worker] == "trainer":
             assert cfg.tag, "a trainer rolled out without TAG"
 
+    # A group's parts are generated with one version; its train units start only once all its parts
+    # are scored (advantages are relative to the whole group).
+    group_parts: dict[tuple[int, int], list[Event]] = {}
+    for e in rollouts:
+        for g in e.unit.groups:
+            group_parts.setdefault((e.unit.iteration, g), []).append(e)
+    assert all(len({e.unit.version for e in es}) == 1 for es in group_parts.values())
+    for e in trains:
+        assert all(e.start >= max(p.ready for p in group_parts[(e.unit.iteration, g)]) for g in e.unit.groups)
+
     # ... and trained exactly once per TSP rank, from samples at most max_staleness old.
-    trained = Counter((e.unit.iteration, g, e.unit.tsp_rank) for e in trains for g in e.unit.groups)
-    expected = {(k, g, r): 1 for k in range(first, n_iter) for g in range(n_groups) for r in range(degree)}
-    assert trained == Counter(expected)
     source = {e.unit.uid: e for e in rollouts}
+    trained = Counter((e.unit.iteration, g, source[e.unit.rollout_uid].unit.part, e.unit.tsp_rank)
+                      for e in trains for g in e.unit.groups)
+    expected = {(k, g, p, r): 1 for k in range(first, n_iter) for g in range(n_groups) for p in range(parts)
+                for r in range(degree)}
+    assert trained == Counter(expected)
     for e in trains:
         u, src = e.unit, source[e.unit.rollout_uid]
         assert roles[e.worker] != "rollout"
@@ -258,11 +275,15 @@ def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[WorkerSpec]]:
         workers = pools(n_rollout, draw(st.integers(1, 4)))
         tag = tag or n_rollout == 0  # trainers must be able to roll out
         stale = draw(st.integers(0, 1))
-    m = draw(st.integers(1, 3))
+    parts = draw(st.sampled_from([1, 1, 2, 4]))  # sub-group units: a unit holds 1/parts of one group
+    m = 1 if parts > 1 else draw(st.integers(1, 3))
+    if parts > 1 and placement == "disaggregated" and not any(w.role == "rollout" for w in workers):
+        stale = 0  # a later part may need an older version than any trainer rank holds
     cfg = SchedulerConfig(
         placement=placement,
         groups_per_iteration=m * draw(st.integers(1, 4)),
         unit_groups=m,
+        group_parts=parts,
         tsp_degree=draw(st.integers(1, 3)),
         tag=tag,
         gap=draw(st.booleans()),
@@ -390,6 +411,47 @@ def test_trainer_prefers_training_over_tag_rollout():
     sched.complete(sched.record[1][1])
     unit = sched.next_unit("t0")
     assert isinstance(unit, TrainUnit) and unit.rollout_uid == "rollout-0-0"
+
+
+def test_a_half_group_trains_nothing_and_a_late_half_keeps_the_groups_version():
+    """One-step async, 2 parts per group: no train unit while only half of a group is in; the second
+    half of iteration 1's group, handed out after step 0 published version 1, keeps version 0 (its
+    first half's)."""
+    sched = Scheduler(disagg(groups_per_iteration=1, group_parts=2, max_staleness=1, iterations=2), pools(1, 1))
+    first = sched.next_unit("r0")
+    sched.complete(first)
+    assert sched.next_unit("t0") is None  # half of group 0 is not a group: nothing to train yet
+    second = sched.next_unit("r0")
+    assert [(u.part, u.version) for u in (first, second)] == [(0, 0), (1, 0)]
+    sched.complete(second)
+    trains = []
+    for _ in range(2):
+        trains.append(sched.next_unit("t0"))
+        sched.complete(trains[-1])
+    assert [t.rollout_uid for t in trains] == ["rollout-0-0", "rollout-0-1"]
+    ahead = sched.next_unit("r0")  # async: iteration 1's first half, with version 0
+    assert (ahead.uid, ahead.version) == ("rollout-1-0", 0)
+    sched.complete(sched.next_unit("t0"))  # the step: version 1
+    assert sched.published_version == 1
+    sched.complete(ahead)
+    late = sched.next_unit("r0")
+    assert (late.uid, late.part, late.version) == ("rollout-1-1", 1, 0)
+
+
+def test_a_tag_trainer_takes_no_part_pinned_to_an_older_version():
+    sched = Scheduler(disagg(groups_per_iteration=1, group_parts=2, tag=True, max_staleness=1, iterations=2),
+                      pools(1, 1))
+    for unit in [sched.next_unit("r0"), sched.next_unit("t0")]:  # iteration 0's halves, TAG takes one
+        sched.complete(unit)
+    ahead = sched.next_unit("r0")
+    assert (ahead.uid, ahead.version) == ("rollout-1-0", 0)
+    for _ in range(3):  # two train units and the step
+        sched.complete(sched.next_unit("t0"))
+    assert sched.published_version == 1
+    assert sched.next_unit("t0") is None  # rollout-1-1 needs version 0; the trainer holds 1
+    sched.complete(ahead)
+    late = sched.next_unit("r0")
+    assert (late.uid, late.version) == ("rollout-1-1", 0)
 
 
 def test_tsp_spreads_one_unit_over_the_ranks():
@@ -522,6 +584,8 @@ def test_driver_misuse_raises():
         ({"placement": "hybrid"}, "placement"),
         ({"iterations": 2, "start_iteration": 3}, "start_iteration"),
         ({"start_iteration": -1}, "start_iteration"),
+        ({"group_parts": 2, "unit_groups": 2}, "unit_groups must be 1"),
+        ({"group_parts": 0}, "group_parts"),
     ],
 )
 def test_bad_config_names_the_field(kw, field):
@@ -535,6 +599,7 @@ def test_bad_config_names_the_field(kw, field):
         (disagg(), pools(0, 1)),  # nobody can roll out
         (disagg(), pools(2, 0)),  # nobody trains
         (disagg(tag=True), [WorkerSpec("d0", "both")]),
+        (disagg(tag=True, group_parts=2, max_staleness=1), pools(0, 1)),  # a later part may need older weights
         (SchedulerConfig("colocated", 4, 1), pools(1, 1)),
         (disagg(), []),
         (disagg(), [WorkerSpec("a", "rollout"), WorkerSpec("a", "trainer")]),

@@ -19,6 +19,7 @@ def run_plan_command(cfg: RunConfig, cluster_path: Path | None, profile_path: Pa
     from digenrl.planner.costmodel import CostModel, Workload
     from digenrl.planner.gpus import cluster_from_run_config, load_cluster
     from digenrl.planner.profile import load_profile
+    from digenrl.planner.search import baselines
     from digenrl.planner.search import ladder as knob_ladder
     from digenrl.planner.search import search
 
@@ -43,7 +44,8 @@ def run_plan_command(cfg: RunConfig, cluster_path: Path | None, profile_path: Pa
                         wait_for_full_batch=cfg.algorithm.std == "global")
         steps = (knob_ladder(cost, cluster, iterations, wait_for_full_batch=cfg.algorithm.std == "global")
                  if ladder else [])
-    report = plan_report(result, cost, cluster, top, steps)
+        peers = baselines(cost, cluster, iterations, wait_for_full_batch=cfg.algorithm.std == "global")
+    report = plan_report(result, cost, cluster, top, steps, peers)
     if json_out:
         print(json.dumps(report, indent=2, default=str))
     else:
@@ -96,7 +98,8 @@ def plan_row(r, result, rank: int | None = None) -> dict:
         "placement": r.plan.placement,
         "pools": [{**p.model_dump(mode="json"), "role": r.plan.role(p)} for p in r.plan.pools],
         "engine": {"unit_groups": r.plan.unit_groups, "gap": r.plan.gap, "tsp_degree": r.plan.tsp_degree,
-                   "tag": r.plan.tag, "max_staleness": r.plan.max_staleness},
+                   "tag": r.plan.tag, "max_staleness": r.plan.max_staleness,
+                   "group_parts": r.plan.group_parts},  # > 1: sub-group units (engine.unit_samples = G / parts)
         "micro_batch": micro,
         "samples_per_s": r.samples_per_s,
         "iteration_s": r.iteration_s,
@@ -109,7 +112,7 @@ def plan_row(r, result, rank: int | None = None) -> dict:
     }
 
 
-def plan_report(result, cost, cluster, top: int, steps=()) -> dict:
+def plan_report(result, cost, cluster, top: int, steps=(), peers: dict | None = None) -> dict:
     rows = [plan_row(r, result, i + 1) for i, r in enumerate(result.ranked[:top])]
     sources = {d: cost.times(d).source for d in cluster.devices}
     return {
@@ -121,6 +124,9 @@ def plan_report(result, cost, cluster, top: int, steps=()) -> dict:
         "search": {"candidates": result.candidates, "simulated": result.simulated,
                    "rejected_by_memory": len(result.rejected), "seconds": result.seconds},
         "best_colocated": plan_row(result.best_colocated, result) if result.best_colocated else None,
+        # the peers' arrangements, each its best plan (search.BASELINES); speedup of the best plan over each
+        "baselines": {name: ({**plan_row(r, result), "best_speedup": result.ranked[0].samples_per_s / r.samples_per_s}
+                             if r is not None and r.samples_per_s else None) for name, r in (peers or {}).items()},
         "plans": rows,
         "ladder": ladder_rows(steps, result),
     }
@@ -161,9 +167,16 @@ def plan_table(report: dict) -> Table:
     for row in report["plans"]:
         add(row, str(row["rank"]))
     col = report["best_colocated"]
-    if col is not None and all(r["plan"] != col["plan"] for r in report["plans"]):
+    if not report.get("baselines") and col is not None and all(r["plan"] != col["plan"] for r in report["plans"]):
         t.add_section()
         add(col, "col.")
+    if report.get("baselines"):
+        t.add_section()
+        for name, row in report["baselines"].items():
+            if row is None:
+                t.add_row(name, "no plan fits", "", "", "", "", "", "", "")
+            else:
+                add(row, name)
     return t
 
 
@@ -186,7 +199,15 @@ def ladder_table(report: dict) -> Table:
 
 def report_notes(report: dict) -> list[str]:
     s, cm = report["search"], report["cost_model"]
-    lines = ["eff. = throughput bound (docs/architecture.md) / predicted iteration time; vs col. = speedup over the best colocated plan"]
+    lines = ["eff. = throughput bound (docs/architecture.md) / predicted iteration time; vs col. = speedup over the best "
+             "colocated plan (sub-group units allowed)"]
+    if report.get("baselines"):
+        lines.append("baselines (the peers' arrangements, each its best plan): colocated = samples spread over every "
+                     "device (veRL-Omni); colocated_whole_groups = units of whole groups only (this planner's earlier "
+                     "baseline); separate_async = disaggregated one-step-off async without GAP, TSP or TAG "
+                     "(veRL-Omni's separate_async, MM-GRPO). The best plan is "
+                     + ", ".join(f"{row['best_speedup']:.2f}x {name}" for name, row in report["baselines"].items()
+                                 if row is not None))
     lines += [f"searched {s['candidates']} placements: {s['rejected_by_memory']} do not fit in memory, "
              f"{s['simulated']} simulated ({s['seconds']:.1f} s); times from "
              + "; ".join(f"{d}: {src}" for d, src in cm["times"].items())]

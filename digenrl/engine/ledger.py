@@ -5,8 +5,10 @@ ledger puts what they leave behind back into iterations:
 
 - **advantages**: a rollout unit's rewards become group advantages as soon as it is scored (per
   prompt std), or once every unit of its iteration is (global std: the scheduler holds training
-  back until then, ``wait_for_full_batch``). Only the driver sees every reward, so they are
-  computed here.
+  back until then, ``wait_for_full_batch``). Sub-group units: a group's parts are first joined,
+  in part order, once every part is scored; advantages are never computed on a partial group
+  (:meth:`IterationLedger.advantages` raises if asked for one). Only the driver sees every
+  reward, so they are computed here.
 - **metrics rows**: iteration k's row is written once its optimizer step is done and every unit
   that was running during its span has finished too (so the bubble counts their busy time), with
   its eval when one was asked for;
@@ -48,6 +50,13 @@ class RewardBatch:
     def __len__(self) -> int:
         return len(self.rewards)
 
+    @classmethod
+    def join(cls, parts: list[RewardBatch]) -> RewardBatch:
+        """One group from its parts, in part order (the preview is part 0's: the group's first sample)."""
+        keys = parts[0].reward_parts
+        return cls(torch.cat([p.rewards for p in parts]), {k: torch.cat([p.reward_parts[k] for p in parts]) for k in keys},
+                   [t for p in parts for t in p.prompts], list(parts[0].group_ids), parts[0].preview)
+
 
 class IterationLedger:
     def __init__(self, cfg: RunConfig, sched_cfg: SchedulerConfig, timeline: Timeline, out,
@@ -60,6 +69,12 @@ class IterationLedger:
         self.policy = RunPolicy(cfg)
         self.rows: list[dict] = list(history or [])
         self.batches: dict[str, RewardBatch] = {}  # rollout uid -> rewards / advantages
+        # iteration -> key -> a batch of whole groups: the unit's own (key: unit index), or a group
+        # joined from its parts (key: group id; ``members`` its parts' batches)
+        self.whole: dict[int, dict[int, RewardBatch]] = defaultdict(dict)
+        self.members: dict[int, list[RewardBatch]] = {}  # id(joined batch) -> its parts, in order
+        self.parts_in: dict[tuple[int, int], dict[int, RewardBatch]] = {}  # (iteration, group) -> part -> batch
+        self.wholes_per_iteration = sched_cfg.groups_per_iteration // sched_cfg.unit_groups
         self.unit_uids: dict[int, dict[int, str]] = defaultdict(dict)  # iteration -> index -> rollout uid
         self.total_terms: dict[int, int] = {}  # iteration -> (sample, trained step) terms
         self.reward_calls: dict[int, list[dict]] = defaultdict(list)  # iteration -> reward calls (latency)
@@ -73,7 +88,7 @@ class IterationLedger:
     # -- what units leave behind -------------------------------------------------------------
 
     def rolled_out(self, unit: RolloutUnit, summary: dict) -> None:
-        """A rollout unit is scored: keep its rewards; its advantages as soon as they can be known."""
+        """A rollout unit is scored: keep its rewards; its group's advantages as soon as they can be known."""
         k, per_iteration = unit.iteration, self.units_per_iteration
         self.reward_calls[k] += summary.get("reward_calls", [])
         batch = self.batches[unit.uid] = RewardBatch(summary["rewards"], summary["reward_parts"], summary["prompts"],
@@ -82,16 +97,51 @@ class IterationLedger:
         terms = summary["terms"] * per_iteration  # every unit of an iteration has the same size
         if self.total_terms.setdefault(k, terms) != terms:
             raise RuntimeError(f"{unit.uid}: units of iteration {k} differ in size")
+        whole = self._whole_groups(unit, batch)
+        if whole is None:  # a part of a group whose other parts are not all scored yet
+            return
         if self.cfg.algorithm.std == "global":
-            mine = self.iteration_batches(k)
-            if len(mine) == per_iteration:  # the scheduler holds training back until now
-                assign_advantages(mine, self.cfg)
+            if len(self.whole[k]) == self.wholes_per_iteration:  # the scheduler holds training back until now
+                self._assign(self.iteration_batches(k))
         else:
-            assign_advantages([batch], self.cfg)
+            self._assign([whole])
+
+    def _whole_groups(self, unit: RolloutUnit, batch: RewardBatch) -> RewardBatch | None:
+        """The batch of whole groups ``unit`` completes: its own, or (a part) its group joined from all
+        its parts once the last one is in; None while parts are missing."""
+        k = unit.iteration
+        if unit.parts == 1:
+            self.whole[k][unit.index] = batch
+            return batch
+        (g,) = unit.groups
+        parts = self.parts_in.setdefault((k, g), {})
+        if unit.part in parts or g in self.whole[k]:
+            raise RuntimeError(f"{unit.uid}: part {unit.part} of group {g} scored twice")
+        parts[unit.part] = batch
+        if len(parts) < unit.parts:
+            return None
+        del self.parts_in[(k, g)]
+        joined = self.whole[k][g] = RewardBatch.join([parts[p] for p in range(unit.parts)])
+        self.members[id(joined)] = [parts[p] for p in range(unit.parts)]
+        return joined
+
+    def _assign(self, wholes: list[RewardBatch]) -> None:
+        """Advantages over whole groups; a joined group's are split back to its parts."""
+        for b in wholes:
+            if len(b) % self.cfg.algorithm.group_size:
+                raise RuntimeError(f"advantages asked over a partial group ({len(b)} samples, group "
+                                   f"{b.group_ids}, G = {self.cfg.algorithm.group_size})")
+        assign_advantages(wholes, self.cfg)
+        for b in wholes:
+            members = self.members.pop(id(b), None)
+            if members:
+                for part, adv in zip(members, b.advantages.split([len(m) for m in members])):
+                    part.advantages = adv
 
     def advantages(self, unit: TrainUnit) -> torch.Tensor:
         adv = self.batches[unit.rollout_uid].advantages
-        assert adv is not None, "train unit handed out before its advantages exist"
+        if adv is None:
+            raise RuntimeError(f"{unit.uid}: advantages asked before every part of its groups is scored")
         return adv
 
     def trained(self, unit: TrainUnit, stats: dict) -> None:
@@ -104,9 +154,9 @@ class IterationLedger:
         self.grad_norm[k] = grad_norm
 
     def iteration_batches(self, k: int) -> list[RewardBatch]:
-        """The iteration's rolled-out batches in group order (as the LocalTrainer sees them)."""
-        uids = self.unit_uids[k]
-        return [self.batches[uids[j]] for j in sorted(uids)]
+        """The iteration's rolled-out batches of whole groups in group order (as the LocalTrainer sees them)."""
+        mine = self.whole[k]
+        return [mine[j] for j in sorted(mine)]
 
     # -- metrics rows, eval and checkpoints, in order ----------------------------------------
 
@@ -159,4 +209,5 @@ class IterationLedger:
             save_iteration_samples(self.out.path, k, batches)
         for uid in self.unit_uids.pop(k).values():
             del self.batches[uid]
+        del self.whole[k]
         return row

@@ -23,6 +23,10 @@ Knobs (see the table in docs/architecture.md):
   timestep residue class, so the last unit of an iteration is spread over several ranks.
 - tag: an idle trainer rank takes a pending rollout unit (it holds the newest weights).
 - max_staleness 1: rollout of iteration k+1 may start with version k while k trains.
+- group_parts P > 1 (sub-group units): a rollout unit holds 1/P of one group's samples. The
+  group's parts are all generated with the version its first part was handed out with (a
+  re-queued part keeps it); the group's train units appear only once every part is complete,
+  since advantages are relative to the whole group.
 """
 
 from __future__ import annotations
@@ -55,13 +59,14 @@ class SchedulerConfig:
     iterations: int = 1
     wait_for_full_batch: bool = False  # train units wait for the whole iteration's rollout
     start_iteration: int = 0  # resume: iterations already done (the published version to start from)
+    group_parts: int = 1  # rollout units per group: 1 = whole groups (unit_groups each), P > 1 = 1/P of one group
 
     def __post_init__(self) -> None:
         if self.placement not in ("colocated", "disaggregated"):
             raise ValueError(
                 f"placement must be 'colocated' or 'disaggregated', got {self.placement!r}"
             )
-        for name in ("groups_per_iteration", "unit_groups", "tsp_degree", "iterations"):
+        for name in ("groups_per_iteration", "unit_groups", "tsp_degree", "iterations", "group_parts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -70,6 +75,9 @@ class SchedulerConfig:
                 f"unit_groups ({self.unit_groups}) must divide "
                 f"groups_per_iteration ({self.groups_per_iteration})"
             )
+        if self.group_parts > 1 and self.unit_groups != 1:
+            raise ValueError(f"unit_groups must be 1 with group_parts {self.group_parts} (a unit holds part of "
+                             f"one group), got {self.unit_groups}")
         if isinstance(self.start_iteration, bool) or not 0 <= self.start_iteration <= self.iterations:
             raise ValueError(f"start_iteration must be in 0..iterations ({self.iterations}), "
                              f"got {self.start_iteration!r}")
@@ -83,7 +91,7 @@ class SchedulerConfig:
 
     @property
     def units_per_iteration(self) -> int:
-        return self.groups_per_iteration // self.unit_groups
+        return self.groups_per_iteration // self.unit_groups * self.group_parts
 
     @property
     def barrier(self) -> bool:
@@ -97,7 +105,14 @@ class RolloutUnit:
     iteration: int
     index: int  # position within the iteration
     groups: tuple[int, ...]  # global group ids within the iteration
-    version: int  # policy version to generate with (the newest one at hand-out)
+    version: int  # policy version to generate with (the newest one at hand-out; a part: its group's)
+    part: int = 0  # sub-group units: which part of its one group (samples part*G/parts .. (part+1)*G/parts)
+    parts: int = 1  # 1: whole groups
+
+    def sample_range(self, group_size: int) -> tuple[int, int]:
+        """The samples of each of its groups this unit generates: [lo, hi) of 0..group_size."""
+        n = group_size // self.parts
+        return self.part * n, (self.part + 1) * n
 
 
 @dataclass(frozen=True)
@@ -170,6 +185,8 @@ class Scheduler:
         # non-empty exactly while a step is open.
         self._step_unfinished: set[str] = set()
         self._retry: deque[RolloutUnit] = deque()  # re-queued rollout units, handed out first
+        self._group_version: dict[tuple[int, int], int] = {}  # sub-group units: (iteration, group) -> version
+        self._parts_done: dict[tuple[int, int], dict[int, list[TrainUnit]]] = {}  # ... -> part -> its train units
 
     def _check_pools(self) -> None:
         roles = set(self._roles.values())
@@ -191,6 +208,11 @@ class Scheduler:
             raise ValueError(
                 "workers: placement 'disaggregated' needs a 'rollout' worker, "
                 "or tag=True so that trainers roll out"
+            )
+        if "rollout" not in roles and self.cfg.group_parts > 1 and self.cfg.max_staleness:
+            raise ValueError(
+                "workers: sub-group units with max_staleness 1 need a 'rollout' worker (a group's later "
+                "parts may need an older version than a trainer rank holds)"
             )
 
     # -- the two calls -------------------------------------------------------------------
@@ -285,22 +307,28 @@ class Scheduler:
 
     def _take_rollout(self, any_version: bool = False) -> RolloutUnit | None:
         """The next rollout unit: a re-queued one first (for a trainer rank, stamped with the newest
-        version, the one it holds), else the next new one."""
-        if self._retry:
-            unit = self._retry.popleft()
-            return unit if any_version else replace(unit, version=self.published_version)
+        version, the one it holds), else the next new one. ``any_version``: the asking worker can
+        load any version (a rollout worker); a trainer rank cannot take a part of a group pinned
+        to an older version."""
+        for unit in self._retry:
+            if any_version or unit.parts == 1 or unit.version == self.published_version:
+                self._retry.remove(unit)
+                return unit if any_version or unit.parts > 1 else replace(unit, version=self.published_version)
         k, j = self._next_rollout
         if k >= self.cfg.iterations or self.published_version < k - self.cfg.max_staleness:
             return None
-        m = self.cfg.unit_groups
+        m, parts = self.cfg.unit_groups, self.cfg.group_parts
+        if parts == 1:
+            groups, part, version = tuple(range(j * m, (j + 1) * m)), 0, self.published_version
+        else:  # part j % parts of group j // parts, with the version of the group's first part
+            g, part = divmod(j, parts)
+            groups = (g,)
+            version = self._group_version.setdefault((k, g), self.published_version)
+            if not any_version and version != self.published_version:
+                return None  # a rollout worker will take it
         self._next_rollout = (k, j + 1) if j + 1 < self.cfg.units_per_iteration else (k + 1, 0)
-        return RolloutUnit(
-            uid=f"rollout-{k}-{j}",
-            iteration=k,
-            index=j,
-            groups=tuple(range(j * m, (j + 1) * m)),
-            version=self.published_version,
-        )
+        return RolloutUnit(uid=f"rollout-{k}-{j}", iteration=k, index=j, groups=groups, version=version,
+                           part=part, parts=parts)
 
     def _rollout_done(self, unit: RolloutUnit) -> None:
         """Turn the rolled-out groups into one train unit per TSP rank (same samples, a
@@ -320,6 +348,13 @@ class Scheduler:
             for r in range(degree)
         ]
         self._rolled_out[k] += 1
+        if unit.parts > 1:  # a group trains only once all its parts are in (advantages need the whole group)
+            held = self._parts_done.setdefault((k, unit.groups[0]), {})
+            held[unit.part] = new
+            if len(held) < unit.parts:
+                return
+            new = [t for p in sorted(held) for t in held[p]]  # in part order
+            del self._parts_done[(k, unit.groups[0])], self._group_version[(k, unit.groups[0])]
         # Train queues are FIFO: oldest (earliest rolled-out) first.
         if not self.cfg.barrier:
             self._ready[k].extend(new)  # GAP: train while later units still generate

@@ -293,7 +293,7 @@ class EngineWorker:
             self.reward.calls.clear()
         start = time.time()
         samples = rollout_unit(self.policy, self.reward, [everything[g] for g in unit.groups], list(unit.groups),
-                               unit.iteration, cfg.train.seed)
+                               unit.iteration, cfg.train.seed, unit.sample_range(cfg.algorithm.group_size))
         end = time.time()
         self.faults.reached(unit.uid)
         if samples.version != unit.version or self.policy.version != unit.version:

@@ -4,11 +4,19 @@ Candidates:
 
 - colocated on every device of the cluster (and, on a mixed cluster, on the devices of each type
   alone), for every GAP unit size ``m`` (divisors of ``prompts_per_iteration``) and TSP degree
-  (1, 2, 4 <= devices);
+  (1, 2, 4 <= devices), and -- when the groups are fewer than the devices -- sub-group units
+  (1/P of a group, P a divisor of G up to the fewest parts that give every device a unit), as
+  veRL-Omni-style colocation spreads an iteration's samples over every rank;
 - disaggregated: a rollout pool of one device type and a trainer pool of one type (the runtime
   runs one rollout pool and one trainer pool): two different types use all their devices; one type
-  is split ``r + t = n`` in every way; x ``m`` x TSP degree (1, 2, 4 <= t) x TAG on/off x
-  ``max_staleness`` 0/1, with GAP on.
+  is split ``r + t = n`` in every way; x ``m`` (and sub-group units when the groups are fewer than
+  the rollout devices) x TSP degree (1, 2, 4 <= t) x TAG on/off x ``max_staleness`` 0/1, with GAP on.
+
+Baselines (:data:`BASELINES`, :func:`baselines`): the best plan of each arrangement the peers publish
+-- ``colocated`` (sub-group units allowed, as veRL-Omni colocates), ``colocated_whole_groups`` (the
+planner's earlier colocated baseline: units of whole groups only) and ``separate_async``
+(disaggregated one-step-off async without GAP, TSP or TAG: veRL-Omni's separate_async, MM-GRPO's
+one-step-off).
 
 Pruning: a candidate whose memory does not fit is dropped (its reason is kept, for the error when
 nothing fits); the others are simulated in order of their throughput bound (a lower bound on the
@@ -23,7 +31,7 @@ from dataclasses import dataclass, field
 
 from digenrl.config import PoolConfig
 from digenrl.errors import UserError
-from digenrl.placement import Plan
+from digenrl.placement import Plan, spread_units
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import ClusterSpec
 from digenrl.planner.simulator import DoesNotFit, SimResult, bound, setups, simulate
@@ -48,9 +56,20 @@ def pool_splits(cluster: ClusterSpec) -> list[tuple[tuple[str, int], tuple[str, 
     return out
 
 
-def candidates(cluster: ClusterSpec, prompts: int, *, colocated: bool = True, gap=(True,), tsp=TSP_DEGREES,
+def unit_shapes(prompts: int, group_size: int, devices: int, sub_groups: bool = True) -> list[tuple[int, int]]:
+    """(unit_groups, group_parts) to try on ``devices`` devices that roll out: every unit size of whole
+    groups, and, with fewer groups than devices, parts of one group up to the fewest parts that give
+    every device a unit."""
+    shapes = [(m, 1) for m in divisors(prompts)]
+    if sub_groups and prompts < devices:
+        _, most = spread_units(prompts, 1, group_size, devices)
+        shapes += [(1, p) for p in divisors(group_size) if 1 < p <= most]
+    return shapes
+
+
+def candidates(cluster: ClusterSpec, prompts: int, *, group_size: int = 1, colocated: bool = True,
+               disaggregated: bool = True, sub_groups: bool = True, gap=(True,), tsp=TSP_DEGREES,
                tag=(False, True), staleness=(0, 1)) -> list[Plan]:
-    units = divisors(prompts)
     plans = []
     if colocated:  # on every device, and (mixed clusters) on the devices of one type
         groups = [tuple(cluster.pools)]
@@ -58,11 +77,13 @@ def candidates(cluster: ClusterSpec, prompts: int, *, colocated: bool = True, ga
             groups += [tuple(p for p in cluster.pools if p.device == d) for d in cluster.devices]
         for pools in groups:
             n = sum(p.count for p in pools)
-            plans += [Plan("colocated", pools, m, D) for m in units for D in tsp if D <= n]
-    for (dr, r), (dt, t) in pool_splits(cluster):
+            plans += [Plan("colocated", pools, m, D, group_parts=parts)
+                      for m, parts in unit_shapes(prompts, group_size, n, sub_groups) for D in tsp if D <= n]
+    for (dr, r), (dt, t) in pool_splits(cluster) if disaggregated else []:
         pools = (PoolConfig(name="rollout", device=dr, count=r), PoolConfig(name="trainer", device=dt, count=t))
-        plans += [Plan("disaggregated", pools, m, D, tg, g, st)
-                  for m in units for D in tsp if D <= t for tg in tag for g in gap for st in staleness]
+        plans += [Plan("disaggregated", pools, m, D, tg, g, st, group_parts=parts)
+                  for m, parts in unit_shapes(prompts, group_size, r, sub_groups)
+                  for D in tsp if D <= t for tg in tag for g in gap for st in staleness]
     return plans
 
 
@@ -74,6 +95,7 @@ class SearchResult:
     rejected: dict[str, tuple] = field(default_factory=dict)  # plan label -> (why it does not fit, need / have)
     simulated: int = 0
     seconds: float = 0.0
+    best_colocated_whole_groups: SimResult | None = None  # the earlier baseline: colocated units of whole groups
 
     def speedup(self, r: SimResult) -> float | None:
         if self.best_colocated is None or not self.best_colocated.samples_per_s:
@@ -84,11 +106,11 @@ class SearchResult:
 def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int = 4,
            wait_for_full_batch: bool = False, plans: list[Plan] | None = None) -> SearchResult:
     start = time.perf_counter()
-    plans = plans if plans is not None else candidates(cluster, cost.w.prompts)
+    plans = plans if plans is not None else candidates(cluster, cost.w.prompts, group_size=cost.w.group_size)
     fitting, rejected = [], {}
     setup_cache: dict = {}
     for plan in plans:
-        key = (plan.placement, plan.pools, plan.unit_groups, plan.tag)
+        key = (plan.placement, plan.pools, plan.unit_size, plan.tag)
         try:
             if key not in setup_cache:
                 setup_cache[key] = setups(plan, cost)
@@ -113,24 +135,27 @@ def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int 
         return simulate(plan, cost, iterations, wait_for_full_batch=wait_for_full_batch)
 
     results: list[SimResult] = []
-    best_col: SimResult | None = None
+    best_col: dict[bool, SimResult] = {}  # whole groups? -> the best colocated plan of that kind
     simulated = 0
     for b, plan in fitting:
         times = sorted(r.iteration_s for r in results)
         beaten_top = len(times) >= top and b > times[top - 1]
-        beaten_col = best_col is not None and b > best_col.iteration_s
-        if plan.placement == "colocated":
-            if beaten_top and beaten_col:
+        if plan.placement == "colocated":  # both kinds of colocated plan are always found (the baselines)
+            mine = best_col.get(plan.group_parts == 1)
+            if beaten_top and mine is not None and b > mine.iteration_s:
                 continue
         elif beaten_top:
             continue
         r = run(plan)
         simulated += 1
         results.append(r)
-        if plan.placement == "colocated" and (best_col is None or r.iteration_s < best_col.iteration_s):
-            best_col = r
+        whole = plan.group_parts == 1
+        if plan.placement == "colocated" and (whole not in best_col or r.iteration_s < best_col[whole].iteration_s):
+            best_col[whole] = r
     results.sort(key=lambda r: (-r.samples_per_s, r.plan.label()))
-    return SearchResult(results, best_col, len(plans), rejected, simulated, time.perf_counter() - start)
+    best = min(best_col.values(), key=lambda r: r.iteration_s, default=None)
+    return SearchResult(results, best, len(plans), rejected, simulated, time.perf_counter() - start,
+                        best_col.get(True))
 
 
 #: what each knob adds: the best plan with the knobs up to that line (the knob table of docs/architecture.md)
@@ -149,11 +174,34 @@ def ladder(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
     (each line may pick another pool split and unit size)."""
     out = []
     for name, knobs in LADDER:
-        plans = candidates(cluster, cost.w.prompts, colocated=False, **knobs)
+        plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, colocated=False, **knobs)
         try:
             res = search(cost, cluster, top=1, iterations=iterations, plans=plans,
                          wait_for_full_batch=wait_for_full_batch)
             out.append((name, res.ranked[0] if res.ranked else None))
         except UserError:
             out.append((name, None))
+    return out
+
+
+#: the peers' arrangements, as candidate filters: the best plan of each is that baseline
+BASELINES = {
+    "colocated": dict(disaggregated=False),  # veRL-Omni / DanceGRPO colocation: samples over every rank
+    "colocated_whole_groups": dict(disaggregated=False, sub_groups=False),  # this planner's earlier baseline
+    "separate_async": dict(colocated=False, gap=(False,), tsp=(1,), tag=(False,), staleness=(1,)),
+}
+
+
+def baselines(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
+              wait_for_full_batch: bool = False) -> dict[str, SimResult | None]:
+    """The best plan of each peer arrangement (:data:`BASELINES`); None where none fits in memory."""
+    out = {}
+    for name, knobs in BASELINES.items():
+        plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, **knobs)
+        try:
+            res = search(cost, cluster, top=1, iterations=iterations, plans=plans,
+                         wait_for_full_batch=wait_for_full_batch)
+            out[name] = res.ranked[0] if res.ranked else None
+        except UserError:
+            out[name] = None
     return out

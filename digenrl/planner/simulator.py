@@ -52,6 +52,13 @@ EPS = 1e-12
 # ------------------------------------------------------------------------------------ plan
 
 
+def unit_train_time(cost: CostModel, device: str, groups: int, parts: int, tsp_rank: int, tsp_degree: int,
+                    setup: DeviceSetup | None) -> float:
+    """A train unit of ``groups`` whole groups, or (``parts`` > 1) of 1/parts of one group: the group's
+    time shared out by samples (the micro-batches of a part are its share of the group's)."""
+    return cost.train_unit(device, groups, tsp_rank, tsp_degree, setup) / parts
+
+
 class DoesNotFit(Exception):
     """The plan's memory does not fit on some device: ``args`` = (why, need / have)."""
 
@@ -62,11 +69,11 @@ def setups(plan: Plan, cost: CostModel) -> dict[str, DeviceSetup]:
     for p in plan.pools:
         role = plan.role(p)
         if role == "rollout":
-            s = cost.rollout_memory(p.device, plan.unit_groups)
+            s = cost.rollout_memory(p.device, plan.unit_size)
         elif role == "trainer":
-            s = cost.trainer_setup(p.device, plan.ranks, plan.tag, plan.unit_groups, plan.micro_batch)
+            s = cost.trainer_setup(p.device, plan.ranks, plan.tag, plan.unit_size, plan.micro_batch)
         else:
-            s = cost.colocated_setup(p.device, plan.ranks, plan.unit_groups, plan.micro_batch)
+            s = cost.colocated_setup(p.device, plan.ranks, plan.unit_size, plan.micro_batch)
         if not s.fits:
             raise DoesNotFit(s.why, s.need_bytes / max(s.have_bytes, 1.0))
         out[p.name] = s
@@ -184,20 +191,22 @@ class Simulator:
                     args={"direction": "fetch", "bytes": self.w.sync_bytes})))
                 self.held[worker] = unit.version
             segs += self._switch(worker, "rollout", dev, setup)
-            total, reward = self._d(("rollout", dev, len(unit.groups)), lambda: cost.rollout_unit(dev, len(unit.groups)))
+            size = len(unit.groups) / unit.parts  # groups in the unit (a fraction for a part of one)
+            total, reward = self._d(("rollout", dev, size), lambda: cost.rollout_unit(dev, size))
             segs.append(_Seg("rollout", self._draw(total, dev, "rollout"), True, dict(
                 base, kind="rollout", version=unit.version, reward_s=reward,
-                args={"samples": len(unit.groups) * self.w.group_size, "groups": list(unit.groups)})))
+                args={"samples": len(unit.groups) * self.w.group_size // unit.parts, "groups": list(unit.groups)})))
         elif isinstance(unit, TrainUnit):
-            transfer = self._d(("transfer", len(unit.groups)), lambda: cost.transfer(len(unit.groups)))
+            parts = self.sched.cfg.group_parts
+            transfer = self._d(("transfer", len(unit.groups), parts), lambda: cost.transfer(len(unit.groups) / parts))
             # with a barrier every train unit of k leaves with k's last rollout (advantages over the batch)
             ended = (self.last_rolled.get(unit.iteration, now) if self.sched.cfg.barrier
                      else self.rolled.get(unit.rollout_uid, now))
             arrive = ended + transfer  # the samples at the trainer
             segs.insert(0, _Seg("samples", max(0.0, arrive - now), False))  # then the call
             segs += self._switch(worker, "train", dev, setup)
-            d = self._d(("train", dev, len(unit.groups), unit.tsp_rank, unit.tsp_degree),
-                        lambda: cost.train_unit(dev, len(unit.groups), unit.tsp_rank, unit.tsp_degree, setup))
+            d = self._d(("train", dev, len(unit.groups), parts, unit.tsp_rank, unit.tsp_degree),
+                        lambda: unit_train_time(cost, dev, len(unit.groups), parts, unit.tsp_rank, unit.tsp_degree, setup))
             segs.append(_Seg("train", self._draw(d, dev, "train"), True, dict(
                 base, kind="train", version=unit.version, sample_versions=(unit.sample_version,),
                 args={"groups": list(unit.groups), "tsp_rank": unit.tsp_rank, "tsp_degree": unit.tsp_degree})))
@@ -372,15 +381,15 @@ def bound(plan: Plan, cost: CostModel, setup: dict[str, DeviceSetup] | None = No
     ``max(T/t, (R+T)/(r+t))`` (R, T: rollout / train device-seconds; T includes every rank's step and,
     colocated, the phase switches). Engine overheads (calls, transfers, weight sync) are left out."""
     setup = setup if setup is not None else setups(plan, cost)
-    m, D, ranks = plan.unit_groups, plan.tsp_degree, plan.ranks
-    units = cost.w.prompts // m
+    m, parts, D, ranks = plan.unit_groups, plan.group_parts, plan.tsp_degree, plan.ranks
+    units = cost.w.prompts // m * parts
 
     def work(pool: PoolConfig) -> tuple[float, float, float]:
         s = setup[pool.name]
-        R = units * cost.rollout_unit(pool.device, m)[0]
+        R = units * cost.rollout_unit(pool.device, plan.unit_size)[0]
         if plan.role(pool) == "rollout":
             return R, 0.0, 0.0
-        T = units * sum(cost.train_unit(pool.device, m, r, D, s) for r in range(D))
+        T = units * sum(unit_train_time(cost, pool.device, m, parts, r, D, s) for r in range(D))
         own = cost.step(pool.device, ranks, False, s)[0]
         if plan.role(pool) == "both":
             own += 2 * cost.switch(pool.device, s)
