@@ -32,7 +32,7 @@ CASES = {
                         "--set", "output.eval_every=1", *TINY], "train.fsdp: 2: not with output.eval_every"),
     "fsdp uneven unit": (["--set", "train.fsdp=2", *TWO_TRAINERS, "--set", "engine.tag=false", *TSP1,
                           "--set", "algorithm.group_size=3", *TINY],
-                         "train.fsdp: 2: engine.unit_groups x algorithm.group_size (1 x 3) samples per unit must "
+                         "train.fsdp: 2: engine.unit_groups x algorithm.group_size (1 x 3): 3 samples per unit must "
                          "split evenly over the 2 ranks"),
 }
 

@@ -49,6 +49,9 @@ def check_fsdp_wired(cfg) -> None:
         if on:
             raise UserError(f"{head} not with {name} (every FSDP rank must run the same forward / backward "
                             "passes; the sharded group trains whole units together)")
-    if cfg.engine.unit_groups * cfg.algorithm.group_size % n:
-        raise UserError(f"{head} engine.unit_groups x algorithm.group_size ({cfg.engine.unit_groups} x "
-                        f"{cfg.algorithm.group_size}) samples per unit must split evenly over the {n} ranks")
+    e, group = cfg.engine, cfg.algorithm.group_size
+    per_unit = e.unit_samples or e.unit_groups * group
+    if per_unit % n:
+        what = ("engine.unit_samples" if e.unit_samples else "engine.unit_groups x algorithm.group_size "
+                f"({e.unit_groups} x {group})")
+        raise UserError(f"{head} {what}: {per_unit} samples per unit must split evenly over the {n} ranks")
