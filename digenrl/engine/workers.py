@@ -41,6 +41,7 @@ import torch
 from digenrl.checkpoint import checkpoint_files, load_checkpoint
 from digenrl.distributed.settings import resolve_fsdp
 from digenrl.engine import weight_sync
+from digenrl.engine.fsdp_group import combine_rank_stats, rank_slice
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.errors import UserError
 from digenrl.faults import FaultInjector
@@ -81,6 +82,8 @@ def _restarted() -> bool:
     try:
         import ray
 
+        if not ray.is_initialized():  # not in a Ray actor (and do not start Ray by asking)
+            return False
         with warnings.catch_warnings():  # (its implementation calls a deprecated Ray API)
             warnings.simplefilter("ignore")
             return ray.get_runtime_context().was_current_actor_reconstructed
@@ -115,29 +118,6 @@ class ResumeFrom:
 def rollout_checkpoint_files(path: Path) -> dict[str, bytes]:
     """The files of a checkpoint a rollout worker loads: all but the optimizer state."""
     return {f.name: f.read_bytes() for f in Path(path).iterdir() if f.is_file() and f.name != "optimizer.pt"}
-
-
-def rank_slice(samples: Samples, rank: int, world: int) -> Samples:
-    """Rank ``rank``'s equal share of a unit's samples (consecutive rows) for a sharded group."""
-    import dataclasses
-
-    n = len(samples)
-    if n % world:
-        raise RuntimeError(f"{n} samples do not split evenly over {world} FSDP ranks")
-    rows = torch.arange(rank * n // world, (rank + 1) * n // world)
-    return dataclasses.replace(
-        samples, prompts=[samples.prompts[i] for i in rows.tolist()], cond=samples.cond.select(rows),
-        latents=samples.latents[rows], log_probs=samples.log_probs[rows], train_idx=samples.train_idx[rows],
-        rewards=samples.rewards[rows], reward_parts={k: v[rows] for k, v in samples.reward_parts.items()},
-        advantages=samples.advantages[rows])
-
-
-def combine_rank_stats(parts: list[dict]) -> dict:
-    """One unit's stats from its ranks' shares (sums add; extremes combine)."""
-    if len(parts) == 1:
-        return parts[0]
-    pick = {"ratio_max": max, "is_max": max, "ratio_min": min}
-    return {k: pick.get(k, sum)(p[k] for p in parts) for k in parts[0]}
 
 
 def generates(cfg, role: str) -> bool:
