@@ -58,3 +58,9 @@ def test_fsdp_trainer_ranks_equal_the_local_trainer(cluster, tmp_path):
     assert opt["state"].keys() == local_opt["state"].keys()
     for i, s in local_opt["state"].items():
         torch.testing.assert_close(opt["state"][i]["exp_avg"], s["exp_avg"], atol=1e-6, rtol=1e-3)
+    # ... which an unsharded policy loads (what resuming with train.fsdp: off does)
+    from digenrl.checkpoint import load_checkpoint
+    from digenrl.policy import Policy
+
+    policy = Policy(load_config(None, BASE), device="cpu")
+    assert load_checkpoint(ckpt, policy, rng=False).version == 2 and policy.optimizer.state

@@ -237,7 +237,9 @@ class Adapter(ABC):
 
     def model_signature(self) -> dict:
         n = sum(p.numel() for p in self.transformer.parameters())
-        return {"adapter": self.name, "class": type(self.transformer).__name__, "params": n,
+        # FSDP2 swaps the class for FSDP<class>: the signature names the model's own class
+        cls = next(c for c in type(self.transformer).__mro__ if not c.__name__.startswith("FSDP"))
+        return {"adapter": self.name, "class": cls.__name__, "params": n,
                 "config": {k: v for k, v in dict(self.transformer.config).items() if not k.startswith("_")}}
 
     def flow_scheduler(self, config: dict | None = None):
