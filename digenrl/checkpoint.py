@@ -110,8 +110,9 @@ def find_checkpoint(path: Path) -> Path:
                           f"{STATE_FILE})")
 
 
-def read_state(path: Path) -> CheckpointState:
-    """Read and check ``state.json`` and the sizes of the files it lists (a truncated file is refused)."""
+def read_state(path: Path, unchecked: tuple[str, ...] = ()) -> CheckpointState:
+    """Read and check ``state.json`` and the sizes of the files it lists (a truncated file is
+    refused), except those named in ``unchecked`` (files the reader will not open)."""
     path = Path(path)
     try:
         raw = json.loads((path / STATE_FILE).read_text())
@@ -128,6 +129,8 @@ def read_state(path: Path) -> CheckpointState:
     if fmt != FORMAT:
         raise CheckpointError(f"checkpoint: {path} has format {fmt}, this DigenRL reads format {FORMAT}")
     for name, size in state.files.items():
+        if name in unchecked:
+            continue
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint: {path} is corrupt: {name} is missing")
@@ -229,6 +232,22 @@ def save_checkpoint(run_dir: Path, policy, iteration: int, cfg=None, keep_last: 
                              keep_last)
 
 
+def optimizer_state(policy) -> dict:
+    """``policy.optimizer.state_dict()``; for an FSDP2-sharded policy the full state gathered (a
+    collective) into the same format, indexed by trained parameter, so any trainer count loads it."""
+    from digenrl.distributed.fsdp import is_sharded
+
+    net = policy.adapter.transformer
+    if not is_sharded(net):
+        return policy.optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(net, policy.optimizer, options=StateDictOptions(full_state_dict=True))
+    index = {name: i for i, name in enumerate(n for n, p in net.named_parameters() if p.requires_grad)}
+    return {"state": {index[name]: s for name, s in full["state"].items()},
+            "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in full["param_groups"]]}
+
+
 def write_checkpoint(directory: Path, policy, iteration: int, cfg=None, extra: dict | None = None) -> None:
     """The checkpoint's files into an existing (empty) ``directory``; ``state.json`` last."""
     cfg = cfg or policy.cfg
@@ -242,7 +261,7 @@ def write_checkpoint(directory: Path, policy, iteration: int, cfg=None, extra: d
 
         save_file(policy.weights(), tmp / FULL_FILE)
     if policy.optimizer is not None:
-        torch.save(policy.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(optimizer_state(policy), tmp / "optimizer.pt")
     ema = getattr(policy, "ema", None)
     if ema is not None:
         from safetensors.torch import save_file
@@ -349,13 +368,14 @@ def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = T
     """
     from digenrl.lora import WeightSyncError
 
-    state = read_state(find_checkpoint(path))
+    loads_optimizer = optimizer and policy.optimizer is not None
+    state = read_state(find_checkpoint(path), unchecked=() if loads_optimizer else ("optimizer.pt",))
     check_compatible(state, policy)
     if state.lora != policy.lora:  # also caught by compat; kept for engine callers that skip it
         raise CheckpointError(f"checkpoint {state.path}: LoRA checkpoint vs full fine-tuning model")
     weights = read_weights(state.path, state.lora)
     opt_state = None
-    if optimizer and policy.optimizer is not None:
+    if loads_optimizer:
         if "optimizer.pt" not in state.files:
             raise CheckpointError(f"checkpoint {state.path} holds no optimizer state (written without an optimizer)")
         opt_state = _torch_load(state.path / "optimizer.pt")

@@ -240,7 +240,8 @@ class TrainConfig(_Section):
     activation_checkpointing: Literal["auto", "on", "off"] = Field(
         "auto", description="recompute each transformer block in backward; auto = off until the memory model decides")
     fsdp: Literal["auto", "off"] | int = Field(
-        "auto", description="FSDP2 sharding degree of the trainer ranks: auto | off | N (not wired into the engine yet)")
+        "auto", description=("FSDP2 sharding degree of the trainer ranks: auto | off | N "
+                             "(N = all trainer ranks of a disaggregated engine run)"))
 
     @field_validator("activation_checkpointing", mode="before")
     @classmethod

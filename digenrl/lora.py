@@ -46,7 +46,13 @@ def apply_lora(transformer: nn.Module, cfg: LoraConfig, default_targets: tuple[s
 def lora_state_dict(transformer: nn.Module) -> dict[str, torch.Tensor]:
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
+    return {k: full_tensor(v).detach().cpu().clone() for k, v in get_peft_model_state_dict(transformer).items()}
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a collective: every rank of the mesh calls it, in the
+    same order), or ``t`` itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def checksum(state: dict[str, torch.Tensor]) -> str:

@@ -18,7 +18,7 @@ from digenrl.ema import WeightAverage, swapped_in
 from digenrl.distributed.checkpointing import checkpoint_blocks
 from digenrl.distributed.precision import fp32_master
 from digenrl.distributed.settings import check_fsdp_wired, resolve_activation_checkpointing
-from digenrl.lora import apply_lora, checksum, load_lora_state_dict, lora_state_dict
+from digenrl.lora import apply_lora, checksum, full_tensor, load_lora_state_dict, lora_state_dict
 from digenrl.errors import UserError
 
 
@@ -35,7 +35,7 @@ def pick_device(name: str) -> torch.device:
 class Policy:
     def __init__(self, cfg: RunConfig, device: torch.device | str | None = None, trainable: bool = True):
         self.cfg = cfg
-        check_fsdp_wired(cfg.train)
+        check_fsdp_wired(cfg)
         self.device = torch.device(device) if device is not None else pick_device(cfg.train.device)
         self.adapter = build_adapter(cfg.model, cfg.sampling, self.device)
         net = self.adapter.transformer
@@ -45,7 +45,8 @@ class Policy:
         else:
             net.requires_grad_(True)
         self._ref = None
-        if not self.lora and cfg.algorithm.kl_beta > 0:  # full fine-tuning: KL needs a frozen copy
+        if trainable and not self.lora and cfg.algorithm.kl_beta > 0:  # full FT: the KL needs a frozen
+            # copy, on the ranks that train only (a rollout policy never computes the KL)
             self._ref = copy.deepcopy(net).requires_grad_(False)
         if trainable:
             fp32_master(net)  # the optimizer steps fp32 masters; compute stays in model.dtype (autocast)
@@ -111,7 +112,7 @@ class Policy:
         """What a weight sync ships: LoRA tensors only with LoRA, all weights otherwise."""
         if self.lora:
             return lora_state_dict(self.adapter.transformer)
-        return {k: v.detach().cpu().clone() for k, v in self.adapter.transformer.state_dict().items()}
+        return {k: full_tensor(v).detach().cpu().clone() for k, v in self.adapter.transformer.state_dict().items()}
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int, expected_checksum: str | None = None):
         if self.lora:

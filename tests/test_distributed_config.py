@@ -1,5 +1,5 @@
 """train.fsdp / train.activation_checkpointing: validation, resolution, and the refusal of a
-sharding degree while sharded trainer ranks are not wired into the engine (docs/errors.md)."""
+sharding degree in the combinations the engine does not wire (docs/errors.md)."""
 
 import pytest
 
@@ -8,12 +8,32 @@ from digenrl.distributed.settings import resolve_activation_checkpointing, resol
 from digenrl.errors import UserError
 from tests.test_bad_input import cli
 
+TINY = ["--set", "model.height=16", "--set", "model.width=16"]
+TSP1 = ["--set", "engine.tsp_degree=1"]
+TWO_TRAINERS = ["--set", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]"]
+
 CASES = {
     "fsdp degree 0": (["--set", "train.fsdp=0"], "train.fsdp: must be auto, off or a sharding degree >= 1, got 0"),
     "fsdp word": (["--set", "train.fsdp=many"], "train.fsdp: must be auto, off or a sharding degree >= 1"),
     "checkpointing word": (["--set", "train.activation_checkpointing=maybe"], "train.activation_checkpointing"),
-    "fsdp not wired": (["--set", "train.fsdp=2", "--set", "model.height=16", "--set", "model.width=16"],
-                       "train.fsdp: 2: sharded trainer ranks are not wired into the engine yet"),
+    # what train.fsdp N is not wired for (settings.check_fsdp_wired), each refused before Ray starts
+    "fsdp not the trainer count": (["--set", "train.fsdp=2", *TINY],
+                                   "train.fsdp: 2: must equal the number of trainer ranks (1); HSDP"),
+    "fsdp local": (["--set", "train.fsdp=2", "--set", "placement.mode=local", *TINY],
+                   "train.fsdp: 2: sharded trainer ranks need placement.mode: disaggregated (got local)"),
+    "fsdp with tag": (["--set", "train.fsdp=2", *TWO_TRAINERS, *TINY],
+                      "train.fsdp: 2: not with engine.tag (every FSDP rank must run the same forward / backward"),
+    "fsdp random timesteps": (["--set", "train.fsdp=2", *TWO_TRAINERS, "--set", "engine.tag=false", *TSP1,
+                               "--set", "algorithm.timesteps.mode=random", *TINY],
+                              "train.fsdp: 2: not with algorithm.timesteps.mode: random"),
+    "fsdp with tsp": (["--set", "train.fsdp=2", *TWO_TRAINERS, "--set", "engine.tag=false",
+                       "--set", "engine.tsp_degree=2", *TINY], "train.fsdp: 2: not with engine.tsp_degree > 1"),
+    "fsdp with eval": (["--set", "train.fsdp=2", *TWO_TRAINERS, "--set", "engine.tag=false", *TSP1,
+                        "--set", "output.eval_every=1", *TINY], "train.fsdp: 2: not with output.eval_every"),
+    "fsdp uneven unit": (["--set", "train.fsdp=2", *TWO_TRAINERS, "--set", "engine.tag=false", *TSP1,
+                          "--set", "algorithm.group_size=3", *TINY],
+                         "train.fsdp: 2: engine.unit_groups x algorithm.group_size (1 x 3): 3 samples per unit must "
+                         "split evenly over the 2 ranks"),
 }
 
 
@@ -37,3 +57,18 @@ def test_settings_resolve():
     assert resolve_fsdp(load_config(None, ["train.fsdp=2"]).train, 4) == 2
     with pytest.raises(UserError, match="train.fsdp: 3 does not divide the 4 trainer ranks"):
         resolve_fsdp(load_config(None, ["train.fsdp=3"]).train, 4)
+
+
+def test_resuming_sharded_trainer_ranks_is_refused(tmp_path):
+    """The checkpoint of a sharded run holds the full state; only an unsharded run resumes it."""
+    from digenrl.engine.runtime import run_engine
+    from digenrl.trainer import LocalTrainer
+
+    small = ["model.height=16", "model.width=16", "train.iterations=1", "train.prompts_per_iteration=2",
+             "algorithm.group_size=2", "sampling.steps=2"]
+    LocalTrainer(load_config(None, small + ["placement.mode=local"])).run(tmp_path / "run")
+    cfg = load_config(None, small + ["train.iterations=2", "train.fsdp=2", "engine.tag=false", "engine.tsp_degree=1",
+                                     "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]"])
+    with pytest.raises(UserError, match="train.fsdp: 2: resuming sharded trainer ranks is not wired yet; resume "
+                                        "with train.fsdp: off"):
+        run_engine(cfg, resume=tmp_path / "run")

@@ -112,6 +112,32 @@ class Adapter(ABC):
         if getattr(self, "vae", None) is not None:
             self.vae.to(self.device)
 
+    # ------------------------------------------------------------------ lean trainer ranks
+    GENERATION_PIPE_PARTS = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+
+    def generation_modules(self) -> dict[str, object]:
+        """What only generation needs -- the text encoder(s) and the VAE -- that this adapter holds."""
+        held = {name: getattr(self, name, None) for name in ("vae", "text")}
+        held = {name: m for name, m in held.items() if not isinstance(m, ReleasedVAE)}
+        pipe = getattr(self, "pipe", None)
+        if pipe is not None:
+            held.update({f"pipe.{n}": getattr(pipe, n, None) for n in self.GENERATION_PIPE_PARTS})
+        return {name: m for name, m in held.items() if m is not None}
+
+    def release_generation_modules(self) -> None:
+        """Drop the text encoder(s) and the VAE (a trainer rank that never generates: prompt
+        embeddings and latents travel with the samples). Encoding or decoding afterwards fails."""
+        if getattr(self, "vae", None) is not None:
+            self.vae = ReleasedVAE(self.vae.config)  # latent shapes still read the VAE's config
+        self.text = self.preview = None
+        pipe = getattr(self, "pipe", None)
+        if pipe is not None:
+            for name in self.GENERATION_PIPE_PARTS:
+                if getattr(pipe, name, None) is not None:
+                    setattr(pipe, name, None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     # ------------------------------------------------------------------ build
     @abstractmethod
     def build_preset(self, preset: str) -> None:
@@ -211,7 +237,9 @@ class Adapter(ABC):
 
     def model_signature(self) -> dict:
         n = sum(p.numel() for p in self.transformer.parameters())
-        return {"adapter": self.name, "class": type(self.transformer).__name__, "params": n,
+        # FSDP2 swaps the class for FSDP<class>: the signature names the model's own class
+        cls = next(c for c in type(self.transformer).__mro__ if not c.__name__.startswith("FSDP"))
+        return {"adapter": self.name, "class": cls.__name__, "params": n,
                 "config": {k: v for k, v in dict(self.transformer.config).items() if not k.startswith("_")}}
 
     def flow_scheduler(self, config: dict | None = None):
@@ -230,6 +258,16 @@ class Adapter(ABC):
         else:
             sched.set_timesteps(num_steps)
         return sched.sigmas.to(torch.float32).clone()
+
+
+class ReleasedVAE:
+    """What a lean trainer rank keeps of the VAE: its config (latent shapes), no weights."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def decode(self, *args, **kwargs):
+        raise RuntimeError("this worker released its VAE: it does not decode")
 
 
 @contextlib.contextmanager

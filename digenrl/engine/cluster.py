@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import socket
+from pathlib import Path
 from collections import Counter
 
 from digenrl.config import PoolConfig, RunConfig
@@ -63,15 +64,15 @@ def first_line(exc: Exception) -> str:
 
 @contextlib.contextmanager
 def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
-                resume: dict[str, bytes] | None = None):
+                resume: Path | None = None):
     """Connect (or start Ray), check and reserve the placement, start one actor per worker and
-    wait until every one has built its policy (from the ``resume`` checkpoint's files when given);
+    wait until every one has built its policy (from the ``resume`` checkpoint directory when given: read by path);
     on exit kill them and release everything."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from digenrl.engine.workers import EngineWorker
+    from digenrl.engine.workers import EngineWorker, ResumeFrom, rollout_checkpoint_files
 
     progress("starting the Ray cluster..." if ray_address is None else f"joining the Ray cluster at {ray_address}...")
     ours = connect(workers, ray_address)
@@ -90,7 +91,9 @@ def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
 
             reward_actor = start_reward_actor(cfg.reward, max_restarts=cfg.engine.max_restarts,
                                               faults=FaultInjector.from_config(cfg, REWARD_ROW))
-        resume_ref = ray.put(resume) if resume is not None else None
+        resume_from = None
+        if resume is not None:  # rollout workers' fallback copy: never the optimizer state
+            resume_from = ResumeFrom(str(Path(resume).resolve()), ray.put(rollout_checkpoint_files(resume)))
         remote = ray.remote(EngineWorker)
         for i, spec in enumerate(workers):
             b = bundles[i]
@@ -103,11 +106,11 @@ def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
                 # engine re-queues its unit; a trainer rank's death stops the run (worker_died)
                 max_restarts=cfg.engine.max_restarts if spec.role == "rollout" else 0,
                 max_task_retries=0,
-            ).remote(cfg, spec.name, spec.role, reward_actor, resume_ref)
+            ).remote(cfg, spec.name, spec.role, reward_actor, resume_from)
         ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
         if len({r["checksum"] for r in ready.values()}) > 1:
             raise WeightSyncError(f"initial weights differ between workers: {ready}")
-        form_trainer_group(workers, actors, ready)
+        form_trainer_group(workers, actors, ready, sharded=bool(followers(cfg, workers)))
         yield {**actors, REWARD_ROW: reward_actor} if reward_actor is not None else actors
     finally:
         if head_problem() is None:  # with the head gone, every call below would wait a minute for it
@@ -132,7 +135,7 @@ def head_problem() -> str | None:
         return getattr(exc, "strerror", None) or str(exc)
 
 
-def form_trainer_group(workers: list[Worker], actors: dict, ready: dict) -> None:
+def form_trainer_group(workers: list[Worker], actors: dict, ready: dict, sharded: bool = False) -> None:
     """The trainer ranks (roles trainer / both) form one torch.distributed group."""
     import ray
 
@@ -142,6 +145,17 @@ def form_trainer_group(workers: list[Worker], actors: dict, ready: dict) -> None
     backend = "nccl" if all(ready[r]["device"].startswith("cuda") for r in ranks) else "gloo"
     address, port = ray.get(actors[ranks[0]].rendezvous_address.remote())
     ray.get([actors[r].join_group.remote(address, port, i, len(ranks), backend) for i, r in enumerate(ranks)])
+    if sharded:  # rank 0 leads the others through every call
+        ray.get(actors[ranks[0]].lead.remote([actors[r] for r in ranks[1:]]))
+
+
+def followers(cfg: RunConfig, workers: list[Worker]) -> list[str]:
+    """The trainer ranks after rank 0 when they shard with FSDP2 (``train.fsdp``): they run every
+    call of rank 0 with it, and the scheduler does not see them."""
+    from digenrl.distributed.settings import resolve_fsdp
+
+    ranks = [w.name for w in workers if w.role != "rollout"]
+    return ranks[1:] if ranks and resolve_fsdp(cfg.train, len(ranks)) > 1 else []
 
 
 def connect(workers: list[Worker], ray_address: str | None) -> bool:

@@ -29,7 +29,8 @@ from typing import Callable
 
 from digenrl.checkpoint import find_checkpoint, read_state, save_checkpoint_files
 from digenrl.config import RunConfig
-from digenrl.engine.cluster import REWARD_ROW, actor_died, first_line, num_restarts, ray_workers
+from digenrl.distributed.settings import check_fsdp_wired
+from digenrl.engine.cluster import REWARD_ROW, actor_died, first_line, followers, num_restarts, ray_workers
 from digenrl.engine.driver import Done, Event, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
 from digenrl.engine.recovery import FaultPolicy, TrainerLost
@@ -74,26 +75,31 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
         raise UserError(f"--resume: the checkpoint has {start} iterations done, more than train.iterations "
                         f"({cfg.train.iterations})")
     workers = engine_workers(cfg)
-    scheduler = Scheduler(engine_scheduler_config(cfg, start), workers)
+    if resumed is not None and isinstance(cfg.train.fsdp, int) and cfg.train.fsdp > 1:
+        raise UserError(f"train.fsdp: {cfg.train.fsdp}: resuming sharded trainer ranks is not wired yet; resume "
+                        "with train.fsdp: off (the checkpoint holds the full weights and optimizer state)")
+    check_fsdp_wired(cfg)
+    hidden = set(followers(cfg, workers))  # sharded trainer ranks > 0 follow rank 0
+    scheduled = [w for w in workers if w.name not in hidden]
+    scheduler = Scheduler(engine_scheduler_config(cfg, start), scheduled)
     progress("checking prompts, reward and model...")
     preflight(cfg, resumed)
     run_dir, history = resume_history(resumed, run_dir)
     check_writable(run_dir or cfg.output.run_dir or default_run_dir(cfg), "output.run_dir")
     if resumed is not None and start == cfg.train.iterations:  # finished already: nothing to do
         return RunResult(Path(run_dir), history)
-    files = {f.name: f.read_bytes() for f in resumed.path.iterdir() if f.is_file()} if resumed else None
     worker_cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
     started = time.time()  # the timeline starts here: Ray and the workers starting up are its first events
-    with _user_errors(), ray_workers(worker_cfg, workers, ray_address, files) as actors:
+    with _user_errors(), ray_workers(worker_cfg, workers, ray_address, resumed and resumed.path) as actors:
         progress(f"{len(workers)} workers ready ({time.time() - started:.0f} s)...")
         out = RunDir(cfg, run_dir, history=history)
         backend = RayBackend(cfg, scheduler, workers, actors, out, on_iteration, history)
-        backend.t0 = started
+        backend.t0, backend.hidden = started, hidden
         try:
             with stop_on_interrupt() as backend.stop:
                 try:
                     backend.begin()
-                    drive(scheduler, [w.name for w in workers], backend)
+                    drive(scheduler, [w.name for w in scheduled], backend)
                     backend.drain()  # the last eval / checkpoint
                 except BaseException as exc:  # Ctrl-C, or a fatal error: keep what can be kept
                     raise backend.keep_work(exc) from None
@@ -177,6 +183,7 @@ class RayBackend:
         self.unscored: dict[str, dict] = {}  # released rollout uid -> its summary, until the scores arrive
         self.packets: dict = {}  # version -> WeightPacket published by rank 0
         self.rank_checksums: dict[int, set[str]] = defaultdict(set)
+        self.hidden: set[str] = set()  # sharded trainer ranks > 0: rank 0 runs their calls (not scheduled)
         self.step_shares: dict[tuple[int, int], set[str]] = defaultdict(set)  # (iteration, step) -> ranks handed it
         self.stop = StopRequest()  # Ctrl-C (run_engine installs the real one)
         self.stopping = False  # after Ctrl-C or a fatal error: no new work, the running units finish
@@ -377,7 +384,7 @@ class RayBackend:
         now is dropped; the rows it held back are written without it."""
         self.faults.restarting.clear()
         self.side = {ref: what for ref, what in self.side.items() if what[0] != "restart"}
-        ranks = [w for w, role in self.role.items() if role != "rollout"]
+        ranks = [w for w, role in self.role.items() if role != "rollout" and w not in self.hidden]
 
         def owed_step_shares() -> list[str]:
             begun = self.open_steps()

@@ -12,12 +12,14 @@ rank without TAG); building them draws no random numbers, so skipping it changes
   the reward ObjectRef in its result; the driver waits on it while this worker already
   generates its next unit. Before a unit of a newer version it loads that version's
   published weights, verified (:mod:`digenrl.engine.weight_sync`).
-- role ``trainer``: one rank of the trainer group. Runs :func:`~digenrl.units.train_unit`
-  (accumulating gradients), and on its StepUnit all-reduces the gradients as ONE flat buffer
-  (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, docs/architecture.md) and steps; after
-  an iteration's last step (mini-batch PPO: ``train.optimizer_steps`` per iteration) rank 0
-  publishes the new weights. With TAG it also rolls out, with its own weights (the scheduler hands
-  it rollout units only while they are a published version: before the iteration's first step).
+- role ``trainer``: one rank of the trainer group. It holds no text encoder and no VAE (the
+  samples carry the prompt embeddings and latents) unless it generates: TAG, or evaluation
+  (:func:`generates`). Runs :func:`~digenrl.units.train_unit`
+  (accumulating gradients), and on its StepUnit all-reduces the gradients in ~25 MiB buckets
+  (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, docs/architecture.md) and steps; after an
+  iteration's last step (mini-batch PPO: ``train.optimizer_steps`` per iteration) rank 0 publishes the
+  new weights. With TAG it also rolls out, with its own weights (the scheduler hands it rollout units
+  only while they are a published version: before the iteration's first step).
 - role ``both`` (colocated): a trainer rank that also rolls out; the all-reduce keeps every
   rank's weights identical, so no weight sync is needed.
 
@@ -31,13 +33,17 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from digenrl.checkpoint import checkpoint_files, load_checkpoint
+from digenrl.distributed.settings import resolve_fsdp
 from digenrl.engine import weight_sync
+from digenrl.engine.fsdp_group import combine_rank_stats, rank_slice
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.errors import UserError
 from digenrl.faults import FaultInjector
@@ -78,6 +84,8 @@ def _restarted() -> bool:
     try:
         import ray
 
+        if not ray.is_initialized():  # not in a Ray actor (and do not start Ray by asking)
+            return False
         with warnings.catch_warnings():  # (its implementation calls a deprecated Ray API)
             warnings.simplefilter("ignore")
             return ray.get_runtime_context().was_current_actor_reconstructed
@@ -99,12 +107,35 @@ class _SubmittedReward:
         return torch.full((len(prompts),), float("nan")), {}
 
 
+@dataclass(frozen=True)
+class ResumeFrom:
+    """Where the workers start from: the checkpoint directory, and the driver's copy of the files a
+    rollout worker needs (never ``optimizer.pt``) as an ObjectRef nested here, so Ray resolves it
+    only in a worker that cannot read the directory."""
+
+    path: str
+    rollout_files: Any  # ray.ObjectRef of dict[str, bytes]
+
+
+def rollout_checkpoint_files(path: Path) -> dict[str, bytes]:
+    """The files of a checkpoint a rollout worker loads: all but the optimizer state."""
+    return {f.name: f.read_bytes() for f in Path(path).iterdir() if f.is_file() and f.name != "optimizer.pt"}
+
+
+def generates(cfg, role: str) -> bool:
+    """Whether a worker of ``role`` ever encodes prompts or decodes latents: rollout and colocated
+    workers, a trainer rank with TAG (it rolls out), and trainer ranks when ``output.eval_every``
+    is set (rank 0 evaluates; every rank keeps them, as a rank does not know its rank at build)."""
+    return role != "trainer" or cfg.engine.tag or cfg.output.eval_every > 0
+
+
 class EngineWorker:
     """Plain class; the runtime wraps it with ``ray.remote`` and the pool's resources."""
 
-    def __init__(self, cfg, name: str, role: str, reward_actor=None, resume: dict[str, bytes] | None = None):
-        """``resume``: a checkpoint's files (name -> bytes, from the driver) to start from."""
+    def __init__(self, cfg, name: str, role: str, reward_actor=None, resume: ResumeFrom | None = None):
+        """``resume``: the checkpoint to start from (read by path)."""
         self.cfg, self.name, self.role, self.world = cfg, name, role, 1
+        self.rank, self.sharded, self.followers = 0, False, []  # train.fsdp: the group's other ranks (on rank 0)
         self.faults = FaultInjector.from_config(cfg, name)  # engine.faults: where this process dies
         # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
         # and raise it from ready(), where Ray hands the driver the exception itself.
@@ -116,12 +147,25 @@ class EngineWorker:
         except UserError as exc:
             self.init_error = exc
 
-    def _resume(self, files: dict[str, bytes]) -> None:
-        """Weights, version, RNG states (and, on trainer ranks, optimizer state) of the checkpoint."""
+    def _resume(self, source: ResumeFrom) -> None:
+        """Weights, version, RNG states (and, on trainer ranks, optimizer state) of the checkpoint,
+        read from its directory; a rollout worker never opens ``optimizer.pt``. A rollout worker
+        that cannot see the directory (another node, or restarted after the checkpoint was rotated
+        away) reads the files it needs from the driver's copy in the object store."""
+        path = Path(source.path)
+        trains = self.policy.optimizer is not None
+        if path.is_dir():
+            load_checkpoint(path, self.policy, optimizer=trains)
+            return
+        if trains:
+            raise UserError(f"--resume: {path} is not visible on {self.name}'s node: trainer ranks read the "
+                            "checkpoint directory by path (put the run directory where every node mounts it)")
+        import ray
+
         with tempfile.TemporaryDirectory() as tmp:
-            for fname, data in files.items():
+            for fname, data in ray.get(source.rollout_files).items():
                 (Path(tmp) / fname).write_bytes(data)
-            load_checkpoint(Path(tmp), self.policy, optimizer=self.policy.optimizer is not None)
+            load_checkpoint(Path(tmp), self.policy, optimizer=False)
 
     def _build(self, cfg, reward_actor) -> None:
         if pick_device(cfg.train.device).type == "cpu":
@@ -137,6 +181,8 @@ class EngineWorker:
         else:
             self.reward = None
         self.policy = Policy(cfg, trainable=self.role != "rollout")
+        if not generates(cfg, self.role):  # a lean trainer rank: no text encoder, no VAE
+            self.policy.adapter.release_generation_modules()
         self.expected_keys = frozenset(self.policy.weights())
         if scores and not _restarted():  # dry-run the rewards on this worker's decoded shape (once:
             # a restarted worker was checked at the start, and the reward actor may be restarting too)
@@ -145,7 +191,10 @@ class EngineWorker:
     def ready(self) -> dict:
         if self.init_error is not None:
             raise self.init_error
-        return {"checksum": checksum(self.policy.weights()), "device": str(self.policy.device),
+        others = self._fan_out("ready")
+        weights = self.policy.weights()  # on a sharded group, a gather every rank joins
+        self._gather(others)
+        return {"checksum": checksum(weights), "device": str(self.policy.device),
                 "pid": os.getpid(), "version": self.policy.version}
 
     # -- trainer group -------------------------------------------------------------------
@@ -163,29 +212,43 @@ class EngineWorker:
 
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=30))
-        self.world = world
+        self.world, self.rank = world, rank
         if rank != 0:  # train.ema: rank 0 alone keeps the average (it evaluates, checkpoints, exports)
             self.policy.ema = None
+        if resolve_fsdp(self.cfg.train, world) > 1:  # FSDP2 over all trainer ranks (settings.check_fsdp_wired)
+            from digenrl.distributed import fsdp
+
+            # activation checkpointing, if on, is already applied by Policy
+            fsdp.shard_policy(self.policy, fsdp.trainer_mesh(world, self.policy.device.type))
+            self.sharded = True
+
+    def lead(self, followers: list) -> None:
+        """Rank 0 of a sharded group: it runs every unit and side call on the other ranks too
+        (same call, same collectives), so the scheduler sees the group as this one worker."""
+        self.followers = list(followers)
+
+    def _fan_out(self, method: str, *args) -> list:
+        """Start ``method(*args)`` on the other ranks of a sharded group; returns their refs."""
+        return [getattr(f, method).remote(*args) for f in self.followers]
+
+    @staticmethod
+    def _gather(refs: list) -> list:
+        if not refs:
+            return []
+        import ray
+
+        return ray.get(refs)
 
     def _all_reduce_gradients(self) -> None:
-        """Sum the accumulated gradients over the ranks, flattened into one buffer (one per
-        dtype: LoRA trains in fp32 only, a full fine-tune may mix).
-
-        A rank that trained nothing this iteration contributes zeros (its grads are None)."""
+        """Sum the accumulated gradients over the ranks in DDP-style buckets
+        (:func:`~digenrl.distributed.grad_sync.all_reduce_gradients`: ~25 MiB each, packed while the
+        previous one is in flight; never a flat copy of every gradient). A rank that trained nothing
+        this iteration contributes zeros (its grads are None)."""
         if self.world == 1:
             return
-        import torch.distributed as dist
+        from digenrl.distributed import grad_sync
 
-        by_dtype: dict[torch.dtype, list] = {}
-        for p in self.policy.params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for params in by_dtype.values():
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-            dist.all_reduce(flat)
-            offset = 0
-            for p in params:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+        grad_sync.all_reduce_gradients(self.policy.params)
 
     # -- units ---------------------------------------------------------------------------
 
@@ -249,9 +312,12 @@ class EngineWorker:
                 unit.iteration, unit.groups, unit.sample_version):
             raise RuntimeError(f"{unit.uid}: received samples of another unit")
         samples.advantages = advantages
+        others = self._fan_out("train", unit, samples, advantages, total_terms)
         start = time.time()
-        stats = train_unit(self.policy, samples, total_terms, unit.tsp_rank, unit.tsp_degree, unit.step,
+        mine = rank_slice(samples, self.rank, self.world) if self.sharded else samples
+        stats = train_unit(self.policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree, unit.step,
                            self.cfg.train.optimizer_steps)
+        stats = combine_rank_stats([stats] + [r["stats"] for r in self._gather(others)])
         self.faults.reached(unit.uid)
         end = time.time()
         event = unit_event("train", unit, start, end, self.policy.version, sample_versions=[samples.version],
@@ -262,16 +328,21 @@ class EngineWorker:
     def step(self, unit: StepUnit, publish: bool) -> dict:
         """All-reduce, one optimizer step (the iteration's last -> version k+1), and on rank 0 after
         the last step the weight publish."""
+        others = self._fan_out("step", unit, publish)
         start = time.time()
-        self._all_reduce_gradients()
+        if not self.sharded:  # FSDP2 reduce-scattered the gradients in backward
+            self._all_reduce_gradients()
         grad_norm = self.policy.optimizer_step(publish=unit.last)
         if self.policy.version != unit.version:
             raise RuntimeError(f"{self.name}: stepped to version {self.policy.version}, expected {unit.version}")
         events, packet = [], None
-        if publish:
+        if publish and self.rank > 0:  # a sharded rank > 0: its part of the gather, nothing shipped
+            self.policy.weights()
+        elif publish:
             packet, sync = weight_sync.publish(self.policy)
             events.append(sync)
         digest = checksum(self.policy.weights()) if self.policy.lora else None  # ranks must agree
+        self._gather(others)
         publishes = {"publishes": unit.version} if unit.last else {}
         events.insert(0, unit_event("step", unit, start, time.time(), unit.iteration, step=unit.step, **publishes))
         return {"grad_norm": grad_norm, "packet": packet, "checksum": digest, "events": events}
@@ -279,12 +350,22 @@ class EngineWorker:
     # -- results -------------------------------------------------------------------------
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return self.policy.weights()
+        others = self._fan_out("weights")
+        state = self.policy.weights()
+        self._gather(others)
+        return state
 
     def publish(self) -> weight_sync.WeightPacket:
         """The weights this worker holds as a packet (the driver keeps the starting version's, for
         a re-queued unit of that version on a rollout worker that has moved on)."""
-        return weight_sync.publish(self.policy)[0]
+        others = self._fan_out("publish")
+        packet = None
+        if self.rank > 0:  # a sharded rank > 0: its part of the gather
+            self.policy.weights()
+        else:
+            packet = weight_sync.publish(self.policy)[0]
+        self._gather(others)
+        return packet
 
     def checkpoint(self, iteration: int, extra: dict) -> dict[str, bytes]:
         """This rank's checkpoint after ``iteration`` iterations, as file bytes for the driver.
@@ -292,7 +373,10 @@ class EngineWorker:
         its calls in order), so it holds exactly version ``iteration`` and no partial gradient."""
         if self.policy.version != iteration:
             raise RuntimeError(f"{self.name}: checkpoint of iteration {iteration} asked at version {self.policy.version}")
-        return checkpoint_files(self.policy, iteration, self.cfg, extra)
+        others = self._fan_out("checkpoint", iteration, extra)
+        files = checkpoint_files(self.policy, iteration, self.cfg, extra)  # gathers shards on every rank
+        self._gather(others)
+        return files
 
     def evaluate(self) -> dict[str, float]:
         """``eval/<reward>`` of the current weights (ODE, fixed seeds), as LocalTrainer.evaluate."""
@@ -306,4 +390,7 @@ class EngineWorker:
     def export_final(self) -> dict[str, bytes]:
         """``final/``'s files (:func:`~digenrl.runpolicy.final_files`), as bytes for the driver, which
         writes them wherever its run directory is (possibly another node)."""
-        return final_files(self.policy)
+        others = self._fan_out("export_final")
+        files = final_files(self.policy)  # gathers shards on every rank
+        self._gather(others)
+        return files
