@@ -238,10 +238,10 @@ class TrainConfig(_Section):
                                                       "the s-th equal slice of every prompt group's samples")
     ema: EmaConfig | None = Field(None, description="EMA of the trained weights for eval and final/ (off: null)")
     activation_checkpointing: Literal["auto", "on", "off"] = Field(
-        "auto", description="recompute each transformer block in backward; auto = off until the memory model decides")
+        "auto", description="recompute each transformer block in backward; auto = as the memory preflight resolves it (off on CPU)")
     fsdp: Literal["auto", "off"] | int = Field(
         "auto", description=("FSDP2 sharding degree of the trainer ranks: auto | off | N "
-                             "(N = all trainer ranks of a disaggregated engine run)"))
+                             "(N = all trainer ranks of a disaggregated engine run); auto = as the memory preflight resolves it"))
 
     @field_validator("activation_checkpointing", mode="before")
     @classmethod

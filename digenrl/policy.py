@@ -50,7 +50,7 @@ class Policy:
             self._ref = copy.deepcopy(net).requires_grad_(False)
         if trainable:
             fp32_master(net)  # the optimizer steps fp32 masters; compute stays in model.dtype (autocast)
-            if resolve_activation_checkpointing(cfg.train):
+            if resolve_activation_checkpointing(cfg):
                 checkpoint_blocks(net)
         self.named_params = {n: p for n, p in net.named_parameters() if p.requires_grad}
         self.params = list(self.named_params.values())

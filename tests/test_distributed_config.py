@@ -50,13 +50,13 @@ def test_bad_distributed_settings_exit_2_with_one_line(case, tmp_path, monkeypat
 def test_settings_resolve():
     cfg = load_config(None, [])
     assert cfg.train.fsdp == "auto" and cfg.train.activation_checkpointing == "auto"
-    assert resolve_fsdp(cfg.train, 4) == 1 and not resolve_activation_checkpointing(cfg.train)  # auto: off for now
+    assert resolve_fsdp(cfg, 4) == 1 and not resolve_activation_checkpointing(cfg)  # auto on CPU pools: off
     on = load_config(None, ["train.activation_checkpointing=on", "train.fsdp=off"])  # YAML reads these as booleans
     assert on.train.activation_checkpointing == "on" and on.train.fsdp == "off"
-    assert resolve_activation_checkpointing(on.train)
-    assert resolve_fsdp(load_config(None, ["train.fsdp=2"]).train, 4) == 2
+    assert resolve_activation_checkpointing(on)
+    assert resolve_fsdp(load_config(None, ["train.fsdp=2"]), 4) == 2
     with pytest.raises(UserError, match="train.fsdp: 3 does not divide the 4 trainer ranks"):
-        resolve_fsdp(load_config(None, ["train.fsdp=3"]).train, 4)
+        resolve_fsdp(load_config(None, ["train.fsdp=3"]), 4)
 
 
 def test_resuming_sharded_trainer_ranks_is_refused(tmp_path):

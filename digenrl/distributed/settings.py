@@ -1,8 +1,10 @@
 """How ``train.fsdp`` and ``train.activation_checkpointing`` resolve to what a trainer does.
 
-``auto`` is meant to be chosen by the planner's memory model (per-device need vs capacity). Until
-that model is wired into the runtime, ``auto`` resolves to no sharding and no activation
-checkpointing -- what the tiny presets need.
+Explicit values are taken as written. ``auto`` is what the memory preflight resolves
+(:func:`digenrl.preflight.resolve_memory_settings`, the planner's memory model): on a known GPU
+type, replicated without checkpointing if that fits, else the first FSDP degree / checkpointing
+setting that does; on CPU pools (no fixed per-device memory) and local runs, off. The runtime and
+the preflight call the same function, so what ``config validate`` accepted is what ``train`` runs.
 """
 
 from __future__ import annotations
@@ -10,15 +12,28 @@ from __future__ import annotations
 from digenrl.errors import UserError
 
 
-def resolve_activation_checkpointing(train_cfg) -> bool:
-    return train_cfg.activation_checkpointing == "on"
+def _auto(cfg):
+    from digenrl.preflight import resolve_memory_settings
+
+    return resolve_memory_settings(cfg)
 
 
-def resolve_fsdp(train_cfg, trainer_ranks: int) -> int:
+def resolve_activation_checkpointing(cfg) -> bool:
+    """Whether trainer ranks checkpoint activations per block (``auto``: the memory preflight's choice)."""
+    value = cfg.train.activation_checkpointing
+    if value == "auto":
+        return cfg.placement.mode != "local" and _auto(cfg).activation_checkpointing
+    return value == "on"
+
+
+def resolve_fsdp(cfg, trainer_ranks: int) -> int:
     """The sharding degree: 1 = replicated (DDP-style bucketed all-reduce), N = FSDP2 over groups
-    of N ranks (HSDP, replicated across the groups, when N < ``trainer_ranks``)."""
-    value = train_cfg.fsdp
-    if value in ("auto", "off"):
+    of N ranks (HSDP, replicated across the groups, when N < ``trainer_ranks``); ``auto``: the
+    memory preflight's choice."""
+    value = cfg.train.fsdp
+    if value == "auto":
+        value = _auto(cfg).fsdp if cfg.placement.mode != "local" else 1
+    if value in ("auto", "off", 1):
         return 1
     if trainer_ranks % value:
         raise UserError(f"train.fsdp: {value} does not divide the {trainer_ranks} trainer ranks")
@@ -30,9 +45,12 @@ def check_fsdp_wired(cfg) -> None:
     exactly N ranks, training each unit together (every rank an equal slice of its samples, so
     every rank runs the same forward / backward passes). Anything else is refused."""
     n = cfg.train.fsdp
+    head = f"train.fsdp: {n}:"
+    if n == "auto" and cfg.placement.mode != "local":
+        n = _auto(cfg).fsdp
+        head = f"train.fsdp: auto (the memory preflight needs {n}):"
     if not (isinstance(n, int) and n > 1):
         return
-    head = f"train.fsdp: {n}:"
     if cfg.placement.mode != "disaggregated":
         raise UserError(f"{head} sharded trainer ranks need placement.mode: disaggregated "
                         f"(got {cfg.placement.mode}); use train.fsdp: off")
@@ -41,7 +59,7 @@ def check_fsdp_wired(cfg) -> None:
     ranks = sum(w.role == "trainer" for w in engine_workers(cfg))
     if ranks != n:
         raise UserError(f"{head} must equal the number of trainer ranks ({ranks}); HSDP (a degree that divides "
-                        "them) is not wired; use train.fsdp: off")
+                        f"them) is not wired; use train.fsdp: {ranks} or off")
     refused = {"engine.tag": cfg.engine.tag, "engine.tsp_degree > 1": cfg.engine.tsp_degree > 1,
                "algorithm.timesteps.mode: random": cfg.algorithm.timesteps.mode == "random",
                "output.eval_every": cfg.output.eval_every > 0,

@@ -155,7 +155,7 @@ def followers(cfg: RunConfig, workers: list[Worker]) -> list[str]:
     from digenrl.distributed.settings import resolve_fsdp
 
     ranks = [w.name for w in workers if w.role != "rollout"]
-    return ranks[1:] if ranks and resolve_fsdp(cfg.train, len(ranks)) > 1 else []
+    return ranks[1:] if ranks and resolve_fsdp(cfg, len(ranks)) > 1 else []
 
 
 def connect(workers: list[Worker], ray_address: str | None) -> bool:

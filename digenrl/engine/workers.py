@@ -215,7 +215,7 @@ class EngineWorker:
         self.world, self.rank = world, rank
         if rank != 0:  # train.ema: rank 0 alone keeps the average (it evaluates, checkpoints, exports)
             self.policy.ema = None
-        if resolve_fsdp(self.cfg.train, world) > 1:  # FSDP2 over all trainer ranks (settings.check_fsdp_wired)
+        if resolve_fsdp(self.cfg, world) > 1:  # FSDP2 over all trainer ranks (settings.check_fsdp_wired)
             from digenrl.distributed import fsdp
 
             # activation checkpointing, if on, is already applied by Policy
