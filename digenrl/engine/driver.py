@@ -85,14 +85,20 @@ def drive(scheduler: Scheduler, order: list[str], backend: Backend) -> None:
         event = backend.next_event()
         if isinstance(event, (Done, Released, Back)):
             idle.add(event.worker)
-        if isinstance(event, Released):
-            scheduler.release(event.unit)
-        elif isinstance(event, Lost):
-            scheduler.requeue(event.unit)
-        elif isinstance(event, (Done, Scored)):
-            before = scheduler.published_version
-            scheduler.complete(event.unit)
-            backend.completed(event.unit, before if scheduler.published_version > before else None)
+        _apply(scheduler, backend, event, requeue=True)
+
+
+def _apply(scheduler: Scheduler, backend: Backend, event: Event | None, requeue: bool) -> None:
+    """Tell the scheduler what ``event`` means: a unit released for scoring, lost (generated again
+    when ``requeue``), or complete (the backend hears whether that published a version)."""
+    if isinstance(event, Released):
+        scheduler.release(event.unit)
+    elif isinstance(event, Lost) and requeue:
+        scheduler.requeue(event.unit)
+    elif isinstance(event, (Done, Scored)):
+        before = scheduler.published_version
+        scheduler.complete(event.unit)
+        backend.completed(event.unit, before if scheduler.published_version > before else None)
 
 
 def finish_running(scheduler: Scheduler, backend: Backend, owed_step_shares, running) -> None:
@@ -108,10 +114,4 @@ def finish_running(scheduler: Scheduler, backend: Backend, owed_step_shares, run
             backend.start(worker, unit)
         if not running():
             return
-        event = backend.next_event()
-        if isinstance(event, Released):
-            scheduler.release(event.unit)
-        elif isinstance(event, (Done, Scored)):
-            before = scheduler.published_version
-            scheduler.complete(event.unit)
-            backend.completed(event.unit, before if scheduler.published_version > before else None)
+        _apply(scheduler, backend, backend.next_event(), requeue=False)
