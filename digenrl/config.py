@@ -305,6 +305,8 @@ class EngineConfig(_Section):
     gap: bool = True
     tsp_degree: int = Field(2, gt=0, le=MAX_STEPS, description="TSP: trained timesteps split over this many ranks")
     tag: bool = True
+    rollout_sp: int = Field(1, gt=0, description="sequence parallelism: devices per rollout worker (Ulysses)")
+    trainer_sp: int = Field(1, gt=0, description="sequence parallelism: devices per trainer rank (Ulysses)")
     max_staleness: Literal[0, 1] = Field(1, description="1 = one-step async: rollout k+1 with version k")
     max_restarts: int = Field(3, ge=0, description="restarts per rollout worker / reward actor before the run stops")
     faults: list[FaultConfig] = Field(default_factory=list, description=(

@@ -17,7 +17,7 @@ from digenrl.config import RunConfig
 from digenrl.ema import WeightAverage, swapped_in
 from digenrl.distributed.checkpointing import checkpoint_blocks
 from digenrl.distributed.precision import fp32_master
-from digenrl.distributed.settings import check_fsdp_wired, resolve_activation_checkpointing
+from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired, resolve_activation_checkpointing
 from digenrl.lora import apply_lora, checksum, full_tensor, load_lora_state_dict, lora_state_dict
 from digenrl.errors import UserError
 
@@ -36,6 +36,7 @@ class Policy:
     def __init__(self, cfg: RunConfig, device: torch.device | str | None = None, trainable: bool = True):
         self.cfg = cfg
         check_fsdp_wired(cfg)
+        check_sp_wired(cfg)
         self.device = torch.device(device) if device is not None else pick_device(cfg.train.device)
         self.adapter = build_adapter(cfg.model, cfg.sampling, self.device)
         net = self.adapter.transformer

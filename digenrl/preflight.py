@@ -60,8 +60,9 @@ def check_config(cfg: RunConfig, ray_address: str | None = None) -> list[str]:
 
     checked = []
     check_memory(cfg)  # the placement against its device types (known GPUs), before this host's devices
-    from digenrl.distributed.settings import check_fsdp_wired
+    from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
 
+    check_sp_wired(cfg)
     check_fsdp_wired(cfg)  # the sharding the memory needs is one the engine runs
     check_resources(cfg, ray_address)
     if cfg.placement.mode != "local":

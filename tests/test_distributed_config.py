@@ -34,6 +34,11 @@ CASES = {
                           "--set", "algorithm.group_size=3", *TINY],
                          "train.fsdp: 2: engine.unit_groups x algorithm.group_size (1 x 3): 3 samples per unit must "
                          "split evenly over the 2 ranks"),
+    # sequence parallelism: config keys exist, the engine does not run them yet (settings.check_sp_wired)
+    "rollout sp": (["--set", "engine.rollout_sp=2", *TINY],
+                   "engine.rollout_sp: 2: sequence parallelism is not wired into the engine yet"),
+    "trainer sp": (["--set", "engine.trainer_sp=2", "--set", "placement.mode=local", *TINY],
+                   "engine.trainer_sp: 2: sequence parallelism is not wired into the engine yet"),
 }
 
 

@@ -74,3 +74,13 @@ def check_fsdp_wired(cfg) -> None:
         what = ("engine.unit_samples" if e.unit_samples else "engine.unit_groups x algorithm.group_size "
                 f"({e.unit_groups} x {group})")
         raise UserError(f"{head} {what}: {per_unit} samples per unit must split evenly over the {n} ranks")
+
+
+def check_sp_wired(cfg) -> None:
+    """Sequence parallelism (``engine.rollout_sp`` / ``engine.trainer_sp`` > 1) is not wired into the
+    engine yet: refused with one line rather than run on one device."""
+    for key in ("rollout_sp", "trainer_sp"):
+        value = getattr(cfg.engine, key)
+        if value > 1:
+            raise UserError(f"engine.{key}: {value}: sequence parallelism is not wired into the engine yet; "
+                            f"use engine.{key}: 1")
