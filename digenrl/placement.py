@@ -19,7 +19,7 @@ the rollout workers leave over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from digenrl.config import PoolConfig, RunConfig
 from digenrl.engine.scheduler import Role, SchedulerConfig, WorkerSpec
@@ -88,12 +88,14 @@ class Plan:
         return [Worker(f"{p.name}{i}", self.role(p), p) for p in self.pools for i in range(p.count)]
 
     def scheduler_config(self, groups_per_iteration: int, iterations: int, wait_for_full_batch: bool = False,
-                         start_iteration: int = 0) -> SchedulerConfig:
+                         start_iteration: int = 0, optimizer_steps: int = 1) -> SchedulerConfig:
+        """The scheduler's configuration for this plan and the run's work (``groups_per_iteration``,
+        ``iterations``, ``optimizer_steps``: the algorithm's, not a placement choice)."""
         return SchedulerConfig(placement=self.placement, groups_per_iteration=groups_per_iteration,
                                unit_groups=self.unit_groups, tsp_degree=self.tsp_degree, tag=self.tag, gap=self.gap,
                                max_staleness=self.max_staleness, iterations=iterations,
                                wait_for_full_batch=wait_for_full_batch, start_iteration=start_iteration,
-                               group_parts=self.group_parts)
+                               group_parts=self.group_parts, optimizer_steps=optimizer_steps)
 
     # -- labels ----------------------------------------------------------------------------
 
@@ -191,10 +193,9 @@ def engine_scheduler_config(cfg: RunConfig, start_iteration: int = 0) -> Schedul
     """The scheduler's configuration for ``cfg``: its plan, plus global-std advantages holding training
     back until every reward of the iteration is in."""
     try:
-        sched = Plan.from_run_config(cfg).scheduler_config(
-            cfg.train.prompts_per_iteration, cfg.train.iterations,
-            wait_for_full_batch=cfg.algorithm.std == "global", start_iteration=start_iteration)
-        return replace(sched, optimizer_steps=cfg.train.optimizer_steps)
+        return Plan.from_run_config(cfg).scheduler_config(
+            cfg.train.prompts_per_iteration, cfg.train.iterations, wait_for_full_batch=cfg.algorithm.std == "global",
+            start_iteration=start_iteration, optimizer_steps=cfg.train.optimizer_steps)
     except ValueError as exc:
         raise UserError(f"engine: {exc}") from None
 

@@ -7,6 +7,10 @@
   ``train.optimizer_steps`` of them per iteration, mini-batch s being the s-th slice of every
   group's samples, :func:`minibatch_rows`).
 
+A rollout unit runs its model forwards in the train forwards' batches (:func:`forward_batches`): the
+trainer's recomputed log-prob of a sample is then the same forward in the same batch as its
+behaviour log-prob, so an on-policy ratio is exactly 1 (on the same kernels), not 1 up to rounding.
+
 Randomness is drawn per prompt group from a seed of (run seed, iteration, group id), so a sample
 is the same whichever unit, worker or batch it is generated in: a part of a group draws the whole
 group's noise from the group's stream and keeps its own samples' share.
@@ -88,7 +92,7 @@ def rollout_unit(policy, reward_fn, prompts: list[Prompt], group_ids: list[int],
     sigmas = ad.sigmas(n_steps)
     sde_mask, train_idx = _timestep_selection(cfg, iteration, seed, group_ids, (lo, hi))
     traj = sample(ad, cond.to(ad.device), noise.to(ad.device), sigmas, cfg.sampling.sde, cfg.sampling.noise_level,
-                  rng, sde_mask)
+                  rng, sde_mask, batches=forward_batches(train_idx, cfg, n, lo))
     pixels = ad.decode(traj.latents[:, -1])
     texts = [p.text for p in prompts for _ in range(n)]
     metas = [p.meta for p in prompts for _ in range(n)]
@@ -173,36 +177,36 @@ def train_unit(policy, samples: Samples, total_terms: int, tsp_rank: int = 0, ts
     stats = _Stats()
     positions = [j for j in range(samples.train_idx.shape[1]) if j % tsp_degree == tsp_rank]
     sig = samples.sigmas.to(ad.device)
-    rows = minibatch_rows(len(samples), alg.group_size, minibatch, minibatches,
-                          len(samples) // len(samples.group_ids), samples.first_sample)
-    for mb in rows.split(cfg.train.micro_batch):
+    for mb in train_batches(len(samples), cfg, minibatch, minibatches, len(samples) // len(samples.group_ids),
+                            samples.first_sample):
         cond = samples.cond.select(mb).to(ad.device)
         adv = samples.advantages[mb].to(ad.device)
-        for j in positions:
-            steps = samples.train_idx[mb, j]
-            for i in steps.unique().tolist():  # samples at the same step share one forward
-                sel = (steps == i).nonzero().squeeze(1)
-                rows = mb[sel]
-                x = samples.latents[rows, i].to(ad.device)
-                x_next = samples.latents[rows, i + 1].to(ad.device)
-                c = cond.select(sel) if len(sel) < len(mb) else cond
-                logp, mu, std = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
-                behaviour = samples.log_probs[rows, i].to(ad.device)
-                if stale:  # clip around the proximal policy, weight by capped exp(logp_prox - logp_behav)
-                    prox = logp.detach()
-                    w = torch.exp(prox - behaviour).clamp(max=alg.is_cap)
-                    loss, st = grpo.clipped_objective(logp, prox, adv[sel], alg.clip_range, w)
-                    stats.add_is(w)
-                else:
-                    loss, st = grpo.clipped_objective(logp, behaviour, adv[sel], alg.clip_range)
-                if alg.kl_beta > 0:
-                    with torch.no_grad(), policy.reference():
-                        _, mu_ref, _ = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
-                    kl = grpo.kl_to_reference(mu, mu_ref, std)
-                    loss = loss + alg.kl_beta * kl
-                    stats.kl += kl.detach().sum().item()
-                (loss.sum() / total_terms).backward()
-                stats.add(loss.detach(), st, len(rows), total_terms)
+        mine = samples.train_idx[mb][:, positions]  # (samples, this rank's positions): steps to train
+        for i in mine.unique().tolist():  # the samples training step i share one forward (each trains it once)
+            sel = (mine == i).any(1).nonzero().squeeze(1)
+            rows = mb[sel]
+            x = samples.latents[rows, i].to(ad.device)
+            x_next = samples.latents[rows, i + 1].to(ad.device)
+            c = cond.select(sel) if len(sel) < len(mb) else cond
+            logp, mu, std = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
+            behaviour = samples.log_probs[rows, i].to(ad.device)
+            if stale:  # clip around the proximal policy, weight by capped exp(logp_prox - logp_behav)
+                prox = logp.detach()
+                w = torch.exp(prox - behaviour).clamp(max=alg.is_cap)
+                loss, st = grpo.clipped_objective(logp, prox, adv[sel], alg.clip_range, w)
+                stats.add_is(w)
+            else:
+                loss, st = grpo.clipped_objective(logp, behaviour, adv[sel], alg.clip_range)
+                if minibatch == 0:  # on-policy: the trainer should reproduce the rollout's log-prob
+                    stats.add_mismatch(logp.detach() - behaviour)
+            if alg.kl_beta > 0:
+                with torch.no_grad(), policy.reference():
+                    _, mu_ref, _ = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
+                kl = grpo.kl_to_reference(mu, mu_ref, std)
+                loss = loss + alg.kl_beta * kl
+                stats.kl += kl.detach().sum().item()
+            (loss.sum() / total_terms).backward()
+            stats.add(loss.detach(), st, len(rows), total_terms)
     return stats.as_dict()
 
 
@@ -214,6 +218,7 @@ class _Stats:
         self.terms = 0
         self.ratio_max, self.ratio_min = float("-inf"), float("inf")
         self.is_sum, self.is_max, self.is_n = 0.0, 0.0, 0
+        self.mismatch_sum, self.mismatch_n = 0.0, 0  # |logp - behaviour logp| over on-policy terms
 
     def add(self, loss, st, n, total_terms):
         self.loss += loss.sum().item() / total_terms
@@ -226,6 +231,10 @@ class _Stats:
         self.is_sum += w.sum().item()
         self.is_max = max(self.is_max, w.max().item())
         self.is_n += w.numel()
+
+    def add_mismatch(self, diff):
+        self.mismatch_sum += diff.abs().sum().item()
+        self.mismatch_n += diff.numel()
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -245,6 +254,42 @@ def minibatch_rows(n: int, group_size: int, minibatch: int, minibatches: int, pe
     return rows[in_group // (group_size // minibatches) == minibatch]
 
 
+def train_batches(n: int, cfg, minibatch: int = 0, minibatches: int = 1, per_group: int | None = None,
+                  first: int = 0) -> list[torch.Tensor]:
+    """The rows of each train forward of mini-batch ``minibatch`` (of a unit of ``n`` samples, as in
+    :func:`minibatch_rows`): its rows in ``train.micro_batch`` chunks."""
+    rows = minibatch_rows(n, cfg.algorithm.group_size, minibatch, minibatches, per_group, first)
+    return [mb for mb in rows.split(cfg.train.micro_batch) if len(mb)]
+
+
+def forward_batches(train_idx: torch.Tensor, cfg, per_group: int | None = None,
+                    first: int = 0) -> list[list[torch.Tensor]] | None:
+    """Per denoising step, the rows of each model forward of a rollout unit (``train_idx``: its
+    samples' trained steps; ``per_group`` / ``first`` as in :func:`minibatch_rows`): the forwards
+    :func:`train_unit` runs -- per micro-batch of every mini-batch and per TSP rank, the samples
+    that train the step -- and each micro-batch's other samples together. None: one forward of the
+    whole unit at every step is already that."""
+    n, S = len(train_idx), cfg.train.optimizer_steps
+    degree = 1 if cfg.placement.mode == "local" else cfg.engine.tsp_degree  # the local trainer has no TSP
+    rank_of_position = torch.arange(train_idx.shape[1]) % degree
+    micro = [mb for s in range(S) for mb in train_batches(n, cfg, s, S, per_group, first)]
+    per_step = []
+    for i in range(cfg.sampling.steps):
+        batches = []
+        for mb in micro:
+            hit = train_idx[mb] == i  # (samples, positions): a sample trains a step at most once
+            for rank in range(degree):
+                trains = hit[:, rank_of_position == rank].any(1)
+                if trains.any():
+                    batches.append(mb[trains])
+            rest = mb[~hit.any(1)]
+            if len(rest):
+                batches.append(rest)
+        per_step.append(batches)
+    whole = all(len(b) == 1 and len(b[0]) == n for b in per_step)
+    return None if whole else per_step
+
+
 def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:
     """Combine unit stats into the iteration's metrics (``loss``: the mean of the mini-batches' losses)."""
     terms = sum(p["terms"] for p in parts) or 1
@@ -256,6 +301,9 @@ def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:
         "ratio_min": min(p["ratio_min"] for p in parts),
         "clip_frac": sum(p["clip_sum"] for p in parts) / terms,
     }
+    mismatch_n = sum(p["mismatch_n"] for p in parts)
+    if mismatch_n:
+        out["logprob_mismatch"] = sum(p["mismatch_sum"] for p in parts) / mismatch_n
     is_n = sum(p["is_n"] for p in parts)
     if is_n:
         out["is_weight_mean"] = sum(p["is_sum"] for p in parts) / is_n

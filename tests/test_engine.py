@@ -168,6 +168,8 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
         for mine, theirs in zip(rows, ref_rows):
             assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
             assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
+            # the trainer ranks recompute every on-policy log-prob exactly as the rollout worker got it
+            assert mine["logprob_mismatch"] == theirs["logprob_mismatch"] == 0.0
             if n_steps == 1:  # one step: every sample on-policy, the ratio 1
                 assert mine["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
             else:  # the later mini-batches see the moved weights: PPO's ratio, the same as the local one

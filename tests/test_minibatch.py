@@ -1,6 +1,6 @@
 """Mini-batch PPO (``train.optimizer_steps``) in the local trainer: the first mini-batch is on-policy
-(ratio 1 up to fp32 rounding, nothing clipped), the later ones see the moved weights (ratio off 1,
-the clip binds), and one step per iteration is today's update bit for bit."""
+(ratio exactly 1, nothing clipped), the later ones see the moved weights (ratio off 1, the clip
+binds), and one step per iteration is today's update bit for bit."""
 
 import pytest
 import torch
@@ -17,25 +17,84 @@ def trainer_of(*overrides) -> LocalTrainer:
     return LocalTrainer(load_config(None, [*SMALL, *overrides]))
 
 
-def test_first_minibatch_has_ratio_one_and_later_ones_clip():
-    t = trainer_of("train.optimizer_steps=4")
-    units = t.rollout(0)
+def minibatch_stats(t: LocalTrainer, iteration: int, steps: int) -> list[dict]:
+    """Iteration ``iteration`` trained by hand, one mini-batch at a time: each mini-batch's stats."""
+    units = t.rollout(iteration)
     assign_advantages(units, t.cfg)
-    per_step = []
-    terms = sum(len(u) * u.train_idx.shape[1] for u in units) // 4
-    for s in range(4):
-        parts = [train_unit(t.policy, u, terms, minibatch=s, minibatches=4) for u in units]
-        assert sum(p["terms"] for p in parts) == terms  # a quarter of the iteration's terms
-        per_step.append(merge_stats(parts))
-        t.policy.optimizer_step(publish=s == 3)
-    first, later = per_step[0], per_step[1:]
-    # on-policy: the recomputed log-prob is the behaviour log-prob up to fp32 rounding (the slice is
-    # recomputed in other batch shapes than the rollout's), far inside the clip: nothing clipped
-    assert abs(first["ratio_min"] - 1) < 1e-6 and abs(first["ratio_max"] - 1) < 1e-6 and first["clip_frac"] == 0.0
+    terms = sum(len(u) * u.train_idx.shape[1] for u in units) // steps
+    out = []
+    for s in range(steps):
+        parts = [train_unit(t.policy, u, terms, minibatch=s, minibatches=steps) for u in units]
+        assert sum(p["terms"] for p in parts) == terms  # a 1/steps share of the iteration's terms
+        out.append(merge_stats(parts))
+        t.policy.optimizer_step(publish=s == steps - 1)
+    return out
+
+
+def test_first_minibatch_has_ratio_exactly_one_and_later_ones_clip():
+    t = trainer_of("train.optimizer_steps=4")
+    t.iteration(0)  # LoRA moved off its zero init: the check below runs on trained weights
+    first, *later = minibatch_stats(t, 1, 4)
+    # on-policy: the trainer forwards each sample in the batch the rollout forwarded it in, so the
+    # recomputed log-prob IS the behaviour log-prob, bit for bit: the ratio is exactly 1
+    assert first["logprob_mismatch"] == 0.0
+    assert first["ratio_min"] == first["ratio_max"] == 1.0 and first["clip_frac"] == 0.0
     for st in later:  # PPO: the ratio to the behaviour policy moves and the clip (1e-4) binds
         assert st["clip_frac"] > 0
         assert st["ratio_max"] > 1 + 1e-4 and st["ratio_min"] < 1 - 1e-4
-    assert t.policy.version == 1  # four steps, one iteration, one version
+        assert "logprob_mismatch" not in st  # measured on the on-policy mini-batch only
+    assert t.policy.version == 2  # four steps per iteration, one version per iteration
+
+
+@pytest.mark.parametrize("config, overrides", [
+    (None, ["train.micro_batch=1", "train.prompts_per_iteration=2"]),  # one sample per forward
+    (None, ["train.micro_batch=3"]),  # micro-batches that straddle groups
+    (None, ["algorithm.timesteps.mode=window", "algorithm.timesteps.window=2"]),
+    (None, ["algorithm.name=dance_grpo", "sampling.steps=8"]),  # random steps: each step's samples apart
+    ("configs/qwen_tiny.yaml", ["model.height=16", "model.width=16", "train.prompts_per_iteration=2"]),
+], ids=["micro1", "micro3", "window", "dance_grpo", "qwen_image"])
+def test_on_policy_ratio_is_exactly_one_in_every_batch_layout(config, overrides):
+    """Micro-batches, window and random steps, another family (two-pass CFG): mini-batch 0 of 2
+    reproduces the rollout's log-probs exactly."""
+    t = LocalTrainer(load_config(config, [*SMALL, "train.optimizer_steps=2", *overrides]))
+    first, second = minibatch_stats(t, 0, 2)
+    assert first["logprob_mismatch"] == 0.0 and first["ratio_min"] == first["ratio_max"] == 1.0
+    assert second["ratio_max"] > 1 or second["ratio_min"] < 1
+
+
+def test_on_policy_ratio_is_exactly_one_on_every_tsp_rank():
+    """In the engine a unit's trained steps are split over TSP ranks; the rollout forwards each
+    rank's samples of a step apart (random steps, two ranks, as a trainer rank runs them)."""
+    from digenrl.policy import Policy
+    from digenrl.prompts import PromptSampler, load_prompts
+    from digenrl.rewards import build_reward
+    from digenrl.units import rollout_unit
+
+    cfg = load_config(None, [*SMALL, "placement.mode=colocated", "engine.max_staleness=0", "engine.tsp_degree=2",
+                             "algorithm.name=dance_grpo", "sampling.steps=8", "train.optimizer_steps=2",
+                             "train.prompts_per_iteration=2"])
+    torch.manual_seed(cfg.train.seed)
+    prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed).for_iteration(0, 2)
+    policy, reward = Policy(cfg), build_reward(cfg.reward)
+    units = [rollout_unit(policy, reward, prompts[j : j + 1], [j], 0, cfg.train.seed) for j in range(2)]
+    assign_advantages(units, cfg)
+    terms = sum(len(u) * u.train_idx.shape[1] for u in units) // 2
+    parts = [train_unit(policy, u, terms, rank, 2, minibatch=0, minibatches=2) for u in units for rank in range(2)]
+    assert sum(p["terms"] for p in parts) == terms and all(p["terms"] for p in parts)
+    st = merge_stats(parts)
+    assert st["logprob_mismatch"] == 0.0 and st["ratio_min"] == st["ratio_max"] == 1.0
+
+
+def test_a_rollout_in_one_batch_gives_a_ratio_of_one_only_to_rounding(monkeypatch):
+    """The control: forwarding the whole unit at once (what rollouts did before) leaves the
+    trainer's recomputation of mini-batch 0 off the behaviour log-prob by fp32 rounding."""
+    import digenrl.units
+
+    monkeypatch.setattr(digenrl.units, "forward_batches", lambda *args, **kwargs: None)
+    t = trainer_of("train.optimizer_steps=4")
+    first, *_ = minibatch_stats(t, 0, 4)
+    assert 0.0 < first["logprob_mismatch"] < 1e-5
+    assert abs(first["ratio_min"] - 1) < 1e-5 and abs(first["ratio_max"] - 1) < 1e-5 and first["clip_frac"] == 0.0
 
 
 def test_iteration_metrics_with_four_steps():

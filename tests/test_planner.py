@@ -102,6 +102,34 @@ def test_a_run_configs_micro_batch_is_simulated_as_configured(monkeypatch):
     assert cost.colocated_setup("cpu", 2, 2, micro_batch=16).micro_batch == 16
 
 
+@pytest.mark.parametrize("overrides, groups", [
+    (["train.optimizer_steps=4", "train.micro_batch=16"], 2),
+    (["train.optimizer_steps=2", "train.micro_batch=3"], 2),  # micro-batches that straddle groups
+    (["train.optimizer_steps=2", "train.micro_batch=16"], 0.5),  # a part: samples 0..3 of one group
+    (["train.optimizer_steps=4", "train.micro_batch=1"], 0.25),
+    (["train.optimizer_steps=1", "train.micro_batch=16"], 1),  # one forward of the whole unit
+], ids=["S4", "S2-micro3", "S2-part", "S4-micro1", "S1"])
+def test_the_cost_model_forwards_in_the_runtimes_batches(tiny_cfg, overrides, groups):
+    """A rollout unit forwards in the train forwards' batches and a train unit is one mini-batch:
+    the cost model composes them from the same batch sizes the runtime runs (digenrl.units)."""
+    from digenrl.planner.call_times import micro_batches, minibatch_samples
+    from digenrl.units import train_batches
+
+    cfg = tiny_cfg("algorithm.group_size=8", *overrides)
+    w, S, G = Workload.from_config(cfg), cfg.train.optimizer_steps, 8
+    m, per_group = (groups, G) if groups >= 1 else (1, int(groups * G))
+    runtime = [len(b) for s in range(S) for b in train_batches(m * per_group, cfg, s, S, per_group)]
+    assert [c for n in minibatch_samples(w, groups) for c in micro_batches(n, w.micro_batch)] == runtime
+    if groups >= 1:  # a train unit: one mini-batch of the unit's whole groups, all its trained steps
+        from types import SimpleNamespace
+
+        from digenrl.planner.call_times import train_unit_time
+
+        per_sample = SimpleNamespace(train_step=lambda b: b, ref_forward=lambda b: b, train_unit_factor=1.0,
+                                     train_overhead_s=0.0)  # one second per sample and forward
+        assert train_unit_time(per_sample, w, m, 0, 1, w.micro_batch) == pytest.approx(w.trained_steps * m * G / S)
+
+
 @pytest.mark.parametrize("name", ["flux1_dev", "wan2.1_t2v_14b", "hunyuan_video", "qwen_image"])
 def test_known_shapes_and_flops(name):
     cfg = load_config(ROOT / "configs" / f"{name}.yaml")
@@ -240,6 +268,38 @@ def test_simulator_drives_the_engine_scheduler_and_fills_a_timeline(tiny_cfg, tm
     assert (tmp_path / "timeline.png").stat().st_size > 0
     assert [r["samples"] for r in back.iteration_stats()] == [32, 32, 32]
     assert back.iteration_stats()[1]["samples_per_s"] == pytest.approx(res.timeline.iteration_stats()[1]["samples_per_s"])
+
+
+def test_minibatch_ppo_is_simulated_with_the_engines_units(tiny_cfg):
+    """train.optimizer_steps 4: the simulator's scheduler is configured exactly as the engine's
+    (engine_scheduler_config), so it hands out the engine's units -- 4 train units per rolled-out
+    unit and TSP rank, one per mini-batch, and 4 collective steps per rank and iteration of which
+    only the last publishes -- and the bound counts every step."""
+    from collections import Counter
+
+    from digenrl.placement import engine_scheduler_config
+    from digenrl.planner.simulator import Simulator
+
+    knobs = ["placement.mode=disaggregated", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]",
+             "engine.tsp_degree=2", "engine.tag=true", "engine.max_staleness=0", "train.prompts_per_iteration=4",
+             "algorithm.group_size=4", "train.iterations=3"]
+    cfg, one = tiny_cfg(*knobs, "train.optimizer_steps=4"), tiny_cfg(*knobs)
+    plan = disagg(1, 2, tsp_degree=2, tag=True)
+    sim = Simulator(plan, ConstantCost(cfg), iterations=3)
+    assert sim.sched.cfg == engine_scheduler_config(cfg) and sim.sched.cfg.optimizer_steps == 4
+    sim.run()
+    trains = sim.timeline.of("train")
+    assert Counter((t.iteration, g, t.args["tsp_rank"], t.args["minibatch"]) for t in trains
+                   for g in t.args["groups"]) == Counter(
+        {(k, g, r, s): 1 for k in range(3) for g in range(4) for r in range(2) for s in range(4)})
+    steps = sim.timeline.of("step")
+    assert Counter(e.iteration for e in steps) == Counter({k: 2 * 4 for k in range(3)})
+    assert Counter(e.iteration for e in steps if "publishes" in e.args) == Counter({k: 2 for k in range(3)})
+    # the bound (train-bound, without TAG: T/t): 4 units x S mini-batches x D ranks' units over 2
+    # trainers, plus S steps (ConstantCost's train unit is a fixed 0.5 s, whatever its share)
+    r, t, s, plain = 0.1, 0.5, 0.1, disagg(1, 2, tsp_degree=2)
+    assert bound(plain, ConstantCost(cfg, r, t, s)) == pytest.approx(4 * 4 * 2 * t / 2 + 4 * s)
+    assert bound(plain, ConstantCost(one, r, t, s)) == pytest.approx(4 * 1 * 2 * t / 2 + s)
 
 
 def test_disaggregated_sync_bubble_is_the_closed_form(tiny_cfg):

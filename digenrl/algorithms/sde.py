@@ -81,10 +81,14 @@ class Trajectory:
 
 @torch.no_grad()
 def sample(adapter, cond, noise: torch.Tensor, sigmas: torch.Tensor, kind: str, eta: float,
-           randn=None, sde_mask: torch.Tensor | None = None) -> Trajectory:
+           randn=None, sde_mask: torch.Tensor | None = None,
+           batches: list[list[torch.Tensor]] | None = None) -> Trajectory:
     """Run the step loop, recording every latent and transition log-prob (eta = 0: pure ODE).
 
     ``randn(shape)`` draws the per-step N(0, I) noise for the whole batch (a torch.Generator works too).
+    ``batches[i]``: the rows of each model forward at step i (a partition of the batch; default: one
+    forward of all). The rollout forwards in the trainer's batches, so that the trainer's
+    recomputation of a log-prob runs the very same forward and gets the very same number.
     """
     if isinstance(randn, torch.Generator):
         gen = randn
@@ -93,17 +97,33 @@ def sample(adapter, cond, noise: torch.Tensor, sigmas: torch.Tensor, kind: str, 
     if sde_mask is None:
         sde_mask = torch.ones(n, dtype=torch.bool)
     x = noise.float()
+    if batches is not None:
+        batches = [[rows.to(x.device) for rows in step] for step in batches]
     xs, lps = [x], []
     for i in range(n):
-        sig = sigmas[i].expand(x.shape[0]).to(x.device)
-        v = adapter.velocity(x, sig, cond)
+        parts = [(rows, _velocity(adapter, x, sigmas[i], cond, rows))
+                 for rows in (batches[i] if batches is not None else [None])]
         eps = None
         if eta > 0 and bool(sde_mask[i]):
             eps = randn(tuple(x.shape)).to(device=x.device, dtype=torch.float32)
-        x, lp, _ = sde_step(kind, x, v, sigmas, i, eta, eps)
+        if batches is None:
+            x, lp, _ = sde_step(kind, x, parts[0][1], sigmas, i, eta, eps)
+        else:  # each batch's step apart: its log-prob reduced in the shape the trainer reduces it in
+            x_next, lp = torch.empty_like(x), torch.zeros(x.shape[0], device=x.device)
+            for rows, v in parts:
+                x_next[rows], lp[rows], _ = sde_step(kind, x[rows], v, sigmas, i, eta,
+                                                     None if eps is None else eps[rows])
+            x = x_next
         xs.append(x)
         lps.append(lp)
     return Trajectory(torch.stack(xs, 1), torch.stack(lps, 1), sigmas, sde_mask)
+
+
+def _velocity(adapter, x: torch.Tensor, sigma: torch.Tensor, cond, rows: torch.Tensor | None) -> torch.Tensor:
+    """The model's velocity at noise level ``sigma`` for the given rows (None: all) of the batch."""
+    if rows is not None:
+        x, cond = x[rows], cond.select(rows)
+    return adapter.velocity(x, sigma.expand(x.shape[0]).to(x.device), cond)
 
 
 def recompute_logprob(adapter, cond, x: torch.Tensor, x_next: torch.Tensor, sigmas: torch.Tensor, i: int,

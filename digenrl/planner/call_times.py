@@ -1,12 +1,16 @@
 """Seconds per call on one device type, and the rollout / train unit durations composed from them.
 
-- rollout unit of ``m`` groups (``b = m x G`` samples, generated as ONE batch):
-  ``encode(m prompts) + N x step(b) + decode(b) + reward(b) + overhead``, where ``step`` is one
-  ``velocity`` call with the model's guidance (two passes for two-pass CFG);
-- train unit (the unit's samples x its share of the trained steps, ``T_r = |{j < T : j mod D = r}|``
-  for TSP rank r of degree D): for every trained-step position and micro-batch one forward +
-  backward of ``recompute_logprob`` (+ a no-grad reference forward when ``kl_beta > 0``);
-  DanceGRPO's random steps split a micro-batch into one forward per distinct step.
+- rollout unit of ``m`` groups (``b = m x G`` samples):
+  ``encode(m prompts) + N x sum_c step(c) + decode(b) + reward(b) + overhead``, where ``step`` is one
+  ``velocity`` call with the model's guidance (two passes for two-pass CFG) and the forwards ``c``
+  are the train forwards' batches (``digenrl.units.forward_batches``): each of the S =
+  ``train.optimizer_steps`` mini-batches' samples in micro-batches (one batch of b when that fits);
+- train unit (one mini-batch's samples, ``b / S``, x its share of the trained steps,
+  ``T_r = |{j < T : j mod D = r}|`` for TSP rank r of degree D): for every trained-step position
+  and micro-batch one forward + backward of ``recompute_logprob`` (+ a no-grad reference forward
+  when ``kl_beta > 0``); DanceGRPO's random steps split a micro-batch into one forward per distinct
+  step (in the train unit; the rollout's matching split, at most D + 1 forwards of a micro-batch
+  per step, is modelled as one).
 
 Per-call times come from a profile (:class:`ProfiledTimes`: means vs batch size, interpolated
 piecewise-linearly in the batch, extrapolated along the last segment) or from the analytic model
@@ -173,25 +177,46 @@ class AnalyticTimes(CallTimes):
         return b / self.dev.host_bw + 2 * b / self.p.checksum_bytes_per_s
 
 
-def rollout_unit_time(t: CallTimes, w: Workload, groups: int) -> tuple[float, float]:
-    """(seconds, of which reward): encode the prompts, N steps at batch b = groups x G, decode, score."""
+def minibatch_samples(w: Workload, groups: float) -> list[float]:
+    """Samples of each of the S mini-batches in a rollout unit of ``groups`` prompt groups (mini-batch
+    s: samples s*G/S .. (s+1)*G/S - 1 of every group); a fraction 1/P is a part of one group, its
+    first part (samples 0 .. G/P - 1) standing for every part."""
+    G, S = w.group_size, w.optimizer_steps
+    whole, held = (groups, G) if groups >= 1 else (1.0, groups * G)  # groups, samples of each held
+    per = G / S
+    return [whole * max(0.0, min(held, (s + 1) * per) - s * per) for s in range(S)]
+
+
+def micro_batches(b: float, micro_batch: int) -> list[float]:
+    """``b`` samples as forwards of ``micro_batch`` samples, the last one partial."""
+    full, rest = divmod(b, micro_batch)
+    return [float(micro_batch)] * int(full) + ([rest] if rest > 1e-9 else [])
+
+
+def rollout_unit_time(t: CallTimes, w: Workload, groups: float) -> tuple[float, float]:
+    """(seconds, of which reward): encode the prompts, N steps of the train forwards' batches over
+    b = groups x G samples, decode, score."""
     b = groups * w.group_size
+    forwards = [c for n in minibatch_samples(w, groups) for c in micro_batches(n, w.micro_batch)]
     reward = t.reward(b)
-    calls = t.encode(groups) + w.steps * t.rollout_step(b) + t.decode(b) + reward
+    calls = t.encode(groups) + w.steps * sum(t.rollout_step(c) for c in forwards) + t.decode(b) + reward
     return max(MIN_UNIT_FRACTION * calls, calls * t.rollout_unit_factor + t.rollout_overhead_s), reward
 
 
 def train_unit_time(t: CallTimes, w: Workload, groups: int, tsp_rank: int, tsp_degree: int, micro_batch: int) -> float:
-    """The unit's trained-step positions x micro-batches, each one forward + backward (+ reference)."""
-    b = groups * w.group_size
-    sizes = [micro_batch] * (b // micro_batch) + ([b % micro_batch] if b % micro_batch else [])
-    per_position = 0.0
-    for size in sizes:
-        if w.timestep_mode == "random":  # samples at the same step share a forward: one per distinct step
+    """A train unit: one mini-batch's samples of ``groups`` groups (``groups x G / S``) x the rank's
+    trained-step positions; per micro-batch and trained step one forward + backward (+ reference)
+    of the samples training it -- every sample at once in fraction / window mode, where they all
+    train the same steps; with random steps, one forward per distinct step of the micro-batch."""
+    b = groups * w.group_size // w.optimizer_steps
+    positions = w.positions(tsp_rank, tsp_degree)
+    calls = 0.0
+    for size in micro_batches(b, micro_batch):
+        if w.timestep_mode == "random":  # size x positions terms over k distinct steps (expected)
             choices = max(1, w.steps - 1)
-            k = choices * (1 - (1 - 1 / choices) ** size)
-            per_position += k * (t.train_step(size / k) + (t.ref_forward(size / k) if w.kl else 0.0))
+            k = choices * (1 - (1 - min(1.0, positions / choices)) ** size)
+            per = size * positions / k if k else 0.0
+            calls += k * (t.train_step(per) + (t.ref_forward(per) if w.kl else 0.0)) if k else 0.0
         else:
-            per_position += t.train_step(size) + (t.ref_forward(size) if w.kl else 0.0)
-    calls = w.positions(tsp_rank, tsp_degree) * per_position
+            calls += positions * (t.train_step(size) + (t.ref_forward(size) if w.kl else 0.0))
     return max(MIN_UNIT_FRACTION * calls, calls * t.train_unit_factor + t.train_overhead_s)

@@ -159,7 +159,7 @@ class CostModel:
     def _factor(self, device: str, kind: str) -> float:
         return self.unit_factor.get(kind, 1.0) if self.profiled(device) and self.cluster.is_cpu else 1.0
 
-    def rollout_unit(self, device: str, groups: int) -> tuple[float, float]:
+    def rollout_unit(self, device: str, groups: float) -> tuple[float, float]:
         """(seconds, of which reward) for a rollout unit of ``groups`` prompt groups."""
         total, reward = rollout_unit_time(self.times(device), self.w, groups)
         f = self._factor(device, "rollout")
@@ -167,6 +167,8 @@ class CostModel:
 
     def train_unit(self, device: str, groups: int, tsp_rank: int, tsp_degree: int,
                    setup: DeviceSetup | None = None) -> float:
+        """Seconds for a train unit: one mini-batch's share of ``groups`` groups (all of them with
+        one optimizer step per iteration), TSP rank ``tsp_rank`` of ``tsp_degree``."""
         mb = setup.micro_batch if setup else self.w.micro_batch
         t = train_unit_time(self.times(device, setup), self.w, groups, tsp_rank, tsp_degree, mb)
         return t * self._factor(device, "train")

@@ -13,6 +13,10 @@ what the engine adds around it:
   they are ready, whichever is later (a trainer busy with its previous unit hides the transfer);
 - a rollout worker handed a unit of a newer version first loads it (a ``sync`` event, as the
   runtime records it), trainer rank 0 publishes after each step (a ``sync`` nested in the step);
+- with ``train.optimizer_steps`` S (mini-batch PPO) each rolled-out unit is trained as S train units
+  per TSP rank, each one mini-batch's share of its samples, and every rank takes S collective
+  steps per iteration, the last one publishing -- the scheduler's own units, as in the engine;
+  a rollout unit forwards in the train micro-batches (:mod:`digenrl.planner.call_times`);
 - the optimizer step is collective: a rank's step event starts when it arrives and ends when the
   all-reduce -- which waits for the last rank -- and its update are done;
 - a colocated device pays a phase switch (idle, so counted as bubble) when it turns from training
@@ -27,6 +31,7 @@ what the engine adds around it:
   ``K`` runnable threads (``"cores"``, and when the profile has no measurement), and the driver's
   work between units (``call_s``) at the speed of ``n + 1``.
 
+Per-pool setups and the throughput bound the result is judged against: :mod:`digenrl.planner.bound`.
 Everything is recorded into the same :class:`~digenrl.engine.timeline.Timeline` a real run fills,
 so ``timeline.json``, ``timeline.png`` and the per-iteration samples/s and bubble fraction are
 computed by the same code.
@@ -39,45 +44,16 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from digenrl.config import PoolConfig
 from digenrl.engine.driver import Done, drive
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, TrainUnit
 from digenrl.engine.timeline import Timeline
 from digenrl.placement import Plan
+from digenrl.planner.bound import DoesNotFit, bound, setups, unit_train_time
 from digenrl.planner.costmodel import CostModel, DeviceSetup
 
+__all__ = ["DoesNotFit", "SimResult", "Simulator", "bound", "setups", "simulate", "steady_summary"]
+
 EPS = 1e-12
-
-
-# ------------------------------------------------------------------------------------ plan
-
-
-def unit_train_time(cost: CostModel, device: str, groups: int, parts: int, tsp_rank: int, tsp_degree: int,
-                    setup: DeviceSetup | None) -> float:
-    """A train unit of ``groups`` whole groups, or (``parts`` > 1) of 1/parts of one group: the group's
-    time shared out by samples (the micro-batches of a part are its share of the group's)."""
-    return cost.train_unit(device, groups, tsp_rank, tsp_degree, setup) / parts
-
-
-class DoesNotFit(Exception):
-    """The plan's memory does not fit on some device: ``args`` = (why, need / have)."""
-
-
-def setups(plan: Plan, cost: CostModel) -> dict[str, DeviceSetup]:
-    """Per pool: how its devices run (memory decisions), or DoesNotFit."""
-    out = {}
-    for p in plan.pools:
-        role = plan.role(p)
-        if role == "rollout":
-            s = cost.rollout_memory(p.device, plan.unit_size)
-        elif role == "trainer":
-            s = cost.trainer_setup(p.device, plan.ranks, plan.tag, plan.unit_size, plan.micro_batch)
-        else:
-            s = cost.colocated_setup(p.device, plan.ranks, plan.unit_size, plan.micro_batch)
-        if not s.fits:
-            raise DoesNotFit(s.why, s.need_bytes / max(s.have_bytes, 1.0))
-        out[p.name] = s
-    return out
 
 
 # ---------------------------------------------------------------------------------- result
@@ -159,7 +135,8 @@ class Simulator:
         self.ranks = [w.name for w in workers if w.role != "rollout"]
         self.rank0 = self.ranks[0]
         self.publish = any(w.role == "rollout" for w in workers)
-        self.sched = Scheduler(plan.scheduler_config(self.w.prompts, iterations, wait_for_full_batch), workers)
+        self.sched = Scheduler(plan.scheduler_config(self.w.prompts, iterations, wait_for_full_batch,
+                                                     optimizer_steps=self.w.optimizer_steps), workers)
         self.shared = cost.cluster.is_cpu  # logical CPU devices share the host's cores
         self.timeline = Timeline()
         for w in workers:
@@ -209,7 +186,8 @@ class Simulator:
                         lambda: unit_train_time(cost, dev, len(unit.groups), parts, unit.tsp_rank, unit.tsp_degree, setup))
             segs.append(_Seg("train", self._draw(d, dev, "train"), True, dict(
                 base, kind="train", version=unit.version, sample_versions=(unit.sample_version,),
-                args={"groups": list(unit.groups), "tsp_rank": unit.tsp_rank, "tsp_degree": unit.tsp_degree})))
+                args={"groups": list(unit.groups), "tsp_rank": unit.tsp_rank, "tsp_degree": unit.tsp_degree,
+                      "minibatch": unit.step})))
         else:
             publish = self.publish and worker == self.rank0 and unit.last  # once per iteration
             segs += self._switch(worker, "train", dev, setup)
@@ -370,44 +348,3 @@ def steady_summary(timeline: Timeline, skip: int | None = None, tail: int | None
     skip = (1 if n > 1 else 0) if skip is None else skip
     tail = (1 if n - skip > 1 and n >= 3 else 0) if tail is None else tail
     return {"iterations": 0, "iteration_s": 0.0, **timeline.summary(skip=skip, tail=tail)}
-
-
-# ----------------------------------------------------------------------------------- bound
-
-
-def bound(plan: Plan, cost: CostModel, setup: dict[str, DeviceSetup] | None = None) -> float:
-    """The throughput bound on the iteration time (docs/architecture.md), generalised to device types of different speeds by
-    a fluid split of the work: colocated ``(R+T)/(r+t)``, disaggregated ``max(R/r, T/t)``, with TAG
-    ``max(T/t, (R+T)/(r+t))`` (R, T: rollout / train device-seconds; T includes every rank's step and,
-    colocated, the phase switches). Engine overheads (calls, transfers, weight sync) are left out."""
-    setup = setup if setup is not None else setups(plan, cost)
-    m, parts, D, ranks = plan.unit_groups, plan.group_parts, plan.tsp_degree, plan.ranks
-    units = cost.w.prompts // m * parts
-
-    def work(pool: PoolConfig) -> tuple[float, float, float]:
-        s = setup[pool.name]
-        R = units * cost.rollout_unit(pool.device, plan.unit_size)[0]
-        if plan.role(pool) == "rollout":
-            return R, 0.0, 0.0
-        T = units * sum(unit_train_time(cost, pool.device, m, parts, r, D, s) for r in range(D))
-        own = cost.step(pool.device, ranks, False, s)[0]
-        if plan.role(pool) == "both":
-            own += 2 * cost.switch(pool.device, s)
-        return R, T, own
-
-    if plan.placement == "colocated":
-        inv, off = 0.0, 0.0
-        for p in plan.pools:
-            R, T, own = work(p)
-            inv += p.count / (R + T)
-            off += p.count * own / (R + T)
-        return (1 + off) / inv
-    r_pool, t_pool = plan.rollout_pool, plan.trainer_pools[0]
-    Rr, _, _ = work(r_pool)
-    Rt, Tt, own = work(t_pool)
-    r, t = r_pool.count, t_pool.count
-    train_time = Tt / t + own
-    if not plan.tag or Rr / r <= train_time:
-        return max(Rr / r, train_time)
-    x = ((Rt + Tt) / t + own) / (Rr / r + Rt / t)  # share of the rollout the rollout pool does
-    return max(train_time, x * Rr / r)

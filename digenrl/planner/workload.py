@@ -28,6 +28,7 @@ class Workload:
     dtype_bytes: int
     reward_kind: str  # "weight_free" | "model"
     video_frames: int
+    optimizer_steps: int = 1  # mini-batch PPO: train units per rolled-out unit and TSP rank, steps per iteration
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
@@ -50,7 +51,7 @@ class Workload:
             kl=cfg.algorithm.kl_beta > 0, lora=cfg.model.lora is not None, micro_batch=cfg.train.micro_batch,
             dtype_bytes=HALF_BYTES if cfg.model.dtype in ("bfloat16", "float16") else FP32_BYTES,
             reward_kind="weight_free" if names <= WEIGHT_FREE_REWARDS else "model",
-            video_frames=cfg.model.frames or 1,
+            video_frames=cfg.model.frames or 1, optimizer_steps=cfg.train.optimizer_steps,
         )
 
     @property

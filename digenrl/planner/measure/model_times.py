@@ -14,6 +14,8 @@ Calls (each timed in round robin, :mod:`~digenrl.planner.measure.timing`):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from digenrl.planner.measure.timing import RoundRobin, means
@@ -180,7 +182,9 @@ class ModelBench:
         times = ProfiledTimes({"device": {"name": "partial"}, "measurements": {**m, "unit_overhead": {}}})
         w, groups = self.workload, self.groups
         composed_roll = rollout_unit_time(times, w, groups)[0]
-        composed_train = train_unit_time(times, w, groups, 0, 1, self.cfg.train.micro_batch)
+        # the profile times a whole unit's training (every mini-batch): composed as one mini-batch
+        whole = replace(w, optimizer_steps=1)
+        composed_train = train_unit_time(times, whole, groups, 0, 1, self.cfg.train.micro_batch)
         return {"groups": groups, "rollout_unit_s": rollout_s, "train_unit_s": train_s,
                 "rollout_s": rollout_s - composed_roll, "train_s": train_s - composed_train,
                 "rollout_factor": rollout_s / composed_roll, "train_factor": train_s / composed_train}
