@@ -34,11 +34,18 @@ CASES = {
                           "--set", "algorithm.group_size=3", *TINY],
                          "train.fsdp: 2: engine.unit_groups x algorithm.group_size (1 x 3): 3 samples per unit must "
                          "split evenly over the 2 ranks"),
-    # sequence parallelism: config keys exist, the engine does not run them yet (settings.check_sp_wired)
-    "rollout sp": (["--set", "engine.rollout_sp=2", *TINY],
-                   "engine.rollout_sp: 2: sequence parallelism is not wired into the engine yet"),
+    # sequence parallelism: what engine.rollout_sp is not wired for, and trainer_sp (settings.check_sp_wired)
+    "rollout sp local": (["--set", "engine.rollout_sp=2", "--set", "placement.mode=local", *TINY],
+                         "engine.rollout_sp: 2: sequence-parallel rollout workers need placement.mode: disaggregated "
+                         "(got local)"),
+    "rollout sp with tag": (["--set", "engine.rollout_sp=2", *TINY], "engine.rollout_sp: 2: not with engine.tag"),
+    "rollout sp uneven devices": (["--set", "engine.rollout_sp=2", "--set", "engine.tag=false", *TINY],
+                                  "engine.rollout_sp: 2: must divide the 1 rollout devices"),
+    "rollout sp heads": (["--set", "engine.rollout_sp=3", "--set", "engine.tag=false", *TINY, "--set",
+                          "cluster.pools=[{name: rollout, count: 3}, {name: trainer, count: 1}]"],
+                         "engine.rollout_sp: 3: the model's 2 attention heads do not split over 3 devices"),
     "trainer sp": (["--set", "engine.trainer_sp=2", "--set", "placement.mode=local", *TINY],
-                   "engine.trainer_sp: 2: sequence parallelism is not wired into the engine yet"),
+                   "engine.trainer_sp: 2: sequence parallelism on trainer ranks is not wired into the engine yet"),
 }
 
 

@@ -77,10 +77,34 @@ def check_fsdp_wired(cfg) -> None:
 
 
 def check_sp_wired(cfg) -> None:
-    """Sequence parallelism (``engine.rollout_sp`` / ``engine.trainer_sp`` > 1) is not wired into the
-    engine yet: refused with one line rather than run on one device."""
-    for key in ("rollout_sp", "trainer_sp"):
-        value = getattr(cfg.engine, key)
-        if value > 1:
-            raise UserError(f"engine.{key}: {value}: sequence parallelism is not wired into the engine yet; "
-                            f"use engine.{key}: 1")
+    """What sequence parallelism is wired for: ``engine.rollout_sp: s`` > 1 makes each group of s
+    consecutive devices of a disaggregated rollout pool one rollout worker (a lead and s - 1
+    hidden followers running the transformer with Ulysses over their own process group).
+    ``engine.trainer_sp`` > 1 and the other combinations are refused with one line."""
+    e = cfg.engine
+    if e.trainer_sp > 1:
+        raise UserError(f"engine.trainer_sp: {e.trainer_sp}: sequence parallelism on trainer ranks is not wired "
+                        "into the engine yet; use engine.trainer_sp: 1")
+    s = e.rollout_sp
+    if s == 1:
+        return
+    head = f"engine.rollout_sp: {s}:"
+    if cfg.placement.mode != "disaggregated":
+        raise UserError(f"{head} sequence-parallel rollout workers need placement.mode: disaggregated "
+                        f"(got {cfg.placement.mode}); use engine.rollout_sp: 1")
+    if e.tag:
+        raise UserError(f"{head} not with engine.tag (trainer ranks roll out on one device each)")
+    if e.faults:
+        raise UserError(f"{head} not with engine.faults (a restarted member would leave its group)")
+    from digenrl.placement import engine_workers
+
+    devices = sum(w.role == "rollout" for w in engine_workers(cfg))
+    if devices % s:
+        raise UserError(f"{head} must divide the {devices} rollout devices")
+    from digenrl.distributed.sequence_parallel import sp_problem
+    from digenrl.planner.shapes import model_shape
+
+    shape = model_shape(cfg.model)
+    problem = sp_problem(shape.transformer_class, shape.config, shape.tokens.x, shape.tokens.text, s)
+    if problem:
+        raise UserError(f"{head} {problem}")

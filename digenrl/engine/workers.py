@@ -44,6 +44,7 @@ from digenrl.checkpoint import checkpoint_files, load_checkpoint
 from digenrl.distributed.settings import resolve_fsdp
 from digenrl.engine import weight_sync
 from digenrl.engine.fsdp_group import combine_rank_stats, rank_slice
+from digenrl.engine.rollout_sp import SequenceParallelMember
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.errors import UserError
 from digenrl.faults import FaultInjector
@@ -129,12 +130,15 @@ def generates(cfg, role: str) -> bool:
     return role != "trainer" or cfg.engine.tag or cfg.output.eval_every > 0
 
 
-class EngineWorker:
+class EngineWorker(SequenceParallelMember):
     """Plain class; the runtime wraps it with ``ray.remote`` and the pool's resources."""
 
-    def __init__(self, cfg, name: str, role: str, reward_actor=None, resume: ResumeFrom | None = None):
-        """``resume``: the checkpoint to start from (read by path)."""
+    def __init__(self, cfg, name: str, role: str, reward_actor=None, resume: ResumeFrom | None = None,
+                 sp_follower: bool = False):
+        """``resume``: the checkpoint to start from (read by path); ``sp_follower``: a rollout worker
+        that follows its sequence-parallel group's lead (it scores nothing)."""
         self.cfg, self.name, self.role, self.world = cfg, name, role, 1
+        self.sp_follower = sp_follower
         self.rank, self.sharded, self.followers = 0, False, []  # train.fsdp: the group's other ranks (on rank 0)
         self.faults = FaultInjector.from_config(cfg, name)  # engine.faults: where this process dies
         # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
@@ -172,7 +176,8 @@ class EngineWorker:
             torch.set_num_threads(1)  # one thread per CPU worker: they share few cores with each other
         torch.manual_seed(cfg.train.seed)  # same construction order as LocalTrainer
         self.prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed)
-        scores = self.role != "trainer" or cfg.engine.tag  # this worker rolls out, so it scores
+        # this worker rolls out, so it scores (a sequence-parallel follower: its lead scores)
+        scores = (self.role != "trainer" or cfg.engine.tag) and not self.sp_follower
         self.remote_reward = reward_actor is not None
         if self.remote_reward:  # reward.service: the reward models live in the shared actor only
             self.reward = _SubmittedReward(reward_client(cfg.reward, reward_actor))
@@ -268,6 +273,7 @@ class EngineWorker:
                 raise RuntimeError(f"{self.name}: no weights of version {unit.version} for {unit.uid}")
             events.append(weight_sync.load(self.policy, packet, self.expected_keys, unit.iteration))
         cfg = self.cfg
+        sp_shares = self._fan_out("sp_rollout", unit, packet)  # engine.rollout_sp: the group generates together
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
         if self.remote_reward:
             self.reward.refs.clear()
@@ -279,6 +285,7 @@ class EngineWorker:
         samples = rollout_unit(self.policy, self.reward, [everything[g] for g in unit.groups], list(unit.groups),
                                unit.iteration, cfg.train.seed, unit.sample_range(cfg.algorithm.group_size))
         end = time.time()
+        self._gather(sp_shares)
         self.faults.reached(unit.uid)
         if samples.version != unit.version or self.policy.version != unit.version:
             raise RuntimeError(f"{unit.uid}: weights changed inside the unit")
