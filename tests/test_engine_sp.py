@@ -50,3 +50,4 @@ def test_sequence_parallel_rollout_equals_the_local_trainer(cluster, tmp_path):
     # the scheduler saw one rollout worker: the lead ran every unit, its follower none
     tl = Timeline.from_chrome_trace(tmp_path / "sp" / "timeline.json")
     assert {t.worker for t in tl.of("rollout")} == {"rollout0"} and len(tl.of("rollout")) >= 2
+    assert {t.args["sp"] for t in tl.of("rollout")} == {2}  # ... with its transformer over both devices

@@ -23,6 +23,8 @@ class SequenceParallelMember:
     """The calls an :class:`~digenrl.engine.workers.EngineWorker` answers as a member of a
     sequence-parallel rollout group."""
 
+    sp_world = 1  # devices this worker's transformer runs over (its rollout events record it)
+
     def join_sp_group(self, address: str, port: int, rank: int, world: int, backend: str) -> None:
         """Join this rollout worker's group (its own torch.distributed world) and run the
         transformer sequence-parallel over it."""
@@ -33,6 +35,7 @@ class SequenceParallelMember:
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=30))
         sp.enable_sequence_parallel(self.policy.adapter.transformer, sp.sp_mesh(world, self.policy.device.type))
+        self.sp_world = world
 
     def sp_rollout(self, unit, packet: weight_sync.WeightPacket | None) -> None:
         """A follower's share of its lead's rollout unit (the lead's :meth:`rollout` starts it):

@@ -290,7 +290,7 @@ class EngineWorker(SequenceParallelMember):
         if samples.version != unit.version or self.policy.version != unit.version:
             raise RuntimeError(f"{unit.uid}: weights changed inside the unit")
         events.append(unit_event("rollout", unit, start, end, unit.version, samples=len(samples),
-                                 groups=list(unit.groups)))
+                                 groups=list(unit.groups), sp=self.sp_world))
         summary = {
             "rewards": samples.rewards,
             "reward_parts": samples.reward_parts,
