@@ -36,7 +36,7 @@ CASES = {
                          "split evenly over the 2 ranks"),
     # sequence parallelism: what engine.rollout_sp is not wired for, and trainer_sp (settings.check_sp_wired)
     "rollout sp local": (["--set", "engine.rollout_sp=2", "--set", "placement.mode=local", *TINY],
-                         "engine.rollout_sp: 2: sequence-parallel rollout workers need placement.mode: disaggregated "
+                         "engine.rollout_sp: 2: sequence-parallel workers need placement.mode: disaggregated "
                          "(got local)"),
     "rollout sp with tag": (["--set", "engine.rollout_sp=2", *TINY], "engine.rollout_sp: 2: not with engine.tag"),
     "rollout sp uneven devices": (["--set", "engine.rollout_sp=2", "--set", "engine.tag=false", *TINY],
@@ -44,8 +44,15 @@ CASES = {
     "rollout sp heads": (["--set", "engine.rollout_sp=3", "--set", "engine.tag=false", *TINY, "--set",
                           "cluster.pools=[{name: rollout, count: 3}, {name: trainer, count: 1}]"],
                          "engine.rollout_sp: 3: the model's 2 attention heads do not split over 3 devices"),
-    "trainer sp": (["--set", "engine.trainer_sp=2", "--set", "placement.mode=local", *TINY],
-                   "engine.trainer_sp: 2: sequence parallelism on trainer ranks is not wired into the engine yet"),
+    "trainer sp local": (["--set", "engine.trainer_sp=2", "--set", "placement.mode=local", *TINY],
+                         "engine.trainer_sp: 2: sequence-parallel workers need placement.mode: disaggregated"),
+    "trainer sp with eval": (["--set", "engine.trainer_sp=2", "--set", "engine.tag=false", *TWO_TRAINERS,
+                              "--set", "output.eval_every=1", *TINY],
+                             "engine.trainer_sp: 2: not with output.eval_every"),
+    "trainer sp inside fsdp": (["--set", "engine.trainer_sp=2", "--set", "engine.tag=false", *TWO_TRAINERS,
+                                "--set", "train.fsdp=2", *TSP1, *TINY], "engine.trainer_sp: 2: not with train.fsdp"),
+    "trainer sp uneven devices": (["--set", "engine.trainer_sp=2", "--set", "engine.tag=false", *TINY],
+                                  "engine.trainer_sp: 2: must divide the 1 trainer devices"),
 }
 
 

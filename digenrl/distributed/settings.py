@@ -77,30 +77,41 @@ def check_fsdp_wired(cfg) -> None:
 
 
 def check_sp_wired(cfg) -> None:
-    """What sequence parallelism is wired for: ``engine.rollout_sp: s`` > 1 makes each group of s
-    consecutive devices of a disaggregated rollout pool one rollout worker (a lead and s - 1
-    hidden followers running the transformer with Ulysses over their own process group).
-    ``engine.trainer_sp`` > 1 and the other combinations are refused with one line."""
-    e = cfg.engine
-    if e.trainer_sp > 1:
-        raise UserError(f"engine.trainer_sp: {e.trainer_sp}: sequence parallelism on trainer ranks is not wired "
-                        "into the engine yet; use engine.trainer_sp: 1")
-    s = e.rollout_sp
-    if s == 1:
-        return
-    head = f"engine.rollout_sp: {s}:"
-    if cfg.placement.mode != "disaggregated":
-        raise UserError(f"{head} sequence-parallel rollout workers need placement.mode: disaggregated "
-                        f"(got {cfg.placement.mode}); use engine.rollout_sp: 1")
-    if e.tag:
-        raise UserError(f"{head} not with engine.tag (trainer ranks roll out on one device each)")
-    if e.faults:
-        raise UserError(f"{head} not with engine.faults (a restarted member would leave its group)")
+    """What sequence parallelism is wired for, in a disaggregated engine run: ``engine.rollout_sp: s``
+    makes each s consecutive devices of the rollout pool one rollout worker, ``engine.trainer_sp:
+    s`` each s consecutive trainer devices one trainer rank (a lead and s - 1 hidden followers
+    running the transformer with Ulysses over their group). Other combinations: one line each."""
     from digenrl.placement import engine_workers
 
-    devices = sum(w.role == "rollout" for w in engine_workers(cfg))
-    if devices % s:
-        raise UserError(f"{head} must divide the {devices} rollout devices")
+    for key, role in (("rollout_sp", "rollout"), ("trainer_sp", "trainer")):
+        s = getattr(cfg.engine, key)
+        if s == 1:
+            continue
+        head = f"engine.{key}: {s}:"
+        if cfg.placement.mode != "disaggregated":
+            raise UserError(f"{head} sequence-parallel workers need placement.mode: disaggregated "
+                            f"(got {cfg.placement.mode}); use engine.{key}: 1")
+        refused = {"engine.tag": cfg.engine.tag, "engine.faults": bool(cfg.engine.faults)}
+        if role == "trainer":  # rank 0 would evaluate alone; SP inside FSDP groups is not wired
+            refused.update({"output.eval_every": cfg.output.eval_every > 0,
+                            "train.fsdp": resolve_fsdp(cfg, _trainer_devices(cfg)) > 1})
+        for name, on in refused.items():
+            if on:
+                raise UserError(f"{head} not with {name} (sequence-parallel {role} workers do not run it yet)")
+        devices = sum(w.role == role for w in engine_workers(cfg))
+        if devices % s:
+            raise UserError(f"{head} must divide the {devices} {role} devices")
+        _check_model_splits(cfg, head, s)
+
+
+def _trainer_devices(cfg) -> int:
+    from digenrl.placement import engine_workers
+
+    return sum(w.role == "trainer" for w in engine_workers(cfg))
+
+
+def _check_model_splits(cfg, head: str, s: int) -> None:
+    """The model's heads and tokens per sample must divide by the sequence-parallel degree."""
     from digenrl.distributed.sequence_parallel import sp_problem
     from digenrl.planner.shapes import model_shape
 

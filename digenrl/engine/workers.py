@@ -44,7 +44,7 @@ from digenrl.checkpoint import checkpoint_files, load_checkpoint
 from digenrl.distributed.settings import resolve_fsdp
 from digenrl.engine import weight_sync
 from digenrl.engine.fsdp_group import combine_rank_stats, rank_slice
-from digenrl.engine.rollout_sp import SequenceParallelMember
+from digenrl.engine.sp_group import SequenceParallelMember
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.errors import UserError
 from digenrl.faults import FaultInjector
@@ -226,6 +226,8 @@ class EngineWorker(SequenceParallelMember):
             # activation checkpointing, if on, is already applied by Policy
             fsdp.shard_policy(self.policy, fsdp.trainer_mesh(world, self.policy.device.type))
             self.sharded = True
+        if self.cfg.engine.trainer_sp > 1:  # groups of trainer_sp consecutive ranks (cluster.sp_groups)
+            self.enable_sp(self.cfg.engine.trainer_sp)
 
     def lead(self, followers: list) -> None:
         """Rank 0 of a sharded group: it runs every unit and side call on the other ranks too
@@ -324,12 +326,14 @@ class EngineWorker(SequenceParallelMember):
         mine = rank_slice(samples, self.rank, self.world) if self.sharded else samples
         stats = train_unit(self.policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree, unit.step,
                            self.cfg.train.optimizer_steps)
-        stats = combine_rank_stats([stats] + [r["stats"] for r in self._gather(others)])
+        shares = [r["stats"] for r in self._gather(others)]
+        if self.sharded:  # FSDP: each rank trained a slice (sequence-parallel followers: the same samples)
+            stats = combine_rank_stats([stats] + shares)
         self.faults.reached(unit.uid)
         end = time.time()
         event = unit_event("train", unit, start, end, self.policy.version, sample_versions=[samples.version],
                            groups=list(samples.group_ids), tsp_rank=unit.tsp_rank, tsp_degree=unit.tsp_degree,
-                           minibatch=unit.step)
+                           minibatch=unit.step, sp=self.sp_world)
         return {"stats": stats, "events": [event]}
 
     def step(self, unit: StepUnit, publish: bool) -> dict:

@@ -1,8 +1,14 @@
-"""A sequence-parallel rollout worker (``engine.rollout_sp: s``): s devices, one lead and s - 1
-hidden followers, running the transformer with Ulysses over their own torch.distributed group
-(:mod:`digenrl.distributed.sequence_parallel`). The scheduler sees the lead only; the lead hands
-each rollout unit to its followers, which generate the same samples with it (the same seeds; every
-transformer call exchanges tokens within the group) and score nothing."""
+"""Sequence-parallel workers (``engine.rollout_sp`` / ``engine.trainer_sp: s``): s devices, one lead
+and s - 1 hidden followers, running the transformer with Ulysses over their group
+(:mod:`digenrl.distributed.sequence_parallel`). The scheduler sees the lead only.
+
+- rollout: the group is its own torch.distributed world; the lead hands each rollout unit to its
+  followers (:meth:`sp_rollout`), which generate the same samples with it (the same seeds; every
+  transformer call exchanges tokens within the group) and score nothing.
+- trainer: the groups are consecutive ranks of the trainer ranks' world; the lead's ``train`` and
+  ``step`` run on its followers too (``EngineWorker.lead`` / ``_fan_out``), on the same samples, and
+  the gradient all-reduce over every trainer process sums each group's per-token shares and the
+  groups' gradients at once."""
 
 from __future__ import annotations
 
@@ -30,12 +36,17 @@ class SequenceParallelMember:
         transformer sequence-parallel over it."""
         import torch.distributed as dist
 
-        from digenrl.distributed import sequence_parallel as sp
-
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=30))
-        sp.enable_sequence_parallel(self.policy.adapter.transformer, sp.sp_mesh(world, self.policy.device.type))
-        self.sp_world = world
+        self.enable_sp(world)
+
+    def enable_sp(self, degree: int) -> None:
+        """Run the transformer with Ulysses over this rank's group of ``degree`` consecutive ranks
+        of the (joined) default process group: a rollout group's own world, or the trainer ranks'."""
+        from digenrl.distributed import sequence_parallel as sp
+
+        sp.enable_sequence_parallel(self.policy.adapter.transformer, sp.sp_mesh(degree, self.policy.device.type))
+        self.sp_world = degree
 
     def sp_rollout(self, unit, packet: weight_sync.WeightPacket | None) -> None:
         """A follower's share of its lead's rollout unit (the lead's :meth:`rollout` starts it):
