@@ -29,12 +29,15 @@ CASES = {  # the sequence-parallel pair, and the run's other pool: replicated ra
                    "rollout", "rollout0"),
     "trainer_sp": (["engine.trainer_sp=2", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]"],
                    "train", "trainer0"),
+    # SP inside FSDP: 4 trainer devices sharded together, two sequence-parallel groups of 2
+    "trainer_sp_in_fsdp": (["engine.trainer_sp=2", "train.fsdp=4",
+                            "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]"], "train", "trainer0"),
 }
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    yield from local_ray(rollout=2, trainer=2)
+    yield from local_ray(rollout=2, trainer=4)
 
 
 @pytest.fixture(scope="module")

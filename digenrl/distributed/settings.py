@@ -70,10 +70,12 @@ def check_fsdp_wired(cfg) -> None:
                             "passes; the sharded group trains whole units together)")
     e, group = cfg.engine, cfg.algorithm.group_size
     per_unit = e.unit_samples or e.unit_groups * group
-    if per_unit % n:
+    slices = n // e.trainer_sp if n % e.trainer_sp == 0 else n  # engine.trainer_sp: a group trains one slice
+    if per_unit % slices:
         what = ("engine.unit_samples" if e.unit_samples else "engine.unit_groups x algorithm.group_size "
                 f"({e.unit_groups} x {group})")
-        raise UserError(f"{head} {what}: {per_unit} samples per unit must split evenly over the {n} ranks")
+        over = f"the {n} ranks" if slices == n else f"the {slices} sequence-parallel groups of the {n} ranks"
+        raise UserError(f"{head} {what}: {per_unit} samples per unit must split evenly over {over}")
 
 
 def check_sp_wired(cfg) -> None:
@@ -92,9 +94,8 @@ def check_sp_wired(cfg) -> None:
             raise UserError(f"{head} sequence-parallel workers need placement.mode: disaggregated "
                             f"(got {cfg.placement.mode}); use engine.{key}: 1")
         refused = {"engine.tag": cfg.engine.tag, "engine.faults": bool(cfg.engine.faults)}
-        if role == "trainer":  # rank 0 would evaluate alone; SP inside FSDP groups is not wired
-            refused.update({"output.eval_every": cfg.output.eval_every > 0,
-                            "train.fsdp": resolve_fsdp(cfg, _trainer_devices(cfg)) > 1})
+        if role == "trainer":  # rank 0 would evaluate alone
+            refused["output.eval_every"] = cfg.output.eval_every > 0
         for name, on in refused.items():
             if on:
                 raise UserError(f"{head} not with {name} (sequence-parallel {role} workers do not run it yet)")
@@ -102,12 +103,6 @@ def check_sp_wired(cfg) -> None:
         if devices % s:
             raise UserError(f"{head} must divide the {devices} {role} devices")
         _check_model_splits(cfg, head, s)
-
-
-def _trainer_devices(cfg) -> int:
-    from digenrl.placement import engine_workers
-
-    return sum(w.role == "trainer" for w in engine_workers(cfg))
 
 
 def _check_model_splits(cfg, head: str, s: int) -> None:

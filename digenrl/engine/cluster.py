@@ -193,6 +193,8 @@ def form_sp_groups(cfg: RunConfig, workers: list[Worker], actors: dict, ready: d
         address, port = ray.get(actors[names[0]].rendezvous_address.remote())
         ray.get([actors[n].join_sp_group.remote(address, port, i, len(names), backend) for i, n in enumerate(names)])
         ray.get(actors[names[0]].lead.remote([actors[n] for n in names[1:]]))
+    if followers(cfg, workers):  # FSDP: trainer rank 0 already leads every other rank
+        return
     for names in sp_groups(cfg, workers, "trainer"):  # (their group formed with the trainer group's)
         ray.get(actors[names[0]].lead.remote([actors[n] for n in names[1:]]))
 

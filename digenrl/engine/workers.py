@@ -323,12 +323,14 @@ class EngineWorker(SequenceParallelMember):
         samples.advantages = advantages
         others = self._fan_out("train", unit, samples, advantages, total_terms)
         start = time.time()
-        mine = rank_slice(samples, self.rank, self.world) if self.sharded else samples
+        # FSDP: each rank (engine.trainer_sp: each sequence-parallel group) trains a slice
+        sp = self.sp_world
+        mine = rank_slice(samples, self.rank // sp, self.world // sp) if self.sharded else samples
         stats = train_unit(self.policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree, unit.step,
                            self.cfg.train.optimizer_steps)
-        shares = [r["stats"] for r in self._gather(others)]
-        if self.sharded:  # FSDP: each rank trained a slice (sequence-parallel followers: the same samples)
-            stats = combine_rank_stats([stats] + shares)
+        shares = [r["stats"] for r in self._gather(others)]  # (ranks 1.. in order)
+        if self.sharded:  # one share per slice: a group's followers report their lead's again
+            stats = combine_rank_stats(([stats] + shares)[::sp])
         self.faults.reached(unit.uid)
         end = time.time()
         event = unit_event("train", unit, start, end, self.policy.version, sample_versions=[samples.version],
