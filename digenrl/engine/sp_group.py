@@ -27,9 +27,9 @@ def _unscored(pixels, prompts, metadata=None):
 
 class SequenceParallelMember:
     """The calls an :class:`~digenrl.engine.workers.EngineWorker` answers as a member of a
-    sequence-parallel rollout group."""
+    sequence-parallel group."""
 
-    sp_world = 1  # devices this worker's transformer runs over (its rollout events record it)
+    sp_world = 1  # devices this worker's transformer runs over (its rollout / train events record it)
 
     def join_sp_group(self, address: str, port: int, rank: int, world: int, backend: str) -> None:
         """Join this rollout worker's group (its own torch.distributed world) and run the
