@@ -34,11 +34,23 @@ CASES = {
                           "--set", "algorithm.group_size=3", *TINY],
                          "train.fsdp: 2: engine.unit_groups x algorithm.group_size (1 x 3): 3 samples per unit must "
                          "split evenly over the 2 ranks"),
-    # sequence parallelism: config keys exist, the engine does not run them yet (settings.check_sp_wired)
-    "rollout sp": (["--set", "engine.rollout_sp=2", *TINY],
-                   "engine.rollout_sp: 2: sequence parallelism is not wired into the engine yet"),
-    "trainer sp": (["--set", "engine.trainer_sp=2", "--set", "placement.mode=local", *TINY],
-                   "engine.trainer_sp: 2: sequence parallelism is not wired into the engine yet"),
+    # sequence parallelism: what engine.rollout_sp is not wired for, and trainer_sp (settings.check_sp_wired)
+    "rollout sp local": (["--set", "engine.rollout_sp=2", "--set", "placement.mode=local", *TINY],
+                         "engine.rollout_sp: 2: sequence-parallel workers need placement.mode: disaggregated "
+                         "(got local)"),
+    "rollout sp with tag": (["--set", "engine.rollout_sp=2", *TINY], "engine.rollout_sp: 2: not with engine.tag"),
+    "rollout sp uneven devices": (["--set", "engine.rollout_sp=2", "--set", "engine.tag=false", *TINY],
+                                  "engine.rollout_sp: 2: must divide the 1 rollout devices"),
+    "rollout sp heads": (["--set", "engine.rollout_sp=3", "--set", "engine.tag=false", *TINY, "--set",
+                          "cluster.pools=[{name: rollout, count: 3}, {name: trainer, count: 1}]"],
+                         "engine.rollout_sp: 3: the model's 2 attention heads do not split over 3 devices"),
+    "trainer sp local": (["--set", "engine.trainer_sp=2", "--set", "placement.mode=local", *TINY],
+                         "engine.trainer_sp: 2: sequence-parallel workers need placement.mode: disaggregated"),
+    "trainer sp with eval": (["--set", "engine.trainer_sp=2", "--set", "engine.tag=false", *TWO_TRAINERS,
+                              "--set", "output.eval_every=1", *TINY],
+                             "engine.trainer_sp: 2: not with output.eval_every"),
+    "trainer sp uneven devices": (["--set", "engine.trainer_sp=2", "--set", "engine.tag=false", *TINY],
+                                  "engine.trainer_sp: 2: must divide the 1 trainer devices"),
 }
 
 
@@ -77,3 +89,18 @@ def test_resuming_sharded_trainer_ranks_is_refused(tmp_path):
     with pytest.raises(UserError, match="train.fsdp: 2: resuming sharded trainer ranks is not wired yet; resume "
                                         "with train.fsdp: off"):
         run_engine(cfg, resume=tmp_path / "run")
+
+
+def test_sp_inside_fsdp_is_accepted_with_units_that_split_over_the_groups():
+    """train.fsdp: 4 with engine.trainer_sp: 2 (checked as functions: this host's CLI refuses 5 logical
+    CPU devices): accepted, and each unit must split over the 2 sequence-parallel groups."""
+    from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
+
+    sets = ["model.height=16", "model.width=16", "engine.tag=false", "engine.tsp_degree=1", "train.fsdp=4",
+            "engine.trainer_sp=2", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]"]
+    check_sp_wired(load_config(None, sets))
+    check_fsdp_wired(load_config(None, sets + ["algorithm.group_size=2"]))  # 2 samples: one per group
+    with pytest.raises(UserError, match=r"train.fsdp: 4: engine.unit_groups x algorithm.group_size \(1 x 3\): 3 "
+                                        "samples per unit must split evenly over the 2 sequence-parallel groups "
+                                        "of the 4 ranks"):
+        check_fsdp_wired(load_config(None, sets + ["algorithm.group_size=3"]))

@@ -70,17 +70,47 @@ def check_fsdp_wired(cfg) -> None:
                             "passes; the sharded group trains whole units together)")
     e, group = cfg.engine, cfg.algorithm.group_size
     per_unit = e.unit_samples or e.unit_groups * group
-    if per_unit % n:
+    slices = n // e.trainer_sp if n % e.trainer_sp == 0 else n  # engine.trainer_sp: a group trains one slice
+    if per_unit % slices:
         what = ("engine.unit_samples" if e.unit_samples else "engine.unit_groups x algorithm.group_size "
                 f"({e.unit_groups} x {group})")
-        raise UserError(f"{head} {what}: {per_unit} samples per unit must split evenly over the {n} ranks")
+        over = f"the {n} ranks" if slices == n else f"the {slices} sequence-parallel groups of the {n} ranks"
+        raise UserError(f"{head} {what}: {per_unit} samples per unit must split evenly over {over}")
 
 
 def check_sp_wired(cfg) -> None:
-    """Sequence parallelism (``engine.rollout_sp`` / ``engine.trainer_sp`` > 1) is not wired into the
-    engine yet: refused with one line rather than run on one device."""
-    for key in ("rollout_sp", "trainer_sp"):
-        value = getattr(cfg.engine, key)
-        if value > 1:
-            raise UserError(f"engine.{key}: {value}: sequence parallelism is not wired into the engine yet; "
-                            f"use engine.{key}: 1")
+    """What sequence parallelism is wired for, in a disaggregated engine run: ``engine.rollout_sp: s``
+    makes each s consecutive devices of the rollout pool one rollout worker, ``engine.trainer_sp:
+    s`` each s consecutive trainer devices one trainer rank (a lead and s - 1 hidden followers
+    running the transformer with Ulysses over their group). Other combinations: one line each."""
+    from digenrl.placement import engine_workers
+
+    for key, role in (("rollout_sp", "rollout"), ("trainer_sp", "trainer")):
+        s = getattr(cfg.engine, key)
+        if s == 1:
+            continue
+        head = f"engine.{key}: {s}:"
+        if cfg.placement.mode != "disaggregated":
+            raise UserError(f"{head} sequence-parallel workers need placement.mode: disaggregated "
+                            f"(got {cfg.placement.mode}); use engine.{key}: 1")
+        refused = {"engine.tag": cfg.engine.tag, "engine.faults": bool(cfg.engine.faults)}
+        if role == "trainer":  # rank 0 would evaluate alone
+            refused["output.eval_every"] = cfg.output.eval_every > 0
+        for name, on in refused.items():
+            if on:
+                raise UserError(f"{head} not with {name} (sequence-parallel {role} workers do not run it yet)")
+        devices = sum(w.role == role for w in engine_workers(cfg))
+        if devices % s:
+            raise UserError(f"{head} must divide the {devices} {role} devices")
+        _check_model_splits(cfg, head, s)
+
+
+def _check_model_splits(cfg, head: str, s: int) -> None:
+    """The model's heads and tokens per sample must divide by the sequence-parallel degree."""
+    from digenrl.distributed.sequence_parallel import sp_problem
+    from digenrl.planner.shapes import model_shape
+
+    shape = model_shape(cfg.model)
+    problem = sp_problem(shape.transformer_class, shape.config, shape.tokens.x, shape.tokens.text, s)
+    if problem:
+        raise UserError(f"{head} {problem}")

@@ -95,6 +95,7 @@ def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
         if resume is not None:  # rollout workers' fallback copy: never the optimizer state
             resume_from = ResumeFrom(str(Path(resume).resolve()), ray.put(rollout_checkpoint_files(resume)))
         remote = ray.remote(EngineWorker)
+        sp_members, sp_hidden = sequence_parallel_members(cfg, workers)
         for i, spec in enumerate(workers):
             b = bundles[i]
             actors[spec.name] = remote.options(
@@ -104,13 +105,16 @@ def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
                 # a rollout worker holds nothing that cannot be rebuilt: Ray restarts it and the
                 # engine re-queues its unit; a trainer rank's death stops the run (worker_died)
-                max_restarts=cfg.engine.max_restarts if spec.role == "rollout" else 0,
+                # (a sequence-parallel group's member is not restarted: it would leave its group)
+                max_restarts=cfg.engine.max_restarts if spec.role == "rollout" and spec.name not in sp_members else 0,
                 max_task_retries=0,
-            ).remote(cfg, spec.name, spec.role, reward_actor, resume_from)
+            ).remote(cfg, spec.name, spec.role, None if spec.name in sp_hidden else reward_actor, resume_from,
+                     sp_follower=spec.name in sp_hidden)
         ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
         if len({r["checksum"] for r in ready.values()}) > 1:
             raise WeightSyncError(f"initial weights differ between workers: {ready}")
         form_trainer_group(workers, actors, ready, sharded=bool(followers(cfg, workers)))
+        form_sp_groups(cfg, workers, actors, ready)
         yield {**actors, REWARD_ROW: reward_actor} if reward_actor is not None else actors
     finally:
         if head_problem() is None:  # with the head gone, every call below would wait a minute for it
@@ -156,6 +160,43 @@ def followers(cfg: RunConfig, workers: list[Worker]) -> list[str]:
 
     ranks = [w.name for w in workers if w.role != "rollout"]
     return ranks[1:] if ranks and resolve_fsdp(cfg, len(ranks)) > 1 else []
+
+
+def sp_groups(cfg: RunConfig, workers: list[Worker], role: str) -> list[list[str]]:
+    """``engine.rollout_sp`` / ``engine.trainer_sp: s`` > 1: the devices of ``role`` ("rollout" or
+    "trainer") in consecutive groups of s, each one sequence-parallel worker (the first leads, the
+    others follow; settings.check_sp_wired)."""
+    s = cfg.engine.rollout_sp if role == "rollout" else cfg.engine.trainer_sp
+    names = [w.name for w in workers if w.role == role]
+    return [names[i:i + s] for i in range(0, len(names), s)] if s > 1 else []
+
+
+def sp_followers(cfg: RunConfig, workers: list[Worker]) -> list[str]:
+    """The workers that follow their sequence-parallel group's lead: the scheduler does not see them."""
+    return [name for role in ("rollout", "trainer") for group in sp_groups(cfg, workers, role) for name in group[1:]]
+
+
+def sequence_parallel_members(cfg: RunConfig, workers: list[Worker]) -> tuple[set[str], set[str]]:
+    """(every member of a sequence-parallel group, the followers)."""
+    groups = sp_groups(cfg, workers, "rollout") + sp_groups(cfg, workers, "trainer")
+    return {n for group in groups for n in group}, set(sp_followers(cfg, workers))
+
+
+def form_sp_groups(cfg: RunConfig, workers: list[Worker], actors: dict, ready: dict) -> None:
+    """Each sequence-parallel rollout group forms its own torch.distributed group (nccl on GPU,
+    gloo on CPU) and runs its transformer with Ulysses over it (trainer groups did so when the
+    trainer ranks joined theirs); each lead takes its followers."""
+    import ray
+
+    for names in sp_groups(cfg, workers, "rollout"):
+        backend = "nccl" if all(ready[n]["device"].startswith("cuda") for n in names) else "gloo"
+        address, port = ray.get(actors[names[0]].rendezvous_address.remote())
+        ray.get([actors[n].join_sp_group.remote(address, port, i, len(names), backend) for i, n in enumerate(names)])
+        ray.get(actors[names[0]].lead.remote([actors[n] for n in names[1:]]))
+    if followers(cfg, workers):  # FSDP: trainer rank 0 already leads every other rank
+        return
+    for names in sp_groups(cfg, workers, "trainer"):  # (their group formed with the trainer group's)
+        ray.get(actors[names[0]].lead.remote([actors[n] for n in names[1:]]))
 
 
 def connect(workers: list[Worker], ray_address: str | None) -> bool:

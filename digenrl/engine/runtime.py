@@ -30,7 +30,8 @@ from typing import Callable
 from digenrl.checkpoint import find_checkpoint, read_state, save_checkpoint_files
 from digenrl.config import RunConfig
 from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
-from digenrl.engine.cluster import REWARD_ROW, actor_died, first_line, followers, num_restarts, ray_workers
+from digenrl.engine.cluster import (REWARD_ROW, actor_died, first_line, followers, num_restarts, ray_workers,
+                                    sp_followers)
 from digenrl.engine.driver import Done, Event, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
 from digenrl.engine.recovery import FaultPolicy, TrainerLost
@@ -80,7 +81,8 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
                         "with train.fsdp: off (the checkpoint holds the full weights and optimizer state)")
     check_fsdp_wired(cfg)
     check_sp_wired(cfg)
-    hidden = set(followers(cfg, workers))  # sharded trainer ranks > 0 follow rank 0
+    # sharded trainer ranks > 0 follow rank 0; sequence-parallel followers, their group's lead
+    hidden = set(followers(cfg, workers)) | set(sp_followers(cfg, workers))
     scheduled = [w for w in workers if w.name not in hidden]
     scheduler = Scheduler(engine_scheduler_config(cfg, start), scheduled)
     progress("checking prompts, reward and model...")

@@ -44,6 +44,7 @@ from digenrl.checkpoint import checkpoint_files, load_checkpoint
 from digenrl.distributed.settings import resolve_fsdp
 from digenrl.engine import weight_sync
 from digenrl.engine.fsdp_group import combine_rank_stats, rank_slice
+from digenrl.engine.sp_group import SequenceParallelMember
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.errors import UserError
 from digenrl.faults import FaultInjector
@@ -129,12 +130,15 @@ def generates(cfg, role: str) -> bool:
     return role != "trainer" or cfg.engine.tag or cfg.output.eval_every > 0
 
 
-class EngineWorker:
+class EngineWorker(SequenceParallelMember):
     """Plain class; the runtime wraps it with ``ray.remote`` and the pool's resources."""
 
-    def __init__(self, cfg, name: str, role: str, reward_actor=None, resume: ResumeFrom | None = None):
-        """``resume``: the checkpoint to start from (read by path)."""
+    def __init__(self, cfg, name: str, role: str, reward_actor=None, resume: ResumeFrom | None = None,
+                 sp_follower: bool = False):
+        """``resume``: the checkpoint to start from (read by path); ``sp_follower``: a rollout worker
+        that follows its sequence-parallel group's lead (it scores nothing)."""
         self.cfg, self.name, self.role, self.world = cfg, name, role, 1
+        self.sp_follower = sp_follower
         self.rank, self.sharded, self.followers = 0, False, []  # train.fsdp: the group's other ranks (on rank 0)
         self.faults = FaultInjector.from_config(cfg, name)  # engine.faults: where this process dies
         # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
@@ -172,7 +176,8 @@ class EngineWorker:
             torch.set_num_threads(1)  # one thread per CPU worker: they share few cores with each other
         torch.manual_seed(cfg.train.seed)  # same construction order as LocalTrainer
         self.prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed)
-        scores = self.role != "trainer" or cfg.engine.tag  # this worker rolls out, so it scores
+        # this worker rolls out, so it scores (a sequence-parallel follower: its lead scores)
+        scores = (self.role != "trainer" or cfg.engine.tag) and not self.sp_follower
         self.remote_reward = reward_actor is not None
         if self.remote_reward:  # reward.service: the reward models live in the shared actor only
             self.reward = _SubmittedReward(reward_client(cfg.reward, reward_actor))
@@ -221,6 +226,8 @@ class EngineWorker:
             # activation checkpointing, if on, is already applied by Policy
             fsdp.shard_policy(self.policy, fsdp.trainer_mesh(world, self.policy.device.type))
             self.sharded = True
+        if self.cfg.engine.trainer_sp > 1:  # groups of trainer_sp consecutive ranks (cluster.sp_groups)
+            self.enable_sp(self.cfg.engine.trainer_sp)
 
     def lead(self, followers: list) -> None:
         """Rank 0 of a sharded group: it runs every unit and side call on the other ranks too
@@ -268,6 +275,7 @@ class EngineWorker:
                 raise RuntimeError(f"{self.name}: no weights of version {unit.version} for {unit.uid}")
             events.append(weight_sync.load(self.policy, packet, self.expected_keys, unit.iteration))
         cfg = self.cfg
+        sp_shares = self._fan_out("sp_rollout", unit, packet)  # engine.rollout_sp: the group generates together
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
         if self.remote_reward:
             self.reward.refs.clear()
@@ -279,11 +287,12 @@ class EngineWorker:
         samples = rollout_unit(self.policy, self.reward, [everything[g] for g in unit.groups], list(unit.groups),
                                unit.iteration, cfg.train.seed, unit.sample_range(cfg.algorithm.group_size))
         end = time.time()
+        self._gather(sp_shares)
         self.faults.reached(unit.uid)
         if samples.version != unit.version or self.policy.version != unit.version:
             raise RuntimeError(f"{unit.uid}: weights changed inside the unit")
         events.append(unit_event("rollout", unit, start, end, unit.version, samples=len(samples),
-                                 groups=list(unit.groups)))
+                                 groups=list(unit.groups), sp=self.sp_world))
         summary = {
             "rewards": samples.rewards,
             "reward_parts": samples.reward_parts,
@@ -314,15 +323,19 @@ class EngineWorker:
         samples.advantages = advantages
         others = self._fan_out("train", unit, samples, advantages, total_terms)
         start = time.time()
-        mine = rank_slice(samples, self.rank, self.world) if self.sharded else samples
+        # FSDP: each rank (engine.trainer_sp: each sequence-parallel group) trains a slice
+        sp = self.sp_world
+        mine = rank_slice(samples, self.rank // sp, self.world // sp) if self.sharded else samples
         stats = train_unit(self.policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree, unit.step,
                            self.cfg.train.optimizer_steps)
-        stats = combine_rank_stats([stats] + [r["stats"] for r in self._gather(others)])
+        shares = [r["stats"] for r in self._gather(others)]  # (ranks 1.. in order)
+        if self.sharded:  # one share per slice: a group's followers report their lead's again
+            stats = combine_rank_stats(([stats] + shares)[::sp])
         self.faults.reached(unit.uid)
         end = time.time()
         event = unit_event("train", unit, start, end, self.policy.version, sample_versions=[samples.version],
                            groups=list(samples.group_ids), tsp_rank=unit.tsp_rank, tsp_degree=unit.tsp_degree,
-                           minibatch=unit.step)
+                           minibatch=unit.step, sp=self.sp_world)
         return {"stats": stats, "events": [event]}
 
     def step(self, unit: StepUnit, publish: bool) -> dict:

@@ -1,0 +1,59 @@
+"""Sequence-parallel workers (``engine.rollout_sp`` / ``engine.trainer_sp: s``): s devices, one lead
+and s - 1 hidden followers, running the transformer with Ulysses over their group
+(:mod:`digenrl.distributed.sequence_parallel`). The scheduler sees the lead only.
+
+- rollout: the group is its own torch.distributed world; the lead hands each rollout unit to its
+  followers (:meth:`sp_rollout`), which generate the same samples with it (the same seeds; every
+  transformer call exchanges tokens within the group) and score nothing.
+- trainer: the groups are consecutive ranks of the trainer ranks' world; the lead's ``train`` and
+  ``step`` run on its followers too (``EngineWorker.lead`` / ``_fan_out``), on the same samples, and
+  the gradient all-reduce over every trainer process sums each group's per-token shares and the
+  groups' gradients at once."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+
+from digenrl.engine import weight_sync
+from digenrl.units import rollout_unit
+
+
+def _unscored(pixels, prompts, metadata=None):
+    """A follower's reward: none (its lead scores the same samples)."""
+    return torch.zeros(len(prompts)), {}
+
+
+class SequenceParallelMember:
+    """The calls an :class:`~digenrl.engine.workers.EngineWorker` answers as a member of a
+    sequence-parallel group."""
+
+    sp_world = 1  # devices this worker's transformer runs over (its rollout / train events record it)
+
+    def join_sp_group(self, address: str, port: int, rank: int, world: int, backend: str) -> None:
+        """Join this rollout worker's group (its own torch.distributed world) and run the
+        transformer sequence-parallel over it."""
+        import torch.distributed as dist
+
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(minutes=30))
+        self.enable_sp(world)
+
+    def enable_sp(self, degree: int) -> None:
+        """Run the transformer with Ulysses over this rank's group of ``degree`` consecutive ranks
+        of the (joined) default process group: a rollout group's own world, or the trainer ranks'."""
+        from digenrl.distributed import sequence_parallel as sp
+
+        sp.enable_sequence_parallel(self.policy.adapter.transformer, sp.sp_mesh(degree, self.policy.device.type))
+        self.sp_world = degree
+
+    def sp_rollout(self, unit, packet: weight_sync.WeightPacket | None) -> None:
+        """A follower's share of its lead's rollout unit (the lead's :meth:`rollout` starts it):
+        the same generation, with that version's weights; returns nothing."""
+        if unit.version != self.policy.version:
+            weight_sync.load(self.policy, packet, self.expected_keys, unit.iteration)
+        cfg = self.cfg
+        everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
+        rollout_unit(self.policy, _unscored, [everything[g] for g in unit.groups], list(unit.groups),
+                     unit.iteration, cfg.train.seed, unit.sample_range(cfg.algorithm.group_size))

@@ -1,0 +1,70 @@
+"""Sequence-parallel workers in the engine: two gloo devices as one rollout worker
+(``engine.rollout_sp: 2``) or as one trainer rank (``engine.trainer_sp: 2``) run every unit
+together (Ulysses over their group; the scheduler sees the lead only); on-policy, the run
+equals the single-process trainer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+ray = pytest.importorskip("ray")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from digenrl.config import load_config  # noqa: E402
+from digenrl.engine.runtime import run_engine  # noqa: E402
+from digenrl.engine.timeline import Timeline  # noqa: E402
+from digenrl.trainer import LocalTrainer  # noqa: E402
+from tests.helpers import local_ray  # noqa: E402
+
+BASE = ["model.height=16", "model.width=16", "train.iterations=2", "train.prompts_per_iteration=2",
+        "algorithm.group_size=4", "sampling.steps=4", "engine.tsp_degree=1", "engine.max_staleness=0"]
+ENGINE = ["placement.mode=disaggregated", "engine.tag=false", "engine.gap=false"]
+CASES = {  # the sequence-parallel pair, and the run's other pool: replicated ranks / the SP rollout worker
+    "rollout_sp": (["engine.rollout_sp=2", "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"],
+                   "rollout", "rollout0"),
+    "trainer_sp": (["engine.trainer_sp=2", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]"],
+                   "train", "trainer0"),
+    # SP inside FSDP: 4 trainer devices sharded together, two sequence-parallel groups of 2
+    "trainer_sp_in_fsdp": (["engine.trainer_sp=2", "train.fsdp=4",
+                            "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]"], "train", "trainer0"),
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from local_ray(rollout=2, trainer=4)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ref_dir = tmp_path_factory.mktemp("local")
+    return ref_dir, LocalTrainer(load_config(None, BASE)).run(ref_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_sequence_parallel_workers_equal_the_local_trainer(cluster, reference, tmp_path, case):
+    sets, kind, lead = CASES[case]
+    ref_dir, ref = reference
+    result = run_engine(load_config(None, BASE + ENGINE + sets), run_dir=tmp_path / "sp")
+    want = load_file(ref_dir / "final" / "pytorch_lora_weights.safetensors")
+    got = load_file(tmp_path / "sp" / "final" / "pytorch_lora_weights.safetensors")
+    assert got.keys() == want.keys()
+    # samples / gradients equal to ~1e-6 (summed in another order), then the same update: the
+    # tolerance of test_engine_fsdp (1% of one lr=1e-2 Adam step)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=0)
+    for mine, theirs in zip(result.metrics, ref.metrics, strict=True):
+        assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-3, abs=1e-6)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-3)
+    # the scheduler saw one worker for the pair: its lead ran every unit of that kind, with its
+    # transformer over both devices
+    tl = Timeline.from_chrome_trace(tmp_path / "sp" / "timeline.json")
+    assert {t.worker for t in tl.of(kind)} == {lead} and len(tl.of(kind)) >= 2
+    assert {t.args["sp"] for t in tl.of(kind)} == {2}
