@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from digenrl.distributed.blocks import transformer_blocks
 from digenrl.distributed.checkpointing import checkpoint_blocks
@@ -90,10 +90,22 @@ def shard_policy(policy, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = 
     net = policy.adapter.transformer
     dtype = param_dtype or policy.adapter.dtype
     parallelize(net, mesh, param_dtype=dtype, activation_checkpointing=activation_checkpointing)
-    policy.params = [p for p in net.parameters() if p.requires_grad]
+    policy.named_params = {n: p for n, p in net.named_parameters() if p.requires_grad}
+    policy.params = list(policy.named_params.values())
     if policy.optimizer is not None:
         t = policy.cfg.train
         policy.optimizer = torch.optim.AdamW(policy.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    ema = getattr(policy, "ema", None)
+    if ema is not None:  # train.ema: each rank averages its own shards (elementwise, so equal to unsharded)
+        ema.params = policy.named_params
+        ema.average = {n: shard_like(ema.average[n], p) for n, p in policy.named_params.items()}
+
+
+def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's shard of the whole tensor ``full``, laid out like the sharded parameter ``like``
+    (no communication: every rank holds ``full``)."""
+    return distribute_tensor(full.detach().to(like.device), like.device_mesh, like.placements,
+                             src_data_rank=None)
 
 
 def full_tensors(model: nn.Module, names: list[str] | None = None, trainable_only: bool = False):

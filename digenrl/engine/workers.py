@@ -43,7 +43,7 @@ import torch
 from digenrl.checkpoint import checkpoint_files, load_checkpoint
 from digenrl.distributed.settings import resolve_fsdp
 from digenrl.engine import weight_sync
-from digenrl.engine.fsdp_group import combine_rank_stats, rank_slice
+from digenrl.engine.fsdp_group import combine_rank_stats, rank_slice, reshard, shard_policy, will_shard
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.errors import UserError
 from digenrl.faults import FaultInjector
@@ -136,6 +136,7 @@ class EngineWorker:
         """``resume``: the checkpoint to start from (read by path)."""
         self.cfg, self.name, self.role, self.world = cfg, name, role, 1
         self.rank, self.sharded, self.followers = 0, False, []  # train.fsdp: the group's other ranks (on rank 0)
+        self.resume_optimizer: str | None = None  # a sharded rank loads it once sharded (join_group)
         self.faults = FaultInjector.from_config(cfg, name)  # engine.faults: where this process dies
         # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
         # and raise it from ready(), where Ray hands the driver the exception itself.
@@ -155,7 +156,9 @@ class EngineWorker:
         path = Path(source.path)
         trains = self.policy.optimizer is not None
         if path.is_dir():
-            load_checkpoint(path, self.policy, optimizer=trains)
+            shards = trains and will_shard(self.cfg, self.role)  # the optimizer is rebuilt over the shards:
+            load_checkpoint(path, self.policy, optimizer=trains and not shards)  # its state loads then
+            self.resume_optimizer = str(path) if shards else None
             return
         if trains:
             raise UserError(f"--resume: {path} is not visible on {self.name}'s node: trainer ranks read the "
@@ -213,14 +216,12 @@ class EngineWorker:
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=30))
         self.world, self.rank = world, rank
-        if rank != 0:  # train.ema: rank 0 alone keeps the average (it evaluates, checkpoints, exports)
-            self.policy.ema = None
-        if resolve_fsdp(self.cfg, world) > 1:  # FSDP2 over all trainer ranks (settings.check_fsdp_wired)
-            from digenrl.distributed import fsdp
-
-            # activation checkpointing, if on, is already applied by Policy
-            fsdp.shard_policy(self.policy, fsdp.trainer_mesh(world, self.policy.device.type))
-            self.sharded = True
+        degree = resolve_fsdp(self.cfg, world)
+        if degree == 1 and rank != 0:  # train.ema, replicated ranks: rank 0 alone keeps the average (it
+            self.policy.ema = None  # evaluates, checkpoints, exports); sharded ranks each average their shards
+        if degree > 1:  # FSDP2 over all trainer ranks (settings.check_fsdp_wired)
+            shard_policy(self.policy, degree, self.resume_optimizer)
+            self.sharded, self.resume_optimizer = True, None
 
     def lead(self, followers: list) -> None:
         """Rank 0 of a sharded group: it runs every unit and side call on the other ranks too
@@ -314,9 +315,13 @@ class EngineWorker:
         samples.advantages = advantages
         others = self._fan_out("train", unit, samples, advantages, total_terms)
         start = time.time()
-        mine = rank_slice(samples, self.rank, self.world) if self.sharded else samples
-        stats = train_unit(self.policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree, unit.step,
-                           self.cfg.train.optimizer_steps)
+        if self.sharded:  # every rank trains an equal share of the unit's (mini-batch's) samples
+            mine = rank_slice(samples, self.rank, self.world, unit.step, self.cfg.train.optimizer_steps,
+                              self.cfg.algorithm.group_size)
+            stats = train_unit(self.policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree)
+        else:
+            stats = train_unit(self.policy, samples, total_terms, unit.tsp_rank, unit.tsp_degree, unit.step,
+                               self.cfg.train.optimizer_steps)
         stats = combine_rank_stats([stats] + [r["stats"] for r in self._gather(others)])
         self.faults.reached(unit.uid)
         end = time.time()
@@ -367,14 +372,18 @@ class EngineWorker:
         self._gather(others)
         return packet
 
-    def checkpoint(self, iteration: int, extra: dict) -> dict[str, bytes]:
+    def checkpoint(self, iteration: int, extra: dict, staging: str | None = None) -> dict:
         """This rank's checkpoint after ``iteration`` iterations, as file bytes for the driver.
         The driver calls it right after the step, before handing this rank more work (an actor runs
-        its calls in order), so it holds exactly version ``iteration`` and no partial gradient."""
+        its calls in order), so it holds exactly version ``iteration`` and no partial gradient.
+        A sharded group: every rank writes its shards of the optimizer state by path into ``staging``
+        (DCP, nothing gathered) and joins the gather of the weights; rank 0's answer names ``staging``."""
         if self.policy.version != iteration:
             raise RuntimeError(f"{self.name}: checkpoint of iteration {iteration} asked at version {self.policy.version}")
-        others = self._fan_out("checkpoint", iteration, extra)
-        files = checkpoint_files(self.policy, iteration, self.cfg, extra)  # gathers shards on every rank
+        others = self._fan_out("checkpoint", iteration, extra, staging)
+        files = checkpoint_files(self.policy, iteration, self.cfg, extra,
+                                 optimizer_dir=Path(staging) if self.sharded and staging else None,
+                                 lead=self.rank == 0, where=f"{self.name}'s node")
         self._gather(others)
         return files
 
@@ -382,10 +391,15 @@ class EngineWorker:
         """``eval/<reward>`` of the current weights (ODE, fixed seeds), as LocalTrainer.evaluate."""
         from digenrl.evaluate import evaluate_policy
 
+        others = self._fan_out("evaluate")  # a sharded group: every rank runs the same sampling passes
         if self.reward is None:  # a trainer rank that never scores: build the rewards for eval only
             self.reward = _TimedReward(build_reward(self.cfg.reward))
         with self.policy.averaged():  # train.ema: the EMA weights
-            return evaluate_policy(self.policy, self.reward.fn, self.prompts.prompts).metrics()
+            metrics = evaluate_policy(self.policy, self.reward.fn, self.prompts.prompts).metrics()
+            if self.sharded:  # sampling leaves the root's parameters gathered (no backward frees them):
+                reshard(self.policy.adapter.transformer)  # drop that copy before the weights swap back
+        self._gather(others)
+        return metrics
 
     def export_final(self) -> dict[str, bytes]:
         """``final/``'s files (:func:`~digenrl.runpolicy.final_files`), as bytes for the driver, which

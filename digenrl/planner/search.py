@@ -18,8 +18,9 @@ planner's earlier colocated baseline: units of whole groups only) and ``separate
 (disaggregated one-step-off async without GAP, TSP or TAG: veRL-Omni's separate_async, MM-GRPO's
 one-step-off).
 
-Pruning: a candidate whose memory does not fit is dropped (its reason is kept, for the error when
-nothing fits); the others are simulated in order of their throughput bound (a lower bound on the
+Pruning: a candidate whose memory does not fit, or whose trainer ranks need an FSDP degree the
+engine refuses in that placement (:func:`unwired_sharding`, the runtime's own rule), is dropped
+(its reason is kept, for the error when nothing fits); the others are simulated in order of their throughput bound (a lower bound on the
 iteration time that costs no simulation), and the search stops once the next bound cannot beat the
 K-th best simulated plan. The best colocated plan is always simulated: speedups are against it.
 """
@@ -87,6 +88,24 @@ def candidates(cluster: ClusterSpec, prompts: int, *, group_size: int = 1, coloc
     return plans
 
 
+def unwired_sharding(plan: Plan, setups_: dict, cost: CostModel) -> str | None:
+    """Why the engine cannot run the FSDP degree the memory model chose for the plan's trainer
+    devices -- the runtime's own rule (:func:`~digenrl.distributed.settings.fsdp_unwired`) -- or None."""
+    from digenrl.distributed.settings import fsdp_unwired
+
+    w = cost.w
+    for pool in plan.trainer_pools:
+        shard = setups_[pool.name].shard
+        why = shard > 1 and fsdp_unwired(
+            shard, placement=plan.placement, ranks=plan.ranks, tag=plan.tag, tsp_degree=plan.tsp_degree,
+            timestep_mode=w.timestep_mode, unit_groups=plan.unit_groups,
+            unit_samples=w.group_size // plan.group_parts if plan.group_parts > 1 else 0, group_size=w.group_size,
+            optimizer_steps=getattr(w, "optimizer_steps", 1))  # the workload's mini-batches, once it models them
+        if why:
+            return f"its {pool.name} ranks need train.fsdp {shard}, which the engine refuses: {why}"
+    return None
+
+
 @dataclass
 class SearchResult:
     ranked: list[SimResult]  # best first (disaggregated and colocated together)
@@ -121,6 +140,10 @@ def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int 
             continue
         if isinstance(s, DoesNotFit):
             rejected[plan.label()] = s.args
+            continue
+        why = unwired_sharding(plan, s, cost)
+        if why:  # the runtime would refuse it (settings.check_fsdp_wired): never proposed
+            rejected[plan.label()] = (why, float("inf"))
             continue
         fitting.append((bound(plan, cost, s), plan))
     if not fitting:
