@@ -37,8 +37,9 @@ import numpy as np
 import torch
 
 from digenrl.checkpoint_compat import CheckpointError, check_compatible, compat_fields  # noqa: F401  (re-exported)
-from digenrl.optimizer_state import (DCP_DIR, OPTIMIZER_FILE, TRAINER_ONLY, StagedDir, check_holds_optimizer,  # noqa: F401
-                                     restore_optimizer, save_optimizer_sharded, staging_dir)
+from digenrl.optimizer_state import (  # noqa: F401  (staging_dir, StagedDir: re-exported for the engine)
+    DCP_DIR, OPTIMIZER_FILE, TRAINER_ONLY, StagedDir, check_holds_optimizer, restore_optimizer, save_optimizer_sharded,
+    staging_dir)
 
 FORMAT = 1  # bump when the layout changes; older formats are refused with a message
 LORA_FILE = "pytorch_lora_weights.safetensors"

@@ -52,10 +52,23 @@ def load_sharded(path: Path | str, model: nn.Module, optimizer: torch.optim.Opti
 
 
 def save_optimizer(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer state alone (keyed by parameter name): every rank writes its own shards under
-    ``path``, nothing is gathered. A trainer checkpoint keeps the weights apart, gathered in the
-    ordinary format that eval, rollout workers and diffusers read."""
-    dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(path))
+    """The optimizer state alone (keyed by parameter name): every rank of the model's shard group
+    writes its own shards under ``path``, nothing is gathered (HSDP: one replica group saves, its
+    ranks hold every shard). A trainer checkpoint keeps the weights apart, gathered in the ordinary
+    format that eval, rollout workers and diffusers read."""
+    dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(path),
+             process_group=_shard_group(model))
+
+
+def _shard_group(model: nn.Module):
+    """The process group of the ``shard`` dimension of a 2-D (HSDP) mesh the model is sharded over;
+    None (the default group) otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.device_mesh.ndim == 2:
+            return p.device_mesh.get_group("shard")
+    return None
 
 
 def load_optimizer(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -37,7 +37,8 @@ def trainer_mesh(degree: int | None = None, device_type: str = "cpu") -> DeviceM
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype = torch.bfloat16,
                 reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
-                reshard_after_forward: bool = True, gradient_sum: bool = True) -> nn.Module:
+                reshard_after_forward: bool = True, gradient_sum: bool = True,
+                independent_replicas: bool = False) -> nn.Module:
     """Shard ``model`` in place over ``mesh``; returns it (now an ``FSDPModule``).
 
     Order, as torchtitan: trained parameters to fp32 (the masters), activation checkpointing
@@ -47,6 +48,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype 
 
     ``gradient_sum``: reduce gradients by sum, as the engine's units are written (each unit's
     loss is already divided by the iteration's total term count); False averages, as DDP does.
+    ``independent_replicas`` (HSDP, a 2-D mesh): backward only reduce-scatters inside the shard
+    group, so the replica groups need not run the same passes; :func:`all_reduce_replicas` then
+    sums the gradient shards over the replicas before the step.
     """
     fp32_master(model)
     if activation_checkpointing:
@@ -61,7 +65,25 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype 
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    if independent_replicas and mesh.ndim == 2:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_requires_all_reduce(False)
     return model
+
+
+def all_reduce_replicas(params: list[nn.Parameter], mesh: DeviceMesh) -> int:
+    """HSDP with independent replicas: sum every trained parameter's local gradient shard over the
+    ``replicate`` mesh dimension, in buckets (a replica that trained nothing adds zeros). Returns
+    the bucket count (0 on a 1-D mesh: nothing to do)."""
+    from digenrl.distributed.grad_sync import all_reduce_tensors
+
+    if mesh.ndim != 2:
+        return 0
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return all_reduce_tensors([p.grad.to_local() for p in params], mesh.get_group("replicate"))
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -83,13 +105,14 @@ def full_numel(model: nn.Module, trainable_only: bool = False) -> int:
 
 
 def shard_policy(policy, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None,
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpointing: bool = False, independent_replicas: bool = False) -> None:
     """Shard a :class:`~digenrl.policy.Policy`'s transformer and rebuild its optimizer over the
     shards (same hyper-parameters). ``param_dtype`` defaults to the model's compute dtype
     (``model.dtype``). Call before the first step; ``Policy.optimizer_step`` works on shards."""
     net = policy.adapter.transformer
     dtype = param_dtype or policy.adapter.dtype
-    parallelize(net, mesh, param_dtype=dtype, activation_checkpointing=activation_checkpointing)
+    parallelize(net, mesh, param_dtype=dtype, activation_checkpointing=activation_checkpointing,
+                independent_replicas=independent_replicas)
     policy.named_params = {n: p for n, p in net.named_parameters() if p.requires_grad}
     policy.params = list(policy.named_params.values())
     if policy.optimizer is not None:

@@ -64,15 +64,15 @@ def check_fsdp_wired(cfg) -> None:
 def fsdp_unwired(n: int, *, placement: str, ranks: int, tag: bool, tsp_degree: int, timestep_mode: str,
                  unit_groups: int, unit_samples: int, group_size: int, optimizer_steps: int) -> str | None:
     """Why the engine cannot run sharding degree ``n`` > 1 with these settings, or None. The rule the
-    runtime (:func:`check_fsdp_wired`) and the planner (``planner/search.py``) share: a disaggregated
-    trainer group of exactly ``n`` ranks, training each unit together (every rank an equal slice of
-    its samples -- of each mini-batch's samples with ``optimizer_steps`` > 1 -- so every rank runs
-    the same forward / backward passes)."""
+    runtime (:func:`check_fsdp_wired`) and the planner (``planner/search.py``) share: disaggregated
+    trainer ranks in shard groups of ``n`` (``n`` divides them: HSDP, replicated across the groups,
+    when there are several), each group training each of its units together (every rank an equal
+    slice of its samples -- of each mini-batch's samples with ``optimizer_steps`` > 1 -- so every
+    rank of the group runs the same forward / backward passes)."""
     if placement != "disaggregated":
         return f"sharded trainer ranks need placement.mode: disaggregated (got {placement}); use train.fsdp: off"
-    if ranks != n:
-        return (f"must equal the number of trainer ranks ({ranks}); HSDP (a degree that divides them) is not "
-                f"wired; use train.fsdp: {ranks} or off")
+    if ranks % n:
+        return f"must divide the number of trainer ranks ({ranks}); use train.fsdp: {ranks} or off"
     refused = {"engine.tag": tag, "engine.tsp_degree > 1": tsp_degree > 1,
                "algorithm.timesteps.mode: random": timestep_mode == "random"}
     for name, on in refused.items():

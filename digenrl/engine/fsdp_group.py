@@ -20,19 +20,24 @@ def will_shard(cfg, role: str) -> bool:
     return role != "rollout" and ranks > 1 and resolve_fsdp(cfg, ranks) > 1
 
 
-def shard_policy(policy, degree: int, resume: str | None = None) -> None:
-    """Shard a trainer rank's policy (FSDP2 over ``degree`` ranks of the group just joined; activation
-    checkpointing, if on, is already applied by ``Policy``), then restore a resumed run's optimizer
-    state (checkpoint ``resume``) into the shards: a ``dcp/`` checkpoint resharded to this group (each
-    rank reads its own shards, by path), or an unsharded run's ``optimizer.pt`` split."""
+def shard_policy(policy, degree: int, resume: str | None = None):
+    """Shard a trainer rank's policy (FSDP2 over groups of ``degree`` consecutive ranks of the group
+    just joined -- HSDP when there are several: each replica group trains its own units, backward
+    reduce-scatters inside it only, :func:`~digenrl.distributed.fsdp.all_reduce_replicas` sums over the
+    replicas at the step; activation checkpointing, if on, is already applied by ``Policy``), then
+    restore a resumed run's optimizer state (checkpoint ``resume``) into the shards: a ``dcp/``
+    checkpoint resharded (each rank reads its own shards, by path), or an unsharded run's
+    ``optimizer.pt`` split. Returns the device mesh."""
     from pathlib import Path
 
     from digenrl.checkpoint import find_checkpoint, read_state, restore_optimizer
     from digenrl.distributed import fsdp
 
-    fsdp.shard_policy(policy, fsdp.trainer_mesh(degree, policy.device.type))
+    mesh = fsdp.trainer_mesh(degree, policy.device.type)
+    fsdp.shard_policy(policy, mesh, independent_replicas=True)
     if resume is not None:
         restore_optimizer(read_state(find_checkpoint(Path(resume))), policy)
+    return mesh
 
 
 def rank_slice(samples: Samples, rank: int, world: int, minibatch: int = 0, minibatches: int = 1,

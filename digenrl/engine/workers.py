@@ -135,7 +135,8 @@ class EngineWorker:
     def __init__(self, cfg, name: str, role: str, reward_actor=None, resume: ResumeFrom | None = None):
         """``resume``: the checkpoint to start from (read by path)."""
         self.cfg, self.name, self.role, self.world = cfg, name, role, 1
-        self.rank, self.sharded, self.followers = 0, False, []  # train.fsdp: the group's other ranks (on rank 0)
+        self.rank, self.sharded, self.followers = 0, False, []  # train.fsdp: the shard group's others (on its lead)
+        self.degree, self.mesh = 1, None  # train.fsdp: the shard group's size, and the device mesh
         self.resume_optimizer: str | None = None  # a sharded rank loads it once sharded (join_group)
         self.faults = FaultInjector.from_config(cfg, name)  # engine.faults: where this process dies
         # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
@@ -219,9 +220,9 @@ class EngineWorker:
         degree = resolve_fsdp(self.cfg, world)
         if degree == 1 and rank != 0:  # train.ema, replicated ranks: rank 0 alone keeps the average (it
             self.policy.ema = None  # evaluates, checkpoints, exports); sharded ranks each average their shards
-        if degree > 1:  # FSDP2 over all trainer ranks (settings.check_fsdp_wired)
-            shard_policy(self.policy, degree, self.resume_optimizer)
-            self.sharded, self.resume_optimizer = True, None
+        if degree > 1:  # FSDP2 over shard groups of `degree` ranks (HSDP when several; settings.check_fsdp_wired)
+            self.mesh = shard_policy(self.policy, degree, self.resume_optimizer)
+            self.sharded, self.resume_optimizer, self.degree = True, None, degree
 
     def lead(self, followers: list) -> None:
         """Rank 0 of a sharded group: it runs every unit and side call on the other ranks too
@@ -316,8 +317,8 @@ class EngineWorker:
         others = self._fan_out("train", unit, samples, advantages, total_terms)
         start = time.time()
         if self.sharded:  # every rank trains an equal share of the unit's (mini-batch's) samples
-            mine = rank_slice(samples, self.rank, self.world, unit.step, self.cfg.train.optimizer_steps,
-                              self.cfg.algorithm.group_size)
+            mine = rank_slice(samples, self.rank % self.degree, self.degree, unit.step,
+                              self.cfg.train.optimizer_steps, self.cfg.algorithm.group_size)
             stats = train_unit(self.policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree)
         else:
             stats = train_unit(self.policy, samples, total_terms, unit.tsp_rank, unit.tsp_degree, unit.step,
@@ -335,8 +336,12 @@ class EngineWorker:
         the last step the weight publish."""
         others = self._fan_out("step", unit, publish)
         start = time.time()
-        if not self.sharded:  # FSDP2 reduce-scattered the gradients in backward
+        if not self.sharded:  # FSDP2 reduce-scattered the gradients in backward (inside each shard group)
             self._all_reduce_gradients()
+        else:  # HSDP: sum the gradient shards over the replica groups (nothing with one group)
+            from digenrl.distributed.fsdp import all_reduce_replicas
+
+            all_reduce_replicas(self.policy.params, self.mesh)
         grad_norm = self.policy.optimizer_step(publish=unit.last)
         if self.policy.version != unit.version:
             raise RuntimeError(f"{self.name}: stepped to version {self.policy.version}, expected {unit.version}")

@@ -20,9 +20,9 @@ one-step-off).
 
 Pruning: a candidate whose memory does not fit, or whose trainer ranks need an FSDP degree the
 engine refuses in that placement (:func:`unwired_sharding`, the runtime's own rule), is dropped
-(its reason is kept, for the error when nothing fits); the others are simulated in order of their throughput bound (a lower bound on the
-iteration time that costs no simulation), and the search stops once the next bound cannot beat the
-K-th best simulated plan. The best colocated plan is always simulated: speedups are against it.
+(its reason is kept, for the error when nothing fits); the others are simulated in order of their
+throughput bound (a lower bound on the iteration time that costs no simulation), and the search
+stops once the next bound cannot beat the K-th best simulated plan. The best colocated plan is always simulated: speedups are against it.
 """
 
 from __future__ import annotations
