@@ -67,8 +67,9 @@ def test_settings_resolve():
 
 
 def test_the_planner_never_proposes_a_sharding_the_engine_refuses():
-    """FLUX.1-dev full fine-tuning on 8 H800 needs FSDP: the search drops the plans whose sharding the
-    engine refuses (TAG, colocated), saying why, and every plan it ranks is one `train` runs."""
+    """FLUX.1-dev full fine-tuning on 16 H800 needs FSDP: the search drops the plans whose sharding the
+    engine refuses (TAG, colocated), saying why, and every plan it ranks is one `train` runs. On 8 H800
+    only a colocated FSDP x8 placement fits, so the planner says nothing fits rather than propose it."""
     from pathlib import Path
 
     from digenrl.cli.plan import plan_config
@@ -78,8 +79,13 @@ def test_the_planner_never_proposes_a_sharding_the_engine_refuses():
     from digenrl.planner.search import search
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "flux1_dev.yaml", ["model.lora=null"])
-    cluster = cluster_from_dict({"name": "8xH800", "gpus_per_node": 8,
-                                 "pools": [{"name": "h800", "device": "H800", "count": 8}]})
+    def h800s(n):
+        return cluster_from_dict({"name": f"{n}xH800", "gpus_per_node": 8,
+                                  "pools": [{"name": "h800", "device": "H800", "count": n}]})
+
+    with pytest.raises(UserError, match="fits no placement of cluster 8xH800"):
+        search(CostModel(Workload.from_config(cfg), h800s(8)), h800s(8), top=3)
+    cluster = h800s(16)
     res = search(CostModel(Workload.from_config(cfg), cluster), cluster, top=3)
     refused = [why for why, _ in res.rejected.values() if "which the engine refuses" in why]
     assert refused and any("engine.tag" in why for why in refused)

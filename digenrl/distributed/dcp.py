@@ -74,8 +74,12 @@ def _shard_group(model: nn.Module):
 def load_optimizer(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Restore :func:`save_optimizer`'s state in place, resharded to this world: FSDP2 ranks of any
     count (a collective over the default group), or a plain model in a process without a group."""
+    import warnings
+
     state = {"optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():  # without a group DCP warns that it loads in one process: intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path))
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 

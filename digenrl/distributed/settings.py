@@ -52,8 +52,9 @@ def check_fsdp_wired(cfg) -> None:
         return
     from digenrl.placement import engine_workers
 
-    e = cfg.engine
-    why = fsdp_unwired(n, placement=cfg.placement.mode, ranks=sum(w.role == "trainer" for w in engine_workers(cfg)),
+    e, mode = cfg.engine, cfg.placement.mode
+    ranks = sum(w.role == "trainer" for w in engine_workers(cfg)) if mode == "disaggregated" else 0
+    why = fsdp_unwired(n, placement=mode, ranks=ranks,
                        tag=e.tag, tsp_degree=e.tsp_degree, timestep_mode=cfg.algorithm.timesteps.mode,
                        unit_groups=e.unit_groups, unit_samples=e.unit_samples, group_size=cfg.algorithm.group_size,
                        optimizer_steps=cfg.train.optimizer_steps)
