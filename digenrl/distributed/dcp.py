@@ -61,25 +61,26 @@ def save_optimizer(path: Path | str, model: nn.Module, optimizer: torch.optim.Op
 
 
 def _shard_group(model: nn.Module):
-    """The process group of the ``shard`` dimension of a 2-D (HSDP) mesh the model is sharded over;
-    None (the default group) otherwise."""
+    """The process group the model is sharded over (HSDP: this rank's shard group, one replica);
+    None (the default group) for a model that is not sharded."""
     from torch.distributed.tensor import DTensor
 
     for p in model.parameters():
-        if isinstance(p, DTensor) and p.device_mesh.ndim == 2:
-            return p.device_mesh.get_group("shard")
+        if isinstance(p, DTensor):
+            return p.device_mesh.get_group()
     return None
 
 
 def load_optimizer(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Restore :func:`save_optimizer`'s state in place, resharded to this world: FSDP2 ranks of any
-    count (a collective over the default group), or a plain model in a process without a group."""
+    count (a collective over the model's shard group; HSDP: each replica loads its own), or a plain
+    model in a process without a group."""
     import warnings
 
     state = {"optim": get_optimizer_state_dict(model, optimizer)}
     with warnings.catch_warnings():  # without a group DCP warns that it loads in one process: intended here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), process_group=_shard_group(model))
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 

@@ -48,10 +48,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype 
 
     ``gradient_sum``: reduce gradients by sum, as the engine's units are written (each unit's
     loss is already divided by the iteration's total term count); False averages, as DDP does.
-    ``independent_replicas`` (HSDP, a 2-D mesh): backward only reduce-scatters inside the shard
-    group, so the replica groups need not run the same passes; :func:`all_reduce_replicas` then
-    sums the gradient shards over the replicas before the step.
+    ``independent_replicas`` (HSDP, a 2-D mesh): shard over this rank's ``shard`` sub-mesh only, so
+    backward reduce-scatters inside the shard group and the replica groups need not run the same
+    passes (FSDP2's own HSDP all-reduces across the replicas in every backward);
+    :func:`all_reduce_replicas` then sums the gradient shards over the replicas before the step.
     """
+    if independent_replicas and mesh.ndim == 2:
+        mesh = mesh["shard"]
     fp32_master(model)
     if activation_checkpointing:
         checkpoint_blocks(model)
@@ -65,10 +68,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype 
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
-    if independent_replicas and mesh.ndim == 2:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_requires_all_reduce(False)
     return model
 
 
@@ -83,7 +82,8 @@ def all_reduce_replicas(params: list[nn.Parameter], mesh: DeviceMesh) -> int:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    return all_reduce_tensors([p.grad.to_local() for p in params], mesh.get_group("replicate"))
+    with torch.no_grad():  # the local tensors are the gradients' own storage: summed in place
+        return all_reduce_tensors([p.grad.to_local() for p in params], mesh.get_group("replicate"))
 
 
 def is_sharded(model: nn.Module) -> bool:
