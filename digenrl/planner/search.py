@@ -123,7 +123,11 @@ class SearchResult:
 
 
 def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int = 4,
-           wait_for_full_batch: bool = False, plans: list[Plan] | None = None) -> SearchResult:
+           wait_for_full_batch: bool = False, plans: list[Plan] | None = None,
+           runnable_only: bool = True) -> SearchResult:
+    """Rank the plans (``candidates`` by default). ``runnable_only``: drop those whose trainer ranks
+    need a sharding the engine refuses (:func:`unwired_sharding`); False keeps them, for the peers'
+    arrangements as the peers run them (:func:`baselines`: e.g. veRL-Omni colocates with FSDP)."""
     start = time.perf_counter()
     plans = plans if plans is not None else candidates(cluster, cost.w.prompts, group_size=cost.w.group_size)
     fitting, rejected = [], {}
@@ -141,7 +145,7 @@ def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int 
         if isinstance(s, DoesNotFit):
             rejected[plan.label()] = s.args
             continue
-        why = unwired_sharding(plan, s, cost)
+        why = unwired_sharding(plan, s, cost) if runnable_only else None
         if why:  # the runtime would refuse it (settings.check_fsdp_wired): never proposed
             rejected[plan.label()] = (why, float("inf"))
             continue
@@ -217,13 +221,14 @@ BASELINES = {
 
 def baselines(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
               wait_for_full_batch: bool = False) -> dict[str, SimResult | None]:
-    """The best plan of each peer arrangement (:data:`BASELINES`); None where none fits in memory."""
+    """The best plan of each peer arrangement (:data:`BASELINES`), as the peers run it (with the FSDP
+    its memory needs, even where DigenRL's engine does not run that sharding); None where none fits."""
     out = {}
     for name, knobs in BASELINES.items():
         plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, **knobs)
         try:
             res = search(cost, cluster, top=1, iterations=iterations, plans=plans,
-                         wait_for_full_batch=wait_for_full_batch)
+                         wait_for_full_batch=wait_for_full_batch, runnable_only=False)
             out[name] = res.ranked[0] if res.ranked else None
         except UserError:
             out[name] = None
