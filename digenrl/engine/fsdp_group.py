@@ -55,6 +55,16 @@ def rank_slice(samples: Samples, rank: int, world: int, minibatch: int = 0, mini
     return select_rows(samples, rows[rank * share:(rank + 1) * share])
 
 
+def train_share(policy, samples: Samples, unit, rank: int, degree: int, total_terms: int) -> dict:
+    """Rank ``rank`` of a shard group of ``degree`` trains its share (:func:`rank_slice`) of train unit
+    ``unit`` (its mini-batch ``unit.step``); returns the share's stats."""
+    from digenrl.units import train_unit
+
+    cfg = policy.cfg
+    mine = rank_slice(samples, rank, degree, unit.step, cfg.train.optimizer_steps, cfg.algorithm.group_size)
+    return train_unit(policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree)
+
+
 def select_rows(samples: Samples, rows: torch.Tensor) -> Samples:
     """The unit's samples ``rows`` (same iteration, version and groups; per-sample fields cut)."""
     return dataclasses.replace(

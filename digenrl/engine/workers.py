@@ -41,9 +41,10 @@ from typing import Any
 import torch
 
 from digenrl.checkpoint import checkpoint_files, load_checkpoint
+from digenrl.distributed.fsdp import all_reduce_replicas
 from digenrl.distributed.settings import resolve_fsdp
 from digenrl.engine import weight_sync
-from digenrl.engine.fsdp_group import combine_rank_stats, rank_slice, reshard, shard_policy, will_shard
+from digenrl.engine.fsdp_group import combine_rank_stats, reshard, shard_policy, train_share, will_shard
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.errors import UserError
 from digenrl.faults import FaultInjector
@@ -317,9 +318,7 @@ class EngineWorker:
         others = self._fan_out("train", unit, samples, advantages, total_terms)
         start = time.time()
         if self.sharded:  # every rank trains an equal share of the unit's (mini-batch's) samples
-            mine = rank_slice(samples, self.rank % self.degree, self.degree, unit.step,
-                              self.cfg.train.optimizer_steps, self.cfg.algorithm.group_size)
-            stats = train_unit(self.policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree)
+            stats = train_share(self.policy, samples, unit, self.rank % self.degree, self.degree, total_terms)
         else:
             stats = train_unit(self.policy, samples, total_terms, unit.tsp_rank, unit.tsp_degree, unit.step,
                                self.cfg.train.optimizer_steps)
@@ -339,8 +338,6 @@ class EngineWorker:
         if not self.sharded:  # FSDP2 reduce-scattered the gradients in backward (inside each shard group)
             self._all_reduce_gradients()
         else:  # HSDP: sum the gradient shards over the replica groups (nothing with one group)
-            from digenrl.distributed.fsdp import all_reduce_replicas
-
             all_reduce_replicas(self.policy.params, self.mesh)
         grad_norm = self.policy.optimizer_step(publish=unit.last)
         if self.policy.version != unit.version:
