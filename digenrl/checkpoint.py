@@ -5,6 +5,9 @@ A checkpoint directory (NNNNNN = iterations completed) holds
     pytorch_lora_weights.safetensors   LoRA in the diffusers format (``Pipeline.load_lora_weights(dir)``)
       or transformer.safetensors       full weights (``model.lora: null``)
     optimizer.pt                       the optimizer's ``state_dict()``
+      or dcp/                          a sharded trainer group's (``train.fsdp``) optimizer state in
+                                       ``torch.distributed.checkpoint`` format: each rank wrote its own
+                                       shards, nothing was gathered; any trainer count loads it
     ema.safetensors                    with ``train.ema``: the fp32 weight average (trained-parameter names)
     rng.pt                             torch CPU (+ CUDA) / python ``random`` / numpy generator states
     config.yaml                        the resolved config of the run that wrote it
@@ -12,7 +15,9 @@ A checkpoint directory (NNNNNN = iterations completed) holds
 
 It is written into ``checkpoints/.tmp-iter-NNNNNN`` and renamed into place, so a crash leaves at most
 a ``.tmp-`` directory: never read, removed by the next save. Only directories holding ``state.json``
-count as checkpoints.
+count as checkpoints. A sharded group's ranks write ``dcp/`` by path into
+``checkpoints/.dcp-iter-NNNNNN`` first; the commit moves it in (``state.json`` says
+``optimizer_format: dcp`` and lists its files).
 
 The functions take a :class:`~digenrl.policy.Policy` and plain counters, so any driver (the local
 trainer, the Ray engine's trainer rank 0) saves and restores the same way.
@@ -31,7 +36,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from digenrl.errors import UserError
+from digenrl.checkpoint_compat import CheckpointError, check_compatible, compat_fields  # noqa: F401  (re-exported)
+from digenrl.optimizer_state import (  # noqa: F401  (staging_dir, StagedDir: re-exported for the engine)
+    DCP_DIR, OPTIMIZER_FILE, TRAINER_ONLY, StagedDir, check_holds_optimizer, restore_optimizer, save_optimizer_sharded,
+    staging_dir)
 
 FORMAT = 1  # bump when the layout changes; older formats are refused with a message
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -39,10 +47,6 @@ FULL_FILE = "transformer.safetensors"
 EMA_FILE = "ema.safetensors"
 STATE_FILE = "state.json"
 _NAME = re.compile(r"^iter-(\d{6,})$")
-
-
-class CheckpointError(UserError):
-    """A checkpoint that is missing, incomplete, corrupt, or does not fit the model."""
 
 
 @dataclass
@@ -57,6 +61,7 @@ class CheckpointState:
     compat: dict  # the config fields that fix the weights' shapes and meaning
     files: dict[str, int]  # file name -> size in bytes
     extra: dict = field(default_factory=dict)  # driver counters (the engine's, say)
+    optimizer_format: str = "torch"  # "torch": optimizer.pt; "dcp": dcp/ (sharded)
 
     @property
     def config_path(self) -> Path:
@@ -104,7 +109,7 @@ def find_checkpoint(path: Path) -> Path:
     if found is not None:
         return found
     if _NAME.match(path.name) or path.name.startswith(".tmp-") or any(
-            (path / f).exists() for f in (LORA_FILE, FULL_FILE, "optimizer.pt")):
+            (path / f).exists() for f in (LORA_FILE, FULL_FILE, OPTIMIZER_FILE)):
         raise CheckpointError(f"checkpoint: {path} is incomplete (no {STATE_FILE}: its write did not finish)")
     raise CheckpointError(f"checkpoint: no complete checkpoint in {path} (looked for {path}/checkpoints/iter-*/"
                           f"{STATE_FILE})")
@@ -112,7 +117,8 @@ def find_checkpoint(path: Path) -> Path:
 
 def read_state(path: Path, unchecked: tuple[str, ...] = ()) -> CheckpointState:
     """Read and check ``state.json`` and the sizes of the files it lists (a truncated file is
-    refused), except those named in ``unchecked`` (files the reader will not open)."""
+    refused), except those named in ``unchecked`` (files, or top-level directories, the reader will
+    not open)."""
     path = Path(path)
     try:
         raw = json.loads((path / STATE_FILE).read_text())
@@ -121,7 +127,8 @@ def read_state(path: Path, unchecked: tuple[str, ...] = ()) -> CheckpointState:
         fmt = raw["format"]
         state = CheckpointState(path=path, iteration=int(raw["iteration"]), version=int(raw["version"]),
                                 lora=bool(raw["lora"]), signature=raw["model_signature"], compat=raw["compat"],
-                                files={str(k): int(v) for k, v in raw["files"].items()}, extra=raw.get("extra", {}))
+                                files={str(k): int(v) for k, v in raw["files"].items()}, extra=raw.get("extra", {}),
+                                optimizer_format=str(raw.get("optimizer_format", "torch")))
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint: {path} is incomplete (no {STATE_FILE})") from None
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
@@ -129,7 +136,7 @@ def read_state(path: Path, unchecked: tuple[str, ...] = ()) -> CheckpointState:
     if fmt != FORMAT:
         raise CheckpointError(f"checkpoint: {path} has format {fmt}, this DigenRL reads format {FORMAT}")
     for name, size in state.files.items():
-        if name in unchecked:
+        if name in unchecked or name.split("/")[0] in unchecked:
             continue
         f = path / name
         if not f.is_file():
@@ -138,53 +145,6 @@ def read_state(path: Path, unchecked: tuple[str, ...] = ()) -> CheckpointState:
             raise CheckpointError(f"checkpoint: {path} is corrupt: {name} has {f.stat().st_size} bytes, "
                                   f"expected {size} (truncated or overwritten)")
     return state
-
-
-# ---------------------------------------------------------------------------------------- compatibility
-def compat_fields(policy) -> dict:
-    """The config that fixes the weights' shapes and meaning: a checkpoint only fits a model that agrees."""
-    m = policy.cfg.model
-    out = {
-        "model.adapter": m.adapter,
-        "model.preset": m.preset,
-        "model.pretrained": str(m.pretrained) if m.pretrained is not None else None,
-        "model.lora": "lora" if policy.lora else "full fine-tuning",
-        "model.height": m.height,
-        "model.width": m.width,
-        "model.frames": m.frames,
-    }
-    if policy.lora:
-        out.update({"model.lora.rank": m.lora.rank, "model.lora.alpha": m.lora.alpha,
-                    "model.lora.targets": sorted(policy.lora_targets)})
-    return out
-
-
-def _jsonable(x):
-    return json.loads(json.dumps(x, default=str))
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def check_compatible(state: CheckpointState, policy) -> None:
-    """Refuse a checkpoint of another model / adapter / LoRA layout / resolution, naming every difference."""
-    now = _jsonable(compat_fields(policy))
-    diffs = [f"{k}: checkpoint {state.compat.get(k)!r}, config {now.get(k)!r}"
-             for k in sorted(set(now) | set(state.compat)) if state.compat.get(k) != now.get(k)]
-    if not diffs:  # same config fields but a different network (another diffusers version, say)
-        old, new = _flat(state.signature), _flat(_jsonable(policy.adapter.model_signature()))
-        diffs = [f"model signature {k}: checkpoint {old.get(k)!r}, model {new.get(k)!r}"
-                 for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-    if diffs:
-        more = f" (+{len(diffs) - 4} more)" if len(diffs) > 4 else ""
-        raise CheckpointError(f"checkpoint {state.path} does not fit this config: {'; '.join(diffs[:4])}{more}")
 
 
 # ---------------------------------------------------------------------------------------- RNG
@@ -232,50 +192,50 @@ def save_checkpoint(run_dir: Path, policy, iteration: int, cfg=None, keep_last: 
                              keep_last)
 
 
-def optimizer_state(policy) -> dict:
-    """``policy.optimizer.state_dict()``; for an FSDP2-sharded policy the full state gathered (a
-    collective) into the same format, indexed by trained parameter, so any trainer count loads it."""
+def write_checkpoint(directory: Path | None, policy, iteration: int, cfg=None, extra: dict | None = None,
+                     optimizer_dir: Path | None = None, where: str = "this node") -> None:
+    """The checkpoint's files into an existing (empty) ``directory``; ``state.json`` last.
+
+    A sharded (FSDP2) policy: every rank of the group calls it (the weights and the EMA are gathered,
+    a collective) with the same ``optimizer_dir``, where each rank writes its own shards of the
+    optimizer state (:func:`staging_dir`); only rank 0 passes a ``directory`` (the others write nothing)."""
     from digenrl.distributed.fsdp import is_sharded
 
-    net = policy.adapter.transformer
-    if not is_sharded(net):
-        return policy.optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    full = get_optimizer_state_dict(net, policy.optimizer, options=StateDictOptions(full_state_dict=True))
-    index = {name: i for i, name in enumerate(n for n, p in net.named_parameters() if p.requires_grad)}
-    return {"state": {index[name]: s for name, s in full["state"].items()},
-            "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in full["param_groups"]]}
-
-
-def write_checkpoint(directory: Path, policy, iteration: int, cfg=None, extra: dict | None = None) -> None:
-    """The checkpoint's files into an existing (empty) ``directory``; ``state.json`` last."""
     cfg = cfg or policy.cfg
+    weights = policy.weights()  # gathered from the shards on a sharded policy
+    ema = getattr(policy, "ema", None)
+    average = ema.state() if ema is not None else None
+    trainer_files, fmt = {}, "torch"
+    if policy.optimizer is not None and is_sharded(policy.adapter.transformer):
+        if optimizer_dir is None:
+            raise ValueError("a sharded policy's optimizer state is saved by every rank: pass optimizer_dir")
+        trainer_files, fmt = save_optimizer_sharded(policy, Path(optimizer_dir), where), "dcp"
+    if directory is None:
+        return
     tmp = Path(directory)
+    from safetensors.torch import save_file
+
     if policy.lora:
         from digenrl.lora import save_lora
 
-        save_lora(policy.adapter, tmp)
+        save_lora(policy.adapter, tmp, weights)
     else:
-        from safetensors.torch import save_file
-
-        save_file(policy.weights(), tmp / FULL_FILE)
-    if policy.optimizer is not None:
-        torch.save(optimizer_state(policy), tmp / "optimizer.pt")
-    ema = getattr(policy, "ema", None)
-    if ema is not None:
-        from safetensors.torch import save_file
-
-        save_file(ema.state(), tmp / EMA_FILE)
+        save_file(weights, tmp / FULL_FILE)
+    if policy.optimizer is not None and fmt == "torch":
+        torch.save(policy.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    if average is not None:
+        save_file(average, tmp / EMA_FILE)
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "config.yaml").write_text(cfg.dump_yaml())
     files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.name != STATE_FILE}
+    files.update(trainer_files)
     state = {
         "format": FORMAT,
         "iteration": iteration,
         "version": policy.version,
         "lora": policy.lora,
-        "weights_checksum": _lora_checksum(policy) if policy.lora else None,
+        "weights_checksum": checksum(weights) if policy.lora else None,
+        "optimizer_format": fmt,
         "compat": compat_fields(policy),
         "model_signature": policy.adapter.model_signature(),
         "files": files,
@@ -286,25 +246,39 @@ def write_checkpoint(directory: Path, policy, iteration: int, cfg=None, extra: d
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
 
 
-def checkpoint_files(policy, iteration: int, cfg=None, extra: dict | None = None) -> dict[str, bytes]:
+def checkpoint_files(policy, iteration: int, cfg=None, extra: dict | None = None,
+                     optimizer_dir: Path | None = None, lead: bool = True,
+                     where: str = "this node") -> dict[str, bytes | StagedDir]:
     """The checkpoint as file name -> bytes (a Ray worker hands these to the driver, which may run
-    on another node, to :func:`save_checkpoint_files`)."""
+    on another node, to :func:`save_checkpoint_files`). A sharded group: every rank calls it with the
+    same ``optimizer_dir`` (its shards land there, by path; rank 0's answer names it as ``dcp``); the
+    ranks other than rank 0 (``lead=False``) only join the gathers and return nothing."""
     import tempfile
 
+    if not lead:
+        write_checkpoint(None, policy, iteration, cfg, extra, optimizer_dir, where)
+        return {}
     with tempfile.TemporaryDirectory() as tmp:
-        write_checkpoint(Path(tmp), policy, iteration, cfg, extra)
-        return {f.name: f.read_bytes() for f in Path(tmp).iterdir()}
+        write_checkpoint(Path(tmp), policy, iteration, cfg, extra, optimizer_dir, where)
+        files: dict = {f.name: f.read_bytes() for f in Path(tmp).iterdir()}
+    if json.loads(files[STATE_FILE])["optimizer_format"] == "dcp":
+        files[DCP_DIR] = StagedDir(str(optimizer_dir))
+    return files
 
 
-def save_checkpoint_files(run_dir: Path, iteration: int, files: dict[str, bytes],
+def save_checkpoint_files(run_dir: Path, iteration: int, files: dict[str, bytes | StagedDir],
                           keep_last: int | None = None) -> Path:
-    """:func:`checkpoint_files`' output written atomically as ``run_dir/checkpoints/iter-NNNNNN``."""
+    """:func:`checkpoint_files`' output written atomically as ``run_dir/checkpoints/iter-NNNNNN``
+    (a :class:`StagedDir` moved in)."""
     if STATE_FILE not in files:
         raise ValueError(f"checkpoint files lack {STATE_FILE}")
 
     def fill(tmp: Path) -> None:
         for name, data in sorted(files.items(), key=lambda kv: kv[0] == STATE_FILE):  # state.json last
-            (tmp / name).write_bytes(data)
+            if isinstance(data, StagedDir):
+                shutil.move(data.path, tmp / name)
+            else:
+                (tmp / name).write_bytes(data)
 
     return commit_checkpoint(run_dir, iteration, fill, keep_last)
 
@@ -316,6 +290,9 @@ def commit_checkpoint(run_dir: Path, iteration: int, fill, keep_last: int | None
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):  # left by a crash mid-write: never a checkpoint
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(f".{DCP_DIR}-*"):  # shards of a checkpoint never committed (a stop, a crash)
+        if (m := _NAME.match(stale.name.removeprefix(f".{DCP_DIR}-"))) and int(m.group(1)) < iteration:
+            shutil.rmtree(stale, ignore_errors=True)
     name = checkpoint_name(iteration)
     tmp, final = root / f".tmp-{name}", root / name
     tmp.mkdir()
@@ -336,10 +313,10 @@ def commit_checkpoint(run_dir: Path, iteration: int, fill, keep_last: int | None
     return final
 
 
-def _lora_checksum(policy) -> str:
-    from digenrl.lora import checksum
+def checksum(state: dict[str, torch.Tensor]) -> str:
+    from digenrl.lora import checksum as sha256
 
-    return checksum(policy.weights())
+    return sha256(state)
 
 
 # ---------------------------------------------------------------------------------------- load
@@ -351,7 +328,7 @@ def read_weights(path: Path, lora: bool) -> dict[str, torch.Tensor]:
     return state
 
 
-def _torch_load(f: Path):
+def torch_load(f: Path):
     try:
         return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001  (pickle / zip errors of a damaged file)
@@ -369,30 +346,24 @@ def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = T
     from digenrl.lora import WeightSyncError
 
     loads_optimizer = optimizer and policy.optimizer is not None
-    state = read_state(find_checkpoint(path), unchecked=() if loads_optimizer else ("optimizer.pt",))
+    state = read_state(find_checkpoint(path), unchecked=() if loads_optimizer else TRAINER_ONLY)
     check_compatible(state, policy)
     if state.lora != policy.lora:  # also caught by compat; kept for engine callers that skip it
         raise CheckpointError(f"checkpoint {state.path}: LoRA checkpoint vs full fine-tuning model")
     weights = read_weights(state.path, state.lora)
     opt_state = None
     if loads_optimizer:
-        if "optimizer.pt" not in state.files:
-            raise CheckpointError(f"checkpoint {state.path} holds no optimizer state (written without an optimizer)")
-        opt_state = _torch_load(state.path / "optimizer.pt")
-    rngs = _torch_load(state.path / "rng.pt") if rng else None
+        check_holds_optimizer(state)
+        if state.optimizer_format == "torch":
+            opt_state = torch_load(state.path / OPTIMIZER_FILE)
+    rngs = torch_load(state.path / "rng.pt") if rng else None
     raw = json.loads((state.path / STATE_FILE).read_text())
     try:
         policy.load_weights(weights, state.version, expected_checksum=raw.get("weights_checksum"))
     except WeightSyncError as exc:
         raise CheckpointError(f"checkpoint {state.path}: weights do not load cleanly ({exc})") from None
-    if opt_state is not None:
-        try:
-            policy.optimizer.load_state_dict(opt_state)
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise CheckpointError(f"checkpoint {state.path}: optimizer.pt does not fit this model ({exc})") from None
-        t = policy.cfg.train
-        for group in policy.optimizer.param_groups:
-            group.update(lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    if loads_optimizer:
+        restore_optimizer(state, policy, opt_state)
     if getattr(policy, "ema", None) is not None:  # resume the average, or start it here if none was kept
         if EMA_FILE in state.files:
             try:

@@ -41,8 +41,11 @@ class WeightAverage:
             avg.add_(p.detach().float() - avg, alpha=weight)
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The average as CPU fp32 tensors (what a checkpoint stores)."""
-        return {n: t.detach().cpu().clone() for n, t in self.average.items()}
+        """The average as CPU fp32 tensors (what a checkpoint stores); gathered from the shards
+        when it is sharded like its FSDP2 parameters (a collective: every rank calls it)."""
+        from digenrl.lora import full_tensor
+
+        return {n: full_tensor(t).detach().cpu().clone() for n, t in self.average.items()}
 
     def load(self, state: dict[str, torch.Tensor], steps: int) -> None:
         if set(state) != set(self.average):

@@ -79,9 +79,10 @@ def load_lora_state_dict(transformer: nn.Module, state: dict[str, torch.Tensor],
             raise WeightSyncError(f"LoRA checksum mismatch after load: {got[:12]} != {expected_checksum[:12]}")
 
 
-def save_lora(adapter, directory: Path) -> Path:
+def save_lora(adapter, directory: Path, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Save in the standard diffusers format (``pytorch_lora_weights.safetensors``) through the family's
-    pipeline class, so ``Pipeline.load_lora_weights(directory)`` takes it."""
+    pipeline class, so ``Pipeline.load_lora_weights(directory)`` takes it; ``state``: the LoRA tensors
+    when already gathered (:func:`lora_state_dict`)."""
     import diffusers
 
     pipeline_cls = getattr(diffusers, adapter.pipeline_class)
@@ -91,6 +92,6 @@ def save_lora(adapter, directory: Path) -> Path:
     peft_cfg = adapter.transformer.peft_config["default"]
     metadata = {"r": peft_cfg.r, "lora_alpha": peft_cfg.lora_alpha, "lora_dropout": peft_cfg.lora_dropout,
                 "target_modules": sorted(peft_cfg.target_modules), "bias": "none"}
-    pipeline_cls.save_lora_weights(directory, transformer_lora_layers=lora_state_dict(adapter.transformer),
+    pipeline_cls.save_lora_weights(directory, transformer_lora_layers=state if state is not None else lora_state_dict(adapter.transformer),
                                    transformer_lora_adapter_metadata=metadata)
     return directory / "pytorch_lora_weights.safetensors"

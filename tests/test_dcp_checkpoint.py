@@ -114,3 +114,16 @@ def test_save_on_2_resume_on_1_and_2_and_rollout_reads_only_weights(tmp_path):
         assert read and all(item.startswith("model.") for item in read)
         assert {item.removeprefix("model.") for item in read} == set(wanted)
         _assert_same(ref["weights"], {n: t for n, t in wanted.items()}, list(wanted))
+
+
+def test_a_rank_that_cannot_see_the_run_directory_says_so(tmp_path):
+    """Shards are written by path: a rank on a node without the run directory refuses with one line
+    (before writing anything) instead of writing shards the driver never finds."""
+    from digenrl.errors import UserError
+    from digenrl.optimizer_state import save_optimizer_sharded
+
+    hidden = tmp_path / "not-mounted" / "checkpoints" / ".dcp-iter-000001"
+    with pytest.raises(UserError, match=r"^output.run_dir: .*not-mounted/checkpoints is not visible on trainer1's "
+                                        r"node: a sharded trainer group writes its checkpoint shards by path"):
+        save_optimizer_sharded(None, hidden, "trainer1's node")
+    assert not (tmp_path / "not-mounted").exists()

@@ -18,7 +18,7 @@ CASES = {
     "checkpointing word": (["--set", "train.activation_checkpointing=maybe"], "train.activation_checkpointing"),
     # what train.fsdp N is not wired for (settings.check_fsdp_wired), each refused before Ray starts
     "fsdp not the trainer count": (["--set", "train.fsdp=2", *TINY],
-                                   "train.fsdp: 2: must equal the number of trainer ranks (1); HSDP"),
+                                   "train.fsdp: 2: must divide the number of trainer ranks (1); use train.fsdp: 1 or off"),
     "fsdp local": (["--set", "train.fsdp=2", "--set", "placement.mode=local", *TINY],
                    "train.fsdp: 2: sharded trainer ranks need placement.mode: disaggregated (got local)"),
     "fsdp with tag": (["--set", "train.fsdp=2", *TWO_TRAINERS, *TINY],
@@ -28,8 +28,10 @@ CASES = {
                               "train.fsdp: 2: not with algorithm.timesteps.mode: random"),
     "fsdp with tsp": (["--set", "train.fsdp=2", *TWO_TRAINERS, "--set", "engine.tag=false",
                        "--set", "engine.tsp_degree=2", *TINY], "train.fsdp: 2: not with engine.tsp_degree > 1"),
-    "fsdp with eval": (["--set", "train.fsdp=2", *TWO_TRAINERS, "--set", "engine.tag=false", *TSP1,
-                        "--set", "output.eval_every=1", *TINY], "train.fsdp: 2: not with output.eval_every"),
+    "fsdp uneven mini-batch": (["--set", "train.fsdp=2", *TWO_TRAINERS, "--set", "engine.tag=false", *TSP1,
+                                "--set", "algorithm.group_size=4", "--set", "train.optimizer_steps=4", *TINY],
+                               "train.fsdp: 2: train.optimizer_steps: 4: a unit holds 1 sample(s) of mini-batch 0, "
+                               "which must split evenly over the 2 ranks"),
     "fsdp uneven unit": (["--set", "train.fsdp=2", *TWO_TRAINERS, "--set", "engine.tag=false", *TSP1,
                           "--set", "algorithm.group_size=3", *TINY],
                          "train.fsdp: 2: engine.unit_groups x algorithm.group_size (1 x 3): 3 samples per unit must "
@@ -76,19 +78,34 @@ def test_settings_resolve():
         resolve_fsdp(load_config(None, ["train.fsdp=3"]), 4)
 
 
-def test_resuming_sharded_trainer_ranks_is_refused(tmp_path):
-    """The checkpoint of a sharded run holds the full state; only an unsharded run resumes it."""
-    from digenrl.engine.runtime import run_engine
-    from digenrl.trainer import LocalTrainer
+def test_the_planner_never_proposes_a_sharding_the_engine_refuses():
+    """FLUX.1-dev full fine-tuning on 16 H800 needs FSDP: the search drops the plans whose sharding the
+    engine refuses (TAG, colocated), saying why, and every plan it ranks is one `train` runs. On 8 H800
+    only a colocated FSDP x8 placement fits, so the planner says nothing fits rather than propose it."""
+    from pathlib import Path
 
-    small = ["model.height=16", "model.width=16", "train.iterations=1", "train.prompts_per_iteration=2",
-             "algorithm.group_size=2", "sampling.steps=2"]
-    LocalTrainer(load_config(None, small + ["placement.mode=local"])).run(tmp_path / "run")
-    cfg = load_config(None, small + ["train.iterations=2", "train.fsdp=2", "engine.tag=false", "engine.tsp_degree=1",
-                                     "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]"])
-    with pytest.raises(UserError, match="train.fsdp: 2: resuming sharded trainer ranks is not wired yet; resume "
-                                        "with train.fsdp: off"):
-        run_engine(cfg, resume=tmp_path / "run")
+    from digenrl.cli.plan import plan_config
+    from digenrl.distributed.settings import check_fsdp_wired
+    from digenrl.planner.costmodel import CostModel, Workload
+    from digenrl.planner.gpus import cluster_from_dict
+    from digenrl.planner.search import search
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "flux1_dev.yaml", ["model.lora=null"])
+    def h800s(n):
+        return cluster_from_dict({"name": f"{n}xH800", "gpus_per_node": 8,
+                                  "pools": [{"name": "h800", "device": "H800", "count": n}]})
+
+    with pytest.raises(UserError, match="fits no placement of cluster 8xH800"):
+        search(CostModel(Workload.from_config(cfg), h800s(8)), h800s(8), top=3)
+    cluster = h800s(16)
+    res = search(CostModel(Workload.from_config(cfg), cluster), cluster, top=3)
+    refused = [why for why, _ in res.rejected.values() if "which the engine refuses" in why]
+    assert refused and any("engine.tag" in why for why in refused)
+    assert res.ranked
+    for r in res.ranked:
+        trainer = r.setups[r.plan.trainer_pools[0].name]
+        assert r.plan.placement == "disaggregated" and not r.plan.tag and r.plan.ranks % trainer.shard == 0
+        check_fsdp_wired(plan_config(cfg, r, cluster))  # raises on a refused sharding
 
 
 def test_sp_inside_fsdp_is_accepted_with_units_that_split_over_the_groups():

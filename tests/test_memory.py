@@ -116,9 +116,13 @@ def test_cpu_pools_are_not_checked():
 
 
 def test_plan_write_contains_the_settings_it_assumes(tmp_path, monkeypatch, capsys):
-    src, cluster, out = tmp_path / "flux_full.yaml", tmp_path / "8xH800.yaml", tmp_path / "plan.yaml"
+    from digenrl.distributed.settings import check_fsdp_wired
+
+    # 16 GPUs: on 8 only a colocated FSDP x8 placement fits, which the engine does not run (the
+    # planner no longer proposes it: tests/test_distributed_config.py)
+    src, cluster, out = tmp_path / "flux_full.yaml", tmp_path / "16xH800.yaml", tmp_path / "plan.yaml"
     src.write_text(load_config(FLUX, ["model.lora=null"]).dump_yaml())
-    cluster.write_text("name: 8xH800\ngpus_per_node: 8\npools:\n  - {name: h800, device: H800, count: 8}\n")
+    cluster.write_text("name: 16xH800\ngpus_per_node: 8\npools:\n  - {name: h800, device: H800, count: 16}\n")
     monkeypatch.setattr(sys, "argv", ["digenrl", "plan", "-c", str(src), "--cluster", str(cluster), "--top", "1",
                                       "--write", str(out)])
     with pytest.raises(SystemExit) as exc:
@@ -127,11 +131,12 @@ def test_plan_write_contains_the_settings_it_assumes(tmp_path, monkeypatch, caps
     text = out.read_text()
     assert "assumes" not in text and "offload" not in text
     train = yaml.safe_load(text)["train"]
-    assert train["fsdp"] == 8 and train["activation_checkpointing"] == "on"
+    assert train["fsdp"] == 8 and train["activation_checkpointing"] == "off"
     cfg = load_config(out)
     check_memory(cfg)  # what it wrote passes the preflight as written
+    check_fsdp_wired(cfg)  # ... and is a sharding the engine runs
     s = resolve_memory_settings(cfg)
-    assert (s.fsdp, s.activation_checkpointing, s.micro_batch) == (8, True, train["micro_batch"])
+    assert (s.fsdp, s.activation_checkpointing, s.micro_batch) == (8, False, train["micro_batch"])
 
 
 def test_a_rollout_pool_that_cannot_hold_a_unit_names_a_smaller_one(monkeypatch, capsys):

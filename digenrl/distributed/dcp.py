@@ -3,6 +3,8 @@
 A trainer checkpoint directory holds the model under ``model.<name>`` and the optimizer under
 ``optim.<...>`` in DCP's format: every rank writes its own shards, in parallel, and a load
 reshards to whatever the loading ranks hold -- save with 2 FSDP ranks, resume with 1 or 4.
+The engine's trainer checkpoints use :func:`save_optimizer` / :func:`load_optimizer` (the optimizer
+state only: the weights are written gathered beside it, in the format eval and diffusers read).
 A rollout worker reads only the tensors it asks for (``model.*``, or just the LoRA ones):
 DCP plans the read per requested item, so the optimizer's bytes are never read.
 """
@@ -15,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
 
 
 def _options(trainable_only: bool) -> StateDictOptions:
@@ -46,6 +49,45 @@ def load_sharded(path: Path | str, model: nn.Module, optimizer: torch.optim.Opti
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}), options=opts)
+
+
+def save_optimizer(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer state alone (keyed by parameter name): every rank of the model's shard group
+    writes its own shards under ``path``, nothing is gathered (HSDP: one replica group saves, its
+    ranks hold every shard). A trainer checkpoint keeps the weights apart, gathered in the ordinary
+    format that eval, rollout workers and diffusers read."""
+    dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(path),
+             process_group=_shard_group(model))
+
+
+def _shard_group(model: nn.Module):
+    """The process group the model is sharded over (HSDP: this rank's shard group, one replica);
+    None (the default group) for a model that is not sharded."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            return p.device_mesh.get_group()
+    return None
+
+
+def load_optimizer(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Restore :func:`save_optimizer`'s state in place, resharded to this world: FSDP2 ranks of any
+    count (a collective over the model's shard group; HSDP: each replica loads its own), or a plain
+    model in a process without a group."""
+    import warnings
+
+    state = {"optim": get_optimizer_state_dict(model, optimizer)}
+    with warnings.catch_warnings():  # without a group DCP warns that it loads in one process: intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), process_group=_shard_group(model))
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """An unsharded optimizer state (keyed by parameter name, full tensors) into a sharded
+    optimizer: each rank keeps its own shard of every tensor."""
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 class _RecordingReader(dcp.FileSystemReader):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from digenrl.distributed.blocks import transformer_blocks
 from digenrl.distributed.checkpointing import checkpoint_blocks
@@ -37,7 +37,8 @@ def trainer_mesh(degree: int | None = None, device_type: str = "cpu") -> DeviceM
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype = torch.bfloat16,
                 reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
-                reshard_after_forward: bool = True, gradient_sum: bool = True) -> nn.Module:
+                reshard_after_forward: bool = True, gradient_sum: bool = True,
+                independent_replicas: bool = False) -> nn.Module:
     """Shard ``model`` in place over ``mesh``; returns it (now an ``FSDPModule``).
 
     Order, as torchtitan: trained parameters to fp32 (the masters), activation checkpointing
@@ -47,7 +48,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype 
 
     ``gradient_sum``: reduce gradients by sum, as the engine's units are written (each unit's
     loss is already divided by the iteration's total term count); False averages, as DDP does.
+    ``independent_replicas`` (HSDP, a 2-D mesh): shard over this rank's ``shard`` sub-mesh only, so
+    backward reduce-scatters inside the shard group and the replica groups need not run the same
+    passes (FSDP2's own HSDP all-reduces across the replicas in every backward);
+    :func:`all_reduce_replicas` then sums the gradient shards over the replicas before the step.
     """
+    if independent_replicas and mesh.ndim == 2:
+        mesh = mesh["shard"]
     fp32_master(model)
     if activation_checkpointing:
         checkpoint_blocks(model)
@@ -62,6 +69,21 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype 
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     return model
+
+
+def all_reduce_replicas(params: list[nn.Parameter], mesh: DeviceMesh) -> int:
+    """HSDP with independent replicas: sum every trained parameter's local gradient shard over the
+    ``replicate`` mesh dimension, in buckets (a replica that trained nothing adds zeros). Returns
+    the bucket count (0 on a 1-D mesh: nothing to do)."""
+    from digenrl.distributed.grad_sync import all_reduce_tensors
+
+    if mesh.ndim != 2:
+        return 0
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    with torch.no_grad():  # the local tensors are the gradients' own storage: summed in place
+        return all_reduce_tensors([p.grad.to_local() for p in params], mesh.get_group("replicate"))
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -83,17 +105,30 @@ def full_numel(model: nn.Module, trainable_only: bool = False) -> int:
 
 
 def shard_policy(policy, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None,
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpointing: bool = False, independent_replicas: bool = False) -> None:
     """Shard a :class:`~digenrl.policy.Policy`'s transformer and rebuild its optimizer over the
     shards (same hyper-parameters). ``param_dtype`` defaults to the model's compute dtype
     (``model.dtype``). Call before the first step; ``Policy.optimizer_step`` works on shards."""
     net = policy.adapter.transformer
     dtype = param_dtype or policy.adapter.dtype
-    parallelize(net, mesh, param_dtype=dtype, activation_checkpointing=activation_checkpointing)
-    policy.params = [p for p in net.parameters() if p.requires_grad]
+    parallelize(net, mesh, param_dtype=dtype, activation_checkpointing=activation_checkpointing,
+                independent_replicas=independent_replicas)
+    policy.named_params = {n: p for n, p in net.named_parameters() if p.requires_grad}
+    policy.params = list(policy.named_params.values())
     if policy.optimizer is not None:
         t = policy.cfg.train
         policy.optimizer = torch.optim.AdamW(policy.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    ema = getattr(policy, "ema", None)
+    if ema is not None:  # train.ema: each rank averages its own shards (elementwise, so equal to unsharded)
+        ema.params = policy.named_params
+        ema.average = {n: shard_like(ema.average[n], p) for n, p in policy.named_params.items()}
+
+
+def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's shard of the whole tensor ``full``, laid out like the sharded parameter ``like``
+    (no communication: every rank holds ``full``)."""
+    return distribute_tensor(full.detach().to(like.device), like.device_mesh, like.placements,
+                             src_data_rank=None)
 
 
 def full_tensors(model: nn.Module, names: list[str] | None = None, trainable_only: bool = False):

@@ -78,3 +78,29 @@ def all_reduce_gradients(params: list[torch.Tensor], group=None, bucket_bytes: i
         in_flight[2].wait()
         _unpack(in_flight[0], in_flight[1], scale)
     return len(buckets)
+
+
+def all_reduce_tensors(tensors: list[torch.Tensor], group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+    """Sum ``tensors`` in place over ``group``, in the same buckets (HSDP: each rank's local gradient
+    shards over its replicas, which hold the same shards). Returns the bucket count."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return 0
+    buckets = gradient_buckets(tensors, bucket_bytes)
+    in_flight = None
+    for bucket in buckets:
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        if in_flight is not None:
+            _copy_back(*in_flight)
+        in_flight = (bucket, flat, work)
+    if in_flight is not None:
+        _copy_back(*in_flight)
+    return len(buckets)
+
+
+def _copy_back(bucket: list[torch.Tensor], flat: torch.Tensor, work) -> None:
+    work.wait()
+    offset = 0
+    for t in bucket:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()

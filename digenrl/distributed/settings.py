@@ -41,9 +41,8 @@ def resolve_fsdp(cfg, trainer_ranks: int) -> int:
 
 
 def check_fsdp_wired(cfg) -> None:
-    """What ``train.fsdp: N`` (N > 1) is wired for: the engine's disaggregated trainer group of
-    exactly N ranks, training each unit together (every rank an equal slice of its samples, so
-    every rank runs the same forward / backward passes). Anything else is refused."""
+    """What ``train.fsdp: N`` (N > 1) is wired for (:func:`fsdp_unwired`); anything else is refused
+    with one line."""
     n = cfg.train.fsdp
     head = f"train.fsdp: {n}:"
     if n == "auto" and cfg.placement.mode != "local":
@@ -51,31 +50,64 @@ def check_fsdp_wired(cfg) -> None:
         head = f"train.fsdp: auto (the memory preflight needs {n}):"
     if not (isinstance(n, int) and n > 1):
         return
-    if cfg.placement.mode != "disaggregated":
-        raise UserError(f"{head} sharded trainer ranks need placement.mode: disaggregated "
-                        f"(got {cfg.placement.mode}); use train.fsdp: off")
     from digenrl.placement import engine_workers
 
-    ranks = sum(w.role == "trainer" for w in engine_workers(cfg))
-    if ranks != n:
-        raise UserError(f"{head} must equal the number of trainer ranks ({ranks}); HSDP (a degree that divides "
-                        f"them) is not wired; use train.fsdp: {ranks} or off")
-    refused = {"engine.tag": cfg.engine.tag, "engine.tsp_degree > 1": cfg.engine.tsp_degree > 1,
-               "algorithm.timesteps.mode: random": cfg.algorithm.timesteps.mode == "random",
-               "output.eval_every": cfg.output.eval_every > 0,
-               "train.optimizer_steps > 1": cfg.train.optimizer_steps > 1, "train.ema": cfg.train.ema is not None}
+    e, mode = cfg.engine, cfg.placement.mode
+    ranks = sum(w.role == "trainer" for w in engine_workers(cfg)) if mode == "disaggregated" else 0
+    why = fsdp_unwired(n, placement=mode, ranks=ranks,
+                       tag=e.tag, tsp_degree=e.tsp_degree, timestep_mode=cfg.algorithm.timesteps.mode,
+                       unit_groups=e.unit_groups, unit_samples=e.unit_samples, group_size=cfg.algorithm.group_size,
+                       optimizer_steps=cfg.train.optimizer_steps, trainer_sp=e.trainer_sp)
+    if why:
+        raise UserError(f"{head} {why}")
+
+
+def fsdp_unwired(n: int, *, placement: str, ranks: int, tag: bool, tsp_degree: int, timestep_mode: str,
+                 unit_groups: int, unit_samples: int, group_size: int, optimizer_steps: int,
+                 trainer_sp: int = 1) -> str | None:
+    """Why the engine cannot run sharding degree ``n`` > 1 with these settings, or None. The rule the
+    runtime (:func:`check_fsdp_wired`) and the planner (``planner/search.py``) share: disaggregated
+    trainer ranks in shard groups of ``n`` (``n`` divides them: HSDP, replicated across the groups,
+    when there are several), each group training each of its units together (every rank an equal
+    slice of its samples -- of each mini-batch's samples with ``optimizer_steps`` > 1 -- so every
+    rank of the group runs the same forward / backward passes)."""
+    if placement != "disaggregated":
+        return f"sharded trainer ranks need placement.mode: disaggregated (got {placement}); use train.fsdp: off"
+    if ranks % n:
+        return f"must divide the number of trainer ranks ({ranks}); use train.fsdp: {ranks} or off"
+    refused = {"engine.tag": tag, "engine.tsp_degree > 1": tsp_degree > 1,
+               "algorithm.timesteps.mode: random": timestep_mode == "random"}
     for name, on in refused.items():
         if on:
-            raise UserError(f"{head} not with {name} (every FSDP rank must run the same forward / backward "
-                            "passes; the sharded group trains whole units together)")
-    e, group = cfg.engine, cfg.algorithm.group_size
-    per_unit = e.unit_samples or e.unit_groups * group
-    slices = n // e.trainer_sp if n % e.trainer_sp == 0 else n  # engine.trainer_sp: a group trains one slice
-    if per_unit % slices:
-        what = ("engine.unit_samples" if e.unit_samples else "engine.unit_groups x algorithm.group_size "
-                f"({e.unit_groups} x {group})")
-        over = f"the {n} ranks" if slices == n else f"the {slices} sequence-parallel groups of the {n} ranks"
-        raise UserError(f"{head} {what}: {per_unit} samples per unit must split evenly over {over}")
+            return (f"not with {name} (every FSDP rank must run the same forward / backward passes; the sharded "
+                    "group trains whole units together)")
+    if trainer_sp > 1 and ranks != n:
+        return (f"HSDP (a degree below the {ranks} trainer ranks) with engine.trainer_sp is not wired; "
+                f"use train.fsdp: {ranks}")
+    slices = n // trainer_sp if n % trainer_sp == 0 else n  # engine.trainer_sp: a group trains one slice
+    uneven = _uneven_unit_share(slices, unit_groups, unit_samples, group_size, optimizer_steps)
+    over = f"the {n} ranks" if slices == n else f"the {slices} sequence-parallel groups of the {n} ranks"
+    return f"{uneven} must split evenly over {over}" if uneven else None
+
+
+def _uneven_unit_share(n: int, unit_groups: int, unit_samples: int, group: int, steps: int) -> str | None:
+    """What does not split over ``n`` sharded ranks: a unit's samples, or (mini-batch PPO) the samples
+    of one of its mini-batches (those with in-group index in s*G/S .. (s+1)*G/S - 1); None if all do."""
+    per_unit = unit_samples or unit_groups * group
+    what = ("engine.unit_samples" if unit_samples else "engine.unit_groups x algorithm.group_size "
+            f"({unit_groups} x {group})")
+    if per_unit % n:
+        return f"{what}: {per_unit} samples per unit"
+    if steps <= 1 or group % steps:
+        return None
+    span, width = group // steps, unit_samples or group  # a mini-batch's / a unit's in-group indices
+    groups = 1 if unit_samples else unit_groups
+    for lo in range(0, group, width):  # every unit's share of every mini-batch
+        for s in range(steps):
+            rows = groups * max(0, min(lo + width, (s + 1) * span) - max(lo, s * span))
+            if rows % n:
+                return f"train.optimizer_steps: {steps}: a unit holds {rows} sample(s) of mini-batch {s}, which"
+    return None
 
 
 def check_sp_wired(cfg) -> None:

@@ -113,7 +113,7 @@ def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
         ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
         if len({r["checksum"] for r in ready.values()}) > 1:
             raise WeightSyncError(f"initial weights differ between workers: {ready}")
-        form_trainer_group(workers, actors, ready, sharded=bool(followers(cfg, workers)))
+        form_trainer_group(workers, actors, ready, shard_groups(cfg, workers))
         form_sp_groups(cfg, workers, actors, ready)
         yield {**actors, REWARD_ROW: reward_actor} if reward_actor is not None else actors
     finally:
@@ -139,8 +139,9 @@ def head_problem() -> str | None:
         return getattr(exc, "strerror", None) or str(exc)
 
 
-def form_trainer_group(workers: list[Worker], actors: dict, ready: dict, sharded: bool = False) -> None:
-    """The trainer ranks (roles trainer / both) form one torch.distributed group."""
+def form_trainer_group(workers: list[Worker], actors: dict, ready: dict, groups: list[list[str]] = ()) -> None:
+    """The trainer ranks (roles trainer / both) form one torch.distributed group; in each FSDP shard
+    group (``groups``, :func:`shard_groups`) the first rank leads the others."""
     import ray
 
     ranks = [w.name for w in workers if w.role != "rollout"]
@@ -149,17 +150,24 @@ def form_trainer_group(workers: list[Worker], actors: dict, ready: dict, sharded
     backend = "nccl" if all(ready[r]["device"].startswith("cuda") for r in ranks) else "gloo"
     address, port = ray.get(actors[ranks[0]].rendezvous_address.remote())
     ray.get([actors[r].join_group.remote(address, port, i, len(ranks), backend) for i, r in enumerate(ranks)])
-    if sharded:  # rank 0 leads the others through every call
-        ray.get(actors[ranks[0]].lead.remote([actors[r] for r in ranks[1:]]))
+    for lead, *others in groups:  # a shard group's first rank leads the others through every call
+        ray.get(actors[lead].lead.remote([actors[r] for r in others]))
 
 
-def followers(cfg: RunConfig, workers: list[Worker]) -> list[str]:
-    """The trainer ranks after rank 0 when they shard with FSDP2 (``train.fsdp``): they run every
-    call of rank 0 with it, and the scheduler does not see them."""
+def shard_groups(cfg: RunConfig, workers: list[Worker]) -> list[list[str]]:
+    """The trainer ranks' FSDP2 shard groups (``train.fsdp: N``: consecutive runs of N ranks; one group
+    of all of them, or several replicas with HSDP); none when replicated."""
     from digenrl.distributed.settings import resolve_fsdp
 
     ranks = [w.name for w in workers if w.role != "rollout"]
-    return ranks[1:] if ranks and resolve_fsdp(cfg, len(ranks)) > 1 else []
+    n = resolve_fsdp(cfg, len(ranks)) if ranks else 1
+    return [ranks[i:i + n] for i in range(0, len(ranks), n)] if n > 1 else []
+
+
+def followers(cfg: RunConfig, workers: list[Worker]) -> list[str]:
+    """The sharded trainer ranks that follow their shard group's first rank (``train.fsdp``): they run
+    every call of it with it, and the scheduler does not see them."""
+    return [r for group in shard_groups(cfg, workers) for r in group[1:]]
 
 
 def sp_groups(cfg: RunConfig, workers: list[Worker], role: str) -> list[list[str]]:

@@ -27,7 +27,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable
 
-from digenrl.checkpoint import find_checkpoint, read_state, save_checkpoint_files
+from digenrl.checkpoint import find_checkpoint, read_state, save_checkpoint_files, staging_dir
 from digenrl.config import RunConfig
 from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
 from digenrl.engine.cluster import (REWARD_ROW, actor_died, first_line, followers, num_restarts, ray_workers,
@@ -76,9 +76,6 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
         raise UserError(f"--resume: the checkpoint has {start} iterations done, more than train.iterations "
                         f"({cfg.train.iterations})")
     workers = engine_workers(cfg)
-    if resumed is not None and isinstance(cfg.train.fsdp, int) and cfg.train.fsdp > 1:
-        raise UserError(f"train.fsdp: {cfg.train.fsdp}: resuming sharded trainer ranks is not wired yet; resume "
-                        "with train.fsdp: off (the checkpoint holds the full weights and optimizer state)")
     check_fsdp_wired(cfg)
     check_sp_wired(cfg)
     # sharded trainer ranks > 0 follow rank 0; sequence-parallel followers, their group's lead
@@ -330,7 +327,8 @@ class RayBackend:
             self.side[rank0.evaluate.remote()] = ("eval", k)
             names.add(f"eval-{k}")
         if self.policy.checkpoint_due(k):
-            self.side[rank0.checkpoint.remote(k + 1, self.checkpoint_extra())] = ("checkpoint", k)
+            self.side[rank0.checkpoint.remote(k + 1, self.checkpoint_extra(), staging_dir(self.out.path, k + 1))] = \
+                ("checkpoint", k)
             names.add(f"checkpoint-{k}")
         return names
 
@@ -411,7 +409,8 @@ class RayBackend:
         if self.open_steps():  # mini-batch PPO: rank 0 took a step of an unfinished iteration; keep what is on disk
             return
         if checkpoint_to_keep(self.out.path, done, self.sched.published_version):
-            files = ray.get(self.actors[self.rank0].checkpoint.remote(done, self.checkpoint_extra()))
+            files = ray.get(self.actors[self.rank0].checkpoint.remote(done, self.checkpoint_extra(),
+                                                                      staging_dir(self.out.path, done)))
             save_checkpoint_files(self.out.path, done, files, self.cfg.output.keep_last)
 
     # -- outputs -------------------------------------------------------------------------------

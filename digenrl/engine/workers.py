@@ -41,9 +41,10 @@ from typing import Any
 import torch
 
 from digenrl.checkpoint import checkpoint_files, load_checkpoint
+from digenrl.distributed.fsdp import all_reduce_replicas
 from digenrl.distributed.settings import resolve_fsdp
 from digenrl.engine import weight_sync
-from digenrl.engine.fsdp_group import combine_rank_stats, rank_slice
+from digenrl.engine.fsdp_group import combine_rank_stats, reshard, shard_policy, train_share, will_shard
 from digenrl.engine.sp_group import SequenceParallelMember
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.errors import UserError
@@ -139,7 +140,9 @@ class EngineWorker(SequenceParallelMember):
         that follows its sequence-parallel group's lead (it scores nothing)."""
         self.cfg, self.name, self.role, self.world = cfg, name, role, 1
         self.sp_follower = sp_follower
-        self.rank, self.sharded, self.followers = 0, False, []  # train.fsdp: the group's other ranks (on rank 0)
+        self.rank, self.sharded, self.followers = 0, False, []  # train.fsdp: the shard group's others (on its lead)
+        self.degree, self.mesh = 1, None  # train.fsdp: the shard group's size, and the device mesh
+        self.resume_optimizer: str | None = None  # a sharded rank loads it once sharded (join_group)
         self.faults = FaultInjector.from_config(cfg, name)  # engine.faults: where this process dies
         # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
         # and raise it from ready(), where Ray hands the driver the exception itself.
@@ -159,7 +162,9 @@ class EngineWorker(SequenceParallelMember):
         path = Path(source.path)
         trains = self.policy.optimizer is not None
         if path.is_dir():
-            load_checkpoint(path, self.policy, optimizer=trains)
+            shards = trains and will_shard(self.cfg, self.role)  # the optimizer is rebuilt over the shards:
+            load_checkpoint(path, self.policy, optimizer=trains and not shards)  # its state loads then
+            self.resume_optimizer = str(path) if shards else None
             return
         if trains:
             raise UserError(f"--resume: {path} is not visible on {self.name}'s node: trainer ranks read the "
@@ -218,14 +223,12 @@ class EngineWorker(SequenceParallelMember):
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=30))
         self.world, self.rank = world, rank
-        if rank != 0:  # train.ema: rank 0 alone keeps the average (it evaluates, checkpoints, exports)
-            self.policy.ema = None
-        if resolve_fsdp(self.cfg, world) > 1:  # FSDP2 over all trainer ranks (settings.check_fsdp_wired)
-            from digenrl.distributed import fsdp
-
-            # activation checkpointing, if on, is already applied by Policy
-            fsdp.shard_policy(self.policy, fsdp.trainer_mesh(world, self.policy.device.type))
-            self.sharded = True
+        degree = resolve_fsdp(self.cfg, world)
+        if degree == 1 and rank != 0:  # train.ema, replicated ranks: rank 0 alone keeps the average (it
+            self.policy.ema = None  # evaluates, checkpoints, exports); sharded ranks each average their shards
+        if degree > 1:  # FSDP2 over shard groups of `degree` ranks (HSDP when several; settings.check_fsdp_wired)
+            self.mesh = shard_policy(self.policy, degree, self.resume_optimizer)
+            self.sharded, self.resume_optimizer, self.degree = True, None, degree
         if self.cfg.engine.trainer_sp > 1:  # groups of trainer_sp consecutive ranks (cluster.sp_groups)
             self.enable_sp(self.cfg.engine.trainer_sp)
 
@@ -323,14 +326,15 @@ class EngineWorker(SequenceParallelMember):
         samples.advantages = advantages
         others = self._fan_out("train", unit, samples, advantages, total_terms)
         start = time.time()
-        # FSDP: each rank (engine.trainer_sp: each sequence-parallel group) trains a slice
-        sp = self.sp_world
-        mine = rank_slice(samples, self.rank // sp, self.world // sp) if self.sharded else samples
-        stats = train_unit(self.policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree, unit.step,
-                           self.cfg.train.optimizer_steps)
-        shares = [r["stats"] for r in self._gather(others)]  # (ranks 1.. in order)
-        if self.sharded:  # one share per slice: a group's followers report their lead's again
-            stats = combine_rank_stats(([stats] + shares)[::sp])
+        sp = self.sp_world  # engine.trainer_sp: each sequence-parallel group of sp ranks trains one share
+        if self.sharded:  # every rank (group) trains an equal share of the unit's (mini-batch's) samples
+            stats = train_share(self.policy, samples, unit, (self.rank % self.degree) // sp, self.degree // sp,
+                                total_terms)
+        else:
+            stats = train_unit(self.policy, samples, total_terms, unit.tsp_rank, unit.tsp_degree, unit.step,
+                               self.cfg.train.optimizer_steps)
+        shares = [r["stats"] for r in self._gather(others)]  # (the group's other ranks in order)
+        stats = combine_rank_stats(([stats] + shares)[::sp])  # one per share: SP followers repeat their lead's
         self.faults.reached(unit.uid)
         end = time.time()
         event = unit_event("train", unit, start, end, self.policy.version, sample_versions=[samples.version],
@@ -343,8 +347,10 @@ class EngineWorker(SequenceParallelMember):
         the last step the weight publish."""
         others = self._fan_out("step", unit, publish)
         start = time.time()
-        if not self.sharded:  # FSDP2 reduce-scattered the gradients in backward
+        if not self.sharded:  # FSDP2 reduce-scattered the gradients in backward (inside each shard group)
             self._all_reduce_gradients()
+        else:  # HSDP: sum the gradient shards over the replica groups (nothing with one group)
+            all_reduce_replicas(self.policy.params, self.mesh)
         grad_norm = self.policy.optimizer_step(publish=unit.last)
         if self.policy.version != unit.version:
             raise RuntimeError(f"{self.name}: stepped to version {self.policy.version}, expected {unit.version}")
@@ -380,14 +386,18 @@ class EngineWorker(SequenceParallelMember):
         self._gather(others)
         return packet
 
-    def checkpoint(self, iteration: int, extra: dict) -> dict[str, bytes]:
+    def checkpoint(self, iteration: int, extra: dict, staging: str | None = None) -> dict:
         """This rank's checkpoint after ``iteration`` iterations, as file bytes for the driver.
         The driver calls it right after the step, before handing this rank more work (an actor runs
-        its calls in order), so it holds exactly version ``iteration`` and no partial gradient."""
+        its calls in order), so it holds exactly version ``iteration`` and no partial gradient.
+        A sharded group: every rank writes its shards of the optimizer state by path into ``staging``
+        (DCP, nothing gathered) and joins the gather of the weights; rank 0's answer names ``staging``."""
         if self.policy.version != iteration:
             raise RuntimeError(f"{self.name}: checkpoint of iteration {iteration} asked at version {self.policy.version}")
-        others = self._fan_out("checkpoint", iteration, extra)
-        files = checkpoint_files(self.policy, iteration, self.cfg, extra)  # gathers shards on every rank
+        others = self._fan_out("checkpoint", iteration, extra, staging)
+        files = checkpoint_files(self.policy, iteration, self.cfg, extra,
+                                 optimizer_dir=Path(staging) if self.sharded and staging else None,
+                                 lead=self.rank == 0, where=f"{self.name}'s node")
         self._gather(others)
         return files
 
@@ -395,10 +405,15 @@ class EngineWorker(SequenceParallelMember):
         """``eval/<reward>`` of the current weights (ODE, fixed seeds), as LocalTrainer.evaluate."""
         from digenrl.evaluate import evaluate_policy
 
+        others = self._fan_out("evaluate")  # a sharded group: every rank runs the same sampling passes
         if self.reward is None:  # a trainer rank that never scores: build the rewards for eval only
             self.reward = _TimedReward(build_reward(self.cfg.reward))
         with self.policy.averaged():  # train.ema: the EMA weights
-            return evaluate_policy(self.policy, self.reward.fn, self.prompts.prompts).metrics()
+            metrics = evaluate_policy(self.policy, self.reward.fn, self.prompts.prompts).metrics()
+            if self.sharded:  # sampling leaves the root's parameters gathered (no backward frees them):
+                reshard(self.policy.adapter.transformer)  # drop that copy before the weights swap back
+        self._gather(others)
+        return metrics
 
     def export_final(self) -> dict[str, bytes]:
         """``final/``'s files (:func:`~digenrl.runpolicy.final_files`), as bytes for the driver, which

@@ -18,10 +18,11 @@ planner's earlier colocated baseline: units of whole groups only) and ``separate
 (disaggregated one-step-off async without GAP, TSP or TAG: veRL-Omni's separate_async, MM-GRPO's
 one-step-off).
 
-Pruning: a candidate whose memory does not fit is dropped (its reason is kept, for the error when
-nothing fits); the others are simulated in order of their throughput bound (a lower bound on the
-iteration time that costs no simulation), and the search stops once the next bound cannot beat the
-K-th best simulated plan. The best colocated plan is always simulated: speedups are against it.
+Pruning: a candidate whose memory does not fit, or whose trainer ranks need an FSDP degree the
+engine refuses in that placement (:func:`unwired_sharding`, the runtime's own rule), is dropped
+(its reason is kept, for the error when nothing fits); the others are simulated in order of their
+throughput bound (a lower bound on the iteration time that costs no simulation), and the search
+stops once the next bound cannot beat the K-th best simulated plan. The best colocated plan is always simulated: speedups are against it.
 """
 
 from __future__ import annotations
@@ -87,6 +88,24 @@ def candidates(cluster: ClusterSpec, prompts: int, *, group_size: int = 1, coloc
     return plans
 
 
+def unwired_sharding(plan: Plan, setups_: dict, cost: CostModel) -> str | None:
+    """Why the engine cannot run the FSDP degree the memory model chose for the plan's trainer
+    devices -- the runtime's own rule (:func:`~digenrl.distributed.settings.fsdp_unwired`) -- or None."""
+    from digenrl.distributed.settings import fsdp_unwired
+
+    w = cost.w
+    for pool in plan.trainer_pools:
+        shard = setups_[pool.name].shard
+        why = shard > 1 and fsdp_unwired(
+            shard, placement=plan.placement, ranks=plan.ranks, tag=plan.tag, tsp_degree=plan.tsp_degree,
+            timestep_mode=w.timestep_mode, unit_groups=plan.unit_groups,
+            unit_samples=w.group_size // plan.group_parts if plan.group_parts > 1 else 0, group_size=w.group_size,
+            optimizer_steps=getattr(w, "optimizer_steps", 1))  # the workload's mini-batches, once it models them
+        if why:
+            return f"its {pool.name} ranks need train.fsdp {shard}, which the engine refuses: {why}"
+    return None
+
+
 @dataclass
 class SearchResult:
     ranked: list[SimResult]  # best first (disaggregated and colocated together)
@@ -104,7 +123,11 @@ class SearchResult:
 
 
 def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int = 4,
-           wait_for_full_batch: bool = False, plans: list[Plan] | None = None) -> SearchResult:
+           wait_for_full_batch: bool = False, plans: list[Plan] | None = None,
+           runnable_only: bool = True) -> SearchResult:
+    """Rank the plans (``candidates`` by default). ``runnable_only``: drop those whose trainer ranks
+    need a sharding the engine refuses (:func:`unwired_sharding`); False keeps them, for the peers'
+    arrangements as the peers run them (:func:`baselines`: e.g. veRL-Omni colocates with FSDP)."""
     start = time.perf_counter()
     plans = plans if plans is not None else candidates(cluster, cost.w.prompts, group_size=cost.w.group_size)
     fitting, rejected = [], {}
@@ -121,6 +144,10 @@ def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int 
             continue
         if isinstance(s, DoesNotFit):
             rejected[plan.label()] = s.args
+            continue
+        why = unwired_sharding(plan, s, cost) if runnable_only else None
+        if why:  # the runtime would refuse it (settings.check_fsdp_wired): never proposed
+            rejected[plan.label()] = (why, float("inf"))
             continue
         fitting.append((bound(plan, cost, s), plan))
     if not fitting:
@@ -194,13 +221,14 @@ BASELINES = {
 
 def baselines(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
               wait_for_full_batch: bool = False) -> dict[str, SimResult | None]:
-    """The best plan of each peer arrangement (:data:`BASELINES`); None where none fits in memory."""
+    """The best plan of each peer arrangement (:data:`BASELINES`), as the peers run it (with the FSDP
+    its memory needs, even where DigenRL's engine does not run that sharding); None where none fits."""
     out = {}
     for name, knobs in BASELINES.items():
         plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, **knobs)
         try:
             res = search(cost, cluster, top=1, iterations=iterations, plans=plans,
-                         wait_for_full_batch=wait_for_full_batch)
+                         wait_for_full_batch=wait_for_full_batch, runnable_only=False)
             out[name] = res.ranked[0] if res.ranked else None
         except UserError:
             out[name] = None
