@@ -21,6 +21,7 @@ does not need, or disturb, the trainer ranks' default process group.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import threading
 import time
@@ -101,10 +102,19 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _event(direction: str, version: int, start: float, end: float, nbytes: int) -> dict:
+def _event(direction: str, version: int, start: float, end: float, nbytes: int, **args) -> dict:
     """A timeline span of kind "sync", shaped like the engine's weight-sync events."""
     return {"kind": "sync", "uid": f"sync-{version}-{direction}", "version": version, "start": start,
-            "end": end, "args": {"direction": direction, "bytes": nbytes, "transport": "broadcast"}}
+            "end": end, "args": {"direction": direction, "bytes": nbytes, "transport": "broadcast", **args}}
+
+
+def digest(names: list[str], prints: torch.Tensor) -> str:
+    """One short hash of a version's names and per-tensor fingerprints (sorted by name), so the
+    source's and each receiver's copy can be compared in a log or a timeline."""
+    h = hashlib.sha256()
+    for name, row in sorted(zip(names, prints.tolist())):
+        h.update(f"{name}:{row[0]},{row[1]},{row[2]};".encode())
+    return h.hexdigest()[:16]
 
 
 class WeightBroadcaster:
@@ -130,7 +140,8 @@ class WeightBroadcaster:
         self.group.broadcast_bytes(json.dumps(header).encode(), self.src)
         prints = self._send_buckets(specs, iter(items), send_dtype)
         self.group.broadcast_bytes(json.dumps(prints.tolist()).encode(), self.src)
-        return _event("publish", version, start, time.time(), sum(s.nbytes for s in specs))
+        return _event("publish", version, start, time.time(), sum(s.nbytes for s in specs),
+                      digest=digest([s.name for s in specs], prints))
 
     def publish_async(self, version: int, tensors: dict[str, torch.Tensor],
                       send_dtype: torch.dtype | None = None) -> Future:
@@ -140,13 +151,15 @@ class WeightBroadcaster:
         return self._pool.submit(self.publish, version, snapshot)
 
     def _send_buckets(self, specs, items, send_dtype) -> torch.Tensor:
+        """Pack and broadcast; a floating tensor is cast to ``send_dtype``, or without one to its
+        spec's dtype (the receivers' dtypes, e.g. fp32 masters into a bf16 rollout copy)."""
         prints = []
         for bucket in bucket_layout(specs, self.bucket_bytes):
             buf = torch.empty(sum(specs[i].nbytes for i in bucket), dtype=torch.uint8, device=self.group.device)
             offset = 0
             for i in bucket:
                 name, t = next(items)
-                t = _cast(t, send_dtype)
+                t = _cast(t, send_dtype if send_dtype is not None else getattr(torch, specs[i].dtype))
                 if TensorSpec.of(name, t) != specs[i]:
                     raise WeightSyncError(f"publish: tensor {name} does not match its spec {specs[i]}")
                 prints.append(fingerprint(t).to(self.group.device))
@@ -223,14 +236,7 @@ class WeightReceiver:
     def load(self, received: Received, targets: dict[str, torch.Tensor]) -> dict:
         """Copy ``received`` into ``targets`` (name -> the receiver's own tensor, written in
         place), then check the keys, shapes, dtypes and every fingerprint; returns the event."""
-        start = time.time()
-        problem = _mismatch(received.version, received.specs, targets)
-        if problem:
-            raise WeightSyncError(problem)
-        for bucket, buf in zip(received.layout, received.buckets):
-            _unpack(received.specs, bucket, buf, targets)
-        _verify(received.version, received.specs, received.layout, received.fingerprints, targets)
-        return _event("load", received.version, start, time.time(), received.nbytes)
+        return load_received(received, targets)
 
     def receive_into(self, targets: dict[str, torch.Tensor]) -> dict:
         """Receive the next version straight into ``targets``, one bucket buffer at a time (no
@@ -252,8 +258,39 @@ class WeightReceiver:
         prints = torch.tensor(json.loads(self.group.broadcast_bytes(None, self.src)), dtype=torch.int64)
         if problem:
             raise WeightSyncError(problem)
-        _verify(version, specs, layout, prints.reshape(-1, 3), targets)
-        return _event("receive_into", version, start, time.time(), sum(s.nbytes for s in specs))
+        got = _verify(version, specs, layout, prints.reshape(-1, 3), targets)
+        return _event("receive_into", version, start, time.time(), sum(s.nbytes for s in specs),
+                      digest=digest([s.name for s in specs], got))
+
+
+def load_received(received: Received, targets: dict[str, torch.Tensor]) -> dict:
+    """Copy a staged version into ``targets`` (name -> the receiver's own tensor, written in
+    place), then check keys, shapes, dtypes and every fingerprint once; returns the "load" event
+    (``args.digest``: of the fingerprints of the loaded tensors)."""
+    start = time.time()
+    problem = _mismatch(received.version, received.specs, targets)
+    if problem:
+        raise WeightSyncError(problem)
+    for bucket, buf in zip(received.layout, received.buckets):
+        _unpack(received.specs, bucket, buf, targets)
+    got = _verify(received.version, received.specs, received.layout, received.fingerprints, targets)
+    return _event("load", received.version, start, time.time(), received.nbytes,
+                  digest=digest([s.name for s in received.specs], got))
+
+
+@torch.no_grad()
+def received_from(version: int, tensors: dict[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                  staging_device: torch.device | str = "cpu") -> Received:
+    """``tensors`` staged as a version without any group (a copy, with their fingerprints): a
+    receiver's own starting weights kept for a re-queued unit, or a staged version handed on."""
+    start = time.time()
+    specs = [TensorSpec.of(n, t) for n, t in tensors.items()]
+    layout = bucket_layout(specs, bucket_bytes)
+    values = list(tensors.values())
+    buckets = [torch.cat([_bytes_of(values[i]).to(staging_device) for i in bucket]) for bucket in layout]
+    prints = fingerprints(values)
+    return Received(version, specs, buckets, layout, prints,
+                    _event("stage", version, start, time.time(), sum(s.nbytes for s in specs)))
 
 
 def _mismatch(version: int, specs: list[TensorSpec], targets: dict[str, torch.Tensor]) -> str | None:
@@ -282,8 +319,9 @@ def _unpack(specs: list[TensorSpec], bucket: list[int], buf: torch.Tensor, targe
 
 
 def _verify(version: int, specs: list[TensorSpec], layout: list[list[int]], expected: torch.Tensor,
-            targets: dict[str, torch.Tensor]) -> None:
-    """Every loaded tensor's fingerprint equals the source's; else name the first bad one and its bucket."""
+            targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every loaded tensor's fingerprint equals the source's; else name the first bad one and its
+    bucket. Returns the loaded tensors' fingerprints."""
     names = [s.name for s in specs]
     got = fingerprints([targets[n] for n in names])
     bad = [i for i, (a, e) in enumerate(zip(got, expected)) if not torch.equal(a, e)]
@@ -291,6 +329,7 @@ def _verify(version: int, specs: list[TensorSpec], layout: list[list[int]], expe
         bucket = next(b for b, members in enumerate(layout) if bad[0] in members)
         raise WeightSyncError(f"broadcast of version {version}: fingerprint mismatch after load in "
                               f"{len(bad)} tensors, first {names[bad[0]]} (bucket {bucket})")
+    return got
 
 
 def _bytes_of_inplace(t: torch.Tensor) -> torch.Tensor:
@@ -305,7 +344,6 @@ def sync_targets(model: torch.nn.Module, lora: bool) -> dict[str, torch.Tensor]:
     if lora:
         return {n: p.data for n, p in model.named_parameters() if "lora_" in n}
     return dict(model.state_dict())
-
 
 
 def specs_for(tensors: dict[str, torch.Tensor], send_dtype: torch.dtype | None = None) -> list[TensorSpec]:

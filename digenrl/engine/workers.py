@@ -11,7 +11,8 @@ rank without TAG); building them draws no random numbers, so skipping it changes
   wait for the scores: it submits the decoded samples to the shared reward actor and returns
   the reward ObjectRef in its result; the driver waits on it while this worker already
   generates its next unit. Before a unit of a newer version it loads that version's
-  published weights, verified (:mod:`digenrl.engine.weight_sync`).
+  published weights, verified (:mod:`digenrl.engine.weight_sync`): received by broadcast on a
+  background thread while it generated (``engine.weight_sync``), or from the object store.
 - role ``trainer``: one rank of the trainer group. It holds no text encoder and no VAE (the
   samples carry the prompt embeddings and latents) unless it generates: TAG, or evaluation
   (:func:`generates`). Runs :func:`~digenrl.units.train_unit`
@@ -42,7 +43,7 @@ import torch
 
 from digenrl.checkpoint import checkpoint_files, load_checkpoint
 from digenrl.distributed.settings import resolve_fsdp
-from digenrl.engine import weight_sync
+from digenrl.engine import sync_group, weight_sync
 from digenrl.engine.fsdp_group import combine_rank_stats, rank_slice
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.errors import UserError
@@ -136,6 +137,7 @@ class EngineWorker:
         """``resume``: the checkpoint to start from (read by path)."""
         self.cfg, self.name, self.role, self.world = cfg, name, role, 1
         self.rank, self.sharded, self.followers = 0, False, []  # train.fsdp: the group's other ranks (on rank 0)
+        self.sync = None  # engine.weight_sync broadcast: rank 0's publisher or a rollout worker's inbox
         self.faults = FaultInjector.from_config(cfg, name)  # engine.faults: where this process dies
         # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
         # and raise it from ready(), where Ray hands the driver the exception itself.
@@ -250,6 +252,26 @@ class EngineWorker:
 
         grad_sync.all_reduce_gradients(self.policy.params)
 
+    # -- weight-sync group (engine.weight_sync: broadcast) --------------------------------
+
+    def sync_specs(self) -> dict:
+        """This worker's device and what a weight sync writes here (names, shapes, dtypes)."""
+        return {"device": str(self.policy.device), "specs": sync_group.receiver_specs(self.policy)}
+
+    def join_sync(self, address: str, port: int, rank: int, world: int, backend: str, specs=None) -> None:
+        """Join the weight-sync group (rank 0: trainer rank 0, given the rollout workers' ``specs``)."""
+        self.sync = sync_group.join(self.policy, address, port, rank, world, backend, specs,
+                                     self.cfg.engine.max_staleness)
+
+    def leave_sync(self) -> None:
+        if isinstance(self.sync, sync_group.BroadcastPublisher):
+            self.sync.close()
+        self.sync = None
+
+    def export_staged(self, version: int):
+        """A version this worker received by broadcast, for a restarted worker outside the group."""
+        return sync_group.staged_copy(self.sync, version, self.name)
+
     # -- units ---------------------------------------------------------------------------
 
     def rollout(self, unit: RolloutUnit, packet: weight_sync.WeightPacket | None) -> tuple[Samples, dict]:
@@ -264,9 +286,8 @@ class EngineWorker:
             if self.role != "rollout":
                 raise RuntimeError(f"{self.name} holds version {self.policy.version}, unit {unit.uid} "
                                    f"needs {unit.version}")
-            if packet is None or packet.version != unit.version:
-                raise RuntimeError(f"{self.name}: no weights of version {unit.version} for {unit.uid}")
-            events.append(weight_sync.load(self.policy, packet, self.expected_keys, unit.iteration))
+            events.append(weight_sync.load_version(self.policy, unit.version, unit.iteration, packet, self.sync,
+                                                   self.expected_keys))
         cfg = self.cfg
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
         if self.remote_reward:
@@ -284,6 +305,8 @@ class EngineWorker:
             raise RuntimeError(f"{unit.uid}: weights changed inside the unit")
         events.append(unit_event("rollout", unit, start, end, unit.version, samples=len(samples),
                                  groups=list(unit.groups)))
+        if isinstance(self.sync, sync_group.BroadcastInbox):  # versions received meanwhile
+            events += self.sync.drain_events()
         summary = {
             "rewards": samples.rewards,
             "reward_parts": samples.reward_parts,
@@ -325,9 +348,9 @@ class EngineWorker:
                            minibatch=unit.step)
         return {"stats": stats, "events": [event]}
 
-    def step(self, unit: StepUnit, publish: bool) -> dict:
+    def step(self, unit: StepUnit, publish: bool | str) -> dict:
         """All-reduce, one optimizer step (the iteration's last -> version k+1), and on rank 0 after
-        the last step the weight publish."""
+        the last step the weight publish (``publish``: its transport, broadcast or object_store)."""
         others = self._fan_out("step", unit, publish)
         start = time.time()
         if not self.sharded:  # FSDP2 reduce-scattered the gradients in backward
@@ -335,17 +358,17 @@ class EngineWorker:
         grad_norm = self.policy.optimizer_step(publish=unit.last)
         if self.policy.version != unit.version:
             raise RuntimeError(f"{self.name}: stepped to version {self.policy.version}, expected {unit.version}")
-        events, packet = [], None
+        events, packet, failed = [], None, False
         if publish and self.rank > 0:  # a sharded rank > 0: its part of the gather, nothing shipped
-            self.policy.weights()
+            sync_group.take_part(self.policy, publish)
         elif publish:
-            packet, sync = weight_sync.publish(self.policy)
-            events.append(sync)
+            packet, events, failed = weight_sync.publish_version(
+                self.policy, self.sync, "object_store" if publish is True else publish, self.faults, self.name)
         digest = checksum(self.policy.weights()) if self.policy.lora else None  # ranks must agree
         self._gather(others)
         publishes = {"publishes": unit.version} if unit.last else {}
         events.insert(0, unit_event("step", unit, start, time.time(), unit.iteration, step=unit.step, **publishes))
-        return {"grad_norm": grad_norm, "packet": packet, "checksum": digest, "events": events}
+        return {"grad_norm": grad_norm, "packet": packet, "checksum": digest, "events": events, "sync_failed": failed}
 
     # -- results -------------------------------------------------------------------------
 
