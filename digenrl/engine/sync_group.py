@@ -195,9 +195,10 @@ def staged_copy(inbox, version: int, name: str) -> Received:
     return inbox.staged[version]
 
 
-def load_staged(policy, received: Received, iteration: int) -> dict:
+def load_staged(policy, received: Received, iteration: int, transport: str = "broadcast") -> dict:
     """Load a staged version into the policy at a unit boundary (keys, shapes, dtypes and every
-    fingerprint checked once); returns the "load" sync event."""
+    fingerprint checked once); returns the sync event, a "fetch" as over the object store."""
     event = load_received(received, sync_targets(policy.adapter.transformer, policy.lora))
     policy.version = received.version
-    return {**event, "iteration": iteration}
+    return {**event, "uid": f"sync-{received.version}-fetch", "iteration": iteration,
+            "args": {**event["args"], "direction": "fetch", "transport": transport}}

@@ -150,9 +150,8 @@ def load_version(policy, version: int, iteration: int, packet, inbox, expected_k
     if packet is not None:
         if packet.version != version:
             raise RuntimeError(f"weights of version {packet.version} came with a unit of version {version}")
-        if isinstance(packet, Received):  # handed on through the object store
-            event = load_staged(policy, packet, iteration)
-            return {**event, "uid": f"sync-{version}-fetch", "args": {**event["args"], "transport": "object_store"}}
+        if isinstance(packet, Received):  # a staged version handed on through the object store
+            return load_staged(policy, packet, iteration, transport="object_store")
         return load(policy, packet, expected_keys, iteration)
     if inbox is None:
         raise RuntimeError(f"no weights of version {version} for this unit")
