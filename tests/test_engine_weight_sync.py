@@ -91,13 +91,15 @@ def test_broadcast_equals_the_object_store_run(cluster, tmp_path):
     _, store_publishes, store_loads = sync_events(tmp_path / "store")
     assert all(p.args["transport"] == "object_store" for p in store_publishes.values())
     assert all(e.args["transport"] == "object_store" for events in store_loads.values() for e in events)
+    # two rollout workers finish their units in either order, so the trainer sums the gradient in
+    # either order: equal up to that, as in test_engine (1e-4 = 1% of one lr=1e-2 step)
     a, b = final_lora(tmp_path / "bcast"), final_lora(tmp_path / "store")
     assert a.keys() == b.keys() == c.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    # the regenerated unit trains after its sibling: the gradient is summed in another order
-    assert max(float((c[k] - b[k]).abs().max()) for k in b) < 1e-4
-    assert [r["reward_mean"] for r in bcast.metrics] == [r["reward_mean"] for r in store.metrics]
+    for other in (a, c):
+        diff = max(float((other[k] - b[k]).abs().max()) for k in b)
+        assert diff < 1e-4, diff
+    assert [r["reward_mean"] for r in bcast.metrics] == pytest.approx([r["reward_mean"] for r in store.metrics],
+                                                                      rel=1e-5)
 
 
 def test_full_weights_prefetched_while_generating(cluster, tmp_path):
