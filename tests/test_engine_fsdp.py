@@ -50,6 +50,12 @@ def test_fsdp_trainer_ranks_equal_the_local_trainer(cluster, tmp_path):
     # rank 0 trains for the group: each unit trained once, each step once per iteration
     tl = Timeline.from_chrome_trace(tmp_path / "fsdp" / "timeline.json")
     assert {t.worker for t in tl.of("train")} == {"trainer0"} and len(tl.of("step")) == 2
+    # weights went by broadcast (engine.weight_sync: auto), streamed from the gathered shards, and the
+    # rollout worker loaded exactly what rank 0 sent (keys and per-tensor fingerprints)
+    sent = {e.version: e.args for e in tl.of("sync") if e.args["direction"] == "publish"}
+    loaded = [e for e in tl.of("sync") if e.args["direction"] == "fetch"]
+    assert sorted(sent) == [1, 2] and {a["transport"] for a in sent.values()} == {"broadcast"}
+    assert loaded and all(e.args["digest"] == sent[e.version]["digest"] for e in loaded)
     # the checkpoint holds the full (gathered) state, in the unsharded format
     ckpt = tmp_path / "fsdp" / "checkpoints" / "iter-000002"
     local_ckpt = ref_dir / "checkpoints" / "iter-000002"
