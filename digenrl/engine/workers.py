@@ -264,8 +264,6 @@ class EngineWorker:
                                      self.cfg.engine.max_staleness)
 
     def leave_sync(self) -> None:
-        if isinstance(self.sync, sync_group.BroadcastPublisher):
-            self.sync.close()
         self.sync = None
 
     def export_staged(self, version: int):
