@@ -264,8 +264,9 @@ class RayBackend:
             if not actor_died(exc):
                 raise
             self.samples.pop(unit.uid, None)
+            lost = self.faults.died(worker, unit, exc)  # the unit goes back to the scheduler, or the run stops
             self.sync.worker_died(worker, self.sched.published_version)  # a rollout worker leaves the group
-            return self.faults.died(worker, unit, exc)  # the unit goes back to the scheduler, or the run stops
+            return lost
         if worker == REWARD_ROW:  # the scores of a released rollout unit: now it is complete
             self.scored(unit, result)
             return Scored(unit)
