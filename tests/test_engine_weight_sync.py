@@ -6,7 +6,7 @@ tensor's fingerprint. Tiny FLUX, local Ray, 2-3 iterations."""
 from __future__ import annotations
 
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 import torch
@@ -129,3 +129,24 @@ def test_a_corrupted_bucket_is_detected_and_named(cluster, tmp_path):
     with pytest.raises(WeightSyncError, match=r"broadcast of version 1: fingerprint mismatch after load in 1 "
                                               r"tensors, first \S+ \(bucket 0\)"):
         run_engine(load_config(None, sets), tmp_path / "run")
+
+
+def test_one_step_async_survives_a_dead_rollout_worker(cluster, tmp_path):
+    """max_staleness 1, one rollout worker over broadcast, killed after generating a unit of iteration
+    2 (with version 1, while the trainer may already have published version 2): the restarted worker
+    is outside the group and gets the version of its re-queued unit from rank 0 (its current weights,
+    or the copy it kept of what it broadcast); every group is still trained exactly once."""
+    sets = BASE + ["train.iterations=3", "engine.max_staleness=1", "engine.weight_sync=broadcast",
+                   "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 1}]",
+                   "engine.faults=[{worker: rollout0, unit: rollout-2-0}]"]
+    result = run_engine(load_config(None, sets), tmp_path / "run")
+    assert [r["iteration"] for r in result.metrics] == [0, 1, 2] and result.metrics[-1]["worker_restarts"] == 1
+    tl, publishes, loads = sync_events(tmp_path / "run")
+    trained = Counter((t.iteration, g) for t in tl.of("train") for g in t.args["groups"])
+    assert trained == Counter({(k, g): 1 for k in range(3) for g in range(2)})
+    assert publishes[1].args["transport"] == "broadcast" and publishes[3].args["transport"] == "object_store"
+    regenerated = [r for r in tl.of("rollout") if r.uid == "rollout-2-0"]
+    assert len(regenerated) == 1 and 0 <= 2 - regenerated[0].version <= 1
+    # the restarted worker (back at version 0) fetched the unit's version from the object store
+    unit = regenerated[0]
+    assert [e for e in loads[unit.version] if e.args["transport"] == "object_store" and e.end <= unit.start + 1e-3]

@@ -123,6 +123,8 @@ class WeightBroadcaster:
     def __init__(self, group: SyncGroup, src: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.group, self.src, self.bucket_bytes = group, src, bucket_bytes
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-publish")
+        self.keep_sent = False  # keep each version's sent buckets, in host memory, as ``last_sent``
+        self.last_sent: Received | None = None
 
     def publish(self, version: int, tensors, specs: list[TensorSpec] | None = None,
                 send_dtype: torch.dtype | None = None) -> dict:
@@ -138,10 +140,14 @@ class WeightBroadcaster:
         header = {"version": version, "bucket_bytes": self.bucket_bytes,
                   "tensors": [[s.name, list(s.shape), s.dtype] for s in specs]}
         self.group.broadcast_bytes(json.dumps(header).encode(), self.src)
-        prints = self._send_buckets(specs, iter(items), send_dtype)
+        kept = [] if self.keep_sent else None
+        prints = self._send_buckets(specs, iter(items), send_dtype, kept)
         self.group.broadcast_bytes(json.dumps(prints.tolist()).encode(), self.src)
-        return _event("publish", version, start, time.time(), sum(s.nbytes for s in specs),
-                      digest=digest([s.name for s in specs], prints))
+        event = _event("publish", version, start, time.time(), sum(s.nbytes for s in specs),
+                       digest=digest([s.name for s in specs], prints))
+        if kept is not None:
+            self.last_sent = Received(version, specs, kept, bucket_layout(specs, self.bucket_bytes), prints, event)
+        return event
 
     def publish_async(self, version: int, tensors: dict[str, torch.Tensor],
                       send_dtype: torch.dtype | None = None) -> Future:
@@ -150,9 +156,10 @@ class WeightBroadcaster:
         snapshot = {n: _cast(t, send_dtype).clone() for n, t in tensors.items()}
         return self._pool.submit(self.publish, version, snapshot)
 
-    def _send_buckets(self, specs, items, send_dtype) -> torch.Tensor:
+    def _send_buckets(self, specs, items, send_dtype, kept: list | None = None) -> torch.Tensor:
         """Pack and broadcast; a floating tensor is cast to ``send_dtype``, or without one to its
-        spec's dtype (the receivers' dtypes, e.g. fp32 masters into a bf16 rollout copy)."""
+        spec's dtype (the receivers' dtypes, e.g. fp32 masters into a bf16 rollout copy).
+        ``kept``: receives each sent bucket, in host memory."""
         prints = []
         for bucket in bucket_layout(specs, self.bucket_bytes):
             buf = torch.empty(sum(specs[i].nbytes for i in bucket), dtype=torch.uint8, device=self.group.device)
@@ -166,6 +173,8 @@ class WeightBroadcaster:
                 buf[offset:offset + specs[i].nbytes].copy_(_bytes_of(t))
                 offset += specs[i].nbytes
             self.group.broadcast(buf, self.src)
+            if kept is not None:
+                kept.append(buf.to("cpu"))
         return torch.stack(prints).cpu() if prints else torch.zeros(0, 3, dtype=torch.int64)
 
 

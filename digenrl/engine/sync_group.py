@@ -75,11 +75,15 @@ def _publisher_specs(policy, theirs: list[TensorSpec]) -> list[TensorSpec]:
 
 
 class BroadcastPublisher:
-    """Trainer rank 0's end of the group: one :meth:`publish` per version, after the step."""
+    """Trainer rank 0's end of the group: one :meth:`publish` per version, after the step. With
+    ``keep`` > 0 it keeps the last ``keep`` versions it sent (their buckets, in host memory): a
+    rollout worker restarted outside the group may need a version rank 0 has already stepped past."""
 
-    def __init__(self, group: SyncGroup, specs: list[TensorSpec]):
+    def __init__(self, group: SyncGroup, specs: list[TensorSpec], keep: int = 0):
         self.group, self.specs, self.sender = group, specs, WeightBroadcaster(group)
-        self.seq, self.closed = 0, False
+        self.seq, self.closed, self.keep = 0, False, keep
+        self.sender.keep_sent = keep > 0
+        self.staged: dict[int, Received] = {}  # the versions kept, by version
 
     def publish(self, policy, corrupt=None) -> dict:
         """Broadcast the policy's version; raises when the group broke (a member gone), after
@@ -96,6 +100,10 @@ class BroadcastPublisher:
                 pass
             self.close()
             raise
+        if self.keep:
+            self.staged[policy.version] = self.sender.last_sent
+            for v in sorted(self.staged)[:-self.keep]:
+                del self.staged[v]
         return {**event, "iteration": policy.version - 1}
 
     def close(self) -> None:
@@ -180,19 +188,21 @@ def join(policy, address: str, port: int, rank: int, world: int, backend: str, s
     returns its publisher, a rollout worker its inbox (holding its starting weights as a staged
     version when a re-queued unit may still ask for them after it has moved on)."""
     group = SyncGroup(rank, world, address, port, backend=backend, timeout_s=SYNC_TIMEOUT_S, device=policy.device)
-    if rank == 0:
-        return BroadcastPublisher(group, _publisher_specs(policy, specs))
+    if rank == 0:  # with one-step async, keep what a restarted rollout worker may still need
+        keep = max_staleness + 1 if max_staleness else 0
+        return BroadcastPublisher(group, _publisher_specs(policy, specs), keep=keep)
     inbox = BroadcastInbox(group, max_staleness)
     if max_staleness > 0:
         inbox.keep(received_from(policy.version, sync_targets(policy.adapter.transformer, policy.lora)))
     return inbox
 
 
-def staged_copy(inbox, version: int, name: str) -> Received:
-    """A version a rollout worker received by broadcast, handed to a restarted worker outside the group."""
-    if not isinstance(inbox, BroadcastInbox) or version not in inbox.staged:
-        raise WeightSyncError(f"{name} does not hold version {version} for a restarted worker")
-    return inbox.staged[version]
+def staged_copy(sync, version: int, name: str) -> Received:
+    """A version trainer rank 0 sent (or a rollout worker received) by broadcast, for a rollout
+    worker restarted outside the group."""
+    if sync is None or version not in sync.staged:
+        raise WeightSyncError(f"{name} does not hold version {version} of the weights for a restarted rollout worker")
+    return sync.staged[version]
 
 
 def load_staged(policy, received: Received, iteration: int, transport: str = "broadcast") -> dict:

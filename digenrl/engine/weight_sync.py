@@ -36,7 +36,6 @@ import torch
 
 from digenrl.distributed.broadcast import Received
 from digenrl.engine.sync_group import load_staged
-from digenrl.errors import RunStopped
 from digenrl.lora import WeightSyncError, checksum
 
 
@@ -165,6 +164,7 @@ class SyncRoutes:
 
     def __init__(self, transport: str, members, start_version: int, actors: dict, rank0: str):
         self.transport, self.members, self.start = transport, set(members), start_version
+        self.broadcast = transport == "broadcast"  # the run began over the group (it may have fallen back since)
         self.actors, self.rank0 = actors, rank0
         self.packets: dict[int, Any] = {}  # version -> WeightPacket / Received, or an ObjectRef of one
         self.held: dict[str, int] = {}  # rollout worker -> version it holds after the calls handed to it
@@ -197,24 +197,18 @@ class SyncRoutes:
         had = self.held.get(worker, self.start)
         self.held[worker] = unit.version
         packet = self.packets.get(unit.version)
-        if packet is not None or self.transport == "object_store" and not self.members or had == unit.version:
-            return packet
+        if packet is not None or self.broadcast is False or had == unit.version:
+            return packet  # (over the object store from the start, rank 0 published every version)
         if worker in self.members:
             return None  # its inbox has it (or, after a fallback, says which version it lacks)
         return self._request(unit.version, published)
 
     def _request(self, version: int, published: int):
-        """An object-store copy of ``version`` for a worker outside the group: rank 0's if it still
-        holds that version, else a group member's staged one."""
+        """An object-store copy of ``version`` for a worker outside the group: rank 0's weights if it
+        still holds that version, else the copy rank 0 kept of what it broadcast."""
         holds = self.publishing if self.publishing is not None else published
-        if version == holds:
-            ref = self.actors[self.rank0].publish.remote()
-        elif self.members:
-            ref = self.actors[sorted(self.members)[0]].export_staged.remote(version)
-        else:
-            raise RunStopped(f"weights of version {version} are held by no process any more (every rollout worker "
-                             "that received them by broadcast died); the run stopped. engine.weight_sync: "
-                             "object_store keeps every version a unit may need")
+        rank0 = self.actors[self.rank0]
+        ref = rank0.publish.remote() if version == holds else rank0.export_staged.remote(version)
         self.packets[version] = ref
         return ref
 

@@ -267,7 +267,8 @@ class EngineWorker:
         self.sync = None
 
     def export_staged(self, version: int):
-        """A version this worker received by broadcast, for a restarted worker outside the group."""
+        """A version this worker sent (trainer rank 0) or received by broadcast, for a restarted
+        rollout worker outside the group."""
         return sync_group.staged_copy(self.sync, version, self.name)
 
     # -- units ---------------------------------------------------------------------------
