@@ -104,11 +104,12 @@ def test_broadcast_equals_the_object_store_run(cluster, tmp_path):
 
 def test_full_weights_prefetched_while_generating(cluster, tmp_path):
     """Full fine-tune (model.lora=null), one-step async: versions arrive while the rollout worker
-    generates. One rollout worker is the slow side here (10 sampling steps per sample, one trained),
-    so when the trainer steps it is already generating the next iteration with the previous
-    version: the timeline shows a prefetch span inside a rollout span of the same worker."""
-    sets = BASE + ["model.lora=null", "train.iterations=3", "engine.max_staleness=1", "sampling.steps=10",
-                   "algorithm.timesteps.fraction=0.1", "algorithm.kl_beta=0", "train.prompts_per_iteration=4",
+    generates. One rollout worker is the slow side here (40 sampling steps per sample, one trained),
+    so when the trainer steps it is already generating the next iteration with the previous version,
+    in units several times longer than a version takes to arrive: the timeline shows a prefetch span
+    inside a rollout span of the same worker."""
+    sets = BASE + ["model.lora=null", "train.iterations=3", "engine.max_staleness=1", "sampling.steps=40",
+                   "algorithm.timesteps.fraction=0.025", "algorithm.kl_beta=0", "train.prompts_per_iteration=4",
                    "engine.weight_sync=auto", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 1}]"]
     run_engine(load_config(None, sets), tmp_path / "full")
     tl, publishes, loads = sync_events(tmp_path / "full")
