@@ -293,7 +293,8 @@ class PlacementConfig(_Section):
 
 class FaultConfig(_Section):
     worker: str = Field(description="worker name, e.g. rollout0 (pool name + index) or reward")
-    unit: str = Field(description="unit uid, e.g. rollout-2-0 (iteration 2, unit 0) or train-1-0-0")
+    unit: str = Field(description=("unit uid, e.g. rollout-2-0 (iteration 2, unit 0) or train-1-0-0; sync-<version> on "
+                                   "trainer rank 0 corrupts that version's broadcast weight sync in transit instead"))
 
 
 class EngineConfig(_Section):
@@ -309,6 +310,10 @@ class EngineConfig(_Section):
     trainer_sp: int = Field(1, gt=0, description="sequence parallelism: devices per trainer rank (Ulysses)")
     max_staleness: Literal[0, 1] = Field(1, description="1 = one-step async: rollout k+1 with version k")
     max_restarts: int = Field(3, ge=0, description="restarts per rollout worker / reward actor before the run stops")
+    weight_sync: Literal["auto", "broadcast", "object_store"] = Field("auto", description=(
+        "how trainer rank 0 ships each new version to the rollout workers: broadcast = a torch.distributed group "
+        "(gloo on CPU, NCCL on GPU), bucketed, received while the worker generates; object_store = the Ray "
+        "object store; auto = broadcast when the group forms, else the object store"))
     faults: list[FaultConfig] = Field(default_factory=list, description=(
         "fault injection (tests, soak): `worker`'s process exits after the work of `unit`, once per run "
         "(a plugin in the worker processes, digenrl/faults.py); also DIGENRL_FAULTS=worker@unit,..."))

@@ -7,10 +7,15 @@ for their own name (``reward`` for the reward actor) and call :meth:`FaultInject
 the point of a unit where a crash is most telling (after the work, before the result is
 returned). Each fault fires once per run, also across the process restarts it causes: a unit
 generated again after its worker died does not kill the worker a second time.
+
+A unit named ``sync-<version>`` on trainer rank 0 (``{worker: trainer0, unit: sync-2}``) does not
+end a process: it flips one bit of the first bucket of that version's broadcast weight sync in
+transit (``engine.weight_sync: broadcast``), which the rollout workers must detect and name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -61,6 +66,31 @@ class FaultInjector:
         mark.touch()
         print(f"fault injection: {self.name} dies in {uid}", file=sys.stderr, flush=True)
         os._exit(17)
+
+
+    def corrupts(self, version: int):
+        """The wrapper that corrupts this process's broadcast of ``version``, or None."""
+        return corrupting if f"sync-{version}" in self.units else None
+
+
+@contextlib.contextmanager
+def corrupting(group):
+    """Within the block, the first weight bucket ``group`` broadcasts arrives with one bit flipped
+    (the source's own tensors are untouched). A version's broadcasts: header size, header, buckets."""
+    real, calls = group.broadcast, [0]
+
+    def broadcast(tensor, src):
+        calls[0] += 1
+        if calls[0] == 3:
+            tensor = tensor.clone()
+            tensor[0] ^= 1
+        real(tensor, src)
+
+    group.broadcast = broadcast
+    try:
+        yield group
+    finally:
+        group.broadcast = real
 
 
 def _incarnations() -> str:

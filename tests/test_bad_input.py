@@ -82,6 +82,8 @@ CASES = {
                                              f"cluster.pools=[{{name: rollout, count: {MANY}}}, {{name: trainer}}]"],
                                             f"cluster.pools: {MANY + 1} logical CPU devices on a host with"),
     "run name leaving runs/": (["train", "--set", "output.name=../../../x"], "output.name: must be a plain name"),
+    "unknown weight-sync transport": (["train", "--set", "engine.weight_sync=nccl"],
+                                      "engine.weight_sync: Input should be 'auto', 'broadcast' or 'object_store'"),
     # usage errors: the project's one line, not Click's box
     "unknown flag": (["train", "--frobnicate"], "error: --frobnicate: no such option of `digenrl train`"),
     "flag without its value": (["eval", "--out"], "error: --out: needs a value"),

@@ -72,6 +72,12 @@ def test_fsdp_trainer_ranks_equal_the_local_trainer(runs):
     # rank 0 trains for the group: each unit trained once, each step once per iteration
     tl = Timeline.from_chrome_trace(tmp / "fsdp" / "timeline.json")
     assert {t.worker for t in tl.of("train")} == {"trainer0"} and len(tl.of("step")) == 2
+    # weights went by broadcast (engine.weight_sync: auto), streamed from the gathered shards, and the
+    # rollout worker loaded exactly what rank 0 sent (keys and per-tensor fingerprints)
+    sent = {e.version: e.args for e in tl.of("sync") if e.args["direction"] == "publish"}
+    loaded = [e for e in tl.of("sync") if e.args["direction"] == "fetch"]
+    assert sorted(sent) == [1, 2] and {a["transport"] for a in sent.values()} == {"broadcast"}
+    assert loaded and all(e.args["digest"] == sent[e.version]["digest"] for e in loaded)
 
 
 def test_sharded_checkpoint_keeps_the_optimizer_state_sharded(runs):

@@ -21,6 +21,7 @@ does not need, or disturb, the trainer ranks' default process group.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import threading
 import time
@@ -101,10 +102,19 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _event(direction: str, version: int, start: float, end: float, nbytes: int) -> dict:
+def _event(direction: str, version: int, start: float, end: float, nbytes: int, **args) -> dict:
     """A timeline span of kind "sync", shaped like the engine's weight-sync events."""
     return {"kind": "sync", "uid": f"sync-{version}-{direction}", "version": version, "start": start,
-            "end": end, "args": {"direction": direction, "bytes": nbytes, "transport": "broadcast"}}
+            "end": end, "args": {"direction": direction, "bytes": nbytes, "transport": "broadcast", **args}}
+
+
+def digest(names: list[str], prints: torch.Tensor) -> str:
+    """One short hash of a version's names and per-tensor fingerprints (sorted by name), so the
+    source's and each receiver's copy can be compared in a log or a timeline."""
+    h = hashlib.sha256()
+    for name, row in sorted(zip(names, prints.tolist())):
+        h.update(f"{name}:{row[0]},{row[1]},{row[2]};".encode())
+    return h.hexdigest()[:16]
 
 
 class WeightBroadcaster:
@@ -113,6 +123,8 @@ class WeightBroadcaster:
     def __init__(self, group: SyncGroup, src: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.group, self.src, self.bucket_bytes = group, src, bucket_bytes
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-publish")
+        self.keep_sent = False  # keep each version's sent buckets, in host memory, as ``last_sent``
+        self.last_sent: Received | None = None
 
     def publish(self, version: int, tensors, specs: list[TensorSpec] | None = None,
                 send_dtype: torch.dtype | None = None) -> dict:
@@ -128,9 +140,14 @@ class WeightBroadcaster:
         header = {"version": version, "bucket_bytes": self.bucket_bytes,
                   "tensors": [[s.name, list(s.shape), s.dtype] for s in specs]}
         self.group.broadcast_bytes(json.dumps(header).encode(), self.src)
-        prints = self._send_buckets(specs, iter(items), send_dtype)
+        kept = [] if self.keep_sent else None
+        prints = self._send_buckets(specs, iter(items), send_dtype, kept)
         self.group.broadcast_bytes(json.dumps(prints.tolist()).encode(), self.src)
-        return _event("publish", version, start, time.time(), sum(s.nbytes for s in specs))
+        event = _event("publish", version, start, time.time(), sum(s.nbytes for s in specs),
+                       digest=digest([s.name for s in specs], prints))
+        if kept is not None:
+            self.last_sent = Received(version, specs, kept, bucket_layout(specs, self.bucket_bytes), prints, event)
+        return event
 
     def publish_async(self, version: int, tensors: dict[str, torch.Tensor],
                       send_dtype: torch.dtype | None = None) -> Future:
@@ -139,20 +156,25 @@ class WeightBroadcaster:
         snapshot = {n: _cast(t, send_dtype).clone() for n, t in tensors.items()}
         return self._pool.submit(self.publish, version, snapshot)
 
-    def _send_buckets(self, specs, items, send_dtype) -> torch.Tensor:
+    def _send_buckets(self, specs, items, send_dtype, kept: list | None = None) -> torch.Tensor:
+        """Pack and broadcast; a floating tensor is cast to ``send_dtype``, or without one to its
+        spec's dtype (the receivers' dtypes, e.g. fp32 masters into a bf16 rollout copy).
+        ``kept``: receives each sent bucket, in host memory."""
         prints = []
         for bucket in bucket_layout(specs, self.bucket_bytes):
             buf = torch.empty(sum(specs[i].nbytes for i in bucket), dtype=torch.uint8, device=self.group.device)
             offset = 0
             for i in bucket:
                 name, t = next(items)
-                t = _cast(t, send_dtype)
+                t = _cast(t, send_dtype if send_dtype is not None else getattr(torch, specs[i].dtype))
                 if TensorSpec.of(name, t) != specs[i]:
                     raise WeightSyncError(f"publish: tensor {name} does not match its spec {specs[i]}")
                 prints.append(fingerprint(t).to(self.group.device))
                 buf[offset:offset + specs[i].nbytes].copy_(_bytes_of(t))
                 offset += specs[i].nbytes
             self.group.broadcast(buf, self.src)
+            if kept is not None:
+                kept.append(buf.to("cpu"))
         return torch.stack(prints).cpu() if prints else torch.zeros(0, 3, dtype=torch.int64)
 
 
@@ -223,14 +245,7 @@ class WeightReceiver:
     def load(self, received: Received, targets: dict[str, torch.Tensor]) -> dict:
         """Copy ``received`` into ``targets`` (name -> the receiver's own tensor, written in
         place), then check the keys, shapes, dtypes and every fingerprint; returns the event."""
-        start = time.time()
-        problem = _mismatch(received.version, received.specs, targets)
-        if problem:
-            raise WeightSyncError(problem)
-        for bucket, buf in zip(received.layout, received.buckets):
-            _unpack(received.specs, bucket, buf, targets)
-        _verify(received.version, received.specs, received.layout, received.fingerprints, targets)
-        return _event("load", received.version, start, time.time(), received.nbytes)
+        return load_received(received, targets)
 
     def receive_into(self, targets: dict[str, torch.Tensor]) -> dict:
         """Receive the next version straight into ``targets``, one bucket buffer at a time (no
@@ -252,8 +267,39 @@ class WeightReceiver:
         prints = torch.tensor(json.loads(self.group.broadcast_bytes(None, self.src)), dtype=torch.int64)
         if problem:
             raise WeightSyncError(problem)
-        _verify(version, specs, layout, prints.reshape(-1, 3), targets)
-        return _event("receive_into", version, start, time.time(), sum(s.nbytes for s in specs))
+        got = _verify(version, specs, layout, prints.reshape(-1, 3), targets)
+        return _event("receive_into", version, start, time.time(), sum(s.nbytes for s in specs),
+                      digest=digest([s.name for s in specs], got))
+
+
+def load_received(received: Received, targets: dict[str, torch.Tensor]) -> dict:
+    """Copy a staged version into ``targets`` (name -> the receiver's own tensor, written in
+    place), then check keys, shapes, dtypes and every fingerprint once; returns the "load" event
+    (``args.digest``: of the fingerprints of the loaded tensors)."""
+    start = time.time()
+    problem = _mismatch(received.version, received.specs, targets)
+    if problem:
+        raise WeightSyncError(problem)
+    for bucket, buf in zip(received.layout, received.buckets):
+        _unpack(received.specs, bucket, buf, targets)
+    got = _verify(received.version, received.specs, received.layout, received.fingerprints, targets)
+    return _event("load", received.version, start, time.time(), received.nbytes,
+                  digest=digest([s.name for s in received.specs], got))
+
+
+@torch.no_grad()
+def received_from(version: int, tensors: dict[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                  staging_device: torch.device | str = "cpu") -> Received:
+    """``tensors`` staged as a version without any group (a copy, with their fingerprints): a
+    receiver's own starting weights kept for a re-queued unit, or a staged version handed on."""
+    start = time.time()
+    specs = [TensorSpec.of(n, t) for n, t in tensors.items()]
+    layout = bucket_layout(specs, bucket_bytes)
+    values = list(tensors.values())
+    buckets = [torch.cat([_bytes_of(values[i]).to(staging_device) for i in bucket]) for bucket in layout]
+    prints = fingerprints(values)
+    return Received(version, specs, buckets, layout, prints,
+                    _event("stage", version, start, time.time(), sum(s.nbytes for s in specs)))
 
 
 def _mismatch(version: int, specs: list[TensorSpec], targets: dict[str, torch.Tensor]) -> str | None:
@@ -282,8 +328,9 @@ def _unpack(specs: list[TensorSpec], bucket: list[int], buf: torch.Tensor, targe
 
 
 def _verify(version: int, specs: list[TensorSpec], layout: list[list[int]], expected: torch.Tensor,
-            targets: dict[str, torch.Tensor]) -> None:
-    """Every loaded tensor's fingerprint equals the source's; else name the first bad one and its bucket."""
+            targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every loaded tensor's fingerprint equals the source's; else name the first bad one and its
+    bucket. Returns the loaded tensors' fingerprints."""
     names = [s.name for s in specs]
     got = fingerprints([targets[n] for n in names])
     bad = [i for i, (a, e) in enumerate(zip(got, expected)) if not torch.equal(a, e)]
@@ -291,6 +338,7 @@ def _verify(version: int, specs: list[TensorSpec], layout: list[list[int]], expe
         bucket = next(b for b, members in enumerate(layout) if bad[0] in members)
         raise WeightSyncError(f"broadcast of version {version}: fingerprint mismatch after load in "
                               f"{len(bad)} tensors, first {names[bad[0]]} (bucket {bucket})")
+    return got
 
 
 def _bytes_of_inplace(t: torch.Tensor) -> torch.Tensor:
@@ -305,7 +353,6 @@ def sync_targets(model: torch.nn.Module, lora: bool) -> dict[str, torch.Tensor]:
     if lora:
         return {n: p.data for n, p in model.named_parameters() if "lora_" in n}
     return dict(model.state_dict())
-
 
 
 def specs_for(tensors: dict[str, torch.Tensor], send_dtype: torch.dtype | None = None) -> list[TensorSpec]:

@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import socket
+import sys
 from pathlib import Path
 from collections import Counter
 
@@ -152,6 +153,40 @@ def form_trainer_group(workers: list[Worker], actors: dict, ready: dict, groups:
     ray.get([actors[r].join_group.remote(address, port, i, len(ranks), backend) for i, r in enumerate(ranks)])
     for lead, *others in groups:  # a shard group's first rank leads the others through every call
         ray.get(actors[lead].lead.remote([actors[r] for r in others]))
+
+
+def form_sync_group(cfg: RunConfig, workers: list[Worker], actors: dict) -> tuple[str, list[str]]:
+    """``engine.weight_sync``: trainer rank 0 (group rank 0) and the rollout workers form the
+    weight-sync group (its own TCP store and port, beside the trainer ranks' group). Returns the
+    transport and the group's rollout workers; ``auto`` falls back to the object store, with a
+    warning, when the group does not form."""
+    import ray
+
+    rollout = [w.name for w in workers if w.role == "rollout"]
+    mode = cfg.engine.weight_sync
+    if mode == "object_store" or not rollout:
+        return "object_store", []
+    from digenrl.engine.sync_group import SYNC_TIMEOUT_S
+
+    members = [next(w.name for w in workers if w.role != "rollout"), *rollout]
+    found = ray.get([actors[m].sync_specs.remote() for m in members])
+    backend = "nccl" if all(f["device"].startswith("cuda") for f in found) else "gloo"
+    address, port = ray.get(actors[members[0]].rendezvous_address.remote())
+    try:
+        ray.get([actors[m].join_sync.remote(address, port, i, len(members), backend, found[1]["specs"] if i == 0
+                                            else None) for i, m in enumerate(members)], timeout=SYNC_TIMEOUT_S + 30)
+    except Exception as exc:  # noqa: BLE001
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, WeightSyncError):  # the two sides disagree on the weights: no fallback hides that
+            raise cause from None
+        if mode == "broadcast":
+            raise UserError(f"engine.weight_sync: broadcast: trainer rank 0 and the rollout workers could not form "
+                            f"a process group ({first_line(exc)}); use auto or object_store") from None
+        ray.get([actors[m].leave_sync.remote() for m in members])
+        print(f"warning: engine.weight_sync: auto: no {backend} group between trainer rank 0 and the rollout "
+              f"workers ({first_line(exc)}); weights go through the Ray object store", file=sys.stderr)
+        return "object_store", []
+    return "broadcast", rollout
 
 
 def shard_groups(cfg: RunConfig, workers: list[Worker]) -> list[list[str]]:

@@ -30,13 +30,14 @@ from typing import Callable
 from digenrl.checkpoint import find_checkpoint, read_state, save_checkpoint_files, staging_dir
 from digenrl.config import RunConfig
 from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
-from digenrl.engine.cluster import (REWARD_ROW, actor_died, first_line, followers, num_restarts, ray_workers,
-                                    sp_followers)
+from digenrl.engine.cluster import (REWARD_ROW, actor_died, first_line, followers, form_sync_group, num_restarts,
+                                    ray_workers, sp_followers)
 from digenrl.engine.driver import Done, Event, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
 from digenrl.engine.recovery import FaultPolicy, TrainerLost
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit, Unit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
+from digenrl.engine.weight_sync import SyncRoutes
 from digenrl.errors import UserError
 from digenrl.faults import with_fault_plan
 from digenrl.lora import WeightSyncError
@@ -91,10 +92,12 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
     worker_cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
     started = time.time()  # the timeline starts here: Ray and the workers starting up are its first events
     with _user_errors(), ray_workers(worker_cfg, workers, ray_address, resumed and resumed.path) as actors:
+        sync = form_sync_group(worker_cfg, workers, actors)  # before the run directory: its errors are the user's
         progress(f"{len(workers)} workers ready ({time.time() - started:.0f} s)...")
         out = RunDir(cfg, run_dir, history=history)
         backend = RayBackend(cfg, scheduler, workers, actors, out, on_iteration, history)
         backend.t0, backend.hidden = started, hidden
+        backend.sync = SyncRoutes(*sync, start, actors, backend.rank0)
         try:
             with stop_on_interrupt() as backend.stop:
                 try:
@@ -181,7 +184,7 @@ class RayBackend:
         self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples, until fully trained
         self.trained: Counter[str] = Counter()  # rollout uid -> TSP shares trained
         self.unscored: dict[str, dict] = {}  # released rollout uid -> its summary, until the scores arrive
-        self.packets: dict = {}  # version -> WeightPacket published by rank 0
+        self.sync = SyncRoutes("object_store", [], scheduler.published_version, actors, self.rank0)  # weight sync
         self.rank_checksums: dict[int, set[str]] = defaultdict(set)
         self.hidden: set[str] = set()  # sharded trainer ranks > 0: rank 0 runs their calls (not scheduled)
         self.step_shares: dict[tuple[int, int], set[str]] = defaultdict(set)  # (iteration, step) -> ranks handed it
@@ -198,7 +201,7 @@ class RayBackend:
         rank0 = self.actors[self.rank0]
         self.faults.start_checksum = ray.get(rank0.ready.remote())["checksum"]
         if self.publishes:
-            self.packets[self.sched.published_version] = ray.get(rank0.publish.remote())
+            self.sync.begin()
             progress("first weights published; generating the first rollouts...")
         else:
             progress("generating the first rollouts...")
@@ -209,14 +212,16 @@ class RayBackend:
         actor = self.actors[worker]
         if isinstance(unit, RolloutUnit):
             # rollout workers swap to the unit's version first (trainer ranks already hold it)
-            packet = self.packets.get(unit.version) if self.role[worker] == "rollout" else None
+            packet = (self.sync.for_rollout(worker, unit, self.sched.published_version)
+                      if self.role[worker] == "rollout" else None)
             samples, ref = actor.rollout.options(num_returns=2).remote(unit, packet)
             self.samples[unit.uid] = samples
         elif isinstance(unit, TrainUnit):
             ref = actor.train.remote(unit, self.samples[unit.rollout_uid], self.ledger.advantages(unit),
                                      self.ledger.minibatch_terms(unit.iteration))
         else:  # only the iteration's last optimizer step publishes
-            ref = actor.step.remote(unit, worker == self.rank0 and self.publishes and unit.last)
+            publish = worker == self.rank0 and self.publishes and unit.last
+            ref = actor.step.remote(unit, self.sync.step_arg(unit) if publish else False)
             self.step_shares[(unit.iteration, unit.step)].add(worker)
         self.in_flight[ref] = (worker, unit)
 
@@ -257,7 +262,9 @@ class RayBackend:
             if not actor_died(exc):
                 raise
             self.samples.pop(unit.uid, None)
-            return self.faults.died(worker, unit, exc)  # the unit goes back to the scheduler, or the run stops
+            lost = self.faults.died(worker, unit, exc)  # the unit goes back to the scheduler, or the run stops
+            self.sync.worker_died(worker, self.sched.published_version)  # a rollout worker leaves the group
+            return lost
         if worker == REWARD_ROW:  # the scores of a released rollout unit: now it is complete
             self.scored(unit, result)
             return Scored(unit)
@@ -289,8 +296,8 @@ class RayBackend:
         weights must be the same afterwards."""
         if worker == self.rank0:
             self.ledger.stepped(unit.iteration, result["grad_norm"])
-            if result["packet"] is not None:
-                self.packets[unit.version] = result["packet"]
+            if unit.last and self.publishes:
+                self.sync.stepped(unit, result, self.sched.published_version)
         if result["checksum"] is not None:
             after = (unit.iteration, unit.step)
             self.rank_checksums[after].add(result["checksum"])
@@ -314,7 +321,7 @@ class RayBackend:
         if stepped is not None:
             self.ledger.wait_for(stepped, {u.uid for _, u in self.in_flight.values()} | self.after_step(stepped))
             oldest = self.sched.published_version - self.sched.cfg.max_staleness  # no unit needs older weights
-            self.packets = {v: p for v, p in self.packets.items() if v >= oldest}
+            self.sync.prune(oldest)
 
     # -- rank 0's side calls: eval and checkpoint after a step -------------------------------
 

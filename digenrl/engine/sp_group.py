@@ -51,8 +51,10 @@ class SequenceParallelMember:
     def sp_rollout(self, unit, packet: weight_sync.WeightPacket | None) -> None:
         """A follower's share of its lead's rollout unit (the lead's :meth:`rollout` starts it):
         the same generation, with that version's weights; returns nothing."""
-        if unit.version != self.policy.version:
-            weight_sync.load(self.policy, packet, self.expected_keys, unit.iteration)
+        if unit.version != self.policy.version:  # the lead's packet (object store), else this member's inbox
+            weight_sync.load_version(self.policy, unit.version, unit.iteration, packet, self.sync, self.expected_keys)
+        if self.sync is not None and hasattr(self.sync, "drain_events"):  # a follower's prefetches stay off the timeline
+            self.sync.drain_events()
         cfg = self.cfg
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
         rollout_unit(self.policy, _unscored, [everything[g] for g in unit.groups], list(unit.groups),

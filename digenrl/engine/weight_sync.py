@@ -13,16 +13,29 @@ have shipped) and the checksum must match before and after the load. Any mismatc
 
 Each publish / fetch returns a timeline event of kind ``"sync"`` carrying ``bytes`` and its
 wall-clock span, so the run's metrics can report ``sync_s`` and ``sync_bytes``.
+
+``engine.weight_sync: broadcast`` (and ``auto`` when the group forms) replaces the object store
+with a torch.distributed group of trainer rank 0 and the rollout workers
+(:mod:`digenrl.engine.sync_group`): rank 0's publisher sends each version in buckets right after
+the step; each rollout worker's inbox receives it on a background thread while the worker
+generates, and the worker loads it at the next unit boundary, checking every tensor's
+fingerprint once. The driver's :class:`SyncRoutes` decides what each
+call carries, and falls back to the object store for the rest of the run when a rollout worker
+dies (the group cannot lose a member) -- a restarted worker is not in the group and gets every
+version it needs as an object-store packet.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from digenrl.distributed.broadcast import Received
+from digenrl.engine.sync_group import load_staged
 from digenrl.lora import WeightSyncError, checksum
 
 
@@ -55,7 +68,7 @@ def sync_event(version: int, iteration: int, direction: str, start: float, end: 
         "version": version,
         "start": start,
         "end": end,
-        "args": {"direction": direction, "bytes": nbytes},
+        "args": {"direction": direction, "bytes": nbytes, "transport": "object_store"},
     }
 
 
@@ -111,3 +124,111 @@ def load(policy, packet: WeightPacket, expected_keys, iteration: int, get=None) 
     verify(state, packet, expected_keys)
     policy.load_weights(state, packet.version, expected_checksum=packet.checksum)
     return sync_event(packet.version, iteration, "fetch", start, time.time(), packet.nbytes)
+
+
+def publish_version(policy, sync, transport: str, faults, name: str) -> tuple[WeightPacket | None, list[dict], bool]:
+    """Rank 0 after an iteration's last step: broadcast the new version over ``sync`` (its
+    publisher), or put it in the object store. Returns (packet, events, whether the broadcast
+    failed -- a rollout worker gone: the driver falls back to the object store)."""
+    if transport == "broadcast":
+        try:
+            return None, [sync.publish(policy, faults.corrupts(policy.version))], False
+        except Exception as exc:  # noqa: BLE001
+            print(f"warning: {name}: broadcast of version {policy.version} failed ({exc!r})", file=sys.stderr)
+            return None, [], True
+    if sync is not None:  # the driver has switched to the object store
+        sync.close()
+    packet, event = publish(policy)
+    return packet, [event], False
+
+
+def load_version(policy, version: int, iteration: int, packet, inbox, expected_keys) -> dict:
+    """Before a rollout unit of ``version``: from the packet the unit carries (object store: a
+    :class:`WeightPacket`, or a staged version handed on by another worker), else from the
+    broadcast inbox."""
+    if packet is not None:
+        if packet.version != version:
+            raise RuntimeError(f"weights of version {packet.version} came with a unit of version {version}")
+        if isinstance(packet, Received):  # a staged version handed on through the object store
+            return load_staged(policy, packet, iteration, transport="object_store")
+        return load(policy, packet, expected_keys, iteration)
+    if inbox is None:
+        raise RuntimeError(f"no weights of version {version} for this unit")
+    return load_staged(policy, inbox.take(version), iteration)
+
+
+class SyncRoutes:
+    """The driver's side: which transport each publish uses and which weights each rollout call
+    carries (a packet, an ObjectRef that resolves to one before the call runs, or None when the
+    worker's broadcast inbox has the version)."""
+
+    def __init__(self, transport: str, members, start_version: int, actors: dict, rank0: str):
+        self.transport, self.members, self.start = transport, set(members), start_version
+        self.broadcast = transport == "broadcast"  # the run began over the group (it may have fallen back since)
+        self.actors, self.rank0 = actors, rank0
+        self.packets: dict[int, Any] = {}  # version -> WeightPacket / Received, or an ObjectRef of one
+        self.held: dict[str, int] = {}  # rollout worker -> version it holds after the calls handed to it
+        self.publishing: int | None = None  # the version rank 0's started last step makes
+
+    def begin(self) -> None:
+        """Object store: rank 0's packet of the starting weights (for a re-queued unit of that
+        version on a worker that has moved on; over broadcast each worker keeps its own)."""
+        import ray
+
+        if self.transport == "object_store":
+            self.packets[self.start] = ray.get(self.actors[self.rank0].publish.remote())
+
+    def step_arg(self, unit) -> str:
+        """What rank 0's publishing step is told: the transport of this version."""
+        self.publishing = unit.version
+        return self.transport
+
+    def stepped(self, unit, result: dict, published: int) -> None:
+        """Rank 0's step result: its packet (object store), or a broken broadcast."""
+        self.publishing = None
+        if result["packet"] is not None:
+            self.packets[unit.version] = result["packet"]
+        if result.get("sync_failed"):
+            self.retire(unit.version, "trainer rank 0 could not broadcast version "
+                                      f"{unit.version}")
+
+    def for_rollout(self, worker: str, unit, published: int):
+        """The weights a rollout call on ``worker`` carries for ``unit``."""
+        had = self.held.get(worker, self.start)
+        self.held[worker] = unit.version
+        packet = self.packets.get(unit.version)
+        if packet is not None or self.broadcast is False or had == unit.version:
+            return packet  # (over the object store from the start, rank 0 published every version)
+        if worker in self.members:
+            return None  # its inbox has it (or, after a fallback, says which version it lacks)
+        return self._request(unit.version, published)
+
+    def _request(self, version: int, published: int):
+        """An object-store copy of ``version`` for a worker outside the group: rank 0's weights if it
+        still holds that version, else the copy rank 0 kept of what it broadcast."""
+        holds = self.publishing if self.publishing is not None else published
+        rank0 = self.actors[self.rank0]
+        ref = rank0.publish.remote() if version == holds else rank0.export_staged.remote(version)
+        self.packets[version] = ref
+        return ref
+
+    def worker_died(self, worker: str, published: int) -> None:
+        """A dead rollout worker restarts with the starting weights, outside the group: the rest of
+        the run goes through the object store."""
+        self.held[worker] = self.start
+        if worker in self.members:
+            self.members.discard(worker)
+            self.retire(self.publishing if self.publishing is not None else published, f"{worker} died")
+
+    def retire(self, holds: int, why: str) -> None:
+        """Switch to the object store; rank 0's copy of the version it holds (a member may have
+        lost that version with a broken broadcast)."""
+        if self.transport == "broadcast":
+            print(f"warning: weight sync falls back to the Ray object store for the rest of the run ({why})",
+                  file=sys.stderr)
+            self.transport = "object_store"
+        if holds not in self.packets:
+            self.packets[holds] = self.actors[self.rank0].publish.remote()
+
+    def prune(self, oldest: int) -> None:
+        self.packets = {v: p for v, p in self.packets.items() if v >= oldest}

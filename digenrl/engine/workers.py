@@ -11,7 +11,8 @@ rank without TAG); building them draws no random numbers, so skipping it changes
   wait for the scores: it submits the decoded samples to the shared reward actor and returns
   the reward ObjectRef in its result; the driver waits on it while this worker already
   generates its next unit. Before a unit of a newer version it loads that version's
-  published weights, verified (:mod:`digenrl.engine.weight_sync`).
+  published weights, verified (:mod:`digenrl.engine.weight_sync`): received by broadcast on a
+  background thread while it generated (``engine.weight_sync``), or from the object store.
 - role ``trainer``: one rank of the trainer group. It holds no text encoder and no VAE (the
   samples carry the prompt embeddings and latents) unless it generates: TAG, or evaluation
   (:func:`generates`). Runs :func:`~digenrl.units.train_unit`
@@ -43,7 +44,7 @@ import torch
 from digenrl.checkpoint import checkpoint_files, load_checkpoint
 from digenrl.distributed.fsdp import all_reduce_replicas
 from digenrl.distributed.settings import resolve_fsdp
-from digenrl.engine import weight_sync
+from digenrl.engine import sync_group, weight_sync
 from digenrl.engine.fsdp_group import combine_rank_stats, reshard, shard_policy, train_share, will_shard
 from digenrl.engine.sp_group import SequenceParallelMember
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
@@ -143,6 +144,7 @@ class EngineWorker(SequenceParallelMember):
         self.rank, self.sharded, self.followers = 0, False, []  # train.fsdp: the shard group's others (on its lead)
         self.degree, self.mesh = 1, None  # train.fsdp: the shard group's size, and the device mesh
         self.resume_optimizer: str | None = None  # a sharded rank loads it once sharded (join_group)
+        self.sync = None  # engine.weight_sync broadcast: rank 0's publisher or a rollout worker's inbox
         self.faults = FaultInjector.from_config(cfg, name)  # engine.faults: where this process dies
         # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
         # and raise it from ready(), where Ray hands the driver the exception itself.
@@ -260,6 +262,25 @@ class EngineWorker(SequenceParallelMember):
 
         grad_sync.all_reduce_gradients(self.policy.params)
 
+    # -- weight-sync group (engine.weight_sync: broadcast) --------------------------------
+
+    def sync_specs(self) -> dict:
+        """This worker's device and what a weight sync writes here (names, shapes, dtypes)."""
+        return {"device": str(self.policy.device), "specs": sync_group.receiver_specs(self.policy)}
+
+    def join_sync(self, address: str, port: int, rank: int, world: int, backend: str, specs=None) -> None:
+        """Join the weight-sync group (rank 0: trainer rank 0, given the rollout workers' ``specs``)."""
+        self.sync = sync_group.join(self.policy, address, port, rank, world, backend, specs,
+                                     self.cfg.engine.max_staleness)
+
+    def leave_sync(self) -> None:
+        self.sync = None
+
+    def export_staged(self, version: int):
+        """A version this worker sent (trainer rank 0) or received by broadcast, for a restarted
+        rollout worker outside the group."""
+        return sync_group.staged_copy(self.sync, version, self.name)
+
     # -- units ---------------------------------------------------------------------------
 
     def rollout(self, unit: RolloutUnit, packet: weight_sync.WeightPacket | None) -> tuple[Samples, dict]:
@@ -274,9 +295,8 @@ class EngineWorker(SequenceParallelMember):
             if self.role != "rollout":
                 raise RuntimeError(f"{self.name} holds version {self.policy.version}, unit {unit.uid} "
                                    f"needs {unit.version}")
-            if packet is None or packet.version != unit.version:
-                raise RuntimeError(f"{self.name}: no weights of version {unit.version} for {unit.uid}")
-            events.append(weight_sync.load(self.policy, packet, self.expected_keys, unit.iteration))
+            events.append(weight_sync.load_version(self.policy, unit.version, unit.iteration, packet, self.sync,
+                                                   self.expected_keys))
         cfg = self.cfg
         sp_shares = self._fan_out("sp_rollout", unit, packet)  # engine.rollout_sp: the group generates together
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
@@ -296,6 +316,8 @@ class EngineWorker(SequenceParallelMember):
             raise RuntimeError(f"{unit.uid}: weights changed inside the unit")
         events.append(unit_event("rollout", unit, start, end, unit.version, samples=len(samples),
                                  groups=list(unit.groups), sp=self.sp_world))
+        if isinstance(self.sync, sync_group.BroadcastInbox):  # versions received meanwhile
+            events += self.sync.drain_events()
         summary = {
             "rewards": samples.rewards,
             "reward_parts": samples.reward_parts,
@@ -342,9 +364,9 @@ class EngineWorker(SequenceParallelMember):
                            minibatch=unit.step, sp=self.sp_world)
         return {"stats": stats, "events": [event]}
 
-    def step(self, unit: StepUnit, publish: bool) -> dict:
+    def step(self, unit: StepUnit, publish: bool | str) -> dict:
         """All-reduce, one optimizer step (the iteration's last -> version k+1), and on rank 0 after
-        the last step the weight publish."""
+        the last step the weight publish (``publish``: its transport, broadcast or object_store)."""
         others = self._fan_out("step", unit, publish)
         start = time.time()
         if not self.sharded:  # FSDP2 reduce-scattered the gradients in backward (inside each shard group)
@@ -354,17 +376,17 @@ class EngineWorker(SequenceParallelMember):
         grad_norm = self.policy.optimizer_step(publish=unit.last)
         if self.policy.version != unit.version:
             raise RuntimeError(f"{self.name}: stepped to version {self.policy.version}, expected {unit.version}")
-        events, packet = [], None
+        events, packet, failed = [], None, False
         if publish and self.rank > 0:  # a sharded rank > 0: its part of the gather, nothing shipped
-            self.policy.weights()
+            sync_group.take_part(self.policy, publish)
         elif publish:
-            packet, sync = weight_sync.publish(self.policy)
-            events.append(sync)
+            packet, events, failed = weight_sync.publish_version(
+                self.policy, self.sync, "object_store" if publish is True else publish, self.faults, self.name)
         digest = checksum(self.policy.weights()) if self.policy.lora else None  # ranks must agree
         self._gather(others)
         publishes = {"publishes": unit.version} if unit.last else {}
         events.insert(0, unit_event("step", unit, start, time.time(), unit.iteration, step=unit.step, **publishes))
-        return {"grad_norm": grad_norm, "packet": packet, "checksum": digest, "events": events}
+        return {"grad_norm": grad_norm, "packet": packet, "checksum": digest, "events": events, "sync_failed": failed}
 
     # -- results -------------------------------------------------------------------------
 

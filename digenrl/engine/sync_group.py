@@ -1,0 +1,214 @@
+"""The weight-sync group of the engine (``engine.weight_sync: broadcast``): trainer rank 0's
+:class:`BroadcastPublisher` and each rollout worker's :class:`BroadcastInbox`, over a
+:class:`~digenrl.distributed.broadcast.SyncGroup` of their own.
+
+Rank 0 announces each version on the group's store, then broadcasts it in buckets
+(:class:`~digenrl.distributed.broadcast.WeightBroadcaster`); a rollout worker's background thread
+waits for the announcement on the store (no collective timeout however long an iteration takes),
+receives the version into host memory while the worker generates, and the worker loads it at its
+next unit boundary (:func:`load_staged`: keys, shapes, dtypes and every tensor's fingerprint
+checked once). What each call carries is the driver's business (:class:`~digenrl.engine.weight_sync.SyncRoutes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch
+
+from digenrl.distributed.broadcast import (Received, SyncGroup, TensorSpec, WeightBroadcaster, WeightReceiver,
+                                           load_received, received_from, sync_targets)
+from digenrl.lora import WeightSyncError, full_tensor
+
+SYNC_TIMEOUT_S = 300.0  # forming the group, and any one bucket in flight
+POLL_S = 0.02  # how often an idle receiver looks for the next version's announcement
+CLOSED = "closed"  # store key: rank 0 publishes no more versions over the group
+
+
+def _announced(seq: int) -> str:
+    """Store key rank 0 sets right before its ``seq``-th publish: receivers wait for it on the
+    store (no timeout however long an iteration takes), then join the bucket broadcasts."""
+    return f"announce/{seq}"
+
+
+def receiver_specs(policy) -> list[TensorSpec]:
+    """What a rollout worker's load writes: names, shapes and dtypes of its sync targets."""
+    return [TensorSpec.of(n, t) for n, t in sync_targets(policy.adapter.transformer, policy.lora).items()]
+
+
+def publish_stream(policy):
+    """(name, full tensor) of a version, in a fixed order; on FSDP2-sharded trainer ranks each
+    full tensor is a gather that every rank joins in this same order."""
+    net = policy.adapter.transformer
+    state = net.state_dict()  # on FSDP2 ranks: DTensor shards, gathered one at a time below
+    for name in sync_targets(net, policy.lora):
+        yield name, full_tensor(state[name]).detach()
+
+
+def take_part(policy, transport: str) -> None:
+    """A sharded trainer rank > 0: its part of rank 0's gathers for a publish."""
+    if transport == "broadcast":
+        for _ in publish_stream(policy):
+            pass
+    else:
+        policy.weights()
+
+
+def _publisher_specs(policy, theirs: list[TensorSpec]) -> list[TensorSpec]:
+    """Rank 0's tensors in its own order, sent in the receivers' dtypes (fp32 masters go out in the
+    rollout copy's compute dtype); the names and shapes must be the receivers'."""
+    own = sync_targets(policy.adapter.transformer, policy.lora)
+    by_name = {s.name: s for s in theirs}
+    missing, unexpected = sorted(set(by_name) - set(own)), sorted(set(own) - set(by_name))
+    if missing or unexpected:
+        raise WeightSyncError(f"weight sync: trainer rank 0 lacks {len(missing)} tensors the rollout workers load "
+                              f"{missing[:3]} and has {len(unexpected)} they do not {unexpected[:3]}")
+    specs = []
+    for name, t in own.items():
+        if tuple(t.shape) != by_name[name].shape:
+            raise WeightSyncError(f"weight sync: {name} is {tuple(t.shape)} on trainer rank 0, "
+                                  f"{by_name[name].shape} on the rollout workers")
+        specs.append(TensorSpec(name, tuple(t.shape), by_name[name].dtype))
+    return specs
+
+
+class BroadcastPublisher:
+    """Trainer rank 0's end of the group: one :meth:`publish` per version, after the step. With
+    ``keep`` > 0 it keeps the last ``keep`` versions it sent (their buckets, in host memory): a
+    rollout worker restarted outside the group may need a version rank 0 has already stepped past."""
+
+    def __init__(self, group: SyncGroup, specs: list[TensorSpec], keep: int = 0):
+        self.group, self.specs, self.sender = group, specs, WeightBroadcaster(group)
+        self.seq, self.closed, self.keep = 0, False, keep
+        self.sender.keep_sent = keep > 0
+        self.staged: dict[int, Received] = {}  # the versions kept, by version
+
+    def publish(self, policy, corrupt=None) -> dict:
+        """Broadcast the policy's version; raises when the group broke (a member gone), after
+        finishing the gathers so the other trainer ranks stay in step. ``corrupt``: a fault
+        plugin's wrapper of the group for this version (:func:`digenrl.faults.corrupting`)."""
+        stream = publish_stream(policy)
+        try:
+            self.group.store.set(_announced(self.seq), str(policy.version))
+            self.seq += 1
+            with corrupt(self.group) if corrupt is not None else contextlib.nullcontext():
+                event = self.sender.publish(policy.version, stream, specs=self.specs)
+        except Exception:
+            for _ in stream:
+                pass
+            self.close()
+            raise
+        if self.keep:
+            self.staged[policy.version] = self.sender.last_sent
+            for v in sorted(self.staged)[:-self.keep]:
+                del self.staged[v]
+        return {**event, "iteration": policy.version - 1}
+
+    def close(self) -> None:
+        """No more versions over the group: the receivers' threads end."""
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(Exception):
+                self.group.store.set(CLOSED, "1")
+
+
+class BroadcastInbox:
+    """A rollout worker's end: a background thread receives every version as rank 0 publishes
+    it (staged in host memory) while the main thread generates; :meth:`take` hands the unit
+    boundary the version a unit needs. Keeps the versions a unit may still ask for
+    (``engine.max_staleness`` behind the newest)."""
+
+    def __init__(self, group: SyncGroup, max_staleness: int):
+        self.group, self.max_staleness = group, max_staleness
+        self.receiver = WeightReceiver(group, staging_device="cpu")
+        self.staged: dict[int, Received] = {}
+        self.events: list[dict] = []
+        self.problem: str | None = None  # why no more versions will arrive
+        self.cond = threading.Condition()
+        threading.Thread(target=self._run, name="weight-prefetch", daemon=True).start()
+
+    def keep(self, received: Received) -> None:
+        with self.cond:
+            self.staged[received.version] = received
+
+    def _run(self) -> None:
+        store, seq = self.group.store, 0
+        try:
+            while True:
+                while not store.check([_announced(seq)]):
+                    if store.check([CLOSED]):
+                        return self._stop("trainer rank 0 publishes through the object store now")
+                    time.sleep(POLL_S)
+                with _side_stream(self.group.device):
+                    received = self.receiver.receive()
+                seq += 1
+                with self.cond:
+                    self.staged[received.version] = received
+                    self.events.append({**received.event, "iteration": received.version - 1})
+                    newest = max(self.staged)
+                    for v in [v for v in self.staged if v < newest - self.max_staleness]:
+                        del self.staged[v]
+                    self.cond.notify_all()
+        except Exception as exc:  # noqa: BLE001 -- a member gone: the driver switches to the object store
+            self._stop(f"the group broke: {type(exc).__name__}: {str(exc)[:120]}")
+
+    def _stop(self, why: str) -> None:
+        with self.cond:
+            self.problem = why
+            self.cond.notify_all()
+
+    def take(self, version: int) -> Received:
+        """The staged ``version``, waiting for the thread when it is still arriving."""
+        with self.cond:
+            while version not in self.staged:
+                if self.problem is not None:
+                    raise WeightSyncError(f"weights of version {version} were not received by broadcast "
+                                          f"({self.problem}) and no object-store copy came with the unit")
+                self.cond.wait(timeout=1.0)
+            return self.staged[version]
+
+    def drain_events(self) -> list[dict]:
+        """The prefetch spans recorded since the last call (for the timeline)."""
+        with self.cond:
+            events, self.events = self.events, []
+        return events
+
+
+def _side_stream(device: torch.device):
+    """Receive NCCL buckets on their own CUDA stream, so they do not queue behind generation."""
+    if device.type == "cuda":
+        return torch.cuda.stream(torch.cuda.Stream(device))
+    return contextlib.nullcontext()
+
+
+def join(policy, address: str, port: int, rank: int, world: int, backend: str, specs, max_staleness: int):
+    """Join the weight-sync group: rank 0 (trainer rank 0, given the receivers' ``specs``)
+    returns its publisher, a rollout worker its inbox (holding its starting weights as a staged
+    version when a re-queued unit may still ask for them after it has moved on)."""
+    group = SyncGroup(rank, world, address, port, backend=backend, timeout_s=SYNC_TIMEOUT_S, device=policy.device)
+    if rank == 0:  # with one-step async, keep what a restarted rollout worker may still need
+        keep = max_staleness + 1 if max_staleness else 0
+        return BroadcastPublisher(group, _publisher_specs(policy, specs), keep=keep)
+    inbox = BroadcastInbox(group, max_staleness)
+    if max_staleness > 0:
+        inbox.keep(received_from(policy.version, sync_targets(policy.adapter.transformer, policy.lora)))
+    return inbox
+
+
+def staged_copy(sync, version: int, name: str) -> Received:
+    """A version trainer rank 0 sent (or a rollout worker received) by broadcast, for a rollout
+    worker restarted outside the group."""
+    if sync is None or version not in sync.staged:
+        raise WeightSyncError(f"{name} does not hold version {version} of the weights for a restarted rollout worker")
+    return sync.staged[version]
+
+
+def load_staged(policy, received: Received, iteration: int, transport: str = "broadcast") -> dict:
+    """Load a staged version into the policy at a unit boundary (keys, shapes, dtypes and every
+    fingerprint checked once); returns the sync event, a "fetch" as over the object store."""
+    event = load_received(received, sync_targets(policy.adapter.transformer, policy.lora))
+    policy.version = received.version
+    return {**event, "uid": f"sync-{received.version}-fetch", "iteration": iteration,
+            "args": {**event["args"], "direction": "fetch", "transport": transport}}
