@@ -55,7 +55,6 @@ def check_resources(cfg: RunConfig, ray_address: str | None = None) -> None:
 
 def check_config(cfg: RunConfig, ray_address: str | None = None) -> list[str]:
     """Everything train would reject, in the order train meets it; returns what was checked."""
-    from digenrl.engine.runtime import preflight
     from digenrl.placement import engine_scheduler_config, engine_workers
 
     checked = []
@@ -73,7 +72,7 @@ def check_config(cfg: RunConfig, ray_address: str | None = None) -> list[str]:
     check_model(cfg)
     checked.append(f"model {cfg.model.adapter} ({cfg.model.preset or cfg.model.pretrained}) "
                    f"{cfg.model.height}x{cfg.model.width}" + (f"x{cfg.model.frames}" if cfg.model.frames else ""))
-    preflight(cfg)  # prompts, reward, and (tiny preset) the model with its LoRA targets
+    check_workers_build(cfg)  # prompts, reward, and (tiny preset) the model with its LoRA targets
     checked.append(f"prompts, reward ({', '.join(t.name for t in cfg.reward.components)})")
     return checked
 
@@ -244,3 +243,27 @@ def _check_rollout(cfg, model, pool, device: str, groups: int) -> None:
            "even a unit of 1 group does not fit: use a larger rollout device")
     raise UserError(f"engine.unit_groups: {_where(pool, device, model)}: a rollout worker needs "
                     f"{s.need_bytes / GiB:.1f} GiB for units of {groups} groups; {fix}")
+
+
+def check_workers_build(cfg: RunConfig, resumed=None) -> None:
+    """Validate here, in seconds and before Ray starts, what every worker will build: prompts, the
+    reward (dry-run on a decoded sample) and -- for a random-init preset, which is cheap to build
+    -- the model, its LoRA targets and the fit of a checkpoint to resume. A pretrained model is
+    only built by the workers (its errors reach the caller from there, as the same one line)."""
+    from digenrl.prompts import load_prompts
+    from digenrl.rewards import build_reward
+
+    check_memory(cfg)  # the placement fits its devices
+    prompts = load_prompts(cfg.prompts)
+    # with reward.service only the reward actor loads the reward models (and checks them, before training)
+    reward = build_reward(cfg.reward) if cfg.reward.service is None else None
+    if cfg.model.pretrained is None:
+        from digenrl.checkpoint import load_checkpoint
+        from digenrl.policy import Policy
+        from digenrl.units import preflight_reward
+
+        policy = Policy(cfg, device="cpu", trainable=resumed is not None)
+        if reward is not None:
+            preflight_reward(reward, policy.adapter, prompts)
+        if resumed is not None:  # fits this model, every file reads back (weights verified)
+            load_checkpoint(resumed.path, policy, rng=False)

@@ -19,6 +19,7 @@ Each decision is one method; the dispatcher (:mod:`digenrl.engine.runtime`) does
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections import Counter
@@ -26,7 +27,7 @@ from collections import Counter
 from digenrl.engine.cluster import REWARD_ROW, first_line, head_problem
 from digenrl.engine.driver import Back, Lost
 from digenrl.engine.scheduler import RolloutUnit, Unit
-from digenrl.errors import RunStopped
+from digenrl.errors import RunStopped, UserError
 from digenrl.lora import WeightSyncError
 
 class TrainerLost(RunStopped):
@@ -113,3 +114,23 @@ class FaultPolicy:
 
             head = ray.get_runtime_context().gcs_address
             raise TrainerLost(f"the Ray cluster's head at {head} stopped answering ({problem}); the run stopped.")
+
+
+@contextlib.contextmanager
+def user_errors():
+    """A UserError / WeightSyncError raised inside an actor reaches the caller as itself."""
+    try:
+        yield
+    except Exception as exc:
+        cause = own_error(exc)
+        if cause is not exc:
+            raise cause from None
+        raise
+
+
+def own_error(exc: BaseException) -> BaseException:
+    """The UserError / WeightSyncError an actor raised, out of Ray's wrapper (else ``exc``)."""
+    import ray
+
+    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
+    return cause if isinstance(cause, (UserError, WeightSyncError)) else exc

@@ -20,7 +20,6 @@ timeline's ``reward`` row.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from collections import Counter, defaultdict
@@ -34,7 +33,7 @@ from digenrl.engine.cluster import (REWARD_ROW, actor_died, first_line, follower
                                     ray_workers, sp_followers)
 from digenrl.engine.driver import Done, Event, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
-from digenrl.engine.recovery import FaultPolicy, TrainerLost
+from digenrl.engine.recovery import FaultPolicy, TrainerLost, own_error, user_errors
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit, Unit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
@@ -43,9 +42,7 @@ from digenrl.faults import with_fault_plan
 from digenrl.lora import WeightSyncError
 from digenrl.placement import Worker, engine_scheduler_config, engine_workers
 from digenrl.progress import progress
-from digenrl.preflight import check_memory
-from digenrl.prompts import load_prompts
-from digenrl.rewards import build_reward
+from digenrl.preflight import check_workers_build
 from digenrl.runlog import RunDir, check_writable, default_run_dir
 from digenrl.runpolicy import (RunPolicy, RunResult, StopRequest, checkpoint_to_keep, resume_history, stop_on_interrupt,
                                stopped, write_final)
@@ -84,14 +81,14 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
     scheduled = [w for w in workers if w.name not in hidden]
     scheduler = Scheduler(engine_scheduler_config(cfg, start), scheduled)
     progress("checking prompts, reward and model...")
-    preflight(cfg, resumed)
+    check_workers_build(cfg, resumed)
     run_dir, history = resume_history(resumed, run_dir)
     check_writable(run_dir or cfg.output.run_dir or default_run_dir(cfg), "output.run_dir")
     if resumed is not None and start == cfg.train.iterations:  # finished already: nothing to do
         return RunResult(Path(run_dir), history)
     worker_cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
     started = time.time()  # the timeline starts here: Ray and the workers starting up are its first events
-    with _user_errors(), ray_workers(worker_cfg, workers, ray_address, resumed and resumed.path) as actors:
+    with user_errors(), ray_workers(worker_cfg, workers, ray_address, resumed and resumed.path) as actors:
         sync = form_sync_group(worker_cfg, workers, actors)  # before the run directory: its errors are the user's
         progress(f"{len(workers)} workers ready ({time.time() - started:.0f} s)...")
         out = RunDir(cfg, run_dir, history=history)
@@ -112,47 +109,6 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
             backend.save_timeline()
             out.close()
     return RunResult(out.path, backend.ledger.rows)
-
-
-def preflight(cfg: RunConfig, resumed=None) -> None:
-    """Validate here, in seconds and before Ray starts, what every worker will build: prompts, the
-    reward (dry-run on a decoded sample) and -- for a random-init preset, which is cheap to build
-    -- the model, its LoRA targets and the fit of a checkpoint to resume. A pretrained model is
-    only built by the workers (its errors reach the caller from there, as the same one line)."""
-    check_memory(cfg)  # the placement fits its devices (digenrl/preflight.py)
-    prompts = load_prompts(cfg.prompts)
-    # with reward.service only the reward actor loads the reward models (and checks them, before training)
-    reward = build_reward(cfg.reward) if cfg.reward.service is None else None
-    if cfg.model.pretrained is None:
-        from digenrl.checkpoint import load_checkpoint
-        from digenrl.policy import Policy
-        from digenrl.units import preflight_reward
-
-        policy = Policy(cfg, device="cpu", trainable=resumed is not None)
-        if reward is not None:
-            preflight_reward(reward, policy.adapter, prompts)
-        if resumed is not None:  # fits this model, every file reads back (weights verified)
-            load_checkpoint(resumed.path, policy, rng=False)
-
-
-@contextlib.contextmanager
-def _user_errors():
-    """A UserError / WeightSyncError raised inside an actor reaches the caller as itself."""
-    try:
-        yield
-    except Exception as exc:
-        cause = _own_error(exc)
-        if cause is not exc:
-            raise cause from None
-        raise
-
-
-def _own_error(exc: BaseException) -> BaseException:
-    """The UserError / WeightSyncError an actor raised, out of Ray's wrapper (else ``exc``)."""
-    import ray
-
-    cause = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else None
-    return cause if isinstance(cause, (UserError, WeightSyncError)) else exc
 
 
 # ---------------------------------------------------------------------- the dispatcher
@@ -369,7 +325,7 @@ class RayBackend:
         rank or head, ranks out of sync) or Ctrl-C was pressed twice: the running units finish, every
         iteration whose step is done gets its row, and rank 0 checkpoints the last completed
         iteration. Returns the exception to raise, naming the last checkpoint and how to resume."""
-        exc = _own_error(exc)
+        exc = own_error(exc)
         if not (self.stop.forced or isinstance(exc, (TrainerLost, WeightSyncError))):
             self.stopping = True
             try:

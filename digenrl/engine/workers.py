@@ -31,11 +31,9 @@ here, in the worker) that the driver records relative to the run start.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +41,9 @@ import torch
 
 from digenrl.checkpoint import checkpoint_files, load_checkpoint
 from digenrl.distributed.fsdp import all_reduce_replicas
-from digenrl.distributed.settings import resolve_fsdp
 from digenrl.engine import sync_group, weight_sync
-from digenrl.engine.fsdp_group import combine_rank_stats, reshard, shard_policy, train_share, will_shard
+from digenrl.engine.fsdp_group import combine_rank_stats, reshard, train_share, will_shard
+from digenrl.engine.groups import GroupMember
 from digenrl.engine.sp_group import SequenceParallelMember
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.errors import UserError
@@ -132,7 +130,7 @@ def generates(cfg, role: str) -> bool:
     return role != "trainer" or cfg.engine.tag or cfg.output.eval_every > 0
 
 
-class EngineWorker(SequenceParallelMember):
+class EngineWorker(GroupMember, SequenceParallelMember):
     """Plain class; the runtime wraps it with ``ray.remote`` and the pool's resources."""
 
     def __init__(self, cfg, name: str, role: str, reward_actor=None, resume: ResumeFrom | None = None,
@@ -208,78 +206,6 @@ class EngineWorker(SequenceParallelMember):
         self._gather(others)
         return {"checksum": checksum(weights), "device": str(self.policy.device),
                 "pid": os.getpid(), "version": self.policy.version}
-
-    # -- trainer group -------------------------------------------------------------------
-
-    def rendezvous_address(self) -> tuple[str, int]:
-        import ray
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
-
-    def join_group(self, address: str, port: int, rank: int, world: int, backend: str) -> None:
-        import torch.distributed as dist
-
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(minutes=30))
-        self.world, self.rank = world, rank
-        degree = resolve_fsdp(self.cfg, world)
-        if degree == 1 and rank != 0:  # train.ema, replicated ranks: rank 0 alone keeps the average (it
-            self.policy.ema = None  # evaluates, checkpoints, exports); sharded ranks each average their shards
-        if degree > 1:  # FSDP2 over shard groups of `degree` ranks (HSDP when several; settings.check_fsdp_wired)
-            self.mesh = shard_policy(self.policy, degree, self.resume_optimizer)
-            self.sharded, self.resume_optimizer, self.degree = True, None, degree
-        if self.cfg.engine.trainer_sp > 1:  # groups of trainer_sp consecutive ranks (cluster.sp_groups)
-            self.enable_sp(self.cfg.engine.trainer_sp)
-
-    def lead(self, followers: list) -> None:
-        """Rank 0 of a sharded group: it runs every unit and side call on the other ranks too
-        (same call, same collectives), so the scheduler sees the group as this one worker."""
-        self.followers = list(followers)
-
-    def _fan_out(self, method: str, *args) -> list:
-        """Start ``method(*args)`` on the other ranks of a sharded group; returns their refs."""
-        return [getattr(f, method).remote(*args) for f in self.followers]
-
-    @staticmethod
-    def _gather(refs: list) -> list:
-        if not refs:
-            return []
-        import ray
-
-        return ray.get(refs)
-
-    def _all_reduce_gradients(self) -> None:
-        """Sum the accumulated gradients over the ranks in DDP-style buckets
-        (:func:`~digenrl.distributed.grad_sync.all_reduce_gradients`: ~25 MiB each, packed while the
-        previous one is in flight; never a flat copy of every gradient). A rank that trained nothing
-        this iteration contributes zeros (its grads are None)."""
-        if self.world == 1:
-            return
-        from digenrl.distributed import grad_sync
-
-        grad_sync.all_reduce_gradients(self.policy.params)
-
-    # -- weight-sync group (engine.weight_sync: broadcast) --------------------------------
-
-    def sync_specs(self) -> dict:
-        """This worker's device and what a weight sync writes here (names, shapes, dtypes)."""
-        return {"device": str(self.policy.device), "specs": sync_group.receiver_specs(self.policy)}
-
-    def join_sync(self, address: str, port: int, rank: int, world: int, backend: str, specs=None) -> None:
-        """Join the weight-sync group (rank 0: trainer rank 0, given the rollout workers' ``specs``)."""
-        self.sync = sync_group.join(self.policy, address, port, rank, world, backend, specs,
-                                     self.cfg.engine.max_staleness)
-
-    def leave_sync(self) -> None:
-        self.sync = None
-
-    def export_staged(self, version: int):
-        """A version this worker sent (trainer rank 0) or received by broadcast, for a restarted
-        rollout worker outside the group."""
-        return sync_group.staged_copy(self.sync, version, self.name)
 
     # -- units ---------------------------------------------------------------------------
 

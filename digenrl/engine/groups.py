@@ -1,0 +1,90 @@
+"""An engine worker's process groups: the trainer ranks' group (replicated ranks' bucketed
+gradient all-reduce, FSDP2 / HSDP shard groups whose lead fans every call out to its other ranks,
+sequence-parallel trainer ranks) and the weight-sync group (``engine.weight_sync: broadcast``).
+A mixin of :class:`~digenrl.engine.workers.EngineWorker`; the driver forms the groups
+(:mod:`digenrl.engine.cluster`)."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+from digenrl.distributed.settings import resolve_fsdp
+from digenrl.engine import sync_group
+from digenrl.engine.fsdp_group import shard_policy
+
+
+class GroupMember:
+    """Needs ``cfg``, ``policy``, ``name``, ``resume_optimizer`` and :meth:`enable_sp` on the worker."""
+
+    # -- trainer group -------------------------------------------------------------------
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join_group(self, address: str, port: int, rank: int, world: int, backend: str) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(minutes=30))
+        self.world, self.rank = world, rank
+        degree = resolve_fsdp(self.cfg, world)
+        if degree == 1 and rank != 0:  # train.ema, replicated ranks: rank 0 alone keeps the average (it
+            self.policy.ema = None  # evaluates, checkpoints, exports); sharded ranks each average their shards
+        if degree > 1:  # FSDP2 over shard groups of `degree` ranks (HSDP when several; settings.check_fsdp_wired)
+            self.mesh = shard_policy(self.policy, degree, self.resume_optimizer)
+            self.sharded, self.resume_optimizer, self.degree = True, None, degree
+        if self.cfg.engine.trainer_sp > 1:  # groups of trainer_sp consecutive ranks (cluster.sp_groups)
+            self.enable_sp(self.cfg.engine.trainer_sp)
+
+    def lead(self, followers: list) -> None:
+        """Rank 0 of a sharded group: it runs every unit and side call on the other ranks too
+        (same call, same collectives), so the scheduler sees the group as this one worker."""
+        self.followers = list(followers)
+
+    def _fan_out(self, method: str, *args) -> list:
+        """Start ``method(*args)`` on the other ranks of a sharded group; returns their refs."""
+        return [getattr(f, method).remote(*args) for f in self.followers]
+
+    @staticmethod
+    def _gather(refs: list) -> list:
+        if not refs:
+            return []
+        import ray
+
+        return ray.get(refs)
+
+    def _all_reduce_gradients(self) -> None:
+        """Sum the accumulated gradients over the ranks in DDP-style buckets
+        (:func:`~digenrl.distributed.grad_sync.all_reduce_gradients`: ~25 MiB each, packed while the
+        previous one is in flight; never a flat copy of every gradient). A rank that trained nothing
+        this iteration contributes zeros (its grads are None)."""
+        if self.world == 1:
+            return
+        from digenrl.distributed import grad_sync
+
+        grad_sync.all_reduce_gradients(self.policy.params)
+
+    # -- weight-sync group (engine.weight_sync: broadcast) --------------------------------
+
+    def sync_specs(self) -> dict:
+        """This worker's device and what a weight sync writes here (names, shapes, dtypes)."""
+        return {"device": str(self.policy.device), "specs": sync_group.receiver_specs(self.policy)}
+
+    def join_sync(self, address: str, port: int, rank: int, world: int, backend: str, specs=None) -> None:
+        """Join the weight-sync group (rank 0: trainer rank 0, given the rollout workers' ``specs``)."""
+        self.sync = sync_group.join(self.policy, address, port, rank, world, backend, specs,
+                                     self.cfg.engine.max_staleness)
+
+    def leave_sync(self) -> None:
+        self.sync = None
+
+    def export_staged(self, version: int):
+        """A version this worker sent (trainer rank 0) or received by broadcast, for a restarted
+        rollout worker outside the group."""
+        return sync_group.staged_copy(self.sync, version, self.name)
