@@ -74,16 +74,17 @@ class FaultInjector:
 
 
 @contextlib.contextmanager
-def corrupting(group):
-    """Within the block, the first weight bucket ``group`` broadcasts arrives with one bit flipped
-    (the source's own tensors are untouched). A version's broadcasts: header size, header, buckets."""
+def corrupting(group, bucket: int = 0, element: int = 0):
+    """Within the block, weight bucket ``bucket`` that ``group`` broadcasts arrives with one bit of
+    byte ``element`` flipped (the source's own tensors are untouched). A version's broadcasts:
+    header size, header, buckets."""
     real, calls = group.broadcast, [0]
 
     def broadcast(tensor, src):
         calls[0] += 1
-        if calls[0] == 3:
+        if calls[0] == 3 + bucket:
             tensor = tensor.clone()
-            tensor[0] ^= 1
+            tensor[element] ^= 1
         real(tensor, src)
 
     group.broadcast = broadcast

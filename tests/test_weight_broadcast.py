@@ -35,6 +35,7 @@ def _train_a_little(policy, version: int) -> None:
 
 def _source(group, out):
     from digenrl.distributed.broadcast import WeightBroadcaster, sync_targets
+    from digenrl.faults import corrupting
     from digenrl.lora import checksum, lora_state_dict
 
     sender = WeightBroadcaster(group, bucket_bytes=SMALL_BUCKETS)
@@ -49,18 +50,8 @@ def _source(group, out):
     record["full3"] = checksum({k: v.to(torch.bfloat16) for k, v in full.adapter.transformer.state_dict().items()})
     # version 4: a bit flipped in the second bucket on its way (broadcast calls: size, header, buckets...)
     _train_a_little(lora, 4)
-    real, calls = group.broadcast, [0]
-
-    def corrupting(tensor, src):
-        calls[0] += 1
-        if calls[0] == 4:
-            tensor = tensor.clone()
-            tensor[5] ^= 1
-        real(tensor, src)
-
-    group.broadcast = corrupting
-    sender.publish(4, sync_targets(lora.adapter.transformer, lora=True))
-    group.broadcast = real
+    with corrupting(group, bucket=1, element=5):
+        sender.publish(4, sync_targets(lora.adapter.transformer, lora=True))
     group.store.wait(["generating"])  # version 5 only once a receiver is busy generating
     _train_a_little(lora, 5)
     sender.publish_async(5, sync_targets(lora.adapter.transformer, lora=True)).result()
