@@ -250,7 +250,8 @@ def test_groups_survive_the_chrome_trace_and_draw_as_one_row(tmp_path):
     assert [r["bubble_fraction"] for r in again.iteration_stats()] == pytest.approx(
         [r["bubble_fraction"] for r in tl.iteration_stats()])
     # one row per scheduled worker: the pair draws as tall as the 1-device pipeline, not a row more
-    with Image.open(tl.to_png(tmp_path / "sp.png")) as grouped, Image.open(pipeline().to_png(tmp_path / "one.png")) as one:
+    grouped, one = tl.to_png(tmp_path / "sp.png"), pipeline().to_png(tmp_path / "one.png")
+    with Image.open(grouped) as grouped, Image.open(one) as one:
         assert grouped.size == one.size
     flat = Timeline()
     for w, pool in tl.workers.items():
