@@ -20,6 +20,7 @@ from digenrl.engine.runtime import run_engine  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
 from tests.helpers import local_ray  # noqa: E402
+from tests.test_timeline import with_followers_replicated  # noqa: E402
 
 BASE = ["model.height=16", "model.width=16", "train.iterations=2", "train.prompts_per_iteration=2",
         "algorithm.group_size=4", "sampling.steps=4", "engine.tsp_degree=1", "engine.max_staleness=0"]
@@ -68,3 +69,10 @@ def test_sequence_parallel_workers_equal_the_local_trainer(cluster, reference, t
     tl = Timeline.from_chrome_trace(tmp_path / "sp" / "timeline.json")
     assert {t.worker for t in tl.of(kind)} == {lead} and len(tl.of(kind)) >= 2
     assert {t.args["sp"] for t in tl.of(kind)} == {2}
+    # its followers compute with it: busy while it is, so the bubble is the equivalent 1-device workers'
+    assert {f for f in tl.follows if tl.lead_of(f) == lead} == ({"rollout1"} if kind == "rollout"
+                                                              else {"trainer1", "trainer2", "trainer3"}
+                                                              if case == "trainer_sp_in_fsdp" else {"trainer1"})
+    flat = with_followers_replicated(tl)
+    assert [r["bubble_fraction"] for r in tl.iteration_stats()] == pytest.approx(
+        [r["bubble_fraction"] for r in flat.iteration_stats()])

@@ -387,6 +387,42 @@ def test_colocated_pays_phase_switches(tiny_cfg):
     assert gap == pytest.approx(2 * 5.0, rel=0.05)  # two switches per iteration
 
 
+def test_broadcast_weight_sync_is_paid_where_the_runtime_pays_it(tiny_cfg):
+    """engine.weight_sync broadcast (the default): rank 0's step sends the version (pack + wire), the
+    rollout worker's unit boundary only loads it from staging; object_store as before (closed forms)."""
+    cluster = cluster_from_dict({"name": "h", "pools": [{"name": "rollout", "device": "H100", "count": 2},
+                                                        {"name": "trainer", "device": "H100", "count": 1}]})
+    full = ["model.lora=null", "placement.mode=disaggregated"]  # full weights: a transfer worth seeing
+    bc = CostModel(Workload.from_config(tiny_cfg(*full)), cluster)
+    store = CostModel(Workload.from_config(tiny_cfg(*full, "engine.weight_sync=object_store")), cluster)
+    assert (bc.w.weight_sync, store.w.weight_sync) == ("broadcast", "object_store")
+    b, h100 = bc.w.sync_bytes, DEVICES["H100"]
+    bw, latency, check = bc.network_bw(), cluster.interconnect.latency_us * 1e-6, bc.p.checksum_bytes_per_s
+    wire = latency + b / bw
+    pack = b / h100.host_bw + b / check  # the weights to the host + one checksum
+    assert b > 1e5 and wire > 0
+    # rollout critical path: object store = wire + copy + two checksums; broadcast = copy + one check
+    assert store.sync_fetch("H100") == pytest.approx(wire + b / h100.host_bw + 2 * b / check)
+    assert bc.sync_fetch("H100") == pytest.approx(b / h100.host_bw + b / check)
+    # rank 0's publishing step: the broadcast adds the wire there; a step that does not publish is the same
+    assert store.step("H100", 1, True)[1] == pytest.approx(pack)
+    assert bc.step("H100", 1, True)[1] == pytest.approx(pack + wire)
+    assert bc.step("H100", 1, False) == store.step("H100", 1, False)
+    # the simulated run records it as the runtime does: rank 0's publish, a prefetch on each rollout
+    # worker's row over the same span, and fetches of the staged load's length
+    plan = disagg(2, 1, max_staleness=1)
+    for cost, prefetches in ((bc, 2), (store, 0)):
+        tl = simulate(plan, cost, iterations=3).timeline
+        syncs = tl.of("sync")
+        publish = {e.version: e for e in syncs if e.args["direction"] == "publish"}
+        pre = [e for e in syncs if e.args["direction"] == "prefetch"]
+        assert len(pre) == prefetches * len(publish) and {e.worker for e in pre} <= {"rollout0", "rollout1"}
+        assert all((e.start, e.end) == (publish[e.version].start, publish[e.version].end) for e in pre)
+        fetches = [e for e in syncs if e.args["direction"] == "fetch"]
+        assert fetches and all(e.duration == pytest.approx(cost.sync_fetch("H100")) for e in fetches)
+        assert {e.args["transport"] for e in syncs} == {cost.w.weight_sync}
+
+
 # ---------------------------------------------------------------------------------- search
 
 

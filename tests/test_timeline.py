@@ -151,7 +151,7 @@ def test_long_run_png_reads_at_any_length(tmp_path):
     assert COLOURS["start"] in colours and COLOURS["rollout"] in colours and COLOURS["train"] in colours
     # the strip: the first columns of each row are start-up, then the rollout worker alternates busy / idle
     drawn = set()
-    rollout = _strip(tl, "rollout0", 0.0, tl.events[-1].end, 3950, drawn)  # 0.1 s a column
+    rollout = _strip(tl, ["rollout0"], 0.0, tl.events[-1].end, 3950, drawn)  # 0.1 s a column
     assert rollout[0] == COLOURS["start"] and drawn == {"start", "rollout"}
     busy = sum(1 for c in rollout if c is not None) / len(rollout)
     assert 0.6 < busy < 0.7  # 5 s start + 120 x 2 s rollout of 395 s: 0.62 busy (+ part-busy columns)
@@ -168,3 +168,111 @@ def test_legend_lists_only_drawn_kinds(tmp_path):
         colours = {c for _, c in img.getcolors(maxcolors=1 << 16)}
     assert COLOURS["rollout"] in colours
     assert not {COLOURS[k] for k in ("train", "step", "sync", "reward", "start")} & colours
+
+
+# -- multi-device workers: sequence-parallel groups and FSDP shard groups ------------------------
+
+
+def with_followers_replicated(tl: Timeline) -> Timeline:
+    """The equivalent run of 1-device workers: every follower becomes a worker of its own that runs
+    its lead's units at the same times (the reference the grouped bubble must equal)."""
+    flat = Timeline()
+    for w, pool in tl.workers.items():
+        flat.add_worker(w, pool)
+    for e in tl.events:
+        flat.add(e)
+        for device in (d for d in tl.workers if d in tl.follows and tl.lead_of(d) == e.worker):
+            flat.record(device, e.kind, e.uid, e.iteration, e.version, e.start, e.end, e.sample_versions, **e.args)
+    return flat
+
+
+def sp_pipeline() -> Timeline:
+    """:func:`pipeline` with its rollout worker a sequence-parallel pair (rollout0 leads rollout1)."""
+    tl = Timeline()
+    tl.add_worker("rollout0", "rollout")
+    tl.add_worker("rollout1", "rollout", follows="rollout0")
+    tl.add_worker("trainer0", "trainer")
+    for e in pipeline().events:
+        tl.add(e)
+    return tl
+
+
+def test_sequence_parallel_follower_is_busy_with_its_lead():
+    tl = sp_pipeline()
+    stats = {r["iteration"]: r for r in tl.iteration_stats()}
+    # iteration 0, [0, 3.25] x 3 devices: rollout0 and rollout1 busy 2.25 each, trainer0 1.25
+    assert stats[0]["bubble_fraction"] == pytest.approx(1 - (2 * 2.25 + 1.25) / (3 * 3.25))
+    # iteration 1, [3.25, 7]: 2 x 2.25 + 1.5 of 3 x 3.75
+    assert stats[1]["bubble_fraction"] == pytest.approx(1 - (2 * 2.25 + 1.5) / (3 * 3.75))
+    # the same bubble as the equivalent run of three 1-device workers
+    flat = with_followers_replicated(tl)
+    assert not flat.follows and len(flat.events) > len(tl.events)
+    assert [r["bubble_fraction"] for r in tl.iteration_stats()] == pytest.approx(
+        [r["bubble_fraction"] for r in flat.iteration_stats()])
+    assert tl.summary()["bubble_fraction"] == pytest.approx(flat.summary()["bubble_fraction"])
+    # the samples are the lead's: a follower adds devices, not samples
+    assert tl.summary()["samples_per_s"] == pytest.approx(pipeline().summary()["samples_per_s"])
+
+
+def test_follower_events_of_its_own_count_once():
+    tl = sp_pipeline()
+    before = tl.iteration_stats()[0]["bubble_fraction"]
+    tl.record("rollout1", "sync", "sync-1-fetch", 1, 1, 3.0, 3.5, direction="fetch")  # inside rollout0's busy time
+    assert tl.iteration_stats()[0]["bubble_fraction"] == pytest.approx(before)
+    tl.record("rollout1", "start", "start-rollout1", 0, 0, 2.0, 3.0)  # its own, while rollout0 idles
+    assert tl.iteration_stats()[0]["bubble_fraction"] == pytest.approx(before - 1.0 / (3 * 3.25))
+
+
+def test_fsdp_group_with_sequence_parallel_leads_resolves_to_rank0():
+    """SP inside FSDP: trainer1..3 follow rank 0 (trainer3 through its SP lead trainer2)."""
+    tl = Timeline()
+    tl.add_worker("rollout0", "rollout")
+    tl.add_worker("trainer0", "trainer")
+    tl.add_worker("trainer1", "trainer", follows="trainer0")
+    tl.add_worker("trainer2", "trainer", follows="trainer0")
+    tl.add_worker("trainer3", "trainer", follows="trainer2")
+    assert [tl.lead_of(w) for w in tl.workers] == ["rollout0"] + ["trainer0"] * 4
+    assert tl.groups() == {"rollout0": ["rollout0"], "trainer0": ["trainer0", "trainer1", "trainer2", "trainer3"]}
+    tl.record("rollout0", "rollout", "rollout-0-0", 0, 0, 0.0, 1.0, samples=4)
+    tl.record("trainer0", "train", "train-0-0-0", 0, 0, 1.0, 2.0, sample_versions=[0])
+    tl.record("trainer0", "step", "step-0/trainer0", 0, 0, 2.0, 2.5)
+    # [0, 2.5] x 5 devices: rollout0 busy 1, each of the 4 trainer devices 1.5
+    assert tl.iteration_stats()[0]["bubble_fraction"] == pytest.approx(1 - (1 + 4 * 1.5) / (5 * 2.5))
+
+
+def test_groups_survive_the_chrome_trace_and_draw_as_one_row(tmp_path):
+    tl = sp_pipeline()
+    trace = tl.to_chrome_trace()
+    names = [e["args"] for e in trace["traceEvents"] if e["name"] == "thread_name"]
+    assert {"name": "rollout1", "follows": "rollout0"} in names and {"name": "rollout0"} in names
+    again = Timeline.from_chrome_trace(trace)
+    assert again.follows == {"rollout1": "rollout0"}
+    assert [r["bubble_fraction"] for r in again.iteration_stats()] == pytest.approx(
+        [r["bubble_fraction"] for r in tl.iteration_stats()])
+    # one row per scheduled worker: the pair draws as tall as the 1-device pipeline, not a row more
+    grouped, one = tl.to_png(tmp_path / "sp.png"), pipeline().to_png(tmp_path / "one.png")
+    with Image.open(grouped) as grouped, Image.open(one) as one:
+        assert grouped.size == one.size
+    flat = Timeline()
+    for w, pool in tl.workers.items():
+        flat.add_worker(w, pool)  # the same devices, not grouped: a row more
+    with Image.open(flat.to_png(tmp_path / "flat.png")) as ungrouped:
+        assert ungrouped.height > one.height
+
+
+def test_group_leads_of_the_engine_config():
+    """The runtime's follower -> lead map (no Ray): FSDP ranks follow rank 0, SP followers their lead."""
+    from digenrl.config import load_config
+    from digenrl.engine.cluster import group_leads
+    from digenrl.placement import engine_workers
+
+    def leads(*sets):
+        cfg = load_config(None, ["placement.mode=disaggregated", *sets])
+        return group_leads(cfg, engine_workers(cfg))
+
+    assert leads("engine.rollout_sp=2", "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]") == {
+        "rollout1": "rollout0"}
+    assert leads("engine.trainer_sp=2", "train.fsdp=4",
+                 "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]") == {
+        "trainer1": "trainer0", "trainer2": "trainer0", "trainer3": "trainer0"}
+    assert leads("cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 2}]") == {}

@@ -219,6 +219,17 @@ def sp_followers(cfg: RunConfig, workers: list[Worker]) -> list[str]:
     return [name for role in ("rollout", "trainer") for group in sp_groups(cfg, workers, role) for name in group[1:]]
 
 
+def group_leads(cfg: RunConfig, workers: list[Worker]) -> dict[str, str]:
+    """Each hidden worker -> the scheduled worker whose calls it runs with (its FSDP shard group's
+    first rank, else its sequence-parallel group's lead): the timeline counts it busy with that one."""
+    leads = {r: group[0] for group in shard_groups(cfg, workers) for r in group[1:]}
+    for role in ("rollout", "trainer"):
+        for group in sp_groups(cfg, workers, role):
+            for name in group[1:]:
+                leads.setdefault(name, group[0])
+    return leads
+
+
 def sequence_parallel_members(cfg: RunConfig, workers: list[Worker]) -> tuple[set[str], set[str]]:
     """(every member of a sequence-parallel group, the followers)."""
     groups = sp_groups(cfg, workers, "rollout") + sp_groups(cfg, workers, "trainer")

@@ -29,8 +29,8 @@ from typing import Callable
 from digenrl.checkpoint import find_checkpoint, read_state, save_checkpoint_files, staging_dir
 from digenrl.config import RunConfig
 from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
-from digenrl.engine.cluster import (REWARD_ROW, actor_died, first_line, followers, form_sync_group, num_restarts,
-                                    ray_workers, sp_followers)
+from digenrl.engine.cluster import (REWARD_ROW, actor_died, first_line, followers, form_sync_group, group_leads,
+                                    num_restarts, ray_workers, sp_followers)
 from digenrl.engine.driver import Done, Event, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
 from digenrl.engine.recovery import FaultPolicy, TrainerLost, own_error, user_errors
@@ -126,8 +126,9 @@ class RayBackend:
         self.rank0 = next(w.name for w in workers if w.role != "rollout")
         self.publishes = any(w.role == "rollout" for w in workers)  # rank 0 ships weights after each step
         self.timeline = Timeline()
+        leads = group_leads(cfg, workers)  # a follower device is busy while its lead is
         for w in workers:
-            self.timeline.add_worker(w.name, w.pool.name)
+            self.timeline.add_worker(w.name, w.pool.name, follows=leads.get(w.name))
         if cfg.reward.service is not None:
             self.timeline.add_worker(REWARD_ROW, SERVICE_POOL)
         self.faults = FaultPolicy(self.role, cfg.engine.max_restarts)

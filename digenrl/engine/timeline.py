@@ -14,10 +14,17 @@ same outputs (the run-directory contract, docs/architecture.md):
 Iteration k's span runs from the end of iteration k-1's optimizer step (or the start of the
 run) to the end of its own step, so the spans tile the run: with pipelining they contain
 work of several iterations, and a worker counts as busy whatever iteration it works on. The
-bubble fraction is 1 - busy worker-time / total worker-time over the span, where a worker's
+bubble fraction is 1 - busy device-time / total device-time over the span, where a device's
 busy time is the union of its events (nested events such as a reward inside its rollout
 count once). Rows of pool ``service`` (the reward actor) are drawn and traced but are not
 devices of the placement, so they do not count in the bubble.
+
+A multi-device worker -- a sequence-parallel group (``engine.rollout_sp`` / ``engine.trainer_sp``)
+or an FSDP shard group -- is one scheduled lead and followers that compute every unit with it but
+never appear in the scheduler. A follower is registered with ``follows=<lead>``: the bubble is
+counted over devices, and a follower device is busy whenever its lead is (or it runs something of
+its own), so a group of s devices weighs s times its lead's row. ``timeline.json`` keeps the link
+(``follows`` in the follower's ``thread_name`` metadata); ``timeline.png`` draws a group as one row.
 """
 
 from __future__ import annotations
@@ -52,13 +59,17 @@ class Event:
 class Timeline:
     def __init__(self) -> None:
         self.workers: dict[str, str] = {}  # worker -> pool, in registration order (rows)
+        self.follows: dict[str, str] = {}  # follower device -> the lead that runs its calls
         self.events: list[Event] = []
 
     # -- recording -----------------------------------------------------------------------
 
-    def add_worker(self, name: str, pool: str) -> None:
-        """Register a worker, so that it counts in the bubble even if it never gets work."""
+    def add_worker(self, name: str, pool: str, follows: str | None = None) -> None:
+        """Register a worker, so that it counts in the bubble even if it never gets work;
+        ``follows``: the lead of the multi-device worker this device belongs to."""
         self.workers.setdefault(name, pool)
+        if follows is not None and follows != name:
+            self.follows[name] = follows
 
     def add(self, event: Event) -> Event:
         if event.kind not in KINDS:
@@ -97,10 +108,27 @@ class Timeline:
             start = end
         return spans
 
+    def lead_of(self, worker: str) -> str:
+        """The scheduled worker whose units ``worker`` computes (itself unless it follows one)."""
+        seen = {worker}
+        while worker in self.follows and self.follows[worker] not in seen:
+            worker = self.follows[worker]
+            seen.add(worker)
+        return worker
+
+    def groups(self) -> dict[str, list[str]]:
+        """Lead -> its devices (the lead first, then its followers), in registration order."""
+        out: dict[str, list[str]] = {}
+        for w in self.workers:
+            out.setdefault(self.lead_of(w), []).append(w)
+        return {lead: sorted(devices, key=lambda d: d != lead) for lead, devices in out.items()}
+
     def busy(self, worker: str, start: float, end: float) -> float:
-        """Seconds of [start, end] in which ``worker`` ran something (union of its events)."""
+        """Seconds of [start, end] in which device ``worker`` ran something: the union of its
+        events and, for a follower, its lead's."""
+        mine = {worker, self.lead_of(worker)}
         intervals = sorted((max(e.start, start), min(e.end, end)) for e in self.events
-                           if e.worker == worker and e.end > start and e.start < end)
+                           if e.worker in mine and e.end > start and e.start < end)
         total, cur_s, cur_e = 0.0, None, None
         for s, e in intervals:
             if e <= s:
@@ -186,7 +214,8 @@ class Timeline:
         for p in pools:
             trace.append({"ph": "M", "name": "process_name", "pid": pid[p], "tid": 0, "args": {"name": p}})
         for w, p in self.workers.items():
-            trace.append({"ph": "M", "name": "thread_name", "pid": pid[p], "tid": tid[w], "args": {"name": w}})
+            meta = {"name": w, "follows": self.follows[w]} if w in self.follows else {"name": w}
+            trace.append({"ph": "M", "name": "thread_name", "pid": pid[p], "tid": tid[w], "args": meta})
         for e in sorted(self.events, key=lambda e: e.start):
             args = {"kind": e.kind, "unit": e.uid, "iteration": e.iteration, "version": e.version}
             if e.kind == "train":
@@ -214,14 +243,16 @@ class Timeline:
         """Rebuild a timeline from ``timeline.json`` (or its parsed content)."""
         if not isinstance(trace, dict):
             trace = json.loads(Path(trace).read_text())
-        names = {}
+        names, follows = {}, {}
         for ev in trace["traceEvents"]:
             if ev["ph"] == "M":
                 names[(ev["name"], ev["pid"], ev["tid"] if ev["name"] == "thread_name" else 0)] = ev["args"]["name"]
+                if "follows" in ev["args"]:
+                    follows[ev["args"]["name"]] = ev["args"]["follows"]
         tl = cls()
         for (kind, pid, tid), name in names.items():
             if kind == "thread_name":
-                tl.add_worker(name, names[("process_name", pid, 0)])
+                tl.add_worker(name, names[("process_name", pid, 0)], follows.get(name))
         for ev in trace["traceEvents"]:
             if ev["ph"] != "X":
                 continue

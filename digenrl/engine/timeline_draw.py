@@ -1,6 +1,7 @@
 """``timeline.png``: a run's timeline drawn so that it reads at any length.
 
-Two panels, both with one row per worker:
+Two panels, both with one row per worker; a multi-device worker (a sequence-parallel or FSDP
+group: its lead and the followers that compute with it) is one row, labelled with its device count:
 
 - **whole run**: a utilisation strip; each pixel column is one slice of the run, coloured by what
   the worker did in it (the kinds' colours mixed by their share of the slice, white = idle), with
@@ -42,7 +43,9 @@ def draw_timeline(tl, path: Path, width: int = 1400, window: int = 3) -> Path:
     from PIL import Image, ImageDraw, ImageFont
 
     font = ImageFont.load_default()
-    rows = list(tl.workers)
+    groups = tl.groups()  # lead -> its devices: one row per scheduled worker
+    rows = list(groups)
+    labels = {w: f"{tl.workers[w]}/{w}" + (f" x{len(d)} dev" if len(d) > 1 else "") for w, d in groups.items()}
     n = max(1, len(rows))
     spans = tl.iteration_spans()
     end = max((e.end for e in tl.events), default=1.0) or 1.0
@@ -63,8 +66,8 @@ def draw_timeline(tl, path: Path, width: int = 1400, window: int = 3) -> Path:
               fill="black", font=font)
     for i, w in enumerate(rows):
         y0 = TITLE_H + i * STRIP_H
-        draw.text((5, y0), f"{tl.workers[w]}/{w}", fill="black", font=font)
-        for x, rgb in enumerate(_strip(tl, w, origin, end, plot_w, drawn)):
+        draw.text((5, y0), labels[w], fill="black", font=font)
+        for x, rgb in enumerate(_strip(tl, groups[w], origin, end, plot_w, drawn)):
             if rgb is not None:
                 draw.line([LABEL_W + x, y0, LABEL_W + x, y0 + STRIP_H - 3], fill=rgb)
         draw.rectangle([LABEL_W, y0, LABEL_W + plot_w, y0 + STRIP_H - 3], outline=(200, 200, 200))
@@ -88,11 +91,11 @@ def draw_timeline(tl, path: Path, width: int = 1400, window: int = 3) -> Path:
     for i, w in enumerate(rows):
         y0 = top + i * ROW_H
         draw.rectangle([LABEL_W, y0, LABEL_W + plot_w, y0 + ROW_H - 4], fill=(245, 245, 245))
-        draw.text((5, y0 + 10), f"{tl.workers[w]}/{w}", fill="black", font=font)
+        draw.text((5, y0 + 10), labels[w], fill="black", font=font)
     for e in sorted(tl.events, key=lambda e: e.kind in MINOR_KINDS):  # minor bars on top
         if e.end < detail_from:
             continue
-        i = rows.index(e.worker)
+        i = rows.index(tl.lead_of(e.worker))
         y0, y1 = top + i * ROW_H, top + i * ROW_H + ROW_H - 4
         if e.kind in MINOR_KINDS and e.pool != "service":  # a service row holds nothing to nest in
             y0 = y1 - (ROW_H - 4) // 3
@@ -115,12 +118,12 @@ def draw_timeline(tl, path: Path, width: int = 1400, window: int = 3) -> Path:
     return path
 
 
-def _strip(tl, worker: str, start: float, end: float, bins: int, drawn: set[str]) -> list:
-    """Per pixel column of [start, end]: the colour of what ``worker`` did in that slice (kinds
-    mixed by their share of it, blended with white by the idle share), or None when idle."""
+def _strip(tl, devices: list[str], start: float, end: float, bins: int, drawn: set[str]) -> list:
+    """Per pixel column of [start, end]: the colour of what the worker on ``devices`` did in that
+    slice (kinds mixed by their share of it, blended with white by the idle share), or None when idle."""
     share = [dict() for _ in range(bins)]
     dt = (end - start) / bins
-    mine = [e for e in tl.events if e.worker == worker and (e.kind not in MINOR_KINDS or e.pool == "service")]
+    mine = [e for e in tl.events if e.worker in devices and (e.kind not in MINOR_KINDS or e.pool == "service")]
     for e in mine:
         b0, b1 = int((e.start - start) / dt), min(bins - 1, int((e.end - start) / dt))
         for b in range(max(0, b0), b1 + 1):

@@ -62,6 +62,12 @@ class CallTimes:
     def optimizer(self) -> float: ...
     def pack(self) -> float: ...  # Policy.weights() + checksum
     def load(self) -> float: ...  # verified load of shipped weights
+
+    def load_staged(self) -> float:
+        """A broadcast version's load at the unit boundary (copy from the staging buffers + one
+        fingerprint check); a profile measures the object-store load only, which bounds it."""
+        return self.load()
+
     rollout_overhead_s = 0.0  # per unit, beyond its calls (analytic model; profiles of version 1 before factors)
     train_overhead_s = 0.0
     rollout_unit_factor = 1.0  # a whole unit / the sum of its calls, as profiled (CPU engine: SDE / loss math)
@@ -175,6 +181,10 @@ class AnalyticTimes(CallTimes):
     def load(self):
         b = self.w.sync_bytes
         return b / self.dev.host_bw + 2 * b / self.p.checksum_bytes_per_s
+
+    def load_staged(self):
+        b = self.w.sync_bytes
+        return b / self.dev.host_bw + b / self.p.checksum_bytes_per_s
 
 
 def minibatch_samples(w: Workload, groups: float) -> list[float]:

@@ -5,9 +5,14 @@ when it was measured on that device type, else the analytic model) and adds what
 calls the way the engine pays it:
 
 - step: all-reduce of the trained parameters' fp32 gradients + the AdamW update (+ on trainer
-  rank 0 of a disaggregated run the weight publish: ``Policy.weights()`` + checksum);
-- weight sync (a rollout worker that changes version): bytes / bandwidth + latency + the verified
-  load (two checksums, as ``engine.weight_sync.load`` does);
+  rank 0 of a disaggregated run the weight publish, :meth:`CostModel.publish`);
+- weight sync (a rollout worker that changes version, :meth:`CostModel.sync_fetch`), as
+  ``engine.weight_sync`` ships it (``Workload.weight_sync``): over the object store rank 0 packs
+  (``Policy.weights()`` + checksum) and the rollout worker pays bytes / bandwidth + latency + the
+  verified load (two checksums) before its unit; over the broadcast (the default) rank 0's step
+  streams the version to every rollout worker (pack + bytes / bandwidth + latency: the broadcast
+  returns when the receivers hold it, while they generate), and the worker's unit boundary pays
+  only the load from its staging buffers with one fingerprint check;
 - samples transfer, colocated phase switches, CPU-core sharing between concurrent workers.
 
 It picks how each device fits in memory (:mod:`~digenrl.planner.memory`) by the time each fitting
@@ -186,15 +191,30 @@ class CostModel:
             allreduce = 2 * (ranks - 1) / ranks * grad_bytes / bw + self.ov.allreduce_latency_s
             if setup is not None and setup.shard > 1 and not self.w.lora:
                 allreduce *= FSDP_STEP_SHARE  # the reduce-scatter already ran in the backward
-        publish_s = t.pack() + self.ov.publish_s if publish else 0.0
+        publish_s = self.publish(device, setup) if publish else 0.0
         agree = t.pack() if self.w.lora else 0.0  # every rank checksums its LoRA weights (ranks must agree)
         return allreduce + t.optimizer() + publish_s + agree, publish_s
 
+    def broadcasts(self) -> bool:
+        return self.w.weight_sync == "broadcast"
+
+    def wire(self) -> float:
+        """One version over the interconnect: latency + bytes / bandwidth. A broadcast streams it
+        bucket after bucket, pipelined, so its time does not grow with the number of receivers."""
+        return self.cluster.interconnect.latency_us * 1e-6 + self.w.sync_bytes / self.network_bw()
+
+    def publish(self, device: str, setup: DeviceSetup | None = None) -> float:
+        """Trainer rank 0 shipping a new version after its step: pack it (+ the store's put), and
+        over the broadcast also send it -- the receivers take it in while they generate."""
+        own = self.times(device, setup).pack() + self.ov.publish_s
+        return own + self.wire() if self.broadcasts() else own
+
     def sync_fetch(self, device: str) -> float:
-        """A rollout worker loading a newer version: transfer + verified load."""
-        b = self.w.sync_bytes
-        return (self.ov.fetch_s + self.cluster.interconnect.latency_us * 1e-6 + b / self.network_bw()
-                + self.times(device).load())
+        """A rollout worker taking a newer version before its unit: over the object store transfer
+        + verified load; over the broadcast (received already) the staged version's load + check."""
+        if self.broadcasts():
+            return self.ov.fetch_s + self.times(device).load_staged()
+        return self.ov.fetch_s + self.wire() + self.times(device).load()
 
     def transfer(self, groups: int) -> float:
         """A rollout unit's samples reaching a trainer."""

@@ -11,8 +11,12 @@ what the engine adds around it:
   (``SchedulerConfig.barrier``) after the iteration's last one did -- (the driver's reward /
   advantage work, the object-store hop); the unit starts ``call_s`` after it is handed out or after
   they are ready, whichever is later (a trainer busy with its previous unit hides the transfer);
-- a rollout worker handed a unit of a newer version first loads it (a ``sync`` event, as the
+- a rollout worker handed a unit of a newer version first loads it (a ``sync`` fetch, as the
   runtime records it), trainer rank 0 publishes after each step (a ``sync`` nested in the step);
+  over the broadcast (``engine.weight_sync``, the default) the publish sends the version and every
+  rollout worker receives it meanwhile (a ``sync`` prefetch on its row, beside whatever it
+  generates, as the runtime records it), so its fetch is only the load from staging
+  (:meth:`CostModel.sync_fetch`);
 - with ``train.optimizer_steps`` S (mini-batch PPO) each rolled-out unit is trained as S train units
   per TSP rank, each one mini-batch's share of its samples, and every rank takes S collective
   steps per iteration, the last one publishing -- the scheduler's own units, as in the engine;
@@ -165,7 +169,7 @@ class Simulator:
             if self.role[worker] == "rollout" and unit.version != self.held[worker]:
                 segs.append(_Seg("sync", self._d(("fetch", dev), lambda: cost.sync_fetch(dev)), True, dict(
                     base, kind="sync", uid=f"sync-{unit.version}-fetch", version=unit.version,
-                    args={"direction": "fetch", "bytes": self.w.sync_bytes})))
+                    args={"direction": "fetch", "bytes": self.w.sync_bytes, "transport": self.w.weight_sync})))
                 self.held[worker] = unit.version
             segs += self._switch(worker, "rollout", dev, setup)
             size = len(unit.groups) / unit.parts  # groups in the unit (a fraction for a part of one)
@@ -304,8 +308,13 @@ class Simulator:
                                  max(seg.start, now - reward_s), now)
         if ev["kind"] == "step" and publish_s > 0:
             v = ev["args"]["publishes"]
-            self.timeline.record(job.worker, "sync", f"sync-{v}-publish", v - 1, v, max(seg.start, now - publish_s),
-                                 now, direction="publish", bytes=self.w.sync_bytes)
+            sent = max(seg.start, now - publish_s)
+            self.timeline.record(job.worker, "sync", f"sync-{v}-publish", v - 1, v, sent, now, direction="publish",
+                                 bytes=self.w.sync_bytes, transport=self.w.weight_sync)
+            if self.cost.broadcasts():  # the receivers' threads take it in while they generate
+                for worker in (w for w in self.order if self.role[w] == "rollout"):
+                    self.timeline.record(worker, "sync", f"sync-{v}-prefetch", v - 1, v, sent, now,
+                                         direction="prefetch", bytes=self.w.sync_bytes, transport="broadcast")
 
 
 def simulate(plan: Plan, cost: CostModel, iterations: int = 4, skip: int | None = None, tail: int | None = None,

@@ -29,6 +29,7 @@ class Workload:
     reward_kind: str  # "weight_free" | "model"
     video_frames: int
     optimizer_steps: int = 1  # mini-batch PPO: train units per rolled-out unit and TSP rank, steps per iteration
+    weight_sync: str = "broadcast"  # how rank 0 ships versions: "broadcast" (engine.weight_sync auto) | "object_store"
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
@@ -52,6 +53,7 @@ class Workload:
             dtype_bytes=HALF_BYTES if cfg.model.dtype in ("bfloat16", "float16") else FP32_BYTES,
             reward_kind="weight_free" if names <= WEIGHT_FREE_REWARDS else "model",
             video_frames=cfg.model.frames or 1, optimizer_steps=cfg.train.optimizer_steps,
+            weight_sync="object_store" if cfg.engine.weight_sync == "object_store" else "broadcast",
         )
 
     @property
