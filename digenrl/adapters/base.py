@@ -100,6 +100,9 @@ class Adapter(ABC):
         self.dtype = getattr(torch, model.dtype)
         self.transformer: nn.Module
         self.scheduler = None  # FlowMatchEulerDiscreteScheduler
+        from digenrl.adapters.prompt_cache import PromptEmbeddingCache  # it imports Cond from here
+
+        self.prompt_cache = PromptEmbeddingCache(model.prompt_cache)
         self.check_shapes()
         if model.pretrained is not None:
             path = Path(model.pretrained)
@@ -130,6 +133,7 @@ class Adapter(ABC):
         if getattr(self, "vae", None) is not None:
             self.vae = ReleasedVAE(self.vae.config)  # latent shapes still read the VAE's config
         self.text = self.preview = None
+        self.prompt_cache.clear()
         pipe = getattr(self, "pipe", None)
         if pipe is not None:
             for name in self.GENERATION_PIPE_PARTS:
@@ -154,6 +158,11 @@ class Adapter(ABC):
     @abstractmethod
     def encode_prompts(self, prompts: list[str]) -> Cond:
         """Text conditioning for each prompt (with negative-prompt tensors when the family uses CFG)."""
+
+    def cond_for(self, prompts: list[str]) -> Cond:
+        """:meth:`encode_prompts` through this worker's prompt cache (``model.prompt_cache``): each
+        distinct prompt is encoded once per run. On the adapter's device."""
+        return self.prompt_cache.lookup(prompts, self.encode_prompts).to(self.device)
 
     @abstractmethod
     def latent_shape(self) -> tuple[int, ...]:
