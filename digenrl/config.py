@@ -71,6 +71,8 @@ class ModelConfig(_Section):
     max_text_len: int = Field(16, gt=0, le=MAX_BATCH)
     prompt_cache: int = Field(512, ge=0, description="distinct prompts whose embeddings a worker keeps "
                               "(each encoded once per run, kept on the CPU); 0 = encode every time")
+    offload_text_encoders: bool = Field(False, description="a checkpoint's text encoders stay on the CPU and "
+                                        "move to the device only to encode prompts")
 
     @field_validator("adapter")
     @classmethod

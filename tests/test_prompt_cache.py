@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from digenrl.adapters import build_adapter
@@ -73,3 +74,49 @@ def test_rollouts_encode_a_fixed_prompt_set_once(tiny_cfg):
         assert_same_cond(a.cond, b.cond)
         assert torch.equal(a.latents, b.latents) and torch.equal(a.log_probs, b.log_probs)
     assert cached.adapter.prompt_cache.encoded == 2 and uncached.adapter.prompt_cache.encoded == 4
+
+
+WAN_TINY = Path(__file__).resolve().parents[1] / "configs" / "wan_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def wan_checkpoint(tmp_path_factory):
+    """A tiny Wan checkpoint in the real layout (UMT5 text encoder + tokenizer), saved with save_pretrained."""
+    from diffusers import WanPipeline
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    cfg = load_config(WAN_TINY, [])
+    tiny = build_adapter(cfg.model, cfg.sampling)
+    words = ["<pad>", "</s>", "<unk>", "a", "red", "apple", "blue", "sky", "cat"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(words), d_model=tiny.transformer.config.text_dim,
+                                              d_kv=8, d_ff=32, num_layers=1, num_heads=2))
+    path = tmp_path_factory.mktemp("wan_ckpt")
+    WanPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=tiny.vae, transformer=tiny.transformer,
+                scheduler=tiny.flow_scheduler({"shift": 3.0})).save_pretrained(path)
+    return path
+
+
+def wan_pretrained(path, *overrides):
+    cfg = load_config(WAN_TINY, [f"model.pretrained={path}", "model.preset=null", "sampling.guidance=3", *overrides])
+    return build_adapter(cfg.model, cfg.sampling)
+
+
+def test_offloaded_text_encoders_are_hooked_and_encode_the_same(wan_checkpoint):
+    """On this CPU-only machine the hook's device moves are no-ops: what is tested is that accelerate's
+    offload hook is attached to the real UMT5 encoder, that it rests on the CPU, and that the
+    conditioning is unchanged; the move to a GPU and back is not exercised here."""
+    plain = wan_pretrained(wan_checkpoint)
+    lean = wan_pretrained(wan_checkpoint, "model.offload_text_encoders=true")
+    assert plain.offload_hooks == [] and not hasattr(plain.pipe.text_encoder, "_hf_hook")
+    assert len(lean.offload_hooks) == 1 and lean.offload_hooks[0].model is lean.pipe.text_encoder
+    assert type(lean.pipe.text_encoder._hf_hook).__name__ == "CpuOffload"
+    prompts = ["a red apple", "a blue sky"]
+    assert_same_cond(lean.cond_for(prompts), plain.cond_for(prompts))
+    assert {p.device.type for p in lean.pipe.text_encoder.parameters()} == {"cpu"}
+    assert lean.cond_for(prompts).batched["prompt_embeds"].abs().sum() > 0  # real, non-trivial embeddings

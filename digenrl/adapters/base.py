@@ -114,6 +114,11 @@ class Adapter(ABC):
         self.transformer.to(self.device)
         if getattr(self, "vae", None) is not None:
             self.vae.to(self.device)
+        self.offload_hooks = []  # model.offload_text_encoders: the encoders live on the CPU between encodes
+        if model.offload_text_encoders:
+            from digenrl.adapters.text_offload import attach_offload_hooks
+
+            self.offload_hooks = attach_offload_hooks(getattr(self, "pipe", None), self.device)
 
     # ------------------------------------------------------------------ lean trainer ranks
     GENERATION_PIPE_PARTS = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
@@ -134,6 +139,7 @@ class Adapter(ABC):
             self.vae = ReleasedVAE(self.vae.config)  # latent shapes still read the VAE's config
         self.text = self.preview = None
         self.prompt_cache.clear()
+        self.offload_hooks = []
         pipe = getattr(self, "pipe", None)
         if pipe is not None:
             for name in self.GENERATION_PIPE_PARTS:
@@ -162,7 +168,15 @@ class Adapter(ABC):
     def cond_for(self, prompts: list[str]) -> Cond:
         """:meth:`encode_prompts` through this worker's prompt cache (``model.prompt_cache``): each
         distinct prompt is encoded once per run. On the adapter's device."""
-        return self.prompt_cache.lookup(prompts, self.encode_prompts).to(self.device)
+        return self.prompt_cache.lookup(prompts, self._encode_then_offload).to(self.device)
+
+    def _encode_then_offload(self, prompts: list[str]) -> Cond:
+        cond = self.encode_prompts(prompts)
+        if self.offload_hooks:
+            from digenrl.adapters.text_offload import offload_all
+
+            offload_all(self.offload_hooks)
+        return cond
 
     @abstractmethod
     def latent_shape(self) -> tuple[int, ...]:
