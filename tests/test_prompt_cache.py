@@ -120,3 +120,41 @@ def test_offloaded_text_encoders_are_hooked_and_encode_the_same(wan_checkpoint):
     assert_same_cond(lean.cond_for(prompts), plain.cond_for(prompts))
     assert {p.device.type for p in lean.pipe.text_encoder.parameters()} == {"cpu"}
     assert lean.cond_for(prompts).batched["prompt_embeds"].abs().sum() > 0  # real, non-trivial embeddings
+
+
+def test_a_lean_rank_loads_the_transformer_alone(wan_checkpoint, monkeypatch):
+    """generates=False (a trainer rank that neither encodes nor decodes) reads the checkpoint's
+    transformer and scheduler only: the text encoder and the VAE are never constructed."""
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5EncoderModel
+
+    full = wan_pretrained(wan_checkpoint)
+    built = []
+    for cls in (UMT5EncoderModel, AutoencoderKLWan):
+        def refuse(*args, _cls=cls, **kwargs):
+            built.append(_cls.__name__)
+            raise AssertionError(f"{_cls.__name__} loaded on a lean rank")
+        monkeypatch.setattr(cls, "from_pretrained", refuse)
+        monkeypatch.setattr(cls, "__init__", refuse)
+    cfg = load_config(WAN_TINY, [f"model.pretrained={wan_checkpoint}", "model.preset=null"])
+    lean = build_adapter(cfg.model, cfg.sampling, generates=False)
+    assert built == [] and lean.generation_modules() == {} and lean.pipe is None
+    ours, theirs = lean.transformer.state_dict(), full.transformer.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert lean.latent_shape() == full.latent_shape() and torch.equal(lean.sigmas(4), full.sigmas(4))
+    with pytest.raises(RuntimeError, match="released its VAE"):
+        lean.decode(torch.zeros(1, *lean.latent_shape()))
+
+
+def test_an_engine_trainer_rank_loads_the_transformer_alone(wan_checkpoint):
+    from digenrl.engine.workers import EngineWorker
+    from digenrl.lora import checksum
+
+    overrides = [f"model.pretrained={wan_checkpoint}", "model.preset=null", "placement.mode=disaggregated",
+                 "engine.tag=false", "train.prompts_per_iteration=2", "algorithm.group_size=2"]
+    cfg = load_config(WAN_TINY, overrides)
+    trainer, rollout = EngineWorker(cfg, "trainer-0", "trainer"), EngineWorker(cfg, "rollout-0", "rollout")
+    assert trainer.init_error is None and rollout.init_error is None
+    assert trainer.policy.adapter.pipe is None and trainer.policy.adapter.generation_modules() == {}
+    assert "pipe.text_encoder" in rollout.policy.adapter.generation_modules()
+    assert checksum(trainer.policy.weights()) == checksum(rollout.policy.weights())

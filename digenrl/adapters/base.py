@@ -13,6 +13,7 @@ pass, the guidance passes per step, and the published reference model's shapes.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -93,7 +94,10 @@ class Adapter(ABC):
     presets: dict[str, tuple[dict, dict]] = {}  # preset name -> (transformer, VAE) configs
     preview = None  # LatentRGBDecoder for tiny presets, None = decode with the real VAE
 
-    def __init__(self, model: ModelConfig, sampling: SamplingConfig, device: torch.device | str = "cpu"):
+    def __init__(self, model: ModelConfig, sampling: SamplingConfig, device: torch.device | str = "cpu",
+                 generates: bool = True):
+        """``generates=False``: a trainer rank that never encodes nor decodes; from a checkpoint it
+        loads the transformer alone."""
         self.cfg = model
         self.sampling = sampling
         self.device = torch.device(device)
@@ -108,11 +112,11 @@ class Adapter(ABC):
             path = Path(model.pretrained)
             if not path.is_dir():
                 raise UserError(f"model.pretrained: checkpoint directory not found: {path}")
-            self.build_pretrained(path)
+            self.build_pretrained(path) if generates else self.build_transformer_alone(path)
         else:
             self.build_preset(model.preset)
         self.transformer.to(self.device)
-        if getattr(self, "vae", None) is not None:
+        if isinstance(getattr(self, "vae", None), nn.Module):
             self.vae.to(self.device)
         self.offload_hooks = []  # model.offload_text_encoders: the encoders live on the CPU between encodes
         if model.offload_text_encoders:
@@ -156,6 +160,27 @@ class Adapter(ABC):
     @abstractmethod
     def build_pretrained(self, path: Path) -> None:
         """Load a local ``from_pretrained`` checkpoint directory (no hub access)."""
+
+    def build_transformer_alone(self, path: Path) -> None:
+        """The checkpoint's transformer and scheduler only: no text encoder or VAE weights are read
+        (the VAE's config.json stays, for latent shapes)."""
+        import diffusers
+        from diffusers.configuration_utils import FrozenDict
+
+        if not (path / "model_index.json").is_file():
+            raise UserError(f"model.pretrained: {path} is not a diffusers {self.name} checkpoint (no model_index.json)")
+        net = getattr(diffusers, self.transformer_class)
+        self.transformer = net.from_pretrained(path, subfolder="transformer", torch_dtype=self.dtype)
+        self.vae = ReleasedVAE(FrozenDict(json.loads((path / "vae" / "config.json").read_text())))
+        self.scheduler = self.checkpoint_scheduler(path)
+        self.pipe = self.text = self.preview = None
+
+    def checkpoint_scheduler(self, path: Path):
+        """The scheduler a checkpoint ships, as its pipeline loads it."""
+        import diffusers
+
+        name = json.loads((path / "scheduler" / "scheduler_config.json").read_text())["_class_name"]
+        return getattr(diffusers, name).from_pretrained(path, subfolder="scheduler")
 
     def check_shapes(self) -> None:
         """Reject resolutions / frame counts the model cannot take, with a clear message."""
@@ -289,8 +314,14 @@ class ReleasedVAE:
     def __init__(self, config):
         self.config = config
 
+    RELEASED = "this worker released its VAE: it does not decode"
+
+    @property
+    def dtype(self):  # read first by the families' vae_decode
+        raise RuntimeError(self.RELEASED)
+
     def decode(self, *args, **kwargs):
-        raise RuntimeError("this worker released its VAE: it does not decode")
+        raise RuntimeError(self.RELEASED)
 
 
 @contextlib.contextmanager
