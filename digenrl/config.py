@@ -69,6 +69,10 @@ class ModelConfig(_Section):
     frames: int | None = Field(None, gt=0, le=MAX_STEPS, description="video models only")
     lora: LoraConfig | None = Field(default_factory=LoraConfig, description="null = full fine-tuning")
     max_text_len: int = Field(16, gt=0, le=MAX_BATCH)
+    prompt_cache: int = Field(512, ge=0, description="distinct prompts whose embeddings a worker keeps "
+                              "(each encoded once per run, kept on the CPU); 0 = encode every time")
+    offload_text_encoders: bool = Field(False, description="a checkpoint's text encoders stay on the CPU and "
+                                        "move to the device only to encode prompts")
 
     @field_validator("adapter")
     @classmethod

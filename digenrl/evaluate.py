@@ -77,7 +77,7 @@ def evaluate_policy(policy, reward_fn, prompts: list[Prompt], *, steps: int | No
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         texts = [p.text for p in chunk]
-        cond = ad.encode_prompts(texts).to(ad.device)
+        cond = ad.cond_for(texts)
         noise = torch.cat([eval_noise(ad, start + j, seed) for j in range(len(chunk))])
         traj = sample(ad, cond, noise.to(ad.device), sigmas, "flow_grpo", 0.0)  # eta 0: the Euler ODE
         px = ad.decode(traj.latents[:, -1]).clamp(0, 1)

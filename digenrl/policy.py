@@ -33,12 +33,14 @@ def pick_device(name: str) -> torch.device:
 
 
 class Policy:
-    def __init__(self, cfg: RunConfig, device: torch.device | str | None = None, trainable: bool = True):
+    def __init__(self, cfg: RunConfig, device: torch.device | str | None = None, trainable: bool = True,
+                 generates: bool = True):
+        """``generates=False``: a lean trainer rank (a checkpoint's transformer is loaded alone)."""
         self.cfg = cfg
         check_fsdp_wired(cfg)
         check_sp_wired(cfg)
         self.device = torch.device(device) if device is not None else pick_device(cfg.train.device)
-        self.adapter = build_adapter(cfg.model, cfg.sampling, self.device)
+        self.adapter = build_adapter(cfg.model, cfg.sampling, self.device, generates)
         net = self.adapter.transformer
         self.lora = cfg.model.lora is not None
         if self.lora:

@@ -87,7 +87,7 @@ def rollout_unit(policy, reward_fn, prompts: list[Prompt], group_ids: list[int],
         raise ValueError(f"samples {samples} is not a range of 0..{G}")
     n = hi - lo  # samples per group in this unit
     rng = GroupRNG([stream_seed(seed, iteration, gid) for gid in group_ids], G, (lo, hi))
-    cond = ad.encode_prompts([p.text for p in prompts]).repeat_interleave(n)
+    cond = ad.cond_for([p.text for p in prompts]).repeat_interleave(n)
     noise = rng((len(prompts) * n, *ad.latent_shape()))
     sigmas = ad.sigmas(n_steps)
     sde_mask, train_idx = _timestep_selection(cfg, iteration, seed, group_ids, (lo, hi))

@@ -22,5 +22,6 @@ def adapter_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def build_adapter(model_cfg, sampling_cfg, device="cpu"):
-    return adapter_class(model_cfg.adapter)(model_cfg, sampling_cfg, device)
+def build_adapter(model_cfg, sampling_cfg, device="cpu", generates: bool = True):
+    """``generates=False``: a rank that never encodes or decodes (a checkpoint's transformer alone)."""
+    return adapter_class(model_cfg.adapter)(model_cfg, sampling_cfg, device, generates)

@@ -13,6 +13,7 @@ pass, the guidance passes per step, and the published reference model's shapes.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -93,24 +94,35 @@ class Adapter(ABC):
     presets: dict[str, tuple[dict, dict]] = {}  # preset name -> (transformer, VAE) configs
     preview = None  # LatentRGBDecoder for tiny presets, None = decode with the real VAE
 
-    def __init__(self, model: ModelConfig, sampling: SamplingConfig, device: torch.device | str = "cpu"):
+    def __init__(self, model: ModelConfig, sampling: SamplingConfig, device: torch.device | str = "cpu",
+                 generates: bool = True):
+        """``generates=False``: a trainer rank that never encodes nor decodes; from a checkpoint it
+        loads the transformer alone."""
         self.cfg = model
         self.sampling = sampling
         self.device = torch.device(device)
         self.dtype = getattr(torch, model.dtype)
         self.transformer: nn.Module
         self.scheduler = None  # FlowMatchEulerDiscreteScheduler
+        from digenrl.adapters.prompt_cache import PromptEmbeddingCache  # it imports Cond from here
+
+        self.prompt_cache = PromptEmbeddingCache(model.prompt_cache)
         self.check_shapes()
         if model.pretrained is not None:
             path = Path(model.pretrained)
             if not path.is_dir():
                 raise UserError(f"model.pretrained: checkpoint directory not found: {path}")
-            self.build_pretrained(path)
+            self.build_pretrained(path) if generates else self.build_transformer_alone(path)
         else:
             self.build_preset(model.preset)
         self.transformer.to(self.device)
-        if getattr(self, "vae", None) is not None:
+        if isinstance(getattr(self, "vae", None), nn.Module):
             self.vae.to(self.device)
+        self.offload_hooks = []  # model.offload_text_encoders: the encoders live on the CPU between encodes
+        if model.offload_text_encoders:
+            from digenrl.adapters.text_offload import attach_offload_hooks
+
+            self.offload_hooks = attach_offload_hooks(getattr(self, "pipe", None), self.device)
 
     # ------------------------------------------------------------------ lean trainer ranks
     GENERATION_PIPE_PARTS = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
@@ -130,6 +142,8 @@ class Adapter(ABC):
         if getattr(self, "vae", None) is not None:
             self.vae = ReleasedVAE(self.vae.config)  # latent shapes still read the VAE's config
         self.text = self.preview = None
+        self.prompt_cache.clear()
+        self.offload_hooks = []
         pipe = getattr(self, "pipe", None)
         if pipe is not None:
             for name in self.GENERATION_PIPE_PARTS:
@@ -147,6 +161,27 @@ class Adapter(ABC):
     def build_pretrained(self, path: Path) -> None:
         """Load a local ``from_pretrained`` checkpoint directory (no hub access)."""
 
+    def build_transformer_alone(self, path: Path) -> None:
+        """The checkpoint's transformer and scheduler only: no text encoder or VAE weights are read
+        (the VAE's config.json stays, for latent shapes)."""
+        import diffusers
+        from diffusers.configuration_utils import FrozenDict
+
+        if not (path / "model_index.json").is_file():
+            raise UserError(f"model.pretrained: {path} is not a diffusers {self.name} checkpoint (no model_index.json)")
+        net = getattr(diffusers, self.transformer_class)
+        self.transformer = net.from_pretrained(path, subfolder="transformer", torch_dtype=self.dtype)
+        self.vae = ReleasedVAE(FrozenDict(json.loads((path / "vae" / "config.json").read_text())))
+        self.scheduler = self.checkpoint_scheduler(path)
+        self.pipe = self.text = self.preview = None
+
+    def checkpoint_scheduler(self, path: Path):
+        """The scheduler a checkpoint ships, as its pipeline loads it."""
+        import diffusers
+
+        name = json.loads((path / "scheduler" / "scheduler_config.json").read_text())["_class_name"]
+        return getattr(diffusers, name).from_pretrained(path, subfolder="scheduler")
+
     def check_shapes(self) -> None:
         """Reject resolutions / frame counts the model cannot take, with a clear message."""
 
@@ -154,6 +189,19 @@ class Adapter(ABC):
     @abstractmethod
     def encode_prompts(self, prompts: list[str]) -> Cond:
         """Text conditioning for each prompt (with negative-prompt tensors when the family uses CFG)."""
+
+    def cond_for(self, prompts: list[str]) -> Cond:
+        """:meth:`encode_prompts` through this worker's prompt cache (``model.prompt_cache``): each
+        distinct prompt is encoded once per run. On the adapter's device."""
+        return self.prompt_cache.lookup(prompts, self._encode_then_offload).to(self.device)
+
+    def _encode_then_offload(self, prompts: list[str]) -> Cond:
+        cond = self.encode_prompts(prompts)
+        if self.offload_hooks:
+            from digenrl.adapters.text_offload import offload_all
+
+            offload_all(self.offload_hooks)
+        return cond
 
     @abstractmethod
     def latent_shape(self) -> tuple[int, ...]:
@@ -266,8 +314,14 @@ class ReleasedVAE:
     def __init__(self, config):
         self.config = config
 
+    RELEASED = "this worker released its VAE: it does not decode"
+
+    @property
+    def dtype(self):  # read first by the families' vae_decode
+        raise RuntimeError(self.RELEASED)
+
     def decode(self, *args, **kwargs):
-        raise RuntimeError("this worker released its VAE: it does not decode")
+        raise RuntimeError(self.RELEASED)
 
 
 @contextlib.contextmanager

@@ -82,9 +82,14 @@ class WanAdapter(Adapter):
         self.pipe.to(self.device)
         self.transformer, self.vae, self.text = self.pipe.transformer, self.pipe.vae, None
         self.vae.enable_slicing()  # decode one video at a time
-        sc = self.pipe.scheduler.config  # UniPC (as shipped): flow_shift; FlowMatchEuler: shift
-        shift = sc.get("flow_shift", sc.get("shift", DEFAULT_SHIFT))
-        self.scheduler = self.pipe.scheduler = self.flow_scheduler({"shift": float(shift)})
+        self.scheduler = self.pipe.scheduler = self._flow_scheduler_from(self.pipe.scheduler.config)
+
+    def _flow_scheduler_from(self, sc) -> object:
+        """FlowMatchEuler with the shipped shift (UniPC as shipped: flow_shift; FlowMatchEuler: shift)."""
+        return self.flow_scheduler({"shift": float(sc.get("flow_shift", sc.get("shift", DEFAULT_SHIFT)))})
+
+    def checkpoint_scheduler(self, path: Path):
+        return self._flow_scheduler_from(super().checkpoint_scheduler(path).config)
 
     def _component_configs(self) -> tuple[dict, dict] | None:
         """(transformer, vae) configs without building: the tiny ones, or the checkpoint's config.json files."""

@@ -190,8 +190,9 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             self.reward = _TimedReward(build_reward(cfg.reward))
         else:
             self.reward = None
-        self.policy = Policy(cfg, trainable=self.role != "rollout")
-        if not generates(cfg, self.role):  # a lean trainer rank: no text encoder, no VAE
+        lean = not generates(cfg, self.role)  # a lean trainer rank: no text encoder, no VAE
+        self.policy = Policy(cfg, trainable=self.role != "rollout", generates=not lean)  # a checkpoint: transformer alone
+        if lean:  # a preset builds them all: release them
             self.policy.adapter.release_generation_modules()
         self.expected_keys = frozenset(self.policy.weights())
         if scores and not _restarted():  # dry-run the rewards on this worker's decoded shape (once:

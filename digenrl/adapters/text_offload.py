@@ -1,0 +1,37 @@
+"""Text encoders kept on the CPU between encodes (``model.offload_text_encoders``).
+
+A checkpoint's text encoders (T5-XXL, UMT5, LLaMA, Qwen2.5-VL: billions of parameters) run only
+to encode prompts, which the prompt cache makes rare. With offloading they live in host memory:
+accelerate's CPU-offload hook moves an encoder to the adapter's device when its forward is called
+(after moving the previous encoder back, so at most one is on the device), and
+:func:`offload_all` returns them to the CPU once the prompts are encoded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+TEXT_ENCODER_PARTS = ("text_encoder", "text_encoder_2")
+
+
+def attach_offload_hooks(pipe, device: torch.device) -> list:
+    """Move ``pipe``'s text encoders to the CPU and hook them to run on ``device``; the hooks, in order."""
+    from accelerate import cpu_offload_with_hook
+
+    hooks = []
+    for name in TEXT_ENCODER_PARTS:
+        encoder = getattr(pipe, name, None) if pipe is not None else None
+        if isinstance(encoder, nn.Module):
+            _, hook = cpu_offload_with_hook(encoder, execution_device=device,
+                                            prev_module_hook=hooks[-1] if hooks else None)
+            hooks.append(hook)
+    return hooks
+
+
+def offload_all(hooks: list) -> None:
+    """Every hooked encoder back to the CPU (a no-op for those already there)."""
+    for hook in hooks:
+        hook.offload()
+    if hooks and torch.cuda.is_available():
+        torch.cuda.empty_cache()
