@@ -35,10 +35,13 @@ CASES = {
                          "train.fsdp: 2: engine.unit_groups x algorithm.group_size (1 x 3): 3 samples per unit must "
                          "split evenly over the 2 ranks"),
     # sequence parallelism: config keys exist, the engine does not run them yet (settings.check_sp_wired)
-    "rollout sp": (["--set", "engine.rollout_sp=2", *TINY],
+    "rollout sp": (["--set", "engine.rollout_sp=2", *TINY,  # 2 rollout devices: one worker of sp 2
+                    "--set", "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"],
                    "engine.rollout_sp: 2: sequence parallelism is not wired into the engine yet"),
     "trainer sp": (["--set", "engine.trainer_sp=2", "--set", "placement.mode=local", *TINY],
                    "engine.trainer_sp: 2: sequence parallelism is not wired into the engine yet"),
+    "sp not dividing its pool": (["--set", "engine.rollout_sp=2", *TINY],
+                                 "engine.rollout_sp: 2 does not divide pool 'rollout' (1 x cpu): a worker spans 2"),
 }
 
 

@@ -10,7 +10,10 @@ Candidates:
 - disaggregated: a rollout pool of one device type and a trainer pool of one type (the runtime
   runs one rollout pool and one trainer pool): two different types use all their devices; one type
   is split ``r + t = n`` in every way; x ``m`` (and sub-group units when the groups are fewer than
-  the rollout devices) x TSP degree (1, 2, 4 <= t) x TAG on/off x ``max_staleness`` 0/1, with GAP on.
+  the rollout workers) x TSP degree (1, 2, 4 <= t) x TAG on/off x ``max_staleness`` 0/1, with GAP on;
+- video models, also sequence parallelism (:func:`sp_degrees`): workers of sp devices (2, 4, 8, inside
+  one node, dividing the pool), for the rollout pool and the trainer pool independently (colocated: one
+  sp for every device). Unit shapes and TSP degrees count workers, not devices.
 
 Baselines (:data:`BASELINES`, :func:`baselines`): the best plan of each arrangement the peers publish
 -- ``colocated`` (sub-group units allowed, as veRL-Omni colocates), ``colocated_whole_groups`` (the
@@ -37,6 +40,16 @@ from digenrl.planner.gpus import ClusterSpec
 from digenrl.planner.simulator import DoesNotFit, SimResult, bound, setups, simulate
 
 TSP_DEGREES = (1, 2, 4)
+SP_DEGREES = (1, 2, 4, 8)
+
+
+def sp_degrees(cost: CostModel, cluster: ClusterSpec) -> tuple[int, ...]:
+    """Sequence-parallel degrees worth trying: for a video model, those of :data:`SP_DEGREES` inside one
+    node (the all-to-alls stay on the node's links); an image model's few thousand tokens gain nothing,
+    and logical CPU devices share one host's cores."""
+    if not cost.w.video or cluster.is_cpu:
+        return (1,)
+    return tuple(d for d in SP_DEGREES if d <= max(1, cluster.gpus_per_node))
 
 
 def divisors(n: int) -> list[int]:
@@ -69,21 +82,24 @@ def unit_shapes(prompts: int, group_size: int, devices: int, sub_groups: bool = 
 
 def candidates(cluster: ClusterSpec, prompts: int, *, group_size: int = 1, colocated: bool = True,
                disaggregated: bool = True, sub_groups: bool = True, gap=(True,), tsp=TSP_DEGREES,
-               tag=(False, True), staleness=(0, 1)) -> list[Plan]:
+               tag=(False, True), staleness=(0, 1), sp=(1,)) -> list[Plan]:
     plans = []
     if colocated:  # on every device, and (mixed clusters) on the devices of one type
         groups = [tuple(cluster.pools)]
         if len(cluster.devices) > 1:
             groups += [tuple(p for p in cluster.pools if p.device == d) for d in cluster.devices]
         for pools in groups:
-            n = sum(p.count for p in pools)
-            plans += [Plan("colocated", pools, m, D, group_parts=parts)
-                      for m, parts in unit_shapes(prompts, group_size, n, sub_groups) for D in tsp if D <= n]
+            for q in (q for q in sp if all(p.count % q == 0 for p in pools)):
+                n = sum(p.count for p in pools) // q
+                plans += [Plan("colocated", pools, m, D, group_parts=parts, rollout_sp=q, trainer_sp=q)
+                          for m, parts in unit_shapes(prompts, group_size, n, sub_groups) for D in tsp if D <= n]
     for (dr, r), (dt, t) in pool_splits(cluster) if disaggregated else []:
         pools = (PoolConfig(name="rollout", device=dr, count=r), PoolConfig(name="trainer", device=dt, count=t))
-        plans += [Plan("disaggregated", pools, m, D, tg, g, st, group_parts=parts)
-                  for m, parts in unit_shapes(prompts, group_size, r, sub_groups)
-                  for D in tsp if D <= t for tg in tag for g in gap for st in staleness]
+        for qr in (q for q in sp if r % q == 0):
+            for qt in (q for q in sp if t % q == 0):
+                plans += [Plan("disaggregated", pools, m, D, tg, g, st, group_parts=parts, rollout_sp=qr, trainer_sp=qt)
+                          for m, parts in unit_shapes(prompts, group_size, r // qr, sub_groups)
+                          for D in tsp if D <= t // qt for tg in tag for g in gap for st in staleness]
     return plans
 
 
@@ -106,11 +122,12 @@ class SearchResult:
 def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int = 4,
            wait_for_full_batch: bool = False, plans: list[Plan] | None = None) -> SearchResult:
     start = time.perf_counter()
-    plans = plans if plans is not None else candidates(cluster, cost.w.prompts, group_size=cost.w.group_size)
+    plans = plans if plans is not None else candidates(cluster, cost.w.prompts, group_size=cost.w.group_size,
+                                                       sp=sp_degrees(cost, cluster))
     fitting, rejected = [], {}
     setup_cache: dict = {}
     for plan in plans:
-        key = (plan.placement, plan.pools, plan.unit_size, plan.tag)
+        key = (plan.placement, plan.pools, plan.unit_size, plan.tag, plan.rollout_sp, plan.trainer_sp)
         try:
             if key not in setup_cache:
                 setup_cache[key] = setups(plan, cost)
@@ -174,7 +191,8 @@ def ladder(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
     (each line may pick another pool split and unit size)."""
     out = []
     for name, knobs in LADDER:
-        plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, colocated=False, **knobs)
+        plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, colocated=False,
+                           sp=sp_degrees(cost, cluster), **knobs)
         try:
             res = search(cost, cluster, top=1, iterations=iterations, plans=plans,
                          wait_for_full_batch=wait_for_full_batch)
@@ -197,7 +215,8 @@ def baselines(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
     """The best plan of each peer arrangement (:data:`BASELINES`); None where none fits in memory."""
     out = {}
     for name, knobs in BASELINES.items():
-        plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, **knobs)
+        plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, sp=sp_degrees(cost, cluster),
+                           **knobs)
         try:
             res = search(cost, cluster, top=1, iterations=iterations, plans=plans,
                          wait_for_full_batch=wait_for_full_batch)

@@ -69,11 +69,11 @@ def setups(plan: Plan, cost: CostModel) -> dict[str, DeviceSetup]:
     for p in plan.pools:
         role = plan.role(p)
         if role == "rollout":
-            s = cost.rollout_memory(p.device, plan.unit_size)
+            s = cost.rollout_memory(p.device, plan.unit_size, plan.rollout_sp)
         elif role == "trainer":
-            s = cost.trainer_setup(p.device, plan.ranks, plan.tag, plan.unit_size, plan.micro_batch)
+            s = cost.trainer_setup(p.device, plan.ranks, plan.tag, plan.unit_size, plan.micro_batch, plan.trainer_sp)
         else:
-            s = cost.colocated_setup(p.device, plan.ranks, plan.unit_size, plan.micro_batch)
+            s = cost.colocated_setup(p.device, plan.ranks, plan.unit_size, plan.micro_batch, plan.trainer_sp)
         if not s.fits:
             raise DoesNotFit(s.why, s.need_bytes / max(s.have_bytes, 1.0))
         out[p.name] = s
@@ -152,7 +152,7 @@ class Simulator:
         self.rng = random.Random(seed) if seed is not None else None  # None: every unit takes its mean
         self.w = cost.w
         self.setups = setups(plan, cost)
-        workers = plan.workers()
+        workers = plan.leads()  # with sequence parallelism, one worker per group of sp devices
         self.pool = {w.name: w.pool for w in workers}
         self.role = {w.name: w.role for w in workers}
         self.order = [w.name for w in workers]
@@ -192,7 +192,7 @@ class Simulator:
                 self.held[worker] = unit.version
             segs += self._switch(worker, "rollout", dev, setup)
             size = len(unit.groups) / unit.parts  # groups in the unit (a fraction for a part of one)
-            total, reward = self._d(("rollout", dev, size), lambda: cost.rollout_unit(dev, size))
+            total, reward = self._d(("rollout", pool.name, size), lambda: cost.rollout_unit(dev, size, setup))
             segs.append(_Seg("rollout", self._draw(total, dev, "rollout"), True, dict(
                 base, kind="rollout", version=unit.version, reward_s=reward,
                 args={"samples": len(unit.groups) * self.w.group_size // unit.parts, "groups": list(unit.groups)})))
@@ -386,7 +386,7 @@ def bound(plan: Plan, cost: CostModel, setup: dict[str, DeviceSetup] | None = No
 
     def work(pool: PoolConfig) -> tuple[float, float, float]:
         s = setup[pool.name]
-        R = units * cost.rollout_unit(pool.device, plan.unit_size)[0]
+        R = units * cost.rollout_unit(pool.device, plan.unit_size, s)[0]
         if plan.role(pool) == "rollout":
             return R, 0.0, 0.0
         T = units * sum(unit_train_time(cost, pool.device, m, parts, r, D, s) for r in range(D))
@@ -399,13 +399,13 @@ def bound(plan: Plan, cost: CostModel, setup: dict[str, DeviceSetup] | None = No
         inv, off = 0.0, 0.0
         for p in plan.pools:
             R, T, own = work(p)
-            inv += p.count / (R + T)
-            off += p.count * own / (R + T)
+            inv += plan.worker_count(p) / (R + T)
+            off += plan.worker_count(p) * own / (R + T)
         return (1 + off) / inv
     r_pool, t_pool = plan.rollout_pool, plan.trainer_pools[0]
     Rr, _, _ = work(r_pool)
     Rt, Tt, own = work(t_pool)
-    r, t = r_pool.count, t_pool.count
+    r, t = plan.worker_count(r_pool), plan.worker_count(t_pool)
     train_time = Tt / t + own
     if not plan.tag or Rr / r <= train_time:
         return max(Rr / r, train_time)

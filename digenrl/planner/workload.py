@@ -28,12 +28,15 @@ class Workload:
     dtype_bytes: int
     reward_kind: str  # "weight_free" | "model"
     video_frames: int
+    vae_tiled: bool = True  # the decode's memory is a tile of a sample (sampling.vae_tiling not off)
+    video: bool = False  # a video family: the planner tries sequence parallelism
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
         import torch
 
         from digenrl.adapters import adapter_class
+        from digenrl.adapters.vae_decode import tiling_mode
         from digenrl.algorithms.grpo import select_timesteps
 
         adapter = adapter_class(cfg.model.adapter)
@@ -51,6 +54,7 @@ class Workload:
             dtype_bytes=HALF_BYTES if cfg.model.dtype in ("bfloat16", "float16") else FP32_BYTES,
             reward_kind="weight_free" if names <= WEIGHT_FREE_REWARDS else "model",
             video_frames=cfg.model.frames or 1,
+            vae_tiled=tiling_mode(cfg.model, cfg.sampling) != "off", video=cfg.model.frames is not None,
         )
 
     @property
