@@ -110,6 +110,13 @@ class SamplingConfig(_Section):
         "decode with the VAE's spatial (and, HunyuanVideo, temporal) tiles; auto = on when one decoded sample "
         "(height x width x frames) exceeds the memory model's tile (4 Mpx). Decoding is always one sample at a time"))
 
+    @field_validator("vae_tiling", mode="before")
+    @classmethod
+    def _switch(cls, value):
+        if isinstance(value, bool):  # YAML reads a bare on / off as a boolean
+            return "on" if value else "off"
+        return value
+
 
 # ----------------------------------------------------------------------------------- algorithm
 class TimestepConfig(_Section):

@@ -81,10 +81,11 @@ def test_batched_and_sequential_velocity_logprob_and_gradient_agree(family):
         lp = backward_through_velocity(ad, x, sigmas[1].expand(2), cond, objective)
         assert torch.allclose(lp, lp_seq, atol=ATOL_V, rtol=0)
         got = lora_grads(ad)
-        assert got.keys() == ref.keys() and len(ref) > 0
+        assert got.keys() == ref.keys()
+        # not vacuous: most LoRA tensors get a gradient (the last block's text stream feeds nothing)
+        assert sum(g.abs().max().item() > 0 for g in ref.values()) > 0.9 * len(ref)
         for name, g in ref.items():
             scale = g.abs().max().item()
-            assert scale > 0, name
             assert (got[name] - g).abs().max().item() <= RTOL_GRAD * scale + 1e-12, (ad.sampling.cfg_batching, name)
 
 

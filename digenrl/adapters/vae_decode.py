@@ -36,6 +36,8 @@ def configure_vae(vae, mode: str, tile: dict | None = None) -> None:
         vae.enable_slicing()
     if mode == "on" and hasattr(vae, "enable_tiling"):
         vae.enable_tiling(**(tile or {}))
+        if hasattr(vae, "use_framewise_decoding"):  # HunyuanVideo: tiles in time too
+            vae.use_framewise_decoding = True
     elif mode == "off":
         if hasattr(vae, "disable_tiling"):
             vae.disable_tiling()
