@@ -167,6 +167,9 @@ class Plan:
         m, parts = e.unit_groups, G // e.unit_samples if e.unit_samples else 1
         if mode == "colocated" and e.unit_samples is None:
             m, parts = spread_units(cfg.train.prompts_per_iteration, m, G, sum(p.count for p in chosen) // e.trainer_sp)
+        if mode == "colocated" and e.rollout_sp not in (1, e.trainer_sp):
+            raise UserError(f"engine.rollout_sp: {e.rollout_sp}: a colocated worker rolls out and trains on the same "
+                            f"devices; set it to engine.trainer_sp ({e.trainer_sp}) or leave it at 1")
         rollout_sp = e.trainer_sp if mode == "colocated" else e.rollout_sp  # colocated: one sp per device
         for i, p in enumerate(chosen):
             key, sp = ("rollout_sp", rollout_sp) if mode == "disaggregated" and i == 0 else ("trainer_sp", e.trainer_sp)

@@ -26,6 +26,10 @@ WAN = ROOT / "configs" / "wan2.1_t2v_14b.yaml"  # 480p x 81
 WAN_240P = ROOT / "configs" / "wan2.1_t2v_14b_240p.yaml"
 HUNYUAN = ROOT / "configs" / "hunyuan_video.yaml"
 VIDEO = [WAN, WAN_240P, HUNYUAN]
+# Wan 480p disaggregated on two pools of 8 H800 (the shipped configs are colocated: no rollout-only workers)
+DISAGG = ["cluster.pools=[{name: rollout, device: H800, count: 8}, {name: trainer, device: H800, count: 8}]",
+          "placement.mode=disaggregated", "placement.rollout_pool=rollout", "placement.trainer_pool=trainer",
+          "engine.rollout_sp=2", "engine.trainer_sp=2"]
 
 
 def model(path, *overrides) -> MemoryModel:
@@ -69,7 +73,7 @@ def test_rollout_auto_falls_back_to_sequential_cfg_where_batched_does_not_fit():
     s = m.rollout("H800", groups)
     assert s.fits and not s.cfg_batched
     assert not m.rollout("H800", groups, cfg="batched").fits
-    assert m.rollout("H800", 1).cfg_batched  # small units: batched
+    assert m.rollout("H800", 1, sp=4).cfg_batched  # a quarter of the tokens per device: batched fits
 
 
 @pytest.mark.parametrize("path", VIDEO, ids=lambda p: p.name)
@@ -93,8 +97,12 @@ def test_480p_needs_what_the_config_sets():
 
 
 def test_an_sp_degree_that_does_not_divide_the_pool_is_one_line():
-    with pytest.raises(UserError, match=r"^engine.rollout_sp: 3 does not divide pool 'rollout'"):
-        Plan.from_run_config(load_config(WAN, ["engine.rollout_sp=3"]))
+    with pytest.raises(UserError, match=r"^engine.trainer_sp: 3 does not divide pool 'h800' \(16 x H800\): a worker"):
+        Plan.from_run_config(load_config(WAN, ["engine.trainer_sp=3", "engine.rollout_sp=3"]))
+    with pytest.raises(UserError, match=r"^engine.rollout_sp: 3 does not divide pool 'rollout' \(8 x H800\)"):
+        Plan.from_run_config(load_config(WAN, [*DISAGG, "engine.rollout_sp=3"]))
+    with pytest.raises(UserError, match=r"^engine.rollout_sp: 4: a colocated worker rolls out and trains"):
+        Plan.from_run_config(load_config(WAN, ["engine.rollout_sp=4"]))
 
 
 def test_planner_tries_sp_degrees_for_video_models_only():
@@ -129,16 +137,15 @@ def test_sp_workers_and_speed_in_the_simulator():
 
 
 def test_plan_write_sets_the_sp_keys():
-    cfg = load_config(WAN)
-    pools = (cfg.cluster.pools[0].model_copy(update={"count": 8}), cfg.cluster.pools[1].model_copy(update={"count": 8}))
-    plan = Plan("disaggregated", pools, 1, 1, False, True, 0, rollout_sp=2, trainer_sp=4)
+    cfg = load_config(WAN, DISAGG)
+    plan = Plan("disaggregated", tuple(cfg.cluster.pools), 1, 1, False, True, 0, rollout_sp=2, trainer_sp=4)
     out = apply_plan(cfg, plan, "cuda")
     assert (out.engine.rollout_sp, out.engine.trainer_sp) == (2, 4)
     assert Plan.from_run_config(out).leads() == plan.leads()
 
 
 def test_cfg_auto_is_what_the_memory_model_says():
-    cfg = load_config(WAN)
+    cfg = load_config(WAN, [*DISAGG, "sampling.cfg_batching=auto"])
     m = MemoryModel(Workload.from_config(cfg), CostParams())
     plan = Plan.from_run_config(cfg)
     rollout = m.rollout(plan.rollout_pool.device, plan.unit_size, plan.rollout_sp)
@@ -149,14 +156,14 @@ def test_cfg_auto_is_what_the_memory_model_says():
 def test_batched_cfg_that_does_not_fit_a_rollout_gpu_names_the_key():
     """The one line names sampling.cfg_batching when sequential passes would fit the same unit."""
     m = model(WAN)
-    plan = Plan.from_run_config(load_config(WAN))
+    plan = Plan.from_run_config(load_config(WAN, DISAGG))
     device, sp = plan.rollout_pool.device, plan.rollout_sp
     g = next(g for g in range(1, 65) if not m.rollout(device, g, sp, "batched").fits)
     assert m.rollout(device, g, sp, "sequential").fits
-    over = ["sampling.cfg_batching=batched", f"engine.unit_groups={g}", f"train.prompts_per_iteration={g}"]
+    over = [*DISAGG, "sampling.cfg_batching=batched", f"engine.unit_groups={g}", f"train.prompts_per_iteration={g}"]
     with pytest.raises(UserError) as exc:
         check_memory(load_config(WAN, over))
     line = str(exc.value)
     assert line.startswith("sampling.cfg_batching: pool 'rollout'") and "\n" not in line
     assert line.endswith("set sampling.cfg_batching: sequential (or auto)")
-    check_memory(load_config(WAN, [*over[1:], "sampling.cfg_batching=sequential"]))  # the fix fits
+    check_memory(load_config(WAN, [*over, "sampling.cfg_batching=sequential"]))  # the fix fits

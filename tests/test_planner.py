@@ -102,7 +102,7 @@ def test_a_run_configs_micro_batch_is_simulated_as_configured(monkeypatch):
     assert cost.colocated_setup("cpu", 2, 2, micro_batch=16).micro_batch == 16
 
 
-@pytest.mark.parametrize("name", ["flux1_dev", "wan2.1_t2v_14b", "hunyuan_video", "qwen_image"])
+@pytest.mark.parametrize("name", ["flux1_dev", "wan2.1_t2v_14b_240p", "hunyuan_video", "qwen_image"])
 def test_known_shapes_and_flops(name):
     cfg = load_config(ROOT / "configs" / f"{name}.yaml")
     w = Workload.from_config(cfg)
