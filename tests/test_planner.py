@@ -196,7 +196,7 @@ class ConstantCost(CostModel):
                          overheads=EngineOverheads(call_s=call, transfer_latency_s=0.0, allreduce_latency_s=0.0))
         self.r, self.t, self.s, self.xfer = rollout, train, step, transfer
 
-    def rollout_unit(self, device, groups):
+    def rollout_unit(self, device, groups, setup=None):
         return self.r, 0.0
 
     def train_unit(self, device, groups, tsp_rank, tsp_degree, setup=None):
@@ -450,7 +450,7 @@ def test_plan_timeline_that_is_a_file_exits_2(monkeypatch, capsys, tmp_path):
 class ProportionalCost(ConstantCost):
     """Unit times proportional to the groups a unit holds (a half group takes half the time)."""
 
-    def rollout_unit(self, device, groups):
+    def rollout_unit(self, device, groups, setup=None):
         return self.r * groups, 0.0
 
     def train_unit(self, device, groups, tsp_rank, tsp_degree, setup=None):
@@ -501,7 +501,7 @@ def test_baselines_include_spread_colocation_and_separate_async():
 
     cfg = load_config(ROOT / "configs" / "hunyuan_video.yaml")
     cluster = load_cluster(CLUSTERS / "16xH800.yaml")
-    peers = baselines(CostModel(Workload.from_config(cfg), cluster), cluster)
+    peers = baselines(CostModel(Workload.from_config(cfg), cluster), cluster, sp=(1,))  # one GPU per worker
     col, whole, sep = peers["colocated"], peers["colocated_whole_groups"], peers["separate_async"]
     assert col.plan.group_parts > 1 and whole.plan.group_parts == 1
     assert col.samples_per_s > whole.samples_per_s

@@ -205,18 +205,20 @@ def ladder(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
 #: the peers' arrangements, as candidate filters: the best plan of each is that baseline
 BASELINES = {
     "colocated": dict(disaggregated=False),  # veRL-Omni / DanceGRPO colocation: samples over every rank
-    "colocated_whole_groups": dict(disaggregated=False, sub_groups=False),  # this planner's earlier baseline
+    "colocated_whole_groups": dict(disaggregated=False, sub_groups=False, sp=(1,)),  # this planner's earlier baseline
     "separate_async": dict(colocated=False, gap=(False,), tsp=(1,), tag=(False,), staleness=(1,)),
 }
 
 
 def baselines(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
-              wait_for_full_batch: bool = False) -> dict[str, SimResult | None]:
-    """The best plan of each peer arrangement (:data:`BASELINES`); None where none fits in memory."""
+              wait_for_full_batch: bool = False, sp: tuple[int, ...] | None = None) -> dict[str, SimResult | None]:
+    """The best plan of each peer arrangement (:data:`BASELINES`); None where none fits in memory. The
+    peers' arrangements may use sequence parallelism (DanceGRPO's ``sp_size``) at the degrees ``sp``
+    (default :func:`sp_degrees`); the earlier whole-group baseline never does."""
     out = {}
     for name, knobs in BASELINES.items():
-        plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, sp=sp_degrees(cost, cluster),
-                           **knobs)
+        knobs = {"sp": sp or sp_degrees(cost, cluster), **knobs}
+        plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, **knobs)
         try:
             res = search(cost, cluster, top=1, iterations=iterations, plans=plans,
                          wait_for_full_batch=wait_for_full_batch)
