@@ -167,3 +167,19 @@ def test_batched_cfg_that_does_not_fit_a_rollout_gpu_names_the_key():
     assert line.startswith("sampling.cfg_batching: pool 'rollout'") and "\n" not in line
     assert line.endswith("set sampling.cfg_batching: sequential (or auto)")
     check_memory(load_config(WAN, [*over, "sampling.cfg_batching=sequential"]))  # the fix fits
+
+
+def test_plan_config_writes_what_the_plan_assumes():
+    """What `plan --write` writes for a video model: the sp degrees, the CFG mode and the memory settings
+    the chosen plan was sized with -- and it passes the memory preflight as written."""
+    from digenrl.cli.plan import plan_config
+    from digenrl.planner.search import search
+
+    cfg = load_config(WAN)
+    cluster = load_cluster(CLUSTERS / "16xH800.yaml")
+    best = search(CostModel(Workload.from_config(cfg), cluster), cluster, top=1).ranked[0]
+    out = plan_config(cfg, best, cluster)
+    assert (out.engine.rollout_sp, out.engine.trainer_sp) == (best.plan.rollout_sp, best.plan.trainer_sp)
+    modes = {s.cfg_batched for s in best.setups.values()}
+    assert out.sampling.cfg_batching == ("auto" if len(modes) > 1 else "batched" if modes == {True} else "sequential")
+    check_memory(out)
