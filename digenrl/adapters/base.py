@@ -111,6 +111,9 @@ class Adapter(ABC):
         self.transformer.to(self.device)
         if getattr(self, "vae", None) is not None:
             self.vae.to(self.device)
+            from digenrl.adapters.vae_decode import configure_vae, tiling_mode
+
+            configure_vae(self.vae, tiling_mode(model, sampling))  # one sample at a time; tiled if asked / needed
 
     # ------------------------------------------------------------------ lean trainer ranks
     GENERATION_PIPE_PARTS = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")

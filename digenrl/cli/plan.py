@@ -243,7 +243,19 @@ def plan_config(cfg: RunConfig, r, cluster) -> RunConfig:
     out = apply_plan(cfg, plan, "cpu" if cluster.is_cpu else "cuda")
     data = out.model_dump(mode="json")
     data["train"].update(trainer_memory_settings(r))
+    data["sampling"]["cfg_batching"] = cfg_batching_setting(cfg, r)
     return validate_config(data)
+
+
+def cfg_batching_setting(cfg: RunConfig, r) -> str:
+    """``sampling.cfg_batching`` as the plan assumes it: the mode every device was sized for, or
+    ``auto`` where the rollout and trainer devices differ (auto resolves per role by the same model)."""
+    from digenrl.adapters import adapter_class
+
+    if adapter_class(cfg.model.adapter).guidance_passes(cfg.sampling.guidance) == 1:
+        return cfg.sampling.cfg_batching  # one pass per step: nothing to batch
+    modes = {s.cfg_batched for s in r.setups.values()}
+    return "auto" if len(modes) > 1 else "batched" if modes == {True} else "sequential"
 
 
 def trainer_memory_settings(r) -> dict:

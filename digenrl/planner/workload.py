@@ -29,12 +29,16 @@ class Workload:
     reward_kind: str  # "weight_free" | "model"
     video_frames: int
     optimizer_steps: int = 1  # mini-batch PPO: train units per rolled-out unit and TSP rank, steps per iteration
+    vae_tiled: bool = True  # the decode's memory is a tile of a sample (sampling.vae_tiling not off)
+    video: bool = False  # a video family: the planner tries sequence parallelism
+    evaluates: bool = False  # output.eval_every > 0 (the engine refuses sequence-parallel trainers then)
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
         import torch
 
         from digenrl.adapters import adapter_class
+        from digenrl.adapters.vae_decode import tiling_mode
         from digenrl.algorithms.grpo import select_timesteps
 
         adapter = adapter_class(cfg.model.adapter)
@@ -52,6 +56,8 @@ class Workload:
             dtype_bytes=HALF_BYTES if cfg.model.dtype in ("bfloat16", "float16") else FP32_BYTES,
             reward_kind="weight_free" if names <= WEIGHT_FREE_REWARDS else "model",
             video_frames=cfg.model.frames or 1, optimizer_steps=cfg.train.optimizer_steps,
+            vae_tiled=tiling_mode(cfg.model, cfg.sampling) != "off", video=cfg.model.frames is not None,
+            evaluates=cfg.output.eval_every > 0,
         )
 
     @property
