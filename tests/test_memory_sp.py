@@ -26,7 +26,9 @@ WAN = ROOT / "configs" / "wan2.1_t2v_14b.yaml"  # 480p x 81
 WAN_240P = ROOT / "configs" / "wan2.1_t2v_14b_240p.yaml"
 HUNYUAN = ROOT / "configs" / "hunyuan_video.yaml"
 VIDEO = [WAN, WAN_240P, HUNYUAN]
-# Wan 480p disaggregated on two pools of 8 H800 (the shipped configs are colocated: no rollout-only workers)
+# Wan 480p colocated on 16 H800, and disaggregated on two pools of 8 H800
+COLOCATED = ["cluster.pools=[{name: h800, device: H800, count: 16}]", "placement.mode=colocated",
+             "placement.rollout_pool=h800", "placement.trainer_pool=h800"]
 DISAGG = ["cluster.pools=[{name: rollout, device: H800, count: 8}, {name: trainer, device: H800, count: 8}]",
           "placement.mode=disaggregated", "placement.rollout_pool=rollout", "placement.trainer_pool=trainer",
           "engine.rollout_sp=2", "engine.trainer_sp=2"]
@@ -86,6 +88,23 @@ def test_real_scale_video_configs_pass_the_memory_preflight(path):
     assert plan.rollout_sp == cfg.engine.rollout_sp and plan.trainer_sp == cfg.engine.trainer_sp
 
 
+@pytest.mark.parametrize("path", VIDEO, ids=lambda p: p.name)
+def test_real_scale_video_configs_are_runnable_as_shipped(path):
+    """`digenrl config validate`'s engine checks, without Ray or a GPU: the runtime's own refusals of
+    sequence parallelism (check_sp_wired) and sharding (check_fsdp_wired), the engine's workers and
+    schedule. The planner proposes only what these accept (search.unwired_sharding)."""
+    from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
+    from digenrl.placement import engine_scheduler_config, engine_workers
+
+    cfg = load_config(path, [])
+    check_memory(cfg)
+    check_sp_wired(cfg)
+    check_fsdp_wired(cfg)
+    workers = engine_workers(cfg)
+    assert len(workers) == sum(p.count for p in cfg.cluster.pools)
+    engine_scheduler_config(cfg)
+
+
 def test_480p_needs_what_the_config_sets():
     """Wan 480p x 81 trains only with its memory settings: without sequence parallelism the same
     placement does not fit, and the error names a setting."""
@@ -98,11 +117,11 @@ def test_480p_needs_what_the_config_sets():
 
 def test_an_sp_degree_that_does_not_divide_the_pool_is_one_line():
     with pytest.raises(UserError, match=r"^engine.trainer_sp: 3 does not divide pool 'h800' \(16 x H800\): a worker"):
-        Plan.from_run_config(load_config(WAN, ["engine.trainer_sp=3", "engine.rollout_sp=3"]))
+        Plan.from_run_config(load_config(WAN, [*COLOCATED, "engine.trainer_sp=3", "engine.rollout_sp=3"]))
     with pytest.raises(UserError, match=r"^engine.rollout_sp: 3 does not divide pool 'rollout' \(8 x H800\)"):
         Plan.from_run_config(load_config(WAN, [*DISAGG, "engine.rollout_sp=3"]))
     with pytest.raises(UserError, match=r"^engine.rollout_sp: 4: a colocated worker rolls out and trains"):
-        Plan.from_run_config(load_config(WAN, ["engine.rollout_sp=4"]))
+        Plan.from_run_config(load_config(WAN, [*COLOCATED, "engine.rollout_sp=4"]))
 
 
 def test_planner_tries_sp_degrees_for_video_models_only():
@@ -183,3 +202,31 @@ def test_plan_config_writes_what_the_plan_assumes():
     modes = {s.cfg_batched for s in best.setups.values()}
     assert out.sampling.cfg_batching == ("auto" if len(modes) > 1 else "batched" if modes == {True} else "sequential")
     check_memory(out)
+
+
+@pytest.mark.parametrize("path, evaluates", [(WAN, False), (WAN_240P, True), (HUNYUAN, False)],
+                         ids=["wan-480p", "wan-240p-eval", "hunyuan"])
+def test_the_search_proposes_only_what_the_runtime_runs(path, evaluates):
+    """Every ranked plan, written as a config, passes the runtime's own refusals (check_sp_wired,
+    check_fsdp_wired); colocated sequence-parallel candidates, which the runtime refuses, are dropped
+    with the runtime's reason. The peers' colocated baseline may still use them, marked as refused."""
+    from digenrl.cli.plan import plan_config
+    from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
+    from digenrl.planner.search import baselines, search, unwired_sharding
+
+    cfg = load_config(path, [f"output.eval_every={10 if evaluates else 0}"])
+    cluster = load_cluster(CLUSTERS / "16xH800.yaml")
+    cost = CostModel(Workload.from_config(cfg), cluster)
+    result = search(cost, cluster, top=5)
+    assert result.ranked
+    for r in result.ranked:
+        out = plan_config(cfg, r, cluster)
+        check_sp_wired(out)
+        check_fsdp_wired(out)
+        assert r.plan.placement == "disaggregated" or r.plan.rollout_sp == r.plan.trainer_sp == 1
+        assert not (evaluates and r.plan.trainer_sp > 1)
+    refused = [why for label, (why, _) in result.rejected.items() if "colocated" in label and "SP" in label]
+    assert refused and any("need placement.mode: disaggregated" in why for why in refused)
+    peer = baselines(cost, cluster)["colocated"]
+    if peer is not None and peer.plan.rollout_sp > 1:
+        assert "engine refuses" in unwired_sharding(peer.plan, peer.setups, cost)
