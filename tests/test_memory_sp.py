@@ -230,3 +230,19 @@ def test_the_search_proposes_only_what_the_runtime_runs(path, evaluates):
     peer = baselines(cost, cluster)["colocated"]
     if peer is not None and peer.plan.rollout_sp > 1:
         assert "engine refuses" in unwired_sharding(peer.plan, peer.setups, cost)
+
+
+def test_sharding_degrees_count_trainer_devices_as_the_runtime_does():
+    """``train.fsdp: N`` with ``engine.trainer_sp: s``: FSDP over all N trainer devices, SP groups inside
+    (settings.fsdp_unwired refuses HSDP beside trainer SP), so ``auto`` offers only 1 or N devices and
+    a device holds 1/N of the base weights."""
+    m = model(WAN)
+    ranks, sp = 4, 2  # 8 trainer devices
+    options = {shard for *_, shard in m.options(ranks * sp, sp=sp)}
+    assert options == {1, ranks * sp}
+    assert {shard for *_, shard in m.options(ranks * sp)} == {1, 2, 4, 8}  # without SP: HSDP degrees too
+    parts = m.trainer_need(ranks * sp, 1, True, sp=sp)
+    w = m.w
+    assert parts["frozen base"] == pytest.approx(w.params.total * w.dtype_bytes / (ranks * sp))
+    fits, miss = m.setups("H800", ranks, False, 1, sp)
+    assert {s.shard for s in fits} | {miss.shard} <= {1, ranks * sp}
