@@ -23,7 +23,7 @@ import time
 
 import torch
 
-CONFIGS = ("configs/flux1_dev.yaml", "configs/wan2.1_t2v_14b.yaml", "configs/hunyuan_video.yaml",
+CONFIGS = ("configs/flux1_dev.yaml", "configs/wan2.1_t2v_14b_240p.yaml", "configs/hunyuan_video.yaml",
            "configs/qwen_image.yaml")
 BENCH_IMAGE_TOKENS = 256  # image tokens per sample in the measurement (text tokens: the real ratio, >= 8)
 GiB = 2**30

@@ -106,6 +106,20 @@ class SamplingConfig(_Section):
     negative_prompt: str = ""
     sde: Literal["flow_grpo", "dance_grpo", "cps"] = "flow_grpo"
     noise_level: float = Field(1.0, ge=0, description="eta; 0 = deterministic ODE (Euler) sampling")
+    cfg_batching: Literal["auto", "batched", "sequential"] = Field("auto", description=(
+        "two-pass CFG (Wan, Qwen-Image): batched = one forward of 2B (training holds both passes' activations); "
+        "sequential = two forwards of B (training backpropagates one pass at a time); auto = batched where the "
+        "memory model says it fits the device, else sequential (sequential on devices of unknown memory)"))
+    vae_tiling: Literal["auto", "on", "off"] = Field("auto", description=(
+        "decode with the VAE's spatial (and, HunyuanVideo, temporal) tiles; auto = on when one decoded sample "
+        "(height x width x frames) exceeds the memory model's tile (4 Mpx). Decoding is always one sample at a time"))
+
+    @field_validator("vae_tiling", mode="before")
+    @classmethod
+    def _switch(cls, value):
+        if isinstance(value, bool):  # YAML reads a bare on / off as a boolean
+            return "on" if value else "off"
+        return value
 
 
 # ----------------------------------------------------------------------------------- algorithm

@@ -49,6 +49,8 @@ class Plan:
     max_staleness: int = 0
     micro_batch: int | None = None  # None: the config's
     group_parts: int = 1  # sub-group units: rollout units per group (1: unit_groups whole groups per unit)
+    rollout_sp: int = 1  # sequence parallelism: devices per rollout worker (colocated: per device-group)
+    trainer_sp: int = 1  # ... per trainer rank (colocated: equal to rollout_sp)
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -57,6 +59,11 @@ class Plan:
             raise ValueError("a disaggregated plan has two pools of different names: (rollout, trainer)")
         if self.group_parts > 1 and self.unit_groups != 1:
             raise ValueError("a plan of sub-group units (group_parts > 1) has unit_groups 1")
+        if self.placement == "colocated" and self.rollout_sp != self.trainer_sp:
+            raise ValueError("a colocated plan's devices both roll out and train: rollout_sp == trainer_sp")
+        for p in self.pools:
+            if p.count % self.sp(p):
+                raise ValueError(f"pool '{p.name}': {p.count} devices do not split into workers of {self.sp(p)}")
 
     @property
     def unit_size(self) -> float:
@@ -78,14 +85,27 @@ class Plan:
     def trainer_pools(self) -> list[PoolConfig]:
         return list(self.pools[1:]) if self.placement == "disaggregated" else list(self.pools)
 
+    def sp(self, pool: PoolConfig) -> int:
+        """Devices per worker of ``pool`` (sequence parallelism)."""
+        return self.rollout_sp if self.role(pool) == "rollout" else self.trainer_sp
+
+    def worker_count(self, pool: PoolConfig) -> int:
+        """Workers (rollout workers / trainer ranks) the pool's devices make: one per ``sp`` devices."""
+        return pool.count // self.sp(pool)
+
     @property
     def ranks(self) -> int:
-        """Trainer ranks: every device that trains."""
-        return sum(p.count for p in self.trainer_pools)
+        """Trainer ranks: every device that trains, ``trainer_sp`` devices to a rank."""
+        return sum(self.worker_count(p) for p in self.trainer_pools)
 
     def workers(self) -> list[Worker]:
         """One worker per device, rollout workers first (the order idle workers ask in)."""
         return [Worker(f"{p.name}{i}", self.role(p), p) for p in self.pools for i in range(p.count)]
+
+    def leads(self) -> list[Worker]:
+        """The workers the scheduler hands units to: with sequence parallelism the first device of
+        each group of ``sp`` (the others run its calls with it); without, every device."""
+        return [Worker(f"{p.name}{i}", self.role(p), p) for p in self.pools for i in range(0, p.count, self.sp(p))]
 
     def scheduler_config(self, groups_per_iteration: int, iterations: int, wait_for_full_batch: bool = False,
                          start_iteration: int = 0, optimizer_steps: int = 1) -> SchedulerConfig:
@@ -115,6 +135,9 @@ class Plan:
             k.append("GAP" if self.gap else "no GAP")
         if self.tsp_degree > 1:
             k.append(f"TSP{self.tsp_degree}")
+        if self.rollout_sp > 1 or self.trainer_sp > 1:
+            k.append(f"SP{self.rollout_sp}" if self.placement == "colocated" or self.rollout_sp == self.trainer_sp
+                     else f"SP{self.rollout_sp}/{self.trainer_sp}")
         if self.placement == "disaggregated":
             if self.tag:
                 k.append("TAG")
@@ -145,15 +168,25 @@ class Plan:
         G = cfg.algorithm.group_size
         m, parts = e.unit_groups, G // e.unit_samples if e.unit_samples else 1
         if mode == "colocated" and e.unit_samples is None:
-            m, parts = spread_units(cfg.train.prompts_per_iteration, m, G, sum(p.count for p in chosen))
-        return cls(mode, chosen, m, e.tsp_degree, e.tag, e.gap, e.max_staleness, cfg.train.micro_batch, parts)
+            m, parts = spread_units(cfg.train.prompts_per_iteration, m, G, sum(p.count for p in chosen) // e.trainer_sp)
+        if mode == "colocated" and e.rollout_sp not in (1, e.trainer_sp):
+            raise UserError(f"engine.rollout_sp: {e.rollout_sp}: a colocated worker rolls out and trains on the same "
+                            f"devices; set it to engine.trainer_sp ({e.trainer_sp}) or leave it at 1")
+        rollout_sp = e.trainer_sp if mode == "colocated" else e.rollout_sp  # colocated: one sp per device
+        for i, p in enumerate(chosen):
+            key, sp = ("rollout_sp", rollout_sp) if mode == "disaggregated" and i == 0 else ("trainer_sp", e.trainer_sp)
+            if p.count % sp:
+                raise UserError(f"engine.{key}: {sp} does not divide pool '{p.name}' ({p.count} x {p.device}): a worker "
+                                f"spans {sp} devices")
+        return cls(mode, chosen, m, e.tsp_degree, e.tag, e.gap, e.max_staleness, cfg.train.micro_batch, parts,
+                   rollout_sp, e.trainer_sp)
 
     def typed(self) -> Plan:
         """This plan with every pool's device as a known type's canonical name (what the cost model
         looks up); a pool of 'gpu' / 'cuda' (any GPU) cannot be simulated."""
         return Plan(self.placement, tuple(p.model_copy(update={"device": device_type(p)}) for p in self.pools),
                     self.unit_groups, self.tsp_degree, self.tag, self.gap, self.max_staleness, self.micro_batch,
-                    self.group_parts)
+                    self.group_parts, self.rollout_sp, self.trainer_sp)
 
 
 def spread_units(groups: int, unit_groups: int, group_size: int, devices: int) -> tuple[int, int]:
@@ -212,7 +245,8 @@ def apply_plan(cfg: RunConfig, plan: Plan, device: str) -> RunConfig:
     G = data["algorithm"]["group_size"]
     data["engine"] = {**data["engine"], "unit_groups": plan.unit_groups, "gap": plan.gap,
                       "unit_samples": G // plan.group_parts if plan.group_parts > 1 else None,
-                      "tsp_degree": plan.tsp_degree, "tag": plan.tag, "max_staleness": plan.max_staleness}
+                      "tsp_degree": plan.tsp_degree, "tag": plan.tag, "max_staleness": plan.max_staleness,
+                      "rollout_sp": plan.rollout_sp, "trainer_sp": plan.trainer_sp}
     if plan.micro_batch is not None:
         data["train"] = {**data["train"], "micro_batch": plan.micro_batch}
     data["train"] = {**data["train"], "device": device}

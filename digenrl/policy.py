@@ -37,10 +37,14 @@ class Policy:
                  generates: bool = True):
         """``generates=False``: a lean trainer rank (a checkpoint's transformer is loaded alone)."""
         self.cfg = cfg
-        check_fsdp_wired(cfg)
         check_sp_wired(cfg)
+        check_fsdp_wired(cfg)
         self.device = torch.device(device) if device is not None else pick_device(cfg.train.device)
-        self.adapter = build_adapter(cfg.model, cfg.sampling, self.device, generates)
+        from digenrl.preflight import resolve_cfg_batching
+
+        # the CFG passes batched or one at a time, as the memory model resolves it for this role
+        sampling = cfg.sampling.model_copy(update={"cfg_batching": resolve_cfg_batching(cfg, trainable)})
+        self.adapter = build_adapter(cfg.model, sampling, self.device, generates)
         net = self.adapter.transformer
         self.lora = cfg.model.lora is not None
         if self.lora:

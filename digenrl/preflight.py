@@ -113,6 +113,7 @@ class MemorySettings:
     need_bytes: float = 0.0
     have_bytes: float = 0.0
     device: str = ""  # the trainer pool's device type ("" when not checked)
+    cfg_batched: bool = False  # two-pass CFG as one forward of 2B (auto on an unchecked device: sequential)
 
 
 def _model(cfg):
@@ -153,7 +154,8 @@ def resolve_memory_settings(cfg) -> MemorySettings:
     last setting tried (the largest degree, checkpointing on), which :func:`check_memory` refuses."""
     t = cfg.train
     fsdp, ac = _explicit(cfg)
-    plain = MemorySettings(1 if fsdp in ("auto", "off") else fsdp, ac == "on", t.micro_batch)
+    plain = MemorySettings(1 if fsdp in ("auto", "off") else fsdp, ac == "on", t.micro_batch,
+                           cfg_batched=cfg.sampling.cfg_batching == "batched")
     if cfg.placement.mode == "local":
         return plain
     plan = _plan(cfg)
@@ -163,10 +165,30 @@ def resolve_memory_settings(cfg) -> MemorySettings:
     model = _model(cfg)
     tag = plan.placement == "colocated" or plan.tag
     device = min(devices, key=model.have)  # the tightest trainer device decides
-    fits, miss = model.setups(device, plan.ranks, tag, plan.unit_groups, fsdp=fsdp, checkpointing=ac,
-                              micro_batch=t.micro_batch)
+    fits, miss = model.setups(device, plan.ranks, tag, plan.unit_size, plan.trainer_sp, fsdp=fsdp, checkpointing=ac,
+                              micro_batch=t.micro_batch, cfg=cfg.sampling.cfg_batching)
     s = fits[0] if fits else miss
-    return MemorySettings(s.shard, s.checkpointing, s.micro_batch, s.need_bytes, s.have_bytes, device)
+    return MemorySettings(s.shard, s.checkpointing, s.micro_batch, s.need_bytes, s.have_bytes, device, s.cfg_batched)
+
+
+def resolve_cfg_batching(cfg, trainable: bool) -> str:
+    """``sampling.cfg_batching`` as a worker runs it (``batched`` | ``sequential``): explicit values as
+    written; ``auto`` as the memory model resolves it for the worker's role -- a trainer rank (``trainable``;
+    colocated devices and TAG ranks too) by :func:`resolve_memory_settings`, a rollout worker by its unit's
+    fit -- and ``sequential`` (the families' own pipelines' way, the least memory) where the device's
+    memory is unknown (local runs, CPU pools, untyped GPUs)."""
+    value = cfg.sampling.cfg_batching
+    if value != "auto" or cfg.placement.mode == "local":
+        return "sequential" if value == "auto" else value
+    if trainable:
+        s = resolve_memory_settings(cfg)
+        return "batched" if s.device and s.cfg_batched else "sequential"
+    plan = _plan(cfg)
+    device = _known_type(plan.rollout_pool) if plan.rollout_pool is not None else None
+    if device is None:
+        return "sequential"
+    s = _model(cfg).rollout(device, plan.unit_size, plan.rollout_sp)
+    return "batched" if s.fits and s.cfg_batched else "sequential"
 
 
 def _changes(s, cfg) -> list[tuple[str, object]]:
@@ -179,6 +201,8 @@ def _changes(s, cfg) -> list[tuple[str, object]]:
     ac = "on" if s.checkpointing else "off"
     if (t.activation_checkpointing == "auto" and s.checkpointing) or t.activation_checkpointing not in ("auto", ac):
         out.append(("train.activation_checkpointing", ac))
+    if cfg.sampling.cfg_batching == "batched" and not s.cfg_batched:
+        out.append(("sampling.cfg_batching", "sequential"))
     if s.micro_batch != t.micro_batch:
         out.append(("train.micro_batch", s.micro_batch))
     return out
@@ -195,8 +219,8 @@ def check_memory(cfg) -> None:
     """Refuse (UserError, one line) a placement whose per-device memory does not fit: the trainer
     ranks at the configured (or ``auto``-resolved) sharding, checkpointing and micro-batch, the
     rollout workers at ``engine.unit_groups`` groups per unit."""
-    if cfg.placement.mode == "local":
-        return
+    if cfg.placement.mode == "local" or not any(_known_type(p) for p in cfg.cluster.pools):
+        return  # nothing to check against (logical CPU / untyped GPU pools): no plan built yet
     plan = _plan(cfg)
     typed = [(p, _known_type(p)) for p in plan.pools]
     if not any(d for _, d in typed):
@@ -208,13 +232,13 @@ def check_memory(cfg) -> None:
         if device is None:
             continue
         if plan.role(pool) == "rollout":
-            _check_rollout(cfg, model, pool, device, plan.unit_groups)
+            _check_rollout(cfg, model, plan, pool, device)
             continue
-        fits, miss = model.setups(device, plan.ranks, tag, plan.unit_groups, fsdp=fsdp, checkpointing=ac,
-                                  micro_batch=cfg.train.micro_batch)
+        fits, miss = model.setups(device, plan.ranks, tag, plan.unit_size, plan.trainer_sp, fsdp=fsdp,
+                                  checkpointing=ac, micro_batch=cfg.train.micro_batch, cfg=cfg.sampling.cfg_batching)
         if fits:
             continue
-        other, _ = model.setups(device, plan.ranks, tag, plan.unit_groups)
+        other, _ = model.setups(device, plan.ranks, tag, plan.unit_size, plan.trainer_sp)
         changes = _changes(other[0], cfg) if other else []
         if changes:  # the error names the first key to change
             key = changes[0][0]
@@ -222,27 +246,39 @@ def check_memory(cfg) -> None:
                    f"(needs {other[0].need_bytes / GiB:.1f} GiB)")
         else:
             key = f"cluster.pools.{pool.name}"
-            fix = (f"no setting fits {plan.ranks} trainer ranks of this type (FSDP up to {plan.ranks}, activation "
-                   "checkpointing, micro-batch 1): use more or larger trainer devices")
+            fix = (f"no setting fits {plan.ranks} trainer ranks of this type (FSDP up to {plan.ranks * plan.trainer_sp}, activation "
+                   "checkpointing, sequential CFG, micro-batch 1): use more or larger trainer devices"
+                   + ("" if plan.trainer_sp > 1 or not model.w.video else ", or engine.trainer_sp > 1"))
         raise UserError(f"{key}: {_where(pool, device, model)}: a trainer rank needs "
                         f"{miss.need_bytes / GiB:.1f} GiB at {_described(miss)}; {fix}")
 
 
 def _described(s) -> str:
     return (f"train.fsdp {s.shard if s.shard > 1 else 'off'}, activation checkpointing "
-            f"{'on' if s.checkpointing else 'off'}, micro-batch {s.micro_batch}")
+            f"{'on' if s.checkpointing else 'off'}, micro-batch {s.micro_batch}"
+            + (f", {'batched' if s.cfg_batched else 'sequential'} CFG" if s.parts.get("activations") else "")
+            + (f", SP x{s.sp}" if s.sp > 1 else ""))
 
 
-def _check_rollout(cfg, model, pool, device: str, groups: int) -> None:
-    s = model.rollout(device, groups)
+def _check_rollout(cfg, model, plan, pool, device: str) -> None:
+    groups, sp, mode = plan.unit_groups, plan.rollout_sp, cfg.sampling.cfg_batching
+    s = model.rollout(device, plan.unit_size, sp, mode)
     if s.fits:
         return
-    prompts = cfg.train.prompts_per_iteration  # a unit size divides the prompts into whole units
-    smaller = [g for g in range(groups - 1, 0, -1) if prompts % g == 0 and model.rollout(device, g).fits]
-    fix = (f"set engine.unit_groups: {smaller[0]} (fewer samples per unit)" if smaller else
-           "even a unit of 1 group does not fit: use a larger rollout device")
-    raise UserError(f"engine.unit_groups: {_where(pool, device, model)}: a rollout worker needs "
-                    f"{s.need_bytes / GiB:.1f} GiB for units of {groups} groups; {fix}")
+    if mode == "batched" and model.rollout(device, plan.unit_size, sp, "sequential").fits:
+        fix = "set sampling.cfg_batching: sequential (or auto)"
+        key = "sampling.cfg_batching"
+    else:
+        prompts = cfg.train.prompts_per_iteration  # a unit size divides the prompts into whole units
+        smaller = [g for g in range(groups - 1, 0, -1) if prompts % g == 0 and model.rollout(device, g, sp, mode).fits]
+        fix = (f"set engine.unit_groups: {smaller[0]} (fewer samples per unit)" if smaller else
+               "even a unit of 1 group does not fit: use a larger rollout device"
+               + (", or engine.rollout_sp > 1" if model.w.video and sp == 1 else ""))
+        key = "engine.unit_groups"
+    what = f"units of {groups} groups" if plan.group_parts == 1 else f"units of 1/{plan.group_parts} group"
+    raise UserError(f"{key}: {_where(pool, device, model)}: a rollout worker needs "
+                    f"{s.need_bytes / GiB:.1f} GiB per device for {what}" + (f" (SP x{sp})" if sp > 1 else "")
+                    + f"; {fix}")
 
 
 def check_workers_build(cfg: RunConfig, resumed=None) -> None:

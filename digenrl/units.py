@@ -25,7 +25,8 @@ import torch
 
 from digenrl.adapters.base import Cond
 from digenrl.algorithms import grpo
-from digenrl.algorithms.sde import recompute_logprob, sample
+from digenrl.adapters.guidance import backward_through_velocity
+from digenrl.algorithms.sde import logprob_of_velocity, recompute_logprob, sample
 from digenrl.prompts import Prompt
 
 
@@ -188,26 +189,47 @@ def train_unit(policy, samples: Samples, total_terms: int, tsp_rank: int = 0, ts
             x = samples.latents[rows, i].to(ad.device)
             x_next = samples.latents[rows, i + 1].to(ad.device)
             c = cond.select(sel) if len(sel) < len(mb) else cond
-            logp, mu, std = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
             behaviour = samples.log_probs[rows, i].to(ad.device)
-            if stale:  # clip around the proximal policy, weight by capped exp(logp_prox - logp_behav)
-                prox = logp.detach()
-                w = torch.exp(prox - behaviour).clamp(max=alg.is_cap)
-                loss, st = grpo.clipped_objective(logp, prox, adv[sel], alg.clip_range, w)
-                stats.add_is(w)
-            else:
-                loss, st = grpo.clipped_objective(logp, behaviour, adv[sel], alg.clip_range)
-                if minibatch == 0:  # on-policy: the trainer should reproduce the rollout's log-prob
-                    stats.add_mismatch(logp.detach() - behaviour)
+            mu_ref = None
             if alg.kl_beta > 0:
                 with torch.no_grad(), policy.reference():
                     _, mu_ref, _ = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
-                kl = grpo.kl_to_reference(mu, mu_ref, std)
-                loss = loss + alg.kl_beta * kl
-                stats.kl += kl.detach().sum().item()
-            (loss.sum() / total_terms).backward()
-            stats.add(loss.detach(), st, len(rows), total_terms)
+
+            def objective(v, x=x, x_next=x_next, i=i, behaviour=behaviour, a=adv[sel], mu_ref=mu_ref):
+                logp, mu, std = logprob_of_velocity(v, x, x_next, sig, i, kind, eta)
+                scalar, extras = term_loss(alg, logp, behaviour, a, stale, mu, mu_ref, std, total_terms)
+                return scalar, (*extras, logp.detach())
+
+            sigma = sig[i].expand(x.shape[0])
+            loss, st, w, kl, logp = backward_through_velocity(ad, x, sigma, c, objective)
+            if w is not None:
+                stats.add_is(w)
+            elif minibatch == 0:  # on-policy: the trainer should reproduce the rollout's log-prob
+                stats.add_mismatch(logp - behaviour)
+            if kl is not None:
+                stats.kl += kl.sum().item()
+            stats.add(loss, st, len(rows), total_terms)
     return stats.as_dict()
+
+
+def term_loss(alg, logp, behaviour, adv, stale: bool, mu, mu_ref, std: float, total_terms: int):
+    """(the scalar to backpropagate, (per-term loss, ratio stats, IS weight or None, KL or None) detached).
+
+    On-policy: PPO-clip to the behaviour log-prob. Stale (one-step async): clip around the proximal
+    policy and weight by the capped exp(logp_prox - logp_behaviour) (decoupled PPO). ``mu_ref``: the KL
+    reference's step mean (None: no KL term)."""
+    w = kl = None
+    if stale:
+        prox = logp.detach()
+        w = torch.exp(prox - behaviour).clamp(max=alg.is_cap)
+        loss, st = grpo.clipped_objective(logp, prox, adv, alg.clip_range, w)
+    else:
+        loss, st = grpo.clipped_objective(logp, behaviour, adv, alg.clip_range)
+    if mu_ref is not None:
+        kl = grpo.kl_to_reference(mu, mu_ref, std)
+        loss = loss + alg.kl_beta * kl
+        kl = kl.detach()
+    return loss.sum() / total_terms, (loss.detach(), st, w, kl)
 
 
 class _Stats:

@@ -19,7 +19,7 @@ from digenrl.preflight import check_memory, resolve_memory_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 FLUX = str(ROOT / "configs" / "flux1_dev.yaml")
-REAL = ["flux1_dev.yaml", "wan2.1_t2v_14b.yaml", "hunyuan_video.yaml", "qwen_image.yaml"]
+REAL = ["flux1_dev.yaml", "wan2.1_t2v_14b.yaml", "wan2.1_t2v_14b_240p.yaml", "hunyuan_video.yaml", "qwen_image.yaml"]
 FULL_FT_UNSHARDED = ["--set", "model.lora=null", "--set", "train.fsdp=off"]
 
 
@@ -129,7 +129,9 @@ def test_plan_write_contains_the_settings_it_assumes(tmp_path, monkeypatch, caps
         main()
     assert exc.value.code in (0, None), capsys.readouterr().err
     text = out.read_text()
-    assert "assumes" not in text and "offload" not in text
+    comments = [line for line in text.splitlines() if line.lstrip().startswith("#")]
+    assert "assumes" not in text and not any("offload" in line for line in comments)  # no claim the runtime lacks
+    assert yaml.safe_load(text)["model"]["offload_text_encoders"] is False  # the one offload there is: off
     train = yaml.safe_load(text)["train"]
     assert train["fsdp"] == 8 and train["activation_checkpointing"] == "off"
     cfg = load_config(out)
@@ -152,9 +154,12 @@ def test_a_rollout_pool_that_cannot_hold_a_unit_names_a_smaller_one(monkeypatch,
 def test_the_error_names_the_key_to_change():
     from digenrl.errors import UserError
 
-    wan = str(ROOT / "configs" / "wan2.1_t2v_14b.yaml")
+    wan = str(ROOT / "configs" / "wan2.1_t2v_14b_240p.yaml")  # on the placement it shipped with before
+    shipped = ["cluster.pools=[{name: rollout, device: H20, count: 16}, {name: trainer, device: H800, count: 8}]",
+               "placement.mode=disaggregated", "placement.rollout_pool=rollout", "placement.trainer_pool=trainer",
+               "engine.rollout_sp=1", "engine.trainer_sp=1", "engine.unit_groups=2", "train.micro_batch=2"]
     with pytest.raises(UserError) as exc:  # both CFG passes' activations at once, 40 blocks: needs checkpointing
-        check_memory(load_config(wan, ["train.activation_checkpointing=off"]))
+        check_memory(load_config(wan, [*shipped, "train.activation_checkpointing=off"]))
     assert str(exc.value).startswith("train.activation_checkpointing: pool 'trainer' (8 x H800")
     assert str(exc.value).endswith("GiB)") and "set train.activation_checkpointing: on (needs" in str(exc.value)
     small = "cluster.pools=[{name: rollout, device: H800, count: 8}, {name: trainer, device: RTX4090, count: 2}]"

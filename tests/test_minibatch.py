@@ -52,7 +52,11 @@ def test_first_minibatch_has_ratio_exactly_one_and_later_ones_clip():
     (None, ["algorithm.timesteps.mode=window", "algorithm.timesteps.window=2"]),
     (None, ["algorithm.name=dance_grpo", "sampling.steps=8"]),  # random steps: each step's samples apart
     ("configs/qwen_tiny.yaml", ["model.height=16", "model.width=16", "train.prompts_per_iteration=2"]),
-], ids=["micro1", "micro3", "window", "dance_grpo", "qwen_image"])
+    ("configs/qwen_tiny.yaml", ["model.height=16", "model.width=16", "train.prompts_per_iteration=2",
+                                "sampling.cfg_batching=sequential"]),  # trained one CFG pass at a time
+    ("configs/qwen_tiny.yaml", ["model.height=16", "model.width=16", "train.prompts_per_iteration=2",
+                                "sampling.cfg_batching=batched"]),  # both passes in one forward of 2B
+], ids=["micro1", "micro3", "window", "dance_grpo", "qwen_image", "qwen_image-cfg-sequential", "qwen_image-cfg-batched"])
 def test_on_policy_ratio_is_exactly_one_in_every_batch_layout(config, overrides):
     """Micro-batches, window and random steps, another family (two-pass CFG): mini-batch 0 of 2
     reproduces the rollout's log-probs exactly."""

@@ -131,5 +131,6 @@ def test_pretrained_directory_round_trip(adapter, tmp_path):
 
 def test_real_scale_config_validates():
     cfg = load_config(WAN_TINY.parent / "wan2.1_t2v_14b.yaml")
-    assert cfg.model.adapter == "wan" and cfg.placement.mode == "disaggregated"
+    # an engine placement (the one `digenrl plan` chooses for 16xH800: colocated), not the local trainer
+    assert cfg.model.adapter == "wan" and cfg.placement.mode in ("colocated", "disaggregated")
     assert (cfg.model.frames - 1) % 4 == 0 and cfg.model.height % 16 == 0 and cfg.model.width % 16 == 0

@@ -118,6 +118,9 @@ class Adapter(ABC):
         self.transformer.to(self.device)
         if isinstance(getattr(self, "vae", None), nn.Module):
             self.vae.to(self.device)
+            from digenrl.adapters.vae_decode import configure_vae, tiling_mode
+
+            configure_vae(self.vae, tiling_mode(model, sampling))  # one sample at a time; tiled if asked / needed
         self.offload_hooks = []  # model.offload_text_encoders: the encoders live on the CPU between encodes
         if model.offload_text_encoders:
             from digenrl.adapters.text_offload import attach_offload_hooks

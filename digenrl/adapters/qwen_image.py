@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from digenrl.adapters.base import Cond, PublishedModel, Tokens, hidden_size, seeded
+from digenrl.adapters.guidance import TwoPassCFG
 from digenrl.adapters.packed import PackedLatentAdapter
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
@@ -49,7 +50,7 @@ QWEN_IMAGE = PublishedModel(
 )
 
 
-class QwenImageAdapter(PackedLatentAdapter):
+class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
     name = "qwen_image"
     default_lora_targets = (
         "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -141,13 +142,25 @@ class QwenImageAdapter(PackedLatentAdapter):
     def img_shapes(self, batch: int) -> list[list[tuple[int, int, int]]]:
         return [[(1, *self._grid())]] * batch
 
-    def _forward(self, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor):
-        """One transformer pass (one side of the CFG pair), fp32 out."""
+    # ------------------------------------------------------------------ true CFG (adapters/guidance.py)
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        # the pipeline feeds timesteps = sigma * 1000 and divides by 1000: mirror it bit for bit
+        return (sigma.to(torch.float32) * 1000) / 1000
+
+    def pass_inputs(self, cond: Cond, negative: bool) -> dict[str, torch.Tensor]:
+        b = cond.batched
+        if negative:
+            return {"embeds": b["neg_prompt_embeds"], "mask": b["neg_mask"]}
+        return {"embeds": b["prompt_embeds"], "mask": b["mask"]}
+
+    def forward_pass(self, latents: torch.Tensor, t: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One transformer pass over a batch (one side of the CFG pair, or both batched), fp32 out."""
+        mask = inputs["mask"]
         with self.autocast():
             out = self.transformer(
                 hidden_states=latents.to(self.dtype),
                 timestep=t.to(self.dtype),
-                encoder_hidden_states=embeds.to(self.dtype),
+                encoder_hidden_states=inputs["embeds"].to(self.dtype),
                 # as QwenImagePipeline.encode_prompt: an all-valid mask is passed as None
                 encoder_hidden_states_mask=None if mask.all() else mask,
                 img_shapes=self.img_shapes(latents.shape[0]),
@@ -155,18 +168,10 @@ class QwenImageAdapter(PackedLatentAdapter):
             )[0]
         return out.float()
 
-    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
-        # the pipeline feeds timesteps = sigma * 1000 and divides by 1000: mirror it bit for bit
-        t = (sigma.to(torch.float32) * 1000) / 1000
-        b = cond.batched
-        v = self._forward(latents, t, b["prompt_embeds"], b["mask"])
-        g = self.sampling.guidance
-        if g <= 1:
-            return v
-        # true CFG (two passes, gradient through both), then rescale to the conditional norm per token
-        v_unc = self._forward(latents, t, b["neg_prompt_embeds"], b["neg_mask"])
-        v_cfg = v_unc + g * (v - v_unc)
-        return v_cfg * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(v_cfg, dim=-1, keepdim=True))
+    def guide(self, v_cond: torch.Tensor, v_unc: torch.Tensor) -> torch.Tensor:
+        # true CFG, then rescale to the conditional prediction's norm per token (over the channel dim)
+        v_cfg = v_unc + self.sampling.guidance * (v_cond - v_unc)
+        return v_cfg * (torch.norm(v_cond, dim=-1, keepdim=True) / torch.norm(v_cfg, dim=-1, keepdim=True))
 
     def vae_decode(self, x: torch.Tensor) -> torch.Tensor:
         vc = self.vae.config

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from digenrl.adapters.base import Adapter, Cond, PublishedModel, Tokens, hidden_size, seeded
+from digenrl.adapters.guidance import TwoPassCFG
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
@@ -47,7 +48,7 @@ WAN21_T2V_14B = PublishedModel(
 )
 
 
-class WanAdapter(Adapter):
+class WanAdapter(TwoPassCFG, Adapter):
     name = "wan"
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # FFN (optional): "ffn.net.0.proj", "ffn.net.2"
     pipeline_class = "WanPipeline"
@@ -81,7 +82,6 @@ class WanAdapter(Adapter):
         self.pipe = WanPipeline.from_pretrained(path, vae=vae, dtype=self.dtype)
         self.pipe.to(self.device)
         self.transformer, self.vae, self.text = self.pipe.transformer, self.pipe.vae, None
-        self.vae.enable_slicing()  # decode one video at a time
         self.scheduler = self.pipe.scheduler = self._flow_scheduler_from(self.pipe.scheduler.config)
 
     def _flow_scheduler_from(self, sc) -> object:
@@ -191,24 +191,24 @@ class WanAdapter(Adapter):
     def sigmas(self, num_steps: int) -> torch.Tensor:
         return self._set_timesteps(num_steps)  # fixed shift, no mu
 
-    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
+    # ------------------------------------------------------------------ two-pass CFG (adapters/guidance.py)
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         # WanPipeline passes scheduler.timesteps[i] = sigmas[i] * 1000, computed in fp32; keep it fp32 even
         # under bf16 (bf16 would round 937.5 to 936) -- the time embedding casts it itself.
-        t = sigma.to(torch.float32) * 1000
-        x = latents.to(self.dtype)
+        return sigma.to(torch.float32) * 1000
 
-        def forward(embeds: torch.Tensor) -> torch.Tensor:
-            with self.autocast():
-                out = self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(self.dtype),
-                                       return_dict=False)[0]
-            return out.float()
+    def pass_inputs(self, cond: Cond, negative: bool) -> dict[str, torch.Tensor]:
+        return {"embeds": cond.batched["neg_prompt_embeds" if negative else "prompt_embeds"]}
 
-        v = forward(cond.batched["prompt_embeds"])
+    def forward_pass(self, latents: torch.Tensor, t: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        with self.autocast():
+            out = self.transformer(hidden_states=latents.to(self.dtype), timestep=t,
+                                   encoder_hidden_states=inputs["embeds"].to(self.dtype), return_dict=False)[0]
+        return out.float()
+
+    def guide(self, v_cond: torch.Tensor, v_unc: torch.Tensor) -> torch.Tensor:
         g = self.sampling.guidance
-        if g > 1.0:  # two passes, both in the graph: training recomputes the guided velocity
-            v_unc = forward(cond.batched["neg_prompt_embeds"])
-            v = v_unc + g * (v - v_unc)  # in fp32 (the pipeline combines in the transformer dtype)
-        return v
+        return v_unc + g * (v_cond - v_unc)  # in fp32 (the pipeline combines in the transformer dtype)
 
     @torch.no_grad()
     def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:

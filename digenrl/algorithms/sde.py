@@ -132,8 +132,14 @@ def recompute_logprob(adapter, cond, x: torch.Tensor, x_next: torch.Tensor, sigm
 
     Returns (log_prob (B,), mu (B, ...), std_i) -- mu and std feed the KL term.
     """
+    v = adapter.velocity(x, sigmas[i].expand(x.shape[0]).to(x.device), cond)
+    return logprob_of_velocity(v, x, x_next, sigmas, i, kind, eta)
+
+
+def logprob_of_velocity(v: torch.Tensor, x: torch.Tensor, x_next: torch.Tensor, sigmas: torch.Tensor, i: int,
+                        kind: str, eta: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(log_prob (B,), mu, std_i) of the transition x -> x_next given the model's velocity ``v`` at step i."""
     s, s_next = float(sigmas[i]), float(sigmas[i + 1])
     std = noise_std(kind, sigmas, i, eta)
-    v = adapter.velocity(x, sigmas[i].expand(x.shape[0]).to(x.device), cond)
     mu = step_mean(kind, x, v, s, s_next, std)
     return transition_logprob(kind, x_next, mu, step_scale(kind, s, s_next, std)), mu, std

@@ -117,6 +117,8 @@ def plan_row(r, result, rank: int | None = None) -> dict:
 
 
 def plan_report(result, cost, cluster, top: int, steps=(), peers: dict | None = None) -> dict:
+    from digenrl.planner.search import unwired_sharding
+
     rows = [plan_row(r, result, i + 1) for i, r in enumerate(result.ranked[:top])]
     sources = {d: cost.times(d).source for d in cluster.devices}
     return {
@@ -128,8 +130,10 @@ def plan_report(result, cost, cluster, top: int, steps=(), peers: dict | None = 
         "search": {"candidates": result.candidates, "simulated": result.simulated,
                    "rejected_by_memory": len(result.rejected), "seconds": result.seconds},
         "best_colocated": plan_row(result.best_colocated, result) if result.best_colocated else None,
-        # the peers' arrangements, each its best plan (search.BASELINES); speedup of the best plan over each
-        "baselines": {name: ({**plan_row(r, result), "best_speedup": result.ranked[0].samples_per_s / r.samples_per_s}
+        # the peers' arrangements, each its best plan (search.BASELINES); speedup of the best plan over each,
+        # and why DigenRL's engine would refuse that arrangement (None: it runs it too)
+        "baselines": {name: ({**plan_row(r, result), "best_speedup": result.ranked[0].samples_per_s / r.samples_per_s,
+                              "engine_refuses": unwired_sharding(r.plan, r.setups, cost) or None}
                              if r is not None and r.samples_per_s else None) for name, r in (peers or {}).items()},
         "plans": rows,
         "ladder": ladder_rows(steps, result),
@@ -212,6 +216,8 @@ def report_notes(report: dict) -> list[str]:
                      "(veRL-Omni's separate_async, MM-GRPO). The best plan is "
                      + ", ".join(f"{row['best_speedup']:.2f}x {name}" for name, row in report["baselines"].items()
                                  if row is not None))
+        lines += [f"the engine does not run the {name} baseline ({row['engine_refuses']}); `digenrl plan` proposes "
+                  "only what it runs" for name, row in report["baselines"].items() if row and row.get("engine_refuses")]
     lines += [f"searched {s['candidates']} placements: {s['rejected_by_memory']} do not fit in memory, "
              f"{s['simulated']} simulated ({s['seconds']:.1f} s); times from "
              + "; ".join(f"{d}: {src}" for d, src in cm["times"].items())]
@@ -243,7 +249,19 @@ def plan_config(cfg: RunConfig, r, cluster) -> RunConfig:
     out = apply_plan(cfg, plan, "cpu" if cluster.is_cpu else "cuda")
     data = out.model_dump(mode="json")
     data["train"].update(trainer_memory_settings(r))
+    data["sampling"]["cfg_batching"] = cfg_batching_setting(cfg, r)
     return validate_config(data)
+
+
+def cfg_batching_setting(cfg: RunConfig, r) -> str:
+    """``sampling.cfg_batching`` as the plan assumes it: the mode every device was sized for, or
+    ``auto`` where the rollout and trainer devices differ (auto resolves per role by the same model)."""
+    from digenrl.adapters import adapter_class
+
+    if adapter_class(cfg.model.adapter).guidance_passes(cfg.sampling.guidance) == 1:
+        return cfg.sampling.cfg_batching  # one pass per step: nothing to batch
+    modes = {s.cfg_batched for s in r.setups.values()}
+    return "auto" if len(modes) > 1 else "batched" if modes == {True} else "sequential"
 
 
 def trainer_memory_settings(r) -> dict:

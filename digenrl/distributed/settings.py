@@ -111,38 +111,49 @@ def _uneven_unit_share(n: int, unit_groups: int, unit_samples: int, group: int, 
 
 
 def check_sp_wired(cfg) -> None:
-    """What sequence parallelism is wired for, in a disaggregated engine run: ``engine.rollout_sp: s``
-    makes each s consecutive devices of the rollout pool one rollout worker, ``engine.trainer_sp:
-    s`` each s consecutive trainer devices one trainer rank (a lead and s - 1 hidden followers
-    running the transformer with Ulysses over their group). Other combinations: one line each."""
-    from digenrl.placement import engine_workers
-
-    for key, role in (("rollout_sp", "rollout"), ("trainer_sp", "trainer")):
-        s = getattr(cfg.engine, key)
-        if s == 1:
-            continue
-        head = f"engine.{key}: {s}:"
-        if cfg.placement.mode != "disaggregated":
-            raise UserError(f"{head} sequence-parallel workers need placement.mode: disaggregated "
-                            f"(got {cfg.placement.mode}); use engine.{key}: 1")
-        refused = {"engine.tag": cfg.engine.tag, "engine.faults": bool(cfg.engine.faults)}
-        if role == "trainer":  # rank 0 would evaluate alone
-            refused["output.eval_every"] = cfg.output.eval_every > 0
-        for name, on in refused.items():
-            if on:
-                raise UserError(f"{head} not with {name} (sequence-parallel {role} workers do not run it yet)")
-        devices = sum(w.role == role for w in engine_workers(cfg))
-        if devices % s:
-            raise UserError(f"{head} must divide the {devices} {role} devices")
-        _check_model_splits(cfg, head, s)
-
-
-def _check_model_splits(cfg, head: str, s: int) -> None:
-    """The model's heads and tokens per sample must divide by the sequence-parallel degree."""
-    from digenrl.distributed.sequence_parallel import sp_problem
+    """What sequence parallelism is wired for (:func:`sp_unwired`): ``engine.rollout_sp: s`` makes
+    each s consecutive devices of a disaggregated rollout pool one rollout worker, ``engine.trainer_sp:
+    s`` each s consecutive trainer devices one trainer rank (a lead and s - 1 hidden followers running
+    the transformer with Ulysses over their group). Anything else: one line."""
     from digenrl.planner.shapes import model_shape
 
-    shape = model_shape(cfg.model)
-    problem = sp_problem(shape.transformer_class, shape.config, shape.tokens.x, shape.tokens.text, s)
-    if problem:
-        raise UserError(f"{head} {problem}")
+    e, mode = cfg.engine, cfg.placement.mode
+    pools = {p.name: p.count for p in cfg.cluster.pools}
+    devices = {"rollout": pools.get(cfg.placement.rollout_pool, 0), "trainer": pools.get(cfg.placement.trainer_pool, 0)}
+    for key, role in (("rollout_sp", "rollout"), ("trainer_sp", "trainer")):
+        s = getattr(e, key)
+        shape = (lambda: model_shape(cfg.model)) if s > 1 else None
+        why = sp_unwired(role, s, placement=mode, devices=devices[role], tag=e.tag, faults=bool(e.faults),
+                         evaluates=cfg.output.eval_every > 0, shape=shape)
+        if why:
+            raise UserError(f"engine.{key}: {s}: {why}")
+
+
+def sp_unwired(role: str, s: int, *, placement: str, devices: int, tag: bool, faults: bool = False,
+               evaluates: bool = False, shape=None) -> str | None:
+    """Why the engine cannot run sequence-parallel ``role`` workers ("rollout" / "trainer") of ``s``
+    devices, or None. The rule the runtime (:func:`check_sp_wired`) and the planner
+    (``planner/search.py``) share: disaggregated placements only, not beside TAG or fault injection
+    (nor, for trainers, eval, which rank 0 would run alone), ``s`` dividing the role's ``devices``
+    and the model's heads / tokens (``shape``: a ModelShape, or a function returning one; None skips
+    that check)."""
+    if s == 1:
+        return None
+    if placement != "disaggregated":
+        return f"sequence-parallel workers need placement.mode: disaggregated (got {placement}); use engine.{role}_sp: 1"
+    refused = {"engine.tag": tag, "engine.faults": faults}
+    if role == "trainer":
+        refused["output.eval_every"] = evaluates
+    for name, on in refused.items():
+        if on:
+            return f"not with {name} (sequence-parallel {role} workers do not run it yet)"
+    if devices % s:
+        return f"must divide the {devices} {role} devices"
+    if shape is None:
+        return None
+    from digenrl.distributed.sequence_parallel import sp_problem
+
+    shape = shape() if callable(shape) else shape
+    return sp_problem(shape.transformer_class, shape.config, shape.tokens.x, shape.tokens.text, s)
+
+

@@ -73,9 +73,9 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
     if start > cfg.train.iterations:
         raise UserError(f"--resume: the checkpoint has {start} iterations done, more than train.iterations "
                         f"({cfg.train.iterations})")
+    check_sp_wired(cfg)  # before the plan: its workers span sp devices
     workers = engine_workers(cfg)
     check_fsdp_wired(cfg)
-    check_sp_wired(cfg)
     # sharded trainer ranks > 0 follow rank 0; sequence-parallel followers, their group's lead
     hidden = set(followers(cfg, workers)) | set(sp_followers(cfg, workers))
     scheduled = [w for w in workers if w.name not in hidden]

@@ -27,11 +27,12 @@ def setups(plan: Plan, cost: CostModel) -> dict[str, DeviceSetup]:
     for p in plan.pools:
         role = plan.role(p)
         if role == "rollout":
-            s = cost.rollout_memory(p.device, plan.unit_size)
+            s = cost.rollout_memory(p.device, plan.unit_size, plan.rollout_sp)
         elif role == "trainer":
-            s = cost.trainer_setup(p.device, plan.ranks, plan.tag, plan.unit_size, plan.micro_batch)
+            s = cost.trainer_setup(p.device, plan.ranks, plan.tag, plan.unit_size, plan.micro_batch,
+                                  plan.trainer_sp)
         else:
-            s = cost.colocated_setup(p.device, plan.ranks, plan.unit_size, plan.micro_batch)
+            s = cost.colocated_setup(p.device, plan.ranks, plan.unit_size, plan.micro_batch, plan.trainer_sp)
         if not s.fits:
             raise DoesNotFit(s.why, s.need_bytes / max(s.have_bytes, 1.0))
         out[p.name] = s
@@ -51,7 +52,7 @@ def bound(plan: Plan, cost: CostModel, setup: dict[str, DeviceSetup] | None = No
 
     def work(pool: PoolConfig) -> tuple[float, float, float]:
         s = setup[pool.name]
-        R = units * cost.rollout_unit(pool.device, plan.unit_size)[0]
+        R = units * cost.rollout_unit(pool.device, plan.unit_size, s)[0]
         if plan.role(pool) == "rollout":
             return R, 0.0, 0.0
         T = units * S * sum(unit_train_time(cost, pool.device, m, parts, r, D, s) for r in range(D))
@@ -64,13 +65,13 @@ def bound(plan: Plan, cost: CostModel, setup: dict[str, DeviceSetup] | None = No
         inv, off = 0.0, 0.0
         for p in plan.pools:
             R, T, own = work(p)
-            inv += p.count / (R + T)
-            off += p.count * own / (R + T)
+            inv += plan.worker_count(p) / (R + T)
+            off += plan.worker_count(p) * own / (R + T)
         return (1 + off) / inv
     r_pool, t_pool = plan.rollout_pool, plan.trainer_pools[0]
     Rr, _, _ = work(r_pool)
     Rt, Tt, own = work(t_pool)
-    r, t = r_pool.count, t_pool.count
+    r, t = plan.worker_count(r_pool), plan.worker_count(t_pool)
     train_time = Tt / t + own
     if not plan.tag or Rr / r <= train_time:
         return max(Rr / r, train_time)

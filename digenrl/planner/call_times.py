@@ -122,9 +122,9 @@ class AnalyticTimes(CallTimes):
     """FLOPs / (peak x MFU), bounded below by streaming the weights once per pass."""
 
     def __init__(self, w: Workload, dev: DeviceSpec, p: CostParams, checkpointing: bool = False, shard: int = 1,
-                 link_bw: float | None = None):
+                 link_bw: float | None = None, cfg_batched: bool = True):
         self.w, self.dev, self.p = w, dev, p
-        self.checkpointing, self.shard = checkpointing, shard
+        self.checkpointing, self.shard, self.cfg_batched = checkpointing, shard, cfg_batched
         self.source = f"analytic ({dev.name}, MFU {p.mfu_rollout:.2f}/{p.mfu_train:.2f} {p.mfu_source})"
         self.flops = forward_flops(w.shape)  # one pass, one sample
         self.weight_bytes = w.params.total * w.dtype_bytes
@@ -141,6 +141,8 @@ class AnalyticTimes(CallTimes):
         return max(compute, stream) + self.p.forward_overhead_s
 
     def rollout_step(self, b):
+        if self.cfg_batched:  # every guidance pass in one forward of passes x b
+            return self._pass(self.w.passes * b, self.p.mfu_rollout, 1.0, 1.0) + self.fsdp_s
         return self.w.passes * (self._pass(b, self.p.mfu_rollout, 1.0, 1.0) + self.fsdp_s)
 
     def train_step(self, b):
@@ -149,7 +151,10 @@ class AnalyticTimes(CallTimes):
         factor = 1.0 + backward + (1.0 if self.checkpointing else 0.0)
         reads = 2.0 + (1.0 if self.checkpointing else 0.0)
         fsdp = self.fsdp_s * (3 if not self.w.lora else 2)
-        return self.w.passes * (self._pass(b, self.p.mfu_train, factor, reads) + fsdp)
+        t = self.w.passes * (self._pass(b, self.p.mfu_train, factor, reads) + fsdp)
+        if self.w.passes > 1 and not self.cfg_batched:  # sequential CFG runs the unconditional forward twice
+            t += self.ref_forward(b) / self.w.passes
+        return t
 
     def ref_forward(self, b):
         return self.w.passes * (self._pass(b, self.p.mfu_train, 1.0, 1.0) + self.fsdp_s)
@@ -201,6 +206,54 @@ def micro_batches(b: float, micro_batch: int) -> list[float]:
     """``b`` samples as forwards of ``micro_batch`` samples, the last one partial."""
     full, rest = divmod(b, micro_batch)
     return [float(micro_batch)] * int(full) + ([rest] if rest > 1e-9 else [])
+
+
+class SequenceParallelTimes(CallTimes):
+    """A worker of ``sp`` devices (Ulysses sequence parallelism): every transformer call's time over
+    ``sp`` (each device computes 1/sp of the tokens; the weights are read by every device, so a
+    call bound by weight streaming gains less than this says), plus the all-to-alls: four per
+    attention layer and pass (q, k, v in; the output back), each moving (sp-1)/sp of a device's
+    activations of that layer over the link; the backward moves them again. Everything else (encode,
+    decode, reward, optimizer, sync) runs as on one device."""
+
+    def __init__(self, inner: CallTimes, w: Workload, sp: int, link_bw: float):
+        self.inner, self.w, self.sp, self.link_bw = inner, w, sp, link_bw
+        self.source = f"{inner.source}, SP x{sp}"
+        for name in ("rollout_overhead_s", "train_overhead_s", "rollout_unit_factor", "train_unit_factor"):
+            setattr(self, name, getattr(inner, name))
+
+    def all_to_all(self, b: float) -> float:
+        """One pass's all-to-alls for a batch of ``b`` samples, per device."""
+        w, t = self.w, self.w.shape.tokens
+        layer = b * (t.x + t.text) / self.sp * w.params.hidden * w.dtype_bytes * (self.sp - 1) / self.sp
+        return 4 * w.params.blocks * layer / self.link_bw
+
+    def rollout_step(self, b):
+        return self.inner.rollout_step(b) / self.sp + self.w.passes * self.all_to_all(b)
+
+    def train_step(self, b):
+        return self.inner.train_step(b) / self.sp + 2 * self.w.passes * self.all_to_all(b)
+
+    def ref_forward(self, b):
+        return self.inner.ref_forward(b) / self.sp + self.w.passes * self.all_to_all(b)
+
+    def decode(self, b):
+        return self.inner.decode(b)
+
+    def reward(self, b):
+        return self.inner.reward(b)
+
+    def encode(self, prompts):
+        return self.inner.encode(prompts)
+
+    def optimizer(self):
+        return self.inner.optimizer()
+
+    def pack(self):
+        return self.inner.pack()
+
+    def load(self):
+        return self.inner.load()
 
 
 def rollout_unit_time(t: CallTimes, w: Workload, groups: float) -> tuple[float, float]:

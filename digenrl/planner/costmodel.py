@@ -27,8 +27,8 @@ from dataclasses import asdict
 
 from digenrl.planner.calibrate import (calibrated_mfu, check_profile_matches, profiled_overheads,
                                        unit_time_factor)
-from digenrl.planner.call_times import (AnalyticTimes, CallTimes, ProfiledTimes, interpolate, rollout_unit_time,
-                                        train_unit_time)
+from digenrl.planner.call_times import (AnalyticTimes, CallTimes, ProfiledTimes, SequenceParallelTimes, interpolate,
+                                        rollout_unit_time, train_unit_time)
 from digenrl.planner.constants import FP32_BYTES, FSDP_STEP_SHARE, MIN_UNIT_CV
 from digenrl.planner.gpus import DEVICES, ClusterSpec
 from digenrl.planner.memory import DeviceSetup, MemoryModel
@@ -136,13 +136,18 @@ class CostModel:
         return (dev["kind"] == "cpu" and device == "cpu") or dev.get("table_key") == device
 
     def times(self, device: str, setup: DeviceSetup | None = None) -> CallTimes:
-        key = (device, setup.checkpointing if setup else False, setup.shard if setup else 1)
+        """Per-call times on ``device`` run as ``setup`` says (checkpointing, FSDP degree, CFG mode, and
+        sequence parallelism over ``setup.sp`` devices of one node)."""
+        key = (device, setup.checkpointing if setup else False, setup.shard if setup else 1,
+               setup.cfg_batched if setup else True, setup.sp if setup else 1)
         if key not in self._times:
             if self.profiled(device):
-                self._times[key] = ProfiledTimes(self.profile)
+                t = ProfiledTimes(self.profile)
             else:
-                self._times[key] = AnalyticTimes(self.w, DEVICES[device], self.p, checkpointing=key[1], shard=key[2],
-                                                 link_bw=self.link_bw(device, key[2]))
+                t = AnalyticTimes(self.w, DEVICES[device], self.p, checkpointing=key[1], shard=key[2],
+                                  link_bw=self.link_bw(device, key[2]), cfg_batched=key[3])
+            sp = key[4]
+            self._times[key] = SequenceParallelTimes(t, self.w, sp, self.link_bw(device, sp)) if sp > 1 else t
         return self._times[key]
 
     # -- bandwidths ----------------------------------------------------------------------
@@ -164,9 +169,10 @@ class CostModel:
     def _factor(self, device: str, kind: str) -> float:
         return self.unit_factor.get(kind, 1.0) if self.profiled(device) and self.cluster.is_cpu else 1.0
 
-    def rollout_unit(self, device: str, groups: float) -> tuple[float, float]:
-        """(seconds, of which reward) for a rollout unit of ``groups`` prompt groups."""
-        total, reward = rollout_unit_time(self.times(device), self.w, groups)
+    def rollout_unit(self, device: str, groups: float, setup: DeviceSetup | None = None) -> tuple[float, float]:
+        """(seconds, of which reward) for a rollout unit of ``groups`` prompt groups on a worker run as
+        ``setup`` says (its sequence parallelism and CFG mode; None: one device, CFG batched)."""
+        total, reward = rollout_unit_time(self.times(device, setup), self.w, groups)
         f = self._factor(device, "rollout")
         return total * f, reward * f
 
@@ -182,6 +188,7 @@ class CostModel:
         """(seconds, of which publish) for one rank's share of the optimizer step."""
         t = self.times(device, setup)
         allreduce = 0.0
+        ranks *= setup.sp if setup is not None else 1  # a rank's sp devices each hold a partial gradient
         if ranks > 1:
             grad_bytes = self.w.trained_params * FP32_BYTES
             if self.profiled(device) and self.cluster.is_cpu:
@@ -239,19 +246,20 @@ class CostModel:
     def have(self, device: str) -> float:
         return self.memory.have(device)
 
-    def rollout_memory(self, device: str, groups: int) -> DeviceSetup:
-        """Does a rollout worker of this type hold the model + rollout models + a unit of ``groups``?"""
-        return self.memory.rollout(device, groups)
+    def rollout_memory(self, device: str, groups: int, sp: int = 1) -> DeviceSetup:
+        """Does a rollout worker of this type (``sp`` devices) hold the model + rollout models + a unit of ``groups``?"""
+        return self.memory.rollout(device, groups, sp)
 
     def trainer_setup(self, device: str, ranks: int, tag: bool, groups: int,
-                      micro_batch: int | None = None) -> DeviceSetup:
+                      micro_batch: int | None = None, sp: int = 1) -> DeviceSetup:
         """The cheapest way a trainer rank of this type fits (``tag``: it also rolls out units of ``groups``)."""
-        fits, miss = self.memory.trainer(device, ranks, tag, groups)
+        fits, miss = self.memory.trainer(device, ranks, tag, groups, sp)
         return self._best(fits, device, ranks, False, micro_batch) if fits else miss
 
-    def colocated_setup(self, device: str, ranks: int, groups: int, micro_batch: int | None = None) -> DeviceSetup:
+    def colocated_setup(self, device: str, ranks: int, groups: int, micro_batch: int | None = None,
+                        sp: int = 1) -> DeviceSetup:
         """A colocated device: training state and sampling state at once."""
-        fits, miss = self.memory.colocated(device, ranks, groups)
+        fits, miss = self.memory.colocated(device, ranks, groups, sp)
         return self._best(fits, device, ranks, True, micro_batch) if fits else miss
 
     def _score(self, device: str, setup: DeviceSetup, ranks: int, colocated: bool) -> float:

@@ -14,9 +14,16 @@ Trainer rank, FSDP degree N (N = 1: replicated, DDP-style bucketed all-reduce):
 - LoRA: the frozen base in the model dtype (1/N under FSDP), fp32 LoRA masters, gradients and
   AdamW moments (1/N under FSDP); the gathered block as above.
 - activations per sample: every block's saved tensors (activation checkpointing off), or each
-  block's input plus one block recomputed (on). The trained step runs the guidance passes inside
-  one autograd graph (``adapter.velocity`` computes the guided velocity from both passes), so both
-  passes' activations are held at once. A micro-batch of ``mb`` samples is one forward.
+  block's input plus one block recomputed (on). Two-pass CFG (``sampling.cfg_batching``): batched,
+  both passes are in one graph (twice one pass's activations); sequential, the trained step
+  backpropagates one pass at a time (adapters/guidance.py), so one pass's activations are held.
+  A micro-batch of ``mb`` samples is one forward.
+
+Sequence parallelism (``engine.rollout_sp`` / ``engine.trainer_sp`` = sp): a worker spans sp devices
+and each holds 1/sp of the video / image tokens (Ulysses), so the token-proportional activations per
+device scale 1/sp; text tokens, the weights (FSDP shards them over all the trainer devices, as the
+runtime does: ``train.fsdp`` counts devices, sequence parallelism runs inside), the trajectory and
+the decode do not. Every figure here is per device.
 
 No offloading: the runtime moves nothing to the host between phases, so the model has no offload
 option. :class:`MemoryModel` lists every setting that fits; the cost model picks the cheapest in
@@ -42,7 +49,9 @@ class DeviceSetup:
     fits: bool
     micro_batch: int
     checkpointing: bool = False
-    shard: int = 1  # FSDP degree over the trainer ranks
+    shard: int = 1  # FSDP degree over the trainer devices (train.fsdp; with sp, SP groups inside it)
+    sp: int = 1  # devices per worker (sequence parallelism); every figure is per device
+    cfg_batched: bool = True  # two-pass CFG as one forward of 2B (False: one pass at a time)
     need_bytes: float = 0.0
     have_bytes: float = 0.0
     parts: dict = field(default_factory=dict, compare=False)
@@ -54,6 +63,10 @@ class DeviceSetup:
             out.append("act. ckpt")
         if self.shard > 1:
             out.append(f"FSDP x{self.shard}")
+        if self.sp > 1:
+            out.append(f"SP x{self.sp}")
+        if not self.cfg_batched:
+            out.append("CFG seq.")
         return out
 
 
@@ -88,41 +101,64 @@ class MemoryModel:
         reward = self.p.model_reward_params if self.w.reward_kind == "model" else 0.0
         return HALF_BYTES * (sh.text_encoder_params + sh.vae_params + reward)
 
-    def rollout_acts(self, groups: int) -> float:
+    def cfg_modes(self, choice: str = "auto") -> tuple[bool, ...]:
+        """Two-pass CFG modes to try, batched first (``choice``: auto | batched | sequential); one
+        pass per step has nothing to choose."""
+        if self.w.passes == 1:
+            return (True,)
+        return {"auto": (True, False), "batched": (True,), "sequential": (False,)}[choice]
+
+    def pass_tokens(self, sp: int = 1) -> float:
+        """Tokens one device holds of one sample through a block: 1/sp of the image / video tokens
+        (Ulysses), all the text tokens."""
+        t = self.w.shape.tokens
+        return t.x / sp + t.text
+
+    def held_passes(self, cfg_batched: bool) -> int:
+        """Guidance passes whose activations are live at once."""
+        return self.w.passes if cfg_batched else 1
+
+    def rollout_acts(self, groups: float, sp: int = 1, cfg_batched: bool = True) -> float:
         """A rollout unit of ``groups``: one block's live activations, the trajectory, a decode tile."""
         w, t = self.w, self.w.shape.tokens
         b = groups * w.group_size
-        acts = b * (t.x + t.text) * w.params.hidden * self.p.infer_act_bytes
+        acts = self.held_passes(cfg_batched) * b * self.pass_tokens(sp) * w.params.hidden * self.p.infer_act_bytes
         trajectory = b * ((w.steps + 1) * t.latent_elements * FP32_BYTES
                           + w.passes * t.text * w.params.hidden * HALF_BYTES)
-        decode = min(t.pixels, self.p.vae_tile_px) * self.p.vae_decode_bytes_per_px if w.shape.vae_params else 0.0
-        return acts + trajectory + decode
+        return acts + trajectory + self.decode_bytes()
 
-    def act_bytes_per_block(self) -> float:
-        """Bytes autograd saves for one sample through one block, one pass, checkpointing off."""
-        w, t = self.w, self.w.shape.tokens
-        per_token = ACT_BYTES_PER_TOKEN_HIDDEN.get(w.family, self.p.train_act_bytes)
-        return (t.x + t.text) * w.params.hidden * per_token
+    def decode_bytes(self) -> float:
+        """The VAE decode, one sample at a time: a tile of it when tiled (``sampling.vae_tiling``)."""
+        w = self.w
+        if not w.shape.vae_params:
+            return 0.0
+        px = w.shape.tokens.pixels
+        return (min(px, self.p.vae_tile_px) if w.vae_tiled else px) * self.p.vae_decode_bytes_per_px
 
-    def block_input_bytes(self) -> float:
+    def act_bytes_per_block(self, sp: int = 1) -> float:
+        """Bytes autograd saves for one sample through one block, one pass, checkpointing off, per device."""
+        per_token = ACT_BYTES_PER_TOKEN_HIDDEN.get(self.w.family, self.p.train_act_bytes)
+        return self.pass_tokens(sp) * self.w.params.hidden * per_token
+
+    def block_input_bytes(self, sp: int = 1) -> float:
         """One block's input (image + text tokens in the model dtype): what checkpointing keeps."""
-        w, t = self.w, self.w.shape.tokens
-        return (t.x + t.text) * w.params.hidden * w.dtype_bytes
+        return self.pass_tokens(sp) * self.w.params.hidden * self.w.dtype_bytes
 
-    def train_acts(self, mb: int, checkpointing: bool) -> float:
-        """Activations of one training forward of ``mb`` samples, every guidance pass in the graph."""
+    def train_acts(self, mb: int, checkpointing: bool, sp: int = 1, cfg_batched: bool = True) -> float:
+        """Activations of one training forward of ``mb`` samples: both guidance passes in the graph
+        (batched) or one at a time (sequential)."""
         blocks = self.w.params.blocks
         if checkpointing:  # every block's input + one block recomputed in the backward
-            per = self.block_input_bytes() * blocks + self.act_bytes_per_block()
+            per = self.block_input_bytes(sp) * blocks + self.act_bytes_per_block(sp)
         else:
-            per = self.act_bytes_per_block() * blocks
-        return self.w.passes * mb * per
+            per = self.act_bytes_per_block(sp) * blocks
+        return self.held_passes(cfg_batched) * mb * per
 
     def gathered_block(self) -> float:
         """FSDP2's all-gathered compute copy: the running block and the prefetched next one."""
         return 2 * self.w.params.total / self.w.params.blocks * self.w.dtype_bytes
 
-    def train_parts(self, shard: int, mb: int, ckpt: bool) -> dict:
+    def train_parts(self, shard: int, mb: int, ckpt: bool, sp: int = 1, cfg_batched: bool = True) -> dict:
         w = self.w
         total, lora = w.params.total, w.params.lora
         half = w.dtype_bytes < FP32_BYTES
@@ -140,16 +176,20 @@ class MemoryModel:
                      "compute copy": (self.gathered_block() if shard > 1
                                       else total * w.dtype_bytes if half else 0.0),
                      "reference": total * w.dtype_bytes if w.kl else 0.0}
-        parts["activations"] = self.train_acts(mb, ckpt)
+        parts["activations"] = self.train_acts(mb, ckpt, sp, cfg_batched)
         return parts
 
-    def options(self, ranks: int, fsdp="auto", checkpointing="auto", micro_batch: int | None = None):
-        """(micro-batch, checkpointing, shard) in order of preference: largest micro-batch, then
-        replicated before sharded and sharding before checkpointing (checkpointing recomputes
-        every forward; FSDP's collectives overlap the compute). ``fsdp``: auto | off | N;
-        ``checkpointing``: auto | on | off; ``micro_batch``: only this one (else halving down to 1)."""
+    def options(self, ranks: int, fsdp="auto", checkpointing="auto", micro_batch: int | None = None,
+                cfg="auto", sp: int = 1):
+        """(micro-batch, checkpointing, CFG batched, shard) in order of preference: largest micro-batch,
+        then replicated before sharded, sharding before sequential CFG (one more forward of one pass)
+        and that before checkpointing (recomputes every forward; FSDP's collectives overlap the
+        compute). ``fsdp``: auto | off | N; ``checkpointing``: auto | on | off; ``cfg``: auto | batched
+        | sequential; ``micro_batch``: only this one (else halving down to 1)."""
         ckpts = {"auto": (False, True), "on": (True,), "off": (False,)}[checkpointing]
         shards = shard_degrees(ranks) if fsdp == "auto" else [1] if fsdp == "off" else [fsdp]
+        if sp > 1 and fsdp == "auto":  # sequence-parallel ranks shard over all devices or none (no HSDP:
+            shards = [d for d in shards if d in (1, ranks)]  # settings.fsdp_unwired refuses it)
         if micro_batch is not None:
             mbs = [micro_batch]
         else:
@@ -159,56 +199,70 @@ class MemoryModel:
                 mb //= 2
         for mb in mbs:
             for ckpt in ckpts:
-                for shard in shards:
-                    yield mb, ckpt, shard
+                for batched in self.cfg_modes(cfg):
+                    for shard in shards:
+                        yield mb, ckpt, batched, shard
 
     # -- the setups ----------------------------------------------------------------------
 
-    def rollout_parts(self, groups: int) -> dict:
+    def rollout_parts(self, groups: float, sp: int = 1, cfg_batched: bool = True) -> dict:
         w = self.w
         return {"weights": w.params.total * w.dtype_bytes, "lora": w.params.lora * w.dtype_bytes if w.lora else 0,
-                "rollout models": self.rollout_models(), "activations": self.rollout_acts(groups)}
+                "rollout models": self.rollout_models(), "activations": self.rollout_acts(groups, sp, cfg_batched)}
 
-    def rollout(self, device: str, groups: int) -> DeviceSetup:
-        """Does a rollout worker of this type hold the model + rollout models + a unit of ``groups``?"""
-        parts = self.rollout_parts(groups)
-        need, have = sum(parts.values()), self.have(device)
-        why = "" if need <= have else (f"a rollout unit of {groups} groups on {device} needs {gib(need)} "
-                                       f"({describe_parts(parts)}) > {gib(have)} usable")
-        return DeviceSetup(need <= have, self.w.micro_batch, need_bytes=need, have_bytes=have, parts=parts, why=why)
+    def rollout(self, device: str, groups: float, sp: int = 1, cfg: str = "auto") -> DeviceSetup:
+        """Does a rollout worker of this type (each of its ``sp`` devices) hold the model + rollout
+        models + a unit of ``groups``? CFG batched when it fits (``cfg`` auto), else sequential."""
+        have = self.have(device)
+        for batched in self.cfg_modes(cfg):
+            parts = self.rollout_parts(groups, sp, batched)
+            need = sum(parts.values())
+            if need <= have:
+                break
+        why = "" if need <= have else (f"a rollout unit of {groups:g} groups on {device}" + (f" (SP x{sp})" if sp > 1 else "")
+                                       + f" needs {gib(need)} ({describe_parts(parts)}) > {gib(have)} usable")
+        return DeviceSetup(need <= have, self.w.micro_batch, sp=sp, cfg_batched=batched, need_bytes=need,
+                           have_bytes=have, parts=parts, why=why)
 
-    def trainer_need(self, shard: int, mb: int, ckpt: bool, tag: bool = False, groups: int = 1) -> dict:
-        """A trainer rank's parts; ``tag`` / colocated: it also samples units of ``groups`` (through
-        the same sharded module, one gathered block at a time) and holds the rollout models."""
-        parts = self.train_parts(shard, mb, ckpt)
+    def trainer_need(self, shard: int, mb: int, ckpt: bool, tag: bool = False, groups: float = 1, sp: int = 1,
+                     cfg_batched: bool = True) -> dict:
+        """A trainer rank's parts (per device of its ``sp``); ``tag`` / colocated: it also samples units
+        of ``groups`` (through the same sharded module, one gathered block at a time) and holds the
+        rollout models."""
+        parts = self.train_parts(shard, mb, ckpt, sp, cfg_batched)
         if tag:
             parts["rollout models"] = self.rollout_models()
-            parts["rollout activations"] = max(0.0, self.rollout_acts(groups) - parts["activations"])
+            parts["rollout activations"] = max(0.0, self.rollout_acts(groups, sp, cfg_batched) - parts["activations"])
         return parts
 
-    def setups(self, device: str, ranks: int, tag: bool, groups: int, **choices) -> tuple[list[DeviceSetup], DeviceSetup]:
-        """(every setup that fits, in preference order; the last one tried, with why it does not)."""
+    def setups(self, device: str, ranks: int, tag: bool, groups: float, sp: int = 1,
+               **choices) -> tuple[list[DeviceSetup], DeviceSetup]:
+        """(every setup that fits, in preference order; the last one tried, with why it does not).
+        ``ranks``: trainer ranks (each of ``sp`` devices); the sharding degrees count devices (the
+        runtime's ``train.fsdp``: FSDP over all ``ranks x sp`` devices, sequence parallelism inside)."""
         have = self.have(device)
         fits, last = [], None
-        for mb, ckpt, shard in self.options(ranks, **choices):
-            parts = self.trainer_need(shard, mb, ckpt, tag, groups)
+        for mb, ckpt, batched, shard in self.options(ranks * sp, sp=sp, **choices):
+            parts = self.trainer_need(shard, mb, ckpt, tag, groups, sp, batched)
             need = sum(parts.values())
-            last = (need, parts, mb, ckpt, shard)
+            last = (need, parts, mb, ckpt, shard, batched)
             if need <= have:
-                fits.append(DeviceSetup(True, mb, ckpt, shard, need, have, parts))
-        need, parts, mb, ckpt, shard = last
+                fits.append(DeviceSetup(True, mb, ckpt, shard, sp, batched, need, have, parts))
+        need, parts, mb, ckpt, shard, batched = last
         role = "a colocated device" if tag else "a trainer"
-        miss = DeviceSetup(False, mb, ckpt, shard, need, have, parts,
+        miss = DeviceSetup(False, mb, ckpt, shard, sp, batched, need, have, parts,
                            why=f"{role} on {device} needs {gib(need)} ({describe_parts(parts)}) > {gib(have)} "
                                f"usable even at micro-batch {mb}" + (f", FSDP x{shard}" if shard > 1 else "")
-                               + (", activation checkpointing" if ckpt else ""))
+                               + (f", SP x{sp}" if sp > 1 else "")
+                               + (", activation checkpointing" if ckpt else "")
+                               + ("" if batched or self.w.passes == 1 else ", sequential CFG"))
         return fits, miss
 
-    def trainer(self, device: str, ranks: int, tag: bool, groups: int) -> tuple[list[DeviceSetup], DeviceSetup]:
+    def trainer(self, device: str, ranks: int, tag: bool, groups: float, sp: int = 1) -> tuple[list[DeviceSetup], DeviceSetup]:
         """(every setup of a trainer rank that fits, the last one tried with why it does not);
         ``tag``: the rank also rolls out units of ``groups``."""
-        return self.setups(device, ranks, tag, groups)
+        return self.setups(device, ranks, tag, groups, sp)
 
-    def colocated(self, device: str, ranks: int, groups: int) -> tuple[list[DeviceSetup], DeviceSetup]:
+    def colocated(self, device: str, ranks: int, groups: float, sp: int = 1) -> tuple[list[DeviceSetup], DeviceSetup]:
         """A colocated device holds the training and the sampling state at once (no offloading)."""
-        return self.setups(device, ranks, True, groups)
+        return self.setups(device, ranks, True, groups, sp)

@@ -10,7 +10,10 @@ Candidates:
 - disaggregated: a rollout pool of one device type and a trainer pool of one type (the runtime
   runs one rollout pool and one trainer pool): two different types use all their devices; one type
   is split ``r + t = n`` in every way; x ``m`` (and sub-group units when the groups are fewer than
-  the rollout devices) x TSP degree (1, 2, 4 <= t) x TAG on/off x ``max_staleness`` 0/1, with GAP on.
+  the rollout workers) x TSP degree (1, 2, 4 <= t) x TAG on/off x ``max_staleness`` 0/1, with GAP on;
+- video models, also sequence parallelism (:func:`sp_degrees`): workers of sp devices (2, 4, 8, inside
+  one node, dividing the pool), for the rollout pool and the trainer pool independently (colocated: one
+  sp for every device). Unit shapes and TSP degrees count workers, not devices.
 
 Baselines (:data:`BASELINES`, :func:`baselines`): the best plan of each arrangement the peers publish
 -- ``colocated`` (sub-group units allowed, as veRL-Omni colocates), ``colocated_whole_groups`` (the
@@ -18,8 +21,9 @@ planner's earlier colocated baseline: units of whole groups only) and ``separate
 (disaggregated one-step-off async without GAP, TSP or TAG: veRL-Omni's separate_async, MM-GRPO's
 one-step-off).
 
-Pruning: a candidate whose memory does not fit, or whose trainer ranks need an FSDP degree the
-engine refuses in that placement (:func:`unwired_sharding`, the runtime's own rule), is dropped
+Pruning: a candidate whose memory does not fit, or that the engine refuses -- sequence parallelism
+where it is not wired (colocated, beside TAG), or trainer ranks needing an FSDP degree the engine
+refuses there (:func:`unwired_sharding`, the runtime's own rules) -- is dropped
 (its reason is kept, for the error when nothing fits); the others are simulated in order of their
 throughput bound (a lower bound on the iteration time that costs no simulation), and the search
 stops once the next bound cannot beat the K-th best simulated plan. The best colocated plan is always simulated: speedups are against it.
@@ -38,6 +42,16 @@ from digenrl.planner.gpus import ClusterSpec
 from digenrl.planner.simulator import DoesNotFit, SimResult, bound, setups, simulate
 
 TSP_DEGREES = (1, 2, 4)
+SP_DEGREES = (1, 2, 4, 8)
+
+
+def sp_degrees(cost: CostModel, cluster: ClusterSpec) -> tuple[int, ...]:
+    """Sequence-parallel degrees worth trying: for a video model, those of :data:`SP_DEGREES` inside one
+    node (the all-to-alls stay on the node's links); an image model's few thousand tokens gain nothing,
+    and logical CPU devices share one host's cores."""
+    if not cost.w.video or cluster.is_cpu:
+        return (1,)
+    return tuple(d for d in SP_DEGREES if d <= max(1, cluster.gpus_per_node))
 
 
 def divisors(n: int) -> list[int]:
@@ -70,39 +84,61 @@ def unit_shapes(prompts: int, group_size: int, devices: int, sub_groups: bool = 
 
 def candidates(cluster: ClusterSpec, prompts: int, *, group_size: int = 1, colocated: bool = True,
                disaggregated: bool = True, sub_groups: bool = True, gap=(True,), tsp=TSP_DEGREES,
-               tag=(False, True), staleness=(0, 1)) -> list[Plan]:
+               tag=(False, True), staleness=(0, 1), sp=(1,)) -> list[Plan]:
     plans = []
     if colocated:  # on every device, and (mixed clusters) on the devices of one type
         groups = [tuple(cluster.pools)]
         if len(cluster.devices) > 1:
             groups += [tuple(p for p in cluster.pools if p.device == d) for d in cluster.devices]
         for pools in groups:
-            n = sum(p.count for p in pools)
-            plans += [Plan("colocated", pools, m, D, group_parts=parts)
-                      for m, parts in unit_shapes(prompts, group_size, n, sub_groups) for D in tsp if D <= n]
+            for q in (q for q in sp if all(p.count % q == 0 for p in pools)):
+                n = sum(p.count for p in pools) // q
+                plans += [Plan("colocated", pools, m, D, group_parts=parts, rollout_sp=q, trainer_sp=q)
+                          for m, parts in unit_shapes(prompts, group_size, n, sub_groups) for D in tsp if D <= n]
     for (dr, r), (dt, t) in pool_splits(cluster) if disaggregated else []:
         pools = (PoolConfig(name="rollout", device=dr, count=r), PoolConfig(name="trainer", device=dt, count=t))
-        plans += [Plan("disaggregated", pools, m, D, tg, g, st, group_parts=parts)
-                  for m, parts in unit_shapes(prompts, group_size, r, sub_groups)
-                  for D in tsp if D <= t for tg in tag for g in gap for st in staleness]
+        for qr in (q for q in sp if r % q == 0):
+            for qt in (q for q in sp if t % q == 0):
+                plans += [Plan("disaggregated", pools, m, D, tg, g, st, group_parts=parts, rollout_sp=qr, trainer_sp=qt)
+                          for m, parts in unit_shapes(prompts, group_size, r // qr, sub_groups)
+                          for D in tsp if D <= t // qt for tg in tag for g in gap for st in staleness]
     return plans
 
 
 def unwired_sharding(plan: Plan, setups_: dict, cost: CostModel) -> str | None:
-    """Why the engine cannot run the FSDP degree the memory model chose for the plan's trainer
-    devices -- the runtime's own rule (:func:`~digenrl.distributed.settings.fsdp_unwired`) -- or None."""
+    """Why the engine cannot run the plan's sequence parallelism (:func:`unwired_sp`) or the FSDP degree
+    the memory model chose for its trainer devices -- the runtime's own rule
+    (:func:`~digenrl.distributed.settings.fsdp_unwired`; the degree and ``ranks`` count trainer devices,
+    sequence-parallel groups inside) -- or None."""
     from digenrl.distributed.settings import fsdp_unwired
 
+    why = unwired_sp(plan, cost)
+    if why:
+        return why
     w = cost.w
     for pool in plan.trainer_pools:
         shard = setups_[pool.name].shard
         why = shard > 1 and fsdp_unwired(
-            shard, placement=plan.placement, ranks=plan.ranks, tag=plan.tag, tsp_degree=plan.tsp_degree,
-            timestep_mode=w.timestep_mode, unit_groups=plan.unit_groups,
+            shard, placement=plan.placement, ranks=plan.ranks * plan.trainer_sp, tag=plan.tag,
+            tsp_degree=plan.tsp_degree, timestep_mode=w.timestep_mode, unit_groups=plan.unit_groups,
             unit_samples=w.group_size // plan.group_parts if plan.group_parts > 1 else 0, group_size=w.group_size,
-            optimizer_steps=getattr(w, "optimizer_steps", 1))  # the workload's mini-batches, once it models them
+            optimizer_steps=w.optimizer_steps, trainer_sp=plan.trainer_sp)
         if why:
             return f"its {pool.name} ranks need train.fsdp {shard}, which the engine refuses: {why}"
+    return None
+
+
+def unwired_sp(plan: Plan, cost: CostModel) -> str | None:
+    """Why the engine cannot run the plan's ``rollout_sp`` / ``trainer_sp`` -- the runtime's own rule
+    (:func:`~digenrl.distributed.settings.sp_unwired`) -- or None."""
+    from digenrl.distributed.settings import sp_unwired
+
+    for key, role, s in (("rollout_sp", "rollout", plan.rollout_sp), ("trainer_sp", "trainer", plan.trainer_sp)):
+        pools = [plan.rollout_pool] if role == "rollout" and plan.placement == "disaggregated" else plan.trainer_pools
+        why = sp_unwired(role, s, placement=plan.placement, devices=sum(p.count for p in pools), tag=plan.tag,
+                         evaluates=cost.w.evaluates, shape=cost.w.shape)
+        if why:
+            return f"engine.{key}: {s}, which the engine refuses: {why}"
     return None
 
 
@@ -125,15 +161,17 @@ class SearchResult:
 def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int = 4,
            wait_for_full_batch: bool = False, plans: list[Plan] | None = None,
            runnable_only: bool = True) -> SearchResult:
-    """Rank the plans (``candidates`` by default). ``runnable_only``: drop those whose trainer ranks
-    need a sharding the engine refuses (:func:`unwired_sharding`); False keeps them, for the peers'
-    arrangements as the peers run them (:func:`baselines`: e.g. veRL-Omni colocates with FSDP)."""
+    """Rank the plans (``candidates`` by default). ``runnable_only``: drop those the engine refuses
+    (:func:`unwired_sharding`: their sequence parallelism, or the sharding their trainer ranks need);
+    False keeps them, for the peers' arrangements as the peers run them (:func:`baselines`: e.g.
+    veRL-Omni colocates with FSDP, DanceGRPO with sequence parallelism)."""
     start = time.perf_counter()
-    plans = plans if plans is not None else candidates(cluster, cost.w.prompts, group_size=cost.w.group_size)
+    plans = plans if plans is not None else candidates(cluster, cost.w.prompts, group_size=cost.w.group_size,
+                                                       sp=sp_degrees(cost, cluster))
     fitting, rejected = [], {}
     setup_cache: dict = {}
     for plan in plans:
-        key = (plan.placement, plan.pools, plan.unit_size, plan.tag)
+        key = (plan.placement, plan.pools, plan.unit_size, plan.tag, plan.rollout_sp, plan.trainer_sp)
         try:
             if key not in setup_cache:
                 setup_cache[key] = setups(plan, cost)
@@ -146,7 +184,7 @@ def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int 
             rejected[plan.label()] = s.args
             continue
         why = unwired_sharding(plan, s, cost) if runnable_only else None
-        if why:  # the runtime would refuse it (settings.check_fsdp_wired): never proposed
+        if why:  # the runtime would refuse it (settings.check_sp_wired / check_fsdp_wired): never proposed
             rejected[plan.label()] = (why, float("inf"))
             continue
         fitting.append((bound(plan, cost, s), plan))
@@ -201,7 +239,8 @@ def ladder(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
     (each line may pick another pool split and unit size)."""
     out = []
     for name, knobs in LADDER:
-        plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, colocated=False, **knobs)
+        plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, colocated=False,
+                           sp=sp_degrees(cost, cluster), **knobs)
         try:
             res = search(cost, cluster, top=1, iterations=iterations, plans=plans,
                          wait_for_full_batch=wait_for_full_batch)
@@ -214,17 +253,20 @@ def ladder(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
 #: the peers' arrangements, as candidate filters: the best plan of each is that baseline
 BASELINES = {
     "colocated": dict(disaggregated=False),  # veRL-Omni / DanceGRPO colocation: samples over every rank
-    "colocated_whole_groups": dict(disaggregated=False, sub_groups=False),  # this planner's earlier baseline
+    "colocated_whole_groups": dict(disaggregated=False, sub_groups=False, sp=(1,)),  # this planner's earlier baseline
     "separate_async": dict(colocated=False, gap=(False,), tsp=(1,), tag=(False,), staleness=(1,)),
 }
 
 
 def baselines(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
-              wait_for_full_batch: bool = False) -> dict[str, SimResult | None]:
+              wait_for_full_batch: bool = False, sp: tuple[int, ...] | None = None) -> dict[str, SimResult | None]:
     """The best plan of each peer arrangement (:data:`BASELINES`), as the peers run it (with the FSDP
-    its memory needs, even where DigenRL's engine does not run that sharding); None where none fits."""
+    its memory needs, even where DigenRL's engine does not run that sharding, and sequence parallelism
+    -- DanceGRPO's ``sp_size`` -- at the degrees ``sp``, default :func:`sp_degrees`, in any placement;
+    the earlier whole-group baseline never uses it); None where none fits."""
     out = {}
     for name, knobs in BASELINES.items():
+        knobs = {"sp": sp or sp_degrees(cost, cluster), **knobs}
         plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, **knobs)
         try:
             res = search(cost, cluster, top=1, iterations=iterations, plans=plans,

@@ -132,7 +132,7 @@ class Simulator:
         self.rng = random.Random(seed) if seed is not None else None  # None: every unit takes its mean
         self.w = cost.w
         self.setups = setups(plan, cost)
-        workers = plan.workers()
+        workers = plan.leads()  # with sequence parallelism, one worker per group of sp devices
         self.pool = {w.name: w.pool for w in workers}
         self.role = {w.name: w.role for w in workers}
         self.order = [w.name for w in workers]
@@ -173,7 +173,7 @@ class Simulator:
                 self.held[worker] = unit.version
             segs += self._switch(worker, "rollout", dev, setup)
             size = len(unit.groups) / unit.parts  # groups in the unit (a fraction for a part of one)
-            total, reward = self._d(("rollout", dev, size), lambda: cost.rollout_unit(dev, size))
+            total, reward = self._d(("rollout", pool.name, size), lambda: cost.rollout_unit(dev, size, setup))
             segs.append(_Seg("rollout", self._draw(total, dev, "rollout"), True, dict(
                 base, kind="rollout", version=unit.version, reward_s=reward,
                 args={"samples": len(unit.groups) * self.w.group_size // unit.parts, "groups": list(unit.groups)})))

@@ -30,12 +30,16 @@ class Workload:
     video_frames: int
     optimizer_steps: int = 1  # mini-batch PPO: train units per rolled-out unit and TSP rank, steps per iteration
     weight_sync: str = "broadcast"  # how rank 0 ships versions: "broadcast" (engine.weight_sync auto) | "object_store"
+    vae_tiled: bool = True  # the decode's memory is a tile of a sample (sampling.vae_tiling not off)
+    video: bool = False  # a video family: the planner tries sequence parallelism
+    evaluates: bool = False  # output.eval_every > 0 (the engine refuses sequence-parallel trainers then)
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
         import torch
 
         from digenrl.adapters import adapter_class
+        from digenrl.adapters.vae_decode import tiling_mode
         from digenrl.algorithms.grpo import select_timesteps
 
         adapter = adapter_class(cfg.model.adapter)
@@ -54,6 +58,8 @@ class Workload:
             reward_kind="weight_free" if names <= WEIGHT_FREE_REWARDS else "model",
             video_frames=cfg.model.frames or 1, optimizer_steps=cfg.train.optimizer_steps,
             weight_sync="object_store" if cfg.engine.weight_sync == "object_store" else "broadcast",
+            vae_tiled=tiling_mode(cfg.model, cfg.sampling) != "off", video=cfg.model.frames is not None,
+            evaluates=cfg.output.eval_every > 0,
         )
 
     @property

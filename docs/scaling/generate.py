@@ -1,6 +1,7 @@
 """Regenerate the tables and Gantt charts of docs/scaling.md (model predictions, not measurements).
 
     python docs/scaling/generate.py              # search every model x cluster: predictions.json, Gantt charts
+    python docs/scaling/generate.py --models "HunyuanVideo (13B)" ...   # only these rows (merged into it)
     python docs/scaling/generate.py --markdown   # the tables of docs/scaling.md from predictions.json
 """
 
@@ -21,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent
 MODELS = {
     "FLUX.1-dev (12B)": "flux1_dev.yaml",
-    "Wan2.1-T2V-14B": "wan2.1_t2v_14b.yaml",
+    "Wan2.1-T2V-14B 480p": "wan2.1_t2v_14b.yaml",
+    "Wan2.1-T2V-14B 240p": "wan2.1_t2v_14b_240p.yaml",
     "HunyuanVideo (13B)": "hunyuan_video.yaml",
     "Qwen-Image (20B)": "qwen_image.yaml",
 }
@@ -39,10 +41,27 @@ def _summary(r) -> dict | None:
             "notes": sorted({n for s in r.setups.values() for n in s.notes()})}
 
 
-def main() -> int:
+def _model_of(key: str) -> str:
+    """The model label of a predictions.json key ('label | cluster' or 'workload | label')."""
+    first, second = key.split(" | ")
+    return second if first == "workload" else first
+
+
+def main(only: list[str] | None = None) -> int:
+    """Search the models (``only``: these labels, the other rows of predictions.json kept)."""
     rows = {}
+    path = OUT / "predictions.json"
+    if only:
+        unknown = set(only) - set(MODELS)
+        if unknown:
+            print(f"unknown model labels {sorted(unknown)} (known: {list(MODELS)})", file=sys.stderr)
+            return 2
+        kept = json.loads(path.read_text())  # rows of the other models, as they were
+        rows = {tuple(k.split(" | ")): v for k, v in kept.items() if _model_of(k) in MODELS and _model_of(k) not in only}
     t0 = time.time()
     for label, cfg_file in MODELS.items():
+        if only and label not in only:
+            continue
         cfg = load_config(ROOT / "configs" / cfg_file)
         w = Workload.from_config(cfg)
         for cname in CLUSTERS:
@@ -70,8 +89,7 @@ def main() -> int:
             print(f"{label} on {cname}: {rows[(label, cname)]['best']} {best.samples_per_s:.3f} sps "
                   f"({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
         rows[("workload", label)] = w.summary()
-    (OUT / "predictions.json").write_text(json.dumps({f"{k[0]} | {k[1]}": v for k, v in rows.items()}, indent=1,
-                                                     default=str))
+    path.write_text(json.dumps({f"{k[0]} | {k[1]}": v for k, v in rows.items()}, indent=1, default=str))
     print(json.dumps({"cost_params": asdict(CostModel(w, cluster).p)}, indent=1))
     return 0
 
@@ -182,4 +200,6 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--markdown"]:
         print(markdown())
         sys.exit(0)
+    if sys.argv[1:2] == ["--models"]:
+        sys.exit(main(sys.argv[2:]))
     sys.exit(main())

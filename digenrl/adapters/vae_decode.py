@@ -1,0 +1,45 @@
+"""How an adapter's VAE decodes a batch (``sampling.vae_tiling``): one sample at a time, tiled where
+configured or where a sample is larger than the memory model's decode tile.
+
+- **Slicing** (always): the diffusers VAE decodes a batch one sample at a time (``enable_slicing``), so
+  the decode's memory is one sample's, whatever the rollout unit's size, and the output equals
+  decoding each sample alone.
+- **Tiling** (``on``, or ``auto`` above :data:`TILE_PX` pixels per sample): the VAE's own tiled decode
+  (``enable_tiling``: overlapping spatial tiles blended at the seams; the Wan VAE already decodes one
+  latent frame at a time, HunyuanVideo's also tiles time). Blending makes it differ slightly from the
+  untiled decode near the seams (tests/test_vae_decode.py states by how much). Below the tile,
+  ``auto`` keeps the VAE's own default (HunyuanVideo's decodes in time tiles); ``off`` decodes whole
+  samples (HunyuanVideo's frame-wise decode off too).
+"""
+
+from __future__ import annotations
+
+from digenrl.planner.params import CostParams
+
+#: pixels (height x width x frames) of one sample above which ``auto`` tiles: the decode tile the
+#: memory model assumes (``CostParams.vae_tile_px``), so the runtime decodes what the model sized
+TILE_PX = CostParams().vae_tile_px
+
+
+def tiling_mode(model, sampling) -> str:
+    """``on`` | ``off`` | ``default`` (the VAE's own: no spatial tiles; HunyuanVideo's time tiles): what
+    ``sampling.vae_tiling`` asks for; ``auto`` is ``on`` above the tile, else ``default``."""
+    if sampling.vae_tiling == "auto":
+        return "on" if model.height * model.width * (model.frames or 1) > TILE_PX else "default"
+    return sampling.vae_tiling
+
+
+def configure_vae(vae, mode: str, tile: dict | None = None) -> None:
+    """Slice the batch; ``mode`` (:func:`tiling_mode`) ``on``: tile, with the VAE's default tile sizes
+    or ``tile``'s ``enable_tiling`` arguments; ``off``: whole samples, no tiles in space or time."""
+    if hasattr(vae, "enable_slicing"):
+        vae.enable_slicing()
+    if mode == "on" and hasattr(vae, "enable_tiling"):
+        vae.enable_tiling(**(tile or {}))
+        if hasattr(vae, "use_framewise_decoding"):  # HunyuanVideo: tiles in time too
+            vae.use_framewise_decoding = True
+    elif mode == "off":
+        if hasattr(vae, "disable_tiling"):
+            vae.disable_tiling()
+        if hasattr(vae, "use_framewise_decoding"):  # HunyuanVideo decodes in time tiles by default
+            vae.use_framewise_decoding = False
