@@ -284,6 +284,7 @@ def ray_cluster():
     yield from local_ray()
 
 
+@pytest.mark.slow  # starts Ray
 def test_inside_the_reward_actor(ray_cluster, server):
     """The reward actor (reward.service) builds the remote reward from the registry: same scores, same error."""
     import ray
