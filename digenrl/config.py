@@ -32,6 +32,13 @@ def first_duplicate(names: list[str]) -> str | None:
     return None
 
 
+def on_off(value):
+    """YAML reads a bare on / off as a boolean: back to the word."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
 class _Section(BaseModel):
     # inf / nan in a float field is refused at validation, naming the field
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -117,9 +124,7 @@ class SamplingConfig(_Section):
     @field_validator("vae_tiling", mode="before")
     @classmethod
     def _switch(cls, value):
-        if isinstance(value, bool):  # YAML reads a bare on / off as a boolean
-            return "on" if value else "off"
-        return value
+        return on_off(value)
 
 
 # ----------------------------------------------------------------------------------- algorithm
@@ -264,9 +269,7 @@ class TrainConfig(_Section):
     @field_validator("activation_checkpointing", mode="before")
     @classmethod
     def _switch(cls, value):
-        if isinstance(value, bool):  # YAML reads a bare on / off as a boolean
-            return "on" if value else "off"
-        return value
+        return on_off(value)
 
     @field_validator("fsdp", mode="before")
     @classmethod
