@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch
 
-from digenrl.engine import weight_sync
+from digenrl.engine import sync_group, weight_sync
 from digenrl.units import rollout_unit
 
 
@@ -53,7 +53,7 @@ class SequenceParallelMember:
         the same generation, with that version's weights; returns nothing."""
         if unit.version != self.policy.version:  # the lead's packet (object store), else this member's inbox
             weight_sync.load_version(self.policy, unit.version, unit.iteration, packet, self.sync, self.expected_keys)
-        if self.sync is not None and hasattr(self.sync, "drain_events"):  # a follower's prefetches stay off the timeline
+        if isinstance(self.sync, sync_group.BroadcastInbox):  # a follower's prefetches stay off the timeline
             self.sync.drain_events()
         cfg = self.cfg
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
