@@ -37,31 +37,55 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # (more so the modes that keep both devices busy). Equal footing measures the engine, not that.
 os.environ.setdefault("RAY_worker_niceness", "0")
 
-SIZE = ["model.height=48", "model.width=48", "sampling.steps=8", "algorithm.group_size=8",
-        "train.prompts_per_iteration=8", "engine.unit_groups=2"]  # 4 rollout units of 16 samples, ~170 ms each
+SIZE = [
+    "model.height=48",
+    "model.width=48",
+    "sampling.steps=8",
+    "algorithm.group_size=8",
+    "train.prompts_per_iteration=8",
+    "engine.unit_groups=2",
+]  # 4 rollout units of 16 samples, ~170 ms each
 WORKLOADS = {
     "balanced": SIZE + ["algorithm.timesteps.fraction=0.5"],  # 4 of 8 steps trained: T ~ R
     "flow_grpo": SIZE + ["algorithm.timesteps.fraction=0.99"],  # 7 of 8 steps trained: T ~ 3R
 }
-FEW_GROUPS = ["model.height=48", "model.width=48", "sampling.steps=8", "algorithm.group_size=16",
-              "train.prompts_per_iteration=1", "engine.unit_groups=1", "algorithm.timesteps.fraction=0.5",
-              "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"]
+FEW_GROUPS = [
+    "model.height=48",
+    "model.width=48",
+    "sampling.steps=8",
+    "algorithm.group_size=16",
+    "train.prompts_per_iteration=1",
+    "engine.unit_groups=1",
+    "algorithm.timesteps.fraction=0.5",
+    "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",
+]
 DEVICES = {"few_groups": (2, 1)}  # (rollout, trainer) devices; the other workloads 1 + 1
 DISAGG = ["placement.mode=disaggregated", "engine.max_staleness=0"]
 MODES = {
     # every knob explicit (DISAGG pins max_staleness 0): the default config turns all of them on
-    "colocated": ["placement.mode=colocated", "engine.gap=false", "engine.tag=false", "engine.tsp_degree=1",
-                  "engine.max_staleness=0"],
+    "colocated": [
+        "placement.mode=colocated",
+        "engine.gap=false",
+        "engine.tag=false",
+        "engine.tsp_degree=1",
+        "engine.max_staleness=0",
+    ],
     "sync": DISAGG + ["engine.gap=false", "engine.tag=false", "engine.tsp_degree=1"],
     "gap": DISAGG + ["engine.gap=true", "engine.tag=false", "engine.tsp_degree=1"],
     "gap_tsp": DISAGG + ["engine.gap=true", "engine.tag=false", "engine.tsp_degree=2"],
     "gap_tsp_tag": DISAGG + ["engine.gap=true", "engine.tag=true", "engine.tsp_degree=2"],
-    "full": ["placement.mode=disaggregated", "engine.gap=true", "engine.tag=true", "engine.tsp_degree=2",
-             "engine.max_staleness=1"],
+    "full": [
+        "placement.mode=disaggregated",
+        "engine.gap=true",
+        "engine.tag=true",
+        "engine.tsp_degree=2",
+        "engine.max_staleness=1",
+    ],
 }
 FEW_GROUP_MODES = {
     "whole_groups": DISAGG + ["engine.gap=true", "engine.tag=false", "engine.tsp_degree=1"],
-    "sub_groups": DISAGG + ["engine.gap=true", "engine.tag=false", "engine.tsp_degree=1", "engine.unit_samples=8"],
+    "sub_groups": DISAGG
+    + ["engine.gap=true", "engine.tag=false", "engine.tsp_degree=1", "engine.unit_samples=8"],
 }
 WORKLOADS["few_groups"] = FEW_GROUPS
 MODES_OF = {"few_groups": FEW_GROUP_MODES}  # the other workloads: MODES
@@ -80,7 +104,9 @@ def run_mode(workload: str, mode: str, iterations: int, root: Path) -> dict:
     from digenrl.engine.runtime import run_engine
     from digenrl.engine.timeline import Timeline
 
-    cfg = load_config(None, WORKLOADS[workload] + MODES_OF.get(workload, MODES)[mode] + [f"train.iterations={iterations}"])
+    cfg = load_config(
+        None, WORKLOADS[workload] + MODES_OF.get(workload, MODES)[mode] + [f"train.iterations={iterations}"]
+    )
     started = time.perf_counter()
     result = run_engine(cfg, run_dir=root / f"{workload}-{mode}")
     total = time.perf_counter() - started
@@ -117,28 +143,58 @@ def table(title: str, rows: list[dict]):
 
     by = {r["mode"]: r for r in rows}
     tab = Table(title=title)
-    for col in ("mode", "samples/s", "vs colocated", "vs sync (few_groups: vs whole_groups)", "bubble", "sync s/iter", "iter s",
-                "R dev-s", "T dev-s", "bound s", "efficiency"):
+    for col in (
+        "mode",
+        "samples/s",
+        "vs colocated",
+        "vs sync (few_groups: vs whole_groups)",
+        "bubble",
+        "sync s/iter",
+        "iter s",
+        "R dev-s",
+        "T dev-s",
+        "bound s",
+        "efficiency",
+    ):
         tab.add_column(col, justify="right" if col != "mode" else "left")
     for r in rows:
-        ratio = lambda ref: (f"{r['samples_per_s'] / by[ref]['samples_per_s']:.2f}x"  # noqa: E731
-                             if ref in by else "-")
-        tab.add_row(r["mode"], f"{r['samples_per_s']:.1f}", ratio("colocated"), ratio("sync") if "sync" in by
-                    else ratio("whole_groups"),
-                    f"{r['bubble_fraction']:.1%}", f"{r['sync_s'] * 1e3:.1f} ms", f"{r['iteration_s']:.3f}",
-                    f"{r['R_device_s']:.3f}", f"{r['T_device_s']:.3f}", f"{r['bound_s']:.3f}",
-                    f"{r['efficiency']:.2f}")
+        ratio = lambda ref: (
+            f"{r['samples_per_s'] / by[ref]['samples_per_s']:.2f}x"  # noqa: E731
+            if ref in by
+            else "-"
+        )
+        tab.add_row(
+            r["mode"],
+            f"{r['samples_per_s']:.1f}",
+            ratio("colocated"),
+            ratio("sync") if "sync" in by else ratio("whole_groups"),
+            f"{r['bubble_fraction']:.1%}",
+            f"{r['sync_s'] * 1e3:.1f} ms",
+            f"{r['iteration_s']:.3f}",
+            f"{r['R_device_s']:.3f}",
+            f"{r['T_device_s']:.3f}",
+            f"{r['bound_s']:.3f}",
+            f"{r['efficiency']:.2f}",
+        )
     return tab
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=7, help="per mode; the first and last are not measured")
+    parser.add_argument(
+        "--iterations", type=int, default=7, help="per mode; the first and last are not measured"
+    )
     parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
-    parser.add_argument("--modes", default=None, help="comma-separated subset (default: every mode of the workload)")
+    parser.add_argument(
+        "--modes", default=None, help="comma-separated subset (default: every mode of the workload)"
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode, in round robin")
-    parser.add_argument("--pick", choices=["best", "median"], default="best",
-                        help="which run of the repeats to report (best: least disturbed by other load)")
+    parser.add_argument(
+        "--pick",
+        choices=["best", "median"],
+        default="best",
+        help="which run of the repeats to report (best: least disturbed by other load)",
+    )
     parser.add_argument("--json", type=Path, help="write the measured numbers here")
     args = parser.parse_args(argv)
 
@@ -152,11 +208,18 @@ def main(argv: list[str] | None = None) -> int:
         known = MODES_OF.get(workload, MODES)
         modes_of[workload] = [m for m in (args.modes.split(",") if args.modes else known) if m]
         if unknown := [m for m in modes_of[workload] if m not in known]:
-            print(f"error: --modes: {', '.join(unknown)} not a mode of workload {workload} ({', '.join(known)})",
-                  file=sys.stderr)
+            print(
+                f"error: --modes: {', '.join(unknown)} not a mode of workload {workload} ({', '.join(known)})",
+                file=sys.stderr,
+            )
             return 2
-    ray.init(num_cpus=os.cpu_count(), resources={"pool:rollout": 2, "pool:trainer": 1}, include_dashboard=False,
-             logging_level="WARNING", log_to_driver=False)
+    ray.init(
+        num_cpus=os.cpu_count(),
+        resources={"pool:rollout": 2, "pool:trainer": 1},
+        include_dashboard=False,
+        logging_level="WARNING",
+        log_to_driver=False,
+    )
     results: dict[str, list[dict]] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -170,9 +233,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows = results[workload] = [pick_run(runs[m], args.pick) for m in modes]
                 load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
                 r, t = DEVICES.get(workload, (1, 1))
-                console.print(table(f"engine modes - {workload} workload ({r} rollout + {t} trainer device(s), "
-                                    f"{os.cpu_count()} CPU cores, {args.pick} of {args.repeats}, load average {load})",
-                                    rows))
+                console.print(
+                    table(
+                        f"engine modes - {workload} workload ({r} rollout + {t} trainer device(s), "
+                        f"{os.cpu_count()} CPU cores, {args.pick} of {args.repeats}, load average {load})",
+                        rows,
+                    )
+                )
     finally:
         ray.shutdown()
     if args.json:

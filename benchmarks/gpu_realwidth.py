@@ -60,22 +60,48 @@ def build(args, dev):
     from digenrl.config import load_config
 
     if args.tiny:
-        width = dict(num_attention_heads=2, attention_head_dim=16, joint_attention_dim=64, pooled_projection_dim=32,
-                     axes_dims_rope=(4, 4, 8))
+        width = dict(
+            num_attention_heads=2,
+            attention_head_dim=16,
+            joint_attention_dim=64,
+            pooled_projection_dim=32,
+            axes_dims_rope=(4, 4, 8),
+        )
     else:  # FLUX.1-dev
-        width = dict(num_attention_heads=24, attention_head_dim=128, joint_attention_dim=4096,
-                     pooled_projection_dim=768, axes_dims_rope=(16, 56, 56))
+        width = dict(
+            num_attention_heads=24,
+            attention_head_dim=128,
+            joint_attention_dim=4096,
+            pooled_projection_dim=768,
+            axes_dims_rope=(16, 56, 56),
+        )
     # the tiny preset's VAE packs 4 latent channels: in_channels 16 (FLUX.1-dev: 64; only x_embedder differs)
-    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=args.double,
-                                   num_single_layers=args.single, guidance_embeds=True, **width)
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=args.double,
+        num_single_layers=args.single,
+        guidance_embeds=True,
+        **width,
+    )
     model.to(dev, torch.bfloat16)
     # 128 px through the tiny VAE (scale 2, 2x2 packing) = 1024 image tokens, as FLUX at 512 px
     px = 32 if args.tiny else 128
-    cfg = load_config(None, ["model.dtype=bfloat16", f"model.height={px}", f"model.width={px}",
-                             f"model.max_text_len={args.text_len}", f"sampling.steps={args.steps}"])
+    cfg = load_config(
+        None,
+        [
+            "model.dtype=bfloat16",
+            f"model.height={px}",
+            f"model.width={px}",
+            f"model.max_text_len={args.text_len}",
+            f"sampling.steps={args.steps}",
+        ],
+    )
     adapter = build_adapter(cfg.model, cfg.sampling, dev)
     adapter.transformer = model
-    adapter.text = HashTextEncoder(width["joint_attention_dim"], args.text_len, width["pooled_projection_dim"])
+    adapter.text = HashTextEncoder(
+        width["joint_attention_dim"], args.text_len, width["pooled_projection_dim"]
+    )
     return cfg, adapter, model
 
 
@@ -104,7 +130,10 @@ def main():
     if args.tiny:
         args.text_len = min(args.text_len, 16)
     dev = torch.device(args.device)
-    res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "args": vars(args) | {"json": None}}
+    res: dict = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "args": vars(args) | {"json": None},
+    }
     peak_gib(dev)
 
     from digenrl.algorithms.sde import recompute_logprob, sample
@@ -124,30 +153,64 @@ def main():
     sigmas = ad.sigmas(N)
     kind, eta = cfg.sampling.sde, cfg.sampling.noise_level
     with torch.no_grad():
-        t_roll, traj = timed(dev, lambda: sample(ad, cond, noise, sigmas, kind, eta, torch.Generator().manual_seed(1)), 2)
+        t_roll, traj = timed(
+            dev, lambda: sample(ad, cond, noise, sigmas, kind, eta, torch.Generator().manual_seed(1)), 2
+        )
     tokens = ad.latent_shape()[0] + args.text_len
-    res["rollout"] = {"step_s": t_roll / N, "batch": B, "tokens": tokens, "peak_gib": peak_gib(dev),
-                      "predicted_static_gib": n_params * 2 / 2**30}
+    res["rollout"] = {
+        "step_s": t_roll / N,
+        "batch": B,
+        "tokens": tokens,
+        "peak_gib": peak_gib(dev),
+        "predicted_static_gib": n_params * 2 / 2**30,
+    }
     from diffusers import FluxPipeline
 
-    pipe = FluxPipeline(scheduler=ad.flow_scheduler(ad.scheduler.config), vae=None, text_encoder=None, tokenizer=None,
-                        text_encoder_2=None, tokenizer_2=None, transformer=model)
+    pipe = FluxPipeline(
+        scheduler=ad.flow_scheduler(ad.scheduler.config),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=model,
+    )
     pipe.set_progress_bar_config(disable=True)
-    pipe_px = 8 * 2 * int(ad.latent_shape()[0] ** 0.5)  # vae scale 8 without a VAE, 2x2 packing: same token count
-    embeds, pooled = cond.batched["prompt_embeds"].to(torch.bfloat16), cond.batched["pooled"].to(torch.bfloat16)
+    pipe_px = (
+        8 * 2 * int(ad.latent_shape()[0] ** 0.5)
+    )  # vae scale 8 without a VAE, 2x2 packing: same token count
+    embeds, pooled = (
+        cond.batched["prompt_embeds"].to(torch.bfloat16),
+        cond.batched["pooled"].to(torch.bfloat16),
+    )
     with torch.no_grad():
-        t_pipe, _ = timed(dev, lambda: pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, height=pipe_px, width=pipe_px,
-                                            num_inference_steps=N, guidance_scale=cfg.sampling.guidance,
-                                            output_type="latent"), 2)
+        t_pipe, _ = timed(
+            dev,
+            lambda: pipe(
+                prompt_embeds=embeds,
+                pooled_prompt_embeds=pooled,
+                height=pipe_px,
+                width=pipe_px,
+                num_inference_steps=N,
+                guidance_scale=cfg.sampling.guidance,
+                output_type="latent",
+            ),
+            2,
+        )
     res["rollout"]["flux_pipeline_step_s"] = t_pipe / N
 
     # ---- on-policy ratio on the device's kernels: recompute each step's log-prob, same batch
     with torch.no_grad():
         diffs = []
         for i in range(N):
-            lp, _, _ = recompute_logprob(ad, cond, traj.latents[:, i], traj.latents[:, i + 1], sigmas, i, kind, eta)
+            lp, _, _ = recompute_logprob(
+                ad, cond, traj.latents[:, i], traj.latents[:, i + 1], sigmas, i, kind, eta
+            )
             diffs.append((lp - traj.log_probs[:, i]).abs().max().item())
-    res["on_policy"] = {"max_abs_log_ratio": max(diffs), "max_ratio_minus_1": float(torch.tensor(max(diffs)).exp() - 1)}
+    res["on_policy"] = {
+        "max_abs_log_ratio": max(diffs),
+        "max_ratio_minus_1": float(torch.tensor(max(diffs)).exp() - 1),
+    }
 
     # ---- train (full fine-tuning, fp32 masters, AdamW): fwd + bwd at one step, with and without AC
     fp32_master(model.requires_grad_(True))
@@ -157,7 +220,9 @@ def main():
     i = 0
 
     def train_step():
-        lp, _, _ = recompute_logprob(ad, cond, traj.latents[:, i], traj.latents[:, i + 1], sigmas, i, kind, eta)
+        lp, _, _ = recompute_logprob(
+            ad, cond, traj.latents[:, i], traj.latents[:, i + 1], sigmas, i, kind, eta
+        )
         lp.mean().backward()
         return None
 
@@ -168,22 +233,32 @@ def main():
         if ac:
             checkpoint_blocks(model)
         t_train, _ = timed(dev, train_step, 2)
-        res[f"train_ac_{'on' if ac else 'off'}"] = {"step_s": t_train, "mfu": flops / t_train / peak,
-                                                     "peak_gib": peak_gib(dev), "predicted_static_gib": static_train}
+        res[f"train_ac_{'on' if ac else 'off'}"] = {
+            "step_s": t_train,
+            "mfu": flops / t_train / peak,
+            "peak_gib": peak_gib(dev),
+            "predicted_static_gib": static_train,
+        }
         opt.zero_grad(set_to_none=True)
     train_step()
     t0 = time.perf_counter()
     opt.step()
     sync(dev)
-    res["optimizer_step"] = {"s": time.perf_counter() - t0, "peak_gib": peak_gib(dev),
-                             "predicted_static_gib": n_params * (4 + 4 + 8) / 2**30}
+    res["optimizer_step"] = {
+        "s": time.perf_counter() - t0,
+        "peak_gib": peak_gib(dev),
+        "predicted_static_gib": n_params * (4 + 4 + 8) / 2**30,
+    }
 
     # ---- weight sync on the device: fingerprint and bucket packing vs SHA-256 of host bytes
     from digenrl.distributed.fingerprint import fingerprint
     from digenrl.lora import checksum
 
     full = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
-    lora_like = {f"l{j}": torch.randn(64, 3072, device=dev, dtype=torch.bfloat16) for j in range(16 * (args.double + args.single))}
+    lora_like = {
+        f"l{j}": torch.randn(64, 3072, device=dev, dtype=torch.bfloat16)
+        for j in range(16 * (args.double + args.single))
+    }
     rows = []
     for what, state in (("lora_like", lora_like), ("full", full)):
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -194,16 +269,26 @@ def main():
             off = 0
             for t in state.values():
                 k = t.numel() * t.element_size()
-                buf[off:off + k].copy_(t.reshape(-1).view(torch.uint8))
+                buf[off : off + k].copy_(t.reshape(-1).view(torch.uint8))
                 off += k
 
         t_pack, _ = timed(dev, pack, 2)
         t_sha, _ = timed(dev, lambda: checksum(state), 1)
-        rows += [{"what": what, "bytes": nbytes, "fingerprint_gb_s": nbytes / t_fp / 1e9,
-                  "pack_gb_s": nbytes / t_pack / 1e9, "sha256_with_copy_gb_s": nbytes / t_sha / 1e9}]
+        rows += [
+            {
+                "what": what,
+                "bytes": nbytes,
+                "fingerprint_gb_s": nbytes / t_fp / 1e9,
+                "pack_gb_s": nbytes / t_pack / 1e9,
+                "sha256_with_copy_gb_s": nbytes / t_sha / 1e9,
+            }
+        ]
     res["weight_sync"] = rows
-    res["weight_sync_note"] = ("NCCL broadcast between processes needs 2 GPUs: not measured on one" if
-                               torch.cuda.device_count() < 2 else "run benchmarks/weight_sync.py for the broadcast itself")
+    res["weight_sync_note"] = (
+        "NCCL broadcast between processes needs 2 GPUs: not measured on one"
+        if torch.cuda.device_count() < 2
+        else "run benchmarks/weight_sync.py for the broadcast itself"
+    )
     print(json.dumps(res, indent=1, default=float))
     if args.json:
         args.json.write_text(json.dumps(res, indent=1, default=float))

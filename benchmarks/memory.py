@@ -23,8 +23,12 @@ import time
 
 import torch
 
-CONFIGS = ("configs/flux1_dev.yaml", "configs/wan2.1_t2v_14b_240p.yaml", "configs/hunyuan_video.yaml",
-           "configs/qwen_image.yaml")
+CONFIGS = (
+    "configs/flux1_dev.yaml",
+    "configs/wan2.1_t2v_14b_240p.yaml",
+    "configs/hunyuan_video.yaml",
+    "configs/qwen_image.yaml",
+)
 BENCH_IMAGE_TOKENS = 256  # image tokens per sample in the measurement (text tokens: the real ratio, >= 8)
 GiB = 2**30
 
@@ -47,6 +51,7 @@ class SavedBytes:
         def hook(module, args):
             if self._current is None:
                 self._current = i
+
         return hook
 
     def _leave(self, module, args, output):
@@ -77,7 +82,7 @@ def reduced_config(family: str, config: dict) -> tuple[dict, dict]:
 
 
 def grid(tokens: int) -> tuple[int, int]:
-    side = int(round(tokens ** 0.5))
+    side = int(round(tokens**0.5))
     return side, tokens // side
 
 
@@ -88,33 +93,57 @@ def inputs(family: str, c: dict, x_tokens: int, text: int, dtype) -> dict:
         hs = torch.randn(1, h * w, c["in_channels"], dtype=dtype)
         enc = torch.randn(1, text, c["joint_attention_dim"], dtype=dtype)
         if family == "flux":
-            ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(h * 1.0), torch.arange(w * 1.0),
-                                             indexing="ij"), -1).reshape(h * w, 3)
-            return dict(hidden_states=hs, encoder_hidden_states=enc,
-                        pooled_projections=torch.randn(1, c["pooled_projection_dim"], dtype=dtype),
-                        timestep=torch.rand(1), guidance=torch.full((1,), 3.5), img_ids=ids,
-                        txt_ids=torch.zeros(text, 3), return_dict=False)
-        return dict(hidden_states=hs, encoder_hidden_states=enc,
-                    encoder_hidden_states_mask=None, timestep=torch.rand(1).to(dtype),
-                    img_shapes=[[(1, h, w)]], return_dict=False)
+            ids = torch.stack(
+                torch.meshgrid(torch.zeros(1), torch.arange(h * 1.0), torch.arange(w * 1.0), indexing="ij"),
+                -1,
+            ).reshape(h * w, 3)
+            return dict(
+                hidden_states=hs,
+                encoder_hidden_states=enc,
+                pooled_projections=torch.randn(1, c["pooled_projection_dim"], dtype=dtype),
+                timestep=torch.rand(1),
+                guidance=torch.full((1,), 3.5),
+                img_ids=ids,
+                txt_ids=torch.zeros(text, 3),
+                return_dict=False,
+            )
+        return dict(
+            hidden_states=hs,
+            encoder_hidden_states=enc,
+            encoder_hidden_states_mask=None,
+            timestep=torch.rand(1).to(dtype),
+            img_shapes=[[(1, h, w)]],
+            return_dict=False,
+        )
     p = c["patch_size"][-1] if isinstance(c["patch_size"], (list, tuple)) else c["patch_size"]
     hs = torch.randn(1, c["in_channels"], 1, h * p, w * p, dtype=dtype)
     if family == "wan":
-        return dict(hidden_states=hs, timestep=torch.rand(1) * 1000,
-                    encoder_hidden_states=torch.randn(1, text, c["text_dim"], dtype=dtype), return_dict=False)
-    return dict(hidden_states=hs, timestep=torch.rand(1) * 1000,
-                encoder_hidden_states=torch.randn(1, text, c["text_embed_dim"], dtype=dtype),
-                encoder_attention_mask=torch.ones(1, text, dtype=torch.long),
-                pooled_projections=torch.randn(1, c["pooled_projection_dim"], dtype=dtype),
-                guidance=torch.full((1,), 3500.0), return_dict=False)
+        return dict(
+            hidden_states=hs,
+            timestep=torch.rand(1) * 1000,
+            encoder_hidden_states=torch.randn(1, text, c["text_dim"], dtype=dtype),
+            return_dict=False,
+        )
+    return dict(
+        hidden_states=hs,
+        timestep=torch.rand(1) * 1000,
+        encoder_hidden_states=torch.randn(1, text, c["text_embed_dim"], dtype=dtype),
+        encoder_attention_mask=torch.ones(1, text, dtype=torch.long),
+        pooled_projections=torch.randn(1, c["pooled_projection_dim"], dtype=dtype),
+        guidance=torch.full((1,), 3500.0),
+        return_dict=False,
+    )
 
 
 def kind_of(name: str) -> tuple[str | None, int]:
     """(block kind, index in its list) of a parameter name; (None, 0) outside the blocks."""
-    for prefix, kind in (("single_transformer_blocks.", "single"), ("transformer_blocks.", "blocks"),
-                         ("blocks.", "blocks")):
+    for prefix, kind in (
+        ("single_transformer_blocks.", "single"),
+        ("transformer_blocks.", "blocks"),
+        ("blocks.", "blocks"),
+    ):
         if name.startswith(prefix):
-            return kind, int(name[len(prefix):].split(".")[0])
+            return kind, int(name[len(prefix) :].split(".")[0])
     return None, 0
 
 
@@ -161,14 +190,19 @@ def measure(cfg_path: str) -> list[dict]:
         net.requires_grad_(True)
     fp32_master(net)
     blocks = transformer_blocks(net)
-    kinds = ["single" if b.__class__.__name__.startswith(("FluxSingle", "HunyuanVideoSingle")) else "blocks"
-             for b in blocks]
+    kinds = [
+        "single" if b.__class__.__name__.startswith(("FluxSingle", "HunyuanVideoSingle")) else "blocks"
+        for b in blocks
+    ]
     x = inputs(family, small, BENCH_IMAGE_TOKENS, text, dtype)
     bench_tokens = x_tokens(family, small, x) + text
     scale = real_tokens / bench_tokens
 
     def forward(recorder):
-        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), torch.autocast("cpu", dtype=dtype):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t),
+            torch.autocast("cpu", dtype=dtype),
+        ):
             out = net(**x)[0]
         recorder.close()
         return out.float().square().mean()
@@ -180,8 +214,20 @@ def measure(cfg_path: str) -> list[dict]:
     trained = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW([p for _, p in trained], lr=1e-5)
     opt.step()
-    state = by_kind(((n, sum(v.numel() * v.element_size() for v in opt.state[p].values()
-                             if torch.is_tensor(v) and v.dim() > 0)) for n, p in trained), real)
+    state = by_kind(
+        (
+            (
+                n,
+                sum(
+                    v.numel() * v.element_size()
+                    for v in opt.state[p].values()
+                    if torch.is_tensor(v) and v.dim() > 0
+                ),
+            )
+            for n, p in trained
+        ),
+        real,
+    )
     masters = by_kind(((n, p.numel() * p.element_size()) for n, p in trained), real)
     opt.zero_grad(set_to_none=True)
     del opt
@@ -191,26 +237,39 @@ def measure(cfg_path: str) -> list[dict]:
     del loss
     second = {k: i for i, k in enumerate(kinds)}  # the last (second) block of each kind
     act_off = sum(plain.per_block[i] * real[k] for k, i in second.items()) * scale
-    act_on = (sum(ckpt.per_block[i] * real[k] for k, i in second.items())
-              + max(plain.per_block[i] for i in second.values())) * scale
+    act_on = (
+        sum(ckpt.per_block[i] * real[k] for k, i in second.items())
+        + max(plain.per_block[i] for i in second.values())
+    ) * scale
     parts = model.train_parts(1, 1, False)
-    rows = [("weights (model dtype)", model.rollout_parts(1)["weights"], weights),
-            ("fp32 trained masters", parts["fp32 masters"], masters),
-            ("AdamW state", parts["AdamW state"], state),
-            ("activations / sample / pass, ckpt off", model.train_acts(1, False) / w.passes, act_off),
-            ("activations / sample / pass, ckpt on", model.train_acts(1, True) / w.passes, act_on)]
+    rows = [
+        ("weights (model dtype)", model.rollout_parts(1)["weights"], weights),
+        ("fp32 trained masters", parts["fp32 masters"], masters),
+        ("AdamW state", parts["AdamW state"], state),
+        ("activations / sample / pass, ckpt off", model.train_acts(1, False) / w.passes, act_off),
+        ("activations / sample / pass, ckpt on", model.train_acts(1, True) / w.passes, act_on),
+    ]
     del net, blocks
     gc.collect()
     name = cfg_path.rsplit("/", 1)[-1]
     out = []
     for component, predicted, measured in rows:
-        out.append({"config": name, "component": component, "predicted_gib": predicted / GiB,
-                    "measured_gib": measured / GiB,
-                    "rel_error": (predicted - measured) / measured if measured else None})
-    print(f"{name}: {bench_tokens} tokens measured (x{scale:.1f} to the config's {real_tokens}), "
-          f"per block saved (ckpt off / on) {[round(b / 2**20, 1) for b in plain.per_block]} / "
-          f"{[round(b / 2**20, 2) for b in ckpt.per_block]} MiB; act bytes per token x hidden "
-          f"{act_off / scale / bench_tokens / w.params.hidden / w.params.blocks:.2f}", flush=True)
+        out.append(
+            {
+                "config": name,
+                "component": component,
+                "predicted_gib": predicted / GiB,
+                "measured_gib": measured / GiB,
+                "rel_error": (predicted - measured) / measured if measured else None,
+            }
+        )
+    print(
+        f"{name}: {bench_tokens} tokens measured (x{scale:.1f} to the config's {real_tokens}), "
+        f"per block saved (ckpt off / on) {[round(b / 2**20, 1) for b in plain.per_block]} / "
+        f"{[round(b / 2**20, 2) for b in ckpt.per_block]} MiB; act bytes per token x hidden "
+        f"{act_off / scale / bench_tokens / w.params.hidden / w.params.blocks:.2f}",
+        flush=True,
+    )
     return out
 
 
@@ -234,7 +293,9 @@ def main():
     print(f"{'config':<24} {'component':<40} {'predicted':>10} {'measured':>10} {'error':>7}")
     for r in rows:
         err = f"{r['rel_error']:+.1%}" if r["rel_error"] is not None else "n/a"
-        print(f"{r['config']:<24} {r['component']:<40} {r['predicted_gib']:>10.3f} {r['measured_gib']:>10.3f} {err:>7}")
+        print(
+            f"{r['config']:<24} {r['component']:<40} {r['predicted_gib']:>10.3f} {r['measured_gib']:>10.3f} {err:>7}"
+        )
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:

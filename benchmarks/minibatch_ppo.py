@@ -35,14 +35,34 @@ def run(steps: int, seed: int, iterations: int, lr: float, run_dir: Path, overri
     from digenrl.config import load_config
     from digenrl.trainer import LocalTrainer
 
-    cfg = load_config(None, ["placement.mode=local", f"train.iterations={iterations}", f"train.seed={seed}",
-                             f"train.lr={lr}", f"train.optimizer_steps={steps}", "output.save_samples_every=0",
-                             "output.checkpoint_every=0", "output.tensorboard=false", *overrides])
+    cfg = load_config(
+        None,
+        [
+            "placement.mode=local",
+            f"train.iterations={iterations}",
+            f"train.seed={seed}",
+            f"train.lr={lr}",
+            f"train.optimizer_steps={steps}",
+            "output.save_samples_every=0",
+            "output.checkpoint_every=0",
+            "output.tensorboard=false",
+            *overrides,
+        ],
+    )
     t0, c0, rows = time.perf_counter(), time.process_time(), []
-    LocalTrainer(cfg).run(run_dir, on_iteration=lambda r: rows.append(
-        {**r, "t": time.perf_counter() - t0, "cpu": time.process_time() - c0}))
-    return {"steps": steps, "seed": seed, "rows": rows, "wall_s": time.perf_counter() - t0,
-            "cpu_s": time.process_time() - c0}
+    LocalTrainer(cfg).run(
+        run_dir,
+        on_iteration=lambda r: rows.append(
+            {**r, "t": time.perf_counter() - t0, "cpu": time.process_time() - c0}
+        ),
+    )
+    return {
+        "steps": steps,
+        "seed": seed,
+        "rows": rows,
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": time.process_time() - c0,
+    }
 
 
 def gain(rows: list[dict]) -> float:
@@ -66,16 +86,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:  # interleaved, so load on the shared machine hits every S alike
             for s in args.steps:
-                runs.append(run(s, seed, args.iterations, args.lr, Path(tmp) / f"s{s}-seed{seed}", args.overrides))
+                runs.append(
+                    run(s, seed, args.iterations, args.lr, Path(tmp) / f"s{s}-seed{seed}", args.overrides)
+                )
                 r = runs[-1]
-                print(f"S={s} seed={seed}: gain {gain(r['rows']):+.4f} in {r['wall_s']:.0f} s wall, "
-                      f"{r['cpu_s']:.0f} s CPU", flush=True)
+                print(
+                    f"S={s} seed={seed}: gain {gain(r['rows']):+.4f} in {r['wall_s']:.0f} s wall, "
+                    f"{r['cpu_s']:.0f} s CPU",
+                    flush=True,
+                )
     wall = min(r["rows"][-1]["t"] for r in runs)  # the shortest run's time
     cpu = min(r["rows"][-1]["cpu"] for r in runs)
-    print(f"\n{len(args.seeds)} seeds, {args.iterations} iterations, lr {args.lr} {' '.join(args.overrides)}; equal time = {wall:.0f} s wall, "
-          f"{cpu:.0f} s CPU")
-    print("S | gain @ equal iterations | @ equal wall time | @ equal CPU time | clip_frac | ratio_min | ratio_max "
-          "| CPU s/iteration")
+    print(
+        f"\n{len(args.seeds)} seeds, {args.iterations} iterations, lr {args.lr} {' '.join(args.overrides)}; equal time = {wall:.0f} s wall, "
+        f"{cpu:.0f} s CPU"
+    )
+    print(
+        "S | gain @ equal iterations | @ equal wall time | @ equal CPU time | clip_frac | ratio_min | ratio_max "
+        "| CPU s/iteration"
+    )
     summary = {}
     for s in args.steps:
         mine = [r for r in runs if r["steps"] == s]
@@ -86,14 +115,28 @@ def main() -> None:
         rmin = statistics.fmean(row["ratio_min"] for r in mine for row in r["rows"])
         rmax = statistics.fmean(row["ratio_max"] for r in mine for row in r["rows"])
         per_it = statistics.fmean(r["cpu_s"] / args.iterations for r in mine)
-        summary[s] = {"gain_iterations": g_it, "gain_wall": g_wall, "gain_cpu": g_cpu, "clip_frac": clip,
-                      "ratio_min": rmin, "ratio_max": rmax, "cpu_s_per_iteration": per_it,
-                      "iterations_within_cpu": [sum(row["cpu"] <= cpu + 1e-9 for row in r["rows"]) for r in mine]}
-        print(f"{s} | {g_it[0]:+.4f} ± {g_it[1]:.4f} | {g_wall[0]:+.4f} ± {g_wall[1]:.4f} | "
-              f"{g_cpu[0]:+.4f} ± {g_cpu[1]:.4f} | {clip:.3f} | {rmin:.5f} | {rmax:.5f} | {per_it:.2f}")
+        summary[s] = {
+            "gain_iterations": g_it,
+            "gain_wall": g_wall,
+            "gain_cpu": g_cpu,
+            "clip_frac": clip,
+            "ratio_min": rmin,
+            "ratio_max": rmax,
+            "cpu_s_per_iteration": per_it,
+            "iterations_within_cpu": [sum(row["cpu"] <= cpu + 1e-9 for row in r["rows"]) for r in mine],
+        }
+        print(
+            f"{s} | {g_it[0]:+.4f} ± {g_it[1]:.4f} | {g_wall[0]:+.4f} ± {g_wall[1]:.4f} | "
+            f"{g_cpu[0]:+.4f} ± {g_cpu[1]:.4f} | {clip:.3f} | {rmin:.5f} | {rmax:.5f} | {per_it:.2f}"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "summary": summary,
-                                         "runs": runs}, indent=1, default=str))
+        args.json.write_text(
+            json.dumps(
+                {"args": vars(args) | {"json": str(args.json)}, "summary": summary, "runs": runs},
+                indent=1,
+                default=str,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -79,7 +79,9 @@ def replay_cost(cost, measured):
             steps.setdefault(e.uid.split("/")[0], []).append(e.duration)
     step_s = statistics.median(min(v) for v in steps.values())  # the last rank's share: no waiting
     # rank 0's publish inside its step (over the broadcast the rollout workers' prefetch spans it)
-    published = [e.duration for e in measured.events if e.kind == "sync" and e.args.get("direction") == "publish"]
+    published = [
+        e.duration for e in measured.events if e.kind == "sync" and e.args.get("direction") == "publish"
+    ]
     publish_s = min(statistics.mean(published), step_s) if published else 0.0
     spread = timeline_unit_cv(measured)
 
@@ -113,8 +115,9 @@ def unit_ms(predicted, measured) -> dict:
         by = {}
         for e in tl.events:
             if e.iteration > 0 and e.kind in ("rollout", "train", "step"):
-                by.setdefault(e.kind + (str(e.args.get("tsp_rank", 0)) if e.kind == "train" else ""), []).append(
-                    e.duration * 1e3)
+                by.setdefault(
+                    e.kind + (str(e.args.get("tsp_rank", 0)) if e.kind == "train" else ""), []
+                ).append(e.duration * 1e3)
         return {k: statistics.mean(v) for k, v in by.items()}
 
     p, m = means(predicted), means(measured)
@@ -134,24 +137,43 @@ def median(xs):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, default=None, help="run config (default: the embedded tiny FLUX)")
-    ap.add_argument("--iterations", type=int, default=6, help="per run; the first and the last are not measured")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="runs per mode, in round robin (background load drifts, modes share it); the table "
-                         "compares the median prediction with the median measurement")
+    ap.add_argument(
+        "--iterations", type=int, default=6, help="per run; the first and the last are not measured"
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per mode, in round robin (background load drifts, modes share it); the table "
+        "compares the median prediction with the median measurement",
+    )
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="balanced")
     ap.add_argument("--calibration", choices=("run", "ray"), default="run")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--profile", type=Path, default=None, help="reuse a profile.json instead of profiling")
-    ap.add_argument("--cpu-sharing", choices=("cores", "measured"), default="measured",
-                    help="concurrent workers: the profile's measured slowdown of n concurrent workers (default), "
-                         "or processor sharing of the cores beside the other processes' runnable threads")
-    ap.add_argument("--no-engine-unit-factor", dest="engine_unit_factor", action="store_false",
-                    help="do not scale units by the calibration run's engine/profile unit_time_factor")
-    ap.add_argument("--reprofile", action="store_true",
-                    help="profile (engine calibration included) right before each run instead of once: the "
-                         "host's speed drifts, and each run's profile errs independently of the others")
+    ap.add_argument(
+        "--cpu-sharing",
+        choices=("cores", "measured"),
+        default="measured",
+        help="concurrent workers: the profile's measured slowdown of n concurrent workers (default), "
+        "or processor sharing of the cores beside the other processes' runnable threads",
+    )
+    ap.add_argument(
+        "--no-engine-unit-factor",
+        dest="engine_unit_factor",
+        action="store_false",
+        help="do not scale units by the calibration run's engine/profile unit_time_factor",
+    )
+    ap.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="profile (engine calibration included) right before each run instead of once: the "
+        "host's speed drifts, and each run's profile errs independently of the others",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the table as JSON")
-    ap.add_argument("--timelines", type=Path, default=None, help="keep predicted and measured timeline.json/png here")
+    ap.add_argument(
+        "--timelines", type=Path, default=None, help="keep predicted and measured timeline.json/png here"
+    )
     args = ap.parse_args(argv)
     if args.iterations < 3 or args.repeats < 1:
         ap.error("--iterations must be at least 3 (first and last are left out), --repeats at least 1")
@@ -161,9 +183,9 @@ def main(argv=None) -> int:
 
     from digenrl.engine.runtime import run_engine
     from digenrl.engine.timeline import Timeline
+    from digenrl.placement import Plan
     from digenrl.planner.costmodel import CostModel, CostParams, Workload
     from digenrl.planner.gpus import cluster_from_dict
-    from digenrl.placement import Plan
     from digenrl.planner.measure.contention import OtherLoad
     from digenrl.planner.profile import load_profile, run_profile, save_profile, unit_groups
     from digenrl.planner.simulator import simulate, steady_summary
@@ -172,21 +194,32 @@ def main(argv=None) -> int:
     base = load_config(args.config, WORKLOADS[args.workload] + QUIET)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     t0 = time.time()
+
     def profiled(what: str) -> dict:
         """One profile: ~17 timing rounds (the engine unit factor is taken against them)."""
-        p = run_profile(base, "cpu", engine=args.calibration, sharing=2, batches=[unit_groups(base) * G],
-                        min_time=1.0, on_step=lambda s: print(f"  [{time.time() - t0:5.1f}s] {what}: {s}", flush=True))
+        p = run_profile(
+            base,
+            "cpu",
+            engine=args.calibration,
+            sharing=2,
+            batches=[unit_groups(base) * G],
+            min_time=1.0,
+            on_step=lambda s: print(f"  [{time.time() - t0:5.1f}s] {what}: {s}", flush=True),
+        )
         describe(p)
         return p
 
     def describe(p: dict) -> None:
         eng, u = p["engine"] or {}, p["measurements"]["unit_overhead"]
-        print(f"    profile: engine call {eng.get('call_s', 0) * 1e3:.1f} ms, transfer "
-              f"{eng.get('transfer_latency_s', 0) * 1e3:.1f} ms ({eng.get('source')}); whole units x"
-              f"{u.get('rollout_factor', 1):.2f} / x{u.get('train_factor', 1):.2f} their calls; engine/profile unit "
-              f"time {fmt(eng.get('unit_time_factor'))} ({'applied' if args.engine_unit_factor else 'not applied'}); "
-              f"unit spread {fmt(eng.get('unit_cv') or p['measurements'].get('unit_cv'))}; n concurrent workers "
-              f"{fmt(p['measurements'].get('cpu_slowdown'))}", flush=True)
+        print(
+            f"    profile: engine call {eng.get('call_s', 0) * 1e3:.1f} ms, transfer "
+            f"{eng.get('transfer_latency_s', 0) * 1e3:.1f} ms ({eng.get('source')}); whole units x"
+            f"{u.get('rollout_factor', 1):.2f} / x{u.get('train_factor', 1):.2f} their calls; engine/profile unit "
+            f"time {fmt(eng.get('unit_time_factor'))} ({'applied' if args.engine_unit_factor else 'not applied'}); "
+            f"unit spread {fmt(eng.get('unit_cv') or p['measurements'].get('unit_cv'))}; n concurrent workers "
+            f"{fmt(p['measurements'].get('cpu_slowdown'))}",
+            flush=True,
+        )
 
     G = base.algorithm.group_size
     profile = None
@@ -197,8 +230,12 @@ def main(argv=None) -> int:
         profile = profiled("profile")
         save_profile(profile, Path(tempfile.gettempdir()) / "digenrl-fidelity-profile.json")
     params = CostParams(cpu_sharing=args.cpu_sharing, engine_unit_factor=args.engine_unit_factor)
-    ray.init(num_cpus=os.cpu_count(), resources={"pool:rollout": 1, "pool:trainer": 1}, include_dashboard=False,
-             logging_level=logging.WARNING)
+    ray.init(
+        num_cpus=os.cpu_count(),
+        resources={"pool:rollout": 1, "pool:trainer": 1},
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+    )
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     try:
         workload = Workload.from_config(base)
@@ -206,11 +243,19 @@ def main(argv=None) -> int:
             for mode in modes:
                 cfg = mode_config(args.config, args.workload, mode, args.iterations)
                 if args.reprofile:  # the host's speed drifts 10-20% within a minute: each run gets its own
-                    profile = profiled(f"{mode} #{rep + 1} profile")  # profile, errors average out over repeats
-                cluster = cluster_from_dict({"name": "local_cpu", "pools": [p.model_dump() for p in cfg.cluster.pools]})
+                    profile = profiled(
+                        f"{mode} #{rep + 1} profile"
+                    )  # profile, errors average out over repeats
+                cluster = cluster_from_dict(
+                    {"name": "local_cpu", "pools": [p.model_dump() for p in cfg.cluster.pools]}
+                )
                 cost = CostModel(workload, cluster, params, profile=profile)
-                sim = simulate(Plan.from_run_config(cfg), cost, args.iterations,
-                               wait_for_full_batch=cfg.algorithm.std == "global")
+                sim = simulate(
+                    Plan.from_run_config(cfg),
+                    cost,
+                    args.iterations,
+                    wait_for_full_batch=cfg.algorithm.std == "global",
+                )
                 with tempfile.TemporaryDirectory() as tmp:
                     run_dir = Path(tmp) / mode
                     t1 = time.time()
@@ -229,82 +274,143 @@ def main(argv=None) -> int:
                 # the same prediction, but beside the other processes' load the run really had (their
                 # runnable threads, measured during the run): what the planner would have said, had it
                 # known what the other users of the host would do -- the load is an input, not a fit
-                at_load = simulate(Plan.from_run_config(cfg), CostModel(
-                    workload, cluster, dataclasses.replace(params, cpu_other_load=load.other_runnable),
-                    profile=profile), args.iterations, wait_for_full_batch=cfg.algorithm.std == "global").summary
-                replay = simulate(Plan.from_run_config(cfg), replay_cost(cost, measured_tl), args.iterations,
-                                  wait_for_full_batch=cfg.algorithm.std == "global").summary
-                r = {"mode": mode, "repeat": rep, "predicted_samples_per_s": pred["samples_per_s"],
-                     "measured_samples_per_s": meas["samples_per_s"],
-                     "rel_error": (pred["samples_per_s"] - meas["samples_per_s"]) / meas["samples_per_s"],
-                     "predicted_bubble_fraction": pred["bubble_fraction"],
-                     "measured_bubble_fraction": meas["bubble_fraction"],
-                     "predicted_iteration_s": pred["iteration_s"], "measured_iteration_s": meas["iteration_s"],
-                     "at_run_load_samples_per_s": at_load["samples_per_s"],
-                     "at_run_load_rel_error": (at_load["samples_per_s"] - meas["samples_per_s"]) / meas["samples_per_s"],
-                     "replay_samples_per_s": replay["samples_per_s"],
-                     "replay_rel_error": (replay["samples_per_s"] - meas["samples_per_s"]) / meas["samples_per_s"],
-                     "other_load_cores": load.other_cores, "other_runnable": load.other_runnable,
-                     "profile_other_runnable": profile["measurements"].get("other_runnable"),
-                     "run_s": time.time() - t1,
-                     "unit_ms": unit_ms(sim.timeline, measured_tl),
-                     "profile_other_load_cores": profile["measurements"].get("other_load_cores"),
-                     "profile_unit_factors": [profile["measurements"]["unit_overhead"].get(k)
-                                              for k in ("rollout_factor", "train_factor")],
-                     "engine_unit_factor": (profile["engine"] or {}).get("unit_time_factor"),
-                     "unit_cv": (profile["engine"] or {}).get("unit_cv"),
-                     "cpu_slowdown": profile["measurements"].get("cpu_slowdown")}
+                at_load = simulate(
+                    Plan.from_run_config(cfg),
+                    CostModel(
+                        workload,
+                        cluster,
+                        dataclasses.replace(params, cpu_other_load=load.other_runnable),
+                        profile=profile,
+                    ),
+                    args.iterations,
+                    wait_for_full_batch=cfg.algorithm.std == "global",
+                ).summary
+                replay = simulate(
+                    Plan.from_run_config(cfg),
+                    replay_cost(cost, measured_tl),
+                    args.iterations,
+                    wait_for_full_batch=cfg.algorithm.std == "global",
+                ).summary
+                r = {
+                    "mode": mode,
+                    "repeat": rep,
+                    "predicted_samples_per_s": pred["samples_per_s"],
+                    "measured_samples_per_s": meas["samples_per_s"],
+                    "rel_error": (pred["samples_per_s"] - meas["samples_per_s"]) / meas["samples_per_s"],
+                    "predicted_bubble_fraction": pred["bubble_fraction"],
+                    "measured_bubble_fraction": meas["bubble_fraction"],
+                    "predicted_iteration_s": pred["iteration_s"],
+                    "measured_iteration_s": meas["iteration_s"],
+                    "at_run_load_samples_per_s": at_load["samples_per_s"],
+                    "at_run_load_rel_error": (at_load["samples_per_s"] - meas["samples_per_s"])
+                    / meas["samples_per_s"],
+                    "replay_samples_per_s": replay["samples_per_s"],
+                    "replay_rel_error": (replay["samples_per_s"] - meas["samples_per_s"])
+                    / meas["samples_per_s"],
+                    "other_load_cores": load.other_cores,
+                    "other_runnable": load.other_runnable,
+                    "profile_other_runnable": profile["measurements"].get("other_runnable"),
+                    "run_s": time.time() - t1,
+                    "unit_ms": unit_ms(sim.timeline, measured_tl),
+                    "profile_other_load_cores": profile["measurements"].get("other_load_cores"),
+                    "profile_unit_factors": [
+                        profile["measurements"]["unit_overhead"].get(k)
+                        for k in ("rollout_factor", "train_factor")
+                    ],
+                    "engine_unit_factor": (profile["engine"] or {}).get("unit_time_factor"),
+                    "unit_cv": (profile["engine"] or {}).get("unit_cv"),
+                    "cpu_slowdown": profile["measurements"].get("cpu_slowdown"),
+                }
                 runs[mode].append(r)
-                print(f"{mode:12s} #{rep + 1} predicted {r['predicted_samples_per_s']:7.2f} samples/s  measured "
-                      f"{r['measured_samples_per_s']:7.2f}  error {r['rel_error']:+6.1%}   bubble predicted "
-                      f"{r['predicted_bubble_fraction']:.2f} measured {r['measured_bubble_fraction']:.2f}   "
-                      f"replay error {r['replay_rel_error']:+6.1%}\n    other processes: {r['other_runnable']:.1f} runnable "
-                      f"threads, {r['other_load_cores']:.2f} cores (profiled beside {r['profile_other_runnable'] or 0:.1f}, "
-                      f"{r['profile_other_load_cores'] or 0:.2f})"
-                      + (f"; at the run's load predicted {r['at_run_load_samples_per_s']:.2f}, error "
-                         f"{r['at_run_load_rel_error']:+.1%}" if args.cpu_sharing == "cores" else "")
-                      + "\n    unit ms predicted / measured: "
-                      + ", ".join(f"{k} {p:.0f}/{m:.0f}" for k, (p, m) in r["unit_ms"].items()), flush=True)
+                print(
+                    f"{mode:12s} #{rep + 1} predicted {r['predicted_samples_per_s']:7.2f} samples/s  measured "
+                    f"{r['measured_samples_per_s']:7.2f}  error {r['rel_error']:+6.1%}   bubble predicted "
+                    f"{r['predicted_bubble_fraction']:.2f} measured {r['measured_bubble_fraction']:.2f}   "
+                    f"replay error {r['replay_rel_error']:+6.1%}\n    other processes: {r['other_runnable']:.1f} runnable "
+                    f"threads, {r['other_load_cores']:.2f} cores (profiled beside {r['profile_other_runnable'] or 0:.1f}, "
+                    f"{r['profile_other_load_cores'] or 0:.2f})"
+                    + (
+                        f"; at the run's load predicted {r['at_run_load_samples_per_s']:.2f}, error "
+                        f"{r['at_run_load_rel_error']:+.1%}"
+                        if args.cpu_sharing == "cores"
+                        else ""
+                    )
+                    + "\n    unit ms predicted / measured: "
+                    + ", ".join(f"{k} {p:.0f}/{m:.0f}" for k, (p, m) in r["unit_ms"].items()),
+                    flush=True,
+                )
     finally:
         ray.shutdown()
 
     rows = []
     for mode in modes:
         rs = runs[mode]
-        pred, meas = median([r["predicted_samples_per_s"] for r in rs]), median([r["measured_samples_per_s"] for r in rs])
-        rows.append({"mode": mode, "predicted_samples_per_s": pred, "measured_samples_per_s": meas,
-                     "rel_error": (pred - meas) / meas,
-                     "predicted_bubble_fraction": median([r["predicted_bubble_fraction"] for r in rs]),
-                     "measured_bubble_fraction": median([r["measured_bubble_fraction"] for r in rs]),
-                     "replay_rel_error": median([r["replay_rel_error"] for r in rs]),
-                     "at_run_load_samples_per_s": median([r["at_run_load_samples_per_s"] for r in rs]),
-                     "other_load_cores": median([r["other_load_cores"] for r in rs]),
-                     "other_runnable": median([r["other_runnable"] for r in rs]),
-                     "runs": rs})
+        pred, meas = (
+            median([r["predicted_samples_per_s"] for r in rs]),
+            median([r["measured_samples_per_s"] for r in rs]),
+        )
+        rows.append(
+            {
+                "mode": mode,
+                "predicted_samples_per_s": pred,
+                "measured_samples_per_s": meas,
+                "rel_error": (pred - meas) / meas,
+                "predicted_bubble_fraction": median([r["predicted_bubble_fraction"] for r in rs]),
+                "measured_bubble_fraction": median([r["measured_bubble_fraction"] for r in rs]),
+                "replay_rel_error": median([r["replay_rel_error"] for r in rs]),
+                "at_run_load_samples_per_s": median([r["at_run_load_samples_per_s"] for r in rs]),
+                "other_load_cores": median([r["other_load_cores"] for r in rs]),
+                "other_runnable": median([r["other_runnable"] for r in rs]),
+                "runs": rs,
+            }
+        )
     for r in rows:
-        r["at_run_load_rel_error"] = ((r["at_run_load_samples_per_s"] - r["measured_samples_per_s"])
-                                      / r["measured_samples_per_s"])
+        r["at_run_load_rel_error"] = (r["at_run_load_samples_per_s"] - r["measured_samples_per_s"]) / r[
+            "measured_samples_per_s"
+        ]
     print()
     cores = args.cpu_sharing == "cores"  # only then does the prediction depend on the other load directly
-    print(f"{'mode':12s} {'pred. samples/s':>16s} {'meas. samples/s':>16s} {'rel. error':>10s} "
-          f"{'pred. bubble':>12s} {'meas. bubble':>12s}" + (f" {'at run load':>11s}" if cores else "")
-          + f" {'replay error':>12s} {'other cores':>11s}")
+    print(
+        f"{'mode':12s} {'pred. samples/s':>16s} {'meas. samples/s':>16s} {'rel. error':>10s} "
+        f"{'pred. bubble':>12s} {'meas. bubble':>12s}"
+        + (f" {'at run load':>11s}" if cores else "")
+        + f" {'replay error':>12s} {'other cores':>11s}"
+    )
     for r in rows:
-        print(f"{r['mode']:12s} {r['predicted_samples_per_s']:16.2f} {r['measured_samples_per_s']:16.2f} "
-              f"{r['rel_error']:+10.1%} {r['predicted_bubble_fraction']:12.2f} {r['measured_bubble_fraction']:12.2f}"
-              + (f" {r['at_run_load_rel_error']:+11.1%}" if cores else "")
-              + f" {r['replay_rel_error']:+12.1%} {r['other_load_cores']:11.2f}")
+        print(
+            f"{r['mode']:12s} {r['predicted_samples_per_s']:16.2f} {r['measured_samples_per_s']:16.2f} "
+            f"{r['rel_error']:+10.1%} {r['predicted_bubble_fraction']:12.2f} {r['measured_bubble_fraction']:12.2f}"
+            + (f" {r['at_run_load_rel_error']:+11.1%}" if cores else "")
+            + f" {r['replay_rel_error']:+12.1%} {r['other_load_cores']:11.2f}"
+        )
     worst = max(abs(r["rel_error"]) for r in rows)
-    print(f"{'median of ' + str(args.repeats) + ' runs per mode; ' if args.repeats > 1 else ''}worst |error| "
-          f"{worst:.1%} (target 10%); other cores = CPU other processes used during the runs (of "
-          f"{os.cpu_count()} cores)" + ("; at run load = the prediction beside the other processes' runnable "
-                                        "threads measured during the run" if cores else ""))
+    print(
+        f"{'median of ' + str(args.repeats) + ' runs per mode; ' if args.repeats > 1 else ''}worst |error| "
+        f"{worst:.1%} (target 10%); other cores = CPU other processes used during the runs (of "
+        f"{os.cpu_count()} cores)"
+        + (
+            "; at run load = the prediction beside the other processes' runnable "
+            "threads measured during the run"
+            if cores
+            else ""
+        )
+    )
     if args.json is not None:
-        args.json.write_text(json.dumps({"modes": rows, "profile_engine": profile["engine"] if profile else None,
-                                         "iterations": args.iterations,
-                                         "repeats": args.repeats, "workload": args.workload,
-                                         "reprofile": args.reprofile, "cpu_sharing": args.cpu_sharing,
-                                         "config": str(args.config or "embedded tiny FLUX")}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "modes": rows,
+                    "profile_engine": profile["engine"] if profile else None,
+                    "iterations": args.iterations,
+                    "repeats": args.repeats,
+                    "workload": args.workload,
+                    "reprofile": args.reprofile,
+                    "cpu_sharing": args.cpu_sharing,
+                    "config": str(args.config or "embedded tiny FLUX"),
+                },
+                indent=2,
+            )
+        )
         print(f"wrote {args.json}")
     return 0
 

@@ -29,9 +29,17 @@ from pathlib import Path
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_worker_niceness", "0")  # as engine_modes.py: equal footing on a shared machine
 
-BASE = ["model.height=16", "model.width=16", "algorithm.group_size=4", "sampling.steps=4",
-        "train.prompts_per_iteration=4", "placement.mode=disaggregated", "engine.gap=true", "engine.tag=false",
-        "engine.max_staleness=0"]
+BASE = [
+    "model.height=16",
+    "model.width=16",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "train.prompts_per_iteration=4",
+    "placement.mode=disaggregated",
+    "engine.gap=true",
+    "engine.tag=false",
+    "engine.max_staleness=0",
+]
 
 
 def overlap(a: tuple[float, float], spans: list[tuple[float, float]]) -> float:
@@ -54,7 +62,9 @@ def measure(run_dir: Path) -> dict:
     rows = read_metrics(run_dir)
     rollouts, rewards = tl.of("rollout"), tl.of("reward")
     busy = sum(w.duration for w in rewards)
-    covered = sum(overlap((w.start, w.end), [(r.start, r.end) for r in rollouts if r.uid != w.uid]) for w in rewards)
+    covered = sum(
+        overlap((w.start, w.end), [(r.start, r.end) for r in rollouts if r.uid != w.uid]) for w in rewards
+    )
     whole, steady = tl.summary(), tl.summary(skip=1, tail=1)
     return {
         "samples_per_s": whole["samples_per_s"],
@@ -71,10 +81,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--clip-size", type=int, default=192, help="image side of the random CLIP (slower when larger)")
+    p.add_argument(
+        "--clip-size", type=int, default=192, help="image side of the random CLIP (slower when larger)"
+    )
     p.add_argument("--clip-layers", type=int, default=4)
     p.add_argument("--json", type=Path)
-    p.add_argument("--keep", type=Path, help="keep the two run directories here (timeline.json, metrics.jsonl)")
+    p.add_argument(
+        "--keep", type=Path, help="keep the two run directories here (timeline.json, metrics.jsonl)"
+    )
     args = p.parse_args()
 
     import ray
@@ -89,18 +103,29 @@ def main() -> None:
     torch.set_num_threads(1)
     runs: dict[str, list[dict]] = {"inline": [], "service": []}
     with tempfile.TemporaryDirectory() as tmp:
-        clip = make_tiny_clip(Path(tmp) / "clip", image_size=args.clip_size, hidden=64, layers=args.clip_layers)
-        reward = [f"reward.components=[{{name: clipscore, args: {{path: {clip}}}}}]",
-                  f"train.iterations={args.iterations}"]
-        ray.init(num_cpus=2, resources={"pool:rollout": 1, "pool:trainer": 1}, include_dashboard=False,
-                 logging_level="WARNING", log_to_driver=False)
+        clip = make_tiny_clip(
+            Path(tmp) / "clip", image_size=args.clip_size, hidden=64, layers=args.clip_layers
+        )
+        reward = [
+            f"reward.components=[{{name: clipscore, args: {{path: {clip}}}}}]",
+            f"train.iterations={args.iterations}",
+        ]
+        ray.init(
+            num_cpus=2,
+            resources={"pool:rollout": 1, "pool:trainer": 1},
+            include_dashboard=False,
+            logging_level="WARNING",
+            log_to_driver=False,
+        )
         try:
             for i in range(args.repeats):
                 for mode, extra in {"inline": [], "service": ["reward.service={num_cpus: 0.1}"]}.items():
                     run_dir = (args.keep or Path(tmp)) / f"{mode}-{i}"
                     run_engine(load_config(None, BASE + reward + extra), run_dir=run_dir)
                     runs[mode].append(measure(run_dir))
-                    print(mode, i, json.dumps({k: round(v, 4) for k, v in runs[mode][-1].items()}), flush=True)
+                    print(
+                        mode, i, json.dumps({k: round(v, 4) for k, v in runs[mode][-1].items()}), flush=True
+                    )
         finally:
             ray.shutdown()
     out = {}
@@ -108,8 +133,10 @@ def main() -> None:
         ranked = sorted(mine, key=lambda r: r["samples_per_s"])
         out[mode] = {**ranked[len(ranked) // 2], "all_samples_per_s": [r["samples_per_s"] for r in mine]}
     speedup = out["service"]["samples_per_s"] / out["inline"]["samples_per_s"]
-    print(f"service / inline samples/s: {speedup:.2f}x; reward busy time overlapping generation: "
-          f"{out['service']['reward_overlapped_generation']:.0%}")
+    print(
+        f"service / inline samples/s: {speedup:.2f}x; reward busy time overlapping generation: "
+        f"{out['service']['reward_overlapped_generation']:.0%}"
+    )
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 

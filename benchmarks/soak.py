@@ -36,14 +36,28 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 from digenrl.config import load_config  # noqa: E402
 from digenrl.engine.runtime import run_engine  # noqa: E402
 
-TINY = ["model.height=16", "model.width=16", "train.prompts_per_iteration=4", "algorithm.group_size=4",
-        "sampling.steps=4", "output.save_samples_every=0", "output.tensorboard=false", "output.checkpoint_every=10",
-        "train.device=cpu", "placement.mode=disaggregated", "engine.unit_groups=1", "engine.gap=true",
-        "engine.tsp_degree=2", "engine.tag=true", "engine.max_staleness=1"]
+TINY = [
+    "model.height=16",
+    "model.width=16",
+    "train.prompts_per_iteration=4",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "output.save_samples_every=0",
+    "output.tensorboard=false",
+    "output.checkpoint_every=10",
+    "train.device=cpu",
+    "placement.mode=disaggregated",
+    "engine.unit_groups=1",
+    "engine.gap=true",
+    "engine.tsp_degree=2",
+    "engine.tag=true",
+    "engine.max_staleness=1",
+]
 
 
-def fault_list(iterations: int, units: int, workers: int, rate: float, seed: int,
-               reward_service: bool) -> list[tuple[str, str]]:
+def fault_list(
+    iterations: int, units: int, workers: int, rate: float, seed: int, reward_service: bool
+) -> list[tuple[str, str]]:
     """(worker, unit) pairs: each rollout unit, with probability ``rate``, kills whichever rollout
     worker runs it (a TAG trainer rank that takes it is spared: a trainer death ends the run), or
     with the reward service, half the time, the reward actor while it scores the unit."""
@@ -62,15 +76,23 @@ def fault_list(iterations: int, units: int, workers: int, rate: float, seed: int
 
 
 def audit(run_dir: Path, iterations: int, groups: int, degree: int) -> dict:
-    events = [e["args"] for e in json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
-              if e.get("ph") == "X"]
-    trained = Counter((a["iteration"], g, a["tsp_rank"]) for a in events if a["kind"] == "train" for g in a["groups"])
+    events = [
+        e["args"]
+        for e in json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
+        if e.get("ph") == "X"
+    ]
+    trained = Counter(
+        (a["iteration"], g, a["tsp_rank"]) for a in events if a["kind"] == "train" for g in a["groups"]
+    )
     expected = {(k, g, r) for k in range(iterations) for g in range(groups) for r in range(degree)}
     rolled = Counter(a["unit"] for a in events if a["kind"] == "rollout")
     return {
         "lost": sum(1 for key in expected if trained[key] == 0),
-        "duplicated": sum(n - 1 for n in trained.values() if n > 1) + sum(1 for key in trained if key not in expected),
-        "rollouts_generated_again": sum(n - 1 for n in rolled.values() if n > 1),  # results lost with a worker
+        "duplicated": sum(n - 1 for n in trained.values() if n > 1)
+        + sum(1 for key in trained if key not in expected),
+        "rollouts_generated_again": sum(
+            n - 1 for n in rolled.values() if n > 1
+        ),  # results lost with a worker
     }
 
 
@@ -87,17 +109,31 @@ def main() -> None:
 
     probe = load_config(None, TINY)
     units = probe.train.prompts_per_iteration // probe.engine.unit_groups
-    faults = fault_list(args.iterations, units, args.rollout_workers, args.fault_rate, args.seed,
-                        args.reward_service)
+    faults = fault_list(
+        args.iterations, units, args.rollout_workers, args.fault_rate, args.seed, args.reward_service
+    )
     service = ["reward.service={num_cpus: 0.1}"] if args.reward_service else []
     pools = f"cluster.pools=[{{name: rollout, count: {args.rollout_workers}}}, {{name: trainer, count: 1}}]"
     spec = ", ".join(f"{{worker: {w}, unit: {u}}}" for w, u in faults)
-    cfg = load_config(None, TINY + service + [pools, f"train.iterations={args.iterations}", f"train.seed={args.seed}",
-                                    f"engine.faults=[{spec}]", f"engine.max_restarts={len(faults) + 1}"])
+    cfg = load_config(
+        None,
+        TINY
+        + service
+        + [
+            pools,
+            f"train.iterations={args.iterations}",
+            f"train.seed={args.seed}",
+            f"engine.faults=[{spec}]",
+            f"engine.max_restarts={len(faults) + 1}",
+        ],
+    )
     # (a unit with a fault kills its rollout worker each time one runs it; a TAG trainer spares it)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="digenrl-soak-"))
-    print(f"soak: {args.iterations} iterations, faults planned on {len({u for _, u in faults})} of "
-          f"{args.iterations * units} rollout units, run directory {run_dir}", file=sys.stderr)
+    print(
+        f"soak: {args.iterations} iterations, faults planned on {len({u for _, u in faults})} of "
+        f"{args.iterations * units} rollout units, run directory {run_dir}",
+        file=sys.stderr,
+    )
     t0 = time.time()
     result = run_engine(cfg, run_dir)
     wall = time.time() - t0

@@ -50,7 +50,9 @@ def synthetic(kind: str, target_bytes: int) -> dict[str, torch.Tensor]:
     state, total, i = {}, 0, 0
     while total < target_bytes:
         shape = shapes[i % len(shapes)]
-        state[f"blocks.{i // len(shapes)}.{i % len(shapes)}.weight"] = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        state[f"blocks.{i // len(shapes)}.{i % len(shapes)}.weight"] = torch.randn(shape, generator=gen).to(
+            torch.bfloat16
+        )
         total += state[f"blocks.{i // len(shapes)}.{i % len(shapes)}.weight"].numel() * 2
         i += 1
     return state
@@ -114,8 +116,13 @@ def median_time(fn, repeats: int) -> float:
 
 
 def row(transport: str, what: str, nbytes: int, seconds: float) -> dict:
-    return {"transport": transport, "what": what, "bytes": nbytes, "seconds": round(seconds, 5),
-            "bytes_per_s": round(nbytes / seconds) if seconds > 0 else None}
+    return {
+        "transport": transport,
+        "what": what,
+        "bytes": nbytes,
+        "seconds": round(seconds, 5),
+        "bytes_per_s": round(nbytes / seconds) if seconds > 0 else None,
+    }
 
 
 def main() -> None:
@@ -147,8 +154,11 @@ def main() -> None:
                 ray.get(actor.ray_load.remote(packet))
 
             rows.append(row("ray_object_store", what, nbytes, median_time(via_ray, args.repeats)))
-            ray.get(actor.allocate.remote({n: (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                                           for n, t in state.items()}))
+            ray.get(
+                actor.allocate.remote(
+                    {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()}
+                )
+            )
 
             def via_broadcast():
                 done = actor.broadcast_load.remote()
@@ -156,18 +166,31 @@ def main() -> None:
                 ray.get(done)
 
             rows.append(row("broadcast_gloo", what, nbytes, median_time(via_broadcast, args.repeats)))
-            print(f"{what}: {nbytes / 2**20:.1f} MiB  ray {rows[-2]['seconds']:.3f} s  broadcast {rows[-1]['seconds']:.3f} s",
-                  flush=True)
+            print(
+                f"{what}: {nbytes / 2**20:.1f} MiB  ray {rows[-2]['seconds']:.3f} s  broadcast {rows[-1]['seconds']:.3f} s",
+                flush=True,
+            )
     finally:
         ray.shutdown()
     what = list(payloads)[-1]
     big = payloads[what]
     nbytes = weight_sync.state_bytes(big)
-    rows.append(row("fingerprint", what, nbytes, median_time(lambda: [fingerprint(t) for t in big.values()], args.repeats)))
-    rows.append(row("sha256", what, nbytes, median_time(lambda: checksum(big), args.repeats)))  # the engine's check
+    rows.append(
+        row(
+            "fingerprint",
+            what,
+            nbytes,
+            median_time(lambda: [fingerprint(t) for t in big.values()], args.repeats),
+        )
+    )
+    rows.append(
+        row("sha256", what, nbytes, median_time(lambda: checksum(big), args.repeats))
+    )  # the engine's check
     for r in rows:
-        print(f"{r['transport']:>18} {r['what']:>20} {r['bytes'] / 2**20:9.2f} MiB {r['seconds']:8.4f} s "
-              f"{r['bytes_per_s'] / 1e9:7.3f} GB/s")
+        print(
+            f"{r['transport']:>18} {r['what']:>20} {r['bytes'] / 2**20:9.2f} MiB {r['seconds']:8.4f} s "
+            f"{r['bytes_per_s'] / 1e9:7.3f} GB/s"
+        )
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))
 

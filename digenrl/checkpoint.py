@@ -38,8 +38,15 @@ import torch
 
 from digenrl.checkpoint_compat import CheckpointError, check_compatible, compat_fields  # noqa: F401  (re-exported)
 from digenrl.optimizer_state import (  # noqa: F401  (staging_dir, StagedDir: re-exported for the engine)
-    DCP_DIR, OPTIMIZER_FILE, TRAINER_ONLY, StagedDir, check_holds_optimizer, restore_optimizer, save_optimizer_sharded,
-    staging_dir)
+    DCP_DIR,
+    OPTIMIZER_FILE,
+    TRAINER_ONLY,
+    StagedDir,
+    check_holds_optimizer,
+    restore_optimizer,
+    save_optimizer_sharded,
+    staging_dir,
+)
 
 FORMAT = 1  # bump when the layout changes; older formats are refused with a message
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -83,8 +90,11 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()
-             and (p / STATE_FILE).is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _NAME.match(p.name)) and p.is_dir() and (p / STATE_FILE).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -108,11 +118,15 @@ def find_checkpoint(path: Path) -> Path:
     found = latest_checkpoint(path)
     if found is not None:
         return found
-    if _NAME.match(path.name) or path.name.startswith(".tmp-") or any(
-            (path / f).exists() for f in (LORA_FILE, FULL_FILE, OPTIMIZER_FILE)):
+    if (
+        _NAME.match(path.name)
+        or path.name.startswith(".tmp-")
+        or any((path / f).exists() for f in (LORA_FILE, FULL_FILE, OPTIMIZER_FILE))
+    ):
         raise CheckpointError(f"checkpoint: {path} is incomplete (no {STATE_FILE}: its write did not finish)")
-    raise CheckpointError(f"checkpoint: no complete checkpoint in {path} (looked for {path}/checkpoints/iter-*/"
-                          f"{STATE_FILE})")
+    raise CheckpointError(
+        f"checkpoint: no complete checkpoint in {path} (looked for {path}/checkpoints/iter-*/{STATE_FILE})"
+    )
 
 
 def read_state(path: Path, unchecked: tuple[str, ...] = ()) -> CheckpointState:
@@ -125,14 +139,23 @@ def read_state(path: Path, unchecked: tuple[str, ...] = ()) -> CheckpointState:
         if not isinstance(raw, dict):
             raise ValueError("not an object")
         fmt = raw["format"]
-        state = CheckpointState(path=path, iteration=int(raw["iteration"]), version=int(raw["version"]),
-                                lora=bool(raw["lora"]), signature=raw["model_signature"], compat=raw["compat"],
-                                files={str(k): int(v) for k, v in raw["files"].items()}, extra=raw.get("extra", {}),
-                                optimizer_format=str(raw.get("optimizer_format", "torch")))
+        state = CheckpointState(
+            path=path,
+            iteration=int(raw["iteration"]),
+            version=int(raw["version"]),
+            lora=bool(raw["lora"]),
+            signature=raw["model_signature"],
+            compat=raw["compat"],
+            files={str(k): int(v) for k, v in raw["files"].items()},
+            extra=raw.get("extra", {}),
+            optimizer_format=str(raw.get("optimizer_format", "torch")),
+        )
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint: {path} is incomplete (no {STATE_FILE})") from None
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-        raise CheckpointError(f"checkpoint: {path / STATE_FILE} is corrupt (not a DigenRL checkpoint state)") from None
+        raise CheckpointError(
+            f"checkpoint: {path / STATE_FILE} is corrupt (not a DigenRL checkpoint state)"
+        ) from None
     if fmt != FORMAT:
         raise CheckpointError(f"checkpoint: {path} has format {fmt}, this DigenRL reads format {FORMAT}")
     for name, size in state.files.items():
@@ -142,8 +165,10 @@ def read_state(path: Path, unchecked: tuple[str, ...] = ()) -> CheckpointState:
         if not f.is_file():
             raise CheckpointError(f"checkpoint: {path} is corrupt: {name} is missing")
         if f.stat().st_size != size:
-            raise CheckpointError(f"checkpoint: {path} is corrupt: {name} has {f.stat().st_size} bytes, "
-                                  f"expected {size} (truncated or overwritten)")
+            raise CheckpointError(
+                f"checkpoint: {path} is corrupt: {name} has {f.stat().st_size} bytes, "
+                f"expected {size} (truncated or overwritten)"
+            )
     return state
 
 
@@ -181,19 +206,28 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(run_dir: Path, policy, iteration: int, cfg=None, keep_last: int | None = None,
-                    extra: dict | None = None) -> Path:
+def save_checkpoint(
+    run_dir: Path, policy, iteration: int, cfg=None, keep_last: int | None = None, extra: dict | None = None
+) -> Path:
     """Write ``run_dir/checkpoints/iter-NNNNNN`` atomically and keep the newest ``keep_last``.
 
     ``iteration`` is the number of iterations completed (the one a resumed run starts at); ``cfg``
     defaults to the policy's; ``extra`` (JSON) is stored for the driver, e.g. the engine's counters.
     """
-    return commit_checkpoint(run_dir, iteration, lambda tmp: write_checkpoint(tmp, policy, iteration, cfg, extra),
-                             keep_last)
+    return commit_checkpoint(
+        run_dir, iteration, lambda tmp: write_checkpoint(tmp, policy, iteration, cfg, extra), keep_last
+    )
 
 
-def write_checkpoint(directory: Path | None, policy, iteration: int, cfg=None, extra: dict | None = None,
-                     optimizer_dir: Path | None = None, where: str = "this node") -> None:
+def write_checkpoint(
+    directory: Path | None,
+    policy,
+    iteration: int,
+    cfg=None,
+    extra: dict | None = None,
+    optimizer_dir: Path | None = None,
+    where: str = "this node",
+) -> None:
     """The checkpoint's files into an existing (empty) ``directory``; ``state.json`` last.
 
     A sharded (FSDP2) policy: every rank of the group calls it (the weights and the EMA are gathered,
@@ -246,9 +280,15 @@ def write_checkpoint(directory: Path | None, policy, iteration: int, cfg=None, e
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
 
 
-def checkpoint_files(policy, iteration: int, cfg=None, extra: dict | None = None,
-                     optimizer_dir: Path | None = None, lead: bool = True,
-                     where: str = "this node") -> dict[str, bytes | StagedDir]:
+def checkpoint_files(
+    policy,
+    iteration: int,
+    cfg=None,
+    extra: dict | None = None,
+    optimizer_dir: Path | None = None,
+    lead: bool = True,
+    where: str = "this node",
+) -> dict[str, bytes | StagedDir]:
     """The checkpoint as file name -> bytes (a Ray worker hands these to the driver, which may run
     on another node, to :func:`save_checkpoint_files`). A sharded group: every rank calls it with the
     same ``optimizer_dir`` (its shards land there, by path; rank 0's answer names it as ``dcp``); the
@@ -266,8 +306,9 @@ def checkpoint_files(policy, iteration: int, cfg=None, extra: dict | None = None
     return files
 
 
-def save_checkpoint_files(run_dir: Path, iteration: int, files: dict[str, bytes | StagedDir],
-                          keep_last: int | None = None) -> Path:
+def save_checkpoint_files(
+    run_dir: Path, iteration: int, files: dict[str, bytes | StagedDir], keep_last: int | None = None
+) -> Path:
     """:func:`checkpoint_files`' output written atomically as ``run_dir/checkpoints/iter-NNNNNN``
     (a :class:`StagedDir` moved in)."""
     if STATE_FILE not in files:
@@ -367,9 +408,13 @@ def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = T
     if getattr(policy, "ema", None) is not None:  # resume the average, or start it here if none was kept
         if EMA_FILE in state.files:
             try:
-                policy.ema.load(read_safetensors(state.path / EMA_FILE), int(raw.get("ema", {}).get("steps", 0)))
+                policy.ema.load(
+                    read_safetensors(state.path / EMA_FILE), int(raw.get("ema", {}).get("steps", 0))
+                )
             except ValueError as exc:
-                raise CheckpointError(f"checkpoint {state.path}: {EMA_FILE} does not fit this model ({exc})") from None
+                raise CheckpointError(
+                    f"checkpoint {state.path}: {EMA_FILE} does not fit this model ({exc})"
+                ) from None
         else:
             policy.ema.reset()
     if rngs is not None:

@@ -25,8 +25,13 @@ def compat_fields(policy) -> dict:
         "model.frames": m.frames,
     }
     if policy.lora:
-        out.update({"model.lora.rank": m.lora.rank, "model.lora.alpha": m.lora.alpha,
-                    "model.lora.targets": sorted(policy.lora_targets)})
+        out.update(
+            {
+                "model.lora.rank": m.lora.rank,
+                "model.lora.alpha": m.lora.alpha,
+                "model.lora.targets": sorted(policy.lora_targets),
+            }
+        )
     return out
 
 
@@ -47,12 +52,20 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def check_compatible(state: CheckpointState, policy) -> None:
     """Refuse a checkpoint of another model / adapter / LoRA layout / resolution, naming every difference."""
     now = _jsonable(compat_fields(policy))
-    diffs = [f"{k}: checkpoint {state.compat.get(k)!r}, config {now.get(k)!r}"
-             for k in sorted(set(now) | set(state.compat)) if state.compat.get(k) != now.get(k)]
+    diffs = [
+        f"{k}: checkpoint {state.compat.get(k)!r}, config {now.get(k)!r}"
+        for k in sorted(set(now) | set(state.compat))
+        if state.compat.get(k) != now.get(k)
+    ]
     if not diffs:  # same config fields but a different network (another diffusers version, say)
         old, new = _flat(state.signature), _flat(_jsonable(policy.adapter.model_signature()))
-        diffs = [f"model signature {k}: checkpoint {old.get(k)!r}, model {new.get(k)!r}"
-                 for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        diffs = [
+            f"model signature {k}: checkpoint {old.get(k)!r}, model {new.get(k)!r}"
+            for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)
+        ]
     if diffs:
         more = f" (+{len(diffs) - 4} more)" if len(diffs) > 4 else ""
-        raise CheckpointError(f"checkpoint {state.path} does not fit this config: {'; '.join(diffs[:4])}{more}")
+        raise CheckpointError(
+            f"checkpoint {state.path} does not fit this config: {'; '.join(diffs[:4])}{more}"
+        )

@@ -52,8 +52,16 @@ MAX_BATCH = 4096
 #: the tiny demo's LoRA targets: attention + the pooled-text / output-modulation path, so a tiny
 #: model can map a colour word to a global colour shift (real-scale configs list the standard
 #: attention / FFN modules of their family)
-TINY_FLUX_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "text_embedder.linear_1", "text_embedder.linear_2",
-                          "norm_out.linear", "proj_out"]
+TINY_FLUX_LORA_TARGETS = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "text_embedder.linear_1",
+    "text_embedder.linear_2",
+    "norm_out.linear",
+    "proj_out",
+]
 
 
 # --------------------------------------------------------------------------------------- model
@@ -61,14 +69,20 @@ class LoraConfig(_Section):
     rank: int = Field(8, gt=0, le=MAX_BATCH)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    targets: list[str] | None = Field(default_factory=lambda: list(TINY_FLUX_LORA_TARGETS), description=(
-        "module-name suffixes (default: the tiny FLUX demo's); null = the adapter's default list"))
+    targets: list[str] | None = Field(
+        default_factory=lambda: list(TINY_FLUX_LORA_TARGETS),
+        description=(
+            "module-name suffixes (default: the tiny FLUX demo's); null = the adapter's default list"
+        ),
+    )
     init_seed: int = 0
 
 
 class ModelConfig(_Section):
     adapter: str = "flux"
-    preset: str | None = Field("tiny", description="tiny random-init preset of the real classes (no download)")
+    preset: str | None = Field(
+        "tiny", description="tiny random-init preset of the real classes (no download)"
+    )
     pretrained: Path | None = Field(None, description="local diffusers checkpoint directory")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     height: int = Field(32, gt=0, le=MAX_PIXELS)
@@ -76,10 +90,17 @@ class ModelConfig(_Section):
     frames: int | None = Field(None, gt=0, le=MAX_STEPS, description="video models only")
     lora: LoraConfig | None = Field(default_factory=LoraConfig, description="null = full fine-tuning")
     max_text_len: int = Field(16, gt=0, le=MAX_BATCH)
-    prompt_cache: int = Field(512, ge=0, description="distinct prompts whose embeddings a worker keeps "
-                              "(each encoded once per run, kept on the CPU); 0 = encode every time")
-    offload_text_encoders: bool = Field(False, description="a checkpoint's text encoders stay on the CPU and "
-                                        "move to the device only to encode prompts")
+    prompt_cache: int = Field(
+        512,
+        ge=0,
+        description="distinct prompts whose embeddings a worker keeps "
+        "(each encoded once per run, kept on the CPU); 0 = encode every time",
+    )
+    offload_text_encoders: bool = Field(
+        False,
+        description="a checkpoint's text encoders stay on the CPU and "
+        "move to the device only to encode prompts",
+    )
 
     @field_validator("adapter")
     @classmethod
@@ -93,14 +114,20 @@ class ModelConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _pretrained_replaces_preset(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("pretrained") is not None and data.get("preset", "tiny") == "tiny":
+        if (
+            isinstance(data, dict)
+            and data.get("pretrained") is not None
+            and data.get("preset", "tiny") == "tiny"
+        ):
             data = {**data, "preset": None}  # a checkpoint replaces the default tiny preset
         return data
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
         if (self.preset is None) == (self.pretrained is None):
-            raise ValueError("set exactly one of model.preset (tiny, random init) or model.pretrained (local path)")
+            raise ValueError(
+                "set exactly one of model.preset (tiny, random init) or model.pretrained (local path)"
+            )
         return self
 
 
@@ -108,18 +135,28 @@ class ModelConfig(_Section):
 class SamplingConfig(_Section):
     steps: int = Field(8, gt=0, le=MAX_STEPS, description="denoising steps during RL rollouts")
     eval_steps: int = Field(16, gt=0, le=MAX_STEPS)
-    shift: float | None = Field(None, gt=0, description="fixed sigma shift; None = the model's own (FLUX/Qwen: dynamic mu)")
+    shift: float | None = Field(
+        None, gt=0, description="fixed sigma shift; None = the model's own (FLUX/Qwen: dynamic mu)"
+    )
     guidance: float = Field(3.5, ge=0, description="guidance scale in the model's own style")
     negative_prompt: str = ""
     sde: Literal["flow_grpo", "dance_grpo", "cps"] = "flow_grpo"
     noise_level: float = Field(1.0, ge=0, description="eta; 0 = deterministic ODE (Euler) sampling")
-    cfg_batching: Literal["auto", "batched", "sequential"] = Field("auto", description=(
-        "two-pass CFG (Wan, Qwen-Image): batched = one forward of 2B (training holds both passes' activations); "
-        "sequential = two forwards of B (training backpropagates one pass at a time); auto = batched where the "
-        "memory model says it fits the device, else sequential (sequential on devices of unknown memory)"))
-    vae_tiling: Literal["auto", "on", "off"] = Field("auto", description=(
-        "decode with the VAE's spatial (and, HunyuanVideo, temporal) tiles; auto = on when one decoded sample "
-        "(height x width x frames) exceeds the memory model's tile (4 Mpx). Decoding is always one sample at a time"))
+    cfg_batching: Literal["auto", "batched", "sequential"] = Field(
+        "auto",
+        description=(
+            "two-pass CFG (Wan, Qwen-Image): batched = one forward of 2B (training holds both passes' activations); "
+            "sequential = two forwards of B (training backpropagates one pass at a time); auto = batched where the "
+            "memory model says it fits the device, else sequential (sequential on devices of unknown memory)"
+        ),
+    )
+    vae_tiling: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description=(
+            "decode with the VAE's spatial (and, HunyuanVideo, temporal) tiles; auto = on when one decoded sample "
+            "(height x width x frames) exceeds the memory model's tile (4 Mpx). Decoding is always one sample at a time"
+        ),
+    )
 
     @field_validator("vae_tiling", mode="before")
     @classmethod
@@ -130,18 +167,32 @@ class SamplingConfig(_Section):
 # ----------------------------------------------------------------------------------- algorithm
 class TimestepConfig(_Section):
     mode: Literal["fraction", "random", "window"] = "fraction"
-    fraction: float = Field(0.99, gt=0, le=1, description="fraction: first floor(N*f) steps; random: floor((N-1)*f) per sample")
-    window: int = Field(2, gt=0, le=MAX_STEPS, description="window mode: SDE steps per trajectory (ODE elsewhere)")
-    window_shift_every: int = Field(0, ge=0, description="0 = random window start (Flow-GRPO-Fast); K = slide by one every K iterations (MixGRPO)")
-    window_range: tuple[float, float] = Field((0.0, 0.5), description=(
-        "window mode: [start, end) as fractions of sampling.steps that the window stays inside; "
-        "(0, 0.5) = the first half, as flow_grpo-Fast's (0, N//2); the last step is never inside"))
+    fraction: float = Field(
+        0.99, gt=0, le=1, description="fraction: first floor(N*f) steps; random: floor((N-1)*f) per sample"
+    )
+    window: int = Field(
+        2, gt=0, le=MAX_STEPS, description="window mode: SDE steps per trajectory (ODE elsewhere)"
+    )
+    window_shift_every: int = Field(
+        0,
+        ge=0,
+        description="0 = random window start (Flow-GRPO-Fast); K = slide by one every K iterations (MixGRPO)",
+    )
+    window_range: tuple[float, float] = Field(
+        (0.0, 0.5),
+        description=(
+            "window mode: [start, end) as fractions of sampling.steps that the window stays inside; "
+            "(0, 0.5) = the first half, as flow_grpo-Fast's (0, N//2); the last step is never inside"
+        ),
+    )
 
     @field_validator("window_range")
     @classmethod
     def _ordered_fractions(cls, r: tuple[float, float]) -> tuple[float, float]:
         if not 0 <= r[0] < r[1] <= 1:
-            raise ValueError(f"must be [start, end] fractions of the steps with 0 <= start < end <= 1 (got {list(r)})")
+            raise ValueError(
+                f"must be [start, end] fractions of the steps with 0 <= start < end <= 1 (got {list(r)})"
+            )
         return r
 
 
@@ -158,8 +209,11 @@ ALGORITHM_DEFAULTS = {
 def algorithm_defaults(data: dict) -> dict:
     """``data`` (a raw config mapping) with the keys ``algorithm.name`` selects filled in where unset."""
     algorithm = data.get("algorithm", {})
-    if not isinstance(algorithm, dict) or not isinstance(data.get("sampling", {}), dict) \
-            or not isinstance(algorithm.get("timesteps", {}), dict):
+    if (
+        not isinstance(algorithm, dict)
+        or not isinstance(data.get("sampling", {}), dict)
+        or not isinstance(algorithm.get("timesteps", {}), dict)
+    ):
         return data  # not a mapping: validation names the field
     preset = ALGORITHM_DEFAULTS.get(algorithm.get("name", "flow_grpo"))
     if preset is None:  # an unknown name: validation names it
@@ -167,21 +221,36 @@ def algorithm_defaults(data: dict) -> dict:
     timesteps = {"mode": preset["timesteps"]["mode"], **(algorithm.get("timesteps") or {})}
     if timesteps["mode"] == preset["timesteps"]["mode"]:
         timesteps = {"fraction": preset["timesteps"]["fraction"], **timesteps}
-    return {**data, "sampling": {"sde": preset["sde"], **(data.get("sampling") or {})},
-            "algorithm": {**algorithm, "timesteps": timesteps}}
+    return {
+        **data,
+        "sampling": {"sde": preset["sde"], **(data.get("sampling") or {})},
+        "algorithm": {**algorithm, "timesteps": timesteps},
+    }
 
 
 class AlgorithmConfig(_Section):
-    name: Literal["flow_grpo", "dance_grpo"] = Field("flow_grpo", description=(
-        "selects the defaults of sampling.sde and algorithm.timesteps (see ALGORITHM_DEFAULTS)"))
-    group_size: int = Field(8, ge=2, le=MAX_BATCH, description="G samples per prompt; 1 would leave no advantage")
-    clip_range: float | None = Field(None, gt=0, description="PPO clip; null = by sampling.sde: cps 1e-5, else 1e-4")
+    name: Literal["flow_grpo", "dance_grpo"] = Field(
+        "flow_grpo",
+        description=("selects the defaults of sampling.sde and algorithm.timesteps (see ALGORITHM_DEFAULTS)"),
+    )
+    group_size: int = Field(
+        8, ge=2, le=MAX_BATCH, description="G samples per prompt; 1 would leave no advantage"
+    )
+    clip_range: float | None = Field(
+        None, gt=0, description="PPO clip; null = by sampling.sde: cps 1e-5, else 1e-4"
+    )
     adv_clip: float = Field(5.0, gt=0)
     std: Literal["per_prompt", "global"] = "per_prompt"
-    std_ddof: Literal[0, 1] = Field(0, description=(
-        "advantage std: 0 = population std (flow_grpo), 1 = sample std (DanceGRPO; advantages sqrt((G-1)/G) smaller)"))
+    std_ddof: Literal[0, 1] = Field(
+        0,
+        description=(
+            "advantage std: 0 = population std (flow_grpo), 1 = sample std (DanceGRPO; advantages sqrt((G-1)/G) smaller)"
+        ),
+    )
     kl_beta: float = Field(0.0, ge=0)
-    is_cap: float = Field(2.0, ge=1, description="cap of the importance weight for stale samples (decoupled PPO)")
+    is_cap: float = Field(
+        2.0, ge=1, description="cap of the importance weight for stale samples (decoupled PPO)"
+    )
     timesteps: TimestepConfig = Field(default_factory=TimestepConfig)
 
 
@@ -197,22 +266,32 @@ class RewardServiceConfig(_Section):
 
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0, description="> 0: the reward models go on a GPU of the cluster")
-    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. a GPU type")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources, e.g. a GPU type"
+    )
 
 
 class RewardConfig(_Section):
-    components: list[RewardTerm] = Field(default_factory=lambda: [RewardTerm(name="prompt_color")], min_length=1)
+    components: list[RewardTerm] = Field(
+        default_factory=lambda: [RewardTerm(name="prompt_color")], min_length=1
+    )
     combine: Literal["weighted_sum", "per_reward_advantage"] = Field(
-        "weighted_sum", description="advantages of the weighted sum, or the weighted sum of per-reward advantages")
+        "weighted_sum",
+        description="advantages of the weighted sum, or the weighted sum of per-reward advantages",
+    )
     nan_policy: Literal["fail", "drop"] = Field("fail", description="drop: NaN samples get advantage 0")
-    service: RewardServiceConfig | None = Field(None, description="null = rewards run inside the rollout worker")
+    service: RewardServiceConfig | None = Field(
+        None, description="null = rewards run inside the rollout worker"
+    )
 
     @field_validator("components")
     @classmethod
     def _unique_names(cls, terms: list[RewardTerm]) -> list[RewardTerm]:
         dup = first_duplicate([t.name for t in terms])
         if dup is not None:
-            raise ValueError(f"reward '{dup}' is listed twice (each reward is logged and weighted by its name)")
+            raise ValueError(
+                f"reward '{dup}' is listed twice (each reward is logged and weighted by its name)"
+            )
         return terms
 
 
@@ -224,7 +303,11 @@ class PromptsConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _file_replaces_builtin(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("file") is not None and data.get("builtin", "colors") == "colors":
+        if (
+            isinstance(data, dict)
+            and data.get("file") is not None
+            and data.get("builtin", "colors") == "colors"
+        ):
             data = {**data, "builtin": None}  # a file replaces the default built-in set
         return data
 
@@ -241,14 +324,19 @@ class EmaConfig(_Section):
 
     decay: float = Field(0.9, gt=0, lt=1, description="the average's decay per update (flow_grpo: 0.9)")
     every: int = Field(1, gt=0, description="update after every N-th optimizer step (flow_grpo: 8)")
-    warmup: bool = Field(True, description="decay min(decay, (1 + n) / (10 + n)) at the n-th optimizer step, "
-                                           "as flow_grpo; false: always `decay`")
+    warmup: bool = Field(
+        True,
+        description="decay min(decay, (1 + n) / (10 + n)) at the n-th optimizer step, "
+        "as flow_grpo; false: always `decay`",
+    )
 
 
 class TrainConfig(_Section):
     iterations: int = Field(120, gt=0, le=10_000_000)
     prompts_per_iteration: int = Field(4, gt=0, le=MAX_BATCH)
-    micro_batch: int = Field(16, gt=0, le=MAX_BATCH, description="samples per forward/backward inside a train unit")
+    micro_batch: int = Field(
+        16, gt=0, le=MAX_BATCH, description="samples per forward/backward inside a train unit"
+    )
     # one-step async (the default engine) trains on samples one version old (decoupled PPO); a delayed
     # gradient wants a smaller step than on-policy (1e-2 for the demo with max_staleness 0 / local)
     lr: float = Field(5e-3, gt=0, lt=10)
@@ -257,14 +345,26 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, gt=0)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    optimizer_steps: int = Field(1, gt=0, description="mini-batch PPO: optimizer steps per iteration, step s over "
-                                                      "the s-th equal slice of every prompt group's samples")
-    ema: EmaConfig | None = Field(None, description="EMA of the trained weights for eval and final/ (off: null)")
+    optimizer_steps: int = Field(
+        1,
+        gt=0,
+        description="mini-batch PPO: optimizer steps per iteration, step s over "
+        "the s-th equal slice of every prompt group's samples",
+    )
+    ema: EmaConfig | None = Field(
+        None, description="EMA of the trained weights for eval and final/ (off: null)"
+    )
     activation_checkpointing: Literal["auto", "on", "off"] = Field(
-        "auto", description="recompute each transformer block in backward; auto = as the memory preflight resolves it (off on CPU)")
+        "auto",
+        description="recompute each transformer block in backward; auto = as the memory preflight resolves it (off on CPU)",
+    )
     fsdp: Literal["auto", "off"] | int = Field(
-        "auto", description=("FSDP2 sharding degree of the trainer ranks: auto | off | N "
-                             "(N = all trainer ranks of a disaggregated engine run); auto = as the memory preflight resolves it"))
+        "auto",
+        description=(
+            "FSDP2 sharding degree of the trainer ranks: auto | off | N "
+            "(N = all trainer ranks of a disaggregated engine run); auto = as the memory preflight resolves it"
+        ),
+    )
 
     @field_validator("activation_checkpointing", mode="before")
     @classmethod
@@ -299,7 +399,10 @@ class PoolConfig(_Section):
 
 class ClusterConfig(_Section):
     pools: list[PoolConfig] = Field(
-        default_factory=lambda: [PoolConfig(name="rollout", device="cpu"), PoolConfig(name="trainer", device="cpu")],
+        default_factory=lambda: [
+            PoolConfig(name="rollout", device="cpu"),
+            PoolConfig(name="trainer", device="cpu"),
+        ],
         min_length=1,
     )
 
@@ -314,37 +417,62 @@ class PlacementConfig(_Section):
 
 class FaultConfig(_Section):
     worker: str = Field(description="worker name, e.g. rollout0 (pool name + index) or reward")
-    unit: str = Field(description=("unit uid, e.g. rollout-2-0 (iteration 2, unit 0) or train-1-0-0; sync-<version> on "
-                                   "trainer rank 0 corrupts that version's broadcast weight sync in transit instead"))
+    unit: str = Field(
+        description=(
+            "unit uid, e.g. rollout-2-0 (iteration 2, unit 0) or train-1-0-0; sync-<version> on "
+            "trainer rank 0 corrupts that version's broadcast weight sync in transit instead"
+        )
+    )
 
 
 class EngineConfig(_Section):
     unit_groups: int = Field(1, gt=0, description="GAP unit size: prompt groups per rollout unit")
-    unit_samples: int | None = Field(None, gt=0, description=(
-        "sub-group units: samples per rollout unit, a divisor of algorithm.group_size (a unit holds part of "
-        "one group; the group trains once all its parts are scored). Unset: engine.unit_groups whole groups "
-        "per unit, except colocated, where groups are split automatically when they are fewer than the devices"))
+    unit_samples: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "sub-group units: samples per rollout unit, a divisor of algorithm.group_size (a unit holds part of "
+            "one group; the group trains once all its parts are scored). Unset: engine.unit_groups whole groups "
+            "per unit, except colocated, where groups are split automatically when they are fewer than the devices"
+        ),
+    )
     gap: bool = True
-    tsp_degree: int = Field(2, gt=0, le=MAX_STEPS, description="TSP: trained timesteps split over this many ranks")
+    tsp_degree: int = Field(
+        2, gt=0, le=MAX_STEPS, description="TSP: trained timesteps split over this many ranks"
+    )
     tag: bool = True
     rollout_sp: int = Field(1, gt=0, description="sequence parallelism: devices per rollout worker (Ulysses)")
     trainer_sp: int = Field(1, gt=0, description="sequence parallelism: devices per trainer rank (Ulysses)")
     max_staleness: Literal[0, 1] = Field(1, description="1 = one-step async: rollout k+1 with version k")
-    max_restarts: int = Field(3, ge=0, description="restarts per rollout worker / reward actor before the run stops")
-    weight_sync: Literal["auto", "broadcast", "object_store"] = Field("auto", description=(
-        "how trainer rank 0 ships each new version to the rollout workers: broadcast = a torch.distributed group "
-        "(gloo on CPU, NCCL on GPU), bucketed, received while the worker generates; object_store = the Ray "
-        "object store; auto = broadcast when the group forms, else the object store"))
-    faults: list[FaultConfig] = Field(default_factory=list, description=(
-        "fault injection (tests, soak): `worker`'s process exits after the work of `unit`, once per run "
-        "(a plugin in the worker processes, digenrl/faults.py); also DIGENRL_FAULTS=worker@unit,..."))
+    max_restarts: int = Field(
+        3, ge=0, description="restarts per rollout worker / reward actor before the run stops"
+    )
+    weight_sync: Literal["auto", "broadcast", "object_store"] = Field(
+        "auto",
+        description=(
+            "how trainer rank 0 ships each new version to the rollout workers: broadcast = a torch.distributed group "
+            "(gloo on CPU, NCCL on GPU), bucketed, received while the worker generates; object_store = the Ray "
+            "object store; auto = broadcast when the group forms, else the object store"
+        ),
+    )
+    faults: list[FaultConfig] = Field(
+        default_factory=list,
+        description=(
+            "fault injection (tests, soak): `worker`'s process exits after the work of `unit`, once per run "
+            "(a plugin in the worker processes, digenrl/faults.py); also DIGENRL_FAULTS=worker@unit,..."
+        ),
+    )
 
 
 # -------------------------------------------------------------------------------------- output
 class OutputConfig(_Section):
     run_dir: Path | None = Field(None, description="default runs/<name>-<timestamp>")
-    name: str = Field("flux-tiny", description="a plain name (no path): the run goes to runs/<name>-<timestamp>")
-    checkpoint_every: int = Field(20, ge=0, description="every N iterations (and the last); 0 = only at the end")
+    name: str = Field(
+        "flux-tiny", description="a plain name (no path): the run goes to runs/<name>-<timestamp>"
+    )
+    checkpoint_every: int = Field(
+        20, ge=0, description="every N iterations (and the last); 0 = only at the end"
+    )
     keep_last: int = Field(3, gt=0)
     save_samples_every: int = Field(30, ge=0, description="0 = never")
     eval_every: int = Field(0, ge=0)
@@ -355,8 +483,10 @@ class OutputConfig(_Section):
     @classmethod
     def _plain_name(cls, name: str) -> str:
         if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-            raise ValueError(f"must be a plain name without '/' or '..' (got {name!r}); set output.run_dir "
-                             "or --run-dir for another place")
+            raise ValueError(
+                f"must be a plain name without '/' or '..' (got {name!r}); set output.run_dir "
+                "or --run-dir for another place"
+            )
         return name
 
 
@@ -393,8 +523,10 @@ class RunConfig(_Section):
         if s is not None and G % s:
             raise ValueError(f"engine.unit_samples ({s}) must divide algorithm.group_size ({G})")
         if s is not None and self.engine.unit_groups != 1:
-            raise ValueError(f"engine.unit_samples ({s}) needs engine.unit_groups 1 (a unit holds part of one "
-                             f"group), got {self.engine.unit_groups}")
+            raise ValueError(
+                f"engine.unit_samples ({s}) needs engine.unit_groups 1 (a unit holds part of one "
+                f"group), got {self.engine.unit_groups}"
+            )
         self._algorithm_defaults()
         if self.placement.mode != "local":
             names = [p.name for p in self.cluster.pools]
@@ -414,7 +546,8 @@ class RunConfig(_Section):
         if ts.mode == "window" and window_bounds(steps, ts.window, ts.window_range) is None:
             raise ValueError(
                 f"algorithm.timesteps.window_range {list(ts.window_range)} of sampling.steps ({steps}) holds fewer "
-                f"than algorithm.timesteps.window ({ts.window}) steps (the last step is never in a window)")
+                f"than algorithm.timesteps.window ({ts.window}) steps (the last step is never in a window)"
+            )
 
     def dump_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

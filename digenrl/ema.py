@@ -82,7 +82,14 @@ def use_ema_weights(path, policy) -> dict | None:
     ``every``, ``warmup``, ``steps``), or None when the checkpoint holds no average."""
     import json
 
-    from digenrl.checkpoint import EMA_FILE, STATE_FILE, CheckpointError, find_checkpoint, read_safetensors, read_state
+    from digenrl.checkpoint import (
+        EMA_FILE,
+        STATE_FILE,
+        CheckpointError,
+        find_checkpoint,
+        read_safetensors,
+        read_state,
+    )
 
     state = read_state(find_checkpoint(path))
     if EMA_FILE not in state.files:

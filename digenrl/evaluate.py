@@ -39,9 +39,11 @@ class EvalResult:
         for name, v in {**self.scores, "total": self.total}.items():
             v = v.double()
             kept = v[~torch.isnan(v)]
-            out[name] = {"mean": kept.mean().item() if len(kept) else None,
-                         "std": kept.std().item() if len(kept) > 1 else 0.0,
-                         "values": [None if x != x else round(x, 6) for x in v.tolist()]}
+            out[name] = {
+                "mean": kept.mean().item() if len(kept) else None,
+                "std": kept.std().item() if len(kept) > 1 else 0.0,
+                "values": [None if x != x else round(x, 6) for x in v.tolist()],
+            }
         return out
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
@@ -59,8 +61,16 @@ def eval_noise(adapter, index: int, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_policy(policy, reward_fn, prompts: list[Prompt], *, steps: int | None = None, seed: int | None = None,
-                    batch_size: int | None = None, on_batch: Callable[[int], None] | None = None) -> EvalResult:
+def evaluate_policy(
+    policy,
+    reward_fn,
+    prompts: list[Prompt],
+    *,
+    steps: int | None = None,
+    seed: int | None = None,
+    batch_size: int | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> EvalResult:
     """ODE-sample one image / video per prompt with the policy's current weights and score it.
 
     Defaults: ``sampling.eval_steps``, ``train.seed`` and ``train.micro_batch`` of the policy's config.
@@ -88,8 +98,12 @@ def evaluate_policy(policy, reward_fn, prompts: list[Prompt], *, steps: int | No
         if on_batch:
             on_batch(len(chunk))
     names = parts[0].keys()
-    return EvalResult(prompts=[p.text for p in prompts], pixels=torch.cat(pixels),
-                      scores={k: torch.cat([p[k] for p in parts]).float() for k in names}, total=torch.cat(totals))
+    return EvalResult(
+        prompts=[p.text for p in prompts],
+        pixels=torch.cat(pixels),
+        scores={k: torch.cat([p[k] for p in parts]).float() for k in names},
+        total=torch.cat(totals),
+    )
 
 
 # ------------------------------------------------------------------------------------- digenrl eval
@@ -113,8 +127,13 @@ def default_out_dir(checkpoint: Path) -> Path:
     return checkpoint / "eval"
 
 
-def prepare_eval(checkpoint: Path, config: Path | None = None, prompts: Path | None = None,
-                 baseline: str | None = None, out: Path | None = None) -> EvalJob:
+def prepare_eval(
+    checkpoint: Path,
+    config: Path | None = None,
+    prompts: Path | None = None,
+    baseline: str | None = None,
+    out: Path | None = None,
+) -> EvalJob:
     """Validate every input (checkpoint, config, prompts, baseline, output dir) before any work: UserError."""
     from digenrl.checkpoint import find_checkpoint, read_state
     from digenrl.config import PromptsConfig, load_config
@@ -164,20 +183,30 @@ def evaluate_checkpoint(job: EvalJob, on_batch: Callable[[int], None] | None = N
         use_ema_weights(job.baseline, policy)
         base, base_label = run(), job.baseline.name
     report = {
-        "checkpoint": str(job.checkpoint), "iteration": state.iteration, "version": state.version,
-        "config": str(job.config_path), "adapter": cfg.model.adapter, "eval_steps": cfg.sampling.eval_steps,
-        "seed": cfg.train.seed, "prompts": main.prompts, "rewards": main.rewards(),
+        "checkpoint": str(job.checkpoint),
+        "iteration": state.iteration,
+        "version": state.version,
+        "config": str(job.config_path),
+        "adapter": cfg.model.adapter,
+        "eval_steps": cfg.sampling.eval_steps,
+        "seed": cfg.train.seed,
+        "prompts": main.prompts,
+        "rewards": main.rewards(),
         "weights": "ema" if ema is not None else "trained",
     }
     if ema is not None:
         report["ema"] = ema
     files = _write_grids(job.out, main, base, base_label)
     if base is not None:
-        report["baseline"] = {"source": "base" if job.baseline == "base" else str(job.baseline),
-                              "rewards": base.rewards()}
+        report["baseline"] = {
+            "source": "base" if job.baseline == "base" else str(job.baseline),
+            "rewards": base.rewards(),
+        }
         ours = main.rewards()
-        report["difference"] = {k: None if None in (ours[k]["mean"], v["mean"]) else ours[k]["mean"] - v["mean"]
-                                for k, v in base.rewards().items()}
+        report["difference"] = {
+            k: None if None in (ours[k]["mean"], v["mean"]) else ours[k]["mean"] - v["mean"]
+            for k, v in base.rewards().items()
+        }
     report.update(files)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     _write_atomic(job.out / "eval.json", json.dumps(report, indent=1))

@@ -67,7 +67,6 @@ class FaultInjector:
         print(f"fault injection: {self.name} dies in {uid}", file=sys.stderr, flush=True)
         os._exit(17)
 
-
     def corrupts(self, version: int):
         """The wrapper that corrupts this process's broadcast of ``version``, or None."""
         return corrupting if f"sync-{version}" in self.units else None

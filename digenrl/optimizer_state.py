@@ -49,20 +49,29 @@ def save_optimizer_sharded(policy, directory: Path, where: str) -> dict[str, int
     from digenrl.distributed.dcp import save_optimizer
 
     if not directory.parent.is_dir():
-        raise UserError(f"output.run_dir: {directory.parent} is not visible on {where}: a sharded trainer group "
-                        "writes its checkpoint shards by path (put the run directory where every node mounts it)")
+        raise UserError(
+            f"output.run_dir: {directory.parent} is not visible on {where}: a sharded trainer group "
+            "writes its checkpoint shards by path (put the run directory where every node mounts it)"
+        )
     save_optimizer(directory, policy.adapter.transformer, policy.optimizer)
     return {f"{DCP_DIR}/{f.name}": f.stat().st_size for f in sorted(directory.iterdir()) if f.is_file()}
 
 
 def check_holds_optimizer(state: CheckpointState) -> None:
     if state.optimizer_format not in ("torch", "dcp"):
-        raise CheckpointError(f"checkpoint: {state.path / 'state.json'} names an unknown optimizer_format "
-                              f"{state.optimizer_format!r}")
-    held = OPTIMIZER_FILE in state.files if state.optimizer_format == "torch" else any(
-        name.startswith(f"{DCP_DIR}/") for name in state.files)
+        raise CheckpointError(
+            f"checkpoint: {state.path / 'state.json'} names an unknown optimizer_format "
+            f"{state.optimizer_format!r}"
+        )
+    held = (
+        OPTIMIZER_FILE in state.files
+        if state.optimizer_format == "torch"
+        else any(name.startswith(f"{DCP_DIR}/") for name in state.files)
+    )
     if not held:
-        raise CheckpointError(f"checkpoint {state.path} holds no optimizer state (written without an optimizer)")
+        raise CheckpointError(
+            f"checkpoint {state.path} holds no optimizer state (written without an optimizer)"
+        )
 
 
 def restore_optimizer(state: CheckpointState, policy, saved: dict | None = None) -> None:
@@ -90,7 +99,9 @@ def restore_optimizer(state: CheckpointState, policy, saved: dict | None = None)
             else:
                 opt.load_state_dict(saved)
     except (ValueError, KeyError, RuntimeError, IndexError, CheckpointException) as exc:
-        raise CheckpointError(f"checkpoint {state.path}: {what} does not fit this model ({first_line(exc)})") from None
+        raise CheckpointError(
+            f"checkpoint {state.path}: {what} does not fit this model ({first_line(exc)})"
+        ) from None
     t = policy.cfg.train
     for group in opt.param_groups:
         group.update(lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
@@ -99,8 +110,10 @@ def restore_optimizer(state: CheckpointState, policy, saved: dict | None = None)
 def _keyed_by_name(saved: dict, net) -> dict:
     """An ``optimizer.state_dict()`` (indexed by trained parameter) keyed by parameter name instead."""
     names = [n for n, p in net.named_parameters() if p.requires_grad]
-    return {"state": {names[i]: s for i, s in saved["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
+    return {
+        "state": {names[i]: s for i, s in saved["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]],
+    }
 
 
 def first_line(exc: BaseException) -> str:

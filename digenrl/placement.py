@@ -55,7 +55,9 @@ class Plan:
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if self.placement == "disaggregated" and (len(self.pools) != 2 or self.pools[0].name == self.pools[1].name):
+        if self.placement == "disaggregated" and (
+            len(self.pools) != 2 or self.pools[0].name == self.pools[1].name
+        ):
             raise ValueError("a disaggregated plan has two pools of different names: (rollout, trainer)")
         if self.group_parts > 1 and self.unit_groups != 1:
             raise ValueError("a plan of sub-group units (group_parts > 1) has unit_groups 1")
@@ -63,7 +65,9 @@ class Plan:
             raise ValueError("a colocated plan's devices both roll out and train: rollout_sp == trainer_sp")
         for p in self.pools:
             if p.count % self.sp(p):
-                raise ValueError(f"pool '{p.name}': {p.count} devices do not split into workers of {self.sp(p)}")
+                raise ValueError(
+                    f"pool '{p.name}': {p.count} devices do not split into workers of {self.sp(p)}"
+                )
 
     @property
     def unit_size(self) -> float:
@@ -105,17 +109,34 @@ class Plan:
     def leads(self) -> list[Worker]:
         """The workers the scheduler hands units to: with sequence parallelism the first device of
         each group of ``sp`` (the others run its calls with it); without, every device."""
-        return [Worker(f"{p.name}{i}", self.role(p), p) for p in self.pools for i in range(0, p.count, self.sp(p))]
+        return [
+            Worker(f"{p.name}{i}", self.role(p), p) for p in self.pools for i in range(0, p.count, self.sp(p))
+        ]
 
-    def scheduler_config(self, groups_per_iteration: int, iterations: int, wait_for_full_batch: bool = False,
-                         start_iteration: int = 0, optimizer_steps: int = 1) -> SchedulerConfig:
+    def scheduler_config(
+        self,
+        groups_per_iteration: int,
+        iterations: int,
+        wait_for_full_batch: bool = False,
+        start_iteration: int = 0,
+        optimizer_steps: int = 1,
+    ) -> SchedulerConfig:
         """The scheduler's configuration for this plan and the run's work (``groups_per_iteration``,
         ``iterations``, ``optimizer_steps``: the algorithm's, not a placement choice)."""
-        return SchedulerConfig(placement=self.placement, groups_per_iteration=groups_per_iteration,
-                               unit_groups=self.unit_groups, tsp_degree=self.tsp_degree, tag=self.tag, gap=self.gap,
-                               max_staleness=self.max_staleness, iterations=iterations,
-                               wait_for_full_batch=wait_for_full_batch, start_iteration=start_iteration,
-                               group_parts=self.group_parts, optimizer_steps=optimizer_steps)
+        return SchedulerConfig(
+            placement=self.placement,
+            groups_per_iteration=groups_per_iteration,
+            unit_groups=self.unit_groups,
+            tsp_degree=self.tsp_degree,
+            tag=self.tag,
+            gap=self.gap,
+            max_staleness=self.max_staleness,
+            iterations=iterations,
+            wait_for_full_batch=wait_for_full_batch,
+            start_iteration=start_iteration,
+            group_parts=self.group_parts,
+            optimizer_steps=optimizer_steps,
+        )
 
     # -- labels ----------------------------------------------------------------------------
 
@@ -136,8 +157,11 @@ class Plan:
         if self.tsp_degree > 1:
             k.append(f"TSP{self.tsp_degree}")
         if self.rollout_sp > 1 or self.trainer_sp > 1:
-            k.append(f"SP{self.rollout_sp}" if self.placement == "colocated" or self.rollout_sp == self.trainer_sp
-                     else f"SP{self.rollout_sp}/{self.trainer_sp}")
+            k.append(
+                f"SP{self.rollout_sp}"
+                if self.placement == "colocated" or self.rollout_sp == self.trainer_sp
+                else f"SP{self.rollout_sp}/{self.trainer_sp}"
+            )
         if self.placement == "disaggregated":
             if self.tag:
                 k.append("TAG")
@@ -162,31 +186,64 @@ class Plan:
         else:
             rollout, trainer = pools[cfg.placement.rollout_pool], pools[cfg.placement.trainer_pool]
             if rollout is trainer:
-                raise UserError("placement: disaggregated needs placement.rollout_pool and placement.trainer_pool "
-                                f"to be different pools (both are '{rollout.name}')")
+                raise UserError(
+                    "placement: disaggregated needs placement.rollout_pool and placement.trainer_pool "
+                    f"to be different pools (both are '{rollout.name}')"
+                )
             chosen = (rollout, trainer)
         G = cfg.algorithm.group_size
         m, parts = e.unit_groups, G // e.unit_samples if e.unit_samples else 1
         if mode == "colocated" and e.unit_samples is None:
-            m, parts = spread_units(cfg.train.prompts_per_iteration, m, G, sum(p.count for p in chosen) // e.trainer_sp)
+            m, parts = spread_units(
+                cfg.train.prompts_per_iteration, m, G, sum(p.count for p in chosen) // e.trainer_sp
+            )
         if mode == "colocated" and e.rollout_sp not in (1, e.trainer_sp):
-            raise UserError(f"engine.rollout_sp: {e.rollout_sp}: a colocated worker rolls out and trains on the same "
-                            f"devices; set it to engine.trainer_sp ({e.trainer_sp}) or leave it at 1")
+            raise UserError(
+                f"engine.rollout_sp: {e.rollout_sp}: a colocated worker rolls out and trains on the same "
+                f"devices; set it to engine.trainer_sp ({e.trainer_sp}) or leave it at 1"
+            )
         rollout_sp = e.trainer_sp if mode == "colocated" else e.rollout_sp  # colocated: one sp per device
         for i, p in enumerate(chosen):
-            key, sp = ("rollout_sp", rollout_sp) if mode == "disaggregated" and i == 0 else ("trainer_sp", e.trainer_sp)
+            key, sp = (
+                ("rollout_sp", rollout_sp)
+                if mode == "disaggregated" and i == 0
+                else ("trainer_sp", e.trainer_sp)
+            )
             if p.count % sp:
-                raise UserError(f"engine.{key}: {sp} does not divide pool '{p.name}' ({p.count} x {p.device}): a worker "
-                                f"spans {sp} devices")
-        return cls(mode, chosen, m, e.tsp_degree, e.tag, e.gap, e.max_staleness, cfg.train.micro_batch, parts,
-                   rollout_sp, e.trainer_sp)
+                raise UserError(
+                    f"engine.{key}: {sp} does not divide pool '{p.name}' ({p.count} x {p.device}): a worker "
+                    f"spans {sp} devices"
+                )
+        return cls(
+            mode,
+            chosen,
+            m,
+            e.tsp_degree,
+            e.tag,
+            e.gap,
+            e.max_staleness,
+            cfg.train.micro_batch,
+            parts,
+            rollout_sp,
+            e.trainer_sp,
+        )
 
     def typed(self) -> Plan:
         """This plan with every pool's device as a known type's canonical name (what the cost model
         looks up); a pool of 'gpu' / 'cuda' (any GPU) cannot be simulated."""
-        return Plan(self.placement, tuple(p.model_copy(update={"device": device_type(p)}) for p in self.pools),
-                    self.unit_groups, self.tsp_degree, self.tag, self.gap, self.max_staleness, self.micro_batch,
-                    self.group_parts, self.rollout_sp, self.trainer_sp)
+        return Plan(
+            self.placement,
+            tuple(p.model_copy(update={"device": device_type(p)}) for p in self.pools),
+            self.unit_groups,
+            self.tsp_degree,
+            self.tag,
+            self.gap,
+            self.max_staleness,
+            self.micro_batch,
+            self.group_parts,
+            self.rollout_sp,
+            self.trainer_sp,
+        )
 
 
 def spread_units(groups: int, unit_groups: int, group_size: int, devices: int) -> tuple[int, int]:
@@ -198,7 +255,9 @@ def spread_units(groups: int, unit_groups: int, group_size: int, devices: int) -
         return unit_groups, 1
     if groups >= devices:
         return max(m for m in range(1, unit_groups + 1) if groups % m == 0 and groups // m >= devices), 1
-    parts = next((d for d in range(1, group_size + 1) if group_size % d == 0 and groups * d >= devices), group_size)
+    parts = next(
+        (d for d in range(1, group_size + 1) if group_size % d == 0 and groups * d >= devices), group_size
+    )
     return 1, parts
 
 
@@ -208,8 +267,10 @@ def device_type(pool: PoolConfig) -> str:
     from digenrl.planner.gpus import device_spec, known_devices
 
     if pool.device.lower() in ("gpu", "cuda"):
-        raise UserError(f"cluster.pools: pool '{pool.name}' has device '{pool.device}', which names no GPU type; "
-                        f"give a type (known: {', '.join(known_devices())}) or pass --cluster FILE")
+        raise UserError(
+            f"cluster.pools: pool '{pool.name}' has device '{pool.device}', which names no GPU type; "
+            f"give a type (known: {', '.join(known_devices())}) or pass --cluster FILE"
+        )
     return device_spec(pool.device, f"cluster.pools.{pool.name}.device").name
 
 
@@ -217,8 +278,10 @@ def engine_workers(cfg: RunConfig) -> list[Worker]:
     """The runtime's workers for ``cfg`` (a CUDA run on logical CPU pools is refused here, before Ray)."""
     workers = Plan.from_run_config(cfg).workers()
     if cfg.train.device == "cuda" and any(w.pool.device.lower() == "cpu" for w in workers):
-        raise UserError("train.device: cuda, but cluster.pools devices are 'cpu' (logical CPU pools); "
-                        "set the pools' device to 'gpu' or a GPU type such as H100")
+        raise UserError(
+            "train.device: cuda, but cluster.pools devices are 'cpu' (logical CPU pools); "
+            "set the pools' device to 'gpu' or a GPU type such as H100"
+        )
     return workers
 
 
@@ -227,8 +290,12 @@ def engine_scheduler_config(cfg: RunConfig, start_iteration: int = 0) -> Schedul
     back until every reward of the iteration is in."""
     try:
         return Plan.from_run_config(cfg).scheduler_config(
-            cfg.train.prompts_per_iteration, cfg.train.iterations, wait_for_full_batch=cfg.algorithm.std == "global",
-            start_iteration=start_iteration, optimizer_steps=cfg.train.optimizer_steps)
+            cfg.train.prompts_per_iteration,
+            cfg.train.iterations,
+            wait_for_full_batch=cfg.algorithm.std == "global",
+            start_iteration=start_iteration,
+            optimizer_steps=cfg.train.optimizer_steps,
+        )
     except ValueError as exc:
         raise UserError(f"engine: {exc}") from None
 
@@ -240,13 +307,23 @@ def apply_plan(cfg: RunConfig, plan: Plan, device: str) -> RunConfig:
 
     data = cfg.model_dump(mode="json")
     data["cluster"] = {"pools": [p.model_dump(mode="json") for p in plan.pools]}
-    data["placement"] = {"mode": plan.placement, "rollout_pool": plan.pools[0].name,
-                         "trainer_pool": plan.pools[-1].name}
+    data["placement"] = {
+        "mode": plan.placement,
+        "rollout_pool": plan.pools[0].name,
+        "trainer_pool": plan.pools[-1].name,
+    }
     G = data["algorithm"]["group_size"]
-    data["engine"] = {**data["engine"], "unit_groups": plan.unit_groups, "gap": plan.gap,
-                      "unit_samples": G // plan.group_parts if plan.group_parts > 1 else None,
-                      "tsp_degree": plan.tsp_degree, "tag": plan.tag, "max_staleness": plan.max_staleness,
-                      "rollout_sp": plan.rollout_sp, "trainer_sp": plan.trainer_sp}
+    data["engine"] = {
+        **data["engine"],
+        "unit_groups": plan.unit_groups,
+        "gap": plan.gap,
+        "unit_samples": G // plan.group_parts if plan.group_parts > 1 else None,
+        "tsp_degree": plan.tsp_degree,
+        "tag": plan.tag,
+        "max_staleness": plan.max_staleness,
+        "rollout_sp": plan.rollout_sp,
+        "trainer_sp": plan.trainer_sp,
+    }
     if plan.micro_batch is not None:
         data["train"] = {**data["train"], "micro_batch": plan.micro_batch}
     data["train"] = {**data["train"], "device": device}

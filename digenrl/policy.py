@@ -14,12 +14,12 @@ import torch
 
 from digenrl.adapters import build_adapter
 from digenrl.config import RunConfig
-from digenrl.ema import WeightAverage, swapped_in
 from digenrl.distributed.checkpointing import checkpoint_blocks
 from digenrl.distributed.precision import fp32_master
 from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired, resolve_activation_checkpointing
-from digenrl.lora import apply_lora, checksum, full_tensor, load_lora_state_dict, lora_state_dict
+from digenrl.ema import WeightAverage, swapped_in
 from digenrl.errors import UserError
+from digenrl.lora import apply_lora, checksum, full_tensor, load_lora_state_dict, lora_state_dict
 
 
 def pick_device(name: str) -> torch.device:
@@ -33,8 +33,13 @@ def pick_device(name: str) -> torch.device:
 
 
 class Policy:
-    def __init__(self, cfg: RunConfig, device: torch.device | str | None = None, trainable: bool = True,
-                 generates: bool = True):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        device: torch.device | str | None = None,
+        trainable: bool = True,
+        generates: bool = True,
+    ):
         """``generates=False``: a lean trainer rank (a checkpoint's transformer is loaded alone)."""
         self.cfg = cfg
         check_sp_wired(cfg)
@@ -65,7 +70,9 @@ class Policy:
         self.ema: WeightAverage | None = None  # train.ema: on the trainer only
         if trainable:
             t = cfg.train
-            self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+            self.optimizer = torch.optim.AdamW(
+                self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
+            )
             if t.ema is not None:
                 self.ema = WeightAverage(self.named_params, t.ema)
         self.version = 0
@@ -119,9 +126,13 @@ class Policy:
         """What a weight sync ships: LoRA tensors only with LoRA, all weights otherwise."""
         if self.lora:
             return lora_state_dict(self.adapter.transformer)
-        return {k: full_tensor(v).detach().cpu().clone() for k, v in self.adapter.transformer.state_dict().items()}
+        return {
+            k: full_tensor(v).detach().cpu().clone() for k, v in self.adapter.transformer.state_dict().items()
+        }
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int, expected_checksum: str | None = None):
+    def load_weights(
+        self, state: dict[str, torch.Tensor], version: int, expected_checksum: str | None = None
+    ):
         if self.lora:
             load_lora_state_dict(self.adapter.transformer, state, expected_checksum)
         else:
@@ -130,8 +141,10 @@ class Policy:
             net = self.adapter.transformer
             result = net.load_state_dict(state, strict=False)
             if result.missing_keys or result.unexpected_keys:
-                raise WeightSyncError(f"weight load mismatch: missing {result.missing_keys[:3]}, "
-                                      f"unexpected {result.unexpected_keys[:3]}")
+                raise WeightSyncError(
+                    f"weight load mismatch: missing {result.missing_keys[:3]}, "
+                    f"unexpected {result.unexpected_keys[:3]}"
+                )
             if expected_checksum is not None:
                 own = net.state_dict()
                 if all(own[k].dtype == v.dtype for k, v in state.items()):
@@ -152,5 +165,7 @@ def non_finite_gradient(cfg, norm: float, version: int) -> str:
         likely.append("model.dtype float16 overflowing (try bfloat16)")
     if cfg.algorithm.kl_beta > 0:
         likely.append(f"algorithm.kl_beta ({cfg.algorithm.kl_beta:g})")
-    return (f"train.lr: the loss or its gradient is not finite (grad norm {norm}) in the update from version "
-            f"{version}; the weights were not changed. Most likely: {', or '.join(likely)}")
+    return (
+        f"train.lr: the loss or its gradient is not finite (grad norm {norm}) in the update from version "
+        f"{version}; the weights were not changed. Most likely: {', or '.join(likely)}"
+    )

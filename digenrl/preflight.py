@@ -12,7 +12,7 @@
   ``train.fsdp: auto`` and ``train.activation_checkpointing: auto`` into what a trainer rank runs,
   by the planner's memory model (:mod:`digenrl.planner.memory`); :func:`check_memory` refuses, with
   one line, a placement that cannot fit and names the setting that would.
-  
+
   Which devices are checked: pools of a known GPU type (:data:`~digenrl.planner.gpus.DEVICES`).
   Logical CPU pools (``device: cpu``) share the host's RAM with each other and the OS and have no
   fixed per-device limit, and ``gpu`` / ``cuda`` pools name no type: both are skipped (the run
@@ -40,17 +40,21 @@ def check_resources(cfg: RunConfig, ray_address: str | None = None) -> None:
     cores = os.cpu_count() or 1
     cpu = sum(p.count for p in cfg.cluster.pools if p.device.lower() == "cpu")
     if cpu > CPU_DEVICES_PER_CORE * cores:
-        raise UserError(f"cluster.pools: {cpu} logical CPU devices on a host with {cores} cores (at most "
-                        f"{CPU_DEVICES_PER_CORE * cores}: each is a worker process); use fewer, or join a larger "
-                        "cluster with --ray-address")
+        raise UserError(
+            f"cluster.pools: {cpu} logical CPU devices on a host with {cores} cores (at most "
+            f"{CPU_DEVICES_PER_CORE * cores}: each is a worker process); use fewer, or join a larger "
+            "cluster with --ray-address"
+        )
     gpu = sum(p.count for p in cfg.cluster.pools if p.device.lower() != "cpu")
     if gpu:
         import torch
 
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpu > visible:
-            raise UserError(f"cluster.pools: {gpu} GPU devices, but this host has {visible} visible GPUs; "
-                            "join a GPU cluster with --ray-address or change the pools")
+            raise UserError(
+                f"cluster.pools: {gpu} GPU devices, but this host has {visible} visible GPUs; "
+                "join a GPU cluster with --ray-address or change the pools"
+            )
 
 
 def check_config(cfg: RunConfig, ray_address: str | None = None) -> list[str]:
@@ -70,8 +74,10 @@ def check_config(cfg: RunConfig, ray_address: str | None = None) -> list[str]:
         pools = ", ".join(f"{p.count}x {p.device}" for p in cfg.cluster.pools)
         checked.append(f"placement {cfg.placement.mode} on {pools}")
     check_model(cfg)
-    checked.append(f"model {cfg.model.adapter} ({cfg.model.preset or cfg.model.pretrained}) "
-                   f"{cfg.model.height}x{cfg.model.width}" + (f"x{cfg.model.frames}" if cfg.model.frames else ""))
+    checked.append(
+        f"model {cfg.model.adapter} ({cfg.model.preset or cfg.model.pretrained}) "
+        f"{cfg.model.height}x{cfg.model.width}" + (f"x{cfg.model.frames}" if cfg.model.frames else "")
+    )
     check_workers_build(cfg)  # prompts, reward, and (tiny preset) the model with its LoRA targets
     checked.append(f"prompts, reward ({', '.join(t.name for t in cfg.reward.components)})")
     return checked
@@ -154,8 +160,12 @@ def resolve_memory_settings(cfg) -> MemorySettings:
     last setting tried (the largest degree, checkpointing on), which :func:`check_memory` refuses."""
     t = cfg.train
     fsdp, ac = _explicit(cfg)
-    plain = MemorySettings(1 if fsdp in ("auto", "off") else fsdp, ac == "on", t.micro_batch,
-                           cfg_batched=cfg.sampling.cfg_batching == "batched")
+    plain = MemorySettings(
+        1 if fsdp in ("auto", "off") else fsdp,
+        ac == "on",
+        t.micro_batch,
+        cfg_batched=cfg.sampling.cfg_batching == "batched",
+    )
     if cfg.placement.mode == "local":
         return plain
     plan = _plan(cfg)
@@ -165,10 +175,21 @@ def resolve_memory_settings(cfg) -> MemorySettings:
     model = _model(cfg)
     tag = plan.placement == "colocated" or plan.tag
     device = min(devices, key=model.have)  # the tightest trainer device decides
-    fits, miss = model.setups(device, plan.ranks, tag, plan.unit_size, plan.trainer_sp, fsdp=fsdp, checkpointing=ac,
-                              micro_batch=t.micro_batch, cfg=cfg.sampling.cfg_batching)
+    fits, miss = model.setups(
+        device,
+        plan.ranks,
+        tag,
+        plan.unit_size,
+        plan.trainer_sp,
+        fsdp=fsdp,
+        checkpointing=ac,
+        micro_batch=t.micro_batch,
+        cfg=cfg.sampling.cfg_batching,
+    )
     s = fits[0] if fits else miss
-    return MemorySettings(s.shard, s.checkpointing, s.micro_batch, s.need_bytes, s.have_bytes, device, s.cfg_batched)
+    return MemorySettings(
+        s.shard, s.checkpointing, s.micro_batch, s.need_bytes, s.have_bytes, device, s.cfg_batched
+    )
 
 
 def resolve_cfg_batching(cfg, trainable: bool) -> str:
@@ -196,10 +217,15 @@ def _changes(s, cfg) -> list[tuple[str, object]]:
     value that differs, or ``auto`` where the setup shards / checkpoints (said explicitly)."""
     t, out = cfg.train, []
     fsdp = s.shard if s.shard > 1 else "off"
-    if (t.fsdp == "auto" and s.shard > 1) or (t.fsdp != "auto" and (1 if t.fsdp == "off" else t.fsdp) != s.shard):
+    if (t.fsdp == "auto" and s.shard > 1) or (
+        t.fsdp != "auto" and (1 if t.fsdp == "off" else t.fsdp) != s.shard
+    ):
         out.append(("train.fsdp", fsdp))
     ac = "on" if s.checkpointing else "off"
-    if (t.activation_checkpointing == "auto" and s.checkpointing) or t.activation_checkpointing not in ("auto", ac):
+    if (t.activation_checkpointing == "auto" and s.checkpointing) or t.activation_checkpointing not in (
+        "auto",
+        ac,
+    ):
         out.append(("train.activation_checkpointing", ac))
     if cfg.sampling.cfg_batching == "batched" and not s.cfg_batched:
         out.append(("sampling.cfg_batching", "sequential"))
@@ -211,8 +237,10 @@ def _changes(s, cfg) -> list[tuple[str, object]]:
 def _where(pool, device: str, model) -> str:
     from digenrl.planner.gpus import DEVICES
 
-    return (f"pool '{pool.name}' ({pool.count} x {device}, {DEVICES[device].memory / 1e9:.0f} GB, "
-            f"{model.have(device) / GiB:.1f} GiB usable)")
+    return (
+        f"pool '{pool.name}' ({pool.count} x {device}, {DEVICES[device].memory / 1e9:.0f} GB, "
+        f"{model.have(device) / GiB:.1f} GiB usable)"
+    )
 
 
 def check_memory(cfg) -> None:
@@ -234,30 +262,47 @@ def check_memory(cfg) -> None:
         if plan.role(pool) == "rollout":
             _check_rollout(cfg, model, plan, pool, device)
             continue
-        fits, miss = model.setups(device, plan.ranks, tag, plan.unit_size, plan.trainer_sp, fsdp=fsdp,
-                                  checkpointing=ac, micro_batch=cfg.train.micro_batch, cfg=cfg.sampling.cfg_batching)
+        fits, miss = model.setups(
+            device,
+            plan.ranks,
+            tag,
+            plan.unit_size,
+            plan.trainer_sp,
+            fsdp=fsdp,
+            checkpointing=ac,
+            micro_batch=cfg.train.micro_batch,
+            cfg=cfg.sampling.cfg_batching,
+        )
         if fits:
             continue
         other, _ = model.setups(device, plan.ranks, tag, plan.unit_size, plan.trainer_sp)
         changes = _changes(other[0], cfg) if other else []
         if changes:  # the error names the first key to change
             key = changes[0][0]
-            fix = (f"set {', '.join(f'{k}: {v}' for k, v in changes)} "
-                   f"(needs {other[0].need_bytes / GiB:.1f} GiB)")
+            fix = (
+                f"set {', '.join(f'{k}: {v}' for k, v in changes)} "
+                f"(needs {other[0].need_bytes / GiB:.1f} GiB)"
+            )
         else:
             key = f"cluster.pools.{pool.name}"
-            fix = (f"no setting fits {plan.ranks} trainer ranks of this type (FSDP up to {plan.ranks * plan.trainer_sp}, activation "
-                   "checkpointing, sequential CFG, micro-batch 1): use more or larger trainer devices"
-                   + ("" if plan.trainer_sp > 1 or not model.w.video else ", or engine.trainer_sp > 1"))
-        raise UserError(f"{key}: {_where(pool, device, model)}: a trainer rank needs "
-                        f"{miss.need_bytes / GiB:.1f} GiB at {_described(miss)}; {fix}")
+            fix = (
+                f"no setting fits {plan.ranks} trainer ranks of this type (FSDP up to {plan.ranks * plan.trainer_sp}, activation "
+                "checkpointing, sequential CFG, micro-batch 1): use more or larger trainer devices"
+                + ("" if plan.trainer_sp > 1 or not model.w.video else ", or engine.trainer_sp > 1")
+            )
+        raise UserError(
+            f"{key}: {_where(pool, device, model)}: a trainer rank needs "
+            f"{miss.need_bytes / GiB:.1f} GiB at {_described(miss)}; {fix}"
+        )
 
 
 def _described(s) -> str:
-    return (f"train.fsdp {s.shard if s.shard > 1 else 'off'}, activation checkpointing "
-            f"{'on' if s.checkpointing else 'off'}, micro-batch {s.micro_batch}"
-            + (f", {'batched' if s.cfg_batched else 'sequential'} CFG" if s.parts.get("activations") else "")
-            + (f", SP x{s.sp}" if s.sp > 1 else ""))
+    return (
+        f"train.fsdp {s.shard if s.shard > 1 else 'off'}, activation checkpointing "
+        f"{'on' if s.checkpointing else 'off'}, micro-batch {s.micro_batch}"
+        + (f", {'batched' if s.cfg_batched else 'sequential'} CFG" if s.parts.get("activations") else "")
+        + (f", SP x{s.sp}" if s.sp > 1 else "")
+    )
 
 
 def _check_rollout(cfg, model, plan, pool, device: str) -> None:
@@ -270,15 +315,25 @@ def _check_rollout(cfg, model, plan, pool, device: str) -> None:
         key = "sampling.cfg_batching"
     else:
         prompts = cfg.train.prompts_per_iteration  # a unit size divides the prompts into whole units
-        smaller = [g for g in range(groups - 1, 0, -1) if prompts % g == 0 and model.rollout(device, g, sp, mode).fits]
-        fix = (f"set engine.unit_groups: {smaller[0]} (fewer samples per unit)" if smaller else
-               "even a unit of 1 group does not fit: use a larger rollout device"
-               + (", or engine.rollout_sp > 1" if model.w.video and sp == 1 else ""))
+        smaller = [
+            g
+            for g in range(groups - 1, 0, -1)
+            if prompts % g == 0 and model.rollout(device, g, sp, mode).fits
+        ]
+        fix = (
+            f"set engine.unit_groups: {smaller[0]} (fewer samples per unit)"
+            if smaller
+            else "even a unit of 1 group does not fit: use a larger rollout device"
+            + (", or engine.rollout_sp > 1" if model.w.video and sp == 1 else "")
+        )
         key = "engine.unit_groups"
     what = f"units of {groups} groups" if plan.group_parts == 1 else f"units of 1/{plan.group_parts} group"
-    raise UserError(f"{key}: {_where(pool, device, model)}: a rollout worker needs "
-                    f"{s.need_bytes / GiB:.1f} GiB per device for {what}" + (f" (SP x{sp})" if sp > 1 else "")
-                    + f"; {fix}")
+    raise UserError(
+        f"{key}: {_where(pool, device, model)}: a rollout worker needs "
+        f"{s.need_bytes / GiB:.1f} GiB per device for {what}"
+        + (f" (SP x{sp})" if sp > 1 else "")
+        + f"; {fix}"
+    )
 
 
 def check_workers_build(cfg: RunConfig, resumed=None) -> None:

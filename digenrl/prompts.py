@@ -44,7 +44,9 @@ def load_prompts(cfg: PromptsConfig) -> list[Prompt]:
                 row = json.loads(line)
                 prompts.append(Prompt(row.pop("prompt"), row))
             except (json.JSONDecodeError, KeyError, AttributeError):
-                raise UserError(f"prompts.file: {path}:{n}: expected a JSON object with a 'prompt' field") from None
+                raise UserError(
+                    f"prompts.file: {path}:{n}: expected a JSON object with a 'prompt' field"
+                ) from None
         else:
             prompts.append(Prompt(line.strip()))
     if not prompts:

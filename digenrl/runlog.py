@@ -68,11 +68,15 @@ def check_new_run_dir(path: Path, overwrite: bool = False) -> None:
         check_writable(path, "--run-dir")
         return
     if not overwrite:
-        raise UserError(f"--run-dir: {path} already holds a run; continue it with --resume {path}, "
-                        "choose a new --run-dir, or pass --overwrite to replace it")
+        raise UserError(
+            f"--run-dir: {path} already holds a run; continue it with --resume {path}, "
+            "choose a new --run-dir, or pass --overwrite to replace it"
+        )
     if not any((path / m).exists() for m in RUN_MARKERS):
-        raise UserError(f"--overwrite: {path} is not a run directory (none of {', '.join(RUN_MARKERS)}); "
-                        "refusing to delete it")
+        raise UserError(
+            f"--overwrite: {path} is not a run directory (none of {', '.join(RUN_MARKERS)}); "
+            "refusing to delete it"
+        )
     check_writable(path, "--run-dir")
 
 
@@ -172,8 +176,11 @@ class RunDir:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            print("warning: output.tensorboard is on but the tensorboard package is not installed "
-                  "(pip install tensorboard); logging to metrics.jsonl only", file=sys.stderr)
+            print(
+                "warning: output.tensorboard is on but the tensorboard package is not installed "
+                "(pip install tensorboard); logging to metrics.jsonl only",
+                file=sys.stderr,
+            )
             return None
         return SummaryWriter(str(self.path / "tensorboard"), purge_step=purge_step, flush_secs=10)
 
@@ -181,14 +188,22 @@ class RunDir:
         try:
             import wandb
         except ImportError:
-            print("warning: output.wandb is on but the wandb package is not installed; skipping W&B",
-                  file=sys.stderr)
+            print(
+                "warning: output.wandb is on but the wandb package is not installed; skipping W&B",
+                file=sys.stderr,
+            )
             return None
         id_file = self.path / "wandb-id"  # the same W&B run across resumes
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
-        return wandb.init(project="digenrl", name=self.path.name, id=run_id, resume="allow", dir=str(self.path),
-                          config=cfg.model_dump(mode="json"))
+        return wandb.init(
+            project="digenrl",
+            name=self.path.name,
+            id=run_id,
+            resume="allow",
+            dir=str(self.path),
+            config=cfg.model_dump(mode="json"),
+        )
 
     def log(self, row: dict) -> None:
         self._metrics.write(json.dumps(row) + "\n")

@@ -59,7 +59,9 @@ class RunPolicy:
         return (bool(every) and k % every == 0) or k == self.iterations - 1
 
 
-def resume_history(resumed: CheckpointState | None, run_dir: Path | None) -> tuple[Path | None, list[dict] | None]:
+def resume_history(
+    resumed: CheckpointState | None, run_dir: Path | None
+) -> tuple[Path | None, list[dict] | None]:
     """Where a (resumed) run writes and the metrics rows it keeps: a resumed run continues in its
     checkpoint's run directory unless ``run_dir`` forks it elsewhere, keeping the rows of the
     iterations the checkpoint holds (rows logged after it are dropped: they are run again)."""
@@ -83,8 +85,17 @@ def _read_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
-def iteration_metrics(iteration: int, version: int, units: list, stats: dict, wall: float, *,
-                      samples_per_s: float | None = None, bubble_fraction: float | None = None, **extra) -> dict:
+def iteration_metrics(
+    iteration: int,
+    version: int,
+    units: list,
+    stats: dict,
+    wall: float,
+    *,
+    samples_per_s: float | None = None,
+    bubble_fraction: float | None = None,
+    **extra,
+) -> dict:
     """The metrics row: rewards of the iteration's rolled-out ``units`` (anything with ``rewards`` and
     ``reward_parts``), the merged train ``stats``, wall time and throughput. ``samples_per_s``
     defaults to samples / ``wall``; ``bubble_fraction`` is only logged by a driver that measured it."""

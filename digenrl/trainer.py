@@ -30,10 +30,21 @@ from digenrl.policy import Policy
 from digenrl.prompts import PromptSampler, load_prompts
 from digenrl.rewards import build_reward
 from digenrl.runlog import RunDir
-from digenrl.runpolicy import (RunPolicy, RunResult, StopRequest, checkpoint_to_keep, final_files,
-                               iteration_metrics, resume_history, save_iteration_samples, stop_on_interrupt,
-                               stopped, write_final)
+from digenrl.runpolicy import (
+    RunPolicy,
+    RunResult,
+    StopRequest,
+    checkpoint_to_keep,
+    final_files,
+    iteration_metrics,
+    resume_history,
+    save_iteration_samples,
+    stop_on_interrupt,
+    stopped,
+    write_final,
+)
 from digenrl.units import Samples, assign_advantages, merge_stats, preflight_reward, rollout_unit, train_unit
+
 
 class LocalTrainer:
     """Everything in this process: one policy that both samples and trains."""
@@ -57,8 +68,12 @@ class LocalTrainer:
         cfg = self.cfg
         P, m = cfg.train.prompts_per_iteration, cfg.engine.unit_groups
         prompts = self.prompts.for_iteration(iteration, P)
-        return [rollout_unit(self.policy, self.reward, prompts[j : j + m], list(range(j, j + m)), iteration,
-                             cfg.train.seed) for j in range(0, P, m)]
+        return [
+            rollout_unit(
+                self.policy, self.reward, prompts[j : j + m], list(range(j, j + m)), iteration, cfg.train.seed
+            )
+            for j in range(0, P, m)
+        ]
 
     def iteration(self, iteration: int, stop: StopRequest | None = None) -> dict:
         """One iteration; a Ctrl-C (``stop``) during its rollout and gradients abandons it: until the
@@ -69,7 +84,9 @@ class LocalTrainer:
             units = self.last_units = self.rollout(iteration)
             t_roll = time.perf_counter() - t0
             assign_advantages(units, self.cfg)
-            terms = sum(len(u) * u.train_idx.shape[1] for u in units) // steps  # a mini-batch's loss is its mean
+            terms = (
+                sum(len(u) * u.train_idx.shape[1] for u in units) // steps
+            )  # a mini-batch's loss is its mean
             parts = [train_unit(self.policy, u, terms, minibatch=0, minibatches=steps) for u in units]
         norms = [self.policy.optimizer_step(publish=steps == 1)]
         for s in range(1, steps):  # mini-batch s: the s-th slice of every group's samples
@@ -90,7 +107,9 @@ class LocalTrainer:
         with self.policy.averaged():  # train.ema: the EMA weights
             return evaluate_policy(self.policy, self.reward, self._eval_prompts).metrics()
 
-    def run(self, run_dir: Path | None = None, on_iteration: Callable[[dict], None] | None = None) -> RunResult:
+    def run(
+        self, run_dir: Path | None = None, on_iteration: Callable[[dict], None] | None = None
+    ) -> RunResult:
         """Iterations ``start_iteration .. train.iterations-1``; a resumed run continues in the
         checkpoint's run directory (unless ``run_dir`` forks it elsewhere) and appends to its metrics."""
         cfg, policy = self.cfg, RunPolicy(self.cfg)
@@ -110,7 +129,9 @@ class LocalTrainer:
             out.close()
         return RunResult(out.path, rows)
 
-    def _iterations(self, out: RunDir, rows: list[dict], policy: RunPolicy, stop: StopRequest, on_iteration) -> None:
+    def _iterations(
+        self, out: RunDir, rows: list[dict], policy: RunPolicy, stop: StopRequest, on_iteration
+    ) -> None:
         cfg = self.cfg
         for it in range(self.start_iteration, cfg.train.iterations):
             if stop.requested:  # Ctrl-C during the last iteration's logging: stop before the next
@@ -127,7 +148,9 @@ class LocalTrainer:
             if policy.checkpoint_due(it):
                 save_checkpoint(out.path, self.policy, it + 1, cfg, keep_last=cfg.output.keep_last)
 
-    def _keep_work(self, exc: BaseException, run_dir: Path, rows: list[dict], stop: StopRequest) -> BaseException:
+    def _keep_work(
+        self, exc: BaseException, run_dir: Path, rows: list[dict], stop: StopRequest
+    ) -> BaseException:
         """Stopped mid-run (Ctrl-C, or an error such as a reward failure): checkpoint the last completed
         iteration when the policy still holds exactly it (not after a second Ctrl-C: that means now)."""
         done = rows[-1]["iteration"] + 1 if rows else self.start_iteration

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from digenrl.adapters.base import Cond
-from digenrl.algorithms import grpo
 from digenrl.adapters.guidance import backward_through_velocity
+from digenrl.algorithms import grpo
 from digenrl.algorithms.sde import logprob_of_velocity, recompute_logprob, sample
 from digenrl.prompts import Prompt
 
@@ -47,7 +47,9 @@ class GroupRNG:
         self.lo, self.hi = samples or (0, group_size)
 
     def __call__(self, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.cat([torch.randn((self.g, *shape[1:]), generator=gen)[self.lo : self.hi] for gen in self.gens])
+        return torch.cat(
+            [torch.randn((self.g, *shape[1:]), generator=gen)[self.lo : self.hi] for gen in self.gens]
+        )
 
 
 @dataclass
@@ -76,8 +78,15 @@ class Samples:
 
 
 @torch.no_grad()
-def rollout_unit(policy, reward_fn, prompts: list[Prompt], group_ids: list[int], iteration: int,
-                 seed: int, samples: tuple[int, int] | None = None) -> Samples:
+def rollout_unit(
+    policy,
+    reward_fn,
+    prompts: list[Prompt],
+    group_ids: list[int],
+    iteration: int,
+    seed: int,
+    samples: tuple[int, int] | None = None,
+) -> Samples:
     """Generate G samples for each prompt with the policy's current weights, decode and score them;
     ``samples = (lo, hi)``: only samples lo..hi-1 of each group (a sub-group unit), the same ones a
     whole-group unit generates."""
@@ -92,17 +101,36 @@ def rollout_unit(policy, reward_fn, prompts: list[Prompt], group_ids: list[int],
     noise = rng((len(prompts) * n, *ad.latent_shape()))
     sigmas = ad.sigmas(n_steps)
     sde_mask, train_idx = _timestep_selection(cfg, iteration, seed, group_ids, (lo, hi))
-    traj = sample(ad, cond.to(ad.device), noise.to(ad.device), sigmas, cfg.sampling.sde, cfg.sampling.noise_level,
-                  rng, sde_mask, batches=forward_batches(train_idx, cfg, n, lo))
+    traj = sample(
+        ad,
+        cond.to(ad.device),
+        noise.to(ad.device),
+        sigmas,
+        cfg.sampling.sde,
+        cfg.sampling.noise_level,
+        rng,
+        sde_mask,
+        batches=forward_batches(train_idx, cfg, n, lo),
+    )
     pixels = ad.decode(traj.latents[:, -1])
     texts = [p.text for p in prompts for _ in range(n)]
     metas = [p.meta for p in prompts for _ in range(n)]
     total, parts = reward_fn(pixels, texts, metas)
     return Samples(
-        iteration=iteration, version=policy.version, group_ids=list(group_ids), prompts=texts,
-        cond=cond.to("cpu"), latents=traj.latents.cpu(), log_probs=traj.log_probs.cpu(), sigmas=sigmas.cpu(),
-        sde_mask=sde_mask, train_idx=train_idx, rewards=total, reward_parts=parts,
-        preview=(pixels[::n].clamp(0, 1) * 255).round().to(torch.uint8).cpu(), first_sample=lo,
+        iteration=iteration,
+        version=policy.version,
+        group_ids=list(group_ids),
+        prompts=texts,
+        cond=cond.to("cpu"),
+        latents=traj.latents.cpu(),
+        log_probs=traj.log_probs.cpu(),
+        sigmas=sigmas.cpu(),
+        sde_mask=sde_mask,
+        train_idx=train_idx,
+        rewards=total,
+        reward_parts=parts,
+        preview=(pixels[::n].clamp(0, 1) * 255).round().to(torch.uint8).cpu(),
+        first_sample=lo,
     )
 
 
@@ -123,9 +151,17 @@ def _timestep_selection(cfg, iteration: int, seed: int, group_ids: list[int], sa
 
     def select(n, *stream):
         gen = torch.Generator().manual_seed(stream_seed(seed, iteration, *stream))
-        return grpo.select_timesteps(ts.mode, n_steps, n, gen, fraction=ts.fraction, window=ts.window,
-                                     iteration=iteration, shift_every=ts.window_shift_every,
-                                     window_range=ts.window_range)
+        return grpo.select_timesteps(
+            ts.mode,
+            n_steps,
+            n,
+            gen,
+            fraction=ts.fraction,
+            window=ts.window,
+            iteration=iteration,
+            shift_every=ts.window_shift_every,
+            window_range=ts.window_range,
+        )
 
     sde_mask, _ = select(1, "window")
     if ts.mode == "random":
@@ -151,16 +187,28 @@ def assign_advantages(batches: list[Samples], cfg) -> None:
             dropped = torch.isnan(total)
             adv = torch.zeros_like(total)
             for term in rc.components:
-                r = torch.cat([b.reward_parts[term.name] for b in chunk]).float().masked_fill(dropped, float("nan"))
-                adv += term.weight * grpo.group_advantages(r, alg.group_size, alg.std, float("inf"),
-                                                            ddof=alg.std_ddof)
+                r = (
+                    torch.cat([b.reward_parts[term.name] for b in chunk])
+                    .float()
+                    .masked_fill(dropped, float("nan"))
+                )
+                adv += term.weight * grpo.group_advantages(
+                    r, alg.group_size, alg.std, float("inf"), ddof=alg.std_ddof
+                )
             adv = adv.clamp(-alg.adv_clip, alg.adv_clip)
         for b, a in zip(chunk, adv.split([len(b) for b in chunk])):
             b.advantages = a
 
 
-def train_unit(policy, samples: Samples, total_terms: int, tsp_rank: int = 0, tsp_degree: int = 1,
-               minibatch: int = 0, minibatches: int = 1) -> dict:
+def train_unit(
+    policy,
+    samples: Samples,
+    total_terms: int,
+    tsp_rank: int = 0,
+    tsp_degree: int = 1,
+    minibatch: int = 0,
+    minibatches: int = 1,
+) -> dict:
     """Accumulate the gradient of this unit's share of the iteration loss.
 
     The loss of a mini-batch (the whole iteration with ``train.optimizer_steps: 1``) is the mean
@@ -178,12 +226,20 @@ def train_unit(policy, samples: Samples, total_terms: int, tsp_rank: int = 0, ts
     stats = _Stats()
     positions = [j for j in range(samples.train_idx.shape[1]) if j % tsp_degree == tsp_rank]
     sig = samples.sigmas.to(ad.device)
-    for mb in train_batches(len(samples), cfg, minibatch, minibatches, len(samples) // len(samples.group_ids),
-                            samples.first_sample):
+    for mb in train_batches(
+        len(samples),
+        cfg,
+        minibatch,
+        minibatches,
+        len(samples) // len(samples.group_ids),
+        samples.first_sample,
+    ):
         cond = samples.cond.select(mb).to(ad.device)
         adv = samples.advantages[mb].to(ad.device)
         mine = samples.train_idx[mb][:, positions]  # (samples, this rank's positions): steps to train
-        for i in mine.unique().tolist():  # the samples training step i share one forward (each trains it once)
+        for (
+            i
+        ) in mine.unique().tolist():  # the samples training step i share one forward (each trains it once)
             sel = (mine == i).any(1).nonzero().squeeze(1)
             rows = mb[sel]
             x = samples.latents[rows, i].to(ad.device)
@@ -247,7 +303,10 @@ class _Stats:
         self.terms += n
         self.ratio_sum += st["ratio_mean"] * n
         self.clip_sum += st["clip_frac"] * n
-        self.ratio_max, self.ratio_min = max(self.ratio_max, st["ratio_max"]), min(self.ratio_min, st["ratio_min"])
+        self.ratio_max, self.ratio_min = (
+            max(self.ratio_max, st["ratio_max"]),
+            min(self.ratio_min, st["ratio_min"]),
+        )
 
     def add_is(self, w):
         self.is_sum += w.sum().item()
@@ -262,8 +321,9 @@ class _Stats:
         return dict(vars(self))
 
 
-def minibatch_rows(n: int, group_size: int, minibatch: int, minibatches: int, per_group: int | None = None,
-                   first: int = 0) -> torch.Tensor:
+def minibatch_rows(
+    n: int, group_size: int, minibatch: int, minibatches: int, per_group: int | None = None, first: int = 0
+) -> torch.Tensor:
     """Mini-batch PPO: the rows (of ``n`` samples, ``per_group`` of each group in a row: samples
     ``first ..`` of it; default whole groups) of mini-batch ``minibatch``: the in-group samples
     s*G/S .. (s+1)*G/S - 1 of every group (S = ``minibatches`` divides G). Every mini-batch holds a
@@ -276,16 +336,18 @@ def minibatch_rows(n: int, group_size: int, minibatch: int, minibatches: int, pe
     return rows[in_group // (group_size // minibatches) == minibatch]
 
 
-def train_batches(n: int, cfg, minibatch: int = 0, minibatches: int = 1, per_group: int | None = None,
-                  first: int = 0) -> list[torch.Tensor]:
+def train_batches(
+    n: int, cfg, minibatch: int = 0, minibatches: int = 1, per_group: int | None = None, first: int = 0
+) -> list[torch.Tensor]:
     """The rows of each train forward of mini-batch ``minibatch`` (of a unit of ``n`` samples, as in
     :func:`minibatch_rows`): its rows in ``train.micro_batch`` chunks."""
     rows = minibatch_rows(n, cfg.algorithm.group_size, minibatch, minibatches, per_group, first)
     return [mb for mb in rows.split(cfg.train.micro_batch) if len(mb)]
 
 
-def forward_batches(train_idx: torch.Tensor, cfg, per_group: int | None = None,
-                    first: int = 0) -> list[list[torch.Tensor]] | None:
+def forward_batches(
+    train_idx: torch.Tensor, cfg, per_group: int | None = None, first: int = 0
+) -> list[list[torch.Tensor]] | None:
     """Per denoising step, the rows of each model forward of a rollout unit (``train_idx``: its
     samples' trained steps; ``per_group`` / ``first`` as in :func:`minibatch_rows`): the forwards
     :func:`train_unit` runs -- per micro-batch of every mini-batch and per TSP rank, the samples

@@ -20,8 +20,10 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=True)
         if key in seen:
-            raise UserError(f"{loader.name}: key '{key}' appears twice in one mapping "
-                            f"(line {key_node.start_mark.line + 1})")
+            raise UserError(
+                f"{loader.name}: key '{key}' appears twice in one mapping "
+                f"(line {key_node.start_mark.line + 1})"
+            )
         seen.add(key)
     return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
 

@@ -33,8 +33,9 @@ def spawn(fn, world: int, *args, nprocs: int | None = None, timeout_s: float = 2
     """Call ``fn(rank, world, *args)`` in ``world`` fresh processes joined in one gloo group
     (``world=0``: ``nprocs`` processes without a default group); raises if any rank raises or
     the ranks are not done within ``timeout_s`` (a collective mismatch hangs, never passes)."""
-    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=nprocs or world, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        _entry, args=(fn, world, free_port(), args), nprocs=nprocs or world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:

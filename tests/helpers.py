@@ -21,8 +21,12 @@ def local_ray(rollout: int = 1, trainer: int = 1):
     of the default config); a generator for module-scoped fixtures: ``yield from local_ray()``."""
     import ray
 
-    ray.init(num_cpus=2, resources={"pool:rollout": rollout, "pool:trainer": trainer}, include_dashboard=False,
-             logging_level="WARNING")
+    ray.init(
+        num_cpus=2,
+        resources={"pool:rollout": rollout, "pool:trainer": trainer},
+        include_dashboard=False,
+        logging_level="WARNING",
+    )
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

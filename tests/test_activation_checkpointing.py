@@ -21,11 +21,18 @@ def _flux():
     with seeded(0):
         model = FluxTransformer2DModel(**TINY_TRANSFORMER)
     b, n, l = 2, 16, 8
-    inputs = dict(hidden_states=torch.randn(b, n, 16), encoder_hidden_states=torch.randn(b, l, 32),
-                  pooled_projections=torch.randn(b, 32), timestep=torch.rand(b), guidance=torch.full((b,), 3.5),
-                  img_ids=torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.), torch.arange(4.), indexing="ij"),
-                                      -1).reshape(n, 3),
-                  txt_ids=torch.zeros(l, 3), return_dict=False)
+    inputs = dict(
+        hidden_states=torch.randn(b, n, 16),
+        encoder_hidden_states=torch.randn(b, l, 32),
+        pooled_projections=torch.randn(b, 32),
+        timestep=torch.rand(b),
+        guidance=torch.full((b,), 3.5),
+        img_ids=torch.stack(
+            torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1
+        ).reshape(n, 3),
+        txt_ids=torch.zeros(l, 3),
+        return_dict=False,
+    )
     return model, inputs
 
 
@@ -34,11 +41,25 @@ def _wan():
 
     with seeded(0):
         model = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-            text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
-    inputs = dict(hidden_states=torch.randn(2, 4, 2, 8, 8), encoder_hidden_states=torch.randn(2, 8, 16),
-                  timestep=torch.rand(2) * 1000, return_dict=False)
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=4,
+            out_channels=4,
+            text_dim=16,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
+    inputs = dict(
+        hidden_states=torch.randn(2, 4, 2, 8, 8),
+        encoder_hidden_states=torch.randn(2, 8, 16),
+        timestep=torch.rand(2) * 1000,
+        return_dict=False,
+    )
     return model, inputs
 
 
@@ -63,7 +84,10 @@ class SavedBytes:
         def hook(module, args, kwargs):
             self._current, self._seen = i, set()
             tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
-            self.inputs[i] = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
+            self.inputs[i] = sum(
+                t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values()
+            )
+
         return hook
 
     def _leave(self, module, args, output):

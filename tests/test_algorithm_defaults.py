@@ -13,7 +13,9 @@ from tests.helpers import cli
 def test_clip_range_defaults_by_sde_kind_unless_set(sde, want):
     cfg = load_config(None, [f"sampling.sde={sde}"])  # the default demo leaves clip_range unset
     assert cfg.algorithm.clip_range == want
-    assert load_config(None, [f"sampling.sde={sde}", "algorithm.clip_range=3e-4"]).algorithm.clip_range == 3e-4
+    assert (
+        load_config(None, [f"sampling.sde={sde}", "algorithm.clip_range=3e-4"]).algorithm.clip_range == 3e-4
+    )
     again = load_config(None, [f"sampling.sde={sde}", "algorithm.clip_range=null"])
     assert again.model_dump() == cfg.model_dump()  # the resolved value is what config.yaml records
 
@@ -23,7 +25,11 @@ def test_default_std_is_the_population_std():
 
     class Batch:
         def __init__(self, r):
-            self.rewards, self.reward_parts, self.advantages = torch.tensor(r), {"prompt_color": torch.tensor(r)}, None
+            self.rewards, self.reward_parts, self.advantages = (
+                torch.tensor(r),
+                {"prompt_color": torch.tensor(r)},
+                None,
+            )
 
         def __len__(self):
             return len(self.rewards)
@@ -33,7 +39,9 @@ def test_default_std_is_the_population_std():
     assert cfg.algorithm.std_ddof == 0
     b = Batch(r.tolist())
     assign_advantages([b], cfg)
-    np.testing.assert_allclose(b.advantages.numpy(), (r - r.mean()) / (r.std() + 1e-4), rtol=1e-5)  # np.std: ddof 0
+    np.testing.assert_allclose(
+        b.advantages.numpy(), (r - r.mean()) / (r.std() + 1e-4), rtol=1e-5
+    )  # np.std: ddof 0
     b1 = Batch(r.tolist())
     assign_advantages([b1], load_config(None, ["algorithm.std_ddof=1"]))
     np.testing.assert_allclose(b1.advantages.numpy(), (r - r.mean()) / (r.std(ddof=1) + 1e-4), rtol=1e-5)
@@ -42,7 +50,9 @@ def test_default_std_is_the_population_std():
 def test_window_steps_of_a_run_stay_inside_the_range():
     from digenrl.units import _timestep_selection
 
-    cfg = load_config(None, ["algorithm.timesteps.mode=window", "algorithm.timesteps.window=2", "sampling.steps=10"])
+    cfg = load_config(
+        None, ["algorithm.timesteps.mode=window", "algorithm.timesteps.window=2", "sampling.steps=10"]
+    )
     assert cfg.algorithm.timesteps.window_range == (0.0, 0.5)
     starts = set()
     for it in range(40):
@@ -50,27 +60,46 @@ def test_window_steps_of_a_run_stay_inside_the_range():
         assert mask.sum() == 2 and mask.nonzero().max() <= 4 and (idx == mask.nonzero().squeeze(1)).all()
         starts.add(int(idx[0, 0]))
     assert starts == {0, 1, 2, 3}
-    late = load_config(None, ["algorithm.timesteps.mode=window", "sampling.steps=10",
-                              "algorithm.timesteps.window_range=[0.5, 1.0]"])
+    late = load_config(
+        None,
+        [
+            "algorithm.timesteps.mode=window",
+            "sampling.steps=10",
+            "algorithm.timesteps.window_range=[0.5, 1.0]",
+        ],
+    )
     for it in range(20):
         mask, _ = _timestep_selection(late, it, 0, [0], (0, 8))
         assert mask.nonzero().min() >= 5 and mask.nonzero().max() <= 8  # never the last step
 
 
 BAD_RANGES = {
-    "reversed": ("algorithm.timesteps.window_range=[0.6, 0.2]",
-                 "algorithm.timesteps.window_range: must be [start, end] fractions of the steps"),
+    "reversed": (
+        "algorithm.timesteps.window_range=[0.6, 0.2]",
+        "algorithm.timesteps.window_range: must be [start, end] fractions of the steps",
+    ),
     "above one": ("algorithm.timesteps.window_range=[0.0, 1.5]", "algorithm.timesteps.window_range: must be"),
-    "too narrow for the window": ("algorithm.timesteps.window_range=[0.0, 0.1]",
-                                  "algorithm.timesteps.window_range [0.0, 0.1] of sampling.steps (8) holds fewer"),
+    "too narrow for the window": (
+        "algorithm.timesteps.window_range=[0.0, 0.1]",
+        "algorithm.timesteps.window_range [0.0, 0.1] of sampling.steps (8) holds fewer",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", BAD_RANGES)
 def test_bad_window_range_is_one_line(case, tmp_path, monkeypatch, capsys):
     setting, needle = BAD_RANGES[case]
-    code, _, err = cli(monkeypatch, capsys, "train", "--run-dir", str(tmp_path / "run"), "--set",
-                       "algorithm.timesteps.mode=window", "--set", setting)
+    code, _, err = cli(
+        monkeypatch,
+        capsys,
+        "train",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        "algorithm.timesteps.mode=window",
+        "--set",
+        setting,
+    )
     assert code == 2 and needle in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "run").exists()

@@ -33,15 +33,27 @@ def test_only_the_cli_imports_the_local_trainer():
 
 def test_the_scheduler_is_asked_in_one_loop():
     """Only the driver loop hands out units (the runtime and the simulator run it)."""
-    callers = {name for name, tree in modules() for node in ast.walk(tree)
-               if isinstance(node, ast.Attribute) and node.attr in ("next_unit", "requeue", "release")
-               and isinstance(node.ctx, ast.Load) and name != "engine/scheduler.py"}
+    callers = {
+        name
+        for name, tree in modules()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr in ("next_unit", "requeue", "release")
+        and isinstance(node.ctx, ast.Load)
+        and name != "engine/scheduler.py"
+    }
     assert callers == {"engine/driver.py"}
 
 
-DISAGG = ["placement.mode=disaggregated", "engine.tsp_degree=2", "engine.tag=false", "engine.max_staleness=1",
-          "cluster.pools=[{name: r, device: H20, count: 3}, {name: t, device: H800, count: 2}]",
-          "placement.rollout_pool=r", "placement.trainer_pool=t"]
+DISAGG = [
+    "placement.mode=disaggregated",
+    "engine.tsp_degree=2",
+    "engine.tag=false",
+    "engine.max_staleness=1",
+    "cluster.pools=[{name: r, device: H20, count: 3}, {name: t, device: H800, count: 2}]",
+    "placement.rollout_pool=r",
+    "placement.trainer_pool=t",
+]
 
 
 def test_a_run_config_and_its_plan_map_both_ways():
@@ -49,14 +61,23 @@ def test_a_run_config_and_its_plan_map_both_ways():
     plan = Plan.from_run_config(cfg)
     assert [p.name for p in plan.pools] == ["r", "t"] and plan.ranks == 2
     assert [(w.name, w.role, w.pool.name) for w in plan.workers()] == [
-        ("r0", "rollout", "r"), ("r1", "rollout", "r"), ("r2", "rollout", "r"), ("t0", "trainer", "t"),
-        ("t1", "trainer", "t")]
+        ("r0", "rollout", "r"),
+        ("r1", "rollout", "r"),
+        ("r2", "rollout", "r"),
+        ("t0", "trainer", "t"),
+        ("t1", "trainer", "t"),
+    ]
     assert engine_workers(cfg) == plan.workers()  # the runtime's workers are the plan's
     back = apply_plan(cfg, plan, "cuda")
     for section in ("cluster", "placement", "engine", "train"):
         assert getattr(back, section) == getattr(cfg, section), section
     sched = plan.scheduler_config(cfg.train.prompts_per_iteration, 3)
-    assert (sched.placement, sched.tsp_degree, sched.tag, sched.max_staleness) == ("disaggregated", 2, False, 1)
+    assert (sched.placement, sched.tsp_degree, sched.tag, sched.max_staleness) == (
+        "disaggregated",
+        2,
+        False,
+        1,
+    )
 
 
 def test_colocated_plan_uses_every_pool_in_both_roles():
@@ -69,8 +90,13 @@ def test_colocated_plan_uses_every_pool_in_both_roles():
 def test_gpu_names_no_device_type_once_for_the_planner():
     from digenrl.planner.gpus import cluster_from_run_config
 
-    cfg = load_config(None, ["placement.mode=disaggregated",
-                             "cluster.pools=[{name: rollout, device: gpu}, {name: trainer, device: H100}]"])
+    cfg = load_config(
+        None,
+        [
+            "placement.mode=disaggregated",
+            "cluster.pools=[{name: rollout, device: gpu}, {name: trainer, device: H100}]",
+        ],
+    )
     with pytest.raises(UserError, match="'gpu', which names no GPU type") as a:
         Plan.from_run_config(cfg).typed()
     with pytest.raises(UserError) as b:

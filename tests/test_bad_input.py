@@ -28,9 +28,17 @@ def make_inputs(tmp):
     (tmp / "latin1.txt").write_bytes(b"a red caf\xe9\n")
     (tmp / "dup.yaml").write_text("train:\n  lr: 0.1\n  lr: 0.2\n")
     (tmp / "adir").mkdir()
-    (tmp / "h100.json").write_text(json.dumps({"version": PROFILE_VERSION, "device": {
-        "kind": "gpu", "name": "NVIDIA H100 80GB HBM3", "table_key": "H100"}, "model": {}, "measurements": {},
-        "workload": {}}))
+    (tmp / "h100.json").write_text(
+        json.dumps(
+            {
+                "version": PROFILE_VERSION,
+                "device": {"kind": "gpu", "name": "NVIDIA H100 80GB HBM3", "table_key": "H100"},
+                "model": {},
+                "measurements": {},
+                "workload": {},
+            }
+        )
+    )
     (tmp / "empty.txt").write_text("\n\n")
     (tmp / "partial").mkdir()
     (tmp / "partial" / "config.yaml").write_text("")
@@ -47,43 +55,75 @@ CASES = {
     "zero size": (["train", "--set", "model.lora.rank=0"], "model.lora.rank"),
     "group size 1": (["train", "--set", "algorithm.group_size=1"], "algorithm.group_size"),
     "groups do not divide into units": (["train", "--set", "engine.unit_groups=3"], "engine.unit_groups"),
-    "mini-batches that do not divide a group": (["train", "--set", "train.optimizer_steps=3"],
-                                                "train.optimizer_steps (3) must divide algorithm.group_size"),
+    "mini-batches that do not divide a group": (
+        ["train", "--set", "train.optimizer_steps=3"],
+        "train.optimizer_steps (3) must divide algorithm.group_size",
+    ),
     "unit_samples does not divide G": (["train", "--set", "engine.unit_samples=3"], "engine.unit_samples"),
-    "unit_samples with unit_groups > 1": (["train", "--set", "engine.unit_samples=4", "--set", "engine.unit_groups=2"],
-                                          "engine.unit_samples"),
-    "LoRA targets matching no module": (["train", *SMALL, "--set", "model.lora.targets=[to_qkv]"],
-                                        "model.lora.targets: ['to_qkv'] match no linear module"),
+    "unit_samples with unit_groups > 1": (
+        ["train", "--set", "engine.unit_samples=4", "--set", "engine.unit_groups=2"],
+        "engine.unit_samples",
+    ),
+    "LoRA targets matching no module": (
+        ["train", *SMALL, "--set", "model.lora.targets=[to_qkv]"],
+        "model.lora.targets: ['to_qkv'] match no linear module",
+    ),
     "missing checkpoint directory (model)": (["train", "--set", "model.pretrained={t}/nope"], "{t}/nope"),
     "missing checkpoint (resume)": (["train", "--resume", "{t}/no-run"], "no-run"),
     "run without a complete checkpoint": (["train", "--resume", "{t}/partial"], "partial"),
     "missing checkpoint (eval)": (["eval", "--checkpoint", "{t}/no-ckpt"], "no-ckpt"),
-    "missing reward weights directory": (["train", *SMALL, "--set",
-                                          "reward.components=[{name: clipscore, args: {path: {t}/no-clip}}]"],
-                                         "no-clip"),
+    "missing reward weights directory": (
+        ["train", *SMALL, "--set", "reward.components=[{name: clipscore, args: {path: {t}/no-clip}}]"],
+        "no-clip",
+    ),
     "unknown reward": (["train", "--set", "reward.components=[{name: hpsv9}]"], "unknown reward 'hpsv9'"),
     "empty prompt file": (["train", "--set", "prompts.file={t}/empty.txt"], "empty.txt holds no prompts"),
     "missing prompt file": (["train", "--set", "prompts.file={t}/none.txt"], "none.txt not found"),
     "unknown adapter": (["train", "--set", "model.adapter=sd3"], "unknown adapter 'sd3'"),
     "resolution the model cannot take": (["train", "--set", "model.height=18"], "model.height"),
     # files that are not UTF-8 text, a duplicate key
-    "config file not UTF-8": (["train", "-c", "{t}/latin1.yaml"], "--config: {t}/latin1.yaml is not UTF-8 text"),
-    "prompt file not UTF-8": (["train", "--set", "prompts.file={t}/latin1.txt"],
-                              "prompts.file: {t}/latin1.txt is not UTF-8 text"),
-    "cluster file not UTF-8": (["plan", "--cluster", "{t}/latin1.txt"], "--cluster: {t}/latin1.txt is not UTF-8"),
+    "config file not UTF-8": (
+        ["train", "-c", "{t}/latin1.yaml"],
+        "--config: {t}/latin1.yaml is not UTF-8 text",
+    ),
+    "prompt file not UTF-8": (
+        ["train", "--set", "prompts.file={t}/latin1.txt"],
+        "prompts.file: {t}/latin1.txt is not UTF-8 text",
+    ),
+    "cluster file not UTF-8": (
+        ["plan", "--cluster", "{t}/latin1.txt"],
+        "--cluster: {t}/latin1.txt is not UTF-8",
+    ),
     "profile not UTF-8": (["plan", "--profile", "{t}/latin1.txt"], "--profile: {t}/latin1.txt is not UTF-8"),
-    "duplicate YAML key": (["train", "-c", "{t}/dup.yaml"], "dup.yaml: key 'lr' appears twice in one mapping"),
+    "duplicate YAML key": (
+        ["train", "-c", "{t}/dup.yaml"],
+        "dup.yaml: key 'lr' appears twice in one mapping",
+    ),
     # numbers that are not finite or absurd, a host too small, a name that leaves runs/
-    "infinite learning rate": (["train", "--set", "train.lr=inf"], "train.lr: Input should be a finite number"),
-    "NaN guidance": (["config", "validate", "--set", "sampling.guidance=.nan"], "sampling.guidance: Input should be"),
-    "absurd step count": (["train", "--set", "sampling.steps=100000"],
-                          "sampling.steps: Input should be less than or equal to 1000"),
-    "more CPU devices than the host runs": (["train", "--set",
-                                             f"cluster.pools=[{{name: rollout, count: {MANY}}}, {{name: trainer}}]"],
-                                            f"cluster.pools: {MANY + 1} logical CPU devices on a host with"),
-    "run name leaving runs/": (["train", "--set", "output.name=../../../x"], "output.name: must be a plain name"),
-    "unknown weight-sync transport": (["train", "--set", "engine.weight_sync=nccl"],
-                                      "engine.weight_sync: Input should be 'auto', 'broadcast' or 'object_store'"),
+    "infinite learning rate": (
+        ["train", "--set", "train.lr=inf"],
+        "train.lr: Input should be a finite number",
+    ),
+    "NaN guidance": (
+        ["config", "validate", "--set", "sampling.guidance=.nan"],
+        "sampling.guidance: Input should be",
+    ),
+    "absurd step count": (
+        ["train", "--set", "sampling.steps=100000"],
+        "sampling.steps: Input should be less than or equal to 1000",
+    ),
+    "more CPU devices than the host runs": (
+        ["train", "--set", f"cluster.pools=[{{name: rollout, count: {MANY}}}, {{name: trainer}}]"],
+        f"cluster.pools: {MANY + 1} logical CPU devices on a host with",
+    ),
+    "run name leaving runs/": (
+        ["train", "--set", "output.name=../../../x"],
+        "output.name: must be a plain name",
+    ),
+    "unknown weight-sync transport": (
+        ["train", "--set", "engine.weight_sync=nccl"],
+        "engine.weight_sync: Input should be 'auto', 'broadcast' or 'object_store'",
+    ),
     # usage errors: the project's one line, not Click's box
     "unknown flag": (["train", "--frobnicate"], "error: --frobnicate: no such option of `digenrl train`"),
     "flag without its value": (["eval", "--out"], "error: --out: needs a value"),
@@ -91,21 +131,38 @@ CASES = {
     "unknown command": (["trian"], "error: digenrl: no such command 'trian'"),
     "--quiet with --verbose": (["train", "-q", "-v"], "--quiet and --verbose: choose one"),
     # output paths checked before the work
-    "profile --out is a directory": (["profile", "--out", "{t}/adir"], "--out: {t}/adir is a directory; name a file"),
+    "profile --out is a directory": (
+        ["profile", "--out", "{t}/adir"],
+        "--out: {t}/adir is a directory; name a file",
+    ),
     "plan --write is a directory": (["plan", "--write", "{t}/adir"], "--write: {t}/adir is a directory"),
     "plan --write not writable": (["plan", "--write", "/proc/digenrl-plan.yaml"], "--write: /proc"),
-    "plan --profile of a device type the cluster lacks": (["plan", "--profile", "{t}/h100.json"],
-                                                          "--profile: measured on H100"),
+    "plan --profile of a device type the cluster lacks": (
+        ["plan", "--profile", "{t}/h100.json"],
+        "--profile: measured on H100",
+    ),
     # the preflight: what train rejects, config validate rejects too
-    "validate: LoRA targets": (["config", "validate", "--set", "model.lora.targets=[to_qkv]"],
-                               "model.lora.targets: ['to_qkv'] match no linear module"),
+    "validate: LoRA targets": (
+        ["config", "validate", "--set", "model.lora.targets=[to_qkv]"],
+        "model.lora.targets: ['to_qkv'] match no linear module",
+    ),
     "validate: resolution": (["config", "validate", "--set", "model.height=18"], "model.height"),
-    "validate: missing prompt file": (["config", "validate", "--set", "prompts.file={t}/none.txt"],
-                                      "none.txt not found"),
-    "validate: unknown preset": (["config", "validate", "--set", "model.preset=huge"], "model.preset: unknown preset"),
-    "validate: host too small": (["config", "validate", "--set", f"cluster.pools.0.count={MANY}"],
-                                 f"cluster.pools: {MANY + 1} logical"),
-    "validate: missing checkpoint": (["config", "validate", "--set", "model.pretrained={t}/nope"], "{t}/nope"),
+    "validate: missing prompt file": (
+        ["config", "validate", "--set", "prompts.file={t}/none.txt"],
+        "none.txt not found",
+    ),
+    "validate: unknown preset": (
+        ["config", "validate", "--set", "model.preset=huge"],
+        "model.preset: unknown preset",
+    ),
+    "validate: host too small": (
+        ["config", "validate", "--set", f"cluster.pools.0.count={MANY}"],
+        f"cluster.pools: {MANY + 1} logical",
+    ),
+    "validate: missing checkpoint": (
+        ["config", "validate", "--set", "model.pretrained={t}/nope"],
+        "{t}/nope",
+    ),
 }
 
 
@@ -138,10 +195,16 @@ def fake_run(root: Path) -> Path:
     return root
 
 
-@pytest.mark.parametrize("extra, needle", [
-    ([], "--run-dir: {run} already holds a run; continue it with --resume {run}, choose a new --run-dir, "
-         "or pass --overwrite to replace it"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (
+            [],
+            "--run-dir: {run} already holds a run; continue it with --resume {run}, choose a new --run-dir, "
+            "or pass --overwrite to replace it",
+        ),
+    ],
+)
 def test_existing_run_directory_is_never_overwritten(tmp_path, monkeypatch, capsys, extra, needle):
     run = fake_run(tmp_path / "run")
     before = tree_digest(run)
@@ -156,7 +219,11 @@ def test_overwrite_deletes_only_a_run(tmp_path, monkeypatch, capsys):
     (other / "holiday.jpg").write_bytes(b"\xff\xd8")
     before = tree_digest(other)
     code, err = cli(monkeypatch, capsys, ["train", "--run-dir", str(other), "--overwrite"])
-    assert code == 2 and err.startswith(f"error: --overwrite: {other} is not a run directory") and err.count("\n") == 1
+    assert (
+        code == 2
+        and err.startswith(f"error: --overwrite: {other} is not a run directory")
+        and err.count("\n") == 1
+    )
     assert tree_digest(other) == before
     from digenrl.runlog import check_new_run_dir
 

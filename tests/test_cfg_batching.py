@@ -18,8 +18,10 @@ from digenrl.config import load_config
 from digenrl.lora import apply_lora
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = {"wan": (ROOT / "configs" / "wan_tiny.yaml", []),
-            "qwen_image": (None, ["model.adapter=qwen_image", "sampling.guidance=4.0", "model.lora.targets=null"])}
+FAMILIES = {
+    "wan": (ROOT / "configs" / "wan_tiny.yaml", []),
+    "qwen_image": (None, ["model.adapter=qwen_image", "sampling.guidance=4.0", "model.lora.targets=null"]),
+}
 ATOL_V = 1e-5  # velocity / latents, batched vs sequential (fp32)
 RTOL_GRAD = 1e-5  # gradient difference / gradient size
 
@@ -46,7 +48,11 @@ def inputs(ad, n=2):
 
 
 def lora_grads(ad) -> dict[str, torch.Tensor]:
-    out = {n: p.grad.clone() for n, p in ad.transformer.named_parameters() if p.requires_grad and p.grad is not None}
+    out = {
+        n: p.grad.clone()
+        for n, p in ad.transformer.named_parameters()
+        if p.requires_grad and p.grad is not None
+    }
     ad.transformer.zero_grad(set_to_none=True)
     return out
 
@@ -73,8 +79,10 @@ def test_batched_and_sequential_velocity_logprob_and_gradient_agree(family):
 
     # the independent reference: both passes' forwards in one autograd graph, plain backward
     t = seq.timestep(sigmas[1].expand(2))
-    v_ref = seq.guide(seq.forward_pass(x, t, seq.pass_inputs(cond, False)),
-                      seq.forward_pass(x, t, seq.pass_inputs(cond, True)))
+    v_ref = seq.guide(
+        seq.forward_pass(x, t, seq.pass_inputs(cond, False)),
+        seq.forward_pass(x, t, seq.pass_inputs(cond, True)),
+    )
     objective(v_ref)[0].backward()
     ref = lora_grads(seq)
     for ad in (seq, bat):
@@ -86,7 +94,10 @@ def test_batched_and_sequential_velocity_logprob_and_gradient_agree(family):
         assert sum(g.abs().max().item() > 0 for g in ref.values()) > 0.9 * len(ref)
         for name, g in ref.items():
             scale = g.abs().max().item()
-            assert (got[name] - g).abs().max().item() <= RTOL_GRAD * scale + 1e-12, (ad.sampling.cfg_batching, name)
+            assert (got[name] - g).abs().max().item() <= RTOL_GRAD * scale + 1e-12, (
+                ad.sampling.cfg_batching,
+                name,
+            )
 
 
 def test_sequential_training_holds_one_pass_of_activations():
@@ -126,7 +137,10 @@ def test_sde_trajectory_batched_equals_sequential(family):
     cfg, seq = adapter(family, "sequential", lora=False)
     _, bat = adapter(family, "batched", lora=False)
     cond, x, _ = inputs(seq)
-    runs = [sample(ad, cond, x, ad.sigmas(4), "flow_grpo", 0.7, torch.Generator().manual_seed(1)) for ad in (seq, bat)]
+    runs = [
+        sample(ad, cond, x, ad.sigmas(4), "flow_grpo", 0.7, torch.Generator().manual_seed(1))
+        for ad in (seq, bat)
+    ]
     assert torch.allclose(runs[0].latents, runs[1].latents, atol=ATOL_V, rtol=0)
     assert torch.allclose(runs[0].log_probs, runs[1].log_probs, atol=ATOL_V, rtol=0)
 
@@ -140,8 +154,16 @@ def test_train_unit_gradient_is_the_same_batched_or_sequential():
 
     grads = {}
     for mode in ("batched", "sequential"):
-        cfg = load_config(FAMILIES["wan"][0], ["placement.mode=local", "sampling.steps=3", "algorithm.group_size=2",
-                                               "algorithm.kl_beta=0.01", f"sampling.cfg_batching={mode}"])
+        cfg = load_config(
+            FAMILIES["wan"][0],
+            [
+                "placement.mode=local",
+                "sampling.steps=3",
+                "algorithm.group_size=2",
+                "algorithm.kl_beta=0.01",
+                f"sampling.cfg_batching={mode}",
+            ],
+        )
         policy = Policy(cfg, device="cpu")
         assert policy.adapter.sampling.cfg_batching == mode
         prompts = load_prompts(cfg.prompts)[:1]

@@ -5,18 +5,31 @@ import shutil
 
 import pytest
 import torch
+from helpers import cli
 
-from digenrl.checkpoint import (CheckpointError, find_checkpoint, latest_checkpoint, list_checkpoints,
-                                load_checkpoint, read_state, save_checkpoint)
+from digenrl.checkpoint import (
+    CheckpointError,
+    find_checkpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+)
 from digenrl.config import load_config
 from digenrl.policy import Policy
 from digenrl.runlog import read_metrics
 from digenrl.trainer import LocalTrainer
-from helpers import cli
 
 # tiny FLUX, small enough that an iteration takes a fraction of a second on 2 cores
-SMALL = ["model.height=16", "model.width=16", "train.prompts_per_iteration=2", "algorithm.group_size=4",
-         "sampling.steps=4", "output.tensorboard=false"]
+SMALL = [
+    "model.height=16",
+    "model.width=16",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "output.tensorboard=false",
+]
 
 
 def cfg_of(*overrides):
@@ -27,9 +40,13 @@ def cfg_of(*overrides):
 def runs(tmp_path_factory):
     """An uninterrupted 4-iteration run, and one stopped after 3 then resumed from its iteration-2 checkpoint."""
     tmp = tmp_path_factory.mktemp("resume")
-    full = LocalTrainer(cfg_of("train.iterations=4", "output.checkpoint_every=2", f"output.run_dir={tmp / 'a'}")).run()
+    full = LocalTrainer(
+        cfg_of("train.iterations=4", "output.checkpoint_every=2", f"output.run_dir={tmp / 'a'}")
+    ).run()
     # stopped after 3 iterations: checkpoints at 2 and at the end (3); metrics hold rows 0..2
-    LocalTrainer(cfg_of("train.iterations=3", "output.checkpoint_every=2", f"output.run_dir={tmp / 'b'}")).run()
+    LocalTrainer(
+        cfg_of("train.iterations=3", "output.checkpoint_every=2", f"output.run_dir={tmp / 'b'}")
+    ).run()
     ckpt2 = tmp / "b" / "checkpoints" / "iter-000002"
     resumed_trainer = LocalTrainer(cfg_of("train.iterations=4", "output.checkpoint_every=2"), resume=ckpt2)
     assert resumed_trainer.start_iteration == 2 and resumed_trainer.policy.version == 2
@@ -65,7 +82,13 @@ def test_checkpoint_layout(runs):
     ckpt = latest_checkpoint(full.run_dir)
     assert ckpt.name == "iter-000004"
     names = {p.name for p in ckpt.iterdir()}
-    assert names == {"pytorch_lora_weights.safetensors", "optimizer.pt", "rng.pt", "config.yaml", "state.json"}
+    assert names == {
+        "pytorch_lora_weights.safetensors",
+        "optimizer.pt",
+        "rng.pt",
+        "config.yaml",
+        "state.json",
+    }
     state = json.loads((ckpt / "state.json").read_text())
     assert state["iteration"] == 4 and state["version"] == 4 and state["format"] == 1
     assert state["model_signature"]["class"] == "FluxTransformer2DModel"
@@ -99,8 +122,15 @@ def test_lora_checkpoint_loads_into_flux_pipeline_and_reproduces_the_sampler(run
     load_checkpoint(ckpt, trained, optimizer=False, rng=False)
     ad = Policy(cfg, trainable=False).adapter
     ad.transformer.delete_adapters("default")
-    pipe = FluxPipeline(scheduler=ad.scheduler, vae=ad.vae, text_encoder=None, tokenizer=None,
-                        text_encoder_2=None, tokenizer_2=None, transformer=ad.transformer)
+    pipe = FluxPipeline(
+        scheduler=ad.scheduler,
+        vae=ad.vae,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=ad.transformer,
+    )
     pipe.load_lora_weights(ckpt)
     saved = load_file(ckpt / "pytorch_lora_weights.safetensors")
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=pipe.transformer.active_adapters()[0])
@@ -110,9 +140,16 @@ def test_lora_checkpoint_loads_into_flux_pipeline_and_reproduces_the_sampler(run
 
     cond = ad.encode_prompts(["a red car"])
     noise = ad.initial_noise(1, torch.Generator().manual_seed(0))
-    out = pipe(prompt_embeds=cond.batched["prompt_embeds"], pooled_prompt_embeds=cond.batched["pooled"],
-               latents=noise.clone(), num_inference_steps=6, height=16, width=16, guidance_scale=cfg.sampling.guidance,
-               output_type="latent").images
+    out = pipe(
+        prompt_embeds=cond.batched["prompt_embeds"],
+        pooled_prompt_embeds=cond.batched["pooled"],
+        latents=noise.clone(),
+        num_inference_steps=6,
+        height=16,
+        width=16,
+        guidance_scale=cfg.sampling.guidance,
+        output_type="latent",
+    ).images
     ours = sample(trained.adapter, cond, noise, trained.adapter.sigmas(6), "flow_grpo", 0.0).latents[:, -1]
     torch.testing.assert_close(out, ours, rtol=1e-4, atol=1e-5)  # LoRA alpha travels with the file
 
@@ -166,7 +203,9 @@ def test_full_finetuning_checkpoint_round_trip(tmp_path):
     policy.optimizer_step()
     torch.manual_seed(7), random.seed(7), np.random.seed(7)
     ckpt = save_checkpoint(tmp_path, policy, 1, cfg)
-    assert (ckpt / "transformer.safetensors").is_file() and not (ckpt / "pytorch_lora_weights.safetensors").exists()
+    assert (ckpt / "transformer.safetensors").is_file() and not (
+        ckpt / "pytorch_lora_weights.safetensors"
+    ).exists()
     draws = torch.rand(3), random.random(), np.random.rand()
 
     fresh = Policy(cfg)
@@ -179,12 +218,15 @@ def test_full_finetuning_checkpoint_round_trip(tmp_path):
     assert torch.equal(draws[0], again[0]) and draws[1:] == again[1:]
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["model.lora.rank=4"], "model.lora.rank: checkpoint 8, config 4"),
-    (["model.height=32"], "model.height: checkpoint 16, config 32"),
-    (["model.lora=null"], "model.lora: checkpoint 'lora', config 'full fine-tuning'"),
-    (["model.lora.targets=[to_q, to_k]"], "model.lora.targets"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model.lora.rank=4"], "model.lora.rank: checkpoint 8, config 4"),
+        (["model.height=32"], "model.height: checkpoint 16, config 32"),
+        (["model.lora=null"], "model.lora: checkpoint 'lora', config 'full fine-tuning'"),
+        (["model.lora.targets=[to_q, to_k]"], "model.lora.targets"),
+    ],
+)
 def test_incompatible_checkpoint_is_refused_naming_the_difference(tmp_path, overrides, needle):
     cfg = cfg_of()
     save_checkpoint(tmp_path, Policy(cfg), 1, cfg)
@@ -199,8 +241,17 @@ def test_incompatible_checkpoint_is_refused_naming_the_difference(tmp_path, over
 def test_checkpoint_of_another_adapter_is_refused_from_the_cli(runs, tmp_path, monkeypatch, capsys):
     full, _ = runs
     before = (full.run_dir / "metrics.jsonl").read_text()
-    code, _, err = cli(monkeypatch, capsys, "train", "--resume", str(full.run_dir), "-c", "configs/qwen_tiny.yaml",
-                       "--set", "train.iterations=6")
+    code, _, err = cli(
+        monkeypatch,
+        capsys,
+        "train",
+        "--resume",
+        str(full.run_dir),
+        "-c",
+        "configs/qwen_tiny.yaml",
+        "--set",
+        "train.iterations=6",
+    )
     assert code == 2 and "model.adapter: checkpoint 'flux', config 'qwen_image'" in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert (full.run_dir / "metrics.jsonl").read_text() == before  # nothing written
@@ -215,12 +266,15 @@ def copied(runs, tmp_path):
     return dst
 
 
-@pytest.mark.parametrize("damage, needle", [
-    ("truncate optimizer.pt", "optimizer.pt has"),
-    ("truncate state.json", "state.json is corrupt"),
-    ("garble optimizer.pt", "optimizer.pt is corrupt"),
-    ("delete rng.pt", "rng.pt is missing"),
-])
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        ("truncate optimizer.pt", "optimizer.pt has"),
+        ("truncate state.json", "state.json is corrupt"),
+        ("garble optimizer.pt", "optimizer.pt is corrupt"),
+        ("delete rng.pt", "rng.pt is missing"),
+    ],
+)
 @pytest.mark.slow
 def test_corrupt_checkpoint_exits_2(copied, monkeypatch, capsys, damage, needle):
     verb, name = damage.split()
@@ -231,16 +285,20 @@ def test_corrupt_checkpoint_exits_2(copied, monkeypatch, capsys, damage, needle)
         f.write_bytes(b"\0" * f.stat().st_size)
     else:
         f.unlink()
-    code, _, err = cli(monkeypatch, capsys, "train", "--resume", str(copied.parent.parent),
-                       "--set", "train.iterations=6")
+    code, _, err = cli(
+        monkeypatch, capsys, "train", "--resume", str(copied.parent.parent), "--set", "train.iterations=6"
+    )
     assert code == 2 and needle in err and err.count("\n") == 1, err
     assert not (copied.parent.parent / "metrics.jsonl").exists()  # nothing half-written
 
 
-@pytest.mark.parametrize("target, needle", [
-    ("{tmp}/missing", "missing not found"),
-    ("{tmp}", "no complete checkpoint in"),
-])
+@pytest.mark.parametrize(
+    "target, needle",
+    [
+        ("{tmp}/missing", "missing not found"),
+        ("{tmp}", "no complete checkpoint in"),
+    ],
+)
 def test_resume_without_a_checkpoint_exits_2(tmp_path, monkeypatch, capsys, target, needle):
     code, _, err = cli(monkeypatch, capsys, "train", "--resume", target.replace("{tmp}", str(tmp_path)))
     assert code == 2 and needle in err and err.count("\n") == 1

@@ -3,9 +3,9 @@
 from pathlib import Path
 
 import pytest
+from helpers import cli
 
 from digenrl.config import ConfigError, RunConfig, load_config
-from helpers import cli
 
 CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
 
@@ -14,7 +14,9 @@ def test_embedded_default_is_the_tiny_flux_demo():
     cfg = load_config()
     assert cfg.model.adapter == "flux" and cfg.model.preset == "tiny" and cfg.model.lora is not None
     assert cfg.algorithm.name == "flow_grpo"
-    assert cfg.placement.mode == "disaggregated" and cfg.engine.tsp_degree == 2 and cfg.engine.max_staleness == 1
+    assert (
+        cfg.placement.mode == "disaggregated" and cfg.engine.tsp_degree == 2 and cfg.engine.max_staleness == 1
+    )
 
 
 def test_one_source_of_truth_for_the_defaults(tmp_path):
@@ -41,8 +43,9 @@ def test_algorithm_name_selects_its_defaults():
     assert dance.sampling.sde == "dance_grpo" and dance.algorithm.timesteps.mode == "random"
     assert dance.algorithm.timesteps.fraction == 0.6
     # what a config sets explicitly wins over what the name selects
-    mixed = load_config(None, ["algorithm.name=dance_grpo", "sampling.sde=flow_grpo",
-                               "algorithm.timesteps.mode=fraction"])
+    mixed = load_config(
+        None, ["algorithm.name=dance_grpo", "sampling.sde=flow_grpo", "algorithm.timesteps.mode=fraction"]
+    )
     assert mixed.sampling.sde == "flow_grpo" and mixed.algorithm.timesteps.fraction == 0.99
     assert RunConfig.model_validate(dance.model_dump()) == dance  # a dumped config reads back the same
 
@@ -61,30 +64,40 @@ def test_every_shipped_config_validates(path):
 
 
 def test_overrides_types_and_lists():
-    cfg = load_config(None, ["train.lr=0.5", "model.lora.targets=[to_q, to_k]", "reward.components.0.weight=2",
-                             "model.pretrained=/some/dir"])
+    cfg = load_config(
+        None,
+        [
+            "train.lr=0.5",
+            "model.lora.targets=[to_q, to_k]",
+            "reward.components.0.weight=2",
+            "model.pretrained=/some/dir",
+        ],
+    )
     assert cfg.train.lr == 0.5 and cfg.model.lora.targets == ["to_q", "to_k"]
     assert cfg.reward.components[0].weight == 2.0
     assert cfg.model.preset is None  # a pretrained path replaces the default preset
 
 
-@pytest.mark.parametrize("override, path, reason", [
-    ("train.iterations=-1", "train.iterations", "greater than 0"),
-    ("train.itrations=3", "train.itrations", "unknown key"),
-    ("algorithm.group_size=1", "algorithm.group_size", "greater than or equal to 2"),
-    ("engine.unit_groups=3", "engine.unit_groups", "divide"),
-    ("engine.max_staleness=2", "engine.max_staleness", ""),
-    ("model.adapter=sdxl", "model.adapter", "available: flux"),
-    ("sampling.sde=ddim", "sampling.sde", ""),
-    ("placement.rollout_pool=nope", "placement.rollout_pool", ""),
-    ("train.lr=inf", "train.lr", "finite"),
-    ("train.lr=.nan", "train.lr", "finite"),
-    ("sampling.guidance=-.inf", "sampling.guidance", "finite"),
-    ("sampling.steps=100000", "sampling.steps", "less than or equal to 1000"),
-    ("model.height=100000", "model.height", "less than or equal to 8192"),
-    ("output.name=../../../x", "output.name", "plain name"),
-    ("output.name=a/b", "output.name", "plain name"),
-])
+@pytest.mark.parametrize(
+    "override, path, reason",
+    [
+        ("train.iterations=-1", "train.iterations", "greater than 0"),
+        ("train.itrations=3", "train.itrations", "unknown key"),
+        ("algorithm.group_size=1", "algorithm.group_size", "greater than or equal to 2"),
+        ("engine.unit_groups=3", "engine.unit_groups", "divide"),
+        ("engine.max_staleness=2", "engine.max_staleness", ""),
+        ("model.adapter=sdxl", "model.adapter", "available: flux"),
+        ("sampling.sde=ddim", "sampling.sde", ""),
+        ("placement.rollout_pool=nope", "placement.rollout_pool", ""),
+        ("train.lr=inf", "train.lr", "finite"),
+        ("train.lr=.nan", "train.lr", "finite"),
+        ("sampling.guidance=-.inf", "sampling.guidance", "finite"),
+        ("sampling.steps=100000", "sampling.steps", "less than or equal to 1000"),
+        ("model.height=100000", "model.height", "less than or equal to 8192"),
+        ("output.name=../../../x", "output.name", "plain name"),
+        ("output.name=a/b", "output.name", "plain name"),
+    ],
+)
 def test_invalid_values_name_the_dotted_path(override, path, reason):
     extra = ["placement.mode=disaggregated"] if "pool" in override else []
     with pytest.raises(ConfigError) as exc:
@@ -93,16 +106,28 @@ def test_invalid_values_name_the_dotted_path(override, path, reason):
     assert path in msg and reason in msg and "\n" not in msg
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["config", "validate", "--set", "train.iterations=-1"], "train.iterations"),
-    (["config", "validate", "--set", "nosuch.key=1"], "nosuch: unknown key"),
-    (["config", "show", "--set", "model.adapter=sdxl"], "available: flux, hunyuan_video, qwen_image, wan"),
-    (["config", "validate", "--config", "MISSING.yaml"], "MISSING.yaml: config file not found"),
-    (["train", "--set", "prompts.file=/nonexistent/prompts.txt", "--run-dir", "{tmp}/run"], "prompts.file"),
-    (["train", "--set", "model.height=30", "--run-dir", "{tmp}/run"], "model.height"),
-    (["train", "-c", "configs/wan_tiny.yaml", "--set", "model.frames=6", "--run-dir", "{tmp}/run"], "model.frames"),
-    (["train", "--set", "model.pretrained={tmp}/no-such-ckpt", "--run-dir", "{tmp}/run"], "no-such-ckpt"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["config", "validate", "--set", "train.iterations=-1"], "train.iterations"),
+        (["config", "validate", "--set", "nosuch.key=1"], "nosuch: unknown key"),
+        (
+            ["config", "show", "--set", "model.adapter=sdxl"],
+            "available: flux, hunyuan_video, qwen_image, wan",
+        ),
+        (["config", "validate", "--config", "MISSING.yaml"], "MISSING.yaml: config file not found"),
+        (
+            ["train", "--set", "prompts.file=/nonexistent/prompts.txt", "--run-dir", "{tmp}/run"],
+            "prompts.file",
+        ),
+        (["train", "--set", "model.height=30", "--run-dir", "{tmp}/run"], "model.height"),
+        (
+            ["train", "-c", "configs/wan_tiny.yaml", "--set", "model.frames=6", "--run-dir", "{tmp}/run"],
+            "model.frames",
+        ),
+        (["train", "--set", "model.pretrained={tmp}/no-such-ckpt", "--run-dir", "{tmp}/run"], "no-such-ckpt"),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_line(monkeypatch, capsys, tmp_path, argv, needle):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     code, _, err = cli(monkeypatch, capsys, *argv)

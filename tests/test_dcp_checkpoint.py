@@ -22,8 +22,11 @@ def _model(lora: bool, seed: int):
     with seeded(seed):
         model = FluxTransformer2DModel(**TINY_TRANSFORMER)
         if lora:
-            model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"],
-                                         init_lora_weights="gaussian"))
+            model.add_adapter(
+                LoraConfig(
+                    r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"], init_lora_weights="gaussian"
+                )
+            )
         else:
             model.requires_grad_(True)
     return model
@@ -40,9 +43,16 @@ def _sharded(lora: bool, seed: int):
 def _step(model, opt):
     gen = torch.Generator().manual_seed(0)
     b, n, l = 2, 16, 8
-    out = model(hidden_states=torch.randn(b, n, 16, generator=gen), encoder_hidden_states=torch.randn(b, l, 32, generator=gen),
-                pooled_projections=torch.randn(b, 32, generator=gen), timestep=torch.rand(b, generator=gen),
-                guidance=torch.full((b,), 3.5), img_ids=torch.zeros(n, 3), txt_ids=torch.zeros(l, 3), return_dict=False)[0]
+    out = model(
+        hidden_states=torch.randn(b, n, 16, generator=gen),
+        encoder_hidden_states=torch.randn(b, l, 32, generator=gen),
+        pooled_projections=torch.randn(b, 32, generator=gen),
+        timestep=torch.rand(b, generator=gen),
+        guidance=torch.full((b,), 3.5),
+        img_ids=torch.zeros(n, 3),
+        txt_ids=torch.zeros(l, 3),
+        return_dict=False,
+    )[0]
     out.square().mean().backward()
     opt.step()
     opt.zero_grad()
@@ -108,8 +118,11 @@ def test_save_on_2_resume_on_1_and_2_and_rollout_reads_only_weights(tmp_path):
             _assert_same(ref["exp_avg"], resumed["exp_avg"])
         # rollout side: a plain (unsharded) model, no process group, reads only what it needs
         rollout = _model(lora, seed=1)
-        wanted = {n: p.data for n, p in rollout.named_parameters() if "lora_" in n} if lora else \
-            dict(rollout.state_dict())
+        wanted = (
+            {n: p.data for n, p in rollout.named_parameters() if "lora_" in n}
+            if lora
+            else dict(rollout.state_dict())
+        )
         read = load_model_tensors(tmp_path / f"ckpt_lora{lora}", wanted)
         assert read and all(item.startswith("model.") for item in read)
         assert {item.removeprefix("model.") for item in read} == set(wanted)
@@ -123,7 +136,10 @@ def test_a_rank_that_cannot_see_the_run_directory_says_so(tmp_path):
     from digenrl.optimizer_state import save_optimizer_sharded
 
     hidden = tmp_path / "not-mounted" / "checkpoints" / ".dcp-iter-000001"
-    with pytest.raises(UserError, match=r"^output.run_dir: .*not-mounted/checkpoints is not visible on trainer1's "
-                                        r"node: a sharded trainer group writes its checkpoint shards by path"):
+    with pytest.raises(
+        UserError,
+        match=r"^output.run_dir: .*not-mounted/checkpoints is not visible on trainer1's "
+        r"node: a sharded trainer group writes its checkpoint shards by path",
+    ):
         save_optimizer_sharded(None, hidden, "trainer1's node")
     assert not (tmp_path / "not-mounted").exists()

@@ -13,46 +13,133 @@ TSP1 = ["--set", "engine.tsp_degree=1"]
 TWO_TRAINERS = ["--set", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]"]
 
 CASES = {
-    "fsdp degree 0": (["--set", "train.fsdp=0"], "train.fsdp: must be auto, off or a sharding degree >= 1, got 0"),
+    "fsdp degree 0": (
+        ["--set", "train.fsdp=0"],
+        "train.fsdp: must be auto, off or a sharding degree >= 1, got 0",
+    ),
     "fsdp word": (["--set", "train.fsdp=many"], "train.fsdp: must be auto, off or a sharding degree >= 1"),
-    "checkpointing word": (["--set", "train.activation_checkpointing=maybe"], "train.activation_checkpointing"),
+    "checkpointing word": (
+        ["--set", "train.activation_checkpointing=maybe"],
+        "train.activation_checkpointing",
+    ),
     # what train.fsdp N is not wired for (settings.check_fsdp_wired), each refused before Ray starts
-    "fsdp not the trainer count": (["--set", "train.fsdp=2", *TINY],
-                                   "train.fsdp: 2: must divide the number of trainer ranks (1); use train.fsdp: 1 or off"),
-    "fsdp local": (["--set", "train.fsdp=2", "--set", "placement.mode=local", *TINY],
-                   "train.fsdp: 2: sharded trainer ranks need placement.mode: disaggregated (got local)"),
-    "fsdp with tag": (["--set", "train.fsdp=2", *TWO_TRAINERS, *TINY],
-                      "train.fsdp: 2: not with engine.tag (every FSDP rank must run the same forward / backward"),
-    "fsdp random timesteps": (["--set", "train.fsdp=2", *TWO_TRAINERS, "--set", "engine.tag=false", *TSP1,
-                               "--set", "algorithm.timesteps.mode=random", *TINY],
-                              "train.fsdp: 2: not with algorithm.timesteps.mode: random"),
-    "fsdp with tsp": (["--set", "train.fsdp=2", *TWO_TRAINERS, "--set", "engine.tag=false",
-                       "--set", "engine.tsp_degree=2", *TINY], "train.fsdp: 2: not with engine.tsp_degree > 1"),
-    "fsdp uneven mini-batch": (["--set", "train.fsdp=2", *TWO_TRAINERS, "--set", "engine.tag=false", *TSP1,
-                                "--set", "algorithm.group_size=4", "--set", "train.optimizer_steps=4", *TINY],
-                               "train.fsdp: 2: train.optimizer_steps: 4: a unit holds 1 sample(s) of mini-batch 0, "
-                               "which must split evenly over the 2 ranks"),
-    "fsdp uneven unit": (["--set", "train.fsdp=2", *TWO_TRAINERS, "--set", "engine.tag=false", *TSP1,
-                          "--set", "algorithm.group_size=3", *TINY],
-                         "train.fsdp: 2: engine.unit_groups x algorithm.group_size (1 x 3): 3 samples per unit must "
-                         "split evenly over the 2 ranks"),
+    "fsdp not the trainer count": (
+        ["--set", "train.fsdp=2", *TINY],
+        "train.fsdp: 2: must divide the number of trainer ranks (1); use train.fsdp: 1 or off",
+    ),
+    "fsdp local": (
+        ["--set", "train.fsdp=2", "--set", "placement.mode=local", *TINY],
+        "train.fsdp: 2: sharded trainer ranks need placement.mode: disaggregated (got local)",
+    ),
+    "fsdp with tag": (
+        ["--set", "train.fsdp=2", *TWO_TRAINERS, *TINY],
+        "train.fsdp: 2: not with engine.tag (every FSDP rank must run the same forward / backward",
+    ),
+    "fsdp random timesteps": (
+        [
+            "--set",
+            "train.fsdp=2",
+            *TWO_TRAINERS,
+            "--set",
+            "engine.tag=false",
+            *TSP1,
+            "--set",
+            "algorithm.timesteps.mode=random",
+            *TINY,
+        ],
+        "train.fsdp: 2: not with algorithm.timesteps.mode: random",
+    ),
+    "fsdp with tsp": (
+        [
+            "--set",
+            "train.fsdp=2",
+            *TWO_TRAINERS,
+            "--set",
+            "engine.tag=false",
+            "--set",
+            "engine.tsp_degree=2",
+            *TINY,
+        ],
+        "train.fsdp: 2: not with engine.tsp_degree > 1",
+    ),
+    "fsdp uneven mini-batch": (
+        [
+            "--set",
+            "train.fsdp=2",
+            *TWO_TRAINERS,
+            "--set",
+            "engine.tag=false",
+            *TSP1,
+            "--set",
+            "algorithm.group_size=4",
+            "--set",
+            "train.optimizer_steps=4",
+            *TINY,
+        ],
+        "train.fsdp: 2: train.optimizer_steps: 4: a unit holds 1 sample(s) of mini-batch 0, "
+        "which must split evenly over the 2 ranks",
+    ),
+    "fsdp uneven unit": (
+        [
+            "--set",
+            "train.fsdp=2",
+            *TWO_TRAINERS,
+            "--set",
+            "engine.tag=false",
+            *TSP1,
+            "--set",
+            "algorithm.group_size=3",
+            *TINY,
+        ],
+        "train.fsdp: 2: engine.unit_groups x algorithm.group_size (1 x 3): 3 samples per unit must "
+        "split evenly over the 2 ranks",
+    ),
     # sequence parallelism: what engine.rollout_sp is not wired for, and trainer_sp (settings.check_sp_wired)
-    "rollout sp local": (["--set", "engine.rollout_sp=2", "--set", "placement.mode=local", *TINY],
-                         "engine.rollout_sp: 2: sequence-parallel workers need placement.mode: disaggregated "
-                         "(got local)"),
-    "rollout sp with tag": (["--set", "engine.rollout_sp=2", *TINY], "engine.rollout_sp: 2: not with engine.tag"),
-    "rollout sp uneven devices": (["--set", "engine.rollout_sp=2", "--set", "engine.tag=false", *TINY],
-                                  "engine.rollout_sp: 2: must divide the 1 rollout devices"),
-    "rollout sp heads": (["--set", "engine.rollout_sp=3", "--set", "engine.tag=false", *TINY, "--set",
-                          "cluster.pools=[{name: rollout, count: 3}, {name: trainer, count: 1}]"],
-                         "engine.rollout_sp: 3: the model's 2 attention heads do not split over 3 devices"),
-    "trainer sp local": (["--set", "engine.trainer_sp=2", "--set", "placement.mode=local", *TINY],
-                         "engine.trainer_sp: 2: sequence-parallel workers need placement.mode: disaggregated"),
-    "trainer sp with eval": (["--set", "engine.trainer_sp=2", "--set", "engine.tag=false", *TWO_TRAINERS,
-                              "--set", "output.eval_every=1", *TINY],
-                             "engine.trainer_sp: 2: not with output.eval_every"),
-    "trainer sp uneven devices": (["--set", "engine.trainer_sp=2", "--set", "engine.tag=false", *TINY],
-                                  "engine.trainer_sp: 2: must divide the 1 trainer devices"),
+    "rollout sp local": (
+        ["--set", "engine.rollout_sp=2", "--set", "placement.mode=local", *TINY],
+        "engine.rollout_sp: 2: sequence-parallel workers need placement.mode: disaggregated (got local)",
+    ),
+    "rollout sp with tag": (
+        ["--set", "engine.rollout_sp=2", *TINY],
+        "engine.rollout_sp: 2: not with engine.tag",
+    ),
+    "rollout sp uneven devices": (
+        ["--set", "engine.rollout_sp=2", "--set", "engine.tag=false", *TINY],
+        "engine.rollout_sp: 2: must divide the 1 rollout devices",
+    ),
+    "rollout sp heads": (
+        [
+            "--set",
+            "engine.rollout_sp=3",
+            "--set",
+            "engine.tag=false",
+            *TINY,
+            "--set",
+            "cluster.pools=[{name: rollout, count: 3}, {name: trainer, count: 1}]",
+        ],
+        "engine.rollout_sp: 3: the model's 2 attention heads do not split over 3 devices",
+    ),
+    "trainer sp local": (
+        ["--set", "engine.trainer_sp=2", "--set", "placement.mode=local", *TINY],
+        "engine.trainer_sp: 2: sequence-parallel workers need placement.mode: disaggregated",
+    ),
+    "trainer sp with eval": (
+        [
+            "--set",
+            "engine.trainer_sp=2",
+            "--set",
+            "engine.tag=false",
+            *TWO_TRAINERS,
+            "--set",
+            "output.eval_every=1",
+            *TINY,
+        ],
+        "engine.trainer_sp: 2: not with output.eval_every",
+    ),
+    "trainer sp uneven devices": (
+        ["--set", "engine.trainer_sp=2", "--set", "engine.tag=false", *TINY],
+        "engine.trainer_sp: 2: must divide the 1 trainer devices",
+    ),
 }
 
 
@@ -70,7 +157,9 @@ def test_settings_resolve():
     cfg = load_config(None, [])
     assert cfg.train.fsdp == "auto" and cfg.train.activation_checkpointing == "auto"
     assert resolve_fsdp(cfg, 4) == 1 and not resolve_activation_checkpointing(cfg)  # auto on CPU pools: off
-    on = load_config(None, ["train.activation_checkpointing=on", "train.fsdp=off"])  # YAML reads these as booleans
+    on = load_config(
+        None, ["train.activation_checkpointing=on", "train.fsdp=off"]
+    )  # YAML reads these as booleans
     assert on.train.activation_checkpointing == "on" and on.train.fsdp == "off"
     assert resolve_activation_checkpointing(on)
     assert resolve_fsdp(load_config(None, ["train.fsdp=2"]), 4) == 2
@@ -91,9 +180,15 @@ def test_the_planner_never_proposes_a_sharding_the_engine_refuses():
     from digenrl.planner.search import search
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "flux1_dev.yaml", ["model.lora=null"])
+
     def h800s(n):
-        return cluster_from_dict({"name": f"{n}xH800", "gpus_per_node": 8,
-                                  "pools": [{"name": "h800", "device": "H800", "count": n}]})
+        return cluster_from_dict(
+            {
+                "name": f"{n}xH800",
+                "gpus_per_node": 8,
+                "pools": [{"name": "h800", "device": "H800", "count": n}],
+            }
+        )
 
     with pytest.raises(UserError, match="fits no placement of cluster 8xH800"):
         search(CostModel(Workload.from_config(cfg), h800s(8)), h800s(8), top=3)
@@ -113,11 +208,21 @@ def test_sp_inside_fsdp_is_accepted_with_units_that_split_over_the_groups():
     CPU devices): accepted, and each unit must split over the 2 sequence-parallel groups."""
     from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
 
-    sets = ["model.height=16", "model.width=16", "engine.tag=false", "engine.tsp_degree=1", "train.fsdp=4",
-            "engine.trainer_sp=2", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]"]
+    sets = [
+        "model.height=16",
+        "model.width=16",
+        "engine.tag=false",
+        "engine.tsp_degree=1",
+        "train.fsdp=4",
+        "engine.trainer_sp=2",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]",
+    ]
     check_sp_wired(load_config(None, sets))
     check_fsdp_wired(load_config(None, sets + ["algorithm.group_size=2"]))  # 2 samples: one per group
-    with pytest.raises(UserError, match=r"train.fsdp: 4: engine.unit_groups x algorithm.group_size \(1 x 3\): 3 "
-                                        "samples per unit must split evenly over the 2 sequence-parallel groups "
-                                        "of the 4 ranks"):
+    with pytest.raises(
+        UserError,
+        match=r"train.fsdp: 4: engine.unit_groups x algorithm.group_size \(1 x 3\): 3 "
+        "samples per unit must split evenly over the 2 sequence-parallel groups "
+        "of the 4 ranks",
+    ):
         check_fsdp_wired(load_config(None, sets + ["algorithm.group_size=3"]))

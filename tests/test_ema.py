@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from helpers import cli
 from safetensors.torch import load_file
 
 from digenrl.checkpoint import read_weights
@@ -14,10 +15,17 @@ from digenrl.policy import Policy
 from digenrl.prompts import load_prompts
 from digenrl.rewards import build_reward
 from digenrl.trainer import LocalTrainer
-from helpers import cli
 
-SMALL = ["placement.mode=local", "model.height=16", "model.width=16", "train.prompts_per_iteration=2",
-         "algorithm.group_size=4", "sampling.steps=4", "output.tensorboard=false", "train.lr=2e-2"]
+SMALL = [
+    "placement.mode=local",
+    "model.height=16",
+    "model.width=16",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "output.tensorboard=false",
+    "train.lr=2e-2",
+]
 EMA = ["train.ema={decay: 0.8, every: 2, warmup: true}", "train.optimizer_steps=2"]
 
 
@@ -92,7 +100,9 @@ def test_final_and_checkpoint_hold_the_ema(ema_run):
 
 def test_resume_restores_the_ema(ema_run, tmp_path):
     trainer, result, _ = ema_run
-    resumed = LocalTrainer(cfg_of("train.iterations=3", *EMA), resume=result.run_dir / "checkpoints" / "iter-000001")
+    resumed = LocalTrainer(
+        cfg_of("train.iterations=3", *EMA), resume=result.run_dir / "checkpoints" / "iter-000001"
+    )
     assert resumed.policy.ema.steps == 2
     resumed.run(tmp_path / "fork")
     assert resumed.policy.ema.steps == 6

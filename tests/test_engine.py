@@ -16,6 +16,7 @@ import torch
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray = pytest.importorskip("ray")
 
+from helpers import cli  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from digenrl.config import load_config  # noqa: E402
@@ -28,10 +29,17 @@ from digenrl.lora import WeightSyncError  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
 from tests.helpers import local_ray  # noqa: E402
-from helpers import cli  # noqa: E402
 
-BASE = ["model.height=16", "model.width=16", "train.iterations=2", "train.prompts_per_iteration=2",
-        "algorithm.group_size=4", "sampling.steps=4", "engine.tsp_degree=1", "engine.max_staleness=0"]
+BASE = [
+    "model.height=16",
+    "model.width=16",
+    "train.iterations=2",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "engine.tsp_degree=1",
+    "engine.max_staleness=0",
+]
 DISAGG = ["placement.mode=disaggregated"]
 TWO_TRAINERS = ["cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]"]
 
@@ -44,19 +52,35 @@ MODES = {
     "gap_tsp": DISAGG + TWO_TRAINERS + ["engine.tag=false", "engine.tsp_degree=2"],
     "gap_tsp_tag": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2"],
     # async also scores through the reward actor: TAG trainer ranks release rollout units too
-    "async": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "engine.max_staleness=1",
-                                      "reward.service={num_cpus: 0.1}"],
+    "async": DISAGG
+    + TWO_TRAINERS
+    + ["engine.tag=true", "engine.tsp_degree=2", "engine.max_staleness=1", "reward.service={num_cpus: 0.1}"],
     # mini-batch PPO: two optimizer steps per iteration (one per rollout unit), over two ranks with TAG;
     # with an EMA (rank 0 keeps it; final/ holds it)
-    "minibatch": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2", "train.optimizer_steps=2",
-                                          "train.ema={decay: 0.5, every: 1}"],
+    "minibatch": DISAGG
+    + TWO_TRAINERS
+    + [
+        "engine.tag=true",
+        "engine.tsp_degree=2",
+        "train.optimizer_steps=2",
+        "train.ema={decay: 0.5, every: 1}",
+    ],
     # sub-group units (G/2 samples each) scored by the reward actor: a group trains once both halves are in
-    "sub_groups": DISAGG + ["engine.unit_samples=2", "engine.tag=true", "reward.service={num_cpus: 0.1}",
-                            "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"],
+    "sub_groups": DISAGG
+    + [
+        "engine.unit_samples=2",
+        "engine.tag=true",
+        "reward.service={num_cpus: 0.1}",
+        "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",
+    ],
     # colocated with global std, sub-group units on 2 devices x ... : every device gets half a group
     "colocated_sub_groups": ["placement.mode=colocated", "algorithm.std=global", "engine.unit_samples=2"],
     # sub-group units and mini-batches: each part of a group holds one mini-batch's slice of it
-    "colocated_sub_groups_minibatch": ["placement.mode=colocated", "engine.unit_samples=2", "train.optimizer_steps=2"],
+    "colocated_sub_groups_minibatch": [
+        "placement.mode=colocated",
+        "engine.unit_samples=2",
+        "train.optimizer_steps=2",
+    ],
 }
 
 
@@ -107,8 +131,17 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
     rows = read_metrics(tmp_path)
     assert rows == result.metrics and [r["iteration"] for r in rows] == list(range(n_iter))
     for r in rows:
-        for key in ("version", "reward_mean", "loss", "samples", "wall_s", "samples_per_s", "bubble_fraction",
-                    "sync_s", "sync_bytes"):
+        for key in (
+            "version",
+            "reward_mean",
+            "loss",
+            "samples",
+            "wall_s",
+            "samples_per_s",
+            "bubble_fraction",
+            "sync_s",
+            "sync_bytes",
+        ):
             assert key in r, key
         assert 0 <= r["bubble_fraction"] < 1 and r["samples"] == n_groups * cfg.algorithm.group_size
 
@@ -117,20 +150,31 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
     # every group (each of its `parts` parts) of every iteration generated once, by one version within
     # the staleness bound
     parts = cfg.algorithm.group_size // (e.unit_samples or cfg.algorithm.group_size)
-    assert all(r.args["samples"] == cfg.algorithm.group_size // parts * len(r.args["groups"]) for r in rollouts)
+    assert all(
+        r.args["samples"] == cfg.algorithm.group_size // parts * len(r.args["groups"]) for r in rollouts
+    )
     assert Counter((r.iteration, g) for r in rollouts for g in r.args["groups"]) == Counter(
-        {(k, g): parts for k in range(n_iter) for g in range(n_groups)})
+        {(k, g): parts for k in range(n_iter) for g in range(n_groups)}
+    )
     assert all(r.iteration - stale <= r.version <= r.iteration for r in rollouts)
     # ... and trained exactly once per TSP rank and mini-batch (every part of a group), from samples of ONE
     # version at most `stale` old
     n_steps = cfg.train.optimizer_steps  # mini-batches; per rank and iteration, one step each
-    assert Counter((t.iteration, g, t.args["tsp_rank"], t.args["minibatch"]) for t in trains
-                   for g in t.args["groups"]) == Counter(
-        {(k, g, r, s): parts for k in range(n_iter) for g in range(n_groups) for r in range(degree)
-         for s in range(n_steps)})
+    assert Counter(
+        (t.iteration, g, t.args["tsp_rank"], t.args["minibatch"]) for t in trains for g in t.args["groups"]
+    ) == Counter(
+        {
+            (k, g, r, s): parts
+            for k in range(n_iter)
+            for g in range(n_groups)
+            for r in range(degree)
+            for s in range(n_steps)
+        }
+    )
     made_by = {(r.iteration, tuple(r.args["groups"])): r.version for r in rollouts}
-    assert all(made_by[(r.iteration, tuple(r.args["groups"]))] == r.version for r in rollouts), \
+    assert all(made_by[(r.iteration, tuple(r.args["groups"]))] == r.version for r in rollouts), (
         "a group's parts generated with different versions"
+    )
     for t in trains:
         assert len(t.sample_versions) == 1 and t.version == t.iteration
         assert 0 <= t.version - t.sample_versions[0] <= stale
@@ -140,14 +184,17 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
     # only the last step of an iteration publishes
     assert Counter(s.iteration for s in steps) == Counter({k: len(ranks) * n_steps for k in range(n_iter)})
     assert Counter(s.iteration for s in steps if "publishes" in s.args) == Counter(
-        {k: len(ranks) for k in range(n_iter)})
+        {k: len(ranks) for k in range(n_iter)}
+    )
     if cfg.placement.mode == "colocated":  # phases never overlap
         work = trains + steps
         assert not [(r.uid, w.uid) for r in rollouts for w in work if r.start < w.end and w.start < r.end]
         assert not tl.of("sync")  # the all-reduce keeps every rank identical
     else:  # every version a rollout worker used was fetched and verified once per worker
         fetched = {(s.worker, s.version) for s in tl.of("sync") if s.args["direction"] == "fetch"}
-        used = {(r.worker, r.version) for r in rollouts if tl.workers[r.worker] == "rollout" and r.version > 0}
+        used = {
+            (r.worker, r.version) for r in rollouts if tl.workers[r.worker] == "rollout" and r.version > 0
+        }
         assert fetched == used and all(s.args["bytes"] > 0 for s in tl.of("sync"))
     check_reward_events(tl, rows, service=cfg.reward.service is not None)
 
@@ -156,7 +203,9 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
         state = json.loads((last / "state.json").read_text())
         assert (last / "ema.safetensors").is_file() and state["ema"]["steps"] == n_iter * n_steps
     if stale == 0:  # on-policy: the same update as the single-process trainer
-        ref_weights, ref_rows = reference(cfg.algorithm.std, tuple(o for o in MODES[mode] if o.startswith("train.")))
+        ref_weights, ref_rows = reference(
+            cfg.algorithm.std, tuple(o for o in MODES[mode] if o.startswith("train."))
+        )
         got = load_file(tmp_path / "final" / "pytorch_lora_weights.safetensors")
         assert got.keys() == ref_weights.keys()
         # The summed gradient is the same up to float associativity (units accumulate on
@@ -197,8 +246,14 @@ def slow_clip(tmp_path_factory):
 def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip, tmp_path):
     # 4 rollout units per iteration: the actor scores a unit slower than the worker generates
     # one, so units queue for it and overlap with generation even on a loaded machine
-    overrides = BASE + SERVICE + ["train.prompts_per_iteration=4",
-                                  f"reward.components=[{{name: clipscore, args: {{path: {slow_clip}}}}}]"]
+    overrides = (
+        BASE
+        + SERVICE
+        + [
+            "train.prompts_per_iteration=4",
+            f"reward.components=[{{name: clipscore, args: {{path: {slow_clip}}}}}]",
+        ]
+    )
     cfg = load_config(None, overrides)
     result = run_engine(cfg, run_dir=tmp_path / "service")
     tl = Timeline.from_chrome_trace(tmp_path / "service" / "timeline.json")
@@ -206,8 +261,12 @@ def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip,
     check_reward_events(tl, rows, service=True)
     rollouts = {r.uid: r for r in tl.of("rollout")}
     position = {uid: (r.iteration, r.args["groups"][0]) for uid, r in rollouts.items()}
-    overlapped = [(w.uid, r.uid) for w in tl.of("reward") for r in rollouts.values()
-                  if position[r.uid] > position[w.uid] and w.start < r.end and r.start < w.end]
+    overlapped = [
+        (w.uid, r.uid)
+        for w in tl.of("reward")
+        for r in rollouts.values()
+        if position[r.uid] > position[w.uid] and w.start < r.end and r.start < w.end
+    ]
     assert overlapped, "no unit was scored while a later one generated"
     # ... and every train unit started only once its samples were scored
     scored = {w.uid: w.end for w in tl.of("reward")}
@@ -215,7 +274,9 @@ def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip,
     assert all(r["reward_latency_s/clipscore"] > 0 for r in rows)
 
     # the same update as the single-process trainer, which scores inline (as test_mode_invariants)
-    local = LocalTrainer(load_config(None, [o for o in overrides if o not in SERVICE])).run(tmp_path / "local")
+    local = LocalTrainer(load_config(None, [o for o in overrides if o not in SERVICE])).run(
+        tmp_path / "local"
+    )
     ref = load_file(tmp_path / "local" / "final" / "pytorch_lora_weights.safetensors")
     got = load_file(tmp_path / "service" / "final" / "pytorch_lora_weights.safetensors")
     for k in ref:
@@ -245,7 +306,9 @@ def test_bad_reward_with_service_fails_before_training(cluster, tmp_path):
     in seconds, and everything is released."""
     missing = f"reward.components=[{{name: clipscore, args: {{path: {tmp_path / 'no-clip'}}}}}]"
     cfg = load_config(None, BASE + SERVICE + [missing])
-    expect_user_error(cfg, ["reward.components.0.args.path", "no-clip", "not found"], run_dir=tmp_path / "run")
+    expect_user_error(
+        cfg, ["reward.components.0.args.path", "no-clip", "not found"], run_dir=tmp_path / "run"
+    )
     assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
 
 
@@ -269,16 +332,21 @@ def test_late_scores_follow_the_nan_policy(tmp_path):
     engine.unscored[unit.uid] = {"terms": 8, "prompts": ["a red car"] * 4, "group_ids": [0], "preview": None}
     total = torch.tensor([0.2, float("nan"), 0.6, 0.4])
     t = engine.t0
-    engine.scored(unit, Scored(total, {"prompt_color": total}, t + 1.0, t + 1.5, {"prompt_color": 0.5}, 0.25, 1))
+    engine.scored(
+        unit, Scored(total, {"prompt_color": total}, t + 1.0, t + 1.5, {"prompt_color": 0.5}, 0.25, 1)
+    )
     sched.complete(unit)
     adv = engine.ledger.batches[unit.uid].advantages
     assert adv[1] == 0 and not torch.isnan(adv).any() and adv[0] < 0 < adv[2]
     batch = engine.ledger.batches[unit.uid]
-    assert reward_metrics(batch.rewards, batch.reward_parts)["reward_nan"] == 1  # as the metrics row counts it
+    assert (
+        reward_metrics(batch.rewards, batch.reward_parts)["reward_nan"] == 1
+    )  # as the metrics row counts it
     (event,) = engine.timeline.of("reward")
     assert (event.worker, event.start, event.end, event.args["queue_depth"]) == ("reward", 1.0, 1.5, 1)
-    assert engine.ledger.reward_calls[0] == [{"seconds": 0.5, "timings": {"prompt_color": 0.5}, "wait_s": 0.25,
-                                              "queue_depth": 1}]
+    assert engine.ledger.reward_calls[0] == [
+        {"seconds": 0.5, "timings": {"prompt_color": 0.5}, "wait_s": 0.25, "queue_depth": 1}
+    ]
     assert isinstance(sched.next_unit("trainer0"), TrainUnit)
 
 
@@ -294,8 +362,12 @@ def check_reward_events(tl: Timeline, rows: list[dict], service: bool) -> None:
         assert {w.worker for w in rewards} == {"reward"} and tl.workers["reward"] == "service"
         assert all(w.args["service"] and rollouts[w.uid].start <= w.start for w in rewards)
     else:
-        assert all(not w.args["service"] and w.worker == rollouts[w.uid].worker
-                   and rollouts[w.uid].start <= w.start <= w.end <= rollouts[w.uid].end for w in rewards)
+        assert all(
+            not w.args["service"]
+            and w.worker == rollouts[w.uid].worker
+            and rollouts[w.uid].start <= w.start <= w.end <= rollouts[w.uid].end
+            for w in rewards
+        )
     for r in rows:
         names = [k.removeprefix("reward/") for k in r if k.startswith("reward/")]
         assert names and all(r[f"reward_latency_s/{n}"] > 0 for n in names)
@@ -321,7 +393,9 @@ def test_weight_sync_is_verified(cluster):
     def corrupted(change):
         state = ray.get(packet.ref)
         change(state)
-        return weight_sync.WeightPacket(packet.version, packet.checksum, packet.keys, packet.nbytes, ray.put(state))
+        return weight_sync.WeightPacket(
+            packet.version, packet.checksum, packet.keys, packet.nbytes, ray.put(state)
+        )
 
     first = packet.keys[0]
     bad = {
@@ -355,9 +429,15 @@ def expect_user_error(cfg, fragments: list[str], **kwargs) -> None:
 @pytest.mark.slow
 def test_unsatisfiable_cluster_fails_fast(cluster, tmp_path):
     three = load_config(None, BASE + DISAGG + ["cluster.pools=[{name: rollout, count: 3}, {name: trainer}]"])
-    expect_user_error(three, ["pool:rollout 3 needed, 2 exist", "3 x cpu for pool 'rollout'"],
-                      ray_address=cluster, run_dir=tmp_path / "a")
-    h800 = load_config(None, BASE + DISAGG + ["cluster.pools=[{name: rollout, device: H800}, {name: trainer}]"])
+    expect_user_error(
+        three,
+        ["pool:rollout 3 needed, 2 exist", "3 x cpu for pool 'rollout'"],
+        ray_address=cluster,
+        run_dir=tmp_path / "a",
+    )
+    h800 = load_config(
+        None, BASE + DISAGG + ["cluster.pools=[{name: rollout, device: H800}, {name: trainer}]"]
+    )
     expect_user_error(h800, ["'H800'", "pool:trainer"], run_dir=tmp_path / "b")
     assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
 
@@ -365,8 +445,9 @@ def test_unsatisfiable_cluster_fails_fast(cluster, tmp_path):
 @pytest.mark.slow
 def test_wrong_ray_address_fails_fast(cluster, tmp_path):
     cfg = load_config(None, BASE + DISAGG)
-    expect_user_error(cfg, ["127.0.0.1:1", "no Ray cluster answers"], ray_address="127.0.0.1:1",
-                      run_dir=tmp_path)
+    expect_user_error(
+        cfg, ["127.0.0.1:1", "no Ray cluster answers"], ray_address="127.0.0.1:1", run_dir=tmp_path
+    )
 
 
 @pytest.mark.slow
@@ -394,7 +475,8 @@ def test_engine_workers_per_placement():
     pools = "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 3}]"
     colocated = engine_workers(load_config(None, BASE + ["placement.mode=colocated", pools]))
     assert [(s.name, s.role) for s in colocated] == [(f"rollout{i}", "both") for i in range(2)] + [
-        (f"trainer{i}", "both") for i in range(3)]
+        (f"trainer{i}", "both") for i in range(3)
+    ]
     disagg = engine_workers(load_config(None, BASE + DISAGG + [pools]))
     assert [s.role for s in disagg] == ["rollout"] * 2 + ["trainer"] * 3  # rollout workers ask first
     with pytest.raises(UserError, match="different pools"):
@@ -407,8 +489,12 @@ def test_resource_bundles_for_gpu_pools():
     from digenrl.engine.cluster import resource_bundles
     from digenrl.placement import engine_workers
 
-    gpus = load_config(None, BASE + DISAGG + [
-        "cluster.pools=[{name: rollout, device: H20, count: 2}, {name: trainer, device: h800, count: 2}]"])
+    gpus = load_config(
+        None,
+        BASE
+        + DISAGG
+        + ["cluster.pools=[{name: rollout, device: H20, count: 2}, {name: trainer, device: h800, count: 2}]"],
+    )
     workers = engine_workers(gpus)
     cluster = {"CPU": 64, "GPU": 8, "accelerator_type:H20": 1, "H800": 4, "node:1.2.3.4": 1}
     bundles = resource_bundles(workers, cluster)
@@ -426,6 +512,7 @@ def test_resource_bundles_for_gpu_pools():
 
 # -- sub-group units: the same samples, advantages only over whole groups -------------------------
 
+
 def test_a_part_of_a_group_generates_the_whole_group_units_samples():
     """Samples lo..hi-1 of a group generated as a sub-group unit are the ones a whole-group unit
     generates (same noise, SDE draws, trained steps, rewards), for DanceGRPO's per-sample random steps too."""
@@ -439,7 +526,9 @@ def test_a_part_of_a_group_generates_the_whole_group_units_samples():
     prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed).for_iteration(1, 2)
     reward, policy = build_reward(cfg.reward), Policy(cfg)
     whole = rollout_unit(policy, reward, prompts[1:2], [1], 1, cfg.train.seed)
-    halves = [rollout_unit(policy, reward, prompts[1:2], [1], 1, cfg.train.seed, (lo, lo + 2)) for lo in (0, 2)]
+    halves = [
+        rollout_unit(policy, reward, prompts[1:2], [1], 1, cfg.train.seed, (lo, lo + 2)) for lo in (0, 2)
+    ]
     assert [len(h) for h in halves] == [2, 2] and halves[1].prompts == whole.prompts[2:]
     for name in ("latents", "log_probs", "train_idx", "rewards"):
         joined = torch.cat([getattr(h, name) for h in halves])
@@ -473,7 +562,9 @@ def test_advantages_wait_for_every_part_of_a_group(tmp_path):
         ledger.advantages(early)
     ledger.rolled_out(first, {**summary, "rewards": rewards[:2], "reward_parts": {"r": rewards[:2]}})
     sched.complete(second)
-    expected = group_advantages(rewards, 4, cfg.algorithm.std, cfg.algorithm.adv_clip, ddof=cfg.algorithm.std_ddof)
+    expected = group_advantages(
+        rewards, 4, cfg.algorithm.std, cfg.algorithm.adv_clip, ddof=cfg.algorithm.std_ddof
+    )
     got = torch.cat([ledger.batches[u.uid].advantages for u in (first, second)])
     torch.testing.assert_close(got, expected)
     (whole,) = ledger.iteration_batches(0)

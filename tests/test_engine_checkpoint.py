@@ -28,10 +28,21 @@ from tests.helpers import cli, local_ray  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
 
-BASE = ["model.height=16", "model.width=16", "train.iterations=4", "train.prompts_per_iteration=2",
-        "algorithm.group_size=4", "sampling.steps=4", "output.checkpoint_every=2", "output.eval_every=2",
-        "output.save_samples_every=0", "placement.mode=disaggregated", "engine.gap=true", "engine.tag=true",
-        "engine.tsp_degree=2"]
+BASE = [
+    "model.height=16",
+    "model.width=16",
+    "train.iterations=4",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "output.checkpoint_every=2",
+    "output.eval_every=2",
+    "output.save_samples_every=0",
+    "placement.mode=disaggregated",
+    "engine.gap=true",
+    "engine.tag=true",
+    "engine.tsp_degree=2",
+]
 ON_POLICY = BASE + ["engine.max_staleness=0"]
 ASYNC = BASE + ["engine.max_staleness=1"]
 
@@ -84,25 +95,44 @@ def test_engine_resume_reproduces_the_uninterrupted_run(on_policy_runs):
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
 
 
-def test_async_resume_restarts_the_pipeline_with_nothing_trained_twice(cluster, tmp_path, monkeypatch, capsys):
+def test_async_resume_restarts_the_pipeline_with_nothing_trained_twice(
+    cluster, tmp_path, monkeypatch, capsys
+):
     cfg = load_config(None, ASYNC)
     full = run_engine(cfg, tmp_path / "full")
     # the uninterrupted async run did roll out iteration 2 with version 1 (that is what async means) ...
     before = json.loads((full.run_dir / "timeline.json").read_text())["traceEvents"]
-    assert any(e["args"]["kind"] == "rollout" and e["args"]["iteration"] == 2 and e["args"]["version"] == 1
-               for e in before if e.get("ph") == "X")
+    assert any(
+        e["args"]["kind"] == "rollout" and e["args"]["iteration"] == 2 and e["args"]["version"] == 1
+        for e in before
+        if e.get("ph") == "X"
+    )
     # ... a run resumed from the iteration-2 checkpoint (through the CLI, into a fork) generates
     # iterations 2 and 3 again with versions >= 2 and trains every group of them exactly once
-    code, out, err = cli(monkeypatch, capsys, "train", "--resume", str(full.run_dir / "checkpoints" / "iter-000002"),
-                         "--run-dir", str(tmp_path / "fork"))
+    code, out, err = cli(
+        monkeypatch,
+        capsys,
+        "train",
+        "--resume",
+        str(full.run_dir / "checkpoints" / "iter-000002"),
+        "--run-dir",
+        str(tmp_path / "fork"),
+    )
     assert code == 0, err
     assert "resuming from" in out and "iteration 2 of 4" in out
-    events = [e for e in json.loads((tmp_path / "fork" / "timeline.json").read_text())["traceEvents"]
-              if e.get("ph") == "X"]
+    events = [
+        e
+        for e in json.loads((tmp_path / "fork" / "timeline.json").read_text())["traceEvents"]
+        if e.get("ph") == "X"
+    ]
     rollouts = [e["args"] for e in events if e["args"]["kind"] == "rollout"]
     assert {a["iteration"] for a in rollouts} == {2, 3} and min(a["version"] for a in rollouts) >= 2
-    trained = Counter((a["iteration"], g, a["tsp_rank"]) for e in events if (a := e["args"])["kind"] == "train"
-                      for g in a["groups"])
+    trained = Counter(
+        (a["iteration"], g, a["tsp_rank"])
+        for e in events
+        if (a := e["args"])["kind"] == "train"
+        for g in a["groups"]
+    )
     assert trained == Counter({(k, g, r): 1 for k in (2, 3) for g in range(2) for r in range(2)})
     assert [r["iteration"] for r in read_metrics(tmp_path / "fork")] == [0, 1, 2, 3]
     assert [p.name for p in list_checkpoints(tmp_path / "fork")] == ["iter-000004"]  # a fork starts its own

@@ -25,9 +25,17 @@ from tests.helpers import local_ray  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-BASE = ["model.height=16", "model.width=16", "train.iterations=2", "train.prompts_per_iteration=2",
-        "algorithm.group_size=4", "sampling.steps=4", "engine.tsp_degree=1", "engine.max_staleness=0",
-        "output.checkpoint_every=1"]
+BASE = [
+    "model.height=16",
+    "model.width=16",
+    "train.iterations=2",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "engine.tsp_degree=1",
+    "engine.max_staleness=0",
+    "output.checkpoint_every=1",
+]
 DISAGG = ["placement.mode=disaggregated", "engine.tag=false", "engine.gap=false"]
 FSDP = DISAGG + ["train.fsdp=2", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]"]
 ONE_RANK = DISAGG + ["train.fsdp=off", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 1}]"]
@@ -99,7 +107,9 @@ def test_sharded_checkpoint_keeps_the_optimizer_state_sharded(runs):
     assert len(local) == len(policy.params)
     for i, p in enumerate(policy.params):
         for moment in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(policy.optimizer.state[p][moment], local[i][moment], atol=1e-6, rtol=1e-3)
+            torch.testing.assert_close(
+                policy.optimizer.state[p][moment], local[i][moment], atol=1e-6, rtol=1e-3
+            )
 
 
 def test_resume_a_sharded_run_into_two_sharded_ranks(runs):
@@ -114,8 +124,11 @@ def test_resume_a_sharded_run_into_two_sharded_ranks(runs):
 
 def test_resume_a_sharded_run_into_one_unsharded_rank(runs):
     tmp, ref, _ = runs
-    result = run_engine(load_config(None, BASE + ONE_RANK), run_dir=tmp / "resume1",
-                        resume=tmp / "fsdp" / "checkpoints" / "iter-000001")
+    result = run_engine(
+        load_config(None, BASE + ONE_RANK),
+        run_dir=tmp / "resume1",
+        resume=tmp / "fsdp" / "checkpoints" / "iter-000001",
+    )
     assert_weights_close(final(tmp / "resume1"), final(tmp / "fsdp"), atol=1e-4)
     assert_weights_close(final(tmp / "resume1"), final(tmp / "local"), atol=1e-4)
     assert result.metrics[-1]["grad_norm"] == pytest.approx(ref.metrics[-1]["grad_norm"], rel=1e-5)
@@ -124,8 +137,11 @@ def test_resume_a_sharded_run_into_one_unsharded_rank(runs):
 
 def test_resume_an_unsharded_run_into_sharded_ranks(runs):
     tmp, ref, _ = runs
-    result = run_engine(load_config(None, BASE + FSDP), run_dir=tmp / "unsharded_to_2",
-                        resume=tmp / "local" / "checkpoints" / "iter-000001")
+    result = run_engine(
+        load_config(None, BASE + FSDP),
+        run_dir=tmp / "unsharded_to_2",
+        resume=tmp / "local" / "checkpoints" / "iter-000001",
+    )
     assert_weights_close(final(tmp / "unsharded_to_2"), final(tmp / "local"), atol=1e-4)
     assert result.metrics[-1]["grad_norm"] == pytest.approx(ref.metrics[-1]["grad_norm"], rel=1e-5)
 
@@ -135,7 +151,10 @@ def test_minibatches_ema_and_eval_on_sharded_ranks_equal_the_local_trainer(clust
     result = run_engine(load_config(None, BASE + COMBO + FSDP), run_dir=tmp_path / "fsdp")
     # final/ holds the EMA weights; the checkpoint keeps the average, gathered
     assert_weights_close(final(tmp_path / "fsdp"), final(tmp_path / "local"), atol=1e-4)
-    ema = [load_file(tmp_path / run / "checkpoints" / "iter-000002" / "ema.safetensors") for run in ("fsdp", "local")]
+    ema = [
+        load_file(tmp_path / run / "checkpoints" / "iter-000002" / "ema.safetensors")
+        for run in ("fsdp", "local")
+    ]
     assert_weights_close(*ema, atol=1e-4)
     for mine, theirs in zip(result.metrics, ref.metrics, strict=True):
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)

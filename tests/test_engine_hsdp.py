@@ -23,10 +23,23 @@ from tests.helpers import local_ray  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-BASE = ["model.height=16", "model.width=16", "train.iterations=2", "train.prompts_per_iteration=2",
-        "algorithm.group_size=4", "sampling.steps=4", "engine.tsp_degree=1", "engine.max_staleness=0"]
-HSDP = ["placement.mode=disaggregated", "engine.tag=false", "engine.gap=true", "train.fsdp=2",
-        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]"]
+BASE = [
+    "model.height=16",
+    "model.width=16",
+    "train.iterations=2",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "engine.tsp_degree=1",
+    "engine.max_staleness=0",
+]
+HSDP = [
+    "placement.mode=disaggregated",
+    "engine.tag=false",
+    "engine.gap=true",
+    "train.fsdp=2",
+    "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,4 +64,7 @@ def test_hsdp_shard_groups_equal_the_local_trainer(cluster, tmp_path):
     # group 0 writes the optimizer shards (its 2 ranks hold every shard); nothing gathered
     state = read_state(tmp_path / "hsdp" / "checkpoints" / "iter-000002")
     assert state.optimizer_format == "dcp"
-    assert sorted(n for n in state.files if n.startswith("dcp/__")) == ["dcp/__0_0.distcp", "dcp/__1_0.distcp"]
+    assert sorted(n for n in state.files if n.startswith("dcp/__")) == [
+        "dcp/__0_0.distcp",
+        "dcp/__1_0.distcp",
+    ]

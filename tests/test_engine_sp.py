@@ -22,17 +22,38 @@ from digenrl.trainer import LocalTrainer  # noqa: E402
 from tests.helpers import local_ray  # noqa: E402
 from tests.test_timeline import with_followers_replicated  # noqa: E402
 
-BASE = ["model.height=16", "model.width=16", "train.iterations=2", "train.prompts_per_iteration=2",
-        "algorithm.group_size=4", "sampling.steps=4", "engine.tsp_degree=1", "engine.max_staleness=0"]
+BASE = [
+    "model.height=16",
+    "model.width=16",
+    "train.iterations=2",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "engine.tsp_degree=1",
+    "engine.max_staleness=0",
+]
 ENGINE = ["placement.mode=disaggregated", "engine.tag=false", "engine.gap=false"]
 CASES = {  # the sequence-parallel pair, and the run's other pool: replicated ranks / the SP rollout worker
-    "rollout_sp": (["engine.rollout_sp=2", "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"],
-                   "rollout", "rollout0"),
-    "trainer_sp": (["engine.trainer_sp=2", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]"],
-                   "train", "trainer0"),
+    "rollout_sp": (
+        ["engine.rollout_sp=2", "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"],
+        "rollout",
+        "rollout0",
+    ),
+    "trainer_sp": (
+        ["engine.trainer_sp=2", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]"],
+        "train",
+        "trainer0",
+    ),
     # SP inside FSDP: 4 trainer devices sharded together, two sequence-parallel groups of 2
-    "trainer_sp_in_fsdp": (["engine.trainer_sp=2", "train.fsdp=4",
-                            "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]"], "train", "trainer0"),
+    "trainer_sp_in_fsdp": (
+        [
+            "engine.trainer_sp=2",
+            "train.fsdp=4",
+            "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]",
+        ],
+        "train",
+        "trainer0",
+    ),
 }
 
 
@@ -70,9 +91,14 @@ def test_sequence_parallel_workers_equal_the_local_trainer(cluster, reference, t
     assert {t.worker for t in tl.of(kind)} == {lead} and len(tl.of(kind)) >= 2
     assert {t.args["sp"] for t in tl.of(kind)} == {2}
     # its followers compute with it: busy while it is, so the bubble is the equivalent 1-device workers'
-    assert {f for f in tl.follows if tl.lead_of(f) == lead} == ({"rollout1"} if kind == "rollout"
-                                                              else {"trainer1", "trainer2", "trainer3"}
-                                                              if case == "trainer_sp_in_fsdp" else {"trainer1"})
+    assert {f for f in tl.follows if tl.lead_of(f) == lead} == (
+        {"rollout1"}
+        if kind == "rollout"
+        else {"trainer1", "trainer2", "trainer3"}
+        if case == "trainer_sp_in_fsdp"
+        else {"trainer1"}
+    )
     flat = with_followers_replicated(tl)
     assert [r["bubble_fraction"] for r in tl.iteration_stats()] == pytest.approx(
-        [r["bubble_fraction"] for r in flat.iteration_stats()])
+        [r["bubble_fraction"] for r in flat.iteration_stats()]
+    )

@@ -22,10 +22,19 @@ from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.lora import WeightSyncError  # noqa: E402
 from tests.helpers import local_ray  # noqa: E402
 
-BASE = ["model.height=16", "model.width=16", "train.prompts_per_iteration=2", "algorithm.group_size=4",
-        "sampling.steps=4", "output.save_samples_every=0", "output.tensorboard=false",
-        "placement.mode=disaggregated", "engine.tag=false", "engine.tsp_degree=1",
-        "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"]
+BASE = [
+    "model.height=16",
+    "model.width=16",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "output.save_samples_every=0",
+    "output.tensorboard=false",
+    "placement.mode=disaggregated",
+    "engine.tag=false",
+    "engine.tsp_degree=1",
+    "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",
+]
 
 pytestmark = pytest.mark.slow
 
@@ -76,14 +85,19 @@ def test_broadcast_equals_the_object_store_run(cluster, tmp_path):
     bcast = run_engine(load_config(None, sets + ["engine.weight_sync=broadcast"]), tmp_path / "bcast")
     store = run_engine(load_config(None, sets + ["engine.weight_sync=object_store"]), tmp_path / "store")
     # both rollout workers are idle when iteration 1 starts: rollout1 takes unit 1 and dies after its work
-    fault = run_engine(load_config(None, sets + ["engine.weight_sync=broadcast",
-                                                 "engine.faults=[{worker: rollout1, unit: rollout-1-1}]"]),
-                       tmp_path / "fault")
+    fault = run_engine(
+        load_config(
+            None,
+            sets + ["engine.weight_sync=broadcast", "engine.faults=[{worker: rollout1, unit: rollout-1-1}]"],
+        ),
+        tmp_path / "fault",
+    )
     assert fault.metrics[-1]["worker_restarts"] == 1
     _, fault_publishes, _ = sync_events(tmp_path / "fault")
     assert [fault_publishes[v].args["transport"] for v in (1, 2)] == ["broadcast", "object_store"]
-    assert [r["reward_mean"] for r in fault.metrics] == pytest.approx([r["reward_mean"] for r in store.metrics],
-                                                                      rel=1e-5)
+    assert [r["reward_mean"] for r in fault.metrics] == pytest.approx(
+        [r["reward_mean"] for r in store.metrics], rel=1e-5
+    )
     c = final_lora(tmp_path / "fault")
     tl, publishes, loads = sync_events(tmp_path / "bcast")
     check_versions_equal(tl, publishes, loads, iterations=2)
@@ -98,8 +112,9 @@ def test_broadcast_equals_the_object_store_run(cluster, tmp_path):
     for other in (a, c):
         diff = max(float((other[k] - b[k]).abs().max()) for k in b)
         assert diff < 1e-4, diff
-    assert [r["reward_mean"] for r in bcast.metrics] == pytest.approx([r["reward_mean"] for r in store.metrics],
-                                                                      rel=1e-5)
+    assert [r["reward_mean"] for r in bcast.metrics] == pytest.approx(
+        [r["reward_mean"] for r in store.metrics], rel=1e-5
+    )
 
 
 def test_full_weights_prefetched_while_generating(cluster, tmp_path):
@@ -108,28 +123,48 @@ def test_full_weights_prefetched_while_generating(cluster, tmp_path):
     so when the trainer steps it is already generating the next iteration with the previous version,
     in units several times longer than a version takes to arrive: the timeline shows a prefetch span
     inside a rollout span of the same worker."""
-    sets = BASE + ["model.lora=null", "train.iterations=3", "engine.max_staleness=1", "sampling.steps=40",
-                   "algorithm.timesteps.fraction=0.025", "algorithm.kl_beta=0", "train.prompts_per_iteration=4",
-                   "engine.weight_sync=auto", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 1}]"]
+    sets = BASE + [
+        "model.lora=null",
+        "train.iterations=3",
+        "engine.max_staleness=1",
+        "sampling.steps=40",
+        "algorithm.timesteps.fraction=0.025",
+        "algorithm.kl_beta=0",
+        "train.prompts_per_iteration=4",
+        "engine.weight_sync=auto",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 1}]",
+    ]
     run_engine(load_config(None, sets), tmp_path / "full")
     tl, publishes, loads = sync_events(tmp_path / "full")
     check_versions_equal(tl, publishes, loads, iterations=3)
     # (a prefetch is reported with the worker's next unit: one after its last unit is not on the timeline)
     prefetches = [e for e in tl.of("sync") if e.args["direction"] == "prefetch"]
-    assert {(e.worker, e.version) for e in prefetches} >= {(e.worker, e.version) for v in loads for e in loads[v]}
+    assert {(e.worker, e.version) for e in prefetches} >= {
+        (e.worker, e.version) for v in loads for e in loads[v]
+    }
     rollouts = tl.of("rollout")
-    inside = [p for p in prefetches if any(r.worker == p.worker and r.start <= p.start <= p.end <= r.end
-                                           for r in rollouts)]
+    inside = [
+        p
+        for p in prefetches
+        if any(r.worker == p.worker and r.start <= p.start <= p.end <= r.end for r in rollouts)
+    ]
     assert inside, [(p.worker, p.version, p.start, p.end) for p in prefetches]
 
 
 def test_a_corrupted_bucket_is_detected_and_named(cluster, tmp_path):
     """A bit flipped in transit in the first bucket of version 1 (fault plugin on trainer0): the
     rollout worker that loads it refuses, naming the tensor and its bucket; the run stops."""
-    sets = BASE + ["train.iterations=2", "engine.max_staleness=0", "engine.weight_sync=broadcast",
-                   "engine.faults=[{worker: trainer0, unit: sync-1}]"]
-    with pytest.raises(WeightSyncError, match=r"broadcast of version 1: fingerprint mismatch after load in 1 "
-                                              r"tensors, first \S+ \(bucket 0\)"):
+    sets = BASE + [
+        "train.iterations=2",
+        "engine.max_staleness=0",
+        "engine.weight_sync=broadcast",
+        "engine.faults=[{worker: trainer0, unit: sync-1}]",
+    ]
+    with pytest.raises(
+        WeightSyncError,
+        match=r"broadcast of version 1: fingerprint mismatch after load in 1 "
+        r"tensors, first \S+ \(bucket 0\)",
+    ):
         run_engine(load_config(None, sets), tmp_path / "run")
 
 
@@ -138,11 +173,17 @@ def test_one_step_async_survives_a_dead_rollout_worker(cluster, tmp_path):
     2 (with version 1, while the trainer may already have published version 2): the restarted worker
     is outside the group and gets the version of its re-queued unit from rank 0 (its current weights,
     or the copy it kept of what it broadcast); every group is still trained exactly once."""
-    sets = BASE + ["train.iterations=3", "engine.max_staleness=1", "engine.weight_sync=broadcast",
-                   "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 1}]",
-                   "engine.faults=[{worker: rollout0, unit: rollout-2-0}]"]
+    sets = BASE + [
+        "train.iterations=3",
+        "engine.max_staleness=1",
+        "engine.weight_sync=broadcast",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 1}]",
+        "engine.faults=[{worker: rollout0, unit: rollout-2-0}]",
+    ]
     result = run_engine(load_config(None, sets), tmp_path / "run")
-    assert [r["iteration"] for r in result.metrics] == [0, 1, 2] and result.metrics[-1]["worker_restarts"] == 1
+    assert [r["iteration"] for r in result.metrics] == [0, 1, 2] and result.metrics[-1][
+        "worker_restarts"
+    ] == 1
     tl, publishes, loads = sync_events(tmp_path / "run")
     trained = Counter((t.iteration, g) for t in tl.of("train") for g in t.args["groups"])
     assert trained == Counter({(k, g): 1 for k in range(3) for g in range(2)})
@@ -151,4 +192,6 @@ def test_one_step_async_survives_a_dead_rollout_worker(cluster, tmp_path):
     assert len(regenerated) == 1 and 0 <= 2 - regenerated[0].version <= 1
     # the restarted worker (back at version 0) fetched the unit's version from the object store
     unit = regenerated[0]
-    assert [e for e in loads[unit.version] if e.args["transport"] == "object_store" and e.end <= unit.start + 1e-3]
+    assert [
+        e for e in loads[unit.version] if e.args["transport"] == "object_store" and e.end <= unit.start + 1e-3
+    ]

@@ -7,11 +7,11 @@ import types
 from pathlib import Path
 
 import pytest
+from helpers import cli
 
 from digenrl.config import load_config
 from digenrl.runlog import RunDir, read_metrics
 from digenrl.trainer import LocalTrainer
-from helpers import cli
 
 pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
 
@@ -22,8 +22,13 @@ FAMILIES = {
     "qwen_image": ("configs/qwen_tiny.yaml", []),
 }
 # one quick iteration: 1 prompt x 2 samples x 2 steps; eval with 4 ODE steps
-QUICK = ["train.prompts_per_iteration=1", "algorithm.group_size=2", "sampling.steps=2", "sampling.eval_steps=4",
-         "output.tensorboard=false"]
+QUICK = [
+    "train.prompts_per_iteration=1",
+    "algorithm.group_size=2",
+    "sampling.steps=2",
+    "sampling.eval_steps=4",
+    "output.tensorboard=false",
+]
 
 
 def train(family, run_dir, *extra):
@@ -42,15 +47,25 @@ def prompt_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def flux_run(tmp_path_factory):
     """Tiny FLUX, 2 iterations, a checkpoint after each."""
-    return train("flux", tmp_path_factory.mktemp("flux") / "run", "train.iterations=2",
-                 "output.checkpoint_every=1").run_dir
+    return train(
+        "flux", tmp_path_factory.mktemp("flux") / "run", "train.iterations=2", "output.checkpoint_every=1"
+    ).run_dir
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_eval_a_checkpoint_of_each_family_against_base(family, tmp_path, prompt_file, monkeypatch, capsys):
     run = train(family, tmp_path / "run", "train.iterations=1").run_dir
-    code, out, err = cli(monkeypatch, capsys, "eval", "--checkpoint", str(run), "--prompts", str(prompt_file),
-                         "--baseline", "base")
+    code, out, err = cli(
+        monkeypatch,
+        capsys,
+        "eval",
+        "--checkpoint",
+        str(run),
+        "--prompts",
+        str(prompt_file),
+        "--baseline",
+        "base",
+    )
     assert code == 0, err
     out_dir = run / "eval" / "iter-000001"  # the default output directory
     report = json.loads((out_dir / "eval.json").read_text())
@@ -61,8 +76,9 @@ def test_eval_a_checkpoint_of_each_family_against_base(family, tmp_path, prompt_
         r = rewards["prompt_color"]
         assert len(r["values"]) == 4 and 0 < r["mean"] < 1 and r["std"] >= 0
     d = report["difference"]["prompt_color"]
-    assert d == pytest.approx(report["rewards"]["prompt_color"]["mean"]
-                              - report["baseline"]["rewards"]["prompt_color"]["mean"])
+    assert d == pytest.approx(
+        report["rewards"]["prompt_color"]["mean"] - report["baseline"]["rewards"]["prompt_color"]["mean"]
+    )
     ext = ".gif" if family in ("wan", "hunyuan_video") else ".png"
     assert report["grid"] == f"eval{ext}" and report["comparison"] == f"compare{ext}"
     assert (out_dir / f"eval{ext}").stat().st_size > 0 and (out_dir / f"compare{ext}").stat().st_size > 0
@@ -73,7 +89,9 @@ def test_eval_a_checkpoint_of_each_family_against_base(family, tmp_path, prompt_
         assert Image.open(out_dir / "eval.gif").n_frames > 1  # animated (Pillow merges repeated frames)
 
 
-def test_baseline_checkpoint_same_noise_and_every_reward(flux_run, tmp_path, prompt_file, monkeypatch, capsys):
+def test_baseline_checkpoint_same_noise_and_every_reward(
+    flux_run, tmp_path, prompt_file, monkeypatch, capsys
+):
     ckpts = flux_run / "checkpoints"
     # a config with two rewards: every configured reward is scored
     cfg = load_config(ckpts / "iter-000002" / "config.yaml")
@@ -81,18 +99,42 @@ def test_baseline_checkpoint_same_noise_and_every_reward(flux_run, tmp_path, pro
     data["reward"]["components"].append({"name": "jpeg_compressibility", "weight": 0.01, "args": {}})
     two = tmp_path / "two.yaml"
     two.write_text(json.dumps(data))
-    code, _, err = cli(monkeypatch, capsys, "eval", "--checkpoint", str(ckpts / "iter-000002"), "--config", str(two),
-                       "--prompts", str(prompt_file), "--baseline", str(ckpts / "iter-000001"),
-                       "--out", str(tmp_path / "vs1"))
+    code, _, err = cli(
+        monkeypatch,
+        capsys,
+        "eval",
+        "--checkpoint",
+        str(ckpts / "iter-000002"),
+        "--config",
+        str(two),
+        "--prompts",
+        str(prompt_file),
+        "--baseline",
+        str(ckpts / "iter-000001"),
+        "--out",
+        str(tmp_path / "vs1"),
+    )
     assert code == 0, err
     report = json.loads((tmp_path / "vs1" / "eval.json").read_text())
     assert set(report["rewards"]) == {"prompt_color", "jpeg_compressibility", "total"}
     assert report["baseline"]["source"].endswith("iter-000001") and report["version"] == 2
-    assert any(report["difference"][k] != 0 for k in report["difference"])  # different weights, different images
+    assert any(
+        report["difference"][k] != 0 for k in report["difference"]
+    )  # different weights, different images
     # against itself: same weights and the same fixed noise per prompt -> identical values
-    code, _, _ = cli(monkeypatch, capsys, "eval", "--checkpoint", str(ckpts / "iter-000002"),
-                     "--prompts", str(prompt_file), "--baseline", str(ckpts / "iter-000002"),
-                     "--out", str(tmp_path / "self"))
+    code, _, _ = cli(
+        monkeypatch,
+        capsys,
+        "eval",
+        "--checkpoint",
+        str(ckpts / "iter-000002"),
+        "--prompts",
+        str(prompt_file),
+        "--baseline",
+        str(ckpts / "iter-000002"),
+        "--out",
+        str(tmp_path / "self"),
+    )
     same = json.loads((tmp_path / "self" / "eval.json").read_text())
     assert code == 0 and all(v == 0 for v in same["difference"].values())
     assert same["rewards"]["prompt_color"]["values"] == same["baseline"]["rewards"]["prompt_color"]["values"]
@@ -102,17 +144,31 @@ def test_baseline_checkpoint_same_noise_and_every_reward(flux_run, tmp_path, pro
 def test_periodic_eval_and_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run = train("flux", tmp_path / "run", "train.iterations=2", "output.eval_every=2", "output.tensorboard=true")
+    run = train(
+        "flux", tmp_path / "run", "train.iterations=2", "output.eval_every=2", "output.tensorboard=true"
+    )
     rows = read_metrics(run.run_dir)
     assert "eval/prompt_color" not in rows[0] and 0 < rows[1]["eval/prompt_color"] < 1
     assert rows[1]["eval/reward_mean"] == rows[1]["eval/prompt_color"]
     events = EventAccumulator(str(run.run_dir / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    for key in ("reward_mean", "reward_std", "loss", "kl", "ratio_mean", "clip_frac", "samples_per_s",
-                "grad_norm", "reward/prompt_color", "eval/prompt_color"):
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "loss",
+        "kl",
+        "ratio_mean",
+        "clip_frac",
+        "samples_per_s",
+        "grad_norm",
+        "reward/prompt_color",
+        "eval/prompt_color",
+    ):
         assert key in tags, key
-    assert "bubble_fraction" not in tags and "bubble_fraction" not in rows[0]  # a local run measures no bubble
+    assert (
+        "bubble_fraction" not in tags and "bubble_fraction" not in rows[0]
+    )  # a local run measures no bubble
     assert [e.step for e in events.Scalars("loss")] == [0, 1]
     assert events.Scalars("reward_mean")[1].value == pytest.approx(rows[1]["reward_mean"])
 
@@ -144,17 +200,20 @@ def test_wandb_only_when_enabled_and_importable(tmp_path, monkeypatch):
     out.close()
 
 
-@pytest.mark.parametrize("case, needle", [
-    ("missing", "not found"),
-    ("no checkpoint", "no complete checkpoint in"),
-    ("corrupt", "optimizer.pt has"),
-    ("empty prompts", "holds no prompts"),
-    ("prompts not UTF-8", "latin1.txt is not UTF-8 text"),
-    ("out is a run's file", "is not writable"),
-    ("out is under a file", "is not writable"),
-    ("missing baseline", "nope not found"),
-    ("no --checkpoint", "--checkpoint: required"),
-])
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("missing", "not found"),
+        ("no checkpoint", "no complete checkpoint in"),
+        ("corrupt", "optimizer.pt has"),
+        ("empty prompts", "holds no prompts"),
+        ("prompts not UTF-8", "latin1.txt is not UTF-8 text"),
+        ("out is a run's file", "is not writable"),
+        ("out is under a file", "is not writable"),
+        ("missing baseline", "nope not found"),
+        ("no --checkpoint", "--checkpoint: required"),
+    ],
+)
 def test_eval_bad_input_exits_2_with_one_line(case, needle, flux_run, tmp_path, monkeypatch, capsys):
     ckpt = flux_run / "checkpoints" / "iter-000002"
     out = tmp_path / "out"

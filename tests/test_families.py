@@ -49,8 +49,17 @@ def test_trains_from_cli_and_lora_loads_into_the_family_pipeline(family, tmp_pat
     from digenrl.policy import Policy
 
     sets = [f"--set={s}" for s in SMALL.get(family, [])]
-    code = cli(monkeypatch, "train", "-c", FAMILIES[family], "--run-dir", str(tmp_path / "run"),
-               "--set", "train.iterations=2", *sets)
+    code = cli(
+        monkeypatch,
+        "train",
+        "-c",
+        FAMILIES[family],
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        "train.iterations=2",
+        *sets,
+    )
     assert code == 0
     rows = read_metrics(tmp_path / "run")
     assert [r["version"] for r in rows] == [1, 2] and all(r["reward_mean"] > 0 for r in rows)
@@ -91,8 +100,10 @@ def test_family_learns(family, tmp_path):
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red apple\na red car\na blue apple\na blue car\n")
-    cfg = load_config(Path(FAMILIES[family]), ["train.iterations=24", f"prompts.file={prompts}",
-                                               f"output.run_dir={tmp_path / 'run'}"])
+    cfg = load_config(
+        Path(FAMILIES[family]),
+        ["train.iterations=24", f"prompts.file={prompts}", f"output.run_dir={tmp_path / 'run'}"],
+    )
     rewards = [r["reward_mean"] for r in LocalTrainer(cfg).run().metrics]
     first, last = rewards[:8], rewards[-8:]
     gain = statistics.mean(last) - statistics.mean(first)

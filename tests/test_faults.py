@@ -18,20 +18,35 @@ from safetensors.torch import load_file  # noqa: E402
 
 from digenrl.checkpoint import list_checkpoints  # noqa: E402
 from digenrl.config import load_config  # noqa: E402
-from digenrl.faults import fault_plan  # noqa: E402
 from digenrl.engine.runtime import run_engine  # noqa: E402
 from digenrl.errors import RunStopped, UserError  # noqa: E402
+from digenrl.faults import fault_plan  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
 from tests.helpers import cli, local_ray  # noqa: E402
 
-BASE = ["model.height=16", "model.width=16", "train.iterations=3", "train.prompts_per_iteration=2",
-        "algorithm.group_size=4", "sampling.steps=4", "output.save_samples_every=0", "output.tensorboard=false",
-        "placement.mode=disaggregated", "engine.gap=true", "engine.tsp_degree=2", "engine.max_staleness=0"]
+BASE = [
+    "model.height=16",
+    "model.width=16",
+    "train.iterations=3",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "output.save_samples_every=0",
+    "output.tensorboard=false",
+    "placement.mode=disaggregated",
+    "engine.gap=true",
+    "engine.tsp_degree=2",
+    "engine.max_staleness=0",
+]
 
 
 def faults(*pairs: str) -> str:
-    return "engine.faults=[" + ", ".join(f"{{worker: {w}, unit: {u}}}" for w, u in (p.split("@") for p in pairs)) + "]"
+    return (
+        "engine.faults=["
+        + ", ".join(f"{{worker: {w}, unit: {u}}}" for w, u in (p.split("@") for p in pairs))
+        + "]"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,33 +56,50 @@ def cluster():
 
 def trained_groups(run_dir) -> Counter:
     events = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
-    return Counter((a["iteration"], g, a["tsp_rank"]) for e in events if e.get("ph") == "X"
-                   for a in [e["args"]] if a["kind"] == "train" for g in a["groups"])
+    return Counter(
+        (a["iteration"], g, a["tsp_rank"])
+        for e in events
+        if e.get("ph") == "X"
+        for a in [e["args"]]
+        if a["kind"] == "train"
+        for g in a["groups"]
+    )
 
 
 @pytest.mark.slow
 def test_killed_rollout_worker_is_restarted_and_its_unit_regenerated(cluster, tmp_path):
     # tag off: only rollout0 rolls out, so it certainly runs (and dies in) both units named
-    cfg = load_config(None, BASE + ["engine.tag=false", faults("rollout0@rollout-0-1", "rollout0@rollout-2-0")])
+    cfg = load_config(
+        None, BASE + ["engine.tag=false", faults("rollout0@rollout-0-1", "rollout0@rollout-2-0")]
+    )
     result = run_engine(cfg, tmp_path / "run")
     assert [r["iteration"] for r in result.metrics] == [0, 1, 2]
     assert result.metrics[-1]["worker_restarts"] == 2
     # every group of every iteration trained exactly once per TSP rank: nothing lost, nothing twice
-    assert trained_groups(tmp_path / "run") == Counter({(k, g, r): 1 for k in range(3) for g in range(2)
-                                                        for r in range(2)})
+    assert trained_groups(tmp_path / "run") == Counter(
+        {(k, g, r): 1 for k in range(3) for g in range(2) for r in range(2)}
+    )
     # the re-generated units used their original version and seeds: the same update as without faults
     local = LocalTrainer(load_config(None, BASE)).run(tmp_path / "local")
     a = load_file(tmp_path / "run" / "final" / "pytorch_lora_weights.safetensors")
     b = load_file(local.run_dir / "final" / "pytorch_lora_weights.safetensors")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4  # TSP sums the gradient in another order
-    assert [r["reward_mean"] for r in result.metrics] == pytest.approx([r["reward_mean"] for r in local.metrics],
-                                                                       rel=1e-5)
+    assert [r["reward_mean"] for r in result.metrics] == pytest.approx(
+        [r["reward_mean"] for r in local.metrics], rel=1e-5
+    )
 
 
 @pytest.mark.slow
 def test_restarts_are_bounded(cluster, tmp_path):
-    cfg = load_config(None, BASE + ["engine.tag=false", "engine.max_restarts=1",
-                                    faults("rollout0@rollout-0-0", "rollout0@rollout-0-1")])
+    cfg = load_config(
+        None,
+        BASE
+        + [
+            "engine.tag=false",
+            "engine.max_restarts=1",
+            faults("rollout0@rollout-0-0", "rollout0@rollout-0-1"),
+        ],
+    )
     with pytest.raises(RunStopped, match=r"rollout worker rollout0 died 2 times \(engine.max_restarts: 1\)"):
         run_engine(cfg, tmp_path / "run")
 
@@ -75,11 +107,21 @@ def test_restarts_are_bounded(cluster, tmp_path):
 @pytest.mark.slow
 def test_dead_trainer_stops_cleanly_with_a_resume_hint(cluster, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
-    code, _, err = cli(monkeypatch, capsys, "train", "--run-dir", str(run), *sum(
-        (["--set", s] for s in BASE + ["output.checkpoint_every=1", faults("trainer0@train-2-0-1")]), []))
+    code, _, err = cli(
+        monkeypatch,
+        capsys,
+        "train",
+        "--run-dir",
+        str(run),
+        *sum(
+            (["--set", s] for s in BASE + ["output.checkpoint_every=1", faults("trainer0@train-2-0-1")]), []
+        ),
+    )
     assert code == 1
     last = err.strip().splitlines()[-1]  # (above it: Ray's own log lines about the dead process)
-    assert "Traceback" not in err and last.startswith("error: trainer rank trainer0 died while running train-2-0-1")
+    assert "Traceback" not in err and last.startswith(
+        "error: trainer rank trainer0 died while running train-2-0-1"
+    )
     assert last.endswith(f"resume with: digenrl train --resume {run}")
     assert [p.name for p in list_checkpoints(run)] == ["iter-000001", "iter-000002"]
     # the hint works: the resumed run (without the fault) finishes
@@ -101,13 +143,17 @@ def test_killed_reward_actor_is_restarted_and_the_call_run_again(cluster, tmp_pa
     """reward.service: the actor dies scoring rollout-1-0 (the worker has already moved on); Ray
     restarts it and runs the lost call again (scoring is pure), so no unit loses its scores or is
     generated twice, and every group is trained exactly once."""
-    cfg = load_config(None, BASE + ["engine.tag=false", "reward.service={num_cpus: 0.1}",
-                                    faults("reward@rollout-1-0")])
+    cfg = load_config(
+        None, BASE + ["engine.tag=false", "reward.service={num_cpus: 0.1}", faults("reward@rollout-1-0")]
+    )
     result = run_engine(cfg, tmp_path / "run")
     assert [r["iteration"] for r in result.metrics] == [0, 1, 2]
     assert result.metrics[-1]["worker_restarts"] == 1  # Ray restarted the reward actor once
-    assert trained_groups(tmp_path / "run") == Counter({(k, g, r): 1 for k in range(3) for g in range(2)
-                                                        for r in range(2)})
+    assert trained_groups(tmp_path / "run") == Counter(
+        {(k, g, r): 1 for k in range(3) for g in range(2) for r in range(2)}
+    )
     events = json.loads((tmp_path / "run" / "timeline.json").read_text())["traceEvents"]
-    rolled = Counter(e["args"]["unit"] for e in events if e.get("ph") == "X" and e["args"]["kind"] == "rollout")
+    rolled = Counter(
+        e["args"]["unit"] for e in events if e.get("ph") == "X" and e["args"]["kind"] == "rollout"
+    )
     assert set(rolled.values()) == {1}

@@ -18,12 +18,24 @@ def test_ode_trajectory_equals_flux_pipeline(tiny_cfg):
     steps = 6
     ours = sample(ad, cond, noise, ad.sigmas(steps), "flow_grpo", 0.0, None).latents[:, -1]
 
-    pipe = FluxPipeline(scheduler=ad.flow_scheduler(dict(ad.scheduler.config)), vae=ad.vae, text_encoder=None,
-                        tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=ad.transformer)
+    pipe = FluxPipeline(
+        scheduler=ad.flow_scheduler(dict(ad.scheduler.config)),
+        vae=ad.vae,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=ad.transformer,
+    )
     theirs = pipe(
-        prompt_embeds=cond.batched["prompt_embeds"], pooled_prompt_embeds=cond.batched["pooled"],
-        latents=noise.clone(), num_inference_steps=steps, guidance_scale=2.5,
-        height=cfg.model.height, width=cfg.model.width, output_type="latent",
+        prompt_embeds=cond.batched["prompt_embeds"],
+        pooled_prompt_embeds=cond.batched["pooled"],
+        latents=noise.clone(),
+        num_inference_steps=steps,
+        guidance_scale=2.5,
+        height=cfg.model.height,
+        width=cfg.model.width,
+        output_type="latent",
     ).images
     assert theirs.shape == ours.shape
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5), (ours - theirs).abs().max()

@@ -21,8 +21,15 @@ GRAD_RTOL = 1e-5
 LR = 1e-2
 WEIGHT_ATOL = 1e-2 * LR
 
-SETS = [f"train.lr={LR}", "algorithm.group_size=4", "train.prompts_per_iteration=2", "sampling.steps=4",
-        "model.height=16", "model.width=16", "train.micro_batch=8"]
+SETS = [
+    f"train.lr={LR}",
+    "algorithm.group_size=4",
+    "train.prompts_per_iteration=2",
+    "sampling.steps=4",
+    "model.height=16",
+    "model.width=16",
+    "train.micro_batch=8",
+]
 
 
 def _config(adapter: str, lora: bool):
@@ -56,24 +63,37 @@ def _part(unit, rank: int, world: int):
     groups = list(range(len(unit.group_ids)))[rank::world]
     rows = torch.cat([torch.arange(g * G, (g + 1) * G) for g in groups])
     return dataclasses.replace(
-        unit, group_ids=[unit.group_ids[g] for g in groups], prompts=[unit.prompts[i] for i in rows.tolist()],
-        cond=unit.cond.select(rows), latents=unit.latents[rows], log_probs=unit.log_probs[rows],
-        train_idx=unit.train_idx[rows], rewards=unit.rewards[rows],
-        reward_parts={k: v[rows] for k, v in unit.reward_parts.items()}, advantages=unit.advantages[rows])
+        unit,
+        group_ids=[unit.group_ids[g] for g in groups],
+        prompts=[unit.prompts[i] for i in rows.tolist()],
+        cond=unit.cond.select(rows),
+        latents=unit.latents[rows],
+        log_probs=unit.log_probs[rows],
+        train_idx=unit.train_idx[rows],
+        rewards=unit.rewards[rows],
+        reward_parts={k: v[rows] for k, v in unit.reward_parts.items()},
+        advantages=unit.advantages[rows],
+    )
 
 
 def _grads(net) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-            for n, p in net.named_parameters() if p.grad is not None}
+    return {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for n, p in net.named_parameters()
+        if p.grad is not None
+    }
 
 
 def _trained(net, lora: bool) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in net.named_parameters() if p.requires_grad}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in net.named_parameters()
+        if p.requires_grad
+    }
 
 
 def _one_step(rank, world, cfg, unit, mode: str):
@@ -90,8 +110,10 @@ def _one_step(rank, world, cfg, unit, mode: str):
     share = None
     if mode == "fsdp":
         fsdp.shard_policy(policy, fsdp.trainer_mesh())
-        share = (fsdp.local_numel(net) / fsdp.full_numel(net),
-                 fsdp.local_numel(net, trainable_only=True) / fsdp.full_numel(net, trainable_only=True))
+        share = (
+            fsdp.local_numel(net) / fsdp.full_numel(net),
+            fsdp.local_numel(net, trainable_only=True) / fsdp.full_numel(net, trainable_only=True),
+        )
     if mode == "single":
         train_unit(policy, unit, total_terms)
     else:
@@ -112,12 +134,26 @@ def _check_family(rank, world, adapter, lora, out):
     ref, ref_grads, _, _ = _one_step(rank, world, cfg, unit, "single")
     sharded, fsdp_grads, share, _ = _one_step(rank, world, cfg, unit, "fsdp")
     bucketed, bucketed_grads, _, buckets = _one_step(rank, world, cfg, unit, "bucketed")
-    initial = {n: p.detach() for n, p in Policy(cfg, device="cpu").adapter.transformer.named_parameters()
-               if p.requires_grad}
+    initial = {
+        n: p.detach()
+        for n, p in Policy(cfg, device="cpu").adapter.transformer.named_parameters()
+        if p.requires_grad
+    }
     if rank == 0:
-        torch.save({"ref": ref, "fsdp": sharded, "bucketed": bucketed, "ref_grads": ref_grads,
-                    "fsdp_grads": fsdp_grads, "bucketed_grads": bucketed_grads, "share": share, "buckets": buckets,
-                    "initial": initial}, out)
+        torch.save(
+            {
+                "ref": ref,
+                "fsdp": sharded,
+                "bucketed": bucketed,
+                "ref_grads": ref_grads,
+                "fsdp_grads": fsdp_grads,
+                "bucketed_grads": bucketed_grads,
+                "share": share,
+                "buckets": buckets,
+                "initial": initial,
+            },
+            out,
+        )
 
 
 def _bf16_base_lora(rank, world, out):
@@ -152,8 +188,11 @@ def _max_diff(a, b):
 
 
 def test_fsdp_and_bucketed_allreduce_match_single_process(tmp_path):
-    jobs = [("flux", True, tmp_path / "flux_lora.pt"), ("flux", False, tmp_path / "flux_full.pt"),
-            ("wan", False, tmp_path / "wan_full.pt")]
+    jobs = [
+        ("flux", True, tmp_path / "flux_lora.pt"),
+        ("flux", False, tmp_path / "flux_full.pt"),
+        ("wan", False, tmp_path / "wan_full.pt"),
+    ]
     spawn(_run, 2, jobs, tmp_path)
     for _, lora, out in jobs:
         r = torch.load(out)

@@ -110,8 +110,18 @@ def test_window_range_default_is_flow_grpo_fast():
         assert mask.nonzero().max() <= 4
     assert starts == {0, 1, 2, 3}
     # a range in the middle; sliding (MixGRPO) wraps around inside the range
-    got = [int(grpo.select_timesteps("window", 10, 1, g, window=2, iteration=it, shift_every=1,
-                                     window_range=(0.2, 0.6))[1][0, 0]) for it in range(6)]
+    got = [
+        int(
+            grpo.select_timesteps(
+                "window", 10, 1, g, window=2, iteration=it, shift_every=1, window_range=(0.2, 0.6)
+            )[1][0, 0]
+        )
+        for it in range(6)
+    ]
     assert got == [2, 3, 4, 2, 3, 4]
-    assert grpo.window_bounds(10, 2, (0.0, 1.0)) == (0, 8, 2)  # the full range: starts 0..7, never the last step
+    assert grpo.window_bounds(10, 2, (0.0, 1.0)) == (
+        0,
+        8,
+        2,
+    )  # the full range: starts 0..7, never the last step
     assert grpo.window_bounds(10, 3, (0.0, 0.2)) is None

@@ -43,8 +43,17 @@ def _hsdp_step(rank, world, out):
     grads = _grads(net)
     policy.optimizer_step()
     share = fsdp.local_numel(net, trainable_only=True) / fsdp.full_numel(net, trainable_only=True)
-    torch.save({"ref": _trained(ref.adapter.transformer, True), "ref_grads": ref_grads, "grads": grads,
-                "weights": _trained(net, True), "buckets": buckets, "share": share}, out / f"rank{rank}.pt")
+    torch.save(
+        {
+            "ref": _trained(ref.adapter.transformer, True),
+            "ref_grads": ref_grads,
+            "grads": grads,
+            "weights": _trained(net, True),
+            "buckets": buckets,
+            "share": share,
+        },
+        out / f"rank{rank}.pt",
+    )
 
 
 def test_hsdp_replicas_train_apart_and_step_together(tmp_path):

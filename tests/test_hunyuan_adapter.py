@@ -35,12 +35,25 @@ def test_ode_trajectory_equals_hunyuan_pipeline(shift):
     ours = sample(ad, cond, noise, ad.sigmas(steps), "dance_grpo", 0.0, None).latents[:, -1]
 
     sched = ad.flow_scheduler({**dict(ad.scheduler.config), "shift": shift or 7.0})
-    pipe = HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=ad.transformer, vae=ad.vae,
-                                scheduler=sched, text_encoder_2=None, tokenizer_2=None)
+    pipe = HunyuanVideoPipeline(
+        text_encoder=None,
+        tokenizer=None,
+        transformer=ad.transformer,
+        vae=ad.vae,
+        scheduler=sched,
+        text_encoder_2=None,
+        tokenizer_2=None,
+    )
     theirs = pipe(
-        prompt_embeds=cond.batched["prompt_embeds"], pooled_prompt_embeds=cond.batched["pooled"],
-        prompt_attention_mask=cond.batched["mask"], latents=noise.clone(), num_inference_steps=steps,
-        guidance_scale=4.5, height=cfg.model.height, width=cfg.model.width, num_frames=cfg.model.frames,
+        prompt_embeds=cond.batched["prompt_embeds"],
+        pooled_prompt_embeds=cond.batched["pooled"],
+        prompt_attention_mask=cond.batched["mask"],
+        latents=noise.clone(),
+        num_inference_steps=steps,
+        guidance_scale=4.5,
+        height=cfg.model.height,
+        width=cfg.model.width,
+        num_frames=cfg.model.frames,
         output_type="latent",
     ).frames
     assert theirs.shape == ours.shape == (2, 4, 3, 4, 4)
@@ -105,8 +118,12 @@ def test_default_lora_targets_all_match(tiny):
 
 @pytest.mark.parametrize(
     "override, field",
-    [("model.frames=8", "model.frames"), ("model.frames=null", "model.frames"),
-     ("model.height=40", "model.height"), ("model.width=24", "model.width")],
+    [
+        ("model.frames=8", "model.frames"),
+        ("model.frames=null", "model.frames"),
+        ("model.height=40", "model.height"),
+        ("model.width=24", "model.width"),
+    ],
 )
 def test_bad_shapes_are_user_errors(override, field):
     with pytest.raises(UserError, match=field):

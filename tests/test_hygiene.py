@@ -18,10 +18,20 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc (Linux)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc (Linux)"),
+]
 
-SMALL = ["model.height=16", "model.width=16", "train.prompts_per_iteration=2", "algorithm.group_size=4",
-         "sampling.steps=4", "output.save_samples_every=0", "output.checkpoint_every=1"]
+SMALL = [
+    "model.height=16",
+    "model.width=16",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "output.save_samples_every=0",
+    "output.checkpoint_every=1",
+]
 
 
 def marked(marker: str) -> list[int]:
@@ -42,14 +52,33 @@ def marked(marker: str) -> list[int]:
 
 def start_train(run_dir: Path, iterations: int) -> tuple[subprocess.Popen, str]:
     marker = f"DIGENRL_HYGIENE_{uuid.uuid4().hex}"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", marker: "1",
-           "RAY_TMPDIR": tempfile.mkdtemp(prefix="dh", dir="/tmp")}  # short: Ray's socket paths are limited
-    argv = [sys.executable, "-m", "digenrl.cli.app", "train", "--run-dir", str(run_dir),
-            "--set", f"train.iterations={iterations}", *sum((["--set", s] for s in SMALL), [])]
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        marker: "1",
+        "RAY_TMPDIR": tempfile.mkdtemp(prefix="dh", dir="/tmp"),
+    }  # short: Ray's socket paths are limited
+    argv = [
+        sys.executable,
+        "-m",
+        "digenrl.cli.app",
+        "train",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"train.iterations={iterations}",
+        *sum((["--set", s] for s in SMALL), []),
+    ]
     # SIGINT as a terminal delivers it: a suite started in the background (`cmd &` in a script) ignores
     # SIGINT, children inherit that, and Python then never raises KeyboardInterrupt -- Ctrl-C would be lost
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     return proc, marker
 
 
@@ -88,7 +117,9 @@ def test_ctrl_c_stops_the_actors_and_writes_nothing_partial(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     last = err.strip().splitlines()[-1]  # what was kept and how to resume (tests/test_interrupt.py)
-    assert last.startswith("interrupted with ") and last.endswith(f"resume with: digenrl train --resume {run}")
+    assert last.startswith("interrupted with ") and last.endswith(
+        f"resume with: digenrl train --resume {run}"
+    )
     assert "Traceback" not in err
     assert wait_gone(marker) == []
     # nothing half-written: whole metrics rows, only complete checkpoints, the config
@@ -110,13 +141,37 @@ def test_killed_ray_head_stops_the_run_within_seconds(tmp_path):
     head_dir = tempfile.mkdtemp(prefix="dk", dir="/tmp")
     ray_bin = str(Path(sys.executable).parent / "ray")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                    '--resources={"pool:rollout": 1, "pool:trainer": 1}', f"--temp-dir={head_dir}"],
-                   env=env, check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            '--resources={"pool:rollout": 1, "pool:trainer": 1}',
+            f"--temp-dir={head_dir}",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     run = tmp_path / "run"
     try:
-        argv = [sys.executable, "-m", "digenrl.cli.app", "train", "--run-dir", str(run), "--ray-address",
-                f"127.0.0.1:{port}", "--set", "train.iterations=500", *sum((["--set", s] for s in SMALL), [])]
+        argv = [
+            sys.executable,
+            "-m",
+            "digenrl.cli.app",
+            "train",
+            "--run-dir",
+            str(run),
+            "--ray-address",
+            f"127.0.0.1:{port}",
+            "--set",
+            "train.iterations=500",
+            *sum((["--set", s] for s in SMALL), []),
+        ]
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 240
         while time.time() < deadline and proc.poll() is None:
@@ -124,13 +179,15 @@ def test_killed_ray_head_stops_the_run_within_seconds(tmp_path):
                 break
             time.sleep(0.5)
         assert proc.poll() is None, proc.communicate()[1]
-        subprocess.run(["pkill", "-9", "-f", f"(gcs_server|raylet).*{head_dir}"], check=False)  # the head dies
+        subprocess.run(
+            ["pkill", "-9", "-f", f"(gcs_server|raylet).*{head_dir}"], check=False
+        )  # the head dies
         killed = time.time()
         _, err = proc.communicate(timeout=60)
         assert time.time() - killed < 20
         assert proc.returncode == 1, err
         last = err.strip().splitlines()[-1]
-        assert last.startswith(f"error: the Ray cluster's head at ") and ":" + str(port) in last
+        assert last.startswith("error: the Ray cluster's head at ") and ":" + str(port) in last
         assert last.endswith(f"resume with: digenrl train --resume {run}")
     finally:
         subprocess.run(["pkill", "-9", "-f", head_dir], check=False)

@@ -17,16 +17,28 @@ from pathlib import Path
 
 import pytest
 
-SMALL = ["model.height=16", "model.width=16", "train.prompts_per_iteration=2", "algorithm.group_size=4",
-         "sampling.steps=4", "output.save_samples_every=0"]
+SMALL = [
+    "model.height=16",
+    "model.width=16",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "output.save_samples_every=0",
+]
 
 
 def train(*args: str) -> subprocess.Popen:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": tempfile.mkdtemp(prefix="di", dir="/tmp")}
     argv = [sys.executable, "-m", "digenrl.cli.app", "train", *args]
     # SIGINT as a terminal delivers it (a suite started in the background would ignore it: see test_hygiene)
-    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def rows(run: Path) -> list[dict]:
@@ -35,8 +47,10 @@ def rows(run: Path) -> list[dict]:
 
 
 def checkpoints(run: Path) -> list[int]:
-    return sorted(int(json.loads((c / "state.json").read_text())["iteration"])
-                  for c in (run / "checkpoints").glob("iter-*"))
+    return sorted(
+        int(json.loads((c / "state.json").read_text())["iteration"])
+        for c in (run / "checkpoints").glob("iter-*")
+    )
 
 
 def interrupt_then_resume(run: Path, extra: list[str]) -> None:
@@ -56,9 +70,11 @@ def interrupt_then_resume(run: Path, extra: list[str]) -> None:
     assert checkpoints(run) == [done]  # the checkpoint of the last completed iteration, written on Ctrl-C
     last = err.strip().splitlines()[-1]
     assert "Traceback" not in err
-    assert last == (f"interrupted with {done} of 1000 iterations done; last checkpoint: "
-                    f"{run / 'checkpoints' / f'iter-{done:06d}'} (iteration {done}); "
-                    f"resume with: digenrl train --resume {run}")
+    assert last == (
+        f"interrupted with {done} of 1000 iterations done; last checkpoint: "
+        f"{run / 'checkpoints' / f'iter-{done:06d}'} (iteration {done}); "
+        f"resume with: digenrl train --resume {run}"
+    )
 
     proc = train("--resume", str(run), "--set", f"train.iterations={done + 2}")
     out, err = proc.communicate(timeout=300)
@@ -87,16 +103,23 @@ def test_a_fatal_error_mid_run_keeps_the_last_iteration(tmp_path):
     """The reward actor dies for good while scoring iteration 1 (engine.max_restarts: 0): rank 0's
     state is intact, so the run stops with a checkpoint of iteration 1 (none was due) and says so."""
     run = tmp_path / "run"
-    sets = SMALL + ["train.iterations=3", "output.checkpoint_every=0", "engine.max_staleness=0",
-                    "engine.max_restarts=0", "reward.service={num_cpus: 0.1}",
-                    "engine.faults=[{worker: reward, unit: rollout-1-0}]"]
+    sets = SMALL + [
+        "train.iterations=3",
+        "output.checkpoint_every=0",
+        "engine.max_staleness=0",
+        "engine.max_restarts=0",
+        "reward.service={num_cpus: 0.1}",
+        "engine.faults=[{worker: reward, unit: rollout-1-0}]",
+    ]
     proc = train("--run-dir", str(run), *sum((["--set", s] for s in sets), []))
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: the reward actor died and was not restarted (engine.max_restarts: 0")
-    assert last.endswith(f"last checkpoint: {run / 'checkpoints' / 'iter-000001'} (iteration 1); "
-                         f"resume with: digenrl train --resume {run}")
+    assert last.endswith(
+        f"last checkpoint: {run / 'checkpoints' / 'iter-000001'} (iteration 1); "
+        f"resume with: digenrl train --resume {run}"
+    )
     assert [r["iteration"] for r in rows(run)] == [0] and checkpoints(run) == [1]
 
 
@@ -138,7 +161,10 @@ def test_the_checkpoint_kept_on_a_stop_is_the_last_logged_iteration(tmp_path):
     assert not checkpoint_to_keep(tmp_path, 0, 0)  # nothing done
     exc = stopped(KeyboardInterrupt(), tmp_path, 0, 10)
     assert isinstance(exc, RunInterrupted)
-    assert str(exc) == "interrupted with 0 of 10 iterations done; no checkpoint was written (0 of 10 iterations done, nothing to resume from)"
+    assert (
+        str(exc)
+        == "interrupted with 0 of 10 iterations done; no checkpoint was written (0 of 10 iterations done, nothing to resume from)"
+    )
     from digenrl.policy import Policy
 
     policy = Policy(load_config(None, SMALL))
@@ -146,5 +172,7 @@ def test_the_checkpoint_kept_on_a_stop_is_the_last_logged_iteration(tmp_path):
     save_checkpoint(tmp_path, policy, 3)
     assert not checkpoint_to_keep(tmp_path, 3, 3)  # already there
     exc = stopped(RunStopped("the reward actor died; the run stopped."), tmp_path, 3, 10)
-    assert str(exc) == (f"the reward actor died; the run stopped; last checkpoint: {tmp_path / 'checkpoints' / 'iter-000003'} "
-                        f"(iteration 3); resume with: digenrl train --resume {tmp_path}")
+    assert str(exc) == (
+        f"the reward actor died; the run stopped; last checkpoint: {tmp_path / 'checkpoints' / 'iter-000003'} "
+        f"(iteration 3); resume with: digenrl train --resume {tmp_path}"
+    )

@@ -23,5 +23,6 @@ def test_compare_grid_separates_pairs():
     row = [grid.getpixel((x, 10)) for x in range(grid.width)]
     white = [x for x, px in enumerate(row) if px == (255, 255, 255)]
     # the gap inside a pair is TILE_GAP wide, the gap between pairs GROUP_GAP wide
-    assert white == list(range(128, 128 + TILE_GAP)) + list(range(256 + TILE_GAP, 256 + TILE_GAP + GROUP_GAP)) + \
-        list(range(384 + TILE_GAP + GROUP_GAP, 384 + 2 * TILE_GAP + GROUP_GAP))
+    assert white == list(range(128, 128 + TILE_GAP)) + list(
+        range(256 + TILE_GAP, 256 + TILE_GAP + GROUP_GAP)
+    ) + list(range(384 + TILE_GAP + GROUP_GAP, 384 + 2 * TILE_GAP + GROUP_GAP))

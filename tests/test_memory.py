@@ -19,7 +19,13 @@ from digenrl.preflight import check_memory, resolve_memory_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 FLUX = str(ROOT / "configs" / "flux1_dev.yaml")
-REAL = ["flux1_dev.yaml", "wan2.1_t2v_14b.yaml", "wan2.1_t2v_14b_240p.yaml", "hunyuan_video.yaml", "qwen_image.yaml"]
+REAL = [
+    "flux1_dev.yaml",
+    "wan2.1_t2v_14b.yaml",
+    "wan2.1_t2v_14b_240p.yaml",
+    "hunyuan_video.yaml",
+    "qwen_image.yaml",
+]
 FULL_FT_UNSHARDED = ["--set", "model.lora=null", "--set", "train.fsdp=off"]
 
 
@@ -43,16 +49,23 @@ def test_memory_model_counts_the_real_modules_bytes(lora):
     cfg = load_config(None, [] if lora else ["model.lora=null"])
     model = _model(cfg)
     policy = Policy(cfg, device="cpu", trainable=False)
-    weights = sum(p.numel() * p.element_size() for n, p in policy.adapter.transformer.named_parameters()
-                  if "lora_" not in n)
+    weights = sum(
+        p.numel() * p.element_size()
+        for n, p in policy.adapter.transformer.named_parameters()
+        if "lora_" not in n
+    )
     assert model.rollout_parts(1)["weights"] == weights
     policy = Policy(cfg, device="cpu")
     for p in policy.params:
         p.grad = torch.ones_like(p)
     policy.optimizer_step()
     masters = sum(p.numel() * p.element_size() for p in policy.params)
-    state = sum(v.numel() * v.element_size() for s in policy.optimizer.state.values() for v in s.values()
-                if v.dim() > 0)
+    state = sum(
+        v.numel() * v.element_size()
+        for s in policy.optimizer.state.values()
+        for v in s.values()
+        if v.dim() > 0
+    )
     parts = model.train_parts(1, 1, False)
     assert all(p.dtype == torch.float32 for p in policy.params)
     assert parts["fp32 masters"] == masters == parts["fp32 grads"]
@@ -70,7 +83,9 @@ def test_activations_with_checkpointing_keep_the_block_inputs():
     assert m.train_acts(1, True) == pytest.approx(m.block_input_bytes() * blocks + m.act_bytes_per_block())
     assert m.train_acts(2, False) == 2 * m.train_acts(1, False)
     wan = _model(load_config(str(ROOT / "configs" / "wan2.1_t2v_14b.yaml"), []))
-    assert wan.w.passes == 2 and wan.train_acts(1, False) == 2 * wan.act_bytes_per_block() * wan.w.params.blocks
+    assert (
+        wan.w.passes == 2 and wan.train_acts(1, False) == 2 * wan.act_bytes_per_block() * wan.w.params.blocks
+    )
 
 
 def test_preflight_refuses_unsharded_full_fine_tuning_before_ray(tmp_path, monkeypatch, capsys):
@@ -95,7 +110,9 @@ def test_auto_resolves_to_the_first_fitting_setting():
     assert s.need_bytes <= s.have_bytes
     m = _model(cfg)
     for fsdp, ac in ((4, True), (8, False)):  # the cheaper settings do not fit
-        need = sum(m.trainer_need(fsdp, cfg.train.micro_batch, ac, tag=True, groups=cfg.engine.unit_groups).values())
+        need = sum(
+            m.trainer_need(fsdp, cfg.train.micro_batch, ac, tag=True, groups=cfg.engine.unit_groups).values()
+        )
         assert need > s.have_bytes
     check_memory(load_config(FLUX, ["model.lora=null", "train.fsdp=8", "train.activation_checkpointing=on"]))
 
@@ -123,14 +140,19 @@ def test_plan_write_contains_the_settings_it_assumes(tmp_path, monkeypatch, caps
     src, cluster, out = tmp_path / "flux_full.yaml", tmp_path / "16xH800.yaml", tmp_path / "plan.yaml"
     src.write_text(load_config(FLUX, ["model.lora=null"]).dump_yaml())
     cluster.write_text("name: 16xH800\ngpus_per_node: 8\npools:\n  - {name: h800, device: H800, count: 16}\n")
-    monkeypatch.setattr(sys, "argv", ["digenrl", "plan", "-c", str(src), "--cluster", str(cluster), "--top", "1",
-                                      "--write", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["digenrl", "plan", "-c", str(src), "--cluster", str(cluster), "--top", "1", "--write", str(out)],
+    )
     with pytest.raises(SystemExit) as exc:
         main()
     assert exc.value.code in (0, None), capsys.readouterr().err
     text = out.read_text()
     comments = [line for line in text.splitlines() if line.lstrip().startswith("#")]
-    assert "assumes" not in text and not any("offload" in line for line in comments)  # no claim the runtime lacks
+    assert "assumes" not in text and not any(
+        "offload" in line for line in comments
+    )  # no claim the runtime lacks
     assert yaml.safe_load(text)["model"]["offload_text_encoders"] is False  # the one offload there is: off
     train = yaml.safe_load(text)["train"]
     assert train["fsdp"] == 8 and train["activation_checkpointing"] == "off"
@@ -142,11 +164,18 @@ def test_plan_write_contains_the_settings_it_assumes(tmp_path, monkeypatch, caps
 
 
 def test_a_rollout_pool_that_cannot_hold_a_unit_names_a_smaller_one(monkeypatch, capsys):
-    pools = ["--set", "cluster.pools=[{name: rollout, device: L40S, count: 8}, {name: trainer, device: H800, count: 8}]"]
-    code, out = cli(monkeypatch, capsys, ["config", "validate", "-c", FLUX, *pools, "--set", "engine.unit_groups=8"])
+    pools = [
+        "--set",
+        "cluster.pools=[{name: rollout, device: L40S, count: 8}, {name: trainer, device: H800, count: 8}]",
+    ]
+    code, out = cli(
+        monkeypatch, capsys, ["config", "validate", "-c", FLUX, *pools, "--set", "engine.unit_groups=8"]
+    )
     assert code == 2 and out.err.count("\n") == 1
     assert out.err.startswith("error: engine.unit_groups: pool 'rollout' (8 x L40S, 48 GB")
-    assert "set engine.unit_groups: 4 (fewer samples per unit)" in out.err  # 4 divides the 32 prompts; 5, 6 do not
+    assert (
+        "set engine.unit_groups: 4 (fewer samples per unit)" in out.err
+    )  # 4 divides the 32 prompts; 5, 6 do not
     # the suggested unit fits (the memory check alone: this host has none of the cluster's GPUs)
     check_memory(load_config(Path(FLUX), [pools[1], "engine.unit_groups=4"]))
 
@@ -155,13 +184,26 @@ def test_the_error_names_the_key_to_change():
     from digenrl.errors import UserError
 
     wan = str(ROOT / "configs" / "wan2.1_t2v_14b_240p.yaml")  # on the placement it shipped with before
-    shipped = ["cluster.pools=[{name: rollout, device: H20, count: 16}, {name: trainer, device: H800, count: 8}]",
-               "placement.mode=disaggregated", "placement.rollout_pool=rollout", "placement.trainer_pool=trainer",
-               "engine.rollout_sp=1", "engine.trainer_sp=1", "engine.unit_groups=2", "train.micro_batch=2"]
-    with pytest.raises(UserError) as exc:  # both CFG passes' activations at once, 40 blocks: needs checkpointing
+    shipped = [
+        "cluster.pools=[{name: rollout, device: H20, count: 16}, {name: trainer, device: H800, count: 8}]",
+        "placement.mode=disaggregated",
+        "placement.rollout_pool=rollout",
+        "placement.trainer_pool=trainer",
+        "engine.rollout_sp=1",
+        "engine.trainer_sp=1",
+        "engine.unit_groups=2",
+        "train.micro_batch=2",
+    ]
+    with pytest.raises(
+        UserError
+    ) as exc:  # both CFG passes' activations at once, 40 blocks: needs checkpointing
         check_memory(load_config(wan, [*shipped, "train.activation_checkpointing=off"]))
     assert str(exc.value).startswith("train.activation_checkpointing: pool 'trainer' (8 x H800")
-    assert str(exc.value).endswith("GiB)") and "set train.activation_checkpointing: on (needs" in str(exc.value)
-    small = "cluster.pools=[{name: rollout, device: H800, count: 8}, {name: trainer, device: RTX4090, count: 2}]"
+    assert str(exc.value).endswith("GiB)") and "set train.activation_checkpointing: on (needs" in str(
+        exc.value
+    )
+    small = (
+        "cluster.pools=[{name: rollout, device: H800, count: 8}, {name: trainer, device: RTX4090, count: 2}]"
+    )
     with pytest.raises(UserError, match=r"^cluster.pools.trainer: .* no setting fits 2 trainer ranks"):
         check_memory(load_config(FLUX, ["model.lora=null", small]))

@@ -27,11 +27,20 @@ WAN_240P = ROOT / "configs" / "wan2.1_t2v_14b_240p.yaml"
 HUNYUAN = ROOT / "configs" / "hunyuan_video.yaml"
 VIDEO = [WAN, WAN_240P, HUNYUAN]
 # Wan 480p colocated on 16 H800, and disaggregated on two pools of 8 H800
-COLOCATED = ["cluster.pools=[{name: h800, device: H800, count: 16}]", "placement.mode=colocated",
-             "placement.rollout_pool=h800", "placement.trainer_pool=h800"]
-DISAGG = ["cluster.pools=[{name: rollout, device: H800, count: 8}, {name: trainer, device: H800, count: 8}]",
-          "placement.mode=disaggregated", "placement.rollout_pool=rollout", "placement.trainer_pool=trainer",
-          "engine.rollout_sp=2", "engine.trainer_sp=2"]
+COLOCATED = [
+    "cluster.pools=[{name: h800, device: H800, count: 16}]",
+    "placement.mode=colocated",
+    "placement.rollout_pool=h800",
+    "placement.trainer_pool=h800",
+]
+DISAGG = [
+    "cluster.pools=[{name: rollout, device: H800, count: 8}, {name: trainer, device: H800, count: 8}]",
+    "placement.mode=disaggregated",
+    "placement.rollout_pool=rollout",
+    "placement.trainer_pool=trainer",
+    "engine.rollout_sp=2",
+    "engine.trainer_sp=2",
+]
 
 
 def model(path, *overrides) -> MemoryModel:
@@ -111,12 +120,23 @@ def test_480p_needs_what_the_config_sets():
     cfg = load_config(WAN, [])
     assert cfg.engine.trainer_sp > 1 or cfg.train.activation_checkpointing == "on"
     with pytest.raises(UserError):
-        check_memory(load_config(WAN, ["engine.trainer_sp=1", "engine.rollout_sp=1", "train.activation_checkpointing=off",
-                                       "sampling.cfg_batching=batched"]))
+        check_memory(
+            load_config(
+                WAN,
+                [
+                    "engine.trainer_sp=1",
+                    "engine.rollout_sp=1",
+                    "train.activation_checkpointing=off",
+                    "sampling.cfg_batching=batched",
+                ],
+            )
+        )
 
 
 def test_an_sp_degree_that_does_not_divide_the_pool_is_one_line():
-    with pytest.raises(UserError, match=r"^engine.trainer_sp: 3 does not divide pool 'h800' \(16 x H800\): a worker"):
+    with pytest.raises(
+        UserError, match=r"^engine.trainer_sp: 3 does not divide pool 'h800' \(16 x H800\): a worker"
+    ):
         Plan.from_run_config(load_config(WAN, [*COLOCATED, "engine.trainer_sp=3", "engine.rollout_sp=3"]))
     with pytest.raises(UserError, match=r"^engine.rollout_sp: 3 does not divide pool 'rollout' \(8 x H800\)"):
         Plan.from_run_config(load_config(WAN, [*DISAGG, "engine.rollout_sp=3"]))
@@ -130,7 +150,11 @@ def test_planner_tries_sp_degrees_for_video_models_only():
     image = CostModel(Workload.from_config(load_config(ROOT / "configs" / "flux1_dev.yaml")), cluster)
     assert sp_degrees(video, cluster) == (1, 2, 4, 8) and sp_degrees(image, cluster) == (1,)
     plans = candidates(cluster, 4, group_size=4, sp=(1, 2, 4))
-    assert {(p.rollout_sp, p.trainer_sp) for p in plans if p.placement == "disaggregated"} >= {(1, 1), (2, 4), (4, 2)}
+    assert {(p.rollout_sp, p.trainer_sp) for p in plans if p.placement == "disaggregated"} >= {
+        (1, 1),
+        (2, 4),
+        (4, 2),
+    }
     assert all(p.rollout_sp == p.trainer_sp for p in plans if p.placement == "colocated")
     # every plan's pools split into whole workers; units and TSP count workers
     for p in plans:
@@ -141,8 +165,10 @@ def test_planner_tries_sp_degrees_for_video_models_only():
 def test_sp_workers_and_speed_in_the_simulator():
     cluster = load_cluster(CLUSTERS / "16xH800.yaml")
     cost = CostModel(Workload.from_config(load_config(WAN)), cluster)
-    pools = (cluster.pools[0].model_copy(update={"name": "rollout", "count": 8}),
-             cluster.pools[0].model_copy(update={"name": "trainer", "count": 8}))
+    pools = (
+        cluster.pools[0].model_copy(update={"name": "rollout", "count": 8}),
+        cluster.pools[0].model_copy(update={"name": "trainer", "count": 8}),
+    )
     one = Plan("disaggregated", pools, 1, 1, False, True, 0, rollout_sp=1, trainer_sp=2)
     two = Plan("disaggregated", pools, 1, 1, False, True, 0, rollout_sp=2, trainer_sp=2)
     assert len(two.leads()) == 4 + 4 and len(one.leads()) == 8 + 4 and two.ranks == 4
@@ -169,7 +195,9 @@ def test_cfg_auto_is_what_the_memory_model_says():
     plan = Plan.from_run_config(cfg)
     rollout = m.rollout(plan.rollout_pool.device, plan.unit_size, plan.rollout_sp)
     assert resolve_cfg_batching(cfg, False) == ("batched" if rollout.cfg_batched else "sequential")
-    assert resolve_cfg_batching(cfg, True) == ("batched" if resolve_memory_settings(cfg).cfg_batched else "sequential")
+    assert resolve_cfg_batching(cfg, True) == (
+        "batched" if resolve_memory_settings(cfg).cfg_batched else "sequential"
+    )
 
 
 def test_batched_cfg_that_does_not_fit_a_rollout_gpu_names_the_key():
@@ -179,7 +207,12 @@ def test_batched_cfg_that_does_not_fit_a_rollout_gpu_names_the_key():
     device, sp = plan.rollout_pool.device, plan.rollout_sp
     g = next(g for g in range(1, 65) if not m.rollout(device, g, sp, "batched").fits)
     assert m.rollout(device, g, sp, "sequential").fits
-    over = [*DISAGG, "sampling.cfg_batching=batched", f"engine.unit_groups={g}", f"train.prompts_per_iteration={g}"]
+    over = [
+        *DISAGG,
+        "sampling.cfg_batching=batched",
+        f"engine.unit_groups={g}",
+        f"train.prompts_per_iteration={g}",
+    ]
     with pytest.raises(UserError) as exc:
         check_memory(load_config(WAN, over))
     line = str(exc.value)
@@ -200,12 +233,17 @@ def test_plan_config_writes_what_the_plan_assumes():
     out = plan_config(cfg, best, cluster)
     assert (out.engine.rollout_sp, out.engine.trainer_sp) == (best.plan.rollout_sp, best.plan.trainer_sp)
     modes = {s.cfg_batched for s in best.setups.values()}
-    assert out.sampling.cfg_batching == ("auto" if len(modes) > 1 else "batched" if modes == {True} else "sequential")
+    assert out.sampling.cfg_batching == (
+        "auto" if len(modes) > 1 else "batched" if modes == {True} else "sequential"
+    )
     check_memory(out)
 
 
-@pytest.mark.parametrize("path, evaluates", [(WAN, False), (WAN_240P, True), (HUNYUAN, False)],
-                         ids=["wan-480p", "wan-240p-eval", "hunyuan"])
+@pytest.mark.parametrize(
+    "path, evaluates",
+    [(WAN, False), (WAN_240P, True), (HUNYUAN, False)],
+    ids=["wan-480p", "wan-240p-eval", "hunyuan"],
+)
 def test_the_search_proposes_only_what_the_runtime_runs(path, evaluates):
     """Every ranked plan, written as a config, passes the runtime's own refusals (check_sp_wired,
     check_fsdp_wired); colocated sequence-parallel candidates, which the runtime refuses, are dropped

@@ -9,8 +9,16 @@ from digenrl.config import load_config
 from digenrl.trainer import LocalTrainer
 from digenrl.units import assign_advantages, merge_stats, minibatch_rows, train_unit
 
-SMALL = ["placement.mode=local", "model.height=16", "model.width=16", "algorithm.group_size=4", "sampling.steps=4",
-         "train.prompts_per_iteration=4", "output.tensorboard=false", "train.lr=1e-2"]
+SMALL = [
+    "placement.mode=local",
+    "model.height=16",
+    "model.width=16",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "train.prompts_per_iteration=4",
+    "output.tensorboard=false",
+    "train.lr=1e-2",
+]
 
 
 def trainer_of(*overrides) -> LocalTrainer:
@@ -46,17 +54,43 @@ def test_first_minibatch_has_ratio_exactly_one_and_later_ones_clip():
     assert t.policy.version == 2  # four steps per iteration, one version per iteration
 
 
-@pytest.mark.parametrize("config, overrides", [
-    (None, ["train.micro_batch=1", "train.prompts_per_iteration=2"]),  # one sample per forward
-    (None, ["train.micro_batch=3"]),  # micro-batches that straddle groups
-    (None, ["algorithm.timesteps.mode=window", "algorithm.timesteps.window=2"]),
-    (None, ["algorithm.name=dance_grpo", "sampling.steps=8"]),  # random steps: each step's samples apart
-    ("configs/qwen_tiny.yaml", ["model.height=16", "model.width=16", "train.prompts_per_iteration=2"]),
-    ("configs/qwen_tiny.yaml", ["model.height=16", "model.width=16", "train.prompts_per_iteration=2",
-                                "sampling.cfg_batching=sequential"]),  # trained one CFG pass at a time
-    ("configs/qwen_tiny.yaml", ["model.height=16", "model.width=16", "train.prompts_per_iteration=2",
-                                "sampling.cfg_batching=batched"]),  # both passes in one forward of 2B
-], ids=["micro1", "micro3", "window", "dance_grpo", "qwen_image", "qwen_image-cfg-sequential", "qwen_image-cfg-batched"])
+@pytest.mark.parametrize(
+    "config, overrides",
+    [
+        (None, ["train.micro_batch=1", "train.prompts_per_iteration=2"]),  # one sample per forward
+        (None, ["train.micro_batch=3"]),  # micro-batches that straddle groups
+        (None, ["algorithm.timesteps.mode=window", "algorithm.timesteps.window=2"]),
+        (None, ["algorithm.name=dance_grpo", "sampling.steps=8"]),  # random steps: each step's samples apart
+        ("configs/qwen_tiny.yaml", ["model.height=16", "model.width=16", "train.prompts_per_iteration=2"]),
+        (
+            "configs/qwen_tiny.yaml",
+            [
+                "model.height=16",
+                "model.width=16",
+                "train.prompts_per_iteration=2",
+                "sampling.cfg_batching=sequential",
+            ],
+        ),  # trained one CFG pass at a time
+        (
+            "configs/qwen_tiny.yaml",
+            [
+                "model.height=16",
+                "model.width=16",
+                "train.prompts_per_iteration=2",
+                "sampling.cfg_batching=batched",
+            ],
+        ),  # both passes in one forward of 2B
+    ],
+    ids=[
+        "micro1",
+        "micro3",
+        "window",
+        "dance_grpo",
+        "qwen_image",
+        "qwen_image-cfg-sequential",
+        "qwen_image-cfg-batched",
+    ],
+)
 def test_on_policy_ratio_is_exactly_one_in_every_batch_layout(config, overrides):
     """Micro-batches, window and random steps, another family (two-pass CFG): mini-batch 0 of 2
     reproduces the rollout's log-probs exactly."""
@@ -74,16 +108,28 @@ def test_on_policy_ratio_is_exactly_one_on_every_tsp_rank():
     from digenrl.rewards import build_reward
     from digenrl.units import rollout_unit
 
-    cfg = load_config(None, [*SMALL, "placement.mode=colocated", "engine.max_staleness=0", "engine.tsp_degree=2",
-                             "algorithm.name=dance_grpo", "sampling.steps=8", "train.optimizer_steps=2",
-                             "train.prompts_per_iteration=2"])
+    cfg = load_config(
+        None,
+        [
+            *SMALL,
+            "placement.mode=colocated",
+            "engine.max_staleness=0",
+            "engine.tsp_degree=2",
+            "algorithm.name=dance_grpo",
+            "sampling.steps=8",
+            "train.optimizer_steps=2",
+            "train.prompts_per_iteration=2",
+        ],
+    )
     torch.manual_seed(cfg.train.seed)
     prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed).for_iteration(0, 2)
     policy, reward = Policy(cfg), build_reward(cfg.reward)
     units = [rollout_unit(policy, reward, prompts[j : j + 1], [j], 0, cfg.train.seed) for j in range(2)]
     assign_advantages(units, cfg)
     terms = sum(len(u) * u.train_idx.shape[1] for u in units) // 2
-    parts = [train_unit(policy, u, terms, rank, 2, minibatch=0, minibatches=2) for u in units for rank in range(2)]
+    parts = [
+        train_unit(policy, u, terms, rank, 2, minibatch=0, minibatches=2) for u in units for rank in range(2)
+    ]
     assert sum(p["terms"] for p in parts) == terms and all(p["terms"] for p in parts)
     st = merge_stats(parts)
     assert st["logprob_mismatch"] == 0.0 and st["ratio_min"] == st["ratio_max"] == 1.0
@@ -98,7 +144,11 @@ def test_a_rollout_in_one_batch_gives_a_ratio_of_one_only_to_rounding(monkeypatc
     t = trainer_of("train.optimizer_steps=4")
     first, *_ = minibatch_stats(t, 0, 4)
     assert 0.0 < first["logprob_mismatch"] < 1e-5
-    assert abs(first["ratio_min"] - 1) < 1e-5 and abs(first["ratio_max"] - 1) < 1e-5 and first["clip_frac"] == 0.0
+    assert (
+        abs(first["ratio_min"] - 1) < 1e-5
+        and abs(first["ratio_max"] - 1) < 1e-5
+        and first["clip_frac"] == 0.0
+    )
 
 
 def test_iteration_metrics_with_four_steps():
@@ -136,7 +186,9 @@ def test_stale_samples_clip_around_the_weights_at_the_start_of_the_minibatch():
     terms = sum(len(u) * u.train_idx.shape[1] for u in units)
     st = merge_stats([train_unit(t.policy, u, terms) for u in units])
     assert st["ratio_min"] == st["ratio_max"] == 1.0
-    assert st["is_weight_mean"] != pytest.approx(1.0, abs=1e-6) and st["is_weight_max"] <= t.cfg.algorithm.is_cap
+    assert (
+        st["is_weight_mean"] != pytest.approx(1.0, abs=1e-6) and st["is_weight_max"] <= t.cfg.algorithm.is_cap
+    )
 
 
 def test_minibatch_rows_slice_every_group():
@@ -151,5 +203,7 @@ def test_minibatch_rows_slice_every_group():
 def test_optimizer_steps_must_divide_the_group_size():
     from digenrl.config import ConfigError
 
-    with pytest.raises(ConfigError, match="train.optimizer_steps \\(3\\) must divide algorithm.group_size \\(4\\)"):
+    with pytest.raises(
+        ConfigError, match="train.optimizer_steps \\(3\\) must divide algorithm.group_size \\(4\\)"
+    ):
         load_config(None, [*SMALL, "train.optimizer_steps=3"])

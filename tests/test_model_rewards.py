@@ -36,17 +36,26 @@ def make_tiny_clip(path, seed: int = 0, image_size: int = 32, hidden: int = 32, 
     (path / "vocab.json").write_text(json.dumps(vocab))
     (path / "merges.txt").write_text("#version: 0.2\n")
     CLIPTokenizer.from_pretrained(path).save_pretrained(path)
-    small = dict(hidden_size=hidden, intermediate_size=hidden + 5, num_hidden_layers=layers, num_attention_heads=2)
+    small = dict(
+        hidden_size=hidden, intermediate_size=hidden + 5, num_hidden_layers=layers, num_attention_heads=2
+    )
     cfg = CLIPConfig(
-        text_config=dict(vocab_size=514, max_position_embeddings=77, bos_token_id=512, eos_token_id=513,
-                         pad_token_id=513, **small),
+        text_config=dict(
+            vocab_size=514,
+            max_position_embeddings=77,
+            bos_token_id=512,
+            eos_token_id=513,
+            pad_token_id=513,
+            **small,
+        ),
         vision_config=dict(image_size=image_size, patch_size=8, **small),
         projection_dim=16,
     )
     torch.manual_seed(seed)
     CLIPModel(cfg).save_pretrained(path)
-    CLIPImageProcessor(size={"shortest_edge": image_size},
-                       crop_size={"height": image_size, "width": image_size}).save_pretrained(path)
+    CLIPImageProcessor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    ).save_pretrained(path)
     return path
 
 
@@ -92,7 +101,9 @@ def reference_logits(clip_dir, imgs, prompts):
     arrays = [(im.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8) for im in imgs]
     pixel_values = proc(images=arrays, return_tensors="pt")["pixel_values"]
     with torch.no_grad():
-        out = model(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"], pixel_values=pixel_values)
+        out = model(
+            input_ids=tok["input_ids"], attention_mask=tok["attention_mask"], pixel_values=pixel_values
+        )
     return out.logits_per_image.diagonal(), model.logit_scale.exp().item(), out.image_embeds
 
 
@@ -149,8 +160,11 @@ def test_scores_on_gpu_equal_cpu(clip_dir, head_file):
     for cls, extra in ((ClipScore, {}), (Aesthetic, {"head": str(head_file[0])})):
         gpu = cls(path=str(clip_dir), device="cuda", **extra)
         assert next(gpu.backbone.model.parameters()).is_cuda
-        assert torch.allclose(gpu(imgs, PROMPTS[:4]), cls(path=str(clip_dir), device="cpu", **extra)(imgs, PROMPTS[:4]),
-                              atol=1e-4)
+        assert torch.allclose(
+            gpu(imgs, PROMPTS[:4]),
+            cls(path=str(clip_dir), device="cpu", **extra)(imgs, PROMPTS[:4]),
+            atol=1e-4,
+        )
 
 
 def test_aesthetic_is_the_mlp_on_the_normalised_image_embedding(clip_dir, head_file, tmp_path):
@@ -176,10 +190,17 @@ def test_video_scores_sampled_frames(clip_dir):
     for i in range(2):
         frames = video[i, :, ::2].permute(1, 0, 2, 3)  # frames 0, 2, 4
         assert got[i] == pytest.approx(r(frames, [prompts[i]] * 3).mean().item(), abs=1e-5)
-    combined = build_reward(RewardConfig(components=[
-        {"name": "pickscore", "args": {"path": str(clip_dir), "device": "cpu", "frame_stride": 2}}]))
+    combined = build_reward(
+        RewardConfig(
+            components=[
+                {"name": "pickscore", "args": {"path": str(clip_dir), "device": "cpu", "frame_stride": 2}}
+            ]
+        )
+    )
     _, parts = combined(video, prompts)
-    every = PickScore(path=str(clip_dir), device="cpu")(video[:, :, ::2], prompts)  # stride 1 on the sampled ones
+    every = PickScore(path=str(clip_dir), device="cpu")(
+        video[:, :, ::2], prompts
+    )  # stride 1 on the sampled ones
     assert torch.allclose(parts["pickscore"], every, atol=1e-5)
 
 
@@ -187,22 +208,33 @@ def test_missing_weights_and_bad_args_name_the_field(clip_dir, tmp_path):
     def build(*components):
         return build_reward(RewardConfig(components=list(components)))
 
-    with pytest.raises(UserError, match=r"reward\.components\.1\.args\.path: reward 'clipscore': weights directory .*nope not found"):
+    with pytest.raises(
+        UserError,
+        match=r"reward\.components\.1\.args\.path: reward 'clipscore': weights directory .*nope not found",
+    ):
         build({"name": "prompt_color"}, {"name": "clipscore", "args": {"path": str(tmp_path / "nope")}})
     with pytest.raises(UserError, match=r"reward\.components\.0\.args\.path: reward 'pickscore': required"):
         build({"name": "pickscore"})
     with pytest.raises(UserError, match=r"components\.0\.args\.path: .* no config\.json"):
         build({"name": "pickscore", "args": {"path": str(tmp_path)}})
-    with pytest.raises(UserError, match=r"components\.0\.args\.head: reward 'aesthetic': head weights file .* not found"):
+    with pytest.raises(
+        UserError, match=r"components\.0\.args\.head: reward 'aesthetic': head weights file .* not found"
+    ):
         build({"name": "aesthetic", "args": {"path": str(clip_dir), "head": str(tmp_path / "h.pt")}})
     make_head(tmp_path / "wide.safetensors", in_dim=768)
-    with pytest.raises(UserError, match=r"args\.head: .* does not fit the MLP 16->1024->128->64->16->1 .* takes 768"):
-        build({"name": "aesthetic", "args": {"path": str(clip_dir), "head": str(tmp_path / "wide.safetensors")}})
+    with pytest.raises(
+        UserError, match=r"args\.head: .* does not fit the MLP 16->1024->128->64->16->1 .* takes 768"
+    ):
+        build(
+            {"name": "aesthetic", "args": {"path": str(clip_dir), "head": str(tmp_path / "wide.safetensors")}}
+        )
     with pytest.raises(UserError, match=r"components\.0\.args\.batch_size: .* positive integer"):
         build({"name": "clipscore", "args": {"path": str(clip_dir), "batch_size": 0}})
     with pytest.raises(UserError, match=r"components\.0\.args\.frame_stride: .* positive integer"):
         build({"name": "clipscore", "args": {"path": str(clip_dir), "frame_stride": 0}})
-    with pytest.raises(UserError, match=r"components\.0\.args: reward 'clipscore': .*unexpected keyword argument 'heads'"):
+    with pytest.raises(
+        UserError, match=r"components\.0\.args: reward 'clipscore': .*unexpected keyword argument 'heads'"
+    ):
         build({"name": "clipscore", "args": {"path": str(clip_dir), "heads": 3}})
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match=r"args\.device: .*'cuda' asked for, but CUDA is not available"):
@@ -210,10 +242,12 @@ def test_missing_weights_and_bad_args_name_the_field(clip_dir, tmp_path):
 
 
 def test_model_rewards_pass_the_dry_run(clip_dir, head_file):
-    cfg = RewardConfig(components=[
-        {"name": "clipscore", "args": {"path": str(clip_dir)}},
-        {"name": "aesthetic", "weight": 0.1, "args": {"path": str(clip_dir), "head": str(head_file[0])}},
-    ])
+    cfg = RewardConfig(
+        components=[
+            {"name": "clipscore", "args": {"path": str(clip_dir)}},
+            {"name": "aesthetic", "weight": 0.1, "args": {"path": str(clip_dir), "head": str(head_file[0])}},
+        ]
+    )
     fn = build_reward(cfg)
     assert fn.terms[0][2].backbone is fn.terms[1][2].backbone  # one directory, loaded once
     timings = fn.check(["a red car"], (3, 24, 40))
@@ -240,7 +274,9 @@ def test_actor_counts_queue_depth_and_latency():
             return torch.ones(len(prompts))
 
     try:
-        actor = RewardActor(RewardConfig(components=[{"name": "_gated"}, {"name": "prompt_color", "weight": 0.0}]))
+        actor = RewardActor(
+            RewardConfig(components=[{"name": "_gated"}, {"name": "prompt_color", "weight": 0.0}])
+        )
         assert actor.ready() == ["_gated", "prompt_color"]
         calls = [threading.Thread(target=actor.score, args=(images(2), ["a red car"] * 2)) for _ in range(3)]
         calls[0].start()
@@ -256,11 +292,12 @@ def test_actor_counts_queue_depth_and_latency():
         for t in calls:
             t.join(10)
         st = actor.stats()
-        assert st["queue_depth"] == 0 and st["max_queue_depth"] == 2 and st["calls"] == 3 and st["samples"] == 6
+        assert (
+            st["queue_depth"] == 0 and st["max_queue_depth"] == 2 and st["calls"] == 3 and st["samples"] == 6
+        )
         assert st["rewards"]["_gated"]["calls"] == 3 and st["rewards"]["_gated"]["max_s"] > 0
     finally:
         REWARDS.pop("_gated")
-
 
 
 def test_actor_applies_the_nan_policy_to_late_nan():
@@ -290,7 +327,10 @@ def test_actor_applies_the_nan_policy_to_late_nan():
         fail.check(["a red car"], (3, 8, 8))
         with pytest.raises(UserError, match=r"reward '_nan_when_big' returned NaN for 1 of 4 samples"):
             fail.score_timed(images(4), ["a red car"] * 4)
-        assert fail.stats()["queue_depth"] == 0 and fail.score_timed(images(2), ["a red car"] * 2).queue_depth == 0
+        assert (
+            fail.stats()["queue_depth"] == 0
+            and fail.score_timed(images(2), ["a red car"] * 2).queue_depth == 0
+        )
     finally:
         REWARDS.pop("_nan_when_big")
 
@@ -298,8 +338,12 @@ def test_actor_applies_the_nan_policy_to_late_nan():
 def test_building_rewards_draws_no_random_numbers(clip_dir, head_file):
     """Workers that do not score (reward.service, trainer ranks) skip building the rewards; the
     policy each process builds next must not notice."""
-    cfg = RewardConfig(components=[{"name": "aesthetic", "args": {"path": str(clip_dir), "head": str(head_file[0])}},
-                                   {"name": "clipscore", "args": {"path": str(clip_dir)}}])
+    cfg = RewardConfig(
+        components=[
+            {"name": "aesthetic", "args": {"path": str(clip_dir), "head": str(head_file[0])}},
+            {"name": "clipscore", "args": {"path": str(clip_dir)}},
+        ]
+    )
     torch.manual_seed(3)
     build_reward(cfg)
     after = torch.rand(4)
@@ -310,13 +354,23 @@ def test_building_rewards_draws_no_random_numbers(clip_dir, head_file):
 def test_reward_call_metrics():
     from digenrl.rewards.service import reward_call_metrics
 
-    inline = [{"seconds": 0.2, "timings": {"a": 0.1, "b": 0.1}}, {"seconds": 0.4, "timings": {"a": 0.3, "b": 0.1}}]
+    inline = [
+        {"seconds": 0.2, "timings": {"a": 0.1, "b": 0.1}},
+        {"seconds": 0.4, "timings": {"a": 0.3, "b": 0.1}},
+    ]
     assert reward_call_metrics(inline) == pytest.approx(
-        {"reward_latency_s": 0.3, "reward_latency_s/a": 0.2, "reward_latency_s/b": 0.1})
+        {"reward_latency_s": 0.3, "reward_latency_s/a": 0.2, "reward_latency_s/b": 0.1}
+    )
     served = [{**c, "wait_s": w, "queue_depth": q} for c, w, q in zip(inline, (0.0, 0.5), (0, 2))]
-    assert reward_call_metrics(served) == pytest.approx({"reward_latency_s": 0.3, "reward_latency_s/a": 0.2,
-                                                         "reward_latency_s/b": 0.1, "reward_wait_s": 0.25,
-                                                         "reward_queue_depth": 2})
+    assert reward_call_metrics(served) == pytest.approx(
+        {
+            "reward_latency_s": 0.3,
+            "reward_latency_s/a": 0.2,
+            "reward_latency_s/b": 0.1,
+            "reward_wait_s": 0.25,
+            "reward_queue_depth": 2,
+        }
+    )
     assert reward_call_metrics([]) == {}
 
 
@@ -343,7 +397,9 @@ def test_reward_actor_scores_equal_inline(ray_local, clip_dir, head_file):
         service={"num_cpus": 0.5},
     )
     client = RewardClient(start_reward_actor(cfg))
-    batches = [(images(4, seed=s), ["a red car", "a red car", "a blue bird", "a blue bird"]) for s in range(3)]
+    batches = [
+        (images(4, seed=s), ["a red car", "a red car", "a blue bird", "a blue bird"]) for s in range(3)
+    ]
     refs = [client.submit(px, pr) for px, pr in batches]  # the worker carries on: nothing waited on yet
     assert all(isinstance(r, ray_local.ObjectRef) for r in refs)
     inline = reward_client(cfg)  # no actor: the same rewards in this process
@@ -354,8 +410,11 @@ def test_reward_actor_scores_equal_inline(ray_local, clip_dir, head_file):
         assert parts.keys() == want_parts.keys()
         assert all(torch.allclose(parts[k], want_parts[k], atol=1e-5) for k in parts)
     video = torch.rand(2, 3, 3, 32, 32, generator=torch.Generator().manual_seed(9))
-    assert torch.allclose(client(video, ["a red car", "a cat in red"])[0], inline(video, ["a red car", "a cat in red"])[0],
-                          atol=1e-5)
+    assert torch.allclose(
+        client(video, ["a red car", "a cat in red"])[0],
+        inline(video, ["a red car", "a cat in red"])[0],
+        atol=1e-5,
+    )
     stats = client.stats()
     assert stats["calls"] == 4 and stats["samples"] == 14 and stats["in_flight"] == 0
     assert stats["queue_depth"] == 0 and stats["max_queue_depth"] >= 0
@@ -373,7 +432,9 @@ def test_reward_actor_scores_equal_inline(ray_local, clip_dir, head_file):
 def test_reward_actor_reports_user_errors(ray_local, tmp_path):
     from digenrl.rewards.service import start_reward_actor
 
-    bad = RewardConfig(components=[{"name": "clipscore", "args": {"path": str(tmp_path / "missing")}}],
-                       service={"num_cpus": 0.5})
+    bad = RewardConfig(
+        components=[{"name": "clipscore", "args": {"path": str(tmp_path / "missing")}}],
+        service={"num_cpus": 0.5},
+    )
     with pytest.raises(UserError, match=r"reward\.components\.0\.args\.path: .*not found"):
         start_reward_actor(bad)

@@ -18,11 +18,18 @@ from digenrl.config import PoolConfig, load_config
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit
 from digenrl.engine.timeline import Timeline
 from digenrl.errors import UserError
-from digenrl.planner.costmodel import AnalyticTimes, CostModel, CostParams, EngineOverheads, Workload, interpolate
+from digenrl.placement import Plan
+from digenrl.planner.costmodel import (
+    AnalyticTimes,
+    CostModel,
+    CostParams,
+    EngineOverheads,
+    Workload,
+    interpolate,
+)
 from digenrl.planner.gpus import DEVICES, cluster_from_dict, load_cluster, match_device_name
 from digenrl.planner.search import candidates, search
 from digenrl.planner.shapes import attention_fraction, forward_flops, model_shape
-from digenrl.placement import Plan
 from digenrl.planner.simulator import bound, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,26 +96,40 @@ def test_interpolation_is_exact_at_points_linear_between_and_extrapolates():
 def test_a_run_configs_micro_batch_is_simulated_as_configured(monkeypatch):
     """A plan read from a run config trains at its micro-batch even when a (noisy) profile makes a
     smaller one look cheaper per sample; the search, free to choose, may pick the smaller one."""
-    cfg = load_config(None, ["train.micro_batch=16", "algorithm.group_size=8", "engine.unit_groups=2",
-                             "train.prompts_per_iteration=4"])
+    cfg = load_config(
+        None,
+        [
+            "train.micro_batch=16",
+            "algorithm.group_size=8",
+            "engine.unit_groups=2",
+            "train.prompts_per_iteration=4",
+        ],
+    )
     w = Workload.from_config(cfg)
     cluster = load_cluster(CLUSTERS / "local_cpu.yaml")
     cheap8 = {8: 0.040, 16: 0.100}  # per sample: 5 ms at 8, 6.25 ms at 16 (checkpointing: +1 forward)
-    monkeypatch.setattr(AnalyticTimes, "train_step",
-                        lambda self, b: interpolate(cheap8, b) * (1.3 if self.checkpointing else 1.0))
+    monkeypatch.setattr(
+        AnalyticTimes,
+        "train_step",
+        lambda self, b: interpolate(cheap8, b) * (1.3 if self.checkpointing else 1.0),
+    )
     cost = CostModel(w, cluster)
     assert cost.trainer_setup("cpu", 1, False, 2).micro_batch == 8
     assert cost.trainer_setup("cpu", 1, False, 2, micro_batch=16).micro_batch == 16
     assert cost.colocated_setup("cpu", 2, 2, micro_batch=16).micro_batch == 16
 
 
-@pytest.mark.parametrize("overrides, groups", [
-    (["train.optimizer_steps=4", "train.micro_batch=16"], 2),
-    (["train.optimizer_steps=2", "train.micro_batch=3"], 2),  # micro-batches that straddle groups
-    (["train.optimizer_steps=2", "train.micro_batch=16"], 0.5),  # a part: samples 0..3 of one group
-    (["train.optimizer_steps=4", "train.micro_batch=1"], 0.25),
-    (["train.optimizer_steps=1", "train.micro_batch=16"], 1),  # one forward of the whole unit
-], ids=["S4", "S2-micro3", "S2-part", "S4-micro1", "S1"])
+@pytest.mark.parametrize(
+    "overrides, groups",
+    [
+        (["train.optimizer_steps=4", "train.micro_batch=16"], 2),
+        (["train.optimizer_steps=2", "train.micro_batch=3"], 2),  # micro-batches that straddle groups
+        (["train.optimizer_steps=2", "train.micro_batch=16"], 0.5),  # a part: samples 0..3 of one group
+        (["train.optimizer_steps=4", "train.micro_batch=1"], 0.25),
+        (["train.optimizer_steps=1", "train.micro_batch=16"], 1),  # one forward of the whole unit
+    ],
+    ids=["S4", "S2-micro3", "S2-part", "S4-micro1", "S1"],
+)
 def test_the_cost_model_forwards_in_the_runtimes_batches(tiny_cfg, overrides, groups):
     """A rollout unit forwards in the train forwards' batches and a train unit is one mini-batch:
     the cost model composes them from the same batch sizes the runtime runs (digenrl.units)."""
@@ -125,16 +146,21 @@ def test_the_cost_model_forwards_in_the_runtimes_batches(tiny_cfg, overrides, gr
 
         from digenrl.planner.call_times import train_unit_time
 
-        per_sample = SimpleNamespace(train_step=lambda b: b, ref_forward=lambda b: b, train_unit_factor=1.0,
-                                     train_overhead_s=0.0)  # one second per sample and forward
-        assert train_unit_time(per_sample, w, m, 0, 1, w.micro_batch) == pytest.approx(w.trained_steps * m * G / S)
+        per_sample = SimpleNamespace(
+            train_step=lambda b: b, ref_forward=lambda b: b, train_unit_factor=1.0, train_overhead_s=0.0
+        )  # one second per sample and forward
+        assert train_unit_time(per_sample, w, m, 0, 1, w.micro_batch) == pytest.approx(
+            w.trained_steps * m * G / S
+        )
 
 
 @pytest.mark.parametrize("name", ["flux1_dev", "wan2.1_t2v_14b_240p", "hunyuan_video", "qwen_image"])
 def test_known_shapes_and_flops(name):
     cfg = load_config(ROOT / "configs" / f"{name}.yaml")
     w = Workload.from_config(cfg)
-    published = {"flux": 11.9e9, "wan": 14.0e9, "hunyuan_video": 12.8e9, "qwen_image": 20.4e9}[cfg.model.adapter]
+    published = {"flux": 11.9e9, "wan": 14.0e9, "hunyuan_video": 12.8e9, "qwen_image": 20.4e9}[
+        cfg.model.adapter
+    ]
     assert w.params.total == pytest.approx(published, rel=0.03)
     assert 0 < w.params.lora < 0.05 * w.params.total
     # doubling every token doubles the linear FLOPs and quadruples the attention products
@@ -220,8 +246,12 @@ class ConstantCost(CostModel):
 
     def __init__(self, cfg, rollout=1.0, train=0.5, step=0.1, call=0.0, transfer=0.0, cv=None, replicas=8):
         cluster = cluster_from_dict({"name": "h", "pools": [{"name": "g", "device": "H100", "count": 4}]})
-        super().__init__(Workload.from_config(cfg), cluster, CostParams(unit_cv=cv, replicas=replicas),
-                         overheads=EngineOverheads(call_s=call, transfer_latency_s=0.0, allreduce_latency_s=0.0))
+        super().__init__(
+            Workload.from_config(cfg),
+            cluster,
+            CostParams(unit_cv=cv, replicas=replicas),
+            overheads=EngineOverheads(call_s=call, transfer_latency_s=0.0, allreduce_latency_s=0.0),
+        )
         self.r, self.t, self.s, self.xfer = rollout, train, step, transfer
 
     def rollout_unit(self, device, groups, setup=None):
@@ -248,8 +278,11 @@ def pool(name: str, device: str, count: int) -> PoolConfig:
 
 
 def disagg(rollout: int, trainers: int, **knobs) -> Plan:
-    return Plan("disaggregated", (pool("rollout", "H100", rollout), pool("trainer", "H100", trainers)),
-                **{"unit_groups": 1, **knobs})
+    return Plan(
+        "disaggregated",
+        (pool("rollout", "H100", rollout), pool("trainer", "H100", trainers)),
+        **{"unit_groups": 1, **knobs},
+    )
 
 
 def test_simulator_drives_the_engine_scheduler_and_fills_a_timeline(tiny_cfg, tmp_path):
@@ -258,7 +291,11 @@ def test_simulator_drives_the_engine_scheduler_and_fills_a_timeline(tiny_cfg, tm
     res = simulate(disagg(1, 2, tsp_degree=2, tag=True), cost, iterations=3)
     assert isinstance(res.scheduler, Scheduler) and res.scheduler.done()
     kinds = [type(u) for _, u in res.scheduler.record]
-    assert kinds.count(RolloutUnit) == 3 * 4 and kinds.count(TrainUnit) == 3 * 4 * 2 and kinds.count(StepUnit) == 3 * 2
+    assert (
+        kinds.count(RolloutUnit) == 3 * 4
+        and kinds.count(TrainUnit) == 3 * 4 * 2
+        and kinds.count(StepUnit) == 3 * 2
+    )
     units = {u.uid for _, u in res.scheduler.record}
     recorded = {e.uid for e in res.timeline.events if e.kind in ("rollout", "train", "step")}
     assert recorded == units
@@ -267,7 +304,9 @@ def test_simulator_drives_the_engine_scheduler_and_fills_a_timeline(tiny_cfg, tm
     back = Timeline.from_chrome_trace(tmp_path / "timeline.json")
     assert (tmp_path / "timeline.png").stat().st_size > 0
     assert [r["samples"] for r in back.iteration_stats()] == [32, 32, 32]
-    assert back.iteration_stats()[1]["samples_per_s"] == pytest.approx(res.timeline.iteration_stats()[1]["samples_per_s"])
+    assert back.iteration_stats()[1]["samples_per_s"] == pytest.approx(
+        res.timeline.iteration_stats()[1]["samples_per_s"]
+    )
 
 
 def test_minibatch_ppo_is_simulated_with_the_engines_units(tiny_cfg):
@@ -280,18 +319,25 @@ def test_minibatch_ppo_is_simulated_with_the_engines_units(tiny_cfg):
     from digenrl.placement import engine_scheduler_config
     from digenrl.planner.simulator import Simulator
 
-    knobs = ["placement.mode=disaggregated", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]",
-             "engine.tsp_degree=2", "engine.tag=true", "engine.max_staleness=0", "train.prompts_per_iteration=4",
-             "algorithm.group_size=4", "train.iterations=3"]
+    knobs = [
+        "placement.mode=disaggregated",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]",
+        "engine.tsp_degree=2",
+        "engine.tag=true",
+        "engine.max_staleness=0",
+        "train.prompts_per_iteration=4",
+        "algorithm.group_size=4",
+        "train.iterations=3",
+    ]
     cfg, one = tiny_cfg(*knobs, "train.optimizer_steps=4"), tiny_cfg(*knobs)
     plan = disagg(1, 2, tsp_degree=2, tag=True)
     sim = Simulator(plan, ConstantCost(cfg), iterations=3)
     assert sim.sched.cfg == engine_scheduler_config(cfg) and sim.sched.cfg.optimizer_steps == 4
     sim.run()
     trains = sim.timeline.of("train")
-    assert Counter((t.iteration, g, t.args["tsp_rank"], t.args["minibatch"]) for t in trains
-                   for g in t.args["groups"]) == Counter(
-        {(k, g, r, s): 1 for k in range(3) for g in range(4) for r in range(2) for s in range(4)})
+    assert Counter(
+        (t.iteration, g, t.args["tsp_rank"], t.args["minibatch"]) for t in trains for g in t.args["groups"]
+    ) == Counter({(k, g, r, s): 1 for k in range(3) for g in range(4) for r in range(2) for s in range(4)})
     steps = sim.timeline.of("step")
     assert Counter(e.iteration for e in steps) == Counter({k: 2 * 4 for k in range(3)})
     assert Counter(e.iteration for e in steps if "publishes" in e.args) == Counter({k: 2 for k in range(3)})
@@ -350,11 +396,13 @@ def test_samples_transfer_hides_behind_a_busy_trainer(tiny_cfg):
     cfg = tiny_cfg("train.prompts_per_iteration=4")
     call, xfer = 0.01, 0.3
     for gap in (True, False):  # without GAP every train unit leaves with the iteration's last rollout
-        res = simulate(disagg(1, 1, gap=gap), ConstantCost(cfg, 0.1, 1.0, 0.0, call=call, transfer=xfer),
-                       iterations=3)
+        res = simulate(
+            disagg(1, 1, gap=gap), ConstantCost(cfg, 0.1, 1.0, 0.0, call=call, transfer=xfer), iterations=3
+        )
         ended = {e.uid.split("-", 1)[1]: e.end for e in res.timeline.events if e.kind == "rollout"}
-        trains = sorted((e for e in res.timeline.events if e.kind == "train" and e.iteration == 1),
-                        key=lambda e: e.start)
+        trains = sorted(
+            (e for e in res.timeline.events if e.kind == "train" and e.iteration == 1), key=lambda e: e.start
+        )
         first = trains[0]
         samples = ended["1-0"] if gap else max(v for k, v in ended.items() if k.startswith("1-"))
         assert first.start == pytest.approx(samples + xfer + call)
@@ -365,12 +413,19 @@ def test_samples_transfer_hides_behind_a_busy_trainer(tiny_cfg):
 def test_cpu_workers_share_the_host_cores(tiny_cfg):
     cfg = tiny_cfg()
     w = Workload.from_config(cfg)
-    plan = Plan("disaggregated", (pool("rollout", "cpu", 1), pool("trainer", "cpu", 2)), 1,
-                tsp_degree=2)
-    fast = simulate(plan, CostModel(w, cluster_from_dict({"pools": [{"name": "c", "device": "cpu", "count": 3}],
-                                                          "host_cores": 3})))
-    slow = simulate(plan, CostModel(w, cluster_from_dict({"pools": [{"name": "c", "device": "cpu", "count": 3}],
-                                                          "host_cores": 1})))
+    plan = Plan("disaggregated", (pool("rollout", "cpu", 1), pool("trainer", "cpu", 2)), 1, tsp_degree=2)
+    fast = simulate(
+        plan,
+        CostModel(
+            w, cluster_from_dict({"pools": [{"name": "c", "device": "cpu", "count": 3}], "host_cores": 3})
+        ),
+    )
+    slow = simulate(
+        plan,
+        CostModel(
+            w, cluster_from_dict({"pools": [{"name": "c", "device": "cpu", "count": 3}], "host_cores": 1})
+        ),
+    )
     assert slow.iteration_s > 1.5 * fast.iteration_s
 
 
@@ -390,8 +445,15 @@ def test_colocated_pays_phase_switches(tiny_cfg):
 def test_broadcast_weight_sync_is_paid_where_the_runtime_pays_it(tiny_cfg):
     """engine.weight_sync broadcast (the default): rank 0's step sends the version (pack + wire), the
     rollout worker's unit boundary only loads it from staging; object_store as before (closed forms)."""
-    cluster = cluster_from_dict({"name": "h", "pools": [{"name": "rollout", "device": "H100", "count": 2},
-                                                        {"name": "trainer", "device": "H100", "count": 1}]})
+    cluster = cluster_from_dict(
+        {
+            "name": "h",
+            "pools": [
+                {"name": "rollout", "device": "H100", "count": 2},
+                {"name": "trainer", "device": "H100", "count": 1},
+            ],
+        }
+    )
     full = ["model.lora=null", "placement.mode=disaggregated"]  # full weights: a transfer worth seeing
     bc = CostModel(Workload.from_config(tiny_cfg(*full)), cluster)
     store = CostModel(Workload.from_config(tiny_cfg(*full, "engine.weight_sync=object_store")), cluster)
@@ -445,26 +507,50 @@ def test_candidates_cover_the_knobs():
     assert {p.unit_groups for p in plans} == {1, 2, 4, 8}
     assert {p.tsp_degree for p in plans} == {1, 2, 4}
     assert {(p.tag, p.max_staleness) for p in plans if p.placement == "disaggregated"} == {
-        (False, 0), (False, 1), (True, 0), (True, 1)}
-    splits = {(p.rollout_pool.device, p.rollout_pool.count, p.trainer_pools[0].device, p.trainer_pools[0].count)
-              for p in plans if p.placement == "disaggregated"}
+        (False, 0),
+        (False, 1),
+        (True, 0),
+        (True, 1),
+    }
+    splits = {
+        (p.rollout_pool.device, p.rollout_pool.count, p.trainer_pools[0].device, p.trainer_pools[0].count)
+        for p in plans
+        if p.placement == "disaggregated"
+    }
     assert ("H20", 16, "H800", 8) in splits and ("H800", 3, "H800", 5) in splits
 
 
 @pytest.mark.slow
 def test_plan_cli_json_and_write_then_train_one_iteration(tmp_path):
     out = tmp_path / "plan.yaml"
-    result = cli("plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"), "--top", "3", "--json", "--write", str(out))
+    result = cli(
+        "plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"), "--top", "3", "--json", "--write", str(out)
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert 0 < len(report["plans"]) <= 3
-    assert {"samples_per_s", "bubble_fraction", "speedup_vs_colocated", "engine", "pools"} <= set(report["plans"][0])
+    assert {"samples_per_s", "bubble_fraction", "speedup_vs_colocated", "engine", "pools"} <= set(
+        report["plans"][0]
+    )
     cfg = load_config(out)
     assert cfg.placement.mode in ("colocated", "disaggregated") and cfg.train.device == "cpu"
     assert {p.device for p in cfg.cluster.pools} == {"cpu"}
     run_dir = tmp_path / "run"
-    result = cli("train", "-c", str(out), "--set", "train.iterations=1", "--set", "model.height=16",
-                 "--set", "model.width=16", "--set", "output.tensorboard=false", "--run-dir", str(run_dir))
+    result = cli(
+        "train",
+        "-c",
+        str(out),
+        "--set",
+        "train.iterations=1",
+        "--set",
+        "model.height=16",
+        "--set",
+        "model.width=16",
+        "--set",
+        "output.tensorboard=false",
+        "--run-dir",
+        str(run_dir),
+    )
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["samples_per_s"] > 0
@@ -472,8 +558,15 @@ def test_plan_cli_json_and_write_then_train_one_iteration(tmp_path):
 
 
 def test_plan_table_output():
-    result = cli("plan", "-c", str(ROOT / "configs" / "wan2.1_t2v_14b.yaml"), "--cluster",
-                 str(CLUSTERS / "8xH800_16xH20.yaml"), "--top", "2")
+    result = cli(
+        "plan",
+        "-c",
+        str(ROOT / "configs" / "wan2.1_t2v_14b.yaml"),
+        "--cluster",
+        str(CLUSTERS / "8xH800_16xH20.yaml"),
+        "--top",
+        "2",
+    )
     assert result.exit_code == 0, result.output
     assert "samples/s" in result.output and "vs col." in result.output
     assert "predictions" in result.output
@@ -496,8 +589,21 @@ def test_known_gpu_table_has_datasheet_numbers():
 
 
 def test_plan_ladder_timeline_and_iterations(monkeypatch, capsys, tmp_path):
-    code, out, err = cli_main(monkeypatch, capsys, "plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"), "--json",
-                             "--top", "1", "--iterations", "3", "--ladder", "--timeline", str(tmp_path / "tl"))
+    code, out, err = cli_main(
+        monkeypatch,
+        capsys,
+        "plan",
+        "--cluster",
+        str(CLUSTERS / "local_cpu.yaml"),
+        "--json",
+        "--top",
+        "1",
+        "--iterations",
+        "3",
+        "--ladder",
+        "--timeline",
+        str(tmp_path / "tl"),
+    )
     assert code in (0, None), err
     report = json.loads(out)
     steps = [row["step"] for row in report["ladder"]]
@@ -509,23 +615,29 @@ def test_plan_ladder_timeline_and_iterations(monkeypatch, capsys, tmp_path):
         assert row["gain_vs_previous"] == pytest.approx(row["samples_per_s"] / before)
         assert row["samples_per_s"] >= before * 0.999
     for name in ("best", "colocated"):
-        assert (tmp_path / "tl" / name / "timeline.json").is_file() and (tmp_path / "tl" / name / "timeline.png").is_file()
+        assert (tmp_path / "tl" / name / "timeline.json").is_file() and (
+            tmp_path / "tl" / name / "timeline.png"
+        ).is_file()
     tl = Timeline.from_chrome_trace(tmp_path / "tl" / "best" / "timeline.json")
     assert len(tl.iteration_spans()) == 3
     # the table form prints the ladder as its own table
-    code, out, err = cli_main(monkeypatch, capsys, "plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"), "--top", "1",
-                             "--ladder")
+    code, out, err = cli_main(
+        monkeypatch, capsys, "plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"), "--top", "1", "--ladder"
+    )
     assert code in (0, None), err
     assert "what each knob adds" in out and "+async" in out and "vs previous" in out
 
 
-@pytest.mark.parametrize("argv, option", [
-    (["plan", "--iterations", "0"], "--iterations"),
-    (["plan", "--top", "0"], "--top"),
-    (["profile", "--engine", "fast"], "--engine"),
-    (["profile", "--repeats", "0"], "--repeats"),
-    (["profile", "--device", "tpu"], "--device"),
-])
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["plan", "--iterations", "0"], "--iterations"),
+        (["plan", "--top", "0"], "--top"),
+        (["profile", "--engine", "fast"], "--engine"),
+        (["profile", "--repeats", "0"], "--repeats"),
+        (["profile", "--device", "tpu"], "--device"),
+    ],
+)
 def test_plan_and_profile_bad_options_exit_2_naming_the_option(monkeypatch, capsys, argv, option):
     code, out, err = cli_main(monkeypatch, capsys, *argv)
     assert code == 2
@@ -535,8 +647,15 @@ def test_plan_and_profile_bad_options_exit_2_naming_the_option(monkeypatch, caps
 
 def test_plan_timeline_that_is_a_file_exits_2(monkeypatch, capsys, tmp_path):
     (tmp_path / "f").write_text("x")
-    code, out, err = cli_main(monkeypatch, capsys, "plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"),
-                             "--timeline", str(tmp_path / "f"))
+    code, out, err = cli_main(
+        monkeypatch,
+        capsys,
+        "plan",
+        "--cluster",
+        str(CLUSTERS / "local_cpu.yaml"),
+        "--timeline",
+        str(tmp_path / "f"),
+    )
     assert code == 2 and "--timeline" in err and len(err.strip().splitlines()) == 1
 
 
@@ -565,28 +684,48 @@ def test_spread_units_gives_every_device_a_unit():
 
 def test_colocated_plan_of_a_run_config_splits_groups_fewer_than_devices(tiny_cfg):
     pools = "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 2}]"
-    cfg = tiny_cfg("placement.mode=colocated", "engine.max_staleness=0", "train.prompts_per_iteration=1",
-                   "algorithm.group_size=8", pools)
+    cfg = tiny_cfg(
+        "placement.mode=colocated",
+        "engine.max_staleness=0",
+        "train.prompts_per_iteration=1",
+        "algorithm.group_size=8",
+        pools,
+    )
     plan = Plan.from_run_config(cfg)
-    assert (plan.unit_groups, plan.group_parts) == (1, 4) and plan.scheduler_config(1, 1).units_per_iteration == 4
-    pinned = Plan.from_run_config(tiny_cfg("placement.mode=colocated", "train.prompts_per_iteration=1",
-                                           "algorithm.group_size=8", "engine.unit_samples=8", pools))
+    assert (plan.unit_groups, plan.group_parts) == (1, 4) and plan.scheduler_config(
+        1, 1
+    ).units_per_iteration == 4
+    pinned = Plan.from_run_config(
+        tiny_cfg(
+            "placement.mode=colocated",
+            "train.prompts_per_iteration=1",
+            "algorithm.group_size=8",
+            "engine.unit_samples=8",
+            pools,
+        )
+    )
     assert pinned.group_parts == 1  # an explicit engine.unit_samples is kept
-    disagg_plan = Plan.from_run_config(tiny_cfg("train.prompts_per_iteration=1", "algorithm.group_size=8", pools))
+    disagg_plan = Plan.from_run_config(
+        tiny_cfg("train.prompts_per_iteration=1", "algorithm.group_size=8", pools)
+    )
     assert disagg_plan.group_parts == 1  # only colocated spreads by itself
 
 
 def test_sub_group_units_keep_every_colocated_device_busy(tiny_cfg):
     """One group on 4 colocated devices: whole-group units leave 3 idle (r + t + s per iteration), quarter
     groups spread it (r/4 + t/4 + s), and every device rolls out."""
-    cost = ProportionalCost(tiny_cfg("train.prompts_per_iteration=1", "algorithm.group_size=8"), 1.0, 0.5, 0.1)
+    cost = ProportionalCost(
+        tiny_cfg("train.prompts_per_iteration=1", "algorithm.group_size=8"), 1.0, 0.5, 0.1
+    )
     devices = (pool("g", "H100", 4),)
     whole = simulate(Plan("colocated", devices, 1), cost, iterations=3)
     split = simulate(Plan("colocated", devices, 1, group_parts=4), cost, iterations=3)
     assert whole.iteration_s == pytest.approx(1.0 + 0.5 + 0.1)
     assert split.iteration_s == pytest.approx(0.25 + 0.125 + 0.1)
     assert {e.worker for e in split.timeline.of("rollout")} == {"g0", "g1", "g2", "g3"}
-    assert split.timeline.iteration_stats()[1]["samples"] == whole.timeline.iteration_stats()[1]["samples"] == 8
+    assert (
+        split.timeline.iteration_stats()[1]["samples"] == whole.timeline.iteration_stats()[1]["samples"] == 8
+    )
 
 
 def test_baselines_include_spread_colocation_and_separate_async():
@@ -607,15 +746,27 @@ def test_baselines_include_spread_colocation_and_separate_async():
 
 
 def test_plan_report_lists_the_baselines(monkeypatch, capsys):
-    code, out, err = cli_main(monkeypatch, capsys, "plan", "-c", str(ROOT / "configs" / "hunyuan_video.yaml"),
-                              "--cluster", str(CLUSTERS / "16xH800.yaml"), "--top", "1", "--json")
+    code, out, err = cli_main(
+        monkeypatch,
+        capsys,
+        "plan",
+        "-c",
+        str(ROOT / "configs" / "hunyuan_video.yaml"),
+        "--cluster",
+        str(CLUSTERS / "16xH800.yaml"),
+        "--top",
+        "1",
+        "--json",
+    )
     assert code in (0, None), err
     report = json.loads(out)
     assert set(report["baselines"]) == {"colocated", "colocated_whole_groups", "separate_async"}
     best = report["plans"][0]["samples_per_s"]
     for row in report["baselines"].values():
         assert row["best_speedup"] == pytest.approx(best / row["samples_per_s"])
-        if row["engine_refuses"] is None:  # an arrangement the engine runs too was in the search: never faster
+        if (
+            row["engine_refuses"] is None
+        ):  # an arrangement the engine runs too was in the search: never faster
             assert row["best_speedup"] >= 1 - 1e-9
         else:  # e.g. colocated with sequence parallelism: the peers run it, the engine refuses it
             assert "engine refuses" in row["engine_refuses"]

@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 from digenrl.cli.app import app
 from digenrl.config import PoolConfig, load_config
 from digenrl.errors import UserError
+from digenrl.placement import Plan
 from digenrl.planner.costmodel import CostModel, ProfiledTimes, Workload
 from digenrl.planner.gpus import load_cluster
 from digenrl.planner.profile import batch_sizes, load_profile, run_profile, save_profile
-from digenrl.placement import Plan
 from digenrl.planner.simulator import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +36,9 @@ def test_profile_each_tiny_family(family, tmp_path):
     assert w["steps"] == 2 and w["group_size"] == 2
     assert w["guidance_passes"] == (2 if family in ("wan", "qwen") else 1)
     rollout_b, train_b = batch_sizes(cfg, [1, 2])
-    assert set(map(int, m["rollout_step_s"])) == set(rollout_b) and set(map(int, m["train_step_s"])) == set(train_b)
+    assert set(map(int, m["rollout_step_s"])) == set(rollout_b) and set(map(int, m["train_step_s"])) == set(
+        train_b
+    )
     assert all(v > 0 for v in m["rollout_step_s"].values()) and all(v > 0 for v in m["train_step_s"].values())
     for key in ("decode_s_per_sample", "reward_s_per_sample", "encode_s_per_prompt", "optimizer_step_s"):
         assert m[key] > 0, key
@@ -48,11 +50,18 @@ def test_profile_each_tiny_family(family, tmp_path):
     # it round-trips through profile.json and calibrates the cost model of the same model
     path = save_profile(profile, tmp_path / "profile.json")
     again = load_profile(path)
-    cost = CostModel(Workload.from_config(cfg), load_cluster(ROOT / "configs" / "clusters" / "local_cpu.yaml"),
-                     profile=again)
+    cost = CostModel(
+        Workload.from_config(cfg),
+        load_cluster(ROOT / "configs" / "clusters" / "local_cpu.yaml"),
+        profile=again,
+    )
     assert isinstance(cost.times("cpu"), ProfiledTimes)
     assert cost.rollout_unit("cpu", 1)[0] > 0 and cost.train_unit("cpu", 1, 0, 1) > 0
-    plan = Plan("disaggregated", (PoolConfig(name="rollout", device="cpu"), PoolConfig(name="trainer", device="cpu")), 1)
+    plan = Plan(
+        "disaggregated",
+        (PoolConfig(name="rollout", device="cpu"), PoolConfig(name="trainer", device="cpu")),
+        1,
+    )
     assert simulate(plan, cost).samples_per_s > 0
 
 
@@ -68,12 +77,18 @@ def test_profile_of_another_model_is_refused(tmp_path):
     path = save_profile(fast_profile(cfg, sharing=0), tmp_path / "flux.json")
     wan = load_config(ROOT / "configs" / "wan_tiny.yaml", FAST)
     with pytest.raises(UserError, match="measured on FluxTransformer2DModel"):
-        CostModel(Workload.from_config(wan), load_cluster(ROOT / "configs" / "clusters" / "local_cpu.yaml"),
-                  profile=load_profile(path))
+        CostModel(
+            Workload.from_config(wan),
+            load_cluster(ROOT / "configs" / "clusters" / "local_cpu.yaml"),
+            profile=load_profile(path),
+        )
     bigger = load_config(None, FAST + ["model.height=64", "model.width=64"])
     with pytest.raises(UserError, match="tokens per sample"):
-        CostModel(Workload.from_config(bigger), load_cluster(ROOT / "configs" / "clusters" / "local_cpu.yaml"),
-                  profile=load_profile(path))
+        CostModel(
+            Workload.from_config(bigger),
+            load_cluster(ROOT / "configs" / "clusters" / "local_cpu.yaml"),
+            profile=load_profile(path),
+        )
     (tmp_path / "junk.json").write_text("{}")
     with pytest.raises(UserError, match="not a digenrl profile"):
         load_profile(tmp_path / "junk.json")
@@ -82,8 +97,10 @@ def test_profile_of_another_model_is_refused(tmp_path):
 @pytest.mark.slow
 def test_profile_cli_writes_json_and_prints_a_table(tmp_path):
     cfg_file = tmp_path / "small.yaml"
-    cfg_file.write_text("sampling: {steps: 2}\nalgorithm: {group_size: 2}\ntrain: {prompts_per_iteration: 2, "
-                        "micro_batch: 2}\n")
+    cfg_file.write_text(
+        "sampling: {steps: 2}\nalgorithm: {group_size: 2}\ntrain: {prompts_per_iteration: 2, "
+        "micro_batch: 2}\n"
+    )
     out = tmp_path / "p" / "profile.json"
     result = CliRunner().invoke(app, ["profile", "--config", str(cfg_file), "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -91,9 +108,21 @@ def test_profile_cli_writes_json_and_prints_a_table(tmp_path):
     data = json.loads(out.read_text())
     assert data["engine"]["call_s"] > 0 and data["engine"]["transfer_bytes_per_s"] > 0
     # and `digenrl plan` takes it
-    result = CliRunner().invoke(app, ["plan", "--config", str(cfg_file), "--cluster",
-                                      str(ROOT / "configs" / "clusters" / "local_cpu.yaml"), "--profile", str(out),
-                                      "--json", "--top", "2"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            "--config",
+            str(cfg_file),
+            "--cluster",
+            str(ROOT / "configs" / "clusters" / "local_cpu.yaml"),
+            "--profile",
+            str(out),
+            "--json",
+            "--top",
+            "2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["cost_model"]["times"]["cpu"].startswith("profile")
 
@@ -114,15 +143,22 @@ def test_whole_unit_factor_scales_every_composed_unit_and_tsp_shares_split_it(tm
     cluster = load_cluster(ROOT / "configs" / "clusters" / "local_cpu.yaml")
     w = Workload.from_config(cfg)
     base = CostModel(w, cluster, profile=profile)
-    doubled = {**profile, "measurements": {**profile["measurements"],
-                                           "unit_overhead": {**u, "train_factor": 2 * u["train_factor"]}}}
+    doubled = {
+        **profile,
+        "measurements": {
+            **profile["measurements"],
+            "unit_overhead": {**u, "train_factor": 2 * u["train_factor"]},
+        },
+    }
     slow = CostModel(w, cluster, profile=doubled)
     assert slow.train_unit("cpu", 1, 0, 1) == pytest.approx(2 * base.train_unit("cpu", 1, 0, 1))
     # the TSP shares of a unit add up to the unit (overhead included), each in proportion to its positions
     for D in (2, 3):
         shares = [base.train_unit("cpu", 1, r, D) for r in range(D)]
         assert sum(shares) == pytest.approx(base.train_unit("cpu", 1, 0, 1))
-        assert shares[0] == pytest.approx(base.train_unit("cpu", 1, 0, 1) * w.positions(0, D) / w.trained_steps)
+        assert shares[0] == pytest.approx(
+            base.train_unit("cpu", 1, 0, 1) * w.positions(0, D) / w.trained_steps
+        )
 
 
 def test_engine_unit_factor_is_taken_against_the_reference_units():
@@ -162,8 +198,10 @@ def test_other_load_counts_our_children_as_ours():
 
     from digenrl.planner.measure.contention import OtherLoad
 
-    spin = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<3: pass"],
-                            start_new_session=True)
+    spin = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<3: pass"],
+        start_new_session=True,
+    )
     try:
         time.sleep(0.3)
         with OtherLoad(every=0.2) as load:  # a child of ours: not "other"
@@ -178,11 +216,24 @@ def test_profile_cli_engine_none_measures_the_model_only(monkeypatch, capsys, tm
     from helpers import cli
 
     cfg_file = tmp_path / "small.yaml"
-    cfg_file.write_text("sampling: {steps: 2}\nalgorithm: {group_size: 2}\ntrain: {prompts_per_iteration: 2, "
-                        "micro_batch: 2}\n")
+    cfg_file.write_text(
+        "sampling: {steps: 2}\nalgorithm: {group_size: 2}\ntrain: {prompts_per_iteration: 2, "
+        "micro_batch: 2}\n"
+    )
     out = tmp_path / "profile.json"
-    code, stdout, err = cli(monkeypatch, capsys, "profile", "--config", str(cfg_file), "--out", str(out),
-                            "--engine", "none", "--repeats", "1")
+    code, stdout, err = cli(
+        monkeypatch,
+        capsys,
+        "profile",
+        "--config",
+        str(cfg_file),
+        "--out",
+        str(out),
+        "--engine",
+        "none",
+        "--repeats",
+        "1",
+    )
     assert code in (0, None), err
     data = json.loads(out.read_text())
     assert data["engine"] is None and "engine: call round trip" not in stdout
@@ -202,7 +253,8 @@ def test_gpu_profile_calibrates_the_mfu_from_the_batches_both_tables_measured():
     roll_mfu, train_mfu = {4: 0.30, 8: 0.50, 32: 0.05}, {1: 0.7, 4: 0.20, 8: 0.40}
     profile = {
         "device": {"kind": "gpu", "name": "NVIDIA H100 80GB HBM3", "table_key": "H100"},
-        "model": w.shape.signature(), "workload": {"tokens": {"x": w.shape.tokens.x, "text": w.shape.tokens.text}},
+        "model": w.shape.signature(),
+        "workload": {"tokens": {"x": w.shape.tokens.x, "text": w.shape.tokens.text}},
         "measurements": {
             "rollout_step_s": {str(b): b * flops / (u * peak) for b, u in roll_mfu.items()},
             "train_step_s": {str(b): b * flops * train_factor / (u * peak) for b, u in train_mfu.items()},

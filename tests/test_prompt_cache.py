@@ -36,11 +36,17 @@ def assert_same_cond(a, b):
 
 
 def test_each_distinct_prompt_is_encoded_once_and_equals_a_fresh_encoding(tiny_cfg):
-    wan = load_config(Path(__file__).resolve().parents[1] / "configs" / "wan_tiny.yaml", ["sampling.guidance=3"])
+    wan = load_config(
+        Path(__file__).resolve().parents[1] / "configs" / "wan_tiny.yaml", ["sampling.guidance=3"]
+    )
     for cfg in (tiny_cfg(), wan):
         ad = build_adapter(cfg.model, cfg.sampling)
         ad.text = CountingEncoder(ad.text)
-        iterations = [["a red apple", "a blue sky"], ["a blue sky", "a cat", "a cat"], ["a red apple", "a cat"]]
+        iterations = [
+            ["a red apple", "a blue sky"],
+            ["a blue sky", "a cat", "a cat"],
+            ["a red apple", "a cat"],
+        ]
         for prompts in iterations:
             cond = ad.cond_for(prompts)
             assert_same_cond(cond, ad.encode_prompts(prompts))  # the reference: encoding again
@@ -91,19 +97,36 @@ def wan_checkpoint(tmp_path_factory):
     words = ["<pad>", "</s>", "<unk>", "a", "red", "apple", "blue", "sky", "cat"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(words), d_model=tiny.transformer.config.text_dim,
-                                              d_kv=8, d_ff=32, num_layers=1, num_heads=2))
+        encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=len(words),
+                d_model=tiny.transformer.config.text_dim,
+                d_kv=8,
+                d_ff=32,
+                num_layers=1,
+                num_heads=2,
+            )
+        )
     path = tmp_path_factory.mktemp("wan_ckpt")
-    WanPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=tiny.vae, transformer=tiny.transformer,
-                scheduler=tiny.flow_scheduler({"shift": 3.0})).save_pretrained(path)
+    WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=encoder,
+        vae=tiny.vae,
+        transformer=tiny.transformer,
+        scheduler=tiny.flow_scheduler({"shift": 3.0}),
+    ).save_pretrained(path)
     return path
 
 
 def wan_pretrained(path, *overrides):
-    cfg = load_config(WAN_TINY, [f"model.pretrained={path}", "model.preset=null", "sampling.guidance=3", *overrides])
+    cfg = load_config(
+        WAN_TINY, [f"model.pretrained={path}", "model.preset=null", "sampling.guidance=3", *overrides]
+    )
     return build_adapter(cfg.model, cfg.sampling)
 
 
@@ -131,9 +154,11 @@ def test_a_lean_rank_loads_the_transformer_alone(wan_checkpoint, monkeypatch):
     full = wan_pretrained(wan_checkpoint)
     built = []
     for cls in (UMT5EncoderModel, AutoencoderKLWan):
+
         def refuse(*args, _cls=cls, **kwargs):
             built.append(_cls.__name__)
             raise AssertionError(f"{_cls.__name__} loaded on a lean rank")
+
         monkeypatch.setattr(cls, "from_pretrained", refuse)
         monkeypatch.setattr(cls, "__init__", refuse)
     cfg = load_config(WAN_TINY, [f"model.pretrained={wan_checkpoint}", "model.preset=null"])
@@ -150,8 +175,14 @@ def test_an_engine_trainer_rank_loads_the_transformer_alone(wan_checkpoint):
     from digenrl.engine.workers import EngineWorker
     from digenrl.lora import checksum
 
-    overrides = [f"model.pretrained={wan_checkpoint}", "model.preset=null", "placement.mode=disaggregated",
-                 "engine.tag=false", "train.prompts_per_iteration=2", "algorithm.group_size=2"]
+    overrides = [
+        f"model.pretrained={wan_checkpoint}",
+        "model.preset=null",
+        "placement.mode=disaggregated",
+        "engine.tag=false",
+        "train.prompts_per_iteration=2",
+        "algorithm.group_size=2",
+    ]
     cfg = load_config(WAN_TINY, overrides)
     trainer, rollout = EngineWorker(cfg, "trainer-0", "trainer"), EngineWorker(cfg, "rollout-0", "rollout")
     assert trainer.init_error is None and rollout.init_error is None

@@ -22,15 +22,26 @@ def run_both(cfg, steps=6):
     noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
     ours = sample(ad, cond, noise, ad.sigmas(steps), "flow_grpo", 0.0, None).latents
 
-    pipe = QwenImagePipeline(scheduler=ad.flow_scheduler(dict(ad.scheduler.config)), vae=ad.vae,
-                             text_encoder=None, tokenizer=None, transformer=ad.transformer)
+    pipe = QwenImagePipeline(
+        scheduler=ad.flow_scheduler(dict(ad.scheduler.config)),
+        vae=ad.vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=ad.transformer,
+    )
     pipe.set_progress_bar_config(disable=True)
     seen = []
     images = pipe(
-        prompt_embeds=cond.batched["prompt_embeds"], prompt_embeds_mask=cond.batched["mask"],
-        negative_prompt_embeds=cond.batched["neg_prompt_embeds"], negative_prompt_embeds_mask=cond.batched["neg_mask"],
-        true_cfg_scale=cfg.sampling.guidance, latents=noise.clone(), num_inference_steps=steps,
-        height=cfg.model.height, width=cfg.model.width, output_type="pt",
+        prompt_embeds=cond.batched["prompt_embeds"],
+        prompt_embeds_mask=cond.batched["mask"],
+        negative_prompt_embeds=cond.batched["neg_prompt_embeds"],
+        negative_prompt_embeds_mask=cond.batched["neg_mask"],
+        true_cfg_scale=cfg.sampling.guidance,
+        latents=noise.clone(),
+        num_inference_steps=steps,
+        height=cfg.model.height,
+        width=cfg.model.width,
+        output_type="pt",
         callback_on_step_end=lambda p, i, t, kw: seen.append(kw["latents"].clone()) or {},
     ).images
     return ad, noise, ours, torch.stack(seen, 1), images
@@ -90,7 +101,9 @@ def test_lora_targets_all_exist(tiny_cfg):
         assert any(n.endswith("." + target) for n in names), target
 
 
-@pytest.mark.parametrize("override,field", [("model.height=36", "model.height"), ("model.frames=1", "model.frames")])
+@pytest.mark.parametrize(
+    "override,field", [("model.height=36", "model.height"), ("model.frames=1", "model.frames")]
+)
 def test_bad_shape_is_a_user_error(tiny_cfg, override, field):
     cfg = tiny_cfg(*QWEN, override)
     with pytest.raises(UserError, match=field):

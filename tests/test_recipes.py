@@ -16,10 +16,21 @@ import pytest
 from digenrl.config import load_config
 
 RECIPES = sorted((Path(__file__).parents[1] / "configs" / "recipes").glob("*.yaml"))
-COMMON = ["model.preset=tiny", "model.pretrained=null", "model.dtype=float32", "model.max_text_len=16",
-          "prompts.file=null", "prompts.builtin=colors", "reward.components=[{name: prompt_color}]",
-          "train.iterations=2", "train.prompts_per_iteration=1", "train.device=cpu", "engine.unit_groups=1",
-          "placement.mode=local", "output.checkpoint_every=0"]
+COMMON = [
+    "model.preset=tiny",
+    "model.pretrained=null",
+    "model.dtype=float32",
+    "model.max_text_len=16",
+    "prompts.file=null",
+    "prompts.builtin=colors",
+    "reward.components=[{name: prompt_color}]",
+    "train.iterations=2",
+    "train.prompts_per_iteration=1",
+    "train.device=cpu",
+    "engine.unit_groups=1",
+    "placement.mode=local",
+    "output.checkpoint_every=0",
+]
 TINY = {  # per family: a size the tiny preset takes
     "flux": ["model.height=16", "model.width=16"],
     "hunyuan_video": ["model.height=32", "model.width=32", "model.frames=9"],
@@ -28,8 +39,13 @@ TINY = {  # per family: a size the tiny preset takes
 
 def test_every_family_has_a_recipe_and_every_recipe_a_readme_row():
     names = {p.stem for p in RECIPES}
-    assert {"flow_grpo_flux_pickscore", "flow_grpo_fast_flux_pickscore", "dancegrpo_flux_hpsv2",
-            "dancegrpo_hunyuan_videoalign", "mixgrpo_flux"} <= names
+    assert {
+        "flow_grpo_flux_pickscore",
+        "flow_grpo_fast_flux_pickscore",
+        "dancegrpo_flux_hpsv2",
+        "dancegrpo_hunyuan_videoalign",
+        "mixgrpo_flux",
+    } <= names
     readme = (RECIPES[0].parent / "README.md").read_text()
     for name in names:
         assert f"{name}.yaml" in readme, name
@@ -63,8 +79,14 @@ def test_recipe_runs_two_iterations_on_the_tiny_preset(recipe, tmp_path, monkeyp
     cfg = load_config(recipe, [*COMMON, *TINY[published.model.adapter], f"output.run_dir={tmp_path / 'run'}"])
     alg, samp = cfg.algorithm, cfg.sampling
     # the algorithm is the recipe's, untouched by the swap
-    assert alg.model_dump() == published.algorithm.model_dump() and samp.model_dump() == published.sampling.model_dump()
-    assert (cfg.train.optimizer_steps, cfg.train.ema) == (published.train.optimizer_steps, published.train.ema)
+    assert (
+        alg.model_dump() == published.algorithm.model_dump()
+        and samp.model_dump() == published.sampling.model_dump()
+    )
+    assert (cfg.train.optimizer_steps, cfg.train.ema) == (
+        published.train.optimizer_steps,
+        published.train.ema,
+    )
     trainer = LocalTrainer(cfg)
     result = trainer.run()
     rows = result.metrics

@@ -123,7 +123,9 @@ def test_videos_per_frame_and_whole(server):
     frames = video.permute(0, 2, 1, 3, 4).reshape(12, 3, 8, 8)
     want = PromptColor()(frames, [p for p in prompts for _ in range(4)], [{}] * 12).view(3, 4).mean(1)
     assert torch.allclose(per_frame, want, atol=1e-6)
-    whole = Server(lambda imgs, p, m: [float(v.shape[1]) for v in imgs])  # frames per video, as the server saw it
+    whole = Server(
+        lambda imgs, p, m: [float(v.shape[1]) for v in imgs]
+    )  # frames per video, as the server saw it
     try:
         got = RemoteReward(url=whole.url, video_native=True)(video, prompts, metas)
         assert got.tolist() == [4.0, 4.0, 4.0]
@@ -132,9 +134,14 @@ def test_videos_per_frame_and_whole(server):
 
 
 def test_configured_as_a_component_and_weighted(server):
-    reward = build_reward(RewardConfig(components=[
-        {"name": "remote", "weight": 2.0, "args": {"url": server.url, "format": "array"}},
-        {"name": "prompt_color", "weight": 0.0}]))
+    reward = build_reward(
+        RewardConfig(
+            components=[
+                {"name": "remote", "weight": 2.0, "args": {"url": server.url, "format": "array"}},
+                {"name": "prompt_color", "weight": 0.0},
+            ]
+        )
+    )
     pixels, prompts, metas = batch()
     total, parts = reward(pixels, prompts, metas)
     assert torch.allclose(parts["remote"], parts["prompt_color"], atol=1e-6)
@@ -145,9 +152,15 @@ def test_two_servers_as_labelled_components(server):
     """``remote:<label>`` lists one reward kind twice: each component its own server, logged by its name."""
     other = Server(lambda imgs, p, m: [float(i) for i in range(len(imgs))])
     try:
-        reward = build_reward(RewardConfig(combine="per_reward_advantage", components=[
-            {"name": "remote:colour", "args": {"url": server.url, "format": "array"}},
-            {"name": "remote:index", "weight": 0.5, "args": {"url": other.url}}]))
+        reward = build_reward(
+            RewardConfig(
+                combine="per_reward_advantage",
+                components=[
+                    {"name": "remote:colour", "args": {"url": server.url, "format": "array"}},
+                    {"name": "remote:index", "weight": 0.5, "args": {"url": other.url}},
+                ],
+            )
+        )
         pixels, prompts, metas = batch()
         total, parts = reward(pixels, prompts, metas)
         assert set(parts) == {"remote:colour", "remote:index"}
@@ -182,14 +195,17 @@ def test_timeout_is_one_line():
         httpd.server_close()
 
 
-@pytest.mark.parametrize("status, body, needle", [
-    (200, b"<html>oops</html>", "the answer is not JSON (starts '<html>oops</html>')"),
-    (200, b'{"score": [1, 2]}', 'the answer has no "scores" list'),
-    (200, b'{"scores": [1.0, 2.0]}', "answered 2 scores for 6 samples"),
-    (200, b'{"scores": [1, 2, 3, 4, 5, "x"]}', "score 5 is not a number ('x')"),
-    (200, b'{"scores": [1, 2, 3, 4, 5, 6], "info": [{}]}', '"info" must be a list of 6 objects'),
-    (404, b"no such route", "HTTP 404 Not Found: no such route"),
-])
+@pytest.mark.parametrize(
+    "status, body, needle",
+    [
+        (200, b"<html>oops</html>", "the answer is not JSON (starts '<html>oops</html>')"),
+        (200, b'{"score": [1, 2]}', 'the answer has no "scores" list'),
+        (200, b'{"scores": [1.0, 2.0]}', "answered 2 scores for 6 samples"),
+        (200, b'{"scores": [1, 2, 3, 4, 5, "x"]}', "score 5 is not a number ('x')"),
+        (200, b'{"scores": [1, 2, 3, 4, 5, 6], "info": [{}]}', '"info" must be a list of 6 objects'),
+        (404, b"no such route", "HTTP 404 Not Found: no such route"),
+    ],
+)
 def test_garbage_answers_are_one_line_never_a_score(status, body, needle):
     httpd, url, count = raw_server(lambda n: (status, body))
     try:
@@ -222,14 +238,17 @@ def test_a_retry_rides_out_a_server_error_then_scores():
         httpd.server_close()
 
 
-@pytest.mark.parametrize("args, needle", [
-    ({}, "url: reward 'remote': an http:// or https:// address"),
-    ({"url": "ftp://x"}, "url: reward 'remote'"),
-    ({"url": "http://x", "timeout": 0}, "timeout: reward 'remote': must be a positive number"),
-    ({"url": "http://x", "retries": -1}, "retries: reward 'remote': must be a non-negative integer"),
-    ({"url": "http://x", "batch_size": 0}, "batch_size: reward 'remote': must be a positive integer"),
-    ({"url": "http://x", "format": "jpeg"}, "format: reward 'remote': must be png or array"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ({}, "url: reward 'remote': an http:// or https:// address"),
+        ({"url": "ftp://x"}, "url: reward 'remote'"),
+        ({"url": "http://x", "timeout": 0}, "timeout: reward 'remote': must be a positive number"),
+        ({"url": "http://x", "retries": -1}, "retries: reward 'remote': must be a non-negative integer"),
+        ({"url": "http://x", "batch_size": 0}, "batch_size: reward 'remote': must be a positive integer"),
+        ({"url": "http://x", "format": "jpeg"}, "format: reward 'remote': must be png or array"),
+    ],
+)
 def test_bad_args_name_the_field(args, needle):
     with pytest.raises(UserError) as exc:
         build_reward(RewardConfig(components=[{"name": "remote", "args": args}]))
@@ -240,9 +259,21 @@ def test_a_server_down_at_start_stops_before_anything_is_written(tmp_path, monke
     from tests.helpers import cli
 
     with nothing_listens() as url:
-        code, _, err = cli(monkeypatch, capsys, "train", "--run-dir", str(tmp_path / "run"), "--set",
-                           "placement.mode=local", "--set", "model.height=16", "--set", "model.width=16", "--set",
-                           f"reward.components=[{{name: remote, args: {{url: '{url}', retries: 0}}}}]")
+        code, _, err = cli(
+            monkeypatch,
+            capsys,
+            "train",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            "placement.mode=local",
+            "--set",
+            "model.height=16",
+            "--set",
+            "model.width=16",
+            "--set",
+            f"reward.components=[{{name: remote, args: {{url: '{url}', retries: 0}}}}]",
+        )
     assert code == 2 and "reward.components.0: reward 'remote' failed in its dry run" in err, err
     assert "no server answers" in err and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "run").exists()
@@ -265,9 +296,18 @@ def test_server_stopping_mid_run_trains_no_unit_on_missing_scores(tmp_path):
         return numpy_prompt_color(images, prompts, metadata)
 
     srv = Server(limited)
-    cfg = load_config(None, ["placement.mode=local", "model.height=16", "model.width=16", "train.iterations=3",
-                             f"output.run_dir={tmp_path / 'run'}", "reward.components=[{name: remote, args: "
-                             f"{{url: '{srv.url}', retries: 1, backoff: 0.01, timeout: 5}}}}]"])
+    cfg = load_config(
+        None,
+        [
+            "placement.mode=local",
+            "model.height=16",
+            "model.width=16",
+            "train.iterations=3",
+            f"output.run_dir={tmp_path / 'run'}",
+            "reward.components=[{name: remote, args: "
+            f"{{url: '{srv.url}', retries: 1, backoff: 0.01, timeout: 5}}}}]",
+        ],
+    )
     trainer = LocalTrainer(cfg)
     with pytest.raises(RemoteRewardError) as exc:
         trainer.run()
@@ -291,8 +331,10 @@ def test_inside_the_reward_actor(ray_cluster, server):
 
     from digenrl.rewards.service import RewardClient, start_reward_actor
 
-    cfg = RewardConfig(components=[{"name": "remote", "args": {"url": server.url, "format": "array"}}],
-                       service={"num_cpus": 0.1})
+    cfg = RewardConfig(
+        components=[{"name": "remote", "args": {"url": server.url, "format": "array"}}],
+        service={"num_cpus": 0.1},
+    )
     actor = start_reward_actor(cfg)
     try:
         pixels, prompts, metas = batch()

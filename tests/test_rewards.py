@@ -30,14 +30,18 @@ def test_prompt_color_is_one_for_the_named_colour():
 
 def test_video_scored_per_frame_and_averaged():
     red = torch.tensor(COLORS["red"]).view(1, 3, 1, 1, 1)
-    video = torch.cat([red.expand(1, 3, 2, 8, 8), torch.zeros(1, 3, 2, 8, 8)], dim=2)  # 2 red + 2 black frames
+    video = torch.cat(
+        [red.expand(1, 3, 2, 8, 8), torch.zeros(1, 3, 2, 8, 8)], dim=2
+    )  # 2 red + 2 black frames
     frames = video[0].permute(1, 0, 2, 3)
     per_frame = PromptColor()(frames, ["a red car"] * 4)
     assert PromptColor()(video, ["a red car"])[0] == pytest.approx(per_frame.mean().item())
 
 
 def test_weighted_sum_and_parts():
-    cfg = RewardConfig(components=[{"name": "prompt_color", "weight": 2.0}, {"name": "jpeg_compressibility", "weight": 0.5}])
+    cfg = RewardConfig(
+        components=[{"name": "prompt_color", "weight": 2.0}, {"name": "jpeg_compressibility", "weight": 0.5}]
+    )
     fn = build_reward(cfg)
     imgs = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     total, parts = fn(imgs, ["a blue bird", "a green boat"])
@@ -111,7 +115,9 @@ def _reward(*names, nan_policy="fail"):
 def test_nan_fails_or_passes_on_by_policy(fake_rewards):
     imgs = torch.rand(3, 3, 8, 8)
     prompts = ["a good red", "a bad red", "a good blue"]
-    with pytest.raises(UserError, match=r"reward '_by_prompt' returned NaN for 1 of 3 samples .*nan_policy=drop"):
+    with pytest.raises(
+        UserError, match=r"reward '_by_prompt' returned NaN for 1 of 3 samples .*nan_policy=drop"
+    ):
         _reward("prompt_color", "_by_prompt")(imgs, prompts)
     total, parts = _reward("prompt_color", "_by_prompt", nan_policy="drop")(imgs, prompts)
     assert torch.isnan(total).tolist() == [False, True, False]
@@ -127,9 +133,13 @@ def test_nan_fails_or_passes_on_by_policy(fake_rewards):
 def test_dry_run_names_the_broken_reward(fake_rewards):
     shape = (3, 16, 16)
     assert set(_reward("prompt_color", "jpeg_compressibility").check(["a red car"], shape)) == {
-        "prompt_color", "jpeg_compressibility"}
+        "prompt_color",
+        "jpeg_compressibility",
+    }
     _reward("prompt_color").check(["a red car"], (3, 4, 16, 16))  # a video shape
-    with pytest.raises(UserError, match=r"components\.1: reward '_crash' failed in its dry run .*RuntimeError: size mismatch"):
+    with pytest.raises(
+        UserError, match=r"components\.1: reward '_crash' failed in its dry run .*RuntimeError: size mismatch"
+    ):
         _reward("prompt_color", "_crash").check(["a red car"], shape)
     with pytest.raises(UserError, match=r"reward '_wrong_shape' in its dry run .* returned shape \(2, 2\)"):
         _reward("_wrong_shape").check(["a red car"], shape)
@@ -138,15 +148,19 @@ def test_dry_run_names_the_broken_reward(fake_rewards):
     with pytest.raises(UserError, match=r"reward '_by_prompt' in its dry run .* returned NaN for 1 of 2"):
         _reward("_by_prompt").check(["a good one", "a bad one"], shape)
     _reward("_by_prompt", nan_policy="drop").check(["a good one", "a bad one"], shape)  # some scored: fine
-    with pytest.raises(UserError, match=r"components\.0: reward 'prompt_color' failed in its dry run .*names no colour"):
+    with pytest.raises(
+        UserError, match=r"components\.0: reward 'prompt_color' failed in its dry run .*names no colour"
+    ):
         _reward("prompt_color").check(["a car"], shape)
 
 
 def test_reward_metrics_leave_nan_out():
     from digenrl.rewards import reward_metrics
 
-    row = reward_metrics(torch.tensor([1.0, float("nan"), 3.0]),
-                         {"a": torch.tensor([1.0, float("nan"), 3.0]), "b": torch.tensor([0.0, 2.0, 4.0])})
+    row = reward_metrics(
+        torch.tensor([1.0, float("nan"), 3.0]),
+        {"a": torch.tensor([1.0, float("nan"), 3.0]), "b": torch.tensor([0.0, 2.0, 4.0])},
+    )
     assert row["reward_nan"] == 1 and row["reward_mean"] == 2.0 and row["reward_std"] == pytest.approx(2**0.5)
     assert row["reward/a"] == 2.0 and row["reward/b"] == 2.0
 
@@ -168,9 +182,14 @@ def _run_cfg(combine, group_size, weights, std="per_prompt", nan_policy="fail", 
     """The closed forms below use the sample std (ddof 1); the default ddof 0 is tested in test_grpo.py."""
     from digenrl.config import RunConfig
 
-    return RunConfig(algorithm={"group_size": group_size, "std": std, "adv_clip": adv_clip, "std_ddof": std_ddof},
-                     reward={"combine": combine, "nan_policy": nan_policy,
-                             "components": [{"name": n, "weight": w} for n, w in weights.items()]})
+    return RunConfig(
+        algorithm={"group_size": group_size, "std": std, "adv_clip": adv_clip, "std_ddof": std_ddof},
+        reward={
+            "combine": combine,
+            "nan_policy": nan_policy,
+            "components": [{"name": n, "weight": w} for n, w in weights.items()],
+        },
+    )
 
 
 def test_weighted_sum_vs_per_reward_advantage_closed_form():
@@ -186,7 +205,9 @@ def test_weighted_sum_vs_per_reward_advantage_closed_form():
     # per reward: a -> [-1, 0, 1] / (1 + eps); b -> [-2, -2, 4] / (sqrt(12) + eps); then 1 * a + 0.5 * b
     b = _Batch(parts, w)
     assign_advantages([b], _run_cfg("per_reward_advantage", 3, w))
-    want = torch.tensor([-1.0, 0.0, 1.0]) / (1 + eps) + 0.5 * torch.tensor([-2.0, -2.0, 4.0]) / (12**0.5 + eps)
+    want = torch.tensor([-1.0, 0.0, 1.0]) / (1 + eps) + 0.5 * torch.tensor([-2.0, -2.0, 4.0]) / (
+        12**0.5 + eps
+    )
     assert torch.allclose(b.advantages, want)
     # the clip applies to the weighted sum of advantages
     b = _Batch(parts, w)
@@ -196,7 +217,10 @@ def test_weighted_sum_vs_per_reward_advantage_closed_form():
     b1, b2 = _Batch(parts, w), _Batch({"a": [3.0, 3.0, 6.0], "b": [1.0, 1.0, 1.0]}, w)
     assign_advantages([b1, b2], _run_cfg("per_reward_advantage", 3, w, std="global"))
     sa, sb = torch.tensor([1.0, 2, 3, 3, 3, 6]).std(), torch.tensor([0.0, 0, 6, 1, 1, 1]).std()
-    assert torch.allclose(b1.advantages, torch.tensor([-1.0, 0, 1]) / (sa + eps) + 0.5 * torch.tensor([-2.0, -2, 4]) / (sb + eps))
+    assert torch.allclose(
+        b1.advantages,
+        torch.tensor([-1.0, 0, 1]) / (sa + eps) + 0.5 * torch.tensor([-2.0, -2, 4]) / (sb + eps),
+    )
     assert torch.allclose(b2.advantages, torch.tensor([-1.0, -1, 2]) / (sa + eps))  # b is flat: no signal
 
 
@@ -206,7 +230,9 @@ def test_dropped_samples_get_zero_advantage_and_leave_the_group_stats():
 
     nan, eps = float("nan"), 1e-4
     a = group_advantages(torch.tensor([1.0, nan, 3.0, 5.0, 7.0, nan, nan, nan]), 4, ddof=1)
-    assert torch.allclose(a[:4], torch.tensor([-2.0, 0.0, 0.0, 2.0]) / (2 + eps))  # mean 3, std 2 of [1, 3, 5]
+    assert torch.allclose(
+        a[:4], torch.tensor([-2.0, 0.0, 0.0, 2.0]) / (2 + eps)
+    )  # mean 3, std 2 of [1, 3, 5]
     assert torch.all(a[4:] == 0)  # one scored sample: no signal
     g = group_advantages(torch.tensor([0.0, nan, 2.0, 4.0, 6.0, nan]), 3, std="global", ddof=1)
     s = torch.tensor([0.0, 2.0, 4.0, 6.0]).std()
@@ -219,4 +245,6 @@ def test_dropped_samples_get_zero_advantage_and_leave_the_group_stats():
     assert torch.allclose(b.advantages, torch.cat([want, torch.zeros(1)]))
     b = _Batch({"a": [1.0, 2.0, 3.0, 9.0], "b": [0.0, 1.0, 2.0, nan]}, w)
     assign_advantages([b], _run_cfg("weighted_sum", 4, w, nan_policy="drop"))
-    assert torch.allclose(b.advantages, torch.cat([torch.tensor([-2.0, 0.0, 2.0]) / (2 + eps), torch.zeros(1)]))
+    assert torch.allclose(
+        b.advantages, torch.cat([torch.tensor([-2.0, 0.0, 2.0]) / (2 + eps), torch.zeros(1)])
+    )

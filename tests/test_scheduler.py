@@ -55,11 +55,25 @@ class VirtualTime:
     lost, the worker comes back idle at once), or the scores of a released unit are lost; failed
     events are not kept in ``events``."""
 
-    def __init__(self, sched: Scheduler, workers: list[WorkerSpec], duration: Duration,
-                 scoring: Scoring | None = None, dies=None):
-        self.sched, self.cfg, self.duration, self.scoring, self.dies = sched, sched.cfg, duration, scoring, dies
+    def __init__(
+        self,
+        sched: Scheduler,
+        workers: list[WorkerSpec],
+        duration: Duration,
+        scoring: Scoring | None = None,
+        dies=None,
+    ):
+        self.sched, self.cfg, self.duration, self.scoring, self.dies = (
+            sched,
+            sched.cfg,
+            duration,
+            scoring,
+            dies,
+        )
         self.roles = {w.name: w.role for w in workers}
-        self.mortal = {w.name for w in workers if w.role == "rollout"}  # a dead trainer rank stops the run instead
+        self.mortal = {
+            w.name for w in workers if w.role == "rollout"
+        }  # a dead trainer rank stops the run instead
         self.heap: list[tuple[float, int, Event]] = []
         self.seq = itertools.count()
         self.events: list[Event] = []
@@ -72,8 +86,9 @@ class VirtualTime:
         if isinstance(unit, RolloutUnit):
             assert unit.version == sched.worker_version(worker)
             # older: a re-queued unit, or a later part of a group pinned to its first part's version
-            assert unit.version == sched.published_version or (self.roles[worker] == "rollout"
-                                                                and (self.dies is not None or unit.parts > 1))
+            assert unit.version == sched.published_version or (
+                self.roles[worker] == "rollout" and (self.dies is not None or unit.parts > 1)
+            )
             assert unit.version >= unit.iteration - cfg.max_staleness
         elif isinstance(unit, TrainUnit):
             assert sched.published_version == unit.iteration == sched.worker_version(worker)
@@ -85,19 +100,29 @@ class VirtualTime:
     def next_event(self):
         if self.back:
             return Back(self.back.pop())
-        assert self.heap, (f"deadlock at t={self.now}: nothing in flight, "
-                           f"published {self.sched.published_version} of {self.cfg.iterations} versions")
+        assert self.heap, (
+            f"deadlock at t={self.now}: nothing in flight, "
+            f"published {self.sched.published_version} of {self.cfg.iterations} versions"
+        )
         self.now, _, event = heapq.heappop(self.heap)
         if event.scored is not None:  # the reward service answers, or the scores were lost
             if self.dies is not None and self.dies(event):
                 return Lost(event.unit)
             self.events.append(event)
             return Scored(event.unit)
-        if (self.dies is not None and isinstance(event.unit, RolloutUnit) and event.worker in self.mortal
-                and self.dies(event)):
+        if (
+            self.dies is not None
+            and isinstance(event.unit, RolloutUnit)
+            and event.worker in self.mortal
+            and self.dies(event)
+        ):
             self.back.append(event.worker)
             return Lost(event.unit, event.worker)
-        latency = self.scoring(event.worker, event.unit) if self.scoring and isinstance(event.unit, RolloutUnit) else None
+        latency = (
+            self.scoring(event.worker, event.unit)
+            if self.scoring and isinstance(event.unit, RolloutUnit)
+            else None
+        )
         if latency is not None:  # generated and handed to the reward service: the worker goes on
             event = Event(event.worker, event.unit, event.start, event.end, self.now + latency)
             heapq.heappush(self.heap, (event.scored, next(self.seq), event))
@@ -106,13 +131,18 @@ class VirtualTime:
         return Done(event.worker, event.unit)
 
     def completed(self, unit: Unit, stepped: int | None) -> None:
-        assert stepped is None or self.sched.published_version == stepped + 1, "versions increase one at a time"
+        assert stepped is None or self.sched.published_version == stepped + 1, (
+            "versions increase one at a time"
+        )
         if isinstance(unit, RolloutUnit):
             assert stepped is None, "a rollout completion never steps"
 
 
 def simulate(
-    cfg: SchedulerConfig, workers: list[WorkerSpec], duration: Duration, scoring: Scoring | None = None,
+    cfg: SchedulerConfig,
+    workers: list[WorkerSpec],
+    duration: Duration,
+    scoring: Scoring | None = None,
     dies=None,
 ) -> tuple[Scheduler, list[Event]]:
     """The engine's driver loop on :class:`VirtualTime`: after each completion, every idle worker
@@ -145,7 +175,9 @@ def check_invariants(
     # Every group (every part of it) of every iteration rolled out exactly once, in (iteration, index) order.
     parts = cfg.group_parts
     rolled = Counter((e.unit.iteration, g, e.unit.part) for e in rollouts for g in e.unit.groups)
-    assert rolled == Counter({(k, g, p): 1 for k in range(first, n_iter) for g in range(n_groups) for p in range(parts)})
+    assert rolled == Counter(
+        {(k, g, p): 1 for k in range(first, n_iter) for g in range(n_groups) for p in range(parts)}
+    )
     handed = [(u.iteration, u.index) for _, u in sched.record if isinstance(u, RolloutUnit)]
     first_hand_out = list(dict.fromkeys(handed))  # a re-queued unit is handed out again later
     assert first_hand_out == sorted(first_hand_out)
@@ -172,10 +204,19 @@ def check_invariants(
     # ... and trained exactly once per TSP rank and mini-batch, from samples at most max_staleness old.
     n_steps = cfg.optimizer_steps
     source = {e.unit.uid: e for e in rollouts}
-    trained = Counter((e.unit.iteration, g, source[e.unit.rollout_uid].unit.part, e.unit.tsp_rank, e.unit.step)
-                      for e in trains for g in e.unit.groups)
-    expected = {(k, g, p, r, s): 1 for k in range(first, n_iter) for g in range(n_groups) for p in range(parts)
-                for r in range(degree) for s in range(n_steps)}
+    trained = Counter(
+        (e.unit.iteration, g, source[e.unit.rollout_uid].unit.part, e.unit.tsp_rank, e.unit.step)
+        for e in trains
+        for g in e.unit.groups
+    )
+    expected = {
+        (k, g, p, r, s): 1
+        for k in range(first, n_iter)
+        for g in range(n_groups)
+        for p in range(parts)
+        for r in range(degree)
+        for s in range(n_steps)
+    }
     assert trained == Counter(expected)
     for e in trains:
         u, src = e.unit, source[e.unit.rollout_uid]
@@ -193,7 +234,8 @@ def check_invariants(
     for k in range(first, n_iter):
         mine = [e for e in steps if e.unit.iteration == k]
         assert sorted((e.worker, e.unit.step) for e in mine) == sorted(
-            (r, s) for r in ranks for s in range(n_steps))
+            (r, s) for r in ranks for s in range(n_steps)
+        )
         assert all(e.unit.last == (e.unit.step == n_steps - 1) for e in mine)
         assert all(e.unit.version == (k + 1 if e.unit.last else k) for e in mine)
         previous_end = None
@@ -203,8 +245,11 @@ def check_invariants(
             assert previous_end is None or start >= previous_end
             assert all(e.end <= start for e in trains if (e.unit.iteration, e.unit.step) == (k, s))
             # no train unit of mini-batch s + 1 (or of iteration k + 1) before step s
-            assert all(e.start >= end for e in trains
-                       if (e.unit.iteration == k and e.unit.step > s) or e.unit.iteration == k + 1)
+            assert all(
+                e.start >= end
+                for e in trains
+                if (e.unit.iteration == k and e.unit.step > s) or e.unit.iteration == k + 1
+            )
             for st in share:
                 others = [e for e in events if e.worker == st.worker and e is not st]
                 assert not [e for e in others if st.start <= e.start < end]
@@ -268,8 +313,13 @@ def pools(n_rollout: int, n_trainer: int) -> list[WorkerSpec]:
     ]
 
 
-def run(cfg: SchedulerConfig, workers: list[WorkerSpec], duration: Duration,
-        scoring: Scoring | None = None, dies=None) -> list[Event]:
+def run(
+    cfg: SchedulerConfig,
+    workers: list[WorkerSpec],
+    duration: Duration,
+    scoring: Scoring | None = None,
+    dies=None,
+) -> list[Event]:
     sched, events = simulate(cfg, workers, duration, scoring, dies)
     check_invariants(cfg, workers, sched, events)
     return events
@@ -441,7 +491,9 @@ def test_a_half_group_trains_nothing_and_a_late_half_keeps_the_groups_version():
     """One-step async, 2 parts per group: no train unit while only half of a group is in; the second
     half of iteration 1's group, handed out after step 0 published version 1, keeps version 0 (its
     first half's)."""
-    sched = Scheduler(disagg(groups_per_iteration=1, group_parts=2, max_staleness=1, iterations=2), pools(1, 1))
+    sched = Scheduler(
+        disagg(groups_per_iteration=1, group_parts=2, max_staleness=1, iterations=2), pools(1, 1)
+    )
     first = sched.next_unit("r0")
     sched.complete(first)
     assert sched.next_unit("t0") is None  # half of group 0 is not a group: nothing to train yet
@@ -463,8 +515,9 @@ def test_a_half_group_trains_nothing_and_a_late_half_keeps_the_groups_version():
 
 
 def test_a_tag_trainer_takes_no_part_pinned_to_an_older_version():
-    sched = Scheduler(disagg(groups_per_iteration=1, group_parts=2, tag=True, max_staleness=1, iterations=2),
-                      pools(1, 1))
+    sched = Scheduler(
+        disagg(groups_per_iteration=1, group_parts=2, tag=True, max_staleness=1, iterations=2), pools(1, 1)
+    )
     for unit in [sched.next_unit("r0"), sched.next_unit("t0")]:  # iteration 0's halves, TAG takes one
         sched.complete(unit)
     ahead = sched.next_unit("r0")
@@ -487,9 +540,7 @@ def test_tsp_spreads_one_unit_over_the_ranks():
 
 
 def test_colocated_alternates_phases():
-    cfg = SchedulerConfig(
-        "colocated", groups_per_iteration=4, unit_groups=1, tsp_degree=2, iterations=2
-    )
+    cfg = SchedulerConfig("colocated", groups_per_iteration=4, unit_groups=1, tsp_degree=2, iterations=2)
     workers = [WorkerSpec("d0", "both"), WorkerSpec("d1", "both")]
     sched, events = simulate(cfg, workers, fixed())
     check_invariants(cfg, workers, sched, events)
@@ -624,7 +675,10 @@ def test_bad_config_names_the_field(kw, field):
         (disagg(), pools(0, 1)),  # nobody can roll out
         (disagg(), pools(2, 0)),  # nobody trains
         (disagg(tag=True), [WorkerSpec("d0", "both")]),
-        (disagg(tag=True, group_parts=2, max_staleness=1), pools(0, 1)),  # a later part may need older weights
+        (
+            disagg(tag=True, group_parts=2, max_staleness=1),
+            pools(0, 1),
+        ),  # a later part may need older weights
         (SchedulerConfig("colocated", 4, 1), pools(1, 1)),
         (disagg(), []),
         (disagg(), [WorkerSpec("a", "rollout"), WorkerSpec("a", "trainer")]),
@@ -649,12 +703,27 @@ def test_minibatch_steps_follow_their_train_units_and_only_the_last_publishes():
     trainer = [u for w, u in sched.record if w == "t0"]
     # mini-batch 0 of each rollout unit as it arrives (GAP), its step, then mini-batch 1
     assert [(type(u).__name__[0], u.iteration, u.step) for u in trainer] == [
-        ("T", 0, 0), ("T", 0, 0), ("S", 0, 0), ("T", 0, 1), ("T", 0, 1), ("S", 0, 1),
-        ("T", 1, 0), ("T", 1, 0), ("S", 1, 0), ("T", 1, 1), ("T", 1, 1), ("S", 1, 1)]
+        ("T", 0, 0),
+        ("T", 0, 0),
+        ("S", 0, 0),
+        ("T", 0, 1),
+        ("T", 0, 1),
+        ("S", 0, 1),
+        ("T", 1, 0),
+        ("T", 1, 0),
+        ("S", 1, 0),
+        ("T", 1, 1),
+        ("T", 1, 1),
+        ("S", 1, 1),
+    ]
     assert [u.uid for u in trainer[:2]] == ["train-0-0-0.0", "train-0-1-0.0"]
     step_units = [u for u in trainer if isinstance(u, StepUnit)]
     assert [(u.uid, u.version, u.last) for u in step_units] == [
-        ("step-0.0/t0", 0, False), ("step-0.1/t0", 1, True), ("step-1.0/t0", 1, False), ("step-1.1/t0", 2, True)]
+        ("step-0.0/t0", 0, False),
+        ("step-0.1/t0", 1, True),
+        ("step-1.0/t0", 1, False),
+        ("step-1.1/t0", 2, True),
+    ]
     # the rollout worker only ever sees published versions: 0 for iteration 0, 1 for iteration 1
     assert [u.version for w, u in sched.record if w == "r0"] == [0, 0, 1, 1]
     # GAP: mini-batch 0 of the first unit trains while the second one generates
@@ -670,8 +739,12 @@ def test_a_trainer_past_the_first_step_takes_no_tag_rollout():
     check_invariants(cfg, pools(1, 2), sched, events)
     first, last = (min(e.start for e in of(events, StepUnit, 0)), max(e.end for e in of(events, StepUnit, 0)))
     assert any(e.start < last and e.end > first for e in of(events, RolloutUnit, 1))  # rollout goes on
-    assert not [e for e in events if e.worker != "r0" and isinstance(e.unit, RolloutUnit) and first <= e.start < last]
-    assert any(e.worker != "r0" for e in of(events, RolloutUnit, 0) + of(events, RolloutUnit, 1))  # TAG otherwise
+    assert not [
+        e for e in events if e.worker != "r0" and isinstance(e.unit, RolloutUnit) and first <= e.start < last
+    ]
+    assert any(
+        e.worker != "r0" for e in of(events, RolloutUnit, 0) + of(events, RolloutUnit, 1)
+    )  # TAG otherwise
 
 
 def test_minibatches_with_tag_alone_and_tsp():

@@ -72,6 +72,7 @@ def test_recomputed_logprob_gives_ratio_exactly_one(tiny_cfg):
     traj = sde.sample(ad, cond, ad.initial_noise(4, g), s, "flow_grpo", 0.9, g)
     for i in range(4):
         with torch.enable_grad():
-            lp, _, _ = sde.recompute_logprob(ad, cond, traj.latents[:, i], traj.latents[:, i + 1], s, i,
-                                             "flow_grpo", 0.9)
+            lp, _, _ = sde.recompute_logprob(
+                ad, cond, traj.latents[:, i], traj.latents[:, i + 1], s, i, "flow_grpo", 0.9
+            )
         assert torch.equal(torch.exp(lp - traj.log_probs[:, i]), torch.ones(4))

@@ -20,8 +20,12 @@ from tests.dist_spawn import spawn
 pytestmark = pytest.mark.slow
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-FAMILIES = {"flux": "flux_tiny.yaml", "wan": "wan_tiny.yaml", "qwen_image": "qwen_tiny.yaml",
-            "hunyuan_video": "hunyuan_tiny.yaml"}
+FAMILIES = {
+    "flux": "flux_tiny.yaml",
+    "wan": "wan_tiny.yaml",
+    "qwen_image": "qwen_tiny.yaml",
+    "hunyuan_video": "hunyuan_tiny.yaml",
+}
 PROMPTS = ["a red apple on a wooden table", "blue sky"]  # different lengths: padded text tokens
 VELOCITY_ATOL = 1e-5
 GRAD_RTOL = 1e-5  # of the largest gradient element
@@ -49,8 +53,11 @@ def _adapter(family: str):
 def _first_attention_tokens(net) -> list[int]:
     """Records how many tokens the first attention's query projection sees per call."""
     seen = []
-    name = next(n for n, _ in net.named_modules()
-                if n.split(".")[0] in ("transformer_blocks", "blocks") and n.endswith((".attn.to_q", ".attn1.to_q")))
+    name = next(
+        n
+        for n, _ in net.named_modules()
+        if n.split(".")[0] in ("transformer_blocks", "blocks") and n.endswith((".attn.to_q", ".attn1.to_q"))
+    )
     net.get_submodule(name).register_forward_hook(lambda m, a, out: seen.append(a[0].shape[1]))
     return seen
 
@@ -77,10 +84,22 @@ def _measure(family: str, sp_degree: int) -> dict:
         sp.sum_gradients(list(params.values()), mesh)
     grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
     with torch.no_grad():
-        traj = sample(adapter, cond, torch.randn(x.shape, generator=gen), adapter.sigmas(3), cfg.sampling.sde,
-                      cfg.sampling.noise_level, randn=torch.Generator().manual_seed(3))
-    return {"v": v.detach(), "grads": grads, "latents": traj.latents, "log_probs": traj.log_probs,
-            "tokens": seen[0]}
+        traj = sample(
+            adapter,
+            cond,
+            torch.randn(x.shape, generator=gen),
+            adapter.sigmas(3),
+            cfg.sampling.sde,
+            cfg.sampling.noise_level,
+            randn=torch.Generator().manual_seed(3),
+        )
+    return {
+        "v": v.detach(),
+        "grads": grads,
+        "latents": traj.latents,
+        "log_probs": traj.log_probs,
+        "tokens": seen[0],
+    }
 
 
 def _run(rank, world, out: Path):
@@ -146,7 +165,7 @@ def _fsdp_sp_gradient(family: str, rank: int, world: int, composed: bool) -> dic
         fsdp.parallelize(net, fsdp.trainer_mesh(world), param_dtype=torch.float32)
         sp.enable_sequence_parallel(net, sp.sp_mesh(2))
         half = len(rows) // (world // 2)
-        rows = rows[rank // 2 * half:(rank // 2 + 1) * half]
+        rows = rows[rank // 2 * half : (rank // 2 + 1) * half]
     gen = torch.Generator().manual_seed(11)
     cond = adapter.encode_prompts(BATCH_PROMPTS)
     x = torch.randn((len(BATCH_PROMPTS), *adapter.latent_shape()), generator=gen)
@@ -154,8 +173,11 @@ def _fsdp_sp_gradient(family: str, rank: int, world: int, composed: bool) -> dic
     sigma = torch.tensor([0.7, 0.3, 0.5, 0.9])
     v = adapter.velocity(x[rows], sigma[rows], cond.select(rows))
     (v * weights[rows]).sum().backward()
-    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-            for n, p in net.named_parameters() if p.requires_grad}
+    return {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for n, p in net.named_parameters()
+        if p.requires_grad
+    }
 
 
 def _run_fsdp_sp(rank, world, out: Path):

@@ -13,8 +13,8 @@ from digenrl.engine.timeline import Timeline
 def pipeline() -> Timeline:
     """1 rollout worker + 1 trainer, 2 iterations, hand-made (seconds):
 
-        rollout0: rollout k0 [0,2]  sync v1 [3,3.5]  rollout k1 [3.5,5.5]
-        trainer0: train  k0 [2,3]   step k0 [3,3.25] (publish [3.2,3.25])  train k1 [5.5,6.5]  step k1 [6.5,7]
+    rollout0: rollout k0 [0,2]  sync v1 [3,3.5]  rollout k1 [3.5,5.5]
+    trainer0: train  k0 [2,3]   step k0 [3,3.25] (publish [3.2,3.25])  train k1 [5.5,6.5]  step k1 [6.5,7]
     """
     tl = Timeline()
     tl.add_worker("rollout0", "rollout")
@@ -58,8 +58,13 @@ def test_chrome_trace_schema():
     assert again.workers == tl.workers
     key = lambda e: (e.worker, e.kind, e.uid, e.start)  # noqa: E731
     for a, b in zip(sorted(again.events, key=key), sorted(tl.events, key=key)):
-        assert (a.kind, a.uid, a.iteration, a.version, a.sample_versions) == (b.kind, b.uid, b.iteration, b.version,
-                                                                             b.sample_versions)
+        assert (a.kind, a.uid, a.iteration, a.version, a.sample_versions) == (
+            b.kind,
+            b.uid,
+            b.iteration,
+            b.version,
+            b.sample_versions,
+        )
         assert a.start == pytest.approx(b.start) and a.end == pytest.approx(b.end) and a.args == b.args
 
 
@@ -77,7 +82,9 @@ def test_bubble_fraction_closed_form():
     assert stats[1]["samples_per_s"] == pytest.approx(8 / 3.75)
     assert stats[0]["sync_bytes"] == 100 and stats[1]["sync_bytes"] == 100
     assert stats[1]["sync_s"] == pytest.approx(0.5) and stats[0]["sync_s"] == pytest.approx(0.05)
-    assert stats[0]["rollout_device_s"] == pytest.approx(2.0) and stats[0]["train_device_s"] == pytest.approx(1.25)
+    assert stats[0]["rollout_device_s"] == pytest.approx(2.0) and stats[0]["train_device_s"] == pytest.approx(
+        1.25
+    )
     whole = tl.summary()
     assert whole["samples_per_s"] == pytest.approx(16 / 7.0)
     assert whole["bubble_fraction"] == pytest.approx(1 - (3.5 + 3.75) / 14.0)
@@ -182,7 +189,9 @@ def with_followers_replicated(tl: Timeline) -> Timeline:
     for e in tl.events:
         flat.add(e)
         for device in (d for d in tl.workers if d in tl.follows and tl.lead_of(d) == e.worker):
-            flat.record(device, e.kind, e.uid, e.iteration, e.version, e.start, e.end, e.sample_versions, **e.args)
+            flat.record(
+                device, e.kind, e.uid, e.iteration, e.version, e.start, e.end, e.sample_versions, **e.args
+            )
     return flat
 
 
@@ -208,7 +217,8 @@ def test_sequence_parallel_follower_is_busy_with_its_lead():
     flat = with_followers_replicated(tl)
     assert not flat.follows and len(flat.events) > len(tl.events)
     assert [r["bubble_fraction"] for r in tl.iteration_stats()] == pytest.approx(
-        [r["bubble_fraction"] for r in flat.iteration_stats()])
+        [r["bubble_fraction"] for r in flat.iteration_stats()]
+    )
     assert tl.summary()["bubble_fraction"] == pytest.approx(flat.summary()["bubble_fraction"])
     # the samples are the lead's: a follower adds devices, not samples
     assert tl.summary()["samples_per_s"] == pytest.approx(pipeline().summary()["samples_per_s"])
@@ -217,7 +227,9 @@ def test_sequence_parallel_follower_is_busy_with_its_lead():
 def test_follower_events_of_its_own_count_once():
     tl = sp_pipeline()
     before = tl.iteration_stats()[0]["bubble_fraction"]
-    tl.record("rollout1", "sync", "sync-1-fetch", 1, 1, 3.0, 3.5, direction="fetch")  # inside rollout0's busy time
+    tl.record(
+        "rollout1", "sync", "sync-1-fetch", 1, 1, 3.0, 3.5, direction="fetch"
+    )  # inside rollout0's busy time
     assert tl.iteration_stats()[0]["bubble_fraction"] == pytest.approx(before)
     tl.record("rollout1", "start", "start-rollout1", 0, 0, 2.0, 3.0)  # its own, while rollout0 idles
     assert tl.iteration_stats()[0]["bubble_fraction"] == pytest.approx(before - 1.0 / (3 * 3.25))
@@ -232,7 +244,10 @@ def test_fsdp_group_with_sequence_parallel_leads_resolves_to_rank0():
     tl.add_worker("trainer2", "trainer", follows="trainer0")
     tl.add_worker("trainer3", "trainer", follows="trainer2")
     assert [tl.lead_of(w) for w in tl.workers] == ["rollout0"] + ["trainer0"] * 4
-    assert tl.groups() == {"rollout0": ["rollout0"], "trainer0": ["trainer0", "trainer1", "trainer2", "trainer3"]}
+    assert tl.groups() == {
+        "rollout0": ["rollout0"],
+        "trainer0": ["trainer0", "trainer1", "trainer2", "trainer3"],
+    }
     tl.record("rollout0", "rollout", "rollout-0-0", 0, 0, 0.0, 1.0, samples=4)
     tl.record("trainer0", "train", "train-0-0-0", 0, 0, 1.0, 2.0, sample_versions=[0])
     tl.record("trainer0", "step", "step-0/trainer0", 0, 0, 2.0, 2.5)
@@ -248,7 +263,8 @@ def test_groups_survive_the_chrome_trace_and_draw_as_one_row(tmp_path):
     again = Timeline.from_chrome_trace(trace)
     assert again.follows == {"rollout1": "rollout0"}
     assert [r["bubble_fraction"] for r in again.iteration_stats()] == pytest.approx(
-        [r["bubble_fraction"] for r in tl.iteration_stats()])
+        [r["bubble_fraction"] for r in tl.iteration_stats()]
+    )
     # one row per scheduled worker: the pair draws as tall as the 1-device pipeline, not a row more
     grouped, one = tl.to_png(tmp_path / "sp.png"), pipeline().to_png(tmp_path / "one.png")
     with Image.open(grouped) as grouped, Image.open(one) as one:
@@ -270,9 +286,12 @@ def test_group_leads_of_the_engine_config():
         cfg = load_config(None, ["placement.mode=disaggregated", *sets])
         return group_leads(cfg, engine_workers(cfg))
 
-    assert leads("engine.rollout_sp=2", "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]") == {
-        "rollout1": "rollout0"}
-    assert leads("engine.trainer_sp=2", "train.fsdp=4",
-                 "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]") == {
-        "trainer1": "trainer0", "trainer2": "trainer0", "trainer3": "trainer0"}
+    assert leads(
+        "engine.rollout_sp=2", "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"
+    ) == {"rollout1": "rollout0"}
+    assert leads(
+        "engine.trainer_sp=2",
+        "train.fsdp=4",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]",
+    ) == {"trainer1": "trainer0", "trainer2": "trainer0", "trainer3": "trainer0"}
     assert leads("cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 2}]") == {}

@@ -23,8 +23,16 @@ def learned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("learn")
     prompts = tmp / "prompts.txt"
     prompts.write_text("\n".join(f"a {c} {o}" for c in ("red", "green", "blue") for o in ("car", "bird")))
-    cfg = load_config(None, [*FAST, ON_POLICY_LR, f"prompts.file={prompts}", "train.iterations=45",
-                             f"output.run_dir={tmp / 'run'}"])
+    cfg = load_config(
+        None,
+        [
+            *FAST,
+            ON_POLICY_LR,
+            f"prompts.file={prompts}",
+            "train.iterations=45",
+            f"output.run_dir={tmp / 'run'}",
+        ],
+    )
     return LocalTrainer(cfg).run()
 
 
@@ -42,7 +50,16 @@ def test_run_directory_contract(learned):
     assert (d / "config.yaml").is_file()
     rows = read_metrics(d)
     assert len(rows) == 45 and [r["iteration"] for r in rows] == list(range(45))
-    for key in ("iteration", "version", "reward_mean", "reward_std", "loss", "samples", "wall_s", "samples_per_s"):
+    for key in (
+        "iteration",
+        "version",
+        "reward_mean",
+        "reward_std",
+        "loss",
+        "samples",
+        "wall_s",
+        "samples_per_s",
+    ):
         assert key in rows[0]
     assert rows[-1]["version"] == 45 and rows[0]["samples"] == 4 * 8
     # on-policy with one optimizer step per iteration: the ratio is exactly 1 (health metric)
@@ -61,14 +78,28 @@ def test_saved_lora_loads_into_flux_pipeline_and_changes_output(learned):
     base = Policy(cfg, trainable=False)  # fresh model with a zero-initialised LoRA
     ad = base.adapter
     ad.transformer.delete_adapters("default")
-    pipe = FluxPipeline(scheduler=ad.scheduler, vae=ad.vae, text_encoder=None, tokenizer=None,
-                        text_encoder_2=None, tokenizer_2=None, transformer=ad.transformer)
+    pipe = FluxPipeline(
+        scheduler=ad.scheduler,
+        vae=ad.vae,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=ad.transformer,
+    )
     cond = ad.encode_prompts(["a red car"])
     noise = ad.initial_noise(1, torch.Generator().manual_seed(0))
 
     def run():
-        return pipe(prompt_embeds=cond.batched["prompt_embeds"], pooled_prompt_embeds=cond.batched["pooled"],
-                    latents=noise.clone(), num_inference_steps=4, height=16, width=16, output_type="latent").images
+        return pipe(
+            prompt_embeds=cond.batched["prompt_embeds"],
+            pooled_prompt_embeds=cond.batched["pooled"],
+            latents=noise.clone(),
+            num_inference_steps=4,
+            height=16,
+            width=16,
+            output_type="latent",
+        ).images
 
     before = run()
     pipe.load_lora_weights(learned.run_dir / "final")
@@ -85,8 +116,22 @@ def test_cli_train_runs_and_writes(tmp_path, monkeypatch, capsys):
 
     from digenrl.cli.app import main
 
-    monkeypatch.setattr(sys, "argv", ["digenrl", "train", "--run-dir", str(tmp_path / "r"), "--set",
-                                      "train.iterations=2", "--set", "model.height=16", "--set", "model.width=16"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "digenrl",
+            "train",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--set",
+            "train.iterations=2",
+            "--set",
+            "model.height=16",
+            "--set",
+            "model.width=16",
+        ],
+    )
     with pytest.raises(SystemExit) as exc:
         main()
     assert exc.value.code == 0

@@ -34,18 +34,29 @@ WAN_TILED_MEAN_ATOL = 0.03
 
 
 def spatial(tile: int, stride: int, **more) -> dict:
-    return dict(tile_sample_min_height=tile, tile_sample_min_width=tile, tile_sample_stride_height=stride,
-                tile_sample_stride_width=stride, **more)
+    return dict(
+        tile_sample_min_height=tile,
+        tile_sample_min_width=tile,
+        tile_sample_stride_height=stride,
+        tile_sample_stride_width=stride,
+        **more,
+    )
 
 
 CASES = {
     # 64x64 px x 9 frames: Wan latents 3 x 16 x 16 (x4 in space); tiles of 32 px every 24 (8-px overlap)
-    "wan": (ROOT / "configs" / "wan_tiny.yaml", ["model.height=64", "model.width=64", "model.frames=9"],
-            spatial(32, 24)),
+    "wan": (
+        ROOT / "configs" / "wan_tiny.yaml",
+        ["model.height=64", "model.width=64", "model.frames=9"],
+        spatial(32, 24),
+    ),
     # 64x64 px x 9 frames: Hunyuan latents 3 x 8 x 8 (x8 in space, x4 in time); tiles of 32 px every 24, and
     # of 8 frames every 4 in time
-    "hunyuan_video": (ROOT / "configs" / "hunyuan_tiny.yaml", ["model.height=64", "model.width=64", "model.frames=9"],
-                      spatial(32, 24, tile_sample_min_num_frames=8, tile_sample_stride_num_frames=4)),
+    "hunyuan_video": (
+        ROOT / "configs" / "hunyuan_tiny.yaml",
+        ["model.height=64", "model.width=64", "model.frames=9"],
+        spatial(32, 24, tile_sample_min_num_frames=8, tile_sample_stride_num_frames=4),
+    ),
 }
 
 
@@ -94,7 +105,9 @@ def test_tiled_batch_decode_is_each_samples_own_tiled_decode(family):
     assert calls and set(calls) == {1}  # tiled, one sample at a time
     alone = torch.cat([ad.vae_decode(z[i : i + 1]) for i in range(len(z))])
     assert torch.allclose(out, alone, atol=EXACT_ATOL, rtol=0)
-    assert out.shape == (2, 3, ad.cfg.frames, ad.cfg.height, ad.cfg.width) and 0 <= out.min() and out.max() <= 1
+    assert (
+        out.shape == (2, 3, ad.cfg.frames, ad.cfg.height, ad.cfg.width) and 0 <= out.min() and out.max() <= 1
+    )
 
 
 def test_wan_tiled_decode_is_close_to_untiled_and_closer_with_more_overlap():

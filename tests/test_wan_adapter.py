@@ -36,19 +36,38 @@ def test_ode_trajectory_equals_wan_pipeline(adapter):
     ours = sample(ad, cond, noise, ad.sigmas(steps), "flow_grpo", 0.0, None).latents[:, -1]
 
     shift = ad.sampling.shift or ad.scheduler.config.shift
-    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=ad.vae, transformer=ad.transformer,
-                       scheduler=ad.flow_scheduler({"shift": shift}))
+    pipe = WanPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=ad.vae,
+        transformer=ad.transformer,
+        scheduler=ad.flow_scheduler({"shift": shift}),
+    )
     theirs = pipe(
-        prompt_embeds=cond.batched["prompt_embeds"], negative_prompt_embeds=cond.batched["neg_prompt_embeds"],
-        latents=noise.clone(), num_inference_steps=steps, guidance_scale=g,
-        height=m.height, width=m.width, num_frames=m.frames, output_type="latent",
+        prompt_embeds=cond.batched["prompt_embeds"],
+        negative_prompt_embeds=cond.batched["neg_prompt_embeds"],
+        latents=noise.clone(),
+        num_inference_steps=steps,
+        guidance_scale=g,
+        height=m.height,
+        width=m.width,
+        num_frames=m.frames,
+        output_type="latent",
     ).frames
     assert theirs.shape == ours.shape == (2, *ad.latent_shape())
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5), (ours - theirs).abs().max()
     # not vacuous: the trajectory moved, and guidance matters (the unconditional pass is used)
     assert (ours - noise).abs().mean() > 1e-2
-    no_cfg = pipe(prompt_embeds=cond.batched["prompt_embeds"], latents=noise.clone(), num_inference_steps=steps,
-                  guidance_scale=1.0, height=m.height, width=m.width, num_frames=m.frames, output_type="latent").frames
+    no_cfg = pipe(
+        prompt_embeds=cond.batched["prompt_embeds"],
+        latents=noise.clone(),
+        num_inference_steps=steps,
+        guidance_scale=1.0,
+        height=m.height,
+        width=m.width,
+        num_frames=m.frames,
+        output_type="latent",
+    ).frames
     assert (no_cfg - theirs).abs().max() > 1e-3
 
 
@@ -70,13 +89,16 @@ def test_decode_shape_and_range(adapter):
     assert video.min() >= 0 and video.max() <= 1
 
 
-@pytest.mark.parametrize("override, field", [
-    ("model.frames=6", "model.frames"),  # not 4k+1
-    ("model.frames=null", "model.frames"),  # a video model needs frames
-    ("model.height=36", "model.height"),  # latent side 9: odd after the 2x2 patch
-    ("model.width=20", "model.width"),
-    ("model.width=264", "model.width"),  # 33 tokens > rope_max_seq_len 32
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("model.frames=6", "model.frames"),  # not 4k+1
+        ("model.frames=null", "model.frames"),  # a video model needs frames
+        ("model.height=36", "model.height"),  # latent side 9: odd after the 2x2 patch
+        ("model.width=20", "model.width"),
+        ("model.width=264", "model.width"),  # 33 tokens > rope_max_seq_len 32
+    ],
+)
 def test_bad_shapes_are_user_errors(override, field):
     cfg = wan_cfg(override)
     with pytest.raises(UserError, match=field):
@@ -103,17 +125,38 @@ def test_pretrained_directory_round_trip(adapter, tmp_path):
     words = ["<pad>", "</s>", "<unk>", "a", "red", "apple", "blue", "sky"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(words), d_model=adapter.transformer.config.text_dim,
-                                               d_kv=8, d_ff=32, num_layers=1, num_heads=2))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(words),
+            d_model=adapter.transformer.config.text_dim,
+            d_kv=8,
+            d_ff=32,
+            num_layers=1,
+            num_heads=2,
+        )
+    )
     unipc = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
-    WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=adapter.vae, transformer=adapter.transformer,
-                scheduler=unipc).save_pretrained(tmp_path)
+    WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=adapter.vae,
+        transformer=adapter.transformer,
+        scheduler=unipc,
+    ).save_pretrained(tmp_path)
 
-    cfg = wan_cfg(f"model.pretrained={tmp_path}", "model.preset=null", "sampling.shift=null",
-                  "sampling.negative_prompt=blue sky")
+    cfg = wan_cfg(
+        f"model.pretrained={tmp_path}",
+        "model.preset=null",
+        "sampling.shift=null",
+        "sampling.negative_prompt=blue sky",
+    )
     ad = build_adapter(cfg.model, cfg.sampling)
-    assert type(ad.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and ad.scheduler.config.shift == 5.0
+    assert (
+        type(ad.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler" and ad.scheduler.config.shift == 5.0
+    )
     assert ad.latent_shape() == adapter.latent_shape()
     prompts = ["a red apple", "a blue sky"]
     cond = ad.encode_prompts(prompts)
@@ -121,8 +164,9 @@ def test_pretrained_directory_round_trip(adapter, tmp_path):
         pos, neg = ad.pipe.encode_prompt(prompts, negative_prompt=["blue sky"] * 2, max_sequence_length=16)
     assert torch.allclose(cond.batched["prompt_embeds"], pos, atol=1e-6)
     assert torch.allclose(cond.batched["neg_prompt_embeds"], neg, atol=1e-6)
-    assert ad.velocity(ad.initial_noise(2, torch.Generator().manual_seed(0)), torch.full((2,), 0.5), cond).shape == (
-        2, *ad.latent_shape())
+    assert ad.velocity(
+        ad.initial_noise(2, torch.Generator().manual_seed(0)), torch.full((2,), 0.5), cond
+    ).shape == (2, *ad.latent_shape())
     # shape checks read the checkpoint's config.json before loading it
     bad = wan_cfg(f"model.pretrained={tmp_path}", "model.preset=null", "model.width=264")
     with pytest.raises(UserError, match="rope_max_seq_len"):

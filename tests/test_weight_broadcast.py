@@ -47,7 +47,9 @@ def _source(group, out):
         record[f"lora{version}"] = checksum(lora_state_dict(lora.adapter.transformer))
     _train_a_little(full, 3)  # full weights, fp32 masters shipped as bf16
     sender.publish(3, sync_targets(full.adapter.transformer, lora=False), send_dtype=torch.bfloat16)
-    record["full3"] = checksum({k: v.to(torch.bfloat16) for k, v in full.adapter.transformer.state_dict().items()})
+    record["full3"] = checksum(
+        {k: v.to(torch.bfloat16) for k, v in full.adapter.transformer.state_dict().items()}
+    )
     # version 4: a bit flipped in the second bucket on its way (broadcast calls: size, header, buckets...)
     _train_a_little(lora, 4)
     with corrupting(group, bucket=1, element=5):
@@ -58,7 +60,9 @@ def _source(group, out):
     record["lora5"] = checksum(lora_state_dict(lora.adapter.transformer))
     _train_a_little(full, 6)  # 6: full weights received straight into the receiver's tensors
     sender.publish(6, sync_targets(full.adapter.transformer, lora=False), send_dtype=torch.bfloat16)
-    record["full6"] = checksum({k: v.to(torch.bfloat16) for k, v in full.adapter.transformer.state_dict().items()})
+    record["full6"] = checksum(
+        {k: v.to(torch.bfloat16) for k, v in full.adapter.transformer.state_dict().items()}
+    )
     for version in (7, 8):  # 7: refused by the receiver; 8: still in step
         _train_a_little(lora, version)
         sender.publish(version, sync_targets(lora.adapter.transformer, lora=True))
@@ -125,14 +129,19 @@ def _member(rank, _world, port, tmp):
     _source(group, out) if rank == 0 else _receiver(rank, group, out)
 
 
-
-
 def test_broadcast_versions_fingerprints_corruption_and_prefetch(tmp_path):
     spawn(_member, 0, free_port(), tmp_path, nprocs=3)
     source = json.loads((tmp_path / "rank0.json").read_text())
     for rank in (1, 2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        for key in ("lora1", "lora2", "full3", "lora5", "full6", "lora8"):  # SHA-256 of the loaded weights, independently
+        for key in (
+            "lora1",
+            "lora2",
+            "full3",
+            "lora5",
+            "full6",
+            "lora8",
+        ):  # SHA-256 of the loaded weights, independently
             assert got[key] == source[key], (rank, key)
         assert source["lora1"] != source["lora2"]
         assert got["corrupted_detected"]
@@ -148,7 +157,13 @@ def _fsdp_source_member(rank, _world, ports, tmp):
     import torch.distributed as dist
 
     from digenrl.distributed import fsdp
-    from digenrl.distributed.broadcast import SyncGroup, WeightBroadcaster, WeightReceiver, specs_for, sync_targets
+    from digenrl.distributed.broadcast import (
+        SyncGroup,
+        WeightBroadcaster,
+        WeightReceiver,
+        specs_for,
+        sync_targets,
+    )
     from digenrl.lora import checksum
 
     trainer_port, sync_port = ports
@@ -181,7 +196,9 @@ def _fsdp_source_member(rank, _world, ports, tmp):
         targets = sync_targets(lora.adapter.transformer, lora=True)
         before = checksum(dict(targets))
         WeightReceiver(group).receive_into(targets)
-        (tmp / "fsdp_receiver.json").write_text(json.dumps({"before": before, "sha": checksum(dict(targets))}))
+        (tmp / "fsdp_receiver.json").write_text(
+            json.dumps({"before": before, "sha": checksum(dict(targets))})
+        )
 
 
 def test_fsdp_trainer_ranks_stream_gathered_shards_to_a_receiver(tmp_path):

@@ -13,8 +13,15 @@ from digenrl.config import load_config  # noqa: E402
 from digenrl.engine.workers import EngineWorker, ResumeFrom, generates  # noqa: E402
 from digenrl.units import rollout_unit, train_unit  # noqa: E402
 
-BASE = ["model.height=16", "model.width=16", "train.prompts_per_iteration=2", "algorithm.group_size=2",
-        "sampling.steps=2", "placement.mode=disaggregated", "engine.tag=false"]
+BASE = [
+    "model.height=16",
+    "model.width=16",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=2",
+    "sampling.steps=2",
+    "placement.mode=disaggregated",
+    "engine.tag=false",
+]
 FULL_FT_KL = ["model.lora=null", "algorithm.kl_beta=0.04"]
 
 
@@ -62,7 +69,7 @@ def test_a_rollout_worker_holds_no_optimizer_and_no_reference_copy():
 def test_rollout_workers_resume_by_path_without_the_optimizer_state(tmp_path):
     """Checkpoints by path: a rollout worker loads weights and version from the checkpoint
     directory and never opens ``optimizer.pt`` (here deleted); a trainer rank needs it."""
-    from digenrl.checkpoint import CheckpointError, save_checkpoint_files, checkpoint_files
+    from digenrl.checkpoint import CheckpointError, checkpoint_files, save_checkpoint_files
 
     cfg = load_config(None, BASE)
     source = EngineWorker(cfg, "trainer-0", "trainer")
@@ -84,7 +91,11 @@ def test_rollout_workers_resume_by_path_without_the_optimizer_state(tmp_path):
 
 def test_a_trainer_rank_that_cannot_see_the_checkpoint_says_so(tmp_path):
     missing = tmp_path / "elsewhere" / "iter-000001"
-    trainer = EngineWorker(load_config(None, BASE), "trainer-0", "trainer", resume=ResumeFrom(str(missing), None))
-    assert str(trainer.init_error) == (f"--resume: {missing} is not visible on trainer-0's node: trainer ranks read "
-                                       "the checkpoint directory by path (put the run directory where every node "
-                                       "mounts it)")
+    trainer = EngineWorker(
+        load_config(None, BASE), "trainer-0", "trainer", resume=ResumeFrom(str(missing), None)
+    )
+    assert str(trainer.init_error) == (
+        f"--resume: {missing} is not visible on trainer-0's node: trainer ranks read "
+        "the checkpoint directory by path (put the run directory where every node "
+        "mounts it)"
+    )

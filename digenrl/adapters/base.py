@@ -47,7 +47,10 @@ class Cond:
         return Cond({k: v.repeat_interleave(n, dim=0) for k, v in self.batched.items()}, self.shared)
 
     def to(self, device) -> Cond:
-        return Cond({k: v.to(device) for k, v in self.batched.items()}, {k: v.to(device) for k, v in self.shared.items()})
+        return Cond(
+            {k: v.to(device) for k, v in self.batched.items()},
+            {k: v.to(device) for k, v in self.shared.items()},
+        )
 
     @staticmethod
     def cat(conds: list[Cond]) -> Cond:
@@ -94,8 +97,13 @@ class Adapter(ABC):
     presets: dict[str, tuple[dict, dict]] = {}  # preset name -> (transformer, VAE) configs
     preview = None  # LatentRGBDecoder for tiny presets, None = decode with the real VAE
 
-    def __init__(self, model: ModelConfig, sampling: SamplingConfig, device: torch.device | str = "cpu",
-                 generates: bool = True):
+    def __init__(
+        self,
+        model: ModelConfig,
+        sampling: SamplingConfig,
+        device: torch.device | str = "cpu",
+        generates: bool = True,
+    ):
         """``generates=False``: a trainer rank that never encodes nor decodes; from a checkpoint it
         loads the transformer alone."""
         self.cfg = model
@@ -120,7 +128,9 @@ class Adapter(ABC):
             self.vae.to(self.device)
             from digenrl.adapters.vae_decode import configure_vae, tiling_mode
 
-            configure_vae(self.vae, tiling_mode(model, sampling))  # one sample at a time; tiled if asked / needed
+            configure_vae(
+                self.vae, tiling_mode(model, sampling)
+            )  # one sample at a time; tiled if asked / needed
         self.offload_hooks = []  # model.offload_text_encoders: the encoders live on the CPU between encodes
         if model.offload_text_encoders:
             from digenrl.adapters.text_offload import attach_offload_hooks
@@ -171,7 +181,9 @@ class Adapter(ABC):
         from diffusers.configuration_utils import FrozenDict
 
         if not (path / "model_index.json").is_file():
-            raise UserError(f"model.pretrained: {path} is not a diffusers {self.name} checkpoint (no model_index.json)")
+            raise UserError(
+                f"model.pretrained: {path} is not a diffusers {self.name} checkpoint (no model_index.json)"
+            )
         net = getattr(diffusers, self.transformer_class)
         self.transformer = net.from_pretrained(path, subfolder="transformer", torch_dtype=self.dtype)
         self.vae = ReleasedVAE(FrozenDict(json.loads((path / "vae" / "config.json").read_text())))
@@ -211,7 +223,9 @@ class Adapter(ABC):
         """Shape of one sample's latents in the transformer's native layout."""
 
     def initial_noise(self, n: int, generator: torch.Generator) -> torch.Tensor:
-        return torch.randn((n, *self.latent_shape()), generator=generator, dtype=torch.float32).to(self.device)
+        return torch.randn((n, *self.latent_shape()), generator=generator, dtype=torch.float32).to(
+            self.device
+        )
 
     @abstractmethod
     def sigmas(self, num_steps: int) -> torch.Tensor:
@@ -245,7 +259,9 @@ class Adapter(ABC):
         raise NotImplementedError
 
     @classmethod
-    def latent_shape_for(cls, model: ModelConfig, transformer_config: dict, vae_config: dict) -> tuple[int, ...]:
+    def latent_shape_for(
+        cls, model: ModelConfig, transformer_config: dict, vae_config: dict
+    ) -> tuple[int, ...]:
         """One sample's latent shape (as :meth:`latent_shape`) from the component configs."""
         raise NotImplementedError
 
@@ -257,8 +273,12 @@ class Adapter(ABC):
     @classmethod
     def tokens(cls, model: ModelConfig, transformer_config: dict, vae_config: dict) -> Tokens:
         shape = cls.latent_shape_for(model, transformer_config, vae_config)
-        return Tokens(cls.sequence_tokens(transformer_config, shape), model.max_text_len, math.prod(shape),
-                      model.height * model.width * (model.frames or 1))
+        return Tokens(
+            cls.sequence_tokens(transformer_config, shape),
+            model.max_text_len,
+            math.prod(shape),
+            model.height * model.width * (model.frames or 1),
+        )
 
     @classmethod
     def forward_flops(cls, transformer_config: dict, tokens: Tokens) -> float:
@@ -290,8 +310,12 @@ class Adapter(ABC):
         n = sum(p.numel() for p in self.transformer.parameters())
         # FSDP2 swaps the class for FSDP<class>: the signature names the model's own class
         cls = next(c for c in type(self.transformer).__mro__ if not c.__name__.startswith("FSDP"))
-        return {"adapter": self.name, "class": cls.__name__, "params": n,
-                "config": {k: v for k, v in dict(self.transformer.config).items() if not k.startswith("_")}}
+        return {
+            "adapter": self.name,
+            "class": cls.__name__,
+            "params": n,
+            "config": {k: v for k, v in dict(self.transformer.config).items() if not k.startswith("_")},
+        }
 
     def flow_scheduler(self, config: dict | None = None):
         from diffusers import FlowMatchEulerDiscreteScheduler

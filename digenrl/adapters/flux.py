@@ -18,29 +18,56 @@ from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
 
 TINY_TRANSFORMER = dict(
-    patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-    num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
+    patch_size=1,
+    in_channels=16,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    axes_dims_rope=(4, 4, 8),
     guidance_embeds=True,
 )
 TINY_VAE = dict(
-    in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-    up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
-    latent_channels=4, norm_num_groups=4, sample_size=32,
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 2,
+    up_block_types=("UpDecoderBlock2D",) * 2,
+    block_out_channels=(8, 16),
+    layers_per_block=1,
+    latent_channels=4,
+    norm_num_groups=4,
+    sample_size=32,
 )
 # FLUX.1's own scheduler config (dynamic shifting from the image token count)
 FLUX_SCHEDULER = dict(
-    shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-    base_image_seq_len=256, max_image_seq_len=4096,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
 )
 
 # black-forest-labs/FLUX.1-dev: transformer/config.json, and the VAE's four blocks (8x)
 FLUX1_DEV = PublishedModel(
     label="FLUX.1-dev (12B)",
-    transformer=dict(attention_head_dim=128, guidance_embeds=True, in_channels=64, joint_attention_dim=4096,
-                     num_attention_heads=24, num_layers=19, num_single_layers=38, patch_size=1,
-                     pooled_projection_dim=768, axes_dims_rope=[16, 56, 56]),
+    transformer=dict(
+        attention_head_dim=128,
+        guidance_embeds=True,
+        in_channels=64,
+        joint_attention_dim=4096,
+        num_attention_heads=24,
+        num_layers=19,
+        num_single_layers=38,
+        patch_size=1,
+        pooled_projection_dim=768,
+        axes_dims_rope=[16, 56, 56],
+    ),
     vae=dict(block_out_channels=[128, 256, 512, 512]),
-    vae_params=83.8e6, vae_decode_flops_per_px=6.6e6,
+    vae_params=83.8e6,
+    vae_decode_flops_per_px=6.6e6,
     text_encoder_params=4.76e9 + 0.123e9,  # T5-XXL encoder + CLIP-L
 )
 
@@ -48,8 +75,18 @@ FLUX1_DEV = PublishedModel(
 class FluxAdapter(PackedLatentAdapter):
     name = "flux"
     default_lora_targets = (
-        "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
     )
     pipeline_class = "FluxPipeline"
     transformer_class = "FluxTransformer2DModel"
@@ -66,7 +103,9 @@ class FluxAdapter(PackedLatentAdapter):
             self.transformer = FluxTransformer2DModel(**TINY_TRANSFORMER)
             self.vae = AutoencoderKL(**TINY_VAE).eval()
         tcfg = self.transformer.config
-        self.text = HashTextEncoder(tcfg.joint_attention_dim, self.cfg.max_text_len, tcfg.pooled_projection_dim)
+        self.text = HashTextEncoder(
+            tcfg.joint_attention_dim, self.cfg.max_text_len, tcfg.pooled_projection_dim
+        )
         self.pipe = None
         self.scheduler = self.flow_scheduler(FLUX_SCHEDULER)
         self.preview = LatentRGBDecoder(self.vae.config.latent_channels, self.vae_scale)
@@ -75,7 +114,9 @@ class FluxAdapter(PackedLatentAdapter):
         from diffusers import FluxPipeline
 
         if not (path / "model_index.json").is_file():
-            raise UserError(f"model.pretrained: {path} is not a diffusers FLUX checkpoint (no model_index.json)")
+            raise UserError(
+                f"model.pretrained: {path} is not a diffusers FLUX checkpoint (no model_index.json)"
+            )
         self.pipe = FluxPipeline.from_pretrained(path, torch_dtype=self.dtype)
         self.pipe.to(self.device)
         self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
@@ -112,7 +153,10 @@ class FluxAdapter(PackedLatentAdapter):
         if self.pipe is not None:
             with torch.no_grad():
                 embeds, pooled, txt_ids = self.pipe.encode_prompt(
-                    prompt=prompts, prompt_2=prompts, device=self.device, max_sequence_length=self.cfg.max_text_len
+                    prompt=prompts,
+                    prompt_2=prompts,
+                    device=self.device,
+                    max_sequence_length=self.cfg.max_text_len,
                 )
             return Cond({"prompt_embeds": embeds, "pooled": pooled}, {"txt_ids": txt_ids})
         t = self.text(prompts)

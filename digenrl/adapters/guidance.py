@@ -47,7 +47,9 @@ class TwoPassCFG:
         """The batch-first conditioning tensors of one pass (same keys for both passes)."""
         raise NotImplementedError
 
-    def forward_pass(self, latents: torch.Tensor, t: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward_pass(
+        self, latents: torch.Tensor, t: torch.Tensor, inputs: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         """One transformer forward over a batch, fp32 out."""
         raise NotImplementedError
 

@@ -28,16 +28,35 @@ from digenrl.errors import UserError
 
 # values as in diffusers' own HunyuanVideo tests
 TINY_TRANSFORMER = dict(
-    in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
-    num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,
-    text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4),
+    in_channels=4,
+    out_channels=4,
+    num_attention_heads=2,
+    attention_head_dim=10,
+    num_layers=1,
+    num_single_layers=1,
+    num_refiner_layers=1,
+    patch_size=1,
+    patch_size_t=1,
+    guidance_embeds=True,
+    text_embed_dim=16,
+    pooled_projection_dim=8,
+    rope_axes_dim=(2, 4, 4),
 )
 # diffusers' dummy VAE for HunyuanVideoPipeline tests: 4 blocks -> the real 8x spatial / 4x temporal compression
 TINY_VAE = dict(
-    in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-    up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-    act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
-    temporal_compression_ratio=4, mid_block_add_attention=True,
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+    up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+    block_out_channels=(8, 8, 8, 8),
+    layers_per_block=1,
+    act_fn="silu",
+    norm_num_groups=4,
+    scaling_factor=0.476986,
+    spatial_compression_ratio=8,
+    temporal_compression_ratio=4,
+    mid_block_add_attention=True,
 )
 HUNYUAN_SHIFT = 7.0  # HunyuanVideo's scheduler config (FlowMatchEulerDiscreteScheduler(shift=7.0))
 PIXEL_UNIT = 16  # the pipeline's own check_inputs: height/width % 16 (VAE 8x x real patch_size 2)
@@ -46,12 +65,27 @@ TEMPORAL = 4  # causal 3-D VAE: frames = 4k + 1 -> k + 1 latent frames
 # hunyuanvideo-community/HunyuanVideo: transformer/config.json and vae/config.json's compression
 HUNYUAN_VIDEO = PublishedModel(
     label="HunyuanVideo (13B)",
-    transformer=dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
-                     num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2,
-                     patch_size_t=1, qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096,
-                     pooled_projection_dim=768, rope_theta=256.0, rope_axes_dim=[16, 56, 56]),
+    transformer=dict(
+        in_channels=16,
+        out_channels=16,
+        num_attention_heads=24,
+        attention_head_dim=128,
+        num_layers=20,
+        num_single_layers=40,
+        num_refiner_layers=2,
+        mlp_ratio=4.0,
+        patch_size=2,
+        patch_size_t=1,
+        qk_norm="rms_norm",
+        guidance_embeds=True,
+        text_embed_dim=4096,
+        pooled_projection_dim=768,
+        rope_theta=256.0,
+        rope_axes_dim=[16, 56, 56],
+    ),
     vae=dict(spatial_compression_ratio=8, temporal_compression_ratio=4),
-    vae_params=246e6, vae_decode_flops_per_px=20e6,
+    vae_params=246e6,
+    vae_decode_flops_per_px=20e6,
     text_encoder_params=7.5e9 + 0.123e9,  # LLaVA-LLaMA-3-8B language model + CLIP-L
 )
 
@@ -77,8 +111,11 @@ class HunyuanVideoAdapter(Adapter):
         self.text = HashTextEncoder(tcfg.text_embed_dim, self.cfg.max_text_len, tcfg.pooled_projection_dim)
         self.pipe = None
         self.scheduler = self.flow_scheduler({"shift": HUNYUAN_SHIFT})
-        self.preview = LatentRGBDecoder(self.vae.config.latent_channels, self.vae.spatial_compression_ratio,
-                                        self.vae.temporal_compression_ratio)
+        self.preview = LatentRGBDecoder(
+            self.vae.config.latent_channels,
+            self.vae.spatial_compression_ratio,
+            self.vae.temporal_compression_ratio,
+        )
 
     def build_pretrained(self, path: Path) -> None:
         from diffusers import HunyuanVideoPipeline
@@ -87,7 +124,9 @@ class HunyuanVideoAdapter(Adapter):
             raise UserError(
                 f"model.pretrained: {path} is not a diffusers HunyuanVideo checkpoint (no model_index.json)"
             )
-        self.pipe = HunyuanVideoPipeline.from_pretrained(path, torch_dtype=self.dtype)  # LLaMA + CLIP encoders
+        self.pipe = HunyuanVideoPipeline.from_pretrained(
+            path, torch_dtype=self.dtype
+        )  # LLaMA + CLIP encoders
         self.pipe.to(self.device)
         self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
         self.text = None
@@ -97,11 +136,17 @@ class HunyuanVideoAdapter(Adapter):
         h, w, f = self.cfg.height, self.cfg.width, self.cfg.frames
         for field, size in (("height", h), ("width", w)):
             if size % PIXEL_UNIT:
-                raise UserError(f"model.{field}: HunyuanVideo needs a multiple of {PIXEL_UNIT} pixels, got {size}")
+                raise UserError(
+                    f"model.{field}: HunyuanVideo needs a multiple of {PIXEL_UNIT} pixels, got {size}"
+                )
         if f is None:
-            raise UserError("model.frames: HunyuanVideo is a video model; set frames (4k+1, e.g. 9, 33, 53, 129)")
+            raise UserError(
+                "model.frames: HunyuanVideo is a video model; set frames (4k+1, e.g. 9, 33, 53, 129)"
+            )
         if (f - 1) % TEMPORAL:
-            raise UserError(f"model.frames: HunyuanVideo's causal VAE needs 4k+1 frames (e.g. 9, 33, 53), got {f}")
+            raise UserError(
+                f"model.frames: HunyuanVideo's causal VAE needs 4k+1 frames (e.g. 9, 33, 53), got {f}"
+            )
 
     # ------------------------------------------------------------------ cost
     @classmethod
@@ -129,8 +174,11 @@ class HunyuanVideoAdapter(Adapter):
         cin, cout = c["in_channels"], c.get("out_channels") or c["in_channels"]
         r = c.get("mlp_ratio", 4.0)
         per_token = (4 + 2 * r) * d * d  # qkv + out (or proj_out's share) + MLP, per stream
-        refiner = 2 * c["text_embed_dim"] * d * nt + 2 * (256 * d + d * d) + c.get("num_refiner_layers", 2) * (
-            2 * per_token * nt + 4 * nt * nt * d + 2 * 2 * d * d)
+        refiner = (
+            2 * c["text_embed_dim"] * d * nt
+            + 2 * (256 * d + d * d)
+            + c.get("num_refiner_layers", 2) * (2 * per_token * nt + 4 * nt * nt * d + 2 * 2 * d * d)
+        )
         n_emb = 2 if c.get("guidance_embeds") else 1
         embed = 2 * cin * pv * d * nx + refiner + 2 * n_emb * (256 * d + d * d)
         embed += 2 * (c["pooled_projection_dim"] * d + d * d)
@@ -150,9 +198,15 @@ class HunyuanVideoAdapter(Adapter):
             embeds, pooled, mask = t["embeds"], t["pooled"], t["mask"]
         # the transformer reads only mask.sum(1): a right-padded (left-aligned) mask is the only correct one
         prefix = torch.arange(mask.shape[1], device=mask.device)[None] < mask.sum(1, keepdim=True)
-        if not torch.equal(mask.bool(), prefix):  # only a checkpoint's tokenizer (padding_side="left") can do this
-            raise UserError(f"model.pretrained: {self.cfg.pretrained}: the tokenizer must pad on the right for Hunyuan")
-        return Cond({k: v.to(self.device) for k, v in (("prompt_embeds", embeds), ("pooled", pooled), ("mask", mask))})
+        if not torch.equal(
+            mask.bool(), prefix
+        ):  # only a checkpoint's tokenizer (padding_side="left") can do this
+            raise UserError(
+                f"model.pretrained: {self.cfg.pretrained}: the tokenizer must pad on the right for Hunyuan"
+            )
+        return Cond(
+            {k: v.to(self.device) for k, v in (("prompt_embeds", embeds), ("pooled", pooled), ("mask", mask))}
+        )
 
     def latent_shape(self) -> tuple[int, ...]:
         return self.latent_shape_for(self.cfg, self.transformer.config, self.vae.config)

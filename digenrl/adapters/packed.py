@@ -46,8 +46,11 @@ class PackedLatentAdapter(Adapter):
     def sigmas(self, num_steps: int) -> torch.Tensor:
         c = self.scheduler.config
         mu = calculate_shift(
-            self.latent_shape()[0], c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-            c.get("base_shift", 0.5), c.get("max_shift", 1.15),
+            self.latent_shape()[0],
+            c.get("base_image_seq_len", 256),
+            c.get("max_image_seq_len", 4096),
+            c.get("base_shift", 0.5),
+            c.get("max_shift", 1.15),
         )
         return self._set_timesteps(num_steps, mu)
 

@@ -23,29 +23,56 @@ from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
 
 TINY_TRANSFORMER = dict(
-    patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
-    joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+    patch_size=2,
+    in_channels=16,
+    out_channels=4,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=4,
+    joint_attention_dim=16,
+    guidance_embeds=False,
+    axes_dims_rope=(8, 4, 4),
 )
 # diffusers' own dummy VAE (z_dim = out_channels = 4, spatial factor 2**len(temperal_downsample) = 4);
 # non-trivial latents_mean/std so that decode's de-normalisation is exercised
 TINY_VAE = dict(
-    base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
-    latents_mean=[0.1, -0.2, 0.05, 0.0], latents_std=[1.5, 0.8, 1.2, 1.0],
+    base_dim=24,
+    z_dim=4,
+    dim_mult=[1, 2, 4],
+    num_res_blocks=1,
+    temperal_downsample=[False, True],
+    latents_mean=[0.1, -0.2, 0.05, 0.0],
+    latents_std=[1.5, 0.8, 1.2, 1.0],
 )
 # Qwen-Image's own scheduler_config.json: dynamic (exponential) shift, stretched to end at 0.02
 QWEN_SCHEDULER = dict(
-    shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
-    max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    shift=1.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=0.9,
+    base_image_seq_len=256,
+    max_image_seq_len=8192,
+    shift_terminal=0.02,
+    time_shift_type="exponential",
 )
 
 # Qwen/Qwen-Image: transformer/config.json, and the VAE's three temporal-downsample stages (8x)
 QWEN_IMAGE = PublishedModel(
     label="Qwen-Image (20B)",
-    transformer=dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
-                     num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
-                     axes_dims_rope=[16, 56, 56]),
+    transformer=dict(
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=60,
+        attention_head_dim=128,
+        num_attention_heads=24,
+        joint_attention_dim=3584,
+        guidance_embeds=False,
+        axes_dims_rope=[16, 56, 56],
+    ),
     vae=dict(temperal_downsample=[False, True, True]),
-    vae_params=127e6, vae_decode_flops_per_px=10e6,
+    vae_params=127e6,
+    vae_decode_flops_per_px=10e6,
     text_encoder_params=8.29e9,  # Qwen2.5-VL-7B
 )
 
@@ -53,8 +80,18 @@ QWEN_IMAGE = PublishedModel(
 class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
     name = "qwen_image"
     default_lora_targets = (
-        "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-        "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "img_mlp.net.0.proj",
+        "img_mlp.net.2",
+        "txt_mlp.net.0.proj",
+        "txt_mlp.net.2",
     )
     pipeline_class = "QwenImagePipeline"
     transformer_class = "QwenImageTransformer2DModel"
@@ -79,7 +116,9 @@ class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
         from diffusers import QwenImagePipeline
 
         if not (path / "model_index.json").is_file():
-            raise UserError(f"model.pretrained: {path} is not a diffusers Qwen-Image checkpoint (no model_index.json)")
+            raise UserError(
+                f"model.pretrained: {path} is not a diffusers Qwen-Image checkpoint (no model_index.json)"
+            )
         self.pipe = QwenImagePipeline.from_pretrained(path, torch_dtype=self.dtype)  # Qwen2.5-VL text encoder
         self.pipe.to(self.device)
         self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
@@ -98,7 +137,9 @@ class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
     # ------------------------------------------------------------------ cost
     @classmethod
     def vae_factors(cls, vae_config) -> tuple[int, int]:
-        return 2 ** len(vae_config.get("temperal_downsample", [0] * 3)), 1  # as the pipeline's vae_scale_factor
+        return 2 ** len(
+            vae_config.get("temperal_downsample", [0] * 3)
+        ), 1  # as the pipeline's vae_scale_factor
 
     @classmethod
     def guidance_passes(cls, guidance: float) -> int:
@@ -153,7 +194,9 @@ class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
             return {"embeds": b["neg_prompt_embeds"], "mask": b["neg_mask"]}
         return {"embeds": b["prompt_embeds"], "mask": b["mask"]}
 
-    def forward_pass(self, latents: torch.Tensor, t: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward_pass(
+        self, latents: torch.Tensor, t: torch.Tensor, inputs: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         """One transformer pass over a batch (one side of the CFG pair, or both batched), fp32 out."""
         mask = inputs["mask"]
         with self.autocast():

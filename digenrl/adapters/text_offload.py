@@ -23,8 +23,9 @@ def attach_offload_hooks(pipe, device: torch.device) -> list:
     for name in TEXT_ENCODER_PARTS:
         encoder = getattr(pipe, name, None) if pipe is not None else None
         if isinstance(encoder, nn.Module):
-            _, hook = cpu_offload_with_hook(encoder, execution_device=device,
-                                            prev_module_hook=hooks[-1] if hooks else None)
+            _, hook = cpu_offload_with_hook(
+                encoder, execution_device=device, prev_module_hook=hooks[-1] if hooks else None
+            )
             hooks.append(hook)
     return hooks
 

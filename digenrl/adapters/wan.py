@@ -22,16 +22,31 @@ from digenrl.errors import UserError
 
 # values as in diffusers' own Wan tests, with 4 latent channels
 TINY_TRANSFORMER = dict(
-    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-    text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,
+    in_channels=4,
+    out_channels=4,
+    text_dim=16,
+    freq_dim=256,
+    ffn_dim=32,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=32,
 )
 # two down stages, both spatio-temporal: x4 in time (as the real VAE) and x4 in space (real: x8).
 # scale_factor_* are plain config values the pipeline trusts, so they must match the architecture.
 TINY_VAE = dict(
-    base_dim=8, z_dim=4, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[True, True],
-    scale_factor_temporal=4, scale_factor_spatial=4,
-    latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075], latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
+    base_dim=8,
+    z_dim=4,
+    dim_mult=[1, 1, 1],
+    num_res_blocks=1,
+    temperal_downsample=[True, True],
+    scale_factor_temporal=4,
+    scale_factor_spatial=4,
+    latents_mean=[-0.7571, -0.7089, -0.9113, 0.1075],
+    latents_std=[2.8184, 1.4541, 2.3275, 2.6558],
 )
 TINY_SHIFT = 3.0
 DEFAULT_SHIFT = 5.0  # when a checkpoint's scheduler names no shift (Wan: 3.0 for 480p, 5.0 for 720p)
@@ -39,18 +54,36 @@ DEFAULT_SHIFT = 5.0  # when a checkpoint's scheduler names no shift (Wan: 3.0 fo
 # Wan-AI/Wan2.1-T2V-14B-Diffusers: transformer/config.json and vae/config.json's compression
 WAN21_T2V_14B = PublishedModel(
     label="Wan2.1-T2V-14B",
-    transformer=dict(patch_size=[1, 2, 2], num_attention_heads=40, attention_head_dim=128, in_channels=16,
-                     out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
-                     cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+    transformer=dict(
+        patch_size=[1, 2, 2],
+        num_attention_heads=40,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=13824,
+        num_layers=40,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=1024,
+    ),
     vae=dict(scale_factor_spatial=8, scale_factor_temporal=4),
-    vae_params=127e6, vae_decode_flops_per_px=10e6,
+    vae_params=127e6,
+    vae_decode_flops_per_px=10e6,
     text_encoder_params=5.68e9,  # UMT5-XXL encoder
 )
 
 
 class WanAdapter(TwoPassCFG, Adapter):
     name = "wan"
-    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")  # FFN (optional): "ffn.net.0.proj", "ffn.net.2"
+    default_lora_targets = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+    )  # FFN (optional): "ffn.net.0.proj", "ffn.net.2"
     pipeline_class = "WanPipeline"
     transformer_class = "WanTransformer3DModel"
     published = WAN21_T2V_14B
@@ -76,7 +109,9 @@ class WanAdapter(TwoPassCFG, Adapter):
         from diffusers import AutoencoderKLWan, WanPipeline
 
         if not (path / "model_index.json").is_file():
-            raise UserError(f"model.pretrained: {path} is not a diffusers Wan checkpoint (no model_index.json)")
+            raise UserError(
+                f"model.pretrained: {path} is not a diffusers Wan checkpoint (no model_index.json)"
+            )
         # the Wan VAE is numerically fragile in half precision: keep it fp32 (as diffusers' example does)
         vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", dtype=torch.float32)
         self.pipe = WanPipeline.from_pretrained(path, vae=vae, dtype=self.dtype)
@@ -96,8 +131,10 @@ class WanAdapter(TwoPassCFG, Adapter):
         if self.cfg.pretrained is None:
             return TINY_TRANSFORMER, TINY_VAE
         try:
-            return tuple(json.loads((Path(self.cfg.pretrained) / sub / "config.json").read_text())
-                         for sub in ("transformer", "vae"))
+            return tuple(
+                json.loads((Path(self.cfg.pretrained) / sub / "config.json").read_text())
+                for sub in ("transformer", "vae")
+            )
         except (OSError, ValueError):
             return None  # missing / unreadable checkpoint: reported by the build
 
@@ -110,8 +147,12 @@ class WanAdapter(TwoPassCFG, Adapter):
     def latent_shape_for(cls, model, transformer_config, vae_config) -> tuple[int, int, int, int]:
         """As WanPipeline.prepare_latents: (C, (F-1)//t + 1, H//s, W//s)."""
         s, t = cls.vae_factors(vae_config)
-        return (transformer_config.get("in_channels", 16), ((model.frames or 1) - 1) // t + 1,
-                model.height // s, model.width // s)
+        return (
+            transformer_config.get("in_channels", 16),
+            ((model.frames or 1) - 1) // t + 1,
+            model.height // s,
+            model.width // s,
+        )
 
     @classmethod
     def sequence_tokens(cls, transformer_config, latent_shape) -> int:
@@ -132,9 +173,14 @@ class WanAdapter(TwoPassCFG, Adapter):
         cin, cout, ffn = c["in_channels"], c.get("out_channels") or c["in_channels"], c["ffn_dim"]
         embed = 2 * cin * pv * d * nx + 2 * (c["text_dim"] * d + d * d) * nt
         embed += 2 * (c.get("freq_dim", 256) * d + d * d) + 2 * d * 6 * d
-        block = (2 * 4 * d * d * nx + 4 * nx * nx * d  # self-attention
-                 + 2 * 2 * d * d * nx + 2 * 2 * d * d * nt + 4 * nx * nt * d  # cross-attention to the text
-                 + 2 * 2 * d * ffn * nx)  # FFN
+        block = (
+            2 * 4 * d * d * nx
+            + 4 * nx * nx * d  # self-attention
+            + 2 * 2 * d * d * nx
+            + 2 * 2 * d * d * nt
+            + 4 * nx * nt * d  # cross-attention to the text
+            + 2 * 2 * d * ffn * nx
+        )  # FFN
         return embed + c["num_layers"] * block + 2 * d * cout * pv * nx
 
     @classmethod
@@ -154,26 +200,36 @@ class WanAdapter(TwoPassCFG, Adapter):
         tcfg, vcfg = configs
         s, t = self.vae_factors(vcfg)
         if (f - 1) % t:  # the pipeline would silently round; we refuse
-            raise UserError(f"model.frames: Wan needs {t}k+1 frames (e.g. {(f - 1) // t * t + 1} or "
-                            f"{(f - 1) // t * t + t + 1}), got {f}")
+            raise UserError(
+                f"model.frames: Wan needs {t}k+1 frames (e.g. {(f - 1) // t * t + 1} or "
+                f"{(f - 1) // t * t + t + 1}), got {f}"
+            )
         pt, ph, pw = tcfg.get("patch_size", (1, 2, 2))
         for key, px, p in (("height", h, ph), ("width", w, pw)):
             # a latent side not divisible by the patch is silently cut by the patch embedding (7 -> 6)
             if px % (s * p):
-                raise UserError(f"model.{key}: Wan needs a multiple of {s * p} pixels (VAE x{s}, patch {p}), got {px}")
+                raise UserError(
+                    f"model.{key}: Wan needs a multiple of {s * p} pixels (VAE x{s}, patch {p}), got {px}"
+                )
         _, lf, lh, lw = self.latent_shape_for(self.cfg, tcfg, vcfg)
         rope = tcfg.get("rope_max_seq_len", 1024)
         for key, n in (("frames", lf // pt), ("height", lh // ph), ("width", lw // pw)):
             if n > rope:
-                raise UserError(f"model.{key}: {n} tokens along this axis exceed the transformer's "
-                                f"rope_max_seq_len ({rope}); use a smaller model.{key}")
+                raise UserError(
+                    f"model.{key}: {n} tokens along this axis exceed the transformer's "
+                    f"rope_max_seq_len ({rope}); use a smaller model.{key}"
+                )
 
     # ------------------------------------------------------------------ hooks
     def _embed(self, prompts: list[str]) -> torch.Tensor:
         if self.pipe is not None:
             with torch.no_grad():
-                embeds, _ = self.pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device=self.device,
-                                                    max_sequence_length=self.cfg.max_text_len)
+                embeds, _ = self.pipe.encode_prompt(
+                    prompts,
+                    do_classifier_free_guidance=False,
+                    device=self.device,
+                    max_sequence_length=self.cfg.max_text_len,
+                )
             return embeds
         return self.text(prompts)["embeds"].to(self.device)
 
@@ -200,10 +256,16 @@ class WanAdapter(TwoPassCFG, Adapter):
     def pass_inputs(self, cond: Cond, negative: bool) -> dict[str, torch.Tensor]:
         return {"embeds": cond.batched["neg_prompt_embeds" if negative else "prompt_embeds"]}
 
-    def forward_pass(self, latents: torch.Tensor, t: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward_pass(
+        self, latents: torch.Tensor, t: torch.Tensor, inputs: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         with self.autocast():
-            out = self.transformer(hidden_states=latents.to(self.dtype), timestep=t,
-                                   encoder_hidden_states=inputs["embeds"].to(self.dtype), return_dict=False)[0]
+            out = self.transformer(
+                hidden_states=latents.to(self.dtype),
+                timestep=t,
+                encoder_hidden_states=inputs["embeds"].to(self.dtype),
+                return_dict=False,
+            )[0]
         return out.float()
 
     def guide(self, v_cond: torch.Tensor, v_unc: torch.Tensor) -> torch.Tensor:

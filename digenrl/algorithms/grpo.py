@@ -18,8 +18,14 @@ def default_clip_range(sde_kind: str) -> float:
     return CLIP_RANGE_BY_SDE[sde_kind]
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, std: str = "per_prompt", clip: float = 5.0,
-                     eps: float = 1e-4, ddof: int = 0) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    std: str = "per_prompt",
+    clip: float = 5.0,
+    eps: float = 1e-4,
+    ddof: int = 0,
+) -> torch.Tensor:
     """A = (r - mean_prompt(r)) / (std + eps), clipped to +-clip (docs/algorithms.md, "Group advantages").
 
     ``rewards`` is flat (num_groups * G,), grouped contiguously. ``std`` is the per-prompt std or the
@@ -49,8 +55,13 @@ def _flat_groups(r: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     return (hi == lo) | (ok.sum(dim=1, keepdim=True) < 2)
 
 
-def clipped_objective(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, clip_range: float,
-                      is_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+def clipped_objective(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    adv: torch.Tensor,
+    clip_range: float,
+    is_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
     """PPO-clip per element: max(-A rho, -A clip(rho, 1-e, 1+e)), rho = exp(logp - logp_old).
 
     ``logp_old`` is the behaviour log-prob (on-policy) or the proximal one (stale samples, decoupled
@@ -82,7 +93,9 @@ def kl_to_reference(mu: torch.Tensor, mu_ref: torch.Tensor, std: float) -> torch
     return (diff**2).mean(dim=1) / (2 * max(std, 1e-8) ** 2)
 
 
-def window_bounds(num_steps: int, window: int, window_range: tuple[float, float]) -> tuple[int, int, int] | None:
+def window_bounds(
+    num_steps: int, window: int, window_range: tuple[float, float]
+) -> tuple[int, int, int] | None:
     """(first start, number of starts, width) of an SDE window inside ``window_range``, or None if it cannot fit.
 
     The range [a, b) in fractions of the N steps covers steps floor(a N) .. floor(b N) - 1, never the
@@ -97,9 +110,18 @@ def window_bounds(num_steps: int, window: int, window_range: tuple[float, float]
     return lo, hi - lo - w + 1, w
 
 
-def select_timesteps(mode: str, num_steps: int, n_samples: int, generator: torch.Generator, *,
-                     fraction: float = 0.99, window: int = 2, iteration: int = 0, shift_every: int = 0,
-                     window_range: tuple[float, float] = (0.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
+def select_timesteps(
+    mode: str,
+    num_steps: int,
+    n_samples: int,
+    generator: torch.Generator,
+    *,
+    fraction: float = 0.99,
+    window: int = 2,
+    iteration: int = 0,
+    shift_every: int = 0,
+    window_range: tuple[float, float] = (0.0, 1.0),
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Which denoising steps are stochastic and which are trained.
 
     Returns ``sde_mask`` (N,) bool and ``train_idx`` (n_samples, T) long:
@@ -121,7 +143,9 @@ def select_timesteps(mode: str, num_steps: int, n_samples: int, generator: torch
     if mode == "window":
         bounds = window_bounds(num_steps, window, window_range)
         if bounds is None:
-            raise ValueError(f"window_range {window_range} of {num_steps} steps cannot hold a window of {window}")
+            raise ValueError(
+                f"window_range {window_range} of {num_steps} steps cannot hold a window of {window}"
+            )
         first, n_starts, w = bounds
         if shift_every:
             start = first + (iteration // shift_every) % n_starts

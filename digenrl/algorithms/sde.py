@@ -35,7 +35,9 @@ def _mean_over_sample(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1).mean(dim=1)
 
 
-def step_mean(kind: str, x: torch.Tensor, v: torch.Tensor, s: float, s_next: float, std: float) -> torch.Tensor:
+def step_mean(
+    kind: str, x: torch.Tensor, v: torch.Tensor, s: float, s_next: float, std: float
+) -> torch.Tensor:
     """Mean mu of x_{i+1} given x_i (and the model's v)."""
     d = s_next - s
     if kind == "cps":
@@ -80,9 +82,17 @@ class Trajectory:
 
 
 @torch.no_grad()
-def sample(adapter, cond, noise: torch.Tensor, sigmas: torch.Tensor, kind: str, eta: float,
-           randn=None, sde_mask: torch.Tensor | None = None,
-           batches: list[list[torch.Tensor]] | None = None) -> Trajectory:
+def sample(
+    adapter,
+    cond,
+    noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    kind: str,
+    eta: float,
+    randn=None,
+    sde_mask: torch.Tensor | None = None,
+    batches: list[list[torch.Tensor]] | None = None,
+) -> Trajectory:
     """Run the step loop, recording every latent and transition log-prob (eta = 0: pure ODE).
 
     ``randn(shape)`` draws the per-step N(0, I) noise for the whole batch (a torch.Generator works too).
@@ -101,8 +111,10 @@ def sample(adapter, cond, noise: torch.Tensor, sigmas: torch.Tensor, kind: str, 
         batches = [[rows.to(x.device) for rows in step] for step in batches]
     xs, lps = [x], []
     for i in range(n):
-        parts = [(rows, _velocity(adapter, x, sigmas[i], cond, rows))
-                 for rows in (batches[i] if batches is not None else [None])]
+        parts = [
+            (rows, _velocity(adapter, x, sigmas[i], cond, rows))
+            for rows in (batches[i] if batches is not None else [None])
+        ]
         eps = None
         if eta > 0 and bool(sde_mask[i]):
             eps = randn(tuple(x.shape)).to(device=x.device, dtype=torch.float32)
@@ -111,8 +123,9 @@ def sample(adapter, cond, noise: torch.Tensor, sigmas: torch.Tensor, kind: str, 
         else:  # each batch's step apart: its log-prob reduced in the shape the trainer reduces it in
             x_next, lp = torch.empty_like(x), torch.zeros(x.shape[0], device=x.device)
             for rows, v in parts:
-                x_next[rows], lp[rows], _ = sde_step(kind, x[rows], v, sigmas, i, eta,
-                                                     None if eps is None else eps[rows])
+                x_next[rows], lp[rows], _ = sde_step(
+                    kind, x[rows], v, sigmas, i, eta, None if eps is None else eps[rows]
+                )
             x = x_next
         xs.append(x)
         lps.append(lp)
@@ -126,8 +139,9 @@ def _velocity(adapter, x: torch.Tensor, sigma: torch.Tensor, cond, rows: torch.T
     return adapter.velocity(x, sigma.expand(x.shape[0]).to(x.device), cond)
 
 
-def recompute_logprob(adapter, cond, x: torch.Tensor, x_next: torch.Tensor, sigmas: torch.Tensor, i: int,
-                      kind: str, eta: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+def recompute_logprob(
+    adapter, cond, x: torch.Tensor, x_next: torch.Tensor, sigmas: torch.Tensor, i: int, kind: str, eta: float
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Log-prob of the recorded transition x -> x_next under the CURRENT weights (with grad).
 
     Returns (log_prob (B,), mu (B, ...), std_i) -- mu and std feed the KL term.
@@ -136,8 +150,15 @@ def recompute_logprob(adapter, cond, x: torch.Tensor, x_next: torch.Tensor, sigm
     return logprob_of_velocity(v, x, x_next, sigmas, i, kind, eta)
 
 
-def logprob_of_velocity(v: torch.Tensor, x: torch.Tensor, x_next: torch.Tensor, sigmas: torch.Tensor, i: int,
-                        kind: str, eta: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+def logprob_of_velocity(
+    v: torch.Tensor,
+    x: torch.Tensor,
+    x_next: torch.Tensor,
+    sigmas: torch.Tensor,
+    i: int,
+    kind: str,
+    eta: float,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(log_prob (B,), mu, std_i) of the transition x -> x_next given the model's velocity ``v`` at step i."""
     s, s_next = float(sigmas[i]), float(sigmas[i + 1])
     std = noise_std(kind, sigmas, i, eta)

@@ -13,16 +13,27 @@ from rich.console import Console
 from digenrl.errors import RunInterrupted, UserError
 
 # rich_markup_mode=None: plain --help (no boxes, no <bool> after flags that take no value)
-app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False, rich_markup_mode=None,
-                  help=("DigenRL: online RL post-training (Flow-GRPO, DanceGRPO) for diffusion / flow-matching "
-                        "generators on disaggregated hardware."))
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help=(
+        "DigenRL: online RL post-training (Flow-GRPO, DanceGRPO) for diffusion / flow-matching "
+        "generators on disaggregated hardware."
+    ),
+)
 config_app = typer.Typer(help="Show or validate a run configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 console = Console()
 err = Console(stderr=True)
 
-ConfigOpt = typer.Option(None, "--config", "-c", help=(
-    "YAML run config, layered on the defaults (the tiny FLUX demo, configs/flux_tiny.yaml)."))
+ConfigOpt = typer.Option(
+    None,
+    "--config",
+    "-c",
+    help=("YAML run config, layered on the defaults (the tiny FLUX demo, configs/flux_tiny.yaml)."),
+)
 SetOpt = typer.Option(None, "--set", "-s", help="Override a value: dotted.key=value (repeatable).")
 
 
@@ -35,17 +46,35 @@ def _load(config: Optional[Path], sets: Optional[List[str]]):
 @app.command()
 def train(
     config: Optional[Path] = ConfigOpt,
-    set_: Optional[List[str]] = typer.Option(None, "--set", "-s", help="Override: dotted.key=value (repeatable)."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help=(
-        "Run directory (default runs/<name>-<time>); an existing run there is refused unless --overwrite.")),
+    set_: Optional[List[str]] = typer.Option(
+        None, "--set", "-s", help="Override: dotted.key=value (repeatable)."
+    ),
+    run_dir: Optional[Path] = typer.Option(
+        None,
+        "--run-dir",
+        help=(
+            "Run directory (default runs/<name>-<time>); an existing run there is refused unless --overwrite."
+        ),
+    ),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Join an existing Ray cluster."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help=(
-        "Continue RUN_DIR from its latest complete checkpoint, or from CHECKPOINT_DIR; the config is the "
-        "checkpoint's unless -c, with --set on top (e.g. train.iterations=N to extend the run).")),
+    resume: Optional[Path] = typer.Option(
+        None,
+        "--resume",
+        help=(
+            "Continue RUN_DIR from its latest complete checkpoint, or from CHECKPOINT_DIR; the config is the "
+            "checkpoint's unless -c, with --set on top (e.g. train.iterations=N to extend the run)."
+        ),
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run in --run-dir (deletes it)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display; only the summary and errors."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help=(
-        "Show library messages (Ray, torch) on the terminal instead of routing them to RUN/log.txt.")),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="No progress display; only the summary and errors."
+    ),
+    verbose: bool = typer.Option(
+        False,
+        "--verbose",
+        "-v",
+        help=("Show library messages (Ray, torch) on the terminal instead of routing them to RUN/log.txt."),
+    ),
 ):
     """Train with online RL. With no arguments: the tiny FLUX colour demo on this CPU."""
     if quiet and verbose:
@@ -60,7 +89,9 @@ def train(
         resume = find_checkpoint(resume)
         config = config or resume / "config.yaml"
     cfg = _load(config, set_)
-    run_train(cfg, run_dir, ray_address, console, resume=resume, overwrite=overwrite, quiet=quiet, verbose=verbose)
+    run_train(
+        cfg, run_dir, ray_address, console, resume=resume, overwrite=overwrite, quiet=quiet, verbose=verbose
+    )
 
 
 @config_app.command("show")
@@ -74,9 +105,14 @@ def config_show(config: Optional[Path] = ConfigOpt, set_: Optional[List[str]] = 
 def config_validate(
     config: Optional[Path] = ConfigOpt,
     set_: Optional[List[str]] = SetOpt,
-    ray_address: Optional[str] = typer.Option(None, "--ray-address", help=(
-        "The Ray cluster train will join (its devices are then checked by train, not here).")),
-    schema_only: bool = typer.Option(False, "--schema-only", help="Only the config's own schema (no files, no model)."),
+    ray_address: Optional[str] = typer.Option(
+        None,
+        "--ray-address",
+        help=("The Ray cluster train will join (its devices are then checked by train, not here)."),
+    ),
+    schema_only: bool = typer.Option(
+        False, "--schema-only", help="Only the config's own schema (no files, no model)."
+    ),
 ):
     """The preflight: everything `train` would reject (schema, placement against this host, model shapes,
     preset or checkpoint, LoRA targets, prompts and reward), in seconds; exit 2 with one line on error."""
@@ -87,8 +123,12 @@ def config_validate(
 
         with console.status("checking placement, model, prompts and reward..."):
             checked += check_config(cfg, ray_address)
-    console.print(f"ok: {config or 'the defaults'} ({cfg.model.adapter}, {cfg.algorithm.name}, "
-                  f"placement {cfg.placement.mode}); checked {'; '.join(checked)}", highlight=False, soft_wrap=True)
+    console.print(
+        f"ok: {config or 'the defaults'} ({cfg.model.adapter}, {cfg.algorithm.name}, "
+        f"placement {cfg.placement.mode}); checked {'; '.join(checked)}",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 @app.command()
@@ -96,10 +136,14 @@ def profile(
     config: Optional[Path] = ConfigOpt,
     device: str = typer.Option("cpu", help="cpu | cuda"),
     out: Path = typer.Option(Path("profile.json"), help="Where to write the profile."),
-    engine: Optional[str] = typer.Option(None, help=(
-        "The engine's own overheads: none (the model only), ray (Ray micro-benchmarks: call, object-store "
-        "transfer, all-reduce) or run (ray + a short calibration run of the engine). Default: ray on cpu, "
-        "none on cuda.")),
+    engine: Optional[str] = typer.Option(
+        None,
+        help=(
+            "The engine's own overheads: none (the model only), ray (Ray micro-benchmarks: call, object-store "
+            "transfer, all-reduce) or run (ray + a short calibration run of the engine). Default: ray on cpu, "
+            "none on cuda."
+        ),
+    ),
     repeats: int = typer.Option(5, help="Timed calls per measurement (the median is kept)."),
 ):
     """Measure rollout / train step times vs batch size, decode, reward, weight-sync and memory on this device."""
@@ -114,17 +158,30 @@ def profile(
 def plan(
     config: Optional[Path] = ConfigOpt,
     cluster: Optional[Path] = typer.Option(None, help="Cluster file (pools of device types and counts)."),
-    profile_file: Optional[Path] = typer.Option(None, "--profile", help="A profile.json to calibrate the cost model."),
+    profile_file: Optional[Path] = typer.Option(
+        None, "--profile", help="A profile.json to calibrate the cost model."
+    ),
     top: int = typer.Option(5, help="How many placements to show."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     write: Optional[Path] = typer.Option(None, help="Write the best plan as a config for `digenrl train`."),
-    iterations: int = typer.Option(4, help="Iterations simulated per plan (the first and last are not measured)."),
-    timeline: Optional[Path] = typer.Option(None, help=(
-        "Write the predicted timeline.json / timeline.png of the best plan (DIR/best) and of the best "
-        "colocated plan (DIR/colocated).")),
-    ladder: bool = typer.Option(False, "--ladder", help=(
-        "Also show what GAP, TSP, TAG and one-step async each add: the best plan with the knobs "
-        "switched on one by one.")),
+    iterations: int = typer.Option(
+        4, help="Iterations simulated per plan (the first and last are not measured)."
+    ),
+    timeline: Optional[Path] = typer.Option(
+        None,
+        help=(
+            "Write the predicted timeline.json / timeline.png of the best plan (DIR/best) and of the best "
+            "colocated plan (DIR/colocated)."
+        ),
+    ),
+    ladder: bool = typer.Option(
+        False,
+        "--ladder",
+        help=(
+            "Also show what GAP, TSP, TAG and one-step async each add: the best plan with the knobs "
+            "switched on one by one."
+        ),
+    ),
 ):
     """Search placements (pool split, unit size, TSP, TAG, staleness) by simulating the engine's scheduler."""
     from digenrl.cli.plan import run_plan_command
@@ -134,17 +191,32 @@ def plan(
         check_output_file(write, "--write")
     if timeline is not None:
         check_writable(timeline, "--timeline")
-    run_plan_command(_load(config, None), cluster, profile_file, top, json_out, write, console,
-                     iterations=iterations, timeline_dir=timeline, ladder=ladder)
+    run_plan_command(
+        _load(config, None),
+        cluster,
+        profile_file,
+        top,
+        json_out,
+        write,
+        console,
+        iterations=iterations,
+        timeline_dir=timeline,
+        ladder=ladder,
+    )
 
 
 @app.command("eval")
 def eval_(
-    checkpoint: Optional[Path] = typer.Option(None, help="Checkpoint directory, or a run directory (its latest)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c",
-                                          help="YAML run config (default: the checkpoint's config.yaml)."),
+    checkpoint: Optional[Path] = typer.Option(
+        None, help="Checkpoint directory, or a run directory (its latest)."
+    ),
+    config: Optional[Path] = typer.Option(
+        None, "--config", "-c", help="YAML run config (default: the checkpoint's config.yaml)."
+    ),
     prompts: Optional[Path] = typer.Option(None, help="Eval prompt file (default: the config's prompts)."),
-    baseline: Optional[str] = typer.Option(None, help="'base' (the initial weights) or another checkpoint dir."),
+    baseline: Optional[str] = typer.Option(
+        None, help="'base' (the initial weights) or another checkpoint dir."
+    ),
     out: Optional[Path] = typer.Option(None, help="Output directory (default RUN/eval/iter-NNNNNN)."),
 ):
     """Evaluate a checkpoint with ODE sampling and fixed seeds; write eval.json and image grids."""

@@ -9,14 +9,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
-def run_eval(checkpoint: Path | None, config: Path | None, prompts: Path | None, baseline: str | None,
-             out: Path | None, console: Console) -> dict:
+def run_eval(
+    checkpoint: Path | None,
+    config: Path | None,
+    prompts: Path | None,
+    baseline: str | None,
+    out: Path | None,
+    console: Console,
+) -> dict:
     from digenrl.evaluate import evaluate_checkpoint, prepare_eval
 
     job = prepare_eval(checkpoint, config, prompts, baseline, out)  # every input checked: UserError
     n = len(job.prompts) * (2 if job.baseline is not None else 1)
-    progress = Progress(TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console)
+    progress = Progress(
+        TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    )
     from digenrl.cli.liblog import library_output_beside
 
     with library_output_beside(console, lambda: job.out / "log.txt"), progress:
@@ -24,12 +31,17 @@ def run_eval(checkpoint: Path | None, config: Path | None, prompts: Path | None,
         report = evaluate_checkpoint(job, on_batch=lambda k: progress.advance(task, k))
     if "ema" in report:  # the checkpoint kept an EMA of the weights (train.ema): that is what was sampled
         e = report["ema"]
-        console.print(f"using the EMA weights of {Path(report['checkpoint']).name} (decay {e.get('decay')}, "
-                      f"every {e.get('every')} of {e.get('steps')} optimizer steps)", soft_wrap=True)
+        console.print(
+            f"using the EMA weights of {Path(report['checkpoint']).name} (decay {e.get('decay')}, "
+            f"every {e.get('every')} of {e.get('steps')} optimizer steps)",
+            soft_wrap=True,
+        )
     console.print(reward_table(report))
     files = [report["grid"], *([report["comparison"]] if "comparison" in report else [])]
-    console.print(f"{len(job.prompts)} prompts, {report['eval_steps']} ODE steps, {report['seconds']:.1f} s; "
-                  f"wrote {job.out / 'eval.json'}, {', '.join(files)}")
+    console.print(
+        f"{len(job.prompts)} prompts, {report['eval_steps']} ODE steps, {report['seconds']:.1f} s; "
+        f"wrote {job.out / 'eval.json'}, {', '.join(files)}"
+    )
     return report
 
 

@@ -12,7 +12,9 @@ from rich.console import Console
 
 
 @contextlib.contextmanager
-def library_output_beside(console: Console, target: Callable[[], Path | None], stderr: bool = False) -> Iterator[None]:
+def library_output_beside(
+    console: Console, target: Callable[[], Path | None], stderr: bool = False
+) -> Iterator[None]:
     """Route library output to a temporary log while the block runs; then append it to ``target()``
     (a file path, decided once the command knows where it writes) and say where it went (on stderr
     with ``stderr``: stdout carries JSON). Nothing is said or kept when the libraries printed nothing."""

@@ -13,15 +13,23 @@ from digenrl.config import RunConfig
 from digenrl.errors import UserError
 
 
-def run_plan_command(cfg: RunConfig, cluster_path: Path | None, profile_path: Path | None, top: int, json_out: bool,
-                     write: Path | None, console: Console, iterations: int = 4, timeline_dir: Path | None = None,
-                     ladder: bool = False) -> dict:
+def run_plan_command(
+    cfg: RunConfig,
+    cluster_path: Path | None,
+    profile_path: Path | None,
+    top: int,
+    json_out: bool,
+    write: Path | None,
+    console: Console,
+    iterations: int = 4,
+    timeline_dir: Path | None = None,
+    ladder: bool = False,
+) -> dict:
     from digenrl.planner.costmodel import CostModel, Workload
     from digenrl.planner.gpus import cluster_from_run_config, load_cluster
     from digenrl.planner.profile import load_profile
-    from digenrl.planner.search import baselines
+    from digenrl.planner.search import baselines, search
     from digenrl.planner.search import ladder as knob_ladder
-    from digenrl.planner.search import search
 
     if top < 1:
         raise UserError(f"--top: must be at least 1, got {top}")
@@ -39,15 +47,24 @@ def run_plan_command(cfg: RunConfig, cluster_path: Path | None, profile_path: Pa
     from digenrl.cli.liblog import library_output_beside
 
     status = console.status("reading the model shape...") if not json_out else _Quiet()
-    beside = (Path(write).with_suffix(".log") if write is not None
-              else Path(timeline_dir) / "log.txt" if timeline_dir is not None else None)
+    beside = (
+        Path(write).with_suffix(".log")
+        if write is not None
+        else Path(timeline_dir) / "log.txt"
+        if timeline_dir is not None
+        else None
+    )
     with library_output_beside(console, lambda: beside, stderr=json_out), status:
         workload = Workload.from_config(cfg)
         cost = CostModel(workload, cluster, profile=profile)
-        result = search(cost, cluster, top=top, iterations=iterations,
-                        wait_for_full_batch=cfg.algorithm.std == "global")
-        steps = (knob_ladder(cost, cluster, iterations, wait_for_full_batch=cfg.algorithm.std == "global")
-                 if ladder else [])
+        result = search(
+            cost, cluster, top=top, iterations=iterations, wait_for_full_batch=cfg.algorithm.std == "global"
+        )
+        steps = (
+            knob_ladder(cost, cluster, iterations, wait_for_full_batch=cfg.algorithm.std == "global")
+            if ladder
+            else []
+        )
         peers = baselines(cost, cluster, iterations, wait_for_full_batch=cfg.algorithm.std == "global")
     report = plan_report(result, cost, cluster, top, steps, peers)
     if json_out:
@@ -75,8 +92,10 @@ def check_profile_device(profile: dict, cluster) -> None:
     cluster would be silently unused."""
     key = str(profile["device"].get("table_key") or profile["device"].get("kind", ""))
     if key.lower() not in {d.lower() for d in cluster.devices}:
-        raise UserError(f"--profile: measured on {key} ({profile['device'].get('name', '?')}), a device type "
-                        f"cluster {cluster.name} does not have ({cluster.describe()}); profile one of its devices")
+        raise UserError(
+            f"--profile: measured on {key} ({profile['device'].get('name', '?')}), a device type "
+            f"cluster {cluster.name} does not have ({cluster.describe()}); profile one of its devices"
+        )
 
 
 class _Quiet:
@@ -101,9 +120,14 @@ def plan_row(r, result, rank: int | None = None) -> dict:
         "knobs": r.plan.knobs(),
         "placement": r.plan.placement,
         "pools": [{**p.model_dump(mode="json"), "role": r.plan.role(p)} for p in r.plan.pools],
-        "engine": {"unit_groups": r.plan.unit_groups, "gap": r.plan.gap, "tsp_degree": r.plan.tsp_degree,
-                   "tag": r.plan.tag, "max_staleness": r.plan.max_staleness,
-                   "group_parts": r.plan.group_parts},  # > 1: sub-group units (engine.unit_samples = G / parts)
+        "engine": {
+            "unit_groups": r.plan.unit_groups,
+            "gap": r.plan.gap,
+            "tsp_degree": r.plan.tsp_degree,
+            "tag": r.plan.tag,
+            "max_staleness": r.plan.max_staleness,
+            "group_parts": r.plan.group_parts,
+        },  # > 1: sub-group units (engine.unit_samples = G / parts)
         "micro_batch": micro,
         "samples_per_s": r.samples_per_s,
         "iteration_s": r.iteration_s,
@@ -123,18 +147,39 @@ def plan_report(result, cost, cluster, top: int, steps=(), peers: dict | None = 
     sources = {d: cost.times(d).source for d in cluster.devices}
     return {
         "model": cost.w.summary(),
-        "cluster": {"name": cluster.name, "devices": cluster.devices, "gpus_per_node": cluster.gpus_per_node,
-                    "interconnect": cluster.interconnect.model_dump()},
-        "cost_model": {"times": sources, "params": asdict(cost.p), "colocation": asdict(cost.col),
-                       "engine_overheads": asdict(cost.ov)},
-        "search": {"candidates": result.candidates, "simulated": result.simulated,
-                   "rejected_by_memory": len(result.rejected), "seconds": result.seconds},
+        "cluster": {
+            "name": cluster.name,
+            "devices": cluster.devices,
+            "gpus_per_node": cluster.gpus_per_node,
+            "interconnect": cluster.interconnect.model_dump(),
+        },
+        "cost_model": {
+            "times": sources,
+            "params": asdict(cost.p),
+            "colocation": asdict(cost.col),
+            "engine_overheads": asdict(cost.ov),
+        },
+        "search": {
+            "candidates": result.candidates,
+            "simulated": result.simulated,
+            "rejected_by_memory": len(result.rejected),
+            "seconds": result.seconds,
+        },
         "best_colocated": plan_row(result.best_colocated, result) if result.best_colocated else None,
         # the peers' arrangements, each its best plan (search.BASELINES); speedup of the best plan over each,
         # and why DigenRL's engine would refuse that arrangement (None: it runs it too)
-        "baselines": {name: ({**plan_row(r, result), "best_speedup": result.ranked[0].samples_per_s / r.samples_per_s,
-                              "engine_refuses": unwired_sharding(r.plan, r.setups, cost) or None}
-                             if r is not None and r.samples_per_s else None) for name, r in (peers or {}).items()},
+        "baselines": {
+            name: (
+                {
+                    **plan_row(r, result),
+                    "best_speedup": result.ranked[0].samples_per_s / r.samples_per_s,
+                    "engine_refuses": unwired_sharding(r.plan, r.setups, cost) or None,
+                }
+                if r is not None and r.samples_per_s
+                else None
+            )
+            for name, r in (peers or {}).items()
+        },
         "plans": rows,
         "ladder": ladder_rows(steps, result),
     }
@@ -146,7 +191,7 @@ def ladder_rows(steps, result) -> list[dict]:
     rows, previous = [], None
     for name, r in steps:
         row = {"step": name, **(plan_row(r, result) if r else {"plan": None})}
-        row["gain_vs_previous"] = (r.samples_per_s / previous if r is not None and previous else None)
+        row["gain_vs_previous"] = r.samples_per_s / previous if r is not None and previous else None
         previous = r.samples_per_s if r is not None else previous
         rows.append(row)
     return rows
@@ -158,8 +203,10 @@ def _fmt_speedup(x) -> str:
 
 def plan_table(report: dict) -> Table:
     m, c = report["model"], report["cluster"]
-    t = Table(title=f"{m['shape_source']} | {m['prompts']} prompts x {m['group_size']} samples, {m['steps']} steps "
-                    f"| cluster {c['name']} ({' + '.join(f'{n}x{d}' for d, n in c['devices'].items())})")
+    t = Table(
+        title=f"{m['shape_source']} | {m['prompts']} prompts x {m['group_size']} samples, {m['steps']} steps "
+        f"| cluster {c['name']} ({' + '.join(f'{n}x{d}' for d, n in c['devices'].items())})"
+    )
     for col in ("#", "placement", "knobs"):
         t.add_column(col, overflow="fold")
     for col in ("samples/s", "s/iter", "bubble", "eff.", "vs col."):
@@ -167,15 +214,29 @@ def plan_table(report: dict) -> Table:
     t.add_column("notes", overflow="fold")
 
     def add(row, label):
-        notes = row["notes"] + ([f"mb {row['micro_batch']}"] if row["micro_batch"] not in (None, m["micro_batch"]) else [])
-        t.add_row(label, row["where"], row["knobs"], f"{row['samples_per_s']:.4g}", f"{row['iteration_s']:.4g}",
-                  f"{row['bubble_fraction']:.0%}", f"{row['efficiency']:.2f}", _fmt_speedup(row["speedup_vs_colocated"]),
-                  ", ".join(notes))
+        notes = row["notes"] + (
+            [f"mb {row['micro_batch']}"] if row["micro_batch"] not in (None, m["micro_batch"]) else []
+        )
+        t.add_row(
+            label,
+            row["where"],
+            row["knobs"],
+            f"{row['samples_per_s']:.4g}",
+            f"{row['iteration_s']:.4g}",
+            f"{row['bubble_fraction']:.0%}",
+            f"{row['efficiency']:.2f}",
+            _fmt_speedup(row["speedup_vs_colocated"]),
+            ", ".join(notes),
+        )
 
     for row in report["plans"]:
         add(row, str(row["rank"]))
     col = report["best_colocated"]
-    if not report.get("baselines") and col is not None and all(r["plan"] != col["plan"] for r in report["plans"]):
+    if (
+        not report.get("baselines")
+        and col is not None
+        and all(r["plan"] != col["plan"] for r in report["plans"])
+    ):
         t.add_section()
         add(col, "col.")
     if report.get("baselines"):
@@ -200,32 +261,54 @@ def ladder_table(report: dict) -> Table:
             t.add_row(row["step"], "no plan fits", "", "", "", "", "")
             continue
         gain = row["gain_vs_previous"]
-        t.add_row(row["step"], row["where"], row["knobs"], f"{row['samples_per_s']:.4g}", f"{row['bubble_fraction']:.0%}",
-                  f"{gain:.2f}x" if gain is not None else "-", _fmt_speedup(row["speedup_vs_colocated"]))
+        t.add_row(
+            row["step"],
+            row["where"],
+            row["knobs"],
+            f"{row['samples_per_s']:.4g}",
+            f"{row['bubble_fraction']:.0%}",
+            f"{gain:.2f}x" if gain is not None else "-",
+            _fmt_speedup(row["speedup_vs_colocated"]),
+        )
     return t
 
 
 def report_notes(report: dict) -> list[str]:
     s, cm = report["search"], report["cost_model"]
-    lines = ["eff. = throughput bound (docs/architecture.md) / predicted iteration time; vs col. = speedup over the best "
-             "colocated plan (sub-group units allowed)"]
+    lines = [
+        "eff. = throughput bound (docs/architecture.md) / predicted iteration time; vs col. = speedup over the best "
+        "colocated plan (sub-group units allowed)"
+    ]
     if report.get("baselines"):
-        lines.append("baselines (the peers' arrangements, each its best plan): colocated = samples spread over every "
-                     "device (veRL-Omni); colocated_whole_groups = units of whole groups only (this planner's earlier "
-                     "baseline); separate_async = disaggregated one-step-off async without GAP, TSP or TAG "
-                     "(veRL-Omni's separate_async, MM-GRPO). The best plan is "
-                     + ", ".join(f"{row['best_speedup']:.2f}x {name}" for name, row in report["baselines"].items()
-                                 if row is not None))
-        lines += [f"the engine does not run the {name} baseline ({row['engine_refuses']}); `digenrl plan` proposes "
-                  "only what it runs" for name, row in report["baselines"].items() if row and row.get("engine_refuses")]
-    lines += [f"searched {s['candidates']} placements: {s['rejected_by_memory']} do not fit in memory, "
-             f"{s['simulated']} simulated ({s['seconds']:.1f} s); times from "
-             + "; ".join(f"{d}: {src}" for d, src in cm["times"].items())]
+        lines.append(
+            "baselines (the peers' arrangements, each its best plan): colocated = samples spread over every "
+            "device (veRL-Omni); colocated_whole_groups = units of whole groups only (this planner's earlier "
+            "baseline); separate_async = disaggregated one-step-off async without GAP, TSP or TAG "
+            "(veRL-Omni's separate_async, MM-GRPO). The best plan is "
+            + ", ".join(
+                f"{row['best_speedup']:.2f}x {name}"
+                for name, row in report["baselines"].items()
+                if row is not None
+            )
+        )
+        lines += [
+            f"the engine does not run the {name} baseline ({row['engine_refuses']}); `digenrl plan` proposes "
+            "only what it runs"
+            for name, row in report["baselines"].items()
+            if row and row.get("engine_refuses")
+        ]
+    lines += [
+        f"searched {s['candidates']} placements: {s['rejected_by_memory']} do not fit in memory, "
+        f"{s['simulated']} simulated ({s['seconds']:.1f} s); times from "
+        + "; ".join(f"{d}: {src}" for d, src in cm["times"].items())
+    ]
     if report["best_colocated"] is None:
         lines.append("no colocated placement fits in memory: speedups are n/a")
     if "cpu" in cm["times"] and not cm["times"]["cpu"].startswith("profile"):
-        lines.append("cpu devices without a profile: nominal times only; run `digenrl profile --device cpu` "
-                     "and pass --profile")
+        lines.append(
+            "cpu devices without a profile: nominal times only; run `digenrl profile --device cpu` "
+            "and pass --profile"
+        )
     lines.append("predictions of the cost model + simulator, not measurements (docs/scaling.md)")
     return lines
 
@@ -235,15 +318,16 @@ def report_notes(report: dict) -> list[str]:
 
 def trainer_micro_batch(r) -> int | None:
     """The micro-batch the memory model chose for the plan's trainer devices (the smallest over them)."""
-    return min((s.micro_batch for p in r.plan.pools if r.plan.role(p) != "rollout"
-                for s in [r.setups[p.name]]), default=None)
+    return min(
+        (s.micro_batch for p in r.plan.pools if r.plan.role(p) != "rollout" for s in [r.setups[p.name]]),
+        default=None,
+    )
 
 
 def plan_config(cfg: RunConfig, r, cluster) -> RunConfig:
     """``cfg`` with the plan's cluster, placement and engine sections (and micro-batch, device)."""
-    from digenrl.placement import apply_plan
-
     from digenrl.config import validate_config
+    from digenrl.placement import apply_plan
 
     plan = replace(r.plan, micro_batch=trainer_micro_batch(r))
     out = apply_plan(cfg, plan, "cpu" if cluster.is_cpu else "cuda")

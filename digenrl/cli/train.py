@@ -23,8 +23,16 @@ def planned_run_dir(cfg: RunConfig, run_dir: Path | None, resumed) -> Path:
     return Path(cfg.output.run_dir or default_run_dir(cfg))
 
 
-def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, console: Console,
-              resume: Path | None = None, overwrite: bool = False, quiet: bool = False, verbose: bool = False):
+def run_train(
+    cfg: RunConfig,
+    run_dir: Path | None,
+    ray_address: str | None,
+    console: Console,
+    resume: Path | None = None,
+    overwrite: bool = False,
+    quiet: bool = False,
+    verbose: bool = False,
+):
     from digenrl.progress import listening
     from digenrl.runlog import check_new_run_dir, keep_log, library_output_to_log
 
@@ -46,11 +54,19 @@ def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, con
     if resumed is not None:
         say(f"resuming from {resumed.path} (iteration {done} of {cfg.train.iterations})")
     if done >= cfg.train.iterations:
-        say(f"nothing to do: the run already completed {done} of {cfg.train.iterations} iterations "
-            "(extend it with --set train.iterations=N)")
-    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console,
-                        disable=quiet)
+        say(
+            f"nothing to do: the run already completed {done} of {cfg.train.iterations} iterations "
+            "(extend it with --set train.iterations=N)"
+        )
+    progress = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=quiet,
+    )
     result = None
     with library_output_to_log(console, enabled=not verbose) as log:
         try:
@@ -63,8 +79,9 @@ def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, con
                 last = {"stats": ""}
 
                 def on_iteration(row: dict) -> None:
-                    last["stats"] = (f"reward {row['reward_mean']:.4f}  loss {row['loss']:+.2e}  "
-                                     f"{row['wall_s']:.2f} s/it")
+                    last["stats"] = (
+                        f"reward {row['reward_mean']:.4f}  loss {row['loss']:+.2e}  {row['wall_s']:.2f} s/it"
+                    )
                     progress.update(task, advance=1, stats=last["stats"])
 
                 result = start(on_iteration)
@@ -78,9 +95,8 @@ def run_train(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, con
 
 def _driver(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, resume: Path | None):
     """The driver the placement asks for, built (local: model, reward and prompts) and ready to run."""
-    from digenrl.progress import progress
-
     from digenrl.preflight import check_model
+    from digenrl.progress import progress
 
     progress("loading torch and the model code...")
     check_model(cfg)  # shapes, checkpoint directory, LoRA targets (meta device): seconds, before Ray starts
@@ -122,5 +138,3 @@ def _summary(result, say, log: Path | None) -> None:
     if log:
         say(f"library messages (Ray, torch): {log}")
     say(f"run directory: {result.run_dir}")
-
-

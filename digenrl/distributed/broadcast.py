@@ -72,8 +72,16 @@ class SyncGroup:
     """A standalone process group between a weight source (usually trainer rank 0) and the
     rollout workers. Every member calls it with the same address, port and size."""
 
-    def __init__(self, rank: int, world_size: int, host: str, port: int, backend: str = "gloo",
-                 timeout_s: float = 600.0, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        host: str,
+        port: int,
+        backend: str = "gloo",
+        timeout_s: float = 600.0,
+        device: torch.device | str = "cpu",
+    ):
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
         if backend == "gloo":
@@ -89,7 +97,9 @@ class SyncGroup:
         self.pg.broadcast(tensor, src).wait()
 
     def broadcast_bytes(self, payload: bytes | None, src: int) -> bytes:
-        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=self.device)
+        size = torch.tensor(
+            [len(payload) if payload is not None else 0], dtype=torch.int64, device=self.device
+        )
         self.broadcast(size, src)
         buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         if self.rank == src:
@@ -104,8 +114,14 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 def _event(direction: str, version: int, start: float, end: float, nbytes: int, **args) -> dict:
     """A timeline span of kind "sync", shaped like the engine's weight-sync events."""
-    return {"kind": "sync", "uid": f"sync-{version}-{direction}", "version": version, "start": start,
-            "end": end, "args": {"direction": direction, "bytes": nbytes, "transport": "broadcast", **args}}
+    return {
+        "kind": "sync",
+        "uid": f"sync-{version}-{direction}",
+        "version": version,
+        "start": start,
+        "end": end,
+        "args": {"direction": direction, "bytes": nbytes, "transport": "broadcast", **args},
+    }
 
 
 def digest(names: list[str], prints: torch.Tensor) -> str:
@@ -126,8 +142,13 @@ class WeightBroadcaster:
         self.keep_sent = False  # keep each version's sent buckets, in host memory, as ``last_sent``
         self.last_sent: Received | None = None
 
-    def publish(self, version: int, tensors, specs: list[TensorSpec] | None = None,
-                send_dtype: torch.dtype | None = None) -> dict:
+    def publish(
+        self,
+        version: int,
+        tensors,
+        specs: list[TensorSpec] | None = None,
+        send_dtype: torch.dtype | None = None,
+    ) -> dict:
         """Send ``tensors`` (a mapping, or an iterable of (name, tensor) with ``specs`` given --
         e.g. FSDP full tensors gathered one at a time) as ``version``; blocks until sent.
         ``send_dtype`` casts floating tensors first (fp32 masters shipped as bf16). Returns the
@@ -137,20 +158,32 @@ class WeightBroadcaster:
         if specs is None:
             items = list(items)
             specs = [TensorSpec.of(n, _cast(t, send_dtype)) for n, t in items]
-        header = {"version": version, "bucket_bytes": self.bucket_bytes,
-                  "tensors": [[s.name, list(s.shape), s.dtype] for s in specs]}
+        header = {
+            "version": version,
+            "bucket_bytes": self.bucket_bytes,
+            "tensors": [[s.name, list(s.shape), s.dtype] for s in specs],
+        }
         self.group.broadcast_bytes(json.dumps(header).encode(), self.src)
         kept = [] if self.keep_sent else None
         prints = self._send_buckets(specs, iter(items), send_dtype, kept)
         self.group.broadcast_bytes(json.dumps(prints.tolist()).encode(), self.src)
-        event = _event("publish", version, start, time.time(), sum(s.nbytes for s in specs),
-                       digest=digest([s.name for s in specs], prints))
+        event = _event(
+            "publish",
+            version,
+            start,
+            time.time(),
+            sum(s.nbytes for s in specs),
+            digest=digest([s.name for s in specs], prints),
+        )
         if kept is not None:
-            self.last_sent = Received(version, specs, kept, bucket_layout(specs, self.bucket_bytes), prints, event)
+            self.last_sent = Received(
+                version, specs, kept, bucket_layout(specs, self.bucket_bytes), prints, event
+            )
         return event
 
-    def publish_async(self, version: int, tensors: dict[str, torch.Tensor],
-                      send_dtype: torch.dtype | None = None) -> Future:
+    def publish_async(
+        self, version: int, tensors: dict[str, torch.Tensor], send_dtype: torch.dtype | None = None
+    ) -> Future:
         """Snapshot ``tensors`` now (one copy, in ``send_dtype``), send them on a background
         thread; the caller may step the optimizer meanwhile. One publish in flight at a time."""
         snapshot = {n: _cast(t, send_dtype).clone() for n, t in tensors.items()}
@@ -162,7 +195,9 @@ class WeightBroadcaster:
         ``kept``: receives each sent bucket, in host memory."""
         prints = []
         for bucket in bucket_layout(specs, self.bucket_bytes):
-            buf = torch.empty(sum(specs[i].nbytes for i in bucket), dtype=torch.uint8, device=self.group.device)
+            buf = torch.empty(
+                sum(specs[i].nbytes for i in bucket), dtype=torch.uint8, device=self.group.device
+            )
             offset = 0
             for i in bucket:
                 name, t = next(items)
@@ -170,7 +205,7 @@ class WeightBroadcaster:
                 if TensorSpec.of(name, t) != specs[i]:
                     raise WeightSyncError(f"publish: tensor {name} does not match its spec {specs[i]}")
                 prints.append(fingerprint(t).to(self.group.device))
-                buf[offset:offset + specs[i].nbytes].copy_(_bytes_of(t))
+                buf[offset : offset + specs[i].nbytes].copy_(_bytes_of(t))
                 offset += specs[i].nbytes
             self.group.broadcast(buf, self.src)
             if kept is not None:
@@ -217,13 +252,21 @@ class WeightReceiver:
         layout = bucket_layout(specs, header["bucket_bytes"])
         buckets = []
         for bucket in layout:
-            buf = torch.empty(sum(specs[i].nbytes for i in bucket), dtype=torch.uint8, device=self.group.device)
+            buf = torch.empty(
+                sum(specs[i].nbytes for i in bucket), dtype=torch.uint8, device=self.group.device
+            )
             self.group.broadcast(buf, self.src)
             buckets.append(buf.to(self.staging_device))
         prints = torch.tensor(json.loads(self.group.broadcast_bytes(None, self.src)), dtype=torch.int64)
         end = time.time()
-        return Received(header["version"], specs, buckets, layout, prints.reshape(-1, 3),
-                        _event("prefetch", header["version"], start, end, sum(s.nbytes for s in specs)))
+        return Received(
+            header["version"],
+            specs,
+            buckets,
+            layout,
+            prints.reshape(-1, 3),
+            _event("prefetch", header["version"], start, end, sum(s.nbytes for s in specs)),
+        )
 
     def prefetch(self) -> Future:
         """Start receiving the next version on a background thread; returns its future."""
@@ -260,7 +303,9 @@ class WeightReceiver:
         layout = bucket_layout(specs, header["bucket_bytes"])
         problem = _mismatch(version, specs, targets)
         for bucket in layout:
-            buf = torch.empty(sum(specs[i].nbytes for i in bucket), dtype=torch.uint8, device=self.group.device)
+            buf = torch.empty(
+                sum(specs[i].nbytes for i in bucket), dtype=torch.uint8, device=self.group.device
+            )
             self.group.broadcast(buf, self.src)
             if not problem:
                 _unpack(specs, bucket, buf, targets)
@@ -268,8 +313,14 @@ class WeightReceiver:
         if problem:
             raise WeightSyncError(problem)
         got = _verify(version, specs, layout, prints.reshape(-1, 3), targets)
-        return _event("receive_into", version, start, time.time(), sum(s.nbytes for s in specs),
-                      digest=digest([s.name for s in specs], got))
+        return _event(
+            "receive_into",
+            version,
+            start,
+            time.time(),
+            sum(s.nbytes for s in specs),
+            digest=digest([s.name for s in specs], got),
+        )
 
 
 def load_received(received: Received, targets: dict[str, torch.Tensor]) -> dict:
@@ -283,13 +334,23 @@ def load_received(received: Received, targets: dict[str, torch.Tensor]) -> dict:
     for bucket, buf in zip(received.layout, received.buckets):
         _unpack(received.specs, bucket, buf, targets)
     got = _verify(received.version, received.specs, received.layout, received.fingerprints, targets)
-    return _event("load", received.version, start, time.time(), received.nbytes,
-                  digest=digest([s.name for s in received.specs], got))
+    return _event(
+        "load",
+        received.version,
+        start,
+        time.time(),
+        received.nbytes,
+        digest=digest([s.name for s in received.specs], got),
+    )
 
 
 @torch.no_grad()
-def received_from(version: int, tensors: dict[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                  staging_device: torch.device | str = "cpu") -> Received:
+def received_from(
+    version: int,
+    tensors: dict[str, torch.Tensor],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    staging_device: torch.device | str = "cpu",
+) -> Received:
     """``tensors`` staged as a version without any group (a copy, with their fingerprints): a
     receiver's own starting weights kept for a re-queued unit, or a staged version handed on."""
     start = time.time()
@@ -298,8 +359,14 @@ def received_from(version: int, tensors: dict[str, torch.Tensor], bucket_bytes: 
     values = list(tensors.values())
     buckets = [torch.cat([_bytes_of(values[i]).to(staging_device) for i in bucket]) for bucket in layout]
     prints = fingerprints(values)
-    return Received(version, specs, buckets, layout, prints,
-                    _event("stage", version, start, time.time(), sum(s.nbytes for s in specs)))
+    return Received(
+        version,
+        specs,
+        buckets,
+        layout,
+        prints,
+        _event("stage", version, start, time.time(), sum(s.nbytes for s in specs)),
+    )
 
 
 def _mismatch(version: int, specs: list[TensorSpec], targets: dict[str, torch.Tensor]) -> str | None:
@@ -307,28 +374,39 @@ def _mismatch(version: int, specs: list[TensorSpec], targets: dict[str, torch.Te
     names = [s.name for s in specs]
     missing, unexpected = sorted(set(targets) - set(names)), sorted(set(names) - set(targets))
     if missing or unexpected:
-        return (f"broadcast of version {version}: {len(missing)} missing keys {missing[:3]}, "
-                f"{len(unexpected)} unexpected keys {unexpected[:3]}")
+        return (
+            f"broadcast of version {version}: {len(missing)} missing keys {missing[:3]}, "
+            f"{len(unexpected)} unexpected keys {unexpected[:3]}"
+        )
     for spec in specs:
         dest = targets[spec.name]
         if TensorSpec.of(spec.name, dest) != spec:
-            return (f"broadcast of version {version}: {spec.name} is {tuple(dest.shape)} {dest.dtype} here, "
-                    f"{spec.shape} {spec.dtype} sent")
+            return (
+                f"broadcast of version {version}: {spec.name} is {tuple(dest.shape)} {dest.dtype} here, "
+                f"{spec.shape} {spec.dtype} sent"
+            )
     return None
 
 
 @torch.no_grad()
-def _unpack(specs: list[TensorSpec], bucket: list[int], buf: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
+def _unpack(
+    specs: list[TensorSpec], bucket: list[int], buf: torch.Tensor, targets: dict[str, torch.Tensor]
+) -> None:
     offset = 0
     for i in bucket:
         spec = specs[i]
         dest = targets[spec.name]
-        _bytes_of_inplace(dest).copy_(buf[offset:offset + spec.nbytes].to(dest.device))
+        _bytes_of_inplace(dest).copy_(buf[offset : offset + spec.nbytes].to(dest.device))
         offset += spec.nbytes
 
 
-def _verify(version: int, specs: list[TensorSpec], layout: list[list[int]], expected: torch.Tensor,
-            targets: dict[str, torch.Tensor]) -> torch.Tensor:
+def _verify(
+    version: int,
+    specs: list[TensorSpec],
+    layout: list[list[int]],
+    expected: torch.Tensor,
+    targets: dict[str, torch.Tensor],
+) -> torch.Tensor:
     """Every loaded tensor's fingerprint equals the source's; else name the first bad one and its
     bucket. Returns the loaded tensors' fingerprints."""
     names = [s.name for s in specs]
@@ -336,8 +414,10 @@ def _verify(version: int, specs: list[TensorSpec], layout: list[list[int]], expe
     bad = [i for i, (a, e) in enumerate(zip(got, expected)) if not torch.equal(a, e)]
     if bad:
         bucket = next(b for b, members in enumerate(layout) if bad[0] in members)
-        raise WeightSyncError(f"broadcast of version {version}: fingerprint mismatch after load in "
-                              f"{len(bad)} tensors, first {names[bad[0]]} (bucket {bucket})")
+        raise WeightSyncError(
+            f"broadcast of version {version}: fingerprint mismatch after load in "
+            f"{len(bad)} tensors, first {names[bad[0]]} (bucket {bucket})"
+        )
     return got
 
 
@@ -358,6 +438,13 @@ def sync_targets(model: torch.nn.Module, lora: bool) -> dict[str, torch.Tensor]:
 def specs_for(tensors: dict[str, torch.Tensor], send_dtype: torch.dtype | None = None) -> list[TensorSpec]:
     """The specs of ``tensors`` as they will be sent (global shapes for DTensor shards), so a
     source can publish a stream of gathered tensors without holding them all."""
-    return [TensorSpec(n, tuple(t.shape), str(send_dtype if send_dtype is not None and t.is_floating_point()
-                                              else t.dtype).removeprefix("torch."))
-            for n, t in tensors.items()]
+    return [
+        TensorSpec(
+            n,
+            tuple(t.shape),
+            str(send_dtype if send_dtype is not None and t.is_floating_point() else t.dtype).removeprefix(
+                "torch."
+            ),
+        )
+        for n, t in tensors.items()
+    ]

@@ -17,8 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
-                                                     set_optimizer_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 
 def _options(trainable_only: bool) -> StateDictOptions:
@@ -26,20 +31,32 @@ def _options(trainable_only: bool) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
-def save_sharded(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 trainable_only: bool = False) -> None:
+def save_sharded(
+    path: Path | str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    trainable_only: bool = False,
+) -> None:
     """Every rank of the default group calls it; each writes its own shards under ``path``.
     ``trainable_only``: leave frozen parameters out (LoRA: the base comes from the pretrained
     checkpoint, not from here)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [], options=_options(trainable_only))
+    model_sd, optim_sd = get_state_dict(
+        model, optimizer if optimizer is not None else [], options=_options(trainable_only)
+    )
     state = {"model": model_sd}
     if optimizer is not None:
         state["optim"] = optim_sd
     dcp.save(state, checkpoint_id=str(path))
 
 
-def load_sharded(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                 trainable_only: bool = False) -> None:
+def load_sharded(
+    path: Path | str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    trainable_only: bool = False,
+) -> None:
     """Restore ``model`` (and ``optimizer``) in place from ``path``, resharding to this world."""
     opts = _options(trainable_only)
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [], options=opts)
@@ -47,8 +64,13 @@ def load_sharded(path: Path | str, model: nn.Module, optimizer: torch.optim.Opti
     if optimizer is not None:
         state["optim"] = optim_sd
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
-                   optim_state_dict=state.get("optim", {}), options=opts)
+    set_state_dict(
+        model,
+        optimizer if optimizer is not None else [],
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optim", {}),
+        options=opts,
+    )
 
 
 def save_optimizer(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -56,8 +78,11 @@ def save_optimizer(path: Path | str, model: nn.Module, optimizer: torch.optim.Op
     writes its own shards under ``path``, nothing is gathered (HSDP: one replica group saves, its
     ranks hold every shard). A trainer checkpoint keeps the weights apart, gathered in the ordinary
     format that eval, rollout workers and diffusers read."""
-    dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(path),
-             process_group=_shard_group(model))
+    dcp.save(
+        {"optim": get_optimizer_state_dict(model, optimizer)},
+        checkpoint_id=str(path),
+        process_group=_shard_group(model),
+    )
 
 
 def _shard_group(model: nn.Module):

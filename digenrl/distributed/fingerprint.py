@@ -43,14 +43,14 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     cols = torch.zeros(_ROW, dtype=torch.int64, device=x.device)
     out = torch.zeros(3, dtype=torch.int64, device=x.device)
     for row in range(0, full, _ROWS_PER_PASS):
-        block = x[row * _ROW:min(full, row + _ROWS_PER_PASS) * _ROW].view(-1, _ROW).to(torch.int32)
+        block = x[row * _ROW : min(full, row + _ROWS_PER_PASS) * _ROW].view(-1, _ROW).to(torch.int32)
         rows = block.sum(1, dtype=torch.int32).to(torch.int64)
         cols += block.sum(0, dtype=torch.int32)
         out[0] += rows.sum()
         out[1] += rows.mul_(_weights(row, rows.numel(), x.device)).sum()
-    tail = x[full * _ROW:].to(torch.int64)
+    tail = x[full * _ROW :].to(torch.int64)
     if tail.numel():
-        cols[:tail.numel()] += tail
+        cols[: tail.numel()] += tail
         out[0] += tail.sum()
         out[1] += tail.sum() * _weights(full, 1, x.device)[0]
     out[2] = cols.mul_(_weights(0, _ROW, x.device)).sum()

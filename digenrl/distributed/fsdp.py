@@ -35,10 +35,17 @@ def trainer_mesh(degree: int | None = None, device_type: str = "cpu") -> DeviceM
     return init_device_mesh(device_type, (world // degree, degree), mesh_dim_names=("replicate", "shard"))
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype = torch.bfloat16,
-                reduce_dtype: torch.dtype = torch.float32, activation_checkpointing: bool = False,
-                reshard_after_forward: bool = True, gradient_sum: bool = True,
-                independent_replicas: bool = False) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+    activation_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
+    gradient_sum: bool = True,
+    independent_replicas: bool = False,
+) -> nn.Module:
     """Shard ``model`` in place over ``mesh``; returns it (now an ``FSDPModule``).
 
     Order, as torchtitan: trained parameters to fp32 (the masters), activation checkpointing
@@ -104,20 +111,33 @@ def full_numel(model: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
-def shard_policy(policy, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None,
-                 activation_checkpointing: bool = False, independent_replicas: bool = False) -> None:
+def shard_policy(
+    policy,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    activation_checkpointing: bool = False,
+    independent_replicas: bool = False,
+) -> None:
     """Shard a :class:`~digenrl.policy.Policy`'s transformer and rebuild its optimizer over the
     shards (same hyper-parameters). ``param_dtype`` defaults to the model's compute dtype
     (``model.dtype``). Call before the first step; ``Policy.optimizer_step`` works on shards."""
     net = policy.adapter.transformer
     dtype = param_dtype or policy.adapter.dtype
-    parallelize(net, mesh, param_dtype=dtype, activation_checkpointing=activation_checkpointing,
-                independent_replicas=independent_replicas)
+    parallelize(
+        net,
+        mesh,
+        param_dtype=dtype,
+        activation_checkpointing=activation_checkpointing,
+        independent_replicas=independent_replicas,
+    )
     policy.named_params = {n: p for n, p in net.named_parameters() if p.requires_grad}
     policy.params = list(policy.named_params.values())
     if policy.optimizer is not None:
         t = policy.cfg.train
-        policy.optimizer = torch.optim.AdamW(policy.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        policy.optimizer = torch.optim.AdamW(
+            policy.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
+        )
     ema = getattr(policy, "ema", None)
     if ema is not None:  # train.ema: each rank averages its own shards (elementwise, so equal to unsharded)
         ema.params = policy.named_params
@@ -127,8 +147,9 @@ def shard_policy(policy, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = 
 def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     """This rank's shard of the whole tensor ``full``, laid out like the sharded parameter ``like``
     (no communication: every rank holds ``full``)."""
-    return distribute_tensor(full.detach().to(like.device), like.device_mesh, like.placements,
-                             src_data_rank=None)
+    return distribute_tensor(
+        full.detach().to(like.device), like.device_mesh, like.placements, src_data_rank=None
+    )
 
 
 def full_tensors(model: nn.Module, names: list[str] | None = None, trainable_only: bool = False):

@@ -14,7 +14,9 @@ import torch.distributed as dist
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 
-def gradient_buckets(params: list[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[torch.Tensor]]:
+def gradient_buckets(
+    params: list[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> list[list[torch.Tensor]]:
     """Consecutive parameters grouped by dtype into buckets of at most ``bucket_bytes`` (a
     parameter larger than that is a bucket alone). The same on every rank for the same list."""
     buckets: list[list[torch.Tensor]] = []
@@ -37,9 +39,9 @@ def _pack(bucket: list[torch.Tensor]) -> torch.Tensor:
     for p in bucket:
         n = p.numel()
         if p.grad is None:
-            flat[offset:offset + n].zero_()
+            flat[offset : offset + n].zero_()
         else:
-            flat[offset:offset + n].copy_(p.grad.reshape(-1))
+            flat[offset : offset + n].copy_(p.grad.reshape(-1))
         offset += n
     return flat
 
@@ -50,7 +52,7 @@ def _unpack(bucket: list[torch.Tensor], flat: torch.Tensor, scale: float | None)
     offset = 0
     for p in bucket:
         n = p.numel()
-        view = flat[offset:offset + n].view_as(p)
+        view = flat[offset : offset + n].view_as(p)
         if p.grad is None:
             p.grad = view.clone()
         else:
@@ -58,8 +60,9 @@ def _unpack(bucket: list[torch.Tensor], flat: torch.Tensor, scale: float | None)
         offset += n
 
 
-def all_reduce_gradients(params: list[torch.Tensor], group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                         average: bool = False) -> int:
+def all_reduce_gradients(
+    params: list[torch.Tensor], group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, average: bool = False
+) -> int:
     """Sum (or average) the gradients of ``params`` over ``group``; returns the bucket count.
     Nothing happens in a world of one."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -80,7 +83,9 @@ def all_reduce_gradients(params: list[torch.Tensor], group=None, bucket_bytes: i
     return len(buckets)
 
 
-def all_reduce_tensors(tensors: list[torch.Tensor], group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+def all_reduce_tensors(
+    tensors: list[torch.Tensor], group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> int:
     """Sum ``tensors`` in place over ``group``, in the same buckets (HSDP: each rank's local gradient
     shards over its replicas, which hold the same shards). Returns the bucket count."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -102,5 +107,5 @@ def _copy_back(bucket: list[torch.Tensor], flat: torch.Tensor, work) -> None:
     work.wait()
     offset = 0
     for t in bucket:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()

@@ -41,7 +41,9 @@ def sp_mesh(degree: int, device_type: str = "cpu") -> DeviceMesh:
     world = dist.get_world_size()
     if degree < 2 or world % degree:
         raise ValueError(f"sequence-parallel degree {degree} must be > 1 and divide the {world} ranks")
-    mesh = init_device_mesh(device_type, (world // degree, 1, degree), mesh_dim_names=("sp_replica", "ring", "ulysses"))
+    mesh = init_device_mesh(
+        device_type, (world // degree, 1, degree), mesh_dim_names=("sp_replica", "ring", "ulysses")
+    )
     return mesh["ring", "ulysses"]
 
 
@@ -62,8 +64,9 @@ def enable_sequence_parallel(transformer: nn.Module, mesh: DeviceMesh) -> None:
         raise ValueError(f"no sequence-parallel plan for {type(transformer).__name__}")
 
 
-def sp_problem(transformer_class: str, config: dict, image_tokens: int, text_tokens: int,
-               degree: int) -> str | None:
+def sp_problem(
+    transformer_class: str, config: dict, image_tokens: int, text_tokens: int, degree: int
+) -> str | None:
     """Why a model (diffusers class name, transformer config, tokens per sample) cannot run over
     ``degree`` ranks, or None: its heads, image tokens and, where the text is split too (joint
     attention), text tokens must divide."""
@@ -219,17 +222,26 @@ class HunyuanUlyssesProcessor:
     def _streams(self, attn, image, text):
         """(q, k, v) of the image tokens and of the text tokens, each (B, n, H, D)."""
         if attn.add_q_proj is None:  # single-stream block: one projection over [image; text]
-            qkv = self._project(attn, torch.cat([image, text], 1), attn.to_q, attn.to_k, attn.to_v,
-                                attn.norm_q, attn.norm_k)
+            qkv = self._project(
+                attn, torch.cat([image, text], 1), attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k
+            )
             n = image.shape[1]
             return tuple(t[:, :n] for t in qkv), tuple(t[:, n:] for t in qkv)
         img = self._project(attn, image, attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k)
-        txt = self._project(attn, text, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj,
-                            attn.norm_added_q, attn.norm_added_k)
+        txt = self._project(
+            attn,
+            text,
+            attn.add_q_proj,
+            attn.add_k_proj,
+            attn.add_v_proj,
+            attn.norm_added_q,
+            attn.norm_added_k,
+        )
         return img, txt
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 image_rotary_emb=None):
+    def __call__(
+        self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None
+    ):
         from diffusers.models.embeddings import apply_rotary_emb
 
         # attention_mask (built from the local lengths) is not used: the state has the whole prompt's
@@ -262,7 +274,8 @@ def _enable_hunyuan(transformer: nn.Module, group) -> None:
 
     transformer.register_forward_pre_hook(record_mask, with_kwargs=True)
     transformer.rope.register_forward_hook(
-        lambda m, a, out: tuple(_local(t, 0, group, "image tokens") for t in out))
+        lambda m, a, out: tuple(_local(t, 0, group, "image tokens") for t in out)
+    )
     transformer.x_embedder.register_forward_hook(lambda m, a, out: _local(out, 1, group, "image tokens"))
     transformer.context_embedder.register_forward_hook(lambda m, a, out: _local(out, 1, group, "text tokens"))
     transformer.proj_out.register_forward_hook(lambda m, a, out: _GatherSeq.apply(out, 1, group))

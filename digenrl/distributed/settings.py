@@ -54,17 +54,37 @@ def check_fsdp_wired(cfg) -> None:
 
     e, mode = cfg.engine, cfg.placement.mode
     ranks = sum(w.role == "trainer" for w in engine_workers(cfg)) if mode == "disaggregated" else 0
-    why = fsdp_unwired(n, placement=mode, ranks=ranks,
-                       tag=e.tag, tsp_degree=e.tsp_degree, timestep_mode=cfg.algorithm.timesteps.mode,
-                       unit_groups=e.unit_groups, unit_samples=e.unit_samples, group_size=cfg.algorithm.group_size,
-                       optimizer_steps=cfg.train.optimizer_steps, trainer_sp=e.trainer_sp)
+    why = fsdp_unwired(
+        n,
+        placement=mode,
+        ranks=ranks,
+        tag=e.tag,
+        tsp_degree=e.tsp_degree,
+        timestep_mode=cfg.algorithm.timesteps.mode,
+        unit_groups=e.unit_groups,
+        unit_samples=e.unit_samples,
+        group_size=cfg.algorithm.group_size,
+        optimizer_steps=cfg.train.optimizer_steps,
+        trainer_sp=e.trainer_sp,
+    )
     if why:
         raise UserError(f"{head} {why}")
 
 
-def fsdp_unwired(n: int, *, placement: str, ranks: int, tag: bool, tsp_degree: int, timestep_mode: str,
-                 unit_groups: int, unit_samples: int, group_size: int, optimizer_steps: int,
-                 trainer_sp: int = 1) -> str | None:
+def fsdp_unwired(
+    n: int,
+    *,
+    placement: str,
+    ranks: int,
+    tag: bool,
+    tsp_degree: int,
+    timestep_mode: str,
+    unit_groups: int,
+    unit_samples: int,
+    group_size: int,
+    optimizer_steps: int,
+    trainer_sp: int = 1,
+) -> str | None:
     """Why the engine cannot run sharding degree ``n`` > 1 with these settings, or None. The rule the
     runtime (:func:`check_fsdp_wired`) and the planner (``planner/search.py``) share: disaggregated
     trainer ranks in shard groups of ``n`` (``n`` divides them: HSDP, replicated across the groups,
@@ -72,18 +92,27 @@ def fsdp_unwired(n: int, *, placement: str, ranks: int, tag: bool, tsp_degree: i
     slice of its samples -- of each mini-batch's samples with ``optimizer_steps`` > 1 -- so every
     rank of the group runs the same forward / backward passes)."""
     if placement != "disaggregated":
-        return f"sharded trainer ranks need placement.mode: disaggregated (got {placement}); use train.fsdp: off"
+        return (
+            f"sharded trainer ranks need placement.mode: disaggregated (got {placement}); use train.fsdp: off"
+        )
     if ranks % n:
         return f"must divide the number of trainer ranks ({ranks}); use train.fsdp: {ranks} or off"
-    refused = {"engine.tag": tag, "engine.tsp_degree > 1": tsp_degree > 1,
-               "algorithm.timesteps.mode: random": timestep_mode == "random"}
+    refused = {
+        "engine.tag": tag,
+        "engine.tsp_degree > 1": tsp_degree > 1,
+        "algorithm.timesteps.mode: random": timestep_mode == "random",
+    }
     for name, on in refused.items():
         if on:
-            return (f"not with {name} (every FSDP rank must run the same forward / backward passes; the sharded "
-                    "group trains whole units together)")
+            return (
+                f"not with {name} (every FSDP rank must run the same forward / backward passes; the sharded "
+                "group trains whole units together)"
+            )
     if trainer_sp > 1 and ranks != n:
-        return (f"HSDP (a degree below the {ranks} trainer ranks) with engine.trainer_sp is not wired; "
-                f"use train.fsdp: {ranks}")
+        return (
+            f"HSDP (a degree below the {ranks} trainer ranks) with engine.trainer_sp is not wired; "
+            f"use train.fsdp: {ranks}"
+        )
     slices = n // trainer_sp if n % trainer_sp == 0 else n  # engine.trainer_sp: a group trains one slice
     uneven = _uneven_unit_share(slices, unit_groups, unit_samples, group_size, optimizer_steps)
     over = f"the {n} ranks" if slices == n else f"the {slices} sequence-parallel groups of the {n} ranks"
@@ -94,8 +123,11 @@ def _uneven_unit_share(n: int, unit_groups: int, unit_samples: int, group: int, 
     """What does not split over ``n`` sharded ranks: a unit's samples, or (mini-batch PPO) the samples
     of one of its mini-batches (those with in-group index in s*G/S .. (s+1)*G/S - 1); None if all do."""
     per_unit = unit_samples or unit_groups * group
-    what = ("engine.unit_samples" if unit_samples else "engine.unit_groups x algorithm.group_size "
-            f"({unit_groups} x {group})")
+    what = (
+        "engine.unit_samples"
+        if unit_samples
+        else f"engine.unit_groups x algorithm.group_size ({unit_groups} x {group})"
+    )
     if per_unit % n:
         return f"{what}: {per_unit} samples per unit"
     if steps <= 1 or group % steps:
@@ -106,7 +138,9 @@ def _uneven_unit_share(n: int, unit_groups: int, unit_samples: int, group: int, 
         for s in range(steps):
             rows = groups * max(0, min(lo + width, (s + 1) * span) - max(lo, s * span))
             if rows % n:
-                return f"train.optimizer_steps: {steps}: a unit holds {rows} sample(s) of mini-batch {s}, which"
+                return (
+                    f"train.optimizer_steps: {steps}: a unit holds {rows} sample(s) of mini-batch {s}, which"
+                )
     return None
 
 
@@ -119,18 +153,38 @@ def check_sp_wired(cfg) -> None:
 
     e, mode = cfg.engine, cfg.placement.mode
     pools = {p.name: p.count for p in cfg.cluster.pools}
-    devices = {"rollout": pools.get(cfg.placement.rollout_pool, 0), "trainer": pools.get(cfg.placement.trainer_pool, 0)}
+    devices = {
+        "rollout": pools.get(cfg.placement.rollout_pool, 0),
+        "trainer": pools.get(cfg.placement.trainer_pool, 0),
+    }
     for key, role in (("rollout_sp", "rollout"), ("trainer_sp", "trainer")):
         s = getattr(e, key)
         shape = (lambda: model_shape(cfg.model)) if s > 1 else None
-        why = sp_unwired(role, s, placement=mode, devices=devices[role], tag=e.tag, faults=bool(e.faults),
-                         evaluates=cfg.output.eval_every > 0, shape=shape)
+        why = sp_unwired(
+            role,
+            s,
+            placement=mode,
+            devices=devices[role],
+            tag=e.tag,
+            faults=bool(e.faults),
+            evaluates=cfg.output.eval_every > 0,
+            shape=shape,
+        )
         if why:
             raise UserError(f"engine.{key}: {s}: {why}")
 
 
-def sp_unwired(role: str, s: int, *, placement: str, devices: int, tag: bool, faults: bool = False,
-               evaluates: bool = False, shape=None) -> str | None:
+def sp_unwired(
+    role: str,
+    s: int,
+    *,
+    placement: str,
+    devices: int,
+    tag: bool,
+    faults: bool = False,
+    evaluates: bool = False,
+    shape=None,
+) -> str | None:
     """Why the engine cannot run sequence-parallel ``role`` workers ("rollout" / "trainer") of ``s``
     devices, or None. The rule the runtime (:func:`check_sp_wired`) and the planner
     (``planner/search.py``) share: disaggregated placements only, not beside TAG or fault injection
@@ -155,5 +209,3 @@ def sp_unwired(role: str, s: int, *, placement: str, devices: int, tag: bool, fa
 
     shape = shape() if callable(shape) else shape
     return sp_problem(shape.transformer_class, shape.config, shape.tokens.x, shape.tokens.text, s)
-
-

@@ -19,8 +19,8 @@ import math
 import os
 import socket
 import sys
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 
 from digenrl.config import PoolConfig, RunConfig
 from digenrl.errors import UserError
@@ -64,8 +64,7 @@ def first_line(exc: Exception) -> str:
 
 
 @contextlib.contextmanager
-def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
-                resume: Path | None = None):
+def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None, resume: Path | None = None):
     """Connect (or start Ray), check and reserve the placement, start one actor per worker and
     wait until every one has built its policy (from the ``resume`` checkpoint directory when given: read by path);
     on exit kill them and release everything."""
@@ -75,7 +74,11 @@ def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
 
     from digenrl.engine.workers import EngineWorker, ResumeFrom, rollout_checkpoint_files
 
-    progress("starting the Ray cluster..." if ray_address is None else f"joining the Ray cluster at {ray_address}...")
+    progress(
+        "starting the Ray cluster..."
+        if ray_address is None
+        else f"joining the Ray cluster at {ray_address}..."
+    )
     ours = connect(workers, ray_address)
     group, actors, reward_actor = None, {}, None
     try:
@@ -85,13 +88,18 @@ def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
         try:
             ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            raise UserError(f"cluster: could not reserve {_asked(workers)} within {PLACEMENT_TIMEOUT_S:.0f}s "
-                            f"(bundles {bundles}); free now: {_describe(ray.available_resources())}") from None
+            raise UserError(
+                f"cluster: could not reserve {_asked(workers)} within {PLACEMENT_TIMEOUT_S:.0f}s "
+                f"(bundles {bundles}); free now: {_describe(ray.available_resources())}"
+            ) from None
         if cfg.reward.service is not None:  # one reward actor shared by every worker that scores
             from digenrl.rewards.service import start_reward_actor
 
-            reward_actor = start_reward_actor(cfg.reward, max_restarts=cfg.engine.max_restarts,
-                                              faults=FaultInjector.from_config(cfg, REWARD_ROW))
+            reward_actor = start_reward_actor(
+                cfg.reward,
+                max_restarts=cfg.engine.max_restarts,
+                faults=FaultInjector.from_config(cfg, REWARD_ROW),
+            )
         resume_from = None
         if resume is not None:  # rollout workers' fallback copy: never the optimizer state
             resume_from = ResumeFrom(str(Path(resume).resolve()), ray.put(rollout_checkpoint_files(resume)))
@@ -107,10 +115,18 @@ def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None,
                 # a rollout worker holds nothing that cannot be rebuilt: Ray restarts it and the
                 # engine re-queues its unit; a trainer rank's death stops the run (worker_died)
                 # (a sequence-parallel group's member is not restarted: it would leave its group)
-                max_restarts=cfg.engine.max_restarts if spec.role == "rollout" and spec.name not in sp_members else 0,
+                max_restarts=cfg.engine.max_restarts
+                if spec.role == "rollout" and spec.name not in sp_members
+                else 0,
                 max_task_retries=0,
-            ).remote(cfg, spec.name, spec.role, None if spec.name in sp_hidden else reward_actor, resume_from,
-                     sp_follower=spec.name in sp_hidden)
+            ).remote(
+                cfg,
+                spec.name,
+                spec.role,
+                None if spec.name in sp_hidden else reward_actor,
+                resume_from,
+                sp_follower=spec.name in sp_hidden,
+            )
         ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
         if len({r["checksum"] for r in ready.values()}) > 1:
             raise WeightSyncError(f"initial weights differ between workers: {ready}")
@@ -134,13 +150,17 @@ def head_problem() -> str | None:
     import ray
 
     try:
-        socket.create_connection(host_port(ray.get_runtime_context().gcs_address), timeout=ADDRESS_PROBE_S).close()
+        socket.create_connection(
+            host_port(ray.get_runtime_context().gcs_address), timeout=ADDRESS_PROBE_S
+        ).close()
         return None
     except (OSError, ValueError) as exc:
         return getattr(exc, "strerror", None) or str(exc)
 
 
-def form_trainer_group(workers: list[Worker], actors: dict, ready: dict, groups: list[list[str]] = ()) -> None:
+def form_trainer_group(
+    workers: list[Worker], actors: dict, ready: dict, groups: list[list[str]] = ()
+) -> None:
     """The trainer ranks (roles trainer / both) form one torch.distributed group; in each FSDP shard
     group (``groups``, :func:`shard_groups`) the first rank leads the others."""
     import ray
@@ -173,18 +193,32 @@ def form_sync_group(cfg: RunConfig, workers: list[Worker], actors: dict) -> tupl
     backend = "nccl" if all(f["device"].startswith("cuda") for f in found) else "gloo"
     address, port = ray.get(actors[members[0]].rendezvous_address.remote())
     try:
-        ray.get([actors[m].join_sync.remote(address, port, i, len(members), backend, found[1]["specs"] if i == 0
-                                            else None) for i, m in enumerate(members)], timeout=SYNC_TIMEOUT_S + 30)
+        ray.get(
+            [
+                actors[m].join_sync.remote(
+                    address, port, i, len(members), backend, found[1]["specs"] if i == 0 else None
+                )
+                for i, m in enumerate(members)
+            ],
+            timeout=SYNC_TIMEOUT_S + 30,
+        )
     except Exception as exc:  # noqa: BLE001
         cause = getattr(exc, "cause", None)
-        if isinstance(cause, WeightSyncError):  # the two sides disagree on the weights: no fallback hides that
+        if isinstance(
+            cause, WeightSyncError
+        ):  # the two sides disagree on the weights: no fallback hides that
             raise cause from None
         if mode == "broadcast":
-            raise UserError(f"engine.weight_sync: broadcast: trainer rank 0 and the rollout workers could not form "
-                            f"a process group ({first_line(exc)}); use auto or object_store") from None
+            raise UserError(
+                f"engine.weight_sync: broadcast: trainer rank 0 and the rollout workers could not form "
+                f"a process group ({first_line(exc)}); use auto or object_store"
+            ) from None
         ray.get([actors[m].leave_sync.remote() for m in members])
-        print(f"warning: engine.weight_sync: auto: no {backend} group between trainer rank 0 and the rollout "
-              f"workers ({first_line(exc)}); weights go through the Ray object store", file=sys.stderr)
+        print(
+            f"warning: engine.weight_sync: auto: no {backend} group between trainer rank 0 and the rollout "
+            f"workers ({first_line(exc)}); weights go through the Ray object store",
+            file=sys.stderr,
+        )
         return "object_store", []
     return "broadcast", rollout
 
@@ -196,7 +230,7 @@ def shard_groups(cfg: RunConfig, workers: list[Worker]) -> list[list[str]]:
 
     ranks = [w.name for w in workers if w.role != "rollout"]
     n = resolve_fsdp(cfg, len(ranks)) if ranks else 1
-    return [ranks[i:i + n] for i in range(0, len(ranks), n)] if n > 1 else []
+    return [ranks[i : i + n] for i in range(0, len(ranks), n)] if n > 1 else []
 
 
 def followers(cfg: RunConfig, workers: list[Worker]) -> list[str]:
@@ -211,12 +245,17 @@ def sp_groups(cfg: RunConfig, workers: list[Worker], role: str) -> list[list[str
     others follow; settings.check_sp_wired)."""
     s = cfg.engine.rollout_sp if role == "rollout" else cfg.engine.trainer_sp
     names = [w.name for w in workers if w.role == role]
-    return [names[i:i + s] for i in range(0, len(names), s)] if s > 1 else []
+    return [names[i : i + s] for i in range(0, len(names), s)] if s > 1 else []
 
 
 def sp_followers(cfg: RunConfig, workers: list[Worker]) -> list[str]:
     """The workers that follow their sequence-parallel group's lead: the scheduler does not see them."""
-    return [name for role in ("rollout", "trainer") for group in sp_groups(cfg, workers, role) for name in group[1:]]
+    return [
+        name
+        for role in ("rollout", "trainer")
+        for group in sp_groups(cfg, workers, role)
+        for name in group[1:]
+    ]
 
 
 def group_leads(cfg: RunConfig, workers: list[Worker]) -> dict[str, str]:
@@ -245,7 +284,12 @@ def form_sp_groups(cfg: RunConfig, workers: list[Worker], actors: dict, ready: d
     for names in sp_groups(cfg, workers, "rollout"):
         backend = "nccl" if all(ready[n]["device"].startswith("cuda") for n in names) else "gloo"
         address, port = ray.get(actors[names[0]].rendezvous_address.remote())
-        ray.get([actors[n].join_sp_group.remote(address, port, i, len(names), backend) for i, n in enumerate(names)])
+        ray.get(
+            [
+                actors[n].join_sp_group.remote(address, port, i, len(names), backend)
+                for i, n in enumerate(names)
+            ]
+        )
         ray.get(actors[names[0]].lead.remote([actors[n] for n in names[1:]]))
     if followers(cfg, workers):  # FSDP: trainer rank 0 already leads every other rank
         return
@@ -263,16 +307,21 @@ def connect(workers: list[Worker], ray_address: str | None) -> bool:
             return False
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         pools = {w.pool.name: w.pool for w in workers}
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING,
-                 resources={f"pool:{p.name}": p.count for p in pools.values() if p.device.lower() == "cpu"})
+        ray.init(
+            num_cpus=os.cpu_count(),
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            resources={f"pool:{p.name}": p.count for p in pools.values() if p.device.lower() == "cpu"},
+        )
         return True
     _probe(ray_address)
     if ray.is_initialized():
         current = ray.get_runtime_context().gcs_address
         if _same_address(ray_address, current):
             return False
-        raise UserError(f"ray address {ray_address}: this process is already connected to the Ray cluster "
-                        f"at {current}")
+        raise UserError(
+            f"ray address {ray_address}: this process is already connected to the Ray cluster at {current}"
+        )
     try:
         ray.init(address=ray_address, logging_level=logging.WARNING)
     except Exception as exc:  # ConnectionError, RuntimeError, ...: all mean "not a usable cluster"
@@ -288,8 +337,10 @@ def _probe(address: str) -> None:
     try:
         socket.create_connection((host, port), timeout=ADDRESS_PROBE_S).close()
     except (OSError, ValueError) as exc:
-        raise UserError(f"ray address {address}: no Ray cluster answers there ({exc}); start one with "
-                        "`ray start --head` or leave the address out to run on a local cluster") from None
+        raise UserError(
+            f"ray address {address}: no Ray cluster answers there ({exc}); start one with "
+            "`ray start --head` or leave the address out to run on a local cluster"
+        ) from None
 
 
 def host_port(address: str) -> tuple[str, int]:
@@ -320,7 +371,9 @@ def reward_service_resources(cfg: RunConfig) -> dict[str, float]:
     return {k: v for k, v in need.items() if v > 0}
 
 
-def resource_bundles(workers: list[Worker], have: dict, reserve: dict[str, float] | None = None) -> list[dict]:
+def resource_bundles(
+    workers: list[Worker], have: dict, reserve: dict[str, float] | None = None
+) -> list[dict]:
     """One placement-group bundle per worker: its device plus a CPU share that fits the cluster
     beside ``reserve`` (the reward actor's request; fractional requests beyond the CPUs would
     wait forever). Raises UserError, naming what was asked and what exists, when the cluster
@@ -336,11 +389,15 @@ def resource_bundles(workers: list[Worker], have: dict, reserve: dict[str, float
     need = Counter(reserve)
     for b in bundles:
         need.update(b)
-    short = [f"{k} {v:g} needed, {have.get(k, 0):g} exist" for k, v in need.items() if have.get(k, 0) < v - 1e-9]
+    short = [
+        f"{k} {v:g} needed, {have.get(k, 0):g} exist" for k, v in need.items() if have.get(k, 0) < v - 1e-9
+    ]
     if short:
         extra = f" + the reward actor ({_describe(reserve)})" if reserve else ""
-        raise UserError(f"cluster: cannot place {_asked(workers)}{extra}: {'; '.join(short)}. "
-                        f"The Ray cluster has {_describe(have)}")
+        raise UserError(
+            f"cluster: cannot place {_asked(workers)}{extra}: {'; '.join(short)}. "
+            f"The Ray cluster has {_describe(have)}"
+        )
     return bundles
 
 
@@ -356,9 +413,11 @@ def _device_resources(pool: PoolConfig, have: dict) -> dict:
     for key in have:
         if key.lower() == device.lower():
             return {"GPU": 1, key: 1}
-    raise UserError(f"cluster.pools: pool '{pool.name}' asks for device type '{device}', which the Ray cluster "
-                    f"does not have (it has {_describe(have)}); use 'cpu' (logical), 'gpu' (any GPU) or a type "
-                    "Ray reports as accelerator_type:<TYPE>")
+    raise UserError(
+        f"cluster.pools: pool '{pool.name}' asks for device type '{device}', which the Ray cluster "
+        f"does not have (it has {_describe(have)}); use 'cpu' (logical), 'gpu' (any GPU) or a type "
+        "Ray reports as accelerator_type:<TYPE>"
+    )
 
 
 def _asked(workers: list[Worker]) -> str:
@@ -367,6 +426,9 @@ def _asked(workers: list[Worker]) -> str:
 
 
 def _describe(resources: dict) -> str:
-    keep = {k: v for k, v in resources.items()
-            if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+    keep = {
+        k: v
+        for k, v in resources.items()
+        if not k.startswith("node:") and k not in ("memory", "object_store_memory")
+    }
     return ", ".join(f"{k} {v:g}" for k, v in sorted(keep.items())) or "no resources"

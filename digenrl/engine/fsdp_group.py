@@ -40,19 +40,27 @@ def shard_policy(policy, degree: int, resume: str | None = None):
     return mesh
 
 
-def rank_slice(samples: Samples, rank: int, world: int, minibatch: int = 0, minibatches: int = 1,
-               group_size: int | None = None) -> Samples:
+def rank_slice(
+    samples: Samples,
+    rank: int,
+    world: int,
+    minibatch: int = 0,
+    minibatches: int = 1,
+    group_size: int | None = None,
+) -> Samples:
     """Rank ``rank``'s equal share (consecutive rows) of the unit's samples of mini-batch
     ``minibatch`` (:func:`~digenrl.units.minibatch_rows`; all of them with one mini-batch). Train it
     as a whole: ``train_unit(..., minibatch=0, minibatches=1)``."""
     n = len(samples)
     rows = torch.arange(n)
     if minibatches > 1:
-        rows = minibatch_rows(n, group_size, minibatch, minibatches, n // len(samples.group_ids), samples.first_sample)
+        rows = minibatch_rows(
+            n, group_size, minibatch, minibatches, n // len(samples.group_ids), samples.first_sample
+        )
     if len(rows) % world:
         raise RuntimeError(f"{len(rows)} samples do not split evenly over {world} FSDP ranks")
     share = len(rows) // world
-    return select_rows(samples, rows[rank * share:(rank + 1) * share])
+    return select_rows(samples, rows[rank * share : (rank + 1) * share])
 
 
 def train_share(policy, samples: Samples, unit, rank: int, degree: int, total_terms: int) -> dict:
@@ -68,10 +76,16 @@ def train_share(policy, samples: Samples, unit, rank: int, degree: int, total_te
 def select_rows(samples: Samples, rows: torch.Tensor) -> Samples:
     """The unit's samples ``rows`` (same iteration, version and groups; per-sample fields cut)."""
     return dataclasses.replace(
-        samples, prompts=[samples.prompts[i] for i in rows.tolist()], cond=samples.cond.select(rows),
-        latents=samples.latents[rows], log_probs=samples.log_probs[rows], train_idx=samples.train_idx[rows],
-        rewards=samples.rewards[rows], reward_parts={k: v[rows] for k, v in samples.reward_parts.items()},
-        advantages=samples.advantages[rows])
+        samples,
+        prompts=[samples.prompts[i] for i in rows.tolist()],
+        cond=samples.cond.select(rows),
+        latents=samples.latents[rows],
+        log_probs=samples.log_probs[rows],
+        train_idx=samples.train_idx[rows],
+        rewards=samples.rewards[rows],
+        reward_parts={k: v[rows] for k, v in samples.reward_parts.items()},
+        advantages=samples.advantages[rows],
+    )
 
 
 def reshard(model) -> None:

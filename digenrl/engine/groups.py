@@ -30,13 +30,22 @@ class GroupMember:
     def join_group(self, address: str, port: int, rank: int, world: int, backend: str) -> None:
         import torch.distributed as dist
 
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(minutes=30))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{address}:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(minutes=30),
+        )
         self.world, self.rank = world, rank
         degree = resolve_fsdp(self.cfg, world)
         if degree == 1 and rank != 0:  # train.ema, replicated ranks: rank 0 alone keeps the average (it
-            self.policy.ema = None  # evaluates, checkpoints, exports); sharded ranks each average their shards
-        if degree > 1:  # FSDP2 over shard groups of `degree` ranks (HSDP when several; settings.check_fsdp_wired)
+            self.policy.ema = (
+                None  # evaluates, checkpoints, exports); sharded ranks each average their shards
+            )
+        if (
+            degree > 1
+        ):  # FSDP2 over shard groups of `degree` ranks (HSDP when several; settings.check_fsdp_wired)
             self.mesh = shard_policy(self.policy, degree, self.resume_optimizer)
             self.sharded, self.resume_optimizer, self.degree = True, None, degree
         if self.cfg.engine.trainer_sp > 1:  # groups of trainer_sp consecutive ranks (cluster.sp_groups)
@@ -78,8 +87,9 @@ class GroupMember:
 
     def join_sync(self, address: str, port: int, rank: int, world: int, backend: str, specs=None) -> None:
         """Join the weight-sync group (rank 0: trainer rank 0, given the rollout workers' ``specs``)."""
-        self.sync = sync_group.join(self.policy, address, port, rank, world, backend, specs,
-                                     self.cfg.engine.max_staleness)
+        self.sync = sync_group.join(
+            self.policy, address, port, rank, world, backend, specs, self.cfg.engine.max_staleness
+        )
 
     def leave_sync(self) -> None:
         self.sync = None

@@ -54,14 +54,26 @@ class RewardBatch:
     def join(cls, parts: list[RewardBatch]) -> RewardBatch:
         """One group from its parts, in part order (the preview is part 0's: the group's first sample)."""
         keys = parts[0].reward_parts
-        return cls(torch.cat([p.rewards for p in parts]), {k: torch.cat([p.reward_parts[k] for p in parts]) for k in keys},
-                   [t for p in parts for t in p.prompts], list(parts[0].group_ids), parts[0].preview)
+        return cls(
+            torch.cat([p.rewards for p in parts]),
+            {k: torch.cat([p.reward_parts[k] for p in parts]) for k in keys},
+            [t for p in parts for t in p.prompts],
+            list(parts[0].group_ids),
+            parts[0].preview,
+        )
 
 
 class IterationLedger:
-    def __init__(self, cfg: RunConfig, sched_cfg: SchedulerConfig, timeline: Timeline, out,
-                 on_iteration: Callable[[dict], None] | None = None, history: list[dict] | None = None,
-                 restarts: Callable[[], int] = lambda: 0):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        sched_cfg: SchedulerConfig,
+        timeline: Timeline,
+        out,
+        on_iteration: Callable[[dict], None] | None = None,
+        history: list[dict] | None = None,
+        restarts: Callable[[], int] = lambda: 0,
+    ):
         """``out``: the :class:`~digenrl.runlog.RunDir` rows go to; ``restarts``: the run's worker
         restarts so far (a metrics column)."""
         self.cfg, self.units_per_iteration = cfg, sched_cfg.units_per_iteration
@@ -73,7 +85,9 @@ class IterationLedger:
         # joined from its parts (key: group id; ``members`` its parts' batches)
         self.whole: dict[int, dict[int, RewardBatch]] = defaultdict(dict)
         self.members: dict[int, list[RewardBatch]] = {}  # id(joined batch) -> its parts, in order
-        self.parts_in: dict[tuple[int, int], dict[int, RewardBatch]] = {}  # (iteration, group) -> part -> batch
+        self.parts_in: dict[
+            tuple[int, int], dict[int, RewardBatch]
+        ] = {}  # (iteration, group) -> part -> batch
         self.wholes_per_iteration = sched_cfg.groups_per_iteration // sched_cfg.unit_groups
         self.unit_uids: dict[int, dict[int, str]] = defaultdict(dict)  # iteration -> index -> rollout uid
         self.total_terms: dict[int, int] = {}  # iteration -> (sample, trained step) terms
@@ -92,8 +106,13 @@ class IterationLedger:
         """A rollout unit is scored: keep its rewards; its group's advantages as soon as they can be known."""
         k, per_iteration = unit.iteration, self.units_per_iteration
         self.reward_calls[k] += summary.get("reward_calls", [])
-        batch = self.batches[unit.uid] = RewardBatch(summary["rewards"], summary["reward_parts"], summary["prompts"],
-                                                     summary["group_ids"], summary["preview"])
+        batch = self.batches[unit.uid] = RewardBatch(
+            summary["rewards"],
+            summary["reward_parts"],
+            summary["prompts"],
+            summary["group_ids"],
+            summary["preview"],
+        )
         self.unit_uids[k][unit.index] = unit.uid
         terms = summary["terms"] * per_iteration  # every unit of an iteration has the same size
         if self.total_terms.setdefault(k, terms) != terms:
@@ -130,8 +149,10 @@ class IterationLedger:
         """Advantages over whole groups; a joined group's are split back to its parts."""
         for b in wholes:
             if len(b) % self.cfg.algorithm.group_size:
-                raise RuntimeError(f"advantages asked over a partial group ({len(b)} samples, group "
-                                   f"{b.group_ids}, G = {self.cfg.algorithm.group_size})")
+                raise RuntimeError(
+                    f"advantages asked over a partial group ({len(b)} samples, group "
+                    f"{b.group_ids}, G = {self.cfg.algorithm.group_size})"
+                )
         assign_advantages(wholes, self.cfg)
         for b in wholes:
             members = self.members.pop(id(b), None)
@@ -196,7 +217,9 @@ class IterationLedger:
             if self.on_iteration:
                 self.on_iteration(row)
             if k in self.checkpoints:
-                save_checkpoint_files(self.out.path, k + 1, self.checkpoints.pop(k), self.cfg.output.keep_last)
+                save_checkpoint_files(
+                    self.out.path, k + 1, self.checkpoints.pop(k), self.cfg.output.keep_last
+                )
 
     def metrics_row(self, k: int) -> dict:
         (span,) = self.timeline.iteration_stats(only=k)
@@ -204,10 +227,20 @@ class IterationLedger:
         norms = self.grad_norm.pop(k)
         stats["grad_norm"] = sum(norms) / len(norms)
         batches = self.iteration_batches(k)
-        row = iteration_metrics(k, k + 1, batches, stats, span["wall_s"], samples_per_s=span["samples_per_s"],
-                                bubble_fraction=span["bubble_fraction"], rollout_s=span["rollout_device_s"],
-                                train_s=span["train_device_s"], sync_s=span["sync_s"],
-                                sync_bytes=span["sync_bytes"], sample_staleness=self.staleness.pop(k, 0))
+        row = iteration_metrics(
+            k,
+            k + 1,
+            batches,
+            stats,
+            span["wall_s"],
+            samples_per_s=span["samples_per_s"],
+            bubble_fraction=span["bubble_fraction"],
+            rollout_s=span["rollout_device_s"],
+            train_s=span["train_device_s"],
+            sync_s=span["sync_s"],
+            sync_bytes=span["sync_bytes"],
+            sample_staleness=self.staleness.pop(k, 0),
+        )
         row.update(reward_call_metrics(self.reward_calls.pop(k, [])))
         row.update(self.evals.pop(k, {}))
         row["worker_restarts"] = self.restarts()

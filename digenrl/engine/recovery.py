@@ -30,6 +30,7 @@ from digenrl.engine.scheduler import RolloutUnit, Unit
 from digenrl.errors import RunStopped, UserError
 from digenrl.lora import WeightSyncError
 
+
 class TrainerLost(RunStopped):
     """The run stopped with trainer rank 0's state gone (a dead rank, a dead head): nothing newer than
     the last checkpoint on disk can be kept."""
@@ -56,20 +57,31 @@ class FaultPolicy:
             import ray
 
             if not isinstance(exc, ray.exceptions.ObjectLostError):
-                raise RunStopped(f"the reward actor died and was not restarted (engine.max_restarts: {limit}; "
-                                 f"{first_line(exc)}); the run stopped.")
-            print(f"warning: the scores of {unit.uid} were lost with the worker that submitted them; "
-                  "generating it again", file=sys.stderr)
+                raise RunStopped(
+                    f"the reward actor died and was not restarted (engine.max_restarts: {limit}; "
+                    f"{first_line(exc)}); the run stopped."
+                )
+            print(
+                f"warning: the scores of {unit.uid} were lost with the worker that submitted them; "
+                "generating it again",
+                file=sys.stderr,
+            )
             return Lost(unit)
         if self.roles[worker] != "rollout" or not isinstance(unit, RolloutUnit):
-            raise TrainerLost(f"trainer rank {worker} died while running {unit.uid} ({first_line(exc)}); "
-                              "the run stopped.")
+            raise TrainerLost(
+                f"trainer rank {worker} died while running {unit.uid} ({first_line(exc)}); the run stopped."
+            )
         self.restarts[worker] += 1
         if self.restarts[worker] > limit:
-            raise RunStopped(f"rollout worker {worker} died {self.restarts[worker]} times (engine.max_restarts: "
-                             f"{limit}); the run stopped.")
-        print(f"warning: rollout worker {worker} died in {unit.uid}; restarting it "
-              f"({self.restarts[worker]} of {limit}) and generating {unit.uid} again", file=sys.stderr)
+            raise RunStopped(
+                f"rollout worker {worker} died {self.restarts[worker]} times (engine.max_restarts: "
+                f"{limit}); the run stopped."
+            )
+        print(
+            f"warning: rollout worker {worker} died in {unit.uid}; restarting it "
+            f"({self.restarts[worker]} of {limit}) and generating {unit.uid} again",
+            file=sys.stderr,
+        )
         self.restarting[worker] = time.time() + RESTART_POLL_S  # asked to report ready once rebuilt
         return Lost(unit, worker)
 
@@ -92,8 +104,9 @@ class FaultPolicy:
             self.restarting[worker] = time.time() + RESTART_POLL_S
             return None
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-            raise RunStopped(f"{worker} did not come back after a restart ({first_line(exc)}); "
-                              "the run stopped.") from None
+            raise RunStopped(
+                f"{worker} did not come back after a restart ({first_line(exc)}); the run stopped."
+            ) from None
         if ready["checksum"] != self.start_checksum:
             raise WeightSyncError(f"{worker} restarted with other weights than the run started with")
         return Back(worker)
@@ -113,7 +126,9 @@ class FaultPolicy:
             import ray
 
             head = ray.get_runtime_context().gcs_address
-            raise TrainerLost(f"the Ray cluster's head at {head} stopped answering ({problem}); the run stopped.")
+            raise TrainerLost(
+                f"the Ray cluster's head at {head} stopped answering ({problem}); the run stopped."
+            )
 
 
 @contextlib.contextmanager

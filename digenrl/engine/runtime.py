@@ -29,8 +29,17 @@ from typing import Callable
 from digenrl.checkpoint import find_checkpoint, read_state, save_checkpoint_files, staging_dir
 from digenrl.config import RunConfig
 from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
-from digenrl.engine.cluster import (REWARD_ROW, actor_died, first_line, followers, form_sync_group, group_leads,
-                                    num_restarts, ray_workers, sp_followers)
+from digenrl.engine.cluster import (
+    REWARD_ROW,
+    actor_died,
+    first_line,
+    followers,
+    form_sync_group,
+    group_leads,
+    num_restarts,
+    ray_workers,
+    sp_followers,
+)
 from digenrl.engine.driver import Done, Event, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
 from digenrl.engine.recovery import FaultPolicy, TrainerLost, own_error, user_errors
@@ -41,18 +50,30 @@ from digenrl.errors import UserError
 from digenrl.faults import with_fault_plan
 from digenrl.lora import WeightSyncError
 from digenrl.placement import Worker, engine_scheduler_config, engine_workers
-from digenrl.progress import progress
 from digenrl.preflight import check_workers_build
+from digenrl.progress import progress
 from digenrl.runlog import RunDir, check_writable, default_run_dir
-from digenrl.runpolicy import (RunPolicy, RunResult, StopRequest, checkpoint_to_keep, resume_history, stop_on_interrupt,
-                               stopped, write_final)
-
+from digenrl.runpolicy import (
+    RunPolicy,
+    RunResult,
+    StopRequest,
+    checkpoint_to_keep,
+    resume_history,
+    stop_on_interrupt,
+    stopped,
+    write_final,
+)
 
 # ------------------------------------------------------------------------------ the run
 
 
-def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callable[[dict], None] | None = None,
-               ray_address: str | None = None, resume: Path | None = None) -> RunResult:
+def run_engine(
+    cfg: RunConfig,
+    run_dir: Path | None = None,
+    on_iteration: Callable[[dict], None] | None = None,
+    ray_address: str | None = None,
+    resume: Path | None = None,
+) -> RunResult:
     """Train ``cfg`` on Ray with placement ``cfg.placement.mode`` (colocated | disaggregated).
 
     Writes the same run directory as :meth:`LocalTrainer.run` plus ``timeline.json`` and
@@ -71,8 +92,10 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
     resumed = read_state(find_checkpoint(resume)) if resume is not None else None
     start = resumed.iteration if resumed is not None else 0
     if start > cfg.train.iterations:
-        raise UserError(f"--resume: the checkpoint has {start} iterations done, more than train.iterations "
-                        f"({cfg.train.iterations})")
+        raise UserError(
+            f"--resume: the checkpoint has {start} iterations done, more than train.iterations "
+            f"({cfg.train.iterations})"
+        )
     check_sp_wired(cfg)  # before the plan: its workers span sp devices
     workers = engine_workers(cfg)
     check_fsdp_wired(cfg)
@@ -89,7 +112,9 @@ def run_engine(cfg: RunConfig, run_dir: Path | None = None, on_iteration: Callab
     worker_cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
     started = time.time()  # the timeline starts here: Ray and the workers starting up are its first events
     with user_errors(), ray_workers(worker_cfg, workers, ray_address, resumed and resumed.path) as actors:
-        sync = form_sync_group(worker_cfg, workers, actors)  # before the run directory: its errors are the user's
+        sync = form_sync_group(
+            worker_cfg, workers, actors
+        )  # before the run directory: its errors are the user's
         progress(f"{len(workers)} workers ready ({time.time() - started:.0f} s)...")
         out = RunDir(cfg, run_dir, history=history)
         backend = RayBackend(cfg, scheduler, workers, actors, out, on_iteration, history)
@@ -119,8 +144,16 @@ class RayBackend:
     one at a time (``ray.wait(num_returns=1)``). Rank 0's side calls (eval, checkpoint) and
     restarting workers' ready() calls are waited on beside the units."""
 
-    def __init__(self, cfg: RunConfig, scheduler: Scheduler, workers: list[Worker], actors: dict, out: RunDir | None,
-                 on_iteration: Callable[[dict], None] | None = None, history: list[dict] | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        scheduler: Scheduler,
+        workers: list[Worker],
+        actors: dict,
+        out: RunDir | None,
+        on_iteration: Callable[[dict], None] | None = None,
+        history: list[dict] | None = None,
+    ):
         self.cfg, self.sched, self.actors, self.out, self.policy = cfg, scheduler, actors, out, RunPolicy(cfg)
         self.role = {w.name: w.role for w in workers}
         self.rank0 = next(w.name for w in workers if w.role != "rollout")
@@ -132,19 +165,29 @@ class RayBackend:
         if cfg.reward.service is not None:
             self.timeline.add_worker(REWARD_ROW, SERVICE_POOL)
         self.faults = FaultPolicy(self.role, cfg.engine.max_restarts)
-        self.ledger = IterationLedger(cfg, scheduler.cfg, self.timeline, out, on_iteration, history,
-                                      restarts=lambda: sum(self.faults.restarts.values())
-                                      + num_restarts(actors.get(REWARD_ROW)))
+        self.ledger = IterationLedger(
+            cfg,
+            scheduler.cfg,
+            self.timeline,
+            out,
+            on_iteration,
+            history,
+            restarts=lambda: sum(self.faults.restarts.values()) + num_restarts(actors.get(REWARD_ROW)),
+        )
         self.t0 = time.time()
         self.in_flight: dict = {}  # ObjectRef -> (worker, unit): a unit running, or the scores of a released one
         self.side: dict = {}  # ObjectRef -> (what, iteration or worker): rank 0's eval / checkpoint, a ready()
         self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples, until fully trained
         self.trained: Counter[str] = Counter()  # rollout uid -> TSP shares trained
         self.unscored: dict[str, dict] = {}  # released rollout uid -> its summary, until the scores arrive
-        self.sync = SyncRoutes("object_store", [], scheduler.published_version, actors, self.rank0)  # weight sync
+        self.sync = SyncRoutes(
+            "object_store", [], scheduler.published_version, actors, self.rank0
+        )  # weight sync
         self.rank_checksums: dict[int, set[str]] = defaultdict(set)
         self.hidden: set[str] = set()  # sharded trainer ranks > 0: rank 0 runs their calls (not scheduled)
-        self.step_shares: dict[tuple[int, int], set[str]] = defaultdict(set)  # (iteration, step) -> ranks handed it
+        self.step_shares: dict[tuple[int, int], set[str]] = defaultdict(
+            set
+        )  # (iteration, step) -> ranks handed it
         self.stop = StopRequest()  # Ctrl-C (run_engine installs the real one)
         self.stopping = False  # after Ctrl-C or a fatal error: no new work, the running units finish
 
@@ -169,13 +212,20 @@ class RayBackend:
         actor = self.actors[worker]
         if isinstance(unit, RolloutUnit):
             # rollout workers swap to the unit's version first (trainer ranks already hold it)
-            packet = (self.sync.for_rollout(worker, unit, self.sched.published_version)
-                      if self.role[worker] == "rollout" else None)
+            packet = (
+                self.sync.for_rollout(worker, unit, self.sched.published_version)
+                if self.role[worker] == "rollout"
+                else None
+            )
             samples, ref = actor.rollout.options(num_returns=2).remote(unit, packet)
             self.samples[unit.uid] = samples
         elif isinstance(unit, TrainUnit):
-            ref = actor.train.remote(unit, self.samples[unit.rollout_uid], self.ledger.advantages(unit),
-                                     self.ledger.minibatch_terms(unit.iteration))
+            ref = actor.train.remote(
+                unit,
+                self.samples[unit.rollout_uid],
+                self.ledger.advantages(unit),
+                self.ledger.minibatch_terms(unit.iteration),
+            )
         else:  # only the iteration's last optimizer step publishes
             publish = worker == self.rank0 and self.publishes and unit.last
             ref = actor.step.remote(unit, self.sync.step_arg(unit) if publish else False)
@@ -215,11 +265,17 @@ class RayBackend:
         worker, unit = self.in_flight.pop(ref)
         try:
             result = ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.ObjectLostError) as exc:
+        except (
+            ray.exceptions.RayActorError,
+            ray.exceptions.RayTaskError,
+            ray.exceptions.ObjectLostError,
+        ) as exc:
             if not actor_died(exc):
                 raise
             self.samples.pop(unit.uid, None)
-            lost = self.faults.died(worker, unit, exc)  # the unit goes back to the scheduler, or the run stops
+            lost = self.faults.died(
+                worker, unit, exc
+            )  # the unit goes back to the scheduler, or the run stops
             self.sync.worker_died(worker, self.sched.published_version)  # a rollout worker leaves the group
             return lost
         if worker == REWARD_ROW:  # the scores of a released rollout unit: now it is complete
@@ -235,7 +291,9 @@ class RayBackend:
         elif isinstance(unit, TrainUnit):
             self.ledger.trained(unit, result["stats"])
             self.trained[unit.rollout_uid] += 1
-            if self.trained[unit.rollout_uid] == unit.tsp_degree * self.sched.cfg.optimizer_steps:  # all trained
+            if (
+                self.trained[unit.rollout_uid] == unit.tsp_degree * self.sched.cfg.optimizer_steps
+            ):  # all trained
                 del self.samples[unit.rollout_uid]
         elif isinstance(unit, StepUnit):
             self.step_done(worker, unit, result)
@@ -244,9 +302,17 @@ class RayBackend:
     def record(self, worker: str, events: list[dict]) -> None:
         """A worker's timeline events (absolute times, measured where they ran) relative to the run start."""
         for ev in events:
-            self.timeline.record(worker, ev["kind"], ev["uid"], ev["iteration"], ev["version"],
-                                 ev["start"] - self.t0, ev["end"] - self.t0, ev.get("sample_versions", ()),
-                                 **ev["args"])
+            self.timeline.record(
+                worker,
+                ev["kind"],
+                ev["uid"],
+                ev["iteration"],
+                ev["version"],
+                ev["start"] - self.t0,
+                ev["end"] - self.t0,
+                ev.get("sample_versions", ()),
+                **ev["args"],
+            )
 
     def step_done(self, worker: str, unit: StepUnit, result: dict) -> None:
         """One rank's share of the step: rank 0 reports the gradient norm and publishes; every rank's
@@ -264,20 +330,40 @@ class RayBackend:
     def scored(self, unit: RolloutUnit, scored) -> None:
         """The reward actor's :class:`~digenrl.rewards.service.Scored` for a released unit: its
         scoring span on the reward row, its latency, then the unit as if scored inline."""
-        self.timeline.record(REWARD_ROW, "reward", unit.uid, unit.iteration, unit.version, scored.start - self.t0,
-                             scored.end - self.t0, service=True, samples=len(scored.total),
-                             wait_s=scored.wait_s, queue_depth=scored.queue_depth)
+        self.timeline.record(
+            REWARD_ROW,
+            "reward",
+            unit.uid,
+            unit.iteration,
+            unit.version,
+            scored.start - self.t0,
+            scored.end - self.t0,
+            service=True,
+            samples=len(scored.total),
+            wait_s=scored.wait_s,
+            queue_depth=scored.queue_depth,
+        )
         summary = self.unscored.pop(unit.uid)
         summary["rewards"], summary["reward_parts"] = scored.total, scored.parts
-        summary["reward_calls"] = [{"seconds": scored.end - scored.start, "timings": scored.timings,
-                                    "wait_s": scored.wait_s, "queue_depth": scored.queue_depth}]
+        summary["reward_calls"] = [
+            {
+                "seconds": scored.end - scored.start,
+                "timings": scored.timings,
+                "wait_s": scored.wait_s,
+                "queue_depth": scored.queue_depth,
+            }
+        ]
         self.ledger.rolled_out(unit, summary)
 
     def completed(self, unit: Unit, stepped: int | None) -> None:
         self.ledger.finished(unit.uid)
         if stepped is not None:
-            self.ledger.wait_for(stepped, {u.uid for _, u in self.in_flight.values()} | self.after_step(stepped))
-            oldest = self.sched.published_version - self.sched.cfg.max_staleness  # no unit needs older weights
+            self.ledger.wait_for(
+                stepped, {u.uid for _, u in self.in_flight.values()} | self.after_step(stepped)
+            )
+            oldest = (
+                self.sched.published_version - self.sched.cfg.max_staleness
+            )  # no unit needs older weights
             self.sync.prune(oldest)
 
     # -- rank 0's side calls: eval and checkpoint after a step -------------------------------
@@ -291,8 +377,9 @@ class RayBackend:
             self.side[rank0.evaluate.remote()] = ("eval", k)
             names.add(f"eval-{k}")
         if self.policy.checkpoint_due(k):
-            self.side[rank0.checkpoint.remote(k + 1, self.checkpoint_extra(), staging_dir(self.out.path, k + 1))] = \
-                ("checkpoint", k)
+            self.side[
+                rank0.checkpoint.remote(k + 1, self.checkpoint_extra(), staging_dir(self.out.path, k + 1))
+            ] = ("checkpoint", k)
             names.add(f"checkpoint-{k}")
         return names
 
@@ -317,7 +404,11 @@ class RayBackend:
             self.side_done(ref)
 
     def checkpoint_extra(self) -> dict:
-        return {"driver": "engine", "placement": self.cfg.placement.mode, "max_staleness": self.cfg.engine.max_staleness}
+        return {
+            "driver": "engine",
+            "placement": self.cfg.placement.mode,
+            "max_staleness": self.cfg.engine.max_staleness,
+        }
 
     # -- stopping mid-run: Ctrl-C, fatal errors ------------------------------------------------
 
@@ -330,7 +421,9 @@ class RayBackend:
         if not (self.stop.forced or isinstance(exc, (TrainerLost, WeightSyncError))):
             self.stopping = True
             try:
-                progress("stopping: finishing the running units, then a checkpoint (Ctrl-C again: stop now)...")
+                progress(
+                    "stopping: finishing the running units, then a checkpoint (Ctrl-C again: stop now)..."
+                )
                 self.finish_running()
                 self.checkpoint_last()
             except KeyboardInterrupt:  # a second Ctrl-C: stop now, with what is on disk
@@ -370,11 +463,16 @@ class RayBackend:
         import ray
 
         done = self.iterations_logged()
-        if self.open_steps():  # mini-batch PPO: rank 0 took a step of an unfinished iteration; keep what is on disk
+        if (
+            self.open_steps()
+        ):  # mini-batch PPO: rank 0 took a step of an unfinished iteration; keep what is on disk
             return
         if checkpoint_to_keep(self.out.path, done, self.sched.published_version):
-            files = ray.get(self.actors[self.rank0].checkpoint.remote(done, self.checkpoint_extra(),
-                                                                      staging_dir(self.out.path, done)))
+            files = ray.get(
+                self.actors[self.rank0].checkpoint.remote(
+                    done, self.checkpoint_extra(), staging_dir(self.out.path, done)
+                )
+            )
             save_checkpoint_files(self.out.path, done, files, self.cfg.output.keep_last)
 
     # -- outputs -------------------------------------------------------------------------------

@@ -60,15 +60,21 @@ class SchedulerConfig:
     wait_for_full_batch: bool = False  # train units wait for the whole iteration's rollout
     start_iteration: int = 0  # resume: iterations already done (the published version to start from)
     optimizer_steps: int = 1  # mini-batch PPO: collective steps per iteration (the last one publishes)
-    group_parts: int = 1  # rollout units per group: 1 = whole groups (unit_groups each), P > 1 = 1/P of one group
+    group_parts: int = (
+        1  # rollout units per group: 1 = whole groups (unit_groups each), P > 1 = 1/P of one group
+    )
 
     def __post_init__(self) -> None:
         if self.placement not in ("colocated", "disaggregated"):
-            raise ValueError(
-                f"placement must be 'colocated' or 'disaggregated', got {self.placement!r}"
-            )
-        for name in ("groups_per_iteration", "unit_groups", "tsp_degree", "iterations", "group_parts",
-                     "optimizer_steps"):
+            raise ValueError(f"placement must be 'colocated' or 'disaggregated', got {self.placement!r}")
+        for name in (
+            "groups_per_iteration",
+            "unit_groups",
+            "tsp_degree",
+            "iterations",
+            "group_parts",
+            "optimizer_steps",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -78,11 +84,14 @@ class SchedulerConfig:
                 f"groups_per_iteration ({self.groups_per_iteration})"
             )
         if self.group_parts > 1 and self.unit_groups != 1:
-            raise ValueError(f"unit_groups must be 1 with group_parts {self.group_parts} (a unit holds part of "
-                             f"one group), got {self.unit_groups}")
+            raise ValueError(
+                f"unit_groups must be 1 with group_parts {self.group_parts} (a unit holds part of "
+                f"one group), got {self.unit_groups}"
+            )
         if isinstance(self.start_iteration, bool) or not 0 <= self.start_iteration <= self.iterations:
-            raise ValueError(f"start_iteration must be in 0..iterations ({self.iterations}), "
-                             f"got {self.start_iteration!r}")
+            raise ValueError(
+                f"start_iteration must be in 0..iterations ({self.iterations}), got {self.start_iteration!r}"
+            )
         if self.max_staleness not in (0, 1):
             raise ValueError(f"max_staleness must be 0 or 1, got {self.max_staleness!r}")
         if self.placement == "colocated" and self.max_staleness:
@@ -115,8 +124,7 @@ class Scheduler:
         for w in workers:
             if w.role not in ("rollout", "trainer", "both"):
                 raise ValueError(
-                    f"worker {w.name!r}: role must be 'rollout', 'trainer' or 'both', "
-                    f"got {w.role!r}"
+                    f"worker {w.name!r}: role must be 'rollout', 'trainer' or 'both', got {w.role!r}"
                 )
             if w.name in self._roles:
                 raise ValueError(f"worker names must be unique, {w.name!r} appears twice")
@@ -148,7 +156,9 @@ class Scheduler:
         self._step_unfinished: set[str] = set()
         self._retry: deque[RolloutUnit] = deque()  # re-queued rollout units, handed out first
         self._group_version: dict[tuple[int, int], int] = {}  # sub-group units: (iteration, group) -> version
-        self._parts_done: dict[tuple[int, int], dict[int, list[TrainUnit]]] = {}  # ... -> part -> its train units
+        self._parts_done: dict[
+            tuple[int, int], dict[int, list[TrainUnit]]
+        ] = {}  # ... -> part -> its train units
 
     def _check_pools(self) -> None:
         roles = set(self._roles.values())
@@ -156,16 +166,12 @@ class Scheduler:
             raise ValueError("workers: at least one worker is required")
         if self.cfg.placement == "colocated":
             if roles != {"both"}:
-                raise ValueError(
-                    "workers: placement 'colocated' needs every worker to have role 'both'"
-                )
+                raise ValueError("workers: placement 'colocated' needs every worker to have role 'both'")
             return
         if "both" in roles:
             raise ValueError("workers: role 'both' is only valid with placement 'colocated'")
         if "trainer" not in roles:
-            raise ValueError(
-                "workers: placement 'disaggregated' needs at least one 'trainer' worker"
-            )
+            raise ValueError("workers: placement 'disaggregated' needs at least one 'trainer' worker")
         if "rollout" not in roles and not self.cfg.tag:
             raise ValueError(
                 "workers: placement 'disaggregated' needs a 'rollout' worker, "
@@ -198,7 +204,9 @@ class Scheduler:
         if not isinstance(unit, RolloutUnit):
             raise ValueError(f"only rollout units can be released, got {unit.uid!r}")
         if self._in_flight.pop(unit.uid, None) is None:
-            raise ValueError(f"unit {unit.uid!r} is not running (never handed out, released or completed already)")
+            raise ValueError(
+                f"unit {unit.uid!r} is not running (never handed out, released or completed already)"
+            )
         self._released.add(unit.uid)
 
     def complete(self, unit: Unit, result: object = None) -> None:
@@ -209,9 +217,7 @@ class Scheduler:
             self._released.discard(unit.uid)
             worker = ""  # a released unit holds no worker
         if worker is None:
-            raise ValueError(
-                f"unit {unit.uid!r} is not in flight (never handed out, or completed twice)"
-            )
+            raise ValueError(f"unit {unit.uid!r} is not in flight (never handed out, or completed twice)")
         if isinstance(unit, RolloutUnit):
             self._rollout_done(unit)
         elif isinstance(unit, TrainUnit):
@@ -232,7 +238,9 @@ class Scheduler:
         rollout worker loads that version; a TAG trainer rank, which only holds the newest
         weights, generates it with those (newer, so within the staleness bound)."""
         if not isinstance(unit, RolloutUnit):
-            raise ValueError(f"only rollout units can be re-queued, not {unit.uid!r} (a trainer rank holds state)")
+            raise ValueError(
+                f"only rollout units can be re-queued, not {unit.uid!r} (a trainer rank holds state)"
+            )
         if self._in_flight.pop(unit.uid, None) is None:
             if unit.uid not in self._released:
                 raise ValueError(f"unit {unit.uid!r} is not in flight (never handed out, or completed)")
@@ -286,7 +294,9 @@ class Scheduler:
         for unit in self._retry:
             if any_version or unit.parts == 1 or unit.version == self.published_version:
                 self._retry.remove(unit)
-                return unit if any_version or unit.parts > 1 else replace(unit, version=self.published_version)
+                return (
+                    unit if any_version or unit.parts > 1 else replace(unit, version=self.published_version)
+                )
         k, j = self._next_rollout
         if k >= self.cfg.iterations or self.published_version < k - self.cfg.max_staleness:
             return None
@@ -300,8 +310,15 @@ class Scheduler:
             if not any_version and version != self.published_version:
                 return None  # a rollout worker will take it
         self._next_rollout = (k, j + 1) if j + 1 < self.cfg.units_per_iteration else (k + 1, 0)
-        return RolloutUnit(uid=f"rollout-{k}-{j}", iteration=k, index=j, groups=groups, version=version,
-                           part=part, parts=parts)
+        return RolloutUnit(
+            uid=f"rollout-{k}-{j}",
+            iteration=k,
+            index=j,
+            groups=groups,
+            version=version,
+            part=part,
+            parts=parts,
+        )
 
     def _rollout_done(self, unit: RolloutUnit) -> None:
         """Turn the rolled-out groups into one train unit per mini-batch and TSP rank (a slice of

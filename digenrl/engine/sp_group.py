@@ -36,8 +36,13 @@ class SequenceParallelMember:
         transformer sequence-parallel over it."""
         import torch.distributed as dist
 
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(minutes=30))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{address}:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(minutes=30),
+        )
         self.enable_sp(world)
 
     def enable_sp(self, degree: int) -> None:
@@ -45,17 +50,28 @@ class SequenceParallelMember:
         of the (joined) default process group: a rollout group's own world, or the trainer ranks'."""
         from digenrl.distributed import sequence_parallel as sp
 
-        sp.enable_sequence_parallel(self.policy.adapter.transformer, sp.sp_mesh(degree, self.policy.device.type))
+        sp.enable_sequence_parallel(
+            self.policy.adapter.transformer, sp.sp_mesh(degree, self.policy.device.type)
+        )
         self.sp_world = degree
 
     def sp_rollout(self, unit, packet: weight_sync.WeightPacket | None) -> None:
         """A follower's share of its lead's rollout unit (the lead's :meth:`rollout` starts it):
         the same generation, with that version's weights; returns nothing."""
         if unit.version != self.policy.version:  # the lead's packet (object store), else this member's inbox
-            weight_sync.load_version(self.policy, unit.version, unit.iteration, packet, self.sync, self.expected_keys)
+            weight_sync.load_version(
+                self.policy, unit.version, unit.iteration, packet, self.sync, self.expected_keys
+            )
         if isinstance(self.sync, sync_group.BroadcastInbox):  # a follower's prefetches stay off the timeline
             self.sync.drain_events()
         cfg = self.cfg
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
-        rollout_unit(self.policy, _unscored, [everything[g] for g in unit.groups], list(unit.groups),
-                     unit.iteration, cfg.train.seed, unit.sample_range(cfg.algorithm.group_size))
+        rollout_unit(
+            self.policy,
+            _unscored,
+            [everything[g] for g in unit.groups],
+            list(unit.groups),
+            unit.iteration,
+            cfg.train.seed,
+            unit.sample_range(cfg.algorithm.group_size),
+        )

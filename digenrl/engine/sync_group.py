@@ -18,8 +18,16 @@ import time
 
 import torch
 
-from digenrl.distributed.broadcast import (Received, SyncGroup, TensorSpec, WeightBroadcaster, WeightReceiver,
-                                           load_received, received_from, sync_targets)
+from digenrl.distributed.broadcast import (
+    Received,
+    SyncGroup,
+    TensorSpec,
+    WeightBroadcaster,
+    WeightReceiver,
+    load_received,
+    received_from,
+    sync_targets,
+)
 from digenrl.lora import WeightSyncError, full_tensor
 
 SYNC_TIMEOUT_S = 300.0  # forming the group, and any one bucket in flight
@@ -63,13 +71,17 @@ def _publisher_specs(policy, theirs: list[TensorSpec]) -> list[TensorSpec]:
     by_name = {s.name: s for s in theirs}
     missing, unexpected = sorted(set(by_name) - set(own)), sorted(set(own) - set(by_name))
     if missing or unexpected:
-        raise WeightSyncError(f"weight sync: trainer rank 0 lacks {len(missing)} tensors the rollout workers load "
-                              f"{missing[:3]} and has {len(unexpected)} they do not {unexpected[:3]}")
+        raise WeightSyncError(
+            f"weight sync: trainer rank 0 lacks {len(missing)} tensors the rollout workers load "
+            f"{missing[:3]} and has {len(unexpected)} they do not {unexpected[:3]}"
+        )
     specs = []
     for name, t in own.items():
         if tuple(t.shape) != by_name[name].shape:
-            raise WeightSyncError(f"weight sync: {name} is {tuple(t.shape)} on trainer rank 0, "
-                                  f"{by_name[name].shape} on the rollout workers")
+            raise WeightSyncError(
+                f"weight sync: {name} is {tuple(t.shape)} on trainer rank 0, "
+                f"{by_name[name].shape} on the rollout workers"
+            )
         specs.append(TensorSpec(name, tuple(t.shape), by_name[name].dtype))
     return specs
 
@@ -102,7 +114,7 @@ class BroadcastPublisher:
             raise
         if self.keep:
             self.staged[policy.version] = self.sender.last_sent
-            for v in sorted(self.staged)[:-self.keep]:
+            for v in sorted(self.staged)[: -self.keep]:
                 del self.staged[v]
         return {**event, "iteration": policy.version - 1}
 
@@ -164,8 +176,10 @@ class BroadcastInbox:
         with self.cond:
             while version not in self.staged:
                 if self.problem is not None:
-                    raise WeightSyncError(f"weights of version {version} were not received by broadcast "
-                                          f"({self.problem}) and no object-store copy came with the unit")
+                    raise WeightSyncError(
+                        f"weights of version {version} were not received by broadcast "
+                        f"({self.problem}) and no object-store copy came with the unit"
+                    )
                 self.cond.wait(timeout=1.0)
             return self.staged[version]
 
@@ -187,7 +201,9 @@ def join(policy, address: str, port: int, rank: int, world: int, backend: str, s
     """Join the weight-sync group: rank 0 (trainer rank 0, given the receivers' ``specs``)
     returns its publisher, a rollout worker its inbox (holding its starting weights as a staged
     version when a re-queued unit may still ask for them after it has moved on)."""
-    group = SyncGroup(rank, world, address, port, backend=backend, timeout_s=SYNC_TIMEOUT_S, device=policy.device)
+    group = SyncGroup(
+        rank, world, address, port, backend=backend, timeout_s=SYNC_TIMEOUT_S, device=policy.device
+    )
     if rank == 0:  # with one-step async, keep what a restarted rollout worker may still need
         keep = max_staleness + 1 if max_staleness else 0
         return BroadcastPublisher(group, _publisher_specs(policy, specs), keep=keep)
@@ -201,7 +217,9 @@ def staged_copy(sync, version: int, name: str) -> Received:
     """A version trainer rank 0 sent (or a rollout worker received) by broadcast, for a rollout
     worker restarted outside the group."""
     if sync is None or version not in sync.staged:
-        raise WeightSyncError(f"{name} does not hold version {version} of the weights for a restarted rollout worker")
+        raise WeightSyncError(
+            f"{name} does not hold version {version} of the weights for a restarted rollout worker"
+        )
     return sync.staged[version]
 
 
@@ -210,5 +228,9 @@ def load_staged(policy, received: Received, iteration: int, transport: str = "br
     fingerprint checked once); returns the sync event, a "fetch" as over the object store."""
     event = load_received(received, sync_targets(policy.adapter.transformer, policy.lora))
     policy.version = received.version
-    return {**event, "uid": f"sync-{received.version}-fetch", "iteration": iteration,
-            "args": {**event["args"], "direction": "fetch", "transport": transport}}
+    return {
+        **event,
+        "uid": f"sync-{received.version}-fetch",
+        "iteration": iteration,
+        "args": {**event["args"], "direction": "fetch", "transport": transport},
+    }

@@ -80,10 +80,32 @@ class Timeline:
         self.events.append(event)
         return event
 
-    def record(self, worker: str, kind: str, uid: str, iteration: int, version: int, start: float,
-               end: float, sample_versions=(), **args) -> Event:
-        return self.add(Event(worker, self.workers.get(worker, "default"), kind, uid, iteration, version,
-                              start, end, tuple(sample_versions), args))
+    def record(
+        self,
+        worker: str,
+        kind: str,
+        uid: str,
+        iteration: int,
+        version: int,
+        start: float,
+        end: float,
+        sample_versions=(),
+        **args,
+    ) -> Event:
+        return self.add(
+            Event(
+                worker,
+                self.workers.get(worker, "default"),
+                kind,
+                uid,
+                iteration,
+                version,
+                start,
+                end,
+                tuple(sample_versions),
+                args,
+            )
+        )
 
     # -- analysis ------------------------------------------------------------------------
 
@@ -97,7 +119,7 @@ class Timeline:
         last_end: dict[int, float] = {}
         for e in self.events:
             if e.kind in ("sync", "start"):  # a fetch is booked to the unit it precedes; start-up precedes
-                continue                     # the first iteration: neither defines a span
+                continue  # the first iteration: neither defines a span
             last_end[e.iteration] = max(last_end.get(e.iteration, e.end), e.end)
             if e.kind == "step":
                 step_end[e.iteration] = max(step_end.get(e.iteration, e.end), e.end)
@@ -127,8 +149,11 @@ class Timeline:
         """Seconds of [start, end] in which device ``worker`` ran something: the union of its
         events and, for a follower, its lead's."""
         mine = {worker, self.lead_of(worker)}
-        intervals = sorted((max(e.start, start), min(e.end, end)) for e in self.events
-                           if e.worker in mine and e.end > start and e.start < end)
+        intervals = sorted(
+            (max(e.start, start), min(e.end, end))
+            for e in self.events
+            if e.worker in mine and e.end > start and e.start < end
+        )
         total, cur_s, cur_e = 0.0, None, None
         for s, e in intervals:
             if e <= s:
@@ -165,19 +190,21 @@ class Timeline:
         for k, (start, end) in spans.items():
             events, wall = mine[k], end - start
             samples = sum(e.args.get("samples", 0) for e in events if e.kind == "rollout")
-            rows.append({
-                "iteration": k,
-                "start": start,
-                "end": end,
-                "wall_s": wall,
-                "samples": samples,
-                "samples_per_s": samples / wall if wall > 0 else 0.0,
-                "bubble_fraction": self.bubble_fraction(start, end),
-                "rollout_device_s": sum(e.duration for e in events if e.kind == "rollout"),
-                "train_device_s": sum(e.duration for e in events if e.kind in ("train", "step")),
-                "sync_s": sum(e.duration for e in events if e.kind == "sync"),
-                "sync_bytes": sum(e.args.get("bytes", 0) for e in events if e.kind == "sync"),
-            })
+            rows.append(
+                {
+                    "iteration": k,
+                    "start": start,
+                    "end": end,
+                    "wall_s": wall,
+                    "samples": samples,
+                    "samples_per_s": samples / wall if wall > 0 else 0.0,
+                    "bubble_fraction": self.bubble_fraction(start, end),
+                    "rollout_device_s": sum(e.duration for e in events if e.kind == "rollout"),
+                    "train_device_s": sum(e.duration for e in events if e.kind in ("train", "step")),
+                    "sync_s": sum(e.duration for e in events if e.kind == "sync"),
+                    "sync_bytes": sum(e.args.get("bytes", 0) for e in events if e.kind == "sync"),
+                }
+            )
         return rows
 
     def summary(self, skip: int = 0, tail: int = 0) -> dict:
@@ -221,16 +248,18 @@ class Timeline:
             if e.kind == "train":
                 args["sample_versions"] = list(e.sample_versions)
             args.update(e.args)
-            trace.append({
-                "name": f"{e.kind} {e.uid} v{e.version}",
-                "cat": e.kind,
-                "ph": "X",
-                "ts": e.start * 1e6,
-                "dur": e.duration * 1e6,
-                "pid": pid[e.pool],
-                "tid": tid[e.worker],
-                "args": args,
-            })
+            trace.append(
+                {
+                    "name": f"{e.kind} {e.uid} v{e.version}",
+                    "cat": e.kind,
+                    "ph": "X",
+                    "ts": e.start * 1e6,
+                    "dur": e.duration * 1e6,
+                    "pid": pid[e.pool],
+                    "tid": tid[e.worker],
+                    "args": args,
+                }
+            )
         return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
     def save_json(self, path: Path) -> Path:
@@ -246,7 +275,9 @@ class Timeline:
         names, follows = {}, {}
         for ev in trace["traceEvents"]:
             if ev["ph"] == "M":
-                names[(ev["name"], ev["pid"], ev["tid"] if ev["name"] == "thread_name" else 0)] = ev["args"]["name"]
+                names[(ev["name"], ev["pid"], ev["tid"] if ev["name"] == "thread_name" else 0)] = ev["args"][
+                    "name"
+                ]
                 if "follows" in ev["args"]:
                     follows[ev["args"]["name"]] = ev["args"]["follows"]
         tl = cls()
@@ -262,8 +293,20 @@ class Timeline:
             sample_versions = tuple(args.pop("sample_versions", ()))
             worker = names[("thread_name", ev["pid"], ev["tid"])]
             start = ev["ts"] / 1e6
-            tl.add(Event(worker, tl.workers[worker], kind, uid, iteration, version, start,
-                         start + ev["dur"] / 1e6, sample_versions, args))
+            tl.add(
+                Event(
+                    worker,
+                    tl.workers[worker],
+                    kind,
+                    uid,
+                    iteration,
+                    version,
+                    start,
+                    start + ev["dur"] / 1e6,
+                    sample_versions,
+                    args,
+                )
+            )
         return tl
 
     # -- Gantt chart ---------------------------------------------------------------------

@@ -45,7 +45,9 @@ def draw_timeline(tl, path: Path, width: int = 1400, window: int = 3) -> Path:
     font = ImageFont.load_default()
     groups = tl.groups()  # lead -> its devices: one row per scheduled worker
     rows = list(groups)
-    labels = {w: f"{tl.workers[w]}/{w}" + (f" x{len(d)} dev" if len(d) > 1 else "") for w, d in groups.items()}
+    labels = {
+        w: f"{tl.workers[w]}/{w}" + (f" x{len(d)} dev" if len(d) > 1 else "") for w, d in groups.items()
+    }
     n = max(1, len(rows))
     spans = tl.iteration_spans()
     end = max((e.end for e in tl.events), default=1.0) or 1.0
@@ -62,8 +64,12 @@ def draw_timeline(tl, path: Path, width: int = 1400, window: int = 3) -> Path:
     drawn: set[str] = set()
 
     # whole run: utilisation strip per worker
-    draw.text((5, 3), f"whole run: utilisation per worker ({len(spans)} iterations, {end - origin:.3g} s)",
-              fill="black", font=font)
+    draw.text(
+        (5, 3),
+        f"whole run: utilisation per worker ({len(spans)} iterations, {end - origin:.3g} s)",
+        fill="black",
+        font=font,
+    )
     for i, w in enumerate(rows):
         y0 = TITLE_H + i * STRIP_H
         draw.text((5, y0), labels[w], fill="black", font=font)
@@ -84,8 +90,11 @@ def draw_timeline(tl, path: Path, width: int = 1400, window: int = 3) -> Path:
     # the detail window
     top = strip_h + TITLE_H
     last = sorted(spans)[-min(window, len(spans))] if spans else 0
-    title = (f"last {window} iterations ({last}-{max(spans)}) in detail" if len(spans) > window
-             else "every iteration in detail")
+    title = (
+        f"last {window} iterations ({last}-{max(spans)}) in detail"
+        if len(spans) > window
+        else "every iteration in detail"
+    )
     draw.text((5, strip_h + 3), title, fill="black", font=font)
     x = lambda t: LABEL_W + (t - detail_from) / (end - detail_from) * plot_w  # noqa: E731
     for i, w in enumerate(rows):
@@ -123,7 +132,9 @@ def _strip(tl, devices: list[str], start: float, end: float, bins: int, drawn: s
     slice (kinds mixed by their share of it, blended with white by the idle share), or None when idle."""
     share = [dict() for _ in range(bins)]
     dt = (end - start) / bins
-    mine = [e for e in tl.events if e.worker in devices and (e.kind not in MINOR_KINDS or e.pool == "service")]
+    mine = [
+        e for e in tl.events if e.worker in devices and (e.kind not in MINOR_KINDS or e.pool == "service")
+    ]
     for e in mine:
         b0, b1 = int((e.start - start) / dt), min(bins - 1, int((e.end - start) / dt))
         for b in range(max(0, b0), b1 + 1):

@@ -87,7 +87,9 @@ def publish(policy, put=None) -> tuple[WeightPacket, dict]:
         nbytes=state_bytes(state),
         ref=put(state),
     )
-    return packet, sync_event(packet.version, packet.version - 1, "publish", start, time.time(), packet.nbytes)
+    return packet, sync_event(
+        packet.version, packet.version - 1, "publish", start, time.time(), packet.nbytes
+    )
 
 
 def fetch(packet: WeightPacket, get=None) -> dict[str, torch.Tensor]:
@@ -126,7 +128,9 @@ def load(policy, packet: WeightPacket, expected_keys, iteration: int, get=None) 
     return sync_event(packet.version, iteration, "fetch", start, time.time(), packet.nbytes)
 
 
-def publish_version(policy, sync, transport: str, faults, name: str) -> tuple[WeightPacket | None, list[dict], bool]:
+def publish_version(
+    policy, sync, transport: str, faults, name: str
+) -> tuple[WeightPacket | None, list[dict], bool]:
     """Rank 0 after an iteration's last step: broadcast the new version over ``sync`` (its
     publisher), or put it in the object store. Returns (packet, events, whether the broadcast
     failed -- a rollout worker gone: the driver falls back to the object store)."""
@@ -164,7 +168,9 @@ class SyncRoutes:
 
     def __init__(self, transport: str, members, start_version: int, actors: dict, rank0: str):
         self.transport, self.members, self.start = transport, set(members), start_version
-        self.broadcast = transport == "broadcast"  # the run began over the group (it may have fallen back since)
+        self.broadcast = (
+            transport == "broadcast"
+        )  # the run began over the group (it may have fallen back since)
         self.actors, self.rank0 = actors, rank0
         self.packets: dict[int, Any] = {}  # version -> WeightPacket / Received, or an ObjectRef of one
         self.held: dict[str, int] = {}  # rollout worker -> version it holds after the calls handed to it
@@ -189,8 +195,7 @@ class SyncRoutes:
         if result["packet"] is not None:
             self.packets[unit.version] = result["packet"]
         if result.get("sync_failed"):
-            self.retire(unit.version, "trainer rank 0 could not broadcast version "
-                                      f"{unit.version}")
+            self.retire(unit.version, f"trainer rank 0 could not broadcast version {unit.version}")
 
     def for_rollout(self, worker: str, unit, published: int):
         """The weights a rollout call on ``worker`` carries for ``unit``."""
@@ -224,8 +229,10 @@ class SyncRoutes:
         """Switch to the object store; rank 0's copy of the version it holds (a member may have
         lost that version with a broken broadcast)."""
         if self.transport == "broadcast":
-            print(f"warning: weight sync falls back to the Ray object store for the rest of the run ({why})",
-                  file=sys.stderr)
+            print(
+                f"warning: weight sync falls back to the Ray object store for the rest of the run ({why})",
+                file=sys.stderr,
+            )
             self.transport = "object_store"
         if holds not in self.packets:
             self.packets[holds] = self.actors[self.rank0].publish.remote()

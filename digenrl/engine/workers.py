@@ -44,8 +44,8 @@ from digenrl.distributed.fsdp import all_reduce_replicas
 from digenrl.engine import sync_group, weight_sync
 from digenrl.engine.fsdp_group import combine_rank_stats, reshard, train_share, will_shard
 from digenrl.engine.groups import GroupMember
-from digenrl.engine.sp_group import SequenceParallelMember
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
+from digenrl.engine.sp_group import SequenceParallelMember
 from digenrl.errors import UserError
 from digenrl.faults import FaultInjector
 from digenrl.lora import checksum
@@ -58,8 +58,16 @@ from digenrl.units import Samples, preflight_reward, rollout_unit, train_unit
 
 
 def unit_event(kind: str, unit, start: float, end: float, version: int, sample_versions=(), **args) -> dict:
-    return {"kind": kind, "uid": unit.uid, "iteration": unit.iteration, "version": version, "start": start,
-            "end": end, "sample_versions": tuple(sample_versions), "args": args}
+    return {
+        "kind": kind,
+        "uid": unit.uid,
+        "iteration": unit.iteration,
+        "version": version,
+        "start": start,
+        "end": end,
+        "sample_versions": tuple(sample_versions),
+        "args": args,
+    }
 
 
 class _TimedReward:
@@ -133,13 +141,24 @@ def generates(cfg, role: str) -> bool:
 class EngineWorker(GroupMember, SequenceParallelMember):
     """Plain class; the runtime wraps it with ``ray.remote`` and the pool's resources."""
 
-    def __init__(self, cfg, name: str, role: str, reward_actor=None, resume: ResumeFrom | None = None,
-                 sp_follower: bool = False):
+    def __init__(
+        self,
+        cfg,
+        name: str,
+        role: str,
+        reward_actor=None,
+        resume: ResumeFrom | None = None,
+        sp_follower: bool = False,
+    ):
         """``resume``: the checkpoint to start from (read by path); ``sp_follower``: a rollout worker
         that follows its sequence-parallel group's lead (it scores nothing)."""
         self.cfg, self.name, self.role, self.world = cfg, name, role, 1
         self.sp_follower = sp_follower
-        self.rank, self.sharded, self.followers = 0, False, []  # train.fsdp: the shard group's others (on its lead)
+        self.rank, self.sharded, self.followers = (
+            0,
+            False,
+            [],
+        )  # train.fsdp: the shard group's others (on its lead)
         self.degree, self.mesh = 1, None  # train.fsdp: the shard group's size, and the device mesh
         self.resume_optimizer: str | None = None  # a sharded rank loads it once sharded (join_group)
         self.sync = None  # engine.weight_sync broadcast: rank 0's publisher or a rollout worker's inbox
@@ -167,8 +186,10 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             self.resume_optimizer = str(path) if shards else None
             return
         if trains:
-            raise UserError(f"--resume: {path} is not visible on {self.name}'s node: trainer ranks read the "
-                            "checkpoint directory by path (put the run directory where every node mounts it)")
+            raise UserError(
+                f"--resume: {path} is not visible on {self.name}'s node: trainer ranks read the "
+                "checkpoint directory by path (put the run directory where every node mounts it)"
+            )
         import ray
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -191,7 +212,9 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         else:
             self.reward = None
         lean = not generates(cfg, self.role)  # a lean trainer rank: no text encoder, no VAE
-        self.policy = Policy(cfg, trainable=self.role != "rollout", generates=not lean)  # a checkpoint: transformer alone
+        self.policy = Policy(
+            cfg, trainable=self.role != "rollout", generates=not lean
+        )  # a checkpoint: transformer alone
         if lean:  # a preset builds them all: release them
             self.policy.adapter.release_generation_modules()
         self.expected_keys = frozenset(self.policy.weights())
@@ -205,8 +228,12 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         others = self._fan_out("ready")
         weights = self.policy.weights()  # on a sharded group, a gather every rank joins
         self._gather(others)
-        return {"checksum": checksum(weights), "device": str(self.policy.device),
-                "pid": os.getpid(), "version": self.policy.version}
+        return {
+            "checksum": checksum(weights),
+            "device": str(self.policy.device),
+            "pid": os.getpid(),
+            "version": self.policy.version,
+        }
 
     # -- units ---------------------------------------------------------------------------
 
@@ -220,12 +247,18 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         events = []
         if unit.version != self.policy.version:
             if self.role != "rollout":
-                raise RuntimeError(f"{self.name} holds version {self.policy.version}, unit {unit.uid} "
-                                   f"needs {unit.version}")
-            events.append(weight_sync.load_version(self.policy, unit.version, unit.iteration, packet, self.sync,
-                                                   self.expected_keys))
+                raise RuntimeError(
+                    f"{self.name} holds version {self.policy.version}, unit {unit.uid} needs {unit.version}"
+                )
+            events.append(
+                weight_sync.load_version(
+                    self.policy, unit.version, unit.iteration, packet, self.sync, self.expected_keys
+                )
+            )
         cfg = self.cfg
-        sp_shares = self._fan_out("sp_rollout", unit, packet)  # engine.rollout_sp: the group generates together
+        sp_shares = self._fan_out(
+            "sp_rollout", unit, packet
+        )  # engine.rollout_sp: the group generates together
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
         if self.remote_reward:
             self.reward.refs.clear()
@@ -234,15 +267,32 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             self.reward.spans.clear()
             self.reward.calls.clear()
         start = time.time()
-        samples = rollout_unit(self.policy, self.reward, [everything[g] for g in unit.groups], list(unit.groups),
-                               unit.iteration, cfg.train.seed, unit.sample_range(cfg.algorithm.group_size))
+        samples = rollout_unit(
+            self.policy,
+            self.reward,
+            [everything[g] for g in unit.groups],
+            list(unit.groups),
+            unit.iteration,
+            cfg.train.seed,
+            unit.sample_range(cfg.algorithm.group_size),
+        )
         end = time.time()
         self._gather(sp_shares)
         self.faults.reached(unit.uid)
         if samples.version != unit.version or self.policy.version != unit.version:
             raise RuntimeError(f"{unit.uid}: weights changed inside the unit")
-        events.append(unit_event("rollout", unit, start, end, unit.version, samples=len(samples),
-                                 groups=list(unit.groups), sp=self.sp_world))
+        events.append(
+            unit_event(
+                "rollout",
+                unit,
+                start,
+                end,
+                unit.version,
+                samples=len(samples),
+                groups=list(unit.groups),
+                sp=self.sp_world,
+            )
+        )
         if isinstance(self.sync, sync_group.BroadcastInbox):  # versions received meanwhile
             events += self.sync.drain_events()
         summary = {
@@ -260,7 +310,9 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             self.reward.refs.clear()
             del summary["rewards"], summary["reward_parts"]
         else:
-            events += [unit_event("reward", unit, s, e, unit.version, service=False) for s, e in self.reward.spans]
+            events += [
+                unit_event("reward", unit, s, e, unit.version, service=False) for s, e in self.reward.spans
+            ]
             summary["reward_calls"] = list(self.reward.calls)
         return samples, summary
 
@@ -268,27 +320,52 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         """Accumulate this unit's share of its mini-batch's gradient (no optimizer step);
         ``total_terms``: the mini-batch's (sample, trained step) terms."""
         if self.policy.version != unit.version:
-            raise RuntimeError(f"{self.name} holds version {self.policy.version}, {unit.uid} needs {unit.version}")
+            raise RuntimeError(
+                f"{self.name} holds version {self.policy.version}, {unit.uid} needs {unit.version}"
+            )
         if (samples.iteration, tuple(samples.group_ids), samples.version) != (
-                unit.iteration, unit.groups, unit.sample_version):
+            unit.iteration,
+            unit.groups,
+            unit.sample_version,
+        ):
             raise RuntimeError(f"{unit.uid}: received samples of another unit")
         samples.advantages = advantages
         others = self._fan_out("train", unit, samples, advantages, total_terms)
         start = time.time()
         sp = self.sp_world  # engine.trainer_sp: each sequence-parallel group of sp ranks trains one share
         if self.sharded:  # every rank (group) trains an equal share of the unit's (mini-batch's) samples
-            stats = train_share(self.policy, samples, unit, (self.rank % self.degree) // sp, self.degree // sp,
-                                total_terms)
+            stats = train_share(
+                self.policy, samples, unit, (self.rank % self.degree) // sp, self.degree // sp, total_terms
+            )
         else:
-            stats = train_unit(self.policy, samples, total_terms, unit.tsp_rank, unit.tsp_degree, unit.step,
-                               self.cfg.train.optimizer_steps)
+            stats = train_unit(
+                self.policy,
+                samples,
+                total_terms,
+                unit.tsp_rank,
+                unit.tsp_degree,
+                unit.step,
+                self.cfg.train.optimizer_steps,
+            )
         shares = [r["stats"] for r in self._gather(others)]  # (the group's other ranks in order)
-        stats = combine_rank_stats(([stats] + shares)[::sp])  # one per share: SP followers repeat their lead's
+        stats = combine_rank_stats(
+            ([stats] + shares)[::sp]
+        )  # one per share: SP followers repeat their lead's
         self.faults.reached(unit.uid)
         end = time.time()
-        event = unit_event("train", unit, start, end, self.policy.version, sample_versions=[samples.version],
-                           groups=list(samples.group_ids), tsp_rank=unit.tsp_rank, tsp_degree=unit.tsp_degree,
-                           minibatch=unit.step, sp=self.sp_world)
+        event = unit_event(
+            "train",
+            unit,
+            start,
+            end,
+            self.policy.version,
+            sample_versions=[samples.version],
+            groups=list(samples.group_ids),
+            tsp_rank=unit.tsp_rank,
+            tsp_degree=unit.tsp_degree,
+            minibatch=unit.step,
+            sp=self.sp_world,
+        )
         return {"stats": stats, "events": [event]}
 
     def step(self, unit: StepUnit, publish: bool | str) -> dict:
@@ -302,18 +379,29 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             all_reduce_replicas(self.policy.params, self.mesh)
         grad_norm = self.policy.optimizer_step(publish=unit.last)
         if self.policy.version != unit.version:
-            raise RuntimeError(f"{self.name}: stepped to version {self.policy.version}, expected {unit.version}")
+            raise RuntimeError(
+                f"{self.name}: stepped to version {self.policy.version}, expected {unit.version}"
+            )
         events, packet, failed = [], None, False
         if publish and self.rank > 0:  # a sharded rank > 0: its part of the gather, nothing shipped
             sync_group.take_part(self.policy, publish)
         elif publish:
             packet, events, failed = weight_sync.publish_version(
-                self.policy, self.sync, "object_store" if publish is True else publish, self.faults, self.name)
+                self.policy, self.sync, "object_store" if publish is True else publish, self.faults, self.name
+            )
         digest = checksum(self.policy.weights()) if self.policy.lora else None  # ranks must agree
         self._gather(others)
         publishes = {"publishes": unit.version} if unit.last else {}
-        events.insert(0, unit_event("step", unit, start, time.time(), unit.iteration, step=unit.step, **publishes))
-        return {"grad_norm": grad_norm, "packet": packet, "checksum": digest, "events": events, "sync_failed": failed}
+        events.insert(
+            0, unit_event("step", unit, start, time.time(), unit.iteration, step=unit.step, **publishes)
+        )
+        return {
+            "grad_norm": grad_norm,
+            "packet": packet,
+            "checksum": digest,
+            "events": events,
+            "sync_failed": failed,
+        }
 
     # -- results -------------------------------------------------------------------------
 
@@ -342,11 +430,19 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         A sharded group: every rank writes its shards of the optimizer state by path into ``staging``
         (DCP, nothing gathered) and joins the gather of the weights; rank 0's answer names ``staging``."""
         if self.policy.version != iteration:
-            raise RuntimeError(f"{self.name}: checkpoint of iteration {iteration} asked at version {self.policy.version}")
+            raise RuntimeError(
+                f"{self.name}: checkpoint of iteration {iteration} asked at version {self.policy.version}"
+            )
         others = self._fan_out("checkpoint", iteration, extra, staging)
-        files = checkpoint_files(self.policy, iteration, self.cfg, extra,
-                                 optimizer_dir=Path(staging) if self.sharded and staging else None,
-                                 lead=self.rank == 0, where=f"{self.name}'s node")
+        files = checkpoint_files(
+            self.policy,
+            iteration,
+            self.cfg,
+            extra,
+            optimizer_dir=Path(staging) if self.sharded and staging else None,
+            lead=self.rank == 0,
+            where=f"{self.name}'s node",
+        )
         self._gather(others)
         return files
 

@@ -9,8 +9,15 @@ from digenrl.placement import Plan
 from digenrl.planner.costmodel import CostModel, DeviceSetup
 
 
-def unit_train_time(cost: CostModel, device: str, groups: int, parts: int, tsp_rank: int, tsp_degree: int,
-                    setup: DeviceSetup | None) -> float:
+def unit_train_time(
+    cost: CostModel,
+    device: str,
+    groups: int,
+    parts: int,
+    tsp_rank: int,
+    tsp_degree: int,
+    setup: DeviceSetup | None,
+) -> float:
     """A train unit (one mini-batch's share) of ``groups`` whole groups, or (``parts`` > 1) of 1/parts
     of one group: the group's time shared out by samples (the micro-batches of a part are its share
     of the group's)."""
@@ -29,8 +36,9 @@ def setups(plan: Plan, cost: CostModel) -> dict[str, DeviceSetup]:
         if role == "rollout":
             s = cost.rollout_memory(p.device, plan.unit_size, plan.rollout_sp)
         elif role == "trainer":
-            s = cost.trainer_setup(p.device, plan.ranks, plan.tag, plan.unit_size, plan.micro_batch,
-                                  plan.trainer_sp)
+            s = cost.trainer_setup(
+                p.device, plan.ranks, plan.tag, plan.unit_size, plan.micro_batch, plan.trainer_sp
+            )
         else:
             s = cost.colocated_setup(p.device, plan.ranks, plan.unit_size, plan.micro_batch, plan.trainer_sp)
         if not s.fits:
@@ -47,7 +55,13 @@ def bound(plan: Plan, cost: CostModel, setup: dict[str, DeviceSetup] | None = No
     phase switches). Engine overheads (calls, transfers, weight sync) are left out; so is that a
     TAG rank rolls out only before an iteration's first step (that only lengthens an iteration)."""
     setup = setup if setup is not None else setups(plan, cost)
-    m, parts, D, ranks, S = plan.unit_groups, plan.group_parts, plan.tsp_degree, plan.ranks, cost.w.optimizer_steps
+    m, parts, D, ranks, S = (
+        plan.unit_groups,
+        plan.group_parts,
+        plan.tsp_degree,
+        plan.ranks,
+        cost.w.optimizer_steps,
+    )
     units = cost.w.prompts // m * parts
 
     def work(pool: PoolConfig) -> tuple[float, float, float]:

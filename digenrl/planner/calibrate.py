@@ -18,21 +18,28 @@ def check_profile_matches(profile: dict, w: Workload) -> None:
     theirs = _norm(sig.get("config"))
     same = all(theirs.get(k) == v for k, v in _norm(mine["config"]).items())
     if sig.get("class") != mine["class"] or not same:
-        raise UserError(f"--profile: it was measured on {sig.get('class')} ({sig.get('params', '?')} parameters), "
-                        f"not on the configured {mine['class']} ({w.shape.source}); run `digenrl profile` "
-                        "with this config")
+        raise UserError(
+            f"--profile: it was measured on {sig.get('class')} ({sig.get('params', '?')} parameters), "
+            f"not on the configured {mine['class']} ({w.shape.source}); run `digenrl profile` "
+            "with this config"
+        )
     tokens = profile.get("workload", {}).get("tokens")
     if tokens and (tokens["x"], tokens["text"]) != (w.shape.tokens.x, w.shape.tokens.text):
-        raise UserError(f"--profile: measured at {tokens['x']} image/video + {tokens['text']} text tokens per "
-                        f"sample, the config has {w.shape.tokens.x} + {w.shape.tokens.text}; profile this "
-                        "resolution / frame count / text length")
+        raise UserError(
+            f"--profile: measured at {tokens['x']} image/video + {tokens['text']} text tokens per "
+            f"sample, the config has {w.shape.tokens.x} + {w.shape.tokens.text}; profile this "
+            "resolution / frame count / text length"
+        )
 
 
 def _norm(config) -> dict:
     if not isinstance(config, dict):
         return {}
-    return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in config.items()
-            if not k.startswith("_")}
+    return {
+        k: (list(v) if isinstance(v, (list, tuple)) else v)
+        for k, v in config.items()
+        if not k.startswith("_")
+    }
 
 
 def calibrated_mfu(profile: dict, w: Workload) -> tuple[float, float] | None:
@@ -49,7 +56,9 @@ def calibrated_mfu(profile: dict, w: Workload) -> tuple[float, float] | None:
     batches = [b for b in map(int, m["rollout_step_s"]) if str(b) in m["train_step_s"]]
     big = [b for b in batches if b >= CALIBRATION_MIN_BATCH] or batches
     roll = sorted(b * flops / (m["rollout_step_s"][str(b)] * spec.bf16_flops) for b in big)
-    factor = 3.0 if not w.lora else 2.0 + attention_fraction(w.shape)  # forward + backward (LoRA: no weight grads)
+    factor = (
+        3.0 if not w.lora else 2.0 + attention_fraction(w.shape)
+    )  # forward + backward (LoRA: no weight grads)
     train = sorted(b * flops * factor / (m["train_step_s"][str(b)] * spec.bf16_flops) for b in big)
     return min(MFU_CAP, roll[len(roll) // 2]), min(MFU_CAP, train[len(train) // 2])
 
@@ -60,10 +69,14 @@ def profiled_overheads(profile: dict) -> EngineOverheads | None:
     if not engine:
         return None
     return EngineOverheads(
-        call_s=engine["call_s"], transfer_latency_s=engine["transfer_latency_s"],
-        transfer_bytes_per_s=engine["transfer_bytes_per_s"], publish_s=engine["put_s"],
-        fetch_s=engine["get_s"], allreduce_latency_s=engine.get("allreduce_s", 0.0),
-        source=f"profile ({engine.get('source', profile['device']['name'])})")
+        call_s=engine["call_s"],
+        transfer_latency_s=engine["transfer_latency_s"],
+        transfer_bytes_per_s=engine["transfer_bytes_per_s"],
+        publish_s=engine["put_s"],
+        fetch_s=engine["get_s"],
+        allreduce_latency_s=engine.get("allreduce_s", 0.0),
+        source=f"profile ({engine.get('source', profile['device']['name'])})",
+    )
 
 
 def unit_time_factor(profile: dict) -> dict[str, float]:

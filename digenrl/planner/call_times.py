@@ -20,8 +20,12 @@ below by reading the weights once per pass at ``memory bandwidth x efficiency``.
 
 from __future__ import annotations
 
-from digenrl.planner.constants import (MIN_CALL_FRACTION, MIN_UNIT_FRACTION, OPTIMIZER_FIXED_S,
-                                       OPTIMIZER_STATE_PASSES)
+from digenrl.planner.constants import (
+    MIN_CALL_FRACTION,
+    MIN_UNIT_FRACTION,
+    OPTIMIZER_FIXED_S,
+    OPTIMIZER_STATE_PASSES,
+)
 from digenrl.planner.gpus import DeviceSpec
 from digenrl.planner.params import CostParams
 from digenrl.planner.shapes import attention_fraction, forward_flops
@@ -68,9 +72,13 @@ class CallTimes:
         fingerprint check); a profile measures the object-store load only, which bounds it."""
         return self.load()
 
-    rollout_overhead_s = 0.0  # per unit, beyond its calls (analytic model; profiles of version 1 before factors)
+    rollout_overhead_s = (
+        0.0  # per unit, beyond its calls (analytic model; profiles of version 1 before factors)
+    )
     train_overhead_s = 0.0
-    rollout_unit_factor = 1.0  # a whole unit / the sum of its calls, as profiled (CPU engine: SDE / loss math)
+    rollout_unit_factor = (
+        1.0  # a whole unit / the sum of its calls, as profiled (CPU engine: SDE / loss math)
+    )
     train_unit_factor = 1.0
 
 
@@ -121,8 +129,16 @@ class ProfiledTimes(CallTimes):
 class AnalyticTimes(CallTimes):
     """FLOPs / (peak x MFU), bounded below by streaming the weights once per pass."""
 
-    def __init__(self, w: Workload, dev: DeviceSpec, p: CostParams, checkpointing: bool = False, shard: int = 1,
-                 link_bw: float | None = None, cfg_batched: bool = True):
+    def __init__(
+        self,
+        w: Workload,
+        dev: DeviceSpec,
+        p: CostParams,
+        checkpointing: bool = False,
+        shard: int = 1,
+        link_bw: float | None = None,
+        cfg_batched: bool = True,
+    ):
         self.w, self.dev, self.p = w, dev, p
         self.checkpointing, self.shard, self.cfg_batched = checkpointing, shard, cfg_batched
         self.source = f"analytic ({dev.name}, MFU {p.mfu_rollout:.2f}/{p.mfu_train:.2f} {p.mfu_source})"
@@ -266,7 +282,9 @@ def rollout_unit_time(t: CallTimes, w: Workload, groups: float) -> tuple[float, 
     return max(MIN_UNIT_FRACTION * calls, calls * t.rollout_unit_factor + t.rollout_overhead_s), reward
 
 
-def train_unit_time(t: CallTimes, w: Workload, groups: int, tsp_rank: int, tsp_degree: int, micro_batch: int) -> float:
+def train_unit_time(
+    t: CallTimes, w: Workload, groups: int, tsp_rank: int, tsp_degree: int, micro_batch: int
+) -> float:
     """A train unit: one mini-batch's samples of ``groups`` groups (``groups x G / S``) x the rank's
     trained-step positions; per micro-batch and trained step one forward + backward (+ reference)
     of the samples training it -- every sample at once in fraction / window mode, where they all

@@ -51,7 +51,9 @@ MIN_CALL_FRACTION = 0.5  # an interpolated call never costs less than this x the
 MIN_UNIT_FRACTION = 0.5  # a composed unit never costs less than this x the sum of its calls
 OPTIMIZER_FIXED_S = 0.001  # per optimizer step beyond streaming the trained state
 OPTIMIZER_STATE_PASSES = 3  # an AdamW update reads / writes the trained state about this many times
-FSDP_STEP_SHARE = 0.5  # FSDP: the step's all-reduce is an all-gather only (reduce-scatter ran in the backward)
+FSDP_STEP_SHARE = (
+    0.5  # FSDP: the step's all-reduce is an all-gather only (reduce-scatter ran in the backward)
+)
 MFU_CAP = 0.9  # a calibrated MFU above this is a measurement error
 CALIBRATION_MIN_BATCH = 4  # GPU MFU calibration uses batches from this size up (when there are any)
 FP32_BYTES = 4  # LoRA weights, gradients and latents travel in fp32
@@ -65,5 +67,9 @@ ADAMW_STATE_BYTES = 8  # AdamW's two fp32 moments per trained parameter (the ste
 #: T x T scores; norms and softmax statistics in fp32): measured per family at real width by
 #: benchmarks/memory.py (docs/scaling.md, "Memory model vs measurement"); a family not listed uses
 #: ``CostParams.train_act_bytes``
-ACT_BYTES_PER_TOKEN_HIDDEN: dict[str, float] = {"flux": 42.3, "wan": 51.5, "hunyuan_video": 44.2,
-                                                "qwen_image": 64.9}
+ACT_BYTES_PER_TOKEN_HIDDEN: dict[str, float] = {
+    "flux": 42.3,
+    "wan": 51.5,
+    "hunyuan_video": 44.2,
+    "qwen_image": 64.9,
+}

@@ -25,10 +25,21 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from digenrl.planner.calibrate import (calibrated_mfu, check_profile_matches, profiled_overheads,
-                                       unit_time_factor)
-from digenrl.planner.call_times import (AnalyticTimes, CallTimes, ProfiledTimes, SequenceParallelTimes, interpolate,
-                                        rollout_unit_time, train_unit_time)
+from digenrl.planner.calibrate import (
+    calibrated_mfu,
+    check_profile_matches,
+    profiled_overheads,
+    unit_time_factor,
+)
+from digenrl.planner.call_times import (
+    AnalyticTimes,
+    CallTimes,
+    ProfiledTimes,
+    SequenceParallelTimes,
+    interpolate,
+    rollout_unit_time,
+    train_unit_time,
+)
 from digenrl.planner.constants import FP32_BYTES, FSDP_STEP_SHARE, MIN_UNIT_CV
 from digenrl.planner.gpus import DEVICES, ClusterSpec
 from digenrl.planner.memory import DeviceSetup, MemoryModel
@@ -36,17 +47,35 @@ from digenrl.planner.params import ColocationCosts, CostParams, EngineOverheads
 from digenrl.planner.workload import Workload
 
 # the cost model's public names, importable from here as before the split
-__all__ = ["AnalyticTimes", "CallTimes", "ColocationCosts", "CostModel", "CostParams", "DeviceSetup",
-           "EngineOverheads", "ProfiledTimes", "Workload", "check_profile_matches", "interpolate",
-           "rollout_unit_time", "train_unit_time"]
+__all__ = [
+    "AnalyticTimes",
+    "CallTimes",
+    "ColocationCosts",
+    "CostModel",
+    "CostParams",
+    "DeviceSetup",
+    "EngineOverheads",
+    "ProfiledTimes",
+    "Workload",
+    "check_profile_matches",
+    "interpolate",
+    "rollout_unit_time",
+    "train_unit_time",
+]
 
 
 class CostModel:
     """Durations and memory of every unit on every device type of a cluster."""
 
-    def __init__(self, workload: Workload, cluster: ClusterSpec, params: CostParams | None = None,
-                 colocation: ColocationCosts | None = None, overheads: EngineOverheads | None = None,
-                 profile: dict | None = None):
+    def __init__(
+        self,
+        workload: Workload,
+        cluster: ClusterSpec,
+        params: CostParams | None = None,
+        colocation: ColocationCosts | None = None,
+        overheads: EngineOverheads | None = None,
+        profile: dict | None = None,
+    ):
         self.w, self.cluster = workload, cluster
         self.p = params or CostParams()
         self.col = colocation or ColocationCosts()
@@ -93,7 +122,9 @@ class CostModel:
             cv = 0.0
         else:
             prof = self.profile or {}
-            measured = (prof.get("engine") or {}).get("unit_cv") or prof.get("measurements", {}).get("unit_cv") or {}
+            measured = (
+                (prof.get("engine") or {}).get("unit_cv") or prof.get("measurements", {}).get("unit_cv") or {}
+            )
             cv = float(measured.get(kind, 0.0))
         return cv if cv >= MIN_UNIT_CV else 0.0
 
@@ -138,14 +169,26 @@ class CostModel:
     def times(self, device: str, setup: DeviceSetup | None = None) -> CallTimes:
         """Per-call times on ``device`` run as ``setup`` says (checkpointing, FSDP degree, CFG mode, and
         sequence parallelism over ``setup.sp`` devices of one node)."""
-        key = (device, setup.checkpointing if setup else False, setup.shard if setup else 1,
-               setup.cfg_batched if setup else True, setup.sp if setup else 1)
+        key = (
+            device,
+            setup.checkpointing if setup else False,
+            setup.shard if setup else 1,
+            setup.cfg_batched if setup else True,
+            setup.sp if setup else 1,
+        )
         if key not in self._times:
             if self.profiled(device):
                 t = ProfiledTimes(self.profile)
             else:
-                t = AnalyticTimes(self.w, DEVICES[device], self.p, checkpointing=key[1], shard=key[2],
-                                  link_bw=self.link_bw(device, key[2]), cfg_batched=key[3])
+                t = AnalyticTimes(
+                    self.w,
+                    DEVICES[device],
+                    self.p,
+                    checkpointing=key[1],
+                    shard=key[2],
+                    link_bw=self.link_bw(device, key[2]),
+                    cfg_batched=key[3],
+                )
             sp = key[4]
             self._times[key] = SequenceParallelTimes(t, self.w, sp, self.link_bw(device, sp)) if sp > 1 else t
         return self._times[key]
@@ -169,22 +212,27 @@ class CostModel:
     def _factor(self, device: str, kind: str) -> float:
         return self.unit_factor.get(kind, 1.0) if self.profiled(device) and self.cluster.is_cpu else 1.0
 
-    def rollout_unit(self, device: str, groups: float, setup: DeviceSetup | None = None) -> tuple[float, float]:
+    def rollout_unit(
+        self, device: str, groups: float, setup: DeviceSetup | None = None
+    ) -> tuple[float, float]:
         """(seconds, of which reward) for a rollout unit of ``groups`` prompt groups on a worker run as
         ``setup`` says (its sequence parallelism and CFG mode; None: one device, CFG batched)."""
         total, reward = rollout_unit_time(self.times(device, setup), self.w, groups)
         f = self._factor(device, "rollout")
         return total * f, reward * f
 
-    def train_unit(self, device: str, groups: int, tsp_rank: int, tsp_degree: int,
-                   setup: DeviceSetup | None = None) -> float:
+    def train_unit(
+        self, device: str, groups: int, tsp_rank: int, tsp_degree: int, setup: DeviceSetup | None = None
+    ) -> float:
         """Seconds for a train unit: one mini-batch's share of ``groups`` groups (all of them with
         one optimizer step per iteration), TSP rank ``tsp_rank`` of ``tsp_degree``."""
         mb = setup.micro_batch if setup else self.w.micro_batch
         t = train_unit_time(self.times(device, setup), self.w, groups, tsp_rank, tsp_degree, mb)
         return t * self._factor(device, "train")
 
-    def step(self, device: str, ranks: int, publish: bool, setup: DeviceSetup | None = None) -> tuple[float, float]:
+    def step(
+        self, device: str, ranks: int, publish: bool, setup: DeviceSetup | None = None
+    ) -> tuple[float, float]:
         """(seconds, of which publish) for one rank's share of the optimizer step."""
         t = self.times(device, setup)
         allreduce = 0.0
@@ -233,8 +281,14 @@ class CostModel:
         weights before sampling (half each way). Nothing is offloaded (the runtime does not offload)."""
         s = self.col.switch_latency_s
         if setup.shard > 1 and self.col.regather_sharded_weights:
-            s += self.w.params.total * self.w.dtype_bytes * (setup.shard - 1) / setup.shard / self.link_bw(
-                device, setup.shard) / 2
+            s += (
+                self.w.params.total
+                * self.w.dtype_bytes
+                * (setup.shard - 1)
+                / setup.shard
+                / self.link_bw(device, setup.shard)
+                / 2
+            )
         return s
 
     # -- memory --------------------------------------------------------------------------
@@ -250,14 +304,16 @@ class CostModel:
         """Does a rollout worker of this type (``sp`` devices) hold the model + rollout models + a unit of ``groups``?"""
         return self.memory.rollout(device, groups, sp)
 
-    def trainer_setup(self, device: str, ranks: int, tag: bool, groups: int,
-                      micro_batch: int | None = None, sp: int = 1) -> DeviceSetup:
+    def trainer_setup(
+        self, device: str, ranks: int, tag: bool, groups: int, micro_batch: int | None = None, sp: int = 1
+    ) -> DeviceSetup:
         """The cheapest way a trainer rank of this type fits (``tag``: it also rolls out units of ``groups``)."""
         fits, miss = self.memory.trainer(device, ranks, tag, groups, sp)
         return self._best(fits, device, ranks, False, micro_batch) if fits else miss
 
-    def colocated_setup(self, device: str, ranks: int, groups: int, micro_batch: int | None = None,
-                        sp: int = 1) -> DeviceSetup:
+    def colocated_setup(
+        self, device: str, ranks: int, groups: int, micro_batch: int | None = None, sp: int = 1
+    ) -> DeviceSetup:
         """A colocated device: training state and sampling state at once."""
         fits, miss = self.memory.colocated(device, ranks, groups, sp)
         return self._best(fits, device, ranks, True, micro_batch) if fits else miss
@@ -274,8 +330,14 @@ class CostModel:
             score += 2 * self.switch(device, setup)
         return score
 
-    def _best(self, fits: list[DeviceSetup], device: str, ranks: int, colocated: bool,
-              micro_batch: int | None = None) -> DeviceSetup:
+    def _best(
+        self,
+        fits: list[DeviceSetup],
+        device: str,
+        ranks: int,
+        colocated: bool,
+        micro_batch: int | None = None,
+    ) -> DeviceSetup:
         """The cheapest fitting setup; with ``micro_batch`` (a run's configured one) only the largest
         micro-batch up to it that fits competes: the run trains at its micro-batch, smaller only when
         memory forces it (the search leaves it free and writes the one it picks into the config)."""

@@ -115,7 +115,9 @@ class _Strict(BaseModel):
 
 
 class Interconnect(_Strict):
-    bandwidth_gb_s: float = Field(50.0, gt=0, description="between nodes, per device, one direction (400 Gb/s IB = 50)")
+    bandwidth_gb_s: float = Field(
+        50.0, gt=0, description="between nodes, per device, one direction (400 Gb/s IB = 50)"
+    )
     latency_us: float = Field(10.0, ge=0)
 
 
@@ -123,8 +125,12 @@ class ClusterSpec(_Strict):
     name: str = "cluster"
     gpus_per_node: int = Field(8, gt=0)
     interconnect: Interconnect = Field(default_factory=Interconnect)
-    host_cores: int | None = Field(None, gt=0, description="cpu pools: cores they share (default: this machine's)")
-    pools: list[PoolConfig] = Field(min_length=1, description="device: a known type (canonical spelling kept)")
+    host_cores: int | None = Field(
+        None, gt=0, description="cpu pools: cores they share (default: this machine's)"
+    )
+    pools: list[PoolConfig] = Field(
+        min_length=1, description="device: a known type (canonical spelling kept)"
+    )
 
     @field_validator("pools")
     @classmethod

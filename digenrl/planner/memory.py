@@ -122,9 +122,16 @@ class MemoryModel:
         """A rollout unit of ``groups``: one block's live activations, the trajectory, a decode tile."""
         w, t = self.w, self.w.shape.tokens
         b = groups * w.group_size
-        acts = self.held_passes(cfg_batched) * b * self.pass_tokens(sp) * w.params.hidden * self.p.infer_act_bytes
-        trajectory = b * ((w.steps + 1) * t.latent_elements * FP32_BYTES
-                          + w.passes * t.text * w.params.hidden * HALF_BYTES)
+        acts = (
+            self.held_passes(cfg_batched)
+            * b
+            * self.pass_tokens(sp)
+            * w.params.hidden
+            * self.p.infer_act_bytes
+        )
+        trajectory = b * (
+            (w.steps + 1) * t.latent_elements * FP32_BYTES + w.passes * t.text * w.params.hidden * HALF_BYTES
+        )
         return acts + trajectory + self.decode_bytes()
 
     def decode_bytes(self) -> float:
@@ -163,24 +170,36 @@ class MemoryModel:
         total, lora = w.params.total, w.params.lora
         half = w.dtype_bytes < FP32_BYTES
         if w.lora:
-            parts = {"frozen base": total * w.dtype_bytes / shard,
-                     "fp32 masters": lora * FP32_BYTES / shard,
-                     "fp32 grads": lora * FP32_BYTES / shard,
-                     "AdamW state": lora * ADAMW_STATE_BYTES / shard,
-                     "compute copy": self.gathered_block() if shard > 1 else 0.0,
-                     "reference": 0.0}  # LoRA: the reference is the base with the adapters off
+            parts = {
+                "frozen base": total * w.dtype_bytes / shard,
+                "fp32 masters": lora * FP32_BYTES / shard,
+                "fp32 grads": lora * FP32_BYTES / shard,
+                "AdamW state": lora * ADAMW_STATE_BYTES / shard,
+                "compute copy": self.gathered_block() if shard > 1 else 0.0,
+                "reference": 0.0,
+            }  # LoRA: the reference is the base with the adapters off
         else:
-            parts = {"fp32 masters": total * FP32_BYTES / shard,
-                     "fp32 grads": total * FP32_BYTES / shard,
-                     "AdamW state": total * ADAMW_STATE_BYTES / shard,
-                     "compute copy": (self.gathered_block() if shard > 1
-                                      else total * w.dtype_bytes if half else 0.0),
-                     "reference": total * w.dtype_bytes if w.kl else 0.0}
+            parts = {
+                "fp32 masters": total * FP32_BYTES / shard,
+                "fp32 grads": total * FP32_BYTES / shard,
+                "AdamW state": total * ADAMW_STATE_BYTES / shard,
+                "compute copy": (
+                    self.gathered_block() if shard > 1 else total * w.dtype_bytes if half else 0.0
+                ),
+                "reference": total * w.dtype_bytes if w.kl else 0.0,
+            }
         parts["activations"] = self.train_acts(mb, ckpt, sp, cfg_batched)
         return parts
 
-    def options(self, ranks: int, fsdp="auto", checkpointing="auto", micro_batch: int | None = None,
-                cfg="auto", sp: int = 1):
+    def options(
+        self,
+        ranks: int,
+        fsdp="auto",
+        checkpointing="auto",
+        micro_batch: int | None = None,
+        cfg="auto",
+        sp: int = 1,
+    ):
         """(micro-batch, checkpointing, CFG batched, shard) in order of preference: largest micro-batch,
         then replicated before sharded, sharding before sequential CFG (one more forward of one pass)
         and that before checkpointing (recomputes every forward; FSDP's collectives overlap the
@@ -207,8 +226,12 @@ class MemoryModel:
 
     def rollout_parts(self, groups: float, sp: int = 1, cfg_batched: bool = True) -> dict:
         w = self.w
-        return {"weights": w.params.total * w.dtype_bytes, "lora": w.params.lora * w.dtype_bytes if w.lora else 0,
-                "rollout models": self.rollout_models(), "activations": self.rollout_acts(groups, sp, cfg_batched)}
+        return {
+            "weights": w.params.total * w.dtype_bytes,
+            "lora": w.params.lora * w.dtype_bytes if w.lora else 0,
+            "rollout models": self.rollout_models(),
+            "activations": self.rollout_acts(groups, sp, cfg_batched),
+        }
 
     def rollout(self, device: str, groups: float, sp: int = 1, cfg: str = "auto") -> DeviceSetup:
         """Does a rollout worker of this type (each of its ``sp`` devices) hold the model + rollout
@@ -219,24 +242,50 @@ class MemoryModel:
             need = sum(parts.values())
             if need <= have:
                 break
-        why = "" if need <= have else (f"a rollout unit of {groups:g} groups on {device}" + (f" (SP x{sp})" if sp > 1 else "")
-                                       + f" needs {gib(need)} ({describe_parts(parts)}) > {gib(have)} usable")
-        return DeviceSetup(need <= have, self.w.micro_batch, sp=sp, cfg_batched=batched, need_bytes=need,
-                           have_bytes=have, parts=parts, why=why)
+        why = (
+            ""
+            if need <= have
+            else (
+                f"a rollout unit of {groups:g} groups on {device}"
+                + (f" (SP x{sp})" if sp > 1 else "")
+                + f" needs {gib(need)} ({describe_parts(parts)}) > {gib(have)} usable"
+            )
+        )
+        return DeviceSetup(
+            need <= have,
+            self.w.micro_batch,
+            sp=sp,
+            cfg_batched=batched,
+            need_bytes=need,
+            have_bytes=have,
+            parts=parts,
+            why=why,
+        )
 
-    def trainer_need(self, shard: int, mb: int, ckpt: bool, tag: bool = False, groups: float = 1, sp: int = 1,
-                     cfg_batched: bool = True) -> dict:
+    def trainer_need(
+        self,
+        shard: int,
+        mb: int,
+        ckpt: bool,
+        tag: bool = False,
+        groups: float = 1,
+        sp: int = 1,
+        cfg_batched: bool = True,
+    ) -> dict:
         """A trainer rank's parts (per device of its ``sp``); ``tag`` / colocated: it also samples units
         of ``groups`` (through the same sharded module, one gathered block at a time) and holds the
         rollout models."""
         parts = self.train_parts(shard, mb, ckpt, sp, cfg_batched)
         if tag:
             parts["rollout models"] = self.rollout_models()
-            parts["rollout activations"] = max(0.0, self.rollout_acts(groups, sp, cfg_batched) - parts["activations"])
+            parts["rollout activations"] = max(
+                0.0, self.rollout_acts(groups, sp, cfg_batched) - parts["activations"]
+            )
         return parts
 
-    def setups(self, device: str, ranks: int, tag: bool, groups: float, sp: int = 1,
-               **choices) -> tuple[list[DeviceSetup], DeviceSetup]:
+    def setups(
+        self, device: str, ranks: int, tag: bool, groups: float, sp: int = 1, **choices
+    ) -> tuple[list[DeviceSetup], DeviceSetup]:
         """(every setup that fits, in preference order; the last one tried, with why it does not).
         ``ranks``: trainer ranks (each of ``sp`` devices); the sharding degrees count devices (the
         runtime's ``train.fsdp``: FSDP over all ``ranks x sp`` devices, sequence parallelism inside)."""
@@ -250,19 +299,34 @@ class MemoryModel:
                 fits.append(DeviceSetup(True, mb, ckpt, shard, sp, batched, need, have, parts))
         need, parts, mb, ckpt, shard, batched = last
         role = "a colocated device" if tag else "a trainer"
-        miss = DeviceSetup(False, mb, ckpt, shard, sp, batched, need, have, parts,
-                           why=f"{role} on {device} needs {gib(need)} ({describe_parts(parts)}) > {gib(have)} "
-                               f"usable even at micro-batch {mb}" + (f", FSDP x{shard}" if shard > 1 else "")
-                               + (f", SP x{sp}" if sp > 1 else "")
-                               + (", activation checkpointing" if ckpt else "")
-                               + ("" if batched or self.w.passes == 1 else ", sequential CFG"))
+        miss = DeviceSetup(
+            False,
+            mb,
+            ckpt,
+            shard,
+            sp,
+            batched,
+            need,
+            have,
+            parts,
+            why=f"{role} on {device} needs {gib(need)} ({describe_parts(parts)}) > {gib(have)} "
+            f"usable even at micro-batch {mb}"
+            + (f", FSDP x{shard}" if shard > 1 else "")
+            + (f", SP x{sp}" if sp > 1 else "")
+            + (", activation checkpointing" if ckpt else "")
+            + ("" if batched or self.w.passes == 1 else ", sequential CFG"),
+        )
         return fits, miss
 
-    def trainer(self, device: str, ranks: int, tag: bool, groups: float, sp: int = 1) -> tuple[list[DeviceSetup], DeviceSetup]:
+    def trainer(
+        self, device: str, ranks: int, tag: bool, groups: float, sp: int = 1
+    ) -> tuple[list[DeviceSetup], DeviceSetup]:
         """(every setup of a trainer rank that fits, the last one tried with why it does not);
         ``tag``: the rank also rolls out units of ``groups``."""
         return self.setups(device, ranks, tag, groups, sp)
 
-    def colocated(self, device: str, ranks: int, groups: float, sp: int = 1) -> tuple[list[DeviceSetup], DeviceSetup]:
+    def colocated(
+        self, device: str, ranks: int, groups: float, sp: int = 1
+    ) -> tuple[list[DeviceSetup], DeviceSetup]:
         """A colocated device holds the training and the sampling state at once (no offloading)."""
         return self.setups(device, ranks, True, groups, sp)

@@ -26,7 +26,9 @@ class CostParams:
     model_reward_params: float = 1.0e9  # its weights on the rollout device (bf16)
     # memory
     usable_memory: float = 0.90  # share of device memory the run may use (CUDA context, fragmentation)
-    train_act_bytes: float = 34.0  # activation bytes per token x hidden per block in training (bf16, flash attn)
+    train_act_bytes: float = (
+        34.0  # activation bytes per token x hidden per block in training (bf16, flash attn)
+    )
     infer_act_bytes: float = 24.0  # peak live bytes per token x hidden in one block at inference
     vae_decode_bytes_per_px: float = 1000.0  # VAE decoder peak per output pixel (one sample at a time)
     vae_tile_px: float = 4.0e6  # tiled decoding caps the pixels decoded at once
@@ -63,7 +65,9 @@ class ColocationCosts:
 class EngineOverheads:
     """Costs of the engine itself (Ray): measured by `digenrl profile` on CPU, defaults for GPU clusters."""
 
-    call_s: float = 0.003  # driver -> worker -> driver per unit (a unit starts this long after it is handed out)
+    call_s: float = (
+        0.003  # driver -> worker -> driver per unit (a unit starts this long after it is handed out)
+    )
     transfer_latency_s: float = 0.002  # rollout samples to a trainer (object store), fixed part
     transfer_bytes_per_s: float | None = None  # None: the cluster interconnect
     publish_s: float = 0.0  # extra (beyond pack) for ray.put of published weights

@@ -54,8 +54,12 @@ from typing import Callable
 import torch
 
 from digenrl.errors import UserError, read_user_text
-from digenrl.planner.constants import (CALIBRATION_ITERATIONS, DEFAULT_BATCHES, MAX_PROFILED_UNIT_SAMPLES,
-                                       PROFILE_VERSION)
+from digenrl.planner.constants import (
+    CALIBRATION_ITERATIONS,
+    DEFAULT_BATCHES,
+    MAX_PROFILED_UNIT_SAMPLES,
+    PROFILE_VERSION,
+)
 
 ENGINE_MODES = {"none": 0, "ray": 1, "run": 2}  # --engine -> the extra progress steps it takes
 
@@ -76,10 +80,21 @@ def device_info(device: torch.device, threads: int) -> dict:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         key = match_device_name(name)
-        return {"kind": "gpu", "name": name, "table_key": key, "torch_device": str(device),
-                "memory_bytes": torch.cuda.get_device_properties(device).total_memory}
-    return {"kind": "cpu", "name": f"cpu ({platform.machine()}, {os.cpu_count()} cores, {threads} thread(s))",
-            "table_key": "cpu", "torch_device": "cpu", "threads": threads, "cores": os.cpu_count()}
+        return {
+            "kind": "gpu",
+            "name": name,
+            "table_key": key,
+            "torch_device": str(device),
+            "memory_bytes": torch.cuda.get_device_properties(device).total_memory,
+        }
+    return {
+        "kind": "cpu",
+        "name": f"cpu ({platform.machine()}, {os.cpu_count()} cores, {threads} thread(s))",
+        "table_key": "cpu",
+        "torch_device": "cpu",
+        "threads": threads,
+        "cores": os.cpu_count(),
+    }
 
 
 def unit_groups(cfg) -> int:
@@ -87,7 +102,9 @@ def unit_groups(cfg) -> int:
     return max(1, min(cfg.engine.unit_groups, cfg.train.prompts_per_iteration))
 
 
-def steps_total(cfg, engine: str, requested: list[int] | None = None, device: str = "cpu", sharing: int = 3) -> int:
+def steps_total(
+    cfg, engine: str, requested: list[int] | None = None, device: str = "cpu", sharing: int = 3
+) -> int:
     """Progress steps of :func:`run_profile`: building the model, one per rollout and train batch,
     calls + units + timing, the CPU sharing probe, the engine's."""
     roll, train = batch_sizes(cfg, requested)
@@ -95,9 +112,19 @@ def steps_total(cfg, engine: str, requested: list[int] | None = None, device: st
     return 1 + len(roll) + len(train) + 3 + extra + ENGINE_MODES[engine]
 
 
-def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, repeats: int = 5, warmup: int = 2,
-                threads: int | None = 1, engine: str = "none", min_time: float = 0.3, sharing: int = 3,
-                on_step: Callable[[str], None] | None = None) -> dict:
+def run_profile(
+    cfg,
+    device: str = "cpu",
+    *,
+    batches: list[int] | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    threads: int | None = 1,
+    engine: str = "none",
+    min_time: float = 0.3,
+    sharing: int = 3,
+    on_step: Callable[[str], None] | None = None,
+) -> dict:
     """Measure ``cfg``'s model on ``device``; returns the profile dict (see the module docstring)."""
     from digenrl.planner.measure.contention import OtherLoad
     from digenrl.planner.measure.model_times import ModelBench
@@ -133,8 +160,12 @@ def run_profile(cfg, device: str = "cpu", *, batches: list[int] | None = None, r
             step("CPU sharing between concurrent workers")
             m["cpu_slowdown"] = cpu_sharing(bench, groups, sharing, min_time)
     out = profile_document(cfg, bench, dev, threads)
-    out["settings"] = {"repeats": repeats, "warmup": warmup, "min_time_s": min_time,
-                       "skipped_batches_oom": bench.clock.skipped}
+    out["settings"] = {
+        "repeats": repeats,
+        "warmup": warmup,
+        "min_time_s": min_time,
+        "skipped_batches_oom": bench.clock.skipped,
+    }
     out["measurements"], out["engine"] = m, None
     if engine != "none":
         out["engine"] = engine_overheads(cfg, m, bench.workload, engine, step)
@@ -147,8 +178,12 @@ def cpu_sharing(bench, groups: int, workers: int, min_time: float) -> dict[str, 
     from digenrl.planner.measure.contention import cpu_slowdown, private_weights
 
     work = bench.velocity_call(groups * bench.cfg.algorithm.group_size)
-    return cpu_slowdown(work, max_workers=workers, seconds=max(SHARING_MIN_SECONDS, SHARING_MIN_TIMES * min_time),
-                        prepare=lambda: private_weights(bench.policy))
+    return cpu_slowdown(
+        work,
+        max_workers=workers,
+        seconds=max(SHARING_MIN_SECONDS, SHARING_MIN_TIMES * min_time),
+        prepare=lambda: private_weights(bench.policy),
+    )
 
 
 def engine_overheads(cfg, m: dict, workload, engine: str, step) -> dict:
@@ -157,8 +192,9 @@ def engine_overheads(cfg, m: dict, workload, engine: str, step) -> dict:
     from digenrl.planner.measure.ray_overheads import ray_overheads
 
     step("engine: Ray call / transfer / all-reduce")
-    out = ray_overheads(m["sample_bytes"] * cfg.algorithm.group_size, m["weight_sync"]["bytes"],
-                        workload.trained_params)
+    out = ray_overheads(
+        m["sample_bytes"] * cfg.algorithm.group_size, m["weight_sync"]["bytes"], workload.trained_params
+    )
     if engine == "run":
         step(f"engine: an {CALIBRATION_ITERATIONS}-iteration calibration run")
         out.update(engine_run_overheads(cfg, m))
@@ -176,12 +212,21 @@ def profile_document(cfg, bench, dev: torch.device, threads: int | None) -> dict
         "torch": torch.__version__,
         "model": bench.ad.model_signature(),
         "workload": {
-            "steps": cfg.sampling.steps, "trained_steps": w.trained_steps, "timestep_mode": w.timestep_mode,
-            "group_size": cfg.algorithm.group_size, "prompts_per_iteration": cfg.train.prompts_per_iteration,
-            "guidance_passes": w.passes, "guidance": cfg.sampling.guidance, "micro_batch": cfg.train.micro_batch,
-            "kl": w.kl, "lora": w.lora, "trained_params": w.trained_params,
+            "steps": cfg.sampling.steps,
+            "trained_steps": w.trained_steps,
+            "timestep_mode": w.timestep_mode,
+            "group_size": cfg.algorithm.group_size,
+            "prompts_per_iteration": cfg.train.prompts_per_iteration,
+            "guidance_passes": w.passes,
+            "guidance": cfg.sampling.guidance,
+            "micro_batch": cfg.train.micro_batch,
+            "kl": w.kl,
+            "lora": w.lora,
+            "trained_params": w.trained_params,
             "tokens": {"x": w.shape.tokens.x, "text": w.shape.tokens.text},
-            "height": cfg.model.height, "width": cfg.model.width, "frames": cfg.model.frames,
+            "height": cfg.model.height,
+            "width": cfg.model.width,
+            "frames": cfg.model.frames,
         },
     }
 
@@ -205,7 +250,13 @@ def load_profile(path: Path) -> dict:
     except json.JSONDecodeError as exc:
         raise UserError(f"--profile: {path} is not valid JSON (line {exc.lineno})") from None
     needed = ("device", "model", "measurements", "workload")
-    if not isinstance(data, dict) or any(k not in data for k in needed) or data.get("version") != PROFILE_VERSION:
-        raise UserError(f"--profile: {path} is not a digenrl profile (version {PROFILE_VERSION}); "
-                        "write one with `digenrl profile`")
+    if (
+        not isinstance(data, dict)
+        or any(k not in data for k in needed)
+        or data.get("version") != PROFILE_VERSION
+    ):
+        raise UserError(
+            f"--profile: {path} is not a digenrl profile (version {PROFILE_VERSION}); "
+            "write one with `digenrl profile`"
+        )
     return data

@@ -71,7 +71,9 @@ def pool_splits(cluster: ClusterSpec) -> list[tuple[tuple[str, int], tuple[str, 
     return out
 
 
-def unit_shapes(prompts: int, group_size: int, devices: int, sub_groups: bool = True) -> list[tuple[int, int]]:
+def unit_shapes(
+    prompts: int, group_size: int, devices: int, sub_groups: bool = True
+) -> list[tuple[int, int]]:
     """(unit_groups, group_parts) to try on ``devices`` devices that roll out: every unit size of whole
     groups, and, with fewer groups than devices, parts of one group up to the fewest parts that give
     every device a unit."""
@@ -82,9 +84,20 @@ def unit_shapes(prompts: int, group_size: int, devices: int, sub_groups: bool = 
     return shapes
 
 
-def candidates(cluster: ClusterSpec, prompts: int, *, group_size: int = 1, colocated: bool = True,
-               disaggregated: bool = True, sub_groups: bool = True, gap=(True,), tsp=TSP_DEGREES,
-               tag=(False, True), staleness=(0, 1), sp=(1,)) -> list[Plan]:
+def candidates(
+    cluster: ClusterSpec,
+    prompts: int,
+    *,
+    group_size: int = 1,
+    colocated: bool = True,
+    disaggregated: bool = True,
+    sub_groups: bool = True,
+    gap=(True,),
+    tsp=TSP_DEGREES,
+    tag=(False, True),
+    staleness=(0, 1),
+    sp=(1,),
+) -> list[Plan]:
     plans = []
     if colocated:  # on every device, and (mixed clusters) on the devices of one type
         groups = [tuple(cluster.pools)]
@@ -93,15 +106,39 @@ def candidates(cluster: ClusterSpec, prompts: int, *, group_size: int = 1, coloc
         for pools in groups:
             for q in (q for q in sp if all(p.count % q == 0 for p in pools)):
                 n = sum(p.count for p in pools) // q
-                plans += [Plan("colocated", pools, m, D, group_parts=parts, rollout_sp=q, trainer_sp=q)
-                          for m, parts in unit_shapes(prompts, group_size, n, sub_groups) for D in tsp if D <= n]
+                plans += [
+                    Plan("colocated", pools, m, D, group_parts=parts, rollout_sp=q, trainer_sp=q)
+                    for m, parts in unit_shapes(prompts, group_size, n, sub_groups)
+                    for D in tsp
+                    if D <= n
+                ]
     for (dr, r), (dt, t) in pool_splits(cluster) if disaggregated else []:
-        pools = (PoolConfig(name="rollout", device=dr, count=r), PoolConfig(name="trainer", device=dt, count=t))
+        pools = (
+            PoolConfig(name="rollout", device=dr, count=r),
+            PoolConfig(name="trainer", device=dt, count=t),
+        )
         for qr in (q for q in sp if r % q == 0):
             for qt in (q for q in sp if t % q == 0):
-                plans += [Plan("disaggregated", pools, m, D, tg, g, st, group_parts=parts, rollout_sp=qr, trainer_sp=qt)
-                          for m, parts in unit_shapes(prompts, group_size, r // qr, sub_groups)
-                          for D in tsp if D <= t // qt for tg in tag for g in gap for st in staleness]
+                plans += [
+                    Plan(
+                        "disaggregated",
+                        pools,
+                        m,
+                        D,
+                        tg,
+                        g,
+                        st,
+                        group_parts=parts,
+                        rollout_sp=qr,
+                        trainer_sp=qt,
+                    )
+                    for m, parts in unit_shapes(prompts, group_size, r // qr, sub_groups)
+                    for D in tsp
+                    if D <= t // qt
+                    for tg in tag
+                    for g in gap
+                    for st in staleness
+                ]
     return plans
 
 
@@ -119,10 +156,18 @@ def unwired_sharding(plan: Plan, setups_: dict, cost: CostModel) -> str | None:
     for pool in plan.trainer_pools:
         shard = setups_[pool.name].shard
         why = shard > 1 and fsdp_unwired(
-            shard, placement=plan.placement, ranks=plan.ranks * plan.trainer_sp, tag=plan.tag,
-            tsp_degree=plan.tsp_degree, timestep_mode=w.timestep_mode, unit_groups=plan.unit_groups,
-            unit_samples=w.group_size // plan.group_parts if plan.group_parts > 1 else 0, group_size=w.group_size,
-            optimizer_steps=w.optimizer_steps, trainer_sp=plan.trainer_sp)
+            shard,
+            placement=plan.placement,
+            ranks=plan.ranks * plan.trainer_sp,
+            tag=plan.tag,
+            tsp_degree=plan.tsp_degree,
+            timestep_mode=w.timestep_mode,
+            unit_groups=plan.unit_groups,
+            unit_samples=w.group_size // plan.group_parts if plan.group_parts > 1 else 0,
+            group_size=w.group_size,
+            optimizer_steps=w.optimizer_steps,
+            trainer_sp=plan.trainer_sp,
+        )
         if why:
             return f"its {pool.name} ranks need train.fsdp {shard}, which the engine refuses: {why}"
     return None
@@ -133,10 +178,24 @@ def unwired_sp(plan: Plan, cost: CostModel) -> str | None:
     (:func:`~digenrl.distributed.settings.sp_unwired`) -- or None."""
     from digenrl.distributed.settings import sp_unwired
 
-    for key, role, s in (("rollout_sp", "rollout", plan.rollout_sp), ("trainer_sp", "trainer", plan.trainer_sp)):
-        pools = [plan.rollout_pool] if role == "rollout" and plan.placement == "disaggregated" else plan.trainer_pools
-        why = sp_unwired(role, s, placement=plan.placement, devices=sum(p.count for p in pools), tag=plan.tag,
-                         evaluates=cost.w.evaluates, shape=cost.w.shape)
+    for key, role, s in (
+        ("rollout_sp", "rollout", plan.rollout_sp),
+        ("trainer_sp", "trainer", plan.trainer_sp),
+    ):
+        pools = (
+            [plan.rollout_pool]
+            if role == "rollout" and plan.placement == "disaggregated"
+            else plan.trainer_pools
+        )
+        why = sp_unwired(
+            role,
+            s,
+            placement=plan.placement,
+            devices=sum(p.count for p in pools),
+            tag=plan.tag,
+            evaluates=cost.w.evaluates,
+            shape=cost.w.shape,
+        )
         if why:
             return f"engine.{key}: {s}, which the engine refuses: {why}"
     return None
@@ -147,10 +206,14 @@ class SearchResult:
     ranked: list[SimResult]  # best first (disaggregated and colocated together)
     best_colocated: SimResult | None
     candidates: int
-    rejected: dict[str, tuple] = field(default_factory=dict)  # plan label -> (why it does not fit, need / have)
+    rejected: dict[str, tuple] = field(
+        default_factory=dict
+    )  # plan label -> (why it does not fit, need / have)
     simulated: int = 0
     seconds: float = 0.0
-    best_colocated_whole_groups: SimResult | None = None  # the earlier baseline: colocated units of whole groups
+    best_colocated_whole_groups: SimResult | None = (
+        None  # the earlier baseline: colocated units of whole groups
+    )
 
     def speedup(self, r: SimResult) -> float | None:
         if self.best_colocated is None or not self.best_colocated.samples_per_s:
@@ -158,16 +221,25 @@ class SearchResult:
         return r.samples_per_s / self.best_colocated.samples_per_s
 
 
-def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int = 4,
-           wait_for_full_batch: bool = False, plans: list[Plan] | None = None,
-           runnable_only: bool = True) -> SearchResult:
+def search(
+    cost: CostModel,
+    cluster: ClusterSpec,
+    top: int = 5,
+    iterations: int = 4,
+    wait_for_full_batch: bool = False,
+    plans: list[Plan] | None = None,
+    runnable_only: bool = True,
+) -> SearchResult:
     """Rank the plans (``candidates`` by default). ``runnable_only``: drop those the engine refuses
     (:func:`unwired_sharding`: their sequence parallelism, or the sharding their trainer ranks need);
     False keeps them, for the peers' arrangements as the peers run them (:func:`baselines`: e.g.
     veRL-Omni colocates with FSDP, DanceGRPO with sequence parallelism)."""
     start = time.perf_counter()
-    plans = plans if plans is not None else candidates(cluster, cost.w.prompts, group_size=cost.w.group_size,
-                                                       sp=sp_degrees(cost, cluster))
+    plans = (
+        plans
+        if plans is not None
+        else candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, sp=sp_degrees(cost, cluster))
+    )
     fitting, rejected = [], {}
     setup_cache: dict = {}
     for plan in plans:
@@ -192,8 +264,10 @@ def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int 
         why, _ = min(rejected.values(), key=lambda r: r[1])  # the placement that came closest
         w = cost.w
         weights = w.params.total * w.dtype_bytes / 2**30
-        raise UserError(f"{w.shape.source} fits no placement of cluster {cluster.name} ({cluster.describe()}): "
-                        f"its weights alone are {weights:.1f} GiB; the closest placement: {why}")
+        raise UserError(
+            f"{w.shape.source} fits no placement of cluster {cluster.name} ({cluster.describe()}): "
+            f"its weights alone are {weights:.1f} GiB; the closest placement: {why}"
+        )
     fitting.sort(key=lambda bp: (bp[0], bp[1].label()))
 
     def run(plan: Plan) -> SimResult:
@@ -215,12 +289,15 @@ def search(cost: CostModel, cluster: ClusterSpec, top: int = 5, iterations: int 
         simulated += 1
         results.append(r)
         whole = plan.group_parts == 1
-        if plan.placement == "colocated" and (whole not in best_col or r.iteration_s < best_col[whole].iteration_s):
+        if plan.placement == "colocated" and (
+            whole not in best_col or r.iteration_s < best_col[whole].iteration_s
+        ):
             best_col[whole] = r
     results.sort(key=lambda r: (-r.samples_per_s, r.plan.label()))
     best = min(best_col.values(), key=lambda r: r.iteration_s, default=None)
-    return SearchResult(results, best, len(plans), rejected, simulated, time.perf_counter() - start,
-                        best_col.get(True))
+    return SearchResult(
+        results, best, len(plans), rejected, simulated, time.perf_counter() - start, best_col.get(True)
+    )
 
 
 #: what each knob adds: the best plan with the knobs up to that line (the knob table of docs/architecture.md)
@@ -233,17 +310,30 @@ LADDER = (
 )
 
 
-def ladder(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
-           wait_for_full_batch: bool = False) -> list[tuple[str, SimResult | None]]:
+def ladder(
+    cost: CostModel, cluster: ClusterSpec, iterations: int = 4, wait_for_full_batch: bool = False
+) -> list[tuple[str, SimResult | None]]:
     """The best disaggregated plan as GAP, TSP, TAG and one-step async are switched on one by one
     (each line may pick another pool split and unit size)."""
     out = []
     for name, knobs in LADDER:
-        plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, colocated=False,
-                           sp=sp_degrees(cost, cluster), **knobs)
+        plans = candidates(
+            cluster,
+            cost.w.prompts,
+            group_size=cost.w.group_size,
+            colocated=False,
+            sp=sp_degrees(cost, cluster),
+            **knobs,
+        )
         try:
-            res = search(cost, cluster, top=1, iterations=iterations, plans=plans,
-                         wait_for_full_batch=wait_for_full_batch)
+            res = search(
+                cost,
+                cluster,
+                top=1,
+                iterations=iterations,
+                plans=plans,
+                wait_for_full_batch=wait_for_full_batch,
+            )
             out.append((name, res.ranked[0] if res.ranked else None))
         except UserError:
             out.append((name, None))
@@ -253,13 +343,20 @@ def ladder(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
 #: the peers' arrangements, as candidate filters: the best plan of each is that baseline
 BASELINES = {
     "colocated": dict(disaggregated=False),  # veRL-Omni / DanceGRPO colocation: samples over every rank
-    "colocated_whole_groups": dict(disaggregated=False, sub_groups=False, sp=(1,)),  # this planner's earlier baseline
+    "colocated_whole_groups": dict(
+        disaggregated=False, sub_groups=False, sp=(1,)
+    ),  # this planner's earlier baseline
     "separate_async": dict(colocated=False, gap=(False,), tsp=(1,), tag=(False,), staleness=(1,)),
 }
 
 
-def baselines(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
-              wait_for_full_batch: bool = False, sp: tuple[int, ...] | None = None) -> dict[str, SimResult | None]:
+def baselines(
+    cost: CostModel,
+    cluster: ClusterSpec,
+    iterations: int = 4,
+    wait_for_full_batch: bool = False,
+    sp: tuple[int, ...] | None = None,
+) -> dict[str, SimResult | None]:
     """The best plan of each peer arrangement (:data:`BASELINES`), as the peers run it (with the FSDP
     its memory needs, even where DigenRL's engine does not run that sharding, and sequence parallelism
     -- DanceGRPO's ``sp_size`` -- at the degrees ``sp``, default :func:`sp_degrees`, in any placement;
@@ -269,8 +366,15 @@ def baselines(cost: CostModel, cluster: ClusterSpec, iterations: int = 4,
         knobs = {"sp": sp or sp_degrees(cost, cluster), **knobs}
         plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, **knobs)
         try:
-            res = search(cost, cluster, top=1, iterations=iterations, plans=plans,
-                         wait_for_full_batch=wait_for_full_batch, runnable_only=False)
+            res = search(
+                cost,
+                cluster,
+                top=1,
+                iterations=iterations,
+                plans=plans,
+                wait_for_full_batch=wait_for_full_batch,
+                runnable_only=False,
+            )
             out[name] = res.ranked[0] if res.ranked else None
         except UserError:
             out[name] = None

@@ -20,8 +20,15 @@ from pathlib import Path
 from digenrl.adapters import adapter_class
 from digenrl.adapters.base import Tokens, hidden_size
 
-__all__ = ["ModelShape", "ParamCounts", "Tokens", "attention_fraction", "forward_flops", "model_shape",
-           "param_counts"]
+__all__ = [
+    "ModelShape",
+    "ParamCounts",
+    "Tokens",
+    "attention_fraction",
+    "forward_flops",
+    "model_shape",
+    "param_counts",
+]
 
 
 @dataclass
@@ -52,8 +59,11 @@ def model_shape(model_cfg) -> ModelShape:
     """The shape of the configured model (see the module docstring for the source order)."""
     adapter = adapter_class(model_cfg.adapter)
     ref = adapter.published
-    sizes = dict(vae_params=ref.vae_params, vae_decode_flops_per_px=ref.vae_decode_flops_per_px,
-                 text_encoder_params=ref.text_encoder_params)
+    sizes = dict(
+        vae_params=ref.vae_params,
+        vae_decode_flops_per_px=ref.vae_decode_flops_per_px,
+        text_encoder_params=ref.text_encoder_params,
+    )
     checkpoint = _checkpoint_configs(model_cfg.pretrained)
     if checkpoint is not None:
         (config, vae), source = checkpoint, "checkpoint"
@@ -116,13 +126,17 @@ def param_counts(shape: ModelShape, lora_cfg, default_targets: tuple[str, ...]) 
     if missing:
         from digenrl.errors import UserError
 
-        raise UserError(f"model.lora.targets: {list(missing)} match no linear module of {shape.transformer_class}")
+        raise UserError(
+            f"model.lora.targets: {list(missing)} match no linear module of {shape.transformer_class}"
+        )
     c = shape.config
     return ParamCounts(total, lora, hidden_size(c), c["num_layers"] + c.get("num_single_layers", 0))
 
 
 @lru_cache(maxsize=16)
-def _counts(family: str, config_json: str, targets: tuple[str, ...], rank: int) -> tuple[int, int, tuple[str, ...]]:
+def _counts(
+    family: str, config_json: str, targets: tuple[str, ...], rank: int
+) -> tuple[int, int, tuple[str, ...]]:
     import diffusers
     import torch
     from torch import nn
@@ -141,8 +155,11 @@ def _counts(family: str, config_json: str, targets: tuple[str, ...], rank: int) 
             missing.append(t)
         matched.update(names)
     modules = dict(net.named_modules())
-    lora = sum(rank * (modules[n].in_features + modules[n].out_features) for n in matched
-               if isinstance(modules[n], nn.Linear))
+    lora = sum(
+        rank * (modules[n].in_features + modules[n].out_features)
+        for n in matched
+        if isinstance(modules[n], nn.Linear)
+    )
     return total, lora, tuple(missing)
 
 

@@ -125,8 +125,14 @@ class _Job:
 class Simulator:
     """One simulated run of ``plan`` for ``iterations`` iterations."""
 
-    def __init__(self, plan: Plan, cost: CostModel, iterations: int = 3, wait_for_full_batch: bool = False,
-                 seed: int | None = None):
+    def __init__(
+        self,
+        plan: Plan,
+        cost: CostModel,
+        iterations: int = 3,
+        wait_for_full_batch: bool = False,
+        seed: int | None = None,
+    ):
         plan = plan.typed()
         self.plan, self.cost, self.iterations = plan, cost, iterations
         self.rng = random.Random(seed) if seed is not None else None  # None: every unit takes its mean
@@ -139,8 +145,12 @@ class Simulator:
         self.ranks = [w.name for w in workers if w.role != "rollout"]
         self.rank0 = self.ranks[0]
         self.publish = any(w.role == "rollout" for w in workers)
-        self.sched = Scheduler(plan.scheduler_config(self.w.prompts, iterations, wait_for_full_batch,
-                                                     optimizer_steps=self.w.optimizer_steps), workers)
+        self.sched = Scheduler(
+            plan.scheduler_config(
+                self.w.prompts, iterations, wait_for_full_batch, optimizer_steps=self.w.optimizer_steps
+            ),
+            workers,
+        )
         self.shared = cost.cluster.is_cpu  # logical CPU devices share the host's cores
         self.timeline = Timeline()
         for w in workers:
@@ -167,38 +177,103 @@ class Simulator:
         base = {"uid": unit.uid, "iteration": unit.iteration}
         if isinstance(unit, RolloutUnit):
             if self.role[worker] == "rollout" and unit.version != self.held[worker]:
-                segs.append(_Seg("sync", self._d(("fetch", dev), lambda: cost.sync_fetch(dev)), True, dict(
-                    base, kind="sync", uid=f"sync-{unit.version}-fetch", version=unit.version,
-                    args={"direction": "fetch", "bytes": self.w.sync_bytes, "transport": self.w.weight_sync})))
+                segs.append(
+                    _Seg(
+                        "sync",
+                        self._d(("fetch", dev), lambda: cost.sync_fetch(dev)),
+                        True,
+                        dict(
+                            base,
+                            kind="sync",
+                            uid=f"sync-{unit.version}-fetch",
+                            version=unit.version,
+                            args={
+                                "direction": "fetch",
+                                "bytes": self.w.sync_bytes,
+                                "transport": self.w.weight_sync,
+                            },
+                        ),
+                    )
+                )
                 self.held[worker] = unit.version
             segs += self._switch(worker, "rollout", dev, setup)
             size = len(unit.groups) / unit.parts  # groups in the unit (a fraction for a part of one)
             total, reward = self._d(("rollout", pool.name, size), lambda: cost.rollout_unit(dev, size, setup))
-            segs.append(_Seg("rollout", self._draw(total, dev, "rollout"), True, dict(
-                base, kind="rollout", version=unit.version, reward_s=reward,
-                args={"samples": len(unit.groups) * self.w.group_size // unit.parts, "groups": list(unit.groups)})))
+            segs.append(
+                _Seg(
+                    "rollout",
+                    self._draw(total, dev, "rollout"),
+                    True,
+                    dict(
+                        base,
+                        kind="rollout",
+                        version=unit.version,
+                        reward_s=reward,
+                        args={
+                            "samples": len(unit.groups) * self.w.group_size // unit.parts,
+                            "groups": list(unit.groups),
+                        },
+                    ),
+                )
+            )
         elif isinstance(unit, TrainUnit):
             parts = self.sched.cfg.group_parts
-            transfer = self._d(("transfer", len(unit.groups), parts), lambda: cost.transfer(len(unit.groups) / parts))
+            transfer = self._d(
+                ("transfer", len(unit.groups), parts), lambda: cost.transfer(len(unit.groups) / parts)
+            )
             # with a barrier every train unit of k leaves with k's last rollout (advantages over the batch)
-            ended = (self.last_rolled.get(unit.iteration, now) if self.sched.cfg.barrier
-                     else self.rolled.get(unit.rollout_uid, now))
+            ended = (
+                self.last_rolled.get(unit.iteration, now)
+                if self.sched.cfg.barrier
+                else self.rolled.get(unit.rollout_uid, now)
+            )
             arrive = ended + transfer  # the samples at the trainer
             segs.insert(0, _Seg("samples", max(0.0, arrive - now), False))  # then the call
             segs += self._switch(worker, "train", dev, setup)
-            d = self._d(("train", dev, len(unit.groups), parts, unit.tsp_rank, unit.tsp_degree),
-                        lambda: unit_train_time(cost, dev, len(unit.groups), parts, unit.tsp_rank, unit.tsp_degree, setup))
-            segs.append(_Seg("train", self._draw(d, dev, "train"), True, dict(
-                base, kind="train", version=unit.version, sample_versions=(unit.sample_version,),
-                args={"groups": list(unit.groups), "tsp_rank": unit.tsp_rank, "tsp_degree": unit.tsp_degree,
-                      "minibatch": unit.step})))
+            d = self._d(
+                ("train", dev, len(unit.groups), parts, unit.tsp_rank, unit.tsp_degree),
+                lambda: unit_train_time(
+                    cost, dev, len(unit.groups), parts, unit.tsp_rank, unit.tsp_degree, setup
+                ),
+            )
+            segs.append(
+                _Seg(
+                    "train",
+                    self._draw(d, dev, "train"),
+                    True,
+                    dict(
+                        base,
+                        kind="train",
+                        version=unit.version,
+                        sample_versions=(unit.sample_version,),
+                        args={
+                            "groups": list(unit.groups),
+                            "tsp_rank": unit.tsp_rank,
+                            "tsp_degree": unit.tsp_degree,
+                            "minibatch": unit.step,
+                        },
+                    ),
+                )
+            )
         else:
             publish = self.publish and worker == self.rank0 and unit.last  # once per iteration
             segs += self._switch(worker, "train", dev, setup)
             d, pub = self._d(("step", dev, publish), lambda: cost.step(dev, len(self.ranks), publish, setup))
             segs.append(_Seg("wait", math.inf, False))
-            segs.append(_Seg("step", d, True, dict(base, kind="step", version=unit.iteration, publish_s=pub,
-                                                   args={"publishes": unit.version} if unit.last else {})))
+            segs.append(
+                _Seg(
+                    "step",
+                    d,
+                    True,
+                    dict(
+                        base,
+                        kind="step",
+                        version=unit.iteration,
+                        publish_s=pub,
+                        args={"publishes": unit.version} if unit.last else {},
+                    ),
+                )
+            )
         return segs
 
     def _draw(self, mean: float, dev: str, kind: str) -> float:
@@ -234,10 +309,14 @@ class Simulator:
         running = self.running
         self._release_collective(running, self.now)
         if not running:
-            raise RuntimeError(f"simulation stalled at t={self.now:.3f}s, version {self.sched.published_version}")
+            raise RuntimeError(
+                f"simulation stalled at t={self.now:.3f}s, version {self.sched.published_version}"
+            )
         while True:
             rates = self._rates(running)
-            dt = min((j.remaining / rates[j.seq] for j in running if j.remaining < math.inf), default=math.inf)
+            dt = min(
+                (j.remaining / rates[j.seq] for j in running if j.remaining < math.inf), default=math.inf
+            )
             if dt == math.inf:
                 raise RuntimeError(f"simulation deadlock at t={self.now:.3f}s (every rank waits in the step)")
             self.now += dt
@@ -301,24 +380,66 @@ class Simulator:
         ev = dict(seg.event)
         start = job.arrived if ev["kind"] == "step" else seg.start
         reward_s, publish_s = ev.pop("reward_s", 0.0), ev.pop("publish_s", 0.0)
-        self.timeline.record(job.worker, ev["kind"], ev["uid"], ev["iteration"], ev["version"], start, now,
-                             ev.get("sample_versions", ()), **ev.get("args", {}))
+        self.timeline.record(
+            job.worker,
+            ev["kind"],
+            ev["uid"],
+            ev["iteration"],
+            ev["version"],
+            start,
+            now,
+            ev.get("sample_versions", ()),
+            **ev.get("args", {}),
+        )
         if ev["kind"] == "rollout" and reward_s > 0:
-            self.timeline.record(job.worker, "reward", ev["uid"], ev["iteration"], ev["version"],
-                                 max(seg.start, now - reward_s), now)
+            self.timeline.record(
+                job.worker,
+                "reward",
+                ev["uid"],
+                ev["iteration"],
+                ev["version"],
+                max(seg.start, now - reward_s),
+                now,
+            )
         if ev["kind"] == "step" and publish_s > 0:
             v = ev["args"]["publishes"]
             sent = max(seg.start, now - publish_s)
-            self.timeline.record(job.worker, "sync", f"sync-{v}-publish", v - 1, v, sent, now, direction="publish",
-                                 bytes=self.w.sync_bytes, transport=self.w.weight_sync)
+            self.timeline.record(
+                job.worker,
+                "sync",
+                f"sync-{v}-publish",
+                v - 1,
+                v,
+                sent,
+                now,
+                direction="publish",
+                bytes=self.w.sync_bytes,
+                transport=self.w.weight_sync,
+            )
             if self.cost.broadcasts():  # the receivers' threads take it in while they generate
                 for worker in (w for w in self.order if self.role[w] == "rollout"):
-                    self.timeline.record(worker, "sync", f"sync-{v}-prefetch", v - 1, v, sent, now,
-                                         direction="prefetch", bytes=self.w.sync_bytes, transport="broadcast")
+                    self.timeline.record(
+                        worker,
+                        "sync",
+                        f"sync-{v}-prefetch",
+                        v - 1,
+                        v,
+                        sent,
+                        now,
+                        direction="prefetch",
+                        bytes=self.w.sync_bytes,
+                        transport="broadcast",
+                    )
 
 
-def simulate(plan: Plan, cost: CostModel, iterations: int = 4, skip: int | None = None, tail: int | None = None,
-             wait_for_full_batch: bool = False) -> SimResult:
+def simulate(
+    plan: Plan,
+    cost: CostModel,
+    iterations: int = 4,
+    skip: int | None = None,
+    tail: int | None = None,
+    wait_for_full_batch: bool = False,
+) -> SimResult:
     """Simulate ``iterations`` iterations and summarise the steady state: the first ``skip`` (default
     1: nothing to overlap with yet) and the last ``tail`` (default 1 from 3 iterations on: with
     one-step async the last span holds no next rollout) are left out. With a unit-time spread
@@ -344,8 +465,11 @@ def pool_summaries(rows: list[dict]) -> dict:
         return rows[0]
     out = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
     wall, samples = sum(r["wall_s"] for r in rows), sum(r["samples"] for r in rows)
-    out.update(wall_s=wall / len(rows), samples=samples / len(rows),
-               samples_per_s=samples / wall if wall > 0 else 0.0)
+    out.update(
+        wall_s=wall / len(rows),
+        samples=samples / len(rows),
+        samples_per_s=samples / wall if wall > 0 else 0.0,
+    )
     return out
 
 

@@ -28,8 +28,12 @@ class Workload:
     dtype_bytes: int
     reward_kind: str  # "weight_free" | "model"
     video_frames: int
-    optimizer_steps: int = 1  # mini-batch PPO: train units per rolled-out unit and TSP rank, steps per iteration
-    weight_sync: str = "broadcast"  # how rank 0 ships versions: "broadcast" (engine.weight_sync auto) | "object_store"
+    optimizer_steps: int = (
+        1  # mini-batch PPO: train units per rolled-out unit and TSP rank, steps per iteration
+    )
+    weight_sync: str = (
+        "broadcast"  # how rank 0 ships versions: "broadcast" (engine.weight_sync auto) | "object_store"
+    )
     vae_tiled: bool = True  # the decode's memory is a tile of a sample (sampling.vae_tiling not off)
     video: bool = False  # a video family: the planner tries sequence parallelism
     evaluates: bool = False  # output.eval_every > 0 (the engine refuses sequence-parallel trainers then)
@@ -46,19 +50,36 @@ class Workload:
         shape = model_shape(cfg.model)
         params = param_counts(shape, cfg.model.lora, adapter.default_lora_targets)
         ts, n = cfg.algorithm.timesteps, cfg.sampling.steps
-        _, idx = select_timesteps(ts.mode, n, 1, torch.Generator().manual_seed(0), fraction=ts.fraction,
-                                  window=ts.window, shift_every=ts.window_shift_every)
+        _, idx = select_timesteps(
+            ts.mode,
+            n,
+            1,
+            torch.Generator().manual_seed(0),
+            fraction=ts.fraction,
+            window=ts.window,
+            shift_every=ts.window_shift_every,
+        )
         names = {c.name for c in cfg.reward.components}
         return cls(
-            family=cfg.model.adapter, shape=shape, params=params, steps=n, trained_steps=idx.shape[1],
-            timestep_mode=ts.mode, group_size=cfg.algorithm.group_size,
-            prompts=cfg.train.prompts_per_iteration, passes=adapter.guidance_passes(cfg.sampling.guidance),
-            kl=cfg.algorithm.kl_beta > 0, lora=cfg.model.lora is not None, micro_batch=cfg.train.micro_batch,
+            family=cfg.model.adapter,
+            shape=shape,
+            params=params,
+            steps=n,
+            trained_steps=idx.shape[1],
+            timestep_mode=ts.mode,
+            group_size=cfg.algorithm.group_size,
+            prompts=cfg.train.prompts_per_iteration,
+            passes=adapter.guidance_passes(cfg.sampling.guidance),
+            kl=cfg.algorithm.kl_beta > 0,
+            lora=cfg.model.lora is not None,
+            micro_batch=cfg.train.micro_batch,
             dtype_bytes=HALF_BYTES if cfg.model.dtype in ("bfloat16", "float16") else FP32_BYTES,
             reward_kind="weight_free" if names <= WEIGHT_FREE_REWARDS else "model",
-            video_frames=cfg.model.frames or 1, optimizer_steps=cfg.train.optimizer_steps,
+            video_frames=cfg.model.frames or 1,
+            optimizer_steps=cfg.train.optimizer_steps,
             weight_sync="object_store" if cfg.engine.weight_sync == "object_store" else "broadcast",
-            vae_tiled=tiling_mode(cfg.model, cfg.sampling) != "off", video=cfg.model.frames is not None,
+            vae_tiled=tiling_mode(cfg.model, cfg.sampling) != "off",
+            video=cfg.model.frames is not None,
             evaluates=cfg.output.eval_every > 0,
         )
 
@@ -81,8 +102,11 @@ class Workload:
         log-probs, and its prompt conditioning."""
         t = self.shape.tokens
         cond_dim = self.params.hidden  # order of the text embedding width
-        return ((self.steps + 1) * t.latent_elements * FP32_BYTES + self.steps * FP32_BYTES
-                + self.passes * t.text * cond_dim * HALF_BYTES)
+        return (
+            (self.steps + 1) * t.latent_elements * FP32_BYTES
+            + self.steps * FP32_BYTES
+            + self.passes * t.text * cond_dim * HALF_BYTES
+        )
 
     def positions(self, rank: int, degree: int) -> int:
         return len(range(rank, self.trained_steps, degree))

@@ -51,7 +51,9 @@ class Reward(ABC):
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         """(N,) scores for images (N,C,H,W) (or videos when ``video_native``)."""
 
-    def __call__(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
+    def __call__(
+        self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None
+    ) -> torch.Tensor:
         metadata = metadata or [{} for _ in prompts]
         if pixels.ndim == 5 and not self.video_native:  # video: score sampled frames, average per video
             pixels = pixels[:, :, :: self.frame_stride]
@@ -89,7 +91,9 @@ class CombinedReward:
             where = f"reward.components.{i}"
             kind = reward_kind(term.name)
             if kind not in REWARDS:
-                raise UserError(f"{where}: unknown reward '{term.name}' (available: {', '.join(sorted(REWARDS))})")
+                raise UserError(
+                    f"{where}: unknown reward '{term.name}' (available: {', '.join(sorted(REWARDS))})"
+                )
             args = dict(term.args)
             try:
                 stride = _frame_stride(args.pop("frame_stride", 1))
@@ -109,8 +113,10 @@ class CombinedReward:
 
     def __call__(self, pixels, prompts, metadata=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if isinstance(pixels, torch.Tensor) and not torch.isfinite(pixels).all():  # not the reward's fault
-            raise UserError("train.lr: the generated samples hold NaN / inf pixels (the policy diverged); most "
-                            "likely train.lr is too large or model.dtype float16 overflowed")
+            raise UserError(
+                "train.lr: the generated samples hold NaN / inf pixels (the policy diverged); most "
+                "likely train.lr is too large or model.dtype float16 overflowed"
+            )
         parts, timings = {}, {}
         for name, _, fn in self.terms:
             t0 = time.perf_counter()
@@ -124,20 +130,30 @@ class CombinedReward:
     @staticmethod
     def _validated(name: str, r, n: int, nan_policy: str, context: str = "") -> torch.Tensor:
         if not isinstance(r, torch.Tensor):
-            raise UserError(f"reward '{name}'{context} returned {type(r).__name__}, expected a tensor of shape ({n},)")
+            raise UserError(
+                f"reward '{name}'{context} returned {type(r).__name__}, expected a tensor of shape ({n},)"
+            )
         r = r.detach().float().cpu()
         if r.shape != (n,):
             raise UserError(f"reward '{name}'{context} returned shape {tuple(r.shape)}, expected ({n},)")
         if torch.isinf(r).any():
-            raise UserError(f"reward '{name}'{context} returned inf for {int(torch.isinf(r).sum())} of {n} samples")
+            raise UserError(
+                f"reward '{name}'{context} returned inf for {int(torch.isinf(r).sum())} of {n} samples"
+            )
         nans = int(torch.isnan(r).sum())
         if nans and (nan_policy == "fail" or nans == n):
             hint = " (set reward.nan_policy=drop to skip them)" if nan_policy == "fail" else ""
             raise UserError(f"reward '{name}'{context} returned NaN for {nans} of {n} samples{hint}")
         return r
 
-    def check(self, prompts: list[str], shape: tuple[int, ...], metadata: list[dict] | None = None,
-              n: int = 2, seed: int = 0) -> dict[str, float]:
+    def check(
+        self,
+        prompts: list[str],
+        shape: tuple[int, ...],
+        metadata: list[dict] | None = None,
+        n: int = 2,
+        seed: int = 0,
+    ) -> dict[str, float]:
         """Dry run before training: score ``n`` random samples of one sample's pixel ``shape``
         ((C,H,W) or (C,F,H,W), as the adapter decodes) with the run's own prompts.
 
@@ -159,8 +175,9 @@ class CombinedReward:
             except UserError as exc:
                 raise UserError(f"reward.components.{i}: reward '{name}' failed{context}: {exc}") from None
             except Exception as exc:  # a reward that cannot score the run's samples: stop before training
-                raise UserError(f"reward.components.{i}: reward '{name}' failed{context}: "
-                                f"{type(exc).__name__}: {exc}") from exc
+                raise UserError(
+                    f"reward.components.{i}: reward '{name}' failed{context}: {type(exc).__name__}: {exc}"
+                ) from exc
             timings[name] = time.perf_counter() - t0
             self._validated(name, r, n, self.nan_policy, context)
         return timings

@@ -42,9 +42,18 @@ class JpegCompressibility(JpegIncompressibility):
 
 
 COLORS = {
-    "red": (1.0, 0.0, 0.0), "green": (0.0, 0.6, 0.0), "blue": (0.0, 0.0, 1.0), "yellow": (1.0, 1.0, 0.0),
-    "orange": (1.0, 0.5, 0.0), "purple": (0.5, 0.0, 0.5), "pink": (1.0, 0.6, 0.75), "white": (1.0, 1.0, 1.0),
-    "black": (0.0, 0.0, 0.0), "gray": (0.5, 0.5, 0.5), "cyan": (0.0, 1.0, 1.0), "brown": (0.55, 0.3, 0.1),
+    "red": (1.0, 0.0, 0.0),
+    "green": (0.0, 0.6, 0.0),
+    "blue": (0.0, 0.0, 1.0),
+    "yellow": (1.0, 1.0, 0.0),
+    "orange": (1.0, 0.5, 0.0),
+    "purple": (0.5, 0.0, 0.5),
+    "pink": (1.0, 0.6, 0.75),
+    "white": (1.0, 1.0, 1.0),
+    "black": (0.0, 0.0, 0.0),
+    "gray": (0.5, 0.5, 0.5),
+    "cyan": (0.0, 1.0, 1.0),
+    "brown": (0.55, 0.3, 0.1),
 }
 
 
@@ -63,6 +72,8 @@ class PromptColor(Reward):
     """1 - mean per-pixel RGB distance to the colour the prompt names, normalised to [0, 1]."""
 
     def score(self, images, prompts, metadata):
-        target = torch.tensor([COLORS[prompt_color(p, m)] for p, m in zip(prompts, metadata)], dtype=torch.float32)
+        target = torch.tensor(
+            [COLORS[prompt_color(p, m)] for p, m in zip(prompts, metadata)], dtype=torch.float32
+        )
         dist = (images.float().cpu() - target[:, :, None, None]).norm(dim=1) / 3**0.5
         return 1 - dist.mean(dim=(1, 2))

@@ -42,7 +42,9 @@ def _device(name: str) -> torch.device:
     try:
         dev = torch.device(name)
     except RuntimeError:
-        raise RewardArgError("device", f"not a torch device: {name!r} (auto, cpu, cuda, cuda:1, ...)") from None
+        raise RewardArgError(
+            "device", f"not a torch device: {name!r} (auto, cpu, cuda, cuda:1, ...)"
+        ) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RewardArgError("device", f"{name!r} asked for, but CUDA is not available here")
     return dev
@@ -96,7 +98,9 @@ class ClipBackbone:
             else:
                 out = tuple(self.size)
             if out != (h, w):
-                x = F.interpolate(x, size=out, mode="bicubic", align_corners=False, antialias=True).clamp(0, 1)
+                x = F.interpolate(x, size=out, mode="bicubic", align_corners=False, antialias=True).clamp(
+                    0, 1
+                )
         if self.do_crop:
             h, w = x.shape[-2:]
             ch, cw = self.crop
@@ -125,10 +129,16 @@ class ClipBackbone:
         unique = list(dict.fromkeys(prompts))
         out = []
         for i in range(0, len(unique), batch_size):
-            tok = self.tokenizer(unique[i : i + batch_size], padding="max_length", truncation=True,
-                                 max_length=self.max_length, return_tensors="pt").to(self.device)
-            pooled = self.model.text_model(input_ids=tok["input_ids"],
-                                           attention_mask=tok["attention_mask"]).pooler_output
+            tok = self.tokenizer(
+                unique[i : i + batch_size],
+                padding="max_length",
+                truncation=True,
+                max_length=self.max_length,
+                return_tensors="pt",
+            ).to(self.device)
+            pooled = self.model.text_model(
+                input_ids=tok["input_ids"], attention_mask=tok["attention_mask"]
+            ).pooler_output
             out.append(F.normalize(self.model.text_projection(pooled).float(), dim=-1))
         row = {p: i for i, p in enumerate(unique)}
         return torch.cat(out)[[row[p] for p in prompts]]
@@ -140,12 +150,16 @@ _LOADED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 def load_backbone(path, processor_path=None, device: str = "auto", dtype: str = "float32") -> ClipBackbone:
     """Checks the arguments (errors name the arg) and loads, or reuses, the backbone."""
     if path is None:
-        raise RewardArgError("path", "required: a local directory with the CLIP weights (from_pretrained layout)")
+        raise RewardArgError(
+            "path", "required: a local directory with the CLIP weights (from_pretrained layout)"
+        )
     path = Path(path).expanduser()
     if not path.is_dir():
         raise RewardArgError("path", f"weights directory {path} not found")
     if not (path / "config.json").is_file():
-        raise RewardArgError("path", f"{path} has no config.json (expected a transformers CLIPModel directory)")
+        raise RewardArgError(
+            "path", f"{path} has no config.json (expected a transformers CLIPModel directory)"
+        )
     proc = Path(processor_path).expanduser() if processor_path is not None else path
     if not proc.is_dir():
         raise RewardArgError("processor_path", f"directory {proc} not found")
@@ -163,8 +177,14 @@ class _ClipReward(Reward):
     """Shared loading and batching; subclasses turn embeddings into scores. (Videos: every reward's
     ``args.frame_stride`` is read by the reward builder, which sets :attr:`Reward.frame_stride`.)"""
 
-    def __init__(self, path=None, processor_path=None, batch_size: int = 16, device: str = "auto",
-                 dtype: str = "float32"):
+    def __init__(
+        self,
+        path=None,
+        processor_path=None,
+        batch_size: int = 16,
+        device: str = "auto",
+        dtype: str = "float32",
+    ):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise RewardArgError("batch_size", f"must be a positive integer (got {batch_size!r})")
         self.backbone = load_backbone(path, processor_path, device, dtype)
@@ -202,7 +222,12 @@ class PickScore(_ClipReward):
         return (scale * self.cosine(images, prompts)).cpu()
 
 
-LAION_HIDDEN = (1024, 128, 64, 16)  # the LAION improved aesthetic predictor's MLP, on ViT-L/14's 768-d embedding
+LAION_HIDDEN = (
+    1024,
+    128,
+    64,
+    16,
+)  # the LAION improved aesthetic predictor's MLP, on ViT-L/14's 768-d embedding
 LAION_DROPOUT = (0.2, 0.2, 0.1, 0.0)
 
 
@@ -261,10 +286,17 @@ class Aesthetic(_ClipReward):
             self.head.load_state_dict(state)
         except RuntimeError as exc:
             first = state.get("layers.0.weight")
-            got = f" (its first layer takes {first.shape[-1]} features)" if first is not None and first.ndim == 2 else ""
+            got = (
+                f" (its first layer takes {first.shape[-1]} features)"
+                if first is not None and first.ndim == 2
+                else ""
+            )
             mlp = "->".join(map(str, (in_dim, *LAION_HIDDEN, 1)))
-            raise RewardArgError("head", f"{head} does not fit the MLP {mlp} on this CLIP's {in_dim}-d "
-                                 f"embedding{got}: {str(exc).splitlines()[0]}") from None
+            raise RewardArgError(
+                "head",
+                f"{head} does not fit the MLP {mlp} on this CLIP's {in_dim}-d "
+                f"embedding{got}: {str(exc).splitlines()[0]}",
+            ) from None
         self.head.to(self.device).eval().requires_grad_(False)
 
     @torch.no_grad()

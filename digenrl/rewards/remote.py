@@ -61,14 +61,22 @@ def encode_images(images: torch.Tensor, fmt: str) -> object:
     """A batch (n, C, H, W) or (n, C, F, H, W) as the payload's ``images`` field."""
     if fmt == "array":
         arr = np.ascontiguousarray(images.detach().float().cpu().numpy(), dtype="<f4")
-        return {"shape": list(arr.shape), "dtype": "float32", "data": base64.b64encode(arr.tobytes()).decode("ascii")}
+        return {
+            "shape": list(arr.shape),
+            "dtype": "float32",
+            "data": base64.b64encode(arr.tobytes()).decode("ascii"),
+        }
     if images.ndim == 5:  # a video per sample: its frames as PNGs
         return [[encode_png(frame) for frame in video.unbind(1)] for video in images]
     return [encode_png(img) for img in images]
 
 
 def _positive(name: str, value, kind=float, allow_zero: bool = False):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and (value >= 0 if allow_zero else value > 0)
+    )
     if not ok or (kind is int and int(value) != value):
         what = "a non-negative" if allow_zero else "a positive"
         raise RewardArgError(name, f"must be {what} {'integer' if kind is int else 'number'} (got {value!r})")
@@ -79,11 +87,20 @@ def _positive(name: str, value, kind=float, allow_zero: bool = False):
 class RemoteReward(Reward):
     """Scores from an HTTP server: ``args: {url, timeout, retries, backoff, batch_size, format, video_native}``."""
 
-    def __init__(self, url: str | None = None, timeout: float = 60.0, retries: int = 2, backoff: float = 1.0,
-                 batch_size: int = 64, format: str = "png", video_native: bool = False):  # noqa: A002
+    def __init__(
+        self,
+        url: str | None = None,
+        timeout: float = 60.0,
+        retries: int = 2,
+        backoff: float = 1.0,
+        batch_size: int = 64,
+        format: str = "png",
+        video_native: bool = False,
+    ):  # noqa: A002
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise RewardArgError("url", f"an http:// or https:// address of the reward server is required "
-                                        f"(got {url!r})")
+            raise RewardArgError(
+                "url", f"an http:// or https:// address of the reward server is required (got {url!r})"
+            )
         if format not in ("png", "array"):
             raise RewardArgError("format", f"must be png or array (got {format!r})")
         self.url, self.format = url, format
@@ -106,8 +123,12 @@ class RemoteReward(Reward):
         return torch.tensor(scores, dtype=torch.float32)
 
     def _score_batch(self, images, prompts, metadata) -> tuple[list[float], list[dict]]:
-        payload = {"format": self.format, "prompts": list(prompts), "metadata": [dict(m) for m in metadata],
-                   "images": encode_images(images, self.format)}
+        payload = {
+            "format": self.format,
+            "prompts": list(prompts),
+            "metadata": [dict(m) for m in metadata],
+            "images": encode_images(images, self.format),
+        }
         body = json.dumps(payload, default=str).encode()
         return self._parse(self._post_with_retries(body), len(prompts))
 
@@ -123,8 +144,9 @@ class RemoteReward(Reward):
         raise AssertionError("unreachable")
 
     def _post(self, body: bytes) -> bytes:
-        req = urllib.request.Request(self.url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url, data=body, method="POST", headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 data = resp.read()
@@ -154,10 +176,14 @@ class RemoteReward(Reward):
             raise self._error(f"the answer is not JSON (starts {head!r})") from None
         scores = answer.get("scores") if isinstance(answer, dict) else None
         if not isinstance(scores, list):
-            raise self._error('the answer has no "scores" list (expected {"scores": [one number per sample]})')
+            raise self._error(
+                'the answer has no "scores" list (expected {"scores": [one number per sample]})'
+            )
         if len(scores) != n:
             raise self._error(f"answered {len(scores)} scores for {n} samples")
-        bad = next((i for i, s in enumerate(scores) if isinstance(s, bool) or not isinstance(s, (int, float))), None)
+        bad = next(
+            (i for i, s in enumerate(scores) if isinstance(s, bool) or not isinstance(s, (int, float))), None
+        )
         if bad is not None:
             raise self._error(f"score {bad} is not a number ({scores[bad]!r})")
         info = answer.get("info")
@@ -169,4 +195,3 @@ class RemoteReward(Reward):
 
     def _error(self, what: str) -> RemoteRewardError:
         return RemoteRewardError(f"reward 'remote' at {self.url}: {what}")
-

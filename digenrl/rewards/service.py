@@ -102,8 +102,13 @@ class RewardActor:
         scored = self.score_timed(pixels, prompts, metadata)
         return scored.total, scored.parts
 
-    def score_timed(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None,
-                    label: str | None = None) -> Scored:
+    def score_timed(
+        self,
+        pixels: torch.Tensor,
+        prompts: list[str],
+        metadata: list[dict] | None = None,
+        label: str | None = None,
+    ) -> Scored:
         """:meth:`score`, plus the span, per-reward seconds and queue of the call (:class:`Scored`).
         ``label``: what is scored (the engine passes the unit's uid; a fault plugin may end the
         process there: Ray restarts the actor and runs the call again, scoring being pure)."""
@@ -150,8 +155,11 @@ def start_reward_actor(cfg: RewardConfig, name: str | None = None, max_restarts:
 
     svc = cfg.service
     # a restarted actor runs the calls it lost again (scoring is a pure function): no unit loses its scores
-    opts = {"max_concurrency": ACTOR_CONCURRENCY, "max_restarts": max_restarts,
-            "max_task_retries": -1 if max_restarts else 0}
+    opts = {
+        "max_concurrency": ACTOR_CONCURRENCY,
+        "max_restarts": max_restarts,
+        "max_task_retries": -1 if max_restarts else 0,
+    }
     if svc is not None:
         opts.update(num_cpus=svc.num_cpus, num_gpus=svc.num_gpus)
         if svc.resources:
@@ -190,11 +198,18 @@ class RewardClient:
     def submit(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None):
         return self._track(self.actor.score.remote(pixels.detach().cpu(), list(prompts), metadata))
 
-    def submit_scored(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None,
-                      label: str | None = None):
+    def submit_scored(
+        self,
+        pixels: torch.Tensor,
+        prompts: list[str],
+        metadata: list[dict] | None = None,
+        label: str | None = None,
+    ):
         """Like :meth:`submit`, to a :class:`Scored` (what the engine's driver waits on); ``label``
         names what is scored (the unit's uid)."""
-        return self._track(self.actor.score_timed.remote(pixels.detach().cpu(), list(prompts), metadata, label))
+        return self._track(
+            self.actor.score_timed.remote(pixels.detach().cpu(), list(prompts), metadata, label)
+        )
 
     def _track(self, ref):
         self.in_flight()  # forget the finished ones: holding their refs would pin their results

@@ -11,9 +11,18 @@ from typing import Callable
 
 import torch
 
-from digenrl.planner.constants import (MAX_ANCESTRY, NICE_WEIGHT_BASE, OTHER_LOAD_EVERY_S, SHARING_JOIN_S,
-                                       SHARING_MIN_SECONDS, SHARING_SLOT_S, SHARING_START_PER_WORKER_S, SHARING_START_S,
-                                       SHARING_TIMEOUT_PER_SECOND, SHARING_TIMEOUT_S)
+from digenrl.planner.constants import (
+    MAX_ANCESTRY,
+    NICE_WEIGHT_BASE,
+    OTHER_LOAD_EVERY_S,
+    SHARING_JOIN_S,
+    SHARING_MIN_SECONDS,
+    SHARING_SLOT_S,
+    SHARING_START_PER_WORKER_S,
+    SHARING_START_S,
+    SHARING_TIMEOUT_PER_SECOND,
+    SHARING_TIMEOUT_S,
+)
 
 
 class OtherLoad:
@@ -163,8 +172,13 @@ def _neighbour(fn, prepare, t0: float, seconds: float, slot: float) -> None:
         os._exit(0)
 
 
-def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float = SHARING_MIN_SECONDS,
-                 slot: float = SHARING_SLOT_S, prepare: Callable[[], object] = lambda: None) -> dict[str, float]:
+def cpu_slowdown(
+    fn: Callable[[], object],
+    max_workers: int = 3,
+    seconds: float = SHARING_MIN_SECONDS,
+    slot: float = SHARING_SLOT_S,
+    prepare: Callable[[], object] = lambda: None,
+) -> dict[str, float]:
     """How much slower a worker gets when ``n`` worker processes compute at once on this host:
     {n: time per call with n - 1 neighbours computing / time per call alone}. One forked observer
     runs ``fn`` back to back for ``seconds`` while n - 1 forked neighbours compute in every other
@@ -184,8 +198,10 @@ def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float 
         recv, send = ctx.Pipe(duplex=False)
         t0 = time.monotonic() + SHARING_START_S + SHARING_START_PER_WORKER_S * n  # all forked and warm
         procs = [ctx.Process(target=_observe, args=(fn, prepare, t0, seconds, send), daemon=True)]
-        procs += [ctx.Process(target=_neighbour, args=(fn, prepare, t0, seconds, slot), daemon=True)
-                  for _ in range(n - 1)]
+        procs += [
+            ctx.Process(target=_neighbour, args=(fn, prepare, t0, seconds, slot), daemon=True)
+            for _ in range(n - 1)
+        ]
         for p in procs:
             p.start()
         try:
@@ -204,8 +220,10 @@ def cpu_slowdown(fn: Callable[[], object], max_workers: int = 3, seconds: float 
             if k == (b - t0) // slot and k >= 0:
                 (busy if k % 2 == 0 else idle).append(b - a)
         if not busy or not idle:
-            raise RuntimeError(f"CPU sharing probe: a call of {statistics.fmean(b - a for a, b in got):.3f} s "
-                               f"does not fit in a {slot} s slot")
+            raise RuntimeError(
+                f"CPU sharing probe: a call of {statistics.fmean(b - a for a, b in got):.3f} s "
+                f"does not fit in a {slot} s slot"
+            )
         return statistics.fmean(busy) / statistics.fmean(idle)
 
     return {"1": 1.0, **{str(n): once(n) for n in range(2, max_workers + 1)}}

@@ -23,8 +23,12 @@ def engine_run_overheads(cfg, m: dict, iterations: int = CALIBRATION_ITERATIONS)
     from digenrl.engine.timeline import Timeline
 
     data = cfg.model_dump(mode="json")
-    data["cluster"] = {"pools": [{"name": "rollout", "device": "cpu", "count": 1},
-                                 {"name": "trainer", "device": "cpu", "count": 1}]}
+    data["cluster"] = {
+        "pools": [
+            {"name": "rollout", "device": "cpu", "count": 1},
+            {"name": "trainer", "device": "cpu", "count": 1},
+        ]
+    }
     data["placement"] = {"mode": "disaggregated", "rollout_pool": "rollout", "trainer_pool": "trainer"}
     data["engine"] = {**data["engine"], "gap": False, "tag": False, "tsp_degree": 1, "max_staleness": 0}
     data["train"] = {**data["train"], "iterations": iterations, "device": "cpu"}
@@ -36,8 +40,9 @@ def engine_run_overheads(cfg, m: dict, iterations: int = CALIBRATION_ITERATIONS)
     out = timeline_overheads(tl, m)
     out["unit_time_factor"] = unit_time_factors(tl, cal, m)
     out["unit_cv"] = timeline_unit_cv(tl)
-    out["calibration_rows"] = [{k: r[k] for k in ("iteration", "wall_s", "samples_per_s", "bubble_fraction")}
-                               for r in result.metrics]
+    out["calibration_rows"] = [
+        {k: r[k] for k in ("iteration", "wall_s", "samples_per_s", "bubble_fraction")} for r in result.metrics
+    ]
     return out
 
 
@@ -55,8 +60,10 @@ def unit_time_factors(tl, cfg, m: dict, reference: dict[str, float] | None = Non
         w = Workload.from_config(cfg)
         times = ProfiledTimes({"device": {"name": "profile"}, "measurements": m})
         groups = cfg.engine.unit_groups
-        reference = {"rollout": rollout_unit_time(times, w, groups)[0],
-                     "train": train_unit_time(times, w, groups, 0, 1, cfg.train.micro_batch)}
+        reference = {
+            "rollout": rollout_unit_time(times, w, groups)[0],
+            "train": train_unit_time(times, w, groups, 0, 1, cfg.train.micro_batch),
+        }
     out = {}
     for kind, pred in reference.items():
         got = [e.duration for e in tl.events if e.kind == kind and e.iteration > 0]
@@ -81,13 +88,27 @@ def timeline_unit_cv(tl) -> dict[str, float]:
     """:func:`unit_spread` of a run's rollout and train units, each worker's in time order, after
     the first (warm-up) iteration."""
     events = sorted(tl.events, key=lambda e: e.start)
-    return {kind: unit_spread([[e.duration for e in events if e.kind == kind and e.worker == w and e.iteration > 0]
-                               for w in tl.workers]) for kind in ("rollout", "train")}
+    return {
+        kind: unit_spread(
+            [
+                [e.duration for e in events if e.kind == kind and e.worker == w and e.iteration > 0]
+                for w in tl.workers
+            ]
+        )
+        for kind in ("rollout", "train")
+    }
 
 
 def timeline_overheads(tl, m: dict) -> dict:
-    main = sorted((e for e in tl.events if e.kind in ("rollout", "train", "step")
-                   or (e.kind == "sync" and e.args.get("direction") == "fetch")), key=lambda e: e.start)
+    main = sorted(
+        (
+            e
+            for e in tl.events
+            if e.kind in ("rollout", "train", "step")
+            or (e.kind == "sync" and e.args.get("direction") == "fetch")
+        ),
+        key=lambda e: e.start,
+    )
     calls, transfers = [], []
     last_on: dict[str, object] = {}
     for e in main:

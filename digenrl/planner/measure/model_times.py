@@ -128,8 +128,9 @@ class ModelBench:
         self.clock.add("encode", encode, "rollout")
         self.clock.add("optimizer", opt, "train")
         self.clock.add("pack", lambda: checksum(policy.weights()), "train")
-        self.clock.add("load", lambda: policy.load_weights(self.state, policy.version, expected_checksum=digest),
-                       "train")
+        self.clock.add(
+            "load", lambda: policy.load_weights(self.state, policy.version, expected_checksum=digest), "train"
+        )
 
     def add_units(self, groups: int) -> None:
         """A rollout unit and a train unit of ``groups`` groups, as the engine runs them."""
@@ -138,8 +139,11 @@ class ModelBench:
         cfg, policy = self.cfg, self.policy
         self.groups = groups
         with self.clock.phase("units"):
+
             def one_rollout():
-                return rollout_unit(policy, self.reward, self.prompts[:groups], list(range(groups)), 0, cfg.train.seed)
+                return rollout_unit(
+                    policy, self.reward, self.prompts[:groups], list(range(groups)), 0, cfg.train.seed
+                )
 
             samples = self.samples = one_rollout()  # the samples the train unit trains on
             assign_advantages([samples], cfg)
@@ -168,8 +172,12 @@ class ModelBench:
         m["reward_s_per_sample"] = mean["reward"] / G
         m["encode_s_per_prompt"] = mean["encode"] / P
         m["optimizer_step_s"] = mean["optimizer"]
-        m["weight_sync"] = {"bytes": state_bytes(self.state), "tensors": len(self.state), "pack_s": mean["pack"],
-                            "load_s": mean["load"]}
+        m["weight_sync"] = {
+            "bytes": state_bytes(self.state),
+            "tensors": len(self.state),
+            "pack_s": mean["pack"],
+            "load_s": mean["load"],
+        }
         m["timing_rounds"] = len(timed["rollout_unit"])
         m["unit_cv"] = {kind: unit_spread([timed[f"{kind}_unit"]]) for kind in ("rollout", "train")}
         m["unit_overhead"] = self.unit_overhead(m, mean["rollout_unit"], mean["train_unit"])
@@ -185,9 +193,15 @@ class ModelBench:
         # the profile times a whole unit's training (every mini-batch): composed as one mini-batch
         whole = replace(w, optimizer_steps=1)
         composed_train = train_unit_time(times, whole, groups, 0, 1, self.cfg.train.micro_batch)
-        return {"groups": groups, "rollout_unit_s": rollout_s, "train_unit_s": train_s,
-                "rollout_s": rollout_s - composed_roll, "train_s": train_s - composed_train,
-                "rollout_factor": rollout_s / composed_roll, "train_factor": train_s / composed_train}
+        return {
+            "groups": groups,
+            "rollout_unit_s": rollout_s,
+            "train_unit_s": train_s,
+            "rollout_s": rollout_s - composed_roll,
+            "train_s": train_s - composed_train,
+            "rollout_factor": rollout_s / composed_roll,
+            "train_factor": train_s / composed_train,
+        }
 
     def sample_bytes(self) -> float:
         """Bytes of one rolled-out sample (tensors and conditioning) as it travels to a trainer."""

@@ -10,8 +10,14 @@ import time
 
 import torch
 
-from digenrl.planner.constants import (LARGE_TRANSFER_BYTES, LARGE_TRANSFER_UNITS, RAY_PROBE_CPUS, RAY_REPEATS,
-                                       RAY_WARM_CALLS, SMALL_TRANSFER_BYTES)
+from digenrl.planner.constants import (
+    LARGE_TRANSFER_BYTES,
+    LARGE_TRANSFER_UNITS,
+    RAY_PROBE_CPUS,
+    RAY_REPEATS,
+    RAY_WARM_CALLS,
+    SMALL_TRANSFER_BYTES,
+)
 
 
 class _Probe:
@@ -22,8 +28,20 @@ class _Probe:
 
     def ping(self, unit=None, packet=None) -> dict:
         now = time.time()
-        return {"events": [{"kind": "rollout", "uid": "u", "iteration": 0, "version": 0, "start": now, "end": now,
-                            "args": {}}], "rewards": torch.zeros(8)}
+        return {
+            "events": [
+                {
+                    "kind": "rollout",
+                    "uid": "u",
+                    "iteration": 0,
+                    "version": 0,
+                    "start": now,
+                    "end": now,
+                    "args": {},
+                }
+            ],
+            "rewards": torch.zeros(8),
+        }
 
     def produce(self, nbytes: int):
         data = torch.zeros(max(1, nbytes // 4))
@@ -76,7 +94,9 @@ class _Probe:
         return statistics.median(times)
 
 
-def ray_overheads(unit_bytes: float, weight_bytes: int, trained_params: int, repeats: int = RAY_REPEATS) -> dict:
+def ray_overheads(
+    unit_bytes: float, weight_bytes: int, trained_params: int, repeats: int = RAY_REPEATS
+) -> dict:
     """Ray's own costs between two actors on this machine (a local cluster, started and stopped here)."""
     import logging
 
@@ -101,8 +121,10 @@ def ray_overheads(unit_bytes: float, weight_bytes: int, trained_params: int, rep
         for _ in range(RAY_WARM_CALLS):
             call(lambda: a.ping.remote())
         call_s = statistics.median(call(lambda: a.ping.remote()) for _ in range(repeats))
-        sizes = [max(SMALL_TRANSFER_BYTES, int(unit_bytes)),
-                 max(LARGE_TRANSFER_BYTES, LARGE_TRANSFER_UNITS * int(unit_bytes))]
+        sizes = [
+            max(SMALL_TRANSFER_BYTES, int(unit_bytes)),
+            max(LARGE_TRANSFER_BYTES, LARGE_TRANSFER_UNITS * int(unit_bytes)),
+        ]
         transfer = []
         for size in sizes:
             times = []
@@ -120,12 +142,22 @@ def ray_overheads(unit_bytes: float, weight_bytes: int, trained_params: int, rep
             gets.append(ray.get(b.get.remote(refs)))
         address, port = ray.get(a.address.remote())
         ray.get([a.join.remote(address, port, 0, 2), b.join.remote(address, port, 1, 2)])
-        ar = ray.get([a.allreduce.remote(trained_params, repeats), b.allreduce.remote(trained_params, repeats)])
+        ar = ray.get(
+            [a.allreduce.remote(trained_params, repeats), b.allreduce.remote(trained_params, repeats)]
+        )
         for actor in (a, b):
             ray.kill(actor)
-        return {"call_s": call_s, "transfer_latency_s": latency, "transfer_bytes_per_s": 1.0 / per_byte,
-                "transfer_sizes": sizes, "transfer_s": transfer, "put_s": statistics.median(puts),
-                "get_s": statistics.median(gets), "allreduce_s": max(ar), "source": "ray micro-benchmarks"}
+        return {
+            "call_s": call_s,
+            "transfer_latency_s": latency,
+            "transfer_bytes_per_s": 1.0 / per_byte,
+            "transfer_sizes": sizes,
+            "transfer_s": transfer,
+            "put_s": statistics.median(puts),
+            "get_s": statistics.median(gets),
+            "allreduce_s": max(ar),
+            "source": "ray micro-benchmarks",
+        }
     finally:
         if ours:
             ray.shutdown()

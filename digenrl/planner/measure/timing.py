@@ -61,7 +61,9 @@ class RoundRobin:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         yield
-        self.peaks[name] = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else peak_rss()
+        self.peaks[name] = (
+            torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else peak_rss()
+        )
 
     def add(self, name: str, fn: Callable[[], object], phase: str) -> bool:
         """Warm ``fn`` up and keep it for timing; False (and the batch noted as skipped) when a
