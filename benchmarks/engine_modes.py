@@ -101,7 +101,7 @@ def bound(mode_cfg, R: float, T: float, r: int, t: int) -> float:
 
 def run_mode(workload: str, mode: str, iterations: int, root: Path) -> dict:
     from digenrl.config import load_config
-    from digenrl.engine.runtime import run_engine
+    from digenrl.launch import run_engine
     from digenrl.engine.timeline import Timeline
 
     cfg = load_config(

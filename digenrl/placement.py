@@ -274,32 +274,6 @@ def device_type(pool: PoolConfig) -> str:
     return device_spec(pool.device, f"cluster.pools.{pool.name}.device").name
 
 
-def engine_workers(cfg: RunConfig) -> list[Worker]:
-    """The runtime's workers for ``cfg`` (a CUDA run on logical CPU pools is refused here, before Ray)."""
-    workers = Plan.from_run_config(cfg).workers()
-    if cfg.train.device == "cuda" and any(w.pool.device.lower() == "cpu" for w in workers):
-        raise UserError(
-            "train.device: cuda, but cluster.pools devices are 'cpu' (logical CPU pools); "
-            "set the pools' device to 'gpu' or a GPU type such as H100"
-        )
-    return workers
-
-
-def engine_scheduler_config(cfg: RunConfig, start_iteration: int = 0) -> SchedulerConfig:
-    """The scheduler's configuration for ``cfg``: its plan, plus global-std advantages holding training
-    back until every reward of the iteration is in."""
-    try:
-        return Plan.from_run_config(cfg).scheduler_config(
-            cfg.train.prompts_per_iteration,
-            cfg.train.iterations,
-            wait_for_full_batch=cfg.algorithm.std == "global",
-            start_iteration=start_iteration,
-            optimizer_steps=cfg.train.optimizer_steps,
-        )
-    except ValueError as exc:
-        raise UserError(f"engine: {exc}") from None
-
-
 def apply_plan(cfg: RunConfig, plan: Plan, device: str) -> RunConfig:
     """``cfg`` with ``plan``'s cluster, placement and engine sections, its micro-batch (when it sets
     one) and ``train.device`` (``cpu`` or ``cuda``): the config ``plan --write`` writes."""

@@ -57,20 +57,13 @@ def check_resources(cfg: RunConfig, ray_address: str | None = None) -> None:
             )
 
 
-def check_config(cfg: RunConfig, ray_address: str | None = None) -> list[str]:
-    """Everything train would reject, in the order train meets it; returns what was checked."""
-    from digenrl.placement import engine_scheduler_config, engine_workers
-
+def check_config(cfg: RunConfig, layout, ray_address: str | None = None) -> list[str]:
+    """Everything train would reject beyond the run's ``layout`` (:func:`digenrl.resolve.resolve`
+    already refused what does not fit or does not run), in the order train meets it; returns what
+    was checked."""
     checked = []
-    check_memory(cfg)  # the placement against its device types (known GPUs), before this host's devices
-    from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
-
-    check_sp_wired(cfg)
-    check_fsdp_wired(cfg)  # the sharding the memory needs is one the engine runs
     check_resources(cfg, ray_address)
     if cfg.placement.mode != "local":
-        engine_workers(cfg)
-        engine_scheduler_config(cfg)
         pools = ", ".join(f"{p.count}x {p.device}" for p in cfg.cluster.pools)
         checked.append(f"placement {cfg.placement.mode} on {pools}")
     check_model(cfg)
@@ -78,7 +71,7 @@ def check_config(cfg: RunConfig, ray_address: str | None = None) -> list[str]:
         f"model {cfg.model.adapter} ({cfg.model.preset or cfg.model.pretrained}) "
         f"{cfg.model.height}x{cfg.model.width}" + (f"x{cfg.model.frames}" if cfg.model.frames else "")
     )
-    check_workers_build(cfg)  # prompts, reward, and (tiny preset) the model with its LoRA targets
+    check_workers_build(cfg, layout)  # prompts, reward, and (tiny preset) the model with its LoRA targets
     checked.append(f"prompts, reward ({', '.join(t.name for t in cfg.reward.components)})")
     return checked
 
@@ -151,7 +144,7 @@ def _explicit(cfg) -> tuple:
     return fsdp, t.activation_checkpointing
 
 
-def resolve_memory_settings(cfg) -> MemorySettings:
+def resolve_memory_settings(cfg, plan=None) -> MemorySettings:
     """``train.fsdp`` / ``train.activation_checkpointing`` of ``cfg`` as a trainer rank runs them:
     explicit values as written; ``auto`` as the first setting that fits the trainer device by the
     memory model, in its preference order (replicated, then the smallest FSDP degree dividing the
@@ -168,7 +161,7 @@ def resolve_memory_settings(cfg) -> MemorySettings:
     )
     if cfg.placement.mode == "local":
         return plain
-    plan = _plan(cfg)
+    plan = plan or _plan(cfg)
     devices = [d for d in (_known_type(p) for p in plan.trainer_pools) if d]
     if not devices:
         return plain
@@ -192,7 +185,7 @@ def resolve_memory_settings(cfg) -> MemorySettings:
     )
 
 
-def resolve_cfg_batching(cfg, trainable: bool) -> str:
+def resolve_cfg_batching(cfg, trainable: bool, plan=None, memory: MemorySettings | None = None) -> str:
     """``sampling.cfg_batching`` as a worker runs it (``batched`` | ``sequential``): explicit values as
     written; ``auto`` as the memory model resolves it for the worker's role -- a trainer rank (``trainable``;
     colocated devices and TAG ranks too) by :func:`resolve_memory_settings`, a rollout worker by its unit's
@@ -201,10 +194,10 @@ def resolve_cfg_batching(cfg, trainable: bool) -> str:
     value = cfg.sampling.cfg_batching
     if value != "auto" or cfg.placement.mode == "local":
         return "sequential" if value == "auto" else value
+    plan = plan or _plan(cfg)
     if trainable:
-        s = resolve_memory_settings(cfg)
+        s = memory or resolve_memory_settings(cfg, plan)
         return "batched" if s.device and s.cfg_batched else "sequential"
-    plan = _plan(cfg)
     device = _known_type(plan.rollout_pool) if plan.rollout_pool is not None else None
     if device is None:
         return "sequential"
@@ -336,7 +329,7 @@ def _check_rollout(cfg, model, plan, pool, device: str) -> None:
     )
 
 
-def check_workers_build(cfg: RunConfig, resumed=None) -> None:
+def check_workers_build(cfg: RunConfig, layout, resumed=None) -> None:
     """Validate here, in seconds and before Ray starts, what every worker will build: prompts, the
     reward (dry-run on a decoded sample) and -- for a random-init preset, which is cheap to build
     -- the model, its LoRA targets and the fit of a checkpoint to resume. A pretrained model is
@@ -344,7 +337,6 @@ def check_workers_build(cfg: RunConfig, resumed=None) -> None:
     from digenrl.prompts import load_prompts
     from digenrl.rewards import build_reward
 
-    check_memory(cfg)  # the placement fits its devices
     prompts = load_prompts(cfg.prompts)
     # with reward.service only the reward actor loads the reward models (and checks them, before training)
     reward = build_reward(cfg.reward) if cfg.reward.service is None else None
@@ -353,7 +345,7 @@ def check_workers_build(cfg: RunConfig, resumed=None) -> None:
         from digenrl.policy import Policy
         from digenrl.units import preflight_reward
 
-        policy = Policy(cfg, device="cpu", trainable=resumed is not None)
+        policy = Policy(cfg, device="cpu", trainable=resumed is not None, layout=layout)
         if reward is not None:
             preflight_reward(reward, policy.adapter, prompts)
         if resumed is not None:  # fits this model, every file reads back (weights verified)

@@ -26,6 +26,7 @@ import torch
 
 from digenrl.checkpoint import CheckpointState, find_checkpoint, load_checkpoint, save_checkpoint
 from digenrl.config import RunConfig
+from digenrl.layout import RunLayout, local_layout
 from digenrl.policy import Policy
 from digenrl.prompts import PromptSampler, load_prompts
 from digenrl.rewards import build_reward
@@ -49,14 +50,16 @@ from digenrl.units import Samples, assign_advantages, merge_stats, preflight_rew
 class LocalTrainer:
     """Everything in this process: one policy that both samples and trains."""
 
-    def __init__(self, cfg: RunConfig, resume: Path | None = None):
-        """``resume``: a run directory (its latest complete checkpoint) or a checkpoint directory."""
+    def __init__(self, cfg: RunConfig, resume: Path | None = None, layout: RunLayout | None = None):
+        """``resume``: a run directory (its latest complete checkpoint) or a checkpoint directory;
+        ``layout``: the run's (default: :func:`~digenrl.layout.local_layout`, one process)."""
         self.cfg = cfg
+        self.layout = layout or local_layout(cfg)
         torch.manual_seed(cfg.train.seed)
         # build (and so validate) everything before anything is written
         self.prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed)
         self.reward = build_reward(cfg.reward)
-        self.policy = Policy(cfg)
+        self.policy = Policy(cfg, layout=self.layout)
         preflight_reward(self.reward, self.policy.adapter, self.prompts.prompts)
         self.start_iteration = 0
         self.resumed: CheckpointState | None = None
@@ -117,6 +120,7 @@ class LocalTrainer:
         if self.resumed is not None and self.start_iteration >= cfg.train.iterations:  # finished already
             return RunResult(Path(run_dir), history)
         out = RunDir(cfg, run_dir, history=history)
+        self.layout.write(out.path)
         rows = list(history or [])
         try:
             with stop_on_interrupt() as stop:

@@ -10,7 +10,8 @@ import pytest
 
 from digenrl.config import PoolConfig, load_config
 from digenrl.errors import UserError
-from digenrl.placement import Plan, apply_plan, engine_workers
+from digenrl.placement import Plan, apply_plan
+from digenrl.resolve import resolve
 
 PACKAGE = Path(__file__).resolve().parents[1] / "digenrl"
 
@@ -67,7 +68,7 @@ def test_a_run_config_and_its_plan_map_both_ways():
         ("t0", "trainer", "t"),
         ("t1", "trainer", "t"),
     ]
-    assert engine_workers(cfg) == plan.workers()  # the runtime's workers are the plan's
+    assert resolve(cfg).workers == plan.workers()  # the runtime's workers are the plan's
     back = apply_plan(cfg, plan, "cuda")
     for section in ("cluster", "placement", "engine", "train"):
         assert getattr(back, section) == getattr(cfg, section), section

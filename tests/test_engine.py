@@ -21,10 +21,10 @@ from safetensors.torch import load_file  # noqa: E402
 
 from digenrl.config import load_config  # noqa: E402
 from digenrl.engine import weight_sync  # noqa: E402
-from digenrl.engine.runtime import run_engine  # noqa: E402
 from digenrl.engine.scheduler import TrainUnit  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.errors import UserError  # noqa: E402
+from digenrl.launch import run_engine  # noqa: E402
 from digenrl.lora import WeightSyncError  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
@@ -318,14 +318,14 @@ def test_late_scores_follow_the_nan_policy(tmp_path):
     the scoring span lands on the reward row."""
     from digenrl.engine.runtime import RayBackend
     from digenrl.engine.scheduler import Scheduler
-    from digenrl.placement import engine_scheduler_config, engine_workers
+    from digenrl.resolve import resolve
     from digenrl.rewards import reward_metrics
     from digenrl.rewards.service import Scored
 
     cfg = load_config(None, BASE + SERVICE + ["reward.nan_policy=drop"])
-    workers = engine_workers(cfg)
-    sched = Scheduler(engine_scheduler_config(cfg), workers)
-    engine = RayBackend(cfg, sched, workers, actors={}, out=None)
+    layout = resolve(cfg)
+    sched = Scheduler(layout.scheduler, layout.workers)
+    engine = RayBackend(cfg, layout, sched, actors={}, out=None)
     unit = sched.next_unit("rollout0")
     sched.release(unit)
     assert sched.next_unit("trainer0") is None  # nothing to train before the scores
@@ -470,24 +470,24 @@ def test_failure_releases_everything(cluster, tmp_path):
 
 
 def test_engine_workers_per_placement():
-    from digenrl.placement import engine_workers
+    from digenrl.resolve import resolve
 
     pools = "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 3}]"
-    colocated = engine_workers(load_config(None, BASE + ["placement.mode=colocated", pools]))
+    colocated = resolve(load_config(None, BASE + ["placement.mode=colocated", pools])).workers
     assert [(s.name, s.role) for s in colocated] == [(f"rollout{i}", "both") for i in range(2)] + [
         (f"trainer{i}", "both") for i in range(3)
     ]
-    disagg = engine_workers(load_config(None, BASE + DISAGG + [pools]))
+    disagg = resolve(load_config(None, BASE + DISAGG + [pools])).workers
     assert [s.role for s in disagg] == ["rollout"] * 2 + ["trainer"] * 3  # rollout workers ask first
     with pytest.raises(UserError, match="different pools"):
-        engine_workers(load_config(None, BASE + DISAGG + ["placement.trainer_pool=rollout"]))
+        resolve(load_config(None, BASE + DISAGG + ["placement.trainer_pool=rollout"])).workers
     with pytest.raises(UserError, match="train.device"):
-        engine_workers(load_config(None, BASE + DISAGG + ["train.device=cuda"]))
+        resolve(load_config(None, BASE + DISAGG + ["train.device=cuda"])).workers
 
 
 def test_resource_bundles_for_gpu_pools():
     from digenrl.engine.cluster import resource_bundles
-    from digenrl.placement import engine_workers
+    from digenrl.resolve import resolve
 
     gpus = load_config(
         None,
@@ -495,7 +495,7 @@ def test_resource_bundles_for_gpu_pools():
         + DISAGG
         + ["cluster.pools=[{name: rollout, device: H20, count: 2}, {name: trainer, device: h800, count: 2}]"],
     )
-    workers = engine_workers(gpus)
+    workers = resolve(gpus).workers
     cluster = {"CPU": 64, "GPU": 8, "accelerator_type:H20": 1, "H800": 4, "node:1.2.3.4": 1}
     bundles = resource_bundles(workers, cluster)
     assert bundles[0] == {"CPU": 1.0, "GPU": 1, "accelerator_type:H20": 0.001}  # Ray's detected type
@@ -505,7 +505,7 @@ def test_resource_bundles_for_gpu_pools():
     with pytest.raises(UserError, match="'h800'"):
         resource_bundles(workers, {"CPU": 64, "GPU": 8, "accelerator_type:H20": 1})
     # CPU shares fit the CPUs left beside the reward actor: never a placement that waits forever
-    cpu = engine_workers(load_config(None, BASE + DISAGG))
+    cpu = resolve(load_config(None, BASE + DISAGG)).workers
     shares = resource_bundles(cpu, {"CPU": 2, "pool:rollout": 1, "pool:trainer": 1}, reserve={"CPU": 1})
     assert sum(b["CPU"] for b in shares) <= 1 and shares[0]["pool:rollout"] == 1
 
@@ -542,12 +542,12 @@ def test_advantages_wait_for_every_part_of_a_group(tmp_path):
     from digenrl.algorithms.grpo import group_advantages
     from digenrl.engine.ledger import IterationLedger
     from digenrl.engine.scheduler import Scheduler
-    from digenrl.placement import engine_scheduler_config, engine_workers
+    from digenrl.resolve import resolve
 
     cfg = load_config(None, BASE + DISAGG + ["engine.unit_samples=2", "engine.tag=false"])
-    sched_cfg = engine_scheduler_config(cfg)
+    sched_cfg = resolve(cfg).scheduler
     assert sched_cfg.group_parts == 2 and sched_cfg.units_per_iteration == 4
-    sched = Scheduler(sched_cfg, engine_workers(cfg))
+    sched = Scheduler(sched_cfg, resolve(cfg).workers)
     ledger = IterationLedger(cfg, sched_cfg, Timeline(), out=None)
     first = sched.next_unit("rollout0")
     sched.complete(first)

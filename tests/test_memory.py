@@ -133,7 +133,10 @@ def test_cpu_pools_are_not_checked():
 
 
 def test_plan_write_contains_the_settings_it_assumes(tmp_path, monkeypatch, capsys):
-    from digenrl.distributed.settings import check_fsdp_wired
+    import json
+
+    from digenrl.layout import RunLayout
+    from digenrl.resolve import resolve
 
     # 16 GPUs: on 8 only a colocated FSDP x8 placement fits, which the engine does not run (the
     # planner no longer proposes it: tests/test_distributed_config.py)
@@ -158,7 +161,10 @@ def test_plan_write_contains_the_settings_it_assumes(tmp_path, monkeypatch, caps
     assert train["fsdp"] == 8 and train["activation_checkpointing"] == "off"
     cfg = load_config(out)
     check_memory(cfg)  # what it wrote passes the preflight as written
-    check_fsdp_wired(cfg)  # ... and is a sharding the engine runs
+    layout = resolve(cfg)  # ... and is a sharding the engine runs
+    written = json.loads(out.with_suffix(".layout.json").read_text())
+    assert RunLayout.from_dict(written) == layout  # plan --write writes exactly the layout train resolves
+    assert layout.settings.fsdp == 8 and len(layout.shard_groups) == len(layout.trainer_ranks) // 8
     s = resolve_memory_settings(cfg)
     assert (s.fsdp, s.activation_checkpointing, s.micro_batch) == (8, False, train["micro_batch"])
 

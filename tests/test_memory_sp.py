@@ -100,18 +100,15 @@ def test_real_scale_video_configs_pass_the_memory_preflight(path):
 @pytest.mark.parametrize("path", VIDEO, ids=lambda p: p.name)
 def test_real_scale_video_configs_are_runnable_as_shipped(path):
     """`digenrl config validate`'s engine checks, without Ray or a GPU: the runtime's own refusals of
-    sequence parallelism (check_sp_wired) and sharding (check_fsdp_wired), the engine's workers and
-    schedule. The planner proposes only what these accept (search.unwired_sharding)."""
-    from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
-    from digenrl.placement import engine_scheduler_config, engine_workers
+    sequence parallelism and sharding, the engine's workers and schedule -- its resolved layout. The
+    planner proposes only what these accept (search.unwired_sharding)."""
+    from digenrl.resolve import resolve
 
     cfg = load_config(path, [])
     check_memory(cfg)
-    check_sp_wired(cfg)
-    check_fsdp_wired(cfg)
-    workers = engine_workers(cfg)
-    assert len(workers) == sum(p.count for p in cfg.cluster.pools)
-    engine_scheduler_config(cfg)
+    layout = resolve(cfg)
+    assert len(layout.workers) == sum(p.count for p in cfg.cluster.pools)
+    assert layout.scheduler is not None
 
 
 def test_480p_needs_what_the_config_sets():
@@ -245,12 +242,12 @@ def test_plan_config_writes_what_the_plan_assumes():
     ids=["wan-480p", "wan-240p-eval", "hunyuan"],
 )
 def test_the_search_proposes_only_what_the_runtime_runs(path, evaluates):
-    """Every ranked plan, written as a config, passes the runtime's own refusals (check_sp_wired,
-    check_fsdp_wired); colocated sequence-parallel candidates, which the runtime refuses, are dropped
+    """Every ranked plan, written as a config, passes the runtime's own refusals (its layout
+    resolves); colocated sequence-parallel candidates, which the runtime refuses, are dropped
     with the runtime's reason. The peers' colocated baseline may still use them, marked as refused."""
     from digenrl.cli.plan import plan_config
-    from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
     from digenrl.planner.search import baselines, search, unwired_sharding
+    from digenrl.resolve import resolve
 
     cfg = load_config(path, [f"output.eval_every={10 if evaluates else 0}"])
     cluster = load_cluster(CLUSTERS / "16xH800.yaml")
@@ -259,8 +256,7 @@ def test_the_search_proposes_only_what_the_runtime_runs(path, evaluates):
     assert result.ranked
     for r in result.ranked:
         out = plan_config(cfg, r, cluster)
-        check_sp_wired(out)
-        check_fsdp_wired(out)
+        resolve(out)
         assert r.plan.placement == "disaggregated" or r.plan.rollout_sp == r.plan.trainer_sp == 1
         assert not (evaluates and r.plan.trainer_sp > 1)
     refused = [why for label, (why, _) in result.rejected.items() if "colocated" in label and "SP" in label]

@@ -311,13 +311,13 @@ def test_simulator_drives_the_engine_scheduler_and_fills_a_timeline(tiny_cfg, tm
 
 def test_minibatch_ppo_is_simulated_with_the_engines_units(tiny_cfg):
     """train.optimizer_steps 4: the simulator's scheduler is configured exactly as the engine's
-    (engine_scheduler_config), so it hands out the engine's units -- 4 train units per rolled-out
+    (the resolved layout's), so it hands out the engine's units -- 4 train units per rolled-out
     unit and TSP rank, one per mini-batch, and 4 collective steps per rank and iteration of which
     only the last publishes -- and the bound counts every step."""
     from collections import Counter
 
-    from digenrl.placement import engine_scheduler_config
     from digenrl.planner.simulator import Simulator
+    from digenrl.resolve import resolve
 
     knobs = [
         "placement.mode=disaggregated",
@@ -332,7 +332,7 @@ def test_minibatch_ppo_is_simulated_with_the_engines_units(tiny_cfg):
     cfg, one = tiny_cfg(*knobs, "train.optimizer_steps=4"), tiny_cfg(*knobs)
     plan = disagg(1, 2, tsp_degree=2, tag=True)
     sim = Simulator(plan, ConstantCost(cfg), iterations=3)
-    assert sim.sched.cfg == engine_scheduler_config(cfg) and sim.sched.cfg.optimizer_steps == 4
+    assert sim.sched.cfg == resolve(cfg).scheduler and sim.sched.cfg.optimizer_steps == 4
     sim.run()
     trains = sim.timeline.of("train")
     assert Counter(

@@ -120,9 +120,17 @@ def config_validate(
     checked = ["schema"]
     if not schema_only:
         from digenrl.preflight import check_config
+        from digenrl.resolve import resolve
 
         with console.status("checking placement, model, prompts and reward..."):
-            checked += check_config(cfg, ray_address)
+            layout = resolve(cfg)
+            checked += check_config(cfg, layout, ray_address)
+        console.print(
+            "\n".join(["layout (written to RUN/layout.json by train):", *layout.describe()]),
+            highlight=False,
+            soft_wrap=True,
+            markup=False,
+        )
     console.print(
         f"ok: {config or 'the defaults'} ({cfg.model.adapter}, {cfg.algorithm.name}, "
         f"placement {cfg.placement.mode}); checked {'; '.join(checked)}",

@@ -81,9 +81,9 @@ def run_plan_command(
         if result.best_colocated is not None:
             result.best_colocated.save(Path(timeline_dir) / "colocated")
     if write is not None:
-        path = write_plan_config(cfg, result.ranked[0], cluster, write, report["plans"][0])
+        path, layout_path = write_plan_config(cfg, result.ranked[0], cluster, write, report["plans"][0])
         if not json_out:
-            console.print(f"wrote {path} (digenrl train -c {path})")
+            console.print(f"wrote {path} (digenrl train -c {path}) and its layout {layout_path}")
     return report
 
 
@@ -357,8 +357,13 @@ def trainer_memory_settings(r) -> dict:
     return {"fsdp": shard if shard > 1 else "off", "activation_checkpointing": "on" if ckpt else "off"}
 
 
-def write_plan_config(cfg: RunConfig, r, cluster, path: Path, row: dict) -> Path:
+def write_plan_config(cfg: RunConfig, r, cluster, path: Path, row: dict) -> tuple[Path, Path]:
+    """The plan's config at ``path`` and, beside it (``<path stem>.layout.json``), the layout that
+    config resolves to (:func:`digenrl.resolve.resolve`): exactly what ``train -c path`` will run."""
+    from digenrl.resolve import resolve
+
     out = plan_config(cfg, r, cluster)
+    layout = resolve(out)  # before anything is written: a plan the runtime refuses is never written
     path = Path(path)
     header = [
         f"# written by `digenrl plan` for cluster {cluster.name} ({cluster.describe()})",
@@ -369,4 +374,6 @@ def write_plan_config(cfg: RunConfig, r, cluster, path: Path, row: dict) -> Path
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(header) + "\n" + out.dump_yaml())
-    return path
+    layout_path = path.with_suffix(".layout.json")
+    layout_path.write_text(json.dumps(layout.to_dict(), indent=1) + "\n")
+    return path, layout_path

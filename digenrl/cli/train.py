@@ -45,9 +45,10 @@ def run_train(
     continuing = resumed is not None and run_dir is None  # a resumed run appends to its own directory
     if not continuing:
         check_new_run_dir(target, overwrite)  # before any work: a run is never overwritten by accident
-    from digenrl.preflight import check_memory, check_resources
+    from digenrl.preflight import check_resources
+    from digenrl.resolve import resolve
 
-    check_memory(cfg)  # the config's placement against its device types, before this host's devices
+    layout = resolve(cfg)  # the run's layout, once: memory against its device types, before this host's
     check_resources(cfg, ray_address)
     done = resumed.iteration if resumed is not None else 0
     say = (lambda *a: None) if quiet else (lambda text: console.print(text, soft_wrap=True, highlight=False))
@@ -72,9 +73,9 @@ def run_train(
         try:
             with progress, listening(lambda stage: progress.update(task, stats=stage)):
                 task = progress.add_task("train", total=cfg.train.iterations, completed=done, stats="")
-                start = _driver(cfg, None if continuing else target, ray_address, resume)
+                start = _driver(cfg, layout, None if continuing else target, ray_address, resume)
                 if overwrite and not continuing and target.exists():
-                    _replace(cfg, target, ray_address)
+                    _replace(cfg, layout, target, ray_address)
 
                 last = {"stats": ""}
 
@@ -93,7 +94,7 @@ def run_train(
     return result
 
 
-def _driver(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, resume: Path | None):
+def _driver(cfg: RunConfig, layout, run_dir: Path | None, ray_address: str | None, resume: Path | None):
     """The driver the placement asks for, built (local: model, reward and prompts) and ready to run."""
     from digenrl.preflight import check_model
     from digenrl.progress import progress
@@ -105,16 +106,16 @@ def _driver(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, resum
 
         progress("building model, reward and prompts...")
 
-        driver = LocalTrainer(cfg, resume=resume)
+        driver = LocalTrainer(cfg, resume=resume, layout=layout)
         progress("training...")
         return lambda cb: driver.run(run_dir, cb)
-    from digenrl.engine.runtime import run_engine
+    from digenrl.launch import run_engine
 
     progress("starting the engine...")
-    return lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address, resume=resume)
+    return lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address, resume=resume, layout=layout)
 
 
-def _replace(cfg: RunConfig, target: Path, ray_address: str | None) -> None:
+def _replace(cfg: RunConfig, layout, target: Path, ray_address: str | None) -> None:
     """--overwrite: delete the old run, but only once the new one has passed every check that needs
     no cluster (the local driver has already built everything by now)."""
     from digenrl.progress import progress
@@ -124,7 +125,7 @@ def _replace(cfg: RunConfig, target: Path, ray_address: str | None) -> None:
         from digenrl.preflight import check_config
 
         progress("checking the config before replacing the old run...")
-        check_config(cfg, ray_address)
+        check_config(cfg, layout, ray_address)
     clear_run_dir(target)
 
 

@@ -8,16 +8,7 @@ import dataclasses
 
 import torch
 
-from digenrl.distributed.settings import resolve_fsdp
 from digenrl.units import Samples, minibatch_rows
-
-
-def will_shard(cfg, role: str) -> bool:
-    """Whether a worker of ``role`` becomes a rank of a sharded (FSDP2) trainer group when it joins."""
-    from digenrl.placement import engine_workers
-
-    ranks = sum(w.role != "rollout" for w in engine_workers(cfg))
-    return role != "rollout" and ranks > 1 and resolve_fsdp(cfg, ranks) > 1
 
 
 def shard_policy(policy, degree: int, resume: str | None = None):

@@ -6,16 +6,54 @@ A mixin of :class:`~digenrl.engine.workers.EngineWorker`; the driver forms the g
 
 from __future__ import annotations
 
+import functools
 import socket
 from datetime import timedelta
 
-from digenrl.distributed.settings import resolve_fsdp
 from digenrl.engine import sync_group
 from digenrl.engine.fsdp_group import shard_policy
 
 
+def group_call(follower_method: str | None = None):
+    """Run a worker method as its group's one call (verl's worker-group dispatch): the lead first
+    starts the same call -- or ``follower_method``, a follower's share of it -- with the same
+    arguments on each of its followers (:meth:`GroupMember.lead`), runs its own share, and waits for
+    theirs before it returns. Inside, :meth:`GroupMember.followers_done` waits early and returns the
+    followers' results in order (a method that needs them, or must wait before a step of its own)."""
+
+    def wrap(method):
+        name = follower_method or method.__name__
+
+        @functools.wraps(method)
+        def run(self, *args):
+            self._pending = [getattr(f, name).remote(*args) for f in self.followers]
+            out = method(self, *args)
+            self.followers_done()
+            return out
+
+        return run
+
+    return wrap
+
+
 class GroupMember:
-    """Needs ``cfg``, ``policy``, ``name``, ``resume_optimizer`` and :meth:`enable_sp` on the worker."""
+    """A worker's membership of its process groups. What it needs from the worker:"""
+
+    cfg: object  # the RunConfig
+    layout: object  # the run's RunLayout (digenrl.layout): ranks, groups, degrees
+    name: str
+    policy: object  # digenrl.policy.Policy
+    resume_optimizer: str | None  # a sharded rank loads the optimizer state once sharded
+    enable_sp: object  # (SequenceParallelMember) run the transformer over a sequence-parallel group
+    # what it sets up
+    world: int = 1  # trainer ranks in the group joined (1: none)
+    rank: int = 0
+    sharded: bool = False  # a rank of an FSDP2 shard group
+    degree: int = 1  # the shard group's size
+    mesh = None  # the shard group's device mesh
+    followers: list = []  # a lead's followers (actor handles), which run every group_call with it
+    sync = None  # engine.weight_sync broadcast: rank 0's publisher or a rollout worker's inbox
+    _pending: list = []  # the followers' refs of the group_call in progress
 
     # -- trainer group -------------------------------------------------------------------
 
@@ -38,30 +76,31 @@ class GroupMember:
             timeout=timedelta(minutes=30),
         )
         self.world, self.rank = world, rank
-        degree = resolve_fsdp(self.cfg, world)
-        if degree == 1 and rank != 0:  # train.ema, replicated ranks: rank 0 alone keeps the average (it
+        me = self.layout.worker(self.name)  # what this rank does: the run's layout, never re-derived
+        if me.fsdp == 1 and rank != 0:  # train.ema, replicated ranks: rank 0 alone keeps the average (it
             self.policy.ema = (
                 None  # evaluates, checkpoints, exports); sharded ranks each average their shards
             )
-        if (
-            degree > 1
-        ):  # FSDP2 over shard groups of `degree` ranks (HSDP when several; settings.check_fsdp_wired)
-            self.mesh = shard_policy(self.policy, degree, self.resume_optimizer)
-            self.sharded, self.resume_optimizer, self.degree = True, None, degree
-        if self.cfg.engine.trainer_sp > 1:  # groups of trainer_sp consecutive ranks (cluster.sp_groups)
-            self.enable_sp(self.cfg.engine.trainer_sp)
+        if me.fsdp > 1:  # FSDP2 over shard groups of `fsdp` ranks (HSDP when several)
+            self.mesh = shard_policy(self.policy, me.fsdp, self.resume_optimizer)
+            self.sharded, self.resume_optimizer, self.degree = True, None, me.fsdp
+        if me.sp > 1:  # groups of trainer_sp consecutive ranks (layout.trainer_sp_groups)
+            self.enable_sp(me.sp)
 
-    def lead(self, followers: list) -> None:
-        """Rank 0 of a sharded group: it runs every unit and side call on the other ranks too
-        (same call, same collectives), so the scheduler sees the group as this one worker."""
-        self.followers = list(followers)
+    def lead(self, followers: dict) -> None:
+        """The lead of a sharded or sequence-parallel group (``followers``: name -> actor, the
+        layout's followers of this worker): it runs every :func:`group_call` on them too (same call,
+        same collectives), so the scheduler sees the group as this one worker."""
+        expected = self.layout.followers_of(self.name)
+        if tuple(followers) != expected:
+            raise RuntimeError(
+                f"{self.name}: asked to lead {list(followers)}, the layout says {list(expected)}"
+            )
+        self.followers = list(followers.values())
 
-    def _fan_out(self, method: str, *args) -> list:
-        """Start ``method(*args)`` on the other ranks of a sharded group; returns their refs."""
-        return [getattr(f, method).remote(*args) for f in self.followers]
-
-    @staticmethod
-    def _gather(refs: list) -> list:
+    def followers_done(self) -> list:
+        """Wait for the followers' share of the group call in progress; their results, in order."""
+        refs, self._pending = self._pending, []
         if not refs:
             return []
         import ray

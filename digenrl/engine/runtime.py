@@ -1,7 +1,7 @@
 """The Ray runtime: a run of the engine, the scheduler's decisions carried out by Ray actors.
 
-    run_engine:  preflight -> start one actor per worker (cluster.py) -> drive(scheduler, RayBackend)
-                 -> the last eval / checkpoint -> final/ -> timeline.json / timeline.png
+    run_on_ray:  (a resolved RunLayout) start one actor per worker (cluster.py) -> drive(scheduler,
+                 RayBackend) -> the last eval / checkpoint -> final/ -> timeline.json / timeline.png
 
 :func:`~digenrl.engine.driver.drive` is the loop (the planner's simulator runs the same one in
 virtual time); :class:`RayBackend` is the dispatcher: it starts each unit as one Ray call on
@@ -26,19 +26,15 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable
 
-from digenrl.checkpoint import find_checkpoint, read_state, save_checkpoint_files, staging_dir
+from digenrl.checkpoint import save_checkpoint_files, staging_dir
 from digenrl.config import RunConfig
-from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
 from digenrl.engine.cluster import (
     REWARD_ROW,
     actor_died,
     first_line,
-    followers,
     form_sync_group,
-    group_leads,
     num_restarts,
     ray_workers,
-    sp_followers,
 )
 from digenrl.engine.driver import Done, Event, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
@@ -46,11 +42,9 @@ from digenrl.engine.recovery import FaultPolicy, TrainerLost, own_error, user_er
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit, Unit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
-from digenrl.errors import UserError
 from digenrl.faults import with_fault_plan
+from digenrl.layout import RunLayout
 from digenrl.lora import WeightSyncError
-from digenrl.placement import Worker, engine_scheduler_config, engine_workers
-from digenrl.preflight import check_workers_build
 from digenrl.progress import progress
 from digenrl.runlog import RunDir, check_writable, default_run_dir
 from digenrl.runpolicy import (
@@ -67,71 +61,67 @@ from digenrl.runpolicy import (
 # ------------------------------------------------------------------------------ the run
 
 
-def run_engine(
+def run_on_ray(
     cfg: RunConfig,
+    layout: RunLayout,
+    resumed=None,
     run_dir: Path | None = None,
     on_iteration: Callable[[dict], None] | None = None,
     ray_address: str | None = None,
-    resume: Path | None = None,
 ) -> RunResult:
-    """Train ``cfg`` on Ray with placement ``cfg.placement.mode`` (colocated | disaggregated).
+    """Train ``cfg`` on Ray as its resolved ``layout`` says (:func:`digenrl.launch.run_engine`
+    resolves it and checks what the workers will build first).
 
-    Writes the same run directory as :meth:`LocalTrainer.run` plus ``timeline.json`` and
-    ``timeline.png``. ``ray_address`` joins an existing cluster; without it a local one is
-    started (or the one this process is already connected to is used). Ray is shut down, and
-    every actor killed, on return and on any exception.
+    Writes the same run directory as :meth:`LocalTrainer.run` plus ``layout.json``,
+    ``timeline.json`` and ``timeline.png``. ``ray_address`` joins an existing cluster; without it a
+    local one is started (or the one this process is already connected to is used). Ray is shut
+    down, and every actor killed, on return and on any exception.
 
-    ``resume`` (a run or checkpoint directory) starts every worker from the latest complete
-    checkpoint -- weights, version, optimizer and RNG states -- with an empty pipeline: a rollout
-    of a later iteration that was generated (async mode) but not trained before the stop is
-    generated again with the checkpoint's weights, so no sample is trained twice. A resumed run
-    appends to the checkpoint's run directory unless ``run_dir`` forks it elsewhere.
+    ``resumed`` (a checkpoint's state) starts every worker from that checkpoint -- weights, version,
+    optimizer and RNG states -- with an empty pipeline: a rollout of a later iteration that was
+    generated (async mode) but not trained before the stop is generated again with the
+    checkpoint's weights, so no sample is trained twice. A resumed run appends to the checkpoint's
+    run directory unless ``run_dir`` forks it elsewhere.
     """
-    if cfg.placement.mode == "local":
-        raise UserError("placement.mode: 'local' runs without the engine (use LocalTrainer)")
-    resumed = read_state(find_checkpoint(resume)) if resume is not None else None
     start = resumed.iteration if resumed is not None else 0
-    if start > cfg.train.iterations:
-        raise UserError(
-            f"--resume: the checkpoint has {start} iterations done, more than train.iterations "
-            f"({cfg.train.iterations})"
-        )
-    check_sp_wired(cfg)  # before the plan: its workers span sp devices
-    workers = engine_workers(cfg)
-    check_fsdp_wired(cfg)
-    # sharded trainer ranks > 0 follow rank 0; sequence-parallel followers, their group's lead
-    hidden = set(followers(cfg, workers)) | set(sp_followers(cfg, workers))
-    scheduled = [w for w in workers if w.name not in hidden]
-    scheduler = Scheduler(engine_scheduler_config(cfg, start), scheduled)
-    progress("checking prompts, reward and model...")
-    check_workers_build(cfg, resumed)
+    scheduler = Scheduler(layout.scheduler_config(start), layout.scheduled)
     run_dir, history = resume_history(resumed, run_dir)
     check_writable(run_dir or cfg.output.run_dir or default_run_dir(cfg), "output.run_dir")
     if resumed is not None and start == cfg.train.iterations:  # finished already: nothing to do
         return RunResult(Path(run_dir), history)
     worker_cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
     started = time.time()  # the timeline starts here: Ray and the workers starting up are its first events
-    with user_errors(), ray_workers(worker_cfg, workers, ray_address, resumed and resumed.path) as actors:
-        sync = form_sync_group(
-            worker_cfg, workers, actors
-        )  # before the run directory: its errors are the user's
-        progress(f"{len(workers)} workers ready ({time.time() - started:.0f} s)...")
+    with user_errors(), ray_workers(worker_cfg, layout, ray_address, resumed and resumed.path) as actors:
+        sync = form_sync_group(layout, actors)  # before the run directory: its errors are the user's
+        progress(f"{len(layout.workers)} workers ready ({time.time() - started:.0f} s)...")
         out = RunDir(cfg, run_dir, history=history)
-        backend = RayBackend(cfg, scheduler, workers, actors, out, on_iteration, history)
-        backend.t0, backend.hidden = started, hidden
-        backend.sync = SyncRoutes(*sync, start, actors, backend.rank0)
+        layout.write(out.path)
+        backend = None
         try:
-            with stop_on_interrupt() as backend.stop:
+            with stop_on_interrupt() as stop:
+                backend = RayBackend(
+                    cfg,
+                    layout,
+                    scheduler,
+                    actors,
+                    out,
+                    on_iteration=on_iteration,
+                    history=history,
+                    t0=started,
+                    sync=SyncRoutes(*sync, start, actors, layout.trainer_ranks[0]),
+                    stop=stop,
+                )
                 try:
                     backend.begin()
-                    drive(scheduler, [w.name for w in scheduled], backend)
+                    drive(scheduler, [w.name for w in layout.scheduled], backend)
                     backend.drain()  # the last eval / checkpoint
                 except BaseException as exc:  # Ctrl-C, or a fatal error: keep what can be kept
                     raise backend.keep_work(exc) from None
             write_final(out.path, backend.final_files())
         finally:
             progress("stopping workers...")  # the `with` releases them next (Ray shutdown: seconds)
-            backend.save_timeline()
+            if backend is not None:
+                backend.save_timeline()
             out.close()
     return RunResult(out.path, backend.ledger.rows)
 
@@ -147,19 +137,26 @@ class RayBackend:
     def __init__(
         self,
         cfg: RunConfig,
+        layout: RunLayout,
         scheduler: Scheduler,
-        workers: list[Worker],
         actors: dict,
         out: RunDir | None,
+        *,
         on_iteration: Callable[[dict], None] | None = None,
         history: list[dict] | None = None,
+        t0: float | None = None,
+        sync: SyncRoutes | None = None,
+        stop: StopRequest | None = None,
     ):
+        """``t0``: the run's start (the timeline's zero; default now); ``sync``: the weight-sync
+        routes (default: the object store); ``stop``: the Ctrl-C request (default: never asked)."""
+        workers = layout.workers
         self.cfg, self.sched, self.actors, self.out, self.policy = cfg, scheduler, actors, out, RunPolicy(cfg)
         self.role = {w.name: w.role for w in workers}
-        self.rank0 = next(w.name for w in workers if w.role != "rollout")
+        self.rank0 = layout.trainer_ranks[0]
         self.publishes = any(w.role == "rollout" for w in workers)  # rank 0 ships weights after each step
         self.timeline = Timeline()
-        leads = group_leads(cfg, workers)  # a follower device is busy while its lead is
+        leads = layout.leads  # a follower device is busy while its lead is
         for w in workers:
             self.timeline.add_worker(w.name, w.pool.name, follows=leads.get(w.name))
         if cfg.reward.service is not None:
@@ -174,21 +171,19 @@ class RayBackend:
             history,
             restarts=lambda: sum(self.faults.restarts.values()) + num_restarts(actors.get(REWARD_ROW)),
         )
-        self.t0 = time.time()
+        self.t0 = time.time() if t0 is None else t0
         self.in_flight: dict = {}  # ObjectRef -> (worker, unit): a unit running, or the scores of a released one
         self.side: dict = {}  # ObjectRef -> (what, iteration or worker): rank 0's eval / checkpoint, a ready()
         self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples, until fully trained
         self.trained: Counter[str] = Counter()  # rollout uid -> TSP shares trained
         self.unscored: dict[str, dict] = {}  # released rollout uid -> its summary, until the scores arrive
-        self.sync = SyncRoutes(
-            "object_store", [], scheduler.published_version, actors, self.rank0
-        )  # weight sync
+        self.sync = sync or SyncRoutes("object_store", [], scheduler.published_version, actors, self.rank0)
         self.rank_checksums: dict[int, set[str]] = defaultdict(set)
-        self.hidden: set[str] = set()  # sharded trainer ranks > 0: rank 0 runs their calls (not scheduled)
+        self.hidden = layout.hidden  # followers: their lead runs their calls (not scheduled)
         self.step_shares: dict[tuple[int, int], set[str]] = defaultdict(
             set
         )  # (iteration, step) -> ranks handed it
-        self.stop = StopRequest()  # Ctrl-C (run_engine installs the real one)
+        self.stop = stop or StopRequest()  # Ctrl-C
         self.stopping = False  # after Ctrl-C or a fatal error: no new work, the running units finish
 
     def begin(self) -> None:

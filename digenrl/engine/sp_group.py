@@ -6,7 +6,7 @@ and s - 1 hidden followers, running the transformer with Ulysses over their grou
   followers (:meth:`sp_rollout`), which generate the same samples with it (the same seeds; every
   transformer call exchanges tokens within the group) and score nothing.
 - trainer: the groups are consecutive ranks of the trainer ranks' world; the lead's ``train`` and
-  ``step`` run on its followers too (``EngineWorker.lead`` / ``_fan_out``), on the same samples, and
+  ``step`` run on its followers too (``EngineWorker.lead`` / ``group_call``), on the same samples, and
   the gradient all-reduce over every trainer process sums each group's per-token shares and the
   groups' gradients at once."""
 

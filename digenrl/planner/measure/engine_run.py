@@ -19,8 +19,8 @@ def engine_run_overheads(cfg, m: dict, iterations: int = CALIBRATION_ITERATIONS)
     how much longer a unit takes in an engine worker than the profile's own whole unit
     (``unit_time_factor``), and the unit-to-unit spread inside the workers (``unit_cv``)."""
     from digenrl.config import validate_config
-    from digenrl.engine.runtime import run_engine
     from digenrl.engine.timeline import Timeline
+    from digenrl.launch import run_engine
 
     data = cfg.model_dump(mode="json")
     data["cluster"] = {
