@@ -114,4 +114,4 @@ def test_a_pool_is_one_type_in_configs_cluster_files_and_plans():
     with pytest.raises(UserError, match=r"cluster: pools.0.device: unknown device type 'B200'"):
         cluster_from_dict({"pools": [{"name": "a", "device": "B200", "count": 1}]})
     with pytest.raises(ValueError, match="two pools of different names"):
-        Plan("disaggregated", (cluster.pools[0], cluster.pools[0]), 1)
+        Plan(placement="disaggregated", pools=(cluster.pools[0], cluster.pools[0]))

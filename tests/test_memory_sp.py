@@ -166,8 +166,8 @@ def test_sp_workers_and_speed_in_the_simulator():
         cluster.pools[0].model_copy(update={"name": "rollout", "count": 8}),
         cluster.pools[0].model_copy(update={"name": "trainer", "count": 8}),
     )
-    one = Plan("disaggregated", pools, 1, 1, False, True, 0, rollout_sp=1, trainer_sp=2)
-    two = Plan("disaggregated", pools, 1, 1, False, True, 0, rollout_sp=2, trainer_sp=2)
+    one = Plan(placement="disaggregated", pools=pools, tsp_degree=1, rollout_sp=1, trainer_sp=2)
+    two = Plan(placement="disaggregated", pools=pools, tsp_degree=1, rollout_sp=2, trainer_sp=2)
     assert len(two.leads()) == 4 + 4 and len(one.leads()) == 8 + 4 and two.ranks == 4
     s1 = cost.rollout_memory("H800", 1, 1)
     s2 = cost.rollout_memory("H800", 1, 2)
@@ -180,7 +180,7 @@ def test_sp_workers_and_speed_in_the_simulator():
 
 def test_plan_write_sets_the_sp_keys():
     cfg = load_config(WAN, DISAGG)
-    plan = Plan("disaggregated", tuple(cfg.cluster.pools), 1, 1, False, True, 0, rollout_sp=2, trainer_sp=4)
+    plan = Plan(placement="disaggregated", pools=tuple(cfg.cluster.pools), rollout_sp=2, trainer_sp=4)
     out = apply_plan(cfg, plan, "cuda")
     assert (out.engine.rollout_sp, out.engine.trainer_sp) == (2, 4)
     assert Plan.from_run_config(out).leads() == plan.leads()

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from digenrl.config import RunConfig
+from digenrl.engine.knobs import SchedulingKnobs, knob_values
 from digenrl.errors import UserError
 
 
@@ -120,14 +121,7 @@ def plan_row(r, result, rank: int | None = None) -> dict:
         "knobs": r.plan.knobs(),
         "placement": r.plan.placement,
         "pools": [{**p.model_dump(mode="json"), "role": r.plan.role(p)} for p in r.plan.pools],
-        "engine": {
-            "unit_groups": r.plan.unit_groups,
-            "gap": r.plan.gap,
-            "tsp_degree": r.plan.tsp_degree,
-            "tag": r.plan.tag,
-            "max_staleness": r.plan.max_staleness,
-            "group_parts": r.plan.group_parts,
-        },  # > 1: sub-group units (engine.unit_samples = G / parts)
+        "engine": knob_values(r.plan, SchedulingKnobs),  # group_parts > 1: engine.unit_samples = G / parts
         "micro_batch": micro,
         "samples_per_s": r.samples_per_s,
         "iteration_s": r.iteration_s,
