@@ -32,7 +32,7 @@ from digenrl.prompts import PromptSampler, load_prompts
 from digenrl.rewards import build_reward
 from digenrl.runlog import RunDir
 from digenrl.runpolicy import (
-    RunPolicy,
+    RunCadence,
     RunResult,
     StopRequest,
     checkpoint_to_keep,
@@ -115,7 +115,7 @@ class LocalTrainer:
     ) -> RunResult:
         """Iterations ``start_iteration .. train.iterations-1``; a resumed run continues in the
         checkpoint's run directory (unless ``run_dir`` forks it elsewhere) and appends to its metrics."""
-        cfg, policy = self.cfg, RunPolicy(self.cfg)
+        cfg, cadence = self.cfg, RunCadence(self.cfg)
         run_dir, history = resume_history(self.resumed, run_dir)
         if self.resumed is not None and self.start_iteration >= cfg.train.iterations:  # finished already
             return RunResult(Path(run_dir), history)
@@ -125,7 +125,7 @@ class LocalTrainer:
         try:
             with stop_on_interrupt() as stop:
                 try:
-                    self._iterations(out, rows, policy, stop, on_iteration)
+                    self._iterations(out, rows, cadence, stop, on_iteration)
                 except BaseException as exc:
                     raise self._keep_work(exc, out.path, rows, stop) from None
             write_final(out.path, final_files(self.policy))
@@ -134,22 +134,22 @@ class LocalTrainer:
         return RunResult(out.path, rows)
 
     def _iterations(
-        self, out: RunDir, rows: list[dict], policy: RunPolicy, stop: StopRequest, on_iteration
+        self, out: RunDir, rows: list[dict], cadence: RunCadence, stop: StopRequest, on_iteration
     ) -> None:
         cfg = self.cfg
         for it in range(self.start_iteration, cfg.train.iterations):
             if stop.requested:  # Ctrl-C during the last iteration's logging: stop before the next
                 raise KeyboardInterrupt
             row = self.iteration(it, stop)
-            if policy.eval_due(it):
+            if cadence.eval_due(it):
                 row.update(self.evaluate())
             out.log(row)
             rows.append(row)
             if on_iteration:
                 on_iteration(row)
-            if policy.samples_due(it):
+            if cadence.samples_due(it):
                 save_iteration_samples(out.path, it, self.last_units)
-            if policy.checkpoint_due(it):
+            if cadence.checkpoint_due(it):
                 save_checkpoint(out.path, self.policy, it + 1, cfg, keep_last=cfg.output.keep_last)
 
     def _keep_work(

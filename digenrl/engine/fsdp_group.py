@@ -11,7 +11,7 @@ import torch
 from digenrl.units import Samples, minibatch_rows
 
 
-def shard_policy(policy, degree: int, resume: str | None = None):
+def shard_trainer_rank(policy, degree: int, resume: str | None = None):
     """Shard a trainer rank's policy (FSDP2 over groups of ``degree`` consecutive ranks of the group
     just joined -- HSDP when there are several: each replica group trains its own units, backward
     reduce-scatters inside it only, :func:`~digenrl.distributed.fsdp.all_reduce_replicas` sums over the

@@ -11,7 +11,7 @@ import socket
 from datetime import timedelta
 
 from digenrl.engine import sync_group
-from digenrl.engine.fsdp_group import shard_policy
+from digenrl.engine.fsdp_group import shard_trainer_rank
 
 
 def group_call(follower_method: str | None = None):
@@ -82,7 +82,7 @@ class GroupMember:
                 None  # evaluates, checkpoints, exports); sharded ranks each average their shards
             )
         if me.fsdp > 1:  # FSDP2 over shard groups of `fsdp` ranks (HSDP when several)
-            self.mesh = shard_policy(self.policy, me.fsdp, self.resume_optimizer)
+            self.mesh = shard_trainer_rank(self.policy, me.fsdp, self.resume_optimizer)
             self.sharded, self.resume_optimizer, self.degree = True, None, me.fsdp
         if me.sp > 1:  # groups of trainer_sp consecutive ranks (layout.trainer_sp_groups)
             self.enable_sp(me.sp)

@@ -40,7 +40,7 @@ RESTART_POLL_S = 0.5  # how often to ask a restarting worker whether it is back
 HEAD_PROBE_S = 2.0  # how often the driver checks that the cluster's head still answers
 
 
-class FaultPolicy:
+class FaultRecovery:
     def __init__(self, roles: dict[str, str], max_restarts: int):
         self.roles, self.max_restarts = roles, max_restarts
         self.restarts: Counter[str] = Counter()  # worker -> times it died and was restarted

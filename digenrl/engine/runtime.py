@@ -9,7 +9,7 @@ its worker's actor, waits for the first result and reports it to the loop. It on
 rollout samples and published weights go through the Ray object store, the driver keeps
 rewards, stats and references. What results mean for an iteration (advantages, metrics rows,
 checkpoint order) is the :class:`~digenrl.engine.ledger.IterationLedger`'s; what a dead process
-means is the :class:`~digenrl.engine.recovery.FaultPolicy`'s.
+means is the :class:`~digenrl.engine.recovery.FaultRecovery`'s.
 
 With ``reward.service`` one reward actor, outside the placement group, scores for every worker
 that rolls out: a rollout unit's result carries the ref of its scores, the worker is released
@@ -38,7 +38,7 @@ from digenrl.engine.cluster import (
 )
 from digenrl.engine.driver import Done, Event, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
-from digenrl.engine.recovery import FaultPolicy, TrainerLost, own_error, user_errors
+from digenrl.engine.recovery import FaultRecovery, TrainerLost, own_error, user_errors
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit, Unit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
@@ -48,7 +48,7 @@ from digenrl.lora import WeightSyncError
 from digenrl.progress import progress
 from digenrl.runlog import RunDir, check_writable, default_run_dir
 from digenrl.runpolicy import (
-    RunPolicy,
+    RunCadence,
     RunResult,
     StopRequest,
     checkpoint_to_keep,
@@ -151,7 +151,7 @@ class RayBackend:
         """``t0``: the run's start (the timeline's zero; default now); ``sync``: the weight-sync
         routes (default: the object store); ``stop``: the Ctrl-C request (default: never asked)."""
         workers = layout.workers
-        self.cfg, self.sched, self.actors, self.out, self.policy = cfg, scheduler, actors, out, RunPolicy(cfg)
+        self.cfg, self.sched, self.actors, self.out, self.cadence = cfg, scheduler, actors, out, RunCadence(cfg)
         self.role = {w.name: w.role for w in workers}
         self.rank0 = layout.trainer_ranks[0]
         self.publishes = any(w.role == "rollout" for w in workers)  # rank 0 ships weights after each step
@@ -161,7 +161,7 @@ class RayBackend:
             self.timeline.add_worker(w.name, w.pool.name, follows=leads.get(w.name))
         if cfg.reward.service is not None:
             self.timeline.add_worker(REWARD_ROW, SERVICE_POOL)
-        self.faults = FaultPolicy(self.role, cfg.engine.max_restarts)
+        self.faults = FaultRecovery(self.role, cfg.engine.max_restarts)
         self.ledger = IterationLedger(
             cfg,
             scheduler.cfg,
@@ -368,10 +368,10 @@ class RayBackend:
         and gets no other work before these calls run (an actor runs its calls in order). Returns
         the names the metrics row of k waits for."""
         rank0, names = self.actors[self.rank0], set()
-        if self.policy.eval_due(k):
+        if self.cadence.eval_due(k):
             self.side[rank0.evaluate.remote()] = ("eval", k)
             names.add(f"eval-{k}")
-        if self.policy.checkpoint_due(k):
+        if self.cadence.checkpoint_due(k):
             self.side[
                 rank0.checkpoint.remote(k + 1, self.checkpoint_extra(), staging_dir(self.out.path, k + 1))
             ] = ("checkpoint", k)
