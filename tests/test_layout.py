@@ -153,3 +153,44 @@ def test_a_local_run_directory_holds_its_trivial_layout(tmp_path):
     written = json.loads((result.run_dir / "layout.json").read_text())
     assert written["mode"] == "local" and "plan" not in written
     assert RunLayout.from_dict(written) == resolve(cfg)
+
+
+def test_no_runtime_module_resolves_the_layout():
+    """The runtime (engine/, adapters/, distributed/, algorithms/, policy, units, placement, layout)
+    neither imports the resolution (resolve, preflight, launch, cli) nor calls what resolves a setting
+    or rebuilds the plan from a config: it reads the layout it is handed."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "digenrl"
+    runtime = [
+        p
+        for p in package.rglob("*.py")
+        if p.relative_to(package).parts[0] in ("engine", "adapters", "distributed", "algorithms")
+        or p.name in ("policy.py", "units.py", "placement.py", "layout.py")
+    ]
+    upward = ("digenrl.resolve", "digenrl.preflight", "digenrl.launch", "digenrl.cli")
+    resolving = {
+        "resolve",
+        "resolve_memory_settings",
+        "resolve_cfg_batching",
+        "check_memory",
+        "from_run_config",
+    }
+    found = []
+    for path in runtime:
+        name = path.relative_to(package).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(upward):
+                found.append(f"{name} imports {node.module}")
+            if isinstance(node, ast.Import):
+                found += [f"{name} imports {a.name}" for a in node.names if a.name.startswith(upward)]
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+                if called == "resolve" and isinstance(f, ast.Attribute):
+                    continue  # Path.resolve
+                if called in resolving and name != "placement.py":  # (placement defines from_run_config)
+                    found.append(f"{name} calls {called}")
+    assert not found, found
+    assert len(runtime) > 30  # the walk found the runtime
