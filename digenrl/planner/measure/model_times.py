@@ -30,11 +30,12 @@ class ModelBench:
         from digenrl.planner.workload import Workload
         from digenrl.policy import Policy
         from digenrl.prompts import load_prompts
+        from digenrl.resolve import resolve
         from digenrl.rewards import build_reward
 
         torch.manual_seed(cfg.train.seed)
         self.cfg, self.device = cfg, device
-        self.policy = Policy(cfg, device)
+        self.policy = Policy(cfg, device, layout=resolve(cfg))  # the settings the run resolves to
         self.ad = self.policy.adapter
         self.workload = Workload.from_config(cfg)
         self.prompts = load_prompts(cfg.prompts)
