@@ -29,6 +29,13 @@ class SequenceParallelMember:
     """The calls an :class:`~digenrl.engine.workers.EngineWorker` answers as a member of a
     sequence-parallel group."""
 
+    # what it needs from the worker
+    cfg: object  # the RunConfig
+    policy: object  # digenrl.policy.Policy
+    prompts: object  # digenrl.prompts.PromptSampler
+    expected_keys: frozenset  # the weight names a sync must carry
+    sync = None  # engine.weight_sync broadcast: this member's inbox (None: the object store)
+    # what it sets up
     sp_world = 1  # devices this worker's transformer runs over (its rollout / train events record it)
 
     def join_sp_group(self, address: str, port: int, rank: int, world: int, backend: str) -> None:
