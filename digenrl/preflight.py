@@ -236,16 +236,17 @@ def _where(pool, device: str, model) -> str:
     )
 
 
-def check_memory(cfg) -> None:
+def check_memory(cfg):
     """Refuse (UserError, one line) a placement whose per-device memory does not fit: the trainer
     ranks at the configured (or ``auto``-resolved) sharding, checkpointing and micro-batch, the
-    rollout workers at ``engine.unit_groups`` groups per unit."""
+    rollout workers at ``engine.unit_groups`` groups per unit. Returns the plan it checked (None
+    when there was nothing to check: a local run, or no pool of a known GPU type)."""
     if cfg.placement.mode == "local" or not any(_known_type(p) for p in cfg.cluster.pools):
-        return  # nothing to check against (logical CPU / untyped GPU pools): no plan built yet
+        return None  # nothing to check against (logical CPU / untyped GPU pools): no plan built yet
     plan = _plan(cfg)
     typed = [(p, _known_type(p)) for p in plan.pools]
     if not any(d for _, d in typed):
-        return
+        return plan
     model = _model(cfg)
     tag = plan.placement == "colocated" or plan.tag
     fsdp, ac = _explicit(cfg)
@@ -287,6 +288,7 @@ def check_memory(cfg) -> None:
             f"{key}: {_where(pool, device, model)}: a trainer rank needs "
             f"{miss.need_bytes / GiB:.1f} GiB at {_described(miss)}; {fix}"
         )
+    return plan
 
 
 def _described(s) -> str:

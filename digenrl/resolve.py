@@ -8,7 +8,7 @@ resolution (:mod:`digenrl.preflight`) and of the engine's refusal rules
 
 1. the memory preflight (:func:`~digenrl.preflight.check_memory`): the placement fits its devices;
 2. sequence parallelism the engine runs (``engine.rollout_sp`` / ``engine.trainer_sp``);
-3. the placement plan and its workers (a CUDA run on logical CPU pools is refused);
+3. the placement plan (built once) and its workers (a CUDA run on logical CPU pools is refused);
 4. ``train.fsdp`` (``auto``: the memory model's degree) and what sharding the engine runs;
 5. every other ``auto``: activation checkpointing, CFG batching per role, VAE tiling, weight sync;
 6. the scheduler's configuration.
@@ -32,9 +32,10 @@ def resolve(cfg: RunConfig) -> RunLayout:
     from digenrl.adapters.vae_decode import tiling_mode
     from digenrl.preflight import GiB, check_memory, resolve_cfg_batching, resolve_memory_settings
 
-    check_memory(cfg)
+    plan = check_memory(cfg)  # (the plan it built: on devices of known memory)
     check_sp(cfg)
-    plan = engine_plan(cfg)
+    plan = plan or Plan.from_run_config(cfg)  # the one plan of the run
+    check_device(cfg, plan)
     memory = resolve_memory_settings(cfg, plan)
     fsdp = fsdp_degree(cfg, plan, memory.fsdp)
     ac = cfg.train.activation_checkpointing
@@ -63,15 +64,13 @@ def resolve(cfg: RunConfig) -> RunLayout:
     return engine_layout(cfg, plan, settings, scheduler)
 
 
-def engine_plan(cfg: RunConfig) -> Plan:
-    """The run's placement plan (a CUDA run on logical CPU pools is refused here, before Ray)."""
-    plan = Plan.from_run_config(cfg)
+def check_device(cfg: RunConfig, plan: Plan) -> None:
+    """A CUDA run on logical CPU pools is refused here, before Ray."""
     if cfg.train.device == "cuda" and any(p.device.lower() == "cpu" for p in plan.pools):
         raise UserError(
             "train.device: cuda, but cluster.pools devices are 'cpu' (logical CPU pools); "
             "set the pools' device to 'gpu' or a GPU type such as H100"
         )
-    return plan
 
 
 def weight_sync_mode(cfg: RunConfig, plan: Plan) -> str:
