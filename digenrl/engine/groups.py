@@ -25,9 +25,9 @@ def group_call(follower_method: str | None = None):
         name = follower_method or method.__name__
 
         @functools.wraps(method)
-        def run(self, *args):
-            self._pending = [getattr(f, name).remote(*args) for f in self.followers]
-            out = method(self, *args)
+        def run(self, *args, **kwargs):
+            self._pending = [getattr(f, name).remote(*args, **kwargs) for f in self.followers]
+            out = method(self, *args, **kwargs)
             self.followers_done()
             return out
 
