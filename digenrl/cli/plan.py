@@ -146,7 +146,7 @@ def plan_report(result, cost, cluster, top: int, steps=(), peers: dict | None = 
     rows = [plan_row(r, result, i + 1) for i, r in enumerate(result.ranked[:top])]
     sources = {d: cost.times(d).source for d in cluster.devices}
     return {
-        "model": cost.w.summary(),
+        "model": cost.workload.summary(),
         "cluster": {
             "name": cluster.name,
             "devices": cluster.devices,
@@ -155,9 +155,9 @@ def plan_report(result, cost, cluster, top: int, steps=(), peers: dict | None = 
         },
         "cost_model": {
             "times": sources,
-            "params": asdict(cost.p),
-            "colocation": asdict(cost.col),
-            "engine_overheads": asdict(cost.ov),
+            "params": asdict(cost.params),
+            "colocation": asdict(cost.colocation),
+            "engine_overheads": asdict(cost.overheads),
         },
         "search": {
             "candidates": result.candidates,

@@ -49,7 +49,7 @@ def sp_degrees(cost: CostModel, cluster: ClusterSpec) -> tuple[int, ...]:
     """Sequence-parallel degrees worth trying: for a video model, those of :data:`SP_DEGREES` inside one
     node (the all-to-alls stay on the node's links); an image model's few thousand tokens gain nothing,
     and logical CPU devices share one host's cores."""
-    if not cost.w.video or cluster.is_cpu:
+    if not cost.workload.video or cluster.is_cpu:
         return (1,)
     return tuple(d for d in SP_DEGREES if d <= max(1, cluster.gpus_per_node))
 
@@ -152,7 +152,7 @@ def unwired_sharding(plan: Plan, setups_: dict, cost: CostModel) -> str | None:
     why = unwired_sp(plan, cost)
     if why:
         return why
-    w = cost.w
+    w = cost.workload
     for pool in plan.trainer_pools:
         shard = setups_[pool.name].shard
         why = shard > 1 and fsdp_unwired(
@@ -193,8 +193,8 @@ def unwired_sp(plan: Plan, cost: CostModel) -> str | None:
             placement=plan.placement,
             devices=sum(p.count for p in pools),
             tag=plan.tag,
-            evaluates=cost.w.evaluates,
-            shape=cost.w.shape,
+            evaluates=cost.workload.evaluates,
+            shape=cost.workload.shape,
         )
         if why:
             return f"engine.{key}: {s}, which the engine refuses: {why}"
@@ -238,7 +238,9 @@ def search(
     plans = (
         plans
         if plans is not None
-        else candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, sp=sp_degrees(cost, cluster))
+        else candidates(
+            cluster, cost.workload.prompts, group_size=cost.workload.group_size, sp=sp_degrees(cost, cluster)
+        )
     )
     fitting, rejected = [], {}
     setup_cache: dict = {}
@@ -262,7 +264,7 @@ def search(
         fitting.append((bound(plan, cost, s), plan))
     if not fitting:
         why, _ = min(rejected.values(), key=lambda r: r[1])  # the placement that came closest
-        w = cost.w
+        w = cost.workload
         weights = w.params.total * w.dtype_bytes / 2**30
         raise UserError(
             f"{w.shape.source} fits no placement of cluster {cluster.name} ({cluster.describe()}): "
@@ -319,8 +321,8 @@ def ladder(
     for name, knobs in LADDER:
         plans = candidates(
             cluster,
-            cost.w.prompts,
-            group_size=cost.w.group_size,
+            cost.workload.prompts,
+            group_size=cost.workload.group_size,
             colocated=False,
             sp=sp_degrees(cost, cluster),
             **knobs,
@@ -364,7 +366,7 @@ def baselines(
     out = {}
     for name, knobs in BASELINES.items():
         knobs = {"sp": sp or sp_degrees(cost, cluster), **knobs}
-        plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, **knobs)
+        plans = candidates(cluster, cost.workload.prompts, group_size=cost.workload.group_size, **knobs)
         try:
             res = search(
                 cost,
