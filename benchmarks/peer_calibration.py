@@ -87,7 +87,9 @@ def fit() -> dict:
 
     rollout = golden(lambda r: err("generation", phases(r, 0.3, judge_s, 0.0)["generation"]), 0.02, 0.9)
     train = golden(
-        lambda t: sum(err(k, v) for k, v in phases(rollout, t, judge_s, 0.0).items() if k in PREDICTED_PHASES[1:]),
+        lambda t: sum(
+            err(k, v) for k, v in phases(rollout, t, judge_s, 0.0).items() if k in PREDICTED_PHASES[1:]
+        ),
         0.02,
         0.9,
     )
@@ -106,7 +108,11 @@ def predict(setup: PublishedSetup, f: dict) -> dict:
     judge = f["judge_s_per_image"] if setup.peer.startswith("verl_omni") else None
     cost = CostModel(w, cluster, params=_params(f["rollout"], f["train"], judge))
     model = peer_models.MODELS[setup.peer]
-    run = model(cost, cluster, _settings(setup, f["push_latency_s"])) if setup.peer.startswith("verl") else model(cost, cluster)
+    run = (
+        model(cost, cluster, _settings(setup, f["push_latency_s"]))
+        if setup.peer.startswith("verl")
+        else model(cost, cluster)
+    )
     out = {
         "name": setup.name,
         "peer": setup.peer,
@@ -181,14 +187,18 @@ def report() -> dict:
 
 def print_report(r: dict) -> None:
     e = r["efficiency"]
-    print(f"fitted kernel efficiency: sampling {e['sampling']:.3f}, training {e['training']:.3f} ({e['source']})")
+    print(
+        f"fitted kernel efficiency: sampling {e['sampling']:.3f}, training {e['training']:.3f} "
+        f"({e['source']})"
+    )
     print(
         f"read off the breakdown: judge {r['inputs']['judge_s_per_image']:.3f} s/image, "
         f"push latency {r['inputs']['push_latency_s']:.2f} s"
     )
     print(f"{'phase':<16}{'published s':>12}{'predicted s':>12}{'error':>8}  kind")
     for p in r["phases"]:
-        print(f"{p['name']:<16}{p['published_s']:>12.1f}{p['predicted_s']:>12.1f}{p['error']:>+8.1%}  {p['kind']}")
+        pub, pred = p["published_s"], p["predicted_s"]
+        print(f"{p['name']:<16}{pub:>12.1f}{pred:>12.1f}{p['error']:>+8.1%}  {p['kind']}")
     s, i = r["step_s"], r["images_per_gpu_s"]
     print(f"step: published {s['published']:.0f} s, predicted {s['predicted']:.1f} s (phases only)")
     print(f"images/GPU/s: published {i['published']:.3f}, predicted {i['predicted']:.3f} ({i['error']:+.1%})")
@@ -205,8 +215,8 @@ def print_report(r: dict) -> None:
         )
         if "published_images_per_gpu_s" in o:
             line += (
-                f"; images/GPU/s {o['published_images_per_gpu_s']:.3f} vs {o['predicted_images_per_gpu_s']:.3f} "
-                f"({o['images_per_gpu_s_error']:+.0%})"
+                f"; images/GPU/s {o['published_images_per_gpu_s']:.3f} vs "
+                f"{o['predicted_images_per_gpu_s']:.3f} ({o['images_per_gpu_s_error']:+.0%})"
             )
         print(line)
         print(f"   phases: {o['phases']}" + (f"; {o['caveat']}" if o["caveat"] else ""))

@@ -350,19 +350,25 @@ def flow_grpo(cost, cluster) -> PeerRun:
     if one is None:
         return PeerRun("flow_grpo", cluster.describe(), why_not="one GPU type (accelerate, one DDP group)")
     device, n = one
-    w, p = cost.workload, cost.params
+    w = cost.workload
     run = PeerRun("flow_grpo", f"{n}x{device}", samples=w.samples, devices=n)
-    replica = w.params.total * w.dtype_bytes + w.trained_params * p.trained_state_bytes
-    if not _weights_fit(cost, device, replica):
-        run.why_not = "a DDP replica (weights + trained state) does not fit one GPU"
+    # a DDP replica holds the whole model, its trained state and the sampling state on each GPU: the
+    # memory model's unsharded colocated setups (the largest micro-batch up to the configured one)
+    fits, _ = cost.memory.colocated(device, n, 1)
+    fits = [f for f in fits if f.shard == 1 and f.micro_batch <= w.micro_batch]
+    if not fits:
+        run.why_not = "a DDP replica (weights, trained state, activations) does not fit one GPU"
         return run
+    top = max(f.micro_batch for f in fits)
+    setup = min((f for f in fits if f.micro_batch == top), key=lambda f: (f.checkpointing, not f.cfg_batched))
     per = w.samples / n
-    t = _times(cost, device)
-    calls, b = _batches(per, w.micro_batch)
+    t = _times(cost, device, checkpointing=setup.checkpointing, cfg_batched=setup.cfg_batched)
+    mb = setup.micro_batch
+    calls, b = _batches(per, mb)
     sampling = w.steps * calls * t.rollout_step(b) + t.encode(w.prompts / n) + t.decode(per)
     reward = t.reward(per)
     S = w.optimizer_steps
-    calls, b = _batches(per / S, w.micro_batch)
+    calls, b = _batches(per / S, mb)
     allreduce = 2 * _collective_s(cost, device, n, w.trained_params * FP32_BYTES)
     training = S * (w.trained_steps * calls * t.train_step(b) + allreduce + t.optimizer())
     run.phases = {"sampling": sampling, "reward": reward, "training": training}

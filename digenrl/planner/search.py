@@ -15,11 +15,17 @@ Candidates:
   one node, dividing the pool), for the rollout pool and the trainer pool independently (colocated: one
   sp for every device). Unit shapes and TSP degrees count workers, not devices.
 
-Baselines (:data:`BASELINES`, :func:`baselines`): the best plan of each arrangement the peers publish
--- ``colocated`` (sub-group units allowed, as veRL-Omni colocates), ``colocated_whole_groups`` (the
-planner's earlier colocated baseline: units of whole groups only) and ``separate_async``
-(disaggregated one-step-off async without GAP, TSP or TAG: veRL-Omni's separate_async, MM-GRPO's
-one-step-off).
+Two kinds of baseline, named apart:
+
+- strong baselines, OUR engine in the peers' arrangements (:data:`BASELINES`, :func:`baselines`):
+  the best plan of each -- ``colocated`` (sub-group units allowed, as veRL-Omni colocates),
+  ``colocated_whole_groups`` (the planner's earlier colocated baseline: units of whole groups only)
+  and ``separate_async`` (disaggregated one-step-off async without GAP, TSP or TAG). They show what
+  the knobs add, with none of the peers' structural costs;
+- the peers as they run (:data:`PEERS`, :func:`peers`; :mod:`~digenrl.planner.peers`):
+  ``verl_omni_colocated``, ``verl_omni_separate_async``, ``dancegrpo``, ``flow_grpo`` -- each peer's
+  published arrangement with its structural costs (offload, recompute pass, weight push, batch-1
+  FSDP sampling, ...), each cited from the peer's code. What a user of the peer pays today.
 
 Pruning: a candidate whose memory does not fit, or that the engine refuses -- sequence parallelism
 where it is not wired (colocated, beside TAG), or trainer ranks needing an FSDP degree the engine
@@ -38,6 +44,7 @@ from digenrl.config import PoolConfig
 from digenrl.errors import UserError
 from digenrl.placement import Plan, spread_units
 from digenrl.planner.costmodel import CostModel
+from digenrl.planner import peers as peer_models
 from digenrl.planner.gpus import ClusterSpec
 from digenrl.planner.simulator import DoesNotFit, SimResult, bound, setups, simulate
 
@@ -381,3 +388,13 @@ def baselines(
         except UserError:
             out[name] = None
     return out
+
+
+#: the peers as they run (digenrl.planner.peers): what a user of each peer pays today
+PEERS = peer_models.NAMES
+
+
+def peers(cost: CostModel, cluster: ClusterSpec) -> dict[str, peer_models.PeerRun]:
+    """Each peer of :data:`PEERS` running this workload on this cluster, phase by phase, with the same
+    per-call times (kernel efficiencies, FLOPs, bandwidths) as DigenRL's plans."""
+    return peer_models.peers(cost, cluster)
