@@ -3,6 +3,11 @@
 python docs/scaling/generate.py              # search every model x cluster: predictions.json, Gantt charts
 python docs/scaling/generate.py --models "HunyuanVideo (13B)" ...   # only these rows (merged into it)
 python docs/scaling/generate.py --markdown   # the tables of docs/scaling.md from predictions.json
+
+Two kinds of baseline: OUR engine in the peers' arrangements (search.baselines) and the peers as they
+run (search.peers: veRL-Omni colocated / separate_async, DanceGRPO, flow_grpo, with their structural
+costs); every number uses the kernel efficiencies of planner/gpus.py (fitted to veRL-Omni's published
+step by benchmarks/peer_calibration.py, whose table --markdown also prints).
 """
 
 from __future__ import annotations
@@ -10,13 +15,16 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from digenrl.config import load_config
+from digenrl.planner import peers as peer_models
 from digenrl.planner.costmodel import CostModel, Workload
 from digenrl.planner.gpus import load_cluster
-from digenrl.planner.search import baselines, ladder, search
+from digenrl.planner.published import CALIBRATION, OUT_OF_SAMPLE, VERL_OMNI_PHASES
+from digenrl.planner.search import PEERS, baselines, ladder, search
+from digenrl.planner.search import peers as peer_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent
@@ -51,6 +59,45 @@ def _model_of(key: str) -> str:
     return second if first == "workload" else first
 
 
+def _peer(run) -> dict:
+    """A peer as it runs: where, throughput, phases (or why it cannot run)."""
+    if not run.fits:
+        return {"where": run.where, "why_not": run.why_not}
+    return {
+        "where": run.where,
+        "sps": run.samples_per_s,
+        "iteration_s": run.iteration_s,
+        "phases": {k: round(v, 2) for k, v in run.phases.items()},
+    }
+
+
+def published_row(setup) -> dict:
+    """DigenRL's best plan and the peer as it runs on a peer's published setup (the same efficiencies,
+    the judge's seconds per image from the calibration where the peer scores with it)."""
+    w, cluster = setup.workload(), setup.load_cluster()
+    params = CostModel(w, cluster).params
+    if setup.peer.startswith("verl_omni"):
+        params.model_reward_s = VERL_OMNI_PHASES["reward"] / (CALIBRATION.workload().samples / 4)
+    cost = CostModel(w, cluster, params=params)
+    res = search(cost, cluster, top=1)
+    best = res.ranked[0]
+    settings = {"server_batch": setup.settings["server_batch"]} if "server_batch" in setup.settings else {}
+    run = (
+        peer_models.MODELS[setup.peer](cost, cluster, replace(peer_models.VERL_OMNI, **settings))
+        if setup.peer.startswith("verl_omni")
+        else peer_models.MODELS[setup.peer](cost, cluster)
+    )
+    return {
+        "setup": setup.name,
+        "cluster": setup.cluster,
+        "peer": setup.peer,
+        "peer_run": _peer(run),
+        "published_step_s": setup.published_step_s,
+        "digenrl": _summary(best),
+        "baselines": {name: _summary(r) for name, r in baselines(cost, cluster).items()},
+    }
+
+
 def main(only: list[str] | None = None) -> int:
     """Search the models (``only``: these labels, the other rows of predictions.json kept)."""
     rows = {}
@@ -80,6 +127,7 @@ def main(only: list[str] | None = None) -> int:
             steps = ladder(cost, cluster)
             peers = baselines(cost, cluster)
             rows[(label, cname)] = {
+                "peers": {name: _peer(run) for name, run in peer_runs(cost, cluster).items()},
                 "digenrl": _summary(steps[-1][1]),  # the best disaggregated plan with every knob
                 "baselines": {name: _summary(peers[name]) for name in BASELINE_NAMES},
                 "best": best.plan.label(),
@@ -104,6 +152,9 @@ def main(only: list[str] | None = None) -> int:
                 flush=True,
             )
         rows[("workload", label)] = w.summary()
+    for setup in (CALIBRATION, *OUT_OF_SAMPLE):  # each peer's published setup: DigenRL beside it
+        rows[("published", setup.name)] = published_row(setup)
+        print(f"{setup.name}: done ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
     path.write_text(json.dumps({f"{k[0]} | {k[1]}": v for k, v in rows.items()}, indent=1, default=str))
     print(json.dumps({"cost_params": asdict(CostModel(w, cluster).p)}, indent=1))
     return 0
@@ -186,10 +237,130 @@ def baseline_markdown(d: dict) -> list[str]:
     return lines
 
 
+PEER_LABELS = {
+    "verl_omni_colocated": "veRL-Omni colocated",
+    "verl_omni_separate_async": "veRL-Omni separate_async",
+    "dancegrpo": "DanceGRPO",
+    "flow_grpo": "flow_grpo",
+}
+
+
+def _peer_cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if "why_not" in r:
+        return f"cannot run ({r['why_not']})"
+    return f"{r['where']}: {r['sps']:.3g}"
+
+
+def peers_markdown(d: dict) -> list[str]:
+    """Per model and cluster: DigenRL beside our engine's baselines and each peer as it runs (samples/s)."""
+    lines = []
+    for label in MODELS:
+        lines += [
+            f"#### {label}",
+            "",
+            "| cluster | DigenRL | our engine colocated | our engine separate_async | "
+            + " | ".join(PEER_LABELS[p] for p in PEERS)
+            + " | DigenRL vs the fastest peer |",
+            "|---|---|---|---|" + "---|" * len(PEERS) + "---:|",
+        ]
+        for c in CLUSTERS:
+            r = d[f"{label} | {c}"]
+            dg, b, pr = r["digenrl"], r["baselines"], r.get("peers", {})
+            runs = [x for x in pr.values() if x and "sps" in x]
+            fastest = max((x["sps"] for x in runs), default=None)
+            gain = f"{dg['sps'] / fastest:.2f}x" if dg and fastest else "n/a"
+            cells = [_cell(dg), _cell(b["colocated"]), _cell(b["separate_async"])]
+            cells += [_peer_cell(pr.get(p)) for p in PEERS]
+            lines.append(f"| {c} | " + " | ".join(cells) + f" | {gain} |")
+        lines.append("")
+    return lines
+
+
+def published_markdown(d: dict) -> list[str]:
+    """Each peer's published setup: the peer as it runs, DigenRL and our engine's baselines on it."""
+    lines = [
+        "| published setup | cluster | published s/step | peer as it runs: s/step, samples/s | DigenRL | "
+        "our engine colocated | our engine separate_async | DigenRL vs the peer |",
+        "|---|---|---:|---|---|---|---|---:|",
+    ]
+    for key, r in d.items():
+        if not key.startswith("published | "):
+            continue
+        run, dg, b = r["peer_run"], r["digenrl"], r["baselines"]
+        peer = f"{run['iteration_s']:.0f} s, {run['sps']:.3g}" if "sps" in run else run.get("why_not", "-")
+        gain = f"{dg['sps'] / run['sps']:.2f}x" if dg and "sps" in run else "n/a"
+        lines.append(
+            f"| {r['setup']} | {r['cluster']} | {r['published_step_s']:.0f} | {peer} | {_cell(dg)} | "
+            f"{_cell(b.get('colocated'))} | {_cell(b.get('separate_async'))} | {gain} |"
+        )
+    return lines + [""]
+
+
+def calibration_markdown() -> list[str]:
+    """The calibration table (benchmarks/peer_calibration.py's report)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "peer_calibration", ROOT / "benchmarks" / "peer_calibration.py"
+    )
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+    r = cal.report()
+    e, i, st = r["efficiency"], r["images_per_gpu_s"], r["step_s"]
+    lines = [
+        f"Fitted: sampling efficiency **{e['sampling']:.3f}**, training efficiency **{e['training']:.3f}** "
+        f"(share of peak bf16 FLOP/s at large calls; half of it at {e['half_tokens']:.0f} tokens per "
+        f"call, an assumption). Read off the breakdown: the judge's "
+        f"{r['inputs']['judge_s_per_image']:.3f} s per image, "
+        f"the push's fixed {r['inputs']['push_latency_s']:.2f} s.",
+        "",
+        "| phase | published s | predicted s | error | kind |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for p in r["phases"]:
+        lines.append(
+            f"| {p['name']} | {p['published_s']:.1f} | {p['predicted_s']:.1f} | {p['error']:+.1%} | "
+            f"{p['kind']} |"
+        )
+    lines += [
+        f"| step | {st['published']:.0f} | {st['predicted']:.1f} | "
+        f"{st['predicted'] / st['published'] - 1:+.1%} | "
+        "sum of the phases (the published 420 s also holds ~11 s outside them) |",
+        f"| images/GPU/s | {i['published']:.3f} | {i['predicted']:.3f} | {i['error']:+.1%} | predicted |",
+        "",
+        f"Worst predicted phase: {r['worst_predicted_phase_error']:.1%}. DigenRL's best plan on the same "
+        f"4 H800s with the same pair and judge: {r['digenrl']['label']}, "
+        f"{r['digenrl']['images_per_gpu_s']:.3f} images/GPU/s "
+        f"({r['digenrl']['speedup_vs_verl_omni']:.2f}x veRL-Omni as modelled).",
+        "",
+        "Out of sample (the same pair, nothing refitted):",
+        "",
+        "| published figure | published s/step | predicted s/step | error | note |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for o in r["out_of_sample"]:
+        note = o["caveat"]
+        if "published_images_per_gpu_s" in o:
+            note += (
+                f"; images/GPU/s {o['published_images_per_gpu_s']:.3f} published, "
+                f"{o['predicted_images_per_gpu_s']:.3f} predicted ({o['images_per_gpu_s_error']:+.0%})"
+            )
+        lines.append(
+            f"| {o['name']} ({o['source']}) | {o['published_step_s']:.0f} | {o['predicted_step_s']:.0f} | "
+            f"{o['step_error']:+.0%} | {note}; phases {o['phases']} |"
+        )
+    return lines + [""] + [f"- {x}" for x in r["not_checked"]] + [""]
+
+
 def markdown(path: Path = OUT / "predictions.json") -> str:
     """The tables of docs/scaling.md from predictions.json."""
     d = json.loads(path.read_text())
-    lines = ["### Summary: DigenRL's predicted gain over each baseline", ""] + summary_markdown(d)
+    lines = ["### Calibration on published numbers", ""] + calibration_markdown()
+    lines += ["### DigenRL on each peer's published setup", ""] + published_markdown(d)
+    lines += ["### DigenRL beside the peers as they run (samples/s)", ""] + peers_markdown(d)
+    lines += ["### Summary: DigenRL's predicted gain over our engine's baselines", ""] + summary_markdown(d)
     lines += ["### Per model and cluster", ""] + [x.replace("### ", "#### ") for x in baseline_markdown(d)]
     lines += ["### The planner's pick and what each knob adds", ""]
     for label in MODELS:
