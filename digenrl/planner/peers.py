@@ -309,6 +309,12 @@ def dancegrpo(cost, cluster) -> PeerRun:
     device, n = one
     w = cost.workload
     run = PeerRun("dancegrpo", f"{n}x{device}", samples=w.samples, devices=n)
+    # memory: the memory model's colocated setups sampling one sample at a time (FSDP over the GPUs,
+    # checkpointing as needed); none at micro-batch 1 means DanceGRPO would need its sp_size, not modelled
+    fits, _ = cost.memory.colocated(device, n, 1 / w.group_size)
+    if not any(f.micro_batch == 1 for f in fits):
+        run.why_not = "batch 1 does not fit without sequence parallelism (sp_size, not modelled)"
+        return run
     per = w.samples / n
     t = _times(cost, device, checkpointing=True)
     fp32_gather = _collective_s(cost, device, n, w.params.total * FP32_BYTES)
@@ -385,5 +391,20 @@ MODELS = {
 
 
 def peers(cost, cluster) -> dict[str, PeerRun]:
-    """Every peer as it runs this workload on this cluster (:data:`MODELS`)."""
-    return {name: model(cost, cluster) for name, model in MODELS.items()}
+    """Every peer as it runs this workload on this cluster (:data:`MODELS`). The peers run one GPU type:
+    on a mixed cluster, each on the devices of the type that serves it best (the others idle; the per
+    GPU figure counts only the GPUs it uses)."""
+    out = {}
+    for name, model in MODELS.items():
+        if len(cluster.devices) == 1:
+            out[name] = model(cost, cluster)
+            continue
+        runs = []
+        for device in cluster.devices:
+            sub = cluster.model_copy(update={"pools": [p for p in cluster.pools if p.device == device]})
+            run = model(cost, sub)
+            run.where = f"{run.where} (of {cluster.describe()})"
+            runs.append(run)
+        fitting = [r for r in runs if r.fits]
+        out[name] = max(fitting, key=lambda r: r.samples_per_s) if fitting else runs[0]
+    return out

@@ -2,6 +2,8 @@
 
 python docs/scaling/generate.py              # search every model x cluster: predictions.json, Gantt charts
 python docs/scaling/generate.py --models "HunyuanVideo (13B)" ...   # only these rows (merged into it)
+python docs/scaling/generate.py --published  # only each peer's published setup (merged into it)
+python docs/scaling/generate.py --peers      # only the peers as they run (analytic, seconds; merged into it)
 python docs/scaling/generate.py --markdown   # the tables of docs/scaling.md from predictions.json
 
 Two kinds of baseline: OUR engine in the peers' arrangements (search.baselines) and the peers as they
@@ -19,6 +21,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from digenrl.config import load_config
+from digenrl.errors import UserError
 from digenrl.planner import peers as peer_models
 from digenrl.planner.costmodel import CostModel, Workload
 from digenrl.planner.gpus import load_cluster
@@ -79,8 +82,10 @@ def published_row(setup) -> dict:
     if setup.peer.startswith("verl_omni"):
         params.model_reward_s = VERL_OMNI_PHASES["reward"] / (CALIBRATION.workload().samples / 4)
     cost = CostModel(w, cluster, params=params)
-    res = search(cost, cluster, top=1)
-    best = res.ranked[0]
+    try:
+        best, why = search(cost, cluster, top=1).ranked[0], None
+    except UserError as err:  # no placement DigenRL's engine runs fits: say why
+        best, why = None, str(err)
     settings = {"server_batch": setup.settings["server_batch"]} if "server_batch" in setup.settings else {}
     run = (
         peer_models.MODELS[setup.peer](cost, cluster, replace(peer_models.VERL_OMNI, **settings))
@@ -94,6 +99,7 @@ def published_row(setup) -> dict:
         "peer_run": _peer(run),
         "published_step_s": setup.published_step_s,
         "digenrl": _summary(best),
+        "digenrl_why_not": why,
         "baselines": {name: _summary(r) for name, r in baselines(cost, cluster).items()},
     }
 
@@ -152,11 +158,35 @@ def main(only: list[str] | None = None) -> int:
                 flush=True,
             )
         rows[("workload", label)] = w.summary()
-    for setup in (CALIBRATION, *OUT_OF_SAMPLE):  # each peer's published setup: DigenRL beside it
-        rows[("published", setup.name)] = published_row(setup)
-        print(f"{setup.name}: done ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
     path.write_text(json.dumps({f"{k[0]} | {k[1]}": v for k, v in rows.items()}, indent=1, default=str))
+    published()
     print(json.dumps({"cost_params": asdict(CostModel(w, cluster).p)}, indent=1))
+    return 0
+
+
+def refresh_peers() -> int:
+    """Only the peers as they run (analytic, no search) for every model x cluster, into predictions.json."""
+    path = OUT / "predictions.json"
+    rows = json.loads(path.read_text())
+    for label, cfg_file in MODELS.items():
+        w = Workload.from_config(load_config(ROOT / "configs" / cfg_file))
+        for cname in CLUSTERS:
+            cluster = load_cluster(ROOT / "configs" / "clusters" / f"{cname}.yaml")
+            cost = CostModel(w, cluster)
+            rows[f"{label} | {cname}"]["peers"] = {n: _peer(r) for n, r in peer_runs(cost, cluster).items()}
+    path.write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+def published() -> int:
+    """Each peer's published setup (DigenRL beside the peer as it runs), merged into predictions.json."""
+    path = OUT / "predictions.json"
+    rows = json.loads(path.read_text())
+    t0 = time.time()
+    for setup in (CALIBRATION, *OUT_OF_SAMPLE):
+        rows[f"published | {setup.name}"] = published_row(setup)
+        print(f"{setup.name}: done ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+    path.write_text(json.dumps(rows, indent=1, default=str))
     return 0
 
 
@@ -175,7 +205,7 @@ MIXED = {"8xH800_16xH20", "16xH100_16xL40S"}
 
 
 def _ratio(a: dict | None, b: dict | None) -> float | None:
-    return a["sps"] / b["sps"] if a and b and b["sps"] else None
+    return a["sps"] / b["sps"] if a and b and b.get("sps") else None
 
 
 def _span(xs: list[float | None]) -> str:
@@ -278,6 +308,33 @@ def peers_markdown(d: dict) -> list[str]:
     return lines
 
 
+def peers_summary_markdown(d: dict) -> list[str]:
+    """Per model and kind of cluster: DigenRL's predicted gain over each peer as it runs."""
+    lines = [
+        "| model | clusters | "
+        + " | ".join(f"DigenRL vs {PEER_LABELS[p]}" for p in PEERS)
+        + " | vs the fastest peer | vs our engine colocated |",
+        "|---|---|" + "---:|" * (len(PEERS) + 2),
+    ]
+    for label in MODELS:
+        for kind, names in (
+            ("homogeneous", [c for c in CLUSTERS if c not in MIXED]),
+            ("mixed", [c for c in CLUSTERS if c in MIXED]),
+        ):
+            rows = [d[f"{label} | {c}"] for c in names]
+            cells = []
+            for p in PEERS:
+                cells.append(_span([_ratio(r["digenrl"], r["peers"].get(p)) for r in rows]))
+            fastest = [
+                max((x for x in r["peers"].values() if "sps" in x), key=lambda x: x["sps"], default=None)
+                for r in rows
+            ]
+            cells.append(_span([_ratio(r["digenrl"], f) for r, f in zip(rows, fastest)]))
+            cells.append(_span([_ratio(r["digenrl"], r["baselines"]["colocated"]) for r in rows]))
+            lines.append(f"| {label} | {kind} ({', '.join(names)}) | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def published_markdown(d: dict) -> list[str]:
     """Each peer's published setup: the peer as it runs, DigenRL and our engine's baselines on it."""
     lines = [
@@ -291,8 +348,12 @@ def published_markdown(d: dict) -> list[str]:
         run, dg, b = r["peer_run"], r["digenrl"], r["baselines"]
         peer = f"{run['iteration_s']:.0f} s, {run['sps']:.3g}" if "sps" in run else run.get("why_not", "-")
         gain = f"{dg['sps'] / run['sps']:.2f}x" if dg and "sps" in run else "n/a"
+        if dg is None and r.get("digenrl_why_not"):
+            dg_cell = "no placement the engine runs fits (" + r["digenrl_why_not"].split(": ", 1)[-1] + ")"
+        else:
+            dg_cell = _cell(dg)
         lines.append(
-            f"| {r['setup']} | {r['cluster']} | {r['published_step_s']:.0f} | {peer} | {_cell(dg)} | "
+            f"| {r['setup']} | {r['cluster']} | {r['published_step_s']:.0f} | {peer} | {dg_cell} | "
             f"{_cell(b.get('colocated'))} | {_cell(b.get('separate_async'))} | {gain} |"
         )
     return lines + [""]
@@ -359,6 +420,8 @@ def markdown(path: Path = OUT / "predictions.json") -> str:
     d = json.loads(path.read_text())
     lines = ["### Calibration on published numbers", ""] + calibration_markdown()
     lines += ["### DigenRL on each peer's published setup", ""] + published_markdown(d)
+    lines += ["### Summary: DigenRL's predicted gain over the peers as they run", ""]
+    lines += peers_summary_markdown(d)
     lines += ["### DigenRL beside the peers as they run (samples/s)", ""] + peers_markdown(d)
     lines += ["### Summary: DigenRL's predicted gain over our engine's baselines", ""] + summary_markdown(d)
     lines += ["### Per model and cluster", ""] + [x.replace("### ", "#### ") for x in baseline_markdown(d)]
@@ -413,6 +476,10 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--markdown"]:
         print(markdown())
         sys.exit(0)
+    if sys.argv[1:] == ["--peers"]:
+        sys.exit(refresh_peers())
+    if sys.argv[1:] == ["--published"]:
+        sys.exit(published())
     if sys.argv[1:2] == ["--models"]:
         sys.exit(main(sys.argv[2:]))
     sys.exit(main())
