@@ -147,14 +147,20 @@ def prepare_eval(
     state = read_state(ckpt)
     config_path = Path(config) if config is not None else state.config_path
     cfg = load_config(config_path)
-    prompt_set = load_prompts(PromptsConfig(file=prompts) if prompts is not None else cfg.prompts)
+    if prompts is not None:
+        prompt_set = load_prompts(PromptsConfig(file=prompts), what="--prompts")
+    else:
+        prompt_set = load_prompts(cfg.prompts)
     base = None
     if baseline is not None:
         if baseline == "base":
             base = "base"
         else:
-            base = find_checkpoint(Path(baseline))
-            read_state(base)
+            try:
+                base = find_checkpoint(Path(baseline))
+                read_state(base)
+            except UserError as exc:  # the option the user typed, not "checkpoint:"
+                raise UserError(f"--baseline: {str(exc).removeprefix('checkpoint: ')}") from None
     out = Path(out) if out is not None else default_out_dir(ckpt)
     check_writable(out, "--out")
     return EvalJob(ckpt, cfg, config_path, prompt_set, base, out)
