@@ -45,21 +45,24 @@ def _yaml_value(v) -> str:
     return yaml.safe_dump(v, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()
 
 
-def check_resume_config(run_dir: Path, checkpoint_config: Path, cfg) -> None:
-    """Refuse (one line) a resume whose ``RUN/config.yaml`` differs from ``cfg``, the config the resumed
-    run will use (the checkpoint's ``checkpoint_config`` with the command's ``--set`` on top)."""
-    import yaml
-
+def check_resume_config(run_dir: Path, checkpoint_config: Path, overrides: list[str]) -> None:
+    """Refuse (one line) a resume whose ``RUN/config.yaml`` differs from ``checkpoint_config``, the
+    config the resumed run uses, in a key that none of the command's ``overrides`` (``--set``) assigns."""
     from digenrl.yamlfile import parse_yaml
 
     edited_path = Path(run_dir) / "config.yaml"
-    if not edited_path.is_file():
+    if not edited_path.is_file() or not Path(checkpoint_config).is_file():
         return
     edited = parse_yaml(edited_path, "--resume") or {}
-    original = yaml.safe_load(cfg.dump_yaml())
+    original = parse_yaml(checkpoint_config, "--resume") or {}
     if not isinstance(edited, dict):
         raise UserError(f"--resume: {edited_path}: top level must be a mapping of sections")
-    diff = differing_keys(edited, original)
+    assigned = [a.split("=", 1)[0].strip() for a in overrides]
+    diff = {
+        k: v
+        for k, v in differing_keys(edited, original).items()
+        if not any(k == a or k.startswith(a + ".") or a.startswith(k + ".") for a in assigned)
+    }
     if not diff:
         return
     names = ", ".join(diff)
@@ -77,6 +80,6 @@ def check_resume_config(run_dir: Path, checkpoint_config: Path, cfg) -> None:
         )
     raise UserError(
         f"--resume: {edited_path} differs from the config of the checkpoint it resumes "
-        f"({checkpoint_config}, with any --set) in {names}; a resumed run uses the checkpoint's config "
+        f"({checkpoint_config}) in {names}; a resumed run uses the checkpoint's config "
         f"and leaves {edited_path.name} unchanged; {'; '.join(how)}; or undo the edit"
     )

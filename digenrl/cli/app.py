@@ -95,7 +95,7 @@ def train(
     if edited is not None:
         from digenrl.resumecheck import check_resume_config
 
-        check_resume_config(edited, config, cfg)  # an edit of RUN/config.yaml is never ignored
+        check_resume_config(edited, config, set_ or [])  # an edit of RUN/config.yaml is never ignored
     run_train(
         cfg, run_dir, ray_address, console, resume=resume, overwrite=overwrite, quiet=quiet, verbose=verbose
     )
@@ -127,8 +127,10 @@ def config_validate(
     checked = ["schema"]
     if not schema_only:
         from digenrl.preflight import check_config
+        from digenrl.prompts import check_prompts
 
         with console.status("checking placement, model, prompts and reward..."):
+            check_prompts(cfg)  # with the limit the text encoder implies, as train checks them
             checked += check_config(cfg, ray_address)
     console.print(
         f"ok: {config or 'the defaults'} ({cfg.model.adapter}, {cfg.algorithm.name}, "
