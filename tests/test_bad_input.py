@@ -42,7 +42,16 @@ def make_inputs(tmp):
     (tmp / "empty.txt").write_text("\n\n")
     (tmp / "partial").mkdir()
     (tmp / "partial" / "config.yaml").write_text("")
+    (tmp / "rec.yaml").write_text("train: &x\n  lr: *x\n")
+    (tmp / "unk.yaml").write_text("train:\n  lr_max: 1\n")
+    (tmp / "num.jsonl").write_text('{"prompt": "a red car"}\n{"prompt": 5}\n')
     return tmp
+
+
+def write_big_prompt(tmp: Path) -> None:
+    """A prompt file whose second line is 10 MB (what crashed Pillow 20 s into a run)."""
+    with open(tmp / "big.txt", "w") as f:
+        f.write("a red car\n" + "a red apple " * 900_000 + "\n")
 
 
 SMALL = ["--set", "model.height=16", "--set", "model.width=16"]
@@ -163,13 +172,66 @@ CASES = {
         ["config", "validate", "--set", "model.pretrained={t}/nope"],
         "{t}/nope",
     ),
+    # issue 25: inputs that crashed later are refused at load time; messages name what the user typed
+    "10 MB prompt line": (
+        ["train", "--set", "prompts.file={t}/big.txt"],
+        "prompts.file: {t}/big.txt:2: a prompt of 10799999 characters, more than the 1024",
+    ),
+    "validate: 10 MB prompt line": (
+        ["config", "validate", "--set", "prompts.file={t}/big.txt"],
+        "prompts.file: {t}/big.txt:2: a prompt of 10799999 characters",
+    ),
+    "a JSONL prompt that is not a string": (
+        ["train", "--set", "prompts.file={t}/num.jsonl"],
+        "prompts.file: {t}/num.jsonl:2: 'prompt' must be a non-empty string",
+    ),
+    "prompt file that is a directory": (
+        ["train", "--set", "prompts.file={t}/adir"],
+        "prompts.file: {t}/adir is a directory, not a file",
+    ),
+    "cluster file that is a directory": (
+        ["plan", "--cluster", "{t}/adir"],
+        "--cluster: {t}/adir is a directory",
+    ),
+    "every reward weight 0": (
+        ["train", "--set", "reward.components=[{name: prompt_color, weight: 0}]"],
+        "reward.components: every reward weight is 0, so the run would learn nothing",
+    ),
+    "validate: every reward weight 0": (
+        ["config", "validate", "--set", "reward.components=[{name: prompt_color, weight: 0.0}]"],
+        "reward.components: every reward weight is 0",
+    ),
+    "recursive YAML anchor": (
+        ["config", "validate", "-c", "{t}/rec.yaml"],
+        "{t}/rec.yaml: a recursive YAML anchor (an alias used inside its own anchor) at line 1",
+    ),
+    "unknown key in a -c file": (
+        ["train", "-c", "{t}/unk.yaml"],
+        "error: {t}/unk.yaml: train.lr_max: unknown key",
+    ),
+    "a run name too long for a file name": (
+        ["train", "--set", f"output.name={'x' * 300}"],
+        "output.name: must be a name of at most 200 bytes (got 300)",
+    ),
 }
+try:
+    import torch
+
+    if not torch.cuda.is_available():  # the profiler's own option, not train.device
+        CASES["profile --device cuda without CUDA"] = (
+            ["profile", "--device", "cuda", "--out", "{t}/p.json"],
+            "error: --device: cuda requested but no CUDA device is visible",
+        )
+except ImportError:
+    pass
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_exits_2_with_one_line(case, tmp_path, monkeypatch, capsys):
     t = make_inputs(tmp_path)
     argv, needle = CASES[case]
+    if "big.txt" in " ".join(argv):
+        write_big_prompt(t)
     argv = [a.replace("{t}", str(t)) for a in argv] + ["--run-dir", str(t / "run")] * (argv[0] == "train")
     code, err = cli(monkeypatch, capsys, argv)
     assert code == 2, err
