@@ -533,14 +533,16 @@ def test_overwrite_that_fails_at_the_first_iteration_keeps_the_old_run(tmp_path,
 @pytest.mark.slow
 def test_two_trainings_into_one_directory_one_refuses(tmp_path):
     """Two real `digenrl train` started 0.5 s apart into one --run-dir: exactly one runs, the other
-    exits 2 with one line naming the directory and the live owner; the directory holds one run."""
+    exits 2 with one line naming the directory and the live owner; the directory holds one run. The
+    lock is taken before the driver is chosen, so the local trainer stands for the engine here (the
+    engine only widens the window: Ray and the workers start after the lock)."""
     import subprocess
     import tempfile
     import time
 
     run = tmp_path / "run"
     argv = [sys.executable, "-m", "digenrl.cli.app", "train", "-q", "--run-dir", str(run)]
-    argv += sum((["--set", s] for s in [*TINY, "train.iterations=2"]), [])
+    argv += sum((["--set", s] for s in [*TINY, "train.iterations=2", "placement.mode=local"]), [])
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     procs = []
     for _ in range(2):
@@ -555,21 +557,15 @@ def test_two_trainings_into_one_directory_one_refuses(tmp_path):
             )
         )
         time.sleep(0.5)
-    results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
-    codes = sorted(r[0] for r in results)
-    assert codes == [0, 2], results
-    (winner_out, _), (_, loser_err) = (
-        [(o, e) for c, o, e in results if c == 0],
-        [(o, e) for c, o, e in results if c == 2],
-    )
-    winner = next(p for p, r in zip(procs, results) if r[0] == 0)
+    results = [(p, *p.communicate(timeout=600)) for p in procs]
+    assert sorted(p.returncode for p in procs) == [0, 2], results
+    ((winner, winner_out),) = [(p, out) for p, out, _ in results if p.returncode == 0]
+    (loser_err,) = [err for p, _, err in results if p.returncode == 2]
     assert loser_err.count("\n") == 1 and "Traceback" not in loser_err
     assert loser_err.startswith(
         f"error: --run-dir: {run} is in use by another digenrl train (pid {winner.pid} on "
     )
-    assert (
-        f"run directory: {run}" in winner_out and "reward (mean of first third" in winner_out
-    )  # -q: the summary
+    assert f"run directory: {run}" in winner_out and "reward (mean of first third" in winner_out  # -q
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1]  # one run: each iteration once
     assert len(list((run / "tensorboard").iterdir())) == 1
