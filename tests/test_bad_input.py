@@ -46,6 +46,8 @@ def make_inputs(tmp):
     (tmp / "rec.yaml").write_text("train: &x\n  lr: *x\n")
     (tmp / "unk.yaml").write_text("train:\n  lr_max: 1\n")
     (tmp / "num.jsonl").write_text('{"prompt": "a red car"}\n{"prompt": 5}\n')
+    (tmp / "nul.txt").write_text("a red car\na blue\0boat\n")
+    (tmp / "tag.yaml").write_text("train: !!python/object:os.system x\n")
     return tmp
 
 
@@ -205,6 +207,14 @@ CASES = {
     "recursive YAML anchor": (
         ["config", "validate", "-c", "{t}/rec.yaml"],
         "{t}/rec.yaml: a recursive YAML anchor (an alias used inside its own anchor) at line 1",
+    ),
+    "a NUL in a prompt": (
+        ["train", "--set", "prompts.file={t}/nul.txt"],
+        "prompts.file: {t}/nul.txt:2: the prompt holds a NUL character",
+    ),
+    "a YAML tag SafeLoader refuses": (
+        ["train", "-c", "{t}/tag.yaml"],
+        "{t}/tag.yaml: unsupported YAML at line 1, column 8 (could not determine a constructor",
     ),
     "unknown key in a -c file": (
         ["train", "-c", "{t}/unk.yaml"],
