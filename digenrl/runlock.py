@@ -34,15 +34,16 @@ HIDDEN = (LOCK_FILE, REPLACED_DIR)
 
 
 class RunLock:
-    """Holds ``RUN/.lock`` while a run writes RUN. ``created``: RUN did not exist before the claim
-    (a claim that ends with nothing written removes it again)."""
+    """Holds ``RUN/.lock`` while a run writes RUN. ``created``: the folders the claim made (RUN and
+    any missing parents, e.g. ``runs/``), innermost first: a claim that ends with nothing written
+    removes them again."""
 
-    def __init__(self, path: Path, fd: int, created: bool):
+    def __init__(self, path: Path, fd: int, created: list[Path]):
         self.path, self._fd, self.created = Path(path), fd, created
 
     def release(self) -> None:
-        """Give the directory back: drop the lock file (first, while still holding it) and, when the
-        claim created RUN and nothing else was written into it, RUN itself."""
+        """Give the directory back: drop the lock file (first, while still holding it) and the folders
+        the claim created, where nothing else was written into them."""
         if self._fd is None:
             return
         try:
@@ -50,11 +51,7 @@ class RunLock:
         finally:
             os.close(self._fd)
             self._fd = None
-        if self.created:
-            try:
-                self.path.rmdir()  # only if empty: a run that wrote something keeps it
-            except OSError:
-                pass
+        _remove_empty(self.created)  # only if empty: a run that wrote something keeps it
 
     def __enter__(self) -> RunLock:
         return self
@@ -73,17 +70,18 @@ def claim_run_dir(path: Path, what: str = "--run-dir") -> RunLock:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"{what}: {path} is a file, not a directory")
-    created = not path.exists()
+    created = _missing_folders(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        _remove_empty(created)
         raise UserError(f"{what}: {path} is not writable ({exc.strerror or exc})") from None
     lock = path / LOCK_FILE
     while True:
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            _undo_mkdir(path, created)
+            _remove_empty(created)
             raise UserError(f"{what}: {path} is not writable ({exc.strerror or exc})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -122,12 +120,21 @@ def _read(fd: int) -> str:
         return ""
 
 
-def _undo_mkdir(path: Path, created: bool) -> None:
-    if created:
+def _missing_folders(path: Path) -> list[Path]:
+    """``path`` and its parents that do not exist yet, innermost first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in folders:
         try:
-            path.rmdir()
+            folder.rmdir()
         except OSError:
-            pass
+            return
 
 
 def run_entries(path: Path) -> list[Path]:

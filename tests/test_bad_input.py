@@ -426,7 +426,7 @@ def test_one_claim_per_run_directory(tmp_path, capsys):
     from digenrl.errors import UserError
     from digenrl.runlock import claim_run_dir
 
-    run = tmp_path / "run"
+    run = tmp_path / "runs" / "run"
     with claim_run_dir(run):
         for what in ("--run-dir", "--resume"):
             with pytest.raises(UserError) as exc:
@@ -435,7 +435,7 @@ def test_one_claim_per_run_directory(tmp_path, capsys):
                 f"{what}: {run} is in use by another digenrl train "
                 f"(pid {os.getpid()} on {socket.gethostname()} since "
             )
-    assert not run.exists()  # created by the claim, nothing written: removed again
+    assert not run.parent.exists()  # created by the claim (runs/ too), nothing written: removed again
     assert capsys.readouterr().err == ""
 
 
