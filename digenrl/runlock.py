@@ -167,6 +167,12 @@ class ReplacedRun:
             self.done = True
         return self.done
 
+    def drop(self) -> None:
+        """The new run finished: delete the old run."""
+        if not self.done and self.aside.is_dir():
+            shutil.rmtree(self.aside)
+        self.done = True
+
     def finish(self) -> bool:
         """The new run ended (or was killed). True when the old run was restored because the new one
         wrote no checkpoint (its files are removed); else the old run is deleted."""

@@ -82,14 +82,6 @@ def check_new_run_dir(path: Path, overwrite: bool = False) -> None:
     check_writable(path, "--run-dir")
 
 
-def clear_run_dir(path: Path) -> None:
-    """``--overwrite``: delete the old run in ``path`` (checked by :func:`check_new_run_dir`)."""
-    import shutil
-
-    if Path(path).is_dir():
-        shutil.rmtree(path)
-
-
 @contextlib.contextmanager
 def library_output_to_log(terminal_console, enabled: bool = True):
     """Route what libraries print (Ray's raylet / worker lines, torch warnings, C-level output of child

@@ -104,9 +104,10 @@ def _run_claimed(cfg, target, continuing, resumed, ray_address, console, resume,
             if restored and isinstance(exc, Exception):
                 _note_restored(exc, target)
             raise
+        else:
+            if replaced is not None:
+                replaced.drop()  # the new run finished (with its last checkpoint): the old one goes
         finally:
-            if replaced is not None and not restored:
-                replaced.finish()
             # bad input (or a restored old run): write nothing
             started = not restored and (result is not None or (target / "config.yaml").exists())
             kept = keep_log(log, (result.run_dir if result is not None else target) if started else None)
