@@ -9,6 +9,7 @@ numbers, absurd sizes and invalid values raise :class:`ConfigError` naming the d
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -397,9 +398,17 @@ class PoolConfig(_Section):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str
+    name: str = Field(description="1-64 letters, digits, _ . - (it names Ray resources and timeline rows)")
     device: str = Field("cpu", description="device type: cpu (logical) or a GPU name such as H800, H20, A100")
     count: int = Field(1, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+            shown = name if len(name) <= 40 else name[:40] + "..."
+            raise ValueError(f"a pool name is 1-64 letters, digits, '_', '.' or '-' (got {shown!r})")
+        return name
 
 
 class ClusterConfig(_Section):

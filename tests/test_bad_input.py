@@ -216,6 +216,10 @@ CASES = {
         ["train", "-c", "{t}/tag.yaml"],
         "{t}/tag.yaml: unsupported YAML at line 1, column 8 (could not determine a constructor",
     ),
+    "a pool name that is not a plain name": (
+        ["train", "--set", "cluster.pools=[{name: 'rollout pool'}, {name: trainer}]"],
+        "cluster.pools.0.name: a pool name is 1-64 letters, digits, '_', '.' or '-' (got 'rollout pool')",
+    ),
     "unknown key in a -c file": (
         ["train", "-c", "{t}/unk.yaml"],
         "error: {t}/unk.yaml: train.lr_max: unknown key",
