@@ -412,10 +412,12 @@ def test_an_invalid_value_in_a_checkpoint_config_names_the_file(
         (["--baseline", "{t}/nope"], "error: --baseline: {t}/nope not found"),
         (["--prompts", "{t}/adir"], "error: --prompts: {t}/adir is a directory, not a file"),
         (["--prompts", "{t}/latin1.txt"], "error: --prompts: {t}/latin1.txt is not UTF-8 text"),
+        (["--prompts", "{t}/big.txt"], "error: --prompts: {t}/big.txt:2: a prompt of 10799999 characters"),
     ],
 )
 def test_eval_errors_name_the_option(tiny_run, tmp_path, monkeypatch, capsys, extra, needle):
     t = make_inputs(tmp_path)
+    write_big_prompt(t)
     argv = ["eval", "--checkpoint", str(tiny_run), *[a.replace("{t}", str(t)) for a in extra]]
     code, err = cli(monkeypatch, capsys, argv)
     assert code == 2 and err.startswith(needle.replace("{t}", str(t))) and err.count("\n") == 1, err
