@@ -41,7 +41,7 @@ class RunLock:
     def __init__(self, path: Path, fd: int, created: list[Path]):
         self.path, self._fd, self.created = Path(path), fd, created
 
-    def release(self) -> None:
+    def unlock(self) -> None:
         """Give the directory back: drop the lock file (first, while still holding it) and the folders
         the claim created, where nothing else was written into them."""
         if self._fd is None:
@@ -57,7 +57,7 @@ class RunLock:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.release()
+        self.unlock()
 
 
 def _owner_text() -> str:

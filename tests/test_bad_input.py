@@ -487,7 +487,7 @@ def test_a_killed_overwrite_gets_the_old_run_back(tmp_path):
     ReplacedRun(run).set_aside()
     (run / "metrics.jsonl").write_text('{"iteration": 0}\n')  # the killed new run's partial files
     (run / "tensorboard").mkdir()
-    claim_run_dir(run).release()
+    claim_run_dir(run).unlock()
     assert file_digests(run) == before and not (run / ".replaced").exists()
 
     replaced = ReplacedRun(run)

@@ -126,10 +126,11 @@ def config_validate(
     cfg = _load(config, set_)
     checked = ["schema"]
     if not schema_only:
-        from digenrl.preflight import check_config
+        from digenrl.preflight import check_config, check_memory
         from digenrl.prompts import check_prompts
 
         with console.status("checking placement, model, prompts and reward..."):
+            check_memory(cfg)  # in train's order: the placement's memory, then the prompts
             check_prompts(cfg)  # with the limit the text encoder implies, as train checks them
             checked += check_config(cfg, ray_address)
     console.print(

@@ -57,8 +57,8 @@ def _run_claimed(cfg, target, continuing, resumed, ray_address, console, resume,
 
     if not continuing:
         check_new_run_dir(target, overwrite)  # before any work: a run is never overwritten by accident
-    check_prompts(cfg)  # a prompt the text encoder or a caption cannot take: refused now, in seconds
     check_memory(cfg)  # the config's placement against its device types, before this host's devices
+    check_prompts(cfg)  # a prompt the text encoder or a caption cannot take: refused now, in seconds
     check_resources(cfg, ray_address)
     done = resumed.iteration if resumed is not None else 0
     say = (lambda *a: None) if quiet else (lambda text: console.print(text, soft_wrap=True, highlight=False))
