@@ -110,6 +110,9 @@ def run_on_ray(
                     t0=started,
                     sync=SyncRoutes(*sync, start, actors, layout.trainer_ranks[0]),
                     stop=stop,
+                    resumed_at=start
+                    if resumed is not None
+                    else None,  # timeline.json: after the earlier part
                 )
                 try:
                     backend.begin()
@@ -147,11 +150,19 @@ class RayBackend:
         t0: float | None = None,
         sync: SyncRoutes | None = None,
         stop: StopRequest | None = None,
+        resumed_at: int | None = None,
     ):
         """``t0``: the run's start (the timeline's zero; default now); ``sync``: the weight-sync
-        routes (default: the object store); ``stop``: the Ctrl-C request (default: never asked)."""
+        routes (default: the object store); ``stop``: the Ctrl-C request (default: never asked);
+        ``resumed_at``: a resumed run's first iteration (its timeline continues the earlier part's)."""
         workers = layout.workers
-        self.cfg, self.sched, self.actors, self.out, self.cadence = cfg, scheduler, actors, out, RunCadence(cfg)
+        self.cfg, self.sched, self.actors, self.out, self.cadence = (
+            cfg,
+            scheduler,
+            actors,
+            out,
+            RunCadence(cfg),
+        )
         self.role = {w.name: w.role for w in workers}
         self.rank0 = layout.trainer_ranks[0]
         self.publishes = any(w.role == "rollout" for w in workers)  # rank 0 ships weights after each step
@@ -172,6 +183,7 @@ class RayBackend:
             restarts=lambda: sum(self.faults.restarts.values()) + num_restarts(actors.get(REWARD_ROW)),
         )
         self.t0 = time.time() if t0 is None else t0
+        self.resumed_at = resumed_at  # a resumed run's first iteration (see save_timeline)
         self.in_flight: dict = {}  # ObjectRef -> (worker, unit): a unit running, or the scores of a released one
         self.side: dict = {}  # ObjectRef -> (what, iteration or worker): rank 0's eval / checkpoint, a ready()
         self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples, until fully trained
@@ -480,5 +492,8 @@ class RayBackend:
 
     def save_timeline(self) -> None:
         if self.timeline.events:
-            self.timeline.save_json(self.out.path / "timeline.json")
-            self.timeline.to_png(self.out.path / "timeline.png")
+            path, timeline = self.out.path / "timeline.json", self.timeline
+            if self.resumed_at is not None:  # resumed: the whole run's timeline, not this part's
+                timeline = timeline.after_earlier(path, self.resumed_at)
+            timeline.save_json(path)
+            timeline.to_png(self.out.path / "timeline.png")
