@@ -14,13 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from digenrl.checkpoint_compat import CheckpointError
+from digenrl.checkpoint_compat import CheckpointError, CheckpointState, torch_load
 from digenrl.errors import UserError
-
-if TYPE_CHECKING:
-    from digenrl.checkpoint import CheckpointState
 
 OPTIMIZER_FILE = "optimizer.pt"
 DCP_DIR = "dcp"
@@ -82,7 +78,6 @@ def restore_optimizer(state: CheckpointState, policy, saved: dict | None = None)
     (a resumed run may change them)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from digenrl.checkpoint import torch_load
     from digenrl.distributed import dcp
     from digenrl.distributed.fsdp import is_sharded
 

@@ -24,8 +24,7 @@ from digenrl.engine import weight_sync  # noqa: E402
 from digenrl.engine.runtime import run_engine  # noqa: E402
 from digenrl.engine.scheduler import TrainUnit  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
-from digenrl.errors import UserError  # noqa: E402
-from digenrl.lora import WeightSyncError  # noqa: E402
+from digenrl.errors import UserError, WeightSyncError  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
 from tests.helpers import local_ray  # noqa: E402

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from digenrl.errors import UserError
-from digenrl.lora import WeightSyncError, checksum, load_lora_state_dict, lora_state_dict
+from digenrl.errors import UserError, WeightSyncError
+from digenrl.lora import checksum, load_lora_state_dict, lora_state_dict
 from digenrl.policy import Policy
 
 SMALL = ["model.height=16", "model.width=16"]

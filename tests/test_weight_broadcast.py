@@ -72,7 +72,8 @@ def _source(group, out):
 
 def _receiver(rank, group, out):
     from digenrl.distributed.broadcast import WeightReceiver, sync_targets
-    from digenrl.lora import WeightSyncError, checksum, lora_state_dict
+    from digenrl.errors import WeightSyncError
+    from digenrl.lora import checksum, lora_state_dict
 
     receiver = WeightReceiver(group)
     lora, full = _policy(False, False), _policy(True, False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable
 
-from digenrl.adapters.base import Cond
+from digenrl.adapters.cond import Cond
 
 
 class PromptEmbeddingCache:

@@ -46,9 +46,8 @@ from digenrl.engine.recovery import FaultPolicy, TrainerLost, own_error, user_er
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit, Unit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
-from digenrl.errors import UserError
+from digenrl.errors import UserError, WeightSyncError
 from digenrl.faults import with_fault_plan
-from digenrl.lora import WeightSyncError
 from digenrl.placement import Worker, engine_scheduler_config, engine_workers
 from digenrl.preflight import check_workers_build
 from digenrl.progress import progress

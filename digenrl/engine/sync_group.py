@@ -28,7 +28,8 @@ from digenrl.distributed.broadcast import (
     received_from,
     sync_targets,
 )
-from digenrl.lora import WeightSyncError, full_tensor
+from digenrl.errors import WeightSyncError
+from digenrl.lora import full_tensor
 
 SYNC_TIMEOUT_S = 300.0  # forming the group, and any one bucket in flight
 POLL_S = 0.02  # how often an idle receiver looks for the next version's announcement

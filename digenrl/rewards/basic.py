@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from digenrl.errors import UserError
-from digenrl.rewards import Reward, register
+from digenrl.rewards.base import Reward, register
 
 
 def _jpeg_kb(images: torch.Tensor, quality: int) -> torch.Tensor:

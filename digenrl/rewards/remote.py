@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from digenrl.errors import UserError
-from digenrl.rewards import Reward, RewardArgError, register
+from digenrl.rewards.base import Reward, RewardArgError, register
 
 
 class RemoteRewardError(UserError):
