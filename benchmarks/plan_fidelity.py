@@ -2,7 +2,7 @@
 
     python benchmarks/plan_fidelity.py [--config FILE] [--workload balanced|flow_grpo] [--iterations 6]
                                        [--repeats 3] [--reprofile] [--calibration run|ray]
-                                       [--json fidelity.json] [--timelines DIR]
+                                       [--json fidelity.json] [--timelines DIR] [--tiny]
 
 1. ``digenrl profile`` of the configured tiny model on this CPU (one thread per worker, as the engine
    runs), with the engine's own overheads measured either from a short calibration run of the engine
@@ -48,13 +48,14 @@ from digenrl.config import load_config  # noqa: E402
 # 1 rollout + 1 trainer logical CPU device (colocated: the same 2 devices both roll out and train).
 # the same workloads and mode definitions as benchmarks/engine_modes.py (one source of truth)
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_modes import MODES, WORKLOADS  # noqa: E402
+from engine_modes import MODES, TINY, WORKLOADS  # noqa: E402
 
 QUIET = ["output.save_samples_every=0", "output.checkpoint_every=0", "train.device=cpu"]
 
 
-def mode_config(config, workload: str, mode: str, iterations: int):
-    return load_config(config, WORKLOADS[workload] + MODES[mode] + QUIET + [f"train.iterations={iterations}"])
+def mode_config(config, workload: str, mode: str, iterations: int, extra: list[str] = ()):
+    overrides = WORKLOADS[workload] + MODES[mode] + [*extra, *QUIET, f"train.iterations={iterations}"]
+    return load_config(config, overrides)
 
 
 def replay_cost(cost, measured):
@@ -86,7 +87,7 @@ def replay_cost(cost, measured):
     spread = timeline_unit_cv(measured)
 
     class Replay(CostModel):
-        def rollout_unit(self, device, groups):
+        def rollout_unit(self, device, groups, setup=None):
             return med[("rollout", 0)], med.get(("reward", 0), 0.0)
 
         def train_unit(self, device, groups, tsp_rank, tsp_degree, setup=None):
@@ -174,7 +175,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--timelines", type=Path, default=None, help="keep predicted and measured timeline.json/png here"
     )
+    ap.add_argument(
+        "--tiny", action="store_true", help="a 16x16, 3-step smoke run of the code (short profile rounds)"
+    )
     args = ap.parse_args(argv)
+    extra = TINY if args.tiny else []
     if args.iterations < 3 or args.repeats < 1:
         ap.error("--iterations must be at least 3 (first and last are left out), --repeats at least 1")
 
@@ -191,7 +196,7 @@ def main(argv=None) -> int:
     from digenrl.planner.simulator import simulate, steady_summary
 
     torch.set_num_threads(1)
-    base = load_config(args.config, WORKLOADS[args.workload] + QUIET)
+    base = load_config(args.config, WORKLOADS[args.workload] + extra + QUIET)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     t0 = time.time()
 
@@ -203,7 +208,7 @@ def main(argv=None) -> int:
             engine=args.calibration,
             sharing=2,
             batches=[unit_groups(base) * G],
-            min_time=1.0,
+            min_time=0.1 if args.tiny else 1.0,
             on_step=lambda s: print(f"  [{time.time() - t0:5.1f}s] {what}: {s}", flush=True),
         )
         describe(p)
@@ -241,7 +246,7 @@ def main(argv=None) -> int:
         workload = Workload.from_config(base)
         for rep in range(args.repeats):
             for mode in modes:
-                cfg = mode_config(args.config, args.workload, mode, args.iterations)
+                cfg = mode_config(args.config, args.workload, mode, args.iterations, extra)
                 if args.reprofile:  # the host's speed drifts 10-20% within a minute: each run gets its own
                     profile = profiled(
                         f"{mode} #{rep + 1} profile"
