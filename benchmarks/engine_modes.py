@@ -1,8 +1,8 @@
 """Throughput of every engine mode on the same hardware, beside the bound of DESIGN.md §4.
 
     python benchmarks/engine_modes.py [--iterations 7] [--repeats 1] [--pick best|median]
-                                      [--workload balanced|flow_grpo|few_groups|all] [--modes colocated,sync,...]
-                                      [--json FILE] [--tiny]
+                                      [--workload balanced|flow_grpo|few_groups|all]
+                                      [--modes colocated,sync,...] [--json FILE] [--tiny]
 
 One local Ray cluster with 1 rollout + 1 trainer logical device (each actor one torch thread:
 the fair split of a 2-core machine); colocated runs 2 "both" workers on the same 2 devices.
@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         modes_of[workload] = [m for m in (args.modes.split(",") if args.modes else known) if m]
         if unknown := [m for m in modes_of[workload] if m not in known]:
             print(
-                f"error: --modes: {', '.join(unknown)} not a mode of workload {workload} ({', '.join(known)})",
+                f"error: --modes: {', '.join(unknown)} not a mode of workload {workload} "
+                f"({', '.join(known)})",
                 file=sys.stderr,
             )
             return 2

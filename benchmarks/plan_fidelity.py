@@ -109,7 +109,8 @@ def replay_cost(cost, measured):
 
 
 def unit_ms(predicted, measured) -> dict:
-    """Mean duration (ms) per unit kind (train per TSP rank) after the first iteration: predicted, measured."""
+    """Mean duration (ms) per unit kind (train per TSP rank) after the first iteration: predicted,
+    measured."""
     import statistics
 
     def means(tl):
@@ -218,10 +219,11 @@ def main(argv=None) -> int:
         eng, u = p["engine"] or {}, p["measurements"]["unit_overhead"]
         print(
             f"    profile: engine call {eng.get('call_s', 0) * 1e3:.1f} ms, transfer "
-            f"{eng.get('transfer_latency_s', 0) * 1e3:.1f} ms ({eng.get('source')}); whole units x"
-            f"{u.get('rollout_factor', 1):.2f} / x{u.get('train_factor', 1):.2f} their calls; engine/profile unit "
-            f"time {fmt(eng.get('unit_time_factor'))} ({'applied' if args.engine_unit_factor else 'not applied'}); "
-            f"unit spread {fmt(eng.get('unit_cv') or p['measurements'].get('unit_cv'))}; n concurrent workers "
+            f"{eng.get('transfer_latency_s', 0) * 1e3:.1f} ms ({eng.get('source')}); whole units "
+            f"x{u.get('rollout_factor', 1):.2f} / x{u.get('train_factor', 1):.2f} their calls; "
+            f"engine/profile unit time {fmt(eng.get('unit_time_factor'))} "
+            f"({'applied' if args.engine_unit_factor else 'not applied'}); unit spread "
+            f"{fmt(eng.get('unit_cv') or p['measurements'].get('unit_cv'))}; n concurrent workers "
             f"{fmt(p['measurements'].get('cpu_slowdown'))}",
             flush=True,
         )
@@ -328,12 +330,13 @@ def main(argv=None) -> int:
                 }
                 runs[mode].append(r)
                 print(
-                    f"{mode:12s} #{rep + 1} predicted {r['predicted_samples_per_s']:7.2f} samples/s  measured "
-                    f"{r['measured_samples_per_s']:7.2f}  error {r['rel_error']:+6.1%}   bubble predicted "
-                    f"{r['predicted_bubble_fraction']:.2f} measured {r['measured_bubble_fraction']:.2f}   "
-                    f"replay error {r['replay_rel_error']:+6.1%}\n    other processes: {r['other_runnable']:.1f} runnable "
-                    f"threads, {r['other_load_cores']:.2f} cores (profiled beside {r['profile_other_runnable'] or 0:.1f}, "
-                    f"{r['profile_other_load_cores'] or 0:.2f})"
+                    f"{mode:12s} #{rep + 1} predicted {r['predicted_samples_per_s']:7.2f} samples/s  "
+                    f"measured {r['measured_samples_per_s']:7.2f}  error {r['rel_error']:+6.1%}   bubble "
+                    f"predicted {r['predicted_bubble_fraction']:.2f} measured "
+                    f"{r['measured_bubble_fraction']:.2f}   replay error {r['replay_rel_error']:+6.1%}\n    "
+                    f"other processes: {r['other_runnable']:.1f} runnable threads, "
+                    f"{r['other_load_cores']:.2f} cores (profiled beside "
+                    f"{r['profile_other_runnable'] or 0:.1f}, {r['profile_other_load_cores'] or 0:.2f})"
                     + (
                         f"; at the run's load predicted {r['at_run_load_samples_per_s']:.2f}, error "
                         f"{r['at_run_load_rel_error']:+.1%}"
@@ -384,7 +387,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(
             f"{r['mode']:12s} {r['predicted_samples_per_s']:16.2f} {r['measured_samples_per_s']:16.2f} "
-            f"{r['rel_error']:+10.1%} {r['predicted_bubble_fraction']:12.2f} {r['measured_bubble_fraction']:12.2f}"
+            f"{r['rel_error']:+10.1%} {r['predicted_bubble_fraction']:12.2f} "
+            f"{r['measured_bubble_fraction']:12.2f}"
             + (f" {r['at_run_load_rel_error']:+11.1%}" if cores else "")
             + f" {r['replay_rel_error']:+12.1%} {r['other_load_cores']:11.2f}"
         )

@@ -1,4 +1,5 @@
-"""Checkpoints (docs/architecture.md, the run directory): ``RUN/checkpoints/iter-NNNNNN/``, written atomically, loaded with checks.
+"""Checkpoints (docs/architecture.md, the run directory): ``RUN/checkpoints/iter-NNNNNN/``, written
+atomically, loaded with checks.
 
 A checkpoint directory (NNNNNN = iterations completed) holds
 

@@ -38,7 +38,8 @@ def cfg_of(*overrides):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """An uninterrupted 4-iteration run, and one stopped after 3 then resumed from its iteration-2 checkpoint."""
+    """An uninterrupted 4-iteration run, and one stopped after 3 then resumed from its iteration-2
+    checkpoint."""
     tmp = tmp_path_factory.mktemp("resume")
     full = LocalTrainer(
         cfg_of("train.iterations=4", "output.checkpoint_every=2", f"output.run_dir={tmp / 'a'}")

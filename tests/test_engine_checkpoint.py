@@ -1,4 +1,5 @@
-"""Checkpoints, resume and periodic eval in the Ray engine (docs/architecture.md: the run directory, on the engine).
+"""Checkpoints, resume and periodic eval in the Ray engine (docs/architecture.md: the run directory, on the
+engine).
 
 On-policy (max_staleness 0, one trainer rank) the engine equals the single-process trainer, so a
 run stopped at a checkpoint and resumed must reproduce the uninterrupted run exactly. In async

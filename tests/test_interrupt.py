@@ -162,8 +162,8 @@ def test_the_checkpoint_kept_on_a_stop_is_the_last_logged_iteration(tmp_path):
     exc = stopped(KeyboardInterrupt(), tmp_path, 0, 10)
     assert isinstance(exc, RunInterrupted)
     assert (
-        str(exc)
-        == "interrupted with 0 of 10 iterations done; no checkpoint was written (0 of 10 iterations done, nothing to resume from)"
+        str(exc) == "interrupted with 0 of 10 iterations done; no checkpoint was written "
+        "(0 of 10 iterations done, nothing to resume from)"
     )
     from digenrl.policy import Policy
 
@@ -173,6 +173,7 @@ def test_the_checkpoint_kept_on_a_stop_is_the_last_logged_iteration(tmp_path):
     assert not checkpoint_to_keep(tmp_path, 3, 3)  # already there
     exc = stopped(RunStopped("the reward actor died; the run stopped."), tmp_path, 3, 10)
     assert str(exc) == (
-        f"the reward actor died; the run stopped; last checkpoint: {tmp_path / 'checkpoints' / 'iter-000003'} "
-        f"(iteration 3); resume with: digenrl train --resume {tmp_path}"
+        f"the reward actor died; the run stopped; last checkpoint: "
+        f"{tmp_path / 'checkpoints' / 'iter-000003'} (iteration 3); resume with: digenrl train --resume "
+        f"{tmp_path}"
     )

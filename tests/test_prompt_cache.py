@@ -87,7 +87,8 @@ WAN_TINY = Path(__file__).resolve().parents[1] / "configs" / "wan_tiny.yaml"
 
 @pytest.fixture(scope="module")
 def wan_checkpoint(tmp_path_factory):
-    """A tiny Wan checkpoint in the real layout (UMT5 text encoder + tokenizer), saved with save_pretrained."""
+    """A tiny Wan checkpoint in the real layout (UMT5 text encoder + tokenizer), saved with
+    save_pretrained."""
     from diffusers import WanPipeline
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel

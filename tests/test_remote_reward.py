@@ -29,7 +29,8 @@ _spec.loader.exec_module(reward_server)
 
 
 def numpy_prompt_color(images, prompts, metadata):
-    """prompt_color written again in numpy (server side): 1 - mean RGB distance to the named colour / sqrt(3)."""
+    """prompt_color written again in numpy (server side): 1 - mean RGB distance to the named colour /
+    sqrt(3)."""
     out = []
     for img, p, m in zip(images, prompts, metadata):
         target = np.array(COLORS[prompt_color(p, m)], dtype=np.float32)[:, None, None]
@@ -326,7 +327,8 @@ def ray_cluster():
 
 @pytest.mark.slow  # starts Ray
 def test_inside_the_reward_actor(ray_cluster, server):
-    """The reward actor (reward.service) builds the remote reward from the registry: same scores, same error."""
+    """The reward actor (reward.service) builds the remote reward from the registry: same scores, same
+    error."""
     import ray
 
     from digenrl.rewards.service import RewardClient, start_reward_actor

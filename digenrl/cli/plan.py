@@ -276,8 +276,8 @@ def ladder_table(report: dict) -> Table:
 def report_notes(report: dict) -> list[str]:
     s, cm = report["search"], report["cost_model"]
     lines = [
-        "eff. = throughput bound (docs/architecture.md) / predicted iteration time; vs col. = speedup over the best "
-        "colocated plan (sub-group units allowed)"
+        "eff. = throughput bound (docs/architecture.md) / predicted iteration time; vs col. = speedup over "
+        "the best colocated plan (sub-group units allowed)"
     ]
     if report.get("baselines"):
         lines.append(
@@ -363,8 +363,8 @@ def write_plan_config(cfg: RunConfig, r, cluster, path: Path, row: dict) -> Path
     header = [
         f"# written by `digenrl plan` for cluster {cluster.name} ({cluster.describe()})",
         f"# plan: {row['plan']}",
-        f"# predicted: {row['samples_per_s']:.4g} samples/s, {row['iteration_s']:.4g} s/iteration, "
-        f"bubble {row['bubble_fraction']:.1%}, {_fmt_speedup(row['speedup_vs_colocated'])} the best colocated plan",
+        f"# predicted: {row['samples_per_s']:.4g} samples/s, {row['iteration_s']:.4g} s/iteration, bubble "
+        f"{row['bubble_fraction']:.1%}, {_fmt_speedup(row['speedup_vs_colocated'])} the best colocated plan",
         "# (a model prediction: compare with the run's metrics.jsonl samples_per_s / bubble_fraction)",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)

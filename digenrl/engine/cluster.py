@@ -65,7 +65,8 @@ def first_line(exc: Exception) -> str:
 @contextlib.contextmanager
 def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None, resume: Path | None = None):
     """Connect (or start Ray), check and reserve the placement, start one actor per worker and
-    wait until every one has built its policy (from the ``resume`` checkpoint directory when given: read by path);
+    wait until every one has built its policy (from the ``resume`` checkpoint directory when given: read by
+    path);
     on exit kill them and release everything."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group

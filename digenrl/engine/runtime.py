@@ -174,8 +174,10 @@ class RayBackend:
             restarts=lambda: sum(self.faults.restarts.values()) + num_restarts(actors.get(REWARD_ROW)),
         )
         self.t0 = time.time()
-        self.in_flight: dict = {}  # ObjectRef -> (worker, unit): a unit running, or the scores of a released one
-        self.side: dict = {}  # ObjectRef -> (what, iteration or worker): rank 0's eval / checkpoint, a ready()
+        # ObjectRef -> (worker, unit): a unit running, or the scores of a released one
+        self.in_flight: dict = {}
+        # ObjectRef -> (what, iteration or worker): rank 0's eval / checkpoint, a ready()
+        self.side: dict = {}
         self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples, until fully trained
         self.trained: Counter[str] = Counter()  # rollout uid -> TSP shares trained
         self.unscored: dict[str, dict] = {}  # released rollout uid -> its summary, until the scores arrive

@@ -7,7 +7,8 @@ Rank 0 announces each version on the group's store, then broadcasts it in bucket
 waits for the announcement on the store (no collective timeout however long an iteration takes),
 receives the version into host memory while the worker generates, and the worker loads it at its
 next unit boundary (:func:`load_staged`: keys, shapes, dtypes and every tensor's fingerprint
-checked once). What each call carries is the driver's business (:class:`~digenrl.engine.weight_sync.SyncRoutes`).
+checked once). What each call carries is the driver's business
+(:class:`~digenrl.engine.weight_sync.SyncRoutes`).
 """
 
 from __future__ import annotations

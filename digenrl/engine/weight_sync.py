@@ -115,7 +115,8 @@ def verify(state: dict[str, torch.Tensor], packet: WeightPacket, expected_keys) 
     digest = checksum(state)
     if digest != packet.checksum:
         raise WeightSyncError(
-            f"weight sync of version {packet.version}: checksum {digest[:12]} != published {packet.checksum[:12]}"
+            f"weight sync of version {packet.version}: checksum {digest[:12]} != published "
+            f"{packet.checksum[:12]}"
         )
 
 

@@ -301,13 +301,15 @@ class CostModel:
         return self.memory.have(device)
 
     def rollout_memory(self, device: str, groups: int, sp: int = 1) -> DeviceSetup:
-        """Does a rollout worker of this type (``sp`` devices) hold the model + rollout models + a unit of ``groups``?"""
+        """Does a rollout worker of this type (``sp`` devices) hold the model + rollout models + a unit of
+        ``groups``?"""
         return self.memory.rollout(device, groups, sp)
 
     def trainer_setup(
         self, device: str, ranks: int, tag: bool, groups: int, micro_batch: int | None = None, sp: int = 1
     ) -> DeviceSetup:
-        """The cheapest way a trainer rank of this type fits (``tag``: it also rolls out units of ``groups``)."""
+        """The cheapest way a trainer rank of this type fits (``tag``: it also rolls out units of
+        ``groups``)."""
         fits, miss = self.memory.trainer(device, ranks, tag, groups, sp)
         return self._best(fits, device, ranks, False, micro_batch) if fits else miss
 

@@ -31,7 +31,8 @@ def _frame_stride(value) -> int:
 
 def reward_kind(name: str) -> str:
     """The registry entry of a component name: ``kind`` or ``kind:label`` (the label tells apart two
-    components of one kind, e.g. ``remote:hpsv2`` and ``remote:unifiedreward``; logged under the full name)."""
+    components of one kind, e.g. ``remote:hpsv2`` and ``remote:unifiedreward``; logged under the full
+    name)."""
     return name.split(":", 1)[0]
 
 

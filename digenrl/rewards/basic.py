@@ -58,7 +58,8 @@ COLORS = {
 
 
 def prompt_color(prompt: str, meta: dict) -> str:
-    """The colour a sample should have: metadata 'color' if given, else the first colour word in the prompt."""
+    """The colour a sample should have: metadata 'color' if given, else the first colour word in the
+    prompt."""
     if meta.get("color"):
         return meta["color"]
     for word in prompt.lower().replace(",", " ").split():

@@ -3,7 +3,7 @@
 | reward | score | range |
 |---|---|---|
 | ``clipscore`` | CLIPScore (Hessel et al. 2021): ``w * max(cos(image, prompt), 0)``, w = 2.5 | [0, w] |
-| ``pickscore`` | PickScore (Kirstain et al. 2023): ``logit_scale.exp() * cos(image, prompt)`` | [-s, s], s ~ 100 |
+| ``pickscore`` | PickScore (Kirstain et al. 2023): ``logit_scale.exp() * cos(image, prompt)`` | +-s, s~100 |
 | ``aesthetic`` | LAION aesthetic predictor: MLP head on the L2-normalised CLIP image embedding | ~ [1, 10] |
 
 Common ``args``: ``path`` (a directory with a transformers ``CLIPModel``, its tokenizer and, when

@@ -85,7 +85,8 @@ def _positive(name: str, value, kind=float, allow_zero: bool = False):
 
 @register("remote")
 class RemoteReward(Reward):
-    """Scores from an HTTP server: ``args: {url, timeout, retries, backoff, batch_size, format, video_native}``."""
+    """Scores from an HTTP server: ``args: {url, timeout, retries, backoff, batch_size, format,
+    video_native}``."""
 
     def __init__(
         self,
