@@ -166,8 +166,8 @@ def measure(cfg_path: str) -> list[dict]:
     from digenrl.distributed.checkpointing import checkpoint_blocks
     from digenrl.distributed.precision import fp32_master
     from digenrl.lora import apply_lora
-    from digenrl.planner.costmodel import CostParams
     from digenrl.planner.memory import MemoryModel
+    from digenrl.planner.params import CostParams
     from digenrl.planner.workload import Workload
 
     cfg = load_config(cfg_path, [])

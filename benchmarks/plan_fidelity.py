@@ -190,11 +190,13 @@ def main(argv=None) -> int:
     from digenrl.engine.runtime import run_engine
     from digenrl.engine.timeline import Timeline
     from digenrl.placement import Plan
-    from digenrl.planner.costmodel import CostModel, CostParams, Workload
+    from digenrl.planner.costmodel import CostModel
     from digenrl.planner.gpus import cluster_from_dict
     from digenrl.planner.measure.contention import OtherLoad
+    from digenrl.planner.params import CostParams
     from digenrl.planner.profile import load_profile, run_profile, save_profile, unit_groups
     from digenrl.planner.simulator import simulate, steady_summary
+    from digenrl.planner.workload import Workload
 
     torch.set_num_threads(1)
     base = load_config(args.config, WORKLOADS[args.workload] + extra + QUIET)

@@ -124,8 +124,8 @@ class MemorySettings:
 
 
 def _model(cfg):
-    from digenrl.planner.costmodel import CostParams
     from digenrl.planner.memory import MemoryModel
+    from digenrl.planner.params import CostParams
     from digenrl.planner.workload import Workload
 
     return MemoryModel(Workload.from_config(cfg), CostParams())

@@ -130,7 +130,7 @@ def upward_imports(graph, table) -> set[tuple[str, str]]:
 
 
 #: The runtime resolves `auto` settings by calling up into preflight and the planner's memory model;
-#: the RunLayout (issue 21, branch `layout`) resolves them once, below the runtime. These edges are
+#: the RunLayout (branch `layout`) resolves them once, below the runtime. These edges are
 #: known until it lands; the lead removes this list then (the test below fails on any other edge, and
 #: on an entry here that no longer exists).
 KNOWN_UNTIL_RUNLAYOUT = {

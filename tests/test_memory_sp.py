@@ -12,9 +12,10 @@ import pytest
 from digenrl.config import load_config
 from digenrl.errors import UserError
 from digenrl.placement import Plan, apply_plan
-from digenrl.planner.costmodel import CostModel, CostParams
+from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import load_cluster
 from digenrl.planner.memory import MemoryModel
+from digenrl.planner.params import CostParams
 from digenrl.planner.search import candidates, sp_degrees
 from digenrl.planner.simulator import bound, simulate
 from digenrl.planner.workload import Workload

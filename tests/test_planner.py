@@ -19,18 +19,14 @@ from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit
 from digenrl.engine.timeline import Timeline
 from digenrl.errors import UserError
 from digenrl.placement import Plan
-from digenrl.planner.costmodel import (
-    AnalyticTimes,
-    CostModel,
-    CostParams,
-    EngineOverheads,
-    Workload,
-    interpolate,
-)
+from digenrl.planner.call_times import AnalyticTimes, interpolate
+from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import DEVICES, cluster_from_dict, load_cluster, match_device_name
+from digenrl.planner.params import CostParams, EngineOverheads
 from digenrl.planner.search import candidates, search
 from digenrl.planner.shapes import attention_fraction, forward_flops, model_shape
 from digenrl.planner.simulator import bound, simulate
+from digenrl.planner.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "configs" / "clusters"

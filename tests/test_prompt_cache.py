@@ -1,4 +1,4 @@
-"""Prompt embeddings cached once per run (issue 15, lean workers): each distinct prompt reaches the
+"""Prompt embeddings cached once per run (lean workers): each distinct prompt reaches the
 text encoder once; the cached conditioning is exactly what encoding again returns."""
 
 from __future__ import annotations

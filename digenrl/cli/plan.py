@@ -25,11 +25,12 @@ def run_plan_command(
     timeline_dir: Path | None = None,
     ladder: bool = False,
 ) -> dict:
-    from digenrl.planner.costmodel import CostModel, Workload
+    from digenrl.planner.costmodel import CostModel
     from digenrl.planner.gpus import cluster_from_run_config, load_cluster
     from digenrl.planner.profile import load_profile
     from digenrl.planner.search import baselines, search
     from digenrl.planner.search import ladder as knob_ladder
+    from digenrl.planner.workload import Workload
 
     if top < 1:
         raise UserError(f"--top: must be at least 1, got {top}")

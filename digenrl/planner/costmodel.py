@@ -36,7 +36,6 @@ from digenrl.planner.call_times import (
     CallTimes,
     ProfiledTimes,
     SequenceParallelTimes,
-    interpolate,
     rollout_unit_time,
     train_unit_time,
 )
@@ -45,23 +44,6 @@ from digenrl.planner.gpus import DEVICES, ClusterSpec
 from digenrl.planner.memory import DeviceSetup, MemoryModel
 from digenrl.planner.params import ColocationCosts, CostParams, EngineOverheads
 from digenrl.planner.workload import Workload
-
-# the cost model's public names, importable from here as before the split
-__all__ = [
-    "AnalyticTimes",
-    "CallTimes",
-    "ColocationCosts",
-    "CostModel",
-    "CostParams",
-    "DeviceSetup",
-    "EngineOverheads",
-    "ProfiledTimes",
-    "Workload",
-    "check_profile_matches",
-    "interpolate",
-    "rollout_unit_time",
-    "train_unit_time",
-]
 
 
 class CostModel:

@@ -54,7 +54,8 @@ from digenrl.engine.scheduler import RolloutUnit, Scheduler, TrainUnit
 from digenrl.engine.timeline import Timeline
 from digenrl.placement import Plan
 from digenrl.planner.bound import DoesNotFit, bound, setups, unit_train_time
-from digenrl.planner.costmodel import CostModel, DeviceSetup
+from digenrl.planner.costmodel import CostModel
+from digenrl.planner.memory import DeviceSetup
 
 __all__ = ["DoesNotFit", "SimResult", "Simulator", "bound", "setups", "simulate", "steady_summary"]
 

@@ -14,9 +14,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from digenrl.config import load_config
-from digenrl.planner.costmodel import CostModel, Workload
+from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import load_cluster
 from digenrl.planner.search import baselines, ladder, search
+from digenrl.planner.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent
