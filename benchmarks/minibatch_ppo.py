@@ -3,7 +3,7 @@
     python benchmarks/minibatch_ppo.py [--steps 1 4] [--seeds 0 1 2] [--iterations 20] [--lr 1e-2]
                                        [--set KEY=VALUE ...] [--json FILE]
 
-The default demo (``digenrl/data/flux_tiny.yaml``: 32x32, G = 8, 4 prompts per iteration, 8 SDE
+The default demo (``configs/flux_tiny.yaml``: 32x32, G = 8, 4 prompts per iteration, 8 SDE
 steps, the ``prompt_color`` reward) with the local trainer (``placement.mode: local``), for every
 S and seed; ``--set`` overrides more (a smaller image, fewer steps: a cheaper run). Reported per S, mean and
 standard error over the seeds:
