@@ -15,6 +15,8 @@ import contextlib
 
 import torch
 
+from digenrl.lora import full_tensor
+
 
 def ema_decay(cfg, n: int) -> float:
     """The decay applied at the n-th optimizer step (1-based)."""
@@ -43,8 +45,6 @@ class WeightAverage:
     def state(self) -> dict[str, torch.Tensor]:
         """The average as CPU fp32 tensors (what a checkpoint stores); gathered from the shards
         when it is sharded like its FSDP2 parameters (a collective: every rank calls it)."""
-        from digenrl.lora import full_tensor
-
         return {n: full_tensor(t).detach().cpu().clone() for n, t in self.average.items()}
 
     def load(self, state: dict[str, torch.Tensor], steps: int) -> None:

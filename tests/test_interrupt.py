@@ -1,4 +1,4 @@
-"""Ctrl-C keeps the work (issue #14): `digenrl train` interrupted mid-run writes a checkpoint of the
+"""Ctrl-C keeps the work: `digenrl train` interrupted mid-run writes a checkpoint of the
 last completed iteration, exits 130 with a last line that says how to resume, and `--resume`
 continues from exactly there: every iteration's metrics row once, the interrupted run's rows as
 they were. Each run is a real subprocess sent a real SIGINT, on the engine (the default config) and
@@ -17,12 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import TINY
+
 SMALL = [
-    "model.height=16",
-    "model.width=16",
-    "train.prompts_per_iteration=2",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
+    *TINY,
     "output.save_samples_every=0",
 ]
 

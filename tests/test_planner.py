@@ -282,7 +282,7 @@ def disagg(rollout: int, trainers: int, **knobs) -> Plan:
 
 
 def test_simulator_drives_the_engine_scheduler_and_fills_a_timeline(tiny_cfg, tmp_path):
-    cfg = tiny_cfg("train.prompts_per_iteration=4")
+    cfg = tiny_cfg("train.prompts_per_iteration=4", "algorithm.group_size=8")
     cost = ConstantCost(cfg)
     res = simulate(disagg(1, 2, tsp_degree=2, tag=True), cost, iterations=3)
     assert isinstance(res.scheduler, Scheduler) and res.scheduler.done()

@@ -318,13 +318,6 @@ def test_server_stopping_mid_run_trains_no_unit_on_missing_scores(tmp_path):
     assert [r["iteration"] for r in rows] == [0]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from tests.helpers import local_ray
-
-    yield from local_ray()
-
-
 @pytest.mark.slow  # starts Ray
 def test_inside_the_reward_actor(ray_cluster, server):
     """The reward actor (reward.service) builds the remote reward from the registry: same scores, same

@@ -250,9 +250,9 @@ def check_invariants(
                 for e in trains
                 if (e.unit.iteration == k and e.unit.step > s) or e.unit.iteration == k + 1
             )
-            for mine in share:
-                others = [e for e in events if e.worker == mine.worker and e is not mine]
-                assert not [e for e in others if mine.start <= e.start < end]
+            for share_event in share:
+                others = [e for e in events if e.worker == share_event.worker and e is not share_event]
+                assert not [e for e in others if share_event.start <= e.start < end]
             previous_end = end
         step_end[k] = previous_end
     assert list(step_end.values()) == sorted(step_end.values())
