@@ -149,6 +149,15 @@ def test_minibatch_ppo(tmp_path):
         assert finite(row["clip_frac"], row["ratio_min"], row["ratio_max"], row["cpu_s_per_iteration"])
 
 
+@pytest.mark.slow
+def test_peer_calibration(tmp_path):
+    """Analytic only (seconds): the fitted pair of kernel efficiencies and each phase's error."""
+    data = run_script("peer_calibration.py", tmp_path)
+    eff = data["efficiency"]
+    assert 0 < eff["sampling"] < 1 and 0 < eff["training"] < 1 and data["phases"]
+    assert finite(data["worst_predicted_phase_error"], data["step_s"]["predicted"])
+
+
 def test_reward_server_is_exercised_by_the_remote_reward_tests():
     """benchmarks/reward_server.py is the example server tests/test_remote_reward.py runs."""
     assert '"reward_server.py"' in (ROOT / "tests" / "test_remote_reward.py").read_text()

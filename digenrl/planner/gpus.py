@@ -1,7 +1,8 @@
 """Hardware the planner knows: the accelerator table (:mod:`digenrl.devices`, which the runtime
-reads too) and the cluster-file schema. The planner only uses the table's numbers through the cost
-model, which multiplies peak FLOP/s by an efficiency factor (MFU) and memory bandwidth by a bandwidth
-efficiency (``params.CostParams``).
+reads too), the planner's kernel efficiencies per device type, and the cluster-file schema. The
+planner only uses the table's numbers through the cost model, which multiplies peak FLOP/s by a kernel
+efficiency (:data:`KERNEL_EFFICIENCY`, scaled by the tokens per call: ``efficiency.py``) and memory
+bandwidth by a bandwidth efficiency (``params.CostParams``).
 
 A cluster file describes pools of devices::
 
@@ -37,6 +38,32 @@ from digenrl.devices import (  # noqa: F401  (re-exported: the planner reads the
 from digenrl.errors import UserError
 from digenrl.placement import device_type
 from digenrl.yamlfile import parse_yaml
+
+#: (sampling, training) peak kernel efficiency -- share of peak bf16 FLOP/s at large token counts
+#: (efficiency.py scales it down for small calls) -- per device type. Hopper (H100 / H800 and the same
+#: GH100 compute in H200): fitted by benchmarks/peer_calibration.py to veRL-Omni's published step
+#: (verl-project/verl-omni PR #52 phase breakdown of run_qwen_image_ocr_lora.sh, Qwen-Image LoRA r64,
+#: 4xH800, 408.8 s: generation 228.2 s, update_actor 109.3 s, old_log_prob 32.0 s), the fit in
+#: docs/scaling.md ("Calibration on published numbers"), until a GPU profile replaces it.
+CALIBRATED_HOPPER = (0.216, 0.301)
+KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
+    "H100": CALIBRATED_HOPPER,
+    "H800": CALIBRATED_HOPPER,
+    "H200": CALIBRATED_HOPPER,
+}
+KERNEL_EFFICIENCY_SOURCE = (
+    "calibrated on veRL-Omni's published Qwen-Image step (benchmarks/peer_calibration.py)"
+)
+#: every other type: typical values for bf16 DiT kernels with FlashAttention, never measured
+GENERIC_EFFICIENCY = (0.40, 0.35)
+
+
+def kernel_efficiency(device: str) -> tuple[float, float, str]:
+    """(sampling, training, source) peak kernel efficiency of a device type (KERNEL_EFFICIENCY)."""
+    if device in KERNEL_EFFICIENCY:
+        return (*KERNEL_EFFICIENCY[device], KERNEL_EFFICIENCY_SOURCE)
+    return (*GENERIC_EFFICIENCY, "default, not measured")
+
 
 # ------------------------------------------------------------------------------ cluster files
 
