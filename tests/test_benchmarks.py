@@ -109,7 +109,7 @@ def test_weight_sync(tmp_path):
     rows = run_script("weight_sync.py", tmp_path, "--repeats", "1", "--lora-mib", "1", "--full-mib", "4")[
         "rows"
     ]
-    assert {r["transport"] for r in rows} == {"ray_object_store", "broadcast_gloo"}
+    assert {"ray_object_store", "broadcast_gloo"} <= {r["transport"] for r in rows}
     assert all(r["bytes"] > 0 and r["bytes_per_s"] > 0 for r in rows)
 
 
