@@ -133,9 +133,12 @@ def compare(
     overrides: list[str] = (),
     iterations: int = 100_000,
     log=print,
+    on_run=None,
 ) -> dict:
     """Train every (seed, algorithm, mode) for ``minutes``; returns {"runs", "summary", "skipped"}.
-    The reusable core (benchmarks/algorithms.py compares algorithms at one mode with it)."""
+    ``on_run(partial result)`` after each run (the script writes its JSON then: a stopped
+    benchmark keeps its finished runs). The reusable core (an algorithm comparison at one mode
+    calls it with one mode and several algorithms)."""
     import ray
 
     known = engine_modes()
@@ -164,6 +167,8 @@ def compare(
                         r = run_one(sets, minutes * 60, iterations, Path(tmp) / f"{algo}-{mode}-{seed}")
                         r.update(algorithm=algo, mode=mode, seed=seed)
                         runs.append(r)
+                        if on_run is not None:
+                            on_run(result(minutes, seeds, runs, skipped))
                         log(
                             f"{algo} / {mode} / seed {seed}: {r['iterations']} iterations in "
                             f"{r['wall_s']:.0f} s, gain {r['gain']:+.3f} ({r['gain_per_min']:+.3f}/min, "
@@ -171,6 +176,10 @@ def compare(
                         )
     finally:
         ray.shutdown()
+    return result(minutes, seeds, runs, skipped)
+
+
+def result(minutes: float, seeds: list[int], runs: list[dict], skipped: dict) -> dict:
     return {
         "minutes": minutes,
         "seeds": list(seeds),
@@ -235,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             args.set,
             iterations,
             log=lambda s: console.print(f"[dim]{s}[/dim]"),
+            on_run=(lambda r: args.json.write_text(json.dumps(r, indent=2))) if args.json else None,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
