@@ -119,6 +119,7 @@ def run_engine(
         out = RunDir(cfg, run_dir, history=history)
         backend = RayBackend(cfg, scheduler, workers, actors, out, on_iteration, history)
         backend.t0, backend.hidden = started, hidden
+        backend.resumed_at = start if resumed is not None else None  # timeline.json: after the earlier part
         backend.sync = SyncRoutes(*sync, start, actors, backend.rank0)
         try:
             with stop_on_interrupt() as backend.stop:
@@ -175,6 +176,7 @@ class RayBackend:
             restarts=lambda: sum(self.faults.restarts.values()) + num_restarts(actors.get(REWARD_ROW)),
         )
         self.t0 = time.time()
+        self.resumed_at: int | None = None  # a resumed run's first iteration (see save_timeline)
         self.in_flight: dict = {}  # ObjectRef -> (worker, unit): a unit running, or the scores of a released one
         self.side: dict = {}  # ObjectRef -> (what, iteration or worker): rank 0's eval / checkpoint, a ready()
         self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples, until fully trained
@@ -485,5 +487,8 @@ class RayBackend:
 
     def save_timeline(self) -> None:
         if self.timeline.events:
-            self.timeline.save_json(self.out.path / "timeline.json")
-            self.timeline.to_png(self.out.path / "timeline.png")
+            path, timeline = self.out.path / "timeline.json", self.timeline
+            if self.resumed_at is not None:  # resumed: the whole run's timeline, not this part's
+                timeline = timeline.after_earlier(path, self.resumed_at)
+            timeline.save_json(path)
+            timeline.to_png(self.out.path / "timeline.png")
