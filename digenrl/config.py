@@ -255,6 +255,13 @@ class AlgorithmConfig(_Section):
     is_cap: float = Field(
         2.0, ge=1, description="cap of the importance weight for stale samples (decoupled PPO)"
     )
+    stale_gradient: Literal["recentred", "raw"] = Field(
+        "recentred",
+        description=(
+            "stale samples' log-prob gradient: recentred = their recorded step noise around the current "
+            "mean (the on-policy score, no stale drift term); raw = the recorded sample as is"
+        ),
+    )
     timesteps: TimestepConfig = Field(default_factory=TimestepConfig)
 
 

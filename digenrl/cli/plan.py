@@ -323,7 +323,10 @@ def report_notes(report: dict) -> list[str]:
             "cpu devices without a profile: nominal times only; run `digenrl profile --device cpu` "
             "and pass --profile"
         )
-    lines.append("predictions of the cost model + simulator, not measurements (docs/scaling.md)")
+    lines.append(
+        "predictions of the cost model + simulator, not measurements (docs/scaling.md); they predict "
+        "samples per second, not learning: reward per wall-second is benchmarks/learning.py's"
+    )
     return lines
 
 
