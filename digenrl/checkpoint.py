@@ -417,6 +417,8 @@ def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = T
                 ) from None
         else:
             policy.ema.reset()
+    if getattr(policy, "old", None) is not None:  # diffusion_nft: the old policy restarts at the weights
+        policy.old.reset(state.iteration * policy.cfg.train.optimizer_steps)
     if rngs is not None:
         set_rng_state(rngs)
     return state
