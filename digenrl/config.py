@@ -239,7 +239,9 @@ class NftConfig(_Section):
     """DiffusionNFT's own knobs (``algorithm.name: diffusion_nft``; docs/algorithms.md)."""
 
     beta: float = Field(
-        1.0, gt=0, description="v+ = (1 - beta) v_old + beta v, v- = (1 + beta) v_old - beta v (paper: 1; OCR 0.1)"
+        1.0,
+        gt=0,
+        description="v+ = (1 - beta) v_old + beta v, v- = (1 + beta) v_old - beta v (paper: 1; OCR 0.1)",
     )
     noise_levels: int | None = Field(
         None,
@@ -249,7 +251,9 @@ class NftConfig(_Section):
         "drawn per sample; null = all sampling.steps of them (the reference's timestep_fraction 1)",
     )
     decay_flat: int = Field(0, ge=0, description="old-policy EMA: decay 0 for the first N optimizer steps")
-    decay_rate: float = Field(0.001, ge=0, description="old-policy EMA: decay rises by this per optimizer step")
+    decay_rate: float = Field(
+        0.001, ge=0, description="old-policy EMA: decay rises by this per optimizer step"
+    )
     decay_max: float = Field(
         0.5, ge=0, lt=1, description="old-policy EMA: decay cap (the reference's decay_type 1: 0, 0.001, 0.5)"
     )

@@ -66,7 +66,9 @@ class Samples:
     log_probs: torch.Tensor  # (B, N) behaviour log-probs; diffusion_nft: (B, 0)
     sigmas: torch.Tensor
     sde_mask: torch.Tensor  # (N,)
-    train_idx: torch.Tensor  # (B, T) step indices to train; diffusion_nft: (B, K) noise levels (sigma indices)
+    train_idx: (
+        torch.Tensor
+    )  # (B, T) step indices to train; diffusion_nft: (B, K) noise levels (sigma indices)
     rewards: torch.Tensor  # (B,) weighted total
     reward_parts: dict[str, torch.Tensor]
     advantages: torch.Tensor | None = None  # (B,), set once the group's rewards are known
@@ -233,7 +235,9 @@ def train_unit(
     if is_nft(cfg):  # DiffusionNFT: flow matching on forward-noised clean samples
         from digenrl import units_nft
 
-        return units_nft.train_unit(policy, samples, total_terms, tsp_rank, tsp_degree, minibatch, minibatches)
+        return units_nft.train_unit(
+            policy, samples, total_terms, tsp_rank, tsp_degree, minibatch, minibatches
+        )
     alg, kind, eta = cfg.algorithm, cfg.sampling.sde, cfg.sampling.noise_level
     stale = samples.version < policy.version  # one-step async: decoupled PPO
     stats = _Stats()

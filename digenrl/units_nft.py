@@ -43,7 +43,12 @@ def noise_plan(cfg, iteration: int, seed: int, group_ids: list[int], samples: tu
         levels = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(G)])
         idx.append(levels[lo:hi])
         seeds.append(
-            torch.tensor([[stream_seed(seed, iteration, gid, q, j, "nft-noise") for j in range(k)] for q in range(lo, hi)])
+            torch.tensor(
+                [
+                    [stream_seed(seed, iteration, gid, q, j, "nft-noise") for j in range(k)]
+                    for q in range(lo, hi)
+                ]
+            )
         )
     return torch.ones(n, dtype=torch.bool), torch.cat(idx), torch.cat(seeds)
 

@@ -146,7 +146,11 @@ def test_old_policy_decay_ramps_as_the_reference_schedules():
 def test_defaults_select_the_ode_sampler_at_the_papers_steps():
     cfg = load_config(None, ["algorithm.name=diffusion_nft"])
     assert (cfg.sampling.noise_level, cfg.sampling.steps) == (0.0, 10)
-    assert (cfg.algorithm.nft.beta, cfg.algorithm.nft.decay_rate, cfg.algorithm.nft.decay_max) == (1.0, 0.001, 0.5)
+    assert (cfg.algorithm.nft.beta, cfg.algorithm.nft.decay_rate, cfg.algorithm.nft.decay_max) == (
+        1.0,
+        0.001,
+        0.5,
+    )
     mine = load_config(None, ["algorithm.name=diffusion_nft", "sampling.steps=6", "sampling.noise_level=0.7"])
     assert (mine.sampling.steps, mine.sampling.noise_level) == (6, 0.7)  # set explicitly: kept
     assert load_config(None, []).sampling.noise_level == 1.0  # flow_grpo's unchanged
@@ -185,7 +189,9 @@ def test_rollout_carries_clean_latents_and_the_noise_plan(setup):
     assert all(sorted(row.tolist()) == [0, 1, 2, 3] for row in whole.train_idx)  # K = N distinct sigmas
     half = rollout_unit(policy, reward, prompts[1:], [1], 0, cfg.train.seed, samples=(2, 4))
     torch.testing.assert_close(half.latents, whole.latents[6:])  # a part of a group: the same samples
-    assert torch.equal(half.train_idx, whole.train_idx[6:]) and torch.equal(half.noise_seeds, whole.noise_seeds[6:])
+    assert torch.equal(half.train_idx, whole.train_idx[6:]) and torch.equal(
+        half.noise_seeds, whole.noise_seeds[6:]
+    )
 
 
 def test_tsp_shares_add_up_to_the_whole_gradient_and_the_old_policy_stays_put(setup):
