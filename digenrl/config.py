@@ -139,6 +139,12 @@ class SamplingConfig(_Section):
         None, gt=0, description="fixed sigma shift; None = the model's own (FLUX/Qwen: dynamic mu)"
     )
     guidance: float = Field(3.5, ge=0, description="guidance scale in the model's own style")
+    eval_guidance: float | None = Field(
+        None,
+        ge=0,
+        description="guidance scale of evaluation only (null: sampling.guidance); e.g. CFG at eval after "
+        "CFG-free diffusion_nft training",
+    )
     negative_prompt: str = ""
     sde: Literal["flow_grpo", "dance_grpo", "cps"] = "flow_grpo"
     noise_level: float = Field(1.0, ge=0, description="eta; 0 = deterministic ODE (Euler) sampling")
@@ -213,6 +219,10 @@ ALGORITHM_DEFAULTS = {
 }
 
 
+#: families whose guidance is two-pass CFG: diffusion_nft rolls out and trains them CFG-free by default
+TWO_PASS_CFG_FAMILIES = ("wan", "qwen_image")
+
+
 def algorithm_defaults(data: dict) -> dict:
     """``data`` (a raw config mapping) with the keys ``algorithm.name`` selects filled in where unset."""
     algorithm = data.get("algorithm", {})
@@ -228,9 +238,13 @@ def algorithm_defaults(data: dict) -> dict:
     timesteps = {"mode": preset["timesteps"]["mode"], **(algorithm.get("timesteps") or {})}
     if timesteps["mode"] == preset["timesteps"]["mode"]:
         timesteps = {"fraction": preset["timesteps"]["fraction"], **timesteps}
+    sampling = dict(preset.get("sampling", {}))
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    if algorithm.get("name") == "diffusion_nft" and model.get("adapter") in TWO_PASS_CFG_FAMILIES:
+        sampling["guidance"] = 1.0  # CFG-free rollouts and training (sampling.eval_guidance: CFG at eval)
     return {
         **data,
-        "sampling": {"sde": preset["sde"], **preset.get("sampling", {}), **(data.get("sampling") or {})},
+        "sampling": {"sde": preset["sde"], **sampling, **(data.get("sampling") or {})},
         "algorithm": {**algorithm, "timesteps": timesteps},
     }
 

@@ -218,3 +218,29 @@ def test_tsp_shares_add_up_to_the_whole_gradient_and_the_old_policy_stays_put(se
     for p in params:
         p.grad = None
     assert all(torch.equal(before[n], t) for n, t in policy.old.average.items())  # swapped back, untouched
+
+
+def test_cfg_families_train_cfg_free_and_may_evaluate_with_cfg():
+    from digenrl.evaluate import evaluate_policy
+
+    qwen = [
+        "model.adapter=qwen_image",
+        "model.lora.targets=[to_q, to_k, to_v, to_out.0, txt_in, norm_out.linear, proj_out]",
+        "algorithm.name=diffusion_nft",
+        "sampling.eval_steps=2",
+        "placement.mode=local",
+    ]
+    cfg = load_config(None, qwen)
+    assert cfg.sampling.guidance == 1.0 and cfg.sampling.eval_guidance is None  # CFG-free rollouts
+    assert load_config(None, qwen + ["sampling.guidance=4"]).sampling.guidance == 4.0  # explicit: kept
+    assert load_config(None, qwen[:2] + ["algorithm.name=flow_grpo"]).sampling.guidance == 3.5
+    prompts = load_prompts(cfg.prompts)[:2]
+    reward = build_reward(cfg.reward)
+    torch.manual_seed(0)
+    plain = Policy(cfg)
+    torch.manual_seed(0)
+    guided = Policy(load_config(None, qwen + ["sampling.eval_guidance=4.0"]))
+    a = evaluate_policy(plain, reward, prompts)
+    b = evaluate_policy(guided, reward, prompts)
+    assert not torch.equal(a.pixels, b.pixels)  # the same weights and noise, evaluated with CFG
+    assert guided.adapter.sampling.guidance == 1.0  # restored: rollouts stay CFG-free

@@ -10,8 +10,8 @@
   and micro-batch one forward + backward of ``recompute_logprob`` (+ a no-grad reference forward
   when ``kl_beta > 0``; diffusion_nft: per noise level, the old policy's no-grad forward + the
   forward / backward, and rollouts of one forward of the unit per step); DanceGRPO's random
-  steps split a micro-batch into one forward per distinct step (in the train unit; the rollout's matching split, at most D + 1 forwards of a micro-batch
-  per step, is modelled as one).
+  steps split a micro-batch into one forward per distinct step (in the train unit; the rollout's
+  matching split, at most D + 1 forwards of a micro-batch per step, is modelled as one).
 
 Per-call times come from a profile (:class:`ProfiledTimes`: means vs batch size, interpolated
 piecewise-linearly in the batch, extrapolated along the last segment) or from the analytic model
