@@ -244,3 +244,58 @@ def test_cfg_families_train_cfg_free_and_may_evaluate_with_cfg():
     b = evaluate_policy(guided, reward, prompts)
     assert not torch.equal(a.pixels, b.pixels)  # the same weights and noise, evaluated with CFG
     assert guided.adapter.sampling.guidance == 1.0  # restored: rollouts stay CFG-free
+
+
+def test_the_planner_models_clean_latent_samples_and_an_old_policy_forward_per_noise_level():
+    from dataclasses import replace
+
+    from digenrl.planner.call_times import rollout_unit_time, train_unit_time
+    from digenrl.planner.workload import Workload
+
+    class Unit:  # a call-time table: 1 s per train forward/backward, 0.25 s per no-grad forward
+        rollout_unit_factor = train_unit_factor = 1.0
+        rollout_overhead_s = train_overhead_s = 0.0
+
+        def train_step(self, b):
+            return 1.0
+
+        def ref_forward(self, b):
+            return 0.25
+
+        def rollout_step(self, b):
+            return 0.1
+
+        def encode(self, n):
+            return 0.0
+
+        def decode(self, b):
+            return 0.0
+
+        def reward(self, b):
+            return 0.0
+
+    grpo = Workload.from_config(load_config(None, ["sampling.steps=10", "train.micro_batch=4"]))
+    w = Workload.from_config(load_config(None, ["algorithm.name=diffusion_nft", "train.micro_batch=4"]))
+    assert w.forward_process and (w.steps, w.trained_steps) == (10, 10)
+    # one latent (+ K seeds) per sample on the wire, not N + 1 latents and N log-probs
+    assert w.sample_bytes < grpo.sample_bytes / 5
+    t = Unit()
+    # a unit of 1 group (8 samples, 2 micro-batches) on TSP rank 0 of 2: 5 levels x 2 micro-batches x (1 + 0.25)
+    assert train_unit_time(t, w, 1, 0, 2, 4) == pytest.approx(5 * 2 * 1.25)
+    assert train_unit_time(t, replace(w, kl=True), 1, 0, 2, 4) == pytest.approx(5 * 2 * 1.5)
+    assert train_unit_time(t, replace(w, forward_process=False), 1, 0, 2, 4) == pytest.approx(5 * 2 * 1.0)
+    # rollout: one forward of the unit per step (no micro-batch split for log-probs to match)
+    assert rollout_unit_time(t, w, 2)[0] == pytest.approx(10 * 0.1)
+
+
+def test_the_memory_model_counts_the_old_policy_sharded():
+    from digenrl.planner.memory import MemoryModel
+    from digenrl.planner.params import CostParams
+    from digenrl.planner.workload import Workload
+
+    w = Workload.from_config(load_config(None, ["algorithm.name=diffusion_nft", "model.lora=null"]))
+    mem = MemoryModel(w, CostParams())
+    one, two = mem.train_parts(1, 1, False), mem.train_parts(2, 1, False)
+    assert one["old policy"] == w.params.total * 4 == 2 * two["old policy"]
+    grpo = Workload.from_config(load_config(None, ["model.lora=null"]))
+    assert "old policy" not in MemoryModel(grpo, CostParams()).train_parts(1, 1, False)
