@@ -280,7 +280,7 @@ def test_the_planner_models_clean_latent_samples_and_an_old_policy_forward_per_n
     # one latent (+ K seeds) per sample on the wire, not N + 1 latents and N log-probs
     assert w.sample_bytes < grpo.sample_bytes / 5
     t = Unit()
-    # a unit of 1 group (8 samples, 2 micro-batches) on TSP rank 0 of 2: 5 levels x 2 micro-batches x (1 + 0.25)
+    # 1 group (8 samples, 2 micro-batches) on TSP rank 0 of 2: 5 levels x 2 micro-batches x (1 + 0.25)
     assert train_unit_time(t, w, 1, 0, 2, 4) == pytest.approx(5 * 2 * 1.25)
     assert train_unit_time(t, replace(w, kl=True), 1, 0, 2, 4) == pytest.approx(5 * 2 * 1.5)
     assert train_unit_time(t, replace(w, forward_process=False), 1, 0, 2, 4) == pytest.approx(5 * 2 * 1.0)
