@@ -85,7 +85,7 @@ def test_default_demo_learns_on_the_async_engine(cluster, tmp_path):
     """``digenrl train --set algorithm.name=diffusion_nft``: the default demo (disaggregated, GAP, TAG,
     one-step async), shortened; the reward mean of the last third above the first third."""
     cfg = load_config(
-        None, NFT + ["train.iterations=60", "output.checkpoint_every=0", "output.save_samples_every=0"]
+        None, NFT + ["train.iterations=36", "output.checkpoint_every=0", "output.save_samples_every=0"]
     )
     e = cfg.engine
     assert (cfg.placement.mode, e.gap, e.tag, e.max_staleness) == ("disaggregated", True, True, 1)
