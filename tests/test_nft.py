@@ -299,3 +299,25 @@ def test_the_memory_model_counts_the_old_policy_sharded():
     assert one["old policy"] == w.params.total * 4 == 2 * two["old policy"]
     grpo = Workload.from_config(load_config(None, ["model.lora=null"]))
     assert "old policy" not in MemoryModel(grpo, CostParams()).train_parts(1, 1, False)
+
+
+def test_resume_continues_exactly_with_the_old_policy(tmp_path):
+    from safetensors.torch import load_file
+
+    from digenrl.trainer import LocalTrainer
+
+    base = SMALL + [
+        "train.prompts_per_iteration=1",
+        "algorithm.nft.decay_rate=0.3",
+        "output.checkpoint_every=1",
+    ]
+    LocalTrainer(load_config(None, base + ["train.iterations=3"])).run(tmp_path / "whole")
+    LocalTrainer(load_config(None, base + ["train.iterations=2"])).run(tmp_path / "cut")
+    ckpt = tmp_path / "cut" / "checkpoints" / "iter-000002"
+    assert (ckpt / "old_policy.safetensors").is_file()
+    resumed = LocalTrainer(load_config(None, base + ["train.iterations=3"]), resume=ckpt)
+    assert resumed.policy.old.steps == 2
+    resumed.run(tmp_path / "resumed")
+    want = load_file(tmp_path / "whole" / "final" / "pytorch_lora_weights.safetensors")
+    got = load_file(tmp_path / "resumed" / "final" / "pytorch_lora_weights.safetensors")
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -117,6 +117,21 @@ class OldPolicy:
             avg = self.average[name]
             avg.mul_(d).add_(p.detach().float(), alpha=1.0 - d)
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """The old policy as CPU fp32 tensors (what a checkpoint stores), gathered from FSDP shards
+        (a collective: every rank calls it)."""
+        from digenrl.lora import full_tensor
+
+        return {n: full_tensor(t).detach().cpu().clone() for n, t in self.average.items()}
+
+    def load(self, state: dict[str, torch.Tensor], steps: int) -> None:
+        if set(state) != set(self.average):
+            missing = sorted(set(self.average) - set(state))[:3]
+            raise ValueError(f"old-policy keys do not match the trained parameters (missing {missing})")
+        for n, t in state.items():
+            self.average[n].copy_(t.float())
+        self.steps = steps
+
     def reset(self, steps: int = 0) -> None:
         """Restart from the current weights (a resumed run: the checkpoint holds no old policy)."""
         self.average = {n: p.detach().float().clone() for n, p in self.params.items()}
