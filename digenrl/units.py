@@ -66,9 +66,7 @@ class Samples:
     log_probs: torch.Tensor  # (B, N) behaviour log-probs; diffusion_nft: (B, 0)
     sigmas: torch.Tensor
     sde_mask: torch.Tensor  # (N,)
-    train_idx: (
-        torch.Tensor
-    )  # (B, T) step indices to train; diffusion_nft: (B, K) noise levels (sigma indices)
+    train_idx: torch.Tensor  # (B, T) steps to train; diffusion_nft: (B, K) noise levels (sigma indices)
     rewards: torch.Tensor  # (B,) weighted total
     reward_parts: dict[str, torch.Tensor]
     advantages: torch.Tensor | None = None  # (B,), set once the group's rewards are known
@@ -132,8 +130,9 @@ def rollout_unit(
         group_ids=list(group_ids),
         prompts=texts,
         cond=cond.to("cpu"),
-        latents=(traj.latents[:, -1:] if nft else traj.latents).cpu(),  # NFT trains on clean samples only
-        log_probs=(traj.log_probs[:, :0] if nft else traj.log_probs).cpu(),
+        # NFT trains on the clean samples only: a copy, so no view drags the trajectory's storage along
+        latents=(traj.latents[:, -1:].clone() if nft else traj.latents).cpu(),
+        log_probs=(traj.log_probs[:, :0].clone() if nft else traj.log_probs).cpu(),
         sigmas=sigmas.cpu(),
         sde_mask=sde_mask,
         train_idx=train_idx,

@@ -185,6 +185,8 @@ def test_rollout_carries_clean_latents_and_the_noise_plan(setup):
     cfg, policy, reward, prompts = setup
     whole = rollout_unit(policy, reward, prompts, [0, 1], 0, cfg.train.seed)
     assert whole.latents.shape[1] == 1 and whole.log_probs.shape == (8, 0)  # no trajectory
+    # ... nor its storage behind a view: what is pickled to a trainer is the clean latents alone
+    assert whole.latents.untyped_storage().nbytes() == whole.latents.numel() * 4
     assert whole.train_idx.shape == (8, 4) and whole.noise_seeds.shape == (8, 4)
     assert all(sorted(row.tolist()) == [0, 1, 2, 3] for row in whole.train_idx)  # K = N distinct sigmas
     half = rollout_unit(policy, reward, prompts[1:], [1], 0, cfg.train.seed, samples=(2, 4))
