@@ -40,6 +40,9 @@ class Workload:
     # diffusion_nft: rollouts keep only the clean latent (no log-probs, one forward of the unit per step);
     # a train term (sample x noise level) is the old policy's no-grad forward + the current forward/backward
     forward_process: bool = False
+    # samples per sampling forward of a rollout-only worker; None = the trainer's micro-batches
+    # (engine.rollout_batch "trainer", the bit-exact ratio -- what the engine runs today)
+    rollout_batch: int | None = None
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
