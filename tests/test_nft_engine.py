@@ -1,8 +1,7 @@
 """DiffusionNFT on the Ray engine: on-policy (``max_staleness: 0``) it equals the single-process
 trainer with TSP 2 (the noise levels split over two trainer ranks) and with FSDP x2 (the old policy
 sharded like the weights); the default demo (disaggregated, GAP + TAG + one-step async) learns, with
-the timeline invariants of docs/architecture.md holding. One Ray cluster (1 rollout + 2 trainer
-logical devices) for the module."""
+the timeline invariants of docs/architecture.md holding. On the suite's Ray cluster (conftest)."""
 
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ from digenrl.engine.runtime import run_engine  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
-from tests.helpers import local_ray  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -49,8 +47,9 @@ LORA = "pytorch_lora_weights.safetensors"
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    yield from local_ray(rollout=1, trainer=2)
+def cluster(ray_cluster):
+    """The suite's Ray cluster (conftest ``ray_cluster``); its address."""
+    return ray_cluster
 
 
 @pytest.fixture(scope="module")
