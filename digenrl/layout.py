@@ -38,6 +38,8 @@ class Settings:
     fsdp: int = 1  # trainer ranks per FSDP2 shard group (1: replicated)
     activation_checkpointing: bool = False  # trainer ranks checkpoint each transformer block
     micro_batch: int = 1  # samples per forward / backward inside a train unit
+    rollout_batch: int | None = None  # samples per sampling forward of a rollout-only worker (None: the
+    # train forwards' batches, the on-policy ratio exactly 1; TAG ranks and colocated workers always)
     cfg_batching_trainer: str = "sequential"  # two-pass CFG on workers that train (trainer / both)
     cfg_batching_rollout: str = "sequential"  # ... on rollout workers
     vae_tiling: str = "default"  # on | off | default (the VAE's own)
@@ -49,6 +51,11 @@ class Settings:
 
     def cfg_batching(self, trainable: bool) -> str:
         return self.cfg_batching_trainer if trainable else self.cfg_batching_rollout
+
+    def sampling_batch(self, role: str) -> int | None:
+        """Samples per sampling forward of a worker of ``role``: a rollout-only worker's own batch,
+        anyone else's the train forwards' batches (None)."""
+        return self.rollout_batch if role == "rollout" else None
 
     @classmethod
     def single_process(cls, cfg: RunConfig, vae_tiling: str) -> Settings:
@@ -238,7 +245,8 @@ class RunLayout:
         lines.append(
             f"settings: trainer {fsdp}, activation checkpointing "
             f"{'on' if s.activation_checkpointing else 'off'}, "
-            f"micro-batch {s.micro_batch}; CFG trainer {s.cfg_batching_trainer} / rollout "
+            f"micro-batch {s.micro_batch}; rollout batch {s.rollout_batch or 'trainer'}; "
+            f"CFG trainer {s.cfg_batching_trainer} / rollout "
             f"{s.cfg_batching_rollout}; VAE tiling {s.vae_tiling}; weight sync {s.weight_sync}"
             + (" (object store if the group does not form)" if s.weight_sync_fallback else "")
         )

@@ -86,10 +86,13 @@ def rollout_unit(
     iteration: int,
     seed: int,
     samples: tuple[int, int] | None = None,
+    batch: int | None = None,
 ) -> Samples:
     """Generate G samples for each prompt with the policy's current weights, decode and score them;
     ``samples = (lo, hi)``: only samples lo..hi-1 of each group (a sub-group unit), the same ones a
-    whole-group unit generates."""
+    whole-group unit generates. ``batch``: samples per model forward (a rollout-only worker's own,
+    ``engine.rollout_batch``: the trainer's log-probs then match to rounding); None: the train
+    forwards' batches (:func:`forward_batches`, bit for bit)."""
     cfg, ad = policy.cfg, policy.adapter
     G, n_steps = cfg.algorithm.group_size, cfg.sampling.steps
     lo, hi = samples or (0, G)
@@ -110,7 +113,9 @@ def rollout_unit(
         cfg.sampling.noise_level,
         rng,
         sde_mask,
-        batches=forward_batches(train_idx, cfg, n, lo),
+        batches=forward_batches(train_idx, cfg, n, lo)
+        if batch is None
+        else own_batches(len(noise), n_steps, batch),
     )
     pixels = ad.decode(traj.latents[:, -1])
     texts = [p.text for p in prompts for _ in range(n)]
@@ -372,6 +377,12 @@ def forward_batches(
         per_step.append(batches)
     whole = all(len(b) == 1 and len(b[0]) == n for b in per_step)
     return None if whole else per_step
+
+
+def own_batches(n: int, steps: int, batch: int) -> list[list[torch.Tensor]] | None:
+    """Per denoising step, the rows of each forward of ``n`` samples in chunks of ``batch`` (None: one
+    forward of all)."""
+    return None if batch >= n else [list(torch.arange(n).split(batch)) for _ in range(steps)]
 
 
 def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:

@@ -37,9 +37,11 @@ class Workload:
     vae_tiled: bool = True  # the decode's memory is a tile of a sample (sampling.vae_tiling not off)
     video: bool = False  # a video family: the planner tries sequence parallelism
     evaluates: bool = False  # output.eval_every > 0 (the engine refuses sequence-parallel trainers then)
-    # samples per sampling forward of a rollout-only worker; None = the trainer's micro-batches
-    # (engine.rollout_batch "trainer", the bit-exact ratio -- what the engine runs today)
+    # samples per sampling forward of a rollout-only worker (engine.rollout_batch N); None = the trainer's
+    # micro-batches (engine.rollout_batch "trainer", the bit-exact ratio), or with rollout_batch_auto
+    # (engine.rollout_batch "auto") the largest each rollout device holds by the memory model
     rollout_batch: int | None = None
+    rollout_batch_auto: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
@@ -84,6 +86,8 @@ class Workload:
             vae_tiled=tiling_mode(cfg.model, cfg.sampling) != "off",
             video=cfg.model.frames is not None,
             evaluates=cfg.output.eval_every > 0,
+            rollout_batch=rb if isinstance(rb := cfg.engine.rollout_batch, int) else None,
+            rollout_batch_auto=cfg.engine.rollout_batch == "auto",
         )
 
     @property
