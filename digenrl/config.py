@@ -9,6 +9,7 @@ numbers, absurd sizes and invalid values raise :class:`ConfigError` naming the d
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -292,6 +293,11 @@ class RewardConfig(_Section):
             raise ValueError(
                 f"reward '{dup}' is listed twice (each reward is logged and weighted by its name)"
             )
+        if all(t.weight == 0 for t in terms):  # weight 0 = logged only: nothing would be trained on
+            raise ValueError(
+                "every reward weight is 0, so the run would learn nothing (a weight of 0 only logs "
+                "reward/<name>); give at least one reward a non-zero weight"
+            )
         return terms
 
 
@@ -392,9 +398,17 @@ class PoolConfig(_Section):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str
+    name: str = Field(description="1-64 letters, digits, _ . - (it names Ray resources and timeline rows)")
     device: str = Field("cpu", description="device type: cpu (logical) or a GPU name such as H800, H20, A100")
     count: int = Field(1, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+            shown = name if len(name) <= 40 else name[:40] + "..."
+            raise ValueError(f"a pool name is 1-64 letters, digits, '_', '.' or '-' (got {shown!r})")
+        return name
 
 
 class ClusterConfig(_Section):
@@ -514,6 +528,8 @@ class OutputConfig(_Section):
     @field_validator("name")
     @classmethod
     def _plain_name(cls, name: str) -> str:
+        if len(name.encode()) > 200:  # a file name: runs/<name>-<time> must stay under 255 bytes
+            raise ValueError(f"must be a name of at most 200 bytes (got {len(name.encode())})")
         if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
             raise ValueError(
                 f"must be a plain name without '/' or '..' (got {name!r}); set output.run_dir "
@@ -661,7 +677,21 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
     data = read_yaml(path) if path is not None else {}
     for assignment in overrides or []:
         apply_override(data, assignment)
-    return validate_config(data)
+    try:
+        return validate_config(data)
+    except ConfigError as exc:
+        if path is None or _from_overrides(str(exc), overrides or []):
+            raise
+        raise ConfigError(f"{path}: {exc}") from None  # the file holds the bad key or value
+
+
+def _from_overrides(message: str, overrides: list[str]) -> bool:
+    """Whether a validation error names a key that a ``--set`` assigned (else it came from the file)."""
+    key = message.split(":", 1)[0].split(" ", 1)[0]
+    for assigned in (a.split("=", 1)[0].strip() for a in overrides):
+        if (key == "config" and assigned in message) or assigned.startswith(key) or key.startswith(assigned):
+            return True
+    return False
 
 
 def validate_config(data: dict) -> RunConfig:

@@ -84,6 +84,15 @@ def interrupt_then_resume(run: Path, extra: list[str]) -> None:
     assert [r["iteration"] for r in after] == list(range(done + 2))  # each iteration exactly once
     assert after[:done] == before  # the interrupted run's rows are kept as they were
     assert (run / "final").is_dir()
+    if (run / "timeline.json").is_file():  # the engine: one timeline of the whole run, not of its last part
+        from collections import Counter
+
+        from digenrl.engine.timeline import Timeline
+
+        tl = Timeline.from_chrome_trace(run / "timeline.json")
+        steps = Counter(e.iteration for e in tl.of("step") if "publishes" in e.args)
+        assert sorted(steps) == list(range(done + 2)) and len(set(steps.values())) == 1, steps
+        assert list(tl.iteration_spans()) == list(range(done + 2))
 
 
 @pytest.mark.slow

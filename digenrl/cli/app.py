@@ -83,12 +83,19 @@ def train(
         console.print("digenrl train: loading the config...", highlight=False)
     from digenrl.cli.train import run_train
 
+    edited = None
     if resume is not None:
         from digenrl.checkpoint import find_checkpoint
 
         resume = find_checkpoint(resume)
+        if config is None and run_dir is None and resume.parent.name == "checkpoints":
+            edited = resume.parent.parent  # continues in its own directory: RUN/config.yaml must match
         config = config or resume / "config.yaml"
     cfg = _load(config, set_)
+    if edited is not None:
+        from digenrl.resumecheck import check_resume_config
+
+        check_resume_config(edited, config, set_ or [])  # an edit of RUN/config.yaml is never ignored
     run_train(
         cfg, run_dir, ray_address, console, resume=resume, overwrite=overwrite, quiet=quiet, verbose=verbose
     )
@@ -120,10 +127,12 @@ def config_validate(
     checked = ["schema"]
     if not schema_only:
         from digenrl.preflight import check_config
+        from digenrl.prompts import check_prompts
         from digenrl.resolve import resolve
 
         with console.status("checking placement, model, prompts and reward..."):
-            layout = resolve(cfg)
+            layout = resolve(cfg)  # in train's order: the placement's memory, then the prompts
+            check_prompts(cfg)  # with the limit the text encoder implies, as train checks them
             checked += check_config(cfg, layout, ray_address)
         console.print(
             "\n".join(["layout (written to RUN/layout.json by train):", *layout.describe()]),

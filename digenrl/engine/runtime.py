@@ -112,6 +112,9 @@ def run_on_ray(
                     sync=SyncRoutes(*sync, start, actors, layout.trainer_ranks[0]),
                     stop=stop,
                 )
+                backend.resumed_at = (
+                    start if resumed is not None else None
+                )  # timeline.json: after the earlier part
                 try:
                     backend.begin()
                     drive(scheduler, [w.name for w in layout.scheduled], backend)
@@ -179,6 +182,7 @@ class RayBackend:
             restarts=lambda: sum(self.faults.restarts.values()) + num_restarts(actors.get(REWARD_ROW)),
         )
         self.t0 = time.time() if t0 is None else t0
+        self.resumed_at: int | None = None  # a resumed run's first iteration (see save_timeline)
         self.in_flight: dict = {}  # ObjectRef -> (worker, unit): a unit running, or the scores of a released one
         self.side: dict = {}  # ObjectRef -> (what, iteration or worker): rank 0's eval / checkpoint, a ready()
         self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples, until fully trained
@@ -508,5 +512,8 @@ class RayBackend:
 
     def save_timeline(self) -> None:
         if self.timeline.events:
-            self.timeline.save_json(self.out.path / "timeline.json")
-            self.timeline.to_png(self.out.path / "timeline.png")
+            path, timeline = self.out.path / "timeline.json", self.timeline
+            if self.resumed_at is not None:  # resumed: the whole run's timeline, not this part's
+                timeline = timeline.after_earlier(path, self.resumed_at)
+            timeline.save_json(path)
+            timeline.to_png(self.out.path / "timeline.png")

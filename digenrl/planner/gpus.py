@@ -199,7 +199,7 @@ class ClusterSpec(_Strict):
 
 def load_cluster(path: Path) -> ClusterSpec:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"--cluster: cluster file not found: {path}")
     data = parse_yaml(path, "--cluster")  # one line for non-UTF-8, malformed YAML, a duplicate key
     if not isinstance(data, dict):

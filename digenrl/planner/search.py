@@ -274,7 +274,7 @@ def search(
             rejected[plan.label()] = s.args
             continue
         why = unwired_sharding(plan, s, cost) if runnable_only else None
-        if why:  # the runtime would refuse it (settings.check_sp_wired / check_fsdp_wired): never proposed
+        if why:  # the runtime would refuse it (resolve.check_sp / fsdp_degree): never proposed
             rejected[plan.label()] = (why, float("inf"))
             continue
         fitting.append((bound(plan, cost, s), plan))
