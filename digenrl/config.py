@@ -146,16 +146,18 @@ class SamplingConfig(_Section):
     cfg_batching: Literal["auto", "batched", "sequential"] = Field(
         "auto",
         description=(
-            "two-pass CFG (Wan, Qwen-Image): batched = one forward of 2B (training holds both passes' activations); "
-            "sequential = two forwards of B (training backpropagates one pass at a time); auto = batched where the "
-            "memory model says it fits the device, else sequential (sequential on devices of unknown memory)"
+            "two-pass CFG (Wan, Qwen-Image): batched = one forward of 2B (training holds both passes' "
+            "activations); sequential = two forwards of B (training backpropagates one pass at a time); auto "
+            "= batched where the memory model says it fits the device, else sequential (sequential on "
+            "devices of unknown memory)"
         ),
     )
     vae_tiling: Literal["auto", "on", "off"] = Field(
         "auto",
         description=(
-            "decode with the VAE's spatial (and, HunyuanVideo, temporal) tiles; auto = on when one decoded sample "
-            "(height x width x frames) exceeds the memory model's tile (4 Mpx). Decoding is always one sample at a time"
+            "decode with the VAE's spatial (and, HunyuanVideo, temporal) tiles; auto = on when one decoded "
+            "sample (height x width x frames) exceeds the memory model's tile (4 Mpx). Decoding is always "
+            "one sample at a time"
         ),
     )
 
@@ -245,12 +247,20 @@ class AlgorithmConfig(_Section):
     std_ddof: Literal[0, 1] = Field(
         0,
         description=(
-            "advantage std: 0 = population std (flow_grpo), 1 = sample std (DanceGRPO; advantages sqrt((G-1)/G) smaller)"
+            "advantage std: 0 = population std (flow_grpo), 1 = sample std (DanceGRPO; advantages "
+            "sqrt((G-1)/G) smaller)"
         ),
     )
     kl_beta: float = Field(0.0, ge=0)
     is_cap: float = Field(
         2.0, ge=1, description="cap of the importance weight for stale samples (decoupled PPO)"
+    )
+    stale_gradient: Literal["recentred", "raw"] = Field(
+        "recentred",
+        description=(
+            "stale samples' log-prob gradient: recentred = their recorded step noise around the current "
+            "mean (the on-policy score, no stale drift term); raw = the recorded sample as is"
+        ),
     )
     timesteps: TimestepConfig = Field(default_factory=TimestepConfig)
 
@@ -326,7 +336,8 @@ class PromptsConfig(_Section):
 
 # --------------------------------------------------------------------------------------- train
 class EmaConfig(_Section):
-    """An exponential moving average of the trained weights, for eval and export (flow_grpo's ``train.ema``)."""
+    """An exponential moving average of the trained weights, for eval and export (flow_grpo's
+    ``train.ema``)."""
 
     decay: float = Field(0.9, gt=0, lt=1, description="the average's decay per update (flow_grpo: 0.9)")
     every: int = Field(1, gt=0, description="update after every N-th optimizer step (flow_grpo: 8)")
@@ -362,13 +373,14 @@ class TrainConfig(_Section):
     )
     activation_checkpointing: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="recompute each transformer block in backward; auto = as the memory preflight resolves it (off on CPU)",
+        description="recompute each transformer block in backward; auto = as the memory preflight "
+        "resolves it (off on CPU)",
     )
     fsdp: Literal["auto", "off"] | int = Field(
         "auto",
         description=(
-            "FSDP2 sharding degree of the trainer ranks: auto | off | N "
-            "(N = all trainer ranks of a disaggregated engine run); auto = as the memory preflight resolves it"
+            "FSDP2 sharding degree of the trainer ranks: auto | off | N (N = all trainer ranks of a "
+            "disaggregated engine run); auto = as the memory preflight resolves it"
         ),
     )
 
@@ -445,9 +457,10 @@ class EngineConfig(_Section):
         None,
         gt=0,
         description=(
-            "sub-group units: samples per rollout unit, a divisor of algorithm.group_size (a unit holds part of "
-            "one group; the group trains once all its parts are scored). Unset: engine.unit_groups whole groups "
-            "per unit, except colocated, where groups are split automatically when they are fewer than the devices"
+            "sub-group units: samples per rollout unit, a divisor of algorithm.group_size (a unit holds part "
+            "of one group; the group trains once all its parts are scored). Unset: engine.unit_groups whole "
+            "groups per unit, except colocated, where groups are split automatically when they are fewer "
+            "than the devices"
         ),
     )
     gap: bool = True
@@ -464,9 +477,10 @@ class EngineConfig(_Section):
     weight_sync: Literal["auto", "broadcast", "object_store"] = Field(
         "auto",
         description=(
-            "how trainer rank 0 ships each new version to the rollout workers: broadcast = a torch.distributed group "
-            "(gloo on CPU, NCCL on GPU), bucketed, received while the worker generates; object_store = the Ray "
-            "object store; auto = broadcast when the group forms, else the object store"
+            "how trainer rank 0 ships each new version to the rollout workers: broadcast = a "
+            "torch.distributed group (gloo on CPU, NCCL on GPU), bucketed, received while the worker "
+            "generates; object_store = the Ray object store; auto = broadcast when the group forms, else the "
+            "object store"
         ),
     )
     rollout_batch: Literal["auto", "trainer"] | int = Field(
@@ -593,8 +607,9 @@ class RunConfig(_Section):
             alg.clip_range = default_clip_range(self.sampling.sde)
         if ts.mode == "window" and window_bounds(steps, ts.window, ts.window_range) is None:
             raise ValueError(
-                f"algorithm.timesteps.window_range {list(ts.window_range)} of sampling.steps ({steps}) holds fewer "
-                f"than algorithm.timesteps.window ({ts.window}) steps (the last step is never in a window)"
+                f"algorithm.timesteps.window_range {list(ts.window_range)} of sampling.steps ({steps}) holds "
+                f"fewer than algorithm.timesteps.window ({ts.window}) steps (the last step is never in a "
+                "window)"
             )
 
     def dump_yaml(self) -> str:

@@ -169,8 +169,7 @@ def prepare_eval(
 
 def evaluate_checkpoint(job: EvalJob, on_batch: Callable[[int], None] | None = None) -> dict:
     """Run ``digenrl eval``: sample + score the checkpoint (and baseline), write eval.json and grids."""
-    from digenrl.checkpoint import load_checkpoint
-    from digenrl.ema import use_ema_weights
+    from digenrl.checkpoint import load_checkpoint, use_ema_weights
     from digenrl.policy import Policy
     from digenrl.rewards import build_reward
 

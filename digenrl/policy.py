@@ -17,7 +17,7 @@ from digenrl.config import RunConfig
 from digenrl.distributed.checkpointing import checkpoint_blocks
 from digenrl.distributed.precision import fp32_master
 from digenrl.ema import WeightAverage, swapped_in
-from digenrl.errors import UserError
+from digenrl.errors import UserError, WeightSyncError
 from digenrl.layout import RunLayout, process_settings
 from digenrl.lora import apply_lora, checksum, full_tensor, load_lora_state_dict, lora_state_dict
 
@@ -138,8 +138,6 @@ class Policy:
         if self.lora:
             load_lora_state_dict(self.adapter.transformer, state, expected_checksum)
         else:
-            from digenrl.lora import WeightSyncError
-
             net = self.adapter.transformer
             result = net.load_state_dict(state, strict=False)
             if result.missing_keys or result.unexpected_keys:

@@ -117,8 +117,8 @@ class MemorySettings:
 
 
 def _model(cfg):
-    from digenrl.planner.costmodel import CostParams
     from digenrl.planner.memory import MemoryModel
+    from digenrl.planner.params import CostParams
     from digenrl.planner.workload import Workload
 
     return MemoryModel(Workload.from_config(cfg), CostParams())
@@ -281,8 +281,9 @@ def check_memory(cfg):
         else:
             key = f"cluster.pools.{pool.name}"
             fix = (
-                f"no setting fits {plan.ranks} trainer ranks of this type (FSDP up to {plan.ranks * plan.trainer_sp}, activation "
-                "checkpointing, sequential CFG, micro-batch 1): use more or larger trainer devices"
+                f"no setting fits {plan.ranks} trainer ranks of this type (FSDP up to "
+                f"{plan.ranks * plan.trainer_sp}, activation checkpointing, sequential CFG, micro-batch 1): "
+                "use more or larger trainer devices"
                 + ("" if plan.trainer_sp > 1 or not model.workload.video else ", or engine.trainer_sp > 1")
             )
         raise UserError(

@@ -117,7 +117,8 @@ def library_output_to_log(terminal_console, enabled: bool = True):
 
 
 def keep_log(log_path: Path | None, run_dir: Path | None) -> Path | None:
-    """Append the routed library output to ``RUN/log.txt`` (when the run directory exists); drop it otherwise."""
+    """Append the routed library output to ``RUN/log.txt`` (when the run directory exists); drop it
+    otherwise."""
     if log_path is None:
         return None
     try:

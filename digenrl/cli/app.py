@@ -156,14 +156,15 @@ def profile(
     engine: Optional[str] = typer.Option(
         None,
         help=(
-            "The engine's own overheads: none (the model only), ray (Ray micro-benchmarks: call, object-store "
-            "transfer, all-reduce) or run (ray + a short calibration run of the engine). Default: ray on cpu, "
-            "none on cuda."
+            "The engine's own overheads: none (the model only), ray (Ray micro-benchmarks: call, "
+            "object-store transfer, all-reduce) or run (ray + a short calibration run of the engine). "
+            "Default: ray on cpu, none on cuda."
         ),
     ),
     repeats: int = typer.Option(5, help="Timed calls per measurement (the median is kept)."),
 ):
-    """Measure rollout / train step times vs batch size, decode, reward, weight-sync and memory on this device."""
+    """Measure rollout / train step times vs batch size, decode, reward, weight-sync and memory on this
+    device."""
     from digenrl.cli.profile import run_profile_command
     from digenrl.runlog import check_output_file
 

@@ -100,7 +100,10 @@ def sp_unwired(
     if s == 1:
         return None
     if placement != "disaggregated":
-        return f"sequence-parallel workers need placement.mode: disaggregated (got {placement}); use engine.{role}_sp: 1"
+        return (
+            f"sequence-parallel workers need placement.mode: disaggregated (got {placement}); "
+            f"use engine.{role}_sp: 1"
+        )
     refused = {"engine.tag": tag, "engine.faults": faults}
     if role == "trainer":
         refused["output.eval_every"] = evaluates

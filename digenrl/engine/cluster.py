@@ -23,10 +23,9 @@ from collections import Counter
 from pathlib import Path
 
 from digenrl.config import PoolConfig, RunConfig
-from digenrl.errors import UserError
+from digenrl.errors import UserError, WeightSyncError
 from digenrl.faults import FaultInjector
 from digenrl.layout import RunLayout
-from digenrl.lora import WeightSyncError
 from digenrl.placement import Worker
 from digenrl.progress import progress
 

@@ -43,9 +43,9 @@ from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
 from digenrl.engine.workers import SCORE_GROUP
+from digenrl.errors import WeightSyncError
 from digenrl.faults import with_fault_plan
 from digenrl.layout import RunLayout
-from digenrl.lora import WeightSyncError
 from digenrl.progress import progress
 from digenrl.runlog import RunDir, check_writable, default_run_dir
 from digenrl.runpolicy import (
@@ -183,8 +183,10 @@ class RayBackend:
         )
         self.t0 = time.time() if t0 is None else t0
         self.resumed_at: int | None = None  # a resumed run's first iteration (see save_timeline)
-        self.in_flight: dict = {}  # ObjectRef -> (worker, unit): a unit running, or the scores of a released one
-        self.side: dict = {}  # ObjectRef -> (what, iteration or worker): rank 0's eval / checkpoint, a ready()
+        # ObjectRef -> (worker, unit): a unit running, or the scores of a released one
+        self.in_flight: dict = {}
+        # ObjectRef -> (what, iteration or worker): rank 0's eval / checkpoint, a ready()
+        self.side: dict = {}
         self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples, until fully trained
         self.trained: Counter[str] = Counter()  # rollout uid -> TSP shares trained
         self.unscored: dict[str, dict] = {}  # released rollout uid -> its summary, until the scores arrive
