@@ -187,8 +187,8 @@ def main(argv=None) -> int:
     import ray
     import torch
 
-    from digenrl.launch import run_engine
     from digenrl.engine.timeline import Timeline
+    from digenrl.launch import run_engine
     from digenrl.placement import Plan
     from digenrl.planner.costmodel import CostModel
     from digenrl.planner.gpus import cluster_from_dict
