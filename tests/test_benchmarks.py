@@ -158,6 +158,26 @@ def test_peer_calibration(tmp_path):
     assert finite(data["worst_predicted_phase_error"], data["step_s"]["predicted"])
 
 
+@pytest.mark.slow
+def test_stale_gradient(tmp_path):
+    """Every variant trains 2 iterations; a stale variant's probe splits the gradient per trained step."""
+    tiny = ["model.height=16", "model.width=16", "sampling.steps=3"]
+    sets = [arg for kv in tiny for arg in ("--set", kv)]
+    data = run_script(
+        "stale_gradient.py", tmp_path, "--iterations", "2", "--seeds", "0", "--probe_every", "1", *sets
+    )
+    assert [r["variant"] for r in data["runs"]] == ["on_policy", "stale_raw", "stale_recentred"]
+    for r in data["runs"]:
+        assert finite(r["gain"], r["grad_norm_mean"]) and len(r["rewards"]) == 2
+    probed = [r for r in data["runs"] if r["probes"]]
+    assert probed and all(finite(s["score"], s["drift"]) for r in probed for s in r["probes"][0]["steps"])
+
+
+def test_learning_is_smoked_by_its_own_tests():
+    """benchmarks/learning.py's --tiny run and its statistics are tested in tests/test_learning_bench.py."""
+    assert '"learning.py"' in (ROOT / "tests" / "test_learning_bench.py").read_text()
+
+
 def test_reward_server_is_exercised_by_the_remote_reward_tests():
     """benchmarks/reward_server.py is the example server tests/test_remote_reward.py runs."""
     assert '"reward_server.py"' in (ROOT / "tests" / "test_remote_reward.py").read_text()
