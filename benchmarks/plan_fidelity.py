@@ -209,6 +209,7 @@ def main(argv=None) -> int:
             base,
             "cpu",
             engine=args.calibration,
+            run_engine=run_engine,
             sharing=2,
             batches=[unit_groups(base) * G],
             min_time=0.1 if args.tiny else 1.0,

@@ -27,49 +27,9 @@ from digenrl.config import PoolConfig, RunConfig
 from digenrl.engine.scheduler import SchedulerConfig
 from digenrl.errors import UserError
 from digenrl.placement import Plan, Worker
+from digenrl.run_settings import Settings, single_process_settings
 
 Groups = tuple[tuple[str, ...], ...]  # each group: its lead first, then its followers
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Every ``auto`` of the config as the run's processes run it."""
-
-    fsdp: int = 1  # trainer ranks per FSDP2 shard group (1: replicated)
-    activation_checkpointing: bool = False  # trainer ranks checkpoint each transformer block
-    micro_batch: int = 1  # samples per forward / backward inside a train unit
-    rollout_batch: int | None = None  # samples per sampling forward of a rollout-only worker (None: the
-    # train forwards' batches, the on-policy ratio exactly 1; TAG ranks and colocated workers always)
-    cfg_batching_trainer: str = "sequential"  # two-pass CFG on workers that train (trainer / both)
-    cfg_batching_rollout: str = "sequential"  # ... on rollout workers
-    vae_tiling: str = "default"  # on | off | default (the VAE's own)
-    weight_sync: str = "none"  # broadcast | object_store | none (no rollout workers)
-    weight_sync_fallback: bool = False  # engine.weight_sync auto: the object store if no group forms
-    memory_device: str = ""  # the trainer device type the memory model checked ("" when none)
-    memory_need_gib: float = 0.0  # what a trainer rank needs there, by the memory model
-    memory_have_gib: float = 0.0
-
-    def cfg_batching(self, trainable: bool) -> str:
-        return self.cfg_batching_trainer if trainable else self.cfg_batching_rollout
-
-    def sampling_batch(self, role: str) -> int | None:
-        """Samples per sampling forward of a worker of ``role``: a rollout-only worker's own batch,
-        anyone else's the train forwards' batches (None)."""
-        return self.rollout_batch if role == "rollout" else None
-
-    @classmethod
-    def single_process(cls, cfg: RunConfig, vae_tiling: str) -> Settings:
-        """A process that knows no device memory (a local run; a policy built outside a run): explicit
-        values as written, ``auto`` off / sequential (``vae_tiling``: the adapters' own rule)."""
-        t, cfg_batching = cfg.train, cfg.sampling.cfg_batching
-        cfg_batching = "sequential" if cfg_batching == "auto" else cfg_batching
-        return cls(
-            activation_checkpointing=t.activation_checkpointing == "on",
-            micro_batch=t.micro_batch,
-            cfg_batching_trainer=cfg_batching,
-            cfg_batching_rollout=cfg_batching,
-            vae_tiling=vae_tiling,
-        )
 
 
 @dataclass(frozen=True)
@@ -286,7 +246,6 @@ def engine_layout(cfg: RunConfig, plan: Plan, settings: Settings, scheduler: Sch
 def local_layout(cfg: RunConfig) -> RunLayout:
     """A local run's layout: one process, nothing to place, every ``auto`` as a single process runs it;
     sharding and sequence parallelism are refused (one line: they need the engine)."""
-    from digenrl.adapters.vae_decode import tiling_mode
     from digenrl.distributed.settings import fsdp_unwired, sp_unwired
 
     mode = cfg.placement.mode
@@ -298,9 +257,7 @@ def local_layout(cfg: RunConfig) -> RunLayout:
     n = cfg.train.fsdp
     if mode == "local" and isinstance(n, int) and n > 1:
         raise UserError(f"train.fsdp: {n}: {fsdp_unwired(n, **_LOCAL_FSDP)}")
-    return RunLayout(
-        mode="local", settings=Settings.single_process(cfg, tiling_mode(cfg.model, cfg.sampling))
-    )
+    return RunLayout(mode="local", settings=single_process_settings(cfg))
 
 
 #: what :func:`~digenrl.distributed.settings.fsdp_unwired` needs to refuse a local run (nothing more)
@@ -315,9 +272,3 @@ _LOCAL_FSDP = dict(
     group_size=1,
     optimizer_steps=1,
 )
-
-
-def process_settings(cfg: RunConfig, layout: RunLayout | None) -> Settings:
-    """The settings a process runs with: its run's layout's, or (a policy built outside a run: tests,
-    tools, ``digenrl eval``) a single process's."""
-    return layout.settings if layout is not None else local_layout(cfg).settings

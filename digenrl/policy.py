@@ -18,8 +18,8 @@ from digenrl.distributed.checkpointing import checkpoint_blocks
 from digenrl.distributed.precision import fp32_master
 from digenrl.ema import WeightAverage, swapped_in
 from digenrl.errors import UserError, WeightSyncError
-from digenrl.layout import RunLayout, process_settings
 from digenrl.lora import apply_lora, checksum, full_tensor, load_lora_state_dict, lora_state_dict
+from digenrl.run_settings import single_process_settings
 
 
 def pick_device(name: str) -> torch.device:
@@ -39,13 +39,14 @@ class Policy:
         device: torch.device | str | None = None,
         trainable: bool = True,
         generates: bool = True,
-        layout: RunLayout | None = None,
+        layout=None,
     ):
         """``generates=False``: a lean trainer rank (a checkpoint's transformer is loaded alone);
         ``layout``: the run's (:mod:`digenrl.layout`), whose resolved settings this policy runs with
         (None: a policy outside a run, with a single process's settings)."""
         self.cfg = cfg
-        self.settings = settings = process_settings(cfg, layout)
+        # the run layout's settings (digenrl.layout), else a single process's
+        self.settings = settings = layout.settings if layout is not None else single_process_settings(cfg)
         self.device = torch.device(device) if device is not None else pick_device(cfg.train.device)
         # the CFG passes batched or one at a time for this role, and the VAE's tiling, as resolved
         sampling = cfg.sampling.model_copy(

@@ -130,19 +130,16 @@ def upward_imports(graph, table) -> set[tuple[str, str]]:
     }
 
 
-#: The planner's measuring tools run the real engine and resolve the real layout (what a
-#: profile measures is the engine as ``train`` runs it); the cost model itself imports neither.
-MEASURING_TOOLS = {
-    ("digenrl.planner.measure.engine_run", "digenrl.launch"),
-    ("digenrl.planner.measure.model_times", "digenrl.resolve"),
-}
+#: (The runtime's upward edges into preflight / the planner are gone: the RunLayout, resolved once by
+#: digenrl/resolve.py and handed to the runtime, replaced them.)
+KNOWN_UNTIL_RUNLAYOUT: set[tuple[str, str]] = set()
 #: The config's validators look up the names and defaults of what it configures: the adapter names
 #: (a table in ``adapters/__init__.py``; no model code) and the sampler's default clip range.
 CONFIG_LOOKUPS = {
     ("digenrl.config", "digenrl.adapters"),
     ("digenrl.config", "digenrl.algorithms.grpo"),
 }
-ALLOWED_UPWARD = MEASURING_TOOLS | CONFIG_LOOKUPS
+ALLOWED_UPWARD = KNOWN_UNTIL_RUNLAYOUT | CONFIG_LOOKUPS
 RUNTIME = ("engine", "adapters", "distributed", "algorithms", "policy", "units", "placement")
 ABOVE_THE_RUNTIME = ("planner", "preflight", "cli")
 
@@ -154,7 +151,10 @@ def test_every_module_is_in_a_layer():
 
 
 def test_no_import_cycles():
-    assert cycles(package_graph()) == []
+    graph = package_graph()
+    for a, b in KNOWN_UNTIL_RUNLAYOUT:  # the one known cycle runs through these edges
+        graph[a].discard(b)
+    assert cycles(graph) == []
 
 
 def test_no_import_runs_up_the_layer_table():
@@ -171,7 +171,7 @@ def in_part(module: str, parts: tuple[str, ...]) -> bool:
 def test_the_runtime_never_imports_the_planner_preflight_or_the_cli():
     graph = package_graph()
     edges = {(a, b) for a in graph for b in graph[a] if in_part(a, RUNTIME) and in_part(b, ABOVE_THE_RUNTIME)}
-    assert edges == set()
+    assert edges - KNOWN_UNTIL_RUNLAYOUT == set()
 
 
 def test_the_checker_sees_a_planted_cycle_and_an_upward_import(tmp_path):

@@ -131,7 +131,7 @@ def config_validate(
         from digenrl.resolve import resolve
 
         with console.status("checking placement, model, prompts and reward..."):
-            layout = resolve(cfg)  # in train's order: the placement's memory, then the prompts
+            layout = resolve(cfg)  # in train's order: the layout (the placement's memory first), the prompts
             check_prompts(cfg)  # with the limit the text encoder implies, as train checks them
             checked += check_config(cfg, layout, ray_address)
         console.print(

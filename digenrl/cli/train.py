@@ -53,12 +53,11 @@ def _run_claimed(cfg, target, continuing, resumed, ray_address, console, resume,
     from digenrl.preflight import check_resources
     from digenrl.progress import listening
     from digenrl.prompts import check_prompts
+    from digenrl.resolve import resolve
     from digenrl.runlog import check_new_run_dir, keep_log, library_output_to_log
 
     if not continuing:
         check_new_run_dir(target, overwrite)  # before any work: a run is never overwritten by accident
-    from digenrl.resolve import resolve
-
     layout = resolve(cfg)  # the run's layout, once: memory against its device types, before this host's
     check_prompts(cfg)  # a prompt the text encoder or a caption cannot take: refused now, in seconds
     check_resources(cfg, ray_address)

@@ -111,6 +111,9 @@ def run_on_ray(
                     t0=started,
                     sync=SyncRoutes(*sync, start, actors, layout.trainer_ranks[0]),
                     stop=stop,
+                    resumed_at=start
+                    if resumed is not None
+                    else None,  # timeline.json: after the earlier part
                 )
                 backend.resumed_at = (
                     start if resumed is not None else None
@@ -151,9 +154,11 @@ class RayBackend:
         t0: float | None = None,
         sync: SyncRoutes | None = None,
         stop: StopRequest | None = None,
+        resumed_at: int | None = None,
     ):
         """``t0``: the run's start (the timeline's zero; default now); ``sync``: the weight-sync
-        routes (default: the object store); ``stop``: the Ctrl-C request (default: never asked)."""
+        routes (default: the object store); ``stop``: the Ctrl-C request (default: never asked);
+        ``resumed_at``: a resumed run's first iteration (its timeline continues the earlier part's)."""
         workers = layout.workers
         self.cfg, self.sched, self.actors, self.out, self.cadence = (
             cfg,
@@ -182,7 +187,7 @@ class RayBackend:
             restarts=lambda: sum(self.faults.restarts.values()) + num_restarts(actors.get(REWARD_ROW)),
         )
         self.t0 = time.time() if t0 is None else t0
-        self.resumed_at: int | None = None  # a resumed run's first iteration (see save_timeline)
+        self.resumed_at = resumed_at  # a resumed run's first iteration (see save_timeline)
         # ObjectRef -> (worker, unit): a unit running, or the scores of a released one
         self.in_flight: dict = {}
         # ObjectRef -> (what, iteration or worker): rank 0's eval / checkpoint, a ready()

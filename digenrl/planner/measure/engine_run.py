@@ -12,15 +12,15 @@ from pathlib import Path
 from digenrl.planner.constants import CALIBRATION_ITERATIONS
 
 
-def engine_run_overheads(cfg, m: dict, iterations: int = CALIBRATION_ITERATIONS) -> dict:
+def engine_run_overheads(cfg, m: dict, run_engine, iterations: int = CALIBRATION_ITERATIONS) -> dict:
     """Run the engine itself (disaggregated, GAP/TSP/TAG off, 1 rollout + 1 trainer CPU worker) and
     read from its timeline what it pays around the units: the dispatch gap before a unit (median),
     the extra before a train unit that waits on another worker's samples, publish and fetch times;
     how much longer a unit takes in an engine worker than the profile's own whole unit
-    (``unit_time_factor``), and the unit-to-unit spread inside the workers (``unit_cv``)."""
+    (``unit_time_factor``), and the unit-to-unit spread inside the workers (``unit_cv``).
+    ``run_engine``: :func:`digenrl.launch.run_engine` (the caller's: the planner imports no launcher)."""
     from digenrl.config import validate_config
     from digenrl.engine.timeline import Timeline
-    from digenrl.launch import run_engine
 
     data = cfg.model_dump(mode="json")
     data["cluster"] = {

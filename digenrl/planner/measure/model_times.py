@@ -30,12 +30,11 @@ class ModelBench:
         from digenrl.planner.workload import Workload
         from digenrl.policy import Policy
         from digenrl.prompts import load_prompts
-        from digenrl.resolve import resolve
         from digenrl.rewards import build_reward
 
         torch.manual_seed(cfg.train.seed)
         self.cfg, self.device = cfg, device
-        self.policy = Policy(cfg, device, layout=resolve(cfg))  # the settings the run resolves to
+        self.policy = Policy(cfg, device)  # a single process's settings (the planner never resolves a run)
         self.ad = self.policy.adapter
         self.workload = Workload.from_config(cfg)
         self.prompts = load_prompts(cfg.prompts)
