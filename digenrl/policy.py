@@ -188,6 +188,13 @@ def _reshard(net) -> None:
             module.reshard()
 
 
+def compile_transformer(policy: Policy, mode: str = "default") -> None:
+    """``engine.compile_rollout``: ``torch.compile`` the transformer's forward in place (``mode``:
+    ``engine.compile_mode``). The module, its parameters, its state-dict keys and its LoRA stay what
+    they were, so weight loads and checksums are unchanged; the first forwards of each new shape compile."""
+    policy.adapter.transformer.compile(mode=mode, dynamic=None)
+
+
 def non_finite_gradient(cfg, norm: float, version: int) -> str:
     """The one line for a loss / gradient that overflowed: the fields that most likely caused it."""
     likely = [f"train.lr ({cfg.train.lr:g}) too large"]

@@ -302,12 +302,30 @@ def _described(s) -> str:
     )
 
 
+def resolve_rollout_batch(cfg, plan=None) -> int | None:
+    """``engine.rollout_batch`` as a rollout-only worker runs it: samples per sampling forward, or None
+    for the train forwards' batches (``trainer``; no rollout-only worker; ``auto`` on a rollout device
+    of unknown memory -- CPU pools, untyped GPUs). ``auto`` on a known GPU type: the largest batch
+    (at most a unit) with which the memory model holds a unit there."""
+    value = cfg.engine.rollout_batch
+    if cfg.placement.mode != "disaggregated" or value == "trainer":
+        return None
+    if isinstance(value, int):
+        return value
+    plan = plan or _plan(cfg)
+    device = _known_type(plan.rollout_pool)
+    if device is None:
+        return None
+    return _model(cfg).rollout_batch(device, plan.unit_size, plan.rollout_sp, cfg.sampling.cfg_batching)
+
+
 def _check_rollout(cfg, model, plan, pool, device: str) -> None:
     groups, sp, mode = plan.unit_groups, plan.rollout_sp, cfg.sampling.cfg_batching
-    s = model.rollout(device, plan.unit_size, sp, mode)
+    batch = resolve_rollout_batch(cfg, plan)
+    s = model.rollout(device, plan.unit_size, sp, mode, batch)
     if s.fits:
         return
-    if mode == "batched" and model.rollout(device, plan.unit_size, sp, "sequential").fits:
+    if mode == "batched" and model.rollout(device, plan.unit_size, sp, "sequential", batch).fits:
         fix = "set sampling.cfg_batching: sequential (or auto)"
         key = "sampling.cfg_batching"
     else:
@@ -315,7 +333,7 @@ def _check_rollout(cfg, model, plan, pool, device: str) -> None:
         smaller = [
             g
             for g in range(groups - 1, 0, -1)
-            if prompts % g == 0 and model.rollout(device, g, sp, mode).fits
+            if prompts % g == 0 and model.rollout(device, g, sp, mode, batch).fits
         ]
         fix = (
             f"set engine.unit_groups: {smaller[0]} (fewer samples per unit)"

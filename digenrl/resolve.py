@@ -10,7 +10,8 @@ resolution (:mod:`digenrl.preflight`) and of the engine's refusal rules
 2. sequence parallelism the engine runs (``engine.rollout_sp`` / ``engine.trainer_sp``);
 3. the placement plan (built once) and its workers (a CUDA run on logical CPU pools is refused);
 4. ``train.fsdp`` (``auto``: the memory model's degree) and what sharding the engine runs;
-5. every other ``auto``: activation checkpointing, CFG batching per role, VAE tiling, weight sync;
+5. every other ``auto``: activation checkpointing, CFG batching per role, the rollout-only workers'
+   batch (``engine.rollout_batch``), VAE tiling, weight sync;
 6. the scheduler's configuration.
 
 Errors are the user's: one line naming the field (:class:`~digenrl.errors.UserError`).
@@ -30,7 +31,13 @@ def resolve(cfg: RunConfig) -> RunLayout:
     if cfg.placement.mode == "local":
         return local_layout(cfg)
     from digenrl.adapters.vae_decode import tiling_mode
-    from digenrl.preflight import GiB, check_memory, resolve_cfg_batching, resolve_memory_settings
+    from digenrl.preflight import (
+        GiB,
+        check_memory,
+        resolve_cfg_batching,
+        resolve_memory_settings,
+        resolve_rollout_batch,
+    )
 
     plan = check_memory(cfg)  # (the plan it built: on devices of known memory)
     check_sp(cfg)
@@ -43,6 +50,7 @@ def resolve(cfg: RunConfig) -> RunLayout:
         fsdp=fsdp,
         activation_checkpointing=memory.activation_checkpointing if ac == "auto" else ac == "on",
         micro_batch=memory.micro_batch,
+        rollout_batch=resolve_rollout_batch(cfg, plan),
         cfg_batching_trainer=resolve_cfg_batching(cfg, True, plan, memory),
         cfg_batching_rollout=resolve_cfg_batching(cfg, False, plan, memory),
         vae_tiling=tiling_mode(cfg.model, cfg.sampling),

@@ -286,6 +286,71 @@ def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tag", [False, True])
+def test_a_model_reward_is_scored_on_the_rollout_worker_beside_its_next_unit(
+    cluster, slow_clip, tmp_path, tag
+):
+    """A model reward without reward.service: each unit is scored after its decode on a rollout
+    worker's device (a TAG rank's unit too: its pixels go to a rollout worker), in a side call that
+    overlaps that worker's next unit; the update is the local trainer's (which scores inline)."""
+    clip = f"reward.components=[{{name: clipscore, args: {{path: {slow_clip}}}}}]"
+    overrides = BASE + DISAGG + ["engine.gap=true", f"engine.tag={str(tag).lower()}"]
+    overrides += ["train.prompts_per_iteration=4", clip]
+    result = run_engine(load_config(None, overrides), run_dir=tmp_path / "engine")
+    tl = Timeline.from_chrome_trace(tmp_path / "engine" / "timeline.json")
+    rollouts, rewards = {r.uid: r for r in tl.of("rollout")}, tl.of("reward")
+    assert sorted(w.uid for w in rewards) == sorted(rollouts)
+    for w in rewards:  # on a rollout worker's row, after the unit's decode
+        assert tl.workers[w.worker] == "rollout" and not w.args["service"]
+        assert w.start >= rollouts[w.uid].end - 1e-3
+        if tl.workers[rollouts[w.uid].worker] == "rollout":
+            assert w.worker == rollouts[w.uid].worker
+    overlapped = [
+        (w.uid, r.uid)
+        for w in rewards
+        for r in rollouts.values()
+        if r.worker == w.worker and r.uid != w.uid and w.start < r.end and r.start < w.end
+    ]
+    assert overlapped, "no unit was scored while its worker generated the next one"
+    scored = {w.uid: w.end for w in rewards}
+    assert all(t.start >= scored[f"rollout-{t.iteration}-{t.args['groups'][0]}"] for t in tl.of("train"))
+    assert all(r["reward_latency_s/clipscore"] > 0 for r in result.metrics)
+
+    local = LocalTrainer(load_config(None, BASE + ["train.prompts_per_iteration=4", clip])).run(
+        tmp_path / "local"
+    )
+    ref = load_file(tmp_path / "local" / "final" / "pytorch_lora_weights.safetensors")
+    got = load_file(tmp_path / "engine" / "final" / "pytorch_lora_weights.safetensors")
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=1e-4, rtol=0)
+    for mine, theirs in zip(result.metrics, local.metrics, strict=True):
+        assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_at_its_own_batch_matches_the_local_trainer_to_rounding(
+    cluster, reference, tmp_path
+):
+    """engine.rollout_batch 3: the rollout worker forwards a unit of 8 samples 3, 3 and 2 at a time,
+    the trainer ranks one at a time -- the on-policy ratio is 1 to fp32 rounding (logprob_mismatch > 0
+    and < 1e-4), the update the local trainer's within the engine's tolerance."""
+    train = ("train.micro_batch=1",)
+    own = [*train, "engine.unit_groups=2", "engine.rollout_batch=3"]
+    result = run_engine(load_config(None, BASE + MODES["sync"] + own), run_dir=tmp_path)
+    assert json.loads((tmp_path / "layout.json").read_text())["settings"]["rollout_batch"] == 3
+    ref_weights, ref_rows = reference("per_prompt", train)
+    got = load_file(tmp_path / "final" / "pytorch_lora_weights.safetensors")
+    for k in got:
+        torch.testing.assert_close(got[k], ref_weights[k], atol=1e-4, rtol=0)
+    for mine, theirs in zip(result.metrics, ref_rows, strict=True):
+        assert 0.0 < mine["logprob_mismatch"] < 1e-4 and theirs["logprob_mismatch"] == 0.0
+        assert mine["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+        assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
+
+
+@pytest.mark.slow
 def test_reward_error_in_the_actor_reaches_the_cli(cluster, tmp_path, monkeypatch, capsys):
     """A UserError raised while the actor scores (a prompt the dry run did not see names no
     colour) ends the run: one line on stderr, exit 2."""

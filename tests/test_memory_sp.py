@@ -213,6 +213,7 @@ def test_batched_cfg_that_does_not_fit_a_rollout_gpu_names_the_key():
         "sampling.cfg_batching=batched",
         f"engine.unit_groups={g}",
         f"train.prompts_per_iteration={g}",
+        "engine.rollout_batch=trainer",  # a forward may hold the whole unit (auto would shrink the batch)
     ]
     with pytest.raises(UserError) as exc:
         check_memory(load_config(WAN, over))

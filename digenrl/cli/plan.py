@@ -345,7 +345,16 @@ def plan_config(cfg: RunConfig, r, cluster) -> RunConfig:
     data = out.model_dump(mode="json")
     data["train"].update(trainer_memory_settings(r))
     data["sampling"]["cfg_batching"] = cfg_batching_setting(cfg, r)
+    data["engine"]["rollout_batch"] = rollout_batch_setting(cfg, r)
     return validate_config(data)
+
+
+def rollout_batch_setting(cfg: RunConfig, r):
+    """``engine.rollout_batch`` as the cost model assumed it: the batch the rollout devices were sized
+    and timed at (never the trainer's micro-batch), else the config's (``trainer``, or no rollout pool)."""
+    pool = r.plan.rollout_pool
+    batch = r.setups[pool.name].rollout_batch if pool is not None else None
+    return batch or cfg.engine.rollout_batch
 
 
 def cfg_batching_setting(cfg: RunConfig, r) -> str:

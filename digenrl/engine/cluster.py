@@ -72,7 +72,8 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from digenrl.engine.workers import EngineWorker, ResumeFrom, rollout_checkpoint_files
+    from digenrl.engine.workers import SCORE_GROUP, EngineWorker, ResumeFrom, rollout_checkpoint_files
+    from digenrl.rewards import scored_after_unit
 
     progress(
         "starting the Ray cluster..."
@@ -105,29 +106,38 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
         if resume is not None:  # rollout workers' fallback copy: never the optimizer state
             resume_from = ResumeFrom(str(Path(resume).resolve()), ray.put(rollout_checkpoint_files(resume)))
         remote = ray.remote(EngineWorker)
+        # a model reward scored after each unit: the rollout workers' score() runs beside their next unit
+        scoring = ray.remote(concurrency_groups={SCORE_GROUP: 1})(EngineWorker)
+        after = scored_after_unit(cfg)
         sp_members, sp_followers = layout.sp_members, layout.sp_followers
         for i, spec in enumerate(workers):
             b = bundles[i]
-            actors[spec.name] = remote.options(
-                num_cpus=b.get("CPU", 0),
-                num_gpus=b.get("GPU", 0),
-                resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-                # a rollout worker holds nothing that cannot be rebuilt: Ray restarts it and the
-                # engine re-queues its unit; a trainer rank's death stops the run (worker_died)
-                # (a sequence-parallel group's member is not restarted: it would leave its group)
-                max_restarts=cfg.engine.max_restarts
-                if spec.role == "rollout" and spec.name not in sp_members
-                else 0,
-                max_task_retries=0,
-            ).remote(
-                cfg,
-                spec.name,
-                spec.role,
-                None if spec.name in sp_followers else reward_actor,
-                resume_from,
-                sp_follower=spec.name in sp_followers,
-                layout=layout,
+            actors[spec.name] = (
+                (scoring if after and spec.role == "rollout" else remote)
+                .options(
+                    num_cpus=b.get("CPU", 0),
+                    num_gpus=b.get("GPU", 0),
+                    resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        group, placement_group_bundle_index=i
+                    ),
+                    # a rollout worker holds nothing that cannot be rebuilt: Ray restarts it and the
+                    # engine re-queues its unit; a trainer rank's death stops the run (worker_died)
+                    # (a sequence-parallel group's member is not restarted: it would leave its group)
+                    max_restarts=cfg.engine.max_restarts
+                    if spec.role == "rollout" and spec.name not in sp_members
+                    else 0,
+                    max_task_retries=0,
+                )
+                .remote(
+                    cfg,
+                    spec.name,
+                    spec.role,
+                    None if spec.name in sp_followers else reward_actor,
+                    resume_from,
+                    sp_follower=spec.name in sp_followers,
+                    layout=layout,
+                )
             )
         ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
         if len({r["checksum"] for r in ready.values()}) > 1:

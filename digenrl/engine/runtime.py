@@ -36,12 +36,13 @@ from digenrl.engine.cluster import (
     num_restarts,
     ray_workers,
 )
-from digenrl.engine.driver import Done, Event, Released, Scored, drive, finish_running
+from digenrl.engine.driver import Done, Event, Lost, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
 from digenrl.engine.recovery import FaultRecovery, TrainerLost, own_error, user_errors
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit, Unit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
+from digenrl.engine.workers import SCORE_GROUP
 from digenrl.errors import WeightSyncError
 from digenrl.faults import with_fault_plan
 from digenrl.layout import RunLayout
@@ -114,6 +115,9 @@ def run_on_ray(
                     if resumed is not None
                     else None,  # timeline.json: after the earlier part
                 )
+                backend.resumed_at = (
+                    start if resumed is not None else None
+                )  # timeline.json: after the earlier part
                 try:
                     backend.begin()
                     drive(scheduler, [w.name for w in layout.scheduled], backend)
@@ -191,6 +195,8 @@ class RayBackend:
         self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples, until fully trained
         self.trained: Counter[str] = Counter()  # rollout uid -> TSP shares trained
         self.unscored: dict[str, dict] = {}  # released rollout uid -> its summary, until the scores arrive
+        self.score_row: dict[str, str] = {}  # released rollout uid -> the rollout worker scoring it after it
+        self.scorers = [w.name for w in workers if w.role == "rollout" and w.name not in layout.sp_followers]
         self.sync = sync or SyncRoutes("object_store", [], scheduler.published_version, actors, self.rank0)
         self.rank_checksums: dict[int, set[str]] = defaultdict(set)
         self.hidden = layout.hidden  # followers: their lead runs their calls (not scheduled)
@@ -282,6 +288,9 @@ class RayBackend:
             if not actor_died(exc):
                 raise
             self.samples.pop(unit.uid, None)
+            if self.score_row.pop(unit.uid, None) is not None:  # its scorer died: generate it again
+                self.unscored.pop(unit.uid, None)
+                return Lost(unit)
             lost = self.faults.died(
                 worker, unit, exc
             )  # the unit goes back to the scheduler, or the run stops
@@ -295,6 +304,9 @@ class RayBackend:
             if "reward_ref" in result:  # scored by the reward service: the worker is free, the unit not done
                 self.unscored[unit.uid] = result
                 self.in_flight[result["reward_ref"]] = (REWARD_ROW, unit)
+                return Released(worker, unit)
+            if "score_on" in result or "pixels" in result:  # a model reward: scored after the unit
+                self.score_after(unit, result)
                 return Released(worker, unit)
             self.ledger.rolled_out(unit, result)
         elif isinstance(unit, TrainUnit):
@@ -336,18 +348,31 @@ class RayBackend:
             if len(self.rank_checksums[after]) > 1:
                 raise WeightSyncError(f"trainer ranks hold different weights after step {unit.iteration}")
 
+    def score_after(self, unit: RolloutUnit, result: dict) -> None:
+        """A model reward (:func:`~digenrl.rewards.scored_after_unit`): the unit is released and scored
+        by a side call on the rollout worker that generated it (a TAG rank's unit: on a rollout worker,
+        its pixels sent along), in the worker's ``score`` group, beside its next unit."""
+        pixels = result.pop("pixels", None)
+        scorer = result.pop("score_on", None) or self.scorers[len(self.score_row) % len(self.scorers)]
+        call = self.actors[scorer].score.options(concurrency_group=SCORE_GROUP)
+        self.unscored[unit.uid] = result
+        self.score_row[unit.uid] = scorer
+        self.in_flight[call.remote(unit.uid, pixels)] = (REWARD_ROW, unit)
+
     def scored(self, unit: RolloutUnit, scored) -> None:
-        """The reward actor's :class:`~digenrl.rewards.service.Scored` for a released unit: its
-        scoring span on the reward row, its latency, then the unit as if scored inline."""
+        """The :class:`~digenrl.rewards.service.Scored` of a released unit (the reward actor's, or a
+        rollout worker's own scoring after the unit): its scoring span on the reward row (on the
+        worker's row), its latency, then the unit as if scored inline."""
+        row = self.score_row.pop(unit.uid, REWARD_ROW)
         self.timeline.record(
-            REWARD_ROW,
+            row,
             "reward",
             unit.uid,
             unit.iteration,
             unit.version,
             scored.start - self.t0,
             scored.end - self.t0,
-            service=True,
+            service=row == REWARD_ROW,
             samples=len(scored.total),
             wait_s=scored.wait_s,
             queue_depth=scored.queue_depth,

@@ -50,9 +50,9 @@ from digenrl.errors import UserError
 from digenrl.faults import FaultInjector
 from digenrl.layout import RunLayout
 from digenrl.lora import checksum
-from digenrl.policy import Policy, pick_device
+from digenrl.policy import Policy, compile_transformer, pick_device
 from digenrl.prompts import PromptSampler, load_prompts
-from digenrl.rewards import build_reward
+from digenrl.rewards import build_reward, scored_after_unit
 from digenrl.rewards.service import reward_client
 from digenrl.runpolicy import final_files
 from digenrl.units import Samples, preflight_reward, rollout_unit, train_unit
@@ -115,6 +115,24 @@ class _SubmittedReward:
     def __call__(self, pixels, prompts, metadata=None):
         self.refs.append(self.fn.submit_scored(pixels, prompts, metadata, self.label))
         return torch.full((len(prompts),), float("nan")), {}
+
+
+class _DeferredReward:
+    """A model reward scored after the unit (:func:`~digenrl.rewards.scored_after_unit`): inside the
+    unit it keeps the decoded samples and returns NaN placeholders; :meth:`EngineWorker.score`, a
+    side call that runs beside the worker's next unit, scores them with ``fn`` (None: a trainer rank
+    with TAG, which never builds the reward -- a rollout worker scores its samples)."""
+
+    def __init__(self, fn=None):
+        self.fn, self.kept = fn, None
+
+    def __call__(self, pixels, prompts, metadata=None):
+        self.kept = (pixels, list(prompts), metadata)
+        return torch.full((len(prompts),), float("nan")), {}
+
+
+#: the actor's concurrency group of :meth:`EngineWorker.score` (its other calls run one at a time, in order)
+SCORE_GROUP = "score"
 
 
 @dataclass(frozen=True)
@@ -203,8 +221,13 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         # this worker rolls out, so it scores (a sequence-parallel follower: its lead scores)
         scores = (self.role != "trainer" or cfg.engine.tag) and not self.sp_follower
         self.remote_reward = reward_actor is not None
+        self.pending: dict[str, tuple] = {}  # a unit scored after it: uid -> its decoded samples
+        self.eval_reward = None  # a trainer rank that evaluates builds the rewards then
         if self.remote_reward:  # reward.service: the reward models live in the shared actor only
             self.reward = _SubmittedReward(reward_client(cfg.reward, reward_actor))
+        elif scores and scored_after_unit(cfg):  # a model reward: on rollout workers only, after the unit
+            self.reward = _DeferredReward(build_reward(cfg.reward) if self.role == "rollout" else None)
+            scores = self.reward.fn is not None
         elif scores:
             self.reward = _TimedReward(build_reward(cfg.reward))
         else:
@@ -215,6 +238,8 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         )
         if lean:  # a preset builds them all: release them
             self.policy.adapter.release_generation_modules()
+        if cfg.engine.compile_rollout == "on" and self.role == "rollout":
+            compile_transformer(self.policy, cfg.engine.compile_mode)
         self.expected_keys = frozenset(self.policy.weights())
         if scores and not _restarted():  # dry-run the rewards on this worker's decoded shape (once:
             # a restarted worker was checked at the start, and the reward actor may be restarting too)
@@ -247,6 +272,7 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             "cfg_batching": sampling.cfg_batching,
             "vae_tiling": sampling.vae_tiling,
             "weight_sync": type(self.sync).__name__ if self.sync is not None else None,
+            "compiled": getattr(self.policy.adapter.transformer, "_compiled_call_impl", None) is not None,
         }
 
     # -- units ---------------------------------------------------------------------------
@@ -272,10 +298,11 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             )
         cfg = self.cfg
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
+        deferred = isinstance(self.reward, _DeferredReward)
         if self.remote_reward:
             self.reward.refs.clear()
             self.reward.label = unit.uid
-        else:
+        elif not deferred:
             self.reward.spans.clear()
             self.reward.calls.clear()
         start = time.time()
@@ -287,6 +314,7 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             unit.iteration,
             cfg.train.seed,
             unit.sample_range(cfg.algorithm.group_size),
+            self.policy.settings.sampling_batch(self.role),  # engine.rollout_batch (rollout workers)
         )
         end = time.time()
         self.followers_done()
@@ -321,12 +349,40 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             (summary["reward_ref"],) = self.reward.refs
             self.reward.refs.clear()
             del summary["rewards"], summary["reward_parts"]
+        elif deferred:  # scored by score(): here (a rollout worker) or on a rollout worker (a TAG rank's)
+            kept, self.reward.kept = self.reward.kept, None
+            if self.reward.fn is not None:
+                self.pending[unit.uid] = kept
+                summary["score_on"] = self.name
+            else:
+                summary["pixels"] = (kept[0].cpu(), *kept[1:])
+            del summary["rewards"], summary["reward_parts"]
         else:
             events += [
                 unit_event("reward", unit, s, e, unit.version, service=False) for s, e in self.reward.spans
             ]
             summary["reward_calls"] = list(self.reward.calls)
         return samples, summary
+
+    def score(self, uid: str, kept: tuple | None = None):
+        """Score a rollout unit after it (a model reward): its decoded samples kept by :meth:`rollout`
+        here, or ``kept`` (a TAG trainer rank's). Runs in the actor's ``score`` concurrency group,
+        beside the worker's next unit on the same device; returns a
+        :class:`~digenrl.rewards.service.Scored`, as the reward service does."""
+        from digenrl.rewards.service import Scored
+
+        pixels, prompts, metadata = kept if kept is not None else self.pending.pop(uid)
+        start = time.time()
+        with torch.no_grad():  # (grad mode is per thread)
+            total, parts = self.reward.fn(pixels, prompts, metadata)
+        end = time.time()
+        timings = dict(self.reward.fn.last_timings)
+        return Scored(total, parts, start, end, timings, queue_depth=len(self.pending), pid=os.getpid())
+
+    def holds_reward(self) -> bool:
+        """Whether this worker built the reward models (the tests: trainer ranks never do)."""
+        built = isinstance(self.reward, (_TimedReward, _DeferredReward)) and self.reward.fn is not None
+        return built or self.eval_reward is not None
 
     @group_call()
     def train(self, unit: TrainUnit, samples: Samples, advantages: torch.Tensor, total_terms: int) -> dict:
@@ -457,10 +513,13 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         """``eval/<reward>`` of the current weights (ODE, fixed seeds), as LocalTrainer.evaluate."""
         from digenrl.evaluate import evaluate_policy
 
-        if self.reward is None:  # a trainer rank that never scores: build the rewards for eval only
-            self.reward = _TimedReward(build_reward(self.cfg.reward))
+        fn = getattr(self.reward, "fn", None)
+        if fn is None:  # a trainer rank that never scores: the rewards for eval only
+            if self.eval_reward is None:
+                self.eval_reward = build_reward(self.cfg.reward)
+            fn = self.eval_reward
         with self.policy.averaged():  # train.ema: the EMA weights
-            metrics = evaluate_policy(self.policy, self.reward.fn, self.prompts.prompts).metrics()
+            metrics = evaluate_policy(self.policy, fn, self.prompts.prompts).metrics()
             if self.sharded:  # sampling leaves the root's parameters gathered (no backward frees them):
                 reshard(self.policy.adapter.transformer)  # drop that copy before the weights swap back
         return metrics

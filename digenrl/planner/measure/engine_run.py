@@ -61,7 +61,7 @@ def unit_time_factors(tl, cfg, m: dict, reference: dict[str, float] | None = Non
         times = ProfiledTimes({"device": {"name": "profile"}, "measurements": m})
         groups = cfg.engine.unit_groups
         reference = {
-            "rollout": rollout_unit_time(times, w, groups)[0],
+            "rollout": rollout_unit_time(times, w, groups, w.rollout_batch)[0],
             "train": train_unit_time(times, w, groups, 0, 1, cfg.train.micro_batch),
         }
     out = {}
