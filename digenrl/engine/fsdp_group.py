@@ -8,7 +8,8 @@ import dataclasses
 
 import torch
 
-from digenrl.units import Samples, minibatch_rows
+from digenrl.unit_rows import minibatch_rows
+from digenrl.units import Samples
 
 
 def shard_trainer_rank(policy, degree: int, resume: str | None = None):
@@ -40,7 +41,7 @@ def rank_slice(
     group_size: int | None = None,
 ) -> Samples:
     """Rank ``rank``'s equal share (consecutive rows) of the unit's samples of mini-batch
-    ``minibatch`` (:func:`~digenrl.units.minibatch_rows`; all of them with one mini-batch). Train it
+    ``minibatch`` (:func:`~digenrl.unit_rows.minibatch_rows`; all of them with one mini-batch). Train it
     as a whole: ``train_unit(..., minibatch=0, minibatches=1)``."""
     n = len(samples)
     rows = torch.arange(n)
