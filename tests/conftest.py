@@ -4,6 +4,11 @@ import pytest
 import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray starts its workers at niceness 15: beside any busy process (another user's job, a benchmark) the
+# suite's actors then get a few percent of a core, and a run that takes 20 s alone takes minutes and
+# trips the engine's own waits (a placement group's 30 s, a test's deadline). The suite's actors, and
+# those of the subprocesses it starts (they inherit the environment), run at the suite's own priority.
+os.environ.setdefault("RAY_worker_niceness", "0")
 torch.set_num_threads(1)  # tiny models: threads only add sync overhead on 2 cores
 
 

@@ -46,13 +46,13 @@ MODES = {
     # gap also scores through the shared reward actor (reward.service)
     "gap": DISAGG + ["engine.gap=true", "engine.tag=false", "reward.service={num_cpus: 0.1}"],
     "gap_tsp": DISAGG + TWO_TRAINERS + ["engine.tag=false", "engine.tsp_degree=2"],
-    "gap_tsp_tag": DISAGG + TWO_TRAINERS + ["engine.tag=true", "engine.tsp_degree=2"],
+    # (GAP + TSP + TAG on-policy is "minibatch": the same knobs, with two optimizer steps and an EMA)
     # async also scores through the reward actor: TAG trainer ranks release rollout units too
     "async": DISAGG
     + TWO_TRAINERS
     + ["engine.tag=true", "engine.tsp_degree=2", "engine.max_staleness=1", "reward.service={num_cpus: 0.1}"],
-    # mini-batch PPO: two optimizer steps per iteration (one per rollout unit), over two ranks with TAG;
-    # with an EMA (rank 0 keeps it; final/ holds it)
+    # GAP + TSP + TAG with mini-batch PPO: two optimizer steps per iteration (one per rollout unit), over
+    # two ranks with TAG; with an EMA (rank 0 keeps it; final/ holds it)
     "minibatch": DISAGG
     + TWO_TRAINERS
     + [
@@ -69,11 +69,11 @@ MODES = {
         "reward.service={num_cpus: 0.1}",
         "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",
     ],
-    # colocated with global std, sub-group units on 2 devices x ... : every device gets half a group
-    "colocated_sub_groups": ["placement.mode=colocated", "algorithm.std=global", "engine.unit_samples=2"],
-    # sub-group units and mini-batches: each part of a group holds one mini-batch's slice of it
+    # colocated with global std, sub-group units (every device gets half a group) and mini-batches: each
+    # part of a group holds one mini-batch's slice of it
     "colocated_sub_groups_minibatch": [
         "placement.mode=colocated",
+        "algorithm.std=global",
         "engine.unit_samples=2",
         "train.optimizer_steps=2",
     ],
