@@ -29,17 +29,47 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
             dist.destroy_process_group()
 
 
-def spawn(fn, world: int, *args, nprocs: int | None = None, timeout_s: float = 240.0) -> None:
+#: A rank that waits in a mismatched collective sleeps in the kernel: no CPU for this long is a hang.
+IDLE_S = 60.0
+#: However busy the machine: ranks that still compute after this long are stopped too.
+LIMIT_S = 1800.0
+
+
+def cpu_seconds(pids: list[int]) -> float | None:
+    """CPU seconds (user + system) the processes ``pids`` have used so far; None without /proc."""
+    if not os.path.isdir("/proc"):
+        return None
+    ticks, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # that rank is done and gone
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
+def spawn(fn, world: int, *args, nprocs: int | None = None, idle_s: float = IDLE_S) -> None:
     """Call ``fn(rank, world, *args)`` in ``world`` fresh processes joined in one gloo group
-    (``world=0``: ``nprocs`` processes without a default group); raises if any rank raises or
-    the ranks are not done within ``timeout_s`` (a collective mismatch hangs, never passes)."""
+    (``world=0``: ``nprocs`` processes without a default group); raises if any rank raises or the
+    ranks hang (a collective mismatch waits forever: it never passes). A hang is told by the ranks'
+    CPU time, not by the clock: ranks that used under a second of CPU in ``idle_s`` seconds are
+    waiting, while on a loaded machine slow ranks still compute (a wall-clock deadline failed there)."""
     ctx = mp.start_processes(
         _entry, args=(fn, world, free_port(), args), nprocs=nprocs or world, join=False, start_method="spawn"
     )
-    deadline = time.monotonic() + timeout_s
+    pids = [p.pid for p in ctx.processes]
+    start = last_busy = time.monotonic()
+    used = cpu_seconds(pids) or 0.0
     while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
+        now, cpu = time.monotonic(), cpu_seconds(pids)
+        if cpu is None or cpu > used + 1.0:  # (no /proc: only the overall limit applies)
+            last_busy, used = now, cpu if cpu is not None else used
+        hung = now - last_busy > idle_s
+        if hung or now - start > LIMIT_S:
             for p in ctx.processes:
                 if p.is_alive():
                     p.terminate()
-            raise TimeoutError(f"ranks not done after {timeout_s:.0f} s")
+            what = f"idle (no CPU) for {idle_s:.0f} s" if hung else f"not done after {LIMIT_S:.0f} s"
+            raise TimeoutError(f"ranks {what}")
