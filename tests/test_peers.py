@@ -133,3 +133,6 @@ def test_peer_calibration_benchmark_fits_within_its_tolerances(tmp_path):
         assert math.isfinite(o["step_error"]) and o["source"]
     fitted = (r["efficiency"]["sampling"], r["efficiency"]["training"])
     assert KERNEL_EFFICIENCY["H800"] == pytest.approx(fitted, abs=0.002)
+    # the fields tests/test_benchmarks.py's smoke test of this script read (it runs here, in-process)
+    assert all(0 < e < 1 for e in fitted)
+    assert math.isfinite(r["worst_predicted_phase_error"]) and math.isfinite(r["step_s"]["predicted"])
