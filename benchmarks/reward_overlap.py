@@ -1,7 +1,7 @@
 """Scoring off the critical path: the same engine run with rewards inline and with ``reward.service``.
 
     python benchmarks/reward_overlap.py [--iterations 6] [--repeats 1] [--clip-size 192] [--clip-layers 4]
-                                        [--json FILE] [--keep DIR]
+                                        [--set KEY=VALUE ...] [--json FILE] [--keep DIR]
 
 A local Ray cluster with 1 rollout + 1 trainer logical device (GAP, on-policy); the reward is
 CLIPScore on a random CLIP built here (no download) whose size sets how long scoring takes.
@@ -85,6 +85,9 @@ def main() -> None:
         "--clip-size", type=int, default=192, help="image side of the random CLIP (slower when larger)"
     )
     p.add_argument("--clip-layers", type=int, default=4)
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="after the above"
+    )
     p.add_argument("--json", type=Path)
     p.add_argument(
         "--keep", type=Path, help="keep the two run directories here (timeline.json, metrics.jsonl)"
@@ -121,7 +124,7 @@ def main() -> None:
             for i in range(args.repeats):
                 for mode, extra in {"inline": [], "service": ["reward.service={num_cpus: 0.1}"]}.items():
                     run_dir = (args.keep or Path(tmp)) / f"{mode}-{i}"
-                    run_engine(load_config(None, BASE + reward + extra), run_dir=run_dir)
+                    run_engine(load_config(None, BASE + reward + extra + args.overrides), run_dir=run_dir)
                     runs[mode].append(measure(run_dir))
                     print(
                         mode, i, json.dumps({k: round(v, 4) for k, v in runs[mode][-1].items()}), flush=True
