@@ -241,18 +241,25 @@ def slow_clip(tmp_path_factory):
     return make_tiny_clip(tmp_path_factory.mktemp("slow-clip"), image_size=192, hidden=64, layers=4)
 
 
+def clip_reward(path) -> str:
+    return f"reward.components=[{{name: clipscore, args: {{path: {path}}}}}]"
+
+
+@pytest.fixture(scope="module")
+def clip_local(slow_clip, tmp_path_factory):
+    """The single-process trainer scoring ``slow_clip`` inline, 4 prompts per iteration: final LoRA
+    tensors and metrics rows, the reference of every engine run below that scores with it."""
+    path = tmp_path_factory.mktemp("clip-local")
+    cfg = load_config(None, BASE + ["train.prompts_per_iteration=4", clip_reward(slow_clip)])
+    result = LocalTrainer(cfg).run(path)
+    return load_file(path / "final" / "pytorch_lora_weights.safetensors"), result.metrics
+
+
 @pytest.mark.slow
-def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip, tmp_path):
+def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip, clip_local, tmp_path):
     # 4 rollout units per iteration: the actor scores a unit slower than the worker generates
     # one, so units queue for it and overlap with generation even on a loaded machine
-    overrides = (
-        BASE
-        + SERVICE
-        + [
-            "train.prompts_per_iteration=4",
-            f"reward.components=[{{name: clipscore, args: {{path: {slow_clip}}}}}]",
-        ]
-    )
+    overrides = BASE + SERVICE + ["train.prompts_per_iteration=4", clip_reward(slow_clip)]
     cfg = load_config(None, overrides)
     result = run_engine(cfg, run_dir=tmp_path / "service")
     tl = Timeline.from_chrome_trace(tmp_path / "service" / "timeline.json")
@@ -273,14 +280,12 @@ def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip,
     assert all(r["reward_latency_s/clipscore"] > 0 for r in rows)
 
     # the same update as the single-process trainer, which scores inline (as test_mode_invariants)
-    local = LocalTrainer(load_config(None, [o for o in overrides if o not in SERVICE])).run(
-        tmp_path / "local"
-    )
-    ref = load_file(tmp_path / "local" / "final" / "pytorch_lora_weights.safetensors")
+    ref, local_rows = clip_local
     got = load_file(tmp_path / "service" / "final" / "pytorch_lora_weights.safetensors")
+    assert got.keys() == ref.keys()
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=1e-4, rtol=0)
-    for mine, theirs in zip(result.metrics, local.metrics, strict=True):
+    for mine, theirs in zip(result.metrics, local_rows, strict=True):
         assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
 
@@ -288,14 +293,13 @@ def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip,
 @pytest.mark.slow
 @pytest.mark.parametrize("tag", [False, True])
 def test_a_model_reward_is_scored_on_the_rollout_worker_beside_its_next_unit(
-    cluster, slow_clip, tmp_path, tag
+    cluster, slow_clip, clip_local, tmp_path, tag
 ):
     """A model reward without reward.service: each unit is scored after its decode on a rollout
     worker's device (a TAG rank's unit too: its pixels go to a rollout worker), in a side call that
     overlaps that worker's next unit; the update is the local trainer's (which scores inline)."""
-    clip = f"reward.components=[{{name: clipscore, args: {{path: {slow_clip}}}}}]"
     overrides = BASE + DISAGG + ["engine.gap=true", f"engine.tag={str(tag).lower()}"]
-    overrides += ["train.prompts_per_iteration=4", clip]
+    overrides += ["train.prompts_per_iteration=4", clip_reward(slow_clip)]
     result = run_engine(load_config(None, overrides), run_dir=tmp_path / "engine")
     tl = Timeline.from_chrome_trace(tmp_path / "engine" / "timeline.json")
     rollouts, rewards = {r.uid: r for r in tl.of("rollout")}, tl.of("reward")
@@ -316,14 +320,12 @@ def test_a_model_reward_is_scored_on_the_rollout_worker_beside_its_next_unit(
     assert all(t.start >= scored[f"rollout-{t.iteration}-{t.args['groups'][0]}"] for t in tl.of("train"))
     assert all(r["reward_latency_s/clipscore"] > 0 for r in result.metrics)
 
-    local = LocalTrainer(load_config(None, BASE + ["train.prompts_per_iteration=4", clip])).run(
-        tmp_path / "local"
-    )
-    ref = load_file(tmp_path / "local" / "final" / "pytorch_lora_weights.safetensors")
+    ref, local_rows = clip_local
     got = load_file(tmp_path / "engine" / "final" / "pytorch_lora_weights.safetensors")
+    assert got.keys() == ref.keys()
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], atol=1e-4, rtol=0)
-    for mine, theirs in zip(result.metrics, local.metrics, strict=True):
+    for mine, theirs in zip(result.metrics, local_rows, strict=True):
         assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
 
