@@ -136,6 +136,7 @@ def test_cpu_pools_are_not_checked():
     assert resolve_memory_settings(cfg).fsdp == 1
 
 
+@pytest.mark.slow  # seconds of planner search or model timing: the full suite runs it
 def test_plan_write_contains_the_settings_it_assumes(tmp_path, monkeypatch, capsys):
     import json
 

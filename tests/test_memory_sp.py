@@ -241,6 +241,7 @@ def test_plan_config_writes_what_the_plan_assumes():
     check_memory(out)
 
 
+@pytest.mark.slow  # seconds of planner search or model timing: the full suite runs it
 @pytest.mark.parametrize(
     "path, evaluates",
     [(WAN, False), (WAN_240P, True), (HUNYUAN, False)],

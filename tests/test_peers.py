@@ -114,6 +114,7 @@ def test_plan_peers_prints_digenrl_beside_each_peer(monkeypatch, capsys):
     assert report["baselines"]["colocated"] is not None  # our engine's strong baselines stay
 
 
+@pytest.mark.slow  # seconds of planner search or model timing: the full suite runs it
 def test_peer_calibration_benchmark_fits_within_its_tolerances(tmp_path):
     """The benchmark's JSON: every phase published vs predicted, images/GPU/s, DigenRL's best plan;
     the fit within the stated tolerances; the shipped Hopper defaults are the fitted pair."""

@@ -367,6 +367,7 @@ def test_balanced_async_reaches_the_design_bound(tiny_cfg):
     assert bound(colocated, cost) == pytest.approx((4 + 4 + 2 * 0.1) / 2)
 
 
+@pytest.mark.slow  # seconds of planner search or model timing: the full suite runs it
 def test_unit_time_spread_makes_a_barrier_wait_for_the_slowest(tiny_cfg):
     # colocated on 2 devices, one rollout and one train unit each per iteration: each phase ends
     # with the slower of two units, the step waits for both
@@ -490,6 +491,7 @@ def test_broadcast_weight_sync_is_paid_where_the_runtime_pays_it(tiny_cfg):
 # ---------------------------------------------------------------------------------- search
 
 
+@pytest.mark.slow  # seconds of planner search or model timing: the full suite runs it
 def test_plan_on_a_32_gpu_cluster(tmp_path):
     cfg = load_config(ROOT / "configs" / "flux1_dev.yaml")
     t0 = time.perf_counter()
@@ -559,6 +561,7 @@ def test_plan_cli_json_and_write_then_train_one_iteration(tmp_path):
     assert (run_dir / "timeline.json").is_file()
 
 
+@pytest.mark.slow  # seconds of planner search or model timing: the full suite runs it
 def test_plan_table_output():
     result = cli(
         "plan",

@@ -102,6 +102,7 @@ def test_a_bad_rollout_batch_names_the_field(value, error):
         load_config(None, [f"engine.rollout_batch={value}"])
 
 
+@pytest.mark.slow  # seconds of planner search or model timing: the full suite runs it
 def test_plan_write_writes_the_rollout_batch_the_cost_model_assumed(tmp_path, monkeypatch, capsys):
     """The rollout devices were timed at their own batch (never the trainer's memory-forced micro-batch):
     that batch is what the written config runs, and its layout says so."""
