@@ -12,7 +12,8 @@ the measured one:
 - training: the peak the real-width train step's MFU implies at its token count, at the default half
   (realwidth.json ``train_ac_off``: one batch, so no half of its own) -> the training peak;
 - a model reward: PickScore's (ViT-H/14) seconds per image at the largest call measured ->
-  ``CostParams.model_reward_s``, its parameters -> ``CostParams.model_reward_params``;
+  ``CostParams.model_reward_s``, its parameters -> ``CostParams.model_reward_params``, the share of
+  its time hidden while the next unit samples on the same device -> ``CostParams.model_reward_overlap``;
 - compiled sampling: the speed-up of ``engine.compile_rollout: on`` (the planner models eager sampling:
   no default to replace yet; reported).
 
@@ -97,6 +98,14 @@ def fold(out: Path) -> dict:
         "digenrl/planner/params.py CostParams.model_reward_params",
         defaults.model_reward_params,
         pick and pick["params"],
+    )
+    lap = ded.get("reward_overlap") or {}
+    row(
+        "model reward overlap",
+        "digenrl/planner/params.py CostParams.model_reward_overlap",
+        defaults.model_reward_overlap,
+        lap.get("hidden_share"),
+        lap and f"{lap['reward']} ({lap['images']} images) beside sampling at batch {lap['sample_batch']}",
     )
     comp = ded.get("compile") or {}
     row(

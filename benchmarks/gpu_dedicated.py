@@ -16,7 +16,10 @@ planner's defaults; benchmarks/fold_gpu_check.py reads them):
   a run builds it (``reward.components``) from a random-init CLIP of the real backbone's width,
   written to a temporary directory (no download): PickScore's ViT-H/14 and CLIPScore's ViT-L/14 (the
   aesthetic reward is ViT-L/14 + a small MLP: CLIPScore's time), on decoded-size images, one group's
-  images (one distinct prompt) per call, with the backbone's parameters and the device memory it held.
+  images (one distinct prompt) per call, with the backbone's parameters and the device memory it held;
+- ``reward_overlap``: PickScore scoring in another thread while the FLUX samples a unit on the same
+  device, as ``EngineWorker.score`` runs beside the next unit: the share of the reward's time hidden
+  (``CostParams.model_reward_overlap``);
 
 Each section is written to the JSON as soon as it is done (a run stopped at its time limit keeps what
 it measured); a section that fails is recorded under ``errors`` and the script exits 1 at the end.
@@ -31,6 +34,7 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -112,18 +116,10 @@ def curve(args, dev, cfg, ad, model) -> dict:
 
 def compiled_vs_eager(args, dev, cfg, ad) -> dict:
     """Eager, then the engine's compile_transformer on the same weights: step times, compilation, diffs."""
-    from digenrl.algorithms.sde import sample
     from digenrl.policy import compile_transformer
 
-    b, sigmas = args.compile_batch, ad.sigmas(args.steps)
-    kind, eta = cfg.sampling.sde, cfg.sampling.noise_level
-    cond = ad.encode_prompts([f"prompt {i}" for i in range(b)])
-    z = torch.randn((b, *ad.latent_shape()), generator=torch.Generator().manual_seed(4)).to(dev)
-
-    def run():
-        with torch.no_grad():
-            return sample(ad, cond, z, sigmas, kind, eta, torch.Generator().manual_seed(5))
-
+    b = args.compile_batch
+    run = sampler(args, dev, cfg, ad, b)
     t_eager, eager = timed(dev, run, args.repeats)
     if args.compile_backend == "inductor":
         compile_transformer(SimpleNamespace(adapter=ad), args.compile_mode)  # engine.compile_rollout: on
@@ -148,8 +144,50 @@ def compiled_vs_eager(args, dev, cfg, ad) -> dict:
     }
 
 
-def reward_rows(args, dev, pixels: int) -> list[dict]:
-    """Seconds per image of each model reward, built by the registry from a random-init backbone."""
+def sampler(args, dev, cfg, ad, batch: int):
+    """One unit's sampling at ``batch`` (the project's sampler), as a no-argument call."""
+    from digenrl.algorithms.sde import sample
+
+    sigmas, kind, eta = ad.sigmas(args.steps), cfg.sampling.sde, cfg.sampling.noise_level
+    cond = ad.encode_prompts([f"prompt {i}" for i in range(batch)])
+    z = torch.randn((batch, *ad.latent_shape()), generator=torch.Generator().manual_seed(4)).to(dev)
+
+    def run():
+        with torch.no_grad():
+            return sample(ad, cond, z, sigmas, kind, eta, torch.Generator().manual_seed(5))
+
+    return run
+
+
+def overlap(args, dev, sample, score) -> dict:
+    """``EngineWorker.score``'s situation: a unit scored in another thread while the next one samples
+    on the same device. ``hidden_share`` = (sampling + scoring - both at once) / scoring: the share of
+    the reward's time hidden behind the sampling (``CostParams.model_reward_overlap``)."""
+
+    def scored_beside():
+        def run():
+            with torch.no_grad():  # (grad mode is per thread)
+                score()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        sample()
+        thread.join()
+
+    t_sample, _ = timed(dev, sample, args.repeats)
+    t_score, _ = timed(dev, score, args.repeats)
+    t_both, _ = timed(dev, scored_beside, args.repeats)
+    return {
+        "sample_s": t_sample,
+        "score_s": t_score,
+        "both_s": t_both,
+        "hidden_share": min(1.0, max(0.0, (t_sample + t_score - t_both) / t_score)),
+    }
+
+
+def reward_rows(args, dev, pixels: int, sample=None, res: dict | None = None) -> list[dict]:
+    """Seconds per image of each model reward, built by the registry from a random-init backbone;
+    with ``sample``, PickScore's overlap with it (:func:`overlap`) into ``res["reward_overlap"]``."""
     from digenrl.config import RewardConfig
     from digenrl.rewards import build_reward
 
@@ -180,6 +218,13 @@ def reward_rows(args, dev, pixels: int) -> list[dict]:
                         "held_gib": held,
                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
                     }
+                )
+            if sample is not None and res is not None and which == "pickscore":
+                n = max(args.reward_images)
+                images = torch.rand(n, 3, pixels, pixels, generator=torch.Generator().manual_seed(0))
+                prompts = ["a photo of a red car on a street"] * n
+                res["reward_overlap"] = {"reward": which, "images": n, "sample_batch": args.compile_batch} | (
+                    overlap(args, dev, sample, lambda: fn(images, prompts, [{}] * n))
                 )
             fn = None  # (the backbone is freed before the next one loads)
             if dev.type == "cuda":
@@ -245,7 +290,8 @@ def main():
         "steps": args.steps,
     }
     section("rollout_batch_curve", lambda: curve(args, dev, cfg, ad, model))
-    section("reward", lambda: reward_rows(args, dev, 32 if args.tiny else 512))
+    sample = sampler(args, dev, cfg, ad, args.compile_batch)  # (eager: before the compile section)
+    section("reward", lambda: reward_rows(args, dev, 32 if args.tiny else 512, sample, res))
     section("compile", lambda: compiled_vs_eager(args, dev, cfg, ad))  # last: it changes the transformer
     print(json.dumps(res, indent=1, default=float))
     save()

@@ -221,12 +221,15 @@ def test_gpu_smoke_dry_run_on_cpu(tmp_path):
     rewards = {(r["reward"], r["images"]) for r in ded["reward"]}
     assert rewards == {("pickscore", 2), ("clipscore", 2)}
     assert all(r["s_per_image"] > 0 and r["params"] > 0 for r in ded["reward"])
+    lap = ded["reward_overlap"]
+    assert lap["reward"] == "pickscore" and 0.0 <= lap["hidden_share"] <= 1.0 and lap["both_s"] > 0
     fold = json.loads((tmp_path / "fold.json").read_text())
     assert not fold["applies"]  # a dry run never becomes a default
     names = {r["name"]: r for r in fold["defaults"]}
     assert names["model reward s per image"]["measured"] == ded["reward"][0]["s_per_image"]
     assert names["sampling peak efficiency"]["measured"] is None  # no MFU on CPU
     assert names["compiled sampling speed-up"]["measured"] == comp["speedup"]
+    assert names["model reward overlap"]["measured"] == lap["hidden_share"]
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine runs the script itself")
