@@ -232,6 +232,50 @@ def test_gpu_smoke_dry_run_on_cpu(tmp_path):
     assert names["model reward overlap"]["measured"] == lap["hidden_share"]
 
 
+def test_fold_gpu_check_recovers_the_curve_a_gpu_measured(tmp_path):
+    """The fold on GPU-shaped results: MFU points drawn from ``peak n / (n + half)`` give back that peak
+    and half; the train step's MFU its implied peak; PickScore's row the reward defaults."""
+    sys.path.insert(0, str(BENCH))
+    from fold_gpu_check import fold
+
+    from digenrl.planner.efficiency import tokens_factor
+
+    peak, half, tokens = 0.5, 3000.0, 1536
+    curve = {
+        str(b): {"tokens_per_call": b * tokens, "mfu": peak * tokens_factor(b * tokens, half)}
+        for b in (1, 2, 4, 8)
+    }
+    pick = {
+        "reward": "pickscore",
+        "backbone": "ViT-H/14",
+        "dtype": "bfloat16",
+        "params": 986e6,
+        "pixels": 512,
+    }
+    ded = {
+        "device": "NVIDIA H200",
+        "gpu": "H200",
+        "tiny": False,
+        "rollout_batch_curve": curve,
+        "reward": [pick | {"images": 1, "s_per_image": 0.02}, pick | {"images": 16, "s_per_image": 0.004}],
+        "reward_overlap": {"reward": "pickscore", "images": 16, "sample_batch": 4, "hidden_share": 0.25},
+        "compile": {"speedup": 1.3, "mode": "default", "backend": "inductor", "batch": 4},
+    }
+    train_mfu = 0.3 * tokens_factor(4 * tokens, 1024.0)
+    rw = {"rollout": {"tokens": tokens, "batch": 4}, "train_ac_off": {"mfu": train_mfu}}
+    (tmp_path / "dedicated.json").write_text(json.dumps(ded))
+    (tmp_path / "realwidth.json").write_text(json.dumps(rw))
+    got = fold(tmp_path)
+    m = {r["name"]: r["measured"] for r in got["defaults"]}
+    assert got["applies"] and got["errors"] == {}
+    assert m["sampling peak efficiency"] == pytest.approx(peak) and m[
+        "sampling half tokens"
+    ] == pytest.approx(half)
+    assert m["training peak efficiency"] == pytest.approx(0.3)
+    assert m["model reward s per image"] == 0.004 and m["model reward parameters"] == 986e6
+    assert m["model reward overlap"] == 0.25 and m["compiled sampling speed-up"] == 1.3
+
+
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine runs the script itself")
 def test_gpu_smoke_script_refuses_without_a_gpu(tmp_path):
     """The GPU smoke script parses, and on a machine without a GPU says so and exits non-zero."""
