@@ -48,6 +48,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # test_model_rewards.make_tiny_c
 import torch  # noqa: E402
 from gpu_realwidth import PEAK_BF16_FLOPS, build, flops_per_forward, sync, timed  # noqa: E402
 
+CLIP_VOCAB = 49408  # OpenAI CLIP's / open_clip's text vocabulary
 #: CLIP backbones of the model rewards (transformers CLIPConfig widths), by reward
 BACKBONES = {
     "pickscore": (  # laion/CLIP-ViT-H-14 (PickScore_v1 fine-tunes it)
@@ -77,7 +78,11 @@ def write_clip(path: Path, which: str, tiny: bool) -> Path:
     _, vision, text, proj = BACKBONES[which]
     cfg = CLIPConfig(
         text_config=dict(
-            vocab_size=514, max_position_embeddings=77, bos_token_id=512, eos_token_id=513, pad_token_id=513
+            vocab_size=CLIP_VOCAB,  # (the byte-level tokenizer uses ids < 514; the embedding: real size)
+            max_position_embeddings=77,
+            bos_token_id=512,
+            eos_token_id=513,
+            pad_token_id=513,
         )
         | text,
         vision_config=dict(image_size=224, patch_size=14) | vision,
