@@ -247,12 +247,19 @@ def clip_reward(path) -> str:
 
 @pytest.fixture(scope="module")
 def clip_local(slow_clip, tmp_path_factory):
-    """The single-process trainer scoring ``slow_clip`` inline, 4 prompts per iteration: final LoRA
-    tensors and metrics rows, the reference of every engine run below that scores with it."""
-    path = tmp_path_factory.mktemp("clip-local")
-    cfg = load_config(None, BASE + ["train.prompts_per_iteration=4", clip_reward(slow_clip)])
-    result = LocalTrainer(cfg).run(path)
-    return load_file(path / "final" / "pytorch_lora_weights.safetensors"), result.metrics
+    """The single-process trainer scoring ``slow_clip`` inline, 4 prompts per iteration, then
+    ``extra``: final LoRA tensors and metrics rows, run once per ``extra`` for the engine runs below."""
+    out = {}
+
+    def get(*extra: str):
+        if extra not in out:
+            path = tmp_path_factory.mktemp("clip-local")
+            cfg = load_config(None, BASE + ["train.prompts_per_iteration=4", clip_reward(slow_clip), *extra])
+            result = LocalTrainer(cfg).run(path)
+            out[extra] = (load_file(path / "final" / "pytorch_lora_weights.safetensors"), result.metrics)
+        return out[extra]
+
+    return get
 
 
 @pytest.mark.slow
@@ -280,7 +287,7 @@ def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip,
     assert all(r["reward_latency_s/clipscore"] > 0 for r in rows)
 
     # the same update as the single-process trainer, which scores inline (as test_mode_invariants)
-    ref, local_rows = clip_local
+    ref, local_rows = clip_local()
     got = load_file(tmp_path / "service" / "final" / "pytorch_lora_weights.safetensors")
     assert got.keys() == ref.keys()
     for k in ref:
@@ -297,9 +304,10 @@ def test_a_model_reward_is_scored_on_the_rollout_worker_beside_its_next_unit(
 ):
     """A model reward without reward.service: each unit is scored after its decode on a rollout
     worker's device (a TAG rank's unit too: its pixels go to a rollout worker), in a side call that
-    overlaps that worker's next unit; the update is the local trainer's (which scores inline)."""
+    overlaps that worker's next unit; the update is the local trainer's (which scores inline). The
+    in-training eval too: trainer rank 0 samples it, a rollout worker scores it."""
     overrides = BASE + DISAGG + ["engine.gap=true", f"engine.tag={str(tag).lower()}"]
-    overrides += ["train.prompts_per_iteration=4", clip_reward(slow_clip)]
+    overrides += ["train.prompts_per_iteration=4", clip_reward(slow_clip), "output.eval_every=2"]
     result = run_engine(load_config(None, overrides), run_dir=tmp_path / "engine")
     tl = Timeline.from_chrome_trace(tmp_path / "engine" / "timeline.json")
     rollouts, rewards = {r.uid: r for r in tl.of("rollout")}, tl.of("reward")
@@ -320,7 +328,7 @@ def test_a_model_reward_is_scored_on_the_rollout_worker_beside_its_next_unit(
     assert all(t.start >= scored[f"rollout-{t.iteration}-{t.args['groups'][0]}"] for t in tl.of("train"))
     assert all(r["reward_latency_s/clipscore"] > 0 for r in result.metrics)
 
-    ref, local_rows = clip_local
+    ref, local_rows = clip_local("output.eval_every=2")
     got = load_file(tmp_path / "engine" / "final" / "pytorch_lora_weights.safetensors")
     assert got.keys() == ref.keys()
     for k in ref:
@@ -328,6 +336,10 @@ def test_a_model_reward_is_scored_on_the_rollout_worker_beside_its_next_unit(
     for mine, theirs in zip(result.metrics, local_rows, strict=True):
         assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    evals = [(m, t) for m, t in zip(result.metrics, local_rows) if "eval/reward_mean" in t]
+    assert evals and all(
+        m["eval/clipscore"] == pytest.approx(t["eval/clipscore"], abs=1e-5) for m, t in evals
+    )
 
 
 @pytest.mark.slow
