@@ -86,10 +86,12 @@ def rollout_unit(
     iteration: int,
     seed: int,
     samples: tuple[int, int] | None = None,
+    whole_forwards: bool = False,
 ) -> Samples:
     """Generate G samples for each prompt with the policy's current weights, decode and score them;
     ``samples = (lo, hi)``: only samples lo..hi-1 of each group (a sub-group unit), the same ones a
-    whole-group unit generates."""
+    whole-group unit generates. ``whole_forwards``: one forward of all the samples per step, not the
+    train forwards' batches (a sharded group's ranks whose shares would run different numbers)."""
     cfg, ad = policy.cfg, policy.adapter
     G, n_steps = cfg.algorithm.group_size, cfg.sampling.steps
     lo, hi = samples or (0, G)
@@ -110,7 +112,7 @@ def rollout_unit(
         cfg.sampling.noise_level,
         rng,
         sde_mask,
-        batches=forward_batches(train_idx, cfg, n, lo),
+        batches=None if whole_forwards else forward_batches(train_idx, cfg, n, lo),
     )
     pixels = ad.decode(traj.latents[:, -1])
     texts = [p.text for p in prompts for _ in range(n)]
@@ -208,6 +210,7 @@ def train_unit(
     tsp_degree: int = 1,
     minibatch: int = 0,
     minibatches: int = 1,
+    lockstep: list[list[int]] | None = None,
 ) -> dict:
     """Accumulate the gradient of this unit's share of the iteration loss.
 
@@ -219,6 +222,9 @@ def train_unit(
     policy, the weights at the start of the current mini-batch (decoupled PPO).
     Trains the trained-step positions j with j % tsp_degree == tsp_rank (time-step parallelism)
     of the samples of mini-batch ``minibatch`` of ``minibatches`` (:func:`minibatch_rows`).
+    ``lockstep``: per micro-batch, the steps to run a forward / backward at (a sharded group's rank,
+    :func:`~digenrl.engine.fsdp_group.lockstep_steps`: every rank runs the same passes); at a step
+    none of this rank's samples trains, the pass runs on one row and adds nothing.
     """
     cfg, ad = policy.cfg, policy.adapter
     alg, kind, eta = cfg.algorithm, cfg.sampling.sde, cfg.sampling.noise_level
@@ -226,21 +232,24 @@ def train_unit(
     stats = _Stats()
     positions = [j for j in range(samples.train_idx.shape[1]) if j % tsp_degree == tsp_rank]
     sig = samples.sigmas.to(ad.device)
-    for mb in train_batches(
+    batches = train_batches(
         len(samples),
         cfg,
         minibatch,
         minibatches,
         len(samples) // len(samples.group_ids),
         samples.first_sample,
-    ):
+    )
+    for k, mb in enumerate(batches):
         cond = samples.cond.select(mb).to(ad.device)
         adv = samples.advantages[mb].to(ad.device)
         mine = samples.train_idx[mb][:, positions]  # (samples, this rank's positions): steps to train
-        for (
-            i
-        ) in mine.unique().tolist():  # the samples training step i share one forward (each trains it once)
+        steps = mine.unique().tolist() if lockstep is None else lockstep[k]
+        for i in steps:  # the samples training step i share one forward (each trains it once)
             sel = (mine == i).any(1).nonzero().squeeze(1)
+            idle = len(sel) == 0  # lockstep: a pass the rank's group runs, on one row, weighted 0
+            if idle:
+                sel = sel.new_zeros(1)
             rows = mb[sel]
             x = samples.latents[rows, i].to(ad.device)
             x_next = samples.latents[rows, i + 1].to(ad.device)
@@ -251,13 +260,17 @@ def train_unit(
                 with torch.no_grad(), policy.reference():
                     _, mu_ref, _ = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
 
-            def objective(v, x=x, x_next=x_next, i=i, behaviour=behaviour, a=adv[sel], mu_ref=mu_ref):
+            def objective(
+                v, x=x, x_next=x_next, i=i, behaviour=behaviour, a=adv[sel], mu_ref=mu_ref, scale=1.0 - idle
+            ):
                 logp, mu, std = logprob_of_velocity(v, x, x_next, sig, i, kind, eta)
                 scalar, extras = term_loss(alg, logp, behaviour, a, stale, mu, mu_ref, std, total_terms)
-                return scalar, (*extras, logp.detach())
+                return scalar * scale, (*extras, logp.detach())
 
             sigma = sig[i].expand(x.shape[0])
             loss, st, w, kl, logp = backward_through_velocity(ad, x, sigma, c, objective)
+            if idle:
+                continue
             if w is not None:
                 stats.add_is(w)
             elif minibatch == 0:  # on-policy: the trainer should reproduce the rollout's log-prob

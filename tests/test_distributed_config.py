@@ -31,37 +31,6 @@ CASES = {
         ["--set", "train.fsdp=2", "--set", "placement.mode=local", *TINY],
         "train.fsdp: 2: sharded trainer ranks need placement.mode: disaggregated (got local)",
     ),
-    "fsdp with tag": (
-        ["--set", "train.fsdp=2", *TWO_TRAINERS, *TINY],
-        "train.fsdp: 2: not with engine.tag (every FSDP rank must run the same forward / backward",
-    ),
-    "fsdp random timesteps": (
-        [
-            "--set",
-            "train.fsdp=2",
-            *TWO_TRAINERS,
-            "--set",
-            "engine.tag=false",
-            *TSP1,
-            "--set",
-            "algorithm.timesteps.mode=random",
-            *TINY,
-        ],
-        "train.fsdp: 2: not with algorithm.timesteps.mode: random",
-    ),
-    "fsdp with tsp": (
-        [
-            "--set",
-            "train.fsdp=2",
-            *TWO_TRAINERS,
-            "--set",
-            "engine.tag=false",
-            "--set",
-            "engine.tsp_degree=2",
-            *TINY,
-        ],
-        "train.fsdp: 2: not with engine.tsp_degree > 1",
-    ),
     "fsdp uneven mini-batch": (
         [
             "--set",
@@ -169,7 +138,7 @@ def test_settings_resolve():
 
 def test_the_planner_never_proposes_a_sharding_the_engine_refuses():
     """FLUX.1-dev full fine-tuning on 16 H800 needs FSDP: the search drops the plans whose sharding the
-    engine refuses (TAG, colocated), saying why, and every plan it ranks is one `train` runs. On 8 H800
+    engine refuses (colocated), saying why, ranks sharded groups beside TAG, and every plan it ranks is one `train` runs. On 8 H800
     only a colocated FSDP x8 placement fits, so the planner says nothing fits rather than propose it."""
     from pathlib import Path
 
@@ -195,11 +164,11 @@ def test_the_planner_never_proposes_a_sharding_the_engine_refuses():
     cluster = h800s(16)
     res = search(CostModel(Workload.from_config(cfg), cluster), cluster, top=3)
     refused = [why for why, _ in res.rejected.values() if "which the engine refuses" in why]
-    assert refused and any("engine.tag" in why for why in refused)
+    assert refused and not any("engine.tag" in why for why in refused)  # FSDP beside TAG runs
     assert res.ranked
     for r in res.ranked:
         trainer = r.setups[r.plan.trainer_pools[0].name]
-        assert r.plan.placement == "disaggregated" and not r.plan.tag and r.plan.ranks % trainer.shard == 0
+        assert r.plan.placement == "disaggregated" and r.plan.ranks % trainer.shard == 0
         check_fsdp_wired(plan_config(cfg, r, cluster))  # raises on a refused sharding
 
 

@@ -97,17 +97,6 @@ def fsdp_unwired(
         )
     if ranks % n:
         return f"must divide the number of trainer ranks ({ranks}); use train.fsdp: {ranks} or off"
-    refused = {
-        "engine.tag": tag,
-        "engine.tsp_degree > 1": tsp_degree > 1,
-        "algorithm.timesteps.mode: random": timestep_mode == "random",
-    }
-    for name, on in refused.items():
-        if on:
-            return (
-                f"not with {name} (every FSDP rank must run the same forward / backward passes; the sharded "
-                "group trains whole units together)"
-            )
     if trainer_sp > 1 and ranks != n:
         return (
             f"HSDP (a degree below the {ranks} trainer ranks) with engine.trainer_sp is not wired; "

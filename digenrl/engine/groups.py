@@ -10,7 +10,7 @@ import socket
 from datetime import timedelta
 
 from digenrl.distributed.settings import resolve_fsdp
-from digenrl.engine import sync_group
+from digenrl.engine import fsdp_group, sync_group
 from digenrl.engine.fsdp_group import shard_policy
 
 
@@ -67,6 +67,29 @@ class GroupMember:
         import ray
 
         return ray.get(refs)
+
+    def _generation_share(self) -> tuple[int, int]:
+        """(this rank's share, the shares) of a unit its trainer group generates: one per sequence-parallel
+        group of a shard group (its members generate the same share together), one in all unsharded."""
+        if not self.sharded:
+            return 0, 1
+        return (self.rank % self.degree) // self.sp_world, self.degree // self.sp_world
+
+    def rollout_share(self, unit):
+        """A trainer group follower's share of its lead's rollout unit (:meth:`group_rollout`)."""
+        return fsdp_group.rollout_share(self, unit, *self._generation_share())
+
+    def group_rollout(self, unit):
+        """A trainer group's lead generates ``unit`` with its group (TAG, colocated): every rank its
+        share (:func:`~digenrl.engine.fsdp_group.unit_share`; a sequence-parallel group one share
+        together), parameters gathered per forward as in training, so the collectives match; the
+        lead merges the shares and scores the unit once with its reward."""
+        others = self._fan_out("rollout_share", unit)
+        mine = fsdp_group.rollout_share(self, unit, *self._generation_share())
+        parts = ([mine] + self._gather(others))[:: self.sp_world]  # SP members repeat their share
+        samples, pixels = fsdp_group.merge_shares(parts, unit, self.cfg.algorithm.group_size)
+        everything = self.prompts.for_iteration(unit.iteration, self.cfg.train.prompts_per_iteration)
+        return fsdp_group.score_unit(samples, pixels, self.reward, [everything[g] for g in unit.groups])
 
     def _all_reduce_gradients(self) -> None:
         """Sum the accumulated gradients over the ranks in DDP-style buckets

@@ -256,9 +256,9 @@ class EngineWorker(GroupMember, SequenceParallelMember):
                 )
             )
         cfg = self.cfg
-        sp_shares = self._fan_out(
-            "sp_rollout", unit, packet
-        )  # engine.rollout_sp: the group generates together
+        group = self.role != "rollout" and self.followers  # a trainer group generates each unit together
+        # engine.rollout_sp: the group generates together
+        sp_shares = [] if group else self._fan_out("sp_rollout", unit, packet)
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
         if self.remote_reward:
             self.reward.refs.clear()
@@ -267,15 +267,18 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             self.reward.spans.clear()
             self.reward.calls.clear()
         start = time.time()
-        samples = rollout_unit(
-            self.policy,
-            self.reward,
-            [everything[g] for g in unit.groups],
-            list(unit.groups),
-            unit.iteration,
-            cfg.train.seed,
-            unit.sample_range(cfg.algorithm.group_size),
-        )
+        if group:  # every rank its share (fsdp_group.unit_share), scored here once
+            samples = self.group_rollout(unit)
+        else:
+            samples = rollout_unit(
+                self.policy,
+                self.reward,
+                [everything[g] for g in unit.groups],
+                list(unit.groups),
+                unit.iteration,
+                cfg.train.seed,
+                unit.sample_range(cfg.algorithm.group_size),
+            )
         end = time.time()
         self._gather(sp_shares)
         self.faults.reached(unit.uid)

@@ -1,0 +1,78 @@
+"""A sharded (FSDP2) trainer group as one SPMD unit beside the engine's other features: it assists
+generation (TAG: every rank generates its share of the unit, parameters gathered per forward as in
+training), trains TSP shares, and trains DanceGRPO's random timesteps in lockstep (every rank runs
+the group's union of trained steps). On-policy each run equals the single-process trainer, and the
+timeline invariants of docs/architecture.md hold (tests/helpers.assert_timeline_invariants)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+ray = pytest.importorskip("ray")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from digenrl.config import load_config  # noqa: E402
+from digenrl.engine.runtime import run_engine  # noqa: E402
+from digenrl.engine.timeline import Timeline  # noqa: E402
+from digenrl.trainer import LocalTrainer  # noqa: E402
+from tests.helpers import assert_timeline_invariants, local_ray  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+BASE = [
+    "model.height=16",
+    "model.width=16",
+    "train.iterations=2",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+    "engine.tsp_degree=1",
+    "engine.max_staleness=0",
+]
+FSDP = [
+    "placement.mode=disaggregated",
+    "engine.gap=true",
+    "train.fsdp=2",
+    "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]",
+]
+RANDOM = ["algorithm.timesteps.mode=random", "algorithm.timesteps.fraction=0.5"]
+CASES = {
+    # the group takes rollout units before its first step (TAG): each rank generates one of the two groups
+    "tag": (["engine.tag=true"], []),
+    # two TSP shares of every unit, both trained by the one sharded group
+    "tsp": (["engine.tag=false", "engine.tsp_degree=2"], []),
+    # DanceGRPO's random trained steps: the ranks' samples train different steps, run in lockstep
+    "random_timesteps": (["engine.tag=true"] + RANDOM, RANDOM),
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from local_ray(rollout=1, trainer=2)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sharded_group_beside_tag_tsp_and_random_timesteps(cluster, tmp_path, case):
+    sets, local_sets = CASES[case]
+    ref = LocalTrainer(load_config(None, BASE + local_sets)).run(tmp_path / "local")
+    cfg = load_config(None, BASE + FSDP + sets)
+    result = run_engine(cfg, run_dir=tmp_path / "fsdp")
+    want = load_file(tmp_path / "local" / "final" / "pytorch_lora_weights.safetensors")
+    got = load_file(tmp_path / "fsdp" / "final" / "pytorch_lora_weights.safetensors")
+    assert got.keys() == want.keys()
+    for k in want:  # the tolerance of test_engine_fsdp (gradients summed in another order, then Adam)
+        torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=0)
+    for mine, theirs in zip(result.metrics, ref.metrics, strict=True):
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4, abs=1e-6)
+        assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
+    tl = Timeline.from_chrome_trace(tmp_path / "fsdp" / "timeline.json")
+    assert_timeline_invariants(cfg, tl)
+    assert {t.worker for t in tl.of("train")} == {"trainer0"}  # the group's lead, for both ranks
+    if "engine.tag=true" in sets:  # the group generated (a unit before the first step)
+        assert any(r.worker == "trainer0" for r in tl.of("rollout"))
