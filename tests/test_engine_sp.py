@@ -102,3 +102,30 @@ def test_sequence_parallel_workers_equal_the_local_trainer(cluster, reference, t
     assert [r["bubble_fraction"] for r in tl.iteration_stats()] == pytest.approx(
         [r["bubble_fraction"] for r in flat.iteration_stats()]
     )
+
+
+@pytest.mark.slow
+def test_a_lost_member_takes_its_sequence_parallel_group_down(cluster, reference, tmp_path):
+    """The follower of a sequence-parallel rollout pair dies after its share of a unit: the lead's
+    unit fails, the driver restarts the pair whole (its lead too), forms its group again and
+    re-queues the unit exactly once; the run loses and duplicates nothing and equals the
+    single-process trainer (and so the fault-free run, test above) within the same tolerance."""
+    from collections import Counter
+
+    from tests.helpers import assert_timeline_invariants
+
+    ref_dir, ref = reference
+    sets, _, _ = CASES["rollout_sp"]
+    cfg = load_config(None, BASE + ENGINE + sets + ["engine.faults=[{worker: rollout1, unit: rollout-0-1}]"])
+    result = run_engine(cfg, run_dir=tmp_path / "sp")
+    assert result.metrics[-1]["worker_restarts"] >= 1
+    tl = Timeline.from_chrome_trace(tmp_path / "sp" / "timeline.json")
+    assert_timeline_invariants(cfg, tl)  # every group generated once (as recorded) and trained once
+    assert Counter(r.uid for r in tl.of("rollout"))["rollout-0-1"] == 1
+    want = load_file(ref_dir / "final" / "pytorch_lora_weights.safetensors")
+    got = load_file(tmp_path / "sp" / "final" / "pytorch_lora_weights.safetensors")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=0)
+    for mine, theirs in zip(result.metrics, ref.metrics, strict=True):
+        assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
+        assert mine["samples"] == theirs["samples"]

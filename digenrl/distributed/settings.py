@@ -184,7 +184,7 @@ def sp_unwired(
         return None
     if placement != "disaggregated":
         return f"sequence-parallel workers need placement.mode: disaggregated (got {placement}); use engine.{role}_sp: 1"
-    refused = {"engine.tag": tag, "engine.faults": faults}
+    refused = {"engine.tag": tag}
     if role == "trainer":
         refused["output.eval_every"] = evaluates
     for name, on in refused.items():

@@ -114,10 +114,8 @@ def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None, 
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
                 # a rollout worker holds nothing that cannot be rebuilt: Ray restarts it and the
                 # engine re-queues its unit; a trainer rank's death stops the run (worker_died)
-                # (a sequence-parallel group's member is not restarted: it would leave its group)
-                max_restarts=cfg.engine.max_restarts
-                if spec.role == "rollout" and spec.name not in sp_members
-                else 0,
+                # (a sequence-parallel group is restarted whole: recovery.GroupRestart)
+                max_restarts=cfg.engine.max_restarts if spec.role == "rollout" else 0,
                 max_task_retries=0,
             ).remote(
                 cfg,
@@ -282,19 +280,26 @@ def form_sp_groups(cfg: RunConfig, workers: list[Worker], actors: dict, ready: d
     import ray
 
     for names in sp_groups(cfg, workers, "rollout"):
-        backend = "nccl" if all(ready[n]["device"].startswith("cuda") for n in names) else "gloo"
-        address, port = ray.get(actors[names[0]].rendezvous_address.remote())
-        ray.get(
-            [
-                actors[n].join_sp_group.remote(address, port, i, len(names), backend)
-                for i, n in enumerate(names)
-            ]
-        )
-        ray.get(actors[names[0]].lead.remote([actors[n] for n in names[1:]]))
+        form_rollout_sp_group(actors, names, [ready[n]["device"] for n in names])
     if followers(cfg, workers):  # FSDP: trainer rank 0 already leads every other rank
         return
     for names in sp_groups(cfg, workers, "trainer"):  # (their group formed with the trainer group's)
         ray.get(actors[names[0]].lead.remote([actors[n] for n in names[1:]]))
+
+
+def form_rollout_sp_group(actors: dict, names: list[str], devices: list[str] | None = None) -> None:
+    """One sequence-parallel rollout group (``names``, its lead first) joins its own torch.distributed
+    world and the lead takes its followers; again when the group was restarted whole."""
+    import ray
+
+    if devices is None:
+        devices = [f["device"] for f in ray.get([actors[n].sync_specs.remote() for n in names])]
+    backend = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"
+    address, port = ray.get(actors[names[0]].rendezvous_address.remote())
+    ray.get(
+        [actors[n].join_sp_group.remote(address, port, i, len(names), backend) for i, n in enumerate(names)]
+    )
+    ray.get(actors[names[0]].lead.remote([actors[n] for n in names[1:]]))
 
 
 def connect(workers: list[Worker], ray_address: str | None) -> bool:

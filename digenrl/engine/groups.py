@@ -109,10 +109,32 @@ class GroupMember:
         return {"device": str(self.policy.device), "specs": sync_group.receiver_specs(self.policy)}
 
     def join_sync(self, address: str, port: int, rank: int, world: int, backend: str, specs=None) -> None:
-        """Join the weight-sync group (rank 0: trainer rank 0, given the rollout workers' ``specs``)."""
+        """Join the weight-sync group (rank 0: trainer rank 0, given the rollout workers' ``specs``);
+        again after a restart (:meth:`~digenrl.engine.weight_sync.SyncRoutes.rejoin`): the old group
+        is closed and the versions this member staged carry over."""
+        old = self.sync
+        if isinstance(old, sync_group.BroadcastPublisher):
+            old.close()  # the old group's receivers stop waiting
         self.sync = sync_group.join(
             self.policy, address, port, rank, world, backend, specs, self.cfg.engine.max_staleness
         )
+        sync_group.carry_over(old, self.sync)
+
+    def republish(self, live: bool = True) -> dict:
+        """Trainer rank 0, once the weight-sync group re-formed: send the version it holds over the new
+        group, once (a sharded group's other ranks join the gathers). Not with mini-batch PPO, whose
+        earlier steps move the weights without a new version: then nothing is sent (``event`` None)."""
+        if self.rank == 0:
+            live = self.cfg.train.optimizer_steps == 1
+        others = self._fan_out("republish", live)
+        event = None
+        if self.rank > 0 and live:
+            sync_group.take_part(self.policy, "broadcast")
+        elif live:
+            event = self.sync.publish(self.policy)
+            event.update(uid=f"sync-{event['version']}-republish", args={**event["args"], "rejoin": True})
+        self._gather(others)
+        return {"version": self.policy.version, "event": event}
 
     def leave_sync(self) -> None:
         self.sync = None

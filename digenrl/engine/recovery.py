@@ -131,6 +131,40 @@ class FaultPolicy:
             )
 
 
+class GroupRestart:
+    """Sequence-parallel rollout groups (``engine.rollout_sp``): one worker of many devices. A lost
+    member takes its group down -- the driver kills the group's other members, so Ray restarts every
+    one (the lost one it restarts itself) -- and once the lead answers ``ready()`` again the group
+    is formed again whole (``form(names)``: its own world, the lead taking its followers) before the
+    lead takes work; its unit was re-queued once, as any dead rollout worker's
+    (:meth:`FaultPolicy.died`)."""
+
+    def __init__(self, groups: dict[str, list[str]], actors: dict, form):
+        self.groups, self.actors, self.form = groups, actors, form  # lead -> its members, lead first
+        self.down: set[str] = set()
+
+    def take_down(self, lead: str, exc: Exception) -> None:
+        """``lead``'s unit failed because a member of its group died (``exc``): restart the rest."""
+        import ray
+
+        if lead not in self.groups:
+            return
+        died = exc if isinstance(exc, ray.exceptions.RayActorError) else getattr(exc, "cause", None)
+        dead = getattr(died, "actor_id", None)
+        for name in self.groups[lead]:
+            actor = self.actors[name]
+            if actor._actor_id.hex() != dead:  # (Ray restarts the dead one already)
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=False)
+        self.down.add(lead)
+
+    def reform(self, lead: str) -> None:
+        """``lead`` is back: its group forms again (every member waits until Ray has restarted it)."""
+        if lead in self.down:
+            self.down.discard(lead)
+            self.form(self.groups[lead])
+
+
 @contextlib.contextmanager
 def user_errors():
     """A UserError / WeightSyncError raised inside an actor reaches the caller as itself."""

@@ -34,15 +34,17 @@ from digenrl.engine.cluster import (
     actor_died,
     first_line,
     followers,
+    form_rollout_sp_group,
     form_sync_group,
     group_leads,
     num_restarts,
     ray_workers,
     sp_followers,
+    sp_groups,
 )
 from digenrl.engine.driver import Done, Event, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
-from digenrl.engine.recovery import FaultPolicy, TrainerLost, own_error, user_errors
+from digenrl.engine.recovery import FaultPolicy, GroupRestart, TrainerLost, own_error, user_errors
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit, Unit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
@@ -120,6 +122,9 @@ def run_engine(
         backend = RayBackend(cfg, scheduler, workers, actors, out, on_iteration, history)
         backend.t0, backend.hidden = started, hidden
         backend.sync = SyncRoutes(*sync, start, actors, backend.rank0)
+        backend.sync.reform = lambda: form_sync_group(worker_cfg, workers, actors)  # after a restart
+        sp_rollout = {names[0]: names for names in sp_groups(cfg, workers, "rollout")}
+        backend.groups = GroupRestart(sp_rollout, actors, lambda names: form_rollout_sp_group(actors, names))
         try:
             with stop_on_interrupt() as backend.stop:
                 try:
@@ -190,6 +195,7 @@ class RayBackend:
         )  # (iteration, step) -> ranks handed it
         self.stop = StopRequest()  # Ctrl-C (run_engine installs the real one)
         self.stopping = False  # after Ctrl-C or a fatal error: no new work, the running units finish
+        self.groups = GroupRestart({}, actors, None)  # engine.rollout_sp groups (run_engine sets them)
 
     def begin(self) -> None:
         """Before the first unit: the starting weights every restarted worker must hold, and (for a
@@ -277,6 +283,7 @@ class RayBackend:
                 worker, unit, exc
             )  # the unit goes back to the scheduler, or the run stops
             self.sync.worker_died(worker, self.sched.published_version)  # a rollout worker leaves the group
+            self.groups.take_down(worker, exc)  # engine.rollout_sp: the rest of its group restarts too
             return lost
         if worker == REWARD_ROW:  # the scores of a released rollout unit: now it is complete
             self.scored(unit, result)
@@ -388,7 +395,14 @@ class RayBackend:
 
         what, key = self.side.pop(ref)
         if what == "restart":
-            return self.faults.ready_answer(key, lambda: ray.get(ref))
+            back = self.faults.ready_answer(key, lambda: ray.get(ref))
+            if back is not None:
+                self.groups.reform(key)  # a sequence-parallel group restarted whole forms again
+            if back is not None and not self.faults.restarting:  # the last one back: the group re-forms
+                event = self.sync.rejoin(key)
+                if event is not None:
+                    self.record(self.rank0, [event])
+            return back
         if what == "eval":
             self.ledger.evaluated(key, ray.get(ref))
         else:

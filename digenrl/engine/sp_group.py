@@ -75,3 +75,4 @@ class SequenceParallelMember:
             cfg.train.seed,
             unit.sample_range(cfg.algorithm.group_size),
         )
+        self.faults.reached(unit.uid)  # engine.faults: a member dies mid-unit, taking its group down
