@@ -68,10 +68,6 @@ CASES = {
         ["--set", "engine.rollout_sp=2", "--set", "placement.mode=local", *TINY],
         "engine.rollout_sp: 2: sequence-parallel workers need placement.mode: disaggregated (got local)",
     ),
-    "rollout sp with tag": (
-        ["--set", "engine.rollout_sp=2", *TINY],
-        "engine.rollout_sp: 2: not with engine.tag",
-    ),
     "rollout sp uneven devices": (
         ["--set", "engine.rollout_sp=2", "--set", "engine.tag=false", *TINY],
         "engine.rollout_sp: 2: must divide the 1 rollout devices",
@@ -91,19 +87,6 @@ CASES = {
     "trainer sp local": (
         ["--set", "engine.trainer_sp=2", "--set", "placement.mode=local", *TINY],
         "engine.trainer_sp: 2: sequence-parallel workers need placement.mode: disaggregated",
-    ),
-    "trainer sp with eval": (
-        [
-            "--set",
-            "engine.trainer_sp=2",
-            "--set",
-            "engine.tag=false",
-            *TWO_TRAINERS,
-            "--set",
-            "output.eval_every=1",
-            *TINY,
-        ],
-        "engine.trainer_sp: 2: not with output.eval_every",
     ),
     "trainer sp uneven devices": (
         ["--set", "engine.trainer_sp=2", "--set", "engine.tag=false", *TINY],

@@ -129,3 +129,59 @@ def test_a_lost_member_takes_its_sequence_parallel_group_down(cluster, reference
     for mine, theirs in zip(result.metrics, ref.metrics, strict=True):
         assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
         assert mine["samples"] == theirs["samples"]
+
+
+WIRED = {  # sequence parallelism beside the engine's other features, each one SPMD group
+    # an SP trainer pair assists generation (TAG): it generates each unit together, as an SP rollout pair
+    "trainer_sp_tag": [
+        "engine.trainer_sp=2",
+        "engine.tag=true",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]",
+    ],
+    # SP rollout workers beside TAG trainer ranks
+    "rollout_sp_tag": [
+        "engine.rollout_sp=2",
+        "engine.tag=true",
+        "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",
+    ],
+    # in-training eval on an SP trainer pair: the lead's evaluate runs on its follower too
+    "trainer_sp_eval": [
+        "engine.trainer_sp=2",
+        "output.eval_every=1",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]",
+    ],
+    # SP inside HSDP: 4 trainer devices, two shard groups of 2 (replicas), each one SP pair
+    "trainer_sp_in_hsdp": [
+        "engine.trainer_sp=2",
+        "train.fsdp=2",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]",
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", WIRED)
+def test_sequence_parallel_beside_tag_eval_and_hsdp_equals_the_local_trainer(
+    cluster, reference, tmp_path, case
+):
+    from tests.helpers import assert_timeline_invariants
+
+    ref_dir, ref = reference
+    cfg = load_config(None, BASE + ENGINE + WIRED[case])
+    result = run_engine(cfg, run_dir=tmp_path / "sp")
+    want = load_file(ref_dir / "final" / "pytorch_lora_weights.safetensors")
+    got = load_file(tmp_path / "sp" / "final" / "pytorch_lora_weights.safetensors")
+    assert got.keys() == want.keys()
+    for k in want:  # the tolerance of the test above
+        torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=0)
+    for mine, theirs in zip(result.metrics, ref.metrics, strict=True):
+        assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-3)
+    tl = Timeline.from_chrome_trace(tmp_path / "sp" / "timeline.json")
+    assert_timeline_invariants(cfg, tl)
+    if "engine.tag=true" in WIRED[case] and "engine.trainer_sp=2" in WIRED[case]:  # the pair generated
+        assert [r for r in tl.of("rollout") if r.worker == "trainer0" and r.args["sp"] == 2]
+    if case == "trainer_sp_eval":
+        assert all(any(k.startswith("eval/") for k in row) for row in result.metrics)
+    if case == "trainer_sp_in_hsdp":  # two replica groups, each a lead scheduled for its pair
+        assert {t.worker for t in tl.of("train")} <= {"trainer0", "trainer2"}

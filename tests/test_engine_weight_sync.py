@@ -172,8 +172,9 @@ def test_a_corrupted_bucket_is_detected_and_named(cluster, tmp_path):
 def test_one_step_async_survives_a_dead_rollout_worker(cluster, tmp_path):
     """max_staleness 1, one rollout worker over broadcast, killed after generating a unit of iteration
     2 (with version 1, while the trainer may already have published version 2): the restarted worker
-    is outside the group and gets the version of its re-queued unit from rank 0 (its current weights,
-    or the copy it kept of what it broadcast); every group is still trained exactly once."""
+    rejoins the group, and gets the version of its re-queued unit from rank 0 (the one it sends over
+    the re-formed group, else its current weights or the copy it kept of what it broadcast, through
+    the object store); every group is still trained exactly once."""
     sets = BASE + [
         "train.iterations=3",
         "engine.max_staleness=1",
@@ -188,14 +189,16 @@ def test_one_step_async_survives_a_dead_rollout_worker(cluster, tmp_path):
     tl, publishes, loads = sync_events(tmp_path / "run")
     trained = Counter((t.iteration, g) for t in tl.of("train") for g in t.args["groups"])
     assert trained == Counter({(k, g): 1 for k in range(3) for g in range(2)})
-    assert publishes[1].args["transport"] == "broadcast" and publishes[3].args["transport"] == "object_store"
+    # once the worker is back the group re-forms: version 3 goes out by broadcast again
+    assert publishes[1].args["transport"] == "broadcast" and publishes[3].args["transport"] == "broadcast"
     regenerated = [r for r in tl.of("rollout") if r.uid == "rollout-2-0"]
     assert len(regenerated) == 1 and 0 <= 2 - regenerated[0].version <= 1
-    # the restarted worker (back at version 0) fetched the unit's version from the object store
+    # the restarted worker (back at version 0) fetched the unit's version: from the object store when
+    # it is older than the one rank 0 sent over the re-formed group, else from that broadcast
     unit = regenerated[0]
-    assert [
-        e for e in loads[unit.version] if e.args["transport"] == "object_store" and e.end <= unit.start + 1e-3
-    ]
+    (resent,) = [e for e in tl.of("sync") if e.args.get("rejoin")]
+    transport = "object_store" if unit.version < resent.version else "broadcast"
+    assert [e for e in loads[unit.version] if e.args["transport"] == transport and e.end <= unit.start + 1e-3]
 
 
 def test_a_restarted_rollout_worker_rejoins_the_broadcast_group(cluster, tmp_path):

@@ -262,7 +262,6 @@ def test_the_search_proposes_only_what_the_runtime_runs(path, evaluates):
         check_sp_wired(out)
         check_fsdp_wired(out)
         assert r.plan.placement == "disaggregated" or r.plan.rollout_sp == r.plan.trainer_sp == 1
-        assert not (evaluates and r.plan.trainer_sp > 1)
     refused = [why for label, (why, _) in result.rejected.items() if "colocated" in label and "SP" in label]
     assert refused and any("need placement.mode: disaggregated" in why for why in refused)
     peer = baselines(cost, cluster)["colocated"]

@@ -97,11 +97,6 @@ def fsdp_unwired(
         )
     if ranks % n:
         return f"must divide the number of trainer ranks ({ranks}); use train.fsdp: {ranks} or off"
-    if trainer_sp > 1 and ranks != n:
-        return (
-            f"HSDP (a degree below the {ranks} trainer ranks) with engine.trainer_sp is not wired; "
-            f"use train.fsdp: {ranks}"
-        )
     slices = n // trainer_sp if n % trainer_sp == 0 else n  # engine.trainer_sp: a group trains one slice
     uneven = _uneven_unit_share(slices, unit_groups, unit_samples, group_size, optimizer_steps)
     over = f"the {n} ranks" if slices == n else f"the {slices} sequence-parallel groups of the {n} ranks"
@@ -184,12 +179,6 @@ def sp_unwired(
         return None
     if placement != "disaggregated":
         return f"sequence-parallel workers need placement.mode: disaggregated (got {placement}); use engine.{role}_sp: 1"
-    refused = {"engine.tag": tag}
-    if role == "trainer":
-        refused["output.eval_every"] = evaluates
-    for name, on in refused.items():
-        if on:
-            return f"not with {name} (sequence-parallel {role} workers do not run it yet)"
     if devices % s:
         return f"must divide the {devices} {role} devices"
     if shape is None:
