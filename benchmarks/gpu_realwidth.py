@@ -164,6 +164,25 @@ def main():
         "peak_gib": peak_gib(dev),
         "predicted_static_gib": n_params * 2 / 2**30,
     }
+    # ---- the kernel-efficiency curve (digenrl/planner/efficiency.py): one sampling step per sample at
+    # batch 1, 2, 4, 8 -- its MFU at each token count replaces the assumed half-saturation point
+    peak = PEAK_BF16_FLOPS.get(args.gpu, float("nan"))
+    curve = {}
+    for b in (1, 2, 4, 8):
+        c_b = ad.encode_prompts([f"prompt {i}" for i in range(b)])
+        z_b = torch.randn((b, *ad.latent_shape()), generator=torch.Generator().manual_seed(2)).to(dev)
+        with torch.no_grad():
+            t_b, _ = timed(
+                dev, lambda: sample(ad, c_b, z_b, sigmas, kind, eta, torch.Generator().manual_seed(3)), 2
+            )
+        step = t_b / N
+        curve[b] = {
+            "step_s": step,
+            "per_sample_s": step / b,
+            "tokens_per_call": b * tokens,
+            "mfu": b * flops_per_forward(model, tokens) / (step * peak),
+        }
+    res["efficiency_curve"] = curve
     from diffusers import FluxPipeline
 
     pipe = FluxPipeline(

@@ -12,7 +12,9 @@
 #   FLUX.1-dev-width transformer (2 double + 4 single blocks, bf16, 1024 + 512 tokens): peak
 #   memory per phase vs the static prediction, rollout step vs FluxPipeline, train step and
 #   MFU with and without activation checkpointing, fingerprint / packing bandwidth on the
-#   device, the on-policy ratio on GPU kernels -> $OUT/realwidth.json.
+#   device, the on-policy ratio on GPU kernels, and the kernel-efficiency curve (per-sample
+#   rollout step and MFU at batch 1, 2, 4, 8: `efficiency_curve`, which replaces the assumed
+#   half-saturation point of digenrl/planner/efficiency.py) -> $OUT/realwidth.json.
 # Each run must leave 2 metrics rows, timeline.json / .png and final weights. The whole script
 # is sized to finish within 10 minutes on one GPU.
 set -euo pipefail

@@ -482,7 +482,7 @@ def test_broadcast_weight_sync_is_paid_where_the_runtime_pays_it(tiny_cfg):
         assert all((e.start, e.end) == (publish[e.version].start, publish[e.version].end) for e in pre)
         fetches = [e for e in syncs if e.args["direction"] == "fetch"]
         assert fetches and all(e.duration == pytest.approx(cost.sync_fetch("H100")) for e in fetches)
-        assert {e.args["transport"] for e in syncs} == {cost.w.weight_sync}
+        assert {e.args["transport"] for e in syncs} == {cost.workload.weight_sync}
 
 
 # ---------------------------------------------------------------------------------- search

@@ -240,9 +240,11 @@ def test_profile_cli_engine_none_measures_the_model_only(monkeypatch, capsys, tm
     assert data["measurements"]["timing_rounds"] >= 1 and "other_load_cores" in data["measurements"]
 
 
-def test_gpu_profile_calibrates_the_mfu_from_the_batches_both_tables_measured():
-    """A GPU profile's rollout table has unit batches (m x G) the train table does not: the MFU is
-    the median over the batches both measured, each FLOPs / (time x the device's peak)."""
+def test_gpu_profile_calibrates_the_efficiency_curve_from_the_batches_both_tables_measured():
+    """A GPU profile's rollout table has unit batches (m x G) the train table does not: the kernel
+    efficiency curve ``peak n / (n + half)`` is fitted at the batches both measured, so a profile at
+    several batch sizes recovers the curve its times came from (and a batch only one table has is
+    left out)."""
     from digenrl.planner.gpus import DEVICES
     from digenrl.planner.shapes import attention_fraction, forward_flops
 
@@ -250,17 +252,24 @@ def test_gpu_profile_calibrates_the_mfu_from_the_batches_both_tables_measured():
     w = Workload.from_config(cfg)
     peak, flops = DEVICES["H100"].bf16_flops, forward_flops(w.shape) * w.passes
     train_factor = 2.0 + attention_fraction(w.shape)  # forward + LoRA backward
-    roll_mfu, train_mfu = {4: 0.30, 8: 0.50, 32: 0.05}, {1: 0.7, 4: 0.20, 8: 0.40}
+    per = (w.shape.tokens.x + w.shape.tokens.text) * w.passes
+
+    def curve(top, half):
+        return lambda b: top * b * per / (b * per + half)
+
+    roll, train = curve(0.5, 3.0 * per), curve(0.4, 1.5 * per)
     profile = {
         "device": {"kind": "gpu", "name": "NVIDIA H100 80GB HBM3", "table_key": "H100"},
         "model": w.shape.signature(),
         "workload": {"tokens": {"x": w.shape.tokens.x, "text": w.shape.tokens.text}},
         "measurements": {
-            "rollout_step_s": {str(b): b * flops / (u * peak) for b, u in roll_mfu.items()},
-            "train_step_s": {str(b): b * flops * train_factor / (u * peak) for b, u in train_mfu.items()},
+            "rollout_step_s": {str(b): b * flops / (roll(b) * peak) for b in (1, 4, 8)}
+            | {"32": 32 * flops / (0.01 * peak)},  # only in the rollout table: not fitted
+            "train_step_s": {str(b): b * flops * train_factor / (train(b) * peak) for b in (1, 4, 8)},
         },
     }
     cost = CostModel(w, load_cluster(ROOT / "configs" / "clusters" / "16xH800.yaml"), profile=profile)
-    # batches 4 and 8 are in both tables (32 only rollout, 1 below the calibration's smallest batch)
-    assert cost.p.mfu_rollout == pytest.approx(0.50) and cost.p.mfu_train == pytest.approx(0.40)
-    assert cost.p.mfu_source == "calibrated on NVIDIA H100 80GB HBM3"
+    p = cost.params
+    assert p.mfu_rollout == pytest.approx(0.5) and p.mfu_half_tokens_rollout == pytest.approx(3.0 * per)
+    assert p.mfu_train == pytest.approx(0.4) and p.mfu_half_tokens_train == pytest.approx(1.5 * per)
+    assert cost.params.mfu_source == "calibrated on NVIDIA H100 80GB HBM3"

@@ -182,6 +182,14 @@ def plan(
             "switched on one by one."
         ),
     ),
+    show_peers: bool = typer.Option(
+        False,
+        "--peers",
+        help=(
+            "Also show each peer as it runs (veRL-Omni colocated / separate_async, DanceGRPO, flow_grpo: "
+            "their published arrangements with their structural costs) beside the best plan."
+        ),
+    ),
 ):
     """Search placements (pool split, unit size, TSP, TAG, staleness) by simulating the engine's scheduler."""
     from digenrl.cli.plan import run_plan_command
@@ -202,6 +210,7 @@ def plan(
         iterations=iterations,
         timeline_dir=timeline,
         ladder=ladder,
+        show_peers=show_peers,
     )
 
 

@@ -24,6 +24,7 @@ def run_plan_command(
     iterations: int = 4,
     timeline_dir: Path | None = None,
     ladder: bool = False,
+    show_peers: bool = False,
 ) -> dict:
     from digenrl.planner.costmodel import CostModel, Workload
     from digenrl.planner.gpus import cluster_from_run_config, load_cluster
@@ -67,12 +68,23 @@ def run_plan_command(
         )
         peers = baselines(cost, cluster, iterations, wait_for_full_batch=cfg.algorithm.std == "global")
     report = plan_report(result, cost, cluster, top, steps, peers)
+    if show_peers:  # the peers as they run (digenrl.planner.peers), beside the best plan
+        from digenrl.cli.plan_peers import peers_report
+        from digenrl.planner.search import peers as peer_runs
+
+        report["peers"] = peers_report(result, cost, cluster, peer_runs(cost, cluster))
     if json_out:
         print(json.dumps(report, indent=2, default=str))
     else:
         console.print(plan_table(report))
         if report["ladder"]:
             console.print(ladder_table(report))
+        if report.get("peers"):
+            from digenrl.cli.plan_peers import peers_notes, peers_table
+
+            console.print(peers_table(report))
+            for line in peers_notes(report):
+                console.print(line)
         for line in report_notes(report):
             console.print(line)
     if timeline_dir is not None:
@@ -146,7 +158,7 @@ def plan_report(result, cost, cluster, top: int, steps=(), peers: dict | None = 
     rows = [plan_row(r, result, i + 1) for i, r in enumerate(result.ranked[:top])]
     sources = {d: cost.times(d).source for d in cluster.devices}
     return {
-        "model": cost.w.summary(),
+        "model": cost.workload.summary(),
         "cluster": {
             "name": cluster.name,
             "devices": cluster.devices,
@@ -155,9 +167,9 @@ def plan_report(result, cost, cluster, top: int, steps=(), peers: dict | None = 
         },
         "cost_model": {
             "times": sources,
-            "params": asdict(cost.p),
-            "colocation": asdict(cost.col),
-            "engine_overheads": asdict(cost.ov),
+            "params": asdict(cost.params),
+            "colocation": asdict(cost.colocation),
+            "engine_overheads": asdict(cost.overheads),
         },
         "search": {
             "candidates": result.candidates,
@@ -281,7 +293,8 @@ def report_notes(report: dict) -> list[str]:
     ]
     if report.get("baselines"):
         lines.append(
-            "baselines (the peers' arrangements, each its best plan): colocated = samples spread over every "
+            "baselines (OUR engine in the peers' arrangements, each its best plan, none of the peers' "
+            "structural costs: `--peers` adds the peers as they run): colocated = samples spread over every "
             "device (veRL-Omni); colocated_whole_groups = units of whole groups only (this planner's earlier "
             "baseline); separate_async = disaggregated one-step-off async without GAP, TSP or TAG "
             "(veRL-Omni's separate_async, MM-GRPO). The best plan is "

@@ -60,9 +60,9 @@ def bound(plan: Plan, cost: CostModel, setup: dict[str, DeviceSetup] | None = No
         plan.group_parts,
         plan.tsp_degree,
         plan.ranks,
-        cost.w.optimizer_steps,
+        cost.workload.optimizer_steps,
     )
-    units = cost.w.prompts // m * parts
+    units = cost.workload.prompts // m * parts
 
     def work(pool: PoolConfig) -> tuple[float, float, float]:
         s = setup[pool.name]

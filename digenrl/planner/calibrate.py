@@ -1,10 +1,11 @@
-"""Fitting the cost model to a profile: is it a profile of this model, the MFU a GPU profile
-implies, the engine overheads a CPU profile measured."""
+"""Fitting the cost model to a profile: is it a profile of this model, the kernel-efficiency curve a
+GPU profile implies, the engine overheads a CPU profile measured."""
 
 from __future__ import annotations
 
 from digenrl.errors import UserError
-from digenrl.planner.constants import CALIBRATION_MIN_BATCH, MFU_CAP
+from digenrl.planner.constants import MFU_CAP
+from digenrl.planner.efficiency import fit_curve
 from digenrl.planner.gpus import DEVICES
 from digenrl.planner.params import EngineOverheads
 from digenrl.planner.shapes import attention_fraction, forward_flops
@@ -42,25 +43,27 @@ def _norm(config) -> dict:
     }
 
 
-def calibrated_mfu(profile: dict, w: Workload) -> tuple[float, float] | None:
-    """(rollout, train) MFU a profile of a known GPU type measured: the median over the batches both
-    tables measured, of at least ``CALIBRATION_MIN_BATCH`` (all of them when there are none that
-    large), of the FLOPs done / the device's peak; None for a CPU profile or a GPU the table does
-    not know."""
+def calibrated_mfu(profile: dict, w: Workload) -> tuple[float, float, float, float] | None:
+    """(rollout peak, rollout half tokens, train peak, train half tokens) of the kernel-efficiency curve
+    (:mod:`~digenrl.planner.efficiency`) a profile of a known GPU type measured: at every batch both
+    tables measured, the FLOPs done / (time x the device's peak) at that call's token count, fitted by
+    :func:`~digenrl.planner.efficiency.fit_curve` (one batch: the default half and the peak it
+    implies); None for a CPU profile or a GPU the table does not know."""
     dev = profile["device"]
     if dev.get("table_key") not in DEVICES or dev["kind"] != "gpu":
         return None
     spec = DEVICES[dev["table_key"]]
     m = profile["measurements"]
     flops = forward_flops(w.shape) * w.passes
+    per_sample = (w.shape.tokens.x + w.shape.tokens.text) * w.passes  # tokens of one sample's call
     batches = [b for b in map(int, m["rollout_step_s"]) if str(b) in m["train_step_s"]]
-    big = [b for b in batches if b >= CALIBRATION_MIN_BATCH] or batches
-    roll = sorted(b * flops / (m["rollout_step_s"][str(b)] * spec.bf16_flops) for b in big)
-    factor = (
-        3.0 if not w.lora else 2.0 + attention_fraction(w.shape)
-    )  # forward + backward (LoRA: no weight grads)
-    train = sorted(b * flops * factor / (m["train_step_s"][str(b)] * spec.bf16_flops) for b in big)
-    return min(MFU_CAP, roll[len(roll) // 2]), min(MFU_CAP, train[len(train) // 2])
+    # forward + backward (LoRA: no weight gradients)
+    factor = 3.0 if not w.lora else 2.0 + attention_fraction(w.shape)
+    roll = {b * per_sample: b * flops / (m["rollout_step_s"][str(b)] * spec.bf16_flops) for b in batches}
+    train = {
+        b * per_sample: b * flops * factor / (m["train_step_s"][str(b)] * spec.bf16_flops) for b in batches
+    }
+    return (*fit_curve(roll, MFU_CAP), *fit_curve(train, MFU_CAP))
 
 
 def profiled_overheads(profile: dict) -> EngineOverheads | None:

@@ -26,6 +26,7 @@ from digenrl.planner.constants import (
     OPTIMIZER_FIXED_S,
     OPTIMIZER_STATE_PASSES,
 )
+from digenrl.planner.efficiency import device_efficiency
 from digenrl.planner.gpus import DeviceSpec
 from digenrl.planner.params import CostParams
 from digenrl.planner.shapes import attention_fraction, forward_flops
@@ -86,7 +87,7 @@ class ProfiledTimes(CallTimes):
     """From a profile.json measured on this device type."""
 
     def __init__(self, profile: dict):
-        self.p = profile
+        self.profile = profile
         self.source = f"profile ({profile['device']['name']})"
         m = profile["measurements"]
         self._roll = {int(k): v for k, v in m["rollout_step_s"].items()}
@@ -108,22 +109,22 @@ class ProfiledTimes(CallTimes):
         return interpolate(self._ref, b)
 
     def decode(self, b):
-        return b * self.p["measurements"]["decode_s_per_sample"]
+        return b * self.profile["measurements"]["decode_s_per_sample"]
 
     def reward(self, b):
-        return b * self.p["measurements"]["reward_s_per_sample"]
+        return b * self.profile["measurements"]["reward_s_per_sample"]
 
     def encode(self, prompts):
-        return prompts * self.p["measurements"]["encode_s_per_prompt"]
+        return prompts * self.profile["measurements"]["encode_s_per_prompt"]
 
     def optimizer(self):
-        return self.p["measurements"]["optimizer_step_s"]
+        return self.profile["measurements"]["optimizer_step_s"]
 
     def pack(self):
-        return self.p["measurements"]["weight_sync"]["pack_s"]
+        return self.profile["measurements"]["weight_sync"]["pack_s"]
 
     def load(self):
-        return self.p["measurements"]["weight_sync"]["load_s"]
+        return self.profile["measurements"]["weight_sync"]["load_s"]
 
 
 class AnalyticTimes(CallTimes):
@@ -139,10 +140,17 @@ class AnalyticTimes(CallTimes):
         link_bw: float | None = None,
         cfg_batched: bool = True,
     ):
-        self.w, self.dev, self.p = w, dev, p
+        self.workload, self.dev, self.params = w, dev, p
         self.checkpointing, self.shard, self.cfg_batched = checkpointing, shard, cfg_batched
-        self.source = f"analytic ({dev.name}, MFU {p.mfu_rollout:.2f}/{p.mfu_train:.2f} {p.mfu_source})"
+        self.efficiency = device_efficiency(p, dev.name)
+        e = self.efficiency
+        self.source = (
+            f"analytic ({dev.name}, kernel efficiency {e.rollout:.3f} sampling / {e.train:.3f} training "
+            f"at large calls, half at {e.half_tokens_rollout:.0f} / {e.half_tokens_train:.0f} tokens; "
+            f"{e.source})"
+        )
         self.flops = forward_flops(w.shape)  # one pass, one sample
+        self.sample_tokens = w.shape.tokens.x + w.shape.tokens.text  # tokens one sample's pass processes
         self.weight_bytes = w.params.total * w.dtype_bytes
         self.rollout_overhead_s = self.train_overhead_s = p.unit_overhead_s
         # FSDP: every pass all-gathers the weights (and the backward reduce-scatters full-FT gradients)
@@ -151,61 +159,79 @@ class AnalyticTimes(CallTimes):
             moved = self.weight_bytes * (shard - 1) / shard / (link_bw or dev.link_bw)
             self.fsdp_s = (1 - p.fsdp_overlap) * moved
 
-    def _pass(self, b: float, mfu: float, flop_factor: float, weight_reads: float) -> float:
+    def _pass(self, b: float, kind: str, flop_factor: float, weight_reads: float) -> float:
+        """One transformer call over ``b`` samples: FLOPs at the kernel efficiency this call's token
+        count reaches (``kind`` "rollout" | "train"), or streaming the weights, whichever is slower."""
+        tokens = b * self.sample_tokens
+        e = self.efficiency
+        mfu = e.rollout_at(tokens) if kind == "rollout" else e.train_at(tokens)
         compute = b * self.flops * flop_factor / (self.dev.bf16_flops * mfu)
-        stream = weight_reads * self.weight_bytes / (self.dev.mem_bw * self.p.mem_bw_efficiency)
-        return max(compute, stream) + self.p.forward_overhead_s
+        stream = weight_reads * self.weight_bytes / (self.dev.mem_bw * self.params.mem_bw_efficiency)
+        return max(compute, stream) + self.params.forward_overhead_s
 
     def rollout_step(self, b):
         if self.cfg_batched:  # every guidance pass in one forward of passes x b
-            return self._pass(self.w.passes * b, self.p.mfu_rollout, 1.0, 1.0) + self.fsdp_s
-        return self.w.passes * (self._pass(b, self.p.mfu_rollout, 1.0, 1.0) + self.fsdp_s)
+            return self._pass(self.workload.passes * b, "rollout", 1.0, 1.0) + self.fsdp_s
+        return self.workload.passes * (self._pass(b, "rollout", 1.0, 1.0) + self.fsdp_s)
 
     def train_step(self, b):
-        a = attention_fraction(self.w.shape)
-        backward = 2.0 if not self.w.lora else 1.0 + a  # LoRA: no weight gradients for the frozen base
+        a = attention_fraction(self.workload.shape)
+        backward = 2.0 if not self.workload.lora else 1.0 + a  # LoRA: no weight gradients for the frozen base
         factor = 1.0 + backward + (1.0 if self.checkpointing else 0.0)
         reads = 2.0 + (1.0 if self.checkpointing else 0.0)
-        fsdp = self.fsdp_s * (3 if not self.w.lora else 2)
-        t = self.w.passes * (self._pass(b, self.p.mfu_train, factor, reads) + fsdp)
-        if self.w.passes > 1 and not self.cfg_batched:  # sequential CFG runs the unconditional forward twice
-            t += self.ref_forward(b) / self.w.passes
+        fsdp = self.fsdp_s * (3 if not self.workload.lora else 2)
+        t = self.workload.passes * (self._pass(b, "train", factor, reads) + fsdp)
+        if (
+            self.workload.passes > 1 and not self.cfg_batched
+        ):  # sequential CFG runs the unconditional forward twice
+            t += self.ref_forward(b) / self.workload.passes
         return t
 
     def ref_forward(self, b):
-        return self.w.passes * (self._pass(b, self.p.mfu_train, 1.0, 1.0) + self.fsdp_s)
+        return self.workload.passes * (self._pass(b, "train", 1.0, 1.0) + self.fsdp_s)
 
     def decode(self, b):
-        t = self.w.shape.tokens
-        return b * t.pixels * self.w.shape.vae_decode_flops_per_px / (self.dev.bf16_flops * self.p.vae_mfu)
+        t = self.workload.shape.tokens
+        return (
+            b
+            * t.pixels
+            * self.workload.shape.vae_decode_flops_per_px
+            / (self.dev.bf16_flops * self.params.vae_mfu)
+        )
 
     def reward(self, b):
-        per = self.p.weight_free_reward_s if self.w.reward_kind == "weight_free" else self.p.model_reward_s
-        return b * per * self.w.video_frames
+        per = (
+            self.params.weight_free_reward_s
+            if self.workload.reward_kind == "weight_free"
+            else self.params.model_reward_s
+        )
+        return b * per * self.workload.video_frames
 
     def encode(self, prompts):
-        te = self.w.shape.text_encoder_params
+        te = self.workload.shape.text_encoder_params
         if not te:
             return 0.0
-        flops = 2 * te * self.w.shape.tokens.text
-        return prompts * (flops / (self.dev.bf16_flops * self.p.mfu_rollout) + self.p.forward_overhead_s)
+        flops = 2 * te * self.workload.shape.tokens.text
+        return prompts * (
+            flops / (self.dev.bf16_flops * self.efficiency.rollout) + self.params.forward_overhead_s
+        )
 
     def optimizer(self):
-        n = self.w.trained_params / (self.shard if not self.w.lora else 1)
-        stream = OPTIMIZER_STATE_PASSES * n * self.p.trained_state_bytes
-        return stream / (self.dev.mem_bw * self.p.mem_bw_efficiency) + OPTIMIZER_FIXED_S
+        n = self.workload.trained_params / (self.shard if not self.workload.lora else 1)
+        stream = OPTIMIZER_STATE_PASSES * n * self.params.trained_state_bytes
+        return stream / (self.dev.mem_bw * self.params.mem_bw_efficiency) + OPTIMIZER_FIXED_S
 
     def pack(self):
-        b = self.w.sync_bytes
-        return b / self.dev.host_bw + b / self.p.checksum_bytes_per_s
+        b = self.workload.sync_bytes
+        return b / self.dev.host_bw + b / self.params.checksum_bytes_per_s
 
     def load(self):
-        b = self.w.sync_bytes
-        return b / self.dev.host_bw + 2 * b / self.p.checksum_bytes_per_s
+        b = self.workload.sync_bytes
+        return b / self.dev.host_bw + 2 * b / self.params.checksum_bytes_per_s
 
     def load_staged(self):
-        b = self.w.sync_bytes
-        return b / self.dev.host_bw + b / self.p.checksum_bytes_per_s
+        b = self.workload.sync_bytes
+        return b / self.dev.host_bw + b / self.params.checksum_bytes_per_s
 
 
 def minibatch_samples(w: Workload, groups: float) -> list[float]:
@@ -233,25 +259,25 @@ class SequenceParallelTimes(CallTimes):
     decode, reward, optimizer, sync) runs as on one device."""
 
     def __init__(self, inner: CallTimes, w: Workload, sp: int, link_bw: float):
-        self.inner, self.w, self.sp, self.link_bw = inner, w, sp, link_bw
+        self.inner, self.workload, self.sp, self.link_bw = inner, w, sp, link_bw
         self.source = f"{inner.source}, SP x{sp}"
         for name in ("rollout_overhead_s", "train_overhead_s", "rollout_unit_factor", "train_unit_factor"):
             setattr(self, name, getattr(inner, name))
 
     def all_to_all(self, b: float) -> float:
         """One pass's all-to-alls for a batch of ``b`` samples, per device."""
-        w, t = self.w, self.w.shape.tokens
+        w, t = self.workload, self.workload.shape.tokens
         layer = b * (t.x + t.text) / self.sp * w.params.hidden * w.dtype_bytes * (self.sp - 1) / self.sp
         return 4 * w.params.blocks * layer / self.link_bw
 
     def rollout_step(self, b):
-        return self.inner.rollout_step(b) / self.sp + self.w.passes * self.all_to_all(b)
+        return self.inner.rollout_step(b) / self.sp + self.workload.passes * self.all_to_all(b)
 
     def train_step(self, b):
-        return self.inner.train_step(b) / self.sp + 2 * self.w.passes * self.all_to_all(b)
+        return self.inner.train_step(b) / self.sp + 2 * self.workload.passes * self.all_to_all(b)
 
     def ref_forward(self, b):
-        return self.inner.ref_forward(b) / self.sp + self.w.passes * self.all_to_all(b)
+        return self.inner.ref_forward(b) / self.sp + self.workload.passes * self.all_to_all(b)
 
     def decode(self, b):
         return self.inner.decode(b)
@@ -273,10 +299,15 @@ class SequenceParallelTimes(CallTimes):
 
 
 def rollout_unit_time(t: CallTimes, w: Workload, groups: float) -> tuple[float, float]:
-    """(seconds, of which reward): encode the prompts, N steps of the train forwards' batches over
-    b = groups x G samples, decode, score."""
+    """(seconds, of which reward): encode the prompts, N steps of the forwards over b = groups x G
+    samples, decode, score. The forwards are the train forwards' batches (bit-exact ratio), or with
+    ``Workload.rollout_batch`` set (a rollout-only worker sampling at its own batch) batches of that
+    size -- the kernel efficiency of each follows its token count (efficiency.py)."""
     b = groups * w.group_size
-    forwards = [c for n in minibatch_samples(w, groups) for c in micro_batches(n, w.micro_batch)]
+    if w.rollout_batch:
+        forwards = micro_batches(b, w.rollout_batch)
+    else:
+        forwards = [c for n in minibatch_samples(w, groups) for c in micro_batches(n, w.micro_batch)]
     reward = t.reward(b)
     calls = t.encode(groups) + w.steps * sum(t.rollout_step(c) for c in forwards) + t.decode(b) + reward
     return max(MIN_UNIT_FRACTION * calls, calls * t.rollout_unit_factor + t.rollout_overhead_s), reward

@@ -55,7 +55,6 @@ FSDP_STEP_SHARE = (
     0.5  # FSDP: the step's all-reduce is an all-gather only (reduce-scatter ran in the backward)
 )
 MFU_CAP = 0.9  # a calibrated MFU above this is a measurement error
-CALIBRATION_MIN_BATCH = 4  # GPU MFU calibration uses batches from this size up (when there are any)
 FP32_BYTES = 4  # LoRA weights, gradients and latents travel in fp32
 HALF_BYTES = 2  # bf16 / fp16 weights and text embeddings
 

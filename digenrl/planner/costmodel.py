@@ -76,17 +76,23 @@ class CostModel:
         overheads: EngineOverheads | None = None,
         profile: dict | None = None,
     ):
-        self.w, self.cluster = workload, cluster
-        self.p = params or CostParams()
-        self.col = colocation or ColocationCosts()
+        self.workload, self.cluster = workload, cluster
+        self.params = params or CostParams()
+        self.colocation = colocation or ColocationCosts()
         self.profile = profile
-        self.ov = overheads or EngineOverheads()
+        self.overheads = overheads or EngineOverheads()
         self.unit_factor: dict[str, float] = {}  # CPU engine: units run this much slower in a worker
         if profile is not None:
             self._calibrate(profile)
         if cluster.is_cpu:
-            self.col = ColocationCosts(**{**asdict(self.col), "switch_latency_s": 0.0})
+            self.colocation = ColocationCosts(**{**asdict(self.colocation), "switch_latency_s": 0.0})
         self._times: dict = {}
+
+    # the old terse names, kept read-only for code written against them (cost.w, cost.p, ...)
+    w = property(lambda self: self.workload)
+    p = property(lambda self: self.params)
+    col = property(lambda self: self.colocation)
+    ov = property(lambda self: self.overheads)
 
     def cpu_rate(self, busy: int) -> float:
         """Speed of each of ``busy`` processes computing at once on the CPU host, relative to one alone:
@@ -97,7 +103,7 @@ class CostModel:
         ``cpu_slowdown`` (what n concurrent workers got at one moment, other load included)."""
         busy = max(1, busy)
         table = (self.profile or {}).get("measurements", {}).get("cpu_slowdown")
-        if self.p.cpu_sharing == "measured" and table and self.profiled("cpu"):
+        if self.params.cpu_sharing == "measured" and table and self.profiled("cpu"):
             if busy == 1:
                 return 1.0
             slow = {int(k): v for k, v in table.items()}
@@ -116,8 +122,8 @@ class CostModel:
         calibration run when there was one, else across the standalone timing rounds), else 0. A
         spread under ``MIN_UNIT_CV`` counts as none (a GPU's steady kernels: the wait it adds is below
         the model's accuracy, and replicas would multiply the search's time)."""
-        if self.p.unit_cv is not None:
-            cv = self.p.unit_cv
+        if self.params.unit_cv is not None:
+            cv = self.params.unit_cv
         elif not self.profiled(device):
             cv = 0.0
         else:
@@ -140,8 +146,8 @@ class CostModel:
 
     def other_load(self) -> float:
         """K predicted for the run: ``CostParams.cpu_other_load``, else the profile's (the load persists)."""
-        if self.p.cpu_other_load is not None:
-            return self.p.cpu_other_load
+        if self.params.cpu_other_load is not None:
+            return self.params.cpu_other_load
         return self.profiled_load()
 
     # -- calibration ---------------------------------------------------------------------
@@ -149,15 +155,16 @@ class CostModel:
     def _calibrate(self, profile: dict) -> None:
         """A profile measured on a known GPU type sets the MFU for the types not profiled; a CPU
         profile's Ray measurements set the engine overheads of CPU clusters."""
-        check_profile_matches(profile, self.w)
-        mfu = calibrated_mfu(profile, self.w)
-        if mfu is not None:
-            self.p.mfu_rollout, self.p.mfu_train = mfu
-            self.p.mfu_source = f"calibrated on {profile['device']['name']}"
+        check_profile_matches(profile, self.workload)
+        curve = calibrated_mfu(profile, self.workload)
+        if curve is not None:
+            p = self.params
+            p.mfu_rollout, p.mfu_half_tokens_rollout, p.mfu_train, p.mfu_half_tokens_train = curve
+            p.mfu_source = f"calibrated on {profile['device']['name']}"
         overheads = profiled_overheads(profile)
         if overheads is not None and self.cluster.is_cpu:
-            self.ov = overheads
-            if self.p.engine_unit_factor:
+            self.overheads = overheads
+            if self.params.engine_unit_factor:
                 self.unit_factor = unit_time_factor(profile)
 
     def profiled(self, device: str) -> bool:
@@ -181,16 +188,18 @@ class CostModel:
                 t = ProfiledTimes(self.profile)
             else:
                 t = AnalyticTimes(
-                    self.w,
+                    self.workload,
                     DEVICES[device],
-                    self.p,
+                    self.params,
                     checkpointing=key[1],
                     shard=key[2],
                     link_bw=self.link_bw(device, key[2]),
                     cfg_batched=key[3],
                 )
             sp = key[4]
-            self._times[key] = SequenceParallelTimes(t, self.w, sp, self.link_bw(device, sp)) if sp > 1 else t
+            self._times[key] = (
+                SequenceParallelTimes(t, self.workload, sp, self.link_bw(device, sp)) if sp > 1 else t
+            )
         return self._times[key]
 
     # -- bandwidths ----------------------------------------------------------------------
@@ -203,8 +212,8 @@ class CostModel:
         return min(spec.link_bw, self.cluster.interconnect.bandwidth_gb_s * 1e9)
 
     def network_bw(self) -> float:
-        if self.ov.transfer_bytes_per_s:
-            return self.ov.transfer_bytes_per_s
+        if self.overheads.transfer_bytes_per_s:
+            return self.overheads.transfer_bytes_per_s
         return self.cluster.interconnect.bandwidth_gb_s * 1e9
 
     # -- unit durations ------------------------------------------------------------------
@@ -217,7 +226,7 @@ class CostModel:
     ) -> tuple[float, float]:
         """(seconds, of which reward) for a rollout unit of ``groups`` prompt groups on a worker run as
         ``setup`` says (its sequence parallelism and CFG mode; None: one device, CFG batched)."""
-        total, reward = rollout_unit_time(self.times(device, setup), self.w, groups)
+        total, reward = rollout_unit_time(self.times(device, setup), self.workload, groups)
         f = self._factor(device, "rollout")
         return total * f, reward * f
 
@@ -226,8 +235,8 @@ class CostModel:
     ) -> float:
         """Seconds for a train unit: one mini-batch's share of ``groups`` groups (all of them with
         one optimizer step per iteration), TSP rank ``tsp_rank`` of ``tsp_degree``."""
-        mb = setup.micro_batch if setup else self.w.micro_batch
-        t = train_unit_time(self.times(device, setup), self.w, groups, tsp_rank, tsp_degree, mb)
+        mb = setup.micro_batch if setup else self.workload.micro_batch
+        t = train_unit_time(self.times(device, setup), self.workload, groups, tsp_rank, tsp_degree, mb)
         return t * self._factor(device, "train")
 
     def step(
@@ -238,52 +247,54 @@ class CostModel:
         allreduce = 0.0
         ranks *= setup.sp if setup is not None else 1  # a rank's sp devices each hold a partial gradient
         if ranks > 1:
-            grad_bytes = self.w.trained_params * FP32_BYTES
+            grad_bytes = self.workload.trained_params * FP32_BYTES
             if self.profiled(device) and self.cluster.is_cpu:
                 bw = self.network_bw()
             else:
                 bw = self.link_bw(device, ranks)
-            allreduce = 2 * (ranks - 1) / ranks * grad_bytes / bw + self.ov.allreduce_latency_s
-            if setup is not None and setup.shard > 1 and not self.w.lora:
+            allreduce = 2 * (ranks - 1) / ranks * grad_bytes / bw + self.overheads.allreduce_latency_s
+            if setup is not None and setup.shard > 1 and not self.workload.lora:
                 allreduce *= FSDP_STEP_SHARE  # the reduce-scatter already ran in the backward
         publish_s = self.publish(device, setup) if publish else 0.0
-        agree = t.pack() if self.w.lora else 0.0  # every rank checksums its LoRA weights (ranks must agree)
+        agree = (
+            t.pack() if self.workload.lora else 0.0
+        )  # every rank checksums its LoRA weights (ranks must agree)
         return allreduce + t.optimizer() + publish_s + agree, publish_s
 
     def broadcasts(self) -> bool:
-        return self.w.weight_sync == "broadcast"
+        return self.workload.weight_sync == "broadcast"
 
     def wire(self) -> float:
         """One version over the interconnect: latency + bytes / bandwidth. A broadcast streams it
         bucket after bucket, pipelined, so its time does not grow with the number of receivers."""
-        return self.cluster.interconnect.latency_us * 1e-6 + self.w.sync_bytes / self.network_bw()
+        return self.cluster.interconnect.latency_us * 1e-6 + self.workload.sync_bytes / self.network_bw()
 
     def publish(self, device: str, setup: DeviceSetup | None = None) -> float:
         """Trainer rank 0 shipping a new version after its step: pack it (+ the store's put), and
         over the broadcast also send it -- the receivers take it in while they generate."""
-        own = self.times(device, setup).pack() + self.ov.publish_s
+        own = self.times(device, setup).pack() + self.overheads.publish_s
         return own + self.wire() if self.broadcasts() else own
 
     def sync_fetch(self, device: str) -> float:
         """A rollout worker taking a newer version before its unit: over the object store transfer
         + verified load; over the broadcast (received already) the staged version's load + check."""
         if self.broadcasts():
-            return self.ov.fetch_s + self.times(device).load_staged()
-        return self.ov.fetch_s + self.wire() + self.times(device).load()
+            return self.overheads.fetch_s + self.times(device).load_staged()
+        return self.overheads.fetch_s + self.wire() + self.times(device).load()
 
     def transfer(self, groups: int) -> float:
         """A rollout unit's samples reaching a trainer."""
-        b = groups * self.w.group_size * self.w.sample_bytes
-        return self.ov.transfer_latency_s + b / self.network_bw()
+        b = groups * self.workload.group_size * self.workload.sample_bytes
+        return self.overheads.transfer_latency_s + b / self.network_bw()
 
     def switch(self, device: str, setup: DeviceSetup) -> float:
         """A colocated device changing phase (paid twice per iteration): latency, re-gathering sharded
         weights before sampling (half each way). Nothing is offloaded (the runtime does not offload)."""
-        s = self.col.switch_latency_s
-        if setup.shard > 1 and self.col.regather_sharded_weights:
+        s = self.colocation.switch_latency_s
+        if setup.shard > 1 and self.colocation.regather_sharded_weights:
             s += (
-                self.w.params.total
-                * self.w.dtype_bytes
+                self.workload.params.total
+                * self.workload.dtype_bytes
                 * (setup.shard - 1)
                 / setup.shard
                 / self.link_bw(device, setup.shard)
@@ -295,7 +306,7 @@ class CostModel:
 
     @property
     def memory(self) -> MemoryModel:
-        return MemoryModel(self.w, self.p, self.col)
+        return MemoryModel(self.workload, self.params, self.colocation)
 
     def have(self, device: str) -> float:
         return self.memory.have(device)
@@ -321,7 +332,7 @@ class CostModel:
     def _score(self, device: str, setup: DeviceSetup, ranks: int, colocated: bool) -> float:
         """Seconds a device of this setup spends per iteration on its share of the training
         (+ its phase switches): how the fitting setups are ranked."""
-        w = self.w
+        w = self.workload
         t = self.times(device, setup)
         mb = setup.micro_batch
         per_sample = (t.train_step(mb) + (t.ref_forward(mb) if w.kl else 0.0)) / mb

@@ -2,8 +2,9 @@
 
 Every number in :data:`DEVICES` is the vendor's datasheet value for the SXM / board variant
 named (dense, i.e. without 2:4 sparsity); the comment on each row names the document. The
-planner only uses them through the cost model, which multiplies peak FLOP/s by an efficiency
-factor (MFU) and memory bandwidth by a bandwidth efficiency (``params.CostParams``).
+planner only uses them through the cost model, which multiplies peak FLOP/s by a kernel efficiency
+(:data:`KERNEL_EFFICIENCY`, scaled by the tokens per call: ``efficiency.py``) and memory bandwidth by
+a bandwidth efficiency (``params.CostParams``).
 
 A cluster file describes pools of devices::
 
@@ -72,6 +73,32 @@ DEVICES: dict[str, DeviceSpec] = {
     # profile of this CPU is given (a CPU plan should always come with `digenrl profile --device cpu`).
     "cpu": DeviceSpec("cpu", 50e9, 20 * GB, 16 * GB, 5 * GB, 5 * GB, kind="cpu"),
 }
+
+#: (sampling, training) peak kernel efficiency -- share of peak bf16 FLOP/s at large token counts
+#: (efficiency.py scales it down for small calls) -- per device type. Hopper (H100 / H800 and the same
+#: GH100 compute in H200): fitted by benchmarks/peer_calibration.py to veRL-Omni's published step
+#: (verl-project/verl-omni PR #52 phase breakdown of run_qwen_image_ocr_lora.sh, Qwen-Image LoRA r64,
+#: 4xH800, 408.8 s: generation 228.2 s, update_actor 109.3 s, old_log_prob 32.0 s), the fit in
+#: docs/scaling.md ("Calibration on published numbers"), until a GPU profile replaces it.
+CALIBRATED_HOPPER = (0.216, 0.301)
+KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
+    "H100": CALIBRATED_HOPPER,
+    "H800": CALIBRATED_HOPPER,
+    "H200": CALIBRATED_HOPPER,
+}
+KERNEL_EFFICIENCY_SOURCE = (
+    "calibrated on veRL-Omni's published Qwen-Image step (benchmarks/peer_calibration.py)"
+)
+#: every other type: typical values for bf16 DiT kernels with FlashAttention, never measured
+GENERIC_EFFICIENCY = (0.40, 0.35)
+
+
+def kernel_efficiency(device: str) -> tuple[float, float, str]:
+    """(sampling, training, source) peak kernel efficiency of a device type (KERNEL_EFFICIENCY)."""
+    if device in KERNEL_EFFICIENCY:
+        return (*KERNEL_EFFICIENCY[device], KERNEL_EFFICIENCY_SOURCE)
+    return (*GENERIC_EFFICIENCY, "default, not measured")
+
 
 ALIASES = {"RTX 4090": "RTX4090", "4090": "RTX4090", "GEFORCE RTX 4090": "RTX4090"}
 

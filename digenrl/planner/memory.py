@@ -88,46 +88,46 @@ class MemoryModel:
     """Bytes per device for one workload, under the memory fields of ``CostParams``."""
 
     def __init__(self, w: Workload, p: CostParams, col: ColocationCosts | None = None):
-        self.w, self.p, self.col = w, p, col
+        self.workload, self.params, self.colocation = w, p, col
 
     def have(self, device: str) -> float:
-        return DEVICES[device].memory * self.p.usable_memory
+        return DEVICES[device].memory * self.params.usable_memory
 
     # -- what the parts weigh ------------------------------------------------------------
 
     def rollout_models(self) -> float:
         """Text encoder(s), VAE and a reward model with weights, in half precision."""
-        sh = self.w.shape
-        reward = self.p.model_reward_params if self.w.reward_kind == "model" else 0.0
+        sh = self.workload.shape
+        reward = self.params.model_reward_params if self.workload.reward_kind == "model" else 0.0
         return HALF_BYTES * (sh.text_encoder_params + sh.vae_params + reward)
 
     def cfg_modes(self, choice: str = "auto") -> tuple[bool, ...]:
         """Two-pass CFG modes to try, batched first (``choice``: auto | batched | sequential); one
         pass per step has nothing to choose."""
-        if self.w.passes == 1:
+        if self.workload.passes == 1:
             return (True,)
         return {"auto": (True, False), "batched": (True,), "sequential": (False,)}[choice]
 
     def pass_tokens(self, sp: int = 1) -> float:
         """Tokens one device holds of one sample through a block: 1/sp of the image / video tokens
         (Ulysses), all the text tokens."""
-        t = self.w.shape.tokens
+        t = self.workload.shape.tokens
         return t.x / sp + t.text
 
     def held_passes(self, cfg_batched: bool) -> int:
         """Guidance passes whose activations are live at once."""
-        return self.w.passes if cfg_batched else 1
+        return self.workload.passes if cfg_batched else 1
 
     def rollout_acts(self, groups: float, sp: int = 1, cfg_batched: bool = True) -> float:
         """A rollout unit of ``groups``: one block's live activations, the trajectory, a decode tile."""
-        w, t = self.w, self.w.shape.tokens
+        w, t = self.workload, self.workload.shape.tokens
         b = groups * w.group_size
         acts = (
             self.held_passes(cfg_batched)
             * b
             * self.pass_tokens(sp)
             * w.params.hidden
-            * self.p.infer_act_bytes
+            * self.params.infer_act_bytes
         )
         trajectory = b * (
             (w.steps + 1) * t.latent_elements * FP32_BYTES + w.passes * t.text * w.params.hidden * HALF_BYTES
@@ -136,25 +136,25 @@ class MemoryModel:
 
     def decode_bytes(self) -> float:
         """The VAE decode, one sample at a time: a tile of it when tiled (``sampling.vae_tiling``)."""
-        w = self.w
+        w = self.workload
         if not w.shape.vae_params:
             return 0.0
         px = w.shape.tokens.pixels
-        return (min(px, self.p.vae_tile_px) if w.vae_tiled else px) * self.p.vae_decode_bytes_per_px
+        return (min(px, self.params.vae_tile_px) if w.vae_tiled else px) * self.params.vae_decode_bytes_per_px
 
     def act_bytes_per_block(self, sp: int = 1) -> float:
         """Bytes autograd saves for one sample through one block, one pass, checkpointing off, per device."""
-        per_token = ACT_BYTES_PER_TOKEN_HIDDEN.get(self.w.family, self.p.train_act_bytes)
-        return self.pass_tokens(sp) * self.w.params.hidden * per_token
+        per_token = ACT_BYTES_PER_TOKEN_HIDDEN.get(self.workload.family, self.params.train_act_bytes)
+        return self.pass_tokens(sp) * self.workload.params.hidden * per_token
 
     def block_input_bytes(self, sp: int = 1) -> float:
         """One block's input (image + text tokens in the model dtype): what checkpointing keeps."""
-        return self.pass_tokens(sp) * self.w.params.hidden * self.w.dtype_bytes
+        return self.pass_tokens(sp) * self.workload.params.hidden * self.workload.dtype_bytes
 
     def train_acts(self, mb: int, checkpointing: bool, sp: int = 1, cfg_batched: bool = True) -> float:
         """Activations of one training forward of ``mb`` samples: both guidance passes in the graph
         (batched) or one at a time (sequential)."""
-        blocks = self.w.params.blocks
+        blocks = self.workload.params.blocks
         if checkpointing:  # every block's input + one block recomputed in the backward
             per = self.block_input_bytes(sp) * blocks + self.act_bytes_per_block(sp)
         else:
@@ -163,10 +163,10 @@ class MemoryModel:
 
     def gathered_block(self) -> float:
         """FSDP2's all-gathered compute copy: the running block and the prefetched next one."""
-        return 2 * self.w.params.total / self.w.params.blocks * self.w.dtype_bytes
+        return 2 * self.workload.params.total / self.workload.params.blocks * self.workload.dtype_bytes
 
     def train_parts(self, shard: int, mb: int, ckpt: bool, sp: int = 1, cfg_batched: bool = True) -> dict:
-        w = self.w
+        w = self.workload
         total, lora = w.params.total, w.params.lora
         half = w.dtype_bytes < FP32_BYTES
         if w.lora:
@@ -212,7 +212,7 @@ class MemoryModel:
         if micro_batch is not None:
             mbs = [micro_batch]
         else:
-            mbs, mb = [], self.w.micro_batch
+            mbs, mb = [], self.workload.micro_batch
             while mb >= 1:
                 mbs.append(mb)
                 mb //= 2
@@ -225,7 +225,7 @@ class MemoryModel:
     # -- the setups ----------------------------------------------------------------------
 
     def rollout_parts(self, groups: float, sp: int = 1, cfg_batched: bool = True) -> dict:
-        w = self.w
+        w = self.workload
         return {
             "weights": w.params.total * w.dtype_bytes,
             "lora": w.params.lora * w.dtype_bytes if w.lora else 0,
@@ -253,7 +253,7 @@ class MemoryModel:
         )
         return DeviceSetup(
             need <= have,
-            self.w.micro_batch,
+            self.workload.micro_batch,
             sp=sp,
             cfg_batched=batched,
             need_bytes=need,
@@ -314,7 +314,7 @@ class MemoryModel:
             + (f", FSDP x{shard}" if shard > 1 else "")
             + (f", SP x{sp}" if sp > 1 else "")
             + (", activation checkpointing" if ckpt else "")
-            + ("" if batched or self.w.passes == 1 else ", sequential CFG"),
+            + ("" if batched or self.workload.passes == 1 else ", sequential CFG"),
         )
         return fits, miss
 

@@ -10,12 +10,19 @@ from dataclasses import dataclass
 
 @dataclass
 class CostParams:
-    """Analytic-model parameters. Defaults are typical values for bf16 DiT training with FlashAttention
-    on Hopper/Ampere GPUs; a GPU profile replaces ``mfu_rollout`` / ``mfu_train`` by measured ones."""
+    """Analytic-model parameters. The kernel efficiencies are per device type
+    (:func:`~digenrl.planner.efficiency.device_efficiency`: ``gpus.KERNEL_EFFICIENCY``, calibrated on
+    veRL-Omni's published step for Hopper GPUs) unless set here -- a GPU profile sets them."""
 
-    mfu_rollout: float = 0.40  # share of peak bf16 FLOP/s a sampling forward reaches
-    mfu_train: float = 0.35  # ... a training forward + backward (smaller kernels, LoRA branches)
+    # peak share of bf16 FLOP/s a sampling forward / a training forward + backward reaches at large
+    # token counts; None = the device table's (gpus.KERNEL_EFFICIENCY)
+    mfu_rollout: float | None = None
+    mfu_train: float | None = None
     mfu_source: str = "default"
+    # tokens per forward at which a call reaches half its peak (efficiency.py; a profile at several
+    # batch sizes fits them)
+    mfu_half_tokens_rollout: float = 1024.0
+    mfu_half_tokens_train: float = 1024.0
     vae_mfu: float = 0.25  # VAE decoder convolutions
     mem_bw_efficiency: float = 0.70  # share of peak memory bandwidth a weight-streaming pass reaches
     forward_overhead_s: float = 0.002  # per transformer call: kernel launches, Python
@@ -23,6 +30,7 @@ class CostParams:
     checksum_bytes_per_s: float = 1.5e9  # sha256 of shipped weights (one CPU core)
     weight_free_reward_s: float = 0.002  # per image (per frame for video): JPEG size, prompt colour, on CPU
     model_reward_s: float = 0.010  # per image (per frame): a CLIP-H class reward model on the device
+    # (or a configured latency per image for a judge: peer_calibration sets veRL-Omni's VLM judge's)
     model_reward_params: float = 1.0e9  # its weights on the rollout device (bf16)
     # memory
     usable_memory: float = 0.90  # share of device memory the run may use (CUDA context, fragmentation)
@@ -34,6 +42,7 @@ class CostParams:
     vae_tile_px: float = 4.0e6  # tiled decoding caps the pixels decoded at once
     trained_state_bytes: float = 16.0  # per trained parameter: fp32 weight/master + grad + AdamW m, v
     fsdp_overlap: float = 0.7  # share of FSDP all-gather / reduce-scatter time hidden behind compute
+    host_bw_efficiency: float = 0.8  # share of the PCIe datasheet rate a pinned host <-> device copy reaches
     # cpu clusters: "measured" = the profile's cpu_slowdown (what n concurrent workers got of this host:
     # shared caches / memory bandwidth, and on a shared host what other processes left at profiling
     # time), "cores" when the profile has none; "cores" = processor sharing of the host's cores

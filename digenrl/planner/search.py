@@ -15,11 +15,17 @@ Candidates:
   one node, dividing the pool), for the rollout pool and the trainer pool independently (colocated: one
   sp for every device). Unit shapes and TSP degrees count workers, not devices.
 
-Baselines (:data:`BASELINES`, :func:`baselines`): the best plan of each arrangement the peers publish
--- ``colocated`` (sub-group units allowed, as veRL-Omni colocates), ``colocated_whole_groups`` (the
-planner's earlier colocated baseline: units of whole groups only) and ``separate_async``
-(disaggregated one-step-off async without GAP, TSP or TAG: veRL-Omni's separate_async, MM-GRPO's
-one-step-off).
+Two kinds of baseline, named apart:
+
+- strong baselines, OUR engine in the peers' arrangements (:data:`BASELINES`, :func:`baselines`):
+  the best plan of each -- ``colocated`` (sub-group units allowed, as veRL-Omni colocates),
+  ``colocated_whole_groups`` (the planner's earlier colocated baseline: units of whole groups only)
+  and ``separate_async`` (disaggregated one-step-off async without GAP, TSP or TAG). They show what
+  the knobs add, with none of the peers' structural costs;
+- the peers as they run (:data:`PEERS`, :func:`peers`; :mod:`~digenrl.planner.peers`):
+  ``verl_omni_colocated``, ``verl_omni_separate_async``, ``dancegrpo``, ``flow_grpo`` -- each peer's
+  published arrangement with its structural costs (offload, recompute pass, weight push, batch-1
+  FSDP sampling, ...), each cited from the peer's code. What a user of the peer pays today.
 
 Pruning: a candidate whose memory does not fit, or that the engine refuses -- sequence parallelism
 where it is not wired (colocated, beside TAG), or trainer ranks needing an FSDP degree the engine
@@ -38,6 +44,7 @@ from digenrl.config import PoolConfig
 from digenrl.errors import UserError
 from digenrl.placement import Plan, spread_units
 from digenrl.planner.costmodel import CostModel
+from digenrl.planner import peers as peer_models
 from digenrl.planner.gpus import ClusterSpec
 from digenrl.planner.simulator import DoesNotFit, SimResult, bound, setups, simulate
 
@@ -49,7 +56,7 @@ def sp_degrees(cost: CostModel, cluster: ClusterSpec) -> tuple[int, ...]:
     """Sequence-parallel degrees worth trying: for a video model, those of :data:`SP_DEGREES` inside one
     node (the all-to-alls stay on the node's links); an image model's few thousand tokens gain nothing,
     and logical CPU devices share one host's cores."""
-    if not cost.w.video or cluster.is_cpu:
+    if not cost.workload.video or cluster.is_cpu:
         return (1,)
     return tuple(d for d in SP_DEGREES if d <= max(1, cluster.gpus_per_node))
 
@@ -152,7 +159,7 @@ def unwired_sharding(plan: Plan, setups_: dict, cost: CostModel) -> str | None:
     why = unwired_sp(plan, cost)
     if why:
         return why
-    w = cost.w
+    w = cost.workload
     for pool in plan.trainer_pools:
         shard = setups_[pool.name].shard
         why = shard > 1 and fsdp_unwired(
@@ -193,8 +200,8 @@ def unwired_sp(plan: Plan, cost: CostModel) -> str | None:
             placement=plan.placement,
             devices=sum(p.count for p in pools),
             tag=plan.tag,
-            evaluates=cost.w.evaluates,
-            shape=cost.w.shape,
+            evaluates=cost.workload.evaluates,
+            shape=cost.workload.shape,
         )
         if why:
             return f"engine.{key}: {s}, which the engine refuses: {why}"
@@ -238,7 +245,9 @@ def search(
     plans = (
         plans
         if plans is not None
-        else candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, sp=sp_degrees(cost, cluster))
+        else candidates(
+            cluster, cost.workload.prompts, group_size=cost.workload.group_size, sp=sp_degrees(cost, cluster)
+        )
     )
     fitting, rejected = [], {}
     setup_cache: dict = {}
@@ -262,7 +271,7 @@ def search(
         fitting.append((bound(plan, cost, s), plan))
     if not fitting:
         why, _ = min(rejected.values(), key=lambda r: r[1])  # the placement that came closest
-        w = cost.w
+        w = cost.workload
         weights = w.params.total * w.dtype_bytes / 2**30
         raise UserError(
             f"{w.shape.source} fits no placement of cluster {cluster.name} ({cluster.describe()}): "
@@ -319,8 +328,8 @@ def ladder(
     for name, knobs in LADDER:
         plans = candidates(
             cluster,
-            cost.w.prompts,
-            group_size=cost.w.group_size,
+            cost.workload.prompts,
+            group_size=cost.workload.group_size,
             colocated=False,
             sp=sp_degrees(cost, cluster),
             **knobs,
@@ -364,7 +373,7 @@ def baselines(
     out = {}
     for name, knobs in BASELINES.items():
         knobs = {"sp": sp or sp_degrees(cost, cluster), **knobs}
-        plans = candidates(cluster, cost.w.prompts, group_size=cost.w.group_size, **knobs)
+        plans = candidates(cluster, cost.workload.prompts, group_size=cost.workload.group_size, **knobs)
         try:
             res = search(
                 cost,
@@ -379,3 +388,13 @@ def baselines(
         except UserError:
             out[name] = None
     return out
+
+
+#: the peers as they run (digenrl.planner.peers): what a user of each peer pays today
+PEERS = peer_models.NAMES
+
+
+def peers(cost: CostModel, cluster: ClusterSpec) -> dict[str, peer_models.PeerRun]:
+    """Each peer of :data:`PEERS` running this workload on this cluster, phase by phase, with the same
+    per-call times (kernel efficiencies, FLOPs, bandwidths) as DigenRL's plans."""
+    return peer_models.peers(cost, cluster)

@@ -136,7 +136,7 @@ class Simulator:
         plan = plan.typed()
         self.plan, self.cost, self.iterations = plan, cost, iterations
         self.rng = random.Random(seed) if seed is not None else None  # None: every unit takes its mean
-        self.w = cost.w
+        self.workload = cost.workload
         self.setups = setups(plan, cost)
         workers = plan.leads()  # with sequence parallelism, one worker per group of sp devices
         self.pool = {w.name: w.pool for w in workers}
@@ -147,7 +147,10 @@ class Simulator:
         self.publish = any(w.role == "rollout" for w in workers)
         self.sched = Scheduler(
             plan.scheduler_config(
-                self.w.prompts, iterations, wait_for_full_batch, optimizer_steps=self.w.optimizer_steps
+                self.workload.prompts,
+                iterations,
+                wait_for_full_batch,
+                optimizer_steps=self.workload.optimizer_steps,
             ),
             workers,
         )
@@ -171,7 +174,7 @@ class Simulator:
         return self._cache[key]
 
     def _segments(self, worker: str, unit, now: float) -> list[_Seg]:
-        pool, cost, ov = self.pool[worker], self.cost, self.cost.ov
+        pool, cost, ov = self.pool[worker], self.cost, self.cost.overheads
         dev, setup = pool.device, self.setups[pool.name]
         segs = [_Seg("call", ov.call_s, False)]
         base = {"uid": unit.uid, "iteration": unit.iteration}
@@ -189,8 +192,8 @@ class Simulator:
                             version=unit.version,
                             args={
                                 "direction": "fetch",
-                                "bytes": self.w.sync_bytes,
-                                "transport": self.w.weight_sync,
+                                "bytes": self.workload.sync_bytes,
+                                "transport": self.workload.weight_sync,
                             },
                         ),
                     )
@@ -210,7 +213,7 @@ class Simulator:
                         version=unit.version,
                         reward_s=reward,
                         args={
-                            "samples": len(unit.groups) * self.w.group_size // unit.parts,
+                            "samples": len(unit.groups) * self.workload.group_size // unit.parts,
                             "groups": list(unit.groups),
                         },
                     ),
@@ -413,8 +416,8 @@ class Simulator:
                 sent,
                 now,
                 direction="publish",
-                bytes=self.w.sync_bytes,
-                transport=self.w.weight_sync,
+                bytes=self.workload.sync_bytes,
+                transport=self.workload.weight_sync,
             )
             if self.cost.broadcasts():  # the receivers' threads take it in while they generate
                 for worker in (w for w in self.order if self.role[w] == "rollout"):
@@ -427,7 +430,7 @@ class Simulator:
                         sent,
                         now,
                         direction="prefetch",
-                        bytes=self.w.sync_bytes,
+                        bytes=self.workload.sync_bytes,
                         transport="broadcast",
                     )
 
@@ -443,11 +446,11 @@ def simulate(
     """Simulate ``iterations`` iterations and summarise the steady state: the first ``skip`` (default
     1: nothing to overlap with yet) and the last ``tail`` (default 1 from 3 iterations on: with
     one-step async the last span holds no next rollout) are left out. With a unit-time spread
-    (:meth:`CostModel.has_spread`) ``cost.p.replicas`` seeded runs are pooled (samples over wall
+    (:meth:`CostModel.has_spread`) ``cost.params.replicas`` seeded runs are pooled (samples over wall
     time, bubble and per-iteration figures averaged); the timeline kept is the run closest to the
     pooled throughput."""
     plan = plan.typed()
-    seeds = list(range(max(1, cost.p.replicas))) if cost.has_spread() else [None]
+    seeds = list(range(max(1, cost.params.replicas))) if cost.has_spread() else [None]
     runs = []
     for seed in seeds:
         sim = Simulator(plan, cost, iterations, wait_for_full_batch, seed=seed)

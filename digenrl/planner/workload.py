@@ -37,6 +37,9 @@ class Workload:
     vae_tiled: bool = True  # the decode's memory is a tile of a sample (sampling.vae_tiling not off)
     video: bool = False  # a video family: the planner tries sequence parallelism
     evaluates: bool = False  # output.eval_every > 0 (the engine refuses sequence-parallel trainers then)
+    # samples per sampling forward of a rollout-only worker; None = the trainer's micro-batches
+    # (engine.rollout_batch "trainer", the bit-exact ratio -- what the engine runs today)
+    rollout_batch: int | None = None
 
     @classmethod
     def from_config(cls, cfg) -> Workload:

@@ -2,7 +2,14 @@
 
 python docs/scaling/generate.py              # search every model x cluster: predictions.json, Gantt charts
 python docs/scaling/generate.py --models "HunyuanVideo (13B)" ...   # only these rows (merged into it)
+python docs/scaling/generate.py --published  # only each peer's published setup (merged into it)
+python docs/scaling/generate.py --peers      # only the peers as they run (analytic, seconds; merged into it)
 python docs/scaling/generate.py --markdown   # the tables of docs/scaling.md from predictions.json
+
+Two kinds of baseline: OUR engine in the peers' arrangements (search.baselines) and the peers as they
+run (search.peers: veRL-Omni colocated / separate_async, DanceGRPO, flow_grpo, with their structural
+costs); every number uses the kernel efficiencies of planner/gpus.py (fitted to veRL-Omni's published
+step by benchmarks/peer_calibration.py, whose table --markdown also prints).
 """
 
 from __future__ import annotations
@@ -10,13 +17,17 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from digenrl.config import load_config
+from digenrl.errors import UserError
+from digenrl.planner import peers as peer_models
 from digenrl.planner.costmodel import CostModel, Workload
 from digenrl.planner.gpus import load_cluster
-from digenrl.planner.search import baselines, ladder, search
+from digenrl.planner.published import CALIBRATION, OUT_OF_SAMPLE, VERL_OMNI_PHASES
+from digenrl.planner.search import PEERS, baselines, ladder, search
+from digenrl.planner.search import peers as peer_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent
@@ -51,6 +62,48 @@ def _model_of(key: str) -> str:
     return second if first == "workload" else first
 
 
+def _peer(run) -> dict:
+    """A peer as it runs: where, throughput, phases (or why it cannot run)."""
+    if not run.fits:
+        return {"where": run.where, "why_not": run.why_not}
+    return {
+        "where": run.where,
+        "sps": run.samples_per_s,
+        "iteration_s": run.iteration_s,
+        "phases": {k: round(v, 2) for k, v in run.phases.items()},
+    }
+
+
+def published_row(setup) -> dict:
+    """DigenRL's best plan and the peer as it runs on a peer's published setup (the same efficiencies,
+    the judge's seconds per image from the calibration where the peer scores with it)."""
+    w, cluster = setup.workload(), setup.load_cluster()
+    params = CostModel(w, cluster).params
+    if setup.peer.startswith("verl_omni"):
+        params.model_reward_s = VERL_OMNI_PHASES["reward"] / (CALIBRATION.workload().samples / 4)
+    cost = CostModel(w, cluster, params=params)
+    try:
+        best, why = search(cost, cluster, top=1).ranked[0], None
+    except UserError as err:  # no placement DigenRL's engine runs fits: say why
+        best, why = None, str(err)
+    settings = {"server_batch": setup.settings["server_batch"]} if "server_batch" in setup.settings else {}
+    run = (
+        peer_models.MODELS[setup.peer](cost, cluster, replace(peer_models.VERL_OMNI, **settings))
+        if setup.peer.startswith("verl_omni")
+        else peer_models.MODELS[setup.peer](cost, cluster)
+    )
+    return {
+        "setup": setup.name,
+        "cluster": setup.cluster,
+        "peer": setup.peer,
+        "peer_run": _peer(run),
+        "published_step_s": setup.published_step_s,
+        "digenrl": _summary(best),
+        "digenrl_why_not": why,
+        "baselines": {name: _summary(r) for name, r in baselines(cost, cluster).items()},
+    }
+
+
 def main(only: list[str] | None = None) -> int:
     """Search the models (``only``: these labels, the other rows of predictions.json kept)."""
     rows = {}
@@ -80,6 +133,7 @@ def main(only: list[str] | None = None) -> int:
             steps = ladder(cost, cluster)
             peers = baselines(cost, cluster)
             rows[(label, cname)] = {
+                "peers": {name: _peer(run) for name, run in peer_runs(cost, cluster).items()},
                 "digenrl": _summary(steps[-1][1]),  # the best disaggregated plan with every knob
                 "baselines": {name: _summary(peers[name]) for name in BASELINE_NAMES},
                 "best": best.plan.label(),
@@ -105,7 +159,34 @@ def main(only: list[str] | None = None) -> int:
             )
         rows[("workload", label)] = w.summary()
     path.write_text(json.dumps({f"{k[0]} | {k[1]}": v for k, v in rows.items()}, indent=1, default=str))
+    published()
     print(json.dumps({"cost_params": asdict(CostModel(w, cluster).p)}, indent=1))
+    return 0
+
+
+def refresh_peers() -> int:
+    """Only the peers as they run (analytic, no search) for every model x cluster, into predictions.json."""
+    path = OUT / "predictions.json"
+    rows = json.loads(path.read_text())
+    for label, cfg_file in MODELS.items():
+        w = Workload.from_config(load_config(ROOT / "configs" / cfg_file))
+        for cname in CLUSTERS:
+            cluster = load_cluster(ROOT / "configs" / "clusters" / f"{cname}.yaml")
+            cost = CostModel(w, cluster)
+            rows[f"{label} | {cname}"]["peers"] = {n: _peer(r) for n, r in peer_runs(cost, cluster).items()}
+    path.write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+def published() -> int:
+    """Each peer's published setup (DigenRL beside the peer as it runs), merged into predictions.json."""
+    path = OUT / "predictions.json"
+    rows = json.loads(path.read_text())
+    t0 = time.time()
+    for setup in (CALIBRATION, *OUT_OF_SAMPLE):
+        rows[f"published | {setup.name}"] = published_row(setup)
+        print(f"{setup.name}: done ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+    path.write_text(json.dumps(rows, indent=1, default=str))
     return 0
 
 
@@ -124,7 +205,7 @@ MIXED = {"8xH800_16xH20", "16xH100_16xL40S"}
 
 
 def _ratio(a: dict | None, b: dict | None) -> float | None:
-    return a["sps"] / b["sps"] if a and b and b["sps"] else None
+    return a["sps"] / b["sps"] if a and b and b.get("sps") else None
 
 
 def _span(xs: list[float | None]) -> str:
@@ -186,10 +267,163 @@ def baseline_markdown(d: dict) -> list[str]:
     return lines
 
 
+PEER_LABELS = {
+    "verl_omni_colocated": "veRL-Omni colocated",
+    "verl_omni_separate_async": "veRL-Omni separate_async",
+    "dancegrpo": "DanceGRPO",
+    "flow_grpo": "flow_grpo",
+}
+
+
+def _peer_cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if "why_not" in r:
+        return f"cannot run ({r['why_not']})"
+    return f"{r['where']}: {r['sps']:.3g}"
+
+
+def peers_markdown(d: dict) -> list[str]:
+    """Per model and cluster: DigenRL beside our engine's baselines and each peer as it runs (samples/s)."""
+    lines = []
+    for label in MODELS:
+        lines += [
+            f"#### {label}",
+            "",
+            "| cluster | DigenRL | our engine colocated | our engine separate_async | "
+            + " | ".join(PEER_LABELS[p] for p in PEERS)
+            + " | DigenRL vs the fastest peer |",
+            "|---|---|---|---|" + "---|" * len(PEERS) + "---:|",
+        ]
+        for c in CLUSTERS:
+            r = d[f"{label} | {c}"]
+            dg, b, pr = r["digenrl"], r["baselines"], r.get("peers", {})
+            runs = [x for x in pr.values() if x and "sps" in x]
+            fastest = max((x["sps"] for x in runs), default=None)
+            gain = f"{dg['sps'] / fastest:.2f}x" if dg and fastest else "n/a"
+            cells = [_cell(dg), _cell(b["colocated"]), _cell(b["separate_async"])]
+            cells += [_peer_cell(pr.get(p)) for p in PEERS]
+            lines.append(f"| {c} | " + " | ".join(cells) + f" | {gain} |")
+        lines.append("")
+    return lines
+
+
+def peers_summary_markdown(d: dict) -> list[str]:
+    """Per model and kind of cluster: DigenRL's predicted gain over each peer as it runs."""
+    lines = [
+        "| model | clusters | "
+        + " | ".join(f"DigenRL vs {PEER_LABELS[p]}" for p in PEERS)
+        + " | vs the fastest peer | vs our engine colocated |",
+        "|---|---|" + "---:|" * (len(PEERS) + 2),
+    ]
+    for label in MODELS:
+        for kind, names in (
+            ("homogeneous", [c for c in CLUSTERS if c not in MIXED]),
+            ("mixed", [c for c in CLUSTERS if c in MIXED]),
+        ):
+            rows = [d[f"{label} | {c}"] for c in names]
+            cells = []
+            for p in PEERS:
+                cells.append(_span([_ratio(r["digenrl"], r["peers"].get(p)) for r in rows]))
+            fastest = [
+                max((x for x in r["peers"].values() if "sps" in x), key=lambda x: x["sps"], default=None)
+                for r in rows
+            ]
+            cells.append(_span([_ratio(r["digenrl"], f) for r, f in zip(rows, fastest)]))
+            cells.append(_span([_ratio(r["digenrl"], r["baselines"]["colocated"]) for r in rows]))
+            lines.append(f"| {label} | {kind} ({', '.join(names)}) | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def published_markdown(d: dict) -> list[str]:
+    """Each peer's published setup: the peer as it runs, DigenRL and our engine's baselines on it."""
+    lines = [
+        "| published setup | cluster | published s/step | peer as it runs: s/step, samples/s | DigenRL | "
+        "our engine colocated | our engine separate_async | DigenRL vs the peer |",
+        "|---|---|---:|---|---|---|---|---:|",
+    ]
+    for key, r in d.items():
+        if not key.startswith("published | "):
+            continue
+        run, dg, b = r["peer_run"], r["digenrl"], r["baselines"]
+        peer = f"{run['iteration_s']:.0f} s, {run['sps']:.3g}" if "sps" in run else run.get("why_not", "-")
+        gain = f"{dg['sps'] / run['sps']:.2f}x" if dg and "sps" in run else "n/a"
+        if dg is None and r.get("digenrl_why_not"):
+            dg_cell = "no placement the engine runs fits (" + r["digenrl_why_not"].split(": ", 1)[-1] + ")"
+        else:
+            dg_cell = _cell(dg)
+        lines.append(
+            f"| {r['setup']} | {r['cluster']} | {r['published_step_s']:.0f} | {peer} | {dg_cell} | "
+            f"{_cell(b.get('colocated'))} | {_cell(b.get('separate_async'))} | {gain} |"
+        )
+    return lines + [""]
+
+
+def calibration_markdown() -> list[str]:
+    """The calibration table (benchmarks/peer_calibration.py's report)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "peer_calibration", ROOT / "benchmarks" / "peer_calibration.py"
+    )
+    cal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cal)
+    r = cal.report()
+    e, i, st = r["efficiency"], r["images_per_gpu_s"], r["step_s"]
+    lines = [
+        f"Fitted: sampling efficiency **{e['sampling']:.3f}**, training efficiency **{e['training']:.3f}** "
+        f"(share of peak bf16 FLOP/s at large calls; half of it at {e['half_tokens']:.0f} tokens per "
+        f"call, an assumption). Read off the breakdown: the judge's "
+        f"{r['inputs']['judge_s_per_image']:.3f} s per image, "
+        f"the push's fixed {r['inputs']['push_latency_s']:.2f} s.",
+        "",
+        "| phase | published s | predicted s | error | kind |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for p in r["phases"]:
+        lines.append(
+            f"| {p['name']} | {p['published_s']:.1f} | {p['predicted_s']:.1f} | {p['error']:+.1%} | "
+            f"{p['kind']} |"
+        )
+    lines += [
+        f"| step | {st['published']:.0f} | {st['predicted']:.1f} | "
+        f"{st['predicted'] / st['published'] - 1:+.1%} | "
+        "sum of the phases (the published 420 s also holds ~11 s outside them) |",
+        f"| images/GPU/s | {i['published']:.3f} | {i['predicted']:.3f} | {i['error']:+.1%} | predicted |",
+        "",
+        f"Worst predicted phase: {r['worst_predicted_phase_error']:.1%}. DigenRL's best plan on the same "
+        f"4 H800s with the same pair and judge: {r['digenrl']['label']}, "
+        f"{r['digenrl']['images_per_gpu_s']:.3f} images/GPU/s "
+        f"({r['digenrl']['speedup_vs_verl_omni']:.2f}x veRL-Omni as modelled).",
+        "",
+        "Out of sample (the same pair, nothing refitted):",
+        "",
+        "| published figure | published s/step | predicted s/step | error | note |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for o in r["out_of_sample"]:
+        note = o["caveat"]
+        if "published_images_per_gpu_s" in o:
+            note += (
+                f"; images/GPU/s {o['published_images_per_gpu_s']:.3f} published, "
+                f"{o['predicted_images_per_gpu_s']:.3f} predicted ({o['images_per_gpu_s_error']:+.0%})"
+            )
+        lines.append(
+            f"| {o['name']} ({o['source']}) | {o['published_step_s']:.0f} | {o['predicted_step_s']:.0f} | "
+            f"{o['step_error']:+.0%} | {note}; phases {o['phases']} |"
+        )
+    return lines + [""] + [f"- {x}" for x in r["not_checked"]] + [""]
+
+
 def markdown(path: Path = OUT / "predictions.json") -> str:
     """The tables of docs/scaling.md from predictions.json."""
     d = json.loads(path.read_text())
-    lines = ["### Summary: DigenRL's predicted gain over each baseline", ""] + summary_markdown(d)
+    lines = ["### Calibration on published numbers", ""] + calibration_markdown()
+    lines += ["### DigenRL on each peer's published setup", ""] + published_markdown(d)
+    lines += ["### Summary: DigenRL's predicted gain over the peers as they run", ""]
+    lines += peers_summary_markdown(d)
+    lines += ["### DigenRL beside the peers as they run (samples/s)", ""] + peers_markdown(d)
+    lines += ["### Summary: DigenRL's predicted gain over our engine's baselines", ""] + summary_markdown(d)
     lines += ["### Per model and cluster", ""] + [x.replace("### ", "#### ") for x in baseline_markdown(d)]
     lines += ["### The planner's pick and what each knob adds", ""]
     for label in MODELS:
@@ -242,6 +476,10 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--markdown"]:
         print(markdown())
         sys.exit(0)
+    if sys.argv[1:] == ["--peers"]:
+        sys.exit(refresh_peers())
+    if sys.argv[1:] == ["--published"]:
+        sys.exit(published())
     if sys.argv[1:2] == ["--models"]:
         sys.exit(main(sys.argv[2:]))
     sys.exit(main())

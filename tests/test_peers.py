@@ -1,0 +1,133 @@
+"""The cost model knows batch size; the peers as they run; their calibration on published numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from digenrl.config import load_config
+from digenrl.planner import peers as peer_models
+from digenrl.planner.costmodel import CostModel, CostParams, Workload
+from digenrl.planner.gpus import KERNEL_EFFICIENCY, load_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+CAL_FILE = ROOT / "benchmarks" / "peer_calibration.py"
+_spec = importlib.util.spec_from_file_location("peer_calibration", CAL_FILE)
+peer_calibration = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(peer_calibration)
+
+
+def _qwen(cluster: str = "4xH800", **params) -> CostModel:
+    w = Workload.from_config(load_config(ROOT / "configs" / "qwen_image.yaml"))
+    return CostModel(
+        w, load_cluster(ROOT / "configs" / "clusters" / f"{cluster}.yaml"), params=CostParams(**params)
+    )
+
+
+def test_a_small_call_costs_more_per_sample_than_a_large_one():
+    """Kernel efficiency follows the tokens per call: batch 1 costs more per sample than batch 8, and
+    the curve saturates (batch 32 and 64 nearly the same per sample)."""
+    t = _qwen().times("H800")
+    per = {b: t.rollout_step(b) / b for b in (1, 8, 32, 64)}
+    assert per[1] > 1.2 * per[8] > 1.2 * per[32]
+    assert per[64] == pytest.approx(per[32], rel=0.05)
+    train = {b: t.train_step(b) / b for b in (1, 8)}
+    assert train[1] > 1.2 * train[8]
+
+
+def test_a_rollout_batch_apart_from_the_trainers_micro_batch_changes_the_unit_time():
+    """``Workload.rollout_batch`` (engine.rollout_batch N, a later engine item): a rollout-only worker
+    sampling at 16 instead of the trainer's micro-batch 1 finishes its unit sooner."""
+    cost = _qwen()
+    one = replace(cost.workload, micro_batch=1)
+    at_one = CostModel(one, cost.cluster).rollout_unit("H800", 2)[0]
+    at_16 = CostModel(replace(one, rollout_batch=16), cost.cluster).rollout_unit("H800", 2)[0]
+    assert at_16 < 0.9 * at_one
+
+
+def test_hopper_defaults_are_the_calibrated_pair_and_others_the_generic_one():
+    cost = _qwen()
+    assert cost.times("H800").efficiency.rollout == KERNEL_EFFICIENCY["H800"][0]
+    assert "veRL-Omni" in cost.times("H800").source
+    cost = _qwen(mfu_rollout=0.5, mfu_train=0.45)  # configured values win everywhere
+    assert cost.times("H800").efficiency.rollout == 0.5
+
+
+def test_every_peer_is_named_in_the_search_and_cites_its_files():
+    from digenrl.planner.search import PEERS, peers
+
+    assert set(PEERS) == {"verl_omni_colocated", "verl_omni_separate_async", "dancegrpo", "flow_grpo"}
+    for name in PEERS:
+        assert peer_models.SOURCES[name], name
+        for what, repo, path in peer_models.SOURCES[name]:
+            assert "/" in repo and "." in path and what
+    runs = peers(_qwen(), _qwen().cluster)
+    assert all(r.fits and r.iteration_s > 0 for r in runs.values()), {n: r.why_not for n, r in runs.items()}
+
+
+def test_verl_omni_pays_its_structural_costs():
+    """Offload, the recompute pass and the server's wake are each paid: switching offload off or the
+    judge's cost down shortens the modelled step."""
+    qwen = _qwen(model_reward_s=0.2)
+    cost = CostModel(replace(qwen.workload, reward_kind="model"), qwen.cluster, params=qwen.params)
+    device, n = "H800", 4
+    base = peer_models.verl_omni_phases(cost, device, n)
+    quiet = replace(peer_models.VERL_OMNI, param_offload=False, optimizer_offload=False)
+    no_offload = peer_models.verl_omni_phases(cost, device, n, quiet)
+    assert sum(no_offload.values()) < sum(base.values())
+    assert base["old_log_prob"] > 0 and base["update_weights"] >= peer_models.VERL_OMNI.push_latency_s
+    assert base["reward"] == pytest.approx(0.2 * cost.workload.samples / n)
+
+
+def test_dancegrpo_all_gathers_fp32_parameters_every_forward():
+    """DanceGRPO samples at batch 1 through FULL_SHARD with fp32 parameters: across two nodes its
+    sampling costs more than the same forwards unsharded."""
+    w = Workload.from_config(load_config(ROOT / "configs" / "recipes" / "dancegrpo_flux_hpsv2.yaml"))
+    cluster = load_cluster(ROOT / "configs" / "clusters" / "16xH800.yaml")
+    cost = CostModel(w, cluster)
+    run = peer_models.dancegrpo(cost, cluster)
+    per = w.samples / 16
+    compute_only = per * w.steps * cost.times("H800").rollout_step(1)
+    assert run.phases["sampling (batch 1)"] > 1.5 * compute_only
+
+
+def test_plan_peers_prints_digenrl_beside_each_peer(monkeypatch, capsys):
+    from helpers import cli as cli_main
+
+    args = ["plan", "-c", str(ROOT / "configs" / "qwen_image.yaml"), "--cluster"]
+    args += [str(ROOT / "configs" / "clusters" / "4xH800.yaml"), "--peers", "--json", "--top", "1"]
+    code, out, err = cli_main(monkeypatch, capsys, *args)
+    assert code in (0, None), err
+    report = json.loads(out)
+    peers = report["peers"]["peers"]
+    assert set(peers) == {"verl_omni_colocated", "verl_omni_separate_async", "dancegrpo", "flow_grpo"}
+    for row in peers.values():
+        assert row["digenrl_speedup"] > 0 and row["sources"]
+    assert report["peers"]["efficiency"]["H800"]["sampling"] == KERNEL_EFFICIENCY["H800"][0]
+    assert report["baselines"]["colocated"] is not None  # our engine's strong baselines stay
+
+
+def test_peer_calibration_benchmark_fits_within_its_tolerances(tmp_path):
+    """The benchmark's JSON: every phase published vs predicted, images/GPU/s, DigenRL's best plan;
+    the fit within the stated tolerances; the shipped Hopper defaults are the fitted pair."""
+    out = tmp_path / "cal.json"
+    assert peer_calibration.main(["--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    names = [p["name"] for p in r["phases"]]
+    assert names == ["generation", "update_actor", "old_log_prob", "reward", "update_weights"]
+    for p in r["phases"]:
+        assert p["published_s"] > 0 and p["predicted_s"] > 0
+        assert abs(p["predicted_s"] / p["published_s"] - 1) <= peer_calibration.WORST_PHASE_TOLERANCE
+    ips = r["images_per_gpu_s"]
+    assert ips["published"] == 0.305
+    assert abs(ips["predicted"] / ips["published"] - 1) <= peer_calibration.IMAGES_PER_GPU_TOLERANCE
+    assert r["digenrl"]["label"] and r["digenrl"]["images_per_gpu_s"] > 0
+    for o in r["out_of_sample"]:
+        assert math.isfinite(o["step_error"]) and o["source"]
+    fitted = (r["efficiency"]["sampling"], r["efficiency"]["training"])
+    assert KERNEL_EFFICIENCY["H800"] == pytest.approx(fitted, abs=0.002)
