@@ -150,6 +150,18 @@ WIRED = {  # sequence parallelism beside the engine's other features, each one S
         "output.eval_every=1",
         "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]",
     ],
+    # colocated SP: every device generates and trains, in two SP pairs (replicated across them)
+    "colocated_sp": [
+        "placement.mode=colocated",
+        "engine.trainer_sp=2",
+        "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 2}]",
+    ],
+    # colocated FSDP (DanceGRPO's arrangement): both devices one shard group that generates and trains
+    "colocated_fsdp": [
+        "placement.mode=colocated",
+        "train.fsdp=2",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 1}]",
+    ],
     # SP inside HSDP: 4 trainer devices, two shard groups of 2 (replicas), each one SP pair
     "trainer_sp_in_hsdp": [
         "engine.trainer_sp=2",

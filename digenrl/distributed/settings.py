@@ -53,7 +53,7 @@ def check_fsdp_wired(cfg) -> None:
     from digenrl.placement import engine_workers
 
     e, mode = cfg.engine, cfg.placement.mode
-    ranks = sum(w.role == "trainer" for w in engine_workers(cfg)) if mode == "disaggregated" else 0
+    ranks = sum(w.role != "rollout" for w in engine_workers(cfg)) if mode != "local" else 0
     why = fsdp_unwired(
         n,
         placement=mode,
@@ -91,9 +91,10 @@ def fsdp_unwired(
     when there are several), each group training each of its units together (every rank an equal
     slice of its samples -- of each mini-batch's samples with ``optimizer_steps`` > 1 -- so every
     rank of the group runs the same forward / backward passes)."""
-    if placement != "disaggregated":
+    if placement == "local":
         return (
-            f"sharded trainer ranks need placement.mode: disaggregated (got {placement}); use train.fsdp: off"
+            f"sharded trainer ranks need placement.mode: disaggregated or colocated (got {placement}); "
+            "use train.fsdp: off"
         )
     if ranks % n:
         return f"must divide the number of trainer ranks ({ranks}); use train.fsdp: {ranks} or off"
@@ -141,6 +142,8 @@ def check_sp_wired(cfg) -> None:
         "rollout": pools.get(cfg.placement.rollout_pool, 0),
         "trainer": pools.get(cfg.placement.trainer_pool, 0),
     }
+    if mode == "colocated":  # every device rolls out and trains, in groups of engine.trainer_sp
+        devices = dict.fromkeys(devices, sum(pools.values()))
     for key, role in (("rollout_sp", "rollout"), ("trainer_sp", "trainer")):
         s = getattr(e, key)
         shape = (lambda: model_shape(cfg.model)) if s > 1 else None
@@ -177,8 +180,11 @@ def sp_unwired(
     that check)."""
     if s == 1:
         return None
-    if placement != "disaggregated":
-        return f"sequence-parallel workers need placement.mode: disaggregated (got {placement}); use engine.{role}_sp: 1"
+    if placement == "local":
+        return (
+            f"sequence-parallel workers need placement.mode: disaggregated or colocated (got {placement}); "
+            f"use engine.{role}_sp: 1"
+        )
     if devices % s:
         return f"must divide the {devices} {role} devices"
     if shape is None:

@@ -242,7 +242,7 @@ def sp_groups(cfg: RunConfig, workers: list[Worker], role: str) -> list[list[str
     "trainer") in consecutive groups of s, each one sequence-parallel worker (the first leads, the
     others follow; settings.check_sp_wired)."""
     s = cfg.engine.rollout_sp if role == "rollout" else cfg.engine.trainer_sp
-    names = [w.name for w in workers if w.role == role]
+    names = [w.name for w in workers if w.role == role or (role == "trainer" and w.role == "both")]
     return [names[i : i + s] for i in range(0, len(names), s)] if s > 1 else []
 
 
