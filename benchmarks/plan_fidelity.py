@@ -104,7 +104,7 @@ def replay_cost(cost, measured):
         def unit_cv(self, device, kind):
             return spread[kind]
 
-    return Replay(cost.w, cost.cluster, cost.p, profile=cost.profile)
+    return Replay(cost.workload, cost.cluster, cost.params, profile=cost.profile)
 
 
 def unit_ms(predicted, measured) -> dict:

@@ -288,7 +288,7 @@ def check_memory(cfg) -> None:
             fix = (
                 f"no setting fits {plan.ranks} trainer ranks of this type (FSDP up to {plan.ranks * plan.trainer_sp}, activation "
                 "checkpointing, sequential CFG, micro-batch 1): use more or larger trainer devices"
-                + ("" if plan.trainer_sp > 1 or not model.w.video else ", or engine.trainer_sp > 1")
+                + ("" if plan.trainer_sp > 1 or not model.workload.video else ", or engine.trainer_sp > 1")
             )
         raise UserError(
             f"{key}: {_where(pool, device, model)}: a trainer rank needs "
@@ -324,7 +324,7 @@ def _check_rollout(cfg, model, plan, pool, device: str) -> None:
             f"set engine.unit_groups: {smaller[0]} (fewer samples per unit)"
             if smaller
             else "even a unit of 1 group does not fit: use a larger rollout device"
-            + (", or engine.rollout_sp > 1" if model.w.video and sp == 1 else "")
+            + (", or engine.rollout_sp > 1" if model.workload.video and sp == 1 else "")
         )
         key = "engine.unit_groups"
     what = f"units of {groups} groups" if plan.group_parts == 1 else f"units of 1/{plan.group_parts} group"

@@ -78,13 +78,13 @@ def test_memory_model_counts_the_real_modules_bytes(lora):
 def test_activations_with_checkpointing_keep_the_block_inputs():
     cfg = load_config(FLUX, [])
     m = _model(cfg)
-    t, blocks = m.w.shape.tokens, m.w.params.blocks
-    assert m.block_input_bytes() == (t.x + t.text) * m.w.params.hidden * 2  # bf16
+    t, blocks = m.workload.shape.tokens, m.workload.params.blocks
+    assert m.block_input_bytes() == (t.x + t.text) * m.workload.params.hidden * 2  # bf16
     assert m.train_acts(1, True) == pytest.approx(m.block_input_bytes() * blocks + m.act_bytes_per_block())
     assert m.train_acts(2, False) == 2 * m.train_acts(1, False)
     wan = _model(load_config(str(ROOT / "configs" / "wan2.1_t2v_14b.yaml"), []))
     assert (
-        wan.w.passes == 2 and wan.train_acts(1, False) == 2 * wan.act_bytes_per_block() * wan.w.params.blocks
+        wan.workload.passes == 2 and wan.train_acts(1, False) == 2 * wan.act_bytes_per_block() * wan.workload.params.blocks
     )
 
 

@@ -50,7 +50,7 @@ def model(path, *overrides) -> MemoryModel:
 @pytest.mark.parametrize("sp", [2, 4, 8])
 def test_activations_per_device_scale_one_over_sp_for_the_sequence_part(sp):
     m = model(WAN)
-    t, h, blocks = m.w.shape.tokens, m.w.params.hidden, m.w.params.blocks
+    t, h, blocks = m.workload.shape.tokens, m.workload.params.hidden, m.workload.params.blocks
     # the sequence part (video tokens) divides by sp; the text tokens (cross-attention) stay whole
     for ckpt in (False, True):
         one, many = m.train_acts(1, ckpt, 1), m.train_acts(1, ckpt, sp)
@@ -60,7 +60,7 @@ def test_activations_per_device_scale_one_over_sp_for_the_sequence_part(sp):
     # rollout: only the live-activation term scales; weights, trajectory and decode do not
     r1, rs = m.rollout_parts(1, 1), m.rollout_parts(1, sp)
     assert r1["weights"] == rs["weights"] and r1["rollout models"] == rs["rollout models"]
-    acts = lambda s: m.held_passes(True) * m.w.group_size * m.pass_tokens(s) * h * m.p.infer_act_bytes  # noqa: E731
+    acts = lambda s: m.held_passes(True) * m.workload.group_size * m.pass_tokens(s) * h * m.params.infer_act_bytes  # noqa: E731
     assert r1["activations"] - rs["activations"] == pytest.approx(acts(1) - acts(sp), rel=1e-9)
     # the sharded parts shard over FSDP ranks, never over the sp devices of a rank
     assert m.train_parts(2, 1, True, sp)["frozen base"] == m.train_parts(2, 1, True, 1)["frozen base"]
@@ -69,11 +69,11 @@ def test_activations_per_device_scale_one_over_sp_for_the_sequence_part(sp):
 
 def test_batched_cfg_holds_both_passes():
     m = model(WAN)
-    assert m.w.passes == 2
+    assert m.workload.passes == 2
     for ckpt in (False, True):
         assert m.train_acts(1, ckpt, cfg_batched=True) == 2 * m.train_acts(1, ckpt, cfg_batched=False)
     one_pass = model(HUNYUAN)  # embedded guidance: one pass, nothing to choose
-    assert one_pass.w.passes == 1 and one_pass.cfg_modes("auto") == (True,)
+    assert one_pass.workload.passes == 1 and one_pass.cfg_modes("auto") == (True,)
 
 
 def test_rollout_auto_falls_back_to_sequential_cfg_where_batched_does_not_fit():
@@ -279,7 +279,7 @@ def test_sharding_degrees_count_trainer_devices_as_the_runtime_does():
     assert options == {1, ranks * sp}
     assert {shard for *_, shard in m.options(ranks * sp)} == {1, 2, 4, 8}  # without SP: HSDP degrees too
     parts = m.trainer_need(ranks * sp, 1, True, sp=sp)
-    w = m.w
+    w = m.workload
     assert parts["frozen base"] == pytest.approx(w.params.total * w.dtype_bytes / (ranks * sp))
     fits, miss = m.setups("H800", ranks, False, 1, sp)
     assert {s.shard for s in fits} | {miss.shard} <= {1, ranks * sp}

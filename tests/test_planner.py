@@ -435,9 +435,9 @@ def test_colocated_pays_phase_switches(tiny_cfg):
     cluster = load_cluster(CLUSTERS / "16xH800.yaml")
     plan = Plan("colocated", (pool("h800", "H800", 16),), 2)
     cheap = CostModel(w, cluster)
-    cheap.col.switch_latency_s = 0.0
+    cheap.colocation.switch_latency_s = 0.0
     dear = CostModel(w, cluster)
-    dear.col.switch_latency_s = 5.0
+    dear.colocation.switch_latency_s = 5.0
     gap = simulate(plan, dear).iteration_s - simulate(plan, cheap).iteration_s
     assert gap == pytest.approx(2 * 5.0, rel=0.05)  # two switches per iteration
 
@@ -457,9 +457,9 @@ def test_broadcast_weight_sync_is_paid_where_the_runtime_pays_it(tiny_cfg):
     full = ["model.lora=null", "placement.mode=disaggregated"]  # full weights: a transfer worth seeing
     bc = CostModel(Workload.from_config(tiny_cfg(*full)), cluster)
     store = CostModel(Workload.from_config(tiny_cfg(*full, "engine.weight_sync=object_store")), cluster)
-    assert (bc.w.weight_sync, store.w.weight_sync) == ("broadcast", "object_store")
-    b, h100 = bc.w.sync_bytes, DEVICES["H100"]
-    bw, latency, check = bc.network_bw(), cluster.interconnect.latency_us * 1e-6, bc.p.checksum_bytes_per_s
+    assert (bc.workload.weight_sync, store.workload.weight_sync) == ("broadcast", "object_store")
+    b, h100 = bc.workload.sync_bytes, DEVICES["H100"]
+    bw, latency, check = bc.network_bw(), cluster.interconnect.latency_us * 1e-6, bc.params.checksum_bytes_per_s
     wire = latency + b / bw
     pack = b / h100.host_bw + b / check  # the weights to the host + one checksum
     assert b > 1e5 and wire > 0

@@ -88,12 +88,6 @@ class CostModel:
             self.colocation = ColocationCosts(**{**asdict(self.colocation), "switch_latency_s": 0.0})
         self._times: dict = {}
 
-    # the old terse names, kept read-only for code written against them (cost.w, cost.p, ...)
-    w = property(lambda self: self.workload)
-    p = property(lambda self: self.params)
-    col = property(lambda self: self.colocation)
-    ov = property(lambda self: self.overheads)
-
     def cpu_rate(self, busy: int) -> float:
         """Speed of each of ``busy`` processes computing at once on the CPU host, relative to one alone:
         processor sharing of the host's C cores (``host_cores``, default this machine's) with K

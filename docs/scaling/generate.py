@@ -160,7 +160,7 @@ def main(only: list[str] | None = None) -> int:
         rows[("workload", label)] = w.summary()
     path.write_text(json.dumps({f"{k[0]} | {k[1]}": v for k, v in rows.items()}, indent=1, default=str))
     published()
-    print(json.dumps({"cost_params": asdict(CostModel(w, cluster).p)}, indent=1))
+    print(json.dumps({"cost_params": asdict(CostModel(w, cluster).params)}, indent=1))
     return 0
 
 
