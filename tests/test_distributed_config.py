@@ -66,7 +66,8 @@ CASES = {
     # sequence parallelism: what engine.rollout_sp is not wired for, and trainer_sp (settings.check_sp_wired)
     "rollout sp local": (
         ["--set", "engine.rollout_sp=2", "--set", "placement.mode=local", *TINY],
-        "engine.rollout_sp: 2: sequence-parallel workers need placement.mode: disaggregated or colocated (got local)",
+        "engine.rollout_sp: 2: sequence-parallel workers need placement.mode: disaggregated or colocated "
+        "(got local)",
     ),
     "rollout sp uneven devices": (
         ["--set", "engine.rollout_sp=2", "--set", "engine.tag=false", *TINY],
