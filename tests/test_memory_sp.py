@@ -60,9 +60,7 @@ def test_activations_per_device_scale_one_over_sp_for_the_sequence_part(sp):
     # rollout: only the live-activation term scales; weights, trajectory and decode do not
     r1, rs = m.rollout_parts(1, 1), m.rollout_parts(1, sp)
     assert r1["weights"] == rs["weights"] and r1["rollout models"] == rs["rollout models"]
-    acts = lambda s: (
-        m.held_passes(True) * m.workload.group_size * m.pass_tokens(s) * h * m.params.infer_act_bytes
-    )  # noqa: E731
+    acts = lambda s: m.held_passes(True) * m.workload.group_size * m.pass_tokens(s) * h * m.params.infer_act_bytes  # noqa: E731
     assert r1["activations"] - rs["activations"] == pytest.approx(acts(1) - acts(sp), rel=1e-9)
     # the sharded parts shard over FSDP ranks, never over the sp devices of a rank
     assert m.train_parts(2, 1, True, sp)["frozen base"] == m.train_parts(2, 1, True, 1)["frozen base"]
