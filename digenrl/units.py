@@ -211,6 +211,7 @@ def train_unit(
     minibatch: int = 0,
     minibatches: int = 1,
     lockstep: list[list[int]] | None = None,
+    padding: bool = False,
 ) -> dict:
     """Accumulate the gradient of this unit's share of the iteration loss.
 
@@ -224,7 +225,8 @@ def train_unit(
     of the samples of mini-batch ``minibatch`` of ``minibatches`` (:func:`minibatch_rows`).
     ``lockstep``: per micro-batch, the steps to run a forward / backward at (a sharded group's rank,
     :func:`~digenrl.engine.fsdp_group.lockstep_steps`: every rank runs the same passes); at a step
-    none of this rank's samples trains, the pass runs on one row and adds nothing.
+    none of this rank's samples trains, the pass runs on one row and adds nothing; ``padding``: the
+    rank holds no sample of the unit (``samples`` is one row to run the group's passes on).
     """
     cfg, ad = policy.cfg, policy.adapter
     alg, kind, eta = cfg.algorithm, cfg.sampling.sde, cfg.sampling.noise_level
@@ -240,6 +242,9 @@ def train_unit(
         len(samples) // len(samples.group_ids),
         samples.first_sample,
     )
+    real = 0 if padding else len(batches)
+    if lockstep is not None and len(lockstep) > real:  # an uneven split: the group's other micro-batches
+        batches = batches[:real] + [batches[0][:1]] * (len(lockstep) - real)  # run as zero-weighted passes
     for k, mb in enumerate(batches):
         cond = samples.cond.select(mb).to(ad.device)
         adv = samples.advantages[mb].to(ad.device)
@@ -247,7 +252,9 @@ def train_unit(
         steps = mine.unique().tolist() if lockstep is None else lockstep[k]
         for i in steps:  # the samples training step i share one forward (each trains it once)
             sel = (mine == i).any(1).nonzero().squeeze(1)
-            idle = len(sel) == 0  # lockstep: a pass the rank's group runs, on one row, weighted 0
+            idle = (
+                len(sel) == 0 or k >= real
+            )  # lockstep: a pass the rank's group runs, on one row, weighted 0
             if idle:
                 sel = sel.new_zeros(1)
             rows = mb[sel]

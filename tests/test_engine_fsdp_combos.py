@@ -48,6 +48,12 @@ CASES = {
     "tsp": (["engine.tag=false", "engine.tsp_degree=2"], []),
     # DanceGRPO's random trained steps: the ranks' samples train different steps, run in lockstep
     "random_timesteps": (["engine.tag=true"] + RANDOM, RANDOM),
+    # a unit of 3 samples over 2 ranks (2 + 1): the rank with one micro-batch fewer runs the other's
+    # passes zero-weighted (train.micro_batch 1), and the TAG units are generated whole on both ranks
+    "uneven_split": (
+        ["engine.tag=true", "algorithm.group_size=3", "train.micro_batch=1"] + RANDOM,
+        ["algorithm.group_size=3", "train.micro_batch=1"] + RANDOM,
+    ),
 }
 
 

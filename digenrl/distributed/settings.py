@@ -98,35 +98,7 @@ def fsdp_unwired(
         )
     if ranks % n:
         return f"must divide the number of trainer ranks ({ranks}); use train.fsdp: {ranks} or off"
-    slices = n // trainer_sp if n % trainer_sp == 0 else n  # engine.trainer_sp: a group trains one slice
-    uneven = _uneven_unit_share(slices, unit_groups, unit_samples, group_size, optimizer_steps)
-    over = f"the {n} ranks" if slices == n else f"the {slices} sequence-parallel groups of the {n} ranks"
-    return f"{uneven} must split evenly over {over}" if uneven else None
-
-
-def _uneven_unit_share(n: int, unit_groups: int, unit_samples: int, group: int, steps: int) -> str | None:
-    """What does not split over ``n`` sharded ranks: a unit's samples, or (mini-batch PPO) the samples
-    of one of its mini-batches (those with in-group index in s*G/S .. (s+1)*G/S - 1); None if all do."""
-    per_unit = unit_samples or unit_groups * group
-    what = (
-        "engine.unit_samples"
-        if unit_samples
-        else f"engine.unit_groups x algorithm.group_size ({unit_groups} x {group})"
-    )
-    if per_unit % n:
-        return f"{what}: {per_unit} samples per unit"
-    if steps <= 1 or group % steps:
-        return None
-    span, width = group // steps, unit_samples or group  # a mini-batch's / a unit's in-group indices
-    groups = 1 if unit_samples else unit_groups
-    for lo in range(0, group, width):  # every unit's share of every mini-batch
-        for s in range(steps):
-            rows = groups * max(0, min(lo + width, (s + 1) * span) - max(lo, s * span))
-            if rows % n:
-                return (
-                    f"train.optimizer_steps: {steps}: a unit holds {rows} sample(s) of mini-batch {s}, which"
-                )
-    return None
+    return None  # an uneven unit share: the ranks with fewer samples run zero-weighted passes
 
 
 def check_sp_wired(cfg) -> None:

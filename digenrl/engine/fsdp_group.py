@@ -5,6 +5,7 @@ backward passes, and rank 0 reports the unit's stats combined over the ranks (do
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -56,10 +57,8 @@ def share_rows(
         rows = minibatch_rows(
             n, group_size, minibatch, minibatches, n // len(samples.group_ids), samples.first_sample
         )
-    if len(rows) % world:
-        raise RuntimeError(f"{len(rows)} samples do not split evenly over {world} FSDP ranks")
-    share = len(rows) // world
-    return rows[rank * share : (rank + 1) * share]
+    lo, hi = len(rows) * rank // world, len(rows) * (rank + 1) // world  # as equal as they split
+    return rows[lo:hi]
 
 
 def rank_slice(samples: Samples, rank: int, world: int, *args) -> Samples:
@@ -78,13 +77,18 @@ def train_share(policy, samples: Samples, unit, rank: int, degree: int, total_te
     split = (degree, unit.step, cfg.train.optimizer_steps, cfg.algorithm.group_size)
     shares = [samples.train_idx[share_rows(samples, r, *split)] for r in range(degree)]
     steps = lockstep_steps(shares, cfg.train.micro_batch, unit.tsp_rank, unit.tsp_degree)
-    mine = rank_slice(samples, rank, *split)
-    return train_unit(policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree, lockstep=steps)
+    own = share_rows(samples, rank, *split)
+    padding = len(own) == 0  # fewer samples than ranks: this rank only keeps the group's passes in step
+    mine = select_rows(samples, own if not padding else torch.zeros(1, dtype=torch.long))
+    return train_unit(
+        policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree, lockstep=steps, padding=padding
+    )
 
 
 def lockstep_steps(shares: list[torch.Tensor], micro_batch: int, tsp_rank: int, tsp_degree: int):
     """Per micro-batch, the steps every rank of a sharded group runs a train forward / backward at:
-    the union of the steps its ranks' samples train (``shares``: each rank's ``train_idx`` rows).
+    the union of the steps its ranks' samples train (``shares``: each rank's ``train_idx`` rows; as
+    many micro-batches as the largest share has).
     FSDP2 gathers the parameters per forward and reduce-scatters per backward, so the ranks must run
     the same passes; with random trained timesteps (DanceGRPO) their samples train different steps,
     and a rank runs a zero-weighted pass where it has none (:func:`~digenrl.units.train_unit`)."""
@@ -92,7 +96,8 @@ def lockstep_steps(shares: list[torch.Tensor], micro_batch: int, tsp_rank: int, 
     for idx in shares:
         positions = [j for j in range(idx.shape[1]) if j % tsp_degree == tsp_rank]
         per_rank.append([set(mb[:, positions].unique().tolist()) for mb in idx.split(micro_batch)])
-    return [sorted(set().union(*batch)) for batch in zip(*per_rank, strict=True)]
+    # a rank with fewer micro-batches (an uneven split) runs the others' as zero-weighted passes
+    return [sorted(set().union(*batch)) for batch in itertools.zip_longest(*per_rank, fillvalue=set())]
 
 
 # -- generation (TAG, colocated): the group rolls out each unit together -------------------------
