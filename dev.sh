@@ -13,15 +13,36 @@ PY=${PYTHON:-python3}
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 
 if [ ! -f "$VENV/.installed" ] || [ pyproject.toml -nt "$VENV/.installed" ]; then
-  echo "setting up $VENV ..." >&2
-  "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip >/dev/null 2>&1 || true
-  quiet() { "$@" 2>&1 | { grep -vE "Location 'file:.* is ignored|BuildBackendWarning|^\s*(!!|\*+)?\s*$" || true; }; }
+  # one line per stage on stderr; pip's own output (and its warnings) goes to $VENV/setup.log, shown on failure
+  mkdir -p "$VENV"
+  LOG="$VENV/setup.log"
+  : > "$LOG"
+  t0=$SECONDS
+  stage() {  # stage N/M "what" command...
+    local n=$1 what=$2
+    shift 2
+    local t=$SECONDS
+    printf 'setting up %s [%s] %s ...' "$VENV" "$n" "$what" >&2
+    if ! "$@" >>"$LOG" 2>&1; then
+      printf ' failed\n' >&2
+      echo "error: ./dev.sh set-up: $what failed; the last lines of $LOG:" >&2
+      tail -n 20 "$LOG" >&2
+      exit 1
+    fi
+    printf ' %d s\n' $((SECONDS - t)) >&2
+  }
+  stage 1/4 "creating the virtual environment" "$PY" -m venv "$VENV"
+  upgrade_pip() { "$VENV/bin/pip" install -q --upgrade pip || echo "(pip not upgraded: kept the venv's own)"; }
+  stage 2/4 "upgrading pip" upgrade_pip
   if ! command -v nvidia-smi >/dev/null 2>&1; then
-    quiet "$VENV/bin/pip" install -q "torch==2.13.0"
+    stage 3/4 "installing torch 2.13.0 (CPU build)" "$VENV/bin/pip" install -q "torch==2.13.0"
+  else
+    echo "setting up $VENV [3/4] torch: the CUDA build comes with the dependencies" >&2
   fi
-  quiet "$VENV/bin/pip" install -q -e ".[dev]"
+  stage 4/4 "installing digenrl (editable) with diffusers, transformers, peft, ray and the dev tools" \
+    "$VENV/bin/pip" install -q -e ".[dev]"
   touch "$VENV/.installed"
+  echo "setting up $VENV: done in $((SECONDS - t0)) s (pip's log: $LOG)" >&2
 fi
 
 cmd=${1:-}

@@ -1,8 +1,8 @@
 """Throughput of every engine mode on the same hardware, beside the bound of DESIGN.md §4.
 
     python benchmarks/engine_modes.py [--iterations 7] [--repeats 1] [--pick best|median]
-                                      [--workload balanced|flow_grpo|few_groups|all] [--modes colocated,sync,...]
-                                      [--json FILE]
+                                      [--workload balanced|flow_grpo|few_groups|all]
+                                      [--modes colocated,sync,...] [--json FILE] [--tiny]
 
 One local Ray cluster with 1 rollout + 1 trainer logical device (each actor one torch thread:
 the fair split of a 2-core machine); colocated runs 2 "both" workers on the same 2 devices.
@@ -45,6 +45,15 @@ SIZE = [
     "train.prompts_per_iteration=8",
     "engine.unit_groups=2",
 ]  # 4 rollout units of 16 samples, ~170 ms each
+#: --tiny: a smoke run of the code (the suite runs it), not a measurement
+TINY = [
+    "model.height=16",
+    "model.width=16",
+    "sampling.steps=3",
+    "algorithm.group_size=4",
+    "train.prompts_per_iteration=2",
+    "engine.unit_groups=1",
+]
 WORKLOADS = {
     "balanced": SIZE + ["algorithm.timesteps.fraction=0.5"],  # 4 of 8 steps trained: T ~ R
     "flow_grpo": SIZE + ["algorithm.timesteps.fraction=0.99"],  # 7 of 8 steps trained: T ~ 3R
@@ -99,13 +108,16 @@ def bound(mode_cfg, R: float, T: float, r: int, t: int) -> float:
     return max(R / r, T / t)
 
 
-def run_mode(workload: str, mode: str, iterations: int, root: Path) -> dict:
+def run_mode(workload: str, mode: str, iterations: int, root: Path, extra: list[str] = ()) -> dict:
     from digenrl.config import load_config
     from digenrl.engine.runtime import run_engine
     from digenrl.engine.timeline import Timeline
 
     cfg = load_config(
-        None, WORKLOADS[workload] + MODES_OF.get(workload, MODES)[mode] + [f"train.iterations={iterations}"]
+        None,
+        WORKLOADS[workload]
+        + MODES_OF.get(workload, MODES)[mode]
+        + [*extra, f"train.iterations={iterations}"],
     )
     started = time.perf_counter()
     result = run_engine(cfg, run_dir=root / f"{workload}-{mode}")
@@ -158,11 +170,10 @@ def table(title: str, rows: list[dict]):
     ):
         tab.add_column(col, justify="right" if col != "mode" else "left")
     for r in rows:
-        ratio = lambda ref: (
-            f"{r['samples_per_s'] / by[ref]['samples_per_s']:.2f}x"  # noqa: E731
-            if ref in by
-            else "-"
-        )
+
+        def ratio(ref: str) -> str:
+            return f"{r['samples_per_s'] / by[ref]['samples_per_s']:.2f}x" if ref in by else "-"
+
         tab.add_row(
             r["mode"],
             f"{r['samples_per_s']:.1f}",
@@ -196,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         help="which run of the repeats to report (best: least disturbed by other load)",
     )
     parser.add_argument("--json", type=Path, help="write the measured numbers here")
+    parser.add_argument("--tiny", action="store_true", help="a 16x16, 3-step smoke run of the code")
     args = parser.parse_args(argv)
+    extra = TINY if args.tiny else []
 
     import ray
     from rich.console import Console
@@ -209,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         modes_of[workload] = [m for m in (args.modes.split(",") if args.modes else known) if m]
         if unknown := [m for m in modes_of[workload] if m not in known]:
             print(
-                f"error: --modes: {', '.join(unknown)} not a mode of workload {workload} ({', '.join(known)})",
+                f"error: --modes: {', '.join(unknown)} not a mode of workload {workload} "
+                f"({', '.join(known)})",
                 file=sys.stderr,
             )
             return 2
@@ -229,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                 for rep in range(args.repeats):  # round robin: background load drifts, modes share it
                     for mode in modes:
                         console.print(f"[dim]{workload} / {mode} ({rep + 1}/{args.repeats}) ...[/dim]")
-                        runs[mode].append(run_mode(workload, mode, args.iterations, Path(tmp) / str(rep)))
+                        runs[mode].append(
+                            run_mode(workload, mode, args.iterations, Path(tmp) / str(rep), extra)
+                        )
                 rows = results[workload] = [pick_run(runs[m], args.pick) for m in modes]
                 load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
                 r, t = DEVICES.get(workload, (1, 1))

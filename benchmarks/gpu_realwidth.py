@@ -1,4 +1,4 @@
-"""Real-width FLUX check on one GPU (issue 15 item 8): a random-init FLUX.1-dev-width transformer
+"""Real-width FLUX check on one GPU: a random-init FLUX.1-dev-width transformer
 (hidden 3072 = 24 heads x 128, T5 width 4096, pooled 768; a few blocks) in bf16, 512 px-sized
 token count (1024 image + 512 text tokens), through the project's own sampler and loss path.
 

@@ -8,7 +8,7 @@
 # - with >= 2 GPUs, disaggregated too: 1 rollout GPU + the rest as trainer ranks, with GAP,
 #   TAG, TSP and one-step async, so the weight sync runs between GPU workers;
 # - `digenrl profile --device cuda` (skipped while that command does not exist);
-# - the real-width check (issue 15 item 8): benchmarks/gpu_realwidth.py, a random-init
+# - the real-width check: benchmarks/gpu_realwidth.py, a random-init
 #   FLUX.1-dev-width transformer (2 double + 4 single blocks, bf16, 1024 + 512 tokens): peak
 #   memory per phase vs the static prediction, rollout step vs FluxPipeline, train step and
 #   MFU with and without activation checkpointing, fingerprint / packing bandwidth on the

@@ -166,8 +166,8 @@ def measure(cfg_path: str) -> list[dict]:
     from digenrl.distributed.checkpointing import checkpoint_blocks
     from digenrl.distributed.precision import fp32_master
     from digenrl.lora import apply_lora
-    from digenrl.planner.costmodel import CostParams
     from digenrl.planner.memory import MemoryModel
+    from digenrl.planner.params import CostParams
     from digenrl.planner.workload import Workload
 
     cfg = load_config(cfg_path, [])
@@ -198,7 +198,7 @@ def measure(cfg_path: str) -> list[dict]:
     bench_tokens = x_tokens(family, small, x) + text
     scale = real_tokens / bench_tokens
 
-    def forward(recorder):
+    def forward(recorder, net):  # net as an argument: a closure would name the variable deleted below
         with (
             torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t),
             torch.autocast("cpu", dtype=dtype),
@@ -208,7 +208,7 @@ def measure(cfg_path: str) -> list[dict]:
         return out.float().square().mean()
 
     plain = SavedBytes(blocks, net.parameters())
-    loss = forward(plain)
+    loss = forward(plain, net)
     loss.backward()
     del loss
     trained = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
@@ -233,7 +233,7 @@ def measure(cfg_path: str) -> list[dict]:
     del opt
     checkpoint_blocks(net)
     ckpt = SavedBytes(blocks, net.parameters())
-    loss = forward(ckpt)
+    loss = forward(ckpt, net)
     del loss
     second = {k: i for i, k in enumerate(kinds)}  # the last (second) block of each kind
     act_off = sum(plain.per_block[i] * real[k] for k, i in second.items()) * scale
@@ -294,7 +294,8 @@ def main():
     for r in rows:
         err = f"{r['rel_error']:+.1%}" if r["rel_error"] is not None else "n/a"
         print(
-            f"{r['config']:<24} {r['component']:<40} {r['predicted_gib']:>10.3f} {r['measured_gib']:>10.3f} {err:>7}"
+            f"{r['config']:<24} {r['component']:<40} {r['predicted_gib']:>10.3f} {r['measured_gib']:>10.3f} "
+            f"{err:>7}"
         )
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.json:

@@ -3,9 +3,10 @@
     python benchmarks/minibatch_ppo.py [--steps 1 4] [--seeds 0 1 2] [--iterations 20] [--lr 1e-2]
                                        [--set KEY=VALUE ...] [--json FILE]
 
-The default demo (``digenrl/data/flux_tiny.yaml``: 32x32, G = 8, 4 prompts per iteration, 8 SDE
+The default demo (``configs/flux_tiny.yaml``: 32x32, G = 8, 4 prompts per iteration, 8 SDE
 steps, the ``prompt_color`` reward) with the local trainer (``placement.mode: local``), for every
-S and seed; ``--set`` overrides more (a smaller image, fewer steps: a cheaper run). Reported per S, mean and standard error over the seeds:
+S and seed; ``--set`` overrides more (a smaller image, fewer steps: a cheaper run). Reported per S, mean and
+standard error over the seeds:
 
 - the reward gain at equal iterations: the mean training reward of the last 3 iterations minus
   that of iteration 0 (which every S shares: same seed, same initial weights);
@@ -98,12 +99,12 @@ def main() -> None:
     wall = min(r["rows"][-1]["t"] for r in runs)  # the shortest run's time
     cpu = min(r["rows"][-1]["cpu"] for r in runs)
     print(
-        f"\n{len(args.seeds)} seeds, {args.iterations} iterations, lr {args.lr} {' '.join(args.overrides)}; equal time = {wall:.0f} s wall, "
-        f"{cpu:.0f} s CPU"
+        f"\n{len(args.seeds)} seeds, {args.iterations} iterations, lr {args.lr} {' '.join(args.overrides)}; "
+        f"equal time = {wall:.0f} s wall, {cpu:.0f} s CPU"
     )
     print(
-        "S | gain @ equal iterations | @ equal wall time | @ equal CPU time | clip_frac | ratio_min | ratio_max "
-        "| CPU s/iteration"
+        "S | gain @ equal iterations | @ equal wall time | @ equal CPU time | clip_frac | ratio_min | "
+        "ratio_max | CPU s/iteration"
     )
     summary = {}
     for s in args.steps:

@@ -27,7 +27,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from digenrl.planner import peers as peer_models
-from digenrl.planner.costmodel import CostModel, CostParams
+from digenrl.planner.costmodel import CostModel
+from digenrl.planner.params import CostParams
 from digenrl.planner.published import (
     CALIBRATION,
     NOT_CHECKED,

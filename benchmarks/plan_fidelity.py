@@ -2,7 +2,7 @@
 
     python benchmarks/plan_fidelity.py [--config FILE] [--workload balanced|flow_grpo] [--iterations 6]
                                        [--repeats 3] [--reprofile] [--calibration run|ray]
-                                       [--json fidelity.json] [--timelines DIR]
+                                       [--json fidelity.json] [--timelines DIR] [--tiny]
 
 1. ``digenrl profile`` of the configured tiny model on this CPU (one thread per worker, as the engine
    runs), with the engine's own overheads measured either from a short calibration run of the engine
@@ -48,13 +48,14 @@ from digenrl.config import load_config  # noqa: E402
 # 1 rollout + 1 trainer logical CPU device (colocated: the same 2 devices both roll out and train).
 # the same workloads and mode definitions as benchmarks/engine_modes.py (one source of truth)
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_modes import MODES, WORKLOADS  # noqa: E402
+from engine_modes import MODES, TINY, WORKLOADS  # noqa: E402
 
 QUIET = ["output.save_samples_every=0", "output.checkpoint_every=0", "train.device=cpu"]
 
 
-def mode_config(config, workload: str, mode: str, iterations: int):
-    return load_config(config, WORKLOADS[workload] + MODES[mode] + QUIET + [f"train.iterations={iterations}"])
+def mode_config(config, workload: str, mode: str, iterations: int, extra: list[str] = ()):
+    overrides = WORKLOADS[workload] + MODES[mode] + [*extra, *QUIET, f"train.iterations={iterations}"]
+    return load_config(config, overrides)
 
 
 def replay_cost(cost, measured):
@@ -86,7 +87,7 @@ def replay_cost(cost, measured):
     spread = timeline_unit_cv(measured)
 
     class Replay(CostModel):
-        def rollout_unit(self, device, groups):
+        def rollout_unit(self, device, groups, setup=None):
             return med[("rollout", 0)], med.get(("reward", 0), 0.0)
 
         def train_unit(self, device, groups, tsp_rank, tsp_degree, setup=None):
@@ -108,7 +109,8 @@ def replay_cost(cost, measured):
 
 
 def unit_ms(predicted, measured) -> dict:
-    """Mean duration (ms) per unit kind (train per TSP rank) after the first iteration: predicted, measured."""
+    """Mean duration (ms) per unit kind (train per TSP rank) after the first iteration: predicted,
+    measured."""
     import statistics
 
     def means(tl):
@@ -174,7 +176,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--timelines", type=Path, default=None, help="keep predicted and measured timeline.json/png here"
     )
+    ap.add_argument(
+        "--tiny", action="store_true", help="a 16x16, 3-step smoke run of the code (short profile rounds)"
+    )
     args = ap.parse_args(argv)
+    extra = TINY if args.tiny else []
     if args.iterations < 3 or args.repeats < 1:
         ap.error("--iterations must be at least 3 (first and last are left out), --repeats at least 1")
 
@@ -184,14 +190,16 @@ def main(argv=None) -> int:
     from digenrl.engine.runtime import run_engine
     from digenrl.engine.timeline import Timeline
     from digenrl.placement import Plan
-    from digenrl.planner.costmodel import CostModel, CostParams, Workload
+    from digenrl.planner.costmodel import CostModel
     from digenrl.planner.gpus import cluster_from_dict
     from digenrl.planner.measure.contention import OtherLoad
+    from digenrl.planner.params import CostParams
     from digenrl.planner.profile import load_profile, run_profile, save_profile, unit_groups
     from digenrl.planner.simulator import simulate, steady_summary
+    from digenrl.planner.workload import Workload
 
     torch.set_num_threads(1)
-    base = load_config(args.config, WORKLOADS[args.workload] + QUIET)
+    base = load_config(args.config, WORKLOADS[args.workload] + extra + QUIET)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     t0 = time.time()
 
@@ -203,7 +211,7 @@ def main(argv=None) -> int:
             engine=args.calibration,
             sharing=2,
             batches=[unit_groups(base) * G],
-            min_time=1.0,
+            min_time=0.1 if args.tiny else 1.0,
             on_step=lambda s: print(f"  [{time.time() - t0:5.1f}s] {what}: {s}", flush=True),
         )
         describe(p)
@@ -213,10 +221,11 @@ def main(argv=None) -> int:
         eng, u = p["engine"] or {}, p["measurements"]["unit_overhead"]
         print(
             f"    profile: engine call {eng.get('call_s', 0) * 1e3:.1f} ms, transfer "
-            f"{eng.get('transfer_latency_s', 0) * 1e3:.1f} ms ({eng.get('source')}); whole units x"
-            f"{u.get('rollout_factor', 1):.2f} / x{u.get('train_factor', 1):.2f} their calls; engine/profile unit "
-            f"time {fmt(eng.get('unit_time_factor'))} ({'applied' if args.engine_unit_factor else 'not applied'}); "
-            f"unit spread {fmt(eng.get('unit_cv') or p['measurements'].get('unit_cv'))}; n concurrent workers "
+            f"{eng.get('transfer_latency_s', 0) * 1e3:.1f} ms ({eng.get('source')}); whole units "
+            f"x{u.get('rollout_factor', 1):.2f} / x{u.get('train_factor', 1):.2f} their calls; "
+            f"engine/profile unit time {fmt(eng.get('unit_time_factor'))} "
+            f"({'applied' if args.engine_unit_factor else 'not applied'}); unit spread "
+            f"{fmt(eng.get('unit_cv') or p['measurements'].get('unit_cv'))}; n concurrent workers "
             f"{fmt(p['measurements'].get('cpu_slowdown'))}",
             flush=True,
         )
@@ -241,7 +250,7 @@ def main(argv=None) -> int:
         workload = Workload.from_config(base)
         for rep in range(args.repeats):
             for mode in modes:
-                cfg = mode_config(args.config, args.workload, mode, args.iterations)
+                cfg = mode_config(args.config, args.workload, mode, args.iterations, extra)
                 if args.reprofile:  # the host's speed drifts 10-20% within a minute: each run gets its own
                     profile = profiled(
                         f"{mode} #{rep + 1} profile"
@@ -323,12 +332,13 @@ def main(argv=None) -> int:
                 }
                 runs[mode].append(r)
                 print(
-                    f"{mode:12s} #{rep + 1} predicted {r['predicted_samples_per_s']:7.2f} samples/s  measured "
-                    f"{r['measured_samples_per_s']:7.2f}  error {r['rel_error']:+6.1%}   bubble predicted "
-                    f"{r['predicted_bubble_fraction']:.2f} measured {r['measured_bubble_fraction']:.2f}   "
-                    f"replay error {r['replay_rel_error']:+6.1%}\n    other processes: {r['other_runnable']:.1f} runnable "
-                    f"threads, {r['other_load_cores']:.2f} cores (profiled beside {r['profile_other_runnable'] or 0:.1f}, "
-                    f"{r['profile_other_load_cores'] or 0:.2f})"
+                    f"{mode:12s} #{rep + 1} predicted {r['predicted_samples_per_s']:7.2f} samples/s  "
+                    f"measured {r['measured_samples_per_s']:7.2f}  error {r['rel_error']:+6.1%}   bubble "
+                    f"predicted {r['predicted_bubble_fraction']:.2f} measured "
+                    f"{r['measured_bubble_fraction']:.2f}   replay error {r['replay_rel_error']:+6.1%}\n    "
+                    f"other processes: {r['other_runnable']:.1f} runnable threads, "
+                    f"{r['other_load_cores']:.2f} cores (profiled beside "
+                    f"{r['profile_other_runnable'] or 0:.1f}, {r['profile_other_load_cores'] or 0:.2f})"
                     + (
                         f"; at the run's load predicted {r['at_run_load_samples_per_s']:.2f}, error "
                         f"{r['at_run_load_rel_error']:+.1%}"
@@ -379,7 +389,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(
             f"{r['mode']:12s} {r['predicted_samples_per_s']:16.2f} {r['measured_samples_per_s']:16.2f} "
-            f"{r['rel_error']:+10.1%} {r['predicted_bubble_fraction']:12.2f} {r['measured_bubble_fraction']:12.2f}"
+            f"{r['rel_error']:+10.1%} {r['predicted_bubble_fraction']:12.2f} "
+            f"{r['measured_bubble_fraction']:12.2f}"
             + (f" {r['at_run_load_rel_error']:+11.1%}" if cores else "")
             + f" {r['replay_rel_error']:+12.1%} {r['other_load_cores']:11.2f}"
         )

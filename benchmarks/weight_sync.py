@@ -167,7 +167,8 @@ def main() -> None:
 
             rows.append(row("broadcast_gloo", what, nbytes, median_time(via_broadcast, args.repeats)))
             print(
-                f"{what}: {nbytes / 2**20:.1f} MiB  ray {rows[-2]['seconds']:.3f} s  broadcast {rows[-1]['seconds']:.3f} s",
+                f"{what}: {nbytes / 2**20:.1f} MiB  ray {rows[-2]['seconds']:.3f} s  broadcast "
+                f"{rows[-1]['seconds']:.3f} s",
                 flush=True,
             )
     finally:

@@ -1,4 +1,5 @@
-"""Checkpoints (docs/architecture.md, the run directory): ``RUN/checkpoints/iter-NNNNNN/``, written atomically, loaded with checks.
+"""Checkpoints (docs/architecture.md, the run directory): ``RUN/checkpoints/iter-NNNNNN/``, written
+atomically, loaded with checks.
 
 A checkpoint directory (NNNNNN = iterations completed) holds
 
@@ -30,13 +31,23 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass, field
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
-from digenrl.checkpoint_compat import CheckpointError, check_compatible, compat_fields  # noqa: F401  (re-exported)
+from digenrl.checkpoint_compat import (  # noqa: F401  (CheckpointError, compat_fields: re-exported)
+    CheckpointError,
+    CheckpointState,
+    check_compatible,
+    compat_fields,
+    torch_load,
+)
+from digenrl.distributed.fsdp import is_sharded
+from digenrl.errors import WeightSyncError
+from digenrl.lora import checksum, save_lora
 from digenrl.optimizer_state import (  # noqa: F401  (staging_dir, StagedDir: re-exported for the engine)
     DCP_DIR,
     OPTIMIZER_FILE,
@@ -54,30 +65,6 @@ FULL_FILE = "transformer.safetensors"
 EMA_FILE = "ema.safetensors"
 STATE_FILE = "state.json"
 _NAME = re.compile(r"^iter-(\d{6,})$")
-
-
-@dataclass
-class CheckpointState:
-    """What ``state.json`` says about a checkpoint."""
-
-    path: Path
-    iteration: int  # iterations completed; a resumed run continues at this iteration
-    version: int  # policy version (optimizer steps taken)
-    lora: bool
-    signature: dict  # adapter.model_signature()
-    compat: dict  # the config fields that fix the weights' shapes and meaning
-    files: dict[str, int]  # file name -> size in bytes
-    extra: dict = field(default_factory=dict)  # driver counters (the engine's, say)
-    optimizer_format: str = "torch"  # "torch": optimizer.pt; "dcp": dcp/ (sharded)
-
-    @property
-    def config_path(self) -> Path:
-        return self.path / "config.yaml"
-
-    @property
-    def run_dir(self) -> Path | None:
-        """The run directory that holds this checkpoint (RUN/checkpoints/iter-N), if it is one."""
-        return self.path.parent.parent if self.path.parent.name == "checkpoints" else None
 
 
 def checkpoint_name(iteration: int) -> str:
@@ -233,8 +220,6 @@ def write_checkpoint(
     A sharded (FSDP2) policy: every rank of the group calls it (the weights and the EMA are gathered,
     a collective) with the same ``optimizer_dir``, where each rank writes its own shards of the
     optimizer state (:func:`staging_dir`); only rank 0 passes a ``directory`` (the others write nothing)."""
-    from digenrl.distributed.fsdp import is_sharded
-
     cfg = cfg or policy.cfg
     weights = policy.weights()  # gathered from the shards on a sharded policy
     ema = getattr(policy, "ema", None)
@@ -247,11 +232,7 @@ def write_checkpoint(
     if directory is None:
         return
     tmp = Path(directory)
-    from safetensors.torch import save_file
-
     if policy.lora:
-        from digenrl.lora import save_lora
-
         save_lora(policy.adapter, tmp, weights)
     else:
         save_file(weights, tmp / FULL_FILE)
@@ -293,8 +274,6 @@ def checkpoint_files(
     on another node, to :func:`save_checkpoint_files`). A sharded group: every rank calls it with the
     same ``optimizer_dir`` (its shards land there, by path; rank 0's answer names it as ``dcp``); the
     ranks other than rank 0 (``lead=False``) only join the gathers and return nothing."""
-    import tempfile
-
     if not lead:
         write_checkpoint(None, policy, iteration, cfg, extra, optimizer_dir, where)
         return {}
@@ -354,12 +333,6 @@ def commit_checkpoint(run_dir: Path, iteration: int, fill, keep_last: int | None
     return final
 
 
-def checksum(state: dict[str, torch.Tensor]) -> str:
-    from digenrl.lora import checksum as sha256
-
-    return sha256(state)
-
-
 # ---------------------------------------------------------------------------------------- load
 def read_weights(path: Path, lora: bool) -> dict[str, torch.Tensor]:
     """The checkpoint's weights as the policy names them (LoRA: peft keys, without diffusers' prefix)."""
@@ -367,13 +340,6 @@ def read_weights(path: Path, lora: bool) -> dict[str, torch.Tensor]:
     if lora:
         state = {k.removeprefix("transformer."): v for k, v in state.items()}
     return state
-
-
-def torch_load(f: Path):
-    try:
-        return torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001  (pickle / zip errors of a damaged file)
-        raise CheckpointError(f"checkpoint: {f} is corrupt or unreadable ({type(exc).__name__})") from None
 
 
 def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = True) -> CheckpointState:
@@ -384,8 +350,6 @@ def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = T
     optimizer keeps its state but takes lr / betas / weight decay from the policy's current config
     (so a resumed run may change them). Returns the checkpoint's :class:`CheckpointState`.
     """
-    from digenrl.lora import WeightSyncError
-
     loads_optimizer = optimizer and policy.optimizer is not None
     state = read_state(find_checkpoint(path), unchecked=() if loads_optimizer else TRAINER_ONLY)
     check_compatible(state, policy)
@@ -423,9 +387,24 @@ def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = T
 
 
 def read_safetensors(f: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     try:
         return load_file(f)
     except Exception as exc:  # noqa: BLE001  (safetensors raises its own error types)
         raise CheckpointError(f"checkpoint: {f} is corrupt or unreadable ({type(exc).__name__})") from None
+
+
+def use_ema_weights(path, policy) -> dict | None:
+    """Load checkpoint ``path``'s EMA weights (if it holds any) into ``policy``'s trained parameters,
+    after :func:`load_checkpoint`. Returns the average's settings (``decay``,
+    ``every``, ``warmup``, ``steps``), or None when the checkpoint holds no average."""
+    state = read_state(find_checkpoint(path))
+    if EMA_FILE not in state.files:
+        return None
+    average = read_safetensors(state.path / EMA_FILE)
+    params = policy.named_params
+    if set(average) != set(params):
+        raise CheckpointError(f"checkpoint {state.path}: {EMA_FILE} does not fit this model")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(average[name].to(p.device, p.dtype))
+    return json.loads((state.path / STATE_FILE).read_text()).get("ema", {})

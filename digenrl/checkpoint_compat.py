@@ -1,15 +1,51 @@
-"""Whether a checkpoint fits a model: the config fields that fix the weights' shapes and meaning,
-and the model's signature; a misfit is refused naming every difference."""
+"""What a checkpoint's ``state.json`` says (:class:`CheckpointState`) and whether the checkpoint fits
+a model: the config fields that fix the weights' shapes and meaning, and the model's signature; a
+misfit is refused naming every difference."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
 
 from digenrl.errors import UserError
 
 
 class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete, corrupt, or does not fit the model."""
+
+
+@dataclass
+class CheckpointState:
+    """What ``state.json`` says about a checkpoint."""
+
+    path: Path
+    iteration: int  # iterations completed; a resumed run continues at this iteration
+    version: int  # policy version (optimizer steps taken)
+    lora: bool
+    signature: dict  # adapter.model_signature()
+    compat: dict  # the config fields that fix the weights' shapes and meaning
+    files: dict[str, int]  # file name -> size in bytes
+    extra: dict = field(default_factory=dict)  # driver counters (the engine's, say)
+    optimizer_format: str = "torch"  # "torch": optimizer.pt; "dcp": dcp/ (sharded)
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run directory that holds this checkpoint (RUN/checkpoints/iter-N), if it is one."""
+        return self.path.parent.parent if self.path.parent.name == "checkpoints" else None
+
+
+def torch_load(f: Path):
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001  (pickle / zip errors of a damaged file)
+        raise CheckpointError(f"checkpoint: {f} is corrupt or unreadable ({type(exc).__name__})") from None
 
 
 def compat_fields(policy) -> dict:

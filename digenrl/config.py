@@ -9,6 +9,7 @@ numbers, absurd sizes and invalid values raise :class:`ConfigError` naming the d
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -145,16 +146,18 @@ class SamplingConfig(_Section):
     cfg_batching: Literal["auto", "batched", "sequential"] = Field(
         "auto",
         description=(
-            "two-pass CFG (Wan, Qwen-Image): batched = one forward of 2B (training holds both passes' activations); "
-            "sequential = two forwards of B (training backpropagates one pass at a time); auto = batched where the "
-            "memory model says it fits the device, else sequential (sequential on devices of unknown memory)"
+            "two-pass CFG (Wan, Qwen-Image): batched = one forward of 2B (training holds both passes' "
+            "activations); sequential = two forwards of B (training backpropagates one pass at a time); auto "
+            "= batched where the memory model says it fits the device, else sequential (sequential on "
+            "devices of unknown memory)"
         ),
     )
     vae_tiling: Literal["auto", "on", "off"] = Field(
         "auto",
         description=(
-            "decode with the VAE's spatial (and, HunyuanVideo, temporal) tiles; auto = on when one decoded sample "
-            "(height x width x frames) exceeds the memory model's tile (4 Mpx). Decoding is always one sample at a time"
+            "decode with the VAE's spatial (and, HunyuanVideo, temporal) tiles; auto = on when one decoded "
+            "sample (height x width x frames) exceeds the memory model's tile (4 Mpx). Decoding is always "
+            "one sample at a time"
         ),
     )
 
@@ -244,12 +247,20 @@ class AlgorithmConfig(_Section):
     std_ddof: Literal[0, 1] = Field(
         0,
         description=(
-            "advantage std: 0 = population std (flow_grpo), 1 = sample std (DanceGRPO; advantages sqrt((G-1)/G) smaller)"
+            "advantage std: 0 = population std (flow_grpo), 1 = sample std (DanceGRPO; advantages "
+            "sqrt((G-1)/G) smaller)"
         ),
     )
     kl_beta: float = Field(0.0, ge=0)
     is_cap: float = Field(
         2.0, ge=1, description="cap of the importance weight for stale samples (decoupled PPO)"
+    )
+    stale_gradient: Literal["recentred", "raw"] = Field(
+        "recentred",
+        description=(
+            "stale samples' log-prob gradient: recentred = their recorded step noise around the current "
+            "mean (the on-policy score, no stale drift term); raw = the recorded sample as is"
+        ),
     )
     timesteps: TimestepConfig = Field(default_factory=TimestepConfig)
 
@@ -292,6 +303,11 @@ class RewardConfig(_Section):
             raise ValueError(
                 f"reward '{dup}' is listed twice (each reward is logged and weighted by its name)"
             )
+        if all(t.weight == 0 for t in terms):  # weight 0 = logged only: nothing would be trained on
+            raise ValueError(
+                "every reward weight is 0, so the run would learn nothing (a weight of 0 only logs "
+                "reward/<name>); give at least one reward a non-zero weight"
+            )
         return terms
 
 
@@ -320,7 +336,8 @@ class PromptsConfig(_Section):
 
 # --------------------------------------------------------------------------------------- train
 class EmaConfig(_Section):
-    """An exponential moving average of the trained weights, for eval and export (flow_grpo's ``train.ema``)."""
+    """An exponential moving average of the trained weights, for eval and export (flow_grpo's
+    ``train.ema``)."""
 
     decay: float = Field(0.9, gt=0, lt=1, description="the average's decay per update (flow_grpo: 0.9)")
     every: int = Field(1, gt=0, description="update after every N-th optimizer step (flow_grpo: 8)")
@@ -356,13 +373,14 @@ class TrainConfig(_Section):
     )
     activation_checkpointing: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="recompute each transformer block in backward; auto = as the memory preflight resolves it (off on CPU)",
+        description="recompute each transformer block in backward; auto = as the memory preflight "
+        "resolves it (off on CPU)",
     )
     fsdp: Literal["auto", "off"] | int = Field(
         "auto",
         description=(
-            "FSDP2 sharding degree of the trainer ranks: auto | off | N "
-            "(N = all trainer ranks of a disaggregated engine run); auto = as the memory preflight resolves it"
+            "FSDP2 sharding degree of the trainer ranks: auto | off | N (N = all trainer ranks of a "
+            "disaggregated engine run); auto = as the memory preflight resolves it"
         ),
     )
 
@@ -392,9 +410,17 @@ class PoolConfig(_Section):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str
+    name: str = Field(description="1-64 letters, digits, _ . - (it names Ray resources and timeline rows)")
     device: str = Field("cpu", description="device type: cpu (logical) or a GPU name such as H800, H20, A100")
     count: int = Field(1, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+            shown = name if len(name) <= 40 else name[:40] + "..."
+            raise ValueError(f"a pool name is 1-64 letters, digits, '_', '.' or '-' (got {shown!r})")
+        return name
 
 
 class ClusterConfig(_Section):
@@ -431,9 +457,10 @@ class EngineConfig(_Section):
         None,
         gt=0,
         description=(
-            "sub-group units: samples per rollout unit, a divisor of algorithm.group_size (a unit holds part of "
-            "one group; the group trains once all its parts are scored). Unset: engine.unit_groups whole groups "
-            "per unit, except colocated, where groups are split automatically when they are fewer than the devices"
+            "sub-group units: samples per rollout unit, a divisor of algorithm.group_size (a unit holds part "
+            "of one group; the group trains once all its parts are scored). Unset: engine.unit_groups whole "
+            "groups per unit, except colocated, where groups are split automatically when they are fewer "
+            "than the devices"
         ),
     )
     gap: bool = True
@@ -450,9 +477,10 @@ class EngineConfig(_Section):
     weight_sync: Literal["auto", "broadcast", "object_store"] = Field(
         "auto",
         description=(
-            "how trainer rank 0 ships each new version to the rollout workers: broadcast = a torch.distributed group "
-            "(gloo on CPU, NCCL on GPU), bucketed, received while the worker generates; object_store = the Ray "
-            "object store; auto = broadcast when the group forms, else the object store"
+            "how trainer rank 0 ships each new version to the rollout workers: broadcast = a "
+            "torch.distributed group (gloo on CPU, NCCL on GPU), bucketed, received while the worker "
+            "generates; object_store = the Ray object store; auto = broadcast when the group forms, else the "
+            "object store"
         ),
     )
     faults: list[FaultConfig] = Field(
@@ -482,6 +510,8 @@ class OutputConfig(_Section):
     @field_validator("name")
     @classmethod
     def _plain_name(cls, name: str) -> str:
+        if len(name.encode()) > 200:  # a file name: runs/<name>-<time> must stay under 255 bytes
+            raise ValueError(f"must be a name of at most 200 bytes (got {len(name.encode())})")
         if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
             raise ValueError(
                 f"must be a plain name without '/' or '..' (got {name!r}); set output.run_dir "
@@ -545,8 +575,9 @@ class RunConfig(_Section):
             alg.clip_range = default_clip_range(self.sampling.sde)
         if ts.mode == "window" and window_bounds(steps, ts.window, ts.window_range) is None:
             raise ValueError(
-                f"algorithm.timesteps.window_range {list(ts.window_range)} of sampling.steps ({steps}) holds fewer "
-                f"than algorithm.timesteps.window ({ts.window}) steps (the last step is never in a window)"
+                f"algorithm.timesteps.window_range {list(ts.window_range)} of sampling.steps ({steps}) holds "
+                f"fewer than algorithm.timesteps.window ({ts.window}) steps (the last step is never in a "
+                "window)"
             )
 
     def dump_yaml(self) -> str:
@@ -629,7 +660,21 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
     data = read_yaml(path) if path is not None else {}
     for assignment in overrides or []:
         apply_override(data, assignment)
-    return validate_config(data)
+    try:
+        return validate_config(data)
+    except ConfigError as exc:
+        if path is None or _from_overrides(str(exc), overrides or []):
+            raise
+        raise ConfigError(f"{path}: {exc}") from None  # the file holds the bad key or value
+
+
+def _from_overrides(message: str, overrides: list[str]) -> bool:
+    """Whether a validation error names a key that a ``--set`` assigned (else it came from the file)."""
+    key = message.split(":", 1)[0].split(" ", 1)[0]
+    for assigned in (a.split("=", 1)[0].strip() for a in overrides):
+        if (key == "config" and assigned in message) or assigned.startswith(key) or key.startswith(assigned):
+            return True
+    return False
 
 
 def validate_config(data: dict) -> RunConfig:

@@ -15,6 +15,8 @@ import contextlib
 
 import torch
 
+from digenrl.lora import full_tensor
+
 
 def ema_decay(cfg, n: int) -> float:
     """The decay applied at the n-th optimizer step (1-based)."""
@@ -43,8 +45,6 @@ class WeightAverage:
     def state(self) -> dict[str, torch.Tensor]:
         """The average as CPU fp32 tensors (what a checkpoint stores); gathered from the shards
         when it is sharded like its FSDP2 parameters (a collective: every rank calls it)."""
-        from digenrl.lora import full_tensor
-
         return {n: full_tensor(t).detach().cpu().clone() for n, t in self.average.items()}
 
     def load(self, state: dict[str, torch.Tensor], steps: int) -> None:
@@ -74,31 +74,3 @@ def swapped_in(params: dict[str, torch.Tensor], values: dict[str, torch.Tensor])
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(saved[n])
-
-
-def use_ema_weights(path, policy) -> dict | None:
-    """Load checkpoint ``path``'s EMA weights (if it holds any) into ``policy``'s trained parameters,
-    after :func:`~digenrl.checkpoint.load_checkpoint`. Returns the average's settings (``decay``,
-    ``every``, ``warmup``, ``steps``), or None when the checkpoint holds no average."""
-    import json
-
-    from digenrl.checkpoint import (
-        EMA_FILE,
-        STATE_FILE,
-        CheckpointError,
-        find_checkpoint,
-        read_safetensors,
-        read_state,
-    )
-
-    state = read_state(find_checkpoint(path))
-    if EMA_FILE not in state.files:
-        return None
-    average = read_safetensors(state.path / EMA_FILE)
-    params = policy.named_params
-    if set(average) != set(params):
-        raise CheckpointError(f"checkpoint {state.path}: {EMA_FILE} does not fit this model")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(average[name].to(p.device, p.dtype))
-    return json.loads((state.path / STATE_FILE).read_text()).get("ema", {})

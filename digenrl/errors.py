@@ -14,6 +14,10 @@ class RunStopped(UserError):
     exit_code = 1
 
 
+class WeightSyncError(RuntimeError):
+    """A weight transfer that would leave the receiver with different weights than the sender."""
+
+
 class RunInterrupted(Exception):
     """Ctrl-C stopped a run cleanly (exit code 130); the message is the user's last line: what was
     kept and how to resume."""

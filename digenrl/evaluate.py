@@ -138,7 +138,7 @@ def prepare_eval(
     from digenrl.checkpoint import find_checkpoint, read_state
     from digenrl.config import PromptsConfig, load_config
     from digenrl.errors import UserError
-    from digenrl.prompts import load_prompts
+    from digenrl.prompts import load_prompts, prompt_char_limit
     from digenrl.runlog import check_writable
 
     if checkpoint is None:
@@ -147,14 +147,21 @@ def prepare_eval(
     state = read_state(ckpt)
     config_path = Path(config) if config is not None else state.config_path
     cfg = load_config(config_path)
-    prompt_set = load_prompts(PromptsConfig(file=prompts) if prompts is not None else cfg.prompts)
+    limit = prompt_char_limit(cfg.model.max_text_len)  # what the text encoder can use, as train checks
+    if prompts is not None:
+        prompt_set = load_prompts(PromptsConfig(file=prompts), max_chars=limit, what="--prompts")
+    else:
+        prompt_set = load_prompts(cfg.prompts, max_chars=limit)
     base = None
     if baseline is not None:
         if baseline == "base":
             base = "base"
         else:
-            base = find_checkpoint(Path(baseline))
-            read_state(base)
+            try:
+                base = find_checkpoint(Path(baseline))
+                read_state(base)
+            except UserError as exc:  # the option the user typed, not "checkpoint:"
+                raise UserError(f"--baseline: {str(exc).removeprefix('checkpoint: ')}") from None
     out = Path(out) if out is not None else default_out_dir(ckpt)
     check_writable(out, "--out")
     return EvalJob(ckpt, cfg, config_path, prompt_set, base, out)
@@ -162,8 +169,7 @@ def prepare_eval(
 
 def evaluate_checkpoint(job: EvalJob, on_batch: Callable[[int], None] | None = None) -> dict:
     """Run ``digenrl eval``: sample + score the checkpoint (and baseline), write eval.json and grids."""
-    from digenrl.checkpoint import load_checkpoint
-    from digenrl.ema import use_ema_weights
+    from digenrl.checkpoint import load_checkpoint, use_ema_weights
     from digenrl.policy import Policy
     from digenrl.rewards import build_reward
 

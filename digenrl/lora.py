@@ -14,11 +14,7 @@ import torch
 from torch import nn
 
 from digenrl.config import LoraConfig
-from digenrl.errors import UserError
-
-
-class WeightSyncError(RuntimeError):
-    """A weight transfer that would leave the receiver with different weights than the sender."""
+from digenrl.errors import UserError, WeightSyncError
 
 
 def matching_modules(model: nn.Module, target: str) -> list[str]:

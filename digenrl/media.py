@@ -64,6 +64,18 @@ def caption_font(text: str):
     return font, "".join(ch if _has_glyph(font, ch) else "?" for ch in text)
 
 
+#: a caption is cut to this many characters before it reaches Pillow (a tile shows ~30 of them; Pillow
+#: refuses a string of millions, and measuring a long one character by character takes quadratic time)
+MAX_CAPTION_CHARS = 200
+
+
+def caption_text(text: str) -> str:
+    """A caption Pillow can draw on one line: control characters become spaces, at most
+    ``MAX_CAPTION_CHARS`` characters (an ellipsis marks the cut)."""
+    text = "".join(" " if ord(ch) < 32 or ord(ch) == 127 else ch for ch in str(text)[: MAX_CAPTION_CHARS + 1])
+    return text if len(text) <= MAX_CAPTION_CHARS else text[: MAX_CAPTION_CHARS - 1] + "…"
+
+
 def _fit(font, text: str, width: int) -> str:
     """``text`` cut (with an ellipsis) to fit ``width`` pixels."""
     if font.getlength(text) <= width:
@@ -100,7 +112,7 @@ def image_grid(images: torch.Tensor, captions: list[str], cols: int = 4, group: 
     for i, (tile, text) in enumerate(zip(tiles, captions)):
         x, y = xs[i % cols], (i // cols) * (th + cap + TILE_GAP)
         grid.paste(tile, (x, y))
-        font, drawn = caption_font(text)
+        font, drawn = caption_font(caption_text(text))
         draw.text((x + 2, y + th + 1), _fit(font, drawn, tw - 4), fill="black", font=font)
     return grid
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from digenrl.checkpoint_compat import CheckpointError
+from torch.distributed.checkpoint.api import CheckpointException
+
+from digenrl.checkpoint_compat import CheckpointError, CheckpointState, torch_load
+from digenrl.distributed import dcp
+from digenrl.distributed.fsdp import is_sharded
 from digenrl.errors import UserError
-
-if TYPE_CHECKING:
-    from digenrl.checkpoint import CheckpointState
 
 OPTIMIZER_FILE = "optimizer.pt"
 DCP_DIR = "dcp"
@@ -46,14 +46,12 @@ def staging_dir(run_dir: Path, iteration: int) -> Path:
 def save_optimizer_sharded(policy, directory: Path, where: str) -> dict[str, int]:
     """Every rank of a sharded group writes its shards of the optimizer state into ``directory``
     (DCP, nothing gathered); returns the files (``dcp/<name>`` -> size) once all are written."""
-    from digenrl.distributed.dcp import save_optimizer
-
     if not directory.parent.is_dir():
         raise UserError(
             f"output.run_dir: {directory.parent} is not visible on {where}: a sharded trainer group "
             "writes its checkpoint shards by path (put the run directory where every node mounts it)"
         )
-    save_optimizer(directory, policy.adapter.transformer, policy.optimizer)
+    dcp.save_optimizer(directory, policy.adapter.transformer, policy.optimizer)
     return {f"{DCP_DIR}/{f.name}": f.stat().st_size for f in sorted(directory.iterdir()) if f.is_file()}
 
 
@@ -80,12 +78,6 @@ def restore_optimizer(state: CheckpointState, policy, saved: dict | None = None)
     group: every rank calls it); ``optimizer.pt`` (``saved``, read if None) loads as is, or, into a
     sharded policy, each rank keeps its shard. lr / betas / weight decay come from the policy's config
     (a resumed run may change them)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from digenrl.checkpoint import torch_load
-    from digenrl.distributed import dcp
-    from digenrl.distributed.fsdp import is_sharded
-
     check_holds_optimizer(state)
     net, opt = policy.adapter.transformer, policy.optimizer
     what = f"{DCP_DIR}/" if state.optimizer_format == "dcp" else OPTIMIZER_FILE

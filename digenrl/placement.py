@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from digenrl.config import PoolConfig, RunConfig
+from digenrl.devices import device_spec, known_devices
 from digenrl.engine.scheduler import Role, SchedulerConfig, WorkerSpec
 from digenrl.errors import UserError
 
@@ -262,10 +263,8 @@ def spread_units(groups: int, unit_groups: int, group_size: int, devices: int) -
 
 
 def device_type(pool: PoolConfig) -> str:
-    """The canonical device type of ``pool`` (a :data:`~digenrl.planner.gpus.DEVICES` key). 'gpu' and
+    """The canonical device type of ``pool`` (a :data:`~digenrl.devices.DEVICES` key). 'gpu' and
     'cuda' mean "any GPU" to the runtime but name no type, so nothing can be predicted for them."""
-    from digenrl.planner.gpus import device_spec, known_devices
-
     if pool.device.lower() in ("gpu", "cuda"):
         raise UserError(
             f"cluster.pools: pool '{pool.name}' has device '{pool.device}', which names no GPU type; "

@@ -18,7 +18,7 @@ from digenrl.distributed.checkpointing import checkpoint_blocks
 from digenrl.distributed.precision import fp32_master
 from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired, resolve_activation_checkpointing
 from digenrl.ema import WeightAverage, swapped_in
-from digenrl.errors import UserError
+from digenrl.errors import UserError, WeightSyncError
 from digenrl.lora import apply_lora, checksum, full_tensor, load_lora_state_dict, lora_state_dict
 
 
@@ -136,8 +136,6 @@ class Policy:
         if self.lora:
             load_lora_state_dict(self.adapter.transformer, state, expected_checksum)
         else:
-            from digenrl.lora import WeightSyncError
-
             net = self.adapter.transformer
             result = net.load_state_dict(state, strict=False)
             if result.missing_keys or result.unexpected_keys:

@@ -8,7 +8,8 @@
   checkpoint's transformer is built on the meta device from its config: no weights are read);
 - the files and the reward: the engine's own preflight (prompts, reward arguments and weights, a
   dry-run of the reward on a decoded sample of the tiny preset).
-- memory: does the run's placement fit its devices, before anything starts? One function for the runtime and the planner: :func:`resolve_memory_settings` turns
+- memory: does the run's placement fit its devices, before anything starts? One function for the runtime and
+  the planner: :func:`resolve_memory_settings` turns
   ``train.fsdp: auto`` and ``train.activation_checkpointing: auto`` into what a trainer rank runs,
   by the planner's memory model (:mod:`digenrl.planner.memory`); :func:`check_memory` refuses, with
   one line, a placement that cannot fit and names the setting that would.
@@ -123,8 +124,8 @@ class MemorySettings:
 
 
 def _model(cfg):
-    from digenrl.planner.costmodel import CostParams
     from digenrl.planner.memory import MemoryModel
+    from digenrl.planner.params import CostParams
     from digenrl.planner.workload import Workload
 
     return MemoryModel(Workload.from_config(cfg), CostParams())
@@ -286,8 +287,9 @@ def check_memory(cfg) -> None:
         else:
             key = f"cluster.pools.{pool.name}"
             fix = (
-                f"no setting fits {plan.ranks} trainer ranks of this type (FSDP up to {plan.ranks * plan.trainer_sp}, activation "
-                "checkpointing, sequential CFG, micro-batch 1): use more or larger trainer devices"
+                f"no setting fits {plan.ranks} trainer ranks of this type (FSDP up to "
+                f"{plan.ranks * plan.trainer_sp}, activation checkpointing, sequential CFG, micro-batch 1): "
+                "use more or larger trainer devices"
                 + ("" if plan.trainer_sp > 1 or not model.workload.video else ", or engine.trainer_sp > 1")
             )
         raise UserError(

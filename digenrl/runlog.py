@@ -64,7 +64,9 @@ def check_new_run_dir(path: Path, overwrite: bool = False) -> None:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"--run-dir: {path} is a file, not a directory")
-    if not path.is_dir() or not any(path.iterdir()):
+    from digenrl.runlock import run_entries
+
+    if not path.is_dir() or not run_entries(path):  # RUN/.lock is this run's own
         check_writable(path, "--run-dir")
         return
     if not overwrite:
@@ -78,14 +80,6 @@ def check_new_run_dir(path: Path, overwrite: bool = False) -> None:
             "refusing to delete it"
         )
     check_writable(path, "--run-dir")
-
-
-def clear_run_dir(path: Path) -> None:
-    """``--overwrite``: delete the old run in ``path`` (checked by :func:`check_new_run_dir`)."""
-    import shutil
-
-    if Path(path).is_dir():
-        shutil.rmtree(path)
 
 
 @contextlib.contextmanager
@@ -123,7 +117,8 @@ def library_output_to_log(terminal_console, enabled: bool = True):
 
 
 def keep_log(log_path: Path | None, run_dir: Path | None) -> Path | None:
-    """Append the routed library output to ``RUN/log.txt`` (when the run directory exists); drop it otherwise."""
+    """Append the routed library output to ``RUN/log.txt`` (when the run directory exists); drop it
+    otherwise."""
     if log_path is None:
         return None
     try:

@@ -6,7 +6,8 @@
     RunPolicy.samples_due(k)           sample grid of iteration k    (output.save_samples_every, and the last)
     iteration_metrics                  the metrics row of an iteration
     save_iteration_samples             samples/iter-NNNNNN.png
-    final_files -> write_final         final/: the trained (with train.ema: the EMA) weights as diffusers / peft load them
+    final_files -> write_final         final/: the trained (with train.ema: the EMA) weights, as diffusers /
+                                       peft load them
     RunResult                          what a run returns
     stop_on_interrupt -> StopRequest   Ctrl-C: stop after the running work (twice: at once)
     checkpoint_to_keep, stopped        stopping mid-run keeps the last completed iteration; the last line
@@ -223,7 +224,10 @@ def stopped(exc: BaseException, run_dir: Path, done: int, total: int) -> BaseExc
     if last is None:
         hint = f"no checkpoint was written ({done} of {total} iterations done, nothing to resume from)"
     else:
-        hint = f"last checkpoint: {last} (iteration {read_state(last).iteration}); resume with: digenrl train --resume {run_dir}"
+        iteration = read_state(last).iteration
+        hint = (
+            f"last checkpoint: {last} (iteration {iteration}); resume with: digenrl train --resume {run_dir}"
+        )
     if isinstance(exc, KeyboardInterrupt):
         return RunInterrupted(f"interrupted with {done} of {total} iterations done; {hint}")
     if isinstance(exc, UserError):

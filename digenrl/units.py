@@ -26,7 +26,13 @@ import torch
 from digenrl.adapters.base import Cond
 from digenrl.adapters.guidance import backward_through_velocity
 from digenrl.algorithms import grpo
-from digenrl.algorithms.sde import logprob_of_velocity, recompute_logprob, sample
+from digenrl.algorithms.sde import (
+    logprob_of_velocity,
+    recompute_logprob,
+    sample,
+    step_scale,
+    transition_logprob,
+)
 from digenrl.prompts import Prompt
 
 
@@ -72,6 +78,7 @@ class Samples:
     preview: torch.Tensor | None = None  # uint8 pixels of the first sample of each group
     timings: dict[str, float] = field(default_factory=dict)
     first_sample: int = 0  # a sub-group unit: the in-group index of its groups' first sample
+    step_noise: torch.Tensor | None = None  # (B, N, ...) x_{i+1} - mu_behaviour_i (stale samples' gradient)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -133,6 +140,7 @@ def rollout_unit(
         reward_parts=parts,
         preview=(pixels[::n].clamp(0, 1) * 255).round().to(torch.uint8).cpu(),
         first_sample=lo,
+        step_noise=traj.noise.cpu(),
     )
 
 
@@ -252,9 +260,8 @@ def train_unit(
         steps = mine.unique().tolist() if lockstep is None else lockstep[k]
         for i in steps:  # the samples training step i share one forward (each trains it once)
             sel = (mine == i).any(1).nonzero().squeeze(1)
-            idle = (
-                len(sel) == 0 or k >= real
-            )  # lockstep: a pass the rank's group runs, on one row, weighted 0
+            # lockstep: a pass the rank's group runs, on one row, weighted 0
+            idle = len(sel) == 0 or k >= real
             if idle:
                 sel = sel.new_zeros(1)
             rows = mb[sel]
@@ -262,17 +269,30 @@ def train_unit(
             x_next = samples.latents[rows, i + 1].to(ad.device)
             c = cond.select(sel) if len(sel) < len(mb) else cond
             behaviour = samples.log_probs[rows, i].to(ad.device)
+            noise = None
+            if stale and alg.stale_gradient == "recentred" and samples.step_noise is not None:
+                noise = samples.step_noise[rows, i].to(ad.device)
             mu_ref = None
             if alg.kl_beta > 0:
                 with torch.no_grad(), policy.reference():
                     _, mu_ref, _ = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
 
             def objective(
-                v, x=x, x_next=x_next, i=i, behaviour=behaviour, a=adv[sel], mu_ref=mu_ref, scale=1.0 - idle
+                v,
+                x=x,
+                x_next=x_next,
+                i=i,
+                behaviour=behaviour,
+                a=adv[sel],
+                mu_ref=mu_ref,
+                noise=noise,
+                scale=1.0 - idle,
             ):
                 logp, mu, std = logprob_of_velocity(v, x, x_next, sig, i, kind, eta)
+                if noise is not None:  # the stale sample's noise around the current mean
+                    logp = (logp.detach(), recentred_logprob(kind, mu, noise, sig, i, std))
                 scalar, extras = term_loss(alg, logp, behaviour, a, stale, mu, mu_ref, std, total_terms)
-                return scalar * scale, (*extras, logp.detach())
+                return scalar * scale, (*extras, logp[0] if isinstance(logp, tuple) else logp.detach())
 
             sigma = sig[i].expand(x.shape[0])
             loss, st, w, kl, logp = backward_through_velocity(ad, x, sigma, c, objective)
@@ -288,17 +308,27 @@ def train_unit(
     return stats.as_dict()
 
 
+def recentred_logprob(kind: str, mu: torch.Tensor, noise: torch.Tensor, sigmas, i: int, std: float):
+    """log N(mu.detach() + noise; mu, scale^2): the stale sample's recorded step noise put around the
+    current step mean. Its value is the behaviour log-prob; its gradient is the on-policy score
+    noise / scale^2 * dmu, without the stale drift (mu_behaviour - mu) / scale^2 * dmu that the raw
+    sample's gradient carries (docs/algorithms.md, "Stale samples")."""
+    scale = step_scale(kind, float(sigmas[i]), float(sigmas[i + 1]), std)
+    return transition_logprob(kind, mu.detach() + noise, mu, scale)
+
+
 def term_loss(alg, logp, behaviour, adv, stale: bool, mu, mu_ref, std: float, total_terms: int):
     """(the scalar to backpropagate, (per-term loss, ratio stats, IS weight or None, KL or None) detached).
 
     On-policy: PPO-clip to the behaviour log-prob. Stale (one-step async): clip around the proximal
-    policy and weight by the capped exp(logp_prox - logp_behaviour) (decoupled PPO). ``mu_ref``: the KL
-    reference's step mean (None: no KL term)."""
+    policy and weight by the capped exp(logp_prox - logp_behaviour) (decoupled PPO). ``logp`` may be a
+    pair (the sample's log-prob under the current weights, detached; the recentred log-prob to
+    differentiate, :func:`recentred_logprob`). ``mu_ref``: the KL reference's step mean (None: no KL term)."""
     w = kl = None
+    prox, logp = logp if isinstance(logp, tuple) else (logp.detach(), logp)
     if stale:
-        prox = logp.detach()
         w = torch.exp(prox - behaviour).clamp(max=alg.is_cap)
-        loss, st = grpo.clipped_objective(logp, prox, adv, alg.clip_range, w)
+        loss, st = grpo.clipped_objective(logp, logp.detach(), adv, alg.clip_range, w)
     else:
         loss, st = grpo.clipped_objective(logp, behaviour, adv, alg.clip_range)
     if mu_ref is not None:

@@ -43,6 +43,13 @@ def parse_yaml(path: Path, what: str) -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = str(getattr(exc, "problem", "") or "")
+        if "recursive" in problem:  # an alias inside its own anchor: a structure that contains itself
+            raise UserError(
+                f"{path}: a recursive YAML anchor (an alias used inside its own anchor){where}"
+            ) from None
+        if isinstance(exc, yaml.constructor.ConstructorError):  # e.g. a !!python tag SafeLoader refuses
+            raise UserError(f"{path}: unsupported YAML{where} ({problem.split(';')[0].strip()})") from None
         raise UserError(f"{path}: malformed YAML{where}") from None
     finally:
         loader.dispose()

@@ -1,8 +1,22 @@
-"""Shared test helpers."""
+"""Shared test helpers, and the suite's one tiny size."""
 
 import sys
 
 import pytest
+
+#: The suite's tiny run: 16x16 images, 2 prompts x 4 samples, 4 sampling steps (the ``tiny_cfg``
+#: fixture applies it; a test adds what it needs after it, and a later override wins).
+TINY = [
+    "model.height=16",
+    "model.width=16",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=4",
+    "sampling.steps=4",
+]
+#: No sample grids, no TensorBoard: what a run writes besides what a test reads.
+QUIET = ["output.save_samples_every=0", "output.tensorboard=false"]
+#: The logical devices of the suite's one Ray cluster: enough for every engine test's pools.
+POOLS = {"pool:rollout": 2, "pool:trainer": 4}
 
 
 def cli(monkeypatch, capsys, *argv):
@@ -16,17 +30,13 @@ def cli(monkeypatch, capsys, *argv):
     return exc.value.code, out.out, out.err
 
 
-def local_ray(rollout: int = 1, trainer: int = 1):
-    """A 2-CPU Ray cluster in this process with ``rollout`` + ``trainer`` logical devices (the pools
-    of the default config); a generator for module-scoped fixtures: ``yield from local_ray()``."""
+def local_ray(pools: dict[str, int] = POOLS):
+    """A 2-CPU Ray cluster in this process with the logical devices ``pools`` (names of the default
+    config's pools); a generator for fixtures: ``yield from local_ray()``. The suite starts one, for
+    the whole session (conftest's ``ray_cluster``)."""
     import ray
 
-    ray.init(
-        num_cpus=2,
-        resources={"pool:rollout": rollout, "pool:trainer": trainer},
-        include_dashboard=False,
-        logging_level="WARNING",
-    )
+    ray.init(num_cpus=2, resources=dict(pools), include_dashboard=False, logging_level="WARNING")
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

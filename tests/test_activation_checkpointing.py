@@ -20,17 +20,17 @@ def _flux():
 
     with seeded(0):
         model = FluxTransformer2DModel(**TINY_TRANSFORMER)
-    b, n, l = 2, 16, 8
+    b, n, text = 2, 16, 8  # batch, image tokens, text tokens
     inputs = dict(
         hidden_states=torch.randn(b, n, 16),
-        encoder_hidden_states=torch.randn(b, l, 32),
+        encoder_hidden_states=torch.randn(b, text, 32),
         pooled_projections=torch.randn(b, 32),
         timestep=torch.rand(b),
         guidance=torch.full((b,), 3.5),
         img_ids=torch.stack(
             torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1
         ).reshape(n, 3),
-        txt_ids=torch.zeros(l, 3),
+        txt_ids=torch.zeros(text, 3),
         return_dict=False,
     )
     return model, inputs

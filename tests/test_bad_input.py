@@ -4,6 +4,7 @@ no traceback, nothing written. The same list is the table in docs/errors.md."""
 import hashlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -42,7 +43,18 @@ def make_inputs(tmp):
     (tmp / "empty.txt").write_text("\n\n")
     (tmp / "partial").mkdir()
     (tmp / "partial" / "config.yaml").write_text("")
+    (tmp / "rec.yaml").write_text("train: &x\n  lr: *x\n")
+    (tmp / "unk.yaml").write_text("train:\n  lr_max: 1\n")
+    (tmp / "num.jsonl").write_text('{"prompt": "a red car"}\n{"prompt": 5}\n')
+    (tmp / "nul.txt").write_text("a red car\na blue\0boat\n")
+    (tmp / "tag.yaml").write_text("train: !!python/object:os.system x\n")
     return tmp
+
+
+def write_big_prompt(tmp: Path) -> None:
+    """A prompt file whose second line is 10 MB (what crashed Pillow 20 s into a run)."""
+    with open(tmp / "big.txt", "w") as f:
+        f.write("a red car\n" + "a red apple " * 900_000 + "\n")
 
 
 SMALL = ["--set", "model.height=16", "--set", "model.width=16"]
@@ -163,13 +175,78 @@ CASES = {
         ["config", "validate", "--set", "model.pretrained={t}/nope"],
         "{t}/nope",
     ),
+    # issue 25: inputs that crashed later are refused at load time; messages name what the user typed
+    "10 MB prompt line": (
+        ["train", "--set", "prompts.file={t}/big.txt"],
+        "prompts.file: {t}/big.txt:2: a prompt of 10799999 characters, more than the 1024",
+    ),
+    "validate: 10 MB prompt line": (
+        ["config", "validate", "--set", "prompts.file={t}/big.txt"],
+        "prompts.file: {t}/big.txt:2: a prompt of 10799999 characters",
+    ),
+    "a JSONL prompt that is not a string": (
+        ["train", "--set", "prompts.file={t}/num.jsonl"],
+        "prompts.file: {t}/num.jsonl:2: 'prompt' must be a non-empty string",
+    ),
+    "prompt file that is a directory": (
+        ["train", "--set", "prompts.file={t}/adir"],
+        "prompts.file: {t}/adir is a directory, not a file",
+    ),
+    "cluster file that is a directory": (
+        ["plan", "--cluster", "{t}/adir"],
+        "--cluster: {t}/adir is a directory",
+    ),
+    "every reward weight 0": (
+        ["train", "--set", "reward.components=[{name: prompt_color, weight: 0}]"],
+        "reward.components: every reward weight is 0, so the run would learn nothing",
+    ),
+    "validate: every reward weight 0": (
+        ["config", "validate", "--set", "reward.components=[{name: prompt_color, weight: 0.0}]"],
+        "reward.components: every reward weight is 0",
+    ),
+    "recursive YAML anchor": (
+        ["config", "validate", "-c", "{t}/rec.yaml"],
+        "{t}/rec.yaml: a recursive YAML anchor (an alias used inside its own anchor) at line 1",
+    ),
+    "a NUL in a prompt": (
+        ["train", "--set", "prompts.file={t}/nul.txt"],
+        "prompts.file: {t}/nul.txt:2: the prompt holds a NUL character",
+    ),
+    "a YAML tag SafeLoader refuses": (
+        ["train", "-c", "{t}/tag.yaml"],
+        "{t}/tag.yaml: unsupported YAML at line 1, column 8 (could not determine a constructor",
+    ),
+    "a pool name that is not a plain name": (
+        ["train", "--set", "cluster.pools=[{name: 'rollout pool'}, {name: trainer}]"],
+        "cluster.pools.0.name: a pool name is 1-64 letters, digits, '_', '.' or '-' (got 'rollout pool')",
+    ),
+    "unknown key in a -c file": (
+        ["train", "-c", "{t}/unk.yaml"],
+        "error: {t}/unk.yaml: train.lr_max: unknown key",
+    ),
+    "a run name too long for a file name": (
+        ["train", "--set", f"output.name={'x' * 300}"],
+        "output.name: must be a name of at most 200 bytes (got 300)",
+    ),
 }
+try:
+    import torch
+
+    if not torch.cuda.is_available():  # the profiler's own option, not train.device
+        CASES["profile --device cuda without CUDA"] = (
+            ["profile", "--device", "cuda", "--out", "{t}/p.json"],
+            "error: --device: cuda requested but no CUDA device is visible",
+        )
+except ImportError:
+    pass
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_exits_2_with_one_line(case, tmp_path, monkeypatch, capsys):
     t = make_inputs(tmp_path)
     argv, needle = CASES[case]
+    if "big.txt" in " ".join(argv):
+        write_big_prompt(t)
     argv = [a.replace("{t}", str(t)) for a in argv] + ["--run-dir", str(t / "run")] * (argv[0] == "train")
     code, err = cli(monkeypatch, capsys, argv)
     assert code == 2, err
@@ -237,3 +314,275 @@ def test_help_text(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert exc.value.code == 0 and "--json" in out and "--ladder" in out
     assert "<bool>" not in out and "╭" not in out
+
+
+# ------------------------------------------------------------------ issue 25: nothing lost II
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A finished 1-iteration run directory of the tiny FLUX: RUN/config.yaml and one checkpoint."""
+    from digenrl.checkpoint import save_checkpoint
+    from digenrl.config import load_config
+    from digenrl.policy import Policy
+
+    run = tmp_path_factory.mktemp("tiny") / "run"
+    sets = ["placement.mode=local", "model.height=16", "model.width=16", "train.iterations=1"]
+    cfg = load_config(None, [*sets, f"output.run_dir={run}"])
+    run.mkdir()
+    (run / "config.yaml").write_text(cfg.dump_yaml())
+    save_checkpoint(run, Policy(cfg), 1, cfg, keep_last=1)
+    return run
+
+
+def copy_run(tiny_run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(tiny_run, tmp_path / "run"))
+
+
+def edit_yaml(path: Path, **changes) -> None:
+    """Set dotted keys (``train__lr=-1`` for train.lr) in a YAML file, as a user's editor would."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text())
+    for key, value in changes.items():
+        *parents, last = key.split("__")
+        node = data
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def test_resume_refuses_an_edited_run_config_and_leaves_it(tiny_run, tmp_path, monkeypatch, capsys):
+    run = copy_run(tiny_run, tmp_path)
+    edit_yaml(run / "config.yaml", train__lr=-1, train__iterations=3, model__lora__rank=3)
+    edited = (run / "config.yaml").read_bytes()
+    before = tree_digest(run)
+    code, err = cli(monkeypatch, capsys, ["train", "--resume", str(run)])
+    ckpt = run / "checkpoints" / "iter-000001" / "config.yaml"
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(
+        f"error: --resume: {run / 'config.yaml'} differs from the config of the checkpoint it resumes "
+        f"({ckpt}) in model.lora.rank, train.iterations, train.lr; "
+    )
+    assert f"digenrl train --resume {run} --set train.iterations=3 --set train.lr=-1" in err
+    assert "train.lr: the optimizer continues at the new rate" in err
+    assert "model.lora.rank cannot change on resume" in err
+    assert (run / "config.yaml").read_bytes() == edited and tree_digest(run) == before  # never overwritten
+
+
+def test_resume_with_set_of_the_edited_key_goes_on(tiny_run, tmp_path, monkeypatch, capsys):
+    """The edit applied as the message says (--set): not refused (here: nothing left to do)."""
+    run = copy_run(tiny_run, tmp_path)
+    edit_yaml(run / "config.yaml", output__keep_last=2)
+    code, out, err = cli_out(
+        monkeypatch, capsys, ["train", "--resume", str(run), "--set", "output.keep_last=2"]
+    )
+    assert code == 0, err
+    assert "nothing to do: the run already completed 1 of 1 iterations" in out
+    assert not (run / ".lock").exists()
+
+
+def cli_out(monkeypatch, capsys, argv):
+    monkeypatch.setattr(sys, "argv", ["digenrl", *argv])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+@pytest.mark.parametrize("command", ["train --resume", "eval --checkpoint"])
+def test_an_invalid_value_in_a_checkpoint_config_names_the_file(
+    tiny_run, tmp_path, monkeypatch, capsys, command
+):
+    run = copy_run(tiny_run, tmp_path)
+    ckpt_cfg = run / "checkpoints" / "iter-000001" / "config.yaml"
+    text = ckpt_cfg.read_text()  # the same size: state.json's size check passes, the value is bad
+    ckpt_cfg.write_text(re.sub(r"(?m)^  lr: .*$", lambda m: "  lr: -1".ljust(len(m.group(0))), text))
+    assert ckpt_cfg.read_text() != text and len(ckpt_cfg.read_text()) == len(text)
+    code, err = cli(monkeypatch, capsys, [*command.split(), str(run / "checkpoints" / "iter-000001")])
+    assert code == 2 and err.startswith(f"error: {ckpt_cfg}: train.lr: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--baseline", "{t}/nope"], "error: --baseline: {t}/nope not found"),
+        (["--prompts", "{t}/adir"], "error: --prompts: {t}/adir is a directory, not a file"),
+        (["--prompts", "{t}/latin1.txt"], "error: --prompts: {t}/latin1.txt is not UTF-8 text"),
+        (["--prompts", "{t}/big.txt"], "error: --prompts: {t}/big.txt:2: a prompt of 10799999 characters"),
+    ],
+)
+def test_eval_errors_name_the_option(tiny_run, tmp_path, monkeypatch, capsys, extra, needle):
+    t = make_inputs(tmp_path)
+    write_big_prompt(t)
+    argv = ["eval", "--checkpoint", str(tiny_run), *[a.replace("{t}", str(t)) for a in extra]]
+    code, err = cli(monkeypatch, capsys, argv)
+    assert code == 2 and err.startswith(needle.replace("{t}", str(t))) and err.count("\n") == 1, err
+    assert not (tiny_run / "eval").exists()
+
+
+def test_one_claim_per_run_directory(tmp_path, capsys):
+    """RUN/.lock: a second claim (train or --resume) is refused naming the live owner; the directory a
+    claim created goes when nothing was written into it."""
+    import socket
+
+    from digenrl.errors import UserError
+    from digenrl.runlock import claim_run_dir
+
+    run = tmp_path / "runs" / "run"
+    with claim_run_dir(run):
+        for what in ("--run-dir", "--resume"):
+            with pytest.raises(UserError) as exc:
+                claim_run_dir(run, what)
+            assert str(exc.value).startswith(
+                f"{what}: {run} is in use by another digenrl train "
+                f"(pid {os.getpid()} on {socket.gethostname()} since "
+            )
+    assert not run.parent.exists()  # created by the claim (runs/ too), nothing written: removed again
+    assert capsys.readouterr().err == ""
+
+
+def test_a_stale_lock_of_a_killed_run_is_taken_over(tmp_path, capsys):
+    """A process that took the lock and was killed (SIGKILL: no clean-up ran) leaves RUN/.lock naming
+    it; the next claim finds the lock free, says so, and holds it."""
+    import subprocess
+
+    from digenrl.runlock import claim_run_dir
+
+    run = tmp_path / "run"
+    code = (
+        "import os, signal, sys; from digenrl.runlock import claim_run_dir; "
+        "claim_run_dir(sys.argv[1]); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    dead = (run / ".lock").read_text().split()[1]
+    with claim_run_dir(run):
+        err = capsys.readouterr().err
+        assert err.startswith(f"note: {run} was locked by a run that is no longer running (pid {dead} on ")
+        assert err.endswith("taking it over\n") and err.count("\n") == 1
+        assert (run / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
+    assert run.is_dir() and not (run / ".lock").exists()  # the directory existed before this claim
+
+
+def file_digests(root: Path) -> dict[str, str]:
+    return {
+        str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(root.rglob("*"))
+        if f.is_file()
+    }
+
+
+def test_a_killed_overwrite_gets_the_old_run_back(tmp_path):
+    """--overwrite set the old run aside, then the new run was killed before its first checkpoint:
+    the next claim of the directory moves the old run back; once the new run has a checkpoint, the
+    old one is deleted instead."""
+    from digenrl.runlock import ReplacedRun, claim_run_dir
+
+    run = fake_run(tmp_path / "run")
+    before = file_digests(run)
+    ReplacedRun(run).set_aside()
+    (run / "metrics.jsonl").write_text('{"iteration": 0}\n')  # the killed new run's partial files
+    (run / "tensorboard").mkdir()
+    claim_run_dir(run).unlock()
+    assert file_digests(run) == before and not (run / ".replaced").exists()
+
+    replaced = ReplacedRun(run)
+    replaced.set_aside()
+    assert not replaced.commit_if_safe()  # no checkpoint of the new run yet: the old run stays aside
+    (run / "checkpoints" / "iter-000001").mkdir(parents=True)
+    (run / "checkpoints" / "iter-000001" / "state.json").write_text("{}")
+    assert replaced.commit_if_safe() and not replaced.finish()
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
+
+
+TINY = ["model.height=16", "model.width=16", "train.prompts_per_iteration=2", "algorithm.group_size=4"]
+TINY += ["sampling.steps=4", "output.save_samples_every=0"]
+
+
+@pytest.mark.slow
+def test_overwrite_that_fails_at_the_first_iteration_keeps_the_old_run(tmp_path, monkeypatch, capsys):
+    """--overwrite onto a finished run, with a reward server that answers the dry run and then NaN:
+    the new run fails in iteration 0 (exit 2, one line) and every old file is back, byte for byte."""
+    import importlib.util
+    import math
+
+    spec = importlib.util.spec_from_file_location(
+        "reward_server", Path(__file__).parents[1] / "benchmarks" / "reward_server.py"
+    )
+    server = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server)
+    calls = {"n": 0}
+
+    def scores(images, prompts, metadata):
+        calls["n"] += 1
+        return [0.5 if calls["n"] == 1 else math.nan for _ in prompts]  # the dry run, then NaN
+
+    httpd = server.make_server(scores, "127.0.0.1", 0)
+    server.serve_in_thread(httpd)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/score"
+    run = fake_run(tmp_path / "run")
+    before = file_digests(run)
+    sets = [*TINY, "placement.mode=local", "train.iterations=2"]
+    sets.append(f"reward.components=[{{name: remote, args: {{url: '{url}', retries: 1, backoff: 0.01}}}}]")
+    try:
+        code, err = cli(
+            monkeypatch,
+            capsys,
+            ["train", "--run-dir", str(run), "--overwrite", *sum((["--set", s] for s in sets), [])],
+        )
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "reward 'remote' returned NaN" in err and calls["n"] >= 2
+    assert err.rstrip().endswith(
+        f"the old run in {run} was kept (--overwrite replaces it only once the new run has a checkpoint)"
+    )
+    assert file_digests(run) == before  # every old file, byte for byte
+    assert sorted(p.name for p in run.iterdir()) == sorted(("checkpoints", "config.yaml", "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_two_trainings_into_one_directory_one_refuses(tmp_path):
+    """Two real `digenrl train` started 0.5 s apart into one --run-dir: exactly one runs, the other
+    exits 2 with one line naming the directory and the live owner; the directory holds one run. The
+    lock is taken before the driver is chosen, so the local trainer stands for the engine here (the
+    engine only widens the window: Ray and the workers start after the lock)."""
+    import subprocess
+    import tempfile
+    import time
+
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "digenrl.cli.app", "train", "-q", "--run-dir", str(run)]
+    argv += sum((["--set", s] for s in [*TINY, "train.iterations=2", "placement.mode=local"]), [])
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    procs = []
+    for _ in range(2):
+        tmp = tempfile.mkdtemp(prefix="di", dir="/tmp")  # each its own Ray cluster's files
+        procs.append(
+            subprocess.Popen(
+                argv,
+                env={**env, "RAY_TMPDIR": tmp},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        time.sleep(0.5)
+    results = [(p, *p.communicate(timeout=600)) for p in procs]
+    assert sorted(p.returncode for p in procs) == [0, 2], results
+    ((winner, winner_out),) = [(p, out) for p, out, _ in results if p.returncode == 0]
+    (loser_err,) = [err for p, _, err in results if p.returncode == 2]
+    assert loser_err.count("\n") == 1 and "Traceback" not in loser_err
+    assert loser_err.startswith(
+        f"error: --run-dir: {run} is in use by another digenrl train (pid {winner.pid} on "
+    )
+    assert f"run directory: {run}" in winner_out and "reward (mean of first third" in winner_out  # -q
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1]  # one run: each iteration once
+    assert len(list((run / "tensorboard").iterdir())) == 1
+    assert not (run / ".lock").exists()

@@ -20,14 +20,11 @@ from digenrl.config import load_config
 from digenrl.policy import Policy
 from digenrl.runlog import read_metrics
 from digenrl.trainer import LocalTrainer
+from tests.helpers import TINY
 
 # tiny FLUX, small enough that an iteration takes a fraction of a second on 2 cores
 SMALL = [
-    "model.height=16",
-    "model.width=16",
-    "train.prompts_per_iteration=2",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
+    *TINY,
     "output.tensorboard=false",
 ]
 
@@ -38,7 +35,8 @@ def cfg_of(*overrides):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """An uninterrupted 4-iteration run, and one stopped after 3 then resumed from its iteration-2 checkpoint."""
+    """An uninterrupted 4-iteration run, and one stopped after 3 then resumed from its iteration-2
+    checkpoint."""
     tmp = tmp_path_factory.mktemp("resume")
     full = LocalTrainer(
         cfg_of("train.iterations=4", "output.checkpoint_every=2", f"output.run_dir={tmp / 'a'}")

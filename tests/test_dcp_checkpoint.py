@@ -42,15 +42,15 @@ def _sharded(lora: bool, seed: int):
 
 def _step(model, opt):
     gen = torch.Generator().manual_seed(0)
-    b, n, l = 2, 16, 8
+    b, n, text = 2, 16, 8  # batch, image tokens, text tokens
     out = model(
         hidden_states=torch.randn(b, n, 16, generator=gen),
-        encoder_hidden_states=torch.randn(b, l, 32, generator=gen),
+        encoder_hidden_states=torch.randn(b, text, 32, generator=gen),
         pooled_projections=torch.randn(b, 32, generator=gen),
         timestep=torch.rand(b, generator=gen),
         guidance=torch.full((b,), 3.5),
         img_ids=torch.zeros(n, 3),
-        txt_ids=torch.zeros(l, 3),
+        txt_ids=torch.zeros(text, 3),
         return_dict=False,
     )[0]
     out.square().mean().backward()

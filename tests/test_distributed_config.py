@@ -96,9 +96,10 @@ def test_the_planner_never_proposes_a_sharding_the_engine_refuses():
 
     from digenrl.cli.plan import plan_config
     from digenrl.distributed.settings import check_fsdp_wired
-    from digenrl.planner.costmodel import CostModel, Workload
+    from digenrl.planner.costmodel import CostModel
     from digenrl.planner.gpus import cluster_from_dict
     from digenrl.planner.search import search
+    from digenrl.planner.workload import Workload
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "flux1_dev.yaml", ["model.lora=null"])
 

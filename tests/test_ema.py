@@ -15,14 +15,11 @@ from digenrl.policy import Policy
 from digenrl.prompts import load_prompts
 from digenrl.rewards import build_reward
 from digenrl.trainer import LocalTrainer
+from tests.helpers import TINY
 
 SMALL = [
+    *TINY,
     "placement.mode=local",
-    "model.height=16",
-    "model.width=16",
-    "train.prompts_per_iteration=2",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
     "output.tensorboard=false",
     "train.lr=2e-2",
 ]

@@ -5,6 +5,7 @@ come in seconds instead of hangs. One Ray cluster (2 CPUs, 2 + 2 logical devices
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import time
@@ -24,19 +25,14 @@ from digenrl.engine import weight_sync  # noqa: E402
 from digenrl.engine.runtime import run_engine  # noqa: E402
 from digenrl.engine.scheduler import TrainUnit  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
-from digenrl.errors import UserError  # noqa: E402
-from digenrl.lora import WeightSyncError  # noqa: E402
+from digenrl.errors import UserError, WeightSyncError  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
-from tests.helpers import local_ray  # noqa: E402
+from tests.helpers import POOLS, TINY  # noqa: E402
 
 BASE = [
-    "model.height=16",
-    "model.width=16",
+    *TINY,
     "train.iterations=2",
-    "train.prompts_per_iteration=2",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
     "engine.tsp_degree=1",
     "engine.max_staleness=0",
 ]
@@ -85,9 +81,9 @@ MODES = {
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A 2-CPU Ray cluster with 2 rollout + 2 trainer logical devices; yields its address."""
-    yield from local_ray(rollout=2, trainer=2)
+def cluster(ray_cluster):
+    """The suite's Ray cluster (conftest ``ray_cluster``); its address."""
+    return ray_cluster
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +102,15 @@ def reference(tmp_path_factory):
     return get
 
 
+ALL_POOLS = dict(POOLS)  # the logical devices of the suite's Ray cluster
+
+
 def free_pools() -> dict:
     """Free logical devices, once the (asynchronous) release of a run's reservation is through."""
     for _ in range(50):
         have = ray.available_resources()
-        free = {k: have.get(k, 0) for k in ("pool:rollout", "pool:trainer")}
-        if free == {"pool:rollout": 2, "pool:trainer": 2}:
+        free = {k: have.get(k, 0) for k in ALL_POOLS}
+        if free == ALL_POOLS:
             break
         time.sleep(0.1)
     return free
@@ -225,7 +224,7 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
                 assert mine["ratio_mean"] == pytest.approx(theirs["ratio_mean"], abs=1e-6)
                 assert mine["clip_frac"] == pytest.approx(theirs["clip_frac"], abs=1e-6)
                 assert mine["ratio_max"] > 1 + 1e-5 or mine["ratio_min"] < 1 - 1e-5
-    assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}, "placement group or actors left behind"
+    assert free_pools() == ALL_POOLS, "placement group or actors left behind"
 
 
 # -- the reward service: scoring off the critical path ---------------------------------------
@@ -297,7 +296,7 @@ def test_reward_error_in_the_actor_reaches_the_cli(cluster, tmp_path, monkeypatc
     assert code == 2, err
     assert err.startswith("error: reward prompt_color: prompt 'a thing number") and "names no colour" in err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
+    assert free_pools() == ALL_POOLS
 
 
 @pytest.mark.slow
@@ -309,7 +308,8 @@ def test_bad_reward_with_service_fails_before_training(cluster, tmp_path):
     expect_user_error(
         cfg, ["reward.components.0.args.path", "no-clip", "not found"], run_dir=tmp_path / "run"
     )
-    assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or read_metrics(tmp_path / "run") == []
+    assert free_pools() == ALL_POOLS
 
 
 def test_late_scores_follow_the_nan_policy(tmp_path):
@@ -417,17 +417,27 @@ def test_weight_sync_is_verified(cluster):
     assert checksum(receiver.weights()) == checksum(sender.weights())
 
 
+def unreachable(what: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"the refusal came after {what}")
+
+    return refuse
+
+
 def expect_user_error(cfg, fragments: list[str], **kwargs) -> None:
-    start = time.perf_counter()
+    """``run_engine`` refuses ``cfg`` with a UserError holding every fragment. (How early it refuses
+    is shown by what the caller forbids it to reach, not by a clock: the machine may be loaded.)"""
     with pytest.raises(UserError) as err:
         run_engine(cfg, **kwargs)
-    assert time.perf_counter() - start < 20, "must fail within seconds"
     for fragment in fragments:
         assert fragment in str(err.value), (fragment, str(err.value))
 
 
 @pytest.mark.slow
-def test_unsatisfiable_cluster_fails_fast(cluster, tmp_path):
+def test_unsatisfiable_cluster_fails_fast(cluster, tmp_path, monkeypatch):
+    """Refused from the cluster's resources, before a placement group could wait for them."""
+    module = importlib.import_module("ray.util.placement_group")  # (ray.util.placement_group: the function)
+    monkeypatch.setattr(module, "placement_group", unreachable("a placement group"))
     three = load_config(None, BASE + DISAGG + ["cluster.pools=[{name: rollout, count: 3}, {name: trainer}]"])
     expect_user_error(
         three,
@@ -439,11 +449,13 @@ def test_unsatisfiable_cluster_fails_fast(cluster, tmp_path):
         None, BASE + DISAGG + ["cluster.pools=[{name: rollout, device: H800}, {name: trainer}]"]
     )
     expect_user_error(h800, ["'H800'", "pool:trainer"], run_dir=tmp_path / "b")
-    assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
+    assert free_pools() == ALL_POOLS
 
 
 @pytest.mark.slow
-def test_wrong_ray_address_fails_fast(cluster, tmp_path):
+def test_wrong_ray_address_fails_fast(cluster, tmp_path, monkeypatch):
+    """Refused by a probe of the address, before ray.init's minute of retries."""
+    monkeypatch.setattr(ray, "init", unreachable("ray.init"))
     cfg = load_config(None, BASE + DISAGG)
     expect_user_error(
         cfg, ["127.0.0.1:1", "no Ray cluster answers"], ray_address="127.0.0.1:1", run_dir=tmp_path
@@ -461,7 +473,7 @@ def test_failure_releases_everything(cluster, tmp_path):
     cfg = load_config(None, BASE + DISAGG)
     with pytest.raises(Stop):
         run_engine(cfg, run_dir=tmp_path, on_iteration=stop)
-    assert free_pools() == {"pool:rollout": 2, "pool:trainer": 2}
+    assert free_pools() == ALL_POOLS
     assert json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]  # kept for debugging
     assert len(read_metrics(tmp_path)) == 1
 

@@ -1,4 +1,5 @@
-"""Checkpoints, resume and periodic eval in the Ray engine (docs/architecture.md: the run directory, on the engine).
+"""Checkpoints, resume and periodic eval in the Ray engine (docs/architecture.md: the run directory, on the
+engine).
 
 On-policy (max_staleness 0, one trainer rank) the engine equals the single-process trainer, so a
 run stopped at a checkpoint and resumed must reproduce the uninterrupted run exactly. In async
@@ -24,17 +25,13 @@ from digenrl.engine.runtime import run_engine  # noqa: E402
 from digenrl.policy import Policy  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
-from tests.helpers import cli, local_ray  # noqa: E402
+from tests.helpers import TINY, cli  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
 
 BASE = [
-    "model.height=16",
-    "model.width=16",
+    *TINY,
     "train.iterations=4",
-    "train.prompts_per_iteration=2",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
     "output.checkpoint_every=2",
     "output.eval_every=2",
     "output.save_samples_every=0",
@@ -48,8 +45,9 @@ ASYNC = BASE + ["engine.max_staleness=1"]
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    yield from local_ray(rollout=1, trainer=1)
+def cluster(ray_cluster):
+    """The suite's Ray cluster (conftest ``ray_cluster``); its address."""
+    return ray_cluster
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,13 @@ from digenrl.config import load_config  # noqa: E402
 from digenrl.engine.runtime import run_engine  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
-from tests.helpers import local_ray  # noqa: E402
+from tests.helpers import TINY  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 BASE = [
-    "model.height=16",
-    "model.width=16",
+    *TINY,
     "train.iterations=2",
-    "train.prompts_per_iteration=2",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
     "engine.tsp_degree=1",
     "engine.max_staleness=0",
 ]
@@ -43,8 +39,9 @@ HSDP = [
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    yield from local_ray(rollout=1, trainer=4)
+def cluster(ray_cluster):
+    """The suite's Ray cluster (conftest ``ray_cluster``); its address."""
+    return ray_cluster
 
 
 def test_hsdp_shard_groups_equal_the_local_trainer(cluster, tmp_path):

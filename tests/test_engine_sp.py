@@ -19,16 +19,12 @@ from digenrl.config import load_config  # noqa: E402
 from digenrl.engine.runtime import run_engine  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
-from tests.helpers import local_ray  # noqa: E402
+from tests.helpers import TINY  # noqa: E402
 from tests.test_timeline import with_followers_replicated  # noqa: E402
 
 BASE = [
-    "model.height=16",
-    "model.width=16",
+    *TINY,
     "train.iterations=2",
-    "train.prompts_per_iteration=2",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
     "engine.tsp_degree=1",
     "engine.max_staleness=0",
 ]
@@ -58,8 +54,9 @@ CASES = {  # the sequence-parallel pair, and the run's other pool: replicated ra
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    yield from local_ray(rollout=2, trainer=4)
+def cluster(ray_cluster):
+    """The suite's Ray cluster (conftest ``ray_cluster``); its address."""
+    return ray_cluster
 
 
 @pytest.fixture(scope="module")

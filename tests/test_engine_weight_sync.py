@@ -1,4 +1,4 @@
-"""Broadcast weight sync wired into the engine (``engine.weight_sync``, issue 15 item 5): trainer
+"""Broadcast weight sync wired into the engine (``engine.weight_sync``): trainer
 rank 0 broadcasts each version to the rollout workers over a gloo group; they receive it on a
 background thread while generating and load it at the next unit boundary, checking every
 tensor's fingerprint. Tiny FLUX, local Ray, 2-3 iterations."""
@@ -19,17 +19,12 @@ from safetensors.torch import load_file  # noqa: E402
 from digenrl.config import load_config  # noqa: E402
 from digenrl.engine.runtime import run_engine  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
-from digenrl.lora import WeightSyncError  # noqa: E402
-from tests.helpers import local_ray  # noqa: E402
+from digenrl.errors import WeightSyncError  # noqa: E402
+from tests.helpers import QUIET, TINY  # noqa: E402
 
 BASE = [
-    "model.height=16",
-    "model.width=16",
-    "train.prompts_per_iteration=2",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
-    "output.save_samples_every=0",
-    "output.tensorboard=false",
+    *TINY,
+    *QUIET,
     "placement.mode=disaggregated",
     "engine.tag=false",
     "engine.tsp_degree=1",
@@ -40,8 +35,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    yield from local_ray(rollout=2, trainer=1)
+def cluster(ray_cluster):
+    """The suite's Ray cluster (conftest ``ray_cluster``); its address."""
+    return ray_cluster
 
 
 def sync_events(run_dir) -> tuple[Timeline, dict[int, dict], dict[int, list]]:

@@ -1,4 +1,5 @@
-"""``digenrl eval`` on a checkpoint of every family, baselines, periodic eval, TensorBoard / W&B logging, bad input."""
+"""``digenrl eval`` on a checkpoint of every family, baselines, periodic eval, TensorBoard / W&B logging, bad
+input."""
 
 import json
 import shutil

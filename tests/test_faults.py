@@ -1,4 +1,4 @@
-"""Faults (issue #8): a rollout worker killed mid-unit is restarted by Ray and its unit generated
+"""Faults: a rollout worker killed mid-unit is restarted by Ray and its unit generated
 again whole, so the run ends with every group trained exactly once and -- on-policy -- the same
 weights as a run without the fault; a dead trainer rank stops the run with the last checkpoint
 intact and a resume hint; restarts are bounded. Faults are injected with ``engine.faults``."""
@@ -23,17 +23,12 @@ from digenrl.errors import RunStopped, UserError  # noqa: E402
 from digenrl.faults import fault_plan  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
-from tests.helpers import cli, local_ray  # noqa: E402
+from tests.helpers import QUIET, TINY, cli  # noqa: E402
 
 BASE = [
-    "model.height=16",
-    "model.width=16",
+    *TINY,
     "train.iterations=3",
-    "train.prompts_per_iteration=2",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
-    "output.save_samples_every=0",
-    "output.tensorboard=false",
+    *QUIET,
     "placement.mode=disaggregated",
     "engine.gap=true",
     "engine.tsp_degree=2",
@@ -50,8 +45,9 @@ def faults(*pairs: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    yield from local_ray(rollout=1, trainer=1)
+def cluster(ray_cluster):
+    """The suite's Ray cluster (conftest ``ray_cluster``); its address."""
+    return ray_cluster
 
 
 def trained_groups(run_dir) -> Counter:

@@ -73,6 +73,7 @@ def _part(unit, rank: int, world: int):
         rewards=unit.rewards[rows],
         reward_parts={k: v[rows] for k, v in unit.reward_parts.items()},
         advantages=unit.advantages[rows],
+        step_noise=unit.step_noise[rows],
     )
 
 

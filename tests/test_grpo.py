@@ -60,7 +60,8 @@ def test_clipped_objective():
     logp_old = torch.zeros(3)
     logp = torch.log(torch.tensor([1.5, 1.5, 0.5]))
     loss, st = grpo.clipped_objective(logp, logp_old, adv, 0.2)
-    # A>0, rho=1.5: clipped to 1.2 -> max(-1.5, -1.2) = -1.2 ; A<0, rho=1.5: max(1.5, 1.2) = 1.5 ; A>0 rho=.5: -0.5
+    # A>0, rho=1.5: clipped to 1.2 -> max(-1.5, -1.2) = -1.2 ; A<0, rho=1.5: max(1.5, 1.2) = 1.5 ; A>0 rho=.5:
+    # -0.5
     assert torch.allclose(loss, torch.tensor([-1.2, 1.5, -0.5]))
     assert st["clip_frac"] == 1.0
     w = torch.tensor([2.0, 1.0, 1.0])

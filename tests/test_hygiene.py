@@ -1,4 +1,4 @@
-"""Resource hygiene (issue #8): `digenrl train` on the engine leaves no process behind, whether it
+"""Resource hygiene: `digenrl train` on the engine leaves no process behind, whether it
 ends normally or is interrupted with Ctrl-C, and an interrupted run leaves nothing half-written.
 
 Each run is a real subprocess with a marker in its environment; every process it starts (the Ray
@@ -18,17 +18,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import TINY
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc (Linux)"),
 ]
 
 SMALL = [
-    "model.height=16",
-    "model.width=16",
-    "train.prompts_per_iteration=2",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
+    *TINY,
     "output.save_samples_every=0",
     "output.checkpoint_every=1",
 ]

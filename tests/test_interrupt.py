@@ -1,4 +1,4 @@
-"""Ctrl-C keeps the work (issue #14): `digenrl train` interrupted mid-run writes a checkpoint of the
+"""Ctrl-C keeps the work: `digenrl train` interrupted mid-run writes a checkpoint of the
 last completed iteration, exits 130 with a last line that says how to resume, and `--resume`
 continues from exactly there: every iteration's metrics row once, the interrupted run's rows as
 they were. Each run is a real subprocess sent a real SIGINT, on the engine (the default config) and
@@ -17,12 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import TINY
+
 SMALL = [
-    "model.height=16",
-    "model.width=16",
-    "train.prompts_per_iteration=2",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
+    *TINY,
     "output.save_samples_every=0",
 ]
 
@@ -84,6 +82,15 @@ def interrupt_then_resume(run: Path, extra: list[str]) -> None:
     assert [r["iteration"] for r in after] == list(range(done + 2))  # each iteration exactly once
     assert after[:done] == before  # the interrupted run's rows are kept as they were
     assert (run / "final").is_dir()
+    if (run / "timeline.json").is_file():  # the engine: one timeline of the whole run, not of its last part
+        from collections import Counter
+
+        from digenrl.engine.timeline import Timeline
+
+        tl = Timeline.from_chrome_trace(run / "timeline.json")
+        steps = Counter(e.iteration for e in tl.of("step") if "publishes" in e.args)
+        assert sorted(steps) == list(range(done + 2)) and len(set(steps.values())) == 1, steps
+        assert list(tl.iteration_spans()) == list(range(done + 2))
 
 
 @pytest.mark.slow
@@ -162,8 +169,8 @@ def test_the_checkpoint_kept_on_a_stop_is_the_last_logged_iteration(tmp_path):
     exc = stopped(KeyboardInterrupt(), tmp_path, 0, 10)
     assert isinstance(exc, RunInterrupted)
     assert (
-        str(exc)
-        == "interrupted with 0 of 10 iterations done; no checkpoint was written (0 of 10 iterations done, nothing to resume from)"
+        str(exc) == "interrupted with 0 of 10 iterations done; no checkpoint was written "
+        "(0 of 10 iterations done, nothing to resume from)"
     )
     from digenrl.policy import Policy
 
@@ -173,6 +180,7 @@ def test_the_checkpoint_kept_on_a_stop_is_the_last_logged_iteration(tmp_path):
     assert not checkpoint_to_keep(tmp_path, 3, 3)  # already there
     exc = stopped(RunStopped("the reward actor died; the run stopped."), tmp_path, 3, 10)
     assert str(exc) == (
-        f"the reward actor died; the run stopped; last checkpoint: {tmp_path / 'checkpoints' / 'iter-000003'} "
-        f"(iteration 3); resume with: digenrl train --resume {tmp_path}"
+        f"the reward actor died; the run stopped; last checkpoint: "
+        f"{tmp_path / 'checkpoints' / 'iter-000003'} (iteration 3); resume with: digenrl train --resume "
+        f"{tmp_path}"
     )

@@ -3,21 +3,19 @@
 import pytest
 import torch
 
-from digenrl.errors import UserError
-from digenrl.lora import WeightSyncError, checksum, load_lora_state_dict, lora_state_dict
+from digenrl.errors import UserError, WeightSyncError
+from digenrl.lora import checksum, load_lora_state_dict, lora_state_dict
 from digenrl.policy import Policy
-
-SMALL = ["model.height=16", "model.width=16"]
 
 
 def test_target_matching_nothing_is_an_error(tiny_cfg):
-    cfg = tiny_cfg(*SMALL, "model.lora.targets=[to_q, to_qq]")
+    cfg = tiny_cfg("model.lora.targets=[to_q, to_qq]")
     with pytest.raises(UserError, match=r"model.lora.targets: \['to_qq'\] match no linear module"):
         Policy(cfg)
 
 
 def test_weight_load_is_verified(tiny_cfg):
-    p = Policy(tiny_cfg(*SMALL), trainable=False)
+    p = Policy(tiny_cfg(), trainable=False)
     state = lora_state_dict(p.adapter.transformer)
     load_lora_state_dict(p.adapter.transformer, state, checksum(state))  # round trip is fine
     renamed = {k.replace("to_q", "to_qx"): v for k, v in state.items()}
@@ -31,7 +29,7 @@ def test_weight_load_is_verified(tiny_cfg):
 
 
 def test_full_finetuning_ships_all_weights(tiny_cfg):
-    p = Policy(tiny_cfg(*SMALL, "model.lora=null"))
+    p = Policy(tiny_cfg("model.lora=null"))
     assert not p.lora and len(p.params) == len(list(p.adapter.transformer.parameters()))
     w = p.weights()
     assert set(w) == set(p.adapter.transformer.state_dict())
@@ -42,14 +40,14 @@ def test_full_finetuning_ships_all_weights(tiny_cfg):
 def test_kl_is_zero_before_the_first_update_and_positive_after(tiny_cfg, tmp_path):
     from digenrl.trainer import LocalTrainer
 
-    cfg = tiny_cfg(*SMALL, "train.iterations=2", "algorithm.kl_beta=0.04", f"output.run_dir={tmp_path}")
+    cfg = tiny_cfg("train.iterations=2", "algorithm.kl_beta=0.04", f"output.run_dir={tmp_path}")
     rows = LocalTrainer(cfg).run().metrics
     assert rows[0]["kl"] == 0.0  # LoRA B starts at zero: policy == reference
     assert rows[1]["kl"] > 0.0
 
 
 def test_reference_context_disables_lora(tiny_cfg):
-    p = Policy(tiny_cfg(*SMALL), trainable=False)
+    p = Policy(tiny_cfg(), trainable=False)
     for n, prm in p.adapter.transformer.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(prm)

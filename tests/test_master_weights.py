@@ -50,7 +50,8 @@ def test_policy_trains_fp32_masters_and_ships_to_a_bf16_copy(tiny_cfg):
     weights loads them verified, and a changed byte is refused."""
     import pytest
 
-    from digenrl.lora import WeightSyncError, checksum
+    from digenrl.errors import WeightSyncError
+    from digenrl.lora import checksum
     from digenrl.policy import Policy
 
     cfg = tiny_cfg("model.lora=null", "model.dtype=bfloat16")

@@ -12,9 +12,10 @@ import pytest
 from digenrl.config import load_config
 from digenrl.errors import UserError
 from digenrl.placement import Plan, apply_plan
-from digenrl.planner.costmodel import CostModel, CostParams
+from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import load_cluster
 from digenrl.planner.memory import MemoryModel
+from digenrl.planner.params import CostParams
 from digenrl.planner.search import candidates, sp_degrees
 from digenrl.planner.simulator import bound, simulate
 from digenrl.planner.workload import Workload
@@ -60,7 +61,10 @@ def test_activations_per_device_scale_one_over_sp_for_the_sequence_part(sp):
     # rollout: only the live-activation term scales; weights, trajectory and decode do not
     r1, rs = m.rollout_parts(1, 1), m.rollout_parts(1, sp)
     assert r1["weights"] == rs["weights"] and r1["rollout models"] == rs["rollout models"]
-    acts = lambda s: m.held_passes(True) * m.workload.group_size * m.pass_tokens(s) * h * m.params.infer_act_bytes  # noqa: E731
+
+    def acts(s):
+        return m.held_passes(True) * m.workload.group_size * m.pass_tokens(s) * h * m.params.infer_act_bytes
+
     assert r1["activations"] - rs["activations"] == pytest.approx(acts(1) - acts(sp), rel=1e-9)
     # the sharded parts shard over FSDP ranks, never over the sp devices of a rank
     assert m.train_parts(2, 1, True, sp)["frozen base"] == m.train_parts(2, 1, True, 1)["frozen base"]

@@ -8,13 +8,11 @@ import torch
 from digenrl.config import load_config
 from digenrl.trainer import LocalTrainer
 from digenrl.units import assign_advantages, merge_stats, minibatch_rows, train_unit
+from tests.helpers import TINY
 
 SMALL = [
+    *TINY,
     "placement.mode=local",
-    "model.height=16",
-    "model.width=16",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
     "train.prompts_per_iteration=4",
     "output.tensorboard=false",
     "train.lr=1e-2",

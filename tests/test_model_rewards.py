@@ -2,7 +2,6 @@
 real code path; the reward actor on a local Ray against the inline rewards."""
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -375,13 +374,11 @@ def test_reward_call_metrics():
 
 
 @pytest.fixture(scope="module")
-def ray_local():
+def ray_local(ray_cluster):
+    """The suite's Ray cluster (conftest ``ray_cluster``)."""
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    return ray
 
 
 @pytest.mark.slow

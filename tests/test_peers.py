@@ -12,8 +12,10 @@ import pytest
 
 from digenrl.config import load_config
 from digenrl.planner import peers as peer_models
-from digenrl.planner.costmodel import CostModel, CostParams, Workload
+from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import KERNEL_EFFICIENCY, load_cluster
+from digenrl.planner.params import CostParams
+from digenrl.planner.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 CAL_FILE = ROOT / "benchmarks" / "peer_calibration.py"

@@ -19,18 +19,14 @@ from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit
 from digenrl.engine.timeline import Timeline
 from digenrl.errors import UserError
 from digenrl.placement import Plan
-from digenrl.planner.costmodel import (
-    AnalyticTimes,
-    CostModel,
-    CostParams,
-    EngineOverheads,
-    Workload,
-    interpolate,
-)
+from digenrl.planner.call_times import AnalyticTimes, interpolate
+from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import DEVICES, cluster_from_dict, load_cluster, match_device_name
+from digenrl.planner.params import CostParams, EngineOverheads
 from digenrl.planner.search import candidates, search
 from digenrl.planner.shapes import attention_fraction, forward_flops, model_shape
 from digenrl.planner.simulator import bound, simulate
+from digenrl.planner.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "configs" / "clusters"
@@ -286,7 +282,7 @@ def disagg(rollout: int, trainers: int, **knobs) -> Plan:
 
 
 def test_simulator_drives_the_engine_scheduler_and_fills_a_timeline(tiny_cfg, tmp_path):
-    cfg = tiny_cfg("train.prompts_per_iteration=4")
+    cfg = tiny_cfg("train.prompts_per_iteration=4", "algorithm.group_size=8")
     cost = ConstantCost(cfg)
     res = simulate(disagg(1, 2, tsp_degree=2, tag=True), cost, iterations=3)
     assert isinstance(res.scheduler, Scheduler) and res.scheduler.done()
@@ -459,7 +455,11 @@ def test_broadcast_weight_sync_is_paid_where_the_runtime_pays_it(tiny_cfg):
     store = CostModel(Workload.from_config(tiny_cfg(*full, "engine.weight_sync=object_store")), cluster)
     assert (bc.workload.weight_sync, store.workload.weight_sync) == ("broadcast", "object_store")
     b, h100 = bc.workload.sync_bytes, DEVICES["H100"]
-    bw, latency, check = bc.network_bw(), cluster.interconnect.latency_us * 1e-6, bc.params.checksum_bytes_per_s
+    bw, latency, check = (
+        bc.network_bw(),
+        cluster.interconnect.latency_us * 1e-6,
+        bc.params.checksum_bytes_per_s,
+    )
     wire = latency + b / bw
     pack = b / h100.host_bw + b / check  # the weights to the host + one checksum
     assert b > 1e5 and wire > 0

@@ -13,10 +13,12 @@ from digenrl.cli.app import app
 from digenrl.config import PoolConfig, load_config
 from digenrl.errors import UserError
 from digenrl.placement import Plan
-from digenrl.planner.costmodel import CostModel, ProfiledTimes, Workload
+from digenrl.planner.call_times import ProfiledTimes
+from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import load_cluster
 from digenrl.planner.profile import batch_sizes, load_profile, run_profile, save_profile
 from digenrl.planner.simulator import simulate
+from digenrl.planner.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["sampling.steps=2", "train.prompts_per_iteration=2", "algorithm.group_size=2", "train.micro_batch=2"]

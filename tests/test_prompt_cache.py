@@ -1,4 +1,4 @@
-"""Prompt embeddings cached once per run (issue 15, lean workers): each distinct prompt reaches the
+"""Prompt embeddings cached once per run (lean workers): each distinct prompt reaches the
 text encoder once; the cached conditioning is exactly what encoding again returns."""
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ WAN_TINY = Path(__file__).resolve().parents[1] / "configs" / "wan_tiny.yaml"
 
 @pytest.fixture(scope="module")
 def wan_checkpoint(tmp_path_factory):
-    """A tiny Wan checkpoint in the real layout (UMT5 text encoder + tokenizer), saved with save_pretrained."""
+    """A tiny Wan checkpoint in the real layout (UMT5 text encoder + tokenizer), saved with
+    save_pretrained."""
     from diffusers import WanPipeline
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel

@@ -29,7 +29,8 @@ _spec.loader.exec_module(reward_server)
 
 
 def numpy_prompt_color(images, prompts, metadata):
-    """prompt_color written again in numpy (server side): 1 - mean RGB distance to the named colour / sqrt(3)."""
+    """prompt_color written again in numpy (server side): 1 - mean RGB distance to the named colour /
+    sqrt(3)."""
     out = []
     for img, p, m in zip(images, prompts, metadata):
         target = np.array(COLORS[prompt_color(p, m)], dtype=np.float32)[:, None, None]
@@ -317,16 +318,10 @@ def test_server_stopping_mid_run_trains_no_unit_on_missing_scores(tmp_path):
     assert [r["iteration"] for r in rows] == [0]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from tests.helpers import local_ray
-
-    yield from local_ray()
-
-
 @pytest.mark.slow  # starts Ray
 def test_inside_the_reward_actor(ray_cluster, server):
-    """The reward actor (reward.service) builds the remote reward from the registry: same scores, same error."""
+    """The reward actor (reward.service) builds the remote reward from the registry: same scores, same
+    error."""
     import ray
 
     from digenrl.rewards.service import RewardClient, start_reward_actor

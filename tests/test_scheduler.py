@@ -250,9 +250,9 @@ def check_invariants(
                 for e in trains
                 if (e.unit.iteration == k and e.unit.step > s) or e.unit.iteration == k + 1
             )
-            for st in share:
-                others = [e for e in events if e.worker == st.worker and e is not st]
-                assert not [e for e in others if st.start <= e.start < end]
+            for share_event in share:
+                others = [e for e in events if e.worker == share_event.worker and e is not share_event]
+                assert not [e for e in others if share_event.start <= e.start < end]
             previous_end = end
         step_end[k] = previous_end
     assert list(step_end.values()) == sorted(step_end.values())
@@ -263,11 +263,12 @@ def check_invariants(
         if roles[e.worker] == "rollout":
             continue
         v = e.unit.version
-        for st in steps:
-            if st.worker == e.worker and st.unit.iteration == v and st.unit.step == 0:
-                assert e.end <= st.start
-            if st.worker == e.worker and st.unit.iteration == v - 1 and st.unit.last:
-                assert e.start >= st.end
+        for step_event in steps:
+            same = step_event.worker == e.worker
+            if same and step_event.unit.iteration == v and step_event.unit.step == 0:
+                assert e.end <= step_event.start
+            if same and step_event.unit.iteration == v - 1 and step_event.unit.last:
+                assert e.start >= step_event.end
 
     for k in range(first, n_iter):
         rollout_k = [e for e in rollouts if e.unit.iteration == k]

@@ -295,3 +295,39 @@ def test_group_leads_of_the_engine_config():
         "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]",
     ) == {"trainer1": "trainer0", "trainer2": "trainer0", "trainer3": "trainer0"}
     assert leads("cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 2}]") == {}
+
+
+def test_a_resumed_run_keeps_the_earlier_timeline(tmp_path):
+    """After Ctrl-C and --resume, timeline.json is the whole run's: the interrupted run's iterations
+    before the checkpoint (its partial iteration 1 was run again and is dropped), then the resumed
+    run's, shifted after them. Each iteration's units and step appear once and the spans tile."""
+    earlier = pipeline()
+    earlier.record("rollout0", "rollout", "rollout-2-0", 2, 1, 5.5, 6.0, samples=8, groups=[0])  # cut off
+    path = earlier.save_json(tmp_path / "timeline.json")
+    resumed = Timeline()  # resumed from the checkpoint of iteration 1: runs iterations 1 and 2
+    resumed.add_worker("rollout0", "rollout")
+    resumed.add_worker("trainer0", "trainer")
+    resumed.record("rollout0", "start", "start-rollout0", 0, 0, 0.0, 1.0)
+    for k, t in ((1, 1.0), (2, 3.0)):
+        resumed.record("rollout0", "rollout", f"rollout-{k}-0", k, k, t, t + 1, samples=8, groups=[0])
+        resumed.record("trainer0", "train", f"train-{k}-0-0", k, k, t + 1, t + 1.5, sample_versions=[k])
+        resumed.record("trainer0", "step", f"step-{k}/trainer0", k, k, t + 1.5, t + 2)
+    whole = resumed.after_earlier(path, from_iteration=1)
+    assert [(e.iteration, e.uid) for e in whole.of("step")] == [
+        (0, "step-0/trainer0"),
+        (1, "step-1/trainer0"),
+        (2, "step-2/trainer0"),
+    ]
+    assert sorted((e.iteration, e.uid) for e in whole.of("rollout")) == [
+        (0, "rollout-0-0"),
+        (1, "rollout-1-0"),
+        (2, "rollout-2-0"),
+    ]
+    kept_end = 3.25  # the earlier events kept end with iteration 0's step and sync
+    assert min(e.start for e in whole.events if e.uid.startswith(("start", "rollout-1"))) >= kept_end
+    spans = whole.iteration_spans()
+    assert list(spans) == [0, 1, 2]
+    assert all(spans[k][1] == spans[k + 1][0] for k in (0, 1))  # the spans tile the whole run
+    reread = Timeline.from_chrome_trace(whole.to_chrome_trace())
+    assert len(reread.events) == len(whole.events)
+    assert resumed.after_earlier(tmp_path / "none.json", 1) is resumed  # nothing earlier: unchanged

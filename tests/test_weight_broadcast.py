@@ -5,6 +5,7 @@ corrupted bucket detected, the prefetch running while the receiver generates."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -72,7 +73,8 @@ def _source(group, out):
 
 def _receiver(rank, group, out):
     from digenrl.distributed.broadcast import WeightReceiver, sync_targets
-    from digenrl.lora import WeightSyncError, checksum, lora_state_dict
+    from digenrl.errors import WeightSyncError
+    from digenrl.lora import checksum, lora_state_dict
 
     receiver = WeightReceiver(group)
     lora, full = _policy(False, False), _policy(True, False)
@@ -95,23 +97,38 @@ def _receiver(rank, group, out):
     with pytest.raises(WeightSyncError, match=r"fingerprint mismatch after load .*\(bucket 1\)"):
         receiver.load(got, sync_targets(lora.adapter.transformer, lora=True))
     record["corrupted_detected"] = True
-    # prefetch version 5 while "generating" (sampling forwards), load at the unit boundary
+    # prefetch version 5 while "generating" (sampling forwards), load at the unit boundary. The
+    # background receive is held after its first broadcast until the main thread has run a whole
+    # forward since: the overlap is then shown whatever the machine's load (timing alone is not)
     receiver.prefetch()
-    spans = []
+    arrived, generated, real = threading.Event(), threading.Event(), group.broadcast
+
+    def held(tensor, src):
+        real(tensor, src)
+        if not arrived.is_set():
+            arrived.set()
+            generated.wait(timeout=120)
+
+    group.broadcast = held
+    if rank == 1:
+        group.store.set("generating", "1")
     cond = lora.adapter.encode_prompts(["a cat"])
     x = torch.randn(1, *lora.adapter.latent_shape())
-    while not receiver.ready() or not spans:
+    spans = []  # (start, end, the receive was in progress when the forward started)
+    while not receiver.ready():
+        during = arrived.is_set()
         start = time.time()
         with torch.no_grad():
             lora.adapter.velocity(x, torch.tensor([0.5]), cond)
-        spans.append((start, time.time()))
-        if len(spans) == 1 and rank == 1:
-            group.store.set("generating", "1")
+        spans.append((start, time.time(), during))
+        if during:
+            generated.set()
     got = receiver.wait()
+    group.broadcast = real
     receiver.load(got, sync_targets(lora.adapter.transformer, lora=True))
     record["lora5"] = checksum(lora_state_dict(lora.adapter.transformer))
-    sync = got.event
-    record["overlap"] = spans[0][0] < sync["end"] and sync["start"] < spans[-1][1] and len(spans) > 1
+    sync = got.event  # a forward ran inside the receive's own span
+    record["overlap"] = any(during and sync["start"] <= s and e <= sync["end"] for s, e, during in spans)
     receiver.receive_into(sync_targets(full.adapter.transformer, lora=False))
     record["full6"] = checksum(dict(full.adapter.transformer.state_dict()))
     with pytest.raises(WeightSyncError, match="missing keys"):  # every bucket drained, then refused

@@ -1,4 +1,4 @@
-"""Lean workers (issue 15): what each engine role holds, read off the real ``EngineWorker`` build
+"""Lean workers: what each engine role holds, read off the real ``EngineWorker`` build
 (the same class the Ray actors run, here as a plain object in this process)."""
 
 from __future__ import annotations

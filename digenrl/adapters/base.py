@@ -16,46 +16,19 @@ import contextlib
 import json
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from digenrl.adapters.cond import Cond
+from digenrl.adapters.prompt_cache import PromptEmbeddingCache
+from digenrl.adapters.text_offload import attach_offload_hooks, offload_all
+from digenrl.adapters.vae_decode import configure_vae, tiling_mode
 from digenrl.config import ModelConfig, SamplingConfig
 from digenrl.errors import UserError
-
-
-@dataclass
-class Cond:
-    """Prompt conditioning, batch-first; travels with the samples from rollout to training.
-
-    ``batched`` tensors have the batch on dim 0; ``shared`` ones (e.g. FLUX ``txt_ids``) do not.
-    """
-
-    batched: dict[str, torch.Tensor]
-    shared: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return next(iter(self.batched.values())).shape[0]
-
-    def select(self, idx) -> Cond:
-        return Cond({k: v[idx] for k, v in self.batched.items()}, self.shared)
-
-    def repeat_interleave(self, n: int) -> Cond:
-        return Cond({k: v.repeat_interleave(n, dim=0) for k, v in self.batched.items()}, self.shared)
-
-    def to(self, device) -> Cond:
-        return Cond(
-            {k: v.to(device) for k, v in self.batched.items()},
-            {k: v.to(device) for k, v in self.shared.items()},
-        )
-
-    @staticmethod
-    def cat(conds: list[Cond]) -> Cond:
-        keys = conds[0].batched.keys()
-        return Cond({k: torch.cat([c.batched[k] for c in conds]) for k in keys}, conds[0].shared)
 
 
 @dataclass(frozen=True)
@@ -112,8 +85,6 @@ class Adapter(ABC):
         self.dtype = getattr(torch, model.dtype)
         self.transformer: nn.Module
         self.scheduler = None  # FlowMatchEulerDiscreteScheduler
-        from digenrl.adapters.prompt_cache import PromptEmbeddingCache  # it imports Cond from here
-
         self.prompt_cache = PromptEmbeddingCache(model.prompt_cache)
         self.check_shapes()
         if model.pretrained is not None:
@@ -126,15 +97,11 @@ class Adapter(ABC):
         self.transformer.to(self.device)
         if isinstance(getattr(self, "vae", None), nn.Module):
             self.vae.to(self.device)
-            from digenrl.adapters.vae_decode import configure_vae, tiling_mode
-
             configure_vae(
                 self.vae, tiling_mode(model, sampling)
             )  # one sample at a time; tiled if asked / needed
         self.offload_hooks = []  # model.offload_text_encoders: the encoders live on the CPU between encodes
         if model.offload_text_encoders:
-            from digenrl.adapters.text_offload import attach_offload_hooks
-
             self.offload_hooks = attach_offload_hooks(getattr(self, "pipe", None), self.device)
 
     # ------------------------------------------------------------------ lean trainer ranks
@@ -225,8 +192,6 @@ class Adapter(ABC):
     def _encode_then_offload(self, prompts: list[str]) -> Cond:
         cond = self.encode_prompts(prompts)
         if self.offload_hooks:
-            from digenrl.adapters.text_offload import offload_all
-
             offload_all(self.offload_hooks)
         return cond
 

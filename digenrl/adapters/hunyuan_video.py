@@ -10,8 +10,8 @@ Mirrors ``diffusers.HunyuanVideoPipeline``:
 - ``encoder_attention_mask`` is required and the transformer only uses its SUM (per-sample valid length),
   so valid tokens must be a left-aligned prefix: checked in :meth:`encode_prompts`.
 - LoRA: ``to_q``/``to_k``/``to_v``/``to_out.0`` also match the token-refiner blocks' self-attention
-  (``context_embedder.token_refiner.*``); accepted, as the reference recipe's names (docs/algorithms.md) do the
-  same. Single-stream blocks have only ``to_q/k/v`` (their output layer is ``proj_out``).
+  (``context_embedder.token_refiner.*``); accepted, as the reference recipe's names (docs/algorithms.md) do
+  the same. Single-stream blocks have only ``to_q/k/v`` (their output layer is ``proj_out``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ TINY_TRANSFORMER = dict(
     pooled_projection_dim=8,
     rope_axes_dim=(2, 4, 4),
 )
-# diffusers' dummy VAE for HunyuanVideoPipeline tests: 4 blocks -> the real 8x spatial / 4x temporal compression
+# diffusers' dummy VAE for HunyuanVideoPipeline tests: 4 blocks -> the real 8x spatial / 4x temporal
+# compression
 TINY_VAE = dict(
     in_channels=3,
     out_channels=3,

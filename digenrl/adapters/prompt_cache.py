@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable
 
-from digenrl.adapters.base import Cond
+from digenrl.adapters.cond import Cond
 
 
 class PromptEmbeddingCache:
@@ -28,7 +28,8 @@ class PromptEmbeddingCache:
         self.rows.clear()
 
     def lookup(self, prompts: list[str], encode: Callable[[list[str]], Cond]) -> Cond:
-        """The conditioning of ``prompts`` (CPU, in order); only prompts not held are encoded, in one batch."""
+        """The conditioning of ``prompts`` (CPU, in order); only prompts not held are encoded, in one
+        batch."""
         if self.capacity == 0:
             self.encoded += len(prompts)
             return encode(prompts).to("cpu")

@@ -1,5 +1,5 @@
 """How an adapter's VAE decodes a batch (``sampling.vae_tiling``): one sample at a time, tiled where
-configured or where a sample is larger than the memory model's decode tile.
+configured or where a sample is larger than the decode tile (:data:`TILE_PX`).
 
 - **Slicing** (always): the diffusers VAE decodes a batch one sample at a time (``enable_slicing``), so
   the decode's memory is one sample's, whatever the rollout unit's size, and the output equals
@@ -14,11 +14,10 @@ configured or where a sample is larger than the memory model's decode tile.
 
 from __future__ import annotations
 
-from digenrl.planner.params import CostParams
-
-#: pixels (height x width x frames) of one sample above which ``auto`` tiles: the decode tile the
-#: memory model assumes (``CostParams.vae_tile_px``), so the runtime decodes what the model sized
-TILE_PX = CostParams().vae_tile_px
+#: pixels (height x width x frames) of one sample above which ``auto`` tiles, and the most a tiled
+#: decode holds at once: the planner's memory model reads its decode tile from here
+#: (``CostParams.vae_tile_px``), so the runtime decodes what the model sized
+TILE_PX = 4.0e6
 
 
 def tiling_mode(model, sampling) -> str:

@@ -127,7 +127,8 @@ class WanAdapter(TwoPassCFG, Adapter):
         return self._flow_scheduler_from(super().checkpoint_scheduler(path).config)
 
     def _component_configs(self) -> tuple[dict, dict] | None:
-        """(transformer, vae) configs without building: the tiny ones, or the checkpoint's config.json files."""
+        """(transformer, vae) configs without building: the tiny ones, or the checkpoint's config.json
+        files."""
         if self.cfg.pretrained is None:
             return TINY_TRANSFORMER, TINY_VAE
         try:

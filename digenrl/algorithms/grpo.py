@@ -96,7 +96,8 @@ def kl_to_reference(mu: torch.Tensor, mu_ref: torch.Tensor, std: float) -> torch
 def window_bounds(
     num_steps: int, window: int, window_range: tuple[float, float]
 ) -> tuple[int, int, int] | None:
-    """(first start, number of starts, width) of an SDE window inside ``window_range``, or None if it cannot fit.
+    """(first start, number of starts, width) of an SDE window inside ``window_range``, or None if it cannot
+    fit.
 
     The range [a, b) in fractions of the N steps covers steps floor(a N) .. floor(b N) - 1, never the
     last step N-1; the window's width is min(window, N-1). (0, 0.5) gives flow_grpo-Fast's

@@ -79,6 +79,9 @@ class Trajectory:
     log_probs: torch.Tensor  # (B, N) fp32: log-prob of each recorded transition (0 on ODE steps)
     sigmas: torch.Tensor  # (N+1,)
     sde_mask: torch.Tensor  # (N,) bool: which steps were stochastic
+    noise: torch.Tensor | None = (
+        None  # (B, N, *latent): x_{i+1} - mu_i, each step's drawn noise (0 on ODE steps)
+    )
 
 
 @torch.no_grad()
@@ -109,7 +112,7 @@ def sample(
     x = noise.float()
     if batches is not None:
         batches = [[rows.to(x.device) for rows in step] for step in batches]
-    xs, lps = [x], []
+    xs, lps, noises = [x], [], []
     for i in range(n):
         parts = [
             (rows, _velocity(adapter, x, sigmas[i], cond, rows))
@@ -119,17 +122,22 @@ def sample(
         if eta > 0 and bool(sde_mask[i]):
             eps = randn(tuple(x.shape)).to(device=x.device, dtype=torch.float32)
         if batches is None:
-            x, lp, _ = sde_step(kind, x, parts[0][1], sigmas, i, eta, eps)
+            x_next, lp, mu = sde_step(kind, x, parts[0][1], sigmas, i, eta, eps)
         else:  # each batch's step apart: its log-prob reduced in the shape the trainer reduces it in
-            x_next, lp = torch.empty_like(x), torch.zeros(x.shape[0], device=x.device)
+            x_next, lp, mu = (
+                torch.empty_like(x),
+                torch.zeros(x.shape[0], device=x.device),
+                torch.empty_like(x),
+            )
             for rows, v in parts:
-                x_next[rows], lp[rows], _ = sde_step(
+                x_next[rows], lp[rows], mu[rows] = sde_step(
                     kind, x[rows], v, sigmas, i, eta, None if eps is None else eps[rows]
                 )
-            x = x_next
+        noises.append(x_next - mu)
+        x = x_next
         xs.append(x)
         lps.append(lp)
-    return Trajectory(torch.stack(xs, 1), torch.stack(lps, 1), sigmas, sde_mask)
+    return Trajectory(torch.stack(xs, 1), torch.stack(lps, 1), sigmas, sde_mask, torch.stack(noises, 1))
 
 
 def _velocity(adapter, x: torch.Tensor, sigma: torch.Tensor, cond, rows: torch.Tensor | None) -> torch.Tensor:

@@ -83,12 +83,19 @@ def train(
         console.print("digenrl train: loading the config...", highlight=False)
     from digenrl.cli.train import run_train
 
+    edited = None
     if resume is not None:
         from digenrl.checkpoint import find_checkpoint
 
         resume = find_checkpoint(resume)
+        if config is None and run_dir is None and resume.parent.name == "checkpoints":
+            edited = resume.parent.parent  # continues in its own directory: RUN/config.yaml must match
         config = config or resume / "config.yaml"
     cfg = _load(config, set_)
+    if edited is not None:
+        from digenrl.resumecheck import check_resume_config
+
+        check_resume_config(edited, config, set_ or [])  # an edit of RUN/config.yaml is never ignored
     run_train(
         cfg, run_dir, ray_address, console, resume=resume, overwrite=overwrite, quiet=quiet, verbose=verbose
     )
@@ -119,9 +126,12 @@ def config_validate(
     cfg = _load(config, set_)
     checked = ["schema"]
     if not schema_only:
-        from digenrl.preflight import check_config
+        from digenrl.preflight import check_config, check_memory
+        from digenrl.prompts import check_prompts
 
         with console.status("checking placement, model, prompts and reward..."):
+            check_memory(cfg)  # in train's order: the placement's memory, then the prompts
+            check_prompts(cfg)  # with the limit the text encoder implies, as train checks them
             checked += check_config(cfg, ray_address)
     console.print(
         f"ok: {config or 'the defaults'} ({cfg.model.adapter}, {cfg.algorithm.name}, "
@@ -139,14 +149,15 @@ def profile(
     engine: Optional[str] = typer.Option(
         None,
         help=(
-            "The engine's own overheads: none (the model only), ray (Ray micro-benchmarks: call, object-store "
-            "transfer, all-reduce) or run (ray + a short calibration run of the engine). Default: ray on cpu, "
-            "none on cuda."
+            "The engine's own overheads: none (the model only), ray (Ray micro-benchmarks: call, "
+            "object-store transfer, all-reduce) or run (ray + a short calibration run of the engine). "
+            "Default: ray on cpu, none on cuda."
         ),
     ),
     repeats: int = typer.Option(5, help="Timed calls per measurement (the median is kept)."),
 ):
-    """Measure rollout / train step times vs batch size, decode, reward, weight-sync and memory on this device."""
+    """Measure rollout / train step times vs batch size, decode, reward, weight-sync and memory on this
+    device."""
     from digenrl.cli.profile import run_profile_command
     from digenrl.runlog import check_output_file
 

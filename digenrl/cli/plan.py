@@ -26,11 +26,12 @@ def run_plan_command(
     ladder: bool = False,
     show_peers: bool = False,
 ) -> dict:
-    from digenrl.planner.costmodel import CostModel, Workload
+    from digenrl.planner.costmodel import CostModel
     from digenrl.planner.gpus import cluster_from_run_config, load_cluster
     from digenrl.planner.profile import load_profile
     from digenrl.planner.search import baselines, search
     from digenrl.planner.search import ladder as knob_ladder
+    from digenrl.planner.workload import Workload
 
     if top < 1:
         raise UserError(f"--top: must be at least 1, got {top}")
@@ -288,8 +289,8 @@ def ladder_table(report: dict) -> Table:
 def report_notes(report: dict) -> list[str]:
     s, cm = report["search"], report["cost_model"]
     lines = [
-        "eff. = throughput bound (docs/architecture.md) / predicted iteration time; vs col. = speedup over the best "
-        "colocated plan (sub-group units allowed)"
+        "eff. = throughput bound (docs/architecture.md) / predicted iteration time; vs col. = speedup over "
+        "the best colocated plan (sub-group units allowed)"
     ]
     if report.get("baselines"):
         lines.append(
@@ -322,7 +323,10 @@ def report_notes(report: dict) -> list[str]:
             "cpu devices without a profile: nominal times only; run `digenrl profile --device cpu` "
             "and pass --profile"
         )
-    lines.append("predictions of the cost model + simulator, not measurements (docs/scaling.md)")
+    lines.append(
+        "predictions of the cost model + simulator, not measurements (docs/scaling.md); they predict "
+        "samples per second, not learning: reward per wall-second is benchmarks/learning.py's"
+    )
     return lines
 
 
@@ -376,8 +380,8 @@ def write_plan_config(cfg: RunConfig, r, cluster, path: Path, row: dict) -> Path
     header = [
         f"# written by `digenrl plan` for cluster {cluster.name} ({cluster.describe()})",
         f"# plan: {row['plan']}",
-        f"# predicted: {row['samples_per_s']:.4g} samples/s, {row['iteration_s']:.4g} s/iteration, "
-        f"bubble {row['bubble_fraction']:.1%}, {_fmt_speedup(row['speedup_vs_colocated'])} the best colocated plan",
+        f"# predicted: {row['samples_per_s']:.4g} samples/s, {row['iteration_s']:.4g} s/iteration, bubble "
+        f"{row['bubble_fraction']:.1%}, {_fmt_speedup(row['speedup_vs_colocated'])} the best colocated plan",
         "# (a model prediction: compare with the run's metrics.jsonl samples_per_s / bubble_fraction)",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)

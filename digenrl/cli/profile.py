@@ -19,6 +19,11 @@ def run_profile_command(
 
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device: expected cpu or cuda, got '{device}'")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("--device: cuda requested but no CUDA device is visible")
     engine = engine or ("ray" if device == "cpu" else "none")
     if engine not in ENGINE_MODES:
         raise UserError(f"--engine: expected none, ray or run, got '{engine}'")

@@ -33,8 +33,7 @@ def run_train(
     quiet: bool = False,
     verbose: bool = False,
 ):
-    from digenrl.progress import listening
-    from digenrl.runlog import check_new_run_dir, keep_log, library_output_to_log
+    from digenrl.runlock import claim_run_dir
 
     resumed = None
     if resume is not None:
@@ -43,11 +42,23 @@ def run_train(
         resumed = read_state(find_checkpoint(resume))
     target = planned_run_dir(cfg, run_dir, resumed)
     continuing = resumed is not None and run_dir is None  # a resumed run appends to its own directory
+    # one run per directory: taken before anything slow, held to the end (digenrl/runlock.py)
+    with claim_run_dir(target, "--resume" if continuing else "--run-dir"):
+        return _run_claimed(
+            cfg, target, continuing, resumed, ray_address, console, resume, overwrite, quiet, verbose
+        )
+
+
+def _run_claimed(cfg, target, continuing, resumed, ray_address, console, resume, overwrite, quiet, verbose):
+    from digenrl.preflight import check_memory, check_resources
+    from digenrl.progress import listening
+    from digenrl.prompts import check_prompts
+    from digenrl.runlog import check_new_run_dir, keep_log, library_output_to_log
+
     if not continuing:
         check_new_run_dir(target, overwrite)  # before any work: a run is never overwritten by accident
-    from digenrl.preflight import check_memory, check_resources
-
     check_memory(cfg)  # the config's placement against its device types, before this host's devices
+    check_prompts(cfg)  # a prompt the text encoder or a caption cannot take: refused now, in seconds
     check_resources(cfg, ray_address)
     done = resumed.iteration if resumed is not None else 0
     say = (lambda *a: None) if quiet else (lambda text: console.print(text, soft_wrap=True, highlight=False))
@@ -67,14 +78,14 @@ def run_train(
         console=console,
         disable=quiet,
     )
-    result = None
+    result, replaced, restored = None, None, False
     with library_output_to_log(console, enabled=not verbose) as log:
         try:
             with progress, listening(lambda stage: progress.update(task, stats=stage)):
                 task = progress.add_task("train", total=cfg.train.iterations, completed=done, stats="")
                 start = _driver(cfg, None if continuing else target, ray_address, resume)
-                if overwrite and not continuing and target.exists():
-                    _replace(cfg, target, ray_address)
+                if overwrite and not continuing:
+                    replaced = _set_aside(target)
 
                 last = {"stats": ""}
 
@@ -83,13 +94,24 @@ def run_train(
                         f"reward {row['reward_mean']:.4f}  loss {row['loss']:+.2e}  {row['wall_s']:.2f} s/it"
                     )
                     progress.update(task, advance=1, stats=last["stats"])
+                    if replaced is not None:
+                        replaced.commit_if_safe()  # the new run's first checkpoint: the old run goes
 
                 result = start(on_iteration)
                 progress.update(task, stats=last["stats"])  # the bar ends on the last iteration, not a stage
+        except BaseException as exc:
+            restored = replaced is not None and replaced.finish()
+            if restored and isinstance(exc, Exception):
+                _note_restored(exc, target)
+            raise
+        else:
+            if replaced is not None:
+                replaced.drop()  # the new run finished (with its last checkpoint): the old one goes
         finally:
-            started = result is not None or (target / "config.yaml").exists()  # else bad input: write nothing
+            # bad input (or a restored old run): write nothing
+            started = not restored and (result is not None or (target / "config.yaml").exists())
             kept = keep_log(log, (result.run_dir if result is not None else target) if started else None)
-    _summary(result, say, kept)
+    _summary(result, console, kept)
     return result
 
 
@@ -114,21 +136,39 @@ def _driver(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, resum
     return lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address, resume=resume)
 
 
-def _replace(cfg: RunConfig, target: Path, ray_address: str | None) -> None:
-    """--overwrite: delete the old run, but only once the new one has passed every check that needs
-    no cluster (the local driver has already built everything by now)."""
+def _set_aside(target: Path):
+    """--overwrite: move the old run into RUN/.replaced/ (deleted once the new run has a checkpoint,
+    moved back if it fails before that); None when RUN holds nothing to replace."""
     from digenrl.progress import progress
-    from digenrl.runlog import clear_run_dir
+    from digenrl.runlock import ReplacedRun, run_entries
 
-    if cfg.placement.mode != "local":
-        from digenrl.preflight import check_config
+    if not run_entries(target):
+        return None
+    progress("setting the old run aside (kept until the new run's first checkpoint)...")
+    replaced = ReplacedRun(target)
+    replaced.set_aside()
+    return replaced
 
-        progress("checking the config before replacing the old run...")
-        check_config(cfg, ray_address)
-    clear_run_dir(target)
+
+def _note_restored(exc: Exception, target: Path) -> None:
+    """The failed run's message says that the run it would have replaced is back."""
+    from digenrl.errors import RunInterrupted, UserError
+
+    note = (
+        f"the old run in {target} was kept (--overwrite replaces it only once the new run has a checkpoint)"
+    )
+    if isinstance(exc, (UserError, RunInterrupted)):  # their message is the user's one line
+        exc.args = (f"{str(exc).rstrip('. ')}; {note}",)
+    else:
+        exc.add_note(note)
 
 
-def _summary(result, say, log: Path | None) -> None:
+def _summary(result, console: Console, log: Path | None) -> None:
+    """The last lines, also under -q."""
+
+    def say(text: str) -> None:
+        console.print(text, soft_wrap=True, highlight=False)
+
     rows = result.metrics
     if rows:
         k = max(1, len(rows) // 3)

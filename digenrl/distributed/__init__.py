@@ -1,4 +1,4 @@
-"""Scale components for sharded trainers and GB-scale weight sync (issue 15), applied to an
+"""Scale components for sharded trainers and GB-scale weight sync, applied to an
 unchanged diffusers transformer, torchtitan-style:
 
 - :mod:`.blocks`: the repeated transformer blocks of each family (the unit of sharding and

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from digenrl.distributed.fingerprint import fingerprint, fingerprints
-from digenrl.lora import WeightSyncError
+from digenrl.errors import WeightSyncError
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 

@@ -74,7 +74,10 @@ def sp_problem(
     if heads % degree:
         return f"the model's {heads} attention heads do not split over {degree} devices"
     if image_tokens % degree:
-        return f"{image_tokens} image tokens per sample do not split over {degree} devices (model.height/width/frames)"
+        return (
+            f"{image_tokens} image tokens per sample do not split over {degree} devices "
+            "(model.height/width/frames)"
+        )
     if splits_text(transformer_class) and text_tokens % degree:
         return f"model.max_text_len ({text_tokens}) text tokens do not split over {degree} devices"
     return None

@@ -23,9 +23,8 @@ from collections import Counter
 from pathlib import Path
 
 from digenrl.config import PoolConfig, RunConfig
-from digenrl.errors import UserError
+from digenrl.errors import UserError, WeightSyncError
 from digenrl.faults import FaultInjector
-from digenrl.lora import WeightSyncError
 from digenrl.placement import Worker
 from digenrl.progress import progress
 
@@ -66,7 +65,8 @@ def first_line(exc: Exception) -> str:
 @contextlib.contextmanager
 def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None, resume: Path | None = None):
     """Connect (or start Ray), check and reserve the placement, start one actor per worker and
-    wait until every one has built its policy (from the ``resume`` checkpoint directory when given: read by path);
+    wait until every one has built its policy (from the ``resume`` checkpoint directory when given: read by
+    path);
     on exit kill them and release everything."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group

@@ -180,7 +180,8 @@ class IterationLedger:
         self.grad_norm[k].append(grad_norm)
 
     def iteration_batches(self, k: int) -> list[RewardBatch]:
-        """The iteration's rolled-out batches of whole groups in group order (as the LocalTrainer sees them)."""
+        """The iteration's rolled-out batches of whole groups in group order (as the LocalTrainer sees
+        them)."""
         mine = self.whole[k]
         return [mine[j] for j in sorted(mine)]
 

@@ -27,8 +27,7 @@ from collections import Counter
 from digenrl.engine.cluster import REWARD_ROW, first_line, head_problem
 from digenrl.engine.driver import Back, Lost
 from digenrl.engine.scheduler import RolloutUnit, Unit
-from digenrl.errors import RunStopped, UserError
-from digenrl.lora import WeightSyncError
+from digenrl.errors import RunStopped, UserError, WeightSyncError
 
 
 class TrainerLost(RunStopped):

@@ -48,9 +48,8 @@ from digenrl.engine.recovery import FaultPolicy, GroupRestart, TrainerLost, own_
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit, Unit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
-from digenrl.errors import UserError
+from digenrl.errors import UserError, WeightSyncError
 from digenrl.faults import with_fault_plan
-from digenrl.lora import WeightSyncError
 from digenrl.placement import Worker, engine_scheduler_config, engine_workers
 from digenrl.preflight import check_workers_build
 from digenrl.progress import progress
@@ -121,6 +120,7 @@ def run_engine(
         out = RunDir(cfg, run_dir, history=history)
         backend = RayBackend(cfg, scheduler, workers, actors, out, on_iteration, history)
         backend.t0, backend.hidden = started, hidden
+        backend.resumed_at = start if resumed is not None else None  # timeline.json: after the earlier part
         backend.sync = SyncRoutes(*sync, start, actors, backend.rank0)
         backend.sync.reform = lambda: form_sync_group(worker_cfg, workers, actors)  # after a restart
         sp_rollout = {names[0]: names for names in sp_groups(cfg, workers, "rollout")}
@@ -180,8 +180,11 @@ class RayBackend:
             restarts=lambda: sum(self.faults.restarts.values()) + num_restarts(actors.get(REWARD_ROW)),
         )
         self.t0 = time.time()
-        self.in_flight: dict = {}  # ObjectRef -> (worker, unit): a unit running, or the scores of a released one
-        self.side: dict = {}  # ObjectRef -> (what, iteration or worker): rank 0's eval / checkpoint, a ready()
+        self.resumed_at: int | None = None  # a resumed run's first iteration (see save_timeline)
+        # ObjectRef -> (worker, unit): a unit running, or the scores of a released one
+        self.in_flight: dict = {}
+        # ObjectRef -> (what, iteration or worker): rank 0's eval / checkpoint, a ready()
+        self.side: dict = {}
         self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples, until fully trained
         self.trained: Counter[str] = Counter()  # rollout uid -> TSP shares trained
         self.unscored: dict[str, dict] = {}  # released rollout uid -> its summary, until the scores arrive
@@ -499,5 +502,8 @@ class RayBackend:
 
     def save_timeline(self) -> None:
         if self.timeline.events:
-            self.timeline.save_json(self.out.path / "timeline.json")
-            self.timeline.to_png(self.out.path / "timeline.png")
+            path, timeline = self.out.path / "timeline.json", self.timeline
+            if self.resumed_at is not None:  # resumed: the whole run's timeline, not this part's
+                timeline = timeline.after_earlier(path, self.resumed_at)
+            timeline.save_json(path)
+            timeline.to_png(self.out.path / "timeline.png")

@@ -7,7 +7,8 @@ Rank 0 announces each version on the group's store, then broadcasts it in bucket
 waits for the announcement on the store (no collective timeout however long an iteration takes),
 receives the version into host memory while the worker generates, and the worker loads it at its
 next unit boundary (:func:`load_staged`: keys, shapes, dtypes and every tensor's fingerprint
-checked once). What each call carries is the driver's business (:class:`~digenrl.engine.weight_sync.SyncRoutes`).
+checked once). What each call carries is the driver's business
+(:class:`~digenrl.engine.weight_sync.SyncRoutes`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from digenrl.distributed.broadcast import (
     received_from,
     sync_targets,
 )
-from digenrl.lora import WeightSyncError, full_tensor
+from digenrl.errors import WeightSyncError
+from digenrl.lora import full_tensor
 
 SYNC_TIMEOUT_S = 300.0  # forming the group, and any one bucket in flight
 POLL_S = 0.02  # how often an idle receiver looks for the next version's announcement

@@ -29,6 +29,7 @@ its own), so a group of s devices weighs s times its lead's row. ``timeline.json
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,6 +309,27 @@ class Timeline:
                 )
             )
         return tl
+
+    def after_earlier(self, path: Path, from_iteration: int) -> Timeline:
+        """A resumed run's timeline as part of the whole run: the earlier ``timeline.json`` at ``path``
+        (its events of iterations before ``from_iteration``, the checkpoint's: later ones were run
+        again) followed by this run's events, shifted to start where the earlier ones end. Every
+        invariant of a run (each unit once, steps per iteration, spans that tile) then holds over
+        the whole run. Without a readable earlier file: this timeline unchanged."""
+        try:
+            earlier = Timeline.from_chrome_trace(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            return self
+        out = Timeline()
+        for name, pool in [*earlier.workers.items(), *self.workers.items()]:
+            out.add_worker(name, pool, earlier.follows.get(name) or self.follows.get(name))
+        kept = [e for e in earlier.events if e.iteration < from_iteration or e.kind == "start"]
+        offset = max((e.end for e in kept), default=0.0)
+        for e in kept:
+            out.add(e)
+        for e in self.events:
+            out.add(dataclasses.replace(e, start=e.start + offset, end=e.end + offset))
+        return out
 
     # -- Gantt chart ---------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ loads them at the unit boundary, never inside a unit.
 Every sync is verified (docs/architecture.md): the shipped keys must be exactly the keys the receiver
 expects (a dropped LoRA module would otherwise leave it sampling with stale weights, as peers
 have shipped) and the checksum must match before and after the load. Any mismatch raises
-:class:`~digenrl.lora.WeightSyncError`.
+:class:`~digenrl.errors.WeightSyncError`.
 
 Each publish / fetch returns a timeline event of kind ``"sync"`` carrying ``bytes`` and its
 wall-clock span, so the run's metrics can report ``sync_s`` and ``sync_bytes``.
@@ -36,7 +36,8 @@ import torch
 
 from digenrl.distributed.broadcast import Received
 from digenrl.engine.sync_group import load_staged
-from digenrl.lora import WeightSyncError, checksum
+from digenrl.errors import WeightSyncError
+from digenrl.lora import checksum
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ def verify(state: dict[str, torch.Tensor], packet: WeightPacket, expected_keys) 
     digest = checksum(state)
     if digest != packet.checksum:
         raise WeightSyncError(
-            f"weight sync of version {packet.version}: checksum {digest[:12]} != published {packet.checksum[:12]}"
+            f"weight sync of version {packet.version}: checksum {digest[:12]} != published "
+            f"{packet.checksum[:12]}"
         )
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from digenrl.config import PoolConfig
 from digenrl.placement import Plan
-from digenrl.planner.costmodel import CostModel, DeviceSetup
+from digenrl.planner.costmodel import CostModel
+from digenrl.planner.memory import DeviceSetup
 
 
 def unit_train_time(

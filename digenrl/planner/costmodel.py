@@ -36,7 +36,6 @@ from digenrl.planner.call_times import (
     CallTimes,
     ProfiledTimes,
     SequenceParallelTimes,
-    interpolate,
     rollout_unit_time,
     train_unit_time,
 )
@@ -45,23 +44,6 @@ from digenrl.planner.gpus import DEVICES, ClusterSpec
 from digenrl.planner.memory import DeviceSetup, MemoryModel
 from digenrl.planner.params import ColocationCosts, CostParams, EngineOverheads
 from digenrl.planner.workload import Workload
-
-# the cost model's public names, importable from here as before the split
-__all__ = [
-    "AnalyticTimes",
-    "CallTimes",
-    "ColocationCosts",
-    "CostModel",
-    "CostParams",
-    "DeviceSetup",
-    "EngineOverheads",
-    "ProfiledTimes",
-    "Workload",
-    "check_profile_matches",
-    "interpolate",
-    "rollout_unit_time",
-    "train_unit_time",
-]
 
 
 class CostModel:
@@ -306,13 +288,15 @@ class CostModel:
         return self.memory.have(device)
 
     def rollout_memory(self, device: str, groups: int, sp: int = 1) -> DeviceSetup:
-        """Does a rollout worker of this type (``sp`` devices) hold the model + rollout models + a unit of ``groups``?"""
+        """Does a rollout worker of this type (``sp`` devices) hold the model + rollout models + a unit of
+        ``groups``?"""
         return self.memory.rollout(device, groups, sp)
 
     def trainer_setup(
         self, device: str, ranks: int, tag: bool, groups: int, micro_batch: int | None = None, sp: int = 1
     ) -> DeviceSetup:
-        """The cheapest way a trainer rank of this type fits (``tag``: it also rolls out units of ``groups``)."""
+        """The cheapest way a trainer rank of this type fits (``tag``: it also rolls out units of
+        ``groups``)."""
         fits, miss = self.memory.trainer(device, ranks, tag, groups, sp)
         return self._best(fits, device, ranks, False, micro_batch) if fits else miss
 

@@ -1,10 +1,8 @@
-"""Hardware the planner knows: a small table of accelerators and the cluster-file schema.
-
-Every number in :data:`DEVICES` is the vendor's datasheet value for the SXM / board variant
-named (dense, i.e. without 2:4 sparsity); the comment on each row names the document. The
-planner only uses them through the cost model, which multiplies peak FLOP/s by a kernel efficiency
-(:data:`KERNEL_EFFICIENCY`, scaled by the tokens per call: ``efficiency.py``) and memory bandwidth by
-a bandwidth efficiency (``params.CostParams``).
+"""Hardware the planner knows: the accelerator table (:mod:`digenrl.devices`, which the runtime
+reads too), the planner's kernel efficiencies per device type, and the cluster-file schema. The
+planner only uses the table's numbers through the cost model, which multiplies peak FLOP/s by a kernel
+efficiency (:data:`KERNEL_EFFICIENCY`, scaled by the tokens per call: ``efficiency.py``) and memory
+bandwidth by a bandwidth efficiency (``params.CostParams``).
 
 A cluster file describes pools of devices::
 
@@ -23,56 +21,23 @@ workers that compute at the same time.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from digenrl.config import PoolConfig, first_duplicate
+from digenrl.devices import (  # noqa: F401  (re-exported: the planner reads the table from here)
+    DEVICES,
+    DeviceSpec,
+    device_spec,
+    known_devices,
+    lookup_device,
+    match_device_name,
+    unknown_device,
+)
 from digenrl.errors import UserError
+from digenrl.placement import device_type
 from digenrl.yamlfile import parse_yaml
-
-GB = 1e9
-TB = 1e12
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    name: str
-    bf16_flops: float  # dense peak BF16 tensor FLOP/s
-    mem_bw: float  # device memory bandwidth, bytes/s
-    memory: float  # device memory, bytes
-    link_bw: float  # GPU-to-GPU bandwidth inside a node, per GPU, one direction, bytes/s
-    host_bw: float  # host <-> device (PCIe), one direction, bytes/s
-    kind: str = "gpu"  # "gpu" | "cpu"
-
-
-DEVICES: dict[str, DeviceSpec] = {
-    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity -> 989.5 dense;
-    # 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s (bidirectional -> 450 one way); PCIe Gen5 128 GB/s (64 one way)
-    "H100": DeviceSpec("H100", 989.5 * TB, 3.35 * TB, 80 * GB, 450 * GB, 64 * GB),
-    # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS sparse -> 989.5 dense;
-    # 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s
-    "H200": DeviceSpec("H200", 989.5 * TB, 4.8 * TB, 141 * GB, 450 * GB, 64 * GB),
-    # NVIDIA H800 SXM5 product brief: the H100 SXM5 compute and memory (989.5 dense BF16 TFLOPS,
-    # 80 GB HBM3, 3.35 TB/s) with NVLink reduced to 400 GB/s; PCIe Gen5 128 GB/s
-    "H800": DeviceSpec("H800", 989.5 * TB, 3.35 * TB, 80 * GB, 200 * GB, 64 * GB),
-    # NVIDIA H20 datasheet: FP16/BF16 tensor 148 TFLOPS (dense), 96 GB HBM3 at 4.0 TB/s,
-    # NVLink 900 GB/s, PCIe Gen5 128 GB/s
-    "H20": DeviceSpec("H20", 148 * TB, 4.0 * TB, 96 * GB, 450 * GB, 64 * GB),
-    # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): BF16 312 TFLOPS (624 sparse), 80 GB HBM2e at
-    # 2,039 GB/s, NVLink 600 GB/s, PCIe Gen4 64 GB/s
-    "A100": DeviceSpec("A100", 312 * TB, 2.039 * TB, 80 * GB, 300 * GB, 32 * GB),
-    # NVIDIA L40S datasheet: BF16 tensor 362.05 TFLOPS (733 with sparsity), 48 GB GDDR6 at 864 GB/s,
-    # no NVLink: PCIe Gen4 x16 64 GB/s (32 one way) is also the GPU-to-GPU path
-    "L40S": DeviceSpec("L40S", 362.05 * TB, 864 * GB, 48 * GB, 32 * GB, 32 * GB),
-    # NVIDIA Ada Lovelace architecture whitepaper (GeForce RTX 4090): peak BF16 tensor TFLOPS with FP32
-    # accumulate 165.2 (330.4 sparse); 24 GB GDDR6X at 1,008 GB/s; no NVLink, PCIe Gen4 x16
-    "RTX4090": DeviceSpec("RTX4090", 165.2 * TB, 1008 * GB, 24 * GB, 32 * GB, 32 * GB),
-    # A logical CPU device (one engine worker, one thread): rough nominal numbers, used only when no
-    # profile of this CPU is given (a CPU plan should always come with `digenrl profile --device cpu`).
-    "cpu": DeviceSpec("cpu", 50e9, 20 * GB, 16 * GB, 5 * GB, 5 * GB, kind="cpu"),
-}
 
 #: (sampling, training) peak kernel efficiency -- share of peak bf16 FLOP/s at large token counts
 #: (efficiency.py scales it down for small calls) -- per device type. Hopper (H100 / H800 and the same
@@ -98,40 +63,6 @@ def kernel_efficiency(device: str) -> tuple[float, float, str]:
     if device in KERNEL_EFFICIENCY:
         return (*KERNEL_EFFICIENCY[device], KERNEL_EFFICIENCY_SOURCE)
     return (*GENERIC_EFFICIENCY, "default, not measured")
-
-
-ALIASES = {"RTX 4090": "RTX4090", "4090": "RTX4090", "GEFORCE RTX 4090": "RTX4090"}
-
-
-def known_devices() -> list[str]:
-    return list(DEVICES)
-
-
-def _lookup(name: str) -> DeviceSpec | None:
-    key = ALIASES.get(name.upper(), name)
-    return next((spec for k, spec in DEVICES.items() if k.lower() == key.lower()), None)
-
-
-def _unknown(name: str) -> str:
-    return f"unknown device type '{name}' (known: {', '.join(known_devices())})"
-
-
-def device_spec(name: str, where: str = "device") -> DeviceSpec:
-    """The table row for ``name`` (case-insensitive); UserError listing the known types otherwise."""
-    spec = _lookup(name)
-    if spec is None:
-        raise UserError(f"{where}: {_unknown(name)}")
-    return spec
-
-
-def match_device_name(full_name: str) -> str | None:
-    """A table key for a CUDA device name such as 'NVIDIA H100 80GB HBM3' (longest key first, so that
-    'H200' is not read as 'H20')."""
-    upper = full_name.upper().replace("GEFORCE ", "")
-    for key in sorted([k for k in DEVICES if k != "cpu"] + list(ALIASES), key=len, reverse=True):
-        if key.upper() in upper:
-            return ALIASES.get(key, key)
-    return None
 
 
 # ------------------------------------------------------------------------------ cluster files
@@ -166,9 +97,9 @@ class ClusterSpec(_Strict):
             for key in ("device", "count"):  # a cluster file names both (a run config may default them)
                 if key not in p.model_fields_set:
                     raise ValueError(f"pools.{i}.{key}: Field required")
-            spec = _lookup(p.device)
+            spec = lookup_device(p.device)
             if spec is None:
-                raise ValueError(f"pools.{i}.device: {_unknown(p.device)}")
+                raise ValueError(f"pools.{i}.device: {unknown_device(p.device)}")
             pools[i] = p.model_copy(update={"device": spec.name})  # canonical spelling
         dup = first_duplicate([p.name for p in pools])
         if dup is not None:
@@ -199,7 +130,7 @@ class ClusterSpec(_Strict):
 
 def load_cluster(path: Path) -> ClusterSpec:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"--cluster: cluster file not found: {path}")
     data = parse_yaml(path, "--cluster")  # one line for non-UTF-8, malformed YAML, a duplicate key
     if not isinstance(data, dict):
@@ -224,7 +155,5 @@ def cluster_from_dict(data: dict, where: str = "cluster") -> ClusterSpec:
 
 def cluster_from_run_config(cfg) -> ClusterSpec:
     """The cluster a RunConfig's ``cluster.pools`` describes (devices 'gpu'/'cuda' are not a type)."""
-    from digenrl.placement import device_type
-
     pools = [{"name": p.name, "device": device_type(p), "count": p.count} for p in cfg.cluster.pools]
     return cluster_from_dict({"name": "config", "pools": pools})

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from digenrl.adapters.vae_decode import TILE_PX
+
 
 @dataclass
 class CostParams:
@@ -39,7 +41,7 @@ class CostParams:
     )
     infer_act_bytes: float = 24.0  # peak live bytes per token x hidden in one block at inference
     vae_decode_bytes_per_px: float = 1000.0  # VAE decoder peak per output pixel (one sample at a time)
-    vae_tile_px: float = 4.0e6  # tiled decoding caps the pixels decoded at once
+    vae_tile_px: float = TILE_PX  # tiled decoding caps the pixels decoded at once (the runtime's tile)
     trained_state_bytes: float = 16.0  # per trained parameter: fp32 weight/master + grad + AdamW m, v
     fsdp_overlap: float = 0.7  # share of FSDP all-gather / reduce-scatter time hidden behind compute
     host_bw_efficiency: float = 0.8  # share of the PCIe datasheet rate a pinned host <-> device copy reaches

@@ -33,9 +33,9 @@ measurements
 engine (optional)
   ``ray``: Ray micro-benchmarks -- actor call round trip, object-store transfer between two actors
   at two sizes (latency + bytes/s), ``ray.put`` / ``ray.get`` of the weights, gloo all-reduce of
-  the gradients; ``run``: additionally a ``CALIBRATION_ITERATIONS``-iteration run of the engine itself (disaggregated, sync,
-  1 + 1 workers) whose timeline gives the per-unit dispatch gap, the samples transfer, the
-  publish / fetch times as the runtime really pays them (what the simulator adds around units),
+  the gradients; ``run``: additionally a ``CALIBRATION_ITERATIONS``-iteration run of the engine itself
+  (disaggregated, sync, 1 + 1 workers) whose timeline gives the per-unit dispatch gap, the samples
+  transfer, the publish / fetch times as the runtime really pays them (what the simulator adds around units),
   and how much slower a unit runs inside an engine worker than the profile's round-robin whole
   unit (``unit_time_factor``), and the spread of its unit times (``unit_cv``)
 

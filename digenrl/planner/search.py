@@ -32,7 +32,8 @@ where it is not wired (colocated, beside TAG), or trainer ranks needing an FSDP 
 refuses there (:func:`unwired_sharding`, the runtime's own rules) -- is dropped
 (its reason is kept, for the error when nothing fits); the others are simulated in order of their
 throughput bound (a lower bound on the iteration time that costs no simulation), and the search
-stops once the next bound cannot beat the K-th best simulated plan. The best colocated plan is always simulated: speedups are against it.
+stops once the next bound cannot beat the K-th best simulated plan. The best colocated plan is always
+simulated: speedups are against it.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from dataclasses import dataclass, field
 from digenrl.config import PoolConfig
 from digenrl.errors import UserError
 from digenrl.placement import Plan, spread_units
-from digenrl.planner.costmodel import CostModel
 from digenrl.planner import peers as peer_models
+from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import ClusterSpec
 from digenrl.planner.simulator import DoesNotFit, SimResult, bound, setups, simulate
 

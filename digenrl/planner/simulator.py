@@ -3,7 +3,8 @@
 The simulator is a backend of :func:`~digenrl.engine.driver.drive`, the loop the Ray runtime runs:
 the SAME :class:`~digenrl.engine.scheduler.Scheduler`, the same workers in the same order
 (:meth:`~digenrl.placement.Plan.workers`); completions are reported one at a time, earliest first
-(submission order breaks ties, as ``ray.wait`` does). What a unit costs comes from the cost model, per worker device type, plus
+(submission order breaks ties, as ``ray.wait`` does). What a unit costs comes from the cost model, per worker
+device type, plus
 what the engine adds around it:
 
 - every unit starts ``call_s`` after it is handed out (driver -> actor call);
@@ -53,7 +54,8 @@ from digenrl.engine.scheduler import RolloutUnit, Scheduler, TrainUnit
 from digenrl.engine.timeline import Timeline
 from digenrl.placement import Plan
 from digenrl.planner.bound import DoesNotFit, bound, setups, unit_train_time
-from digenrl.planner.costmodel import CostModel, DeviceSetup
+from digenrl.planner.costmodel import CostModel
+from digenrl.planner.memory import DeviceSetup
 
 __all__ = ["DoesNotFit", "SimResult", "Simulator", "bound", "setups", "simulate", "steady_summary"]
 

@@ -14,54 +14,13 @@ component; :meth:`CombinedReward.check` is the dry run that catches a broken rew
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
-from typing import Callable
 
 import torch
 
 from digenrl.config import RewardConfig
 from digenrl.errors import UserError
-
-REWARDS: dict[str, Callable[..., "Reward"]] = {}
-
-
-def register(name: str):
-    def deco(cls):
-        REWARDS[name] = cls
-        cls.name = name
-        return cls
-
-    return deco
-
-
-class RewardArgError(UserError):
-    """A bad value for one of a reward's ``args``; :class:`CombinedReward` prefixes the config path."""
-
-    def __init__(self, arg: str, message: str):
-        super().__init__(f"args.{arg}: {message}")
-        self.arg, self.message = arg, message
-
-
-class Reward(ABC):
-    name = ""
-    video_native = False
-    frame_stride = 1  # videos: score frames 0, s, 2s, ... and average
-
-    @abstractmethod
-    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
-        """(N,) scores for images (N,C,H,W) (or videos when ``video_native``)."""
-
-    def __call__(
-        self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None
-    ) -> torch.Tensor:
-        metadata = metadata or [{} for _ in prompts]
-        if pixels.ndim == 5 and not self.video_native:  # video: score sampled frames, average per video
-            pixels = pixels[:, :, :: self.frame_stride]
-            n, c, f, h, w = pixels.shape
-            frames = pixels.permute(0, 2, 1, 3, 4).reshape(n * f, c, h, w)
-            rep = lambda xs: [x for x in xs for _ in range(f)]  # noqa: E731
-            return self.score(frames, rep(prompts), rep(metadata)).view(n, f).mean(dim=1)
-        return self.score(pixels, prompts, metadata)
+from digenrl.rewards import basic, clip_models, remote  # noqa: F401  (importing them registers them)
+from digenrl.rewards.base import REWARDS, Reward, RewardArgError, register  # noqa: F401  (re-exported)
 
 
 def _frame_stride(value) -> int:
@@ -72,7 +31,8 @@ def _frame_stride(value) -> int:
 
 def reward_kind(name: str) -> str:
     """The registry entry of a component name: ``kind`` or ``kind:label`` (the label tells apart two
-    components of one kind, e.g. ``remote:hpsv2`` and ``remote:unifiedreward``; logged under the full name)."""
+    components of one kind, e.g. ``remote:hpsv2`` and ``remote:unifiedreward``; logged under the full
+    name)."""
     return name.split(":", 1)[0]
 
 
@@ -205,7 +165,5 @@ def build_reward(cfg: RewardConfig) -> CombinedReward:
     global CPU generator (a model head's init would): the policy built next gets the same
     initial weights in every process, whether or not that process builds the rewards (with
     ``reward.service`` only the reward actor does)."""
-    from digenrl.rewards import basic, clip_models, remote  # noqa: F401  (registers the rewards)
-
     with torch.random.fork_rng(devices=[]):
         return CombinedReward(cfg)

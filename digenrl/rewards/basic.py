@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from digenrl.errors import UserError
-from digenrl.rewards import Reward, register
+from digenrl.rewards.base import Reward, register
 
 
 def _jpeg_kb(images: torch.Tensor, quality: int) -> torch.Tensor:
@@ -58,7 +58,8 @@ COLORS = {
 
 
 def prompt_color(prompt: str, meta: dict) -> str:
-    """The colour a sample should have: metadata 'color' if given, else the first colour word in the prompt."""
+    """The colour a sample should have: metadata 'color' if given, else the first colour word in the
+    prompt."""
     if meta.get("color"):
         return meta["color"]
     for word in prompt.lower().replace(",", " ").split():

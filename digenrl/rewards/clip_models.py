@@ -3,7 +3,7 @@
 | reward | score | range |
 |---|---|---|
 | ``clipscore`` | CLIPScore (Hessel et al. 2021): ``w * max(cos(image, prompt), 0)``, w = 2.5 | [0, w] |
-| ``pickscore`` | PickScore (Kirstain et al. 2023): ``logit_scale.exp() * cos(image, prompt)`` | [-s, s], s ~ 100 |
+| ``pickscore`` | PickScore (Kirstain et al. 2023): ``logit_scale.exp() * cos(image, prompt)`` | +-s, s~100 |
 | ``aesthetic`` | LAION aesthetic predictor: MLP head on the L2-normalised CLIP image embedding | ~ [1, 10] |
 
 Common ``args``: ``path`` (a directory with a transformers ``CLIPModel``, its tokenizer and, when
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from digenrl.rewards import Reward, RewardArgError, register
+from digenrl.rewards.base import Reward, RewardArgError, register
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from digenrl.errors import UserError
-from digenrl.rewards import Reward, RewardArgError, register
+from digenrl.rewards.base import Reward, RewardArgError, register
 
 
 class RemoteRewardError(UserError):
@@ -85,7 +85,8 @@ def _positive(name: str, value, kind=float, allow_zero: bool = False):
 
 @register("remote")
 class RemoteReward(Reward):
-    """Scores from an HTTP server: ``args: {url, timeout, retries, backoff, batch_size, format, video_native}``."""
+    """Scores from an HTTP server: ``args: {url, timeout, retries, backoff, batch_size, format,
+    video_native}``."""
 
     def __init__(
         self,

@@ -81,7 +81,8 @@ class RewardActor:
     """Plain class; :func:`start_reward_actor` wraps it with ``ray.remote`` and its resources."""
 
     def __init__(self, cfg: RewardConfig, faults=None):
-        """``faults``: the engine's :class:`~digenrl.faults.FaultInjector` for this actor (``engine.faults``)."""
+        """``faults``: the engine's :class:`~digenrl.faults.FaultInjector` for this actor
+        (``engine.faults``)."""
         self.faults = faults
         self.init_error = None  # raised from ready(): Ray hands the caller the exception itself
         try:

@@ -23,11 +23,12 @@ from pathlib import Path
 from digenrl.config import load_config
 from digenrl.errors import UserError
 from digenrl.planner import peers as peer_models
-from digenrl.planner.costmodel import CostModel, Workload
+from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import load_cluster
 from digenrl.planner.published import CALIBRATION, OUT_OF_SAMPLE, VERL_OMNI_PHASES
 from digenrl.planner.search import PEERS, baselines, ladder, search
 from digenrl.planner.search import peers as peer_runs
+from digenrl.planner.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent
@@ -217,7 +218,8 @@ def _span(xs: list[float | None]) -> str:
 
 
 def summary_markdown(d: dict) -> list[str]:
-    """Per model and kind of cluster: DigenRL's predicted gain over each baseline, beside the paper's claim."""
+    """Per model and kind of cluster: DigenRL's predicted gain over each baseline, beside the paper's
+    claim."""
     lines = [
         "| model | clusters | DigenRL vs old colocated (whole groups) | vs new colocated (spread) | "
         "vs separate_async | planner's pick vs new colocated | paper |",
@@ -433,10 +435,10 @@ def markdown(path: Path = OUT / "predictions.json") -> str:
             f"#### {label}",
             "",
             f"{w['prompts']} prompts x {w['group_size']} samples per iteration, {w['steps']} steps, "
-            f"{w['trained_steps']} trained steps per sample ({w['timestep_mode']}), {w['passes']} pass(es) per "
-            f"step, KL {'on' if w['kl'] else 'off'}, LoRA {w['params']['lora'] / 1e6:.0f}M params; "
-            f"{t['x']} image/video + {t['text']} text tokens, "
-            f"{w['forward_tflops_per_sample']:.1f} TFLOPs per sample per pass.",
+            f"{w['trained_steps']} trained steps per sample ({w['timestep_mode']}), {w['passes']} pass(es) "
+            f"per step, KL {'on' if w['kl'] else 'off'}, LoRA {w['params']['lora'] / 1e6:.0f}M params; "
+            f"{t['x']} image/video + {t['text']} text tokens, {w['forward_tflops_per_sample']:.1f} TFLOPs "
+            "per sample per pass.",
             "",
             "| cluster | best plan | samples/s | bubble | best colocated | samples/s | bubble | speedup |",
             "|---|---|---:|---:|---|---:|---:|---:|",

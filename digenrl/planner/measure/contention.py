@@ -132,7 +132,8 @@ def private_weights(policy) -> None:
 
 
 def _observe(fn, prepare, t0: float, seconds: float, conn) -> None:
-    """A forked observer: run ``fn`` back to back from ``t0`` for ``seconds``; report (start, end) per call."""
+    """A forked observer: run ``fn`` back to back from ``t0`` for ``seconds``; report (start, end) per
+    call."""
     result = None
     try:
         torch.set_num_threads(1)

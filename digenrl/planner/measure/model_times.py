@@ -184,7 +184,8 @@ class ModelBench:
         return m
 
     def unit_overhead(self, m: dict, rollout_s: float, train_s: float) -> dict:
-        """Whole units against the sum of their calls: ``*_factor`` = whole / composed, ``*_s`` the difference."""
+        """Whole units against the sum of their calls: ``*_factor`` = whole / composed, ``*_s`` the
+        difference."""
         from digenrl.planner.call_times import ProfiledTimes, rollout_unit_time, train_unit_time
 
         times = ProfiledTimes({"device": {"name": "partial"}, "measurements": {**m, "unit_overhead": {}}})

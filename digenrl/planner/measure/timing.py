@@ -84,7 +84,8 @@ class RoundRobin:
 
     def rounds(self, repeats: int, min_time: float) -> dict[str, list[float]]:
         """Seconds per call of every item, round after round: at least ``repeats`` rounds and
-        ``TIMING_BUDGET_MIN_TIMES x min_time`` seconds, at most ``MAX_TIMING_ROUNDS`` once ``repeats`` is met."""
+        ``TIMING_BUDGET_MIN_TIMES x min_time`` seconds, at most ``MAX_TIMING_ROUNDS`` once ``repeats`` is
+        met."""
         timed: dict[str, list[float]] = {name: [] for name in self.items}
         budget = TIMING_BUDGET_MIN_TIMES * min_time
         started = time.perf_counter()

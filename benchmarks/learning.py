@@ -1,0 +1,259 @@
+"""Reward per wall-second: the demo task trained for the same wall time in each engine mode.
+
+    python benchmarks/learning.py [--minutes 2] [--seeds 0,1,2,3,4] [--modes colocated,sync,gap_tsp_tag,full]
+                                  [--algorithms flow_grpo[,diffusion_nft]] [--set KEY=VALUE ...]
+                                  [--tiny] [--json FILE]
+
+Samples per second (benchmarks/engine_modes.py) is what the engine buys; reward gained per minute is
+what a user buys. Each run trains the default demo (configs/flux_tiny.yaml: a tiny FLUX learning
+prompt colours) with one mode's engine knobs (the modes of engine_modes.py) and one
+``algorithm.name``, for ``--minutes`` of training wall time counted from its first logged iteration
+(Ray start-up and model build are left out), then stops. Per run:
+
+- gain: mean ``reward_mean`` of the last third of the iterations done minus that of the first third
+  (the demo's own measure);
+- gain per minute (of that wall time) and per 1000 samples trained.
+
+Runs go seed by seed, every mode (and algorithm) of a seed in turn, so that load drifting on a
+shared machine hits them alike; the table gives the mean and standard error over seeds.
+An ``algorithm.name`` the config does not accept is skipped with one line saying so.
+``--tiny``: 2 iterations, one seed, for the smoke test. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_worker_niceness", "0")  # as engine_modes.py: equal footing with other load
+
+DEFAULT_MODES = ["colocated", "sync", "gap_tsp_tag", "full"]
+RUN_SET = ["output.checkpoint_every=0", "output.save_samples_every=0", "output.tensorboard=false"]
+METRICS = ("gain", "gain_per_min", "gain_per_1k_samples", "samples_per_s", "iterations")
+
+
+def engine_modes():
+    """The mode definitions of benchmarks/engine_modes.py (one source for both benchmarks)."""
+    spec = importlib.util.spec_from_file_location("engine_modes", Path(__file__).with_name("engine_modes.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.MODES
+
+
+class WallTimeUp(Exception):
+    """Raised from the per-iteration callback once a run's wall time is spent."""
+
+
+def gain(rewards: list[float]) -> float:
+    """Mean of the last third minus mean of the first third (one iteration each if fewer than 3)."""
+    k = max(1, len(rewards) // 3)
+    return statistics.fmean(rewards[-k:]) - statistics.fmean(rewards[:k])
+
+
+def known_algorithm(name: str, overrides: list[str]) -> str | None:
+    """None if ``algorithm.name=name`` loads, else the config's one-line reason."""
+    from digenrl.config import load_config
+
+    try:
+        load_config(None, [*overrides, f"algorithm.name={name}"])
+    except Exception as exc:  # noqa: BLE001 -- any refusal means: not known (yet)
+        return str(exc).splitlines()[0]
+    return None
+
+
+def run_one(overrides: list[str], seconds: float, iterations: int, run_dir: Path) -> dict:
+    """Train one configuration until ``seconds`` of wall time after its first logged iteration."""
+    from digenrl.config import load_config
+    from digenrl.engine.runtime import run_engine
+
+    cfg = load_config(None, [*overrides, f"train.iterations={iterations}", *RUN_SET])
+    rows: list[dict] = []
+    stamps: list[float] = []
+
+    def on_iteration(row):
+        if stamps and stamps[-1] - stamps[0] >= seconds:
+            return  # the rows the engine logs while it stops: past the budget, not counted
+        rows.append(row)
+        stamps.append(time.perf_counter())
+        if stamps[-1] - stamps[0] >= seconds:
+            raise WallTimeUp
+
+    try:
+        run_engine(cfg, run_dir=run_dir, on_iteration=on_iteration)
+    except WallTimeUp:
+        pass
+    rows.sort(key=lambda r: r["iteration"])
+    rewards = [r["reward_mean"] for r in rows]
+    # the first row's iteration is time 0; the wall time is that of the iterations after it
+    elapsed = max(stamps[-1] - stamps[0], 1e-9) if len(stamps) > 1 else float("nan")
+    per_iter = cfg.train.prompts_per_iteration * cfg.algorithm.group_size
+    g = gain(rewards)
+    return {
+        "iterations": len(rows),
+        "wall_s": elapsed,
+        "samples": per_iter * len(rows),
+        "samples_per_s": per_iter * (len(rows) - 1) / elapsed,
+        "gain": g,
+        "gain_per_min": g / (elapsed / 60),
+        "gain_per_1k_samples": g / (per_iter * len(rows) / 1000),
+        "rewards": rewards,
+    }
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    m = statistics.fmean(values)
+    return m, (statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan"))
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per (algorithm, mode): mean and standard error over seeds of each metric."""
+    out = []
+    for key in dict.fromkeys((r["algorithm"], r["mode"]) for r in runs):
+        mine = [r for r in runs if (r["algorithm"], r["mode"]) == key]
+        row = {"algorithm": key[0], "mode": key[1], "seeds": [r["seed"] for r in mine]}
+        for m in METRICS:
+            row[m], row[f"{m}_se"] = mean_se([r[m] for r in mine])
+        out.append(row)
+    return out
+
+
+def compare(
+    modes: list[str],
+    algorithms: list[str],
+    seeds: list[int],
+    minutes: float,
+    overrides: list[str] = (),
+    iterations: int = 100_000,
+    log=print,
+    on_run=None,
+) -> dict:
+    """Train every (seed, algorithm, mode) for ``minutes``; returns {"runs", "summary", "skipped"}.
+    ``on_run(partial result)`` after each run (the script writes its JSON then: a stopped
+    benchmark keeps its finished runs). The reusable core (an algorithm comparison at one mode
+    calls it with one mode and several algorithms)."""
+    import ray
+
+    known = engine_modes()
+    if unknown := [m for m in modes if m not in known]:
+        raise ValueError(f"--modes: {', '.join(unknown)} not a mode ({', '.join(known)})")
+    skipped = {}
+    for name in algorithms:
+        if (why := known_algorithm(name, list(overrides))) is not None:
+            skipped[name] = why
+            log(f"skipping algorithm {name!r}: the config does not know it yet ({why})")
+    algos = [a for a in algorithms if a not in skipped]
+    runs = []
+    ray.init(
+        num_cpus=os.cpu_count(),
+        resources={"pool:rollout": 2, "pool:trainer": 1},
+        include_dashboard=False,
+        logging_level="WARNING",
+        log_to_driver=False,
+    )
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for seed in seeds:  # interleaved: load drift on a shared machine hits every mode alike
+                for algo in algos:
+                    for mode in modes:
+                        sets = [*overrides, f"algorithm.name={algo}", *known[mode], f"train.seed={seed}"]
+                        r = run_one(sets, minutes * 60, iterations, Path(tmp) / f"{algo}-{mode}-{seed}")
+                        r.update(algorithm=algo, mode=mode, seed=seed)
+                        runs.append(r)
+                        if on_run is not None:
+                            on_run(result(minutes, seeds, runs, skipped))
+                        log(
+                            f"{algo} / {mode} / seed {seed}: {r['iterations']} iterations in "
+                            f"{r['wall_s']:.0f} s, gain {r['gain']:+.3f} ({r['gain_per_min']:+.3f}/min, "
+                            f"{r['gain_per_1k_samples']:+.3f}/1k samples)"
+                        )
+    finally:
+        ray.shutdown()
+    return result(minutes, seeds, runs, skipped)
+
+
+def result(minutes: float, seeds: list[int], runs: list[dict], skipped: dict) -> dict:
+    return {
+        "minutes": minutes,
+        "seeds": list(seeds),
+        "load_average": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+        "runs": runs,
+        "summary": summarize(runs),
+        "skipped": skipped,
+    }
+
+
+def table(result: dict):
+    from rich.table import Table
+
+    tab = Table(
+        title=f"reward per wall time - {result['minutes']:g} min per run, seeds {result['seeds']}, "
+        f"{result['cpu_count']} CPU cores (load average at the end {result['load_average'][0]:.1f})"
+    )
+    for col in ("algorithm", "mode", "iterations", "samples/s", "gain", "gain / min", "gain / 1k samples"):
+        tab.add_column(col, justify="left" if col in ("algorithm", "mode") else "right")
+    pm = lambda r, m, f: f"{r[m]:{f}} ± {r[m + '_se']:.3f}"  # noqa: E731
+    for r in result["summary"]:
+        tab.add_row(
+            r["algorithm"],
+            r["mode"],
+            f"{r['iterations']:.0f}",
+            f"{r['samples_per_s']:.1f}",
+            pm(r, "gain", "+.3f"),
+            pm(r, "gain_per_min", "+.3f"),
+            pm(r, "gain_per_1k_samples", "+.4f"),
+        )
+    return tab
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=2.0, help="training wall time per run")
+    parser.add_argument("--seeds", default="0,1,2,3,4")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES))
+    parser.add_argument("--algorithms", default="flow_grpo", help="comma-separated algorithm.name values")
+    parser.add_argument("--set", action="append", default=[], help="a config override for every run")
+    parser.add_argument("--tiny", action="store_true", help="2 iterations, one seed (the smoke test)")
+    parser.add_argument("--json", type=Path, help="write the runs and the summary here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from rich.console import Console
+
+    console = Console(width=150)
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    iterations = 100_000
+    if args.tiny:
+        seeds, iterations = seeds[:1], 2
+    try:
+        result = compare(
+            [m for m in args.modes.split(",") if m],
+            [a for a in args.algorithms.split(",") if a],
+            seeds,
+            args.minutes,
+            args.set,
+            iterations,
+            log=lambda s: console.print(f"[dim]{s}[/dim]"),
+            on_run=(lambda r: args.json.write_text(json.dumps(r, indent=2))) if args.json else None,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    console.print(table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

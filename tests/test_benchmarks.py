@@ -1,0 +1,192 @@
+"""Every script in benchmarks/ runs at a tiny size (1-3 iterations) and writes the JSON fields its
+readers use, so a change elsewhere cannot break one silently. Smoke runs only: no number is judged
+(speed lives in the benchmarks themselves). Each runs as its own process, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def run_script(name: str, tmp_path: Path, *args: str, timeout: int = 600) -> dict:
+    """Run ``benchmarks/<name>`` with ``args`` and ``--json``; returns the JSON it wrote."""
+    out = tmp_path / f"{name}.json"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(BENCH / name), *args, "--json", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def finite(*xs) -> bool:
+    return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
+
+
+def test_every_benchmark_has_a_smoke_test():
+    here = Path(__file__).read_text()
+    scripts = sorted(p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh"))
+    assert scripts and [s for s in scripts if f'"{s}"' not in here] == []
+
+
+@pytest.mark.slow
+def test_engine_modes(tmp_path):
+    data = run_script(
+        "engine_modes.py",
+        tmp_path,
+        "--tiny",
+        "--iterations",
+        "3",
+        "--workload",
+        "balanced",
+        "--modes",
+        "sync",
+    )
+    (row,) = data["modes"]
+    assert row["mode"] == "sync" and row["samples_per_s"] > 0 and 0 <= row["bubble_fraction"] <= 1
+    assert finite(row["iteration_s"], row["bound_s"], row["efficiency"], row["sync_s"])
+    assert list(data["workloads"]) == ["balanced"]
+
+
+@pytest.mark.slow
+def test_plan_fidelity(tmp_path):
+    """It ran into a TypeError after the simulator's cost interface changed (and nothing noticed)."""
+    data = run_script(
+        "plan_fidelity.py", tmp_path, "--tiny", "--iterations", "3", "--modes", "sync", "--calibration", "ray"
+    )
+    (row,) = data["modes"]
+    assert row["mode"] == "sync" and row["measured_samples_per_s"] > 0 and row["predicted_samples_per_s"] > 0
+    assert finite(row["rel_error"], row["replay_rel_error"], row["predicted_bubble_fraction"])
+    assert data["iterations"] == 3 and data["profile_engine"]["source"]
+
+
+@pytest.mark.slow
+def test_reward_overlap(tmp_path):
+    data = run_script(
+        "reward_overlap.py", tmp_path, "--iterations", "3", "--clip-size", "32", "--clip-layers", "1"
+    )
+    assert set(data) == {"inline", "service"}
+    for mode in data.values():
+        assert mode["samples_per_s"] > 0 and len(mode["all_samples_per_s"]) == 1
+    assert 0 <= data["service"]["reward_overlapped_generation"] <= 1
+
+
+@pytest.mark.slow
+def test_soak(tmp_path):
+    data = run_script(
+        "soak.py",
+        tmp_path,
+        "--iterations",
+        "2",
+        "--fault-rate",
+        "0.5",
+        "--rollout-workers",
+        "1",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
+    assert data["iterations"] == 2 and data["lost"] == 0 and data["duplicated"] == 0
+    assert data["units_with_a_fault"] >= 1 and data["restarts"] >= 1
+
+
+@pytest.mark.slow
+def test_weight_sync(tmp_path):
+    rows = run_script("weight_sync.py", tmp_path, "--repeats", "1", "--lora-mib", "1", "--full-mib", "4")[
+        "rows"
+    ]
+    assert {"ray_object_store", "broadcast_gloo"} <= {r["transport"] for r in rows}
+    assert all(r["bytes"] > 0 and r["bytes_per_s"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_memory(tmp_path):
+    rows = run_script("memory.py", tmp_path, "--configs", str(ROOT / "configs" / "flux_tiny.yaml"))["rows"]
+    assert {r["config"] for r in rows} == {"flux_tiny.yaml"} and len(rows) >= 4
+    assert all(finite(r["predicted_gib"], r["measured_gib"]) for r in rows)
+    weights = next(r for r in rows if r["component"].startswith("weights"))
+    assert weights["measured_gib"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_realwidth(tmp_path):
+    small = ["--double", "1", "--single", "1", "--batch", "1", "--steps", "2"]
+    data = run_script("gpu_realwidth.py", tmp_path, "--tiny", "--device", "cpu", *small)
+    assert data["device"] == "cpu" and data["params"] > 0
+    assert data["rollout"]["step_s"] > 0 and data["train_ac_off"]["step_s"] > 0
+    assert finite(data["on_policy"]["max_abs_log_ratio"]) and data["weight_sync"]
+
+
+@pytest.mark.slow
+def test_minibatch_ppo(tmp_path):
+    tiny = [
+        "model.height=16",
+        "model.width=16",
+        "sampling.steps=3",
+        "algorithm.group_size=4",
+        "train.prompts_per_iteration=2",
+    ]
+    sets = [arg for kv in tiny for arg in ("--set", kv)]
+    data = run_script(
+        "minibatch_ppo.py", tmp_path, "--steps", "1", "2", "--seeds", "0", "--iterations", "3", *sets
+    )
+    assert set(data["summary"]) == {"1", "2"} and len(data["runs"]) == 2
+    for row in data["summary"].values():
+        assert finite(row["clip_frac"], row["ratio_min"], row["ratio_max"], row["cpu_s_per_iteration"])
+
+
+@pytest.mark.slow
+def test_peer_calibration(tmp_path):
+    """Analytic only (seconds): the fitted pair of kernel efficiencies and each phase's error."""
+    data = run_script("peer_calibration.py", tmp_path)
+    eff = data["efficiency"]
+    assert 0 < eff["sampling"] < 1 and 0 < eff["training"] < 1 and data["phases"]
+    assert finite(data["worst_predicted_phase_error"], data["step_s"]["predicted"])
+
+
+@pytest.mark.slow
+def test_stale_gradient(tmp_path):
+    """Every variant trains 2 iterations; a stale variant's probe splits the gradient per trained step."""
+    tiny = ["model.height=16", "model.width=16", "sampling.steps=3"]
+    sets = [arg for kv in tiny for arg in ("--set", kv)]
+    data = run_script(
+        "stale_gradient.py", tmp_path, "--iterations", "2", "--seeds", "0", "--probe_every", "1", *sets
+    )
+    assert [r["variant"] for r in data["runs"]] == ["on_policy", "stale_raw", "stale_recentred"]
+    for r in data["runs"]:
+        assert finite(r["gain"], r["grad_norm_mean"]) and len(r["rewards"]) == 2
+    probed = [r for r in data["runs"] if r["probes"]]
+    assert probed and all(finite(s["score"], s["drift"]) for r in probed for s in r["probes"][0]["steps"])
+
+
+def test_learning_is_smoked_by_its_own_tests():
+    """benchmarks/learning.py's --tiny run and its statistics are tested in tests/test_learning_bench.py."""
+    assert '"learning.py"' in (ROOT / "tests" / "test_learning_bench.py").read_text()
+
+
+def test_reward_server_is_exercised_by_the_remote_reward_tests():
+    """benchmarks/reward_server.py is the example server tests/test_remote_reward.py runs."""
+    assert '"reward_server.py"' in (ROOT / "tests" / "test_remote_reward.py").read_text()
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine runs the script itself")
+def test_gpu_smoke_script_refuses_without_a_gpu(tmp_path):
+    """The GPU smoke script parses, and on a machine without a GPU says so and exits non-zero."""
+    script = BENCH / "gpu_smoke.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    done = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "no GPU visible" in done.stderr
