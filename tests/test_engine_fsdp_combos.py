@@ -20,7 +20,7 @@ from digenrl.config import load_config  # noqa: E402
 from digenrl.engine.runtime import run_engine  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
-from tests.helpers import assert_timeline_invariants, local_ray  # noqa: E402
+from tests.helpers import assert_timeline_invariants  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -58,8 +58,9 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    yield from local_ray(rollout=1, trainer=2)
+def cluster(ray_cluster):
+    """The suite's Ray cluster (conftest ``ray_cluster``); its address."""
+    return ray_cluster
 
 
 @pytest.mark.parametrize("case", CASES)
