@@ -63,6 +63,7 @@ FORMAT = 1  # bump when the layout changes; older formats are refused with a mes
 LORA_FILE = "pytorch_lora_weights.safetensors"
 FULL_FILE = "transformer.safetensors"
 EMA_FILE = "ema.safetensors"
+OLD_POLICY_FILE = "old_policy.safetensors"  # diffusion_nft: the old policy (trained-parameter names)
 STATE_FILE = "state.json"
 _NAME = re.compile(r"^iter-(\d{6,})$")
 
@@ -224,6 +225,8 @@ def write_checkpoint(
     weights = policy.weights()  # gathered from the shards on a sharded policy
     ema = getattr(policy, "ema", None)
     average = ema.state() if ema is not None else None
+    old = getattr(policy, "old", None)  # diffusion_nft's old policy, gathered like the EMA
+    old_state = old.state() if old is not None else None
     trainer_files, fmt = {}, "torch"
     if policy.optimizer is not None and is_sharded(policy.adapter.transformer):
         if optimizer_dir is None:
@@ -240,6 +243,8 @@ def write_checkpoint(
         torch.save(policy.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
     if average is not None:
         save_file(average, tmp / EMA_FILE)
+    if old_state is not None:
+        save_file(old_state, tmp / OLD_POLICY_FILE)
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "config.yaml").write_text(cfg.dump_yaml())
     files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.name != STATE_FILE}
@@ -258,6 +263,8 @@ def write_checkpoint(
     }
     if ema is not None:  # the average's settings and how many optimizer steps it has seen
         state["ema"] = {**ema.cfg.model_dump(), "steps": ema.steps}
+    if old is not None:
+        state["old_policy"] = {"steps": old.steps}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
 
 
@@ -381,6 +388,17 @@ def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = T
                 ) from None
         else:
             policy.ema.reset()
+    if getattr(policy, "old", None) is not None:  # diffusion_nft: resume the old policy, or restart it
+        steps = state.iteration * policy.cfg.train.optimizer_steps  # at the weights if none was kept
+        if OLD_POLICY_FILE in state.files:
+            try:
+                policy.old.load(read_safetensors(state.path / OLD_POLICY_FILE), steps)
+            except ValueError as exc:
+                raise CheckpointError(
+                    f"checkpoint {state.path}: {OLD_POLICY_FILE} does not fit this model ({exc})"
+                ) from None
+        else:
+            policy.old.reset(steps)
     if rngs is not None:
         set_rng_state(rngs)
     return state

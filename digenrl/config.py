@@ -140,6 +140,12 @@ class SamplingConfig(_Section):
         None, gt=0, description="fixed sigma shift; None = the model's own (FLUX/Qwen: dynamic mu)"
     )
     guidance: float = Field(3.5, ge=0, description="guidance scale in the model's own style")
+    eval_guidance: float | None = Field(
+        None,
+        ge=0,
+        description="guidance scale of evaluation only (null: sampling.guidance); e.g. CFG at eval after "
+        "CFG-free diffusion_nft training",
+    )
     negative_prompt: str = ""
     sde: Literal["flow_grpo", "dance_grpo", "cps"] = "flow_grpo"
     noise_level: float = Field(1.0, ge=0, description="eta; 0 = deterministic ODE (Euler) sampling")
@@ -206,7 +212,18 @@ ALGORITHM_DEFAULTS = {
     "flow_grpo": {"sde": "flow_grpo", "timesteps": {"mode": "fraction", "fraction": 0.99}},
     # DanceGRPO: its SDE; drop the last step, shuffle, train floor(0.6 (N-1)) per sample
     "dance_grpo": {"sde": "dance_grpo", "timesteps": {"mode": "random", "fraction": 0.6}},
+    # DiffusionNFT: no SDE and no trained steps -- rollouts are the deterministic ODE at the paper's 10
+    # steps; training draws algorithm.nft.noise_levels forward-noised copies of each clean sample
+    "diffusion_nft": {
+        "sde": "flow_grpo",
+        "timesteps": {"mode": "fraction", "fraction": 0.99},
+        "sampling": {"noise_level": 0.0, "steps": 10},
+    },
 }
+
+
+#: families whose guidance is two-pass CFG: diffusion_nft rolls out and trains them CFG-free by default
+TWO_PASS_CFG_FAMILIES = ("wan", "qwen_image")
 
 
 def algorithm_defaults(data: dict) -> dict:
@@ -224,17 +241,48 @@ def algorithm_defaults(data: dict) -> dict:
     timesteps = {"mode": preset["timesteps"]["mode"], **(algorithm.get("timesteps") or {})}
     if timesteps["mode"] == preset["timesteps"]["mode"]:
         timesteps = {"fraction": preset["timesteps"]["fraction"], **timesteps}
+    sampling = dict(preset.get("sampling", {}))
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    if algorithm.get("name") == "diffusion_nft" and model.get("adapter") in TWO_PASS_CFG_FAMILIES:
+        sampling["guidance"] = 1.0  # CFG-free rollouts and training (sampling.eval_guidance: CFG at eval)
     return {
         **data,
-        "sampling": {"sde": preset["sde"], **(data.get("sampling") or {})},
+        "sampling": {"sde": preset["sde"], **sampling, **(data.get("sampling") or {})},
         "algorithm": {**algorithm, "timesteps": timesteps},
     }
 
 
+class NftConfig(_Section):
+    """DiffusionNFT's own knobs (``algorithm.name: diffusion_nft``; docs/algorithms.md)."""
+
+    beta: float = Field(
+        1.0,
+        gt=0,
+        description="v+ = (1 - beta) v_old + beta v, v- = (1 + beta) v_old - beta v (paper: 1; OCR 0.1)",
+    )
+    noise_levels: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_STEPS,
+        description="K forward-noised copies per sample, at K distinct sigmas of the rollout schedule "
+        "drawn per sample; null = all sampling.steps of them (the reference's timestep_fraction 1)",
+    )
+    decay_flat: int = Field(0, ge=0, description="old-policy EMA: decay 0 for the first N optimizer steps")
+    decay_rate: float = Field(
+        0.001, ge=0, description="old-policy EMA: decay rises by this per optimizer step"
+    )
+    decay_max: float = Field(
+        0.5, ge=0, lt=1, description="old-policy EMA: decay cap (the reference's decay_type 1: 0, 0.001, 0.5)"
+    )
+
+
 class AlgorithmConfig(_Section):
-    name: Literal["flow_grpo", "dance_grpo"] = Field(
+    name: Literal["flow_grpo", "dance_grpo", "diffusion_nft"] = Field(
         "flow_grpo",
-        description=("selects the defaults of sampling.sde and algorithm.timesteps (see ALGORITHM_DEFAULTS)"),
+        description=(
+            "selects the defaults of sampling.sde and algorithm.timesteps (see ALGORITHM_DEFAULTS); "
+            "diffusion_nft: forward-process RL on clean ODE samples (algorithm.nft)"
+        ),
     )
     group_size: int = Field(
         8, ge=2, le=MAX_BATCH, description="G samples per prompt; 1 would leave no advantage"
@@ -263,6 +311,7 @@ class AlgorithmConfig(_Section):
         ),
     )
     timesteps: TimestepConfig = Field(default_factory=TimestepConfig)
+    nft: NftConfig = Field(default_factory=NftConfig, description="algorithm.name diffusion_nft only")
 
 
 # -------------------------------------------------------------------------------------- reward
@@ -573,6 +622,12 @@ class RunConfig(_Section):
         alg, ts, steps = self.algorithm, self.algorithm.timesteps, self.sampling.steps
         if alg.clip_range is None:
             alg.clip_range = default_clip_range(self.sampling.sde)
+        k = alg.nft.noise_levels
+        if alg.name == "diffusion_nft" and k is not None and k > steps:
+            raise ValueError(
+                f"algorithm.nft.noise_levels ({k}) exceeds sampling.steps ({steps}): the noise levels are "
+                "distinct sigmas of the rollout schedule"
+            )
         if ts.mode == "window" and window_bounds(steps, ts.window, ts.window_range) is None:
             raise ValueError(
                 f"algorithm.timesteps.window_range {list(ts.window_range)} of sampling.steps ({steps}) holds "

@@ -74,29 +74,29 @@ def evaluate_policy(
     """ODE-sample one image / video per prompt with the policy's current weights and score it.
 
     Defaults: ``sampling.eval_steps``, ``train.seed`` and ``train.micro_batch`` of the policy's config.
-    ``on_batch(n)`` is called after each batch of ``n`` prompts.
+    ``on_batch(n)`` is called after each batch of ``n`` prompts. ``sampling.eval_guidance``, when set,
+    replaces the guidance scale for the evaluation only.
     """
-    from digenrl.algorithms.sde import sample
-
     cfg, ad = policy.cfg, policy.adapter
     steps = steps or cfg.sampling.eval_steps
     seed = cfg.train.seed if seed is None else seed
     batch_size = batch_size or cfg.train.micro_batch
     sigmas = ad.sigmas(steps)
     pixels, totals, parts = [], [], []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        texts = [p.text for p in chunk]
-        cond = ad.cond_for(texts)
-        noise = torch.cat([eval_noise(ad, start + j, seed) for j in range(len(chunk))])
-        traj = sample(ad, cond, noise.to(ad.device), sigmas, "flow_grpo", 0.0)  # eta 0: the Euler ODE
-        px = ad.decode(traj.latents[:, -1]).clamp(0, 1)
-        total, p = reward_fn(px, texts, [dict(q.meta) for q in chunk])
-        pixels.append((px * 255).round().to(torch.uint8).cpu())
-        totals.append(total.float().cpu())
-        parts.append(p)
-        if on_batch:
-            on_batch(len(chunk))
+    guided = cfg.sampling.eval_guidance is not None and cfg.sampling.eval_guidance != ad.sampling.guidance
+    train_sampling = ad.sampling
+    if guided:  # sampling.eval_guidance: the evaluation's own guidance (e.g. CFG after CFG-free training)
+        ad.sampling = ad.sampling.model_copy(update={"guidance": cfg.sampling.eval_guidance})
+    try:
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            # encoded afresh with the eval guidance (a CFG family's conditioning holds the negative prompt)
+            cond = ad.encode_prompts([p.text for p in chunk]).to(ad.device) if guided else None
+            _eval_batch(ad, chunk, cond, sigmas, seed, start, reward_fn, pixels, totals, parts)
+            if on_batch:
+                on_batch(len(chunk))
+    finally:
+        ad.sampling = train_sampling
     names = parts[0].keys()
     return EvalResult(
         prompts=[p.text for p in prompts],
@@ -104,6 +104,21 @@ def evaluate_policy(
         scores={k: torch.cat([p[k] for p in parts]).float() for k in names},
         total=torch.cat(totals),
     )
+
+
+def _eval_batch(ad, chunk, cond, sigmas, seed, start, reward_fn, pixels, totals, parts) -> None:
+    """Sample and score one batch of eval prompts (``cond``: None = through the prompt cache)."""
+    from digenrl.algorithms.sde import sample
+
+    texts = [p.text for p in chunk]
+    cond = ad.cond_for(texts) if cond is None else cond
+    noise = torch.cat([eval_noise(ad, start + j, seed) for j in range(len(chunk))])
+    traj = sample(ad, cond, noise.to(ad.device), sigmas, "flow_grpo", 0.0)  # eta 0: the Euler ODE
+    px = ad.decode(traj.latents[:, -1]).clamp(0, 1)
+    total, p = reward_fn(px, texts, [dict(q.meta) for q in chunk])
+    pixels.append((px * 255).round().to(torch.uint8).cpu())
+    totals.append(total.float().cpu())
+    parts.append(p)
 
 
 # ------------------------------------------------------------------------------------- digenrl eval

@@ -68,6 +68,7 @@ class Policy:
         self.params = list(self.named_params.values())
         self.optimizer = None
         self.ema: WeightAverage | None = None  # train.ema: on the trainer only
+        self.old = None  # diffusion_nft: the old policy (an EMA of the trained weights), on trainer ranks
         if trainable:
             t = cfg.train
             self.optimizer = torch.optim.AdamW(
@@ -75,6 +76,10 @@ class Policy:
             )
             if t.ema is not None:
                 self.ema = WeightAverage(self.named_params, t.ema)
+            if cfg.algorithm.name == "diffusion_nft":
+                from digenrl.algorithms.nft import OldPolicy
+
+                self.old = OldPolicy(self.named_params, cfg.algorithm.nft)
         self.version = 0
 
     # ------------------------------------------------------------------ optimisation
@@ -91,6 +96,8 @@ class Policy:
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.update()
+        if self.old is not None:  # diffusion_nft: blend the old policy after the iteration's last step
+            self.old.step(publish)
         if publish:
             self.version += 1
         return float(norm)
@@ -103,6 +110,19 @@ class Policy:
             return
         with swapped_in(self.named_params, self.ema.average):
             yield
+
+    @contextlib.contextmanager
+    def old_weights(self):
+        """Inside the block the network holds the old policy's weights (diffusion_nft), for forwards
+        without gradient. A sharded network drops its gathered copies on the way in and out, so no
+        forward reuses the other weights' gather."""
+        net = self.adapter.transformer
+        _reshard(net)
+        with swapped_in(self.named_params, self.old.average):
+            try:
+                yield
+            finally:
+                _reshard(net)
 
     @contextlib.contextmanager
     def reference(self):
@@ -154,6 +174,15 @@ class Policy:
                     if not all(torch.equal(own[k], v.to(own[k].dtype)) for k, v in state.items()):
                         raise WeightSyncError("weights differ from the received ones after load")
         self.version = version
+
+
+def _reshard(net) -> None:
+    """Free an FSDP2 model's gathered parameter copies (a no-grad forward leaves the root's gathered)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in net.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def non_finite_gradient(cfg, norm: float, version: int) -> str:

@@ -34,6 +34,7 @@ from digenrl.algorithms.sde import (
     transition_logprob,
 )
 from digenrl.prompts import Prompt
+from digenrl.units_nft import is_nft
 
 
 def stream_seed(*parts) -> int:
@@ -67,17 +68,18 @@ class Samples:
     group_ids: list[int]
     prompts: list[str]  # one per sample (each prompt repeated G times)
     cond: Cond
-    latents: torch.Tensor  # (B, N+1, ...) fp32
-    log_probs: torch.Tensor  # (B, N) behaviour log-probs
+    latents: torch.Tensor  # (B, N+1, ...) fp32; diffusion_nft: (B, 1, ...), the clean sample only
+    log_probs: torch.Tensor  # (B, N) behaviour log-probs; diffusion_nft: (B, 0)
     sigmas: torch.Tensor
     sde_mask: torch.Tensor  # (N,)
-    train_idx: torch.Tensor  # (B, T) step indices to train
+    train_idx: torch.Tensor  # (B, T) steps to train; diffusion_nft: (B, K) noise levels (sigma indices)
     rewards: torch.Tensor  # (B,) weighted total
     reward_parts: dict[str, torch.Tensor]
     advantages: torch.Tensor | None = None  # (B,), set once the group's rewards are known
     preview: torch.Tensor | None = None  # uint8 pixels of the first sample of each group
     timings: dict[str, float] = field(default_factory=dict)
     first_sample: int = 0  # a sub-group unit: the in-group index of its groups' first sample
+    noise_seeds: torch.Tensor | None = None  # diffusion_nft: (B, K) seeds of each level's forward noise
     step_noise: torch.Tensor | None = None  # (B, N, ...) x_{i+1} - mu_behaviour_i (stale samples' gradient)
 
     def __len__(self) -> int:
@@ -109,7 +111,13 @@ def rollout_unit(
     cond = ad.cond_for([p.text for p in prompts]).repeat_interleave(n)
     noise = rng((len(prompts) * n, *ad.latent_shape()))
     sigmas = ad.sigmas(n_steps)
-    sde_mask, train_idx = _timestep_selection(cfg, iteration, seed, group_ids, (lo, hi))
+    nft, noise_seeds = is_nft(cfg), None
+    if nft:  # K noise levels per sample and their noise seeds; the rollout itself is a plain sampler
+        from digenrl.units_nft import noise_plan
+
+        sde_mask, train_idx, noise_seeds = noise_plan(cfg, iteration, seed, group_ids, (lo, hi))
+    else:
+        sde_mask, train_idx = _timestep_selection(cfg, iteration, seed, group_ids, (lo, hi))
     traj = sample(
         ad,
         cond.to(ad.device),
@@ -119,7 +127,7 @@ def rollout_unit(
         cfg.sampling.noise_level,
         rng,
         sde_mask,
-        batches=None if whole_forwards else forward_batches(train_idx, cfg, n, lo),
+        batches=None if nft or whole_forwards else forward_batches(train_idx, cfg, n, lo),
     )
     pixels = ad.decode(traj.latents[:, -1])
     texts = [p.text for p in prompts for _ in range(n)]
@@ -131,8 +139,9 @@ def rollout_unit(
         group_ids=list(group_ids),
         prompts=texts,
         cond=cond.to("cpu"),
-        latents=traj.latents.cpu(),
-        log_probs=traj.log_probs.cpu(),
+        # NFT trains on the clean samples only: a copy, so no view drags the trajectory's storage along
+        latents=(traj.latents[:, -1:].clone() if nft else traj.latents).cpu(),
+        log_probs=(traj.log_probs[:, :0].clone() if nft else traj.log_probs).cpu(),
         sigmas=sigmas.cpu(),
         sde_mask=sde_mask,
         train_idx=train_idx,
@@ -140,7 +149,8 @@ def rollout_unit(
         reward_parts=parts,
         preview=(pixels[::n].clamp(0, 1) * 255).round().to(torch.uint8).cpu(),
         first_sample=lo,
-        step_noise=traj.noise.cpu(),
+        noise_seeds=noise_seeds,
+        step_noise=None if nft else traj.noise.cpu(),  # diffusion_nft: no trajectory travels
     )
 
 
@@ -237,6 +247,12 @@ def train_unit(
     rank holds no sample of the unit (``samples`` is one row to run the group's passes on).
     """
     cfg, ad = policy.cfg, policy.adapter
+    if is_nft(cfg):  # DiffusionNFT: flow matching on forward-noised clean samples
+        from digenrl import units_nft
+
+        return units_nft.train_unit(
+            policy, samples, total_terms, tsp_rank, tsp_degree, minibatch, minibatches
+        )
     alg, kind, eta = cfg.algorithm, cfg.sampling.sde, cfg.sampling.noise_level
     stale = samples.version < policy.version  # one-step async: decoupled PPO
     stats = _Stats()
@@ -426,6 +442,10 @@ def forward_batches(
 
 def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:
     """Combine unit stats into the iteration's metrics (``loss``: the mean of the mini-batches' losses)."""
+    if parts and "nft_r" in parts[0]:  # DiffusionNFT's stats (no ratios)
+        from digenrl import units_nft
+
+        return units_nft.merge_stats(parts, minibatches)
     terms = sum(p["terms"] for p in parts) or 1
     out = {
         "loss": sum(p["loss"] for p in parts) / minibatches,

@@ -173,6 +173,17 @@ def test_stale_gradient(tmp_path):
     assert probed and all(finite(s["score"], s["drift"]) for r in probed for s in r["probes"][0]["steps"])
 
 
+@pytest.mark.slow
+def test_algorithms(tmp_path):
+    """Both algorithms at the full engine mode, 2 iterations each."""
+    tiny = ["model.height=16", "model.width=16", "sampling.steps=3", "algorithm.group_size=4"]
+    sets = [arg for kv in tiny for arg in ("--set", kv)]
+    data = run_script("algorithms.py", tmp_path, "--tiny", *sets)
+    names = {(r["mode"], r["algorithm"]) for r in data["runs"]}
+    assert names == {("full", "flow_grpo"), ("full", "diffusion_nft")} and not data["skipped"]
+    assert all(finite(r["gain"], r["samples_per_s"]) for r in data["runs"])
+
+
 def test_learning_is_smoked_by_its_own_tests():
     """benchmarks/learning.py's --tiny run and its statistics are tested in tests/test_learning_bench.py."""
     assert '"learning.py"' in (ROOT / "tests" / "test_learning_bench.py").read_text()

@@ -34,6 +34,7 @@ COMMON = [
 TINY = {  # per family: a size the tiny preset takes
     "flux": ["model.height=16", "model.width=16"],
     "hunyuan_video": ["model.height=32", "model.width=32", "model.frames=9"],
+    "qwen_image": ["model.height=32", "model.width=32"],
 }
 
 
@@ -45,6 +46,8 @@ def test_every_family_has_a_recipe_and_every_recipe_a_readme_row():
         "dancegrpo_flux_hpsv2",
         "dancegrpo_hunyuan_videoalign",
         "mixgrpo_flux",
+        "diffusion_nft_flux",
+        "diffusion_nft_qwen_image",
     } <= names
     readme = (RECIPES[0].parent / "README.md").read_text()
     for name in names:
@@ -97,13 +100,18 @@ def test_recipe_runs_two_iterations_on_the_tiny_preset(recipe, tmp_path, monkeyp
     # later mini-batches (train.optimizer_steps > 1) see the moved weights, as PPO does
     steps = cfg.train.optimizer_steps
     assert len(seen) == 2 * steps and sorted(m for m, _ in seen) == sorted(list(range(steps)) * 2)
+    unit = trainer.last_units[0]
+    if alg.name == "diffusion_nft":  # no ratio: clean samples, K noise levels each, r in [0, 1]
+        assert unit.latents.shape[1] == 1 and unit.train_idx.shape[1] == (alg.nft.noise_levels or samp.steps)
+        assert all(0 <= r["nft_r"] <= 1 and r["loss"] > 0 for r in rows)
+        assert (result.run_dir / "final").is_dir()
+        return
     for m, st in seen:
         if m == 0:
             assert abs(st["ratio_min"] - 1) < 1e-6 and abs(st["ratio_max"] - 1) < 1e-6 and st["clip_sum"] == 0
     if steps == 1:
         assert all(abs(r["ratio_min"] - 1) < 1e-6 and abs(r["ratio_max"] - 1) < 1e-6 for r in rows)
     assert (result.run_dir / "final").is_dir()
-    unit = trainer.last_units[0]
     if alg.timesteps.mode == "window":  # SDE (and trained) steps only inside the window and its range
         ts, n = alg.timesteps, samp.steps
         sde = unit.sde_mask.nonzero().squeeze(1)

@@ -142,6 +142,10 @@ def shard_policy(
     if ema is not None:  # train.ema: each rank averages its own shards (elementwise, so equal to unsharded)
         ema.params = policy.named_params
         ema.average = {n: shard_like(ema.average[n], p) for n, p in policy.named_params.items()}
+    old = getattr(policy, "old", None)
+    if old is not None:  # diffusion_nft: the old policy is sharded like the weights (elementwise EMA too)
+        old.params = policy.named_params
+        old.average = {n: shard_like(old.average[n], p) for n, p in policy.named_params.items()}
 
 
 def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:

@@ -219,6 +219,7 @@ def select_rows(samples: Samples, rows: torch.Tensor) -> Samples:
         rewards=samples.rewards[rows],
         reward_parts={k: v[rows] for k, v in samples.reward_parts.items()},
         advantages=samples.advantages[rows],
+        noise_seeds=None if samples.noise_seeds is None else samples.noise_seeds[rows],
         step_noise=None if samples.step_noise is None else samples.step_noise[rows],
     )
 

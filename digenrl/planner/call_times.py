@@ -8,9 +8,10 @@
 - train unit (one mini-batch's samples, ``b / S``, x its share of the trained steps,
   ``T_r = |{j < T : j mod D = r}|`` for TSP rank r of degree D): for every trained-step position
   and micro-batch one forward + backward of ``recompute_logprob`` (+ a no-grad reference forward
-  when ``kl_beta > 0``); DanceGRPO's random steps split a micro-batch into one forward per distinct
-  step (in the train unit; the rollout's matching split, at most D + 1 forwards of a micro-batch
-  per step, is modelled as one).
+  when ``kl_beta > 0``; diffusion_nft: per noise level, the old policy's no-grad forward + the
+  forward / backward, and rollouts of one forward of the unit per step); DanceGRPO's random
+  steps split a micro-batch into one forward per distinct step (in the train unit; the rollout's
+  matching split, at most D + 1 forwards of a micro-batch per step, is modelled as one).
 
 Per-call times come from a profile (:class:`ProfiledTimes`: means vs batch size, interpolated
 piecewise-linearly in the batch, extrapolated along the last segment) or from the analytic model
@@ -306,6 +307,8 @@ def rollout_unit_time(t: CallTimes, w: Workload, groups: float) -> tuple[float, 
     b = groups * w.group_size
     if w.rollout_batch:
         forwards = micro_batches(b, w.rollout_batch)
+    elif w.forward_process:  # diffusion_nft: one forward of the whole unit per step (no log-probs to match)
+        forwards = [b]
     else:
         forwards = [c for n in minibatch_samples(w, groups) for c in micro_batches(n, w.micro_batch)]
     reward = t.reward(b)
@@ -324,7 +327,11 @@ def train_unit_time(
     positions = w.positions(tsp_rank, tsp_degree)
     calls = 0.0
     for size in micro_batches(b, micro_batch):
-        if w.timestep_mode == "random":  # size x positions terms over k distinct steps (expected)
+        if w.forward_process:  # diffusion_nft: per noise level the old policy's forward + forward/backward
+            calls += positions * (
+                t.ref_forward(size) + t.train_step(size) + (t.ref_forward(size) if w.kl else 0.0)
+            )
+        elif w.timestep_mode == "random":  # size x positions terms over k distinct steps (expected)
             choices = max(1, w.steps - 1)
             k = choices * (1 - (1 - min(1.0, positions / choices)) ** size)
             per = size * positions / k if k else 0.0

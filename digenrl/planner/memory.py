@@ -12,7 +12,8 @@ Trainer rank, FSDP degree N (N = 1: replicated, DDP-style bucketed all-reduce):
   the KL reference (``kl_beta > 0``) a frozen copy in the model dtype, replicated (``Policy``
   deep-copies it; ``fully_shard`` shards only the trained transformer);
 - LoRA: the frozen base in the model dtype (1/N under FSDP), fp32 LoRA masters, gradients and
-  AdamW moments (1/N under FSDP); the gathered block as above.
+  AdamW moments (1/N under FSDP); the gathered block as above;
+- diffusion_nft: the old policy, an fp32 copy of the trained parameters (1/N under FSDP);
 - activations per sample: every block's saved tensors (activation checkpointing off), or each
   block's input plus one block recomputed (on). Two-pass CFG (``sampling.cfg_batching``): batched,
   both passes are in one graph (twice one pass's activations); sequential, the trained step
@@ -188,6 +189,8 @@ class MemoryModel:
                 ),
                 "reference": total * w.dtype_bytes if w.kl else 0.0,
             }
+        if w.forward_process:  # diffusion_nft: the old policy, an fp32 EMA of the trained weights, sharded
+            parts["old policy"] = (lora if w.lora else total) * FP32_BYTES / shard
         parts["activations"] = self.train_acts(mb, ckpt, sp, cfg_batched)
         return parts
 

@@ -37,6 +37,9 @@ class Workload:
     vae_tiled: bool = True  # the decode's memory is a tile of a sample (sampling.vae_tiling not off)
     video: bool = False  # a video family: the planner tries sequence parallelism
     evaluates: bool = False  # output.eval_every > 0 (the engine refuses sequence-parallel trainers then)
+    # diffusion_nft: rollouts keep only the clean latent (no log-probs, one forward of the unit per step);
+    # a train term (sample x noise level) is the old policy's no-grad forward + the current forward/backward
+    forward_process: bool = False
     # samples per sampling forward of a rollout-only worker; None = the trainer's micro-batches
     # (engine.rollout_batch "trainer", the bit-exact ratio -- what the engine runs today)
     rollout_batch: int | None = None
@@ -63,6 +66,9 @@ class Workload:
             shift_every=ts.window_shift_every,
         )
         names = {c.name for c in cfg.reward.components}
+        nft = cfg.algorithm.name == "diffusion_nft"
+        if nft:  # K noise levels per sample take the place of the trained steps
+            idx = torch.zeros(1, cfg.algorithm.nft.noise_levels or n)
         return cls(
             family=cfg.model.adapter,
             shape=shape,
@@ -84,6 +90,7 @@ class Workload:
             vae_tiled=tiling_mode(cfg.model, cfg.sampling) != "off",
             video=cfg.model.frames is not None,
             evaluates=cfg.output.eval_every > 0,
+            forward_process=nft,
         )
 
     @property
@@ -105,6 +112,12 @@ class Workload:
         log-probs, and its prompt conditioning."""
         t = self.shape.tokens
         cond_dim = self.params.hidden  # order of the text embedding width
+        if self.forward_process:  # diffusion_nft: the clean latent and K noise seeds
+            return (
+                t.latent_elements * FP32_BYTES
+                + self.trained_steps * 8
+                + self.passes * t.text * cond_dim * HALF_BYTES
+            )
         return (
             (self.steps + 1) * t.latent_elements * FP32_BYTES
             + self.steps * FP32_BYTES
