@@ -110,8 +110,8 @@ def bound(mode_cfg, R: float, T: float, r: int, t: int) -> float:
 
 def run_mode(workload: str, mode: str, iterations: int, root: Path, extra: list[str] = ()) -> dict:
     from digenrl.config import load_config
-    from digenrl.engine.runtime import run_engine
     from digenrl.engine.timeline import Timeline
+    from digenrl.launch import run_engine
 
     cfg = load_config(
         None,

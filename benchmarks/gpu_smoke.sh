@@ -50,7 +50,7 @@ train() {  # train NAME override...
     "$PY" - "$OUT/$name" "$@" "${COMMON[@]}" <<'EOF'
 import sys
 from digenrl.config import load_config
-from digenrl.engine.runtime import run_engine
+from digenrl.launch import run_engine
 run_engine(load_config(None, sys.argv[2:]), run_dir=sys.argv[1])
 EOF
   fi

@@ -72,7 +72,7 @@ def known_algorithm(name: str, overrides: list[str]) -> str | None:
 def run_one(overrides: list[str], seconds: float, iterations: int, run_dir: Path) -> dict:
     """Train one configuration until ``seconds`` of wall time after its first logged iteration."""
     from digenrl.config import load_config
-    from digenrl.engine.runtime import run_engine
+    from digenrl.launch import run_engine
 
     cfg = load_config(None, [*overrides, f"train.iterations={iterations}", *RUN_SET])
     rows: list[dict] = []

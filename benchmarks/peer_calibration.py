@@ -142,8 +142,9 @@ def digenrl_best(f: dict) -> dict:
         "label": best.plan.label(),
         "images_per_gpu_s": best.samples_per_s / n,
         "iteration_s": best.iteration_s,
-        "note": "DigenRL's engine as built: rollout in the trainer's micro-batch (engine.rollout_batch "
-        "'trainer'), the judge on the rollout devices at the same seconds per image",
+        "note": "DigenRL's engine as built: rollout-only workers sample at engine.rollout_batch (auto: the "
+        "largest batch the memory model fits; TAG / colocated workers in the trainer's micro-batch), "
+        "the judge on the rollout devices at the same seconds per image",
     }
 
 

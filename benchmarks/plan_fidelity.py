@@ -16,7 +16,7 @@
      gap_tsp_tag  + tag
      full         + max_staleness 1
    the simulator's prediction (the engine's Scheduler in virtual time with the profiled costs), then a
-   real run of ``digenrl.engine.runtime.run_engine`` on a local Ray cluster;
+   real run of ``digenrl.launch.run_engine`` on a local Ray cluster;
 3. samples/s and bubble fraction of both, over the same iterations (the first and the last left out),
    with the relative error of the prediction; and a "replay" prediction -- the simulator fed with the
    unit durations the run itself measured -- whose error is that of the scheduling and overhead model
@@ -187,8 +187,8 @@ def main(argv=None) -> int:
     import ray
     import torch
 
-    from digenrl.engine.runtime import run_engine
     from digenrl.engine.timeline import Timeline
+    from digenrl.launch import run_engine
     from digenrl.placement import Plan
     from digenrl.planner.costmodel import CostModel
     from digenrl.planner.gpus import cluster_from_dict
@@ -209,6 +209,7 @@ def main(argv=None) -> int:
             base,
             "cpu",
             engine=args.calibration,
+            run_engine=run_engine,
             sharing=2,
             batches=[unit_groups(base) * G],
             min_time=0.1 if args.tiny else 1.0,

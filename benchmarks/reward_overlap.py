@@ -98,7 +98,7 @@ def main() -> None:
     from test_model_rewards import make_tiny_clip
 
     from digenrl.config import load_config
-    from digenrl.engine.runtime import run_engine
+    from digenrl.launch import run_engine
 
     torch.set_num_threads(1)
     runs: dict[str, list[dict]] = {"inline": [], "service": []}

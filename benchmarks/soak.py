@@ -34,7 +34,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from digenrl.config import load_config  # noqa: E402
-from digenrl.engine.runtime import run_engine  # noqa: E402
+from digenrl.launch import run_engine  # noqa: E402
 
 TINY = [
     "model.height=16",

@@ -532,6 +532,22 @@ class EngineConfig(_Section):
             "object store"
         ),
     )
+    rollout_batch: Literal["auto", "trainer"] | int = Field(
+        "auto",
+        description=(
+            "samples per sampling forward of a rollout-only worker: trainer = the train forwards' "
+            "batches (on-policy ratio exactly 1); N = N per forward (the ratio 1 to rounding, see "
+            "logprob_mismatch); auto = the largest the rollout device holds by the memory model "
+            "(trainer on devices of unknown memory: CPU pools, untyped GPUs). TAG trainer ranks and "
+            "colocated workers always forward in the trainer's batches"
+        ),
+    )
+    compile_rollout: Literal["off", "on"] = Field(
+        "off", description="torch.compile the rollout workers' transformer (engine.compile_mode)"
+    )
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile mode of engine.compile_rollout (CUDA graphs: reduce-overhead)"
+    )
     faults: list[FaultConfig] = Field(
         default_factory=list,
         description=(
@@ -539,6 +555,22 @@ class EngineConfig(_Section):
             "(a plugin in the worker processes, digenrl/faults.py); also DIGENRL_FAULTS=worker@unit,..."
         ),
     )
+
+    @field_validator("compile_rollout", mode="before")
+    @classmethod
+    def _switch(cls, value):
+        return on_off(value)
+
+    @field_validator("rollout_batch", mode="before")
+    @classmethod
+    def _rollout_batch(cls, value):
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_BATCH:
+            return value
+        if value in ("auto", "trainer"):
+            return value
+        raise ValueError(f"must be auto, trainer or a batch size 1..{MAX_BATCH}, got {value!r}")
 
 
 # -------------------------------------------------------------------------------------- output

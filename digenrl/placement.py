@@ -19,10 +19,17 @@ the rollout workers leave over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from digenrl.config import PoolConfig, RunConfig
 from digenrl.devices import device_spec, known_devices
+from digenrl.engine.knobs import (
+    EngineKnobs,
+    SchedulingKnobs,
+    engine_config_values,
+    from_engine_config,
+    knob_values,
+)
 from digenrl.engine.scheduler import Role, SchedulerConfig, WorkerSpec
 from digenrl.errors import UserError
 
@@ -36,22 +43,15 @@ class Worker(WorkerSpec):
     pool: PoolConfig
 
 
-@dataclass(frozen=True)
-class Plan:
-    """A placement plus the engine knobs. ``pools``: colocated, the pools whose devices do both jobs;
-    disaggregated, ``(rollout pool, trainer pool)``."""
+@dataclass(frozen=True, kw_only=True)
+class Plan(EngineKnobs):
+    """A placement plus the engine knobs (:class:`~digenrl.engine.knobs.EngineKnobs`); keyword
+    arguments only. ``pools``: colocated, the pools whose devices do both jobs; disaggregated,
+    ``(rollout pool, trainer pool)``."""
 
     placement: str  # "colocated" | "disaggregated"
     pools: tuple[PoolConfig, ...]
-    unit_groups: int
-    tsp_degree: int = 1
-    tag: bool = False
-    gap: bool = True
-    max_staleness: int = 0
     micro_batch: int | None = None  # None: the config's
-    group_parts: int = 1  # sub-group units: rollout units per group (1: unit_groups whole groups per unit)
-    rollout_sp: int = 1  # sequence parallelism: devices per rollout worker (colocated: per device-group)
-    trainer_sp: int = 1  # ... per trainer rank (colocated: equal to rollout_sp)
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -125,17 +125,12 @@ class Plan:
         """The scheduler's configuration for this plan and the run's work (``groups_per_iteration``,
         ``iterations``, ``optimizer_steps``: the algorithm's, not a placement choice)."""
         return SchedulerConfig(
+            **knob_values(self, SchedulingKnobs),
             placement=self.placement,
             groups_per_iteration=groups_per_iteration,
-            unit_groups=self.unit_groups,
-            tsp_degree=self.tsp_degree,
-            tag=self.tag,
-            gap=self.gap,
-            max_staleness=self.max_staleness,
             iterations=iterations,
             wait_for_full_batch=wait_for_full_batch,
             start_iteration=start_iteration,
-            group_parts=self.group_parts,
             optimizer_steps=optimizer_steps,
         )
 
@@ -192,8 +187,8 @@ class Plan:
                     f"to be different pools (both are '{rollout.name}')"
                 )
             chosen = (rollout, trainer)
-        G = cfg.algorithm.group_size
-        m, parts = e.unit_groups, G // e.unit_samples if e.unit_samples else 1
+        knobs = from_engine_config(e, cfg.algorithm.group_size)
+        G, m, parts = cfg.algorithm.group_size, knobs["unit_groups"], knobs["group_parts"]
         if mode == "colocated" and e.unit_samples is None:
             m, parts = spread_units(
                 cfg.train.prompts_per_iteration, m, G, sum(p.count for p in chosen) // e.trainer_sp
@@ -216,35 +211,16 @@ class Plan:
                     f"spans {sp} devices"
                 )
         return cls(
-            mode,
-            chosen,
-            m,
-            e.tsp_degree,
-            e.tag,
-            e.gap,
-            e.max_staleness,
-            cfg.train.micro_batch,
-            parts,
-            rollout_sp,
-            e.trainer_sp,
+            **{**knobs, "unit_groups": m, "group_parts": parts, "rollout_sp": rollout_sp},
+            placement=mode,
+            pools=chosen,
+            micro_batch=cfg.train.micro_batch,
         )
 
     def typed(self) -> Plan:
         """This plan with every pool's device as a known type's canonical name (what the cost model
         looks up); a pool of 'gpu' / 'cuda' (any GPU) cannot be simulated."""
-        return Plan(
-            self.placement,
-            tuple(p.model_copy(update={"device": device_type(p)}) for p in self.pools),
-            self.unit_groups,
-            self.tsp_degree,
-            self.tag,
-            self.gap,
-            self.max_staleness,
-            self.micro_batch,
-            self.group_parts,
-            self.rollout_sp,
-            self.trainer_sp,
-        )
+        return replace(self, pools=tuple(p.model_copy(update={"device": device_type(p)}) for p in self.pools))
 
 
 def spread_units(groups: int, unit_groups: int, group_size: int, devices: int) -> tuple[int, int]:
@@ -273,32 +249,6 @@ def device_type(pool: PoolConfig) -> str:
     return device_spec(pool.device, f"cluster.pools.{pool.name}.device").name
 
 
-def engine_workers(cfg: RunConfig) -> list[Worker]:
-    """The runtime's workers for ``cfg`` (a CUDA run on logical CPU pools is refused here, before Ray)."""
-    workers = Plan.from_run_config(cfg).workers()
-    if cfg.train.device == "cuda" and any(w.pool.device.lower() == "cpu" for w in workers):
-        raise UserError(
-            "train.device: cuda, but cluster.pools devices are 'cpu' (logical CPU pools); "
-            "set the pools' device to 'gpu' or a GPU type such as H100"
-        )
-    return workers
-
-
-def engine_scheduler_config(cfg: RunConfig, start_iteration: int = 0) -> SchedulerConfig:
-    """The scheduler's configuration for ``cfg``: its plan, plus global-std advantages holding training
-    back until every reward of the iteration is in."""
-    try:
-        return Plan.from_run_config(cfg).scheduler_config(
-            cfg.train.prompts_per_iteration,
-            cfg.train.iterations,
-            wait_for_full_batch=cfg.algorithm.std == "global",
-            start_iteration=start_iteration,
-            optimizer_steps=cfg.train.optimizer_steps,
-        )
-    except ValueError as exc:
-        raise UserError(f"engine: {exc}") from None
-
-
 def apply_plan(cfg: RunConfig, plan: Plan, device: str) -> RunConfig:
     """``cfg`` with ``plan``'s cluster, placement and engine sections, its micro-batch (when it sets
     one) and ``train.device`` (``cpu`` or ``cuda``): the config ``plan --write`` writes."""
@@ -311,18 +261,7 @@ def apply_plan(cfg: RunConfig, plan: Plan, device: str) -> RunConfig:
         "rollout_pool": plan.pools[0].name,
         "trainer_pool": plan.pools[-1].name,
     }
-    G = data["algorithm"]["group_size"]
-    data["engine"] = {
-        **data["engine"],
-        "unit_groups": plan.unit_groups,
-        "gap": plan.gap,
-        "unit_samples": G // plan.group_parts if plan.group_parts > 1 else None,
-        "tsp_degree": plan.tsp_degree,
-        "tag": plan.tag,
-        "max_staleness": plan.max_staleness,
-        "rollout_sp": plan.rollout_sp,
-        "trainer_sp": plan.trainer_sp,
-    }
+    data["engine"] = {**data["engine"], **engine_config_values(plan, cfg.algorithm.group_size)}
     if plan.micro_batch is not None:
         data["train"] = {**data["train"], "micro_batch": plan.micro_batch}
     data["train"] = {**data["train"], "device": device}

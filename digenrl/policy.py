@@ -16,10 +16,10 @@ from digenrl.adapters import build_adapter
 from digenrl.config import RunConfig
 from digenrl.distributed.checkpointing import checkpoint_blocks
 from digenrl.distributed.precision import fp32_master
-from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired, resolve_activation_checkpointing
 from digenrl.ema import WeightAverage, swapped_in
 from digenrl.errors import UserError, WeightSyncError
 from digenrl.lora import apply_lora, checksum, full_tensor, load_lora_state_dict, lora_state_dict
+from digenrl.run_settings import single_process_settings
 
 
 def pick_device(name: str) -> torch.device:
@@ -39,16 +39,19 @@ class Policy:
         device: torch.device | str | None = None,
         trainable: bool = True,
         generates: bool = True,
+        layout=None,
     ):
-        """``generates=False``: a lean trainer rank (a checkpoint's transformer is loaded alone)."""
+        """``generates=False``: a lean trainer rank (a checkpoint's transformer is loaded alone);
+        ``layout``: the run's (:mod:`digenrl.layout`), whose resolved settings this policy runs with
+        (None: a policy outside a run, with a single process's settings)."""
         self.cfg = cfg
-        check_sp_wired(cfg)
-        check_fsdp_wired(cfg)
+        # the run layout's settings (digenrl.layout), else a single process's
+        self.settings = settings = layout.settings if layout is not None else single_process_settings(cfg)
         self.device = torch.device(device) if device is not None else pick_device(cfg.train.device)
-        from digenrl.preflight import resolve_cfg_batching
-
-        # the CFG passes batched or one at a time, as the memory model resolves it for this role
-        sampling = cfg.sampling.model_copy(update={"cfg_batching": resolve_cfg_batching(cfg, trainable)})
+        # the CFG passes batched or one at a time for this role, and the VAE's tiling, as resolved
+        sampling = cfg.sampling.model_copy(
+            update={"cfg_batching": settings.cfg_batching(trainable), "vae_tiling": settings.vae_tiling}
+        )
         self.adapter = build_adapter(cfg.model, sampling, self.device, generates)
         net = self.adapter.transformer
         self.lora = cfg.model.lora is not None
@@ -62,7 +65,7 @@ class Policy:
             self._ref = copy.deepcopy(net).requires_grad_(False)
         if trainable:
             fp32_master(net)  # the optimizer steps fp32 masters; compute stays in model.dtype (autocast)
-            if resolve_activation_checkpointing(cfg):
+            if settings.activation_checkpointing:
                 checkpoint_blocks(net)
         self.named_params = {n: p for n, p in net.named_parameters() if p.requires_grad}
         self.params = list(self.named_params.values())
@@ -183,6 +186,13 @@ def _reshard(net) -> None:
     for module in net.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def compile_transformer(policy: Policy, mode: str = "default") -> None:
+    """``engine.compile_rollout``: ``torch.compile`` the transformer's forward in place (``mode``:
+    ``engine.compile_mode``). The module, its parameters, its state-dict keys and its LoRA stay what
+    they were, so weight loads and checksums are unchanged; the first forwards of each new shape compile."""
+    policy.adapter.transformer.compile(mode=mode, dynamic=None)
 
 
 def non_finite_gradient(cfg, norm: float, version: int) -> str:

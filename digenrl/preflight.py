@@ -3,16 +3,16 @@
 
 - the host: logical CPU devices against this machine's cores, GPU devices against the visible GPUs
   (a local run; a ``--ray-address`` cluster is checked by the engine when it reserves the devices);
-- the placement: the engine's worker plan and scheduler settings;
+- the placement: the engine's worker plan and scheduler settings (the run's resolved layout);
 - the model: the adapter's shape checks, the preset or checkpoint directory, the LoRA targets (a
   checkpoint's transformer is built on the meta device from its config: no weights are read);
 - the files and the reward: the engine's own preflight (prompts, reward arguments and weights, a
   dry-run of the reward on a decoded sample of the tiny preset).
-- memory: does the run's placement fit its devices, before anything starts? One function for the runtime and
-  the planner: :func:`resolve_memory_settings` turns
-  ``train.fsdp: auto`` and ``train.activation_checkpointing: auto`` into what a trainer rank runs,
-  by the planner's memory model (:mod:`digenrl.planner.memory`); :func:`check_memory` refuses, with
-  one line, a placement that cannot fit and names the setting that would.
+- memory: does the run's placement fit its devices, before anything starts? :func:`resolve_memory_settings`
+  turns ``train.fsdp: auto`` and ``train.activation_checkpointing: auto`` into what a trainer rank
+  runs, by the planner's memory model (:mod:`digenrl.planner.memory`); :func:`check_memory` refuses,
+  with one line, a placement that cannot fit and names the setting that would. Both are called by
+  :func:`digenrl.resolve.resolve` only, once per run: the runtime reads the resolved layout.
 
   Which devices are checked: pools of a known GPU type (:data:`~digenrl.planner.gpus.DEVICES`).
   Logical CPU pools (``device: cpu``) share the host's RAM with each other and the OS and have no
@@ -58,20 +58,13 @@ def check_resources(cfg: RunConfig, ray_address: str | None = None) -> None:
             )
 
 
-def check_config(cfg: RunConfig, ray_address: str | None = None) -> list[str]:
-    """Everything train would reject, in the order train meets it; returns what was checked."""
-    from digenrl.placement import engine_scheduler_config, engine_workers
-
+def check_config(cfg: RunConfig, layout, ray_address: str | None = None) -> list[str]:
+    """Everything train would reject beyond the run's ``layout`` (:func:`digenrl.resolve.resolve`
+    already refused what does not fit or does not run), in the order train meets it; returns what
+    was checked."""
     checked = []
-    check_memory(cfg)  # the placement against its device types (known GPUs), before this host's devices
-    from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
-
-    check_sp_wired(cfg)
-    check_fsdp_wired(cfg)  # the sharding the memory needs is one the engine runs
     check_resources(cfg, ray_address)
     if cfg.placement.mode != "local":
-        engine_workers(cfg)
-        engine_scheduler_config(cfg)
         pools = ", ".join(f"{p.count}x {p.device}" for p in cfg.cluster.pools)
         checked.append(f"placement {cfg.placement.mode} on {pools}")
     check_model(cfg)
@@ -79,7 +72,7 @@ def check_config(cfg: RunConfig, ray_address: str | None = None) -> list[str]:
         f"model {cfg.model.adapter} ({cfg.model.preset or cfg.model.pretrained}) "
         f"{cfg.model.height}x{cfg.model.width}" + (f"x{cfg.model.frames}" if cfg.model.frames else "")
     )
-    check_workers_build(cfg)  # prompts, reward, and (tiny preset) the model with its LoRA targets
+    check_workers_build(cfg, layout)  # prompts, reward, and (tiny preset) the model with its LoRA targets
     checked.append(f"prompts, reward ({', '.join(t.name for t in cfg.reward.components)})")
     return checked
 
@@ -152,7 +145,7 @@ def _explicit(cfg) -> tuple:
     return fsdp, t.activation_checkpointing
 
 
-def resolve_memory_settings(cfg) -> MemorySettings:
+def resolve_memory_settings(cfg, plan=None) -> MemorySettings:
     """``train.fsdp`` / ``train.activation_checkpointing`` of ``cfg`` as a trainer rank runs them:
     explicit values as written; ``auto`` as the first setting that fits the trainer device by the
     memory model, in its preference order (replicated, then the smallest FSDP degree dividing the
@@ -169,7 +162,7 @@ def resolve_memory_settings(cfg) -> MemorySettings:
     )
     if cfg.placement.mode == "local":
         return plain
-    plan = _plan(cfg)
+    plan = plan or _plan(cfg)
     devices = [d for d in (_known_type(p) for p in plan.trainer_pools) if d]
     if not devices:
         return plain
@@ -193,7 +186,7 @@ def resolve_memory_settings(cfg) -> MemorySettings:
     )
 
 
-def resolve_cfg_batching(cfg, trainable: bool) -> str:
+def resolve_cfg_batching(cfg, trainable: bool, plan=None, memory: MemorySettings | None = None) -> str:
     """``sampling.cfg_batching`` as a worker runs it (``batched`` | ``sequential``): explicit values as
     written; ``auto`` as the memory model resolves it for the worker's role -- a trainer rank (``trainable``;
     colocated devices and TAG ranks too) by :func:`resolve_memory_settings`, a rollout worker by its unit's
@@ -202,10 +195,10 @@ def resolve_cfg_batching(cfg, trainable: bool) -> str:
     value = cfg.sampling.cfg_batching
     if value != "auto" or cfg.placement.mode == "local":
         return "sequential" if value == "auto" else value
+    plan = plan or _plan(cfg)
     if trainable:
-        s = resolve_memory_settings(cfg)
+        s = memory or resolve_memory_settings(cfg, plan)
         return "batched" if s.device and s.cfg_batched else "sequential"
-    plan = _plan(cfg)
     device = _known_type(plan.rollout_pool) if plan.rollout_pool is not None else None
     if device is None:
         return "sequential"
@@ -244,16 +237,17 @@ def _where(pool, device: str, model) -> str:
     )
 
 
-def check_memory(cfg) -> None:
+def check_memory(cfg):
     """Refuse (UserError, one line) a placement whose per-device memory does not fit: the trainer
     ranks at the configured (or ``auto``-resolved) sharding, checkpointing and micro-batch, the
-    rollout workers at ``engine.unit_groups`` groups per unit."""
+    rollout workers at ``engine.unit_groups`` groups per unit. Returns the plan it checked (None
+    when there was nothing to check: a local run, or no pool of a known GPU type)."""
     if cfg.placement.mode == "local" or not any(_known_type(p) for p in cfg.cluster.pools):
-        return  # nothing to check against (logical CPU / untyped GPU pools): no plan built yet
+        return None  # nothing to check against (logical CPU / untyped GPU pools): no plan built yet
     plan = _plan(cfg)
     typed = [(p, _known_type(p)) for p in plan.pools]
     if not any(d for _, d in typed):
-        return
+        return plan
     model = _model(cfg)
     tag = plan.placement == "colocated" or plan.tag
     fsdp, ac = _explicit(cfg)
@@ -296,6 +290,7 @@ def check_memory(cfg) -> None:
             f"{key}: {_where(pool, device, model)}: a trainer rank needs "
             f"{miss.need_bytes / GiB:.1f} GiB at {_described(miss)}; {fix}"
         )
+    return plan
 
 
 def _described(s) -> str:
@@ -307,12 +302,30 @@ def _described(s) -> str:
     )
 
 
+def resolve_rollout_batch(cfg, plan=None) -> int | None:
+    """``engine.rollout_batch`` as a rollout-only worker runs it: samples per sampling forward, or None
+    for the train forwards' batches (``trainer``; no rollout-only worker; ``auto`` on a rollout device
+    of unknown memory -- CPU pools, untyped GPUs). ``auto`` on a known GPU type: the largest batch
+    (at most a unit) with which the memory model holds a unit there."""
+    value = cfg.engine.rollout_batch
+    if cfg.placement.mode != "disaggregated" or value == "trainer":
+        return None
+    if isinstance(value, int):
+        return value
+    plan = plan or _plan(cfg)
+    device = _known_type(plan.rollout_pool)
+    if device is None:
+        return None
+    return _model(cfg).rollout_batch(device, plan.unit_size, plan.rollout_sp, cfg.sampling.cfg_batching)
+
+
 def _check_rollout(cfg, model, plan, pool, device: str) -> None:
     groups, sp, mode = plan.unit_groups, plan.rollout_sp, cfg.sampling.cfg_batching
-    s = model.rollout(device, plan.unit_size, sp, mode)
+    batch = resolve_rollout_batch(cfg, plan)
+    s = model.rollout(device, plan.unit_size, sp, mode, batch)
     if s.fits:
         return
-    if mode == "batched" and model.rollout(device, plan.unit_size, sp, "sequential").fits:
+    if mode == "batched" and model.rollout(device, plan.unit_size, sp, "sequential", batch).fits:
         fix = "set sampling.cfg_batching: sequential (or auto)"
         key = "sampling.cfg_batching"
     else:
@@ -320,7 +333,7 @@ def _check_rollout(cfg, model, plan, pool, device: str) -> None:
         smaller = [
             g
             for g in range(groups - 1, 0, -1)
-            if prompts % g == 0 and model.rollout(device, g, sp, mode).fits
+            if prompts % g == 0 and model.rollout(device, g, sp, mode, batch).fits
         ]
         fix = (
             f"set engine.unit_groups: {smaller[0]} (fewer samples per unit)"
@@ -338,7 +351,7 @@ def _check_rollout(cfg, model, plan, pool, device: str) -> None:
     )
 
 
-def check_workers_build(cfg: RunConfig, resumed=None) -> None:
+def check_workers_build(cfg: RunConfig, layout, resumed=None) -> None:
     """Validate here, in seconds and before Ray starts, what every worker will build: prompts, the
     reward (dry-run on a decoded sample) and -- for a random-init preset, which is cheap to build
     -- the model, its LoRA targets and the fit of a checkpoint to resume. A pretrained model is
@@ -346,7 +359,6 @@ def check_workers_build(cfg: RunConfig, resumed=None) -> None:
     from digenrl.prompts import load_prompts
     from digenrl.rewards import build_reward
 
-    check_memory(cfg)  # the placement fits its devices
     prompts = load_prompts(cfg.prompts)
     # with reward.service only the reward actor loads the reward models (and checks them, before training)
     reward = build_reward(cfg.reward) if cfg.reward.service is None else None
@@ -355,7 +367,7 @@ def check_workers_build(cfg: RunConfig, resumed=None) -> None:
         from digenrl.policy import Policy
         from digenrl.units import preflight_reward
 
-        policy = Policy(cfg, device="cpu", trainable=resumed is not None)
+        policy = Policy(cfg, device="cpu", trainable=resumed is not None, layout=layout)
         if reward is not None:
             preflight_reward(reward, policy.adapter, prompts)
         if resumed is not None:  # fits this model, every file reads back (weights verified)

@@ -1,9 +1,9 @@
 """What every driver does around its iterations, written once for the local trainer and the engine.
 
     resume_history                     where a (resumed) run writes and the metrics rows it keeps
-    RunPolicy.eval_due(k)              eval after iteration k        (output.eval_every)
-    RunPolicy.checkpoint_due(k)        checkpoint after iteration k  (output.checkpoint_every, and the last)
-    RunPolicy.samples_due(k)           sample grid of iteration k    (output.save_samples_every, and the last)
+    RunCadence.eval_due(k)             eval after iteration k        (output.eval_every)
+    RunCadence.checkpoint_due(k)       checkpoint after iteration k  (output.checkpoint_every, and the last)
+    RunCadence.samples_due(k)          sample grid of iteration k    (output.save_samples_every, and the last)
     iteration_metrics                  the metrics row of an iteration
     save_iteration_samples             samples/iter-NNNNNN.png
     final_files -> write_final         final/: the trained (with train.ema: the EMA) weights, as diffusers /
@@ -41,7 +41,7 @@ class RunResult:
     metrics: list[dict]
 
 
-class RunPolicy:
+class RunCadence:
     """The cadence of a run's side work, from ``output``."""
 
     def __init__(self, cfg: RunConfig):

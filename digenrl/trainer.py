@@ -26,12 +26,13 @@ import torch
 
 from digenrl.checkpoint import CheckpointState, find_checkpoint, load_checkpoint, save_checkpoint
 from digenrl.config import RunConfig
+from digenrl.layout import RunLayout, local_layout
 from digenrl.policy import Policy
 from digenrl.prompts import PromptSampler, load_prompts
 from digenrl.rewards import build_reward
 from digenrl.runlog import RunDir
 from digenrl.runpolicy import (
-    RunPolicy,
+    RunCadence,
     RunResult,
     StopRequest,
     checkpoint_to_keep,
@@ -49,14 +50,16 @@ from digenrl.units import Samples, assign_advantages, merge_stats, preflight_rew
 class LocalTrainer:
     """Everything in this process: one policy that both samples and trains."""
 
-    def __init__(self, cfg: RunConfig, resume: Path | None = None):
-        """``resume``: a run directory (its latest complete checkpoint) or a checkpoint directory."""
+    def __init__(self, cfg: RunConfig, resume: Path | None = None, layout: RunLayout | None = None):
+        """``resume``: a run directory (its latest complete checkpoint) or a checkpoint directory;
+        ``layout``: the run's (default: :func:`~digenrl.layout.local_layout`, one process)."""
         self.cfg = cfg
+        self.layout = layout or local_layout(cfg)
         torch.manual_seed(cfg.train.seed)
         # build (and so validate) everything before anything is written
         self.prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed)
         self.reward = build_reward(cfg.reward)
-        self.policy = Policy(cfg)
+        self.policy = Policy(cfg, layout=self.layout)
         preflight_reward(self.reward, self.policy.adapter, self.prompts.prompts)
         self.start_iteration = 0
         self.resumed: CheckpointState | None = None
@@ -112,16 +115,17 @@ class LocalTrainer:
     ) -> RunResult:
         """Iterations ``start_iteration .. train.iterations-1``; a resumed run continues in the
         checkpoint's run directory (unless ``run_dir`` forks it elsewhere) and appends to its metrics."""
-        cfg, policy = self.cfg, RunPolicy(self.cfg)
+        cfg, cadence = self.cfg, RunCadence(self.cfg)
         run_dir, history = resume_history(self.resumed, run_dir)
         if self.resumed is not None and self.start_iteration >= cfg.train.iterations:  # finished already
             return RunResult(Path(run_dir), history)
         out = RunDir(cfg, run_dir, history=history)
+        self.layout.write(out.path)
         rows = list(history or [])
         try:
             with stop_on_interrupt() as stop:
                 try:
-                    self._iterations(out, rows, policy, stop, on_iteration)
+                    self._iterations(out, rows, cadence, stop, on_iteration)
                 except BaseException as exc:
                     raise self._keep_work(exc, out.path, rows, stop) from None
             write_final(out.path, final_files(self.policy))
@@ -130,22 +134,22 @@ class LocalTrainer:
         return RunResult(out.path, rows)
 
     def _iterations(
-        self, out: RunDir, rows: list[dict], policy: RunPolicy, stop: StopRequest, on_iteration
+        self, out: RunDir, rows: list[dict], cadence: RunCadence, stop: StopRequest, on_iteration
     ) -> None:
         cfg = self.cfg
         for it in range(self.start_iteration, cfg.train.iterations):
             if stop.requested:  # Ctrl-C during the last iteration's logging: stop before the next
                 raise KeyboardInterrupt
             row = self.iteration(it, stop)
-            if policy.eval_due(it):
+            if cadence.eval_due(it):
                 row.update(self.evaluate())
             out.log(row)
             rows.append(row)
             if on_iteration:
                 on_iteration(row)
-            if policy.samples_due(it):
+            if cadence.samples_due(it):
                 save_iteration_samples(out.path, it, self.last_units)
-            if policy.checkpoint_due(it):
+            if cadence.checkpoint_due(it):
                 save_checkpoint(out.path, self.policy, it + 1, cfg, keep_last=cfg.output.keep_last)
 
     def _keep_work(

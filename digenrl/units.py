@@ -18,7 +18,6 @@ group's noise from the group's stream and keeps its own samples' share.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -34,11 +33,8 @@ from digenrl.algorithms.sde import (
     transition_logprob,
 )
 from digenrl.prompts import Prompt
+from digenrl.unit_rows import stream_seed, train_batches
 from digenrl.units_nft import is_nft
-
-
-def stream_seed(*parts) -> int:
-    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
 
 
 class GroupRNG:
@@ -95,12 +91,16 @@ def rollout_unit(
     iteration: int,
     seed: int,
     samples: tuple[int, int] | None = None,
+    batch: int | None = None,
     whole_forwards: bool = False,
 ) -> Samples:
     """Generate G samples for each prompt with the policy's current weights, decode and score them;
     ``samples = (lo, hi)``: only samples lo..hi-1 of each group (a sub-group unit), the same ones a
-    whole-group unit generates. ``whole_forwards``: one forward of all the samples per step, not the
-    train forwards' batches (a sharded group's ranks whose shares would run different numbers)."""
+    whole-group unit generates. ``batch``: samples per model forward (a rollout-only worker's own,
+    ``engine.rollout_batch``: the trainer's log-probs then match to rounding); None: the train
+    forwards' batches (:func:`forward_batches`, bit for bit). ``whole_forwards``: one forward of all
+    the samples per step, not the train forwards' batches (a sharded group's ranks whose shares
+    would run different numbers)."""
     cfg, ad = policy.cfg, policy.adapter
     G, n_steps = cfg.algorithm.group_size, cfg.sampling.steps
     lo, hi = samples or (0, G)
@@ -127,7 +127,13 @@ def rollout_unit(
         cfg.sampling.noise_level,
         rng,
         sde_mask,
-        batches=None if nft or whole_forwards else forward_batches(train_idx, cfg, n, lo),
+        batches=None
+        if whole_forwards
+        else own_batches(len(noise), n_steps, batch)
+        if batch is not None
+        else None
+        if nft
+        else forward_batches(train_idx, cfg, n, lo),
     )
     pixels = ad.decode(traj.latents[:, -1])
     texts = [p.text for p in prompts for _ in range(n)]
@@ -387,30 +393,6 @@ class _Stats:
         return dict(vars(self))
 
 
-def minibatch_rows(
-    n: int, group_size: int, minibatch: int, minibatches: int, per_group: int | None = None, first: int = 0
-) -> torch.Tensor:
-    """Mini-batch PPO: the rows (of ``n`` samples, ``per_group`` of each group in a row: samples
-    ``first ..`` of it; default whole groups) of mini-batch ``minibatch``: the in-group samples
-    s*G/S .. (s+1)*G/S - 1 of every group (S = ``minibatches`` divides G). Every mini-batch holds a
-    slice of every group, as in DanceGRPO (each rank's group in gradient-accumulation chunks) and
-    flow_grpo (a random split of all samples)."""
-    rows = torch.arange(n)
-    if minibatches == 1:
-        return rows
-    in_group = first + rows % (per_group or group_size)
-    return rows[in_group // (group_size // minibatches) == minibatch]
-
-
-def train_batches(
-    n: int, cfg, minibatch: int = 0, minibatches: int = 1, per_group: int | None = None, first: int = 0
-) -> list[torch.Tensor]:
-    """The rows of each train forward of mini-batch ``minibatch`` (of a unit of ``n`` samples, as in
-    :func:`minibatch_rows`): its rows in ``train.micro_batch`` chunks."""
-    rows = minibatch_rows(n, cfg.algorithm.group_size, minibatch, minibatches, per_group, first)
-    return [mb for mb in rows.split(cfg.train.micro_batch) if len(mb)]
-
-
 def forward_batches(
     train_idx: torch.Tensor, cfg, per_group: int | None = None, first: int = 0
 ) -> list[list[torch.Tensor]] | None:
@@ -438,6 +420,12 @@ def forward_batches(
         per_step.append(batches)
     whole = all(len(b) == 1 and len(b[0]) == n for b in per_step)
     return None if whole else per_step
+
+
+def own_batches(n: int, steps: int, batch: int) -> list[list[torch.Tensor]] | None:
+    """Per denoising step, the rows of each forward of ``n`` samples in chunks of ``batch`` (None: one
+    forward of all)."""
+    return None if batch >= n else [list(torch.arange(n).split(batch)) for _ in range(steps)]
 
 
 def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:

@@ -18,6 +18,7 @@ import torch
 
 from digenrl.adapters.guidance import backward_through_velocity
 from digenrl.algorithms import nft
+from digenrl.unit_rows import stream_seed, train_batches
 
 
 def is_nft(cfg) -> bool:
@@ -33,7 +34,6 @@ def noise_plan(cfg, iteration: int, seed: int, group_ids: list[int], samples: tu
     """(sde_mask (N,) all True, level index (B, K) into the rollout sigmas, noise seeds (B, K) int64)
     for samples [lo, hi) of each group: per sample a random K of the N sigmas (as the reference
     shuffles each sample's timesteps and takes the first K), and one seed per (sample, level)."""
-    from digenrl.units import stream_seed
 
     n, k, G = cfg.sampling.steps, noise_levels(cfg), cfg.algorithm.group_size
     lo, hi = samples
@@ -68,7 +68,6 @@ def train_unit(
     minibatches: int = 1,
 ) -> dict:
     """Accumulate this unit's share of the mini-batch's NFT loss gradient (docstring of the module)."""
-    from digenrl.units import train_batches
 
     cfg, ad = policy.cfg, policy.adapter
     alg = cfg.algorithm

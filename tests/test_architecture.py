@@ -13,7 +13,8 @@ import pytest
 
 from digenrl.config import PoolConfig, load_config
 from digenrl.errors import UserError
-from digenrl.placement import Plan, apply_plan, engine_workers
+from digenrl.placement import Plan, apply_plan
+from digenrl.resolve import resolve
 
 PACKAGE = Path(__file__).resolve().parents[1] / "digenrl"
 LAYERS_DOC = PACKAGE.parent / "docs" / "architecture.md"
@@ -129,17 +130,9 @@ def upward_imports(graph, table) -> set[tuple[str, str]]:
     }
 
 
-#: The runtime resolves `auto` settings by calling up into preflight and the planner's memory model;
-#: the RunLayout (branch `layout`) resolves them once, below the runtime. These edges are
-#: known until it lands; the lead removes this list then (the test below fails on any other edge, and
-#: on an entry here that no longer exists).
-KNOWN_UNTIL_RUNLAYOUT = {
-    ("digenrl.distributed.settings", "digenrl.placement"),
-    ("digenrl.distributed.settings", "digenrl.planner.shapes"),
-    ("digenrl.distributed.settings", "digenrl.preflight"),
-    ("digenrl.engine.runtime", "digenrl.preflight"),
-    ("digenrl.policy", "digenrl.preflight"),
-}
+#: (The runtime's upward edges into preflight / the planner are gone: the RunLayout, resolved once by
+#: digenrl/resolve.py and handed to the runtime, replaced them.)
+KNOWN_UNTIL_RUNLAYOUT: set[tuple[str, str]] = set()
 #: The config's validators look up the names and defaults of what it configures: the adapter names
 #: (a table in ``adapters/__init__.py``; no model code) and the sampler's default clip range.
 CONFIG_LOOKUPS = {
@@ -253,7 +246,7 @@ def test_a_run_config_and_its_plan_map_both_ways():
         ("t0", "trainer", "t"),
         ("t1", "trainer", "t"),
     ]
-    assert engine_workers(cfg) == plan.workers()  # the runtime's workers are the plan's
+    assert resolve(cfg).workers == plan.workers()  # the runtime's workers are the plan's
     back = apply_plan(cfg, plan, "cuda")
     for section in ("cluster", "placement", "engine", "train"):
         assert getattr(back, section) == getattr(cfg, section), section
@@ -299,4 +292,4 @@ def test_a_pool_is_one_type_in_configs_cluster_files_and_plans():
     with pytest.raises(UserError, match=r"cluster: pools.0.device: unknown device type 'B200'"):
         cluster_from_dict({"pools": [{"name": "a", "device": "B200", "count": 1}]})
     with pytest.raises(ValueError, match="two pools of different names"):
-        Plan("disaggregated", (cluster.pools[0], cluster.pools[0]), 1)
+        Plan(placement="disaggregated", pools=(cluster.pools[0], cluster.pools[0]))

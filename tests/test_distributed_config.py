@@ -4,8 +4,8 @@ sharding degree in the combinations the engine does not wire (docs/errors.md).""
 import pytest
 
 from digenrl.config import load_config
-from digenrl.distributed.settings import resolve_activation_checkpointing, resolve_fsdp
 from digenrl.errors import UserError
+from digenrl.resolve import resolve
 from tests.test_bad_input import cli
 
 TINY = ["--set", "model.height=16", "--set", "model.width=16"]
@@ -22,7 +22,7 @@ CASES = {
         ["--set", "train.activation_checkpointing=maybe"],
         "train.activation_checkpointing",
     ),
-    # what train.fsdp N is not wired for (settings.check_fsdp_wired), each refused before Ray starts
+    # what train.fsdp N is not wired for (resolve.fsdp_degree), each refused before Ray starts
     "fsdp not the trainer count": (
         ["--set", "train.fsdp=2", *TINY],
         "train.fsdp: 2: must divide the number of trainer ranks (1); use train.fsdp: 1 or off",
@@ -31,7 +31,7 @@ CASES = {
         ["--set", "train.fsdp=2", "--set", "placement.mode=local", *TINY],
         "train.fsdp: 2: sharded trainer ranks need placement.mode: disaggregated or colocated (got local)",
     ),
-    # sequence parallelism: what engine.rollout_sp is not wired for, and trainer_sp (settings.check_sp_wired)
+    # sequence parallelism: what engine.rollout_sp is not wired for, and trainer_sp (resolve.check_sp)
     "rollout sp local": (
         ["--set", "engine.rollout_sp=2", "--set", "placement.mode=local", *TINY],
         "engine.rollout_sp: 2: sequence-parallel workers need placement.mode: disaggregated or colocated "
@@ -75,17 +75,26 @@ def test_bad_distributed_settings_exit_2_with_one_line(case, tmp_path, monkeypat
 
 
 def test_settings_resolve():
-    cfg = load_config(None, [])
+    """The run's layout resolves train.fsdp / train.activation_checkpointing once (auto on CPU pools:
+    off), with the shard groups (HSDP: several) that follow from the degree."""
+    four = "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]"
+    cfg = load_config(None, [four])
     assert cfg.train.fsdp == "auto" and cfg.train.activation_checkpointing == "auto"
-    assert resolve_fsdp(cfg, 4) == 1 and not resolve_activation_checkpointing(cfg)  # auto on CPU pools: off
+    layout = resolve(cfg)
+    assert layout.settings.fsdp == 1 and not layout.settings.activation_checkpointing
+    assert layout.shard_groups == () and layout.hidden == set()
     on = load_config(
         None, ["train.activation_checkpointing=on", "train.fsdp=off"]
     )  # YAML reads these as booleans
     assert on.train.activation_checkpointing == "on" and on.train.fsdp == "off"
-    assert resolve_activation_checkpointing(on)
-    assert resolve_fsdp(load_config(None, ["train.fsdp=2"]), 4) == 2
-    with pytest.raises(UserError, match="train.fsdp: 3 does not divide the 4 trainer ranks"):
-        resolve_fsdp(load_config(None, ["train.fsdp=3"]), 4)
+    assert resolve(on).settings.activation_checkpointing
+    two = resolve(load_config(None, [four, "train.fsdp=2", "engine.tag=false", "engine.tsp_degree=1"]))
+    assert two.settings.fsdp == 2
+    assert two.shard_groups == (("trainer0", "trainer1"), ("trainer2", "trainer3"))
+    assert two.leads == {"trainer1": "trainer0", "trainer3": "trainer2"}
+    assert [w.name for w in two.scheduled] == ["rollout0", "trainer0", "trainer2"]
+    with pytest.raises(UserError, match=r"train.fsdp: 3: must divide the number of trainer ranks \(4\)"):
+        resolve(load_config(None, [four, "train.fsdp=3"]))
 
 
 def test_the_planner_never_proposes_a_sharding_the_engine_refuses():
@@ -95,7 +104,6 @@ def test_the_planner_never_proposes_a_sharding_the_engine_refuses():
     from pathlib import Path
 
     from digenrl.cli.plan import plan_config
-    from digenrl.distributed.settings import check_fsdp_wired
     from digenrl.planner.costmodel import CostModel
     from digenrl.planner.gpus import cluster_from_dict
     from digenrl.planner.search import search
@@ -121,14 +129,12 @@ def test_the_planner_never_proposes_a_sharding_the_engine_refuses():
         for r in res.ranked:
             trainer = r.setups[r.plan.trainer_pools[0].name]
             assert r.plan.ranks % trainer.shard == 0
-            check_fsdp_wired(plan_config(cfg, r, cluster))  # raises on a refused sharding
+            resolve(plan_config(cfg, r, cluster))  # raises on a refused sharding
 
 
 def test_sp_inside_fsdp_is_accepted_with_units_that_split_over_the_groups():
     """train.fsdp: 4 with engine.trainer_sp: 2 (checked as functions: this host's CLI refuses 5 logical
     CPU devices): accepted, and each unit must split over the 2 sequence-parallel groups."""
-    from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
-
     sets = [
         "model.height=16",
         "model.width=16",
@@ -138,6 +144,10 @@ def test_sp_inside_fsdp_is_accepted_with_units_that_split_over_the_groups():
         "engine.trainer_sp=2",
         "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]",
     ]
-    check_sp_wired(load_config(None, sets))
-    check_fsdp_wired(load_config(None, sets + ["algorithm.group_size=2"]))  # 2 samples: one per group
-    check_fsdp_wired(load_config(None, sets + ["algorithm.group_size=3"]))  # 2 + 1: uneven shares run
+    layout = resolve(load_config(None, sets + ["algorithm.group_size=2"]))  # 2 samples: one per group
+    assert layout.shard_groups == (("trainer0", "trainer1", "trainer2", "trainer3"),)
+    assert layout.trainer_sp_groups == (("trainer0", "trainer1"), ("trainer2", "trainer3"))
+    assert layout.followers_of("trainer0") == ("trainer1", "trainer2", "trainer3")  # FSDP leads SP too
+    assert layout.followers_of("trainer2") == ()
+
+    resolve(load_config(None, sets + ["algorithm.group_size=3"]))  # 2 + 1: uneven shares run

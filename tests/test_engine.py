@@ -22,10 +22,10 @@ from safetensors.torch import load_file  # noqa: E402
 
 from digenrl.config import load_config  # noqa: E402
 from digenrl.engine import weight_sync  # noqa: E402
-from digenrl.engine.runtime import run_engine  # noqa: E402
 from digenrl.engine.scheduler import TrainUnit  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.errors import UserError, WeightSyncError  # noqa: E402
+from digenrl.launch import run_engine  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
 from tests.helpers import POOLS, TINY  # noqa: E402
@@ -286,6 +286,71 @@ def test_reward_service_scores_while_the_next_unit_generates(cluster, slow_clip,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tag", [False, True])
+def test_a_model_reward_is_scored_on_the_rollout_worker_beside_its_next_unit(
+    cluster, slow_clip, tmp_path, tag
+):
+    """A model reward without reward.service: each unit is scored after its decode on a rollout
+    worker's device (a TAG rank's unit too: its pixels go to a rollout worker), in a side call that
+    overlaps that worker's next unit; the update is the local trainer's (which scores inline)."""
+    clip = f"reward.components=[{{name: clipscore, args: {{path: {slow_clip}}}}}]"
+    overrides = BASE + DISAGG + ["engine.gap=true", f"engine.tag={str(tag).lower()}"]
+    overrides += ["train.prompts_per_iteration=4", clip]
+    result = run_engine(load_config(None, overrides), run_dir=tmp_path / "engine")
+    tl = Timeline.from_chrome_trace(tmp_path / "engine" / "timeline.json")
+    rollouts, rewards = {r.uid: r for r in tl.of("rollout")}, tl.of("reward")
+    assert sorted(w.uid for w in rewards) == sorted(rollouts)
+    for w in rewards:  # on a rollout worker's row, after the unit's decode
+        assert tl.workers[w.worker] == "rollout" and not w.args["service"]
+        assert w.start >= rollouts[w.uid].end - 1e-3
+        if tl.workers[rollouts[w.uid].worker] == "rollout":
+            assert w.worker == rollouts[w.uid].worker
+    overlapped = [
+        (w.uid, r.uid)
+        for w in rewards
+        for r in rollouts.values()
+        if r.worker == w.worker and r.uid != w.uid and w.start < r.end and r.start < w.end
+    ]
+    assert overlapped, "no unit was scored while its worker generated the next one"
+    scored = {w.uid: w.end for w in rewards}
+    assert all(t.start >= scored[f"rollout-{t.iteration}-{t.args['groups'][0]}"] for t in tl.of("train"))
+    assert all(r["reward_latency_s/clipscore"] > 0 for r in result.metrics)
+
+    local = LocalTrainer(load_config(None, BASE + ["train.prompts_per_iteration=4", clip])).run(
+        tmp_path / "local"
+    )
+    ref = load_file(tmp_path / "local" / "final" / "pytorch_lora_weights.safetensors")
+    got = load_file(tmp_path / "engine" / "final" / "pytorch_lora_weights.safetensors")
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=1e-4, rtol=0)
+    for mine, theirs in zip(result.metrics, local.metrics, strict=True):
+        assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_at_its_own_batch_matches_the_local_trainer_to_rounding(
+    cluster, reference, tmp_path
+):
+    """engine.rollout_batch 3: the rollout worker forwards a unit of 8 samples 3, 3 and 2 at a time,
+    the trainer ranks one at a time -- the on-policy ratio is 1 to fp32 rounding (logprob_mismatch > 0
+    and < 1e-4), the update the local trainer's within the engine's tolerance."""
+    train = ("train.micro_batch=1",)
+    own = [*train, "engine.unit_groups=2", "engine.rollout_batch=3"]
+    result = run_engine(load_config(None, BASE + MODES["sync"] + own), run_dir=tmp_path)
+    assert json.loads((tmp_path / "layout.json").read_text())["settings"]["rollout_batch"] == 3
+    ref_weights, ref_rows = reference("per_prompt", train)
+    got = load_file(tmp_path / "final" / "pytorch_lora_weights.safetensors")
+    for k in got:
+        torch.testing.assert_close(got[k], ref_weights[k], atol=1e-4, rtol=0)
+    for mine, theirs in zip(result.metrics, ref_rows, strict=True):
+        assert 0.0 < mine["logprob_mismatch"] < 1e-4 and theirs["logprob_mismatch"] == 0.0
+        assert mine["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+        assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
+
+
+@pytest.mark.slow
 def test_reward_error_in_the_actor_reaches_the_cli(cluster, tmp_path, monkeypatch, capsys):
     """A UserError raised while the actor scores (a prompt the dry run did not see names no
     colour) ends the run: one line on stderr, exit 2."""
@@ -318,14 +383,14 @@ def test_late_scores_follow_the_nan_policy(tmp_path):
     the scoring span lands on the reward row."""
     from digenrl.engine.runtime import RayBackend
     from digenrl.engine.scheduler import Scheduler
-    from digenrl.placement import engine_scheduler_config, engine_workers
+    from digenrl.resolve import resolve
     from digenrl.rewards import reward_metrics
     from digenrl.rewards.service import Scored
 
     cfg = load_config(None, BASE + SERVICE + ["reward.nan_policy=drop"])
-    workers = engine_workers(cfg)
-    sched = Scheduler(engine_scheduler_config(cfg), workers)
-    engine = RayBackend(cfg, sched, workers, actors={}, out=None)
+    layout = resolve(cfg)
+    sched = Scheduler(layout.scheduler, layout.workers)
+    engine = RayBackend(cfg, layout, sched, actors={}, out=None)
     unit = sched.next_unit("rollout0")
     sched.release(unit)
     assert sched.next_unit("trainer0") is None  # nothing to train before the scores
@@ -482,24 +547,24 @@ def test_failure_releases_everything(cluster, tmp_path):
 
 
 def test_engine_workers_per_placement():
-    from digenrl.placement import engine_workers
+    from digenrl.resolve import resolve
 
     pools = "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 3}]"
-    colocated = engine_workers(load_config(None, BASE + ["placement.mode=colocated", pools]))
+    colocated = resolve(load_config(None, BASE + ["placement.mode=colocated", pools])).workers
     assert [(s.name, s.role) for s in colocated] == [(f"rollout{i}", "both") for i in range(2)] + [
         (f"trainer{i}", "both") for i in range(3)
     ]
-    disagg = engine_workers(load_config(None, BASE + DISAGG + [pools]))
+    disagg = resolve(load_config(None, BASE + DISAGG + [pools])).workers
     assert [s.role for s in disagg] == ["rollout"] * 2 + ["trainer"] * 3  # rollout workers ask first
     with pytest.raises(UserError, match="different pools"):
-        engine_workers(load_config(None, BASE + DISAGG + ["placement.trainer_pool=rollout"]))
+        resolve(load_config(None, BASE + DISAGG + ["placement.trainer_pool=rollout"])).workers
     with pytest.raises(UserError, match="train.device"):
-        engine_workers(load_config(None, BASE + DISAGG + ["train.device=cuda"]))
+        resolve(load_config(None, BASE + DISAGG + ["train.device=cuda"])).workers
 
 
 def test_resource_bundles_for_gpu_pools():
     from digenrl.engine.cluster import resource_bundles
-    from digenrl.placement import engine_workers
+    from digenrl.resolve import resolve
 
     gpus = load_config(
         None,
@@ -507,7 +572,7 @@ def test_resource_bundles_for_gpu_pools():
         + DISAGG
         + ["cluster.pools=[{name: rollout, device: H20, count: 2}, {name: trainer, device: h800, count: 2}]"],
     )
-    workers = engine_workers(gpus)
+    workers = resolve(gpus).workers
     cluster = {"CPU": 64, "GPU": 8, "accelerator_type:H20": 1, "H800": 4, "node:1.2.3.4": 1}
     bundles = resource_bundles(workers, cluster)
     assert bundles[0] == {"CPU": 1.0, "GPU": 1, "accelerator_type:H20": 0.001}  # Ray's detected type
@@ -517,7 +582,7 @@ def test_resource_bundles_for_gpu_pools():
     with pytest.raises(UserError, match="'h800'"):
         resource_bundles(workers, {"CPU": 64, "GPU": 8, "accelerator_type:H20": 1})
     # CPU shares fit the CPUs left beside the reward actor: never a placement that waits forever
-    cpu = engine_workers(load_config(None, BASE + DISAGG))
+    cpu = resolve(load_config(None, BASE + DISAGG)).workers
     shares = resource_bundles(cpu, {"CPU": 2, "pool:rollout": 1, "pool:trainer": 1}, reserve={"CPU": 1})
     assert sum(b["CPU"] for b in shares) <= 1 and shares[0]["pool:rollout"] == 1
 
@@ -554,12 +619,12 @@ def test_advantages_wait_for_every_part_of_a_group(tmp_path):
     from digenrl.algorithms.grpo import group_advantages
     from digenrl.engine.ledger import IterationLedger
     from digenrl.engine.scheduler import Scheduler
-    from digenrl.placement import engine_scheduler_config, engine_workers
+    from digenrl.resolve import resolve
 
     cfg = load_config(None, BASE + DISAGG + ["engine.unit_samples=2", "engine.tag=false"])
-    sched_cfg = engine_scheduler_config(cfg)
+    sched_cfg = resolve(cfg).scheduler
     assert sched_cfg.group_parts == 2 and sched_cfg.units_per_iteration == 4
-    sched = Scheduler(sched_cfg, engine_workers(cfg))
+    sched = Scheduler(sched_cfg, resolve(cfg).workers)
     ledger = IterationLedger(cfg, sched_cfg, Timeline(), out=None)
     first = sched.next_unit("rollout0")
     sched.complete(first)

@@ -16,6 +16,7 @@ from digenrl.planner.memory import MemoryModel
 from digenrl.planner.params import CostParams
 from digenrl.planner.workload import Workload
 from digenrl.preflight import check_memory, resolve_memory_settings
+from digenrl.resolve import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 FLUX = str(ROOT / "configs" / "flux1_dev.yaml")
@@ -136,7 +137,10 @@ def test_cpu_pools_are_not_checked():
 
 
 def test_plan_write_contains_the_settings_it_assumes(tmp_path, monkeypatch, capsys):
-    from digenrl.distributed.settings import check_fsdp_wired
+    import json
+
+    from digenrl.layout import RunLayout
+    from digenrl.resolve import resolve
 
     # 16 GPUs: the best plan shards (colocated or beside TAG: plans the engine runs)
     src, cluster, out = tmp_path / "flux_full.yaml", tmp_path / "16xH800.yaml", tmp_path / "plan.yaml"
@@ -160,7 +164,10 @@ def test_plan_write_contains_the_settings_it_assumes(tmp_path, monkeypatch, caps
     assert train["fsdp"] > 1 and train["activation_checkpointing"] in ("on", "off")  # full FT: sharded
     cfg = load_config(out)
     check_memory(cfg)  # what it wrote passes the preflight as written
-    check_fsdp_wired(cfg)  # ... and is a sharding the engine runs
+    layout = resolve(cfg)  # ... and is a sharding the engine runs
+    written = json.loads(out.with_suffix(".layout.json").read_text())
+    assert RunLayout.from_dict(written) == layout  # plan --write writes exactly the layout train resolves
+    assert layout.settings.fsdp == 8 and len(layout.shard_groups) == len(layout.trainer_ranks) // 8
     s = resolve_memory_settings(cfg)
     assert (s.fsdp, s.activation_checkpointing, s.micro_batch) == (
         train["fsdp"],
@@ -175,7 +182,20 @@ def test_a_rollout_pool_that_cannot_hold_a_unit_names_a_smaller_one(monkeypatch,
         "cluster.pools=[{name: rollout, device: L40S, count: 8}, {name: trainer, device: H800, count: 8}]",
     ]
     code, out = cli(
-        monkeypatch, capsys, ["config", "validate", "-c", FLUX, *pools, "--set", "engine.unit_groups=8"]
+        monkeypatch,
+        capsys,
+        # the trainer's batches: a forward may hold the whole unit (auto would shrink the batch instead)
+        [
+            "config",
+            "validate",
+            "-c",
+            FLUX,
+            *pools,
+            "--set",
+            "engine.unit_groups=8",
+            "--set",
+            "engine.rollout_batch=trainer",
+        ],
     )
     assert code == 2 and out.err.count("\n") == 1
     assert out.err.startswith("error: engine.unit_groups: pool 'rollout' (8 x L40S, 48 GB")
@@ -184,6 +204,9 @@ def test_a_rollout_pool_that_cannot_hold_a_unit_names_a_smaller_one(monkeypatch,
     )  # 4 divides the 32 prompts; 5, 6 do not
     # the suggested unit fits (the memory check alone: this host has none of the cluster's GPUs)
     check_memory(load_config(Path(FLUX), [pools[1], "engine.unit_groups=4"]))
+    # auto: the unit of 8 groups fits at the rollout batch the memory model picks for an L40S
+    cfg = load_config(Path(FLUX), [pools[1], "engine.unit_groups=8"])
+    assert 1 <= resolve(cfg).settings.rollout_batch < 8 * cfg.algorithm.group_size
 
 
 def test_the_error_names_the_key_to_change():

@@ -104,18 +104,15 @@ def test_real_scale_video_configs_pass_the_memory_preflight(path):
 @pytest.mark.parametrize("path", VIDEO, ids=lambda p: p.name)
 def test_real_scale_video_configs_are_runnable_as_shipped(path):
     """`digenrl config validate`'s engine checks, without Ray or a GPU: the runtime's own refusals of
-    sequence parallelism (check_sp_wired) and sharding (check_fsdp_wired), the engine's workers and
-    schedule. The planner proposes only what these accept (search.unwired_sharding)."""
-    from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
-    from digenrl.placement import engine_scheduler_config, engine_workers
+    sequence parallelism and sharding, the engine's workers and schedule -- its resolved layout. The
+    planner proposes only what these accept (search.unwired_sharding)."""
+    from digenrl.resolve import resolve
 
     cfg = load_config(path, [])
     check_memory(cfg)
-    check_sp_wired(cfg)
-    check_fsdp_wired(cfg)
-    workers = engine_workers(cfg)
-    assert len(workers) == sum(p.count for p in cfg.cluster.pools)
-    engine_scheduler_config(cfg)
+    layout = resolve(cfg)
+    assert len(layout.workers) == sum(p.count for p in cfg.cluster.pools)
+    assert layout.scheduler is not None
 
 
 def test_480p_needs_what_the_config_sets():
@@ -173,8 +170,8 @@ def test_sp_workers_and_speed_in_the_simulator():
         cluster.pools[0].model_copy(update={"name": "rollout", "count": 8}),
         cluster.pools[0].model_copy(update={"name": "trainer", "count": 8}),
     )
-    one = Plan("disaggregated", pools, 1, 1, False, True, 0, rollout_sp=1, trainer_sp=2)
-    two = Plan("disaggregated", pools, 1, 1, False, True, 0, rollout_sp=2, trainer_sp=2)
+    one = Plan(placement="disaggregated", pools=pools, tsp_degree=1, rollout_sp=1, trainer_sp=2)
+    two = Plan(placement="disaggregated", pools=pools, tsp_degree=1, rollout_sp=2, trainer_sp=2)
     assert len(two.leads()) == 4 + 4 and len(one.leads()) == 8 + 4 and two.ranks == 4
     s1 = cost.rollout_memory("H800", 1, 1)
     s2 = cost.rollout_memory("H800", 1, 2)
@@ -187,7 +184,7 @@ def test_sp_workers_and_speed_in_the_simulator():
 
 def test_plan_write_sets_the_sp_keys():
     cfg = load_config(WAN, DISAGG)
-    plan = Plan("disaggregated", tuple(cfg.cluster.pools), 1, 1, False, True, 0, rollout_sp=2, trainer_sp=4)
+    plan = Plan(placement="disaggregated", pools=tuple(cfg.cluster.pools), rollout_sp=2, trainer_sp=4)
     out = apply_plan(cfg, plan, "cuda")
     assert (out.engine.rollout_sp, out.engine.trainer_sp) == (2, 4)
     assert Plan.from_run_config(out).leads() == plan.leads()
@@ -216,6 +213,7 @@ def test_batched_cfg_that_does_not_fit_a_rollout_gpu_names_the_key():
         "sampling.cfg_batching=batched",
         f"engine.unit_groups={g}",
         f"train.prompts_per_iteration={g}",
+        "engine.rollout_batch=trainer",  # a forward may hold the whole unit (auto would shrink the batch)
     ]
     with pytest.raises(UserError) as exc:
         check_memory(load_config(WAN, over))
@@ -249,12 +247,12 @@ def test_plan_config_writes_what_the_plan_assumes():
     ids=["wan-480p", "wan-240p-eval", "hunyuan"],
 )
 def test_the_search_proposes_only_what_the_runtime_runs(path, evaluates):
-    """Every ranked plan, written as a config, passes the runtime's own refusals (check_sp_wired,
-    check_fsdp_wired), colocated sequence-parallel ones included; the peers' colocated baseline is one the
+    """Every ranked plan, written as a config, passes the runtime's own refusals (its layout
+    resolves), colocated sequence-parallel ones included; the peers' colocated baseline is one the
     engine runs too."""
     from digenrl.cli.plan import plan_config
-    from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
     from digenrl.planner.search import baselines, search, unwired_sharding
+    from digenrl.resolve import resolve
 
     cfg = load_config(path, [f"output.eval_every={10 if evaluates else 0}"])
     cluster = load_cluster(CLUSTERS / "16xH800.yaml")
@@ -263,8 +261,7 @@ def test_the_search_proposes_only_what_the_runtime_runs(path, evaluates):
     assert result.ranked
     for r in result.ranked:
         out = plan_config(cfg, r, cluster)
-        check_sp_wired(out)
-        check_fsdp_wired(out)
+        resolve(out)
 
     def uneven(why):  # the refusals left: a degree the model's tokens / heads or a unit cannot split over
         return any(w in why for w in ("split evenly", "divide", "split over"))

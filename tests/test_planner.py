@@ -275,8 +275,8 @@ def pool(name: str, device: str, count: int) -> PoolConfig:
 
 def disagg(rollout: int, trainers: int, **knobs) -> Plan:
     return Plan(
-        "disaggregated",
-        (pool("rollout", "H100", rollout), pool("trainer", "H100", trainers)),
+        placement="disaggregated",
+        pools=(pool("rollout", "H100", rollout), pool("trainer", "H100", trainers)),
         **{"unit_groups": 1, **knobs},
     )
 
@@ -307,13 +307,13 @@ def test_simulator_drives_the_engine_scheduler_and_fills_a_timeline(tiny_cfg, tm
 
 def test_minibatch_ppo_is_simulated_with_the_engines_units(tiny_cfg):
     """train.optimizer_steps 4: the simulator's scheduler is configured exactly as the engine's
-    (engine_scheduler_config), so it hands out the engine's units -- 4 train units per rolled-out
+    (the resolved layout's), so it hands out the engine's units -- 4 train units per rolled-out
     unit and TSP rank, one per mini-batch, and 4 collective steps per rank and iteration of which
     only the last publishes -- and the bound counts every step."""
     from collections import Counter
 
-    from digenrl.placement import engine_scheduler_config
     from digenrl.planner.simulator import Simulator
+    from digenrl.resolve import resolve
 
     knobs = [
         "placement.mode=disaggregated",
@@ -328,7 +328,7 @@ def test_minibatch_ppo_is_simulated_with_the_engines_units(tiny_cfg):
     cfg, one = tiny_cfg(*knobs, "train.optimizer_steps=4"), tiny_cfg(*knobs)
     plan = disagg(1, 2, tsp_degree=2, tag=True)
     sim = Simulator(plan, ConstantCost(cfg), iterations=3)
-    assert sim.sched.cfg == engine_scheduler_config(cfg) and sim.sched.cfg.optimizer_steps == 4
+    assert sim.sched.cfg == resolve(cfg).scheduler and sim.sched.cfg.optimizer_steps == 4
     sim.run()
     trains = sim.timeline.of("train")
     assert Counter(
@@ -363,7 +363,7 @@ def test_balanced_async_reaches_the_design_bound(tiny_cfg):
     assert res.efficiency == pytest.approx(1.0)
     # with TAG the bound is max(T/t, (R+T)/(r+t)); colocated (R+T)/(r+t)
     assert bound(disagg(1, 1, tag=True), cost) == pytest.approx(max(4.1, 8.1 / 2))
-    colocated = Plan("colocated", (pool("g", "H100", 2),), 1)
+    colocated = Plan(placement="colocated", pools=(pool("g", "H100", 2),))
     assert bound(colocated, cost) == pytest.approx((4 + 4 + 2 * 0.1) / 2)
 
 
@@ -371,7 +371,7 @@ def test_unit_time_spread_makes_a_barrier_wait_for_the_slowest(tiny_cfg):
     # colocated on 2 devices, one rollout and one train unit each per iteration: each phase ends
     # with the slower of two units, the step waits for both
     cfg = tiny_cfg("train.prompts_per_iteration=2")
-    plan = Plan("colocated", (pool("g", "H100", 2),), 1)
+    plan = Plan(placement="colocated", pools=(pool("g", "H100", 2),))
     r, t, s, c = 1.0, 0.5, 0.1, 0.1
     fixed = simulate(plan, ConstantCost(cfg, r, t, s), iterations=3)
     assert fixed.iteration_s == pytest.approx(r + t + s)
@@ -383,7 +383,7 @@ def test_unit_time_spread_makes_a_barrier_wait_for_the_slowest(tiny_cfg):
     again = simulate(plan, ConstantCost(cfg, r, t, s, cv=c, replicas=400), iterations=3)
     assert again.iteration_s == spread.iteration_s  # seeded: a plan's prediction does not move
     # one device alone never waits for another: the spread averages out
-    alone = Plan("colocated", (pool("g", "H100", 1),), 1)
+    alone = Plan(placement="colocated", pools=(pool("g", "H100", 1),))
     one = simulate(alone, ConstantCost(cfg, r, t, s, cv=c, replicas=400), iterations=3)
     assert one.iteration_s == pytest.approx(2 * (r + t) + s, rel=0.01)
 
@@ -409,7 +409,9 @@ def test_samples_transfer_hides_behind_a_busy_trainer(tiny_cfg):
 def test_cpu_workers_share_the_host_cores(tiny_cfg):
     cfg = tiny_cfg()
     w = Workload.from_config(cfg)
-    plan = Plan("disaggregated", (pool("rollout", "cpu", 1), pool("trainer", "cpu", 2)), 1, tsp_degree=2)
+    plan = Plan(
+        placement="disaggregated", pools=(pool("rollout", "cpu", 1), pool("trainer", "cpu", 2)), tsp_degree=2
+    )
     fast = simulate(
         plan,
         CostModel(
@@ -429,7 +431,7 @@ def test_colocated_pays_phase_switches(tiny_cfg):
     cfg = load_config(ROOT / "configs" / "flux1_dev.yaml")
     w = Workload.from_config(cfg)
     cluster = load_cluster(CLUSTERS / "16xH800.yaml")
-    plan = Plan("colocated", (pool("h800", "H800", 16),), 2)
+    plan = Plan(placement="colocated", pools=(pool("h800", "H800", 16),), unit_groups=2)
     cheap = CostModel(w, cluster)
     cheap.colocation.switch_latency_s = 0.0
     dear = CostModel(w, cluster)
@@ -718,8 +720,8 @@ def test_sub_group_units_keep_every_colocated_device_busy(tiny_cfg):
         tiny_cfg("train.prompts_per_iteration=1", "algorithm.group_size=8"), 1.0, 0.5, 0.1
     )
     devices = (pool("g", "H100", 4),)
-    whole = simulate(Plan("colocated", devices, 1), cost, iterations=3)
-    split = simulate(Plan("colocated", devices, 1, group_parts=4), cost, iterations=3)
+    whole = simulate(Plan(placement="colocated", pools=devices), cost, iterations=3)
+    split = simulate(Plan(placement="colocated", pools=devices, group_parts=4), cost, iterations=3)
     assert whole.iteration_s == pytest.approx(1.0 + 0.5 + 0.1)
     assert split.iteration_s == pytest.approx(0.25 + 0.125 + 0.1)
     assert {e.worker for e in split.timeline.of("rollout")} == {"g0", "g1", "g2", "g3"}

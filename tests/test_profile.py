@@ -60,9 +60,8 @@ def test_profile_each_tiny_family(family, tmp_path):
     assert isinstance(cost.times("cpu"), ProfiledTimes)
     assert cost.rollout_unit("cpu", 1)[0] > 0 and cost.train_unit("cpu", 1, 0, 1) > 0
     plan = Plan(
-        "disaggregated",
-        (PoolConfig(name="rollout", device="cpu"), PoolConfig(name="trainer", device="cpu")),
-        1,
+        placement="disaggregated",
+        pools=(PoolConfig(name="rollout", device="cpu"), PoolConfig(name="trainer", device="cpu")),
     )
     assert simulate(plan, cost).samples_per_s > 0
 

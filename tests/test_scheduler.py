@@ -541,7 +541,9 @@ def test_tsp_spreads_one_unit_over_the_ranks():
 
 
 def test_colocated_alternates_phases():
-    cfg = SchedulerConfig("colocated", groups_per_iteration=4, unit_groups=1, tsp_degree=2, iterations=2)
+    cfg = SchedulerConfig(
+        placement="colocated", groups_per_iteration=4, unit_groups=1, tsp_degree=2, iterations=2
+    )
     workers = [WorkerSpec("d0", "both"), WorkerSpec("d1", "both")]
     sched, events = simulate(cfg, workers, fixed())
     check_invariants(cfg, workers, sched, events)
@@ -680,7 +682,7 @@ def test_bad_config_names_the_field(kw, field):
             disagg(tag=True, group_parts=2, max_staleness=1),
             pools(0, 1),
         ),  # a later part may need older weights
-        (SchedulerConfig("colocated", 4, 1), pools(1, 1)),
+        (SchedulerConfig(placement="colocated", groups_per_iteration=4, unit_groups=1), pools(1, 1)),
         (disagg(), []),
         (disagg(), [WorkerSpec("a", "rollout"), WorkerSpec("a", "trainer")]),
     ],

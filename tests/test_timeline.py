@@ -279,12 +279,10 @@ def test_groups_survive_the_chrome_trace_and_draw_as_one_row(tmp_path):
 def test_group_leads_of_the_engine_config():
     """The runtime's follower -> lead map (no Ray): FSDP ranks follow rank 0, SP followers their lead."""
     from digenrl.config import load_config
-    from digenrl.engine.cluster import group_leads
-    from digenrl.placement import engine_workers
+    from digenrl.resolve import resolve
 
     def leads(*sets):
-        cfg = load_config(None, ["placement.mode=disaggregated", *sets])
-        return group_leads(cfg, engine_workers(cfg))
+        return resolve(load_config(None, ["placement.mode=disaggregated", "engine.tag=false", *sets])).leads
 
     assert leads(
         "engine.rollout_sp=2", "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"
@@ -292,6 +290,7 @@ def test_group_leads_of_the_engine_config():
     assert leads(
         "engine.trainer_sp=2",
         "train.fsdp=4",
+        "engine.tsp_degree=1",
         "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]",
     ) == {"trainer1": "trainer0", "trainer2": "trainer0", "trainer3": "trainer0"}
     assert leads("cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 2}]") == {}

@@ -126,13 +126,20 @@ def config_validate(
     cfg = _load(config, set_)
     checked = ["schema"]
     if not schema_only:
-        from digenrl.preflight import check_config, check_memory
+        from digenrl.preflight import check_config
         from digenrl.prompts import check_prompts
+        from digenrl.resolve import resolve
 
         with console.status("checking placement, model, prompts and reward..."):
-            check_memory(cfg)  # in train's order: the placement's memory, then the prompts
+            layout = resolve(cfg)  # in train's order: the layout (the placement's memory first), the prompts
             check_prompts(cfg)  # with the limit the text encoder implies, as train checks them
-            checked += check_config(cfg, ray_address)
+            checked += check_config(cfg, layout, ray_address)
+        console.print(
+            "\n".join(["layout (written to RUN/layout.json by train):", *layout.describe()]),
+            highlight=False,
+            soft_wrap=True,
+            markup=False,
+        )
     console.print(
         f"ok: {config or 'the defaults'} ({cfg.model.adapter}, {cfg.algorithm.name}, "
         f"placement {cfg.placement.mode}); checked {'; '.join(checked)}",

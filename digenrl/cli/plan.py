@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from digenrl.config import RunConfig
+from digenrl.engine.knobs import SchedulingKnobs, knob_values
 from digenrl.errors import UserError
 
 
@@ -94,9 +95,9 @@ def run_plan_command(
         if result.best_colocated is not None:
             result.best_colocated.save(Path(timeline_dir) / "colocated")
     if write is not None:
-        path = write_plan_config(cfg, result.ranked[0], cluster, write, report["plans"][0])
+        path, layout_path = write_plan_config(cfg, result.ranked[0], cluster, write, report["plans"][0])
         if not json_out:
-            console.print(f"wrote {path} (digenrl train -c {path})")
+            console.print(f"wrote {path} (digenrl train -c {path}) and its layout {layout_path}")
     return report
 
 
@@ -133,14 +134,7 @@ def plan_row(r, result, rank: int | None = None) -> dict:
         "knobs": r.plan.knobs(),
         "placement": r.plan.placement,
         "pools": [{**p.model_dump(mode="json"), "role": r.plan.role(p)} for p in r.plan.pools],
-        "engine": {
-            "unit_groups": r.plan.unit_groups,
-            "gap": r.plan.gap,
-            "tsp_degree": r.plan.tsp_degree,
-            "tag": r.plan.tag,
-            "max_staleness": r.plan.max_staleness,
-            "group_parts": r.plan.group_parts,
-        },  # > 1: sub-group units (engine.unit_samples = G / parts)
+        "engine": knob_values(r.plan, SchedulingKnobs),  # group_parts > 1: engine.unit_samples = G / parts
         "micro_batch": micro,
         "samples_per_s": r.samples_per_s,
         "iteration_s": r.iteration_s,
@@ -351,7 +345,16 @@ def plan_config(cfg: RunConfig, r, cluster) -> RunConfig:
     data = out.model_dump(mode="json")
     data["train"].update(trainer_memory_settings(r))
     data["sampling"]["cfg_batching"] = cfg_batching_setting(cfg, r)
+    data["engine"]["rollout_batch"] = rollout_batch_setting(cfg, r)
     return validate_config(data)
+
+
+def rollout_batch_setting(cfg: RunConfig, r):
+    """``engine.rollout_batch`` as the cost model assumed it: the batch the rollout devices were sized
+    and timed at (never the trainer's micro-batch), else the config's (``trainer``, or no rollout pool)."""
+    pool = r.plan.rollout_pool
+    batch = r.setups[pool.name].rollout_batch if pool is not None else None
+    return batch or cfg.engine.rollout_batch
 
 
 def cfg_batching_setting(cfg: RunConfig, r) -> str:
@@ -374,8 +377,13 @@ def trainer_memory_settings(r) -> dict:
     return {"fsdp": shard if shard > 1 else "off", "activation_checkpointing": "on" if ckpt else "off"}
 
 
-def write_plan_config(cfg: RunConfig, r, cluster, path: Path, row: dict) -> Path:
+def write_plan_config(cfg: RunConfig, r, cluster, path: Path, row: dict) -> tuple[Path, Path]:
+    """The plan's config at ``path`` and, beside it (``<path stem>.layout.json``), the layout that
+    config resolves to (:func:`digenrl.resolve.resolve`): exactly what ``train -c path`` will run."""
+    from digenrl.resolve import resolve
+
     out = plan_config(cfg, r, cluster)
+    layout = resolve(out)  # before anything is written: a plan the runtime refuses is never written
     path = Path(path)
     header = [
         f"# written by `digenrl plan` for cluster {cluster.name} ({cluster.describe()})",
@@ -386,4 +394,6 @@ def write_plan_config(cfg: RunConfig, r, cluster, path: Path, row: dict) -> Path
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(header) + "\n" + out.dump_yaml())
-    return path
+    layout_path = path.with_suffix(".layout.json")
+    layout_path.write_text(json.dumps(layout.to_dict(), indent=1) + "\n")
+    return path, layout_path

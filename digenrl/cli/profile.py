@@ -47,7 +47,11 @@ def run_profile_command(
             progress.update(task, advance=1 if seen["n"] else 0, description=what)
             seen["n"] += 1
 
-        profile = run_profile(cfg, device, repeats=repeats, engine=engine, on_step=on_step)
+        from digenrl.launch import run_engine
+
+        profile = run_profile(
+            cfg, device, repeats=repeats, engine=engine, on_step=on_step, run_engine=run_engine
+        )
         progress.update(task, completed=steps_total(cfg, engine, device=device), description="done")
     save_profile(profile, out)
     console.print(profile_table(profile))

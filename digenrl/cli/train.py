@@ -50,14 +50,15 @@ def run_train(
 
 
 def _run_claimed(cfg, target, continuing, resumed, ray_address, console, resume, overwrite, quiet, verbose):
-    from digenrl.preflight import check_memory, check_resources
+    from digenrl.preflight import check_resources
     from digenrl.progress import listening
     from digenrl.prompts import check_prompts
+    from digenrl.resolve import resolve
     from digenrl.runlog import check_new_run_dir, keep_log, library_output_to_log
 
     if not continuing:
         check_new_run_dir(target, overwrite)  # before any work: a run is never overwritten by accident
-    check_memory(cfg)  # the config's placement against its device types, before this host's devices
+    layout = resolve(cfg)  # the run's layout, once: memory against its device types, before this host's
     check_prompts(cfg)  # a prompt the text encoder or a caption cannot take: refused now, in seconds
     check_resources(cfg, ray_address)
     done = resumed.iteration if resumed is not None else 0
@@ -83,7 +84,7 @@ def _run_claimed(cfg, target, continuing, resumed, ray_address, console, resume,
         try:
             with progress, listening(lambda stage: progress.update(task, stats=stage)):
                 task = progress.add_task("train", total=cfg.train.iterations, completed=done, stats="")
-                start = _driver(cfg, None if continuing else target, ray_address, resume)
+                start = _driver(cfg, layout, None if continuing else target, ray_address, resume)
                 if overwrite and not continuing:
                     replaced = _set_aside(target)
 
@@ -115,7 +116,7 @@ def _run_claimed(cfg, target, continuing, resumed, ray_address, console, resume,
     return result
 
 
-def _driver(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, resume: Path | None):
+def _driver(cfg: RunConfig, layout, run_dir: Path | None, ray_address: str | None, resume: Path | None):
     """The driver the placement asks for, built (local: model, reward and prompts) and ready to run."""
     from digenrl.preflight import check_model
     from digenrl.progress import progress
@@ -127,13 +128,13 @@ def _driver(cfg: RunConfig, run_dir: Path | None, ray_address: str | None, resum
 
         progress("building model, reward and prompts...")
 
-        driver = LocalTrainer(cfg, resume=resume)
+        driver = LocalTrainer(cfg, resume=resume, layout=layout)
         progress("training...")
         return lambda cb: driver.run(run_dir, cb)
-    from digenrl.engine.runtime import run_engine
+    from digenrl.launch import run_engine
 
     progress("starting the engine...")
-    return lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address, resume=resume)
+    return lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address, resume=resume, layout=layout)
 
 
 def _set_aside(target: Path):

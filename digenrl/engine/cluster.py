@@ -25,6 +25,7 @@ from pathlib import Path
 from digenrl.config import PoolConfig, RunConfig
 from digenrl.errors import UserError, WeightSyncError
 from digenrl.faults import FaultInjector
+from digenrl.layout import RunLayout
 from digenrl.placement import Worker
 from digenrl.progress import progress
 
@@ -63,22 +64,23 @@ def first_line(exc: Exception) -> str:
 
 
 @contextlib.contextmanager
-def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None, resume: Path | None = None):
-    """Connect (or start Ray), check and reserve the placement, start one actor per worker and
-    wait until every one has built its policy (from the ``resume`` checkpoint directory when given: read by
-    path);
-    on exit kill them and release everything."""
+def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resume: Path | None = None):
+    """Connect (or start Ray), check and reserve the placement, start one actor per worker of the
+    ``layout`` (each gets it) and wait until every one has built its policy (from the ``resume``
+    checkpoint directory when given: read by path); on exit kill them and release everything."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from digenrl.engine.workers import EngineWorker, ResumeFrom, rollout_checkpoint_files
+    from digenrl.engine.workers import SCORE_GROUP, EngineWorker, ResumeFrom, rollout_checkpoint_files
+    from digenrl.rewards import scored_after_unit
 
     progress(
         "starting the Ray cluster..."
         if ray_address is None
         else f"joining the Ray cluster at {ray_address}..."
     )
+    workers = layout.workers
     ours = connect(workers, ray_address)
     group, actors, reward_actor = None, {}, None
     try:
@@ -104,32 +106,42 @@ def ray_workers(cfg: RunConfig, workers: list[Worker], ray_address: str | None, 
         if resume is not None:  # rollout workers' fallback copy: never the optimizer state
             resume_from = ResumeFrom(str(Path(resume).resolve()), ray.put(rollout_checkpoint_files(resume)))
         remote = ray.remote(EngineWorker)
-        sp_members, sp_hidden = sequence_parallel_members(cfg, workers)
+        # a model reward scored after each unit: the rollout workers' score() runs beside their next unit
+        scoring = ray.remote(concurrency_groups={SCORE_GROUP: 1})(EngineWorker)
+        after = scored_after_unit(cfg)
+        sp_followers = layout.sp_followers
         for i, spec in enumerate(workers):
             b = bundles[i]
-            actors[spec.name] = remote.options(
-                num_cpus=b.get("CPU", 0),
-                num_gpus=b.get("GPU", 0),
-                resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-                # a rollout worker holds nothing that cannot be rebuilt: Ray restarts it and the
-                # engine re-queues its unit; a trainer rank's death stops the run (worker_died)
-                # (a sequence-parallel group is restarted whole: recovery.GroupRestart)
-                max_restarts=cfg.engine.max_restarts if spec.role == "rollout" else 0,
-                max_task_retries=0,
-            ).remote(
-                cfg,
-                spec.name,
-                spec.role,
-                None if spec.name in sp_hidden else reward_actor,
-                resume_from,
-                sp_follower=spec.name in sp_hidden,
+            actors[spec.name] = (
+                (scoring if after and spec.role == "rollout" else remote)
+                .options(
+                    num_cpus=b.get("CPU", 0),
+                    num_gpus=b.get("GPU", 0),
+                    resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        group, placement_group_bundle_index=i
+                    ),
+                    # a rollout worker holds nothing that cannot be rebuilt: Ray restarts it and the
+                    # engine re-queues its unit; a trainer rank's death stops the run (worker_died)
+                    # (a sequence-parallel group is restarted whole: recovery.GroupRestart)
+                    max_restarts=cfg.engine.max_restarts if spec.role == "rollout" else 0,
+                    max_task_retries=0,
+                )
+                .remote(
+                    cfg,
+                    spec.name,
+                    spec.role,
+                    None if spec.name in sp_followers else reward_actor,
+                    resume_from,
+                    sp_follower=spec.name in sp_followers,
+                    layout=layout,
+                )
             )
         ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
         if len({r["checksum"] for r in ready.values()}) > 1:
             raise WeightSyncError(f"initial weights differ between workers: {ready}")
-        form_trainer_group(workers, actors, ready, shard_groups(cfg, workers))
-        form_sp_groups(cfg, workers, actors, ready)
+        form_trainer_group(layout, actors, ready)
+        form_sp_groups(layout, actors, ready)
         yield {**actors, REWARD_ROW: reward_actor} if reward_actor is not None else actors
     finally:
         if head_problem() is None:  # with the head gone, every call below would wait a minute for it
@@ -156,33 +168,34 @@ def head_problem() -> str | None:
         return getattr(exc, "strerror", None) or str(exc)
 
 
-def form_trainer_group(
-    workers: list[Worker], actors: dict, ready: dict, groups: list[list[str]] = ()
-) -> None:
-    """The trainer ranks (roles trainer / both) form one torch.distributed group; in each FSDP shard
-    group (``groups``, :func:`shard_groups`) the first rank leads the others."""
+def form_trainer_group(layout: RunLayout, actors: dict, ready: dict) -> None:
+    """The trainer ranks (roles trainer / both) form one torch.distributed group, in the layout's
+    rank order; each FSDP shard group's first rank leads the others."""
     import ray
 
-    ranks = [w.name for w in workers if w.role != "rollout"]
+    ranks = layout.trainer_ranks
     if len(ranks) < 2:
         return
     backend = "nccl" if all(ready[r]["device"].startswith("cuda") for r in ranks) else "gloo"
     address, port = ray.get(actors[ranks[0]].rendezvous_address.remote())
     ray.get([actors[r].join_group.remote(address, port, i, len(ranks), backend) for i, r in enumerate(ranks)])
-    for lead, *others in groups:  # a shard group's first rank leads the others through every call
-        ray.get(actors[lead].lead.remote([actors[r] for r in others]))
+    for (
+        lead,
+        *others,
+    ) in layout.shard_groups:  # a shard group's first rank leads the others through every call
+        ray.get(actors[lead].lead.remote({r: actors[r] for r in others}))
 
 
-def form_sync_group(cfg: RunConfig, workers: list[Worker], actors: dict) -> tuple[str, list[str]]:
-    """``engine.weight_sync``: trainer rank 0 (group rank 0) and the rollout workers form the
-    weight-sync group (its own TCP store and port, beside the trainer ranks' group). Returns the
-    transport and the group's rollout workers; ``auto`` falls back to the object store, with a
-    warning, when the group does not form."""
+def form_sync_group(layout: RunLayout, actors: dict) -> tuple[str, list[str]]:
+    """The layout's weight sync: over ``broadcast``, trainer rank 0 (group rank 0) and the rollout
+    workers form the weight-sync group (its own TCP store and port, beside the trainer ranks'
+    group). Returns the transport and the group's rollout workers; with the fallback (``auto``) the
+    object store, with a warning, when the group does not form."""
     import ray
 
+    workers = layout.workers
     rollout = [w.name for w in workers if w.role == "rollout"]
-    mode = cfg.engine.weight_sync
-    if mode == "object_store" or not rollout:
+    if layout.settings.weight_sync != "broadcast":
         return "object_store", []
     from digenrl.engine.sync_group import SYNC_TIMEOUT_S
 
@@ -206,7 +219,7 @@ def form_sync_group(cfg: RunConfig, workers: list[Worker], actors: dict) -> tupl
             cause, WeightSyncError
         ):  # the two sides disagree on the weights: no fallback hides that
             raise cause from None
-        if mode == "broadcast":
+        if not layout.settings.weight_sync_fallback:
             raise UserError(
                 f"engine.weight_sync: broadcast: trainer rank 0 and the rollout workers could not form "
                 f"a process group ({first_line(exc)}); use auto or object_store"
@@ -221,73 +234,21 @@ def form_sync_group(cfg: RunConfig, workers: list[Worker], actors: dict) -> tupl
     return "broadcast", rollout
 
 
-def shard_groups(cfg: RunConfig, workers: list[Worker]) -> list[list[str]]:
-    """The trainer ranks' FSDP2 shard groups (``train.fsdp: N``: consecutive runs of N ranks; one group
-    of all of them, or several replicas with HSDP); none when replicated."""
-    from digenrl.distributed.settings import resolve_fsdp
-
-    ranks = [w.name for w in workers if w.role != "rollout"]
-    n = resolve_fsdp(cfg, len(ranks)) if ranks else 1
-    return [ranks[i : i + n] for i in range(0, len(ranks), n)] if n > 1 else []
-
-
-def followers(cfg: RunConfig, workers: list[Worker]) -> list[str]:
-    """The sharded trainer ranks that follow their shard group's first rank (``train.fsdp``): they run
-    every call of it with it, and the scheduler does not see them."""
-    return [r for group in shard_groups(cfg, workers) for r in group[1:]]
-
-
-def sp_groups(cfg: RunConfig, workers: list[Worker], role: str) -> list[list[str]]:
-    """``engine.rollout_sp`` / ``engine.trainer_sp: s`` > 1: the devices of ``role`` ("rollout" or
-    "trainer") in consecutive groups of s, each one sequence-parallel worker (the first leads, the
-    others follow; settings.check_sp_wired)."""
-    s = cfg.engine.rollout_sp if role == "rollout" else cfg.engine.trainer_sp
-    names = [w.name for w in workers if w.role == role or (role == "trainer" and w.role == "both")]
-    return [names[i : i + s] for i in range(0, len(names), s)] if s > 1 else []
-
-
-def sp_followers(cfg: RunConfig, workers: list[Worker]) -> list[str]:
-    """The workers that follow their sequence-parallel group's lead: the scheduler does not see them."""
-    return [
-        name
-        for role in ("rollout", "trainer")
-        for group in sp_groups(cfg, workers, role)
-        for name in group[1:]
-    ]
-
-
-def group_leads(cfg: RunConfig, workers: list[Worker]) -> dict[str, str]:
-    """Each hidden worker -> the scheduled worker whose calls it runs with (its FSDP shard group's
-    first rank, else its sequence-parallel group's lead): the timeline counts it busy with that one."""
-    leads = {r: group[0] for group in shard_groups(cfg, workers) for r in group[1:]}
-    for role in ("rollout", "trainer"):
-        for group in sp_groups(cfg, workers, role):
-            for name in group[1:]:
-                leads.setdefault(name, group[0])
-    return leads
-
-
-def sequence_parallel_members(cfg: RunConfig, workers: list[Worker]) -> tuple[set[str], set[str]]:
-    """(every member of a sequence-parallel group, the followers)."""
-    groups = sp_groups(cfg, workers, "rollout") + sp_groups(cfg, workers, "trainer")
-    return {n for group in groups for n in group}, set(sp_followers(cfg, workers))
-
-
-def form_sp_groups(cfg: RunConfig, workers: list[Worker], actors: dict, ready: dict) -> None:
+def form_sp_groups(layout: RunLayout, actors: dict, ready: dict) -> None:
     """Each sequence-parallel rollout group forms its own torch.distributed group (nccl on GPU,
     gloo on CPU) and runs its transformer with Ulysses over it (trainer groups did so when the
     trainer ranks joined theirs); each lead takes its followers."""
     import ray
 
-    for names in sp_groups(cfg, workers, "rollout"):
+    for names in layout.rollout_sp_groups:
         form_rollout_sp_group(actors, names, [ready[n]["device"] for n in names])
-    if followers(cfg, workers):  # FSDP: trainer rank 0 already leads every other rank
+    if layout.shard_groups:  # FSDP: trainer rank 0 already leads every other rank
         return
-    for names in sp_groups(cfg, workers, "trainer"):  # (their group formed with the trainer group's)
-        ray.get(actors[names[0]].lead.remote([actors[n] for n in names[1:]]))
+    for names in layout.trainer_sp_groups:  # (their group formed with the trainer group's)
+        ray.get(actors[names[0]].lead.remote({n: actors[n] for n in names[1:]}))
 
 
-def form_rollout_sp_group(actors: dict, names: list[str], devices: list[str] | None = None) -> None:
+def form_rollout_sp_group(actors: dict, names, devices: list[str] | None = None) -> None:
     """One sequence-parallel rollout group (``names``, its lead first) joins its own torch.distributed
     world and the lead takes its followers; again when the group was restarted whole."""
     import ray
@@ -299,7 +260,7 @@ def form_rollout_sp_group(actors: dict, names: list[str], devices: list[str] | N
     ray.get(
         [actors[n].join_sp_group.remote(address, port, i, len(names), backend) for i, n in enumerate(names)]
     )
-    ray.get(actors[names[0]].lead.remote([actors[n] for n in names[1:]]))
+    ray.get(actors[names[0]].lead.remote({n: actors[n] for n in names[1:]}))
 
 
 def connect(workers: list[Worker], ray_address: str | None) -> bool:

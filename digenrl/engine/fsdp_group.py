@@ -9,19 +9,11 @@ import itertools
 
 import torch
 
-from digenrl.distributed.settings import resolve_fsdp
-from digenrl.units import Samples, minibatch_rows
+from digenrl.unit_rows import minibatch_rows
+from digenrl.units import Samples
 
 
-def will_shard(cfg, role: str) -> bool:
-    """Whether a worker of ``role`` becomes a rank of a sharded (FSDP2) trainer group when it joins."""
-    from digenrl.placement import engine_workers
-
-    ranks = sum(w.role != "rollout" for w in engine_workers(cfg))
-    return role != "rollout" and ranks > 1 and resolve_fsdp(cfg, ranks) > 1
-
-
-def shard_policy(policy, degree: int, resume: str | None = None):
+def shard_trainer_rank(policy, degree: int, resume: str | None = None):
     """Shard a trainer rank's policy (FSDP2 over groups of ``degree`` consecutive ranks of the group
     just joined -- HSDP when there are several: each replica group trains its own units, backward
     reduce-scatters inside it only, :func:`~digenrl.distributed.fsdp.all_reduce_replicas` sums over the

@@ -6,16 +6,56 @@ A mixin of :class:`~digenrl.engine.workers.EngineWorker`; the driver forms the g
 
 from __future__ import annotations
 
+import functools
 import socket
 from datetime import timedelta
 
-from digenrl.distributed.settings import resolve_fsdp
 from digenrl.engine import fsdp_group, sync_group
-from digenrl.engine.fsdp_group import shard_policy
+from digenrl.engine.fsdp_group import shard_trainer_rank
+
+
+def group_call(follower_method=None):
+    """Run a worker method as its group's one call (verl's worker-group dispatch): the lead first
+    starts the same call -- or ``follower_method``, a follower's share of it -- with the same
+    arguments on each of its followers (:meth:`GroupMember.lead`), runs its own share, and waits for
+    theirs before it returns. Inside, :meth:`GroupMember.followers_done` waits early and returns the
+    followers' results in order (a method that needs them, or must wait before a step of its own).
+    ``follower_method`` may be a function of the lead, returning the method's name."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            name = follower_method or method.__name__
+            if callable(name):  # a follower's share that depends on the lead (its role)
+                name = name(self)
+            self._pending = [getattr(f, name).remote(*args, **kwargs) for f in self.followers]
+            out = method(self, *args, **kwargs)
+            self.followers_done()
+            return out
+
+        return run
+
+    return wrap
 
 
 class GroupMember:
-    """Needs ``cfg``, ``policy``, ``name``, ``resume_optimizer`` and :meth:`enable_sp` on the worker."""
+    """A worker's membership of its process groups. What it needs from the worker:"""
+
+    cfg: object  # the RunConfig
+    layout: object  # the run's RunLayout (digenrl.layout): ranks, groups, degrees
+    name: str
+    policy: object  # digenrl.policy.Policy
+    resume_optimizer: str | None  # a sharded rank loads the optimizer state once sharded
+    enable_sp: object  # (SequenceParallelMember) run the transformer over a sequence-parallel group
+    # what it sets up
+    world: int = 1  # trainer ranks in the group joined (1: none)
+    rank: int = 0
+    sharded: bool = False  # a rank of an FSDP2 shard group
+    degree: int = 1  # the shard group's size
+    mesh = None  # the shard group's device mesh
+    followers: list = []  # a lead's followers (actor handles), which run every group_call with it
+    sync = None  # engine.weight_sync broadcast: rank 0's publisher or a rollout worker's inbox
+    _pending: list = []  # the followers' refs of the group_call in progress
 
     # -- trainer group -------------------------------------------------------------------
 
@@ -38,30 +78,31 @@ class GroupMember:
             timeout=timedelta(minutes=30),
         )
         self.world, self.rank = world, rank
-        degree = resolve_fsdp(self.cfg, world)
-        if degree == 1 and rank != 0:  # train.ema, replicated ranks: rank 0 alone keeps the average (it
+        me = self.layout.worker(self.name)  # what this rank does: the run's layout, never re-derived
+        if me.fsdp == 1 and rank != 0:  # train.ema, replicated ranks: rank 0 alone keeps the average (it
             self.policy.ema = (
                 None  # evaluates, checkpoints, exports); sharded ranks each average their shards
             )
-        if (
-            degree > 1
-        ):  # FSDP2 over shard groups of `degree` ranks (HSDP when several; settings.check_fsdp_wired)
-            self.mesh = shard_policy(self.policy, degree, self.resume_optimizer)
-            self.sharded, self.resume_optimizer, self.degree = True, None, degree
-        if self.cfg.engine.trainer_sp > 1:  # groups of trainer_sp consecutive ranks (cluster.sp_groups)
-            self.enable_sp(self.cfg.engine.trainer_sp)
+        if me.fsdp > 1:  # FSDP2 over shard groups of `fsdp` ranks (HSDP when several)
+            self.mesh = shard_trainer_rank(self.policy, me.fsdp, self.resume_optimizer)
+            self.sharded, self.resume_optimizer, self.degree = True, None, me.fsdp
+        if me.sp > 1:  # groups of trainer_sp consecutive ranks (layout.trainer_sp_groups)
+            self.enable_sp(me.sp)
 
-    def lead(self, followers: list) -> None:
-        """Rank 0 of a sharded group: it runs every unit and side call on the other ranks too
-        (same call, same collectives), so the scheduler sees the group as this one worker."""
-        self.followers = list(followers)
+    def lead(self, followers: dict) -> None:
+        """The lead of a sharded or sequence-parallel group (``followers``: name -> actor, the
+        layout's followers of this worker): it runs every :func:`group_call` on them too (same call,
+        same collectives), so the scheduler sees the group as this one worker."""
+        expected = self.layout.followers_of(self.name)
+        if tuple(followers) != expected:
+            raise RuntimeError(
+                f"{self.name}: asked to lead {list(followers)}, the layout says {list(expected)}"
+            )
+        self.followers = list(followers.values())
 
-    def _fan_out(self, method: str, *args) -> list:
-        """Start ``method(*args)`` on the other ranks of a sharded group; returns their refs."""
-        return [getattr(f, method).remote(*args) for f in self.followers]
-
-    @staticmethod
-    def _gather(refs: list) -> list:
+    def followers_done(self) -> list:
+        """Wait for the followers' share of the group call in progress; their results, in order."""
+        refs, self._pending = self._pending, []
         if not refs:
             return []
         import ray
@@ -75,18 +116,19 @@ class GroupMember:
             return 0, 1
         return (self.rank % self.degree) // self.sp_world, self.degree // self.sp_world
 
-    def rollout_share(self, unit):
-        """A trainer group follower's share of its lead's rollout unit (:meth:`group_rollout`)."""
+    def rollout_share(self, unit, packet=None):
+        """A trainer group follower's share of its lead's rollout unit (:meth:`group_rollout`; the
+        lead's ``rollout`` group call starts it, with its arguments: a trainer rank needs no packet)."""
         return fsdp_group.rollout_share(self, unit, *self._generation_share())
 
     def group_rollout(self, unit):
         """A trainer group's lead generates ``unit`` with its group (TAG, colocated): every rank its
         share (:func:`~digenrl.engine.fsdp_group.unit_share`; a sequence-parallel group one share
         together), parameters gathered per forward as in training, so the collectives match; the
-        lead merges the shares and scores the unit once with its reward."""
-        others = self._fan_out("rollout_share", unit)
+        lead merges the shares and scores the unit once with its reward (the followers' shares: the
+        ``rollout`` group call started them)."""
         mine = fsdp_group.rollout_share(self, unit, *self._generation_share())
-        parts = ([mine] + self._gather(others))[:: self.sp_world]  # SP members repeat their share
+        parts = ([mine] + self.followers_done())[:: self.sp_world]  # SP members repeat their share
         samples, pixels = fsdp_group.merge_shares(parts, unit, self.cfg.algorithm.group_size)
         everything = self.prompts.for_iteration(unit.iteration, self.cfg.train.prompts_per_iteration)
         return fsdp_group.score_unit(samples, pixels, self.reward, [everything[g] for g in unit.groups])
@@ -126,14 +168,16 @@ class GroupMember:
         earlier steps move the weights without a new version: then nothing is sent (``event`` None)."""
         if self.rank == 0:
             live = self.cfg.train.optimizer_steps == 1
-        others = self._fan_out("republish", live)
+        self._pending = [
+            f.republish.remote(live) for f in self.followers
+        ]  # (rank 0's live, not a group_call's)
         event = None
         if self.rank > 0 and live:
             sync_group.take_part(self.policy, "broadcast")
         elif live:
             event = self.sync.publish(self.policy)
             event.update(uid=f"sync-{event['version']}-republish", args={**event["args"], "rejoin": True})
-        self._gather(others)
+        self.followers_done()
         return {"version": self.policy.version, "event": event}
 
     def leave_sync(self) -> None:

@@ -31,7 +31,7 @@ from digenrl.config import RunConfig
 from digenrl.engine.scheduler import RolloutUnit, SchedulerConfig, TrainUnit
 from digenrl.engine.timeline import Timeline
 from digenrl.rewards.service import reward_call_metrics
-from digenrl.runpolicy import RunPolicy, iteration_metrics, save_iteration_samples
+from digenrl.runpolicy import RunCadence, iteration_metrics, save_iteration_samples
 from digenrl.units import assign_advantages, merge_stats
 
 
@@ -78,7 +78,7 @@ class IterationLedger:
         restarts so far (a metrics column)."""
         self.cfg, self.units_per_iteration = cfg, sched_cfg.units_per_iteration
         self.timeline, self.out, self.on_iteration, self.restarts = timeline, out, on_iteration, restarts
-        self.policy = RunPolicy(cfg)
+        self.cadence = RunCadence(cfg)
         self.rows: list[dict] = list(history or [])
         self.batches: dict[str, RewardBatch] = {}  # rollout uid -> rewards / advantages
         # iteration -> key -> a batch of whole groups: the unit's own (key: unit index), or a group
@@ -245,7 +245,7 @@ class IterationLedger:
         row.update(reward_call_metrics(self.reward_calls.pop(k, [])))
         row.update(self.evals.pop(k, {}))
         row["worker_restarts"] = self.restarts()
-        if self.policy.samples_due(k):
+        if self.cadence.samples_due(k):
             save_iteration_samples(self.out.path, k, batches)
         for uid in self.unit_uids.pop(k).values():
             del self.batches[uid]

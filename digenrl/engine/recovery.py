@@ -39,7 +39,7 @@ RESTART_POLL_S = 0.5  # how often to ask a restarting worker whether it is back
 HEAD_PROBE_S = 2.0  # how often the driver checks that the cluster's head still answers
 
 
-class FaultPolicy:
+class FaultRecovery:
     def __init__(self, roles: dict[str, str], max_restarts: int):
         self.roles, self.max_restarts = roles, max_restarts
         self.restarts: Counter[str] = Counter()  # worker -> times it died and was restarted
@@ -136,7 +136,7 @@ class GroupRestart:
     one (the lost one it restarts itself) -- and once the lead answers ``ready()`` again the group
     is formed again whole (``form(names)``: its own world, the lead taking its followers) before the
     lead takes work; its unit was re-queued once, as any dead rollout worker's
-    (:meth:`FaultPolicy.died`)."""
+    (:meth:`FaultRecovery.died`)."""
 
     def __init__(self, groups: dict[str, list[str]], actors: dict, form):
         self.groups, self.actors, self.form = groups, actors, form  # lead -> its members, lead first

@@ -1,7 +1,7 @@
 """The Ray runtime: a run of the engine, the scheduler's decisions carried out by Ray actors.
 
-    run_engine:  preflight -> start one actor per worker (cluster.py) -> drive(scheduler, RayBackend)
-                 -> the last eval / checkpoint -> final/ -> timeline.json / timeline.png
+    run_on_ray:  (a resolved RunLayout) start one actor per worker (cluster.py) -> drive(scheduler,
+                 RayBackend) -> the last eval / checkpoint -> final/ -> timeline.json / timeline.png
 
 :func:`~digenrl.engine.driver.drive` is the loop (the planner's simulator runs the same one in
 virtual time); :class:`RayBackend` is the dispatcher: it starts each unit as one Ray call on
@@ -9,7 +9,7 @@ its worker's actor, waits for the first result and reports it to the loop. It on
 rollout samples and published weights go through the Ray object store, the driver keeps
 rewards, stats and references. What results mean for an iteration (advantages, metrics rows,
 checkpoint order) is the :class:`~digenrl.engine.ledger.IterationLedger`'s; what a dead process
-means is the :class:`~digenrl.engine.recovery.FaultPolicy`'s.
+means is the :class:`~digenrl.engine.recovery.FaultRecovery`'s.
 
 With ``reward.service`` one reward actor, outside the placement group, scores for every worker
 that rolls out: a rollout unit's result carries the ref of its scores, the worker is released
@@ -26,36 +26,31 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable
 
-from digenrl.checkpoint import find_checkpoint, read_state, save_checkpoint_files, staging_dir
+from digenrl.checkpoint import save_checkpoint_files, staging_dir
 from digenrl.config import RunConfig
-from digenrl.distributed.settings import check_fsdp_wired, check_sp_wired
 from digenrl.engine.cluster import (
     REWARD_ROW,
     actor_died,
     first_line,
-    followers,
     form_rollout_sp_group,
     form_sync_group,
-    group_leads,
     num_restarts,
     ray_workers,
-    sp_followers,
-    sp_groups,
 )
-from digenrl.engine.driver import Done, Event, Released, Scored, drive, finish_running
+from digenrl.engine.driver import Done, Event, Lost, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
-from digenrl.engine.recovery import FaultPolicy, GroupRestart, TrainerLost, own_error, user_errors
+from digenrl.engine.recovery import FaultRecovery, GroupRestart, TrainerLost, own_error, user_errors
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit, Unit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
-from digenrl.errors import UserError, WeightSyncError
+from digenrl.engine.workers import SCORE_GROUP
+from digenrl.errors import WeightSyncError
 from digenrl.faults import with_fault_plan
-from digenrl.placement import Worker, engine_scheduler_config, engine_workers
-from digenrl.preflight import check_workers_build
+from digenrl.layout import RunLayout
 from digenrl.progress import progress
 from digenrl.runlog import RunDir, check_writable, default_run_dir
 from digenrl.runpolicy import (
-    RunPolicy,
+    RunCadence,
     RunResult,
     StopRequest,
     checkpoint_to_keep,
@@ -68,75 +63,75 @@ from digenrl.runpolicy import (
 # ------------------------------------------------------------------------------ the run
 
 
-def run_engine(
+def run_on_ray(
     cfg: RunConfig,
+    layout: RunLayout,
+    resumed=None,
     run_dir: Path | None = None,
     on_iteration: Callable[[dict], None] | None = None,
     ray_address: str | None = None,
-    resume: Path | None = None,
 ) -> RunResult:
-    """Train ``cfg`` on Ray with placement ``cfg.placement.mode`` (colocated | disaggregated).
+    """Train ``cfg`` on Ray as its resolved ``layout`` says (:func:`digenrl.launch.run_engine`
+    resolves it and checks what the workers will build first).
 
-    Writes the same run directory as :meth:`LocalTrainer.run` plus ``timeline.json`` and
-    ``timeline.png``. ``ray_address`` joins an existing cluster; without it a local one is
-    started (or the one this process is already connected to is used). Ray is shut down, and
-    every actor killed, on return and on any exception.
+    Writes the same run directory as :meth:`LocalTrainer.run` plus ``layout.json``,
+    ``timeline.json`` and ``timeline.png``. ``ray_address`` joins an existing cluster; without it a
+    local one is started (or the one this process is already connected to is used). Ray is shut
+    down, and every actor killed, on return and on any exception.
 
-    ``resume`` (a run or checkpoint directory) starts every worker from the latest complete
-    checkpoint -- weights, version, optimizer and RNG states -- with an empty pipeline: a rollout
-    of a later iteration that was generated (async mode) but not trained before the stop is
-    generated again with the checkpoint's weights, so no sample is trained twice. A resumed run
-    appends to the checkpoint's run directory unless ``run_dir`` forks it elsewhere.
+    ``resumed`` (a checkpoint's state) starts every worker from that checkpoint -- weights, version,
+    optimizer and RNG states -- with an empty pipeline: a rollout of a later iteration that was
+    generated (async mode) but not trained before the stop is generated again with the
+    checkpoint's weights, so no sample is trained twice. A resumed run appends to the checkpoint's
+    run directory unless ``run_dir`` forks it elsewhere.
     """
-    if cfg.placement.mode == "local":
-        raise UserError("placement.mode: 'local' runs without the engine (use LocalTrainer)")
-    resumed = read_state(find_checkpoint(resume)) if resume is not None else None
     start = resumed.iteration if resumed is not None else 0
-    if start > cfg.train.iterations:
-        raise UserError(
-            f"--resume: the checkpoint has {start} iterations done, more than train.iterations "
-            f"({cfg.train.iterations})"
-        )
-    check_sp_wired(cfg)  # before the plan: its workers span sp devices
-    workers = engine_workers(cfg)
-    check_fsdp_wired(cfg)
-    # sharded trainer ranks > 0 follow rank 0; sequence-parallel followers, their group's lead
-    hidden = set(followers(cfg, workers)) | set(sp_followers(cfg, workers))
-    scheduled = [w for w in workers if w.name not in hidden]
-    scheduler = Scheduler(engine_scheduler_config(cfg, start), scheduled)
-    progress("checking prompts, reward and model...")
-    check_workers_build(cfg, resumed)
+    scheduler = Scheduler(layout.scheduler_config(start), layout.scheduled)
     run_dir, history = resume_history(resumed, run_dir)
     check_writable(run_dir or cfg.output.run_dir or default_run_dir(cfg), "output.run_dir")
     if resumed is not None and start == cfg.train.iterations:  # finished already: nothing to do
         return RunResult(Path(run_dir), history)
     worker_cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
     started = time.time()  # the timeline starts here: Ray and the workers starting up are its first events
-    with user_errors(), ray_workers(worker_cfg, workers, ray_address, resumed and resumed.path) as actors:
-        sync = form_sync_group(
-            worker_cfg, workers, actors
-        )  # before the run directory: its errors are the user's
-        progress(f"{len(workers)} workers ready ({time.time() - started:.0f} s)...")
+    with user_errors(), ray_workers(worker_cfg, layout, ray_address, resumed and resumed.path) as actors:
+        sync = form_sync_group(layout, actors)  # before the run directory: its errors are the user's
+        progress(f"{len(layout.workers)} workers ready ({time.time() - started:.0f} s)...")
         out = RunDir(cfg, run_dir, history=history)
-        backend = RayBackend(cfg, scheduler, workers, actors, out, on_iteration, history)
-        backend.t0, backend.hidden = started, hidden
-        backend.resumed_at = start if resumed is not None else None  # timeline.json: after the earlier part
-        backend.sync = SyncRoutes(*sync, start, actors, backend.rank0)
-        backend.sync.reform = lambda: form_sync_group(worker_cfg, workers, actors)  # after a restart
-        sp_rollout = {names[0]: names for names in sp_groups(cfg, workers, "rollout")}
-        backend.groups = GroupRestart(sp_rollout, actors, lambda names: form_rollout_sp_group(actors, names))
+        layout.write(out.path)
+        backend = None
+        routes = SyncRoutes(*sync, start, actors, layout.trainer_ranks[0])
+        routes.reform = lambda: form_sync_group(layout, actors)  # the weight-sync group, after a restart
+        sp_rollout = {names[0]: names for names in layout.rollout_sp_groups}  # restarted whole
+        groups = GroupRestart(sp_rollout, actors, lambda names: form_rollout_sp_group(actors, names))
         try:
-            with stop_on_interrupt() as backend.stop:
+            with stop_on_interrupt() as stop:
+                backend = RayBackend(
+                    cfg,
+                    layout,
+                    scheduler,
+                    actors,
+                    out,
+                    on_iteration=on_iteration,
+                    history=history,
+                    t0=started,
+                    sync=routes,
+                    stop=stop,
+                    groups=groups,
+                    resumed_at=start
+                    if resumed is not None
+                    else None,  # timeline.json: after the earlier part
+                )
                 try:
                     backend.begin()
-                    drive(scheduler, [w.name for w in scheduled], backend)
+                    drive(scheduler, [w.name for w in layout.scheduled], backend)
                     backend.drain()  # the last eval / checkpoint
                 except BaseException as exc:  # Ctrl-C, or a fatal error: keep what can be kept
                     raise backend.keep_work(exc) from None
             write_final(out.path, backend.final_files())
         finally:
             progress("stopping workers...")  # the `with` releases them next (Ray shutdown: seconds)
-            backend.save_timeline()
+            if backend is not None:
+                backend.save_timeline()
             out.close()
     return RunResult(out.path, backend.ledger.rows)
 
@@ -152,24 +147,41 @@ class RayBackend:
     def __init__(
         self,
         cfg: RunConfig,
+        layout: RunLayout,
         scheduler: Scheduler,
-        workers: list[Worker],
         actors: dict,
         out: RunDir | None,
+        *,
         on_iteration: Callable[[dict], None] | None = None,
         history: list[dict] | None = None,
+        t0: float | None = None,
+        sync: SyncRoutes | None = None,
+        stop: StopRequest | None = None,
+        resumed_at: int | None = None,
+        groups: GroupRestart | None = None,
     ):
-        self.cfg, self.sched, self.actors, self.out, self.policy = cfg, scheduler, actors, out, RunPolicy(cfg)
+        """``t0``: the run's start (the timeline's zero; default now); ``sync``: the weight-sync
+        routes (default: the object store); ``stop``: the Ctrl-C request (default: never asked);
+        ``resumed_at``: a resumed run's first iteration (its timeline continues the earlier part's);
+        ``groups``: the engine.rollout_sp groups, each restarted whole on a lost member (default: none)."""
+        workers = layout.workers
+        self.cfg, self.sched, self.actors, self.out, self.cadence = (
+            cfg,
+            scheduler,
+            actors,
+            out,
+            RunCadence(cfg),
+        )
         self.role = {w.name: w.role for w in workers}
-        self.rank0 = next(w.name for w in workers if w.role != "rollout")
+        self.rank0 = layout.trainer_ranks[0]
         self.publishes = any(w.role == "rollout" for w in workers)  # rank 0 ships weights after each step
         self.timeline = Timeline()
-        leads = group_leads(cfg, workers)  # a follower device is busy while its lead is
+        leads = layout.leads  # a follower device is busy while its lead is
         for w in workers:
             self.timeline.add_worker(w.name, w.pool.name, follows=leads.get(w.name))
         if cfg.reward.service is not None:
             self.timeline.add_worker(REWARD_ROW, SERVICE_POOL)
-        self.faults = FaultPolicy(self.role, cfg.engine.max_restarts)
+        self.faults = FaultRecovery(self.role, cfg.engine.max_restarts)
         self.ledger = IterationLedger(
             cfg,
             scheduler.cfg,
@@ -179,8 +191,8 @@ class RayBackend:
             history,
             restarts=lambda: sum(self.faults.restarts.values()) + num_restarts(actors.get(REWARD_ROW)),
         )
-        self.t0 = time.time()
-        self.resumed_at: int | None = None  # a resumed run's first iteration (see save_timeline)
+        self.t0 = time.time() if t0 is None else t0
+        self.resumed_at = resumed_at  # a resumed run's first iteration (see save_timeline)
         # ObjectRef -> (worker, unit): a unit running, or the scores of a released one
         self.in_flight: dict = {}
         # ObjectRef -> (what, iteration or worker): rank 0's eval / checkpoint, a ready()
@@ -188,17 +200,17 @@ class RayBackend:
         self.samples: dict[str, object] = {}  # rollout uid -> ObjectRef of its Samples, until fully trained
         self.trained: Counter[str] = Counter()  # rollout uid -> TSP shares trained
         self.unscored: dict[str, dict] = {}  # released rollout uid -> its summary, until the scores arrive
-        self.sync = SyncRoutes(
-            "object_store", [], scheduler.published_version, actors, self.rank0
-        )  # weight sync
+        self.score_row: dict[str, str] = {}  # released rollout uid -> the rollout worker scoring it after it
+        self.scorers = [w.name for w in workers if w.role == "rollout" and w.name not in layout.sp_followers]
+        self.sync = sync or SyncRoutes("object_store", [], scheduler.published_version, actors, self.rank0)
         self.rank_checksums: dict[int, set[str]] = defaultdict(set)
-        self.hidden: set[str] = set()  # sharded trainer ranks > 0: rank 0 runs their calls (not scheduled)
+        self.hidden = layout.hidden  # followers: their lead runs their calls (not scheduled)
         self.step_shares: dict[tuple[int, int], set[str]] = defaultdict(
             set
         )  # (iteration, step) -> ranks handed it
-        self.stop = StopRequest()  # Ctrl-C (run_engine installs the real one)
+        self.stop = stop or StopRequest()  # Ctrl-C
         self.stopping = False  # after Ctrl-C or a fatal error: no new work, the running units finish
-        self.groups = GroupRestart({}, actors, None)  # engine.rollout_sp groups (run_engine sets them)
+        self.groups = groups or GroupRestart({}, actors, None)  # engine.rollout_sp groups
 
     def begin(self) -> None:
         """Before the first unit: the starting weights every restarted worker must hold, and (for a
@@ -282,6 +294,9 @@ class RayBackend:
             if not actor_died(exc):
                 raise
             self.samples.pop(unit.uid, None)
+            if self.score_row.pop(unit.uid, None) is not None:  # its scorer died: generate it again
+                self.unscored.pop(unit.uid, None)
+                return Lost(unit)
             lost = self.faults.died(
                 worker, unit, exc
             )  # the unit goes back to the scheduler, or the run stops
@@ -296,6 +311,9 @@ class RayBackend:
             if "reward_ref" in result:  # scored by the reward service: the worker is free, the unit not done
                 self.unscored[unit.uid] = result
                 self.in_flight[result["reward_ref"]] = (REWARD_ROW, unit)
+                return Released(worker, unit)
+            if "score_on" in result or "pixels" in result:  # a model reward: scored after the unit
+                self.score_after(unit, result)
                 return Released(worker, unit)
             self.ledger.rolled_out(unit, result)
         elif isinstance(unit, TrainUnit):
@@ -337,18 +355,31 @@ class RayBackend:
             if len(self.rank_checksums[after]) > 1:
                 raise WeightSyncError(f"trainer ranks hold different weights after step {unit.iteration}")
 
+    def score_after(self, unit: RolloutUnit, result: dict) -> None:
+        """A model reward (:func:`~digenrl.rewards.scored_after_unit`): the unit is released and scored
+        by a side call on the rollout worker that generated it (a TAG rank's unit: on a rollout worker,
+        its pixels sent along), in the worker's ``score`` group, beside its next unit."""
+        pixels = result.pop("pixels", None)
+        scorer = result.pop("score_on", None) or self.scorers[len(self.score_row) % len(self.scorers)]
+        call = self.actors[scorer].score.options(concurrency_group=SCORE_GROUP)
+        self.unscored[unit.uid] = result
+        self.score_row[unit.uid] = scorer
+        self.in_flight[call.remote(unit.uid, pixels)] = (REWARD_ROW, unit)
+
     def scored(self, unit: RolloutUnit, scored) -> None:
-        """The reward actor's :class:`~digenrl.rewards.service.Scored` for a released unit: its
-        scoring span on the reward row, its latency, then the unit as if scored inline."""
+        """The :class:`~digenrl.rewards.service.Scored` of a released unit (the reward actor's, or a
+        rollout worker's own scoring after the unit): its scoring span on the reward row (on the
+        worker's row), its latency, then the unit as if scored inline."""
+        row = self.score_row.pop(unit.uid, REWARD_ROW)
         self.timeline.record(
-            REWARD_ROW,
+            row,
             "reward",
             unit.uid,
             unit.iteration,
             unit.version,
             scored.start - self.t0,
             scored.end - self.t0,
-            service=True,
+            service=row == REWARD_ROW,
             samples=len(scored.total),
             wait_s=scored.wait_s,
             queue_depth=scored.queue_depth,
@@ -383,10 +414,10 @@ class RayBackend:
         and gets no other work before these calls run (an actor runs its calls in order). Returns
         the names the metrics row of k waits for."""
         rank0, names = self.actors[self.rank0], set()
-        if self.policy.eval_due(k):
+        if self.cadence.eval_due(k):
             self.side[rank0.evaluate.remote()] = ("eval", k)
             names.add(f"eval-{k}")
-        if self.policy.checkpoint_due(k):
+        if self.cadence.checkpoint_due(k):
             self.side[
                 rank0.checkpoint.remote(k + 1, self.checkpoint_extra(), staging_dir(self.out.path, k + 1))
             ] = ("checkpoint", k)

@@ -42,27 +42,23 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from digenrl.engine.knobs import SchedulingKnobs
 from digenrl.engine.work_units import Role, RolloutUnit, StepUnit, TrainUnit, Unit, WorkerSpec
 
 Placement = Literal["colocated", "disaggregated"]
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig(SchedulingKnobs):
+    """The knobs (:class:`~digenrl.engine.knobs.SchedulingKnobs`: unit_groups, group_parts, tsp_degree,
+    tag, gap, max_staleness) plus the run's work; keyword arguments only."""
+
     placement: Placement
     groups_per_iteration: int  # prompts per iteration; each prompt is one group of G samples
-    unit_groups: int  # GAP unit size m: groups per rollout unit
-    tsp_degree: int = 1  # time-step parallelism degree D
-    tag: bool = False  # trainer-assisted generation
-    gap: bool = True  # release train units per rollout unit (else per iteration)
-    max_staleness: int = 0  # 0 (on-policy) or 1 (one-step async)
     iterations: int = 1
     wait_for_full_batch: bool = False  # train units wait for the whole iteration's rollout
     start_iteration: int = 0  # resume: iterations already done (the published version to start from)
     optimizer_steps: int = 1  # mini-batch PPO: collective steps per iteration (the last one publishes)
-    group_parts: int = (
-        1  # rollout units per group: 1 = whole groups (unit_groups each), P > 1 = 1/P of one group
-    )
 
     def __post_init__(self) -> None:
         if self.placement not in ("colocated", "disaggregated"):

@@ -6,7 +6,7 @@ and s - 1 hidden followers, running the transformer with Ulysses over their grou
   followers (:meth:`sp_rollout`), which generate the same samples with it (the same seeds; every
   transformer call exchanges tokens within the group) and score nothing.
 - trainer: the groups are consecutive ranks of the trainer ranks' world; the lead's ``train`` and
-  ``step`` run on its followers too (``EngineWorker.lead`` / ``_fan_out``), on the same samples, and
+  ``step`` run on its followers too (``EngineWorker.lead`` / ``group_call``), on the same samples, and
   the gradient all-reduce over every trainer process sums each group's per-token shares and the
   groups' gradients at once."""
 
@@ -29,6 +29,13 @@ class SequenceParallelMember:
     """The calls an :class:`~digenrl.engine.workers.EngineWorker` answers as a member of a
     sequence-parallel group."""
 
+    # what it needs from the worker
+    cfg: object  # the RunConfig
+    policy: object  # digenrl.policy.Policy
+    prompts: object  # digenrl.prompts.PromptSampler
+    expected_keys: frozenset  # the weight names a sync must carry
+    sync = None  # engine.weight_sync broadcast: this member's inbox (None: the object store)
+    # what it sets up
     sp_world = 1  # devices this worker's transformer runs over (its rollout / train events record it)
 
     def join_sp_group(self, address: str, port: int, rank: int, world: int, backend: str) -> None:
@@ -74,5 +81,6 @@ class SequenceParallelMember:
             unit.iteration,
             cfg.train.seed,
             unit.sample_range(cfg.algorithm.group_size),
+            self.policy.settings.sampling_batch(self.role),  # the lead's batch: the same collectives
         )
         self.faults.reached(unit.uid)  # engine.faults: a member dies mid-unit, taking its group down

@@ -42,16 +42,17 @@ import torch
 from digenrl.checkpoint import checkpoint_files, load_checkpoint
 from digenrl.distributed.fsdp import all_reduce_replicas
 from digenrl.engine import sync_group, weight_sync
-from digenrl.engine.fsdp_group import combine_rank_stats, reshard, train_share, will_shard
-from digenrl.engine.groups import GroupMember
+from digenrl.engine.fsdp_group import combine_rank_stats, reshard, train_share
+from digenrl.engine.groups import GroupMember, group_call
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.engine.sp_group import SequenceParallelMember
 from digenrl.errors import UserError
 from digenrl.faults import FaultInjector
+from digenrl.layout import RunLayout
 from digenrl.lora import checksum
-from digenrl.policy import Policy, pick_device
+from digenrl.policy import Policy, compile_transformer, pick_device
 from digenrl.prompts import PromptSampler, load_prompts
-from digenrl.rewards import build_reward
+from digenrl.rewards import build_reward, scored_after_unit
 from digenrl.rewards.service import reward_client
 from digenrl.runpolicy import final_files
 from digenrl.units import Samples, preflight_reward, rollout_unit, train_unit
@@ -116,6 +117,24 @@ class _SubmittedReward:
         return torch.full((len(prompts),), float("nan")), {}
 
 
+class _DeferredReward:
+    """A model reward scored after the unit (:func:`~digenrl.rewards.scored_after_unit`): inside the
+    unit it keeps the decoded samples and returns NaN placeholders; :meth:`EngineWorker.score`, a
+    side call that runs beside the worker's next unit, scores them with ``fn`` (None: a trainer rank
+    with TAG, which never builds the reward -- a rollout worker scores its samples)."""
+
+    def __init__(self, fn=None):
+        self.fn, self.kept = fn, None
+
+    def __call__(self, pixels, prompts, metadata=None):
+        self.kept = (pixels, list(prompts), metadata)
+        return torch.full((len(prompts),), float("nan")), {}
+
+
+#: the actor's concurrency group of :meth:`EngineWorker.score` (its other calls run one at a time, in order)
+SCORE_GROUP = "score"
+
+
 @dataclass(frozen=True)
 class ResumeFrom:
     """Where the workers start from: the checkpoint directory, and the driver's copy of the files a
@@ -149,19 +168,15 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         reward_actor=None,
         resume: ResumeFrom | None = None,
         sp_follower: bool = False,
+        layout: RunLayout | None = None,
     ):
         """``resume``: the checkpoint to start from (read by path); ``sp_follower``: a rollout worker
-        that follows its sequence-parallel group's lead (it scores nothing)."""
-        self.cfg, self.name, self.role, self.world = cfg, name, role, 1
+        that follows its sequence-parallel group's lead (it scores nothing); ``layout``: the run's
+        (:mod:`digenrl.layout`), which this worker reads and never re-derives (None: a worker built
+        outside a run, with a single process's settings)."""
+        self.cfg, self.name, self.role, self.layout = cfg, name, role, layout
         self.sp_follower = sp_follower
-        self.rank, self.sharded, self.followers = (
-            0,
-            False,
-            [],
-        )  # train.fsdp: the shard group's others (on its lead)
-        self.degree, self.mesh = 1, None  # train.fsdp: the shard group's size, and the device mesh
         self.resume_optimizer: str | None = None  # a sharded rank loads it once sharded (join_group)
-        self.sync = None  # engine.weight_sync broadcast: rank 0's publisher or a rollout worker's inbox
         self.faults = FaultInjector.from_config(cfg, name)  # engine.faults: where this process dies
         # A config error raised here would reach the driver as an opaque ActorDiedError: keep it
         # and raise it from ready(), where Ray hands the driver the exception itself.
@@ -181,8 +196,9 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         path = Path(source.path)
         trains = self.policy.optimizer is not None
         if path.is_dir():
-            shards = trains and will_shard(self.cfg, self.role)  # the optimizer is rebuilt over the shards:
-            load_checkpoint(path, self.policy, optimizer=trains and not shards)  # its state loads then
+            # a rank that will shard rebuilds its optimizer over the shards: its state loads then
+            shards = trains and self.layout is not None and self.layout.will_shard(self.role)
+            load_checkpoint(path, self.policy, optimizer=trains and not shards)
             self.resume_optimizer = str(path) if shards else None
             return
         if trains:
@@ -205,29 +221,35 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         # this worker rolls out, so it scores (a sequence-parallel follower: its lead scores)
         scores = (self.role != "trainer" or cfg.engine.tag) and not self.sp_follower
         self.remote_reward = reward_actor is not None
+        self.pending: dict[str, tuple] = {}  # a unit scored after it: uid -> its decoded samples
+        self.eval_reward = None  # a trainer rank that evaluates builds the rewards then
         if self.remote_reward:  # reward.service: the reward models live in the shared actor only
             self.reward = _SubmittedReward(reward_client(cfg.reward, reward_actor))
+        elif scores and scored_after_unit(cfg):  # a model reward: on rollout workers only, after the unit
+            self.reward = _DeferredReward(build_reward(cfg.reward) if self.role == "rollout" else None)
+            scores = self.reward.fn is not None
         elif scores:
             self.reward = _TimedReward(build_reward(cfg.reward))
         else:
             self.reward = None
         lean = not generates(cfg, self.role)  # a lean trainer rank: no text encoder, no VAE
-        self.policy = Policy(
-            cfg, trainable=self.role != "rollout", generates=not lean
-        )  # a checkpoint: transformer alone
+        self.policy = Policy(  # a checkpoint: transformer alone
+            cfg, trainable=self.role != "rollout", generates=not lean, layout=self.layout
+        )
         if lean:  # a preset builds them all: release them
             self.policy.adapter.release_generation_modules()
+        if cfg.engine.compile_rollout == "on" and self.role == "rollout":
+            compile_transformer(self.policy, cfg.engine.compile_mode)
         self.expected_keys = frozenset(self.policy.weights())
         if scores and not _restarted():  # dry-run the rewards on this worker's decoded shape (once:
             # a restarted worker was checked at the start, and the reward actor may be restarting too)
             preflight_reward(self.reward.fn, self.policy.adapter, self.prompts.prompts)
 
+    @group_call()
     def ready(self) -> dict:
         if self.init_error is not None:
             raise self.init_error
-        others = self._fan_out("ready")
         weights = self.policy.weights()  # on a sharded group, a gather every rank joins
-        self._gather(others)
         return {
             "checksum": checksum(weights),
             "device": str(self.policy.device),
@@ -235,8 +257,29 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             "version": self.policy.version,
         }
 
+    def resolved(self) -> dict:
+        """What this worker runs with, read off what it built and joined (not off the config): the
+        tests compare it with the layout's :class:`~digenrl.layout.WorkerLayout` and settings."""
+        from digenrl.distributed.checkpointing import is_checkpointed
+
+        sampling = self.policy.adapter.sampling
+        return {
+            "rank": self.rank if self.role != "rollout" else None,
+            "fsdp": self.degree,
+            "sp": self.sp_world,
+            "followers": len(self.followers),
+            "activation_checkpointing": is_checkpointed(self.policy.adapter.transformer),
+            "cfg_batching": sampling.cfg_batching,
+            "vae_tiling": sampling.vae_tiling,
+            "weight_sync": type(self.sync).__name__ if self.sync is not None else None,
+            "compiled": getattr(self.policy.adapter.transformer, "_compiled_call_impl", None) is not None,
+        }
+
     # -- units ---------------------------------------------------------------------------
 
+    # engine.rollout_sp: the group generates together; a trainer group (FSDP, TAG / colocated): each
+    # follower its share (GroupMember.group_rollout)
+    @group_call(lambda lead: "rollout_share" if lead.role != "rollout" else "sp_rollout")
     def rollout(self, unit: RolloutUnit, packet: weight_sync.WeightPacket | None) -> tuple[Samples, dict]:
         """Generate, decode and score the unit's groups with exactly version ``unit.version`` (a
         re-queued unit may be older than what this worker holds: the packet has its weights).
@@ -257,13 +300,12 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             )
         cfg = self.cfg
         group = self.role != "rollout" and self.followers  # a trainer group generates each unit together
-        # engine.rollout_sp: the group generates together
-        sp_shares = [] if group else self._fan_out("sp_rollout", unit, packet)
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
+        deferred = isinstance(self.reward, _DeferredReward)
         if self.remote_reward:
             self.reward.refs.clear()
             self.reward.label = unit.uid
-        else:
+        elif not deferred:
             self.reward.spans.clear()
             self.reward.calls.clear()
         start = time.time()
@@ -278,9 +320,10 @@ class EngineWorker(GroupMember, SequenceParallelMember):
                 unit.iteration,
                 cfg.train.seed,
                 unit.sample_range(cfg.algorithm.group_size),
+                self.policy.settings.sampling_batch(self.role),  # engine.rollout_batch (rollout workers)
             )
         end = time.time()
-        self._gather(sp_shares)
+        self.followers_done()
         self.faults.reached(unit.uid)
         if samples.version != unit.version or self.policy.version != unit.version:
             raise RuntimeError(f"{unit.uid}: weights changed inside the unit")
@@ -312,6 +355,14 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             (summary["reward_ref"],) = self.reward.refs
             self.reward.refs.clear()
             del summary["rewards"], summary["reward_parts"]
+        elif deferred:  # scored by score(): here (a rollout worker) or on a rollout worker (a TAG rank's)
+            kept, self.reward.kept = self.reward.kept, None
+            if self.reward.fn is not None:
+                self.pending[unit.uid] = kept
+                summary["score_on"] = self.name
+            else:
+                summary["pixels"] = (kept[0].cpu(), *kept[1:])
+            del summary["rewards"], summary["reward_parts"]
         else:
             events += [
                 unit_event("reward", unit, s, e, unit.version, service=False) for s, e in self.reward.spans
@@ -319,6 +370,27 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             summary["reward_calls"] = list(self.reward.calls)
         return samples, summary
 
+    def score(self, uid: str, kept: tuple | None = None):
+        """Score a rollout unit after it (a model reward): its decoded samples kept by :meth:`rollout`
+        here, or ``kept`` (a TAG trainer rank's). Runs in the actor's ``score`` concurrency group,
+        beside the worker's next unit on the same device; returns a
+        :class:`~digenrl.rewards.service.Scored`, as the reward service does."""
+        from digenrl.rewards.service import Scored
+
+        pixels, prompts, metadata = kept if kept is not None else self.pending.pop(uid)
+        start = time.time()
+        with torch.no_grad():  # (grad mode is per thread)
+            total, parts = self.reward.fn(pixels, prompts, metadata)
+        end = time.time()
+        timings = dict(self.reward.fn.last_timings)
+        return Scored(total, parts, start, end, timings, queue_depth=len(self.pending), pid=os.getpid())
+
+    def holds_reward(self) -> bool:
+        """Whether this worker built the reward models (the tests: trainer ranks never do)."""
+        built = isinstance(self.reward, (_TimedReward, _DeferredReward)) and self.reward.fn is not None
+        return built or self.eval_reward is not None
+
+    @group_call()
     def train(self, unit: TrainUnit, samples: Samples, advantages: torch.Tensor, total_terms: int) -> dict:
         """Accumulate this unit's share of its mini-batch's gradient (no optimizer step);
         ``total_terms``: the mini-batch's (sample, trained step) terms."""
@@ -333,7 +405,6 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         ):
             raise RuntimeError(f"{unit.uid}: received samples of another unit")
         samples.advantages = advantages
-        others = self._fan_out("train", unit, samples, advantages, total_terms)
         start = time.time()
         sp = self.sp_world  # engine.trainer_sp: each sequence-parallel group of sp ranks trains one share
         if self.sharded:  # every rank (group) trains an equal share of the unit's (mini-batch's) samples
@@ -350,7 +421,7 @@ class EngineWorker(GroupMember, SequenceParallelMember):
                 unit.step,
                 self.cfg.train.optimizer_steps,
             )
-        shares = [r["stats"] for r in self._gather(others)]  # (the group's other ranks in order)
+        shares = [r["stats"] for r in self.followers_done()]  # (the group's other ranks in order)
         stats = combine_rank_stats(
             ([stats] + shares)[::sp]
         )  # one per share: SP followers repeat their lead's
@@ -371,10 +442,10 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         )
         return {"stats": stats, "events": [event]}
 
+    @group_call()
     def step(self, unit: StepUnit, publish: bool | str) -> dict:
         """All-reduce, one optimizer step (the iteration's last -> version k+1), and on rank 0 after
         the last step the weight publish (``publish``: its transport, broadcast or object_store)."""
-        others = self._fan_out("step", unit, publish)
         start = time.time()
         if not self.sharded:  # FSDP2 reduce-scattered the gradients in backward (inside each shard group)
             self._all_reduce_gradients()
@@ -393,7 +464,7 @@ class EngineWorker(GroupMember, SequenceParallelMember):
                 self.policy, self.sync, "object_store" if publish is True else publish, self.faults, self.name
             )
         digest = checksum(self.policy.weights()) if self.policy.lora else None  # ranks must agree
-        self._gather(others)
+        self.followers_done()
         publishes = {"publishes": unit.version} if unit.last else {}
         events.insert(
             0, unit_event("step", unit, start, time.time(), unit.iteration, step=unit.step, **publishes)
@@ -408,24 +479,20 @@ class EngineWorker(GroupMember, SequenceParallelMember):
 
     # -- results -------------------------------------------------------------------------
 
+    @group_call()
     def weights(self) -> dict[str, torch.Tensor]:
-        others = self._fan_out("weights")
-        state = self.policy.weights()
-        self._gather(others)
-        return state
+        return self.policy.weights()
 
+    @group_call()
     def publish(self) -> weight_sync.WeightPacket:
         """The weights this worker holds as a packet (the driver keeps the starting version's, for
         a re-queued unit of that version on a rollout worker that has moved on)."""
-        others = self._fan_out("publish")
-        packet = None
         if self.rank > 0:  # a sharded rank > 0: its part of the gather
             self.policy.weights()
-        else:
-            packet = weight_sync.publish(self.policy)[0]
-        self._gather(others)
-        return packet
+            return None
+        return weight_sync.publish(self.policy)[0]
 
+    @group_call()
     def checkpoint(self, iteration: int, extra: dict, staging: str | None = None) -> dict:
         """This rank's checkpoint after ``iteration`` iterations, as file bytes for the driver.
         The driver calls it right after the step, before handing this rank more work (an actor runs
@@ -436,7 +503,6 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             raise RuntimeError(
                 f"{self.name}: checkpoint of iteration {iteration} asked at version {self.policy.version}"
             )
-        others = self._fan_out("checkpoint", iteration, extra, staging)
         files = checkpoint_files(
             self.policy,
             iteration,
@@ -446,27 +512,26 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             lead=self.rank == 0,
             where=f"{self.name}'s node",
         )
-        self._gather(others)
         return files
 
+    @group_call()  # a sharded group: every rank runs the same sampling passes
     def evaluate(self) -> dict[str, float]:
         """``eval/<reward>`` of the current weights (ODE, fixed seeds), as LocalTrainer.evaluate."""
         from digenrl.evaluate import evaluate_policy
 
-        others = self._fan_out("evaluate")  # a sharded group: every rank runs the same sampling passes
-        if self.reward is None:  # a trainer rank that never scores: build the rewards for eval only
-            self.reward = _TimedReward(build_reward(self.cfg.reward))
+        fn = getattr(self.reward, "fn", None)
+        if fn is None:  # a trainer rank that never scores: the rewards for eval only
+            if self.eval_reward is None:
+                self.eval_reward = build_reward(self.cfg.reward)
+            fn = self.eval_reward
         with self.policy.averaged():  # train.ema: the EMA weights
-            metrics = evaluate_policy(self.policy, self.reward.fn, self.prompts.prompts).metrics()
+            metrics = evaluate_policy(self.policy, fn, self.prompts.prompts).metrics()
             if self.sharded:  # sampling leaves the root's parameters gathered (no backward frees them):
                 reshard(self.policy.adapter.transformer)  # drop that copy before the weights swap back
-        self._gather(others)
         return metrics
 
+    @group_call()
     def export_final(self) -> dict[str, bytes]:
         """``final/``'s files (:func:`~digenrl.runpolicy.final_files`), as bytes for the driver, which
         writes them wherever its run directory is (possibly another node)."""
-        others = self._fan_out("export_final")
-        files = final_files(self.policy)  # gathers shards on every rank
-        self._gather(others)
-        return files
+        return final_files(self.policy)  # gathers shards on every rank

@@ -299,14 +299,16 @@ class SequenceParallelTimes(CallTimes):
         return self.inner.load()
 
 
-def rollout_unit_time(t: CallTimes, w: Workload, groups: float) -> tuple[float, float]:
+def rollout_unit_time(
+    t: CallTimes, w: Workload, groups: float, batch: int | None = None
+) -> tuple[float, float]:
     """(seconds, of which reward): encode the prompts, N steps of the forwards over b = groups x G
     samples, decode, score. The forwards are the train forwards' batches (bit-exact ratio), or with
-    ``Workload.rollout_batch`` set (a rollout-only worker sampling at its own batch) batches of that
-    size -- the kernel efficiency of each follows its token count (efficiency.py)."""
+    ``batch`` (a rollout-only worker sampling at its own batch, ``engine.rollout_batch``) batches of
+    that size -- the kernel efficiency of each follows its token count (efficiency.py)."""
     b = groups * w.group_size
-    if w.rollout_batch:
-        forwards = micro_batches(b, w.rollout_batch)
+    if batch:
+        forwards = micro_batches(b, batch)
     elif w.forward_process:  # diffusion_nft: one forward of the whole unit per step (no log-probs to match)
         forwards = [b]
     else:

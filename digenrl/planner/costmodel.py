@@ -202,7 +202,8 @@ class CostModel:
     ) -> tuple[float, float]:
         """(seconds, of which reward) for a rollout unit of ``groups`` prompt groups on a worker run as
         ``setup`` says (its sequence parallelism and CFG mode; None: one device, CFG batched)."""
-        total, reward = rollout_unit_time(self.times(device, setup), self.workload, groups)
+        batch = setup.rollout_batch if setup is not None else self.workload.rollout_batch
+        total, reward = rollout_unit_time(self.times(device, setup), self.workload, groups, batch)
         f = self._factor(device, "rollout")
         return total * f, reward * f
 
@@ -289,8 +290,13 @@ class CostModel:
 
     def rollout_memory(self, device: str, groups: int, sp: int = 1) -> DeviceSetup:
         """Does a rollout worker of this type (``sp`` devices) hold the model + rollout models + a unit of
-        ``groups``?"""
-        return self.memory.rollout(device, groups, sp)
+        ``groups``, forwarding at its own batch (``Workload.rollout_batch``; ``engine.rollout_batch: auto``:
+        the largest that fits, the setup's ``rollout_batch``)?"""
+        w, memory = self.workload, self.memory
+        batch = w.rollout_batch
+        if batch is None and w.rollout_batch_auto and DEVICES[device].kind == "gpu":  # (as the runtime:
+            batch = memory.rollout_batch(device, groups, sp)  # auto on CPU is the trainer's batches)
+        return memory.rollout(device, groups, sp, batch=batch)
 
     def trainer_setup(
         self, device: str, ranks: int, tag: bool, groups: int, micro_batch: int | None = None, sp: int = 1

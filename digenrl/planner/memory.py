@@ -57,6 +57,7 @@ class DeviceSetup:
     have_bytes: float = 0.0
     parts: dict = field(default_factory=dict, compare=False)
     why: str = ""
+    rollout_batch: int | None = None  # a rollout-only worker: samples per forward (None: the trainer's)
 
     def notes(self) -> list[str]:
         out = []
@@ -119,13 +120,17 @@ class MemoryModel:
         """Guidance passes whose activations are live at once."""
         return self.workload.passes if cfg_batched else 1
 
-    def rollout_acts(self, groups: float, sp: int = 1, cfg_batched: bool = True) -> float:
-        """A rollout unit of ``groups``: one block's live activations, the trajectory, a decode tile."""
+    def rollout_acts(
+        self, groups: float, sp: int = 1, cfg_batched: bool = True, batch: int | None = None
+    ) -> float:
+        """A rollout unit of ``groups``: one block's live activations of a forward (of ``batch``
+        samples, ``engine.rollout_batch``; None: the whole unit at once, the bound for forwards in
+        the trainer's batches), the unit's trajectory, a decode tile."""
         w, t = self.workload, self.workload.shape.tokens
         b = groups * w.group_size
         acts = (
             self.held_passes(cfg_batched)
-            * b
+            * (min(batch, b) if batch else b)
             * self.pass_tokens(sp)
             * w.params.hidden
             * self.params.infer_act_bytes
@@ -227,21 +232,34 @@ class MemoryModel:
 
     # -- the setups ----------------------------------------------------------------------
 
-    def rollout_parts(self, groups: float, sp: int = 1, cfg_batched: bool = True) -> dict:
+    def rollout_parts(
+        self, groups: float, sp: int = 1, cfg_batched: bool = True, batch: int | None = None
+    ) -> dict:
         w = self.workload
         return {
             "weights": w.params.total * w.dtype_bytes,
             "lora": w.params.lora * w.dtype_bytes if w.lora else 0,
             "rollout models": self.rollout_models(),
-            "activations": self.rollout_acts(groups, sp, cfg_batched),
+            "activations": self.rollout_acts(groups, sp, cfg_batched, batch),
         }
 
-    def rollout(self, device: str, groups: float, sp: int = 1, cfg: str = "auto") -> DeviceSetup:
+    def rollout_batch(self, device: str, groups: float, sp: int = 1, cfg: str = "auto") -> int:
+        """``engine.rollout_batch: auto``: the largest samples per forward (at most the unit's) with
+        which a rollout worker of this type holds a unit of ``groups`` (1 when none does: the
+        memory check then refuses the unit)."""
+        samples = max(1, int(groups * self.workload.group_size))
+        fitting = [b for b in range(samples, 0, -1) if self.rollout(device, groups, sp, cfg, b).fits]
+        return fitting[0] if fitting else 1
+
+    def rollout(
+        self, device: str, groups: float, sp: int = 1, cfg: str = "auto", batch: int | None = None
+    ) -> DeviceSetup:
         """Does a rollout worker of this type (each of its ``sp`` devices) hold the model + rollout
-        models + a unit of ``groups``? CFG batched when it fits (``cfg`` auto), else sequential."""
+        models + a unit of ``groups``, forwarding ``batch`` samples at a time (None: the trainer's
+        batches, bounded by the whole unit)? CFG batched when it fits (``cfg`` auto), else sequential."""
         have = self.have(device)
         for batched in self.cfg_modes(cfg):
-            parts = self.rollout_parts(groups, sp, batched)
+            parts = self.rollout_parts(groups, sp, batched, batch)
             need = sum(parts.values())
             if need <= have:
                 break
@@ -258,6 +276,7 @@ class MemoryModel:
             need <= have,
             self.workload.micro_batch,
             sp=sp,
+            rollout_batch=batch,
             cfg_batched=batched,
             need_bytes=need,
             have_bytes=have,

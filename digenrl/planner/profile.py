@@ -124,8 +124,11 @@ def run_profile(
     min_time: float = 0.3,
     sharing: int = 3,
     on_step: Callable[[str], None] | None = None,
+    run_engine: Callable | None = None,
 ) -> dict:
-    """Measure ``cfg``'s model on ``device``; returns the profile dict (see the module docstring)."""
+    """Measure ``cfg``'s model on ``device``; returns the profile dict (see the module docstring).
+    ``engine="run"`` needs ``run_engine`` (:func:`digenrl.launch.run_engine`, passed in by the caller:
+    the planner does not import the layer that starts runs)."""
     from digenrl.planner.measure.contention import OtherLoad
     from digenrl.planner.measure.model_times import ModelBench
     from digenrl.planner.measure.timing import torch_threads
@@ -168,7 +171,7 @@ def run_profile(
     }
     out["measurements"], out["engine"] = m, None
     if engine != "none":
-        out["engine"] = engine_overheads(cfg, m, bench.workload, engine, step)
+        out["engine"] = engine_overheads(cfg, m, bench.workload, engine, step, run_engine)
     return out
 
 
@@ -186,7 +189,7 @@ def cpu_sharing(bench, groups: int, workers: int, min_time: float) -> dict[str, 
     )
 
 
-def engine_overheads(cfg, m: dict, workload, engine: str, step) -> dict:
+def engine_overheads(cfg, m: dict, workload, engine: str, step, run_engine=None) -> dict:
     """Ray micro-benchmarks, and with ``engine == "run"`` a calibration run of the engine."""
     from digenrl.planner.measure.engine_run import engine_run_overheads
     from digenrl.planner.measure.ray_overheads import ray_overheads
@@ -197,7 +200,9 @@ def engine_overheads(cfg, m: dict, workload, engine: str, step) -> dict:
     )
     if engine == "run":
         step(f"engine: an {CALIBRATION_ITERATIONS}-iteration calibration run")
-        out.update(engine_run_overheads(cfg, m))
+        if run_engine is None:
+            raise ValueError("engine='run' needs run_engine (digenrl.launch.run_engine)")
+        out.update(engine_run_overheads(cfg, m, run_engine))
     return out
 
 

@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 
 from digenrl.config import PoolConfig
+from digenrl.engine.knobs import unit_samples
 from digenrl.errors import UserError
 from digenrl.placement import Plan, spread_units
 from digenrl.planner import peers as peer_models
@@ -115,7 +116,15 @@ def candidates(
             for q in (q for q in sp if all(p.count % q == 0 for p in pools)):
                 n = sum(p.count for p in pools) // q
                 plans += [
-                    Plan("colocated", pools, m, D, group_parts=parts, rollout_sp=q, trainer_sp=q)
+                    Plan(
+                        placement="colocated",
+                        pools=pools,
+                        unit_groups=m,
+                        tsp_degree=D,
+                        group_parts=parts,
+                        rollout_sp=q,
+                        trainer_sp=q,
+                    )
                     for m, parts in unit_shapes(prompts, group_size, n, sub_groups)
                     for D in tsp
                     if D <= n
@@ -129,13 +138,13 @@ def candidates(
             for qt in (q for q in sp if t % q == 0):
                 plans += [
                     Plan(
-                        "disaggregated",
-                        pools,
-                        m,
-                        D,
-                        tg,
-                        g,
-                        st,
+                        placement="disaggregated",
+                        pools=pools,
+                        unit_groups=m,
+                        tsp_degree=D,
+                        tag=tg,
+                        gap=g,
+                        max_staleness=st,
                         group_parts=parts,
                         rollout_sp=qr,
                         trainer_sp=qt,
@@ -171,7 +180,7 @@ def unwired_sharding(plan: Plan, setups_: dict, cost: CostModel) -> str | None:
             tsp_degree=plan.tsp_degree,
             timestep_mode=w.timestep_mode,
             unit_groups=plan.unit_groups,
-            unit_samples=w.group_size // plan.group_parts if plan.group_parts > 1 else 0,
+            unit_samples=unit_samples(w.group_size, plan.group_parts) or 0,
             group_size=w.group_size,
             optimizer_steps=w.optimizer_steps,
             trainer_sp=plan.trainer_sp,
@@ -266,7 +275,7 @@ def search(
             rejected[plan.label()] = s.args
             continue
         why = unwired_sharding(plan, s, cost) if runnable_only else None
-        if why:  # the runtime would refuse it (settings.check_sp_wired / check_fsdp_wired): never proposed
+        if why:  # the runtime would refuse it (resolve.check_sp / fsdp_degree): never proposed
             rejected[plan.label()] = (why, float("inf"))
             continue
         fitting.append((bound(plan, cost, s), plan))

@@ -40,9 +40,11 @@ class Workload:
     # diffusion_nft: rollouts keep only the clean latent (no log-probs, one forward of the unit per step);
     # a train term (sample x noise level) is the old policy's no-grad forward + the current forward/backward
     forward_process: bool = False
-    # samples per sampling forward of a rollout-only worker; None = the trainer's micro-batches
-    # (engine.rollout_batch "trainer", the bit-exact ratio -- what the engine runs today)
+    # samples per sampling forward of a rollout-only worker (engine.rollout_batch N); None = the trainer's
+    # micro-batches (engine.rollout_batch "trainer", the bit-exact ratio), or with rollout_batch_auto
+    # (engine.rollout_batch "auto") the largest each rollout device holds by the memory model
     rollout_batch: int | None = None
+    rollout_batch_auto: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
@@ -91,6 +93,8 @@ class Workload:
             video=cfg.model.frames is not None,
             evaluates=cfg.output.eval_every > 0,
             forward_process=nft,
+            rollout_batch=rb if isinstance(rb := cfg.engine.rollout_batch, int) else None,
+            rollout_batch_auto=cfg.engine.rollout_batch == "auto",
         )
 
     @property

@@ -36,6 +36,23 @@ def reward_kind(name: str) -> str:
     return name.split(":", 1)[0]
 
 
+#: the rewards that are plain functions of the pixels (digenrl/rewards/basic.py): every other one is a
+#: model (CLIP, PickScore, aesthetic) or a remote judge's client (the planner's WEIGHT_FREE_REWARDS)
+FUNCTION_REWARDS = frozenset({"prompt_color", "jpeg_compressibility", "jpeg_incompressibility"})
+
+
+def scored_after_unit(cfg) -> bool:
+    """Whether a run scores its rollout units after them, on the rollout workers' devices, overlapped
+    with their next unit (``EngineWorker.score``): a disaggregated run with a model reward (or a remote
+    judge) and no ``reward.service``. Its trainer ranks never build the reward."""
+    kinds = {reward_kind(c.name) for c in cfg.reward.components}
+    return (
+        cfg.placement.mode == "disaggregated"
+        and cfg.reward.service is None
+        and bool(kinds - FUNCTION_REWARDS)
+    )
+
+
 class CombinedReward:
     """Weighted sum of the configured components; also returns each component for logging.
 

@@ -12,14 +12,14 @@ from pathlib import Path
 from digenrl.planner.constants import CALIBRATION_ITERATIONS
 
 
-def engine_run_overheads(cfg, m: dict, iterations: int = CALIBRATION_ITERATIONS) -> dict:
+def engine_run_overheads(cfg, m: dict, run_engine, iterations: int = CALIBRATION_ITERATIONS) -> dict:
     """Run the engine itself (disaggregated, GAP/TSP/TAG off, 1 rollout + 1 trainer CPU worker) and
     read from its timeline what it pays around the units: the dispatch gap before a unit (median),
     the extra before a train unit that waits on another worker's samples, publish and fetch times;
     how much longer a unit takes in an engine worker than the profile's own whole unit
-    (``unit_time_factor``), and the unit-to-unit spread inside the workers (``unit_cv``)."""
+    (``unit_time_factor``), and the unit-to-unit spread inside the workers (``unit_cv``).
+    ``run_engine``: :func:`digenrl.launch.run_engine` (the caller's: the planner imports no launcher)."""
     from digenrl.config import validate_config
-    from digenrl.engine.runtime import run_engine
     from digenrl.engine.timeline import Timeline
 
     data = cfg.model_dump(mode="json")
@@ -61,7 +61,7 @@ def unit_time_factors(tl, cfg, m: dict, reference: dict[str, float] | None = Non
         times = ProfiledTimes({"device": {"name": "profile"}, "measurements": m})
         groups = cfg.engine.unit_groups
         reference = {
-            "rollout": rollout_unit_time(times, w, groups)[0],
+            "rollout": rollout_unit_time(times, w, groups, w.rollout_batch)[0],
             "train": train_unit_time(times, w, groups, 0, 1, cfg.train.micro_batch),
         }
     out = {}

@@ -34,7 +34,7 @@ class ModelBench:
 
         torch.manual_seed(cfg.train.seed)
         self.cfg, self.device = cfg, device
-        self.policy = Policy(cfg, device)
+        self.policy = Policy(cfg, device)  # a single process's settings (the planner never resolves a run)
         self.ad = self.policy.adapter
         self.workload = Workload.from_config(cfg)
         self.prompts = load_prompts(cfg.prompts)
@@ -190,7 +190,7 @@ class ModelBench:
 
         times = ProfiledTimes({"device": {"name": "partial"}, "measurements": {**m, "unit_overhead": {}}})
         w, groups = self.workload, self.groups
-        composed_roll = rollout_unit_time(times, w, groups)[0]
+        composed_roll = rollout_unit_time(times, w, groups, w.rollout_batch)[0]
         # the profile times a whole unit's training (every mini-batch): composed as one mini-batch
         whole = replace(w, optimizer_steps=1)
         composed_train = train_unit_time(times, whole, groups, 0, 1, self.cfg.train.micro_batch)

@@ -1,0 +1,56 @@
+"""``engine.compile_rollout``: the rollout workers' transformer under ``torch.compile``. Equality with
+eager on CPU only (no CUDA graphs here, and no speed claim: on this 2-core CPU compiled sampling
+measured slower than eager; its speed is the GPU check's, benchmarks/gpu_smoke.sh)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+from digenrl.config import load_config  # noqa: E402
+from digenrl.engine.workers import EngineWorker  # noqa: E402
+from digenrl.policy import Policy, compile_transformer  # noqa: E402
+from digenrl.prompts import PromptSampler, load_prompts  # noqa: E402
+from digenrl.rewards import build_reward  # noqa: E402
+from digenrl.units import rollout_unit  # noqa: E402
+
+SMALL = [
+    "placement.mode=disaggregated",
+    "model.height=16",
+    "model.width=16",
+    "algorithm.group_size=2",
+    "sampling.steps=2",
+    "train.prompts_per_iteration=1",
+    "engine.tag=false",
+    "engine.compile_rollout=on",
+]
+#: compiled vs eager, fp32 on CPU: inductor fuses and reorders the reductions, so not bit for bit
+ATOL = 1e-5
+
+
+def test_only_rollout_workers_compile():
+    cfg = load_config(None, SMALL)
+    assert EngineWorker(cfg, "rollout0", "rollout").resolved()["compiled"]
+    assert not EngineWorker(cfg, "trainer0", "trainer").resolved()["compiled"]
+    assert load_config(None, SMALL + ["engine.compile_rollout=off"]).engine.compile_rollout == "off"
+
+
+@pytest.mark.slow
+def test_a_compiled_transformer_samples_what_the_eager_one_does():
+    cfg = load_config(None, SMALL)
+    prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed).for_iteration(0, 1)
+    reward = build_reward(cfg.reward)
+    out = []
+    for compiled in (False, True):
+        torch.manual_seed(cfg.train.seed)  # the same initial weights (the preset's random init)
+        policy = Policy(cfg, trainable=False)
+        if compiled:
+            compile_transformer(policy)
+        out.append(rollout_unit(policy, reward, prompts, [0], 0, cfg.train.seed))
+    eager, compiled = out
+    torch.testing.assert_close(compiled.latents, eager.latents, atol=ATOL, rtol=0)
+    torch.testing.assert_close(compiled.log_probs, eager.log_probs, atol=ATOL, rtol=0)

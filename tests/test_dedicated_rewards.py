@@ -1,0 +1,79 @@
+"""A model reward on a disaggregated run (issue 23): scored after each unit on the rollout worker's
+device (``EngineWorker.score``, beside its next unit), never built on a trainer rank -- read off the
+real ``EngineWorker`` build, here as plain objects in this process (tests/test_engine.py runs it on Ray)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+from digenrl.config import load_config  # noqa: E402
+from digenrl.engine import workers  # noqa: E402
+from digenrl.engine.scheduler import Scheduler  # noqa: E402
+from digenrl.resolve import resolve  # noqa: E402
+from digenrl.rewards import FUNCTION_REWARDS, build_reward, scored_after_unit  # noqa: E402
+
+BASE = [
+    "model.height=16",
+    "model.width=16",
+    "train.prompts_per_iteration=2",
+    "algorithm.group_size=2",
+    "sampling.steps=2",
+    "placement.mode=disaggregated",
+    "engine.tag=true",
+    "engine.tsp_degree=1",
+    "engine.max_staleness=0",
+]
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    from test_model_rewards import make_tiny_clip
+
+    path = tmp_path_factory.mktemp("clip")
+    make_tiny_clip(path)
+    return f"reward.components=[{{name: clipscore, args: {{path: {path}}}}}]"
+
+
+def test_only_model_rewards_of_disaggregated_runs_are_scored_after_the_unit(clip):
+    from digenrl.planner.constants import WEIGHT_FREE_REWARDS
+
+    assert FUNCTION_REWARDS == WEIGHT_FREE_REWARDS  # the runtime and the planner agree on what is a model
+    assert scored_after_unit(load_config(None, [*BASE, clip]))
+    assert not scored_after_unit(load_config(None, BASE))  # prompt_color: a 2 ms function, inline
+    assert not scored_after_unit(load_config(None, [*BASE, clip, "placement.mode=colocated"]))
+    assert not scored_after_unit(load_config(None, [*BASE, clip, "reward.service={num_cpus: 0.1}"]))
+
+
+def test_trainer_ranks_never_build_the_reward_model_and_rollout_workers_score_after_the_unit(
+    clip, monkeypatch
+):
+    cfg = load_config(None, [*BASE, clip])
+    layout = resolve(cfg)
+    built = []
+    monkeypatch.setattr(workers, "build_reward", lambda rc: built.append(rc) or build_reward(rc))
+    trainer = workers.EngineWorker(cfg, "trainer0", "trainer", layout=layout)  # a TAG rank: it rolls out
+    assert trainer.init_error is None and not trainer.holds_reward() and not built
+    rollout = workers.EngineWorker(cfg, "rollout0", "rollout", layout=layout)
+    assert rollout.init_error is None and rollout.holds_reward() and len(built) == 1
+
+    sched = Scheduler(layout.scheduler, layout.workers)
+    own, tags = sched.next_unit("rollout0"), sched.next_unit("trainer0")
+    _, summary = rollout.rollout(own, None)
+    assert summary["score_on"] == "rollout0" and "rewards" not in summary  # released, scored after
+    assert own.uid in rollout.pending
+    _, tag_summary = trainer.rollout(tags, None)
+    assert "pixels" in tag_summary and "score_on" not in tag_summary  # a rollout worker scores it
+
+    inline = build_reward(cfg.reward)
+    for uid, kept in ((own.uid, None), (tags.uid, tag_summary["pixels"])):
+        pixels, prompts, metadata = kept or rollout.pending[uid]
+        scored = rollout.score(uid, kept)
+        assert scored.end >= scored.start and "clipscore" in scored.timings
+        assert scored.total.shape == (2,) and torch.isfinite(scored.total).all()
+        torch.testing.assert_close(scored.total, inline(pixels, prompts, metadata)[0])  # as scored inline
+    assert not rollout.pending
