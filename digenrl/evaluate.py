@@ -55,7 +55,7 @@ class EvalResult:
 
 def eval_noise(adapter, index: int, seed: int) -> torch.Tensor:
     """Initial latents of eval prompt ``index``: the same for every policy evaluated with ``seed``."""
-    from digenrl.units import stream_seed
+    from digenrl.unit_rows import stream_seed
 
     return adapter.initial_noise(1, torch.Generator().manual_seed(stream_seed(seed, "eval", index)))
 

@@ -39,21 +39,10 @@ def _flux():
 def _wan():
     from diffusers import WanTransformer3DModel
 
+    from digenrl.adapters.wan import TINY_TRANSFORMER
+
     with seeded(0):
-        model = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=12,
-            in_channels=4,
-            out_channels=4,
-            text_dim=16,
-            freq_dim=256,
-            ffn_dim=32,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
-        )
+        model = WanTransformer3DModel(**TINY_TRANSFORMER)
     inputs = dict(
         hidden_states=torch.randn(2, 4, 2, 8, 8),
         encoder_hidden_states=torch.randn(2, 8, 16),

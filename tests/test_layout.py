@@ -115,7 +115,7 @@ def test_a_worker_runs_what_the_layout_says_without_resolving(monkeypatch):
 
 
 @pytest.mark.slow
-def test_ray_actors_run_the_layout_and_the_run_directory_holds_it(tmp_path):
+def test_ray_actors_run_the_layout_and_the_run_directory_holds_it(tmp_path, ray_cluster):
     """Real Ray actors of a sharded run: each actor's resolved settings (read off what it built and the
     groups it joined) equal its part of the layout; a run writes ``layout.json`` equal to it."""
     import ray
@@ -125,21 +125,17 @@ def test_ray_actors_run_the_layout_and_the_run_directory_holds_it(tmp_path):
 
     cfg = load_config(None, TINY + SHARDED)
     layout = resolve(cfg)
-    try:
-        with ray_workers(cfg, layout, None) as actors:
-            for name in [w.name for w in layout.workers]:
-                got, want = ray.get(actors[name].resolved.remote()), layout.worker(name)
-                assert (got["rank"], got["fsdp"], got["sp"]) == (want.rank, want.fsdp, want.sp), name
-                assert got["followers"] == len(want.followers), name
-                assert got["activation_checkpointing"] == layout.settings.activation_checkpointing or (
-                    want.role == "rollout" and not got["activation_checkpointing"]
-                )
-                assert got["cfg_batching"] == layout.settings.cfg_batching(want.role != "rollout")
-                assert got["vae_tiling"] == layout.settings.vae_tiling
-        result = run_engine(cfg, tmp_path / "run")
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
+    with ray_workers(cfg, layout, None) as actors:
+        for name in [w.name for w in layout.workers]:
+            got, want = ray.get(actors[name].resolved.remote()), layout.worker(name)
+            assert (got["rank"], got["fsdp"], got["sp"]) == (want.rank, want.fsdp, want.sp), name
+            assert got["followers"] == len(want.followers), name
+            assert got["activation_checkpointing"] == layout.settings.activation_checkpointing or (
+                want.role == "rollout" and not got["activation_checkpointing"]
+            )
+            assert got["cfg_batching"] == layout.settings.cfg_batching(want.role != "rollout")
+            assert got["vae_tiling"] == layout.settings.vae_tiling
+    result = run_engine(cfg, tmp_path / "run")
     written = json.loads((result.run_dir / "layout.json").read_text())
     assert RunLayout.from_dict(written) == layout
     assert written["groups"]["shard_groups"] == [["trainer0", "trainer1"]]

@@ -7,7 +7,8 @@ import torch
 
 from digenrl.config import load_config
 from digenrl.trainer import LocalTrainer
-from digenrl.units import assign_advantages, merge_stats, minibatch_rows, train_unit
+from digenrl.unit_rows import minibatch_rows
+from digenrl.units import assign_advantages, merge_stats, train_unit
 from tests.helpers import TINY
 
 SMALL = [

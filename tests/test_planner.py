@@ -130,7 +130,7 @@ def test_the_cost_model_forwards_in_the_runtimes_batches(tiny_cfg, overrides, gr
     """A rollout unit forwards in the train forwards' batches and a train unit is one mini-batch:
     the cost model composes them from the same batch sizes the runtime runs (digenrl.units)."""
     from digenrl.planner.call_times import micro_batches, minibatch_samples
-    from digenrl.units import train_batches
+    from digenrl.unit_rows import train_batches
 
     cfg = tiny_cfg("algorithm.group_size=8", *overrides)
     w, S, G = Workload.from_config(cfg), cfg.train.optimizer_steps, 8

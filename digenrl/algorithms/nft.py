@@ -120,9 +120,8 @@ class OldPolicy:
     def state(self) -> dict[str, torch.Tensor]:
         """The old policy as CPU fp32 tensors (what a checkpoint stores), gathered from FSDP shards
         (a collective: every rank calls it)."""
-        # (lora.full_tensor, inlined: the policy layer sits above the algorithms)
-        whole = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in self.average.items()}
-        return {n: t.detach().cpu().clone() for n, t in whole.items()}
+        whole = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in self.average.values())
+        return {n: t.detach().cpu().clone() for n, t in zip(self.average, whole)}
 
     def load(self, state: dict[str, torch.Tensor], steps: int) -> None:
         if set(state) != set(self.average):

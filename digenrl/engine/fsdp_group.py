@@ -42,7 +42,7 @@ def share_rows(
     group_size: int | None = None,
 ) -> torch.Tensor:
     """The rows of rank ``rank``'s equal share (consecutive rows) of the unit's samples of mini-batch
-    ``minibatch`` (:func:`~digenrl.units.minibatch_rows`; all of them with one mini-batch)."""
+    ``minibatch`` (:func:`~digenrl.unit_rows.minibatch_rows`; all of them with one mini-batch)."""
     n = len(samples)
     rows = torch.arange(n)
     if minibatches > 1:
