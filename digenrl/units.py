@@ -82,6 +82,12 @@ class Samples:
         return len(self.prompts)
 
 
+#: the tensor fields of :class:`Samples` that hold one row per sample (None where a run has none):
+#: what cutting a unit's rows or joining its shares touches, beside ``prompts``, ``cond`` and
+#: ``reward_parts``. A per-sample field added to Samples belongs here, or a split unit loses it.
+ROW_FIELDS = ("latents", "log_probs", "train_idx", "rewards", "advantages", "noise_seeds", "step_noise")
+
+
 @torch.no_grad()
 def rollout_unit(
     policy,

@@ -10,7 +10,7 @@ import itertools
 import torch
 
 from digenrl.unit_rows import minibatch_rows
-from digenrl.units import Samples
+from digenrl.units import ROW_FIELDS, Samples
 
 
 def shard_trainer_rank(policy, degree: int, resume: str | None = None):
@@ -170,23 +170,21 @@ def merge_shares(parts: list[tuple[Samples, torch.Tensor]], unit, group_size: in
     if split[1] != span:  # each share a slice of every group: interleave back into group order
         w = split[1][1] - split[1][0]
         rows = rows.view(len(parts), len(unit.groups), w).transpose(0, 1).reshape(-1)
-    first = parts[0][0]
+    shares = [p for p, _ in parts]
 
     def cat(tensors):
-        return torch.cat(tensors)[rows]
+        return None if tensors[0] is None else torch.cat(tensors)[rows]
 
+    prompts = [t for p in shares for t in p.prompts]
     samples = dataclasses.replace(
-        first,
+        shares[0],
         group_ids=list(unit.groups),
-        prompts=[t for p, _ in parts for t in p.prompts],
-        cond=Cond.cat([p.cond for p, _ in parts]).select(rows),
-        latents=cat([p.latents for p, _ in parts]),
-        log_probs=cat([p.log_probs for p, _ in parts]),
-        train_idx=cat([p.train_idx for p, _ in parts]),
-        rewards=cat([p.rewards for p, _ in parts]),
+        prompts=[prompts[i] for i in rows.tolist()],
+        cond=Cond.cat([p.cond for p in shares]).select(rows),
+        reward_parts={k: cat([p.reward_parts[k] for p in shares]) for k in shares[0].reward_parts},
         first_sample=span[0],
+        **{f: cat([getattr(p, f) for p in shares]) for f in ROW_FIELDS},
     )
-    samples.prompts = [samples.prompts[i] for i in rows.tolist()]
     return samples, cat([px for _, px in parts])
 
 
@@ -201,18 +199,16 @@ def score_unit(samples: Samples, pixels: torch.Tensor, reward_fn, prompts: list)
 
 def select_rows(samples: Samples, rows: torch.Tensor) -> Samples:
     """The unit's samples ``rows`` (same iteration, version and groups; per-sample fields cut)."""
+
+    def cut(t):
+        return None if t is None else t[rows]
+
     return dataclasses.replace(
         samples,
         prompts=[samples.prompts[i] for i in rows.tolist()],
         cond=samples.cond.select(rows),
-        latents=samples.latents[rows],
-        log_probs=samples.log_probs[rows],
-        train_idx=samples.train_idx[rows],
-        rewards=samples.rewards[rows],
         reward_parts={k: v[rows] for k, v in samples.reward_parts.items()},
-        advantages=samples.advantages[rows],
-        noise_seeds=None if samples.noise_seeds is None else samples.noise_seeds[rows],
-        step_noise=None if samples.step_noise is None else samples.step_noise[rows],
+        **{f: cut(getattr(samples, f)) for f in ROW_FIELDS},
     )
 
 

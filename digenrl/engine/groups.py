@@ -13,6 +13,41 @@ from datetime import timedelta
 from digenrl.engine import fsdp_group, sync_group
 from digenrl.engine.fsdp_group import shard_trainer_rank
 
+FOLLOWER_WAIT_S = 10.0  # a lead whose call failed: how long it waits for its followers' errors
+
+
+def abort_process_group() -> None:
+    """Tear this process's torch.distributed group down: its peers' pending collectives fail at once
+    (gloo: the connection closes) instead of waiting the group's timeout for passes that never come."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _consequence(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because a peer aborted or died (not a cause)."""
+    import torch.distributed as dist
+
+    exc = getattr(exc, "cause", None) or exc  # (a follower's, out of Ray's wrapper)
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or "closed by peer" in text or "reset by peer" in text
+
+
+def group_share(method):
+    """A follower's share of its lead's :func:`group_call` (a method only followers run): when it
+    fails, the follower aborts its process group, so the lead's collectives fail too (no hang)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception:
+            abort_process_group()
+            raise
+
+    return run
+
 
 def group_call(follower_method=None):
     """Run a worker method as its group's one call (verl's worker-group dispatch): the lead first
@@ -29,7 +64,13 @@ def group_call(follower_method=None):
             if callable(name):  # a follower's share that depends on the lead (its role)
                 name = name(self)
             self._pending = [getattr(f, name).remote(*args, **kwargs) for f in self.followers]
-            out = method(self, *args, **kwargs)
+            try:
+                out = method(self, *args, **kwargs)
+            except Exception as exc:  # one member failed: the group's collectives cannot match any more
+                cause = self.group_failed(exc)
+                if cause is exc:
+                    raise
+                raise cause from exc
             self.followers_done()
             return out
 
@@ -109,6 +150,30 @@ class GroupMember:
 
         return ray.get(refs)
 
+    def group_failed(self, exc: Exception) -> BaseException:
+        """A group call raised ``exc`` here; the error to raise. The member aborts its process group
+        first (:func:`abort_process_group`: the others' collectives fail at once, never a hang); a lead
+        then waits for its followers' share of the call and names what ended it: a follower that died
+        (the driver restarts its group, :class:`~digenrl.engine.recovery.GroupRestart`), else a
+        follower's own error when ``exc`` is only a collective that lost its peer, else ``exc``."""
+        import ray
+
+        from digenrl.engine.cluster import actor_died
+
+        abort_process_group()
+        refs, self._pending = self._pending, []
+        errors = []
+        for ref in ray.wait(refs, num_returns=len(refs), timeout=FOLLOWER_WAIT_S)[0] if refs else []:
+            try:
+                ray.get(ref)
+            except Exception as err:  # noqa: BLE001  (any follower error may be the cause)
+                errors.append(err)
+        died = [e for e in errors if actor_died(e)]
+        causes = [e for e in errors if not _consequence(e)]
+        if died:
+            return died[0]
+        return causes[0] if causes and _consequence(exc) else exc
+
     def _generation_share(self) -> tuple[int, int]:
         """(this rank's share, the shares) of a unit its trainer group generates: one per sequence-parallel
         group of a shard group (its members generate the same share together), one in all unsharded."""
@@ -116,6 +181,7 @@ class GroupMember:
             return 0, 1
         return (self.rank % self.degree) // self.sp_world, self.degree // self.sp_world
 
+    @group_share
     def rollout_share(self, unit, packet=None):
         """A trainer group follower's share of its lead's rollout unit (:meth:`group_rollout`; the
         lead's ``rollout`` group call starts it, with its arguments: a trainer rank needs no packet)."""

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 
 from digenrl.engine import sync_group, weight_sync
+from digenrl.engine.groups import group_share
 from digenrl.units import rollout_unit
 
 
@@ -62,6 +63,7 @@ class SequenceParallelMember:
         )
         self.sp_world = degree
 
+    @group_share
     def sp_rollout(self, unit, packet: weight_sync.WeightPacket | None) -> None:
         """A follower's share of its lead's rollout unit (the lead's :meth:`rollout` starts it):
         the same generation, with that version's weights; returns nothing."""
