@@ -151,3 +151,17 @@ def test_sp_inside_fsdp_is_accepted_with_units_that_split_over_the_groups():
     assert layout.followers_of("trainer2") == ()
 
     resolve(load_config(None, sets + ["algorithm.group_size=3"]))  # 2 + 1: uneven shares run
+
+
+def test_a_shard_group_must_hold_whole_sequence_parallel_groups():
+    """The one sharding refusal beside trainer SP (docs/distributed.md, "What is refused, and why"):
+    shard groups of 3 over SP pairs would split a pair's sample between two groups."""
+    sets = [
+        "model.height=16",
+        "model.width=16",
+        "engine.trainer_sp=2",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 6}]",
+    ]
+    with pytest.raises(UserError, match=r"train.fsdp: 3: must be a multiple of engine.trainer_sp \(2\)"):
+        resolve(load_config(None, sets + ["train.fsdp=3"]))
+    assert len(resolve(load_config(None, sets + ["train.fsdp=2"])).shard_groups) == 3  # HSDP of SP pairs
