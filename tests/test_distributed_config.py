@@ -22,7 +22,7 @@ CASES = {
         ["--set", "train.activation_checkpointing=maybe"],
         "train.activation_checkpointing",
     ),
-    # what train.fsdp N is not wired for (resolve.fsdp_degree), each refused before Ray starts
+    # what train.fsdp N means nothing with (resolve.fsdp_degree), each refused before Ray starts
     "fsdp not the trainer count": (
         ["--set", "train.fsdp=2", *TINY],
         "train.fsdp: 2: must divide the number of trainer ranks (1); use train.fsdp: 1 or off",
@@ -31,7 +31,7 @@ CASES = {
         ["--set", "train.fsdp=2", "--set", "placement.mode=local", *TINY],
         "train.fsdp: 2: sharded trainer ranks need placement.mode: disaggregated or colocated (got local)",
     ),
-    # sequence parallelism: what engine.rollout_sp is not wired for, and trainer_sp (resolve.check_sp)
+    # sequence parallelism: what engine.rollout_sp and trainer_sp mean nothing with (resolve.check_sp)
     "rollout sp local": (
         ["--set", "engine.rollout_sp=2", "--set", "placement.mode=local", *TINY],
         "engine.rollout_sp: 2: sequence-parallel workers need placement.mode: disaggregated or colocated "
