@@ -494,7 +494,9 @@ class FaultConfig(_Section):
     worker: str = Field(description="worker name, e.g. rollout0 (pool name + index) or reward")
     unit: str = Field(
         description=(
-            "unit uid, e.g. rollout-2-0 (iteration 2, unit 0) or train-1-0-0; sync-<version> on "
+            "unit uid, e.g. rollout-2-0 (iteration 2, unit 0) or train-1-0-0: the process dies after the "
+            "unit's work; <uid>:start on a sequence-parallel or sharded group's follower: as its share "
+            "starts, while its lead waits in the unit's collectives; sync-<version> on "
             "trainer rank 0 corrupts that version's broadcast weight sync in transit instead"
         )
     )

@@ -262,8 +262,9 @@ def train_unit(
     if is_nft(cfg):  # DiffusionNFT: flow matching on forward-noised clean samples
         from digenrl import units_nft
 
+        passes = None if lockstep is None else len(lockstep)  # a sharded group's micro-batches
         return units_nft.train_unit(
-            policy, samples, total_terms, tsp_rank, tsp_degree, minibatch, minibatches
+            policy, samples, total_terms, tsp_rank, tsp_degree, minibatch, minibatches, passes, padding
         )
     alg, kind, eta = cfg.algorithm, cfg.sampling.sde, cfg.sampling.noise_level
     stale = samples.version < policy.version  # one-step async: decoupled PPO

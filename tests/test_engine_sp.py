@@ -102,18 +102,22 @@ def test_sequence_parallel_workers_equal_the_local_trainer(cluster, reference, t
 
 
 @pytest.mark.slow
-def test_a_lost_member_takes_its_sequence_parallel_group_down(cluster, reference, tmp_path):
-    """The follower of a sequence-parallel rollout pair dies after its share of a unit: the lead's
-    unit fails, the driver restarts the pair whole (its lead too), forms its group again and
-    re-queues the unit exactly once; the run loses and duplicates nothing and equals the
-    single-process trainer (and so the fault-free run, test above) within the same tolerance."""
+@pytest.mark.parametrize("when", ["", ":start"], ids=["after_its_share", "mid_unit"])
+def test_a_lost_member_takes_its_sequence_parallel_group_down(cluster, reference, tmp_path, when):
+    """The follower of a sequence-parallel rollout pair dies after its share of a unit, or as its share
+    starts (``:start``: its lead then waits in the unit's first all-to-all, which fails as the
+    follower's process goes): the lead's unit fails naming the dead member, the driver restarts the
+    pair whole (its lead too), forms its group again and re-queues the unit exactly once; the run
+    loses and duplicates nothing and equals the single-process trainer (and so the fault-free run,
+    test above) within the same tolerance."""
     from collections import Counter
 
     from tests.helpers import assert_timeline_invariants
 
     ref_dir, ref = reference
     sets, _, _ = CASES["rollout_sp"]
-    cfg = load_config(None, BASE + ENGINE + sets + ["engine.faults=[{worker: rollout1, unit: rollout-0-1}]"])
+    fault = f"engine.faults=[{{worker: rollout1, unit: 'rollout-0-1{when}'}}]"
+    cfg = load_config(None, BASE + ENGINE + sets + [fault])
     result = run_engine(cfg, run_dir=tmp_path / "sp")
     assert result.metrics[-1]["worker_restarts"] >= 1
     tl = Timeline.from_chrome_trace(tmp_path / "sp" / "timeline.json")

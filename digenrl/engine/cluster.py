@@ -253,14 +253,34 @@ def form_rollout_sp_group(actors: dict, names, devices: list[str] | None = None)
     world and the lead takes its followers; again when the group was restarted whole."""
     import ray
 
-    if devices is None:
-        devices = [f["device"] for f in ray.get([actors[n].sync_specs.remote() for n in names])]
+    if devices is None:  # the group restarted whole: its members may come back one by one
+        devices = [f["device"] for f in when_back(actors, names)]
     backend = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"
     address, port = ray.get(actors[names[0]].rendezvous_address.remote())
     ray.get(
         [actors[n].join_sp_group.remote(address, port, i, len(names), backend) for i, n in enumerate(names)]
     )
     ray.get(actors[names[0]].lead.remote({n: actors[n] for n in names[1:]}))
+
+
+RESTART_WAIT_S = 300.0  # how long a restarted group's members may take to come back (each rebuilds its model)
+
+
+def when_back(actors: dict, names) -> list[dict]:
+    """Each of ``names``' ``sync_specs()`` once Ray has restarted it: a member still restarting answers
+    ActorUnavailableError, so ask again (every 0.5 s, up to RESTART_WAIT_S)."""
+    import time
+
+    import ray
+
+    deadline = time.time() + RESTART_WAIT_S
+    while True:
+        try:
+            return ray.get([actors[n].sync_specs.remote() for n in names])
+        except ray.exceptions.ActorUnavailableError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def connect(workers: list[Worker], ray_address: str | None) -> bool:

@@ -96,6 +96,7 @@ class GroupMember:
     mesh = None  # the shard group's device mesh
     followers: list = []  # a lead's followers (actor handles), which run every group_call with it
     sync = None  # engine.weight_sync broadcast: rank 0's publisher or a rollout worker's inbox
+    faults: object  # digenrl.faults.FaultInjector: where this process dies (engine.faults)
     _pending: list = []  # the followers' refs of the group_call in progress
 
     # -- trainer group -------------------------------------------------------------------
@@ -185,6 +186,7 @@ class GroupMember:
     def rollout_share(self, unit, packet=None):
         """A trainer group follower's share of its lead's rollout unit (:meth:`group_rollout`; the
         lead's ``rollout`` group call starts it, with its arguments: a trainer rank needs no packet)."""
+        self.faults.reached(f"{unit.uid}:start")  # engine.faults: dies while its lead waits in the unit
         return fsdp_group.rollout_share(self, unit, *self._generation_share())
 
     def group_rollout(self, unit):

@@ -67,6 +67,7 @@ class SequenceParallelMember:
     def sp_rollout(self, unit, packet: weight_sync.WeightPacket | None) -> None:
         """A follower's share of its lead's rollout unit (the lead's :meth:`rollout` starts it):
         the same generation, with that version's weights; returns nothing."""
+        self.faults.reached(f"{unit.uid}:start")  # engine.faults: dies while its lead waits in the unit
         if unit.version != self.policy.version:  # the lead's packet (object store), else this member's inbox
             weight_sync.load_version(
                 self.policy, unit.version, unit.iteration, packet, self.sync, self.expected_keys
