@@ -525,6 +525,14 @@ class EngineConfig(_Section):
     max_restarts: int = Field(
         3, ge=0, description="restarts per rollout worker / reward actor before the run stops"
     )
+    trainer_restarts: int = Field(
+        0,
+        ge=0,
+        description=(
+            "a dead trainer rank (or member of a trainer group): restart every worker from the last "
+            "checkpoint, up to this many times (0: the run stops with a resume hint)"
+        ),
+    )
     weight_sync: Literal["auto", "broadcast", "object_store"] = Field(
         "auto",
         description=(

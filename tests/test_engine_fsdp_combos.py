@@ -83,3 +83,25 @@ def test_sharded_group_beside_tag_tsp_and_random_timesteps(cluster, tmp_path, ca
     assert {t.worker for t in tl.of("train")} == {"trainer0"}  # the group's lead, for both ranks
     if "engine.tag=true" in sets:  # the group generated (a unit before the first step)
         assert any(r.worker == "trainer0" for r in tl.of("rollout"))
+
+
+def test_a_lost_member_of_a_sharded_group_restarts_the_run_from_its_checkpoint(cluster, tmp_path):
+    """FSDP x2 beside TAG, the follower killed as its share of iteration 1's first train unit starts
+    (its lead waits in the unit's first all-gather, which fails: the lead names the dead member): with
+    ``engine.trainer_restarts`` every worker starts again from the iteration-1 checkpoint, iteration 1
+    runs again, and the run finishes with every group generated and trained once (as recorded) and
+    the fault-free result: the single-process trainer's."""
+    ref = LocalTrainer(load_config(None, BASE)).run(tmp_path / "local")
+    fault = "engine.faults=[{worker: trainer1, unit: 'train-1-0-0:start'}]"
+    sets = ["engine.tag=true", "output.checkpoint_every=1", "engine.trainer_restarts=1", fault]
+    cfg = load_config(None, BASE + FSDP + sets)
+    result = run_engine(cfg, run_dir=tmp_path / "fsdp")
+    want = load_file(tmp_path / "local" / "final" / "pytorch_lora_weights.safetensors")
+    got = load_file(tmp_path / "fsdp" / "final" / "pytorch_lora_weights.safetensors")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=0)
+    assert [r["iteration"] for r in result.metrics] == [0, 1]
+    for mine, theirs in zip(result.metrics, ref.metrics, strict=True):
+        assert mine["samples"] == theirs["samples"]  # nothing lost, nothing trained twice
+        assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
+    assert_timeline_invariants(cfg, Timeline.from_chrome_trace(tmp_path / "fsdp" / "timeline.json"))

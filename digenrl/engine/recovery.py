@@ -35,6 +35,16 @@ class TrainerLost(RunStopped):
     the last checkpoint on disk can be kept."""
 
 
+class TrainerRankLost(TrainerLost):
+    """A trainer rank -- or a member of its shard / sequence-parallel group -- died running unit ``uid``
+    (the cluster is fine): the run may go on from the last checkpoint (``engine.trainer_restarts``,
+    :func:`digenrl.launch.run_engine`). ``run_dir``: the run's directory, set when the run stops."""
+
+    def __init__(self, message: str, uid: str):
+        super().__init__(message)
+        self.uid, self.run_dir = uid, None
+
+
 RESTART_POLL_S = 0.5  # how often to ask a restarting worker whether it is back
 HEAD_PROBE_S = 2.0  # how often the driver checks that the cluster's head still answers
 
@@ -67,8 +77,9 @@ class FaultRecovery:
             )
             return Lost(unit)
         if self.roles[worker] != "rollout" or not isinstance(unit, RolloutUnit):
-            raise TrainerLost(
-                f"trainer rank {worker} died while running {unit.uid} ({first_line(exc)}); the run stopped."
+            raise TrainerRankLost(
+                f"trainer rank {worker} died while running {unit.uid} ({first_line(exc)}); the run stopped.",
+                unit.uid,
             )
         self.restarts[worker] += 1
         if self.restarts[worker] > limit:

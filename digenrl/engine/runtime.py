@@ -39,13 +39,19 @@ from digenrl.engine.cluster import (
 )
 from digenrl.engine.driver import Done, Event, Lost, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
-from digenrl.engine.recovery import FaultRecovery, GroupRestart, TrainerLost, own_error, user_errors
+from digenrl.engine.recovery import (
+    FaultRecovery,
+    GroupRestart,
+    TrainerLost,
+    TrainerRankLost,
+    own_error,
+    user_errors,
+)
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit, Unit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
 from digenrl.engine.workers import SCORE_GROUP
 from digenrl.errors import WeightSyncError
-from digenrl.faults import with_fault_plan
 from digenrl.layout import RunLayout
 from digenrl.progress import progress
 from digenrl.runlog import RunDir, check_writable, default_run_dir
@@ -91,9 +97,8 @@ def run_on_ray(
     check_writable(run_dir or cfg.output.run_dir or default_run_dir(cfg), "output.run_dir")
     if resumed is not None and start == cfg.train.iterations:  # finished already: nothing to do
         return RunResult(Path(run_dir), history)
-    worker_cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
     started = time.time()  # the timeline starts here: Ray and the workers starting up are its first events
-    with user_errors(), ray_workers(worker_cfg, layout, ray_address, resumed and resumed.path) as actors:
+    with user_errors(), ray_workers(cfg, layout, ray_address, resumed and resumed.path) as actors:
         sync = form_sync_group(layout, actors)  # before the run directory: its errors are the user's
         progress(f"{len(layout.workers)} workers ready ({time.time() - started:.0f} s)...")
         out = RunDir(cfg, run_dir, history=history)
@@ -466,6 +471,8 @@ class RayBackend:
         iteration whose step is done gets its row, and rank 0 checkpoints the last completed
         iteration. Returns the exception to raise, naming the last checkpoint and how to resume."""
         exc = own_error(exc)
+        if isinstance(exc, TrainerRankLost):  # where a restart (engine.trainer_restarts) resumes from
+            exc.run_dir = self.out.path
         if not (self.stop.forced or isinstance(exc, (TrainerLost, WeightSyncError))):
             self.stopping = True
             try:

@@ -405,6 +405,7 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         ):
             raise RuntimeError(f"{unit.uid}: received samples of another unit")
         samples.advantages = advantages
+        self.faults.reached(f"{unit.uid}:start")  # engine.faults: dies while its group waits in the unit
         start = time.time()
         sp = self.sp_world  # engine.trainer_sp: each sequence-parallel group of sp ranks trains one share
         if self.sharded:  # every rank (group) trains an equal share of the unit's (mini-batch's) samples
