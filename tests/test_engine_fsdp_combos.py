@@ -85,7 +85,7 @@ def test_sharded_group_beside_tag_tsp_and_random_timesteps(cluster, tmp_path, ca
         assert any(r.worker == "trainer0" for r in tl.of("rollout"))
 
 
-def test_a_lost_member_of_a_sharded_group_restarts_the_run_from_its_checkpoint(cluster, tmp_path):
+def test_a_lost_member_of_a_sharded_group_restarts_the_run_from_its_checkpoint(cluster, tmp_path, capsys):
     """FSDP x2 beside TAG, the follower killed as its share of iteration 1's first train unit starts
     (its lead waits in the unit's first all-gather, which fails: the lead names the dead member): with
     ``engine.trainer_restarts`` every worker starts again from the iteration-1 checkpoint, iteration 1
@@ -96,6 +96,9 @@ def test_a_lost_member_of_a_sharded_group_restarts_the_run_from_its_checkpoint(c
     sets = ["engine.tag=true", "output.checkpoint_every=1", "engine.trainer_restarts=1", fault]
     cfg = load_config(None, BASE + FSDP + sets)
     result = run_engine(cfg, run_dir=tmp_path / "fsdp")
+    err = capsys.readouterr().err
+    assert "trainer rank trainer0 died while running train-1-0-0" in err  # the lead names its lost member
+    assert "restarting every worker from" in err and "iter-000001" in err
     want = load_file(tmp_path / "local" / "final" / "pytorch_lora_weights.safetensors")
     got = load_file(tmp_path / "fsdp" / "final" / "pytorch_lora_weights.safetensors")
     for k in want:
