@@ -152,19 +152,28 @@ class GroupMember:
         return ray.get(refs)
 
     def group_failed(self, exc: Exception) -> BaseException:
-        """A group call raised ``exc`` here; the error to raise. The member aborts its process group
-        first (:func:`abort_process_group`: the others' collectives fail at once, never a hang); a lead
-        then waits for its followers' share of the call and names what ended it: a follower that died
-        (the driver restarts its group, :class:`~digenrl.engine.recovery.GroupRestart`), else a
-        follower's own error when ``exc`` is only a collective that lost its peer, else ``exc``."""
+        """A group call raised ``exc`` here; the error to raise. A follower aborts its process group
+        (:func:`abort_process_group`: its lead may wait in a collective for it). A lead waits for its
+        followers' share of the call -- aborting the group first if they are still running after
+        FOLLOWER_WAIT_S, waiting in a collective for it -- and names what ended the call: a follower
+        that died (the driver restarts its group, :class:`~digenrl.engine.recovery.GroupRestart`),
+        else a follower's own error when ``exc`` is only a collective that lost its peer, else
+        ``exc``. A group whose members all returned stays formed (the run may still checkpoint)."""
         import ray
 
         from digenrl.engine.cluster import actor_died
 
-        abort_process_group()
         refs, self._pending = self._pending, []
+        if not refs:  # a follower, or a worker of no group (or a lead whose followers already answered)
+            if self.layout is not None and self.name in self.layout.leads:
+                abort_process_group()
+            return exc
+        done, stuck = ray.wait(refs, num_returns=len(refs), timeout=FOLLOWER_WAIT_S)
+        if stuck:  # followers waiting in a collective for this lead's share: end it
+            abort_process_group()
+            done += ray.wait(stuck, num_returns=len(stuck), timeout=FOLLOWER_WAIT_S)[0]
         errors = []
-        for ref in ray.wait(refs, num_returns=len(refs), timeout=FOLLOWER_WAIT_S)[0] if refs else []:
+        for ref in done:
             try:
                 ray.get(ref)
             except Exception as err:  # noqa: BLE001  (any follower error may be the cause)
