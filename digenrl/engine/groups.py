@@ -161,8 +161,6 @@ class GroupMember:
         ``exc``. A group whose members all returned stays formed (the run may still checkpoint)."""
         import ray
 
-        from digenrl.engine.cluster import actor_died
-
         refs, self._pending = self._pending, []
         if not refs:  # a follower, or a worker of no group (or a lead whose followers already answered)
             if self.layout is not None and self.name in self.layout.leads:
@@ -178,7 +176,8 @@ class GroupMember:
                 ray.get(ref)
             except Exception as err:  # noqa: BLE001  (any follower error may be the cause)
                 errors.append(err)
-        died = [e for e in errors if actor_died(e)]
+        lost = ray.exceptions.RayActorError  # (cluster.actor_died's test, without importing the cluster)
+        died = [e for e in errors if isinstance(e, lost) or isinstance(getattr(e, "cause", None), lost)]
         causes = [e for e in errors if not _consequence(e)]
         if died:
             return died[0]
