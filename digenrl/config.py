@@ -319,6 +319,15 @@ class RewardTerm(_Section):
     name: str
     weight: float = Field(1.0, description="0 = logged only (reward/<name>), not trained on")
     args: dict[str, Any] = Field(default_factory=dict, description="the reward's own arguments")
+    seconds_per_image: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "for `digenrl plan` only: seconds this reward takes per image (per scored frame of a video) -- "
+            "a remote judge's latency, or a model reward measured on its device; null = the planner's "
+            "default for its kind"
+        ),
+    )
 
 
 class RewardServiceConfig(_Section):

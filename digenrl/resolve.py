@@ -34,25 +34,30 @@ def resolve(cfg: RunConfig) -> RunLayout:
     from digenrl.preflight import (
         GiB,
         check_memory,
+        known_gpu_type,
+        memory_model,
         resolve_cfg_batching,
         resolve_memory_settings,
         resolve_rollout_batch,
     )
 
-    plan = check_memory(cfg)  # (the plan it built: on devices of known memory)
+    # the memory model, built once for every step below (only where a pool has a known GPU type: the
+    # steps use it only there)
+    model = memory_model(cfg) if any(known_gpu_type(p) for p in cfg.cluster.pools) else None
+    plan = check_memory(cfg, model)  # (the plan it built: on devices of known memory)
     check_sp(cfg)
     plan = plan or Plan.from_run_config(cfg)  # the one plan of the run
     check_device(cfg, plan)
-    memory = resolve_memory_settings(cfg, plan)
+    memory = resolve_memory_settings(cfg, plan, model)
     fsdp = fsdp_degree(cfg, plan, memory.fsdp)
     ac = cfg.train.activation_checkpointing
     settings = Settings(
         fsdp=fsdp,
         activation_checkpointing=memory.activation_checkpointing if ac == "auto" else ac == "on",
         micro_batch=memory.micro_batch,
-        rollout_batch=resolve_rollout_batch(cfg, plan),
-        cfg_batching_trainer=resolve_cfg_batching(cfg, True, plan, memory),
-        cfg_batching_rollout=resolve_cfg_batching(cfg, False, plan, memory),
+        rollout_batch=resolve_rollout_batch(cfg, plan, model),
+        cfg_batching_trainer=resolve_cfg_batching(cfg, True, plan, memory, model),
+        cfg_batching_rollout=resolve_cfg_batching(cfg, False, plan, memory, model),
         vae_tiling=tiling_mode(cfg.model, cfg.sampling),
         weight_sync=weight_sync_mode(cfg, plan),
         weight_sync_fallback=cfg.engine.weight_sync == "auto" and plan.rollout_pool is not None,

@@ -52,6 +52,7 @@ from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
 from digenrl.engine.workers import SCORE_GROUP
 from digenrl.errors import WeightSyncError
+from digenrl.evaluate import reward_metrics
 from digenrl.layout import RunLayout
 from digenrl.progress import progress
 from digenrl.runlog import RunDir, check_writable, default_run_dir
@@ -443,7 +444,16 @@ class RayBackend:
                     self.record(self.rank0, [event])
             return back
         if what == "eval":
-            self.ledger.evaluated(key, ray.get(ref))
+            metrics = ray.get(ref)
+            if "eval_pixels" in metrics:  # a model reward: a rollout worker scores rank 0's eval samples
+                scorer = self.scorers[key % len(self.scorers)]
+                call = self.actors[scorer].score.options(concurrency_group=SCORE_GROUP)
+                self.side[call.remote(f"eval-{key}", metrics["eval_pixels"])] = ("eval_scored", key)
+                return None
+            self.ledger.evaluated(key, metrics)
+        elif what == "eval_scored":
+            scored = ray.get(ref)
+            self.ledger.evaluated(key, reward_metrics(scored.total, scored.parts))
         else:
             self.ledger.checkpointed(key, ray.get(ref))
         return None

@@ -98,9 +98,9 @@ class MemoryModel:
     # -- what the parts weigh ------------------------------------------------------------
 
     def rollout_models(self) -> float:
-        """Text encoder(s), VAE and a reward model with weights, in half precision."""
+        """Text encoder(s), VAE and a reward model with weights (not a remote judge), in half precision."""
         sh = self.workload.shape
-        reward = self.params.model_reward_params if self.workload.reward_kind == "model" else 0.0
+        reward = self.params.model_reward_params if self.workload.reward_weights else 0.0  # (a judge: none)
         return HALF_BYTES * (sh.text_encoder_params + sh.vae_params + reward)
 
     def cfg_modes(self, choice: str = "auto") -> tuple[bool, ...]:
