@@ -294,7 +294,9 @@ class EngineWorker(GroupMember, SequenceParallelMember):
 
     # -- units ---------------------------------------------------------------------------
 
-    @group_call("sp_rollout")  # engine.rollout_sp: the group generates together
+    # engine.rollout_sp: the group generates together; a trainer group (FSDP, TAG / colocated): each
+    # follower its share (GroupMember.group_rollout)
+    @group_call(lambda lead: "rollout_share" if lead.role != "rollout" else "sp_rollout")
     def rollout(self, unit: RolloutUnit, packet: weight_sync.WeightPacket | None) -> tuple[Samples, dict]:
         """Generate, decode and score the unit's groups with exactly version ``unit.version`` (a
         re-queued unit may be older than what this worker holds: the packet has its weights).
@@ -314,6 +316,7 @@ class EngineWorker(GroupMember, SequenceParallelMember):
                 )
             )
         cfg = self.cfg
+        group = self.role != "rollout" and self.followers  # a trainer group generates each unit together
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
         deferred = isinstance(self.reward, _DeferredReward)
         if self.remote_reward:
@@ -323,16 +326,19 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             self.reward.spans.clear()
             self.reward.calls.clear()
         start = time.time()
-        samples = rollout_unit(
-            self.policy,
-            self.reward,
-            [everything[g] for g in unit.groups],
-            list(unit.groups),
-            unit.iteration,
-            cfg.train.seed,
-            unit.sample_range(cfg.algorithm.group_size),
-            self.policy.settings.sampling_batch(self.role),  # engine.rollout_batch (rollout workers)
-        )
+        if group:  # every rank its share (fsdp_group.unit_share), scored here once
+            samples = self.group_rollout(unit)
+        else:
+            samples = rollout_unit(
+                self.policy,
+                self.reward,
+                [everything[g] for g in unit.groups],
+                list(unit.groups),
+                unit.iteration,
+                cfg.train.seed,
+                unit.sample_range(cfg.algorithm.group_size),
+                self.policy.settings.sampling_batch(self.role),  # engine.rollout_batch (rollout workers)
+            )
         end = time.time()
         self.followers_done()
         self.faults.reached(unit.uid)
@@ -416,6 +422,7 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         ):
             raise RuntimeError(f"{unit.uid}: received samples of another unit")
         samples.advantages = advantages
+        self.faults.reached(f"{unit.uid}:start")  # engine.faults: dies while its group waits in the unit
         start = time.time()
         sp = self.sp_world  # engine.trainer_sp: each sequence-parallel group of sp ranks trains one share
         if self.sharded:  # every rank (group) trains an equal share of the unit's (mini-batch's) samples
