@@ -10,7 +10,9 @@ gradients, AdamW state: bytes per parameter; activations are what the measuremen
 rollout step time beside diffusers' FluxPipeline at the same shape, the train step time
 (forward + backward, with and without activation checkpointing) and its MFU, the fingerprint
 and bucket-packing bandwidth on the device vs SHA-256 of host bytes (LoRA- and full-sized), and
-the on-policy ratio exp(logp_recomputed - logp_rollout) on the GPU kernels.
+the on-policy ratio exp(logp_recomputed - logp_rollout) on the GPU kernels. The same model's
+sampling at batch 1, 2, 4, 8 (the kernel-efficiency curve), compiled vs eager, and the reward models'
+time per image: benchmarks/gpu_dedicated.py.
 """
 
 from __future__ import annotations
@@ -164,25 +166,6 @@ def main():
         "peak_gib": peak_gib(dev),
         "predicted_static_gib": n_params * 2 / 2**30,
     }
-    # ---- the kernel-efficiency curve (digenrl/planner/efficiency.py): one sampling step per sample at
-    # batch 1, 2, 4, 8 -- its MFU at each token count replaces the assumed half-saturation point
-    peak = PEAK_BF16_FLOPS.get(args.gpu, float("nan"))
-    curve = {}
-    for b in (1, 2, 4, 8):
-        c_b = ad.encode_prompts([f"prompt {i}" for i in range(b)])
-        z_b = torch.randn((b, *ad.latent_shape()), generator=torch.Generator().manual_seed(2)).to(dev)
-        with torch.no_grad():
-            t_b, _ = timed(
-                dev, lambda: sample(ad, c_b, z_b, sigmas, kind, eta, torch.Generator().manual_seed(3)), 2
-            )
-        step = t_b / N
-        curve[b] = {
-            "step_s": step,
-            "per_sample_s": step / b,
-            "tokens_per_call": b * tokens,
-            "mfu": b * flops_per_forward(model, tokens) / (step * peak),
-        }
-    res["efficiency_curve"] = curve
     from diffusers import FluxPipeline
 
     pipe = FluxPipeline(

@@ -1,43 +1,71 @@
 #!/usr/bin/env bash
-# GPU smoke test of the engine: 2 iterations of the tiny FLUX on CUDA through Ray, checked.
+# The GPU check: what the planner's defaults need measured, then 2 iterations of the tiny FLUX on CUDA
+# through Ray, checked. Sized to finish within ~8 minutes on one GPU (BUDGET seconds: a part that
+# would start after BUDGET - 60 s is skipped and reported).
 #
-#   bash benchmarks/gpu_smoke.sh [OUT_DIR]          (exits non-zero on any failure)
+#   bash benchmarks/gpu_smoke.sh [OUT_DIR]          (exits non-zero if any part failed)
+#   DEVICE=cpu bash benchmarks/gpu_smoke.sh OUT     (a dry run of every part at tiny sizes, any machine:
+#                                                    its numbers mean nothing)
+#   PARTS="dedicated fold" ...                      (only these parts; default: all, in this order)
 #
-# - colocated on every visible GPU (one "both" worker per GPU; >= 2 GPUs also runs the nccl
-#   all-reduce);
-# - with >= 2 GPUs, disaggregated too: 1 rollout GPU + the rest as trainer ranks, with GAP,
-#   TAG, TSP and one-step async, so the weight sync runs between GPU workers;
-# - `digenrl profile --device cuda` (skipped while that command does not exist);
-# - the real-width check: benchmarks/gpu_realwidth.py, a random-init
-#   FLUX.1-dev-width transformer (2 double + 4 single blocks, bf16, 1024 + 512 tokens): peak
-#   memory per phase vs the static prediction, rollout step vs FluxPipeline, train step and
-#   MFU with and without activation checkpointing, fingerprint / packing bandwidth on the
-#   device, the on-policy ratio on GPU kernels, and the kernel-efficiency curve (per-sample
-#   rollout step and MFU at batch 1, 2, 4, 8: `efficiency_curve`, which replaces the assumed
-#   half-saturation point of digenrl/planner/efficiency.py) -> $OUT/realwidth.json.
-# Each run must leave 2 metrics rows, timeline.json / .png and final weights. The whole script
-# is sized to finish within 10 minutes on one GPU.
-set -euo pipefail
+# Parts (each prints "NAME: ok (S s)" / "NAME: FAILED"; the JSON files land in OUT):
+# - dedicated: benchmarks/gpu_dedicated.py -> dedicated.json: per-sample sampling time and MFU at batch
+#   1, 2, 4, 8 of a real-width FLUX (the kernel-efficiency curve of digenrl/planner/efficiency.py),
+#   compiled vs eager sampling (engine.compile_rollout), a model reward's seconds per image on the
+#   device (PickScore ViT-H/14, CLIPScore ViT-L/14, random init);
+# - realwidth: benchmarks/gpu_realwidth.py -> realwidth.json: the same FLUX's peak memory per phase vs
+#   the static prediction, rollout step vs FluxPipeline, train step and MFU with and without
+#   activation checkpointing, fingerprint / packing bandwidth, the on-policy ratio on GPU kernels;
+# - fold: benchmarks/fold_gpu_check.py -> fold.json: each planner default the two files measure, its
+#   value now and the measured one (docs/real_scale.md, "Folding the GPU check into the planner");
+# - colocated / disaggregated: `digenrl train` of the tiny FLUX, colocated on every visible GPU (>= 2
+#   GPUs: the nccl all-reduce), and with >= 2 GPUs disaggregated (1 rollout GPU + the rest as
+#   trainer ranks, GAP, TAG, TSP, one-step async: the weight sync between GPU workers); each run
+#   must leave 2 metrics rows, timeline.json / .png and final weights;
+# - profile: `digenrl profile --device cuda` -> profile.json (`digenrl plan --profile`).
+set -uo pipefail
 
 OUT=${1:-${OUT:-$(mktemp -d)}}
 PY=${PYTHON:-python}
+DEVICE=${DEVICE:-cuda}
+PARTS=${PARTS:-dedicated realwidth fold colocated disaggregated profile}
+BUDGET=${BUDGET:-480}
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$OUT"
 
-NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-if [ "${NGPU:-0}" -lt 1 ]; then
-  echo "gpu_smoke: no GPU visible (nvidia-smi -L)" >&2
-  exit 1
+if [ "$DEVICE" = cpu ]; then  # the dry run: tiny widths, logical CPU devices
+  NGPU=${NGPU:-2}
+  KIND=cpu
+  POOL_DEVICE=cpu
+  DEDICATED=(--tiny --device cpu --double 1 --single 1 --steps 2 --repeats 1 --curve-batches 1 2
+             --compile-backend eager --compile-batch 2 --reward-images 2)
+  REALWIDTH=(--tiny --device cpu --double 1 --single 1 --batch 1 --steps 2)
+else
+  NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  if [ "${NGPU:-0}" -lt 1 ]; then
+    echo "gpu_smoke: no GPU visible (nvidia-smi -L)" >&2
+    exit 1
+  fi
+  GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  case "$GPU_NAME" in *H200*) KIND=H200;; *H100*) KIND=H100;; *H800*) KIND=H800;; *A100*) KIND=A100;; *H20*) KIND=H20;; *) KIND=H100;; esac
+  POOL_DEVICE=gpu
+  DEDICATED=(--gpu "$KIND")
+  REALWIDTH=(--gpu "$KIND")
 fi
-echo "gpu_smoke: $NGPU GPU(s); output in $OUT"
+echo "gpu_smoke: $NGPU $DEVICE device(s) ($KIND); output in $OUT; parts: $PARTS"
 
-HERE=$(cd "$(dirname "$0")" && pwd)
-GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-case "$GPU_NAME" in *H200*) KIND=H200;; *H100*) KIND=H100;; *H800*) KIND=H800;; *A100*) KIND=A100;; *H20*) KIND=H20;; *) KIND=H100;; esac
-timeout 420 "$PY" "$HERE/gpu_realwidth.py" --gpu "$KIND" --json "$OUT/realwidth.json"
-echo "realwidth: ok ($OUT/realwidth.json)"
+FAILED=()
+part() {  # part NAME COMMAND...: run it if PARTS lists it and the budget allows; record a failure
+  local name=$1 t0=$SECONDS; shift
+  if [[ " $PARTS " != *" $name "* ]]; then return 0; fi
+  if [ "$SECONDS" -gt $(( BUDGET - 60 )) ]; then
+    echo "$name: skipped (time budget: ${SECONDS} s of ${BUDGET} s used)"; FAILED+=("$name(skipped)"); return 0
+  fi
+  if "$@"; then echo "$name: ok ($(( SECONDS - t0 )) s)"; else echo "$name: FAILED ($(( SECONDS - t0 )) s)" >&2; FAILED+=("$name"); fi
+}
 
-COMMON=(train.device=cuda train.iterations=2 train.prompts_per_iteration=4 engine.unit_groups=1
+COMMON=(train.device="$DEVICE" train.iterations=2 train.prompts_per_iteration=4 engine.unit_groups=1
         model.height=32 model.width=32 sampling.steps=8 algorithm.group_size=8)
 
 train() {  # train NAME override...
@@ -45,9 +73,9 @@ train() {  # train NAME override...
   local sets=()
   for kv in "${COMMON[@]}" "$@"; do sets+=(--set "$kv"); done
   if command -v digenrl >/dev/null && digenrl train --help >/dev/null 2>&1; then
-    digenrl train "${sets[@]}" --run-dir "$OUT/$name"
-  else  # the CLI is not wired yet: call the engine directly
-    "$PY" - "$OUT/$name" "$@" "${COMMON[@]}" <<'EOF'
+    digenrl train "${sets[@]}" --run-dir "$OUT/$name" || return 1
+  else  # no console script: call the engine directly
+    "$PY" - "$OUT/$name" "$@" "${COMMON[@]}" <<'EOF' || return 1
 import sys
 from digenrl.config import load_config
 from digenrl.launch import run_engine
@@ -65,26 +93,33 @@ assert any((run / "final").iterdir()), "no final weights"
 trace = json.loads((run / "timeline.json").read_text())["traceEvents"]
 kinds = {e["args"]["kind"] for e in trace if e["ph"] == "X"}
 assert {"rollout", "train", "step"} <= kinds, kinds
-print(f"{run.name}: ok, {rows[-1]['samples_per_s']:.1f} samples/s, bubble {rows[-1]['bubble_fraction']:.0%}, "
+print(f"{run.name}: {rows[-1]['samples_per_s']:.1f} samples/s, bubble {rows[-1]['bubble_fraction']:.0%}, "
       f"reward {rows[-1]['reward_mean']:.3f}")
 EOF
 }
 
-train colocated placement.mode=colocated \
-  "cluster.pools=[{name: gpus, device: gpu, count: $NGPU}]" placement.rollout_pool=gpus placement.trainer_pool=gpus
-
-if [ "$NGPU" -ge 2 ]; then
-  TSP=$(( NGPU - 1 < 2 ? 1 : 2 ))
+disaggregated() {
+  if [ "$NGPU" -lt 2 ]; then echo "disaggregated: needs 2 devices, $NGPU visible"; return 0; fi
+  local tsp=$(( NGPU - 1 < 2 ? 1 : 2 ))
   train disaggregated placement.mode=disaggregated \
-    "cluster.pools=[{name: rollout, device: gpu, count: 1}, {name: trainer, device: gpu, count: $((NGPU - 1))}]" \
-    engine.gap=true engine.tag=true engine.tsp_degree=$TSP engine.max_staleness=1
-fi
+    "cluster.pools=[{name: rollout, device: $POOL_DEVICE, count: 1}, {name: trainer, device: $POOL_DEVICE, count: $((NGPU - 1))}]" \
+    engine.gap=true engine.tag=true engine.tsp_degree=$tsp engine.max_staleness=1
+}
 
-if command -v digenrl >/dev/null && digenrl profile --help >/dev/null 2>&1; then
-  digenrl profile --device cuda --out "$OUT/profile.json"
-  test -s "$OUT/profile.json"
-  echo "profile: ok"
-else
-  echo "profile: skipped (digenrl profile does not exist yet)"
+profile() {
+  digenrl profile --device "$DEVICE" --out "$OUT/profile.json" && test -s "$OUT/profile.json"
+}
+
+part dedicated timeout 240 "$PY" "$HERE/gpu_dedicated.py" "${DEDICATED[@]}" --json "$OUT/dedicated.json"
+part realwidth timeout 180 "$PY" "$HERE/gpu_realwidth.py" "${REALWIDTH[@]}" --json "$OUT/realwidth.json"
+part fold "$PY" "$HERE/fold_gpu_check.py" "$OUT" --json "$OUT/fold.json"
+part colocated train colocated placement.mode=colocated \
+  "cluster.pools=[{name: gpus, device: $POOL_DEVICE, count: $NGPU}]" placement.rollout_pool=gpus placement.trainer_pool=gpus
+part disaggregated disaggregated
+part profile profile
+
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "gpu_smoke: failed or skipped: ${FAILED[*]} ($SECONDS s)" >&2
+  exit 1
 fi
-echo "gpu_smoke: all ok"
+echo "gpu_smoke: all ok ($SECONDS s)"

@@ -319,6 +319,15 @@ class RewardTerm(_Section):
     name: str
     weight: float = Field(1.0, description="0 = logged only (reward/<name>), not trained on")
     args: dict[str, Any] = Field(default_factory=dict, description="the reward's own arguments")
+    seconds_per_image: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "for `digenrl plan` only: seconds this reward takes per image (per scored frame of a video) -- "
+            "a remote judge's latency, or a model reward measured on its device; null = the planner's "
+            "default for its kind"
+        ),
+    )
 
 
 class RewardServiceConfig(_Section):
@@ -495,7 +504,9 @@ class FaultConfig(_Section):
     worker: str = Field(description="worker name, e.g. rollout0 (pool name + index) or reward")
     unit: str = Field(
         description=(
-            "unit uid, e.g. rollout-2-0 (iteration 2, unit 0) or train-1-0-0; sync-<version> on "
+            "unit uid, e.g. rollout-2-0 (iteration 2, unit 0) or train-1-0-0: the process dies after the "
+            "unit's work; <uid>:start on a sequence-parallel or sharded group's follower: as its share "
+            "starts, while its lead waits in the unit's collectives; sync-<version> on "
             "trainer rank 0 corrupts that version's broadcast weight sync in transit instead"
         )
     )
@@ -523,6 +534,14 @@ class EngineConfig(_Section):
     max_staleness: Literal[0, 1] = Field(1, description="1 = one-step async: rollout k+1 with version k")
     max_restarts: int = Field(
         3, ge=0, description="restarts per rollout worker / reward actor before the run stops"
+    )
+    trainer_restarts: int = Field(
+        0,
+        ge=0,
+        description=(
+            "a dead trainer rank (or member of a trainer group): restart every worker from the last "
+            "checkpoint, up to this many times (0: the run stops with a resume hint)"
+        ),
     )
     weight_sync: Literal["auto", "broadcast", "object_store"] = Field(
         "auto",

@@ -48,9 +48,16 @@ class EvalResult:
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         """Flat means for a metrics row: ``eval/<reward>`` per component and ``eval/reward_mean``."""
-        row = {f"{prefix}{k}": v.nanmean().item() for k, v in self.scores.items()}
-        row[f"{prefix}reward_mean"] = self.total.nanmean().item()
-        return row
+        return reward_metrics(self.total, self.scores, prefix)
+
+
+def reward_metrics(total: torch.Tensor, parts: dict[str, torch.Tensor], prefix: str = "eval/") -> dict:
+    """``eval/<reward>`` (each component's mean) and ``eval/reward_mean`` (the weighted total's), NaN
+    scores left out: of an :class:`EvalResult`, or of the scores a rollout worker returned for a trainer
+    rank's eval samples (the engine, a model reward: ``EngineWorker.evaluate``)."""
+    row = {f"{prefix}{k}": v.float().nanmean().item() for k, v in parts.items()}
+    row[f"{prefix}reward_mean"] = total.float().nanmean().item()
+    return row
 
 
 def eval_noise(adapter, index: int, seed: int) -> torch.Tensor:

@@ -6,6 +6,8 @@ and the preflight; :mod:`digenrl.engine.runtime` runs what it is handed and impo
 
 from __future__ import annotations
 
+import itertools
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -26,9 +28,14 @@ def run_engine(
     its ``layout`` (default: resolved here) says; see :func:`digenrl.engine.runtime.run_on_ray`.
 
     ``resume`` (a run or checkpoint directory) starts every worker from the latest complete
-    checkpoint. Returns the :class:`~digenrl.runpolicy.RunResult`."""
-    from digenrl.checkpoint import find_checkpoint, read_state
+    checkpoint. A trainer rank (or a member of its group) that dies stops the run; with
+    ``engine.trainer_restarts`` the run then goes on from its last checkpoint, every worker started
+    again, as ``--resume`` would (the iterations after it are run again: nothing lost, nothing
+    trained twice). Returns the :class:`~digenrl.runpolicy.RunResult`."""
+    from digenrl.checkpoint import find_checkpoint, latest_checkpoint, read_state
+    from digenrl.engine.recovery import TrainerRankLost
     from digenrl.engine.runtime import run_on_ray
+    from digenrl.faults import with_fault_plan
     from digenrl.preflight import check_workers_build
     from digenrl.progress import progress
     from digenrl.resolve import resolve
@@ -45,4 +52,25 @@ def run_engine(
     layout = layout or resolve(cfg)
     progress("checking prompts, reward and model...")
     check_workers_build(cfg, layout, resumed)
-    return run_on_ray(cfg, layout, resumed, run_dir, on_iteration, ray_address)
+    cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
+    for restart in itertools.count(1):
+        try:
+            return run_on_ray(cfg, layout, resumed, run_dir, on_iteration, ray_address)
+        except TrainerRankLost as exc:
+            last = latest_checkpoint(exc.run_dir) if exc.run_dir is not None else None
+            if restart > cfg.engine.trainer_restarts or last is None:
+                raise
+            print(
+                f"warning: {str(exc).split('; the run stopped')[0]}; restarting every worker from "
+                f"{last} ({restart} of {cfg.engine.trainer_restarts}, engine.trainer_restarts)",
+                file=sys.stderr,
+            )
+            resumed, run_dir = read_state(last), None  # the checkpoint's run directory goes on
+            cfg = without_faults(cfg, exc.uid)  # a fault fires once per run
+
+
+def without_faults(cfg: RunConfig, uid: str) -> RunConfig:
+    """``cfg`` without the faults of unit ``uid`` (``uid`` or ``uid:start``, on any worker): they fired,
+    and a run restarted from a checkpoint starts new processes, which would fire them again."""
+    faults = [f for f in cfg.engine.faults if f.unit.split(":")[0] != uid]
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"faults": faults})})

@@ -239,36 +239,22 @@ def engine_layout(cfg: RunConfig, plan: Plan, settings: Settings, scheduler: Sch
         scheduler=scheduler,
         shard_groups=consecutive(ranks, settings.fsdp) if len(ranks) > 1 else (),
         rollout_sp_groups=consecutive([w.name for w in workers if w.role == "rollout"], plan.rollout_sp),
-        trainer_sp_groups=consecutive([w.name for w in workers if w.role == "trainer"], plan.trainer_sp),
+        trainer_sp_groups=consecutive([w.name for w in workers if w.role != "rollout"], plan.trainer_sp),
     )
 
 
 def local_layout(cfg: RunConfig) -> RunLayout:
     """A local run's layout: one process, nothing to place, every ``auto`` as a single process runs it;
     sharding and sequence parallelism are refused (one line: they need the engine)."""
-    from digenrl.distributed.settings import fsdp_unwired, sp_unwired
+    from digenrl.distributed.settings import fsdp_refusal, sp_refusal
 
     mode = cfg.placement.mode
     for key, role in (("rollout_sp", "rollout"), ("trainer_sp", "trainer")):
         s = getattr(cfg.engine, key)
-        why = sp_unwired(role, s, placement=mode, devices=0, tag=cfg.engine.tag) if mode == "local" else None
+        why = sp_refusal(role, s, placement=mode, devices=0) if mode == "local" else None
         if why:
             raise UserError(f"engine.{key}: {s}: {why}")
     n = cfg.train.fsdp
     if mode == "local" and isinstance(n, int) and n > 1:
-        raise UserError(f"train.fsdp: {n}: {fsdp_unwired(n, **_LOCAL_FSDP)}")
+        raise UserError(f"train.fsdp: {n}: {fsdp_refusal(n, placement='local', ranks=0)}")
     return RunLayout(mode="local", settings=single_process_settings(cfg))
-
-
-#: what :func:`~digenrl.distributed.settings.fsdp_unwired` needs to refuse a local run (nothing more)
-_LOCAL_FSDP = dict(
-    placement="local",
-    ranks=0,
-    tag=False,
-    tsp_degree=1,
-    timestep_mode="fraction",
-    unit_groups=1,
-    unit_samples=None,
-    group_size=1,
-    optimizer_steps=1,
-)

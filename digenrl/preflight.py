@@ -116,7 +116,10 @@ class MemorySettings:
     cfg_batched: bool = False  # two-pass CFG as one forward of 2B (auto on an unchecked device: sequential)
 
 
-def _model(cfg):
+def memory_model(cfg):
+    """The memory model of ``cfg`` (its Workload and the default CostParams). :func:`digenrl.resolve.resolve`
+    builds it once per layout and hands it to every function below (``model=``); each builds its own
+    when called alone."""
     from digenrl.planner.memory import MemoryModel
     from digenrl.planner.params import CostParams
     from digenrl.planner.workload import Workload
@@ -124,7 +127,7 @@ def _model(cfg):
     return MemoryModel(Workload.from_config(cfg), CostParams())
 
 
-def _known_type(pool) -> str | None:
+def known_gpu_type(pool) -> str | None:
     from digenrl.planner.gpus import DEVICES, device_spec
 
     if pool.device.lower() in ("cpu", "gpu", "cuda"):
@@ -145,7 +148,7 @@ def _explicit(cfg) -> tuple:
     return fsdp, t.activation_checkpointing
 
 
-def resolve_memory_settings(cfg, plan=None) -> MemorySettings:
+def resolve_memory_settings(cfg, plan=None, model=None) -> MemorySettings:
     """``train.fsdp`` / ``train.activation_checkpointing`` of ``cfg`` as a trainer rank runs them:
     explicit values as written; ``auto`` as the first setting that fits the trainer device by the
     memory model, in its preference order (replicated, then the smallest FSDP degree dividing the
@@ -163,10 +166,10 @@ def resolve_memory_settings(cfg, plan=None) -> MemorySettings:
     if cfg.placement.mode == "local":
         return plain
     plan = plan or _plan(cfg)
-    devices = [d for d in (_known_type(p) for p in plan.trainer_pools) if d]
+    devices = [d for d in (known_gpu_type(p) for p in plan.trainer_pools) if d]
     if not devices:
         return plain
-    model = _model(cfg)
+    model = model or memory_model(cfg)
     tag = plan.placement == "colocated" or plan.tag
     device = min(devices, key=model.have)  # the tightest trainer device decides
     fits, miss = model.setups(
@@ -186,7 +189,9 @@ def resolve_memory_settings(cfg, plan=None) -> MemorySettings:
     )
 
 
-def resolve_cfg_batching(cfg, trainable: bool, plan=None, memory: MemorySettings | None = None) -> str:
+def resolve_cfg_batching(
+    cfg, trainable: bool, plan=None, memory: MemorySettings | None = None, model=None
+) -> str:
     """``sampling.cfg_batching`` as a worker runs it (``batched`` | ``sequential``): explicit values as
     written; ``auto`` as the memory model resolves it for the worker's role -- a trainer rank (``trainable``;
     colocated devices and TAG ranks too) by :func:`resolve_memory_settings`, a rollout worker by its unit's
@@ -197,12 +202,12 @@ def resolve_cfg_batching(cfg, trainable: bool, plan=None, memory: MemorySettings
         return "sequential" if value == "auto" else value
     plan = plan or _plan(cfg)
     if trainable:
-        s = memory or resolve_memory_settings(cfg, plan)
+        s = memory or resolve_memory_settings(cfg, plan, model)
         return "batched" if s.device and s.cfg_batched else "sequential"
-    device = _known_type(plan.rollout_pool) if plan.rollout_pool is not None else None
+    device = known_gpu_type(plan.rollout_pool) if plan.rollout_pool is not None else None
     if device is None:
         return "sequential"
-    s = _model(cfg).rollout(device, plan.unit_size, plan.rollout_sp)
+    s = (model or memory_model(cfg)).rollout(device, plan.unit_size, plan.rollout_sp)
     return "batched" if s.fits and s.cfg_batched else "sequential"
 
 
@@ -237,18 +242,18 @@ def _where(pool, device: str, model) -> str:
     )
 
 
-def check_memory(cfg):
+def check_memory(cfg, model=None):
     """Refuse (UserError, one line) a placement whose per-device memory does not fit: the trainer
     ranks at the configured (or ``auto``-resolved) sharding, checkpointing and micro-batch, the
     rollout workers at ``engine.unit_groups`` groups per unit. Returns the plan it checked (None
     when there was nothing to check: a local run, or no pool of a known GPU type)."""
-    if cfg.placement.mode == "local" or not any(_known_type(p) for p in cfg.cluster.pools):
+    if cfg.placement.mode == "local" or not any(known_gpu_type(p) for p in cfg.cluster.pools):
         return None  # nothing to check against (logical CPU / untyped GPU pools): no plan built yet
     plan = _plan(cfg)
-    typed = [(p, _known_type(p)) for p in plan.pools]
+    typed = [(p, known_gpu_type(p)) for p in plan.pools]
     if not any(d for _, d in typed):
         return plan
-    model = _model(cfg)
+    model = model or memory_model(cfg)
     tag = plan.placement == "colocated" or plan.tag
     fsdp, ac = _explicit(cfg)
     for pool, device in typed:
@@ -302,7 +307,7 @@ def _described(s) -> str:
     )
 
 
-def resolve_rollout_batch(cfg, plan=None) -> int | None:
+def resolve_rollout_batch(cfg, plan=None, model=None) -> int | None:
     """``engine.rollout_batch`` as a rollout-only worker runs it: samples per sampling forward, or None
     for the train forwards' batches (``trainer``; no rollout-only worker; ``auto`` on a rollout device
     of unknown memory -- CPU pools, untyped GPUs). ``auto`` on a known GPU type: the largest batch
@@ -313,15 +318,16 @@ def resolve_rollout_batch(cfg, plan=None) -> int | None:
     if isinstance(value, int):
         return value
     plan = plan or _plan(cfg)
-    device = _known_type(plan.rollout_pool)
+    device = known_gpu_type(plan.rollout_pool)
     if device is None:
         return None
-    return _model(cfg).rollout_batch(device, plan.unit_size, plan.rollout_sp, cfg.sampling.cfg_batching)
+    model = model or memory_model(cfg)
+    return model.rollout_batch(device, plan.unit_size, plan.rollout_sp, cfg.sampling.cfg_batching)
 
 
 def _check_rollout(cfg, model, plan, pool, device: str) -> None:
     groups, sp, mode = plan.unit_groups, plan.rollout_sp, cfg.sampling.cfg_batching
-    batch = resolve_rollout_batch(cfg, plan)
+    batch = resolve_rollout_batch(cfg, plan, model)
     s = model.rollout(device, plan.unit_size, sp, mode, batch)
     if s.fits:
         return

@@ -20,7 +20,7 @@ Errors are the user's: one line naming the field (:class:`~digenrl.errors.UserEr
 from __future__ import annotations
 
 from digenrl.config import RunConfig
-from digenrl.distributed.settings import fsdp_unwired, sp_unwired
+from digenrl.distributed.settings import fsdp_refusal, sp_refusal
 from digenrl.errors import UserError
 from digenrl.layout import RunLayout, Settings, engine_layout, local_layout
 from digenrl.placement import Plan
@@ -34,25 +34,30 @@ def resolve(cfg: RunConfig) -> RunLayout:
     from digenrl.preflight import (
         GiB,
         check_memory,
+        known_gpu_type,
+        memory_model,
         resolve_cfg_batching,
         resolve_memory_settings,
         resolve_rollout_batch,
     )
 
-    plan = check_memory(cfg)  # (the plan it built: on devices of known memory)
+    # the memory model, built once for every step below (only where a pool has a known GPU type: the
+    # steps use it only there)
+    model = memory_model(cfg) if any(known_gpu_type(p) for p in cfg.cluster.pools) else None
+    plan = check_memory(cfg, model)  # (the plan it built: on devices of known memory)
     check_sp(cfg)
     plan = plan or Plan.from_run_config(cfg)  # the one plan of the run
     check_device(cfg, plan)
-    memory = resolve_memory_settings(cfg, plan)
+    memory = resolve_memory_settings(cfg, plan, model)
     fsdp = fsdp_degree(cfg, plan, memory.fsdp)
     ac = cfg.train.activation_checkpointing
     settings = Settings(
         fsdp=fsdp,
         activation_checkpointing=memory.activation_checkpointing if ac == "auto" else ac == "on",
         micro_batch=memory.micro_batch,
-        rollout_batch=resolve_rollout_batch(cfg, plan),
-        cfg_batching_trainer=resolve_cfg_batching(cfg, True, plan, memory),
-        cfg_batching_rollout=resolve_cfg_batching(cfg, False, plan, memory),
+        rollout_batch=resolve_rollout_batch(cfg, plan, model),
+        cfg_batching_trainer=resolve_cfg_batching(cfg, True, plan, memory, model),
+        cfg_batching_rollout=resolve_cfg_batching(cfg, False, plan, memory, model),
         vae_tiling=tiling_mode(cfg.model, cfg.sampling),
         weight_sync=weight_sync_mode(cfg, plan),
         weight_sync_fallback=cfg.engine.weight_sync == "auto" and plan.rollout_pool is not None,
@@ -91,34 +96,22 @@ def weight_sync_mode(cfg: RunConfig, plan: Plan) -> str:
 
 def fsdp_degree(cfg: RunConfig, plan: Plan, memory_degree: int) -> int:
     """``train.fsdp`` as the trainer ranks run it (``auto``: the memory model's ``memory_degree``),
-    refused with one line where the engine does not run that sharding (:func:`fsdp_unwired`)."""
+    refused with one line where that sharding means nothing (:func:`fsdp_refusal`)."""
     n, head = cfg.train.fsdp, f"train.fsdp: {cfg.train.fsdp}:"
     if n == "auto":
         n, head = memory_degree, f"train.fsdp: auto (the memory preflight needs {memory_degree}):"
     if n in ("off", 1):
         return 1
-    e, mode = cfg.engine, cfg.placement.mode
-    ranks = sum(w.role == "trainer" for w in plan.workers()) if mode == "disaggregated" else 0
-    why = fsdp_unwired(
-        n,
-        placement=mode,
-        ranks=ranks,
-        tag=e.tag,
-        tsp_degree=e.tsp_degree,
-        timestep_mode=cfg.algorithm.timesteps.mode,
-        unit_groups=e.unit_groups,
-        unit_samples=e.unit_samples,
-        group_size=cfg.algorithm.group_size,
-        optimizer_steps=cfg.train.optimizer_steps,
-        trainer_sp=e.trainer_sp,
-    )
+    mode = cfg.placement.mode
+    ranks = sum(w.role != "rollout" for w in plan.workers()) if mode != "local" else 0
+    why = fsdp_refusal(n, placement=mode, ranks=ranks, trainer_sp=cfg.engine.trainer_sp)
     if why:
         raise UserError(f"{head} {why}")
     return n
 
 
 def check_sp(cfg: RunConfig) -> None:
-    """What sequence parallelism the engine runs (:func:`sp_unwired`): ``engine.rollout_sp: s`` makes
+    """What sequence parallelism means something (:func:`sp_refusal`): ``engine.rollout_sp: s`` makes
     each s consecutive devices of a disaggregated rollout pool one rollout worker, ``engine.trainer_sp:
     s`` each s consecutive trainer devices one trainer rank. Anything else: one line."""
     from digenrl.planner.shapes import model_shape
@@ -129,18 +122,11 @@ def check_sp(cfg: RunConfig) -> None:
         "rollout": pools.get(cfg.placement.rollout_pool, 0),
         "trainer": pools.get(cfg.placement.trainer_pool, 0),
     }
+    if mode == "colocated":  # every device rolls out and trains, in groups of engine.trainer_sp
+        devices = dict.fromkeys(devices, sum(pools.values()))
     for key, role in (("rollout_sp", "rollout"), ("trainer_sp", "trainer")):
         s = getattr(e, key)
         shape = (lambda: model_shape(cfg.model)) if s > 1 else None
-        why = sp_unwired(
-            role,
-            s,
-            placement=mode,
-            devices=devices[role],
-            tag=e.tag,
-            faults=bool(e.faults),
-            evaluates=cfg.output.eval_every > 0,
-            shape=shape,
-        )
+        why = sp_refusal(role, s, placement=mode, devices=devices[role], shape=shape)
         if why:
             raise UserError(f"engine.{key}: {s}: {why}")

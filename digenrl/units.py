@@ -82,6 +82,12 @@ class Samples:
         return len(self.prompts)
 
 
+#: the tensor fields of :class:`Samples` that hold one row per sample (None where a run has none):
+#: what cutting a unit's rows or joining its shares touches, beside ``prompts``, ``cond`` and
+#: ``reward_parts``. A per-sample field added to Samples belongs here, or a split unit loses it.
+ROW_FIELDS = ("latents", "log_probs", "train_idx", "rewards", "advantages", "noise_seeds", "step_noise")
+
+
 @torch.no_grad()
 def rollout_unit(
     policy,
@@ -92,12 +98,15 @@ def rollout_unit(
     seed: int,
     samples: tuple[int, int] | None = None,
     batch: int | None = None,
+    whole_forwards: bool = False,
 ) -> Samples:
     """Generate G samples for each prompt with the policy's current weights, decode and score them;
     ``samples = (lo, hi)``: only samples lo..hi-1 of each group (a sub-group unit), the same ones a
     whole-group unit generates. ``batch``: samples per model forward (a rollout-only worker's own,
     ``engine.rollout_batch``: the trainer's log-probs then match to rounding); None: the train
-    forwards' batches (:func:`forward_batches`, bit for bit)."""
+    forwards' batches (:func:`forward_batches`, bit for bit). ``whole_forwards``: one forward of all
+    the samples per step, not the train forwards' batches (a sharded group's ranks whose shares
+    would run different numbers)."""
     cfg, ad = policy.cfg, policy.adapter
     G, n_steps = cfg.algorithm.group_size, cfg.sampling.steps
     lo, hi = samples or (0, G)
@@ -124,7 +133,9 @@ def rollout_unit(
         cfg.sampling.noise_level,
         rng,
         sde_mask,
-        batches=own_batches(len(noise), n_steps, batch)
+        batches=None
+        if whole_forwards
+        else own_batches(len(noise), n_steps, batch)
         if batch is not None
         else None
         if nft
@@ -229,6 +240,8 @@ def train_unit(
     tsp_degree: int = 1,
     minibatch: int = 0,
     minibatches: int = 1,
+    lockstep: list[list[int]] | None = None,
+    padding: bool = False,
 ) -> dict:
     """Accumulate the gradient of this unit's share of the iteration loss.
 
@@ -240,34 +253,46 @@ def train_unit(
     policy, the weights at the start of the current mini-batch (decoupled PPO).
     Trains the trained-step positions j with j % tsp_degree == tsp_rank (time-step parallelism)
     of the samples of mini-batch ``minibatch`` of ``minibatches`` (:func:`minibatch_rows`).
+    ``lockstep``: per micro-batch, the steps to run a forward / backward at (a sharded group's rank,
+    :func:`~digenrl.engine.fsdp_group.lockstep_steps`: every rank runs the same passes); at a step
+    none of this rank's samples trains, the pass runs on one row and adds nothing; ``padding``: the
+    rank holds no sample of the unit (``samples`` is one row to run the group's passes on).
     """
     cfg, ad = policy.cfg, policy.adapter
     if is_nft(cfg):  # DiffusionNFT: flow matching on forward-noised clean samples
         from digenrl import units_nft
 
+        passes = None if lockstep is None else len(lockstep)  # a sharded group's micro-batches
         return units_nft.train_unit(
-            policy, samples, total_terms, tsp_rank, tsp_degree, minibatch, minibatches
+            policy, samples, total_terms, tsp_rank, tsp_degree, minibatch, minibatches, passes, padding
         )
     alg, kind, eta = cfg.algorithm, cfg.sampling.sde, cfg.sampling.noise_level
     stale = samples.version < policy.version  # one-step async: decoupled PPO
     stats = _Stats()
     positions = [j for j in range(samples.train_idx.shape[1]) if j % tsp_degree == tsp_rank]
     sig = samples.sigmas.to(ad.device)
-    for mb in train_batches(
+    batches = train_batches(
         len(samples),
         cfg,
         minibatch,
         minibatches,
         len(samples) // len(samples.group_ids),
         samples.first_sample,
-    ):
+    )
+    real = 0 if padding else len(batches)
+    if lockstep is not None and len(lockstep) > real:  # an uneven split: the group's other micro-batches
+        batches = batches[:real] + [batches[0][:1]] * (len(lockstep) - real)  # run as zero-weighted passes
+    for k, mb in enumerate(batches):
         cond = samples.cond.select(mb).to(ad.device)
         adv = samples.advantages[mb].to(ad.device)
         mine = samples.train_idx[mb][:, positions]  # (samples, this rank's positions): steps to train
-        for (
-            i
-        ) in mine.unique().tolist():  # the samples training step i share one forward (each trains it once)
+        steps = mine.unique().tolist() if lockstep is None else lockstep[k]
+        for i in steps:  # the samples training step i share one forward (each trains it once)
             sel = (mine == i).any(1).nonzero().squeeze(1)
+            # lockstep: a pass the rank's group runs, on one row, weighted 0
+            idle = len(sel) == 0 or k >= real
+            if idle:
+                sel = sel.new_zeros(1)
             rows = mb[sel]
             x = samples.latents[rows, i].to(ad.device)
             x_next = samples.latents[rows, i + 1].to(ad.device)
@@ -282,16 +307,26 @@ def train_unit(
                     _, mu_ref, _ = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
 
             def objective(
-                v, x=x, x_next=x_next, i=i, behaviour=behaviour, a=adv[sel], mu_ref=mu_ref, noise=noise
+                v,
+                x=x,
+                x_next=x_next,
+                i=i,
+                behaviour=behaviour,
+                a=adv[sel],
+                mu_ref=mu_ref,
+                noise=noise,
+                scale=1.0 - idle,
             ):
                 logp, mu, std = logprob_of_velocity(v, x, x_next, sig, i, kind, eta)
                 if noise is not None:  # the stale sample's noise around the current mean
                     logp = (logp.detach(), recentred_logprob(kind, mu, noise, sig, i, std))
                 scalar, extras = term_loss(alg, logp, behaviour, a, stale, mu, mu_ref, std, total_terms)
-                return scalar, (*extras, logp[0] if isinstance(logp, tuple) else logp.detach())
+                return scalar * scale, (*extras, logp[0] if isinstance(logp, tuple) else logp.detach())
 
             sigma = sig[i].expand(x.shape[0])
             loss, st, w, kl, logp = backward_through_velocity(ad, x, sigma, c, objective)
+            if idle:
+                continue
             if w is not None:
                 stats.add_is(w)
             elif minibatch == 0:  # on-policy: the trainer should reproduce the rollout's log-prob

@@ -66,8 +66,13 @@ def train_unit(
     tsp_degree: int = 1,
     minibatch: int = 0,
     minibatches: int = 1,
+    micro_batches: int | None = None,
+    padding: bool = False,
 ) -> dict:
-    """Accumulate this unit's share of the mini-batch's NFT loss gradient (docstring of the module)."""
+    """Accumulate this unit's share of the mini-batch's NFT loss gradient (docstring of the module).
+    A sharded group's rank (:func:`~digenrl.engine.fsdp_group.train_share`) runs ``micro_batches``,
+    its group's most: every micro-batch runs the same passes (one per noise level), so a rank with
+    fewer -- or none, ``padding`` (``samples`` is one row) -- runs the rest on one row, weighted 0."""
 
     cfg, ad = policy.cfg, policy.adapter
     alg = cfg.algorithm
@@ -76,9 +81,14 @@ def train_unit(
     positions = [j for j in range(samples.train_idx.shape[1]) if j % tsp_degree == tsp_rank]
     sig = samples.sigmas.float()
     per_group = len(samples) // len(samples.group_ids)
-    for mb in train_batches(len(samples), cfg, minibatch, minibatches, per_group, samples.first_sample):
+    batches = train_batches(len(samples), cfg, minibatch, minibatches, per_group, samples.first_sample)
+    real = 0 if padding else len(batches)
+    if micro_batches is not None and micro_batches > real:  # an uneven split: the group's other passes
+        batches = batches[:real] + [batches[0][:1]] * (micro_batches - real)
+    for k, mb in enumerate(batches):
         if not positions:
             break
+        weight = 0.0 if k >= real else 1.0  # a pass only the group's collectives need adds nothing
         x0 = samples.latents[mb, -1].float().to(ad.device)
         cond = samples.cond.select(mb).to(ad.device)
         r = nft.optimality(samples.advantages[mb], alg.adv_clip).to(ad.device)
@@ -95,17 +105,18 @@ def train_unit(
                 with torch.no_grad(), policy.reference():
                     v_ref = ad.velocity(x_t, t, cond)
 
-            def objective(v, v_old=v_old, x_t=x_t, t=t, v_ref=v_ref):
+            def objective(v, v_old=v_old, x_t=x_t, t=t, v_ref=v_ref, weight=weight):
                 loss, parts = nft.nft_loss(v, v_old, x_t, x0, t, r, beta, alg.adv_clip)
                 kl = None
                 if v_ref is not None:
                     kl = nft.velocity_kl(v, v_ref)
                     loss = loss + alg.kl_beta * kl
                     kl = kl.detach()
-                return loss.sum() / total_terms, (loss.detach(), parts, kl)
+                return weight * loss.sum() / total_terms, (loss.detach(), parts, kl)
 
             loss, parts, kl = backward_through_velocity(ad, x_t, t, cond, objective)
-            stats.add(loss, parts, kl, r, total_terms)
+            if weight:
+                stats.add(loss, parts, kl, r, total_terms)
     return stats.as_dict()
 
 

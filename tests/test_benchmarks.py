@@ -194,6 +194,88 @@ def test_reward_server_is_exercised_by_the_remote_reward_tests():
     assert '"reward_server.py"' in (ROOT / "tests" / "test_remote_reward.py").read_text()
 
 
+@pytest.mark.slow
+def test_gpu_smoke_dry_run_on_cpu(tmp_path):
+    """``DEVICE=cpu`` runs the GPU check's measuring parts at tiny sizes ("gpu_dedicated.py", then
+    "fold_gpu_check.py"): every JSON field the fold reads is there, and the fold names the defaults."""
+    env = {**os.environ, "DEVICE": "cpu", "PARTS": "dedicated fold", "PYTHON": sys.executable}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        ["bash", str(BENCH / "gpu_smoke.sh"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "dedicated: ok" in done.stdout and "fold: ok" in done.stdout
+    ded = json.loads((tmp_path / "dedicated.json").read_text())
+    assert ded["tiny"] and ded["errors"] == {} and ded["gpu"] is None
+    curve = ded["rollout_batch_curve"]
+    assert set(curve) == {"1", "2"} and all(r["mfu"] is None for r in curve.values())  # no peak on CPU
+    assert all(finite(r["step_s"], r["per_sample_s"]) and r["per_sample_s"] > 0 for r in curve.values())
+    assert curve["2"]["tokens_per_call"] == 2 * curve["1"]["tokens_per_call"]
+    comp = ded["compile"]
+    assert finite(comp["eager_step_s"], comp["compiled_step_s"], comp["speedup"], comp["compile_s"])
+    assert comp["max_abs_diff_latents"] < 1e-4  # the eager backend traces the same ops
+    rewards = {(r["reward"], r["images"]) for r in ded["reward"]}
+    assert rewards == {("pickscore", 2), ("clipscore", 2)}
+    assert all(r["s_per_image"] > 0 and r["params"] > 0 for r in ded["reward"])
+    lap = ded["reward_overlap"]
+    assert lap["reward"] == "pickscore" and 0.0 <= lap["hidden_share"] <= 1.0 and lap["both_s"] > 0
+    fold = json.loads((tmp_path / "fold.json").read_text())
+    assert not fold["applies"]  # a dry run never becomes a default
+    names = {r["name"]: r for r in fold["defaults"]}
+    assert names["model reward s per image"]["measured"] == ded["reward"][0]["s_per_image"]
+    assert names["sampling peak efficiency"]["measured"] is None  # no MFU on CPU
+    assert names["compiled sampling speed-up"]["measured"] == comp["speedup"]
+    assert names["model reward overlap"]["measured"] == lap["hidden_share"]
+
+
+def test_fold_gpu_check_recovers_the_curve_a_gpu_measured(tmp_path):
+    """The fold on GPU-shaped results: MFU points drawn from ``peak n / (n + half)`` give back that peak
+    and half; the train step's MFU its implied peak; PickScore's row the reward defaults."""
+    sys.path.insert(0, str(BENCH))
+    from fold_gpu_check import fold
+
+    from digenrl.planner.efficiency import tokens_factor
+
+    peak, half, tokens = 0.5, 3000.0, 1536
+    curve = {
+        str(b): {"tokens_per_call": b * tokens, "mfu": peak * tokens_factor(b * tokens, half)}
+        for b in (1, 2, 4, 8)
+    }
+    pick = {
+        "reward": "pickscore",
+        "backbone": "ViT-H/14",
+        "dtype": "bfloat16",
+        "params": 986e6,
+        "pixels": 512,
+    }
+    ded = {
+        "device": "NVIDIA H200",
+        "gpu": "H200",
+        "tiny": False,
+        "rollout_batch_curve": curve,
+        "reward": [pick | {"images": 1, "s_per_image": 0.02}, pick | {"images": 16, "s_per_image": 0.004}],
+        "reward_overlap": {"reward": "pickscore", "images": 16, "sample_batch": 4, "hidden_share": 0.25},
+        "compile": {"speedup": 1.3, "mode": "default", "backend": "inductor", "batch": 4},
+    }
+    train_mfu = 0.3 * tokens_factor(4 * tokens, 1024.0)
+    rw = {"rollout": {"tokens": tokens, "batch": 4}, "train_ac_off": {"mfu": train_mfu}}
+    (tmp_path / "dedicated.json").write_text(json.dumps(ded))
+    (tmp_path / "realwidth.json").write_text(json.dumps(rw))
+    got = fold(tmp_path)
+    m = {r["name"]: r["measured"] for r in got["defaults"]}
+    assert got["applies"] and got["errors"] == {}
+    assert m["sampling peak efficiency"] == pytest.approx(peak) and m[
+        "sampling half tokens"
+    ] == pytest.approx(half)
+    assert m["training peak efficiency"] == pytest.approx(0.3)
+    assert m["model reward s per image"] == 0.004 and m["model reward parameters"] == 986e6
+    assert m["model reward overlap"] == 0.25 and m["compiled sampling speed-up"] == 1.3
+
+
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine runs the script itself")
 def test_gpu_smoke_script_refuses_without_a_gpu(tmp_path):
     """The GPU smoke script parses, and on a machine without a GPU says so and exits non-zero."""

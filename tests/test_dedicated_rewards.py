@@ -77,3 +77,31 @@ def test_trainer_ranks_never_build_the_reward_model_and_rollout_workers_score_af
         assert scored.total.shape == (2,) and torch.isfinite(scored.total).all()
         torch.testing.assert_close(scored.total, inline(pixels, prompts, metadata)[0])  # as scored inline
     assert not rollout.pending
+
+
+def test_trainer_rank_evaluates_without_the_reward_model_a_rollout_worker_scores(clip, monkeypatch):
+    """In-training eval of a model-reward run: trainer rank 0 samples the eval prompts but never builds
+    the reward; it hands back the decoded pixels, a rollout worker's ``score`` scores them, and the
+    metrics equal the same evaluation scored inline."""
+    from digenrl.evaluate import evaluate_policy, reward_metrics
+
+    cfg = load_config(None, [*BASE, clip, "engine.tag=false", "output.eval_every=1"])
+    layout = resolve(cfg)
+    built = []
+    monkeypatch.setattr(workers, "build_reward", lambda rc: built.append(rc) or build_reward(rc))
+    trainer = workers.EngineWorker(cfg, "trainer0", "trainer", layout=layout)
+    assert trainer.init_error is None
+    out = trainer.evaluate()
+    assert set(out) == {"eval_pixels"} and not built and not trainer.holds_reward()
+    pixels, prompts, metadata = out["eval_pixels"]
+    assert pixels.shape[0] == len(prompts) == len(metadata) == len(trainer.prompts.prompts)
+    rollout = workers.EngineWorker(cfg, "rollout0", "rollout", layout=layout)
+    scored = rollout.score("eval-0", out["eval_pixels"])
+    got = reward_metrics(scored.total, scored.parts)
+    want = evaluate_policy(trainer.policy, build_reward(cfg.reward), trainer.prompts.prompts).metrics()
+    assert set(got) == set(want) == {"eval/clipscore", "eval/reward_mean"}
+    assert all(got[k] == pytest.approx(want[k], abs=1e-5) for k in want)
+    # a function reward is still scored on the trainer rank itself (no rollout worker call for 2 ms)
+    plain = load_config(None, [*BASE, "engine.tag=false", "output.eval_every=1"])
+    metrics = workers.EngineWorker(plain, "trainer0", "trainer", layout=resolve(plain)).evaluate()
+    assert "eval/reward_mean" in metrics

@@ -292,10 +292,11 @@ def test_a_model_reward_is_scored_on_the_rollout_worker_beside_its_next_unit(
 ):
     """A model reward without reward.service: each unit is scored after its decode on a rollout
     worker's device (a TAG rank's unit too: its pixels go to a rollout worker), in a side call that
-    overlaps that worker's next unit; the update is the local trainer's (which scores inline)."""
+    overlaps that worker's next unit; the update is the local trainer's (which scores inline). The
+    in-training eval too: trainer rank 0 samples it, a rollout worker scores it."""
     clip = f"reward.components=[{{name: clipscore, args: {{path: {slow_clip}}}}}]"
     overrides = BASE + DISAGG + ["engine.gap=true", f"engine.tag={str(tag).lower()}"]
-    overrides += ["train.prompts_per_iteration=4", clip]
+    overrides += ["train.prompts_per_iteration=4", clip, "output.eval_every=2"]
     result = run_engine(load_config(None, overrides), run_dir=tmp_path / "engine")
     tl = Timeline.from_chrome_trace(tmp_path / "engine" / "timeline.json")
     rollouts, rewards = {r.uid: r for r in tl.of("rollout")}, tl.of("reward")
@@ -316,9 +317,8 @@ def test_a_model_reward_is_scored_on_the_rollout_worker_beside_its_next_unit(
     assert all(t.start >= scored[f"rollout-{t.iteration}-{t.args['groups'][0]}"] for t in tl.of("train"))
     assert all(r["reward_latency_s/clipscore"] > 0 for r in result.metrics)
 
-    local = LocalTrainer(load_config(None, BASE + ["train.prompts_per_iteration=4", clip])).run(
-        tmp_path / "local"
-    )
+    local_cfg = load_config(None, BASE + ["train.prompts_per_iteration=4", clip, "output.eval_every=2"])
+    local = LocalTrainer(local_cfg).run(tmp_path / "local")
     ref = load_file(tmp_path / "local" / "final" / "pytorch_lora_weights.safetensors")
     got = load_file(tmp_path / "engine" / "final" / "pytorch_lora_weights.safetensors")
     for k in ref:
@@ -326,6 +326,10 @@ def test_a_model_reward_is_scored_on_the_rollout_worker_beside_its_next_unit(
     for mine, theirs in zip(result.metrics, local.metrics, strict=True):
         assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    evals = [(m, t) for m, t in zip(result.metrics, local.metrics) if "eval/reward_mean" in t]
+    assert evals and all(
+        m["eval/clipscore"] == pytest.approx(t["eval/clipscore"], abs=1e-5) for m, t in evals
+    )
 
 
 @pytest.mark.slow

@@ -99,3 +99,102 @@ def test_sequence_parallel_workers_equal_the_local_trainer(cluster, reference, t
     assert [r["bubble_fraction"] for r in tl.iteration_stats()] == pytest.approx(
         [r["bubble_fraction"] for r in flat.iteration_stats()]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["", ":start"], ids=["after_its_share", "mid_unit"])
+def test_a_lost_member_takes_its_sequence_parallel_group_down(cluster, reference, tmp_path, when):
+    """The follower of a sequence-parallel rollout pair dies after its share of a unit, or as its share
+    starts (``:start``: its lead then waits in the unit's first all-to-all, which fails as the
+    follower's process goes): the lead's unit fails naming the dead member, the driver restarts the
+    pair whole (its lead too), forms its group again and re-queues the unit exactly once; the run
+    loses and duplicates nothing and equals the single-process trainer (and so the fault-free run,
+    test above) within the same tolerance."""
+    from collections import Counter
+
+    from tests.helpers import assert_timeline_invariants
+
+    ref_dir, ref = reference
+    sets, _, _ = CASES["rollout_sp"]
+    fault = f"engine.faults=[{{worker: rollout1, unit: 'rollout-0-1{when}'}}]"
+    cfg = load_config(None, BASE + ENGINE + sets + [fault])
+    result = run_engine(cfg, run_dir=tmp_path / "sp")
+    assert result.metrics[-1]["worker_restarts"] >= 1
+    tl = Timeline.from_chrome_trace(tmp_path / "sp" / "timeline.json")
+    assert_timeline_invariants(cfg, tl)  # every group generated once (as recorded) and trained once
+    assert Counter(r.uid for r in tl.of("rollout"))["rollout-0-1"] == 1
+    want = load_file(ref_dir / "final" / "pytorch_lora_weights.safetensors")
+    got = load_file(tmp_path / "sp" / "final" / "pytorch_lora_weights.safetensors")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=0)
+    for mine, theirs in zip(result.metrics, ref.metrics, strict=True):
+        assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
+        assert mine["samples"] == theirs["samples"]
+
+
+WIRED = {  # sequence parallelism beside the engine's other features, each one SPMD group
+    # an SP trainer pair assists generation (TAG): it generates each unit together, as an SP rollout pair
+    "trainer_sp_tag": [
+        "engine.trainer_sp=2",
+        "engine.tag=true",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]",
+    ],
+    # SP rollout workers beside TAG trainer ranks
+    "rollout_sp_tag": [
+        "engine.rollout_sp=2",
+        "engine.tag=true",
+        "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",
+    ],
+    # in-training eval on an SP trainer pair: the lead's evaluate runs on its follower too
+    "trainer_sp_eval": [
+        "engine.trainer_sp=2",
+        "output.eval_every=1",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]",
+    ],
+    # colocated SP: every device generates and trains, in two SP pairs (replicated across them)
+    "colocated_sp": [
+        "placement.mode=colocated",
+        "engine.trainer_sp=2",
+        "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 2}]",
+    ],
+    # colocated FSDP (DanceGRPO's arrangement): both devices one shard group that generates and trains
+    "colocated_fsdp": [
+        "placement.mode=colocated",
+        "train.fsdp=2",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 1}]",
+    ],
+    # SP inside HSDP: 4 trainer devices, two shard groups of 2 (replicas), each one SP pair
+    "trainer_sp_in_hsdp": [
+        "engine.trainer_sp=2",
+        "train.fsdp=2",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]",
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", WIRED)
+def test_sequence_parallel_beside_tag_eval_and_hsdp_equals_the_local_trainer(
+    cluster, reference, tmp_path, case
+):
+    from tests.helpers import assert_timeline_invariants
+
+    ref_dir, ref = reference
+    cfg = load_config(None, BASE + ENGINE + WIRED[case])
+    result = run_engine(cfg, run_dir=tmp_path / "sp")
+    want = load_file(ref_dir / "final" / "pytorch_lora_weights.safetensors")
+    got = load_file(tmp_path / "sp" / "final" / "pytorch_lora_weights.safetensors")
+    assert got.keys() == want.keys()
+    for k in want:  # the tolerance of the test above
+        torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=0)
+    for mine, theirs in zip(result.metrics, ref.metrics, strict=True):
+        assert mine["reward_mean"] == pytest.approx(theirs["reward_mean"], abs=1e-5)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-3)
+    tl = Timeline.from_chrome_trace(tmp_path / "sp" / "timeline.json")
+    assert_timeline_invariants(cfg, tl)
+    if "engine.tag=true" in WIRED[case] and "engine.trainer_sp=2" in WIRED[case]:  # the pair generated
+        assert [r for r in tl.of("rollout") if r.worker == "trainer0" and r.args["sp"] == 2]
+    if case == "trainer_sp_eval":
+        assert all(any(k.startswith("eval/") for k in row) for row in result.metrics)
+    if case == "trainer_sp_in_hsdp":  # two replica groups, each a lead scheduled for its pair
+        assert {t.worker for t in tl.of("train")} <= {"trainer0", "trainer2"}

@@ -190,3 +190,25 @@ def test_no_runtime_module_resolves_the_layout():
                     found.append(f"{name} calls {called}")
     assert not found, found
     assert len(runtime) > 30  # the walk found the runtime
+
+
+def test_resolve_builds_the_memory_model_once(monkeypatch):
+    """One layout, one memory model: every resolution step (memory preflight, FSDP / checkpointing,
+    rollout batch, CFG batching per role) reads the one ``resolve`` built; none on logical CPU pools."""
+    import digenrl.preflight
+
+    built = []
+    real = digenrl.preflight.memory_model
+    monkeypatch.setattr(digenrl.preflight, "memory_model", lambda cfg: built.append(1) or real(cfg))
+    gpus = [
+        "placement.mode=disaggregated",
+        "engine.tag=false",
+        "sampling.cfg_batching=auto",
+        "cluster.pools=[{name: rollout, device: H100, count: 1}, {name: trainer, device: H100, count: 2}]",
+    ]
+    layout = resolve(load_config(None, TINY + gpus))
+    assert len(built) == 1 and layout.settings.memory_device == "H100"
+    assert layout.settings.rollout_batch is not None  # auto on a known GPU: the memory model's batch
+    built.clear()
+    resolve(load_config(None, TINY + SHARDED))
+    assert built == []

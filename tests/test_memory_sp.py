@@ -105,7 +105,7 @@ def test_real_scale_video_configs_pass_the_memory_preflight(path):
 def test_real_scale_video_configs_are_runnable_as_shipped(path):
     """`digenrl config validate`'s engine checks, without Ray or a GPU: the runtime's own refusals of
     sequence parallelism and sharding, the engine's workers and schedule -- its resolved layout. The
-    planner proposes only what these accept (search.unwired_sharding)."""
+    planner proposes only what these accept (search.refused_plan)."""
     from digenrl.resolve import resolve
 
     cfg = load_config(path, [])
@@ -248,10 +248,10 @@ def test_plan_config_writes_what_the_plan_assumes():
 )
 def test_the_search_proposes_only_what_the_runtime_runs(path, evaluates):
     """Every ranked plan, written as a config, passes the runtime's own refusals (its layout
-    resolves); colocated sequence-parallel candidates, which the runtime refuses, are dropped
-    with the runtime's reason. The peers' colocated baseline may still use them, marked as refused."""
+    resolves), colocated sequence-parallel ones included; the peers' colocated baseline is one the
+    engine runs too."""
     from digenrl.cli.plan import plan_config
-    from digenrl.planner.search import baselines, search, unwired_sharding
+    from digenrl.planner.search import baselines, refused_plan, search
     from digenrl.resolve import resolve
 
     cfg = load_config(path, [f"output.eval_every={10 if evaluates else 0}"])
@@ -262,26 +262,30 @@ def test_the_search_proposes_only_what_the_runtime_runs(path, evaluates):
     for r in result.ranked:
         out = plan_config(cfg, r, cluster)
         resolve(out)
-        assert r.plan.placement == "disaggregated" or r.plan.rollout_sp == r.plan.trainer_sp == 1
-        assert not (evaluates and r.plan.trainer_sp > 1)
-    refused = [why for label, (why, _) in result.rejected.items() if "colocated" in label and "SP" in label]
-    assert refused and any("need placement.mode: disaggregated" in why for why in refused)
-    peer = baselines(cost, cluster)["colocated"]
-    if peer is not None and peer.plan.rollout_sp > 1:
-        assert "engine refuses" in unwired_sharding(peer.plan, peer.setups, cost)
+
+    def uneven(why):  # the refusals left: a degree the model's tokens / heads or a unit cannot split over
+        return any(w in why for w in ("split evenly", "divide", "split over"))
+
+    assert all(uneven(why) for why, _ in result.rejected.values() if "engine refuses" in why)
+    peer = baselines(cost, cluster)["colocated"]  # the peers' colocated SP arrangement: one the engine runs
+    if peer is not None:
+        why = refused_plan(peer.plan, peer.setups, cost)
+        assert not why or uneven(why)
 
 
 def test_sharding_degrees_count_trainer_devices_as_the_runtime_does():
-    """``train.fsdp: N`` with ``engine.trainer_sp: s``: FSDP over all N trainer devices, SP groups inside
-    (settings.fsdp_unwired refuses HSDP beside trainer SP), so ``auto`` offers only 1 or N devices and
-    a device holds 1/N of the base weights."""
+    """``train.fsdp: N`` with ``engine.trainer_sp: s``: FSDP over shard groups of N trainer devices that
+    hold whole SP groups (HSDP when N is below the devices; settings.fsdp_refusal refuses an N that
+    splits an SP group), so ``auto`` offers 1 and the multiples of s dividing the devices, and a
+    device holds 1/N of the base weights."""
     m = model(WAN)
     ranks, sp = 4, 2  # 8 trainer devices
     options = {shard for *_, shard in m.options(ranks * sp, sp=sp)}
-    assert options == {1, ranks * sp}
-    assert {shard for *_, shard in m.options(ranks * sp)} == {1, 2, 4, 8}  # without SP: HSDP degrees too
-    parts = m.trainer_need(ranks * sp, 1, True, sp=sp)
-    w = m.workload
-    assert parts["frozen base"] == pytest.approx(w.params.total * w.dtype_bytes / (ranks * sp))
+    assert options == {1, 2, 4, 8}  # SP pairs inside shard groups of 2, 4 (HSDP) or 8
+    assert {shard for *_, shard in m.options(8, sp=4)} == {1, 4, 8}  # never 2: it would split an SP group
+    for shard in (2, ranks * sp):  # HSDP or one shard group: 1/N of the base weights each
+        parts = m.trainer_need(shard, 1, True, sp=sp)
+        w = m.workload
+        assert parts["frozen base"] == pytest.approx(w.params.total * w.dtype_bytes / shard)
     fits, miss = m.setups("H800", ranks, False, 1, sp)
-    assert {s.shard for s in fits} | {miss.shard} <= {1, ranks * sp}
+    assert {s.shard for s in fits} | {miss.shard} <= {1, 2, 4, ranks * sp}

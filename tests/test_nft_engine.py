@@ -1,6 +1,7 @@
 """DiffusionNFT on the Ray engine: on-policy (``max_staleness: 0``) it equals the single-process
 trainer with TSP 2 (the noise levels split over two trainer ranks) and with FSDP x2 (the old policy
-sharded like the weights); the default demo (disaggregated, GAP + TAG + one-step async) learns, with
+sharded like the weights; with uneven shares beside TAG too, in lockstep); the default demo
+(disaggregated, GAP + TAG + one-step async) learns, with
 the timeline invariants of docs/architecture.md holding. On the suite's Ray cluster (conftest)."""
 
 from __future__ import annotations
@@ -78,6 +79,24 @@ def test_engine_equals_the_local_trainer_on_policy(mode, cluster, local, tmp_pat
     if mode == "tsp2":  # each rank trained its half of the noise levels of every group
         trains = Timeline.from_chrome_trace(tmp_path / "timeline.json").of("train")
         assert {t.args["tsp_rank"] for t in trains} == {0, 1}
+
+
+def test_sharded_nft_with_uneven_shares_equals_the_local_trainer(cluster, tmp_path):
+    """FSDP x2 beside TAG, each unit a group of 3 samples (2 + 1 over the ranks, micro-batch 1): the
+    rank with one micro-batch fewer runs the other's passes weighted 0, so the collectives match
+    (lockstep) and the update is the unsharded one."""
+    uneven = ["algorithm.group_size=3", "train.micro_batch=1"]
+    ref = LocalTrainer(load_config(None, BASE + uneven)).run(tmp_path / "local")
+    cfg = load_config(None, BASE + uneven + TWO_TRAINERS + ["engine.tag=true", "train.fsdp=2"])
+    result = run_engine(cfg, run_dir=tmp_path / "fsdp")
+    check_invariants(cfg, tmp_path / "fsdp")
+    want, got = (load_file(tmp_path / d / "final" / LORA) for d in ("local", "fsdp"))
+    assert got.keys() == want.keys()
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=0)
+    for mine, theirs in zip(result.metrics, ref.metrics, strict=True):
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-4, abs=1e-6)
 
 
 def test_default_demo_learns_on_the_async_engine(cluster, tmp_path):

@@ -768,9 +768,5 @@ def test_plan_report_lists_the_baselines(monkeypatch, capsys):
     best = report["plans"][0]["samples_per_s"]
     for row in report["baselines"].values():
         assert row["best_speedup"] == pytest.approx(best / row["samples_per_s"])
-        if (
-            row["engine_refuses"] is None
-        ):  # an arrangement the engine runs too was in the search: never faster
-            assert row["best_speedup"] >= 1 - 1e-9
-        else:  # e.g. colocated with sequence parallelism: the peers run it, the engine refuses it
-            assert "engine refuses" in row["engine_refuses"]
+        # the engine runs every arrangement of the peers, so the search held it too: never faster
+        assert row["best_speedup"] >= 1 - 1e-9

@@ -146,6 +146,35 @@ def test_offloaded_text_encoders_are_hooked_and_encode_the_same(wan_checkpoint):
     assert lean.cond_for(prompts).batched["prompt_embeds"].abs().sum() > 0  # real, non-trivial embeddings
 
 
+def test_offloaded_text_encoders_load_straight_to_the_cpu(wan_checkpoint, monkeypatch):
+    """``model.offload_text_encoders``: the checkpoint's UMT5 encoder is loaded into host memory and
+    never asked to move to the adapter's device (only to the CPU, by the offload hook); the
+    transformer and the VAE are. The "meta" device stands in for a GPU on this CPU machine (nothing
+    computes on it, and a module moved there could not come back to the CPU)."""
+    from transformers import UMT5EncoderModel
+
+    asked, to = [], UMT5EncoderModel.to
+
+    def recording_to(self, *args, **kwargs):
+        asked.extend(str(a) for a in (*args, kwargs.get("device")) if isinstance(a, (str, torch.device)))
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(UMT5EncoderModel, "to", recording_to)
+    cfg = load_config(
+        WAN_TINY,
+        [f"model.pretrained={wan_checkpoint}", "model.preset=null", "model.offload_text_encoders=true"],
+    )
+    lean = build_adapter(cfg.model, cfg.sampling, device="meta")
+    assert "meta" not in asked and {p.device.type for p in lean.pipe.text_encoder.parameters()} == {"cpu"}
+    assert {p.device.type for p in lean.transformer.parameters()} == {"meta"}
+    assert {p.device.type for p in lean.vae.parameters()} == {"meta"}
+    assert type(lean.pipe.text_encoder._hf_hook).__name__ == "CpuOffload"
+    asked.clear()  # without offloading the encoder goes to the device with the rest
+    cfg = load_config(WAN_TINY, [f"model.pretrained={wan_checkpoint}", "model.preset=null"])
+    plain = build_adapter(cfg.model, cfg.sampling, device="meta")
+    assert "meta" in asked and {p.device.type for p in plain.pipe.text_encoder.parameters()} == {"meta"}
+
+
 def test_a_lean_rank_loads_the_transformer_alone(wan_checkpoint, monkeypatch):
     """generates=False (a trainer rank that neither encodes nor decodes) reads the checkpoint's
     transformer and scheduler only: the text encoder and the VAE are never constructed."""

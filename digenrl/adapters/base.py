@@ -157,6 +157,18 @@ class Adapter(ABC):
         self.scheduler = self.checkpoint_scheduler(path)
         self.pipe = self.text = self.preview = None
 
+    def place_pipe(self) -> None:
+        """Move a loaded checkpoint's pipeline (``from_pretrained`` builds it in host memory) to the
+        adapter's device -- all but its text encoders when ``model.offload_text_encoders`` is on:
+        they stay in host memory, never materialised on the device first (the offload hooks move
+        them there only to encode)."""
+        from digenrl.adapters.text_offload import TEXT_ENCODER_PARTS
+
+        kept = TEXT_ENCODER_PARTS if self.cfg.offload_text_encoders else ()
+        for name, part in self.pipe.components.items():
+            if isinstance(part, nn.Module) and name not in kept:
+                part.to(self.device)
+
     def checkpoint_scheduler(self, path: Path):
         """The scheduler a checkpoint ships, as its pipeline loads it."""
         import diffusers

@@ -118,7 +118,7 @@ class FluxAdapter(PackedLatentAdapter):
                 f"model.pretrained: {path} is not a diffusers FLUX checkpoint (no model_index.json)"
             )
         self.pipe = FluxPipeline.from_pretrained(path, torch_dtype=self.dtype)
-        self.pipe.to(self.device)
+        self.place_pipe()  # model.offload_text_encoders: the encoders stay on the CPU
         self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
         self.text = None
 

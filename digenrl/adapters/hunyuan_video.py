@@ -128,7 +128,7 @@ class HunyuanVideoAdapter(Adapter):
         self.pipe = HunyuanVideoPipeline.from_pretrained(
             path, torch_dtype=self.dtype
         )  # LLaMA + CLIP encoders
-        self.pipe.to(self.device)
+        self.place_pipe()  # model.offload_text_encoders: the encoders stay on the CPU
         self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
         self.text = None
 

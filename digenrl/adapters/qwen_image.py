@@ -120,7 +120,7 @@ class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
                 f"model.pretrained: {path} is not a diffusers Qwen-Image checkpoint (no model_index.json)"
             )
         self.pipe = QwenImagePipeline.from_pretrained(path, torch_dtype=self.dtype)  # Qwen2.5-VL text encoder
-        self.pipe.to(self.device)
+        self.place_pipe()  # model.offload_text_encoders: the encoders stay on the CPU
         self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
         self.text = None
 

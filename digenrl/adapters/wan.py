@@ -115,7 +115,7 @@ class WanAdapter(TwoPassCFG, Adapter):
         # the Wan VAE is numerically fragile in half precision: keep it fp32 (as diffusers' example does)
         vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", dtype=torch.float32)
         self.pipe = WanPipeline.from_pretrained(path, vae=vae, dtype=self.dtype)
-        self.pipe.to(self.device)
+        self.place_pipe()  # model.offload_text_encoders: the encoders stay on the CPU
         self.transformer, self.vae, self.text = self.pipe.transformer, self.pipe.vae, None
         self.scheduler = self.pipe.scheduler = self._flow_scheduler_from(self.pipe.scheduler.config)
 

@@ -109,7 +109,7 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
         # a model reward scored after each unit: the rollout workers' score() runs beside their next unit
         scoring = ray.remote(concurrency_groups={SCORE_GROUP: 1})(EngineWorker)
         after = scored_after_unit(cfg)
-        sp_members, sp_followers = layout.sp_members, layout.sp_followers
+        sp_followers = layout.sp_followers
         for i, spec in enumerate(workers):
             b = bundles[i]
             actors[spec.name] = (
@@ -123,10 +123,8 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
                     ),
                     # a rollout worker holds nothing that cannot be rebuilt: Ray restarts it and the
                     # engine re-queues its unit; a trainer rank's death stops the run (worker_died)
-                    # (a sequence-parallel group's member is not restarted: it would leave its group)
-                    max_restarts=cfg.engine.max_restarts
-                    if spec.role == "rollout" and spec.name not in sp_members
-                    else 0,
+                    # (a sequence-parallel group is restarted whole: recovery.GroupRestart)
+                    max_restarts=cfg.engine.max_restarts if spec.role == "rollout" else 0,
                     max_task_retries=0,
                 )
                 .remote(
@@ -243,19 +241,46 @@ def form_sp_groups(layout: RunLayout, actors: dict, ready: dict) -> None:
     import ray
 
     for names in layout.rollout_sp_groups:
-        backend = "nccl" if all(ready[n]["device"].startswith("cuda") for n in names) else "gloo"
-        address, port = ray.get(actors[names[0]].rendezvous_address.remote())
-        ray.get(
-            [
-                actors[n].join_sp_group.remote(address, port, i, len(names), backend)
-                for i, n in enumerate(names)
-            ]
-        )
-        ray.get(actors[names[0]].lead.remote({n: actors[n] for n in names[1:]}))
+        form_rollout_sp_group(actors, names, [ready[n]["device"] for n in names])
     if layout.shard_groups:  # FSDP: trainer rank 0 already leads every other rank
         return
     for names in layout.trainer_sp_groups:  # (their group formed with the trainer group's)
         ray.get(actors[names[0]].lead.remote({n: actors[n] for n in names[1:]}))
+
+
+def form_rollout_sp_group(actors: dict, names, devices: list[str] | None = None) -> None:
+    """One sequence-parallel rollout group (``names``, its lead first) joins its own torch.distributed
+    world and the lead takes its followers; again when the group was restarted whole."""
+    import ray
+
+    if devices is None:  # the group restarted whole: its members may come back one by one
+        devices = [f["device"] for f in when_back(actors, names)]
+    backend = "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"
+    address, port = ray.get(actors[names[0]].rendezvous_address.remote())
+    ray.get(
+        [actors[n].join_sp_group.remote(address, port, i, len(names), backend) for i, n in enumerate(names)]
+    )
+    ray.get(actors[names[0]].lead.remote({n: actors[n] for n in names[1:]}))
+
+
+RESTART_WAIT_S = 300.0  # how long a restarted group's members may take to come back (each rebuilds its model)
+
+
+def when_back(actors: dict, names) -> list[dict]:
+    """Each of ``names``' ``sync_specs()`` once Ray has restarted it: a member still restarting answers
+    ActorUnavailableError, so ask again (every 0.5 s, up to RESTART_WAIT_S)."""
+    import time
+
+    import ray
+
+    deadline = time.time() + RESTART_WAIT_S
+    while True:
+        try:
+            return ray.get([actors[n].sync_specs.remote() for n in names])
+        except ray.exceptions.ActorUnavailableError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def connect(workers: list[Worker], ray_address: str | None) -> bool:

@@ -5,11 +5,12 @@ backward passes, and rank 0 reports the unit's stats combined over the ranks (do
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
 from digenrl.unit_rows import minibatch_rows
-from digenrl.units import Samples
+from digenrl.units import ROW_FIELDS, Samples
 
 
 def shard_trainer_rank(policy, degree: int, resume: str | None = None):
@@ -32,53 +33,182 @@ def shard_trainer_rank(policy, degree: int, resume: str | None = None):
     return mesh
 
 
-def rank_slice(
+def share_rows(
     samples: Samples,
     rank: int,
     world: int,
     minibatch: int = 0,
     minibatches: int = 1,
     group_size: int | None = None,
-) -> Samples:
-    """Rank ``rank``'s equal share (consecutive rows) of the unit's samples of mini-batch
-    ``minibatch`` (:func:`~digenrl.unit_rows.minibatch_rows`; all of them with one mini-batch). Train it
-    as a whole: ``train_unit(..., minibatch=0, minibatches=1)``."""
+) -> torch.Tensor:
+    """The rows of rank ``rank``'s equal share (consecutive rows) of the unit's samples of mini-batch
+    ``minibatch`` (:func:`~digenrl.unit_rows.minibatch_rows`; all of them with one mini-batch)."""
     n = len(samples)
     rows = torch.arange(n)
     if minibatches > 1:
         rows = minibatch_rows(
             n, group_size, minibatch, minibatches, n // len(samples.group_ids), samples.first_sample
         )
-    if len(rows) % world:
-        raise RuntimeError(f"{len(rows)} samples do not split evenly over {world} FSDP ranks")
-    share = len(rows) // world
-    return select_rows(samples, rows[rank * share : (rank + 1) * share])
+    lo, hi = len(rows) * rank // world, len(rows) * (rank + 1) // world  # as equal as they split
+    return rows[lo:hi]
+
+
+def rank_slice(samples: Samples, rank: int, world: int, *args) -> Samples:
+    """Rank ``rank``'s share (:func:`share_rows`) of the unit's samples. Train it as a whole:
+    ``train_unit(..., minibatch=0, minibatches=1)``."""
+    return select_rows(samples, share_rows(samples, rank, world, *args))
 
 
 def train_share(policy, samples: Samples, unit, rank: int, degree: int, total_terms: int) -> dict:
     """Rank ``rank`` of a shard group of ``degree`` trains its share (:func:`rank_slice`) of train unit
-    ``unit`` (its mini-batch ``unit.step``); returns the share's stats."""
+    ``unit`` (its mini-batch ``unit.step``; its TSP positions), in lockstep with the group's other
+    ranks (:func:`lockstep_steps`); returns the share's stats."""
     from digenrl.units import train_unit
 
     cfg = policy.cfg
-    mine = rank_slice(samples, rank, degree, unit.step, cfg.train.optimizer_steps, cfg.algorithm.group_size)
-    return train_unit(policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree)
+    split = (degree, unit.step, cfg.train.optimizer_steps, cfg.algorithm.group_size)
+    shares = [samples.train_idx[share_rows(samples, r, *split)] for r in range(degree)]
+    steps = lockstep_steps(shares, cfg.train.micro_batch, unit.tsp_rank, unit.tsp_degree)
+    own = share_rows(samples, rank, *split)
+    padding = len(own) == 0  # fewer samples than ranks: this rank only keeps the group's passes in step
+    mine = select_rows(samples, own if not padding else torch.zeros(1, dtype=torch.long))
+    return train_unit(
+        policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree, lockstep=steps, padding=padding
+    )
+
+
+def lockstep_steps(shares: list[torch.Tensor], micro_batch: int, tsp_rank: int, tsp_degree: int):
+    """Per micro-batch, the steps every rank of a sharded group runs a train forward / backward at:
+    the union of the steps its ranks' samples train (``shares``: each rank's ``train_idx`` rows; as
+    many micro-batches as the largest share has).
+    FSDP2 gathers the parameters per forward and reduce-scatters per backward, so the ranks must run
+    the same passes; with random trained timesteps (DanceGRPO) their samples train different steps,
+    and a rank runs a zero-weighted pass where it has none (:func:`~digenrl.units.train_unit`)."""
+    per_rank = []
+    for idx in shares:
+        positions = [j for j in range(idx.shape[1]) if j % tsp_degree == tsp_rank]
+        per_rank.append([set(mb[:, positions].unique().tolist()) for mb in idx.split(micro_batch)])
+    # a rank with fewer micro-batches (an uneven split) runs the others' as zero-weighted passes
+    return [sorted(set().union(*batch)) for batch in itertools.zip_longest(*per_rank, fillvalue=set())]
+
+
+# -- generation (TAG, colocated): the group rolls out each unit together -------------------------
+
+
+class _Kept:
+    """A share's reward: none yet; keeps the decoded pixels for the lead to score the whole unit."""
+
+    def __init__(self):
+        self.pixels = None
+
+    def __call__(self, pixels, prompts, metadata=None):
+        self.pixels = pixels.cpu()
+        return torch.zeros(len(prompts)), {}
+
+
+def unit_share(groups: tuple, span: tuple[int, int], share: int, shares: int):
+    """The (groups, sample range) share ``share`` of ``shares`` of a rollout unit generates: whole
+    groups when they split evenly, else an equal slice of every group's samples, else the whole unit
+    (every share generates all of it; the lead keeps one)."""
+    lo, hi = span
+    if len(groups) % shares == 0:
+        k = len(groups) // shares
+        return tuple(groups[share * k : (share + 1) * k]), span
+    if (hi - lo) % shares == 0:
+        w = (hi - lo) // shares
+        return tuple(groups), (lo + share * w, lo + (share + 1) * w)
+    return tuple(groups), span
+
+
+def _timesteps_forwards(cfg, iteration: int, groups, span) -> list[int]:
+    """The model forwards a share's rollout runs at each step (:func:`~digenrl.units.forward_batches`)."""
+    from digenrl.units import _timestep_selection, forward_batches
+
+    _, train_idx = _timestep_selection(cfg, iteration, cfg.train.seed, list(groups), span)
+    batches = forward_batches(train_idx, cfg, span[1] - span[0], span[0])
+    return [1] * cfg.sampling.steps if batches is None else [len(b) for b in batches]
+
+
+def rollout_share(worker, unit, share: int, shares: int) -> tuple[Samples, torch.Tensor]:
+    """Generate and decode share ``share`` of ``shares`` of ``unit`` (:func:`unit_share`) with the
+    worker's weights; unscored (the lead scores the whole unit). Every rank of the group calls it:
+    sharded ranks gather the parameters per forward together, so every share runs the same forwards
+    (the trainer's batches when the shares' agree, else one per step)."""
+    from digenrl.units import rollout_unit
+
+    cfg, G = worker.cfg, worker.cfg.algorithm.group_size
+    span = unit.sample_range(G)
+    parts = [unit_share(unit.groups, span, s, shares) for s in range(shares)]
+    plans = {tuple(_timesteps_forwards(cfg, unit.iteration, g, r)) for g, r in parts}
+    groups, mine = parts[share]
+    everything = worker.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
+    kept = _Kept()
+    samples = rollout_unit(
+        worker.policy,
+        kept,
+        [everything[g] for g in groups],
+        list(groups),
+        unit.iteration,
+        cfg.train.seed,
+        mine,
+        whole_forwards=len(plans) > 1,
+    )
+    if worker.sharded:  # sampling leaves the root's parameters gathered (no backward frees them)
+        reshard(worker.policy.adapter.transformer)
+    return samples, kept.pixels
+
+
+def merge_shares(parts: list[tuple[Samples, torch.Tensor]], unit, group_size: int):
+    """One unit's samples and pixels, in its order (group by group), from its shares' (in share order)."""
+    from digenrl.adapters.base import Cond
+
+    span = unit.sample_range(group_size)
+    split = unit_share(unit.groups, span, 0, len(parts))
+    if len(parts) == 1 or (split == (tuple(unit.groups), span)):  # one share, or each held all of it
+        return parts[0]
+    rows = torch.arange(sum(len(p) for p, _ in parts))
+    if split[1] != span:  # each share a slice of every group: interleave back into group order
+        w = split[1][1] - split[1][0]
+        rows = rows.view(len(parts), len(unit.groups), w).transpose(0, 1).reshape(-1)
+    shares = [p for p, _ in parts]
+
+    def cat(tensors):
+        return None if tensors[0] is None else torch.cat(tensors)[rows]
+
+    prompts = [t for p in shares for t in p.prompts]
+    samples = dataclasses.replace(
+        shares[0],
+        group_ids=list(unit.groups),
+        prompts=[prompts[i] for i in rows.tolist()],
+        cond=Cond.cat([p.cond for p in shares]).select(rows),
+        reward_parts={k: cat([p.reward_parts[k] for p in shares]) for k in shares[0].reward_parts},
+        first_sample=span[0],
+        **{f: cat([getattr(p, f) for p in shares]) for f in ROW_FIELDS},
+    )
+    return samples, cat([px for _, px in parts])
+
+
+def score_unit(samples: Samples, pixels: torch.Tensor, reward_fn, prompts: list) -> Samples:
+    """Score a unit generated in shares (``prompts``: the unit's groups' Prompts, in order), once."""
+    n = len(samples) // len(samples.group_ids)
+    metas = [p.meta for p in prompts for _ in range(n)]
+    samples.rewards, samples.reward_parts = reward_fn(pixels, samples.prompts, metas)
+    samples.preview = (pixels[::n].clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+    return samples
 
 
 def select_rows(samples: Samples, rows: torch.Tensor) -> Samples:
     """The unit's samples ``rows`` (same iteration, version and groups; per-sample fields cut)."""
+
+    def cut(t):
+        return None if t is None else t[rows]
+
     return dataclasses.replace(
         samples,
         prompts=[samples.prompts[i] for i in rows.tolist()],
         cond=samples.cond.select(rows),
-        latents=samples.latents[rows],
-        log_probs=samples.log_probs[rows],
-        train_idx=samples.train_idx[rows],
-        rewards=samples.rewards[rows],
         reward_parts={k: v[rows] for k, v in samples.reward_parts.items()},
-        advantages=samples.advantages[rows],
-        noise_seeds=None if samples.noise_seeds is None else samples.noise_seeds[rows],
-        step_noise=None if samples.step_noise is None else samples.step_noise[rows],
+        **{f: cut(getattr(samples, f)) for f in ROW_FIELDS},
     )
 
 

@@ -35,6 +35,16 @@ class TrainerLost(RunStopped):
     the last checkpoint on disk can be kept."""
 
 
+class TrainerRankLost(TrainerLost):
+    """A trainer rank -- or a member of its shard / sequence-parallel group -- died running unit ``uid``
+    (the cluster is fine): the run may go on from the last checkpoint (``engine.trainer_restarts``,
+    :func:`digenrl.launch.run_engine`). ``run_dir``: the run's directory, set when the run stops."""
+
+    def __init__(self, message: str, uid: str):
+        super().__init__(message)
+        self.uid, self.run_dir = uid, None
+
+
 RESTART_POLL_S = 0.5  # how often to ask a restarting worker whether it is back
 HEAD_PROBE_S = 2.0  # how often the driver checks that the cluster's head still answers
 
@@ -67,8 +77,9 @@ class FaultRecovery:
             )
             return Lost(unit)
         if self.roles[worker] != "rollout" or not isinstance(unit, RolloutUnit):
-            raise TrainerLost(
-                f"trainer rank {worker} died while running {unit.uid} ({first_line(exc)}); the run stopped."
+            raise TrainerRankLost(
+                f"trainer rank {worker} died while running {unit.uid} ({first_line(exc)}); the run stopped.",
+                unit.uid,
             )
         self.restarts[worker] += 1
         if self.restarts[worker] > limit:
@@ -128,6 +139,40 @@ class FaultRecovery:
             raise TrainerLost(
                 f"the Ray cluster's head at {head} stopped answering ({problem}); the run stopped."
             )
+
+
+class GroupRestart:
+    """Sequence-parallel rollout groups (``engine.rollout_sp``): one worker of many devices. A lost
+    member takes its group down -- the driver kills the group's other members, so Ray restarts every
+    one (the lost one it restarts itself) -- and once the lead answers ``ready()`` again the group
+    is formed again whole (``form(names)``: its own world, the lead taking its followers) before the
+    lead takes work; its unit was re-queued once, as any dead rollout worker's
+    (:meth:`FaultRecovery.died`)."""
+
+    def __init__(self, groups: dict[str, list[str]], actors: dict, form):
+        self.groups, self.actors, self.form = groups, actors, form  # lead -> its members, lead first
+        self.down: set[str] = set()
+
+    def take_down(self, lead: str, exc: Exception) -> None:
+        """``lead``'s unit failed because a member of its group died (``exc``): restart the rest."""
+        import ray
+
+        if lead not in self.groups:
+            return
+        died = exc if isinstance(exc, ray.exceptions.RayActorError) else getattr(exc, "cause", None)
+        dead = getattr(died, "actor_id", None)
+        for name in self.groups[lead]:
+            actor = self.actors[name]
+            if actor._actor_id.hex() != dead:  # (Ray restarts the dead one already)
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=False)
+        self.down.add(lead)
+
+    def reform(self, lead: str) -> None:
+        """``lead`` is back: its group forms again (every member waits until Ray has restarted it)."""
+        if lead in self.down:
+            self.down.discard(lead)
+            self.form(self.groups[lead])
 
 
 @contextlib.contextmanager

@@ -32,19 +32,27 @@ from digenrl.engine.cluster import (
     REWARD_ROW,
     actor_died,
     first_line,
+    form_rollout_sp_group,
     form_sync_group,
     num_restarts,
     ray_workers,
 )
 from digenrl.engine.driver import Done, Event, Lost, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
-from digenrl.engine.recovery import FaultRecovery, TrainerLost, own_error, user_errors
+from digenrl.engine.recovery import (
+    FaultRecovery,
+    GroupRestart,
+    TrainerLost,
+    TrainerRankLost,
+    own_error,
+    user_errors,
+)
 from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit, Unit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
 from digenrl.engine.workers import SCORE_GROUP
 from digenrl.errors import WeightSyncError
-from digenrl.faults import with_fault_plan
+from digenrl.evaluate import reward_metrics
 from digenrl.layout import RunLayout
 from digenrl.progress import progress
 from digenrl.runlog import RunDir, check_writable, default_run_dir
@@ -90,14 +98,17 @@ def run_on_ray(
     check_writable(run_dir or cfg.output.run_dir or default_run_dir(cfg), "output.run_dir")
     if resumed is not None and start == cfg.train.iterations:  # finished already: nothing to do
         return RunResult(Path(run_dir), history)
-    worker_cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
     started = time.time()  # the timeline starts here: Ray and the workers starting up are its first events
-    with user_errors(), ray_workers(worker_cfg, layout, ray_address, resumed and resumed.path) as actors:
+    with user_errors(), ray_workers(cfg, layout, ray_address, resumed and resumed.path) as actors:
         sync = form_sync_group(layout, actors)  # before the run directory: its errors are the user's
         progress(f"{len(layout.workers)} workers ready ({time.time() - started:.0f} s)...")
         out = RunDir(cfg, run_dir, history=history)
         layout.write(out.path)
         backend = None
+        routes = SyncRoutes(*sync, start, actors, layout.trainer_ranks[0])
+        routes.reform = lambda: form_sync_group(layout, actors)  # the weight-sync group, after a restart
+        sp_rollout = {names[0]: names for names in layout.rollout_sp_groups}  # restarted whole
+        groups = GroupRestart(sp_rollout, actors, lambda names: form_rollout_sp_group(actors, names))
         try:
             with stop_on_interrupt() as stop:
                 backend = RayBackend(
@@ -109,15 +120,13 @@ def run_on_ray(
                     on_iteration=on_iteration,
                     history=history,
                     t0=started,
-                    sync=SyncRoutes(*sync, start, actors, layout.trainer_ranks[0]),
+                    sync=routes,
                     stop=stop,
+                    groups=groups,
                     resumed_at=start
                     if resumed is not None
                     else None,  # timeline.json: after the earlier part
                 )
-                backend.resumed_at = (
-                    start if resumed is not None else None
-                )  # timeline.json: after the earlier part
                 try:
                     backend.begin()
                     drive(scheduler, [w.name for w in layout.scheduled], backend)
@@ -155,10 +164,12 @@ class RayBackend:
         sync: SyncRoutes | None = None,
         stop: StopRequest | None = None,
         resumed_at: int | None = None,
+        groups: GroupRestart | None = None,
     ):
         """``t0``: the run's start (the timeline's zero; default now); ``sync``: the weight-sync
         routes (default: the object store); ``stop``: the Ctrl-C request (default: never asked);
-        ``resumed_at``: a resumed run's first iteration (its timeline continues the earlier part's)."""
+        ``resumed_at``: a resumed run's first iteration (its timeline continues the earlier part's);
+        ``groups``: the engine.rollout_sp groups, each restarted whole on a lost member (default: none)."""
         workers = layout.workers
         self.cfg, self.sched, self.actors, self.out, self.cadence = (
             cfg,
@@ -205,6 +216,7 @@ class RayBackend:
         )  # (iteration, step) -> ranks handed it
         self.stop = stop or StopRequest()  # Ctrl-C
         self.stopping = False  # after Ctrl-C or a fatal error: no new work, the running units finish
+        self.groups = groups or GroupRestart({}, actors, None)  # engine.rollout_sp groups
 
     def begin(self) -> None:
         """Before the first unit: the starting weights every restarted worker must hold, and (for a
@@ -295,6 +307,7 @@ class RayBackend:
                 worker, unit, exc
             )  # the unit goes back to the scheduler, or the run stops
             self.sync.worker_died(worker, self.sched.published_version)  # a rollout worker leaves the group
+            self.groups.take_down(worker, exc)  # engine.rollout_sp: the rest of its group restarts too
             return lost
         if worker == REWARD_ROW:  # the scores of a released rollout unit: now it is complete
             self.scored(unit, result)
@@ -422,9 +435,25 @@ class RayBackend:
 
         what, key = self.side.pop(ref)
         if what == "restart":
-            return self.faults.ready_answer(key, lambda: ray.get(ref))
+            back = self.faults.ready_answer(key, lambda: ray.get(ref))
+            if back is not None:
+                self.groups.reform(key)  # a sequence-parallel group restarted whole forms again
+            if back is not None and not self.faults.restarting:  # the last one back: the group re-forms
+                event = self.sync.rejoin(key)
+                if event is not None:
+                    self.record(self.rank0, [event])
+            return back
         if what == "eval":
-            self.ledger.evaluated(key, ray.get(ref))
+            metrics = ray.get(ref)
+            if "eval_pixels" in metrics:  # a model reward: a rollout worker scores rank 0's eval samples
+                scorer = self.scorers[key % len(self.scorers)]
+                call = self.actors[scorer].score.options(concurrency_group=SCORE_GROUP)
+                self.side[call.remote(f"eval-{key}", metrics["eval_pixels"])] = ("eval_scored", key)
+                return None
+            self.ledger.evaluated(key, metrics)
+        elif what == "eval_scored":
+            scored = ray.get(ref)
+            self.ledger.evaluated(key, reward_metrics(scored.total, scored.parts))
         else:
             self.ledger.checkpointed(key, ray.get(ref))
         return None
@@ -452,6 +481,8 @@ class RayBackend:
         iteration whose step is done gets its row, and rank 0 checkpoints the last completed
         iteration. Returns the exception to raise, naming the last checkpoint and how to resume."""
         exc = own_error(exc)
+        if isinstance(exc, TrainerRankLost):  # where a restart (engine.trainer_restarts) resumes from
+            exc.run_dir = self.out.path
         if not (self.stop.forced or isinstance(exc, (TrainerLost, WeightSyncError))):
             self.stopping = True
             try:

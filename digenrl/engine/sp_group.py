@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 
 from digenrl.engine import sync_group, weight_sync
+from digenrl.engine.groups import group_share
 from digenrl.units import rollout_unit
 
 
@@ -62,9 +63,11 @@ class SequenceParallelMember:
         )
         self.sp_world = degree
 
+    @group_share
     def sp_rollout(self, unit, packet: weight_sync.WeightPacket | None) -> None:
         """A follower's share of its lead's rollout unit (the lead's :meth:`rollout` starts it):
         the same generation, with that version's weights; returns nothing."""
+        self.faults.reached(f"{unit.uid}:start")  # engine.faults: dies while its lead waits in the unit
         if unit.version != self.policy.version:  # the lead's packet (object store), else this member's inbox
             weight_sync.load_version(
                 self.policy, unit.version, unit.iteration, packet, self.sync, self.expected_keys
@@ -81,4 +84,6 @@ class SequenceParallelMember:
             unit.iteration,
             cfg.train.seed,
             unit.sample_range(cfg.algorithm.group_size),
+            self.policy.settings.sampling_batch(self.role),  # the lead's batch: the same collectives
         )
+        self.faults.reached(unit.uid)  # engine.faults: a member dies mid-unit, taking its group down

@@ -215,6 +215,15 @@ def join(policy, address: str, port: int, rank: int, world: int, backend: str, s
     return inbox
 
 
+def carry_over(old, new) -> None:
+    """A member that joined a re-formed group keeps the versions it staged in the old one (a re-queued
+    unit may still ask for one of them)."""
+    if old is None or new is None or not hasattr(old, "staged"):
+        return
+    for version, received in old.staged.items():
+        new.staged.setdefault(version, received)
+
+
 def staged_copy(sync, version: int, name: str) -> Received:
     """A version trainer rank 0 sent (or a rollout worker received) by broadcast, for a rollout
     worker restarted outside the group."""

@@ -20,9 +20,9 @@ with a torch.distributed group of trainer rank 0 and the rollout workers
 the step; each rollout worker's inbox receives it on a background thread while the worker
 generates, and the worker loads it at the next unit boundary, checking every tensor's
 fingerprint once. The driver's :class:`SyncRoutes` decides what each
-call carries, and falls back to the object store for the rest of the run when a rollout worker
-dies (the group cannot lose a member) -- a restarted worker is not in the group and gets every
-version it needs as an object-store packet.
+call carries, and falls back to the object store when a rollout worker dies (the group cannot
+lose a member); once the restarted worker is back the group is formed again with it and rank 0
+sends the version it holds over it once (:meth:`SyncRoutes.rejoin`).
 """
 
 from __future__ import annotations
@@ -177,6 +177,9 @@ class SyncRoutes:
         self.packets: dict[int, Any] = {}  # version -> WeightPacket / Received, or an ObjectRef of one
         self.held: dict[str, int] = {}  # rollout worker -> version it holds after the calls handed to it
         self.publishing: int | None = None  # the version rank 0's started last step makes
+        self.reform = None  # () -> (transport, members): form the group again (cluster.form_sync_group)
+        self.rejoined_at: int | None = None  # the re-formed group carries this version and every later one
+        self.restarted: set[str] = set()  # members that joined a re-formed group after a restart
 
     def begin(self) -> None:
         """Object store: rank 0's packet of the starting weights (for a re-queued unit of that
@@ -204,11 +207,38 @@ class SyncRoutes:
         had = self.held.get(worker, self.start)
         self.held[worker] = unit.version
         packet = self.packets.get(unit.version)
+        regrouped = self.rejoined_at is not None and unit.version >= self.rejoined_at
+        if regrouped and worker in self.members and had != unit.version:
+            return None  # received over the re-formed group (the version rank 0 sent again, or a later one)
         if packet is not None or self.broadcast is False or had == unit.version:
             return packet  # (over the object store from the start, rank 0 published every version)
-        if worker in self.members:
+        if worker in self.members and worker not in self.restarted:
             return None  # its inbox has it (or, after a fallback, says which version it lacks)
         return self._request(unit.version, published)
+
+    def rejoin(self, worker: str):
+        """Restarted rollout worker ``worker`` is back: form the group again with every rollout worker
+        (each member waits for its running call to end; the old group is closed, staged versions
+        carry over) and have trainer rank 0 send the version it holds over it once, so the worker's
+        next unit loads the newest weights by broadcast, fingerprints checked. Returns rank 0's
+        publish event, or None when the run stays on the object store."""
+        import ray
+
+        if not self.broadcast or self.reform is None or worker in self.members:
+            return None
+        transport, members = self.reform()
+        if transport != "broadcast":
+            return None
+        sent = ray.get(self.actors[self.rank0].republish.remote())
+        self.restarted |= set(members) - self.members  # back from restarts: no version before the regroup
+        self.transport, self.members = "broadcast", set(members)
+        self.rejoined_at = sent["version"] + (sent["event"] is None)  # else the next version on
+        print(
+            f"warning: weight sync: {worker} rejoined; the group re-formed over {len(members)} rollout "
+            f"workers, back to broadcast from version {self.rejoined_at}",
+            file=sys.stderr,
+        )
+        return sent["event"]
 
     def _request(self, version: int, published: int):
         """An object-store copy of ``version`` for a worker outside the group: rank 0's weights if it
@@ -223,6 +253,7 @@ class SyncRoutes:
         """A dead rollout worker restarts with the starting weights, outside the group: the rest of
         the run goes through the object store."""
         self.held[worker] = self.start
+        self.restarted.discard(worker)
         if worker in self.members:
             self.members.discard(worker)
             self.retire(self.publishing if self.publishing is not None else published, f"{worker} died")

@@ -15,8 +15,9 @@ rank without TAG); building them draws no random numbers, so skipping it changes
   background thread while it generated (``engine.weight_sync``), or from the object store.
 - role ``trainer``: one rank of the trainer group. It holds no text encoder and no VAE (the
   samples carry the prompt embeddings and latents) unless it generates: TAG, or evaluation
-  (:func:`generates`). Runs :func:`~digenrl.units.train_unit`
-  (accumulating gradients), and on its StepUnit all-reduces the gradients in ~25 MiB buckets
+  (:func:`generates`; a model reward's eval samples are scored on a rollout worker). Runs
+  :func:`~digenrl.units.train_unit` (accumulating gradients), and on its StepUnit all-reduces the
+  gradients in ~25 MiB buckets
   (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, docs/architecture.md) and steps; after an
   iteration's last step (mini-batch PPO: ``train.optimizer_steps`` per iteration) rank 0 publishes the
   new weights. With TAG it also rolls out, with its own weights (the scheduler hands it rollout units
@@ -129,6 +130,22 @@ class _DeferredReward:
     def __call__(self, pixels, prompts, metadata=None):
         self.kept = (pixels, list(prompts), metadata)
         return torch.full((len(prompts),), float("nan")), {}
+
+
+class _KeptForScoring:
+    """A trainer rank's evaluation in a run that scores on its rollout workers: keeps every eval batch's
+    decoded pixels (NaN placeholders as scores) for one :meth:`EngineWorker.score` on a rollout worker."""
+
+    def __init__(self):
+        self.kept: list[tuple] = []
+
+    def __call__(self, pixels, prompts, metadata=None):
+        self.kept.append((pixels.cpu(), list(prompts), list(metadata or [{}] * len(prompts))))
+        return torch.full((len(prompts),), float("nan")), {}
+
+    def joined(self) -> tuple:
+        pixels, prompts, metadata = zip(*self.kept)
+        return torch.cat(pixels), sum(prompts, []), sum(metadata, [])
 
 
 #: the actor's concurrency group of :meth:`EngineWorker.score` (its other calls run one at a time, in order)
@@ -277,7 +294,9 @@ class EngineWorker(GroupMember, SequenceParallelMember):
 
     # -- units ---------------------------------------------------------------------------
 
-    @group_call("sp_rollout")  # engine.rollout_sp: the group generates together
+    # engine.rollout_sp: the group generates together; a trainer group (FSDP, TAG / colocated): each
+    # follower its share (GroupMember.group_rollout)
+    @group_call(lambda lead: "rollout_share" if lead.role != "rollout" else "sp_rollout")
     def rollout(self, unit: RolloutUnit, packet: weight_sync.WeightPacket | None) -> tuple[Samples, dict]:
         """Generate, decode and score the unit's groups with exactly version ``unit.version`` (a
         re-queued unit may be older than what this worker holds: the packet has its weights).
@@ -297,6 +316,7 @@ class EngineWorker(GroupMember, SequenceParallelMember):
                 )
             )
         cfg = self.cfg
+        group = self.role != "rollout" and self.followers  # a trainer group generates each unit together
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
         deferred = isinstance(self.reward, _DeferredReward)
         if self.remote_reward:
@@ -306,16 +326,19 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             self.reward.spans.clear()
             self.reward.calls.clear()
         start = time.time()
-        samples = rollout_unit(
-            self.policy,
-            self.reward,
-            [everything[g] for g in unit.groups],
-            list(unit.groups),
-            unit.iteration,
-            cfg.train.seed,
-            unit.sample_range(cfg.algorithm.group_size),
-            self.policy.settings.sampling_batch(self.role),  # engine.rollout_batch (rollout workers)
-        )
+        if group:  # every rank its share (fsdp_group.unit_share), scored here once
+            samples = self.group_rollout(unit)
+        else:
+            samples = rollout_unit(
+                self.policy,
+                self.reward,
+                [everything[g] for g in unit.groups],
+                list(unit.groups),
+                unit.iteration,
+                cfg.train.seed,
+                unit.sample_range(cfg.algorithm.group_size),
+                self.policy.settings.sampling_batch(self.role),  # engine.rollout_batch (rollout workers)
+            )
         end = time.time()
         self.followers_done()
         self.faults.reached(unit.uid)
@@ -399,6 +422,7 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         ):
             raise RuntimeError(f"{unit.uid}: received samples of another unit")
         samples.advantages = advantages
+        self.faults.reached(f"{unit.uid}:start")  # engine.faults: dies while its group waits in the unit
         start = time.time()
         sp = self.sp_world  # engine.trainer_sp: each sequence-parallel group of sp ranks trains one share
         if self.sharded:  # every rank (group) trains an equal share of the unit's (mini-batch's) samples
@@ -509,12 +533,18 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         return files
 
     @group_call()  # a sharded group: every rank runs the same sampling passes
-    def evaluate(self) -> dict[str, float]:
-        """``eval/<reward>`` of the current weights (ODE, fixed seeds), as LocalTrainer.evaluate."""
+    def evaluate(self) -> dict:
+        """``eval/<reward>`` of the current weights (ODE, fixed seeds), as LocalTrainer.evaluate. In a run
+        that scores on its rollout workers (a model reward, :func:`~digenrl.rewards.scored_after_unit`)
+        a trainer rank holds no reward: it returns ``{"eval_pixels": (pixels, prompts, metadata)}`` and
+        the driver has a rollout worker score them (:meth:`score`), as it does a TAG rank's units."""
         from digenrl.evaluate import evaluate_policy
 
         fn = getattr(self.reward, "fn", None)
-        if fn is None:  # a trainer rank that never scores: the rewards for eval only
+        deferred = fn is None and scored_after_unit(self.cfg)
+        if deferred:
+            fn = _KeptForScoring()
+        elif fn is None:  # a trainer rank that never scores (a function reward): the rewards for eval only
             if self.eval_reward is None:
                 self.eval_reward = build_reward(self.cfg.reward)
             fn = self.eval_reward
@@ -522,7 +552,7 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             metrics = evaluate_policy(self.policy, fn, self.prompts.prompts).metrics()
             if self.sharded:  # sampling leaves the root's parameters gathered (no backward frees them):
                 reshard(self.policy.adapter.transformer)  # drop that copy before the weights swap back
-        return metrics
+        return {"eval_pixels": fn.joined()} if deferred else metrics
 
     @group_call()
     def export_final(self) -> dict[str, bytes]:

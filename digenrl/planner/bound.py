@@ -68,8 +68,8 @@ def bound(plan: Plan, cost: CostModel, setup: dict[str, DeviceSetup] | None = No
     def work(pool: PoolConfig) -> tuple[float, float, float]:
         s = setup[pool.name]
         R = units * cost.rollout_unit(pool.device, plan.unit_size, s)[0]
-        if plan.role(pool) == "rollout":
-            return R, 0.0, 0.0
+        if plan.role(pool) == "rollout":  # (its units' reward partly beside the next unit)
+            return R - units * cost.reward_hidden(pool.device, plan.unit_size, s), 0.0, 0.0
         T = units * S * sum(unit_train_time(cost, pool.device, m, parts, r, D, s) for r in range(D))
         own = S * cost.step(pool.device, ranks, False, s)[0]
         if plan.role(pool) == "both":

@@ -54,6 +54,21 @@ def interpolate(table: dict[int, float], b: float) -> float:
     return max(y, min(y0, y1) * MIN_CALL_FRACTION)
 
 
+def reward_per_image(w: Workload, p: CostParams) -> tuple[float, float]:
+    """(seconds on the scoring device or its host, seconds waiting for a remote judge) per image of the
+    configured rewards: each component's ``seconds_per_image``, else its kind's default (a function
+    ``weight_free_reward_s``, a model ``model_reward_s``, a remote judge ``remote_reward_s``). A
+    workload without components (``Workload.reward_terms`` empty) is one term of ``reward_kind``; one
+    marked ``model`` whose components are all functions (a published setup's judge) is one model term."""
+    terms = w.reward_terms
+    if not terms or (w.reward_kind == "model" and all(k == "function" for k, _ in terms)):
+        terms = (("model" if w.reward_kind == "model" else "function", None),)
+    default = {"function": p.weight_free_reward_s, "model": p.model_reward_s, "remote": p.remote_reward_s}
+    here = sum(default[k] if s is None else s for k, s in terms if k != "remote")
+    wait = sum(default[k] if s is None else s for k, s in terms if k == "remote")
+    return here, wait
+
+
 class CallTimes:
     """Seconds per call on one device type. ``b`` = batch size (may be fractional in expectations)."""
 
@@ -63,7 +78,13 @@ class CallTimes:
     def train_step(self, b: float) -> float: ...  # forward + backward of recompute_logprob
     def ref_forward(self, b: float) -> float: ...  # the KL reference forward (no grad)
     def decode(self, b: float) -> float: ...
-    def reward(self, b: float) -> float: ...
+    def reward(self, b: float) -> float: ...  # every component, the remote judges' wait included
+
+    def reward_wait(self, b: float) -> float:
+        """Of :meth:`reward`, the seconds a remote judge takes while the scoring device is idle (a
+        profile measured the whole reward on its device: none)."""
+        return 0.0
+
     def encode(self, prompts: int) -> float: ...
     def optimizer(self) -> float: ...
     def pack(self) -> float: ...  # Policy.weights() + checksum
@@ -201,12 +222,10 @@ class AnalyticTimes(CallTimes):
         )
 
     def reward(self, b):
-        per = (
-            self.params.weight_free_reward_s
-            if self.workload.reward_kind == "weight_free"
-            else self.params.model_reward_s
-        )
-        return b * per * self.workload.video_frames
+        return b * sum(reward_per_image(self.workload, self.params)) * self.workload.video_frames
+
+    def reward_wait(self, b):
+        return b * reward_per_image(self.workload, self.params)[1] * self.workload.video_frames
 
     def encode(self, prompts):
         te = self.workload.shape.text_encoder_params
@@ -285,6 +304,9 @@ class SequenceParallelTimes(CallTimes):
 
     def reward(self, b):
         return self.inner.reward(b)
+
+    def reward_wait(self, b):
+        return self.inner.reward_wait(b)
 
     def encode(self, prompts):
         return self.inner.encode(prompts)

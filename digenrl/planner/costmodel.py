@@ -207,6 +207,19 @@ class CostModel:
         f = self._factor(device, "rollout")
         return total * f, reward * f
 
+    def reward_hidden(self, device: str, groups: float, setup: DeviceSetup | None = None) -> float:
+        """Seconds of a rollout unit's reward that a rollout-only worker scores beside its next unit
+        (``Workload.reward_after_unit``: the engine's ``EngineWorker.score``, after the unit): a remote
+        judge's wait wholly (the device is idle meanwhile), a model's time on the device by the share
+        ``CostParams.model_reward_overlap``. The worker is busy the rest; the samples' scores are
+        ready the whole reward after the unit's forwards and decode."""
+        if not self.workload.reward_after_unit:
+            return 0.0
+        t, b = self.times(device, setup), groups * self.workload.group_size
+        wait = t.reward_wait(b)
+        on_device = t.reward(b) - wait
+        return (wait + self.params.model_reward_overlap * on_device) * self._factor(device, "rollout")
+
     def train_unit(
         self, device: str, groups: int, tsp_rank: int, tsp_degree: int, setup: DeviceSetup | None = None
     ) -> float:

@@ -98,9 +98,9 @@ class MemoryModel:
     # -- what the parts weigh ------------------------------------------------------------
 
     def rollout_models(self) -> float:
-        """Text encoder(s), VAE and a reward model with weights, in half precision."""
+        """Text encoder(s), VAE and a reward model with weights (not a remote judge), in half precision."""
         sh = self.workload.shape
-        reward = self.params.model_reward_params if self.workload.reward_kind == "model" else 0.0
+        reward = self.params.model_reward_params if self.workload.reward_weights else 0.0  # (a judge: none)
         return HALF_BYTES * (sh.text_encoder_params + sh.vae_params + reward)
 
     def cfg_modes(self, choice: str = "auto") -> tuple[bool, ...]:
@@ -215,8 +215,8 @@ class MemoryModel:
         | sequential; ``micro_batch``: only this one (else halving down to 1)."""
         ckpts = {"auto": (False, True), "on": (True,), "off": (False,)}[checkpointing]
         shards = shard_degrees(ranks) if fsdp == "auto" else [1] if fsdp == "off" else [fsdp]
-        if sp > 1 and fsdp == "auto":  # sequence-parallel ranks shard over all devices or none (no HSDP:
-            shards = [d for d in shards if d in (1, ranks)]  # settings.fsdp_unwired refuses it)
+        if sp > 1 and fsdp == "auto":  # a shard group holds whole sequence-parallel groups (HSDP when
+            shards = [d for d in shards if d == 1 or d % sp == 0]  # smaller: settings.fsdp_refusal)
         if micro_batch is not None:
             mbs = [micro_batch]
         else:

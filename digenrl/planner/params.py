@@ -32,8 +32,17 @@ class CostParams:
     checksum_bytes_per_s: float = 1.5e9  # sha256 of shipped weights (one CPU core)
     weight_free_reward_s: float = 0.002  # per image (per frame for video): JPEG size, prompt colour, on CPU
     model_reward_s: float = 0.010  # per image (per frame): a CLIP-H class reward model on the device
-    # (or a configured latency per image for a judge: peer_calibration sets veRL-Omni's VLM judge's)
+    # (peer_calibration sets veRL-Omni's VLM judge's); a component's ``seconds_per_image`` overrides it
     model_reward_params: float = 1.0e9  # its weights on the rollout device (bf16)
+    # per image (per frame): a remote judge (``remote``), waited for by the scoring worker, its device idle;
+    # unmeasured (the CLIP-H figure): set the component's ``seconds_per_image`` to the judge's latency
+    remote_reward_s: float = 0.010
+    # share of an on-device model reward's time a rollout-only worker hides behind its next unit
+    # (EngineWorker.score runs in another thread on the same device -- and on CUDA its default stream, so
+    # the two units' kernels run one after another: what hides is the host-side part and the sampler's
+    # launch gaps). 0 = no credit until the GPU check measures it (gpu_dedicated.py ``reward_overlap``);
+    # a remote judge's wait always hides
+    model_reward_overlap: float = 0.0
     # memory
     usable_memory: float = 0.90  # share of device memory the run may use (CUDA context, fragmentation)
     train_act_bytes: float = (

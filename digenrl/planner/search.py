@@ -27,13 +27,14 @@ Two kinds of baseline, named apart:
   published arrangement with its structural costs (offload, recompute pass, weight push, batch-1
   FSDP sampling, ...), each cited from the peer's code. What a user of the peer pays today.
 
-Pruning: a candidate whose memory does not fit, or that the engine refuses -- sequence parallelism
-where it is not wired (colocated, beside TAG), or trainer ranks needing an FSDP degree the engine
-refuses there (:func:`unwired_sharding`, the runtime's own rules) -- is dropped
-(its reason is kept, for the error when nothing fits); the others are simulated in order of their
-throughput bound (a lower bound on the iteration time that costs no simulation), and the search
-stops once the next bound cannot beat the K-th best simulated plan. The best colocated plan is always
-simulated: speedups are against it.
+Pruning: a candidate whose memory does not fit, or that means nothing to the engine -- a
+sequence-parallel degree that does not divide the model's heads, trainer ranks needing an FSDP degree
+that splits a sequence-parallel group (:func:`refused_plan`, the runtime's own rules) -- is dropped
+(its reason is kept, for the error when nothing fits); every other combination of FSDP, sequence
+parallelism, TAG, TSP and placement is searched (the engine runs them all). The others are
+simulated in order of their throughput bound (a lower bound on the iteration time that costs no
+simulation), and the search stops once the next bound cannot beat the K-th best simulated plan.
+The best colocated plan is always simulated: speedups are against it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ import time
 from dataclasses import dataclass, field
 
 from digenrl.config import PoolConfig
-from digenrl.engine.knobs import unit_samples
 from digenrl.errors import UserError
 from digenrl.placement import Plan, spread_units
 from digenrl.planner import peers as peer_models
@@ -159,41 +159,32 @@ def candidates(
     return plans
 
 
-def unwired_sharding(plan: Plan, setups_: dict, cost: CostModel) -> str | None:
-    """Why the engine cannot run the plan's sequence parallelism (:func:`unwired_sp`) or the FSDP degree
-    the memory model chose for its trainer devices -- the runtime's own rule
-    (:func:`~digenrl.distributed.settings.fsdp_unwired`; the degree and ``ranks`` count trainer devices,
-    sequence-parallel groups inside) -- or None."""
-    from digenrl.distributed.settings import fsdp_unwired
+def refused_plan(plan: Plan, setups_: dict, cost: CostModel) -> str | None:
+    """Why the plan means nothing to the engine -- its sequence parallelism (:func:`refused_sp`), or the
+    FSDP degree the memory model chose for its trainer devices
+    (:func:`~digenrl.distributed.settings.fsdp_refusal`, the runtime's own rule; the degree and
+    ``ranks`` count trainer devices, sequence-parallel groups inside) -- or None. ``candidates``
+    builds no such plan; a peer's arrangement may be one."""
+    from digenrl.distributed.settings import fsdp_refusal
 
-    why = unwired_sp(plan, cost)
+    why = refused_sp(plan, cost)
     if why:
         return why
-    w = cost.workload
     for pool in plan.trainer_pools:
         shard = setups_[pool.name].shard
-        why = shard > 1 and fsdp_unwired(
-            shard,
-            placement=plan.placement,
-            ranks=plan.ranks * plan.trainer_sp,
-            tag=plan.tag,
-            tsp_degree=plan.tsp_degree,
-            timestep_mode=w.timestep_mode,
-            unit_groups=plan.unit_groups,
-            unit_samples=unit_samples(w.group_size, plan.group_parts) or 0,
-            group_size=w.group_size,
-            optimizer_steps=w.optimizer_steps,
-            trainer_sp=plan.trainer_sp,
+        ranks = plan.ranks * plan.trainer_sp
+        why = shard > 1 and fsdp_refusal(
+            shard, placement=plan.placement, ranks=ranks, trainer_sp=plan.trainer_sp
         )
         if why:
             return f"its {pool.name} ranks need train.fsdp {shard}, which the engine refuses: {why}"
     return None
 
 
-def unwired_sp(plan: Plan, cost: CostModel) -> str | None:
-    """Why the engine cannot run the plan's ``rollout_sp`` / ``trainer_sp`` -- the runtime's own rule
-    (:func:`~digenrl.distributed.settings.sp_unwired`) -- or None."""
-    from digenrl.distributed.settings import sp_unwired
+def refused_sp(plan: Plan, cost: CostModel) -> str | None:
+    """Why the plan's ``rollout_sp`` / ``trainer_sp`` mean nothing -- the runtime's own rule
+    (:func:`~digenrl.distributed.settings.sp_refusal`) -- or None."""
+    from digenrl.distributed.settings import sp_refusal
 
     for key, role, s in (
         ("rollout_sp", "rollout", plan.rollout_sp),
@@ -204,15 +195,8 @@ def unwired_sp(plan: Plan, cost: CostModel) -> str | None:
             if role == "rollout" and plan.placement == "disaggregated"
             else plan.trainer_pools
         )
-        why = sp_unwired(
-            role,
-            s,
-            placement=plan.placement,
-            devices=sum(p.count for p in pools),
-            tag=plan.tag,
-            evaluates=cost.workload.evaluates,
-            shape=cost.workload.shape,
-        )
+        devices = sum(p.count for p in pools)
+        why = sp_refusal(role, s, placement=plan.placement, devices=devices, shape=cost.workload.shape)
         if why:
             return f"engine.{key}: {s}, which the engine refuses: {why}"
     return None
@@ -245,12 +229,10 @@ def search(
     iterations: int = 4,
     wait_for_full_batch: bool = False,
     plans: list[Plan] | None = None,
-    runnable_only: bool = True,
 ) -> SearchResult:
-    """Rank the plans (``candidates`` by default). ``runnable_only``: drop those the engine refuses
-    (:func:`unwired_sharding`: their sequence parallelism, or the sharding their trainer ranks need);
-    False keeps them, for the peers' arrangements as the peers run them (:func:`baselines`: e.g.
-    veRL-Omni colocates with FSDP, DanceGRPO with sequence parallelism)."""
+    """Rank the plans (``candidates`` by default), dropping those that do not fit or mean nothing
+    (:func:`refused_plan`); the peers' arrangements (:func:`baselines`) by the same rules, since the
+    engine runs each of them."""
     start = time.perf_counter()
     plans = (
         plans
@@ -274,7 +256,7 @@ def search(
         if isinstance(s, DoesNotFit):
             rejected[plan.label()] = s.args
             continue
-        why = unwired_sharding(plan, s, cost) if runnable_only else None
+        why = refused_plan(plan, s, cost)
         if why:  # the runtime would refuse it (resolve.check_sp / fsdp_degree): never proposed
             rejected[plan.label()] = (why, float("inf"))
             continue
@@ -377,9 +359,9 @@ def baselines(
     sp: tuple[int, ...] | None = None,
 ) -> dict[str, SimResult | None]:
     """The best plan of each peer arrangement (:data:`BASELINES`), as the peers run it (with the FSDP
-    its memory needs, even where DigenRL's engine does not run that sharding, and sequence parallelism
-    -- DanceGRPO's ``sp_size`` -- at the degrees ``sp``, default :func:`sp_degrees`, in any placement;
-    the earlier whole-group baseline never uses it); None where none fits."""
+    its memory needs and sequence parallelism -- DanceGRPO's ``sp_size`` -- at the degrees ``sp``,
+    default :func:`sp_degrees`, in any placement; the earlier whole-group baseline never uses it):
+    a plan DigenRL's engine runs, so :func:`search` considers it too; None where none fits."""
     out = {}
     for name, knobs in BASELINES.items():
         knobs = {"sp": sp or sp_degrees(cost, cluster), **knobs}
@@ -392,7 +374,6 @@ def baselines(
                 iterations=iterations,
                 plans=plans,
                 wait_for_full_batch=wait_for_full_batch,
-                runnable_only=False,
             )
             out[name] = res.ranked[0] if res.ranked else None
         except UserError:

@@ -166,6 +166,9 @@ class Simulator:
         self.phase = {n: "rollout" for n in self.order}  # colocated: what the device is set up for
         self.rolled: dict[str, float] = {}  # rollout uid -> when it ended (its samples leave then)
         self.last_rolled: dict[int, float] = {}  # iteration -> when its last rollout unit ended
+        self.scored: dict[
+            str, float
+        ] = {}  # rollout uid -> when its scores are in (after it: a hidden reward)
         self._cache: dict = {}
 
     # -- durations (cached) --------------------------------------------------------------
@@ -204,16 +207,20 @@ class Simulator:
             segs += self._switch(worker, "rollout", dev, setup)
             size = len(unit.groups) / unit.parts  # groups in the unit (a fraction for a part of one)
             total, reward = self._d(("rollout", pool.name, size), lambda: cost.rollout_unit(dev, size, setup))
+            hidden = 0.0  # a rollout-only worker scores a model reward beside its next unit
+            if self.role[worker] == "rollout":
+                hidden = self._d(("hidden", pool.name, size), lambda: cost.reward_hidden(dev, size, setup))
             segs.append(
                 _Seg(
                     "rollout",
-                    self._draw(total, dev, "rollout"),
+                    self._draw(total - hidden, dev, "rollout"),
                     True,
                     dict(
                         base,
                         kind="rollout",
                         version=unit.version,
                         reward_s=reward,
+                        hidden_s=hidden,
                         args={
                             "samples": len(unit.groups) * self.workload.group_size // unit.parts,
                             "groups": list(unit.groups),
@@ -348,7 +355,9 @@ class Simulator:
         self._leave(job, now)
         running.remove(job)
         if isinstance(job.unit, RolloutUnit):
-            self.rolled[job.unit.uid] = self.last_rolled[job.unit.iteration] = now
+            ready = self.scored.pop(job.unit.uid, now)
+            self.rolled[job.unit.uid] = ready
+            self.last_rolled[job.unit.iteration] = max(ready, self.last_rolled.get(job.unit.iteration, ready))
         return Done(job.worker, job.unit)
 
     def completed(self, unit, stepped: int | None) -> None:
@@ -385,6 +394,7 @@ class Simulator:
         ev = dict(seg.event)
         start = job.arrived if ev["kind"] == "step" else seg.start
         reward_s, publish_s = ev.pop("reward_s", 0.0), ev.pop("publish_s", 0.0)
+        hidden_s = ev.pop("hidden_s", 0.0)
         self.timeline.record(
             job.worker,
             ev["kind"],
@@ -396,6 +406,8 @@ class Simulator:
             ev.get("sample_versions", ()),
             **ev.get("args", {}),
         )
+        if ev["kind"] == "rollout":
+            self.scored[ev["uid"]] = now + hidden_s  # its scores: the hidden part after the unit
         if ev["kind"] == "rollout" and reward_s > 0:
             self.timeline.record(
                 job.worker,
@@ -403,8 +415,8 @@ class Simulator:
                 ev["uid"],
                 ev["iteration"],
                 ev["version"],
-                max(seg.start, now - reward_s),
-                now,
+                max(seg.start, now - (reward_s - hidden_s)),
+                now + hidden_s,
             )
         if ev["kind"] == "step" and publish_s > 0:
             v = ev["args"]["publishes"]

@@ -9,6 +9,14 @@ from digenrl.planner.constants import FP32_BYTES, HALF_BYTES, WEIGHT_FREE_REWARD
 from digenrl.planner.shapes import ModelShape, ParamCounts, forward_flops, model_shape, param_counts
 
 
+def reward_term_kind(name: str) -> str:
+    """A reward component's kind for the cost model: "function" | "model" | "remote"."""
+    kind = name.split(":", 1)[0]  # (rewards.reward_kind: ``kind:label``)
+    if kind in WEIGHT_FREE_REWARDS:
+        return "function"
+    return "remote" if kind == "remote" else "model"
+
+
 @dataclass(frozen=True)
 class Workload:
     """The run's per-iteration work, from a RunConfig."""
@@ -26,7 +34,7 @@ class Workload:
     lora: bool
     micro_batch: int
     dtype_bytes: int
-    reward_kind: str  # "weight_free" | "model"
+    reward_kind: str  # "weight_free" | "model" (a model reward or a remote judge)
     video_frames: int
     optimizer_steps: int = (
         1  # mini-batch PPO: train units per rolled-out unit and TSP rank, steps per iteration
@@ -45,6 +53,13 @@ class Workload:
     # (engine.rollout_batch "auto") the largest each rollout device holds by the memory model
     rollout_batch: int | None = None
     rollout_batch_auto: bool = False
+    # each reward component: (kind, its configured seconds per image or None), kind "function" (a plain
+    # function of the pixels, on the host), "model" (weights on the scoring device), "remote" (a judge
+    # served elsewhere: the scoring worker only waits); () = one term of ``reward_kind``
+    reward_terms: tuple[tuple[str, float | None], ...] = ()
+    # the engine scores a rollout-only worker's units after them, beside its next unit (a model reward or a
+    # remote judge and no reward.service: rewards.scored_after_unit in a disaggregated run)
+    reward_after_unit: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
@@ -67,7 +82,7 @@ class Workload:
             window=ts.window,
             shift_every=ts.window_shift_every,
         )
-        names = {c.name for c in cfg.reward.components}
+        terms = tuple((reward_term_kind(c.name), c.seconds_per_image) for c in cfg.reward.components)
         nft = cfg.algorithm.name == "diffusion_nft"
         if nft:  # K noise levels per sample take the place of the trained steps
             idx = torch.zeros(1, cfg.algorithm.nft.noise_levels or n)
@@ -85,7 +100,7 @@ class Workload:
             lora=cfg.model.lora is not None,
             micro_batch=cfg.train.micro_batch,
             dtype_bytes=HALF_BYTES if cfg.model.dtype in ("bfloat16", "float16") else FP32_BYTES,
-            reward_kind="weight_free" if names <= WEIGHT_FREE_REWARDS else "model",
+            reward_kind="weight_free" if all(k == "function" for k, _ in terms) else "model",
             video_frames=cfg.model.frames or 1,
             optimizer_steps=cfg.train.optimizer_steps,
             weight_sync="object_store" if cfg.engine.weight_sync == "object_store" else "broadcast",
@@ -95,6 +110,8 @@ class Workload:
             forward_process=nft,
             rollout_batch=rb if isinstance(rb := cfg.engine.rollout_batch, int) else None,
             rollout_batch_auto=cfg.engine.rollout_batch == "auto",
+            reward_terms=terms,
+            reward_after_unit=cfg.reward.service is None and any(k != "function" for k, _ in terms),
         )
 
     @property
@@ -127,6 +144,14 @@ class Workload:
             + self.steps * FP32_BYTES
             + self.passes * t.text * cond_dim * HALF_BYTES
         )
+
+    @property
+    def reward_weights(self) -> bool:
+        """A reward model's weights sit on the scoring device (a remote judge's do not)."""
+        if not self.reward_terms:
+            return self.reward_kind == "model"
+        kinds = {k for k, _ in self.reward_terms}
+        return "model" in kinds or (self.reward_kind == "model" and kinds <= {"function"})
 
     def positions(self, rank: int, degree: int) -> int:
         return len(range(rank, self.trained_steps, degree))

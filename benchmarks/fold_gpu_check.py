@@ -1,0 +1,145 @@
+"""Fold the GPU check's measurements into the planner's defaults: what each measured number replaces.
+
+    python benchmarks/fold_gpu_check.py OUT [--json F]
+
+OUT is the directory ``benchmarks/gpu_smoke.sh`` wrote (``dedicated.json``; ``realwidth.json`` when
+it is there). For every planner default the check measures, prints where it lives, its value now and
+the measured one:
+
+- sampling: the kernel-efficiency curve ``mfu(n) = peak n / (n + half)`` (digenrl/planner/efficiency.py)
+  fitted to ``rollout_batch_curve`` (MFU at batch 1, 2, 4, 8) -> the sampling peak of
+  ``gpus.KERNEL_EFFICIENCY[<gpu>]`` and ``CostParams.mfu_half_tokens_rollout``;
+- training: the peak the real-width train step's MFU implies at its token count, at the default half
+  (realwidth.json ``train_ac_off``: one batch, so no half of its own) -> the training peak;
+- a model reward: PickScore's (ViT-H/14) seconds per image at the largest call measured ->
+  ``CostParams.model_reward_s``, its parameters -> ``CostParams.model_reward_params``, the share of
+  its time hidden while the next unit samples on the same device -> ``CostParams.model_reward_overlap``;
+- compiled sampling: the speed-up of ``engine.compile_rollout: on`` (the planner models eager sampling:
+  no default to replace yet; reported).
+
+Nothing is edited: the defaults are constants with their source in a comment, changed by hand (with
+the GPU, the date and the commit the check ran on). A CPU dry run (``DEVICE=cpu``, tiny models) is
+reported as not applicable (``applies: false``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from digenrl.planner.constants import MFU_CAP  # noqa: E402
+from digenrl.planner.efficiency import fit_curve, tokens_factor  # noqa: E402
+from digenrl.planner.gpus import GENERIC_EFFICIENCY, KERNEL_EFFICIENCY  # noqa: E402
+from digenrl.planner.params import CostParams  # noqa: E402
+
+
+def sampling_curve(ded: dict) -> tuple[float, float] | None:
+    """(peak, half) through the measured MFU points, None without MFUs (CPU)."""
+    points = {
+        row["tokens_per_call"]: row["mfu"]
+        for row in (ded.get("rollout_batch_curve") or {}).values()
+        if row.get("mfu")
+    }
+    return fit_curve(points, MFU_CAP) if points else None
+
+
+def training_peak(rw: dict | None, half: float) -> float | None:
+    """The peak a train step's MFU implies at its token count (tokens x batch), at ``half``."""
+    row = (rw or {}).get("train_ac_off") or {}
+    mfu = row.get("mfu")
+    if not isinstance(mfu, (int, float)) or mfu != mfu or mfu <= 0:
+        return None
+    tokens = rw["rollout"]["tokens"] * rw["rollout"]["batch"]
+    return min(MFU_CAP, mfu / tokens_factor(tokens, half))
+
+
+def reward_row(ded: dict, which: str = "pickscore") -> dict | None:
+    rows = [r for r in ded.get("reward") or [] if r["reward"] == which]
+    return max(rows, key=lambda r: r["images"]) if rows else None
+
+
+def fold(out: Path) -> dict:
+    ded = json.loads((out / "dedicated.json").read_text())
+    rw_file = out / "realwidth.json"
+    rw = json.loads(rw_file.read_text()) if rw_file.is_file() else None
+    gpu = ded.get("gpu")
+    now = KERNEL_EFFICIENCY.get(gpu, GENERIC_EFFICIENCY)
+    table = f"digenrl/planner/gpus.py KERNEL_EFFICIENCY[{gpu!r}]" if gpu else "(no GPU type: a dry run)"
+    defaults = CostParams()
+    rows = []
+
+    def row(name, where, current, measured, note=""):
+        rows.append({"name": name, "where": where, "now": current, "measured": measured, "note": note})
+
+    curve = sampling_curve(ded)
+    row("sampling peak efficiency", f"{table}[0]", now[0], curve and curve[0], "fit to MFU at batch 1-8")
+    row(
+        "sampling half tokens",
+        "digenrl/planner/params.py CostParams.mfu_half_tokens_rollout",
+        defaults.mfu_half_tokens_rollout,
+        curve and curve[1],
+    )
+    half = defaults.mfu_half_tokens_train
+    row("training peak efficiency", f"{table}[1]", now[1], training_peak(rw, half), f"at half {half:.0f}")
+    pick = reward_row(ded)
+    row(
+        "model reward s per image",
+        "digenrl/planner/params.py CostParams.model_reward_s",
+        defaults.model_reward_s,
+        pick and pick["s_per_image"],
+        pick and f"{pick['backbone']} {pick['dtype']}, {pick['images']} images per call",
+    )
+    row(
+        "model reward parameters",
+        "digenrl/planner/params.py CostParams.model_reward_params",
+        defaults.model_reward_params,
+        pick and pick["params"],
+    )
+    lap = ded.get("reward_overlap") or {}
+    row(
+        "model reward overlap",
+        "digenrl/planner/params.py CostParams.model_reward_overlap",
+        defaults.model_reward_overlap,
+        lap.get("hidden_share"),
+        lap and f"{lap['reward']} ({lap['images']} images) beside sampling at batch {lap['sample_batch']}",
+    )
+    comp = ded.get("compile") or {}
+    row(
+        "compiled sampling speed-up",
+        "none yet (the planner models eager sampling)",
+        1.0,
+        comp.get("speedup"),
+        comp and f"mode {comp['mode']}, backend {comp['backend']}, batch {comp['batch']}",
+    )
+    return {
+        "device": ded.get("device"),
+        "gpu": gpu,
+        "applies": bool(gpu) and not ded.get("tiny"),
+        "errors": ded.get("errors") or {},
+        "defaults": rows,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path, help="the directory benchmarks/gpu_smoke.sh wrote")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    res = fold(args.out)
+    verdict = "" if res["applies"] else "  (a CPU / tiny dry run: not planner defaults)"
+    print(f"measured on {res['device']}{verdict}")
+    for r in res["defaults"]:
+        got = "-" if r["measured"] is None else f"{r['measured']:.4g}"
+        print(f"  {r['name']:<28} now {r['now']:<10.4g} measured {got:<10} {r['where']}  {r['note'] or ''}")
+    for name, err in res["errors"].items():
+        print(f"  section {name} failed: {err}")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
