@@ -407,14 +407,15 @@ class EmaConfig(_Section):
 
 
 class TrainConfig(_Section):
-    iterations: int = Field(120, gt=0, le=10_000_000)
+    iterations: int = Field(180, gt=0, le=10_000_000)
     prompts_per_iteration: int = Field(4, gt=0, le=MAX_BATCH)
     micro_batch: int = Field(
         16, gt=0, le=MAX_BATCH, description="samples per forward/backward inside a train unit"
     )
     # one-step async (the default engine) trains on samples one version old (decoupled PPO); a delayed
-    # gradient wants a smaller step than on-policy (1e-2 for the demo with max_staleness 0 / local)
-    lr: float = Field(5e-3, gt=0, lt=10)
+    # gradient wants a smaller step than on-policy: at 5e-3 the demo's async runs could overshoot and
+    # collapse late in a run (docs/algorithms.md, "Stale samples: the step size")
+    lr: float = Field(3e-3, gt=0, lt=10)
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(1e-4, ge=0)
     grad_clip: float = Field(1.0, gt=0)

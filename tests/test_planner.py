@@ -575,6 +575,8 @@ def test_plan_table_output():
     assert result.exit_code == 0, result.output
     assert "samples/s" in result.output and "vs col." in result.output
     assert "predictions" in result.output
+    # the report says what it predicts (issue 26): throughput, not reward per wall-second
+    assert "predict samples per second, not learning" in " ".join(result.output.split())
 
 
 def test_plan_without_a_cluster_uses_the_configs_typed_pools_or_says_what_is_missing():

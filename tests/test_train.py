@@ -12,7 +12,7 @@ from digenrl.trainer import LocalTrainer
 pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
 
 FAST = ["model.height=16", "model.width=16"]
-ON_POLICY_LR = "train.lr=1e-2"  # the default's 5e-3 is for its one-step async; this trainer is on-policy
+ON_POLICY_LR = "train.lr=1e-2"  # the default's 3e-3 is for its one-step async; this trainer is on-policy
 
 
 @pytest.fixture(scope="module")
