@@ -20,17 +20,13 @@ from digenrl.config import load_config  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
-from tests.helpers import assert_timeline_invariants  # noqa: E402
+from tests.helpers import TINY, assert_timeline_invariants  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 BASE = [
-    "model.height=16",
-    "model.width=16",
+    *TINY,
     "train.iterations=2",
-    "train.prompts_per_iteration=2",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
     "engine.tsp_degree=1",
     "engine.max_staleness=0",
 ]

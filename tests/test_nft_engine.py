@@ -22,17 +22,14 @@ from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
+from tests.helpers import TINY  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 NFT = ["algorithm.name=diffusion_nft"]
 BASE = NFT + [
-    "model.height=16",
-    "model.width=16",
+    *TINY,
     "train.iterations=2",
-    "train.prompts_per_iteration=2",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
     "engine.tsp_degree=1",
     "engine.max_staleness=0",
 ]
