@@ -207,7 +207,10 @@ def test_a_rollout_pool_that_cannot_hold_a_unit_names_a_smaller_one(monkeypatch,
     check_memory(load_config(Path(FLUX), [pools[1], "engine.unit_groups=4"]))
     # auto: the unit of 8 groups fits at the rollout batch the memory model picks for an L40S
     cfg = load_config(Path(FLUX), [pools[1], "engine.unit_groups=8"])
-    assert 1 <= resolve(cfg).settings.rollout_batch < 8 * cfg.algorithm.group_size
+    b = resolve(cfg).settings.rollout_batch
+    assert 1 <= b < 8 * cfg.algorithm.group_size  # not the whole unit of 64 samples
+    model = MemoryModel(Workload.from_config(cfg), CostParams())
+    assert model.rollout("L40S", 8, batch=b).fits and not model.rollout("L40S", 8, batch=b + 1).fits
 
 
 def test_the_error_names_the_key_to_change():
