@@ -412,9 +412,9 @@ class TrainConfig(_Section):
     micro_batch: int = Field(
         16, gt=0, le=MAX_BATCH, description="samples per forward/backward inside a train unit"
     )
-    # one-step async (the default engine) trains on samples one version old (decoupled PPO); a delayed
-    # gradient wants a smaller step than on-policy: at 5e-3 the demo's async runs could overshoot and
-    # collapse late in a run (docs/algorithms.md, "Stale samples: the step size")
+    # 3e-3: the demo (colocated, on-policy) learns well with it, and so does one-step async (samples one
+    # version old, decoupled PPO), which overshot and collapsed late in some runs at 5e-3
+    # (docs/algorithms.md, "Stale samples: the step size")
     lr: float = Field(3e-3, gt=0, lt=10)
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(1e-4, ge=0)
@@ -494,7 +494,7 @@ class ClusterConfig(_Section):
 
 class PlacementConfig(_Section):
     mode: Literal["local", "colocated", "disaggregated"] = Field(
-        "disaggregated", description="local = one process, no Ray; colocated / disaggregated = the engine"
+        "colocated", description="local = one process, no Ray; colocated / disaggregated = the engine"
     )
     rollout_pool: str = "rollout"
     trainer_pool: str = "trainer"
@@ -524,14 +524,18 @@ class EngineConfig(_Section):
             "than the devices"
         ),
     )
-    gap: bool = True
-    tsp_degree: int = Field(
-        2, gt=0, le=MAX_STEPS, description="TSP: trained timesteps split over this many ranks"
+    gap: bool = Field(
+        False, description="GAP (disaggregated): train each rollout unit as soon as it is scored"
     )
-    tag: bool = True
+    tsp_degree: int = Field(
+        1, gt=0, le=MAX_STEPS, description="TSP: trained timesteps split over this many ranks"
+    )
+    tag: bool = Field(False, description="TAG (disaggregated): an idle trainer rank rolls out a pending unit")
     rollout_sp: int = Field(1, gt=0, description="sequence parallelism: devices per rollout worker (Ulysses)")
     trainer_sp: int = Field(1, gt=0, description="sequence parallelism: devices per trainer rank (Ulysses)")
-    max_staleness: Literal[0, 1] = Field(1, description="1 = one-step async: rollout k+1 with version k")
+    max_staleness: Literal[0, 1] = Field(
+        0, description="1 = one-step async (disaggregated only): rollout k+1 with version k"
+    )
     max_restarts: int = Field(
         3, ge=0, description="restarts per rollout worker / reward actor before the run stops"
     )
