@@ -4,8 +4,9 @@
                                     [--algorithms flow_grpo,diffusion_nft] [--set KEY=VALUE ...]
                                     [--tiny] [--json FILE]
 
-The algorithm axis of benchmarks/learning.py at one engine mode (default ``full``: the demo's own
-disaggregated engine with GAP, TSP, TAG and one-step async): every algorithm trains the demo for the
+The algorithm axis of benchmarks/learning.py at one engine mode (default ``full``: the disaggregated
+engine with GAP, TSP, TAG and one-step async, configs/flux_tiny_disaggregated.yaml; ``--mode colocated``
+is the default demo's own): every algorithm trains the demo for the
 same wall time, seed by seed, and the table gives reward gain per minute and per 1000 samples, mean
 and standard error over seeds. Not a test: nothing is asserted.
 """

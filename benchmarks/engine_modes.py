@@ -71,7 +71,7 @@ FEW_GROUPS = [
 DEVICES = {"few_groups": (2, 1)}  # (rollout, trainer) devices; the other workloads 1 + 1
 DISAGG = ["placement.mode=disaggregated", "engine.max_staleness=0"]
 MODES = {
-    # every knob explicit (DISAGG pins max_staleness 0): the default config turns all of them on
+    # every knob explicit (DISAGG pins max_staleness 0): no mode depends on the defaults (colocated)
     "colocated": [
         "placement.mode=colocated",
         "engine.gap=false",

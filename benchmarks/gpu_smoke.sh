@@ -114,7 +114,8 @@ part dedicated timeout 240 "$PY" "$HERE/gpu_dedicated.py" "${DEDICATED[@]}" --js
 part realwidth timeout 180 "$PY" "$HERE/gpu_realwidth.py" "${REALWIDTH[@]}" --json "$OUT/realwidth.json"
 part fold "$PY" "$HERE/fold_gpu_check.py" "$OUT" --json "$OUT/fold.json"
 part colocated train colocated placement.mode=colocated \
-  "cluster.pools=[{name: gpus, device: $POOL_DEVICE, count: $NGPU}]" placement.rollout_pool=gpus placement.trainer_pool=gpus
+  "cluster.pools=[{name: gpus, device: $POOL_DEVICE, count: $NGPU}]" placement.rollout_pool=gpus placement.trainer_pool=gpus \
+  engine.max_staleness=0
 part disaggregated disaggregated
 part profile profile
 

@@ -37,6 +37,7 @@ BASE = [
     "train.prompts_per_iteration=4",
     "placement.mode=disaggregated",
     "engine.gap=true",
+    "engine.tsp_degree=2",
     "engine.tag=false",
     "engine.max_staleness=0",
 ]

@@ -13,6 +13,18 @@ TINY = [
     "algorithm.group_size=4",
     "sampling.steps=4",
 ]
+#: The engine's full mode: disaggregated, GAP + TSP 2 + TAG + one-step async (the default run before it
+#: became colocated; configs/flux_tiny_disaggregated.yaml). A test of the overlapping engine that leaves
+#: a knob to the defaults starts from this, so that the default run's mode does not change what it tests.
+FULL_MODE = [
+    "placement.mode=disaggregated",
+    "engine.gap=true",
+    "engine.tag=true",
+    "engine.tsp_degree=2",
+    "engine.max_staleness=1",
+]
+#: FULL_MODE as `digenrl` command-line options (``--set k=v`` each), for the CLI tests.
+FULL_MODE_SETS = [arg for kv in FULL_MODE for arg in ("--set", kv)]
 #: No sample grids, no TensorBoard: what a run writes besides what a test reads.
 QUIET = ["output.save_samples_every=0", "output.tensorboard=false"]
 #: The logical devices of the suite's one Ray cluster: enough for every engine test's pools.

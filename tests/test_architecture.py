@@ -15,6 +15,7 @@ from digenrl.config import PoolConfig, load_config
 from digenrl.errors import UserError
 from digenrl.placement import Plan, apply_plan
 from digenrl.resolve import resolve
+from tests.helpers import FULL_MODE
 
 PACKAGE = Path(__file__).resolve().parents[1] / "digenrl"
 LAYERS_DOC = PACKAGE.parent / "docs" / "architecture.md"
@@ -225,7 +226,7 @@ def test_the_scheduler_is_asked_in_one_loop():
 
 
 DISAGG = [
-    "placement.mode=disaggregated",
+    *FULL_MODE,
     "engine.tsp_degree=2",
     "engine.tag=false",
     "engine.max_staleness=1",
@@ -271,10 +272,7 @@ def test_gpu_names_no_device_type_once_for_the_planner():
 
     cfg = load_config(
         None,
-        [
-            "placement.mode=disaggregated",
-            "cluster.pools=[{name: rollout, device: gpu}, {name: trainer, device: H100}]",
-        ],
+        [*FULL_MODE, "cluster.pools=[{name: rollout, device: gpu}, {name: trainer, device: H100}]"],
     )
     with pytest.raises(UserError, match="'gpu', which names no GPU type") as a:
         Plan.from_run_config(cfg).typed()

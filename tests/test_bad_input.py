@@ -12,6 +12,7 @@ import pytest
 
 from digenrl.cli.app import main
 from digenrl.preflight import CPU_DEVICES_PER_CORE
+from tests.helpers import FULL_MODE_SETS
 
 
 def cli(monkeypatch, capsys, argv):
@@ -241,10 +242,18 @@ except ImportError:
     pass
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_bad_input_exits_2_with_one_line(case, tmp_path, monkeypatch, capsys):
+def full_mode(argv: list[str]) -> list[str]:
+    """``train`` / ``config validate`` on the engine's full mode (disaggregated, GAP + TSP + TAG + async),
+    where the case leaves the config to the defaults: what these cases ran before the default run
+    became colocated (the default's own engine cases: test_bad_input_on_the_default_colocated_run)."""
+    n = 1 if argv[:1] == ["train"] else 2 if argv[:2] == ["config", "validate"] else 0
+    if not n or "-c" in argv or "--resume" in argv:
+        return argv
+    return [*argv[:n], *FULL_MODE_SETS, *argv[n:]]
+
+
+def run_case(argv, needle, tmp_path, monkeypatch, capsys):
     t = make_inputs(tmp_path)
-    argv, needle = CASES[case]
     if "big.txt" in " ".join(argv):
         write_big_prompt(t)
     argv = [a.replace("{t}", str(t)) for a in argv] + ["--run-dir", str(t / "run")] * (argv[0] == "train")
@@ -254,6 +263,23 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, monkeypatch, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not (t / "run").exists()  # nothing half-written
     assert not any((t / "adir").iterdir())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_exits_2_with_one_line(case, tmp_path, monkeypatch, capsys):
+    argv, needle = CASES[case]
+    run_case(full_mode(argv), needle, tmp_path, monkeypatch, capsys)
+
+
+#: the cases refused only once the engine runs (inside run_engine), so on the path the placement decides
+IN_THE_ENGINE = ["LoRA targets matching no module", "missing reward weights directory", "unknown reward"]
+
+
+@pytest.mark.parametrize("case", IN_THE_ENGINE)
+def test_bad_input_on_the_default_colocated_run(case, tmp_path, monkeypatch, capsys):
+    """The same one line from the default run: colocated workers, each a trainer that also rolls out."""
+    argv, needle = CASES[case]
+    run_case(argv, needle, tmp_path, monkeypatch, capsys)
 
 
 def tree_digest(root: Path) -> str:

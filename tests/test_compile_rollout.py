@@ -17,9 +17,10 @@ from digenrl.policy import Policy, compile_transformer  # noqa: E402
 from digenrl.prompts import PromptSampler, load_prompts  # noqa: E402
 from digenrl.rewards import build_reward  # noqa: E402
 from digenrl.units import rollout_unit  # noqa: E402
+from tests.helpers import FULL_MODE  # noqa: E402
 
 SMALL = [
-    "placement.mode=disaggregated",
+    *FULL_MODE,
     "model.height=16",
     "model.width=16",
     "algorithm.group_size=2",

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from helpers import cli
+from helpers import FULL_MODE, FULL_MODE_SETS, cli
 
 from digenrl.config import ConfigError, RunConfig, load_config
 
@@ -14,9 +14,21 @@ def test_embedded_default_is_the_tiny_flux_demo():
     cfg = load_config()
     assert cfg.model.adapter == "flux" and cfg.model.preset == "tiny" and cfg.model.lora is not None
     assert cfg.algorithm.name == "flow_grpo"
-    assert (
-        cfg.placement.mode == "disaggregated" and cfg.engine.tsp_degree == 2 and cfg.engine.max_staleness == 1
-    )
+    # colocated, on-policy, no overlap knobs: what learns the most reward per minute on 1 + 1 CPU devices
+    e = cfg.engine
+    assert cfg.placement.mode == "colocated"
+    assert (e.gap, e.tag, e.tsp_degree, e.max_staleness) == (False, False, 1, 0)
+
+
+def test_the_full_mode_demo_is_the_default_with_the_full_mode_knobs():
+    """configs/flux_tiny_disaggregated.yaml is the default demo on the engine's full mode (GAP + TSP 2 +
+    TAG + one-step async), nothing else changed: tests.helpers.FULL_MODE is that file's knobs."""
+    full = load_config(Path("configs/flux_tiny_disaggregated.yaml"))
+    assert full == load_config(None, FULL_MODE)
+    e = full.engine
+    assert full.placement.mode == "disaggregated"
+    assert (e.gap, e.tag, e.tsp_degree, e.max_staleness, e.weight_sync) == (True, True, 2, 1, "auto")
+    assert full.train == load_config().train  # the same lr and iterations as the default demo
 
 
 def test_one_source_of_truth_for_the_defaults(tmp_path):
@@ -130,6 +142,8 @@ def test_invalid_values_name_the_dotted_path(override, path, reason):
 )
 def test_cli_bad_input_exits_2_with_one_line(monkeypatch, capsys, tmp_path, argv, needle):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if argv[0] == "train" and "-c" not in argv:  # on the engine's full mode, as before the default changed
+        argv = ["train", *FULL_MODE_SETS, *argv[1:]]
     code, _, err = cli(monkeypatch, capsys, *argv)
     assert code == 2
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err

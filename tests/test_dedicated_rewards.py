@@ -24,6 +24,7 @@ BASE = [
     "algorithm.group_size=2",
     "sampling.steps=2",
     "placement.mode=disaggregated",
+    "engine.gap=true",
     "engine.tag=true",
     "engine.tsp_degree=1",
     "engine.max_staleness=0",

@@ -6,6 +6,7 @@ import pytest
 from digenrl.config import load_config
 from digenrl.errors import UserError
 from digenrl.resolve import resolve
+from tests.helpers import FULL_MODE, FULL_MODE_SETS
 from tests.test_bad_input import cli
 
 TINY = ["--set", "model.height=16", "--set", "model.width=16"]
@@ -67,7 +68,9 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_bad_distributed_settings_exit_2_with_one_line(case, tmp_path, monkeypatch, capsys):
     sets, needle = CASES[case]
-    code, err = cli(monkeypatch, capsys, ["train", *sets, "--run-dir", str(tmp_path / "run")])
+    # on the engine's full mode (disaggregated, TSP 2, TAG): the settings these cases refuse are its
+    argv = ["train", *FULL_MODE_SETS, *sets, "--run-dir", str(tmp_path / "run")]
+    code, err = cli(monkeypatch, capsys, argv)
     assert code == 2, err
     assert needle in err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -78,23 +81,25 @@ def test_settings_resolve():
     """The run's layout resolves train.fsdp / train.activation_checkpointing once (auto on CPU pools:
     off), with the shard groups (HSDP: several) that follow from the degree."""
     four = "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 4}]"
-    cfg = load_config(None, [four])
+    cfg = load_config(None, [*FULL_MODE, four])
     assert cfg.train.fsdp == "auto" and cfg.train.activation_checkpointing == "auto"
     layout = resolve(cfg)
     assert layout.settings.fsdp == 1 and not layout.settings.activation_checkpointing
     assert layout.shard_groups == () and layout.hidden == set()
     on = load_config(
-        None, ["train.activation_checkpointing=on", "train.fsdp=off"]
+        None, [*FULL_MODE, "train.activation_checkpointing=on", "train.fsdp=off"]
     )  # YAML reads these as booleans
     assert on.train.activation_checkpointing == "on" and on.train.fsdp == "off"
     assert resolve(on).settings.activation_checkpointing
-    two = resolve(load_config(None, [four, "train.fsdp=2", "engine.tag=false", "engine.tsp_degree=1"]))
+    two = resolve(
+        load_config(None, [*FULL_MODE, four, "train.fsdp=2", "engine.tag=false", "engine.tsp_degree=1"])
+    )
     assert two.settings.fsdp == 2
     assert two.shard_groups == (("trainer0", "trainer1"), ("trainer2", "trainer3"))
     assert two.leads == {"trainer1": "trainer0", "trainer3": "trainer2"}
     assert [w.name for w in two.scheduled] == ["rollout0", "trainer0", "trainer2"]
     with pytest.raises(UserError, match=r"train.fsdp: 3: must divide the number of trainer ranks \(4\)"):
-        resolve(load_config(None, [four, "train.fsdp=3"]))
+        resolve(load_config(None, [*FULL_MODE, four, "train.fsdp=3"]))
 
 
 def test_the_planner_never_proposes_a_sharding_the_engine_refuses():
@@ -136,6 +141,7 @@ def test_sp_inside_fsdp_is_accepted_with_units_that_split_over_the_groups():
     """train.fsdp: 4 with engine.trainer_sp: 2 (checked as functions: this host's CLI refuses 5 logical
     CPU devices): accepted, and each unit must split over the 2 sequence-parallel groups."""
     sets = [
+        *FULL_MODE,
         "model.height=16",
         "model.width=16",
         "engine.tag=false",
@@ -157,6 +163,7 @@ def test_a_shard_group_must_hold_whole_sequence_parallel_groups():
     """The one sharding refusal beside trainer SP (docs/distributed.md, "What is refused, and why"):
     shard groups of 3 over SP pairs would split a pair's sample between two groups."""
     sets = [
+        *FULL_MODE,
         "model.height=16",
         "model.width=16",
         "engine.trainer_sp=2",

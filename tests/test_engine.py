@@ -28,10 +28,11 @@ from digenrl.errors import UserError, WeightSyncError  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
-from tests.helpers import POOLS, TINY  # noqa: E402
+from tests.helpers import FULL_MODE, POOLS, TINY  # noqa: E402
 
 BASE = [
     *TINY,
+    *FULL_MODE,  # the knobs a mode below leaves unset: the full mode's (GAP, TAG), not the default run's
     "train.iterations=2",
     "engine.tsp_degree=1",
     "engine.max_staleness=0",

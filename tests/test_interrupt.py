@@ -1,7 +1,7 @@
 """Ctrl-C keeps the work: `digenrl train` interrupted mid-run writes a checkpoint of the
 last completed iteration, exits 130 with a last line that says how to resume, and `--resume`
 continues from exactly there: every iteration's metrics row once, the interrupted run's rows as
-they were. Each run is a real subprocess sent a real SIGINT, on the engine (the default config) and
+they were. Each run is a real subprocess sent a real SIGINT, on the engine (its full mode) and
 on the local trainer."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY
+from tests.helpers import FULL_MODE, TINY
 
 SMALL = [
     *TINY,
@@ -94,10 +94,12 @@ def interrupt_then_resume(run: Path, extra: list[str]) -> None:
 
 
 @pytest.mark.slow
-def test_ctrl_c_on_the_engine_keeps_the_last_iteration_and_resumes(tmp_path):
-    """The default config: disaggregated, GAP + TSP + TAG + one-step async, so at the interrupt
-    rank 0 may be mid-iteration with the next iteration's rollouts in flight."""
-    interrupt_then_resume(tmp_path / "run", [])
+@pytest.mark.parametrize("mode", [FULL_MODE, []], ids=["full", "default_colocated"])
+def test_ctrl_c_on_the_engine_keeps_the_last_iteration_and_resumes(mode, tmp_path):
+    """The engine's full mode (tests.helpers.FULL_MODE): disaggregated, GAP + TSP + TAG + one-step
+    async, so at the interrupt rank 0 may be mid-iteration with the next iteration's rollouts in flight;
+    and the default run (colocated, on-policy), the one a user interrupts first."""
+    interrupt_then_resume(tmp_path / "run", mode)
 
 
 @pytest.mark.slow
@@ -111,6 +113,7 @@ def test_a_fatal_error_mid_run_keeps_the_last_iteration(tmp_path):
     state is intact, so the run stops with a checkpoint of iteration 1 (none was due) and says so."""
     run = tmp_path / "run"
     sets = SMALL + [
+        *FULL_MODE,
         "train.iterations=3",
         "output.checkpoint_every=0",
         "engine.max_staleness=0",
