@@ -662,6 +662,12 @@ class RunConfig(_Section):
                 f"engine.unit_samples ({s}) needs engine.unit_groups 1 (a unit holds part of one "
                 f"group), got {self.engine.unit_groups}"
             )
+        if self.placement.mode == "colocated" and self.engine.max_staleness:
+            raise ValueError(
+                f"engine.max_staleness ({self.engine.max_staleness}, one-step async) needs placement.mode "
+                "disaggregated: colocated devices cannot roll out while they train (the demo on the full "
+                "mode: -c configs/flux_tiny_disaggregated.yaml)"
+            )
         self._algorithm_defaults()
         if self.placement.mode != "local":
             names = [p.name for p in self.cluster.pools]

@@ -73,6 +73,10 @@ CASES = {
         "train.optimizer_steps (3) must divide algorithm.group_size",
     ),
     "unit_samples does not divide G": (["train", "--set", "engine.unit_samples=3"], "engine.unit_samples"),
+    "one-step async on the colocated default": (
+        ["train", "--set", "placement.mode=colocated", "--set", "engine.max_staleness=1"],
+        "engine.max_staleness (1, one-step async) needs placement.mode disaggregated",
+    ),
     "unit_samples with unit_groups > 1": (
         ["train", "--set", "engine.unit_samples=4", "--set", "engine.unit_groups=2"],
         "engine.unit_samples",

@@ -26,6 +26,7 @@ BASE = [
     *TINY,
     *QUIET,
     "placement.mode=disaggregated",
+    "engine.gap=true",
     "engine.tag=false",
     "engine.tsp_degree=1",
     "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",

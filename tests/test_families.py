@@ -14,7 +14,7 @@ from digenrl.runlog import read_metrics
 pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
 
 FAMILIES = {
-    "flux": "configs/flux_tiny.yaml",
+    "flux": "configs/flux_tiny_disaggregated.yaml",  # the engine's full mode (the default run: test_train)
     "wan": "configs/wan_tiny.yaml",
     "hunyuan_video": "configs/hunyuan_tiny.yaml",
     "qwen_image": "configs/qwen_tiny.yaml",

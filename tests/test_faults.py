@@ -31,6 +31,7 @@ BASE = [
     *QUIET,
     "placement.mode=disaggregated",
     "engine.gap=true",
+    "engine.tag=true",
     "engine.tsp_degree=2",
     "engine.max_staleness=0",
 ]

@@ -13,6 +13,7 @@ from digenrl.config import EngineConfig, load_config
 from digenrl.engine.knobs import EngineKnobs, SchedulingKnobs, engine_config_values, from_engine_config
 from digenrl.engine.scheduler import SchedulerConfig
 from digenrl.placement import Plan, apply_plan
+from tests.helpers import FULL_MODE
 
 ENGINE = Path(__file__).resolve().parents[1] / "digenrl" / "engine"
 
@@ -36,7 +37,7 @@ def test_plan_and_scheduler_inherit_the_knobs_and_the_config_names_them():
     ],
 )
 def test_config_and_plan_convert_by_name_both_ways(sets):
-    cfg = load_config(None, ["placement.mode=disaggregated", *sets])
+    cfg = load_config(None, [*FULL_MODE, *sets])
     G = cfg.algorithm.group_size
     plan = Plan.from_run_config(cfg)
     assert {k: getattr(plan, k) for k in from_engine_config(cfg.engine, G)} == from_engine_config(

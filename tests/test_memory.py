@@ -17,6 +17,7 @@ from digenrl.planner.params import CostParams
 from digenrl.planner.workload import Workload
 from digenrl.preflight import check_memory, resolve_memory_settings
 from digenrl.resolve import resolve
+from tests.helpers import FULL_MODE
 
 ROOT = Path(__file__).resolve().parents[1]
 FLUX = str(ROOT / "configs" / "flux1_dev.yaml")
@@ -130,7 +131,7 @@ def test_shipped_real_scale_configs_fit(name):
 
 
 def test_cpu_pools_are_not_checked():
-    cfg = load_config(None, ["model.lora=null", "train.fsdp=off"])
+    cfg = load_config(None, [*FULL_MODE, "model.lora=null", "train.fsdp=off"])
     assert {p.device for p in cfg.cluster.pools} == {"cpu"}
     check_memory(cfg)
     assert resolve_memory_settings(cfg).fsdp == 1

@@ -22,13 +22,14 @@ from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
-from tests.helpers import TINY  # noqa: E402
+from tests.helpers import FULL_MODE, TINY  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 NFT = ["algorithm.name=diffusion_nft"]
 BASE = NFT + [
     *TINY,
+    *FULL_MODE,  # the knobs a test leaves unset: the engine's full mode's, not the default run's
     "train.iterations=2",
     "engine.tsp_degree=1",
     "engine.max_staleness=0",
@@ -97,10 +98,12 @@ def test_sharded_nft_with_uneven_shares_equals_the_local_trainer(cluster, tmp_pa
 
 
 def test_default_demo_learns_on_the_async_engine(cluster, tmp_path):
-    """``digenrl train --set algorithm.name=diffusion_nft``: the default demo (disaggregated, GAP, TAG,
-    one-step async), shortened; the reward mean of the last third above the first third."""
+    """``digenrl train -c configs/flux_tiny_disaggregated.yaml --set algorithm.name=diffusion_nft``: the
+    demo on the engine's full mode (disaggregated, GAP, TAG, one-step async), shortened; the reward mean
+    of the last third above the first third."""
     cfg = load_config(
-        None, NFT + ["train.iterations=36", "output.checkpoint_every=0", "output.save_samples_every=0"]
+        None,
+        NFT + FULL_MODE + ["train.iterations=36", "output.checkpoint_every=0", "output.save_samples_every=0"],
     )
     e = cfg.engine
     assert (cfg.placement.mode, e.gap, e.tag, e.max_staleness) == ("disaggregated", True, True, 1)

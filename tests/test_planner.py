@@ -27,6 +27,7 @@ from digenrl.planner.search import candidates, search
 from digenrl.planner.shapes import attention_fraction, forward_flops, model_shape
 from digenrl.planner.simulator import bound, simulate
 from digenrl.planner.workload import Workload
+from tests.helpers import FULL_MODE
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "configs" / "clusters"
@@ -316,7 +317,7 @@ def test_minibatch_ppo_is_simulated_with_the_engines_units(tiny_cfg):
     from digenrl.resolve import resolve
 
     knobs = [
-        "placement.mode=disaggregated",
+        *FULL_MODE,
         "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]",
         "engine.tsp_degree=2",
         "engine.tag=true",
@@ -713,7 +714,7 @@ def test_colocated_plan_of_a_run_config_splits_groups_fewer_than_devices(tiny_cf
     )
     assert pinned.group_parts == 1  # an explicit engine.unit_samples is kept
     disagg_plan = Plan.from_run_config(
-        tiny_cfg("train.prompts_per_iteration=1", "algorithm.group_size=8", pools)
+        tiny_cfg(*FULL_MODE, "train.prompts_per_iteration=1", "algorithm.group_size=8", pools)
     )
     assert disagg_plan.group_parts == 1  # only colocated spreads by itself
 

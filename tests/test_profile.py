@@ -19,6 +19,12 @@ from digenrl.planner.gpus import load_cluster
 from digenrl.planner.profile import batch_sizes, load_profile, run_profile, save_profile
 from digenrl.planner.simulator import simulate
 from digenrl.planner.workload import Workload
+from tests.helpers import FULL_MODE
+
+#: tests.helpers.FULL_MODE as the YAML of a run config file (the knobs the default run leaves off)
+FULL_MODE_YAML = (
+    "placement: {mode: disaggregated}\nengine: {gap: true, tag: true, tsp_degree: 2, max_staleness: 1}\n"
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["sampling.steps=2", "train.prompts_per_iteration=2", "algorithm.group_size=2", "train.micro_batch=2"]
@@ -68,13 +74,13 @@ def test_profile_each_tiny_family(family, tmp_path):
 
 @pytest.mark.slow
 def test_profile_measures_cpu_sharing():
-    cfg = load_config(None, FAST)
+    cfg = load_config(None, FULL_MODE + FAST)
     slow = fast_profile(cfg, sharing=2)["measurements"]["cpu_slowdown"]
     assert slow["1"] == 1.0 and slow["2"] > 0.5
 
 
 def test_profile_of_another_model_is_refused(tmp_path):
-    cfg = load_config(None, FAST)
+    cfg = load_config(None, FULL_MODE + FAST)
     path = save_profile(fast_profile(cfg, sharing=0), tmp_path / "flux.json")
     wan = load_config(ROOT / "configs" / "wan_tiny.yaml", FAST)
     with pytest.raises(UserError, match="measured on FluxTransformer2DModel"):
@@ -83,7 +89,7 @@ def test_profile_of_another_model_is_refused(tmp_path):
             load_cluster(ROOT / "configs" / "clusters" / "local_cpu.yaml"),
             profile=load_profile(path),
         )
-    bigger = load_config(None, FAST + ["model.height=64", "model.width=64"])
+    bigger = load_config(None, FULL_MODE + FAST + ["model.height=64", "model.width=64"])
     with pytest.raises(UserError, match="tokens per sample"):
         CostModel(
             Workload.from_config(bigger),
@@ -100,7 +106,7 @@ def test_profile_cli_writes_json_and_prints_a_table(tmp_path):
     cfg_file = tmp_path / "small.yaml"
     cfg_file.write_text(
         "sampling: {steps: 2}\nalgorithm: {group_size: 2}\ntrain: {prompts_per_iteration: 2, "
-        "micro_batch: 2}\n"
+        "micro_batch: 2}\n" + FULL_MODE_YAML
     )
     out = tmp_path / "p" / "profile.json"
     result = CliRunner().invoke(app, ["profile", "--config", str(cfg_file), "--out", str(out)])
@@ -137,7 +143,7 @@ def test_profile_of_a_missing_checkpoint_exits_2():
 def test_whole_unit_factor_scales_every_composed_unit_and_tsp_shares_split_it(tmp_path):
     """A profile's unit factor (whole unit / its calls, measured at the run's unit size) multiplies
     every composed unit: a TSP share of a train unit costs its share of the overhead, not all of it."""
-    cfg = load_config(None, FAST + ["engine.unit_groups=1", "sampling.steps=6"])
+    cfg = load_config(None, FULL_MODE + FAST + ["engine.unit_groups=1", "sampling.steps=6"])
     profile = fast_profile(cfg, sharing=0)
     u = profile["measurements"]["unit_overhead"]
     assert u["groups"] == 1 and u["rollout_factor"] > 0 and u["train_factor"] > 0
@@ -173,7 +179,7 @@ def test_engine_unit_factor_is_taken_against_the_reference_units():
         d = 0.5 if k == 0 else 0.12
         tl.record("rollout0", "rollout", f"r{k}", k, k, k, k + d)
         tl.record("trainer0", "train", f"t{k}", k, k, k + d, k + 2 * d)
-    factors = unit_time_factors(tl, load_config(None, FAST), {}, {"rollout": 0.1, "train": 0.1})
+    factors = unit_time_factors(tl, load_config(None, FULL_MODE + FAST), {}, {"rollout": 0.1, "train": 0.1})
     assert factors == pytest.approx({"rollout": 1.2, "train": 1.2})
 
 
@@ -219,7 +225,7 @@ def test_profile_cli_engine_none_measures_the_model_only(monkeypatch, capsys, tm
     cfg_file = tmp_path / "small.yaml"
     cfg_file.write_text(
         "sampling: {steps: 2}\nalgorithm: {group_size: 2}\ntrain: {prompts_per_iteration: 2, "
-        "micro_batch: 2}\n"
+        "micro_batch: 2}\n" + FULL_MODE_YAML
     )
     out = tmp_path / "profile.json"
     code, stdout, err = cli(
@@ -249,7 +255,7 @@ def test_gpu_profile_calibrates_the_efficiency_curve_from_the_batches_both_table
     from digenrl.planner.gpus import DEVICES
     from digenrl.planner.shapes import attention_fraction, forward_flops
 
-    cfg = load_config(None, FAST)
+    cfg = load_config(None, FULL_MODE + FAST)
     w = Workload.from_config(cfg)
     peak, flops = DEVICES["H100"].bf16_flops, forward_flops(w.shape) * w.passes
     train_factor = 2.0 + attention_fraction(w.shape)  # forward + LoRA backward

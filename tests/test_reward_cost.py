@@ -17,6 +17,7 @@ from digenrl.planner.gpus import cluster_from_dict
 from digenrl.planner.params import CostParams
 from digenrl.planner.simulator import simulate
 from digenrl.planner.workload import Workload
+from tests.helpers import FULL_MODE
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["train.prompts_per_iteration=4", "algorithm.group_size=8", "sampling.steps=8"]
@@ -28,7 +29,7 @@ PLAN = Plan.from_run_config(
     load_config(
         None,
         [
-            "placement.mode=disaggregated",
+            *FULL_MODE,
             "engine.unit_groups=1",
             "engine.tag=false",
             "cluster.pools=[{name: rollout, device: H100, count: 1}, {name: trainer, device: H100, count: 1}]",  # noqa: E501

@@ -20,10 +20,11 @@ from digenrl.prompts import PromptSampler, load_prompts
 from digenrl.resolve import resolve
 from digenrl.rewards import build_reward
 from digenrl.units import assign_advantages, merge_stats, rollout_unit, train_unit
+from tests.helpers import FULL_MODE
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
-    "placement.mode=disaggregated",
+    *FULL_MODE,
     "model.height=16",
     "model.width=16",
     "algorithm.group_size=4",

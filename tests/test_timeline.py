@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from digenrl.engine.timeline import Timeline
+from tests.helpers import FULL_MODE
 
 
 def pipeline() -> Timeline:
@@ -282,7 +283,7 @@ def test_group_leads_of_the_engine_config():
     from digenrl.resolve import resolve
 
     def leads(*sets):
-        return resolve(load_config(None, ["placement.mode=disaggregated", "engine.tag=false", *sets])).leads
+        return resolve(load_config(None, [*FULL_MODE, "engine.tag=false", *sets])).leads
 
     assert leads(
         "engine.rollout_sp=2", "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]"

@@ -8,6 +8,7 @@ import torch
 
 from digenrl.runlog import read_metrics
 from digenrl.trainer import LocalTrainer
+from tests.helpers import FULL_MODE_SETS
 
 pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
 
@@ -111,7 +112,9 @@ def test_saved_lora_loads_into_flux_pipeline_and_changes_output(learned):
     assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)
 
 
-def test_cli_train_runs_and_writes(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("mode", [[], FULL_MODE_SETS], ids=["default_colocated", "full"])
+def test_cli_train_runs_and_writes(mode, tmp_path, monkeypatch, capsys):
+    """`digenrl train` on the default run (colocated) and on the engine's full mode."""
     import sys
 
     from digenrl.cli.app import main
@@ -130,6 +133,7 @@ def test_cli_train_runs_and_writes(tmp_path, monkeypatch, capsys):
             "model.height=16",
             "--set",
             "model.width=16",
+            *mode,
         ],
     )
     with pytest.raises(SystemExit) as exc:

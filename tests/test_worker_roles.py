@@ -12,6 +12,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 from digenrl.config import load_config  # noqa: E402
 from digenrl.engine.workers import EngineWorker, ResumeFrom, generates  # noqa: E402
 from digenrl.units import rollout_unit, train_unit  # noqa: E402
+from tests.helpers import FULL_MODE  # noqa: E402
 
 BASE = [
     "model.height=16",
@@ -19,7 +20,7 @@ BASE = [
     "train.prompts_per_iteration=2",
     "algorithm.group_size=2",
     "sampling.steps=2",
-    "placement.mode=disaggregated",
+    *FULL_MODE,
     "engine.tag=false",
 ]
 FULL_FT_KL = ["model.lora=null", "algorithm.kl_beta=0.04"]
