@@ -33,6 +33,7 @@ COLOCATED = [
     "placement.mode=colocated",
     "placement.rollout_pool=h800",
     "placement.trainer_pool=h800",
+    "engine.max_staleness=0",  # the shipped config is one-step async; colocated runs on-policy
 ]
 DISAGG = [
     "cluster.pools=[{name: rollout, device: H800, count: 8}, {name: trainer, device: H800, count: 8}]",
