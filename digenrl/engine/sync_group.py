@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
+from datetime import timedelta
 
 import torch
+from torch.distributed import DistStoreError
 
 from digenrl.distributed.broadcast import (
     Received,
@@ -33,14 +34,29 @@ from digenrl.errors import WeightSyncError
 from digenrl.lora import full_tensor
 
 SYNC_TIMEOUT_S = 300.0  # forming the group, and any one bucket in flight
-POLL_S = 0.02  # how often an idle receiver looks for the next version's announcement
+# An idle receiver blocks on the store for the next announcement (woken the moment rank 0 sets it,
+# or sets it to CLOSED); it re-checks the CLOSED key this often when nothing came at all.
+ANNOUNCE_WAIT = timedelta(hours=1)
 CLOSED = "closed"  # store key: rank 0 publishes no more versions over the group
 
 
 def _announced(seq: int) -> str:
-    """Store key rank 0 sets right before its ``seq``-th publish: receivers wait for it on the
-    store (no timeout however long an iteration takes), then join the bucket broadcasts."""
+    """Store key rank 0 sets right before its ``seq``-th publish (to the version), or to
+    ``CLOSED`` when it publishes no more: receivers block on it, then join the bucket broadcasts."""
     return f"announce/{seq}"
+
+
+def _wait_announced(store, seq: int) -> bool:
+    """Block until rank 0 announces its ``seq``-th publish (True) or closes the group (False). No
+    timeout however long an iteration takes; a store that broke (rank 0 gone) raises."""
+    while True:
+        try:
+            store.wait([_announced(seq)], ANNOUNCE_WAIT)
+        except DistStoreError:  # nothing in an hour: still open?
+            if store.check([CLOSED]):
+                return False
+            continue
+        return store.get(_announced(seq)) != CLOSED.encode()
 
 
 def receiver_specs(policy) -> list[TensorSpec]:
@@ -126,6 +142,7 @@ class BroadcastPublisher:
             self.closed = True
             with contextlib.suppress(Exception):
                 self.group.store.set(CLOSED, "1")
+                self.group.store.set(_announced(self.seq), CLOSED)  # wakes a waiting receiver
 
 
 class BroadcastInbox:
@@ -151,10 +168,8 @@ class BroadcastInbox:
         store, seq = self.group.store, 0
         try:
             while True:
-                while not store.check([_announced(seq)]):
-                    if store.check([CLOSED]):
-                        return self._stop("trainer rank 0 publishes through the object store now")
-                    time.sleep(POLL_S)
+                if store.check([CLOSED]) or not _wait_announced(store, seq):
+                    return self._stop("trainer rank 0 publishes through the object store now")
                 with _side_stream(self.group.device):
                     received = self.receiver.receive()
                 seq += 1
