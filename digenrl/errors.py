@@ -39,3 +39,17 @@ def read_user_text(path, what: str) -> str:
         raise UserError(f"{what}: {path} cannot be read ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
         raise UserError(f"{what}: {path} is not UTF-8 text (byte {exc.start})") from None
+
+
+def actor_death(exc: BaseException) -> BaseException | None:
+    """The Ray error saying an actor process died, when that is why ``exc`` failed (the worker's own,
+    or one it called: a task error's ``cause``); else None."""
+    import ray
+
+    died = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)  # lost: its owner process died
+    return next((e for e in (exc, getattr(exc, "cause", None)) if isinstance(e, died)), None)
+
+
+def actor_died(exc: BaseException) -> bool:
+    """The call failed because an actor process died (the worker's own, or one it called)."""
+    return actor_death(exc) is not None

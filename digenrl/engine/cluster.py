@@ -7,8 +7,8 @@ after the type; ``gpu`` / ``cuda`` = any GPU). Everything is reserved as one pla
 after checking ``ray.cluster_resources()``, so an impossible placement fails in seconds with
 a message, never a hang.
 
-Faults: ``actor_died`` tells a dead process from a bug; ``num_restarts`` reads Ray's count (what
-the engine does about a fault is :mod:`digenrl.engine.recovery`).
+Faults: ``num_restarts`` reads Ray's count (:func:`digenrl.errors.actor_died` tells a dead process
+from a bug; what the engine does about a fault is :mod:`digenrl.engine.recovery`).
 """
 
 from __future__ import annotations
@@ -32,14 +32,6 @@ from digenrl.progress import progress
 REWARD_ROW = "reward"  # the reward actor's timeline row (pool SERVICE_POOL), and its in-flight entries
 PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give up, say so
 ADDRESS_PROBE_S = 3.0  # a wrong --ray-address must fail fast
-
-
-def actor_died(exc: Exception) -> bool:
-    """The call failed because an actor process died (the worker's own, or one it called)."""
-    import ray
-
-    died = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)  # lost: its owner process died
-    return isinstance(exc, died) or isinstance(getattr(exc, "cause", None), died)
 
 
 def num_restarts(actor) -> int:

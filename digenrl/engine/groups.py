@@ -12,6 +12,7 @@ from datetime import timedelta
 
 from digenrl.engine import fsdp_group, sync_group
 from digenrl.engine.fsdp_group import shard_trainer_rank
+from digenrl.errors import actor_died
 
 FOLLOWER_WAIT_S = 10.0  # a lead whose call failed: how long it waits for its followers' errors
 
@@ -176,8 +177,7 @@ class GroupMember:
                 ray.get(ref)
             except Exception as err:  # noqa: BLE001  (any follower error may be the cause)
                 errors.append(err)
-        lost = ray.exceptions.RayActorError  # (cluster.actor_died's test, without importing the cluster)
-        died = [e for e in errors if isinstance(e, lost) or isinstance(getattr(e, "cause", None), lost)]
+        died = [e for e in errors if actor_died(e)]
         causes = [e for e in errors if not _consequence(e)]
         if died:
             return died[0]

@@ -27,7 +27,7 @@ from collections import Counter
 from digenrl.engine.cluster import REWARD_ROW, first_line, head_problem
 from digenrl.engine.driver import Back, Lost
 from digenrl.engine.scheduler import RolloutUnit, Unit
-from digenrl.errors import RunStopped, UserError, WeightSyncError
+from digenrl.errors import RunStopped, UserError, WeightSyncError, actor_death
 
 
 class TrainerLost(RunStopped):
@@ -159,8 +159,7 @@ class GroupRestart:
 
         if lead not in self.groups:
             return
-        died = exc if isinstance(exc, ray.exceptions.RayActorError) else getattr(exc, "cause", None)
-        dead = getattr(died, "actor_id", None)
+        dead = getattr(actor_death(exc), "actor_id", None)
         for name in self.groups[lead]:
             actor = self.actors[name]
             if actor._actor_id.hex() != dead:  # (Ray restarts the dead one already)

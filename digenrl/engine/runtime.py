@@ -30,7 +30,6 @@ from digenrl.checkpoint import save_checkpoint_files, staging_dir
 from digenrl.config import RunConfig
 from digenrl.engine.cluster import (
     REWARD_ROW,
-    actor_died,
     first_line,
     form_rollout_sp_group,
     form_sync_group,
@@ -51,7 +50,7 @@ from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
 from digenrl.engine.workers import SCORE_GROUP
-from digenrl.errors import WeightSyncError
+from digenrl.errors import WeightSyncError, actor_died
 from digenrl.evaluate import reward_metrics
 from digenrl.layout import RunLayout
 from digenrl.progress import progress
