@@ -29,7 +29,13 @@ def tiny_cfg():
 def ray_cluster():
     """The suite's one Ray cluster (2 CPUs, the logical devices of ``tests.helpers.POOLS``), started
     by the first test that asks and shut down at the end of the run; yields its address. Tests that
-    need Ray in this process ask for it rather than starting their own."""
+    need Ray in this process ask for it rather than starting their own.
+
+    Engine runs inside it keep warm workers (:mod:`digenrl.engine.warm`): a run builds its workers
+    in the processes a finished run kept (the same worker, the same kind) instead of starting fresh
+    ones (~5 s of CPU each); a run that needs the devices kept actors hold releases them first."""
+    from digenrl.engine.warm import warm_workers
     from tests.helpers import local_ray
 
-    yield from local_ray()
+    with warm_workers():
+        yield from local_ray()

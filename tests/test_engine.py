@@ -106,10 +106,15 @@ ALL_POOLS = dict(POOLS)  # the logical devices of the suite's Ray cluster
 
 
 def free_pools() -> dict:
-    """Free logical devices, once the (asynchronous) release of a run's reservation is through."""
+    """Free logical devices, once the (asynchronous) release of a run's reservation is through, plus
+    those of the warm workers a finished run kept for the next (conftest ``ray_cluster``): a run
+    leaves nothing behind but those."""
+    from digenrl.engine import warm
+
+    kept = warm.active().held() if warm.active() is not None else {}
     for _ in range(50):
         have = ray.available_resources()
-        free = {k: have.get(k, 0) for k in ALL_POOLS}
+        free = {k: have.get(k, 0) + kept.get(k, 0) for k in ALL_POOLS}
         if free == ALL_POOLS:
             break
         time.sleep(0.1)

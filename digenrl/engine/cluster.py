@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from digenrl.config import PoolConfig, RunConfig
+from digenrl.engine import warm
 from digenrl.errors import UserError, WeightSyncError
 from digenrl.faults import FaultInjector
 from digenrl.layout import RunLayout
@@ -31,6 +32,7 @@ from digenrl.progress import progress
 
 REWARD_ROW = "reward"  # the reward actor's timeline row (pool SERVICE_POOL), and its in-flight entries
 PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give up, say so
+RETIRE_TIMEOUT_S = 30.0  # warm workers: emptying a finished run's actors for the next one
 ADDRESS_PROBE_S = 3.0  # a wrong --ray-address must fail fast
 
 
@@ -61,7 +63,7 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
     ``layout`` (each gets it) and wait until every one has built its policy (from the ``resume``
     checkpoint directory when given: read by path); on exit kill them and release everything."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from digenrl.engine.workers import SCORE_GROUP, EngineWorker, ResumeFrom, rollout_checkpoint_files
@@ -74,18 +76,26 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
     )
     workers = layout.workers
     ours = connect(workers, ray_address)
-    group, actors, reward_actor = None, {}, None
+    actors, reward_actor, pids, clean = {}, None, {}, False
+    after = scored_after_unit(cfg)
+    scoring = [after and spec.role == "rollout" for spec in workers]
+    restarts = [cfg.engine.max_restarts if spec.role == "rollout" else 0 for spec in workers]
+    pool = warm.active() if not ours else None  # warm workers: keep the actors for the next run
+    if pool is not None and not warm.eligible(cfg):  # this run starts fresh ones: release the kept
+        pool, _ = None, pool.clear()
+    groups, kinds, kept = [], [], [None] * len(workers)
     try:
         progress(f"starting {len(workers)} workers (each builds the model)...")
         bundles = resource_bundles(workers, ray.cluster_resources(), reserve=reward_service_resources(cfg))
-        group = placement_group(bundles, strategy="PACK")
-        try:
-            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            raise UserError(
-                f"cluster: could not reserve {_asked(workers)} within {PLACEMENT_TIMEOUT_S:.0f}s "
-                f"(bundles {bundles}); free now: {_describe(ray.available_resources())}"
-            ) from None
+        if pool is None:  # the whole run as one placement group: bundle i is worker i's
+            groups = [_reserve(bundles, workers)]
+            slots = [(groups[0], i, b) for i, b in enumerate(bundles)]
+        else:  # warm workers: one reservation per actor, so each can be kept or released alone
+            kinds = [warm.kind_of(b, s, r) for b, s, r in zip(bundles, scoring, restarts)]
+            kept = pool.take([w.name for w in workers], kinds, ray.cluster_resources())
+            for k, kd in zip(kept, kinds):
+                groups.append(k.group if k is not None else _reserve([warm.bundle_of(kd)], workers))
+            slots = [(g, 0, warm.bundle_of(kd)) for g, kd in zip(groups, kinds)]
         if cfg.reward.service is not None:  # one reward actor shared by every worker that scores
             from digenrl.rewards.service import start_reward_actor
 
@@ -99,52 +109,87 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
             resume_from = ResumeFrom(str(Path(resume).resolve()), ray.put(rollout_checkpoint_files(resume)))
         remote = ray.remote(EngineWorker)
         # a model reward scored after each unit: the rollout workers' score() runs beside their next unit
-        scoring = ray.remote(concurrency_groups={SCORE_GROUP: 1})(EngineWorker)
-        after = scored_after_unit(cfg)
+        scored = ray.remote(concurrency_groups={SCORE_GROUP: 1})(EngineWorker)
         sp_followers = layout.sp_followers
+        calls = []
         for i, spec in enumerate(workers):
-            b = bundles[i]
+            scorer = None if spec.name in sp_followers else reward_actor
+            args = (cfg, spec.name, spec.role, scorer, resume_from)
+            kwargs = dict(sp_follower=spec.name in sp_followers, layout=layout)
+            if kept[i] is not None:  # a warm actor: the same process, this run's worker built in it
+                actors[spec.name] = kept[i].actor
+                calls.append(kept[i].actor.rebuild.remote(*args, **kwargs))
+                continue
+            group, index, b = slots[i]
             actors[spec.name] = (
-                (scoring if after and spec.role == "rollout" else remote)
+                (scored if scoring[i] else remote)
                 .options(
                     num_cpus=b.get("CPU", 0),
                     num_gpus=b.get("GPU", 0),
                     resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        group, placement_group_bundle_index=i
+                        group, placement_group_bundle_index=index
                     ),
                     # a rollout worker holds nothing that cannot be rebuilt: Ray restarts it and the
                     # engine re-queues its unit; a trainer rank's death stops the run (worker_died)
                     # (a sequence-parallel group is restarted whole: recovery.GroupRestart)
-                    max_restarts=cfg.engine.max_restarts if spec.role == "rollout" else 0,
+                    max_restarts=restarts[i],
                     max_task_retries=0,
                 )
-                .remote(
-                    cfg,
-                    spec.name,
-                    spec.role,
-                    None if spec.name in sp_followers else reward_actor,
-                    resume_from,
-                    sp_follower=spec.name in sp_followers,
-                    layout=layout,
-                )
+                .remote(*args, **kwargs)
             )
-        ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
+            calls.append(actors[spec.name].ready.remote())
+        ready = dict(zip(actors, ray.get(calls)))
+        pids = {name: r["pid"] for name, r in ready.items()}
         if len({r["checksum"] for r in ready.values()}) > 1:
             raise WeightSyncError(f"initial weights differ between workers: {ready}")
         form_trainer_group(layout, actors, ready)
         form_sp_groups(layout, actors, ready)
         yield {**actors, REWARD_ROW: reward_actor} if reward_actor is not None else actors
+        clean = True
     finally:
         if head_problem() is None:  # with the head gone, every call below would wait a minute for it
             # (and the cluster took its processes along)
-            for actor in [*actors.values(), reward_actor]:
+            if clean and pool is not None and _retired(actors, pids):
+                pool.keep([warm.Kept(n, kd, g, a) for (n, a), kd, g in zip(actors.items(), kinds, groups)])
+                actors, groups, kept = {}, [], []
+            taken = [k.actor for k in kept if k is not None and k.actor not in actors.values()]
+            for actor in [*actors.values(), *taken, reward_actor]:
                 if actor is not None:
                     ray.kill(actor, no_restart=True)
-            if group is not None:
+            for group in groups:
                 remove_placement_group(group)
         if ours:
             ray.shutdown()
+
+
+def _reserve(bundles: list[dict], workers: list[Worker]):
+    """A placement group of ``bundles``, once reserved (a UserError naming the ask after
+    PLACEMENT_TIMEOUT_S: the resources exist but stay taken)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    group = placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise UserError(
+            f"cluster: could not reserve {_asked(workers)} within {PLACEMENT_TIMEOUT_S:.0f}s "
+            f"(bundles {bundles}); free now: {_describe(ray.available_resources())}"
+        ) from None
+    return group
+
+
+def _retired(actors: dict, pids: dict) -> bool:
+    """Empty every worker of a finished run for the next one (warm workers): True when each came
+    back empty in the process it started the run in (none restarted)."""
+    import ray
+
+    try:
+        back = ray.get([a.retire.remote() for a in actors.values()], timeout=RETIRE_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 -- a worker that cannot retire is killed with the rest
+        return False
+    return back == [pids[name] for name in actors]
 
 
 def head_problem() -> str | None:

@@ -158,7 +158,8 @@ class BroadcastInbox:
         self.events: list[dict] = []
         self.problem: str | None = None  # why no more versions will arrive
         self.cond = threading.Condition()
-        threading.Thread(target=self._run, name="weight-prefetch", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="weight-prefetch", daemon=True)
+        self.thread.start()
 
     def keep(self, received: Received) -> None:
         with self.cond:
@@ -199,6 +200,11 @@ class BroadcastInbox:
                     )
                 self.cond.wait(timeout=1.0)
             return self.staged[version]
+
+    def stopped(self, timeout: float) -> bool:
+        """Whether the receiving thread has ended, waiting up to ``timeout`` s (after rank 0 closed)."""
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
 
     def drain_events(self) -> list[dict]:
         """The prefetch spans recorded since the last call (for the timeline)."""

@@ -31,6 +31,7 @@ here, in the worker) that the driver records relative to the run start.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import time
@@ -44,7 +45,7 @@ from digenrl.checkpoint import checkpoint_files, load_checkpoint
 from digenrl.distributed.fsdp import all_reduce_replicas
 from digenrl.engine import sync_group, weight_sync
 from digenrl.engine.fsdp_group import combine_rank_stats, reshard, train_share
-from digenrl.engine.groups import GroupMember, group_call
+from digenrl.engine.groups import GroupMember, abort_process_group, group_call
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.engine.sp_group import SequenceParallelMember
 from digenrl.errors import UserError
@@ -150,6 +151,7 @@ class _KeptForScoring:
 
 #: the actor's concurrency group of :meth:`EngineWorker.score` (its other calls run one at a time, in order)
 SCORE_GROUP = "score"
+RETIRE_WAIT_S = 10.0  # warm workers: how long a retiring rollout worker waits for its weight-sync thread
 
 
 @dataclass(frozen=True)
@@ -273,6 +275,29 @@ class EngineWorker(GroupMember, SequenceParallelMember):
             "pid": os.getpid(),
             "version": self.policy.version,
         }
+
+    # -- warm workers (digenrl.engine.warm): the same process, the next run ---------------------
+
+    def rebuild(self, *args, **kwargs) -> dict:
+        """Build the next run's worker in this live process (the constructor's arguments), as a
+        fresh actor would; returns :meth:`ready`'s answer."""
+        self.__dict__.clear()
+        EngineWorker.__init__(self, *args, **kwargs)
+        return self.ready()
+
+    def retire(self) -> int | None:
+        """The end of a run whose process is kept: leave its process groups, stop the weight-sync
+        thread, drop everything it built. Returns this process's id, or None when something is
+        still running in it (the driver then kills it)."""
+        inbox = self.sync if isinstance(self.sync, sync_group.BroadcastInbox) else None
+        if isinstance(self.sync, sync_group.BroadcastPublisher):
+            self.sync.close()  # the receivers' threads end
+        if inbox is not None and not inbox.stopped(timeout=RETIRE_WAIT_S):
+            return None
+        abort_process_group()
+        self.__dict__.clear()
+        gc.collect()
+        return os.getpid()
 
     def resolved(self) -> dict:
         """What this worker runs with, read off what it built and joined (not off the config): the

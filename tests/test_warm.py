@@ -1,0 +1,90 @@
+"""Warm workers (digenrl/engine/warm.py): which kept actor a run takes, what it releases, and a run
+in kept processes equal to one in fresh processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from digenrl.config import load_config
+from digenrl.engine import warm
+from tests.helpers import TINY
+
+ROLLOUT = warm.kind_of({"CPU": 1.0, "pool:rollout": 1}, False, 3)
+TRAINER = warm.kind_of({"CPU": 0.5, "pool:trainer": 1}, False, 0)
+TOTAL = {"CPU": 2.0, "pool:rollout": 2, "pool:trainer": 2}
+
+
+@pytest.fixture
+def released(monkeypatch):
+    gone = []
+    monkeypatch.setattr(warm, "release", lambda kept: gone.extend(k.name for k in kept))
+    return gone
+
+
+def pool_of(*kept) -> warm.WarmPool:
+    pool = warm.WarmPool()
+    pool.keep([warm.Kept(name, kind, f"pg-{name}", f"actor-{name}") for name, kind in kept])
+    return pool
+
+
+def test_the_kind_leaves_out_the_cpu_share_and_keeps_the_rest():
+    assert ROLLOUT == warm.kind_of({"CPU": 0.05, "pool:rollout": 1}, False, 3)
+    assert ROLLOUT != warm.kind_of({"CPU": 1.0, "pool:rollout": 1}, True, 3)  # scoring group
+    assert ROLLOUT != warm.kind_of({"CPU": 1.0, "pool:rollout": 1}, False, 0)  # restart budget
+    assert ROLLOUT != warm.kind_of({"CPU": 1.0, "pool:trainer": 1}, False, 3)  # device
+    assert warm.bundle_of(TRAINER) == {"CPU": warm.CPU_SHARE, "pool:trainer": 1}
+
+
+def test_a_kept_actor_is_taken_only_by_the_worker_it_ran_and_of_its_kind(released):
+    pool = pool_of(("rollout0", ROLLOUT), ("trainer0", TRAINER), ("trainer1", TRAINER))
+    got = pool.take(["rollout0", "trainer1", "trainer2"], [ROLLOUT, TRAINER, TRAINER], TOTAL)
+    assert [k and k.name for k in got] == ["rollout0", "trainer1", None]
+    # trainer0 is not handed to trainer2 (a rank it was not), and the new trainer2 needs its device
+    assert released == ["trainer0"] and pool.kept == []
+    assert (pool.reused, pool.started) == (2, 1)
+
+
+def test_kept_actors_not_taken_stay_while_their_devices_are_not_needed(released):
+    pool = pool_of(("rollout0", ROLLOUT), ("trainer0", TRAINER), ("trainer1", TRAINER))
+    got = pool.take(["rollout0", "trainer0"], [ROLLOUT, TRAINER], TOTAL)
+    assert [k.name for k in got] == ["rollout0", "trainer0"]
+    assert released == [] and [k.name for k in pool.kept] == ["trainer1"]
+    assert pool.held() == {"CPU": warm.CPU_SHARE, "pool:trainer": 1}
+    # the next run needs both trainer devices for workers of another kind: trainer1 goes
+    scoring = warm.kind_of({"CPU": 1.0, "pool:trainer": 1}, True, 0)
+    pool.keep(got)
+    pool.take(["a", "b"], [scoring, scoring], TOTAL)
+    assert released == ["trainer1", "trainer0"] and [k.name for k in pool.kept] == ["rollout0"]
+
+
+def test_runs_that_must_start_fresh_actors():
+    base = load_config(None, TINY)
+    assert warm.eligible(base)
+    fault = "engine.faults=[{worker: rollout0, unit: rollout-0-0}]"
+    assert not warm.eligible(load_config(None, [*TINY, fault]))
+    assert not warm.eligible(load_config(None, [*TINY, "engine.compile_rollout=on"]))
+
+
+@pytest.mark.slow
+def test_a_run_in_kept_processes_equals_one_in_fresh_processes(ray_cluster, tmp_path):
+    """The same config twice: the second run builds every worker in the first run's processes
+    (nothing started) and trains to the same weights and metrics."""
+    from digenrl.launch import run_engine
+    from digenrl.resolve import resolve
+
+    pool = warm.active()
+    pool.clear()
+    cfg = load_config(None, [*TINY, "train.iterations=2", "placement.mode=disaggregated"])
+    first = run_engine(cfg, run_dir=tmp_path / "fresh")
+    started, kept = pool.started, len(pool.kept)
+    second = run_engine(cfg, run_dir=tmp_path / "warm")
+    assert kept == len(resolve(cfg).workers) and pool.started == started  # all reused
+    for a, b in zip(first.metrics, second.metrics, strict=True):
+        assert {k: a[k] for k in ("loss", "grad_norm", "reward_mean")} == {
+            k: b[k] for k in ("loss", "grad_norm", "reward_mean")
+        }
+    lora = "final/pytorch_lora_weights.safetensors"
+    want, got = load_file(tmp_path / "fresh" / lora), load_file(tmp_path / "warm" / lora)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
