@@ -116,6 +116,15 @@ def test_weight_sync(tmp_path):
 
 
 @pytest.mark.slow
+def test_warm_workers(tmp_path):
+    """One run cold and warm (its reuse is tests/test_warm.py's): the fields the table reads."""
+    data = run_script("warm_workers.py", tmp_path, "--repeats", "1", "--runs", "sync")
+    (row,) = data["runs"]
+    assert row["run"] == "sync" and (row["reused"], row["started"]) == (0, 2) and data["repeats"] == 1
+    assert finite(row["cold_s"], row["warm_s"], data["total_cold_s"], data["total_warm_s"])
+
+
+@pytest.mark.slow
 def test_memory(tmp_path):
     rows = run_script("memory.py", tmp_path, "--configs", str(ROOT / "configs" / "flux_tiny.yaml"))["rows"]
     assert {r["config"] for r in rows} == {"flux_tiny.yaml"} and len(rows) >= 4
