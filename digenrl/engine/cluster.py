@@ -82,7 +82,8 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
     restarts = [cfg.engine.max_restarts if spec.role == "rollout" else 0 for spec in workers]
     pool = warm.active() if not ours else None  # warm workers: keep the actors for the next run
     if pool is not None and not warm.eligible(cfg):  # this run starts fresh ones: release the kept
-        pool, _ = None, pool.clear()
+        pool.clear()
+        pool = None
     groups, kinds, kept = [], [], [None] * len(workers)
     try:
         progress(f"starting {len(workers)} workers (each builds the model)...")

@@ -5,9 +5,9 @@ diffusers' model classes: docs/engine.md "Warm workers"), and a tiny run is over
 second. Inside :func:`warm_workers` the end of a run leaves its actors alive and empty
 (``EngineWorker.retire``); the next run takes the kept actors of the kinds it needs -- the same
 device resource, the same scoring concurrency group, the same restart budget -- and builds its
-workers in them (``EngineWorker.rebuild``), starting fresh actors only for the rest; the kept
-actors it does not need are released first, so they cannot hold devices it asks for. The test
-suite runs inside it; a single ``digenrl train`` never does.
+workers in them (``EngineWorker.rebuild``), starting fresh actors only for the rest; kept actors
+it does not take stay kept unless the actors it starts need their devices. The test suite runs
+inside it; a single ``digenrl train`` never does.
 
 What changes inside: each warm actor holds its own one-bundle placement group (so one can be kept
 and another released) with a small fixed CPU share (so kept and new actors always fit together),
@@ -22,12 +22,13 @@ back empty, is torn down as without warm workers.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass
 
 #: A warm actor's CPU share (logical): small enough that any run's workers fit beside kept ones.
 CPU_SHARE = 0.05
 
-_POOLS: list = []  # the active WarmPool (at most one)
+_active: WarmPool | None = None  # the pool of the warm_workers() block this process is in
 
 
 @dataclass
@@ -67,7 +68,9 @@ class WarmPool:
             short = [r for r, v in need.items() if held.get(r, 0) + v > total.get(r, 0) + 1e-9]
             if not short:
                 break
-            gone = next((k for k in left if dict(k.kind[0]).get(short[0]) or short[0] == "CPU"), left[0])
+            gone = next((k for k in left if any(r in bundle_of(k.kind) for r in short)), None)
+            if gone is None:  # no kept actor holds what is short: releasing one would not help
+                break
             left.remove(gone)
             release([gone])
         self.kept = left
@@ -88,11 +91,7 @@ class WarmPool:
 
 
 def _sum(bundles) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for b in bundles:
-        for key, v in b.items():
-            out[key] = out.get(key, 0) + v
-    return out
+    return dict(sum((Counter(b) for b in bundles), Counter()))
 
 
 def release(kept: list[Kept]) -> None:
@@ -108,22 +107,20 @@ def release(kept: list[Kept]) -> None:
 
 def active() -> WarmPool | None:
     """The pool this process's runs keep their actors in, or None (every run starts its own)."""
-    return _POOLS[-1] if _POOLS else None
+    return _active
 
 
 @contextlib.contextmanager
 def warm_workers():
-    """Keep each run's actors for the next runs in this process; on exit kill whatever is kept.
-    Nested, the outer pool is used."""
-    if _POOLS:
-        yield _POOLS[-1]
-        return
-    pool = WarmPool()
-    _POOLS.append(pool)
+    """Keep each run's actors for the next runs in this process; on exit kill whatever is kept."""
+    global _active
+    if _active is not None:
+        raise RuntimeError("warm_workers() is already active in this process")
+    _active = WarmPool()
     try:
-        yield pool
+        yield _active
     finally:
-        _POOLS.pop()
+        pool, _active = _active, None
         pool.clear()
 
 
