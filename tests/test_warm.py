@@ -88,3 +88,33 @@ def test_a_run_in_kept_processes_equals_one_in_fresh_processes(ray_cluster, tmp_
     lora = "final/pytorch_lora_weights.safetensors"
     want, got = load_file(tmp_path / "fresh" / lora), load_file(tmp_path / "warm" / lora)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def _swap_ranks(rank: int, _world: int, ports: tuple[int, int], out) -> None:
+    """A run on a 2-rank mesh, then (as a kept process joins the next run) one on an equal-looking
+    mesh with the ranks swapped: the second run's sharded op must report this process's new place."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from digenrl.distributed.fsdp import forget_meshes, trainer_mesh
+
+    for run, (port, me) in enumerate(zip(ports, (rank, 1 - rank))):
+        dist.init_process_group("gloo", rank=me, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+        y = distribute_tensor(torch.arange(8.0), trainer_mesh(), [Shard(0)]) * 2  # (cached sharding)
+        if run == 1:
+            torch.save((me, y.device_mesh.get_coordinate()), out / f"rank{me}.pt")
+        dist.destroy_process_group()
+        forget_meshes()  # (without it: rank 0 reports coordinate (1,), rank 1 (0,))
+
+
+@pytest.mark.slow
+def test_a_kept_process_forgets_its_old_mesh_coordinates(tmp_path):
+    """What EngineWorker.retire clears (digenrl.distributed.fsdp.forget_meshes): DTensor caches an op's
+    sharding with the mesh it first ran on, and meshes compare equal whatever this process's rank.
+    Without forgetting, a process kept from a run where it was rank 1 reports coordinate 1 as rank 0
+    (an FSDP checkpoint then writes two shards at one offset: seen with the suite run under xdist)."""
+    from tests.dist_spawn import free_port, spawn
+
+    spawn(_swap_ranks, 0, (free_port(), free_port()), tmp_path, nprocs=2)
+    got = sorted(torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert got == [(0, (0,)), (1, (1,))]

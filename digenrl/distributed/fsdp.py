@@ -23,6 +23,16 @@ from digenrl.distributed.checkpointing import checkpoint_blocks
 from digenrl.distributed.precision import fp32_master
 
 
+def forget_meshes() -> None:
+    """Drop DTensor's process-wide sharding caches (Python's, of this thread, and the C++ fast
+    path's), for a process kept to join another run's groups. A cached op's output carries the mesh
+    it was first computed on, and meshes compare equal by shape and global ranks alone: a process
+    whose coordinate in an equal-looking mesh changed would get its old coordinate back, and place
+    its shards at another rank's offsets (DCP then refuses the save plan)."""
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+
+
 def trainer_mesh(degree: int | None = None, device_type: str = "cpu") -> DeviceMesh:
     """The mesh over the default process group's ranks (already initialised): 1-D when the
     sharding ``degree`` is the world size (FSDP), 2-D (replicate, shard) when it divides it

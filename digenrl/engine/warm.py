@@ -52,10 +52,11 @@ class WarmPool:
         actors not taken stay kept unless the workers to start need their devices (of the cluster's
         ``total``): those are released.
 
-        By name, because a process keeps state torch does not reset per process group: DTensor's
-        sharding cache holds device meshes that compare equal across runs whatever this process's
-        rank in them, so a process that was trainer rank 1 and comes back as rank 0 of an equal
-        mesh would shard with rank 1's coordinates (measured: an FSDP2 EMA average 1.6e-3 off)."""
+        By name: a worker comes back as itself. (A process also keeps state torch does not reset
+        per process group, DTensor's sharding cache, whose meshes compare equal whatever this
+        process's rank in them: ``EngineWorker.retire`` clears it, see
+        :func:`digenrl.distributed.fsdp.forget_meshes`; a name alone did not keep a worker's
+        coordinates, one named worker can hold another rank in another run's layout.)"""
         left, out = list(self.kept), []
         for name, kind in zip(names, kinds):
             match = next((k for k in left if k.name == name and k.kind == kind), None)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from digenrl.checkpoint import checkpoint_files, load_checkpoint
-from digenrl.distributed.fsdp import all_reduce_replicas
+from digenrl.distributed.fsdp import all_reduce_replicas, forget_meshes
 from digenrl.engine import sync_group, weight_sync
 from digenrl.engine.fsdp_group import combine_rank_stats, reshard, train_share
 from digenrl.engine.groups import GroupMember, abort_process_group, group_call
@@ -295,6 +295,7 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         if inbox is not None and not inbox.stopped(timeout=RETIRE_WAIT_S):
             return None
         abort_process_group()
+        forget_meshes()  # the next run's meshes may look equal to this one's with other coordinates
         self.__dict__.clear()
         gc.collect()
         return os.getpid()
