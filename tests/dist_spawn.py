@@ -1,7 +1,9 @@
-"""Run a function on N gloo ranks (torch.multiprocessing spawn), for the multi-process tests."""
+"""Run a function on N gloo ranks (fresh processes forked from a server that imported torch, diffusers
+and digenrl once), for the multi-process tests."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import time
@@ -9,6 +11,22 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+#: What the ranks' forkserver imports once, before it forks them: each rank then starts in ~0.1 s
+#: instead of spending ~4 s of CPU importing torch, diffusers, peft and digenrl (a spawned process).
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "diffusers",
+    "peft",
+    "digenrl.policy",
+    "digenrl.distributed.fsdp",
+    "digenrl.distributed.dcp",
+    "digenrl.distributed.broadcast",
+    "digenrl.distributed.sequence_parallel",
+    "digenrl.units",
+]
+multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
 
 
 def free_port() -> int:
@@ -51,13 +69,17 @@ def cpu_seconds(pids: list[int]) -> float | None:
 
 
 def spawn(fn, world: int, *args, nprocs: int | None = None, idle_s: float = IDLE_S) -> None:
-    """Call ``fn(rank, world, *args)`` in ``world`` fresh processes joined in one gloo group
+    """Call ``fn(rank, world, *args)`` in ``world`` new processes joined in one gloo group
     (``world=0``: ``nprocs`` processes without a default group); raises if any rank raises or the
     ranks hang (a collective mismatch waits forever: it never passes). A hang is told by the ranks'
     CPU time, not by the clock: ranks that used under a second of CPU in ``idle_s`` seconds are
     waiting, while on a loaded machine slow ranks still compute (a wall-clock deadline failed there)."""
     ctx = mp.start_processes(
-        _entry, args=(fn, world, free_port(), args), nprocs=nprocs or world, join=False, start_method="spawn"
+        _entry,
+        args=(fn, world, free_port(), args),
+        nprocs=nprocs or world,
+        join=False,
+        start_method="forkserver",
     )
     pids = [p.pid for p in ctx.processes]
     start = last_busy = time.monotonic()
