@@ -12,6 +12,20 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 torch.set_num_threads(1)  # tiny models: threads only add sync overhead on 2 cores
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (``./dev.sh test`` runs 2 workers, ``--dist loadgroup``) the tests that use
+    the suite's Ray cluster run on one worker, in order: one cluster per run, and its warm workers
+    reused as in a serial run; the other tests spread over both workers. Of those, the tests marked
+    ``faults`` run last: their runs start fresh actors on every device, releasing all kept ones, so
+    the next runs would start theirs again."""
+    on_ray = [item for item in items if "ray_cluster" in getattr(item, "fixturenames", ())]
+    for item in on_ray:
+        item.add_marker(pytest.mark.xdist_group("ray_cluster"))
+    late = [item for item in on_ray if item.get_closest_marker("faults")]
+    items[:] = [item for item in items if item not in late] + late
+
+
 @pytest.fixture
 def tiny_cfg():
     """The default run config (tiny FLUX) at the suite's tiny size (``tests.helpers.TINY``), then

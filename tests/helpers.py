@@ -1,6 +1,9 @@
 """Shared test helpers, and the suite's one tiny size."""
 
 import sys
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +32,36 @@ FULL_MODE_SETS = [arg for kv in FULL_MODE for arg in ("--set", kv)]
 QUIET = ["output.save_samples_every=0", "output.tensorboard=false"]
 #: The logical devices of the suite's one Ray cluster: enough for every engine test's pools.
 POOLS = {"pool:rollout": 2, "pool:trainer": 4}
+
+
+def process_marker() -> str:
+    """A fresh environment variable name for a subprocess: every process it starts (the Ray head,
+    raylet, workers) inherits it, so :func:`marked` finds any survivor through /proc."""
+    return f"DIGENRL_HYGIENE_{uuid.uuid4().hex}"
+
+
+def marked(marker: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``marker`` (Linux /proc)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (proc / "environ").read_bytes():
+                status = (proc / "status").read_text()
+                if "\nState:\tZ" not in status:  # a zombie holds no resources (and is not ours to reap)
+                    pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def wait_gone(marker: str, timeout: float = 30.0) -> list[int]:
+    """The processes carrying ``marker`` still alive after up to ``timeout`` seconds ([] once gone)."""
+    deadline = time.time() + timeout
+    while (left := marked(marker)) and time.time() < deadline:
+        time.sleep(0.5)
+    return left
 
 
 def cli(monkeypatch, capsys, *argv):

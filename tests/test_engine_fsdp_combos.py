@@ -81,6 +81,7 @@ def test_sharded_group_beside_tag_tsp_and_random_timesteps(cluster, tmp_path, ca
         assert any(r.worker == "trainer0" for r in tl.of("rollout"))
 
 
+@pytest.mark.faults
 def test_a_lost_member_of_a_sharded_group_restarts_the_run_from_its_checkpoint(cluster, tmp_path, capsys):
     """FSDP x2 beside TAG, the follower killed as its share of iteration 1's first train unit starts
     (its lead waits in the unit's first all-gather, which fails: the lead names the dead member): with

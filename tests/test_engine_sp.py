@@ -101,6 +101,7 @@ def test_sequence_parallel_workers_equal_the_local_trainer(cluster, reference, t
     )
 
 
+@pytest.mark.faults
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["", ":start"], ids=["after_its_share", "mid_unit"])
 def test_a_lost_member_takes_its_sequence_parallel_group_down(cluster, reference, tmp_path, when):

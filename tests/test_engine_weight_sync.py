@@ -74,6 +74,7 @@ def final_lora(run_dir) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "final" / "pytorch_lora_weights.safetensors")
 
 
+@pytest.mark.faults
 def test_broadcast_equals_the_object_store_run(cluster, tmp_path):
     """On-policy (max_staleness 0), LoRA, 2 rollout workers: the broadcast run trains exactly what
     the object-store run trains -- also when a rollout worker dies after version 1 went out by
@@ -149,6 +150,7 @@ def test_full_weights_prefetched_while_generating(cluster, tmp_path):
     assert inside, [(p.worker, p.version, p.start, p.end) for p in prefetches]
 
 
+@pytest.mark.faults
 def test_a_corrupted_bucket_is_detected_and_named(cluster, tmp_path):
     """A bit flipped in transit in the first bucket of version 1 (fault plugin on trainer0): the
     rollout worker that loads it refuses, naming the tensor and its bucket; the run stops."""
@@ -166,6 +168,7 @@ def test_a_corrupted_bucket_is_detected_and_named(cluster, tmp_path):
         run_engine(load_config(None, sets), tmp_path / "run")
 
 
+@pytest.mark.faults
 def test_one_step_async_survives_a_dead_rollout_worker(cluster, tmp_path):
     """max_staleness 1, one rollout worker over broadcast, killed after generating a unit of iteration
     2 (with version 1, while the trainer may already have published version 2): the restarted worker
@@ -198,6 +201,7 @@ def test_one_step_async_survives_a_dead_rollout_worker(cluster, tmp_path):
     assert [e for e in loads[unit.version] if e.args["transport"] == transport and e.end <= unit.start + 1e-3]
 
 
+@pytest.mark.faults
 def test_a_restarted_rollout_worker_rejoins_the_broadcast_group(cluster, tmp_path):
     """One rollout worker over broadcast, killed after generating a unit of iteration 1 (version 1):
     once it is back the group re-forms with it, trainer rank 0 sends version 1 over the new group

@@ -63,6 +63,7 @@ def trained_groups(run_dir) -> Counter:
     )
 
 
+@pytest.mark.faults
 @pytest.mark.slow
 def test_killed_rollout_worker_is_restarted_and_its_unit_regenerated(cluster, tmp_path):
     # tag off: only rollout0 rolls out, so it certainly runs (and dies in) both units named
@@ -86,6 +87,7 @@ def test_killed_rollout_worker_is_restarted_and_its_unit_regenerated(cluster, tm
     )
 
 
+@pytest.mark.faults
 @pytest.mark.slow
 def test_restarts_are_bounded(cluster, tmp_path):
     cfg = load_config(
@@ -101,6 +103,7 @@ def test_restarts_are_bounded(cluster, tmp_path):
         run_engine(cfg, tmp_path / "run")
 
 
+@pytest.mark.faults
 @pytest.mark.slow
 def test_dead_trainer_stops_cleanly_with_a_resume_hint(cluster, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
@@ -135,6 +138,7 @@ def test_fault_plan_from_the_environment(monkeypatch):
         fault_plan(load_config(None, BASE))
 
 
+@pytest.mark.faults
 @pytest.mark.slow
 def test_killed_reward_actor_is_restarted_and_the_call_run_again(cluster, tmp_path):
     """reward.service: the actor dies scoring rollout-1-0 (the worker has already moved on); Ray

@@ -1,8 +1,14 @@
 """Ctrl-C keeps the work: `digenrl train` interrupted mid-run writes a checkpoint of the
 last completed iteration, exits 130 with a last line that says how to resume, and `--resume`
 continues from exactly there: every iteration's metrics row once, the interrupted run's rows as
-they were. Each run is a real subprocess sent a real SIGINT, on the engine (its full mode) and
-on the local trainer."""
+they were. Each run is a real subprocess sent a real SIGINT, on the engine (its full mode and the
+default colocated run) and on the local trainer.
+
+The same runs show the resource hygiene of both ends: nothing half-written after Ctrl-C, no
+process left behind after Ctrl-C or a normal exit (each run carries a marker in its environment,
+inherited by every process it starts: the Ray head, raylet, workers; found through /proc), and a
+normal exit prints only DigenRL's own lines (what Ray / torch print goes to RUN/log.txt).
+tests/test_hygiene.py kills a cluster's head."""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FULL_MODE, TINY
+from tests.helpers import FULL_MODE, TINY, marked, process_marker, wait_gone
 
 SMALL = [
     *TINY,
@@ -26,10 +32,15 @@ SMALL = [
 
 
 def train(*args: str) -> subprocess.Popen:
+    """``digenrl train ARGS`` as a subprocess; ``proc.marker`` is in the environment of every process
+    it starts (:func:`tests.helpers.marked`)."""
+    marker = process_marker()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": tempfile.mkdtemp(prefix="di", dir="/tmp")}
+    env[marker] = "1"  # (RAY_TMPDIR short: Ray's socket paths are limited)
     argv = [sys.executable, "-m", "digenrl.cli.app", "train", *args]
-    # SIGINT as a terminal delivers it (a suite started in the background would ignore it: see test_hygiene)
-    return subprocess.Popen(
+    # SIGINT as a terminal delivers it: a suite started in the background (`cmd &` in a script) ignores
+    # SIGINT, children inherit that, and Python then never raises KeyboardInterrupt -- Ctrl-C would be lost
+    proc = subprocess.Popen(
         argv,
         env=env,
         stdout=subprocess.PIPE,
@@ -37,6 +48,8 @@ def train(*args: str) -> subprocess.Popen:
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    proc.marker = marker
+    return proc
 
 
 def rows(run: Path) -> list[dict]:
@@ -58,14 +71,19 @@ def interrupt_then_resume(run: Path, extra: list[str]) -> None:
     while time.time() < deadline and proc.poll() is None and len(rows(run)) < 2:
         time.sleep(0.3)
     assert proc.poll() is None, proc.communicate()[1]
+    engine = "placement.mode=local" not in extra
+    assert len(marked(proc.marker)) > (1 if engine else 0)  # the driver (and the Ray processes it started)
     proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
+    assert wait_gone(proc.marker) == []  # every actor stopped, the local cluster shut down
     before = rows(run)
     done = len(before)
     assert 2 <= done < 20  # stopped well before the default periodic checkpoint (output.checkpoint_every: 20)
     assert [r["iteration"] for r in before] == list(range(done))  # whole rows, in order
     assert checkpoints(run) == [done]  # the checkpoint of the last completed iteration, written on Ctrl-C
+    assert not list((run / "checkpoints").glob(".tmp-*"))  # nothing half-written
+    assert (run / "config.yaml").is_file()
     last = err.strip().splitlines()[-1]
     assert "Traceback" not in err
     assert last == (
@@ -77,7 +95,14 @@ def interrupt_then_resume(run: Path, extra: list[str]) -> None:
     proc = train("--resume", str(run), "--set", f"train.iterations={done + 2}")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
+    assert wait_gone(proc.marker) == []  # a normal exit leaves no process either
     assert f"resuming from {run / 'checkpoints' / f'iter-{done:06d}'} (iteration {done} of {done + 2})" in out
+    lines = out.splitlines()  # the terminal gets only DigenRL's own lines
+    assert lines[0] == "digenrl train: loading the config..."  # the first thing the user sees
+    assert lines[-1].startswith(f"run directory: {run}")
+    assert err == "" and "\x1b[" not in out
+    assert not any(noise in out for noise in ("raylet", "core_worker", "(EngineWorker", "Warning"))
+    assert (run / "log.txt").is_file()
     after = rows(run)
     assert [r["iteration"] for r in after] == list(range(done + 2))  # each iteration exactly once
     assert after[:done] == before  # the interrupted run's rows are kept as they were
