@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
     on_ray = {id(item) for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
     late = [item for item in items if id(item) in on_ray and item.get_closest_marker("faults")]
     items[:] = [item for item in items if item not in late] + late
-    if config.getoption("dist", "no") == "no":
+    if not getattr(config.option, "loadgroup", False):  # (what an xdist worker of --dist loadgroup sees)
         return
     for item in items:
         group = "ray_cluster" if id(item) in on_ray else item.nodeid.split("::")[0]
