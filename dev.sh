@@ -51,7 +51,6 @@ case "$cmd" in
   train) exec "$VENV/bin/digenrl" train "$@" ;;
   # two pytest-xdist workers (the 2-core machine's CPUs; DIGENRL_TEST_WORKERS=0 runs in one process,
   # e.g. for --pdb); what runs together and in which order: tests/conftest.py
-  test) exec "$VENV/bin/python" -m pytest -q -n "${DIGENRL_TEST_WORKERS:-2}" --dist loadgroup \
-    --no-loadscope-reorder "$@" ;;
+  test) exec "$VENV/bin/python" -m pytest -q -n "${DIGENRL_TEST_WORKERS:-2}" --dist loadgroup "$@" ;;
   *) echo "usage: ./dev.sh train [options] | ./dev.sh test [pytest options]" >&2; exit 2 ;;
 esac
