@@ -18,8 +18,7 @@ def pytest_collection_modifyitems(items):
     Ray cluster are one group, run on one worker in order: one cluster per run, its warm workers
     reused as in one process; every other test goes to whichever worker is free. Among them the
     tests marked ``faults`` come last: their runs start fresh actors on every device, releasing all
-    kept ones, so the runs after them would start theirs again. (Grouping the other tests by file
-    as well, slow files first, measured slower: 698 and 720 s against 610-659 s.)"""
+    kept ones, so the runs after them would start theirs again."""
     on_ray = {id(item) for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
     for item in items:
         if id(item) in on_ray:

@@ -52,11 +52,8 @@ class WarmPool:
         actors not taken stay kept unless the workers to start need their devices (of the cluster's
         ``total``): those are released.
 
-        By name: a worker comes back as itself. (A process also keeps state torch does not reset
-        per process group, DTensor's sharding cache, whose meshes compare equal whatever this
-        process's rank in them: ``EngineWorker.retire`` clears it, see
-        :func:`digenrl.distributed.fsdp.forget_meshes`; a name alone did not keep a worker's
-        coordinates, one named worker can hold another rank in another run's layout.)"""
+        By name: a worker comes back as itself. (What torch keeps per process across runs, DTensor's
+        sharding cache, ``EngineWorker.retire`` clears: :func:`digenrl.distributed.fsdp.forget_meshes`.)"""
         left, out = list(self.kept), []
         for name, kind in zip(names, kinds):
             match = next((k for k in left if k.name == name and k.kind == kind), None)
