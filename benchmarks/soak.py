@@ -1,13 +1,16 @@
 """Soak: the engine for many iterations with rollout workers killed at random, then the books.
 
     python benchmarks/soak.py [--iterations 40] [--fault-rate 0.15] [--seed 0] [--rollout-workers 2]
-                              [--reward-service] [--json soak.json] [--run-dir DIR]
+                              [--reward-service] [--no-tag] [--json soak.json] [--run-dir DIR]
 
 Every rollout unit of the run is, with probability ``--fault-rate``, marked to kill the rollout
 worker that runs it, or with ``--reward-service`` half the time the reward actor scoring it
 (``engine.faults``: the process exits mid-unit, as a crash would). Ray restarts it and the engine
-generates the unit again whole. The run uses all engine
-features (GAP, TSP 2, TAG, one-step async). Afterwards the run directory's timeline is audited:
+generates the unit again whole. The run uses all engine features
+(GAP, TSP 2, TAG, one-step async); with TAG an idle trainer rank may take a unit marked to fault,
+which then fires nowhere (a trainer is spared), so ``restarts`` can be below ``units_with_a_fault``;
+``--no-tag`` makes every marked unit run on a rollout worker (one restart each).
+Afterwards the run directory's timeline is audited:
 
     iterations   iterations completed (metrics rows)
     restarts     worker restarts (the engine's count; each injected fault that fired is one)
@@ -103,6 +106,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rollout-workers", type=int, default=2)
     ap.add_argument("--reward-service", action="store_true", help="score in a reward actor (killed too)")
+    ap.add_argument("--tag", action=argparse.BooleanOptionalAction, default=True, help="engine.tag")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--run-dir", type=Path)
     args = ap.parse_args()
@@ -125,6 +129,7 @@ def main() -> None:
             f"train.seed={args.seed}",
             f"engine.faults=[{spec}]",
             f"engine.max_restarts={len(faults) + 1}",
+            f"engine.tag={str(args.tag).lower()}",
         ],
     )
     # (a unit with a fault kills its rollout worker each time one runs it; a TAG trainer spares it)
