@@ -1,0 +1,16 @@
+"""How the suite itself runs (tests/conftest.py): under ``./dev.sh test`` (pytest-xdist, ``--dist
+loadgroup``) the tests on the suite's Ray cluster are one group, run in order by one worker on one
+cluster, so engine runs keep warm workers. pytest-xdist 3.8 on pytest 9 dropped the groups without a
+word (each worker then started its own cluster and actors: 1098 CPU-seconds for the suite instead of
+~880); this test fails when that happens again."""
+
+from __future__ import annotations
+
+
+def test_the_tests_on_the_ray_cluster_run_as_one_xdist_group(request, ray_cluster):
+    (mark,) = list(request.node.iter_markers("xdist_group"))
+    assert mark.args == ("ray_cluster",)
+    if getattr(request.config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        assert request.node.nodeid.endswith("@ray_cluster"), (
+            "pytest-xdist did not apply the group (pytest and pytest-xdist versions: see pyproject.toml)"
+        )
