@@ -85,7 +85,7 @@ def test_killed_ray_head_stops_the_run_within_seconds(tmp_path):
         assert time.time() - killed < 20
         assert proc.returncode == 1, err
         last = err.strip().splitlines()[-1]
-        assert last.startswith("error: the Ray cluster's head at ") and ":" + str(port) in last
+        assert last.startswith("error: the Ray cluster's head at ") and ":" + str(port) in last, err
         assert last.endswith(f"resume with: digenrl train --resume {run}")
     finally:
         subprocess.run(["pkill", "-9", "-f", head_dir], check=False)

@@ -131,14 +131,22 @@ class FaultRecovery:
         if now - self.last_probe < HEAD_PROBE_S and not now_please:
             return
         self.last_probe = now
-        problem = head_problem()
-        if problem is not None:
-            import ray
+        lost = head_lost()
+        if lost is not None:
+            raise lost
 
-            head = ray.get_runtime_context().gcs_address
-            raise TrainerLost(
-                f"the Ray cluster's head at {head} stopped answering ({problem}); the run stopped."
-            )
+
+def head_lost() -> TrainerLost | None:
+    """The error a run stops with when the cluster's head (GCS) no longer accepts connections, or None.
+    A dead head may first surface as whatever Ray call it broke (an actor "unavailable", a lost
+    object): the driver asks this before reporting such an error."""
+    problem = head_problem()
+    if problem is None:
+        return None
+    import ray
+
+    head = ray.get_runtime_context().gcs_address
+    return TrainerLost(f"the Ray cluster's head at {head} stopped answering ({problem}); the run stopped.")
 
 
 class GroupRestart:

@@ -43,6 +43,7 @@ from digenrl.engine.recovery import (
     GroupRestart,
     TrainerLost,
     TrainerRankLost,
+    head_lost,
     own_error,
     user_errors,
 )
@@ -479,7 +480,11 @@ class RayBackend:
         rank or head, ranks out of sync) or Ctrl-C was pressed twice: the running units finish, every
         iteration whose step is done gets its row, and rank 0 checkpoints the last completed
         iteration. Returns the exception to raise, naming the last checkpoint and how to resume."""
+        import ray
+
         exc = own_error(exc)
+        if isinstance(exc, ray.exceptions.RayError):  # a dead head surfaces first as whichever call it broke
+            exc = head_lost() or exc
         if isinstance(exc, TrainerRankLost):  # where a restart (engine.trainer_restarts) resumes from
             exc.run_dir = self.out.path
         if not (self.stop.forced or isinstance(exc, (TrainerLost, WeightSyncError))):
