@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from rich.console import Console
 
+    from digenrl.engine.cluster import start_local
+
     console = Console(width=170)
     workloads = [w for w in WORKLOADS if w != "few_groups"] if args.workload == "all" else [args.workload]
     modes_of = {}
@@ -227,13 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    ray.init(
-        num_cpus=os.cpu_count(),
-        resources={"pool:rollout": 2, "pool:trainer": 1},
-        include_dashboard=False,
-        logging_level="WARNING",
-        log_to_driver=False,
-    )
+    started = start_local({"pool:rollout": 2, "pool:trainer": 1}, log_to_driver=False)
     results: dict[str, list[dict]] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -257,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     if args.json:
         first = results[workloads[0]]
         args.json.write_text(json.dumps({"modes": first, "workloads": results}, indent=2))

@@ -141,6 +141,8 @@ def compare(
     calls it with one mode and several algorithms)."""
     import ray
 
+    from digenrl.engine.cluster import start_local
+
     known = engine_modes()
     if unknown := [m for m in modes if m not in known]:
         raise ValueError(f"--modes: {', '.join(unknown)} not a mode ({', '.join(known)})")
@@ -151,13 +153,7 @@ def compare(
             log(f"skipping algorithm {name!r}: the config does not know it yet ({why})")
     algos = [a for a in algorithms if a not in skipped]
     runs = []
-    ray.init(
-        num_cpus=os.cpu_count(),
-        resources={"pool:rollout": 2, "pool:trainer": 1},
-        include_dashboard=False,
-        logging_level="WARNING",
-        log_to_driver=False,
-    )
+    started = start_local({"pool:rollout": 2, "pool:trainer": 1}, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for seed in seeds:  # interleaved: load drift on a shared machine hits every mode alike
@@ -175,7 +171,8 @@ def compare(
                             f"{r['gain_per_1k_samples']:+.3f}/1k samples)"
                         )
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     return result(minutes, seeds, runs, skipped)
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -187,6 +186,7 @@ def main(argv=None) -> int:
     import ray
     import torch
 
+    from digenrl.engine.cluster import start_local
     from digenrl.engine.timeline import Timeline
     from digenrl.launch import run_engine
     from digenrl.placement import Plan
@@ -240,12 +240,7 @@ def main(argv=None) -> int:
         profile = profiled("profile")
         save_profile(profile, Path(tempfile.gettempdir()) / "digenrl-fidelity-profile.json")
     params = CostParams(cpu_sharing=args.cpu_sharing, engine_unit_factor=args.engine_unit_factor)
-    ray.init(
-        num_cpus=os.cpu_count(),
-        resources={"pool:rollout": 1, "pool:trainer": 1},
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-    )
+    started = start_local({"pool:rollout": 1, "pool:trainer": 1})
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     try:
         workload = Workload.from_config(base)
@@ -351,7 +346,8 @@ def main(argv=None) -> int:
                     flush=True,
                 )
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
 
     rows = []
     for mode in modes:

@@ -98,6 +98,8 @@ def main() -> None:
     import ray
     import torch
 
+    from digenrl.engine.cluster import start_local
+
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_model_rewards import make_tiny_clip
 
@@ -114,13 +116,7 @@ def main() -> None:
             f"reward.components=[{{name: clipscore, args: {{path: {clip}}}}}]",
             f"train.iterations={args.iterations}",
         ]
-        ray.init(
-            num_cpus=2,
-            resources={"pool:rollout": 1, "pool:trainer": 1},
-            include_dashboard=False,
-            logging_level="WARNING",
-            log_to_driver=False,
-        )
+        started = start_local({"pool:rollout": 1, "pool:trainer": 1}, num_cpus=2, log_to_driver=False)
         try:
             for i in range(args.repeats):
                 for mode, extra in {"inline": [], "service": ["reward.service={num_cpus: 0.1}"]}.items():
@@ -131,7 +127,8 @@ def main() -> None:
                         mode, i, json.dumps({k: round(v, 4) for k, v in runs[mode][-1].items()}), flush=True
                     )
         finally:
-            ray.shutdown()
+            if started:
+                ray.shutdown()
     out = {}
     for mode, mine in runs.items():
         ranked = sorted(mine, key=lambda r: r["samples_per_s"])

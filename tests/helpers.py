@@ -1,5 +1,8 @@
 """Shared test helpers, and the suite's one tiny size."""
 
+import json
+import os
+import runpy
 import sys
 import time
 import uuid
@@ -89,6 +92,30 @@ def local_ray(pools: dict[str, int] = POOLS):
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_benchmark_here(name: str, tmp_path: Path, *args: str) -> dict:
+    """``python benchmarks/<name> ARGS --json F``, run as its ``__main__`` in this process (from
+    ``tmp_path``), and the JSON it wrote. Under the suite's Ray cluster (the caller asks for
+    ``ray_cluster``) a benchmark uses that cluster instead of starting one
+    (:func:`digenrl.engine.cluster.start_local`), and its engine runs keep warm workers: seconds,
+    where a process of its own starts Ray and every actor afresh."""
+    out = tmp_path / f"{name}.json"
+    saved = sys.argv, list(sys.path), os.getcwd()
+    sys.argv = [str(BENCH / name), *args, "--json", str(out)]
+    sys.path.insert(0, str(BENCH))  # as `python benchmarks/X.py` puts the script's folder first
+    os.chdir(tmp_path)
+    try:
+        runpy.run_path(str(BENCH / name), run_name="__main__")
+    except SystemExit as exc:
+        assert exc.code in (None, 0), f"benchmarks/{name} exited with {exc.code}"
+    finally:
+        sys.argv, sys.path[:] = saved[0], saved[1]
+        os.chdir(saved[2])
+    return json.loads(out.read_text())
 
 
 def assert_timeline_invariants(cfg, tl) -> None:

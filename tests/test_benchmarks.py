@@ -1,6 +1,9 @@
 """Every script in benchmarks/ runs at a tiny size (1-3 iterations) and writes the JSON fields its
 readers use, so a change elsewhere cannot break one silently. Smoke runs only: no number is judged
-(speed lives in the benchmarks themselves). Each runs as its own process, as a user runs it."""
+(speed lives in the benchmarks themselves). Each runs as a user runs it (``python benchmarks/X.py
+ARGS``): as its own process, or -- the scripts whose engine runs need only logical devices -- as its
+``__main__`` inside the suite's process, on the suite's Ray cluster with its warm workers
+(``tests.helpers.run_benchmark_here``)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_benchmark_here
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -45,8 +50,8 @@ def test_every_benchmark_has_a_smoke_test():
 
 
 @pytest.mark.slow
-def test_engine_modes(tmp_path):
-    data = run_script(
+def test_engine_modes(tmp_path, ray_cluster):
+    data = run_benchmark_here(
         "engine_modes.py",
         tmp_path,
         "--tiny",
@@ -64,9 +69,9 @@ def test_engine_modes(tmp_path):
 
 
 @pytest.mark.slow
-def test_plan_fidelity(tmp_path):
+def test_plan_fidelity(tmp_path, ray_cluster):
     """It ran into a TypeError after the simulator's cost interface changed (and nothing noticed)."""
-    data = run_script(
+    data = run_benchmark_here(
         "plan_fidelity.py", tmp_path, "--tiny", "--iterations", "3", "--modes", "sync", "--calibration", "ray"
     )
     (row,) = data["modes"]
@@ -76,10 +81,10 @@ def test_plan_fidelity(tmp_path):
 
 
 @pytest.mark.slow
-def test_reward_overlap(tmp_path):
+def test_reward_overlap(tmp_path, ray_cluster):
     tiny = ["train.prompts_per_iteration=2", "sampling.steps=2"]  # 2 units of 4 samples per iteration
     sets = [arg for kv in tiny for arg in ("--set", kv)]
-    data = run_script(
+    data = run_benchmark_here(
         "reward_overlap.py", tmp_path, "--iterations", "3", "--clip-size", "32", "--clip-layers", "1", *sets
     )
     assert set(data) == {"inline", "service"}
@@ -184,12 +189,12 @@ def test_stale_gradient(tmp_path):
 
 
 @pytest.mark.slow
-def test_algorithms(tmp_path):
+def test_algorithms(tmp_path, ray_cluster):
     """The script's own default mode (full) with DiffusionNFT, 2 iterations: Flow-GRPO at the full mode
     through the same benchmarks/learning.py loop is tests/test_learning_bench.py's tiny run."""
     tiny = ["model.height=16", "model.width=16", "sampling.steps=3", "algorithm.group_size=4"]
     sets = [arg for kv in tiny for arg in ("--set", kv)]
-    data = run_script("algorithms.py", tmp_path, "--tiny", "--algorithms", "diffusion_nft", *sets)
+    data = run_benchmark_here("algorithms.py", tmp_path, "--tiny", "--algorithms", "diffusion_nft", *sets)
     names = [(r["mode"], r["algorithm"], r["iterations"]) for r in data["runs"]]
     assert names == [("full", "diffusion_nft", 2)] and not data["skipped"]
     assert all(finite(r["gain"], r["samples_per_s"]) for r in data["runs"])

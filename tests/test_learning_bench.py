@@ -4,13 +4,11 @@ arithmetic. No timing or learning is asserted: the numbers belong to the benchma
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_benchmark_here
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,32 +50,10 @@ def test_summary_mean_and_standard_error():
 
 
 @pytest.mark.slow
-def test_tiny_run_writes_the_json_fields(tmp_path):
-    out = tmp_path / "learning.json"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "learning.py"),
-            "--tiny",
-            "--modes",
-            "colocated,full",
-            "--algorithms",
-            "flow_grpo,no_such_algorithm",
-            "--set",
-            "model.height=16",
-            "--set",
-            "model.width=16",
-            "--json",
-            str(out),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+def test_tiny_run_writes_the_json_fields(tmp_path, ray_cluster):
+    args = ["--tiny", "--modes", "colocated,full", "--algorithms", "flow_grpo,no_such_algorithm"]
+    sets = ["--set", "model.height=16", "--set", "model.width=16"]
+    result = run_benchmark_here("learning.py", tmp_path, *args, *sets)
     assert "no_such_algorithm" in result["skipped"]
     assert [(r["mode"], r["iterations"]) for r in result["runs"]] == [("colocated", 2), ("full", 2)]
     for row in result["summary"]:

@@ -327,17 +327,8 @@ def connect(workers: list[Worker], ray_address: str | None) -> bool:
     import ray
 
     if ray_address is None:
-        if ray.is_initialized():  # the caller's cluster (tests, notebooks): use it, leave it up
-            return False
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         pools = {w.pool.name: w.pool for w in workers}
-        ray.init(
-            num_cpus=os.cpu_count(),
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            resources={f"pool:{p.name}": p.count for p in pools.values() if p.device.lower() == "cpu"},
-        )
-        return True
+        return start_local({f"pool:{p.name}": p.count for p in pools.values() if p.device.lower() == "cpu"})
     _probe(ray_address)
     if ray.is_initialized():
         current = ray.get_runtime_context().gcs_address
@@ -350,6 +341,21 @@ def connect(workers: list[Worker], ray_address: str | None) -> bool:
         ray.init(address=ray_address, logging_level=logging.WARNING)
     except Exception as exc:  # ConnectionError, RuntimeError, ...: all mean "not a usable cluster"
         raise UserError(f"ray address {ray_address}: could not join a Ray cluster there ({exc})") from None
+    return True
+
+
+def start_local(resources: dict[str, float], **options) -> bool:
+    """Be connected to a local Ray cluster with the logical devices ``resources``: the one this process
+    is connected to already (the caller's -- a test suite, a notebook, a benchmark's loop -- used as it
+    is and left up), else one started here on every core, without the dashboard, with Ray's warnings
+    only (``options`` go to ``ray.init``). True when this call started it: the caller shuts it down."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    defaults = dict(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(resources=resources, **{**defaults, **options})
     return True
 
 

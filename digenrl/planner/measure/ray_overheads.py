@@ -4,12 +4,12 @@ all-reduce of the gradients."""
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 import torch
 
+from digenrl.engine.cluster import start_local
 from digenrl.planner.constants import (
     LARGE_TRANSFER_BYTES,
     LARGE_TRANSFER_UNITS,
@@ -98,14 +98,9 @@ def ray_overheads(
     unit_bytes: float, weight_bytes: int, trained_params: int, repeats: int = RAY_REPEATS
 ) -> dict:
     """Ray's own costs between two actors on this machine (a local cluster, started and stopped here)."""
-    import logging
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    ours = not ray.is_initialized()
-    if ours:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING)
+    ours = start_local({})
     try:
         remote = ray.remote(num_cpus=RAY_PROBE_CPUS)(_Probe)
         a, b = remote.remote(), remote.remote()
