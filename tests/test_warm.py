@@ -60,10 +60,9 @@ def test_kept_actors_not_taken_stay_while_their_devices_are_not_needed(released)
 
 
 def test_runs_that_must_start_fresh_actors():
-    base = load_config(None, TINY)
-    assert warm.eligible(base)
+    assert warm.eligible(load_config(None, TINY))
     fault = "engine.faults=[{worker: rollout0, unit: rollout-0-0}]"
-    assert not warm.eligible(load_config(None, [*TINY, fault]))
+    assert warm.eligible(load_config(None, [*TINY, fault]))  # a restart builds what the board says
     assert not warm.eligible(load_config(None, [*TINY, "engine.compile_rollout=on"]))
 
 
@@ -88,6 +87,31 @@ def test_a_run_in_kept_processes_equals_one_in_fresh_processes(ray_cluster, tmp_
     lora = "final/pytorch_lora_weights.safetensors"
     want, got = load_file(tmp_path / "fresh" / lora), load_file(tmp_path / "warm" / lora)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_kept_actor_restarted_by_ray_builds_this_runs_worker(ray_cluster, tmp_path):
+    """Ray restarts a lost actor with the arguments it was created with: a kept actor's are an earlier
+    run's (another seed here, so other weights, which the restart's checksum check would refuse).
+    Killed mid-run, the kept rollout worker comes back as this run's, from the pool's board: the run
+    ends as the same run without the fault, and only the restarted process is not kept."""
+    from digenrl.launch import run_engine
+
+    pool = warm.active()
+    pool.clear()
+    base = [*TINY, "train.iterations=2", "placement.mode=disaggregated"]
+    run_engine(load_config(None, [*base, "train.seed=1"]), run_dir=tmp_path / "other_seed")
+    started = pool.started
+    fault = "engine.faults=[{worker: rollout0, unit: rollout-1-0}]"
+    got = run_engine(load_config(None, [*base, fault]), run_dir=tmp_path / "fault")
+    assert pool.started == started and got.metrics[-1]["worker_restarts"] == 1  # all in kept actors
+    assert [k.name for k in pool.kept] == ["trainer0"]  # rollout0's restarted process is not kept
+    want = run_engine(load_config(None, base), run_dir=tmp_path / "clean")
+    assert [r["reward_mean"] for r in got.metrics] == pytest.approx([r["reward_mean"] for r in want.metrics])
+    lora = "final/pytorch_lora_weights.safetensors"
+    a, b = load_file(tmp_path / "fault" / lora), load_file(tmp_path / "clean" / lora)
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
 
 
 def _swap_ranks(rank: int, _world: int, ports: tuple[int, int], out) -> None:

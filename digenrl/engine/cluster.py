@@ -19,6 +19,7 @@ import math
 import os
 import socket
 import sys
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
     if pool is not None and not warm.eligible(cfg):  # this run starts fresh ones: release the kept
         pool.clear()
         pool = None
-    groups, kinds, kept = [], [], [None] * len(workers)
+    groups, kinds, kept, keys = [], [], [None] * len(workers), []
     try:
         progress(f"starting {len(workers)} workers (each builds the model)...")
         bundles = resource_bundles(workers, ray.cluster_resources(), reserve=reward_service_resources(cfg))
@@ -94,6 +95,7 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
         else:  # warm workers: one reservation per actor, so each can be kept or released alone
             kinds = [warm.kind_of(b, s, r) for b, s, r in zip(bundles, scoring, restarts)]
             kept = pool.take([w.name for w in workers], kinds, ray.cluster_resources())
+            keys = [k.key if k is not None else uuid.uuid4().hex for k in kept]  # entries on its board
             for k, kd in zip(kept, kinds):
                 groups.append(k.group if k is not None else _reserve([warm.bundle_of(kd)], workers))
             slots = [(g, 0, warm.bundle_of(kd)) for g, kd in zip(groups, kinds)]
@@ -117,6 +119,8 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
             scorer = None if spec.name in sp_followers else reward_actor
             args = (cfg, spec.name, spec.role, scorer, resume_from)
             kwargs = dict(sp_follower=spec.name in sp_followers, layout=layout)
+            # a warm actor restarted by Ray builds what the pool posted for it, not its first run's worker
+            extra = {} if pool is None else dict(restart_from=pool.post(keys[i], args, kwargs))
             if kept[i] is not None:  # a warm actor: the same process, this run's worker built in it
                 actors[spec.name] = kept[i].actor
                 calls.append(kept[i].actor.rebuild.remote(*args, **kwargs))
@@ -137,7 +141,7 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
                     max_restarts=restarts[i],
                     max_task_retries=0,
                 )
-                .remote(*args, **kwargs)
+                .remote(*args, **kwargs, **extra)
             )
             calls.append(actors[spec.name].ready.remote())
         ready = dict(zip(actors, ray.get(calls)))
@@ -151,11 +155,16 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
     finally:
         if head_problem() is None:  # with the head gone, every call below would wait a minute for it
             # (and the cluster took its processes along)
-            if clean and pool is not None and _retired(actors, pids):
-                pool.keep([warm.Kept(n, kd, g, a) for (n, a), kd, g in zip(actors.items(), kinds, groups)])
-                actors, groups, kept = {}, [], []
+            back = _retired(actors, pids) if clean and pool is not None else set()
+            if pool is not None:  # warm workers: keep those back empty, as they started; the rest go
+                stay = [i for i, w in enumerate(workers) if w.name in back]
+                names = [w.name for w in workers]
+                pool.keep([warm.Kept(names[i], kinds[i], groups[i], actors[names[i]], keys[i]) for i in stay])
+                pool.forget([key for i, key in enumerate(keys) if i not in stay])
+                groups = [g for i, g in enumerate(groups) if i not in stay]
             taken = [k.actor for k in kept if k is not None and k.actor not in actors.values()]
-            for actor in [*actors.values(), *taken, reward_actor]:
+            gone = [a for name, a in actors.items() if name not in back]
+            for actor in [*gone, *taken, reward_actor]:
                 if actor is not None:
                     ray.kill(actor, no_restart=True)
             for group in groups:
@@ -181,16 +190,21 @@ def _reserve(bundles: list[dict], workers: list[Worker]):
     return group
 
 
-def _retired(actors: dict, pids: dict) -> bool:
-    """Empty every worker of a finished run for the next one (warm workers): True when each came
-    back empty in the process it started the run in (none restarted)."""
+def _retired(actors: dict, pids: dict) -> set[str]:
+    """Empty every worker of a finished run for the next one (warm workers): the names of those that
+    came back empty in the process they started the run in (not restarted)."""
     import ray
 
-    try:
-        back = ray.get([a.retire.remote() for a in actors.values()], timeout=RETIRE_TIMEOUT_S)
-    except Exception:  # noqa: BLE001 -- a worker that cannot retire is killed with the rest
-        return False
-    return back == [pids[name] for name in actors]
+    calls = {name: a.retire.remote() for name, a in actors.items()}
+    ray.wait(list(calls.values()), num_returns=len(calls), timeout=RETIRE_TIMEOUT_S)
+    back = set()
+    for name, call in calls.items():
+        try:
+            if ray.get(call, timeout=0) == pids[name]:
+                back.add(name)
+        except Exception:  # noqa: BLE001 -- a worker that cannot retire (or not yet) is killed
+            pass
+    return back
 
 
 def head_problem() -> str | None:

@@ -13,10 +13,16 @@ What changes inside: each warm actor holds its own one-bundle placement group (s
 and another released) with a small fixed CPU share (so kept and new actors always fit together),
 where a run without warm workers reserves all its workers as one placement group.
 
-Fresh actors, always, where a kept process could carry something over: a run with injected faults
-(``engine.faults``: Ray restarts a lost actor with its first run's arguments) or a compiled
-transformer (dynamo's caches); a run that failed, or whose actors were restarted or did not come
-back empty, is torn down as without warm workers.
+Ray restarts a lost actor by calling its constructor with the arguments it was created with: for a
+kept actor, an earlier run's. So every warm actor is created with a handle to the pool's
+:class:`ArgsBoard`, where the driver posts the arguments of the worker it builds in that actor for
+each run (:meth:`WarmPool.post`); a restarted warm actor builds what the board says
+(``EngineWorker.__init__``'s ``restart_from``). Runs with injected faults use warm actors too.
+
+Fresh actors, always, where a kept process could carry something over: a compiled transformer
+(dynamo's caches). After a run that failed, every actor is killed; after one that finished, the
+actors that came back empty in the process they started the run in are kept, the others (restarted
+ones) killed.
 """
 
 from __future__ import annotations
@@ -37,6 +43,35 @@ class Kept:
     kind: tuple  # what fixes an actor at creation (see kind_of)
     group: object  # its one-bundle placement group
     actor: object
+    key: str = ""  # its entry on the pool's ArgsBoard
+
+
+class ArgsBoard:
+    """A Ray actor of the pool: by warm actor, the constructor arguments of the worker last built in it
+    (a one-element list holding the driver's ObjectRef of ``(args, kwargs)``: never unpickled here)."""
+
+    def __init__(self):
+        self.posted: dict[str, list] = {}
+
+    def put(self, key: str, boxed: list) -> None:
+        self.posted[key] = boxed
+
+    def get(self, key: str) -> list:
+        return self.posted[key]
+
+    def drop(self, keys: list[str]) -> None:
+        for key in keys:
+            self.posted.pop(key, None)
+
+
+def posted_args(restart_from: tuple) -> tuple[tuple, dict]:
+    """In a restarted warm actor: the ``(args, kwargs)`` the driver posted for it (``restart_from`` is
+    ``(board, key)``, given at creation)."""
+    import ray
+
+    board, key = restart_from
+    (ref,) = ray.get(board.get.remote(key))
+    return ray.get(ref)
 
 
 class WarmPool:
@@ -45,6 +80,27 @@ class WarmPool:
     def __init__(self):
         self.kept: list[Kept] = []
         self.reused = self.started = 0
+        self.board = None  # the ArgsBoard actor, started with the first warm actor
+        self.refs: dict[str, object] = {}  # key -> the ObjectRef posted for it (owned here)
+
+    def post(self, key: str, args: tuple, kwargs: dict) -> tuple:
+        """Post the constructor arguments of the worker built next in the warm actor ``key`` (before
+        it is created or rebuilt); returns its ``restart_from``: ``(board, key)``."""
+        import ray
+
+        if self.board is None:
+            self.board = ray.remote(num_cpus=0)(ArgsBoard).remote()
+        self.refs[key] = ray.put((args, kwargs))
+        ray.get(self.board.put.remote(key, [self.refs[key]]))
+        return self.board, key
+
+    def forget(self, keys: list[str]) -> None:
+        """The actors ``keys`` are gone: their posts go too."""
+        import ray
+
+        keys = [k for k in keys if self.refs.pop(k, None) is not None]
+        if keys and self.board is not None and ray.is_initialized():  # (a cluster gone took the board)
+            self.board.drop.remote(keys)
 
     def take(self, names: list[str], kinds: list[tuple], total: dict[str, float]) -> list[Kept | None]:
         """For each of a run's workers (``names``, ``kinds``, in order), the kept actor that last ran
@@ -71,6 +127,7 @@ class WarmPool:
                 break
             left.remove(gone)
             release([gone])
+            self.forget([gone.key])
         self.kept = left
         self.reused += sum(k is not None for k in out)
         self.started += sum(k is None for k in out)
@@ -86,6 +143,7 @@ class WarmPool:
     def clear(self) -> None:
         kept, self.kept = self.kept, []
         release(kept)
+        self.forget([k.key for k in kept])
 
 
 def _sum(bundles) -> dict[str, float]:
@@ -120,11 +178,20 @@ def warm_workers():
     finally:
         pool, _active = _active, None
         pool.clear()
+        if pool.board is not None:
+            _kill(pool.board)
+
+
+def _kill(actor) -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.kill(actor, no_restart=True)
 
 
 def eligible(cfg) -> bool:
     """Whether a run may use (and leave) warm actors (module docstring)."""
-    return not cfg.engine.faults and cfg.engine.compile_rollout != "on"
+    return cfg.engine.compile_rollout != "on"
 
 
 def kind_of(bundle: dict, scoring: bool, max_restarts: int) -> tuple:

@@ -49,6 +49,7 @@ from digenrl.engine.fsdp_group import combine_rank_stats, reshard, train_share
 from digenrl.engine.groups import GroupMember, abort_process_group, group_call
 from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.engine.sp_group import SequenceParallelMember
+from digenrl.engine.warm import posted_args
 from digenrl.errors import UserError
 from digenrl.faults import FaultInjector
 from digenrl.layout import RunLayout
@@ -207,11 +208,18 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         resume: ResumeFrom | None = None,
         sp_follower: bool = False,
         layout: RunLayout | None = None,
+        restart_from: tuple | None = None,
     ):
         """``resume``: the checkpoint to start from (read by path); ``sp_follower``: a rollout worker
         that follows its sequence-parallel group's lead (it scores nothing); ``layout``: the run's
         (:mod:`digenrl.layout`), which this worker reads and never re-derives (None: a worker built
-        outside a run, with a single process's settings)."""
+        outside a run, with a single process's settings); ``restart_from``: a warm actor's entry on
+        its pool's board (:mod:`digenrl.engine.warm`): restarted by Ray, it builds the worker posted
+        there (this run's), not the one it was created for."""
+        if restart_from is not None and _restarted():
+            args, kwargs = posted_args(restart_from)
+            EngineWorker.__init__(self, *args, **kwargs)
+            return
         self.cfg, self.name, self.role, self.layout = cfg, name, role, layout
         self.sp_follower = sp_follower
         self.resume_optimizer: str | None = None  # a sharded rank loads it once sharded (join_group)
