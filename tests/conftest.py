@@ -17,8 +17,8 @@ def pytest_collection_modifyitems(items):
     """Under pytest-xdist (``./dev.sh test``: 2 workers, ``--dist loadgroup``) the tests on the suite's
     Ray cluster are one group, run on one worker in order: one cluster per run, its warm workers
     reused as in one process; every other test goes to whichever worker is free. Among them the
-    tests marked ``faults`` come last: their runs start fresh actors on every device, releasing all
-    kept ones, so the runs after them would start theirs again."""
+    tests marked ``faults`` come last: the processes Ray restarts in their runs are not kept, so a
+    run after them would start those workers afresh."""
     on_ray = {id(item) for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
     for item in items:
         if id(item) in on_ray:

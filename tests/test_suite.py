@@ -1,8 +1,8 @@
 """How the suite itself runs (tests/conftest.py): under ``./dev.sh test`` (pytest-xdist, ``--dist
 loadgroup``) the tests on the suite's Ray cluster are one group, run in order by one worker on one
 cluster, so engine runs keep warm workers. pytest-xdist 3.8 on pytest 9 dropped the groups without a
-word (each worker then started its own cluster and actors: 1098 CPU-seconds for the suite instead of
-~880); this test fails when that happens again."""
+word (each worker then started its own cluster and actors: the suite took 1098 CPU-seconds and
+577-604 s, against 965 and 511 s as one group); this test fails when that happens again."""
 
 from __future__ import annotations
 
