@@ -16,7 +16,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from digenrl.adapters import ADAPTERS
 from digenrl.errors import UserError
+from digenrl.yamlfile import parse_yaml
 
 
 class ConfigError(UserError):
@@ -106,8 +108,6 @@ class ModelConfig(_Section):
     @field_validator("adapter")
     @classmethod
     def _known_adapter(cls, name: str) -> str:
-        from digenrl.adapters import ADAPTERS  # a name table only; no model code is imported
-
         if name not in ADAPTERS:
             raise ValueError(f"unknown adapter '{name}' (available: {', '.join(sorted(ADAPTERS))})")
         return name
@@ -758,7 +758,6 @@ def read_yaml(path: Path) -> dict:
     path = Path(path)
     if not path.is_file() and not path.is_dir():
         raise ConfigError(f"{path}: config file not found")
-    from digenrl.yamlfile import parse_yaml
 
     try:
         data = parse_yaml(path, "--config")

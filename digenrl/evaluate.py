@@ -22,7 +22,16 @@ from typing import Callable
 
 import torch
 
-from digenrl.prompts import Prompt
+from digenrl.algorithms.sde import sample
+from digenrl.checkpoint import find_checkpoint, load_checkpoint, read_state, use_ema_weights
+from digenrl.config import PromptsConfig, load_config
+from digenrl.errors import UserError
+from digenrl.media import save_samples
+from digenrl.policy import Policy
+from digenrl.prompts import Prompt, load_prompts, prompt_char_limit
+from digenrl.rewards import build_reward
+from digenrl.runlog import check_writable
+from digenrl.unit_rows import stream_seed
 
 
 @dataclass
@@ -62,7 +71,6 @@ def reward_metrics(total: torch.Tensor, parts: dict[str, torch.Tensor], prefix: 
 
 def eval_noise(adapter, index: int, seed: int) -> torch.Tensor:
     """Initial latents of eval prompt ``index``: the same for every policy evaluated with ``seed``."""
-    from digenrl.unit_rows import stream_seed
 
     return adapter.initial_noise(1, torch.Generator().manual_seed(stream_seed(seed, "eval", index)))
 
@@ -115,7 +123,6 @@ def evaluate_policy(
 
 def _eval_batch(ad, chunk, cond, sigmas, seed, start, reward_fn, pixels, totals, parts) -> None:
     """Sample and score one batch of eval prompts (``cond``: None = through the prompt cache)."""
-    from digenrl.algorithms.sde import sample
 
     texts = [p.text for p in chunk]
     cond = ad.cond_for(texts) if cond is None else cond
@@ -157,11 +164,6 @@ def prepare_eval(
     out: Path | None = None,
 ) -> EvalJob:
     """Validate every input (checkpoint, config, prompts, baseline, output dir) before any work: UserError."""
-    from digenrl.checkpoint import find_checkpoint, read_state
-    from digenrl.config import PromptsConfig, load_config
-    from digenrl.errors import UserError
-    from digenrl.prompts import load_prompts, prompt_char_limit
-    from digenrl.runlog import check_writable
 
     if checkpoint is None:
         raise UserError("--checkpoint: required (a checkpoint directory or a run directory)")
@@ -191,9 +193,6 @@ def prepare_eval(
 
 def evaluate_checkpoint(job: EvalJob, on_batch: Callable[[int], None] | None = None) -> dict:
     """Run ``digenrl eval``: sample + score the checkpoint (and baseline), write eval.json and grids."""
-    from digenrl.checkpoint import load_checkpoint, use_ema_weights
-    from digenrl.policy import Policy
-    from digenrl.rewards import build_reward
 
     t0 = time.perf_counter()
     cfg = job.cfg.model_copy(deep=True)
@@ -250,7 +249,6 @@ def _write_atomic(path: Path, text: str) -> None:
 def _write_grids(out: Path, main: EvalResult, base: EvalResult | None, base_label: str) -> dict:
     """``eval.png`` (video: ``eval.gif``) with prompt + total reward captions; with a baseline also
     ``compare.png|gif``: checkpoint and baseline side by side, two pairs per row."""
-    from digenrl.media import save_samples
 
     out.mkdir(parents=True, exist_ok=True)
     caps = [f"{p} {r:.2f}" for p, r in zip(main.prompts, main.total.tolist())]

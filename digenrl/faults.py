@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from digenrl.config import FaultConfig
 from digenrl.errors import UserError
 
 ENV = "DIGENRL_FAULTS"
@@ -42,7 +43,6 @@ def fault_plan(cfg) -> set[tuple[str, str]]:
 def with_fault_plan(cfg):
     """``cfg`` whose ``engine.faults`` is the whole plan (the environment's faults included): what the
     engine hands its processes, which may not see the driver's environment."""
-    from digenrl.config import FaultConfig
 
     faults = [FaultConfig(worker=w, unit=u) for w, u in sorted(fault_plan(cfg))]
     return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"faults": faults})})

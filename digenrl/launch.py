@@ -12,8 +12,13 @@ from pathlib import Path
 from typing import Callable
 
 from digenrl.config import RunConfig
+from digenrl.engine.recovery import TrainerRankLost
 from digenrl.errors import UserError
+from digenrl.faults import with_fault_plan
 from digenrl.layout import RunLayout
+from digenrl.preflight import check_workers_build
+from digenrl.progress import progress
+from digenrl.resolve import resolve
 
 
 def run_engine(
@@ -33,12 +38,7 @@ def run_engine(
     again, as ``--resume`` would (the iterations after it are run again: nothing lost, nothing
     trained twice). Returns the :class:`~digenrl.runpolicy.RunResult`."""
     from digenrl.checkpoint import find_checkpoint, latest_checkpoint, read_state
-    from digenrl.engine.recovery import TrainerRankLost
     from digenrl.engine.runtime import run_on_ray
-    from digenrl.faults import with_fault_plan
-    from digenrl.preflight import check_workers_build
-    from digenrl.progress import progress
-    from digenrl.resolve import resolve
 
     if cfg.placement.mode == "local":
         raise UserError("placement.mode: 'local' runs without the engine (use LocalTrainer)")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from digenrl.config import PoolConfig, RunConfig
+from digenrl.distributed.settings import fsdp_refusal, sp_refusal
 from digenrl.engine.scheduler import SchedulerConfig
 from digenrl.errors import UserError
 from digenrl.placement import Plan, Worker
@@ -246,7 +247,6 @@ def engine_layout(cfg: RunConfig, plan: Plan, settings: Settings, scheduler: Sch
 def local_layout(cfg: RunConfig) -> RunLayout:
     """A local run's layout: one process, nothing to place, every ``auto`` as a single process runs it;
     sharding and sequence parallelism are refused (one line: they need the engine)."""
-    from digenrl.distributed.settings import fsdp_refusal, sp_refusal
 
     mode = cfg.placement.mode
     for key, role in (("rollout_sp", "rollout"), ("trainer_sp", "trainer")):

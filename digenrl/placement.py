@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from digenrl.config import PoolConfig, RunConfig
+from digenrl.config import PoolConfig, RunConfig, validate_config
 from digenrl.devices import device_spec, known_devices
 from digenrl.engine.knobs import (
     EngineKnobs,
@@ -252,7 +252,6 @@ def device_type(pool: PoolConfig) -> str:
 def apply_plan(cfg: RunConfig, plan: Plan, device: str) -> RunConfig:
     """``cfg`` with ``plan``'s cluster, placement and engine sections, its micro-batch (when it sets
     one) and ``train.device`` (``cpu`` or ``cuda``): the config ``plan --write`` writes."""
-    from digenrl.config import validate_config
 
     data = cfg.model_dump(mode="json")
     data["cluster"] = {"pools": [p.model_dump(mode="json") for p in plan.pools]}

@@ -13,6 +13,7 @@ import copy
 import torch
 
 from digenrl.adapters import build_adapter
+from digenrl.algorithms.nft import OldPolicy
 from digenrl.config import RunConfig
 from digenrl.distributed.checkpointing import checkpoint_blocks
 from digenrl.distributed.precision import fp32_master
@@ -26,8 +27,6 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        from digenrl.errors import UserError
-
         raise UserError("train.device: cuda requested but no CUDA device is visible")
     return torch.device(name)
 
@@ -80,8 +79,6 @@ class Policy:
             if t.ema is not None:
                 self.ema = WeightAverage(self.named_params, t.ema)
             if cfg.algorithm.name == "diffusion_nft":
-                from digenrl.algorithms.nft import OldPolicy
-
                 self.old = OldPolicy(self.named_params, cfg.algorithm.nft)
         self.version = 0
 

@@ -26,8 +26,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from digenrl.adapters import adapter_class
 from digenrl.config import RunConfig
 from digenrl.errors import UserError
+from digenrl.placement import Plan
+from digenrl.planner.gpus import DEVICES, device_spec
+from digenrl.planner.params import CostParams
 
 #: logical CPU devices (one worker process each) a host may run per core: the engine's own tests
 #: run 3 workers on 2 cores; 16 on 2 cores only crawl
@@ -79,7 +83,6 @@ def check_config(cfg: RunConfig, layout, ray_address: str | None = None) -> list
 
 def check_model(cfg: RunConfig) -> None:
     """Shapes, preset / checkpoint directory and LoRA targets, without loading any weights."""
-    from digenrl.adapters import adapter_class
 
     cls = adapter_class(cfg.model.adapter)
     probe = cls.__new__(cls)  # only the config: check_shapes reads nothing else
@@ -121,15 +124,12 @@ def memory_model(cfg):
     builds it once per layout and hands it to every function below (``model=``); each builds its own
     when called alone."""
     from digenrl.planner.memory import MemoryModel
-    from digenrl.planner.params import CostParams
     from digenrl.planner.workload import Workload
 
     return MemoryModel(Workload.from_config(cfg), CostParams())
 
 
 def known_gpu_type(pool) -> str | None:
-    from digenrl.planner.gpus import DEVICES, device_spec
-
     if pool.device.lower() in ("cpu", "gpu", "cuda"):
         return None
     spec = device_spec(pool.device, f"cluster.pools.{pool.name}.device")
@@ -137,8 +137,6 @@ def known_gpu_type(pool) -> str | None:
 
 
 def _plan(cfg):
-    from digenrl.placement import Plan
-
     return Plan.from_run_config(cfg)
 
 
@@ -234,8 +232,6 @@ def _changes(s, cfg) -> list[tuple[str, object]]:
 
 
 def _where(pool, device: str, model) -> str:
-    from digenrl.planner.gpus import DEVICES
-
     return (
         f"pool '{pool.name}' ({pool.count} x {device}, {DEVICES[device].memory / 1e9:.0f} GB, "
         f"{model.have(device) / GiB:.1f} GiB usable)"

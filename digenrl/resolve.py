@@ -19,27 +19,27 @@ Errors are the user's: one line naming the field (:class:`~digenrl.errors.UserEr
 
 from __future__ import annotations
 
+from digenrl.adapters.vae_decode import tiling_mode
 from digenrl.config import RunConfig
 from digenrl.distributed.settings import fsdp_refusal, sp_refusal
 from digenrl.errors import UserError
 from digenrl.layout import RunLayout, Settings, engine_layout, local_layout
 from digenrl.placement import Plan
+from digenrl.preflight import (
+    GiB,
+    check_memory,
+    known_gpu_type,
+    memory_model,
+    resolve_cfg_batching,
+    resolve_memory_settings,
+    resolve_rollout_batch,
+)
 
 
 def resolve(cfg: RunConfig) -> RunLayout:
     """The run's layout (module docstring); raises UserError on a combination the engine refuses."""
     if cfg.placement.mode == "local":
         return local_layout(cfg)
-    from digenrl.adapters.vae_decode import tiling_mode
-    from digenrl.preflight import (
-        GiB,
-        check_memory,
-        known_gpu_type,
-        memory_model,
-        resolve_cfg_batching,
-        resolve_memory_settings,
-        resolve_rollout_batch,
-    )
 
     # the memory model, built once for every step below (only where a pool has a known GPU type: the
     # steps use it only there)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from digenrl.errors import UserError
+from digenrl.yamlfile import parse_yaml
 
 #: keys a resumed run may change with --set (dotted prefixes); anything else fixes what the checkpoint means
 RESUMABLE = ("train.iterations", "train.lr", "output.")
@@ -48,7 +49,6 @@ def _yaml_value(v) -> str:
 def check_resume_config(run_dir: Path, checkpoint_config: Path, overrides: list[str]) -> None:
     """Refuse (one line) a resume whose ``RUN/config.yaml`` differs from ``checkpoint_config``, the
     config the resumed run uses, in a key that none of the command's ``overrides`` (``--set``) assigns."""
-    from digenrl.yamlfile import parse_yaml
 
     edited_path = Path(run_dir) / "config.yaml"
     if not edited_path.is_file() or not Path(checkpoint_config).is_file():

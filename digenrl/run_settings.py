@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from digenrl.adapters.vae_decode import tiling_mode
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -36,7 +38,6 @@ class Settings:
 def single_process_settings(cfg) -> Settings:
     """A process that knows no device memory (a local run; a policy built outside a run): explicit
     values as written, ``auto`` off / sequential, the VAE's tiling by the adapters' own rule."""
-    from digenrl.adapters.vae_decode import tiling_mode
 
     t, cfg_batching = cfg.train, cfg.sampling.cfg_batching
     cfg_batching = "sequential" if cfg_batching == "auto" else cfg_batching

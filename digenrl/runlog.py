@@ -20,6 +20,7 @@ from pathlib import Path
 
 from digenrl.config import RunConfig
 from digenrl.errors import UserError
+from digenrl.runlock import run_entries
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -64,7 +65,6 @@ def check_new_run_dir(path: Path, overwrite: bool = False) -> None:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"--run-dir: {path} is a file, not a directory")
-    from digenrl.runlock import run_entries
 
     if not path.is_dir() or not run_entries(path):  # RUN/.lock is this run's own
         check_writable(path, "--run-dir")

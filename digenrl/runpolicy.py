@@ -31,6 +31,8 @@ import torch
 from digenrl.checkpoint import CheckpointState, latest_checkpoint, read_state
 from digenrl.config import RunConfig
 from digenrl.errors import RunInterrupted, UserError
+from digenrl.lora import save_lora
+from digenrl.media import save_samples
 from digenrl.progress import progress
 from digenrl.rewards import reward_metrics
 
@@ -122,7 +124,6 @@ def iteration_metrics(
 def save_iteration_samples(run_dir: Path, iteration: int, units: list) -> Path:
     """One sample per prompt group of the iteration, captioned with its prompt and reward (``units``:
     anything with ``preview``, ``prompts``, ``rewards`` and ``group_ids``)."""
-    from digenrl.media import save_samples
 
     G = len(units[0]) // len(units[0].group_ids)
     pixels = torch.cat([u.preview for u in units])
@@ -137,8 +138,6 @@ def final_files(policy) -> dict[str, bytes]:
     with tempfile.TemporaryDirectory() as tmp, policy.averaged():
         out = Path(tmp)
         if policy.lora:
-            from digenrl.lora import save_lora
-
             save_lora(policy.adapter, out)
         else:
             from safetensors.torch import save_file

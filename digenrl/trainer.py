@@ -26,6 +26,7 @@ import torch
 
 from digenrl.checkpoint import CheckpointState, find_checkpoint, load_checkpoint, save_checkpoint
 from digenrl.config import RunConfig
+from digenrl.evaluate import evaluate_policy
 from digenrl.layout import RunLayout, local_layout
 from digenrl.policy import Policy
 from digenrl.prompts import PromptSampler, load_prompts
@@ -103,7 +104,6 @@ class LocalTrainer:
     def evaluate(self) -> dict:
         """``eval/<reward>`` means of the current (with ``train.ema``: the EMA) weights over the whole
         prompt set (ODE, fixed seeds)."""
-        from digenrl.evaluate import evaluate_policy
 
         if not hasattr(self, "_eval_prompts"):
             self._eval_prompts = load_prompts(self.cfg.prompts)

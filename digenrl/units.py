@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from digenrl import units_nft
 from digenrl.adapters.base import Cond
 from digenrl.adapters.guidance import backward_through_velocity
 from digenrl.algorithms import grpo
@@ -34,7 +35,7 @@ from digenrl.algorithms.sde import (
 )
 from digenrl.prompts import Prompt
 from digenrl.unit_rows import stream_seed, train_batches
-from digenrl.units_nft import is_nft
+from digenrl.units_nft import is_nft, noise_plan
 
 
 class GroupRNG:
@@ -119,8 +120,6 @@ def rollout_unit(
     sigmas = ad.sigmas(n_steps)
     nft, noise_seeds = is_nft(cfg), None
     if nft:  # K noise levels per sample and their noise seeds; the rollout itself is a plain sampler
-        from digenrl.units_nft import noise_plan
-
         sde_mask, train_idx, noise_seeds = noise_plan(cfg, iteration, seed, group_ids, (lo, hi))
     else:
         sde_mask, train_idx = _timestep_selection(cfg, iteration, seed, group_ids, (lo, hi))
@@ -260,8 +259,6 @@ def train_unit(
     """
     cfg, ad = policy.cfg, policy.adapter
     if is_nft(cfg):  # DiffusionNFT: flow matching on forward-noised clean samples
-        from digenrl import units_nft
-
         passes = None if lockstep is None else len(lockstep)  # a sharded group's micro-batches
         return units_nft.train_unit(
             policy, samples, total_terms, tsp_rank, tsp_degree, minibatch, minibatches, passes, padding
@@ -438,8 +435,6 @@ def own_batches(n: int, steps: int, batch: int) -> list[list[torch.Tensor]] | No
 def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:
     """Combine unit stats into the iteration's metrics (``loss``: the mean of the mini-batches' losses)."""
     if parts and "nft_r" in parts[0]:  # DiffusionNFT's stats (no ratios)
-        from digenrl import units_nft
-
         return units_nft.merge_stats(parts, minibatches)
     terms = sum(p["terms"] for p in parts) or 1
     out = {

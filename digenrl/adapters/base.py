@@ -25,7 +25,7 @@ from torch import nn
 
 from digenrl.adapters.cond import Cond
 from digenrl.adapters.prompt_cache import PromptEmbeddingCache
-from digenrl.adapters.text_offload import attach_offload_hooks, offload_all
+from digenrl.adapters.text_offload import TEXT_ENCODER_PARTS, attach_offload_hooks, offload_all
 from digenrl.adapters.vae_decode import configure_vae, tiling_mode
 from digenrl.config import ModelConfig, SamplingConfig
 from digenrl.errors import UserError
@@ -162,7 +162,6 @@ class Adapter(ABC):
         adapter's device -- all but its text encoders when ``model.offload_text_encoders`` is on:
         they stay in host memory, never materialised on the device first (the offload hooks move
         them there only to encode)."""
-        from digenrl.adapters.text_offload import TEXT_ENCODER_PARTS
 
         kept = TEXT_ENCODER_PARTS if self.cfg.offload_text_encoders else ()
         for name, part in self.pipe.components.items():

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from digenrl.distributed.blocks import transformer_blocks
 from digenrl.distributed.checkpointing import checkpoint_blocks
+from digenrl.distributed.grad_sync import all_reduce_tensors
 from digenrl.distributed.precision import fp32_master
 
 
@@ -92,7 +93,6 @@ def all_reduce_replicas(params: list[nn.Parameter], mesh: DeviceMesh) -> int:
     """HSDP with independent replicas: sum every trained parameter's local gradient shard over the
     ``replicate`` mesh dimension, in buckets (a replica that trained nothing adds zeros). Returns
     the bucket count (0 on a 1-D mesh: nothing to do)."""
-    from digenrl.distributed.grad_sync import all_reduce_tensors
 
     if mesh.ndim != 2:
         return 0

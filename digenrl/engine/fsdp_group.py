@@ -9,8 +9,11 @@ import itertools
 
 import torch
 
+from digenrl.adapters.base import Cond
+from digenrl.checkpoint import find_checkpoint, read_state, restore_optimizer
+from digenrl.distributed import fsdp
 from digenrl.unit_rows import minibatch_rows
-from digenrl.units import ROW_FIELDS, Samples
+from digenrl.units import ROW_FIELDS, Samples, _timestep_selection, forward_batches, rollout_unit, train_unit
 
 
 def shard_trainer_rank(policy, degree: int, resume: str | None = None):
@@ -22,9 +25,6 @@ def shard_trainer_rank(policy, degree: int, resume: str | None = None):
     checkpoint resharded (each rank reads its own shards, by path), or an unsharded run's
     ``optimizer.pt`` split. Returns the device mesh."""
     from pathlib import Path
-
-    from digenrl.checkpoint import find_checkpoint, read_state, restore_optimizer
-    from digenrl.distributed import fsdp
 
     mesh = fsdp.trainer_mesh(degree, policy.device.type)
     fsdp.shard_policy(policy, mesh, independent_replicas=True)
@@ -63,7 +63,6 @@ def train_share(policy, samples: Samples, unit, rank: int, degree: int, total_te
     """Rank ``rank`` of a shard group of ``degree`` trains its share (:func:`rank_slice`) of train unit
     ``unit`` (its mini-batch ``unit.step``; its TSP positions), in lockstep with the group's other
     ranks (:func:`lockstep_steps`); returns the share's stats."""
-    from digenrl.units import train_unit
 
     cfg = policy.cfg
     split = (degree, unit.step, cfg.train.optimizer_steps, cfg.algorithm.group_size)
@@ -122,7 +121,6 @@ def unit_share(groups: tuple, span: tuple[int, int], share: int, shares: int):
 
 def _timesteps_forwards(cfg, iteration: int, groups, span) -> list[int]:
     """The model forwards a share's rollout runs at each step (:func:`~digenrl.units.forward_batches`)."""
-    from digenrl.units import _timestep_selection, forward_batches
 
     _, train_idx = _timestep_selection(cfg, iteration, cfg.train.seed, list(groups), span)
     batches = forward_batches(train_idx, cfg, span[1] - span[0], span[0])
@@ -134,7 +132,6 @@ def rollout_share(worker, unit, share: int, shares: int) -> tuple[Samples, torch
     worker's weights; unscored (the lead scores the whole unit). Every rank of the group calls it:
     sharded ranks gather the parameters per forward together, so every share runs the same forwards
     (the trainer's batches when the shares' agree, else one per step)."""
-    from digenrl.units import rollout_unit
 
     cfg, G = worker.cfg, worker.cfg.algorithm.group_size
     span = unit.sample_range(G)
@@ -160,7 +157,6 @@ def rollout_share(worker, unit, share: int, shares: int) -> tuple[Samples, torch
 
 def merge_shares(parts: list[tuple[Samples, torch.Tensor]], unit, group_size: int):
     """One unit's samples and pixels, in its order (group by group), from its shares' (in share order)."""
-    from digenrl.adapters.base import Cond
 
     span = unit.sample_range(group_size)
     split = unit_share(unit.groups, span, 0, len(parts))

@@ -10,6 +10,7 @@ import functools
 import socket
 from datetime import timedelta
 
+from digenrl.distributed import grad_sync
 from digenrl.engine import fsdp_group, sync_group
 from digenrl.engine.fsdp_group import shard_trainer_rank
 from digenrl.errors import actor_died
@@ -216,7 +217,6 @@ class GroupMember:
         this iteration contributes zeros (its grads are None)."""
         if self.world == 1:
             return
-        from digenrl.distributed import grad_sync
 
         grad_sync.all_reduce_gradients(self.policy.params)
 

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 
+from digenrl.distributed import sequence_parallel as sp
 from digenrl.engine import sync_group, weight_sync
 from digenrl.engine.groups import group_share
 from digenrl.units import rollout_unit
@@ -56,7 +57,6 @@ class SequenceParallelMember:
     def enable_sp(self, degree: int) -> None:
         """Run the transformer with Ulysses over this rank's group of ``degree`` consecutive ranks
         of the (joined) default process group: a rollout group's own world, or the trainer ranks'."""
-        from digenrl.distributed import sequence_parallel as sp
 
         sp.enable_sequence_parallel(
             self.policy.adapter.transformer, sp.sp_mesh(degree, self.policy.device.type)

@@ -34,6 +34,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from digenrl.engine.timeline_draw import draw_timeline
+
 KINDS = ("start", "rollout", "train", "step", "sync", "reward")  # start: a worker starting up
 #: pool of helper rows (the reward actor): shown, not counted in the bubble
 SERVICE_POOL = "service"
@@ -336,7 +338,6 @@ class Timeline:
     def to_png(self, path: Path, width: int = 1400, window: int = 3) -> Path:
         """``timeline.png``: a whole-run utilisation strip per worker above the last ``window``
         iterations at full detail (see :mod:`digenrl.engine.timeline_draw`)."""
-        from digenrl.engine.timeline_draw import draw_timeline
 
         return draw_timeline(self, path, width=width, window=window)
 

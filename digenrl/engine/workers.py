@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from digenrl.checkpoint import checkpoint_files, load_checkpoint
+from digenrl.distributed.checkpointing import is_checkpointed
 from digenrl.distributed.fsdp import all_reduce_replicas, forget_meshes
 from digenrl.engine import sync_group, weight_sync
 from digenrl.engine.fsdp_group import combine_rank_stats, reshard, train_share
@@ -51,13 +52,14 @@ from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.engine.sp_group import SequenceParallelMember
 from digenrl.engine.warm import posted_args
 from digenrl.errors import UserError
+from digenrl.evaluate import evaluate_policy
 from digenrl.faults import FaultInjector
 from digenrl.layout import RunLayout
 from digenrl.lora import checksum
 from digenrl.policy import Policy, compile_transformer, pick_device
 from digenrl.prompts import PromptSampler, load_prompts
 from digenrl.rewards import build_reward, scored_after_unit
-from digenrl.rewards.service import reward_client
+from digenrl.rewards.service import Scored, reward_client
 from digenrl.runpolicy import final_files
 from digenrl.units import Samples, preflight_reward, rollout_unit, train_unit
 
@@ -332,7 +334,6 @@ class EngineWorker(GroupMember, SequenceParallelMember):
     def resolved(self) -> dict:
         """What this worker runs with, read off what it built and joined (not off the config): the
         tests compare it with the layout's :class:`~digenrl.layout.WorkerLayout` and settings."""
-        from digenrl.distributed.checkpointing import is_checkpointed
 
         sampling = self.policy.adapter.sampling
         return {
@@ -447,7 +448,6 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         here, or ``kept`` (a TAG trainer rank's). Runs in the actor's ``score`` concurrency group,
         beside the worker's next unit on the same device; returns a
         :class:`~digenrl.rewards.service.Scored`, as the reward service does."""
-        from digenrl.rewards.service import Scored
 
         pixels, prompts, metadata = kept if kept is not None else self.pending.pop(uid)
         start = time.time()
@@ -593,7 +593,6 @@ class EngineWorker(GroupMember, SequenceParallelMember):
         that scores on its rollout workers (a model reward, :func:`~digenrl.rewards.scored_after_unit`)
         a trainer rank holds no reward: it returns ``{"eval_pixels": (pixels, prompts, metadata)}`` and
         the driver has a rollout worker score them (:meth:`score`), as it does a TAG rank's units."""
-        from digenrl.evaluate import evaluate_policy
 
         fn = getattr(self.reward, "fn", None)
         deferred = fn is None and scored_after_unit(self.cfg)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from digenrl.planner.gpus import kernel_efficiency
+
 #: tokens per forward at which a call reaches half its peak efficiency: an assumed default (a GEMM of
 #: ~1k rows x the model width fills about half an H100's tiles); a profile at several batches replaces it
 DEFAULT_HALF_TOKENS = 1024.0
@@ -57,7 +59,6 @@ class KernelEfficiency:
 def device_efficiency(params, device: str) -> KernelEfficiency:
     """The efficiencies the cost model uses on ``device``: the configured / profile-calibrated ones of
     ``params`` (a :class:`~digenrl.planner.params.CostParams`) where set, else the device table's."""
-    from digenrl.planner.gpus import kernel_efficiency
 
     table_rollout, table_train, table_source = kernel_efficiency(device)
     explicit = params.mfu_rollout is not None or params.mfu_train is not None

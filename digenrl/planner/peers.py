@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 
 from digenrl.planner.call_times import AnalyticTimes, CallTimes, ProfiledTimes
-from digenrl.planner.constants import ADAMW_STATE_BYTES, FP32_BYTES
+from digenrl.planner.constants import ADAMW_STATE_BYTES, FP32_BYTES, OPTIMIZER_FIXED_S, OPTIMIZER_STATE_PASSES
 from digenrl.planner.gpus import DEVICES
 
 #: (what, repository, path) for every structural term of each peer model
@@ -339,7 +339,6 @@ def dancegrpo(cost, cluster) -> PeerRun:
 
 def _sharded_optimizer(cost, device: str, n: int) -> float:
     """One AdamW step over the trained fp32 state held by one of ``n`` FSDP ranks."""
-    from digenrl.planner.constants import OPTIMIZER_FIXED_S, OPTIMIZER_STATE_PASSES
 
     w, p = cost.workload, cost.params
     state = w.trained_params / (n if not w.lora else 1) * p.trained_state_bytes

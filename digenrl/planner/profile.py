@@ -59,7 +59,16 @@ from digenrl.planner.constants import (
     DEFAULT_BATCHES,
     MAX_PROFILED_UNIT_SAMPLES,
     PROFILE_VERSION,
+    SHARING_MIN_SECONDS,
+    SHARING_MIN_TIMES,
 )
+from digenrl.planner.gpus import match_device_name
+from digenrl.planner.measure.contention import OtherLoad, cpu_slowdown, private_weights
+from digenrl.planner.measure.engine_run import engine_run_overheads
+from digenrl.planner.measure.model_times import ModelBench
+from digenrl.planner.measure.ray_overheads import ray_overheads
+from digenrl.planner.measure.timing import torch_threads
+from digenrl.policy import pick_device
 
 ENGINE_MODES = {"none": 0, "ray": 1, "run": 2}  # --engine -> the extra progress steps it takes
 
@@ -75,8 +84,6 @@ def batch_sizes(cfg, requested: list[int] | None = None) -> tuple[list[int], lis
 
 
 def device_info(device: torch.device, threads: int) -> dict:
-    from digenrl.planner.gpus import match_device_name
-
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         key = match_device_name(name)
@@ -129,10 +136,6 @@ def run_profile(
     """Measure ``cfg``'s model on ``device``; returns the profile dict (see the module docstring).
     ``engine="run"`` needs ``run_engine`` (:func:`digenrl.launch.run_engine`, passed in by the caller:
     the planner does not import the layer that starts runs)."""
-    from digenrl.planner.measure.contention import OtherLoad
-    from digenrl.planner.measure.model_times import ModelBench
-    from digenrl.planner.measure.timing import torch_threads
-    from digenrl.policy import pick_device
 
     if engine not in ENGINE_MODES:
         raise UserError(f"--engine: expected none, ray or run, got '{engine}'")
@@ -177,8 +180,6 @@ def run_profile(
 
 def cpu_sharing(bench, groups: int, workers: int, min_time: float) -> dict[str, float]:
     """``cpu_slowdown`` at a rollout unit's batch, each probe process with its own weights."""
-    from digenrl.planner.constants import SHARING_MIN_SECONDS, SHARING_MIN_TIMES
-    from digenrl.planner.measure.contention import cpu_slowdown, private_weights
 
     work = bench.velocity_call(groups * bench.cfg.algorithm.group_size)
     return cpu_slowdown(
@@ -191,8 +192,6 @@ def cpu_sharing(bench, groups: int, workers: int, min_time: float) -> dict[str, 
 
 def engine_overheads(cfg, m: dict, workload, engine: str, step, run_engine=None) -> dict:
     """Ray micro-benchmarks, and with ``engine == "run"`` a calibration run of the engine."""
-    from digenrl.planner.measure.engine_run import engine_run_overheads
-    from digenrl.planner.measure.ray_overheads import ray_overheads
 
     step("engine: Ray call / transfer / all-reduce")
     out = ray_overheads(

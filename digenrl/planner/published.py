@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from digenrl.config import load_config
+from digenrl.planner.gpus import load_cluster
+
 ROOT = Path(__file__).resolve().parents[2]
 
 #: veRL-Omni's published Qwen-Image LoRA step (verl-project/verl-omni PR #52: the per-phase timing of
@@ -44,15 +47,12 @@ class PublishedSetup:
     caveat: str = ""
 
     def workload(self):
-        from digenrl.config import load_config
         from digenrl.planner.workload import Workload
 
         w = Workload.from_config(load_config(ROOT / "configs" / self.config, list(self.overrides)))
         return replace(w, reward_kind="model") if self.model_reward else w
 
     def load_cluster(self):
-        from digenrl.planner.gpus import load_cluster
-
         return load_cluster(ROOT / "configs" / "clusters" / f"{self.cluster}.yaml")
 
 

@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 
 from digenrl.config import PoolConfig
+from digenrl.distributed.settings import fsdp_refusal, sp_refusal
 from digenrl.errors import UserError
 from digenrl.placement import Plan, spread_units
 from digenrl.planner import peers as peer_models
@@ -165,7 +166,6 @@ def refused_plan(plan: Plan, setups_: dict, cost: CostModel) -> str | None:
     (:func:`~digenrl.distributed.settings.fsdp_refusal`, the runtime's own rule; the degree and
     ``ranks`` count trainer devices, sequence-parallel groups inside) -- or None. ``candidates``
     builds no such plan; a peer's arrangement may be one."""
-    from digenrl.distributed.settings import fsdp_refusal
 
     why = refused_sp(plan, cost)
     if why:
@@ -184,7 +184,6 @@ def refused_plan(plan: Plan, setups_: dict, cost: CostModel) -> str | None:
 def refused_sp(plan: Plan, cost: CostModel) -> str | None:
     """Why the plan's ``rollout_sp`` / ``trainer_sp`` mean nothing -- the runtime's own rule
     (:func:`~digenrl.distributed.settings.sp_refusal`) -- or None."""
-    from digenrl.distributed.settings import sp_refusal
 
     for key, role, s in (
         ("rollout_sp", "rollout", plan.rollout_sp),

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from digenrl.adapters import adapter_class
 from digenrl.adapters.base import Tokens, hidden_size
+from digenrl.errors import UserError
+from digenrl.lora import matching_modules
 
 __all__ = [
     "ModelShape",
@@ -124,8 +126,6 @@ def param_counts(shape: ModelShape, lora_cfg, default_targets: tuple[str, ...]) 
     rank = lora_cfg.rank if lora_cfg is not None else 0
     total, lora, missing = _counts(shape.family, json.dumps(shape.config, sort_keys=True), targets, rank)
     if missing:
-        from digenrl.errors import UserError
-
         raise UserError(
             f"model.lora.targets: {list(missing)} match no linear module of {shape.transformer_class}"
         )
@@ -140,8 +140,6 @@ def _counts(
     import diffusers
     import torch
     from torch import nn
-
-    from digenrl.lora import matching_modules
 
     config = json.loads(config_json)
     cls = getattr(diffusers, adapter_class(family).transformer_class)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from digenrl.adapters import adapter_class
+from digenrl.adapters.vae_decode import tiling_mode
+from digenrl.algorithms.grpo import select_timesteps
 from digenrl.planner.constants import FP32_BYTES, HALF_BYTES, WEIGHT_FREE_REWARDS
 from digenrl.planner.shapes import ModelShape, ParamCounts, forward_flops, model_shape, param_counts
 
@@ -64,10 +67,6 @@ class Workload:
     @classmethod
     def from_config(cls, cfg) -> Workload:
         import torch
-
-        from digenrl.adapters import adapter_class
-        from digenrl.adapters.vae_decode import tiling_mode
-        from digenrl.algorithms.grpo import select_timesteps
 
         adapter = adapter_class(cfg.model.adapter)
         shape = model_shape(cfg.model)

@@ -9,6 +9,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from digenrl.config import validate_config
+from digenrl.engine.timeline import Timeline
 from digenrl.planner.constants import CALIBRATION_ITERATIONS
 
 
@@ -19,8 +21,6 @@ def engine_run_overheads(cfg, m: dict, run_engine, iterations: int = CALIBRATION
     how much longer a unit takes in an engine worker than the profile's own whole unit
     (``unit_time_factor``), and the unit-to-unit spread inside the workers (``unit_cv``).
     ``run_engine``: :func:`digenrl.launch.run_engine` (the caller's: the planner imports no launcher)."""
-    from digenrl.config import validate_config
-    from digenrl.engine.timeline import Timeline
 
     data = cfg.model_dump(mode="json")
     data["cluster"] = {

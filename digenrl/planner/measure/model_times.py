@@ -18,7 +18,17 @@ from dataclasses import replace
 
 import torch
 
+from digenrl.algorithms.sde import recompute_logprob
+from digenrl.engine.weight_sync import state_bytes
+from digenrl.lora import checksum
+from digenrl.planner.call_times import ProfiledTimes, rollout_unit_time, train_unit_time
+from digenrl.planner.measure.engine_run import unit_spread
 from digenrl.planner.measure.timing import RoundRobin, means
+from digenrl.planner.workload import Workload
+from digenrl.policy import Policy
+from digenrl.prompts import load_prompts
+from digenrl.rewards import build_reward
+from digenrl.units import assign_advantages, rollout_unit, train_unit
 
 STEP_KEYS = {"rollout": "rollout_step_s", "train": "train_step_s", "ref": "ref_forward_s"}
 
@@ -27,11 +37,6 @@ class ModelBench:
     """The model of ``cfg`` built on ``device`` with everything its calls need."""
 
     def __init__(self, cfg, device: torch.device, warmup: int):
-        from digenrl.planner.workload import Workload
-        from digenrl.policy import Policy
-        from digenrl.prompts import load_prompts
-        from digenrl.rewards import build_reward
-
         torch.manual_seed(cfg.train.seed)
         self.cfg, self.device = cfg, device
         self.policy = Policy(cfg, device)  # a single process's settings (the planner never resolves a run)
@@ -72,8 +77,6 @@ class ModelBench:
                 self.clock.add(f"rollout:{b}", self.velocity_call(b), "rollout")
 
     def add_train_steps(self, batches: list[int], step) -> None:
-        from digenrl.algorithms.sde import recompute_logprob
-
         ad, sig, policy = self.ad, self.sigmas, self.policy
         kind, eta = self.cfg.sampling.sde, self.cfg.sampling.noise_level
         with self.clock.phase("train"):
@@ -96,7 +99,6 @@ class ModelBench:
 
     def add_calls(self) -> None:
         """Decode and reward of a group, prompt encoding of an iteration, optimizer step, weight sync."""
-        from digenrl.lora import checksum
 
         ad, policy, prompts = self.ad, self.policy, self.prompts
         G, P = self.cfg.algorithm.group_size, self.cfg.train.prompts_per_iteration
@@ -134,7 +136,6 @@ class ModelBench:
 
     def add_units(self, groups: int) -> None:
         """A rollout unit and a train unit of ``groups`` groups, as the engine runs them."""
-        from digenrl.units import assign_advantages, rollout_unit, train_unit
 
         cfg, policy = self.cfg, self.policy
         self.groups = groups
@@ -156,8 +157,6 @@ class ModelBench:
 
     def measure(self, repeats: int, min_time: float) -> dict:
         """Time every call in round robin; the profile's ``measurements`` (model part)."""
-        from digenrl.engine.weight_sync import state_bytes
-        from digenrl.planner.measure.engine_run import unit_spread
 
         timed = self.clock.rounds(repeats, min_time)
         self.policy.optimizer.zero_grad(set_to_none=True)
@@ -186,7 +185,6 @@ class ModelBench:
     def unit_overhead(self, m: dict, rollout_s: float, train_s: float) -> dict:
         """Whole units against the sum of their calls: ``*_factor`` = whole / composed, ``*_s`` the
         difference."""
-        from digenrl.planner.call_times import ProfiledTimes, rollout_unit_time, train_unit_time
 
         times = ProfiledTimes({"device": {"name": "partial"}, "measurements": {**m, "unit_overhead": {}}})
         w, groups = self.workload, self.groups
