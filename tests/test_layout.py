@@ -197,11 +197,11 @@ def test_no_runtime_module_resolves_the_layout():
 def test_resolve_builds_the_memory_model_once(monkeypatch):
     """One layout, one memory model: every resolution step (memory preflight, FSDP / checkpointing,
     rollout batch, CFG batching per role) reads the one ``resolve`` built; none on logical CPU pools."""
-    import digenrl.preflight
+    import digenrl.resolve
 
     built = []
-    real = digenrl.preflight.memory_model
-    monkeypatch.setattr(digenrl.preflight, "memory_model", lambda cfg: built.append(1) or real(cfg))
+    real = digenrl.resolve.memory_model
+    monkeypatch.setattr(digenrl.resolve, "memory_model", lambda cfg: built.append(1) or real(cfg))
     gpus = [
         "placement.mode=disaggregated",
         "engine.tag=false",
