@@ -29,8 +29,15 @@ FULL_MODE = [
     "engine.tsp_degree=2",
     "engine.max_staleness=1",
 ]
-#: FULL_MODE as `digenrl` command-line options (``--set k=v`` each), for the CLI tests.
-FULL_MODE_SETS = [arg for kv in FULL_MODE for arg in ("--set", kv)]
+
+
+def as_sets(overrides: list[str]) -> list[str]:
+    """Overrides as `digenrl` command-line options (``--set k=v`` each), for the CLI tests."""
+    return [arg for kv in overrides for arg in ("--set", kv)]
+
+
+FULL_MODE_SETS = as_sets(FULL_MODE)
+TINY_SETS = as_sets(TINY)
 #: No sample grids, no TensorBoard: what a run writes besides what a test reads.
 QUIET = ["output.save_samples_every=0", "output.tensorboard=false"]
 #: The logical devices of the suite's one Ray cluster: enough for every engine test's pools.

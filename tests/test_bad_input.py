@@ -12,7 +12,7 @@ import pytest
 
 from digenrl.cli.app import main
 from digenrl.preflight import CPU_DEVICES_PER_CORE
-from tests.helpers import FULL_MODE_SETS
+from tests.helpers import FULL_MODE_SETS, TINY_SETS
 
 
 def cli(monkeypatch, capsys, argv):
@@ -58,7 +58,6 @@ def write_big_prompt(tmp: Path) -> None:
         f.write("a red car\n" + "a red apple " * 900_000 + "\n")
 
 
-SMALL = ["--set", "model.height=16", "--set", "model.width=16"]
 #: one logical CPU device more than this host may run (the limit scales with its cores)
 MANY = CPU_DEVICES_PER_CORE * (os.cpu_count() or 1)
 CASES = {
@@ -82,7 +81,7 @@ CASES = {
         "engine.unit_samples",
     ),
     "LoRA targets matching no module": (
-        ["train", *SMALL, "--set", "model.lora.targets=[to_qkv]"],
+        ["train", *TINY_SETS, "--set", "model.lora.targets=[to_qkv]"],
         "model.lora.targets: ['to_qkv'] match no linear module",
     ),
     "missing checkpoint directory (model)": (["train", "--set", "model.pretrained={t}/nope"], "{t}/nope"),
@@ -90,7 +89,7 @@ CASES = {
     "run without a complete checkpoint": (["train", "--resume", "{t}/partial"], "partial"),
     "missing checkpoint (eval)": (["eval", "--checkpoint", "{t}/no-ckpt"], "no-ckpt"),
     "missing reward weights directory": (
-        ["train", *SMALL, "--set", "reward.components=[{name: clipscore, args: {path: {t}/no-clip}}]"],
+        ["train", *TINY_SETS, "--set", "reward.components=[{name: clipscore, args: {path: {t}/no-clip}}]"],
         "no-clip",
     ),
     "unknown reward": (["train", "--set", "reward.components=[{name: hpsv9}]"], "unknown reward 'hpsv9'"),

@@ -17,12 +17,11 @@ from digenrl.policy import Policy, compile_transformer  # noqa: E402
 from digenrl.prompts import PromptSampler, load_prompts  # noqa: E402
 from digenrl.rewards import build_reward  # noqa: E402
 from digenrl.units import rollout_unit  # noqa: E402
-from tests.helpers import FULL_MODE  # noqa: E402
+from tests.helpers import FULL_MODE, TINY  # noqa: E402
 
 SMALL = [
     *FULL_MODE,
-    "model.height=16",
-    "model.width=16",
+    *TINY,
     "algorithm.group_size=2",
     "sampling.steps=2",
     "train.prompts_per_iteration=1",

@@ -14,6 +14,7 @@ from digenrl.policy import Policy
 from digenrl.prompts import PromptSampler, load_prompts
 from digenrl.rewards import build_reward
 from digenrl.units import assign_advantages, rollout_unit, train_unit
+from tests.helpers import TINY
 
 # --------------------------------------------------------------------------- the reference, restated
 
@@ -161,14 +162,7 @@ def test_defaults_select_the_ode_sampler_at_the_papers_steps():
 
 
 # ------------------------------------------------------------------------------------------ units
-SMALL = [
-    "algorithm.name=diffusion_nft",
-    "model.height=16",
-    "model.width=16",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
-    "placement.mode=local",
-]
+SMALL = [*TINY, "algorithm.name=diffusion_nft", "placement.mode=local"]
 
 
 @pytest.fixture(scope="module")

@@ -20,16 +20,12 @@ from digenrl.prompts import PromptSampler, load_prompts
 from digenrl.resolve import resolve
 from digenrl.rewards import build_reward
 from digenrl.units import assign_advantages, merge_stats, rollout_unit, train_unit
-from tests.helpers import FULL_MODE
+from tests.helpers import FULL_MODE, TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
     *FULL_MODE,
-    "model.height=16",
-    "model.width=16",
-    "algorithm.group_size=4",
-    "sampling.steps=4",
-    "train.prompts_per_iteration=2",
+    *TINY,
     "train.micro_batch=1",
     "engine.tsp_degree=1",
     "engine.max_staleness=0",
