@@ -12,9 +12,9 @@ import pytest
 
 #: The suite's tiny run: 16x16 images, 2 prompts x 4 samples, 4 sampling steps (the ``tiny_cfg``
 #: fixture applies it; a test adds what it needs after it, and a later override wins).
+TINY_IMAGE = ["model.height=16", "model.width=16"]  # the picture alone (a family's tiny preset may differ)
 TINY = [
-    "model.height=16",
-    "model.width=16",
+    *TINY_IMAGE,
     "train.prompts_per_iteration=2",
     "algorithm.group_size=4",
     "sampling.steps=4",

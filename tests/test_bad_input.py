@@ -12,7 +12,7 @@ import pytest
 
 from digenrl.cli.app import main
 from digenrl.preflight import CPU_DEVICES_PER_CORE
-from tests.helpers import FULL_MODE_SETS, TINY_SETS
+from tests.helpers import FULL_MODE_SETS, TINY, TINY_IMAGE, TINY_SETS
 
 
 def cli(monkeypatch, capsys, argv):
@@ -356,7 +356,7 @@ def tiny_run(tmp_path_factory):
     from digenrl.policy import Policy
 
     run = tmp_path_factory.mktemp("tiny") / "run"
-    sets = ["placement.mode=local", "model.height=16", "model.width=16", "train.iterations=1"]
+    sets = ["placement.mode=local", *TINY_IMAGE, "train.iterations=1"]
     cfg = load_config(None, [*sets, f"output.run_dir={run}"])
     run.mkdir()
     (run / "config.yaml").write_text(cfg.dump_yaml())
@@ -528,8 +528,7 @@ def test_a_killed_overwrite_gets_the_old_run_back(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
 
 
-TINY = ["model.height=16", "model.width=16", "train.prompts_per_iteration=2", "algorithm.group_size=4"]
-TINY += ["sampling.steps=4", "output.save_samples_every=0"]
+QUIET = [*TINY, "output.save_samples_every=0"]
 
 
 @pytest.mark.slow
@@ -555,7 +554,7 @@ def test_overwrite_that_fails_at_the_first_iteration_keeps_the_old_run(tmp_path,
     url = f"http://127.0.0.1:{httpd.server_address[1]}/score"
     run = fake_run(tmp_path / "run")
     before = file_digests(run)
-    sets = [*TINY, "placement.mode=local", "train.iterations=2"]
+    sets = [*QUIET, "placement.mode=local", "train.iterations=2"]
     sets.append(f"reward.components=[{{name: remote, args: {{url: '{url}', retries: 1, backoff: 0.01}}}}]")
     try:
         code, err = cli(
@@ -587,7 +586,7 @@ def test_two_trainings_into_one_directory_one_refuses(tmp_path):
 
     run = tmp_path / "run"
     argv = [sys.executable, "-m", "digenrl.cli.app", "train", "-q", "--run-dir", str(run)]
-    argv += sum((["--set", s] for s in [*TINY, "train.iterations=2", "placement.mode=local"]), [])
+    argv += sum((["--set", s] for s in [*QUIET, "train.iterations=2", "placement.mode=local"]), [])
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     procs = []
     for _ in range(2):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_benchmark_here
+from tests.helpers import TINY_IMAGE, run_benchmark_here
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -151,8 +151,7 @@ def test_gpu_realwidth(tmp_path):
 @pytest.mark.slow
 def test_minibatch_ppo(tmp_path):
     tiny = [
-        "model.height=16",
-        "model.width=16",
+        *TINY_IMAGE,
         "sampling.steps=3",
         "algorithm.group_size=4",
         "train.prompts_per_iteration=2",
@@ -176,7 +175,7 @@ def test_peer_calibration_is_smoked_by_the_peer_tests():
 @pytest.mark.slow
 def test_stale_gradient(tmp_path):
     """Every variant trains 2 iterations; a stale variant's probe splits the gradient per trained step."""
-    tiny = ["model.height=16", "model.width=16", "sampling.steps=3"]
+    tiny = [*TINY_IMAGE, "sampling.steps=3"]
     sets = [arg for kv in tiny for arg in ("--set", kv)]
     data = run_script(
         "stale_gradient.py", tmp_path, "--iterations", "2", "--seeds", "0", "--probe_every", "1", *sets
@@ -192,7 +191,7 @@ def test_stale_gradient(tmp_path):
 def test_algorithms(tmp_path, ray_cluster):
     """The script's own default mode (full) with DiffusionNFT, 2 iterations: Flow-GRPO at the full mode
     through the same benchmarks/learning.py loop is tests/test_learning_bench.py's tiny run."""
-    tiny = ["model.height=16", "model.width=16", "sampling.steps=3", "algorithm.group_size=4"]
+    tiny = [*TINY_IMAGE, "sampling.steps=3", "algorithm.group_size=4"]
     sets = [arg for kv in tiny for arg in ("--set", kv)]
     data = run_benchmark_here("algorithms.py", tmp_path, "--tiny", "--algorithms", "diffusion_nft", *sets)
     names = [(r["mode"], r["algorithm"], r["iterations"]) for r in data["runs"]]

@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 import torch
-from helpers import cli
 
 from digenrl.checkpoint import (
     CheckpointError,
@@ -20,7 +19,7 @@ from digenrl.config import load_config
 from digenrl.policy import Policy
 from digenrl.runlog import read_metrics
 from digenrl.trainer import LocalTrainer
-from tests.helpers import TINY
+from tests.helpers import TINY, cli
 
 # tiny FLUX, small enough that an iteration takes a fraction of a second on 2 cores
 SMALL = [

@@ -3,9 +3,9 @@
 from pathlib import Path
 
 import pytest
-from helpers import FULL_MODE, FULL_MODE_SETS, cli
 
 from digenrl.config import ConfigError, RunConfig, load_config
+from tests.helpers import FULL_MODE, FULL_MODE_SETS, cli
 
 CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
 
@@ -173,7 +173,7 @@ def test_non_finite_gradient_names_the_likely_field(tiny_cfg):
     from digenrl.errors import UserError
     from digenrl.policy import Policy
 
-    cfg = tiny_cfg("model.height=16", "model.width=16", "train.lr=5")
+    cfg = tiny_cfg("train.lr=5")
     policy = Policy(cfg, device="cpu")
     before = [p.detach().clone() for p in policy.params]
     for p in policy.params:

@@ -16,11 +16,10 @@ from digenrl.engine import workers  # noqa: E402
 from digenrl.engine.scheduler import Scheduler  # noqa: E402
 from digenrl.resolve import resolve  # noqa: E402
 from digenrl.rewards import FUNCTION_REWARDS, build_reward, scored_after_unit  # noqa: E402
+from tests.helpers import TINY  # noqa: E402
 
 BASE = [
-    "model.height=16",
-    "model.width=16",
-    "train.prompts_per_iteration=2",
+    *TINY,
     "algorithm.group_size=2",
     "sampling.steps=2",
     "placement.mode=disaggregated",

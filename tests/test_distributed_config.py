@@ -6,10 +6,9 @@ import pytest
 from digenrl.config import load_config
 from digenrl.errors import UserError
 from digenrl.resolve import resolve
-from tests.helpers import FULL_MODE, FULL_MODE_SETS
+from tests.helpers import FULL_MODE, FULL_MODE_SETS, TINY_IMAGE, as_sets
 from tests.test_bad_input import cli
 
-TINY = ["--set", "model.height=16", "--set", "model.width=16"]
 TSP1 = ["--set", "engine.tsp_degree=1"]
 TWO_TRAINERS = ["--set", "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]"]
 
@@ -25,21 +24,21 @@ CASES = {
     ),
     # what train.fsdp N means nothing with (resolve.fsdp_degree), each refused before Ray starts
     "fsdp not the trainer count": (
-        ["--set", "train.fsdp=2", *TINY],
+        ["--set", "train.fsdp=2", *as_sets(TINY_IMAGE)],
         "train.fsdp: 2: must divide the number of trainer ranks (1); use train.fsdp: 1 or off",
     ),
     "fsdp local": (
-        ["--set", "train.fsdp=2", "--set", "placement.mode=local", *TINY],
+        ["--set", "train.fsdp=2", "--set", "placement.mode=local", *as_sets(TINY_IMAGE)],
         "train.fsdp: 2: sharded trainer ranks need placement.mode: disaggregated or colocated (got local)",
     ),
     # sequence parallelism: what engine.rollout_sp and trainer_sp mean nothing with (resolve.check_sp)
     "rollout sp local": (
-        ["--set", "engine.rollout_sp=2", "--set", "placement.mode=local", *TINY],
+        ["--set", "engine.rollout_sp=2", "--set", "placement.mode=local", *as_sets(TINY_IMAGE)],
         "engine.rollout_sp: 2: sequence-parallel workers need placement.mode: disaggregated or colocated "
         "(got local)",
     ),
     "rollout sp uneven devices": (
-        ["--set", "engine.rollout_sp=2", "--set", "engine.tag=false", *TINY],
+        ["--set", "engine.rollout_sp=2", "--set", "engine.tag=false", *as_sets(TINY_IMAGE)],
         "engine.rollout_sp: 2: must divide the 1 rollout devices",
     ),
     "rollout sp heads": (
@@ -48,18 +47,18 @@ CASES = {
             "engine.rollout_sp=3",
             "--set",
             "engine.tag=false",
-            *TINY,
+            *as_sets(TINY_IMAGE),
             "--set",
             "cluster.pools=[{name: rollout, count: 3}, {name: trainer, count: 1}]",
         ],
         "engine.rollout_sp: 3: the model's 2 attention heads do not split over 3 devices",
     ),
     "trainer sp local": (
-        ["--set", "engine.trainer_sp=2", "--set", "placement.mode=local", *TINY],
+        ["--set", "engine.trainer_sp=2", "--set", "placement.mode=local", *as_sets(TINY_IMAGE)],
         "engine.trainer_sp: 2: sequence-parallel workers need placement.mode: disaggregated",
     ),
     "trainer sp uneven devices": (
-        ["--set", "engine.trainer_sp=2", "--set", "engine.tag=false", *TINY],
+        ["--set", "engine.trainer_sp=2", "--set", "engine.tag=false", *as_sets(TINY_IMAGE)],
         "engine.trainer_sp: 2: must divide the 1 trainer devices",
     ),
 }
@@ -142,8 +141,7 @@ def test_sp_inside_fsdp_is_accepted_with_units_that_split_over_the_groups():
     CPU devices): accepted, and each unit must split over the 2 sequence-parallel groups."""
     sets = [
         *FULL_MODE,
-        "model.height=16",
-        "model.width=16",
+        *TINY_IMAGE,
         "engine.tag=false",
         "engine.tsp_degree=1",
         "train.fsdp=4",
@@ -164,8 +162,7 @@ def test_a_shard_group_must_hold_whole_sequence_parallel_groups():
     shard groups of 3 over SP pairs would split a pair's sample between two groups."""
     sets = [
         *FULL_MODE,
-        "model.height=16",
-        "model.width=16",
+        *TINY_IMAGE,
         "engine.trainer_sp=2",
         "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 6}]",
     ]

@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-from helpers import cli
 from safetensors.torch import load_file
 
 from digenrl.checkpoint import read_weights
@@ -15,7 +14,7 @@ from digenrl.policy import Policy
 from digenrl.prompts import load_prompts
 from digenrl.rewards import build_reward
 from digenrl.trainer import LocalTrainer
-from tests.helpers import TINY
+from tests.helpers import TINY, cli
 
 SMALL = [
     *TINY,

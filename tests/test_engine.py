@@ -16,7 +16,6 @@ import torch
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 ray = pytest.importorskip("ray")
 
-from helpers import cli  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from digenrl.config import load_config  # noqa: E402
@@ -27,7 +26,13 @@ from digenrl.errors import UserError, WeightSyncError  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402
 from digenrl.runlog import read_metrics  # noqa: E402
 from digenrl.trainer import LocalTrainer  # noqa: E402
-from tests.helpers import FULL_MODE, POOLS, TINY, assert_timeline_invariants  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    FULL_MODE,
+    POOLS,
+    TINY,
+    assert_timeline_invariants,
+    cli,
+)
 
 BASE = [
     *TINY,

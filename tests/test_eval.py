@@ -8,16 +8,16 @@ import types
 from pathlib import Path
 
 import pytest
-from helpers import cli
 
 from digenrl.config import load_config
 from digenrl.runlog import RunDir, read_metrics
 from digenrl.trainer import LocalTrainer
+from tests.helpers import TINY_IMAGE, cli
 
 pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
 
 FAMILIES = {
-    "flux": ("configs/flux_tiny.yaml", ["model.height=16", "model.width=16"]),
+    "flux": ("configs/flux_tiny.yaml", TINY_IMAGE),
     "wan": ("configs/wan_tiny.yaml", []),
     "hunyuan_video": ("configs/hunyuan_tiny.yaml", []),
     "qwen_image": ("configs/qwen_tiny.yaml", []),

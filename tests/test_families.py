@@ -10,6 +10,7 @@ import torch
 
 from digenrl.config import load_config
 from digenrl.runlog import read_metrics
+from tests.helpers import TINY_IMAGE
 
 pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
 
@@ -19,7 +20,7 @@ FAMILIES = {
     "hunyuan_video": "configs/hunyuan_tiny.yaml",
     "qwen_image": "configs/qwen_tiny.yaml",
 }
-SMALL = {"flux": ["model.height=16", "model.width=16"]}
+SMALL = {"flux": TINY_IMAGE}
 
 
 def family_pipeline(adapter):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.dist_spawn import spawn
+from tests.helpers import TINY
 
 pytestmark = pytest.mark.slow
 
@@ -21,15 +22,7 @@ GRAD_RTOL = 1e-5
 LR = 1e-2
 WEIGHT_ATOL = 1e-2 * LR
 
-SETS = [
-    f"train.lr={LR}",
-    "algorithm.group_size=4",
-    "train.prompts_per_iteration=2",
-    "sampling.steps=4",
-    "model.height=16",
-    "model.width=16",
-    "train.micro_batch=8",
-]
+SETS = [*TINY, f"train.lr={LR}", "train.micro_batch=8"]
 
 
 def _config(adapter: str, lora: bool):

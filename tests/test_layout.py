@@ -16,12 +16,11 @@ from digenrl.cli.app import main  # noqa: E402
 from digenrl.config import load_config  # noqa: E402
 from digenrl.layout import RunLayout  # noqa: E402
 from digenrl.resolve import resolve  # noqa: E402
-from tests.helpers import FULL_MODE  # noqa: E402
+from tests.helpers import FULL_MODE, TINY_IMAGE  # noqa: E402
 
 TINY = [
     *FULL_MODE,  # the knobs a test below leaves unset: the engine's full mode's, not the default run's
-    "model.height=16",
-    "model.width=16",
+    *TINY_IMAGE,
     "train.iterations=1",
     "train.prompts_per_iteration=2",
     "algorithm.group_size=2",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_benchmark_here
+from tests.helpers import TINY_IMAGE, as_sets, run_benchmark_here
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def test_summary_mean_and_standard_error():
 @pytest.mark.slow
 def test_tiny_run_writes_the_json_fields(tmp_path, ray_cluster):
     args = ["--tiny", "--modes", "colocated,full", "--algorithms", "flow_grpo,no_such_algorithm"]
-    sets = ["--set", "model.height=16", "--set", "model.width=16"]
+    sets = as_sets(TINY_IMAGE)
     result = run_benchmark_here("learning.py", tmp_path, *args, *sets)
     assert "no_such_algorithm" in result["skipped"]
     assert [(r["mode"], r["iterations"]) for r in result["runs"]] == [("colocated", 2), ("full", 2)]

@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 
 from digenrl.distributed.precision import fp32_master, trained_dtypes
+from tests.helpers import TINY_IMAGE
 
 
 def _bf16_flux_adapter():
     from digenrl.adapters import build_adapter
     from digenrl.config import load_config
 
-    cfg = load_config(None, ["model.dtype=bfloat16", "model.lora=null", "model.height=16", "model.width=16"])
+    cfg = load_config(None, ["model.dtype=bfloat16", "model.lora=null", *TINY_IMAGE])
     adapter = build_adapter(cfg.model, cfg.sampling, "cpu")
     adapter.transformer.to(torch.bfloat16).requires_grad_(True)  # as from_pretrained(torch_dtype=bf16) gives
     return adapter

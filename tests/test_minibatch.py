@@ -9,7 +9,7 @@ from digenrl.config import load_config
 from digenrl.trainer import LocalTrainer
 from digenrl.unit_rows import minibatch_rows
 from digenrl.units import assign_advantages, merge_stats, train_unit
-from tests.helpers import TINY
+from tests.helpers import TINY, TINY_IMAGE
 
 SMALL = [
     *TINY,
@@ -60,12 +60,11 @@ def test_first_minibatch_has_ratio_exactly_one_and_later_ones_clip():
         (None, ["train.micro_batch=3"]),  # micro-batches that straddle groups
         (None, ["algorithm.timesteps.mode=window", "algorithm.timesteps.window=2"]),
         (None, ["algorithm.name=dance_grpo", "sampling.steps=8"]),  # random steps: each step's samples apart
-        ("configs/qwen_tiny.yaml", ["model.height=16", "model.width=16", "train.prompts_per_iteration=2"]),
+        ("configs/qwen_tiny.yaml", [*TINY_IMAGE, "train.prompts_per_iteration=2"]),
         (
             "configs/qwen_tiny.yaml",
             [
-                "model.height=16",
-                "model.width=16",
+                *TINY_IMAGE,
                 "train.prompts_per_iteration=2",
                 "sampling.cfg_batching=sequential",
             ],
@@ -73,8 +72,7 @@ def test_first_minibatch_has_ratio_exactly_one_and_later_ones_clip():
         (
             "configs/qwen_tiny.yaml",
             [
-                "model.height=16",
-                "model.width=16",
+                *TINY_IMAGE,
                 "train.prompts_per_iteration=2",
                 "sampling.cfg_batching=batched",
             ],

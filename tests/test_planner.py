@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli as cli_main
 from typer.testing import CliRunner
 
 from digenrl.cli.app import app
@@ -27,7 +26,8 @@ from digenrl.planner.search import candidates, search
 from digenrl.planner.shapes import attention_fraction, forward_flops, model_shape
 from digenrl.planner.simulator import bound, simulate
 from digenrl.planner.workload import Workload
-from tests.helpers import FULL_MODE
+from tests.helpers import FULL_MODE, TINY_IMAGE, as_sets
+from tests.helpers import cli as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "configs" / "clusters"
@@ -547,10 +547,7 @@ def test_plan_cli_json_and_write_then_train_one_iteration(tmp_path):
         str(out),
         "--set",
         "train.iterations=1",
-        "--set",
-        "model.height=16",
-        "--set",
-        "model.width=16",
+        *as_sets(TINY_IMAGE),
         "--set",
         "output.tensorboard=false",
         "--run-dir",

@@ -14,6 +14,7 @@ from digenrl.policy import Policy
 from digenrl.prompts import Prompt
 from digenrl.rewards import build_reward
 from digenrl.units import rollout_unit
+from tests.helpers import TINY_IMAGE
 
 
 class CountingEncoder:
@@ -69,7 +70,7 @@ def test_the_cache_is_bounded_and_can_be_turned_off(tiny_cfg):
 
 
 def test_rollouts_encode_a_fixed_prompt_set_once(tiny_cfg):
-    overrides = ["model.height=16", "model.width=16", "algorithm.group_size=2", "sampling.steps=2"]
+    overrides = [*TINY_IMAGE, "algorithm.group_size=2", "sampling.steps=2"]
     prompts = [Prompt("a red apple"), Prompt("a blue sky")]
     cached = Policy(tiny_cfg(*overrides), trainable=False)
     uncached = Policy(tiny_cfg(*overrides, "model.prompt_cache=0"), trainable=False)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from digenrl.config import load_config
+from tests.helpers import TINY_IMAGE
 
 RECIPES = sorted((Path(__file__).parents[1] / "configs" / "recipes").glob("*.yaml"))
 COMMON = [
@@ -32,7 +33,7 @@ COMMON = [
     "output.checkpoint_every=0",
 ]
 TINY = {  # per family: a size the tiny preset takes
-    "flux": ["model.height=16", "model.width=16"],
+    "flux": [*TINY_IMAGE],
     "hunyuan_video": ["model.height=32", "model.width=32", "model.frames=9"],
     "qwen_image": ["model.height=32", "model.width=32"],
 }

@@ -21,6 +21,7 @@ from digenrl.errors import UserError
 from digenrl.rewards import build_reward
 from digenrl.rewards.basic import COLORS, PromptColor, prompt_color
 from digenrl.rewards.remote import RemoteReward, RemoteRewardError
+from tests.helpers import TINY_IMAGE, as_sets
 
 SERVER_FILE = Path(__file__).parents[1] / "benchmarks" / "reward_server.py"
 _spec = importlib.util.spec_from_file_location("reward_server", SERVER_FILE)
@@ -268,10 +269,7 @@ def test_a_server_down_at_start_stops_before_anything_is_written(tmp_path, monke
             str(tmp_path / "run"),
             "--set",
             "placement.mode=local",
-            "--set",
-            "model.height=16",
-            "--set",
-            "model.width=16",
+            *as_sets(TINY_IMAGE),
             "--set",
             f"reward.components=[{{name: remote, args: {{url: '{url}', retries: 0}}}}]",
         )
@@ -301,8 +299,7 @@ def test_server_stopping_mid_run_trains_no_unit_on_missing_scores(tmp_path):
         None,
         [
             "placement.mode=local",
-            "model.height=16",
-            "model.width=16",
+            *TINY_IMAGE,
             "train.iterations=3",
             f"output.run_dir={tmp_path / 'run'}",
             "reward.components=[{name: remote, args: "

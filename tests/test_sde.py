@@ -64,7 +64,7 @@ def test_recomputed_logprob_gives_ratio_exactly_one(tiny_cfg):
     """A rollout's behaviour log-probs, recomputed with unchanged weights and the same batch: ratio == 1."""
     from digenrl.adapters import build_adapter
 
-    cfg = tiny_cfg("model.height=16", "model.width=16")
+    cfg = tiny_cfg()
     ad = build_adapter(cfg.model, cfg.sampling)
     cond = ad.encode_prompts(["a red car"]).repeat_interleave(4)
     g = torch.Generator().manual_seed(0)

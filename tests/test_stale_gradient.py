@@ -15,7 +15,7 @@ def test_sample_records_each_steps_noise(tiny_cfg):
     """latents[i+1] - noise[i] is the step mean the rollout drew around (0 noise on ODE steps)."""
     from digenrl.adapters import build_adapter
 
-    cfg = tiny_cfg("model.height=16", "model.width=16")
+    cfg = tiny_cfg()
     ad = build_adapter(cfg.model, cfg.sampling)
     cond = ad.encode_prompts(["a red car"]).repeat_interleave(3)
     g = torch.Generator().manual_seed(0)

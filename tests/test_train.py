@@ -8,11 +8,10 @@ import torch
 
 from digenrl.runlog import read_metrics
 from digenrl.trainer import LocalTrainer
-from tests.helpers import FULL_MODE_SETS
+from tests.helpers import FULL_MODE_SETS, TINY_IMAGE, as_sets
 
 pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
 
-FAST = ["model.height=16", "model.width=16"]
 ON_POLICY_LR = "train.lr=1e-2"  # the default's 3e-3 is for its one-step async; this trainer is on-policy
 
 
@@ -27,7 +26,7 @@ def learned(tmp_path_factory):
     cfg = load_config(
         None,
         [
-            *FAST,
+            *TINY_IMAGE,
             ON_POLICY_LR,
             f"prompts.file={prompts}",
             "train.iterations=45",
@@ -75,7 +74,7 @@ def test_saved_lora_loads_into_flux_pipeline_and_changes_output(learned):
     from digenrl.config import load_config
     from digenrl.policy import Policy
 
-    cfg = load_config(None, FAST)
+    cfg = load_config(None, TINY_IMAGE)
     base = Policy(cfg, trainable=False)  # fresh model with a zero-initialised LoRA
     ad = base.adapter
     ad.transformer.delete_adapters("default")
@@ -129,10 +128,7 @@ def test_cli_train_runs_and_writes(mode, tmp_path, monkeypatch, capsys):
             str(tmp_path / "r"),
             "--set",
             "train.iterations=2",
-            "--set",
-            "model.height=16",
-            "--set",
-            "model.width=16",
+            *as_sets(TINY_IMAGE),
             *mode,
         ],
     )

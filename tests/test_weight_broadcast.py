@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.dist_spawn import free_port, spawn
+from tests.helpers import TINY_IMAGE
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +23,7 @@ def _policy(full: bool, trainable: bool):
     from digenrl.config import load_config
     from digenrl.policy import Policy
 
-    sets = ["model.height=16", "model.width=16"] + (["model.lora=null"] if full else [])
+    sets = [*TINY_IMAGE] + (["model.lora=null"] if full else [])
     return Policy(load_config(None, sets), device="cpu", trainable=trainable)
 
 

@@ -12,12 +12,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 from digenrl.config import load_config  # noqa: E402
 from digenrl.engine.workers import EngineWorker, ResumeFrom, generates  # noqa: E402
 from digenrl.units import rollout_unit, train_unit  # noqa: E402
-from tests.helpers import FULL_MODE  # noqa: E402
+from tests.helpers import FULL_MODE, TINY  # noqa: E402
 
 BASE = [
-    "model.height=16",
-    "model.width=16",
-    "train.prompts_per_iteration=2",
+    *TINY,
     "algorithm.group_size=2",
     "sampling.steps=2",
     *FULL_MODE,
