@@ -12,7 +12,7 @@ import pytest
 
 from digenrl.cli.app import main
 from digenrl.preflight import CPU_DEVICES_PER_CORE
-from tests.helpers import FULL_MODE_SETS, TINY, TINY_IMAGE, TINY_SETS
+from tests.helpers import FULL_MODE_SETS, TINY, TINY_IMAGE, TINY_SETS, as_sets
 
 
 def cli(monkeypatch, capsys, argv):
@@ -528,9 +528,6 @@ def test_a_killed_overwrite_gets_the_old_run_back(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
 
 
-QUIET = [*TINY, "output.save_samples_every=0"]
-
-
 @pytest.mark.slow
 def test_overwrite_that_fails_at_the_first_iteration_keeps_the_old_run(tmp_path, monkeypatch, capsys):
     """--overwrite onto a finished run, with a reward server that answers the dry run and then NaN:
@@ -554,13 +551,13 @@ def test_overwrite_that_fails_at_the_first_iteration_keeps_the_old_run(tmp_path,
     url = f"http://127.0.0.1:{httpd.server_address[1]}/score"
     run = fake_run(tmp_path / "run")
     before = file_digests(run)
-    sets = [*QUIET, "placement.mode=local", "train.iterations=2"]
+    sets = [*TINY, "output.save_samples_every=0", "placement.mode=local", "train.iterations=2"]
     sets.append(f"reward.components=[{{name: remote, args: {{url: '{url}', retries: 1, backoff: 0.01}}}}]")
     try:
         code, err = cli(
             monkeypatch,
             capsys,
-            ["train", "--run-dir", str(run), "--overwrite", *sum((["--set", s] for s in sets), [])],
+            ["train", "--run-dir", str(run), "--overwrite", *as_sets(sets)],
         )
     finally:
         httpd.shutdown()
@@ -586,7 +583,7 @@ def test_two_trainings_into_one_directory_one_refuses(tmp_path):
 
     run = tmp_path / "run"
     argv = [sys.executable, "-m", "digenrl.cli.app", "train", "-q", "--run-dir", str(run)]
-    argv += sum((["--set", s] for s in [*QUIET, "train.iterations=2", "placement.mode=local"]), [])
+    argv += as_sets([*TINY, "output.save_samples_every=0", "train.iterations=2", "placement.mode=local"])
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     procs = []
     for _ in range(2):

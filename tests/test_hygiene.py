@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY
+from tests.helpers import TINY, as_sets
 
 pytestmark = [
     pytest.mark.slow,
@@ -68,7 +68,7 @@ def test_killed_ray_head_stops_the_run_within_seconds(tmp_path):
             f"127.0.0.1:{port}",
             "--set",
             "train.iterations=500",
-            *sum((["--set", s] for s in SMALL), []),
+            *as_sets(SMALL),
         ]
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 240

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FULL_MODE, TINY, marked, process_marker, wait_gone
+from tests.helpers import FULL_MODE, TINY, as_sets, marked, process_marker, wait_gone
 
 SMALL = [
     *TINY,
@@ -65,7 +65,7 @@ def checkpoints(run: Path) -> list[int]:
 
 
 def interrupt_then_resume(run: Path, extra: list[str]) -> None:
-    sets = sum((["--set", s] for s in SMALL + extra), [])
+    sets = as_sets(SMALL + extra)
     proc = train("--run-dir", str(run), "--set", "train.iterations=1000", *sets)  # cannot finish in the test
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None and len(rows(run)) < 2:
@@ -146,7 +146,7 @@ def test_a_fatal_error_mid_run_keeps_the_last_iteration(tmp_path):
         "reward.service={num_cpus: 0.1}",
         "engine.faults=[{worker: reward, unit: rollout-1-0}]",
     ]
-    proc = train("--run-dir", str(run), *sum((["--set", s] for s in sets), []))
+    proc = train("--run-dir", str(run), *as_sets(sets))
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err
     last = err.strip().splitlines()[-1]

@@ -16,17 +16,15 @@ from digenrl.cli.app import main  # noqa: E402
 from digenrl.config import load_config  # noqa: E402
 from digenrl.layout import RunLayout  # noqa: E402
 from digenrl.resolve import resolve  # noqa: E402
-from tests.helpers import FULL_MODE, TINY_IMAGE  # noqa: E402
+from tests.helpers import FULL_MODE, QUIET, TINY, as_sets  # noqa: E402
 
-TINY = [
+BASE = [
     *FULL_MODE,  # the knobs a test below leaves unset: the engine's full mode's, not the default run's
-    *TINY_IMAGE,
+    *TINY,
+    *QUIET,
     "train.iterations=1",
-    "train.prompts_per_iteration=2",
     "algorithm.group_size=2",
     "sampling.steps=2",
-    "output.save_samples_every=0",
-    "output.tensorboard=false",
     "engine.max_staleness=0",
 ]
 SHARDED = [  # 1 rollout worker, 2 trainer ranks in one FSDP2 shard group
@@ -60,9 +58,9 @@ def _no_resolution(monkeypatch):
 
 def test_the_layout_round_trips_through_its_json():
     for sets in (["placement.mode=local"], SHARDED, ["placement.mode=colocated", "engine.max_staleness=0"]):
-        layout = resolve(load_config(None, TINY + sets))
+        layout = resolve(load_config(None, BASE + sets))
         assert RunLayout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
-    sharded = resolve(load_config(None, TINY + SHARDED))
+    sharded = resolve(load_config(None, BASE + SHARDED))
     assert sharded.shard_groups == (("trainer0", "trainer1"),)
     assert sharded.worker("trainer1").lead == "trainer0" and sharded.worker("trainer0").followers == (
         "trainer1",
@@ -70,14 +68,12 @@ def test_the_layout_round_trips_through_its_json():
     assert [w.name for w in sharded.scheduled] == ["rollout0", "trainer0"]
     assert sharded.settings.weight_sync == "broadcast" and sharded.settings.weight_sync_fallback
     assert resolve(
-        load_config(None, TINY + SHARDED + ["engine.weight_sync=object_store"])
+        load_config(None, BASE + SHARDED + ["engine.weight_sync=object_store"])
     ).settings.weight_sync == ("object_store")
 
 
 def test_config_validate_prints_the_layout(monkeypatch, capsys):
-    monkeypatch.setattr(
-        sys, "argv", ["digenrl", "config", "validate", *sum((["--set", s] for s in TINY + SHARDED), [])]
-    )
+    monkeypatch.setattr(sys, "argv", ["digenrl", "config", "validate", *as_sets(BASE + SHARDED)])
     with pytest.raises(SystemExit) as exc:
         main()
     out = capsys.readouterr().out
@@ -95,7 +91,7 @@ def test_a_worker_runs_what_the_layout_says_without_resolving(monkeypatch):
 
     from digenrl.engine.workers import EngineWorker
 
-    cfg = load_config(None, TINY + ["placement.mode=disaggregated", "engine.tag=false"])
+    cfg = load_config(None, BASE + ["placement.mode=disaggregated", "engine.tag=false"])
     layout = resolve(cfg)
     assert not layout.settings.activation_checkpointing  # auto on CPU pools
     layout = replace(  # what a GPU pool might have resolved to
@@ -124,7 +120,7 @@ def test_ray_actors_run_the_layout_and_the_run_directory_holds_it(tmp_path, ray_
     from digenrl.engine.cluster import ray_workers
     from digenrl.launch import run_engine
 
-    cfg = load_config(None, TINY + SHARDED)
+    cfg = load_config(None, BASE + SHARDED)
     layout = resolve(cfg)
     with ray_workers(cfg, layout, None) as actors:
         for name in [w.name for w in layout.workers]:
@@ -145,7 +141,7 @@ def test_ray_actors_run_the_layout_and_the_run_directory_holds_it(tmp_path, ray_
 def test_a_local_run_directory_holds_its_trivial_layout(tmp_path):
     from digenrl.trainer import LocalTrainer
 
-    cfg = load_config(None, TINY + ["placement.mode=local"])
+    cfg = load_config(None, BASE + ["placement.mode=local"])
     result = LocalTrainer(cfg).run(tmp_path / "run")
     written = json.loads((result.run_dir / "layout.json").read_text())
     assert written["mode"] == "local" and "plan" not in written
@@ -207,9 +203,9 @@ def test_resolve_builds_the_memory_model_once(monkeypatch):
         "sampling.cfg_batching=auto",
         "cluster.pools=[{name: rollout, device: H100, count: 1}, {name: trainer, device: H100, count: 2}]",
     ]
-    layout = resolve(load_config(None, TINY + gpus))
+    layout = resolve(load_config(None, BASE + gpus))
     assert len(built) == 1 and layout.settings.memory_device == "H100"
     assert layout.settings.rollout_batch is not None  # auto on a known GPU: the memory model's batch
     built.clear()
-    resolve(load_config(None, TINY + SHARDED))
+    resolve(load_config(None, BASE + SHARDED))
     assert built == []

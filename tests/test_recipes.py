@@ -1,7 +1,7 @@
 """Every recipe in configs/recipes/ validates as published, and runs 2 iterations on the tiny preset of
 its family with the local trainer.
 
-The swap for the test (``TINY``, stated in configs/recipes/README.md): the tiny random-init preset
+The swap for the test (``FAMILY_SIZE``, stated in configs/recipes/README.md): the tiny random-init preset
 instead of the local checkpoint, fp32 at 16-32 px, the built-in colour prompts instead of a prompt
 file, the weight-free ``prompt_color`` reward instead of the model / served rewards (PickScore and
 the rest need local weights or a server), one prompt per iteration, and placement local (no Ray).
@@ -32,7 +32,7 @@ COMMON = [
     "placement.mode=local",
     "output.checkpoint_every=0",
 ]
-TINY = {  # per family: a size the tiny preset takes
+FAMILY_SIZE = {  # per family: a size the tiny preset takes
     "flux": [*TINY_IMAGE],
     "hunyuan_video": ["model.height=32", "model.width=32", "model.frames=9"],
     "qwen_image": ["model.height=32", "model.width=32"],
@@ -59,7 +59,7 @@ def test_every_family_has_a_recipe_and_every_recipe_a_readme_row():
 def test_recipe_validates_as_published(recipe):
     cfg = load_config(recipe)
     assert cfg.model.pretrained is not None and cfg.model.preset is None
-    assert cfg.model.adapter in TINY
+    assert cfg.model.adapter in FAMILY_SIZE
     assert "Recipe:" in recipe.read_text().splitlines()[0]  # the header names its source
 
 
@@ -80,7 +80,8 @@ def test_recipe_runs_two_iterations_on_the_tiny_preset(recipe, tmp_path, monkeyp
     monkeypatch.setattr(digenrl.trainer, "train_unit", recording)
 
     published = load_config(recipe)
-    cfg = load_config(recipe, [*COMMON, *TINY[published.model.adapter], f"output.run_dir={tmp_path / 'run'}"])
+    size = FAMILY_SIZE[published.model.adapter]
+    cfg = load_config(recipe, [*COMMON, *size, f"output.run_dir={tmp_path / 'run'}"])
     alg, samp = cfg.algorithm, cfg.sampling
     # the algorithm is the recipe's, untouched by the swap
     assert (
