@@ -179,14 +179,10 @@ def warm_workers():
         pool, _active = _active, None
         pool.clear()
         if pool.board is not None:
-            _kill(pool.board)
+            import ray
 
-
-def _kill(actor) -> None:
-    import ray
-
-    if ray.is_initialized():
-        ray.kill(actor, no_restart=True)
+            if ray.is_initialized():  # (a cluster gone took the board along)
+                ray.kill(pool.board, no_restart=True)
 
 
 def eligible(cfg) -> bool:
