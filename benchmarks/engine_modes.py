@@ -109,7 +109,7 @@ def bound(mode_cfg, R: float, T: float, r: int, t: int) -> float:
 
 
 def run_mode(workload: str, mode: str, iterations: int, root: Path, extra: list[str] = ()) -> dict:
-    from digenrl.config import load_config
+    from digenrl.config.run import load_config
     from digenrl.engine.timeline import Timeline
     from digenrl.launch import run_engine
 

@@ -121,7 +121,7 @@ def curve(args, dev, cfg, ad, model) -> dict:
 
 def compiled_vs_eager(args, dev, cfg, ad) -> dict:
     """Eager, then the engine's compile_transformer on the same weights: step times, compilation, diffs."""
-    from digenrl.policy import compile_transformer
+    from digenrl.policy.model import compile_transformer
 
     b = args.compile_batch
     run = sampler(args, dev, cfg, ad, b)
@@ -193,7 +193,7 @@ def overlap(args, dev, sample, score) -> dict:
 def reward_rows(args, dev, pixels: int, sample=None, res: dict | None = None) -> list[dict]:
     """Seconds per image of each model reward, built by the registry from a random-init backbone;
     with ``sample``, PickScore's overlap with it (:func:`overlap`) into ``res["reward_overlap"]``."""
-    from digenrl.config import RewardConfig
+    from digenrl.config.train import RewardConfig
     from digenrl.rewards import build_reward
 
     rows = []

@@ -59,7 +59,7 @@ def build(args, dev):
 
     from digenrl.adapters import build_adapter
     from digenrl.adapters.tiny_text import HashTextEncoder
-    from digenrl.config import load_config
+    from digenrl.config.run import load_config
 
     if args.tiny:
         width = dict(
@@ -254,7 +254,7 @@ def main():
 
     # ---- weight sync on the device: fingerprint and bucket packing vs SHA-256 of host bytes
     from digenrl.distributed.fingerprint import fingerprint
-    from digenrl.lora import checksum
+    from digenrl.policy.lora import checksum
 
     full = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
     lora_like = {

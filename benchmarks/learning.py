@@ -60,7 +60,7 @@ def gain(rewards: list[float]) -> float:
 
 def known_algorithm(name: str, overrides: list[str]) -> str | None:
     """None if ``algorithm.name=name`` loads, else the config's one-line reason."""
-    from digenrl.config import load_config
+    from digenrl.config.run import load_config
 
     try:
         load_config(None, [*overrides, f"algorithm.name={name}"])
@@ -71,7 +71,7 @@ def known_algorithm(name: str, overrides: list[str]) -> str | None:
 
 def run_one(overrides: list[str], seconds: float, iterations: int, run_dir: Path) -> dict:
     """Train one configuration until ``seconds`` of wall time after its first logged iteration."""
-    from digenrl.config import load_config
+    from digenrl.config.run import load_config
     from digenrl.launch import run_engine
 
     cfg = load_config(None, [*overrides, f"train.iterations={iterations}", *RUN_SET])

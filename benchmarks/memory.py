@@ -161,14 +161,14 @@ def measure(cfg_path: str) -> list[dict]:
 
     from digenrl.adapters import adapter_class
     from digenrl.adapters.base import seeded
-    from digenrl.config import load_config
+    from digenrl.config.run import load_config
     from digenrl.distributed.blocks import transformer_blocks
     from digenrl.distributed.checkpointing import checkpoint_blocks
     from digenrl.distributed.precision import fp32_master
-    from digenrl.lora import apply_lora
     from digenrl.planner.memory import MemoryModel
     from digenrl.planner.params import CostParams
     from digenrl.planner.workload import Workload
+    from digenrl.policy.lora import apply_lora
 
     cfg = load_config(cfg_path, [])
     family = cfg.model.adapter

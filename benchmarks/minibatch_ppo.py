@@ -33,8 +33,8 @@ TAIL = 3  # iterations averaged at the end of a run
 
 
 def run(steps: int, seed: int, iterations: int, lr: float, run_dir: Path, overrides: list[str]) -> dict:
-    from digenrl.config import load_config
-    from digenrl.trainer import LocalTrainer
+    from digenrl.config.run import load_config
+    from digenrl.engine.local import LocalTrainer
 
     cfg = load_config(
         None,

@@ -41,7 +41,7 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from digenrl.config import load_config  # noqa: E402
+from digenrl.config.run import load_config  # noqa: E402
 
 # The knobs of benchmarks/engine_modes.py (the engine's own benchmark), on the same hardware:
 # 1 rollout + 1 trainer logical CPU device (colocated: the same 2 devices both roll out and train).
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     from digenrl.engine.cluster import start_local
     from digenrl.engine.timeline import Timeline
     from digenrl.launch import run_engine
-    from digenrl.placement import Plan
+    from digenrl.placement.plan import Plan
     from digenrl.planner.costmodel import CostModel
     from digenrl.planner.gpus import cluster_from_dict
     from digenrl.planner.measure.contention import OtherLoad

@@ -57,7 +57,7 @@ def overlap(a: tuple[float, float], spans: list[tuple[float, float]]) -> float:
 
 def measure(run_dir: Path) -> dict:
     from digenrl.engine.timeline import Timeline
-    from digenrl.runlog import read_metrics
+    from digenrl.run.rundir import read_metrics
 
     tl = Timeline.from_chrome_trace(run_dir / "timeline.json")
     rows = read_metrics(run_dir)
@@ -103,7 +103,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_model_rewards import make_tiny_clip
 
-    from digenrl.config import load_config
+    from digenrl.config.run import load_config
     from digenrl.launch import run_engine
 
     torch.set_num_threads(1)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from digenrl.config import load_config  # noqa: E402
+from digenrl.config.run import load_config  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402
 
 TINY = [

@@ -45,7 +45,7 @@ def gain(rewards: list[float]) -> float:
 
 def stale_trainer(cfg):
     """A LocalTrainer whose iteration k rolls out with version k-1's weights (one-step async)."""
-    from digenrl.trainer import LocalTrainer
+    from digenrl.engine.local import LocalTrainer
 
     class StaleTrainer(LocalTrainer):
         previous = None  # version k-1's weights
@@ -68,7 +68,7 @@ def stale_trainer(cfg):
 def probe(policy, units) -> list[dict]:
     """Per trained step i: |score part|, |drift part| of the stale gradient of sum(A * logp) / terms."""
     from digenrl.algorithms.sde import logprob_of_velocity
-    from digenrl.units import recentred_logprob
+    from digenrl.units.train import recentred_logprob
 
     cfg, ad = policy.cfg, policy.adapter
     kind, eta = cfg.sampling.sde, cfg.sampling.noise_level
@@ -95,9 +95,9 @@ def probe(policy, units) -> list[dict]:
 
 
 def run(variant: str, seed: int, iterations: int, probe_every: int, extra: list[str]) -> dict:
-    from digenrl.config import load_config
-    from digenrl.trainer import LocalTrainer
-    from digenrl.units import assign_advantages
+    from digenrl.config.run import load_config
+    from digenrl.engine.local import LocalTrainer
+    from digenrl.units.advantages import assign_advantages
 
     cfg = load_config(
         None,

@@ -33,7 +33,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_worker_niceness", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from digenrl.config import load_config  # noqa: E402
+from digenrl.config.run import load_config  # noqa: E402
 from digenrl.engine import warm  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402
 

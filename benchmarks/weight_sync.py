@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from digenrl.distributed.broadcast import SyncGroup, WeightBroadcaster, WeightReceiver, specs_for  # noqa: E402
 from digenrl.distributed.fingerprint import fingerprint  # noqa: E402
 from digenrl.engine import weight_sync  # noqa: E402
-from digenrl.lora import checksum  # noqa: E402
+from digenrl.policy.lora import checksum  # noqa: E402
 
 
 def synthetic(kind: str, target_bytes: int) -> dict[str, torch.Tensor]:
@@ -59,8 +59,8 @@ def synthetic(kind: str, target_bytes: int) -> dict[str, torch.Tensor]:
 
 
 def tiny_flux(lora: bool) -> dict[str, torch.Tensor]:
-    from digenrl.config import load_config
-    from digenrl.policy import Policy
+    from digenrl.config.run import load_config
+    from digenrl.policy.model import Policy
 
     sets = [] if lora else ["model.lora=null"]
     return Policy(load_config(None, sets), device="cpu").weights()

@@ -1,6 +1,6 @@
 """Starting an engine run: resolve its layout once, check what the workers will build, run it on Ray.
 
-The layer above the runtime that may call the memory model (through :func:`digenrl.resolve.resolve`)
+The layer above the runtime that may call the memory model (through :func:`digenrl.placement.resolve.resolve`)
 and the preflight; :mod:`digenrl.engine.runtime` runs what it is handed and imports neither.
 """
 
@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from digenrl.config import RunConfig
+from digenrl.config.run import RunConfig
+from digenrl.engine.faults import with_fault_plan
 from digenrl.engine.recovery import TrainerRankLost
 from digenrl.errors import UserError
-from digenrl.faults import with_fault_plan
-from digenrl.layout import RunLayout
-from digenrl.preflight import check_workers_build
+from digenrl.placement.layout import RunLayout
+from digenrl.placement.preflight import check_workers_build
+from digenrl.placement.resolve import resolve
 from digenrl.progress import progress
-from digenrl.resolve import resolve
 
 
 def run_engine(
@@ -36,8 +36,8 @@ def run_engine(
     checkpoint. A trainer rank (or a member of its group) that dies stops the run; with
     ``engine.trainer_restarts`` the run then goes on from its last checkpoint, every worker started
     again, as ``--resume`` would (the iterations after it are run again: nothing lost, nothing
-    trained twice). Returns the :class:`~digenrl.runpolicy.RunResult`."""
-    from digenrl.checkpoint import find_checkpoint, latest_checkpoint, read_state
+    trained twice). Returns the :class:`~digenrl.run.cadence.RunResult`."""
+    from digenrl.checkpoint.store import find_checkpoint, latest_checkpoint, read_state
     from digenrl.engine.runtime import run_on_ray
 
     if cfg.placement.mode == "local":

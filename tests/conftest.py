@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(items):
 def tiny_cfg():
     """The default run config (tiny FLUX) at the suite's tiny size (``tests.helpers.TINY``), then
     ``overrides``."""
-    from digenrl.config import load_config
+    from digenrl.config.run import load_config
     from tests.helpers import TINY
 
     def make(*overrides: str):

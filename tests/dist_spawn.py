@@ -19,12 +19,13 @@ PRELOAD = [
     "torch.distributed",
     "diffusers",
     "peft",
-    "digenrl.policy",
+    "digenrl.policy.model",
     "digenrl.distributed.fsdp",
     "digenrl.distributed.dcp",
     "digenrl.distributed.broadcast",
     "digenrl.distributed.sequence_parallel",
-    "digenrl.units",
+    "digenrl.units.rollout",
+    "digenrl.units.train",
 ]
 multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
 

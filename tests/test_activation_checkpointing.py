@@ -121,7 +121,7 @@ def test_checkpointing_keeps_gradients_and_only_block_inputs(family):
 
 
 def test_config_switch_checkpoints_the_trained_policy(tiny_cfg):
-    from digenrl.policy import Policy
+    from digenrl.policy.model import Policy
 
     assert not is_checkpointed(Policy(tiny_cfg(), device="cpu").adapter.transformer)  # auto = off for now
     on = Policy(tiny_cfg("train.activation_checkpointing=on"), device="cpu")
@@ -137,7 +137,7 @@ def test_every_family_through_its_adapter(family):
     from pathlib import Path
 
     from digenrl.adapters import build_adapter
-    from digenrl.config import load_config
+    from digenrl.config.run import load_config
 
     cfg = load_config(Path(__file__).parents[1] / "configs" / f"{family}_tiny.yaml", ["model.lora=null"])
     grads = []

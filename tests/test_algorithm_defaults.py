@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from digenrl.config import load_config
+from digenrl.config.run import load_config
 from tests.helpers import cli
 
 
@@ -21,7 +21,7 @@ def test_clip_range_defaults_by_sde_kind_unless_set(sde, want):
 
 
 def test_default_std_is_the_population_std():
-    from digenrl.units import assign_advantages
+    from digenrl.units.advantages import assign_advantages
 
     class Batch:
         def __init__(self, r):
@@ -48,7 +48,7 @@ def test_default_std_is_the_population_std():
 
 
 def test_window_steps_of_a_run_stay_inside_the_range():
-    from digenrl.units import _timestep_selection
+    from digenrl.units.rollout import _timestep_selection
 
     cfg = load_config(
         None, ["algorithm.timesteps.mode=window", "algorithm.timesteps.window=2", "sampling.steps=10"]

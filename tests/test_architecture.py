@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import PoolConfig, load_config
+from digenrl.config.engine import PoolConfig
+from digenrl.config.run import load_config
 from digenrl.errors import UserError
-from digenrl.placement import Plan, apply_plan
-from digenrl.resolve import resolve
+from digenrl.placement.plan import Plan, apply_plan
+from digenrl.placement.resolve import resolve
 from tests.helpers import FULL_MODE
 
 PACKAGE = Path(__file__).resolve().parents[1] / "digenrl"
@@ -222,12 +223,25 @@ def upward_imports(graph, table) -> set[tuple[str, str]]:
 #: The config's validators look up the names and defaults of what it configures: the adapter names
 #: (a table in ``adapters/__init__.py``; no model code) and the sampler's default clip range.
 CONFIG_LOOKUPS = {
-    ("digenrl.config", "digenrl.adapters"),
-    ("digenrl.config", "digenrl.algorithms.grpo"),
+    ("digenrl.config.model", "digenrl.adapters"),
+    ("digenrl.config.run", "digenrl.algorithms.grpo"),
 }
 ALLOWED_UPWARD = CONFIG_LOOKUPS
-RUNTIME = ("engine", "adapters", "distributed", "algorithms", "policy", "units", "placement")
-ABOVE_THE_RUNTIME = ("planner", "preflight", "cli")
+RUNTIME = (
+    "engine",
+    "adapters",
+    "distributed",
+    "algorithms",
+    "policy",
+    "checkpoint",
+    "units",
+    "schedule",
+    "run",
+    "placement.plan",
+    "placement.layout",
+    "placement.devices",
+)
+ABOVE_THE_RUNTIME = ("planner", "placement.preflight", "placement.resolve", "launch", "cli")
 
 
 def test_every_module_is_in_a_layer():
@@ -312,9 +326,9 @@ def test_only_the_cli_imports_the_local_trainer():
     importers = set()
     for name, tree in modules():
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "digenrl.trainer":
+            if isinstance(node, ast.ImportFrom) and node.module == "digenrl.engine.local":
                 importers.add(name)
-            elif isinstance(node, ast.Import) and any(a.name == "digenrl.trainer" for a in node.names):
+            elif isinstance(node, ast.Import) and any(a.name == "digenrl.engine.local" for a in node.names):
                 importers.add(name)
     assert importers and all(name.startswith("cli/") for name in importers), importers
 
@@ -328,9 +342,9 @@ def test_the_scheduler_is_asked_in_one_loop():
         if isinstance(node, ast.Attribute)
         and node.attr in ("next_unit", "requeue", "release")
         and isinstance(node.ctx, ast.Load)
-        and name != "engine/scheduler.py"
+        and name != "schedule/scheduler.py"
     }
-    assert callers == {"engine/driver.py"}
+    assert callers == {"schedule/driver.py"}
 
 
 DISAGG = [

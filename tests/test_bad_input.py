@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from digenrl.cli.app import main
-from digenrl.preflight import CPU_DEVICES_PER_CORE
+from digenrl.placement.preflight import CPU_DEVICES_PER_CORE
 from tests.helpers import FULL_MODE_SETS, TINY, TINY_IMAGE, TINY_SETS, as_sets
 
 
@@ -23,7 +23,7 @@ def cli(monkeypatch, capsys, argv):
 
 
 def make_inputs(tmp):
-    from digenrl.planner.profile import PROFILE_VERSION
+    from digenrl.planner.constants import PROFILE_VERSION
 
     (tmp / "bad.yaml").write_text("train:\n  iterations: [1\n")
     (tmp / "latin1.yaml").write_bytes(b"train:\n  lr: 0.1  # caf\xe9\n")
@@ -331,7 +331,7 @@ def test_overwrite_deletes_only_a_run(tmp_path, monkeypatch, capsys):
         and err.count("\n") == 1
     )
     assert tree_digest(other) == before
-    from digenrl.runlog import check_new_run_dir
+    from digenrl.run.rundir import check_new_run_dir
 
     check_new_run_dir(fake_run(tmp_path / "run"), overwrite=True)  # a run may be replaced when asked
 
@@ -351,9 +351,9 @@ def test_help_text(monkeypatch, capsys):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A finished 1-iteration run directory of the tiny FLUX: RUN/config.yaml and one checkpoint."""
-    from digenrl.checkpoint import save_checkpoint
-    from digenrl.config import load_config
-    from digenrl.policy import Policy
+    from digenrl.checkpoint.store import save_checkpoint
+    from digenrl.config.run import load_config
+    from digenrl.policy.model import Policy
 
     run = tmp_path_factory.mktemp("tiny") / "run"
     sets = ["placement.mode=local", *TINY_IMAGE, "train.iterations=1"]
@@ -459,7 +459,7 @@ def test_one_claim_per_run_directory(tmp_path, capsys):
     import socket
 
     from digenrl.errors import UserError
-    from digenrl.runlock import claim_run_dir
+    from digenrl.run.lock import claim_run_dir
 
     run = tmp_path / "runs" / "run"
     with claim_run_dir(run):
@@ -479,11 +479,11 @@ def test_a_stale_lock_of_a_killed_run_is_taken_over(tmp_path, capsys):
     it; the next claim finds the lock free, says so, and holds it."""
     import subprocess
 
-    from digenrl.runlock import claim_run_dir
+    from digenrl.run.lock import claim_run_dir
 
     run = tmp_path / "run"
     code = (
-        "import os, signal, sys; from digenrl.runlock import claim_run_dir; "
+        "import os, signal, sys; from digenrl.run.lock import claim_run_dir; "
         "claim_run_dir(sys.argv[1]); os.kill(os.getpid(), signal.SIGKILL)"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True)
@@ -509,7 +509,7 @@ def test_a_killed_overwrite_gets_the_old_run_back(tmp_path):
     """--overwrite set the old run aside, then the new run was killed before its first checkpoint:
     the next claim of the directory moves the old run back; once the new run has a checkpoint, the
     old one is deleted instead."""
-    from digenrl.runlock import ReplacedRun, claim_run_dir
+    from digenrl.run.lock import ReplacedRun, claim_run_dir
 
     run = fake_run(tmp_path / "run")
     before = file_digests(run)

@@ -14,8 +14,8 @@ import torch
 from digenrl.adapters import build_adapter
 from digenrl.adapters.guidance import backward_through_velocity
 from digenrl.algorithms.sde import logprob_of_velocity, recompute_logprob, sample
-from digenrl.config import load_config
-from digenrl.lora import apply_lora
+from digenrl.config.run import load_config
+from digenrl.policy.lora import apply_lora
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {
@@ -147,10 +147,12 @@ def test_sde_trajectory_batched_equals_sequential(family):
 
 def test_train_unit_gradient_is_the_same_batched_or_sequential():
     """The wiring: units.train_unit (PPO loss, KL to the reference) through either mode gives one gradient."""
-    from digenrl.policy import Policy
-    from digenrl.prompts import load_prompts
+    from digenrl.data.prompts import load_prompts
+    from digenrl.policy.model import Policy
     from digenrl.rewards import build_reward
-    from digenrl.units import assign_advantages, rollout_unit, train_unit
+    from digenrl.units.advantages import assign_advantages
+    from digenrl.units.rollout import rollout_unit
+    from digenrl.units.train import train_unit
 
     grads = {}
     for mode in ("batched", "sequential"):
@@ -180,7 +182,7 @@ def test_train_unit_gradient_is_the_same_batched_or_sequential():
 
 
 def test_auto_resolves_per_role_by_memory():
-    from digenrl.preflight import resolve_cfg_batching
+    from digenrl.placement.preflight import resolve_cfg_batching
 
     local = load_config(FAMILIES["wan"][0], ["placement.mode=local"])
     assert resolve_cfg_batching(local, True) == resolve_cfg_batching(local, False) == "sequential"

@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
-from digenrl.checkpoint import (
-    CheckpointError,
+from digenrl.checkpoint.compat import CheckpointError
+from digenrl.checkpoint.store import (
     find_checkpoint,
     latest_checkpoint,
     list_checkpoints,
@@ -15,10 +15,10 @@ from digenrl.checkpoint import (
     read_state,
     save_checkpoint,
 )
-from digenrl.config import load_config
-from digenrl.policy import Policy
-from digenrl.runlog import read_metrics
-from digenrl.trainer import LocalTrainer
+from digenrl.config.run import load_config
+from digenrl.engine.local import LocalTrainer
+from digenrl.policy.model import Policy
+from digenrl.run.rundir import read_metrics
 from tests.helpers import TINY, cli
 
 # tiny FLUX, small enough that an iteration takes a fraction of a second on 2 cores
@@ -162,7 +162,7 @@ def test_crash_mid_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
             raise OSError("disk full (simulated)")
         return real_save(obj, f, *a, **k)
 
-    monkeypatch.setattr("digenrl.checkpoint.torch.save", crash)
+    monkeypatch.setattr("digenrl.checkpoint.store.torch.save", crash)
     with pytest.raises(OSError):
         save_checkpoint(tmp_path, policy, 2, cfg)
     monkeypatch.undo()

@@ -11,12 +11,12 @@ import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from digenrl.config import load_config  # noqa: E402
+from digenrl.config.run import load_config  # noqa: E402
+from digenrl.data.prompts import PromptSampler, load_prompts  # noqa: E402
 from digenrl.engine.workers import EngineWorker  # noqa: E402
-from digenrl.policy import Policy, compile_transformer  # noqa: E402
-from digenrl.prompts import PromptSampler, load_prompts  # noqa: E402
+from digenrl.policy.model import Policy, compile_transformer  # noqa: E402
 from digenrl.rewards import build_reward  # noqa: E402
-from digenrl.units import rollout_unit  # noqa: E402
+from digenrl.units.rollout import rollout_unit  # noqa: E402
 from tests.helpers import FULL_MODE, TINY  # noqa: E402
 
 SMALL = [

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import ConfigError, RunConfig, load_config
+from digenrl.config.base import ConfigError
+from digenrl.config.run import RunConfig, load_config
 from tests.helpers import FULL_MODE, FULL_MODE_SETS, cli
 
 CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
@@ -171,7 +172,7 @@ def test_non_finite_gradient_names_the_likely_field(tiny_cfg):
     import torch
 
     from digenrl.errors import UserError
-    from digenrl.policy import Policy
+    from digenrl.policy.model import Policy
 
     cfg = tiny_cfg("train.lr=5")
     policy = Policy(cfg, device="cpu")
@@ -188,7 +189,7 @@ def test_non_finite_gradient_names_the_likely_field(tiny_cfg):
 def test_nan_samples_are_not_blamed_on_the_reward():
     import torch
 
-    from digenrl.config import RewardConfig
+    from digenrl.config.train import RewardConfig
     from digenrl.errors import UserError
     from digenrl.rewards import build_reward
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from digenrl.adapters import adapter_class
-from digenrl.config import load_config
+from digenrl.config.run import load_config
 from tests.helpers import cli
 
 ROOT = Path(__file__).resolve().parents[1]

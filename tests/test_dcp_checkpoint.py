@@ -132,8 +132,8 @@ def test_save_on_2_resume_on_1_and_2_and_rollout_reads_only_weights(tmp_path):
 def test_a_rank_that_cannot_see_the_run_directory_says_so(tmp_path):
     """Shards are written by path: a rank on a node without the run directory refuses with one line
     (before writing anything) instead of writing shards the driver never finds."""
+    from digenrl.checkpoint.optimizer import save_optimizer_sharded
     from digenrl.errors import UserError
-    from digenrl.optimizer_state import save_optimizer_sharded
 
     hidden = tmp_path / "not-mounted" / "checkpoints" / ".dcp-iter-000001"
     with pytest.raises(

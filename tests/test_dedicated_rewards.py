@@ -11,11 +11,11 @@ import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from digenrl.config import load_config  # noqa: E402
+from digenrl.config.run import load_config  # noqa: E402
 from digenrl.engine import workers  # noqa: E402
-from digenrl.engine.scheduler import Scheduler  # noqa: E402
-from digenrl.resolve import resolve  # noqa: E402
+from digenrl.placement.resolve import resolve  # noqa: E402
 from digenrl.rewards import FUNCTION_REWARDS, build_reward, scored_after_unit  # noqa: E402
+from digenrl.schedule.scheduler import Scheduler  # noqa: E402
 from tests.helpers import TINY  # noqa: E402
 
 BASE = [
@@ -83,7 +83,7 @@ def test_trainer_rank_evaluates_without_the_reward_model_a_rollout_worker_scores
     """In-training eval of a model-reward run: trainer rank 0 samples the eval prompts but never builds
     the reward; it hands back the decoded pixels, a rollout worker's ``score`` scores them, and the
     metrics equal the same evaluation scored inline."""
-    from digenrl.evaluate import evaluate_policy, reward_metrics
+    from digenrl.run.evaluate import evaluate_policy, reward_metrics
 
     cfg = load_config(None, [*BASE, clip, "engine.tag=false", "output.eval_every=1"])
     layout = resolve(cfg)

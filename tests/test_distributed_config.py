@@ -3,9 +3,9 @@ sharding degree in the combinations the engine does not wire (docs/errors.md).""
 
 import pytest
 
-from digenrl.config import load_config
+from digenrl.config.run import load_config
 from digenrl.errors import UserError
-from digenrl.resolve import resolve
+from digenrl.placement.resolve import resolve
 from tests.helpers import FULL_MODE, FULL_MODE_SETS, TINY_IMAGE, as_sets
 from tests.test_bad_input import cli
 

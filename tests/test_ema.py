@@ -7,13 +7,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from digenrl.checkpoint import read_weights
-from digenrl.config import load_config
-from digenrl.evaluate import evaluate_policy
-from digenrl.policy import Policy
-from digenrl.prompts import load_prompts
+from digenrl.checkpoint.store import read_weights
+from digenrl.config.run import load_config
+from digenrl.data.prompts import load_prompts
+from digenrl.engine.local import LocalTrainer
+from digenrl.policy.model import Policy
 from digenrl.rewards import build_reward
-from digenrl.trainer import LocalTrainer
+from digenrl.run.evaluate import evaluate_policy
 from tests.helpers import TINY, cli
 
 SMALL = [
@@ -117,7 +117,7 @@ def test_ema_is_off_by_default():
 def ema_eval(checkpoint, cfg, prompts, use_ema: bool):
     """Reference: the checkpoint's weights, with its ema.safetensors copied in by hand."""
     policy = Policy(cfg, device="cpu", trainable=False)
-    from digenrl.checkpoint import load_checkpoint
+    from digenrl.checkpoint.store import load_checkpoint
 
     load_checkpoint(checkpoint, policy, optimizer=False, rng=False)
     if use_ema:

@@ -18,14 +18,14 @@ ray = pytest.importorskip("ray")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from digenrl.config import load_config  # noqa: E402
+from digenrl.config.run import load_config  # noqa: E402
 from digenrl.engine import weight_sync  # noqa: E402
-from digenrl.engine.scheduler import TrainUnit  # noqa: E402
+from digenrl.engine.local import LocalTrainer  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.errors import UserError, WeightSyncError  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402
-from digenrl.runlog import read_metrics  # noqa: E402
-from digenrl.trainer import LocalTrainer  # noqa: E402
+from digenrl.run.rundir import read_metrics  # noqa: E402
+from digenrl.units.types import TrainUnit  # noqa: E402
 from tests.helpers import (  # noqa: E402
     FULL_MODE,
     POOLS,
@@ -378,10 +378,10 @@ def test_late_scores_follow_the_nan_policy(tmp_path):
     moved on (``nan_policy: drop``, passed on by the actor) get advantage 0, and are counted;
     the scoring span lands on the reward row."""
     from digenrl.engine.runtime import RayBackend
-    from digenrl.engine.scheduler import Scheduler
-    from digenrl.resolve import resolve
+    from digenrl.placement.resolve import resolve
     from digenrl.rewards import reward_metrics
     from digenrl.rewards.service import Scored
+    from digenrl.schedule.scheduler import Scheduler
 
     cfg = load_config(None, BASE + SERVICE + ["reward.nan_policy=drop"])
     layout = resolve(cfg)
@@ -439,7 +439,7 @@ def check_reward_events(tl: Timeline, rows: list[dict], service: bool) -> None:
 
 @pytest.mark.slow
 def test_weight_sync_is_verified(cluster):
-    from digenrl.policy import Policy
+    from digenrl.policy.model import Policy
 
     cfg = load_config(None, BASE)
     sender, receiver = Policy(cfg), Policy(cfg, trainable=False)
@@ -473,7 +473,7 @@ def test_weight_sync_is_verified(cluster):
 
     event = weight_sync.load(receiver, packet, keys, iteration=1)
     assert receiver.version == 1 and event["args"]["direction"] == "fetch"
-    from digenrl.lora import checksum
+    from digenrl.policy.lora import checksum
 
     assert checksum(receiver.weights()) == checksum(sender.weights())
 
@@ -543,7 +543,7 @@ def test_failure_releases_everything(cluster, tmp_path):
 
 
 def test_engine_workers_per_placement():
-    from digenrl.resolve import resolve
+    from digenrl.placement.resolve import resolve
 
     pools = "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 3}]"
     colocated = resolve(load_config(None, BASE + ["placement.mode=colocated", pools])).workers
@@ -560,7 +560,7 @@ def test_engine_workers_per_placement():
 
 def test_resource_bundles_for_gpu_pools():
     from digenrl.engine.cluster import resource_bundles
-    from digenrl.resolve import resolve
+    from digenrl.placement.resolve import resolve
 
     gpus = load_config(
         None,
@@ -589,10 +589,10 @@ def test_resource_bundles_for_gpu_pools():
 def test_a_part_of_a_group_generates_the_whole_group_units_samples():
     """Samples lo..hi-1 of a group generated as a sub-group unit are the ones a whole-group unit
     generates (same noise, SDE draws, trained steps, rewards), for DanceGRPO's per-sample random steps too."""
-    from digenrl.policy import Policy
-    from digenrl.prompts import PromptSampler, load_prompts
+    from digenrl.data.prompts import PromptSampler, load_prompts
+    from digenrl.policy.model import Policy
     from digenrl.rewards import build_reward
-    from digenrl.units import rollout_unit
+    from digenrl.units.rollout import rollout_unit
 
     cfg = load_config(None, BASE + ["algorithm.timesteps.mode=random", "algorithm.timesteps.fraction=0.6"])
     torch.manual_seed(cfg.train.seed)
@@ -614,8 +614,8 @@ def test_advantages_wait_for_every_part_of_a_group(tmp_path):
     part's earlier raises; then they equal the whole group's advantages, split in part order."""
     from digenrl.algorithms.grpo import group_advantages
     from digenrl.engine.ledger import IterationLedger
-    from digenrl.engine.scheduler import Scheduler
-    from digenrl.resolve import resolve
+    from digenrl.placement.resolve import resolve
+    from digenrl.schedule.scheduler import Scheduler
 
     cfg = load_config(None, BASE + DISAGG + ["engine.unit_samples=2", "engine.tag=false"])
     sched_cfg = resolve(cfg).scheduler

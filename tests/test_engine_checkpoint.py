@@ -19,12 +19,12 @@ ray = pytest.importorskip("ray")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from digenrl.checkpoint import list_checkpoints, load_checkpoint  # noqa: E402
-from digenrl.config import load_config  # noqa: E402
+from digenrl.checkpoint.store import list_checkpoints, load_checkpoint  # noqa: E402
+from digenrl.config.run import load_config  # noqa: E402
+from digenrl.engine.local import LocalTrainer  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402
-from digenrl.policy import Policy  # noqa: E402
-from digenrl.runlog import read_metrics  # noqa: E402
-from digenrl.trainer import LocalTrainer  # noqa: E402
+from digenrl.policy.model import Policy  # noqa: E402
+from digenrl.run.rundir import read_metrics  # noqa: E402
 from tests.helpers import TINY, cli  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them

@@ -14,11 +14,11 @@ ray = pytest.importorskip("ray")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from digenrl.checkpoint import read_state  # noqa: E402
-from digenrl.config import load_config  # noqa: E402
+from digenrl.checkpoint.store import read_state  # noqa: E402
+from digenrl.config.run import load_config  # noqa: E402
+from digenrl.engine.local import LocalTrainer  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402
-from digenrl.trainer import LocalTrainer  # noqa: E402
 from tests.helpers import TINY  # noqa: E402
 
 pytestmark = pytest.mark.slow

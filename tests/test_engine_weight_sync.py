@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from digenrl.config import load_config  # noqa: E402
+from digenrl.config.run import load_config  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.errors import WeightSyncError  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import load_config
-from digenrl.runlog import RunDir, read_metrics
-from digenrl.trainer import LocalTrainer
+from digenrl.config.run import load_config
+from digenrl.engine.local import LocalTrainer
+from digenrl.run.rundir import RunDir, read_metrics
 from tests.helpers import TINY_IMAGE, cli
 
 pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from digenrl.config import load_config
-from digenrl.runlog import read_metrics
+from digenrl.config.run import load_config
+from digenrl.run.rundir import read_metrics
 from tests.helpers import TINY_IMAGE
 
 pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
@@ -47,7 +47,7 @@ def test_trains_from_cli_and_lora_loads_into_the_family_pipeline(family, tmp_pat
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from digenrl.policy import Policy
+    from digenrl.policy.model import Policy
 
     sets = [f"--set={s}" for s in SMALL.get(family, [])]
     code = cli(
@@ -97,7 +97,7 @@ def test_real_vae_decode_path(family):
 @pytest.mark.parametrize("family", ["wan", "hunyuan_video", "qwen_image"])
 def test_family_learns(family, tmp_path):
     """A short fixed-seed run on two colours: the reward of the last third is above the first third."""
-    from digenrl.trainer import LocalTrainer
+    from digenrl.engine.local import LocalTrainer
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red apple\na red car\na blue apple\na blue car\n")

@@ -16,13 +16,13 @@ ray = pytest.importorskip("ray")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from digenrl.checkpoint import list_checkpoints  # noqa: E402
-from digenrl.config import load_config  # noqa: E402
+from digenrl.checkpoint.store import list_checkpoints  # noqa: E402
+from digenrl.config.run import load_config  # noqa: E402
+from digenrl.engine.faults import fault_plan  # noqa: E402
+from digenrl.engine.local import LocalTrainer  # noqa: E402
 from digenrl.errors import RunStopped, UserError  # noqa: E402
-from digenrl.faults import fault_plan  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402
-from digenrl.runlog import read_metrics  # noqa: E402
-from digenrl.trainer import LocalTrainer  # noqa: E402
+from digenrl.run.rundir import read_metrics  # noqa: E402
 from tests.helpers import QUIET, TINY, cli  # noqa: E402
 
 BASE = [

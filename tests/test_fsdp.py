@@ -26,7 +26,7 @@ SETS = [*TINY, f"train.lr={LR}", "train.micro_batch=8"]
 
 
 def _config(adapter: str, lora: bool):
-    from digenrl.config import load_config
+    from digenrl.config.run import load_config
 
     sets = list(SETS) + [f"model.adapter={adapter}"]
     if adapter == "wan":
@@ -37,9 +37,10 @@ def _config(adapter: str, lora: bool):
 
 
 def _samples(policy, cfg):
-    from digenrl.prompts import PromptSampler, load_prompts
+    from digenrl.data.prompts import PromptSampler, load_prompts
     from digenrl.rewards import build_reward
-    from digenrl.units import assign_advantages, rollout_unit
+    from digenrl.units.advantages import assign_advantages
+    from digenrl.units.rollout import rollout_unit
 
     prompts = PromptSampler(load_prompts(cfg.prompts), 0).for_iteration(0, 2)
     unit = rollout_unit(policy, build_reward(cfg.reward), prompts, [0, 1], 0, 0)
@@ -95,8 +96,8 @@ def _one_step(rank, world, cfg, unit, mode: str):
     world, each rank training its share of the prompt groups) or ``bucketed`` (replicated ranks, bucketed
     all-reduce). Returns the trained weights after the step and, when sharded, the local share."""
     from digenrl.distributed import fsdp, grad_sync
-    from digenrl.policy import Policy
-    from digenrl.units import train_unit
+    from digenrl.policy.model import Policy
+    from digenrl.units.train import train_unit
 
     policy = Policy(cfg, device="cpu")
     net = policy.adapter.transformer
@@ -121,7 +122,7 @@ def _one_step(rank, world, cfg, unit, mode: str):
 
 
 def _check_family(rank, world, adapter, lora, out):
-    from digenrl.policy import Policy
+    from digenrl.policy.model import Policy
 
     cfg = _config(adapter, lora)
     unit = _samples(Policy(cfg, device="cpu", trainable=False), cfg)  # the same on every rank (seeded)
@@ -153,9 +154,9 @@ def _check_family(rank, world, adapter, lora, out):
 def _bf16_base_lora(rank, world, out):
     """As on a GPU: a bf16 pretrained base (frozen) beside fp32 LoRA masters in the same FSDP2
     groups, all-gathered in bf16; the ranks agree on the gradient norm."""
-    from digenrl.config import load_config
+    from digenrl.config.run import load_config
     from digenrl.distributed import fsdp
-    from digenrl.policy import Policy
+    from digenrl.policy.model import Policy
 
     policy = Policy(load_config(None, SETS + ["model.dtype=bfloat16"]), device="cpu")
     net = policy.adapter.transformer

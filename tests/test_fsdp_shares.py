@@ -12,8 +12,8 @@ import torch
 
 from digenrl.adapters.cond import Cond
 from digenrl.engine.fsdp_group import lockstep_steps, merge_shares, select_rows, share_rows, unit_share
-from digenrl.engine.work_units import RolloutUnit
-from digenrl.units import ROW_FIELDS, Samples
+from digenrl.units.samples import ROW_FIELDS, Samples
+from digenrl.units.types import RolloutUnit
 
 #: the fields of Samples that are not one tensor row per sample (prompts, cond and reward_parts are
 #: per sample too, cut and joined by name)

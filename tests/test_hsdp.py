@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 def _hsdp_step(rank, world, out):
     from digenrl.distributed import fsdp
     from digenrl.engine.fsdp_group import rank_slice, select_rows
-    from digenrl.policy import Policy
-    from digenrl.units import train_unit
+    from digenrl.policy.model import Policy
+    from digenrl.units.train import train_unit
 
     cfg = _config("flux", True)
     unit = _samples(Policy(cfg, device="cpu", trainable=False), cfg)  # 2 prompt groups x 4 samples

@@ -7,7 +7,7 @@ import torch
 
 from digenrl.adapters import build_adapter
 from digenrl.algorithms.sde import sample
-from digenrl.config import load_config
+from digenrl.config.run import load_config
 from digenrl.errors import UserError
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "hunyuan_tiny.yaml"

@@ -161,7 +161,7 @@ def test_a_fatal_error_mid_run_keeps_the_last_iteration(tmp_path):
 def test_first_ctrl_c_asks_a_second_stops_at_once():
     """The SIGINT handler both drivers install: the first press is a request (or abandons
     abandonable work), the second raises at once; the previous handler comes back afterwards."""
-    from digenrl.runpolicy import stop_on_interrupt
+    from digenrl.run.cadence import stop_on_interrupt
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal starts us
     try:
@@ -186,10 +186,10 @@ def test_first_ctrl_c_asks_a_second_stops_at_once():
 def test_the_checkpoint_kept_on_a_stop_is_the_last_logged_iteration(tmp_path):
     """Only when the trainer holds exactly the version after the last row, something was done and
     no checkpoint of it exists yet; the last line names the newest checkpoint on disk."""
-    from digenrl.checkpoint import save_checkpoint
-    from digenrl.config import load_config
+    from digenrl.checkpoint.store import save_checkpoint
+    from digenrl.config.run import load_config
     from digenrl.errors import RunInterrupted, RunStopped
-    from digenrl.runpolicy import checkpoint_to_keep, stopped
+    from digenrl.run.cadence import checkpoint_to_keep, stopped
 
     assert checkpoint_to_keep(tmp_path, 3, 3)
     assert not checkpoint_to_keep(tmp_path, 3, 4)  # rank 0 stepped past a row not written: cannot
@@ -200,7 +200,7 @@ def test_the_checkpoint_kept_on_a_stop_is_the_last_logged_iteration(tmp_path):
         str(exc) == "interrupted with 0 of 10 iterations done; no checkpoint was written "
         "(0 of 10 iterations done, nothing to resume from)"
     )
-    from digenrl.policy import Policy
+    from digenrl.policy.model import Policy
 
     policy = Policy(load_config(None, SMALL))
     policy.version = 3

@@ -1,4 +1,4 @@
-"""The engine's knobs, declared once (digenrl/engine/knobs.py): the plan and the scheduler inherit
+"""The engine's knobs, declared once (digenrl/schedule/knobs.py): the plan and the scheduler inherit
 them, the run config carries the same names, and the conversions go by name."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import EngineConfig, load_config
-from digenrl.engine.knobs import EngineKnobs, SchedulingKnobs, engine_config_values, from_engine_config
-from digenrl.engine.scheduler import SchedulerConfig
-from digenrl.placement import Plan, apply_plan
+from digenrl.config.engine import EngineConfig
+from digenrl.config.run import load_config
+from digenrl.placement.plan import Plan, apply_plan
+from digenrl.schedule.knobs import EngineKnobs, SchedulingKnobs, engine_config_values, from_engine_config
+from digenrl.schedule.scheduler import SchedulerConfig
 from tests.helpers import FULL_MODE
 
-ENGINE = Path(__file__).resolve().parents[1] / "digenrl" / "engine"
+PACKAGE = Path(__file__).resolve().parents[1] / "digenrl"
 
 
 def test_plan_and_scheduler_inherit_the_knobs_and_the_config_names_them():
@@ -52,11 +53,11 @@ def test_config_and_plan_convert_by_name_both_ways(sets):
 
 def test_the_scheduler_stays_pure_python():
     """scheduler.py and what it imports from the package import no pydantic, torch or Ray."""
-    for name in ("scheduler.py", "knobs.py", "work_units.py"):
-        tree = ast.parse((ENGINE / name).read_text())
+    for name in ("schedule/scheduler.py", "schedule/knobs.py", "units/types.py"):
+        tree = ast.parse((PACKAGE / name).read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         heavy = {m for m in imported if m.split(".")[0] in ("pydantic", "torch", "ray")}
         package = {m for m in imported if m.startswith("digenrl")}
         assert not heavy, (name, heavy)
-        assert package <= {"digenrl.engine.knobs", "digenrl.engine.work_units"}, (name, package)
+        assert package <= {"digenrl.schedule.knobs", "digenrl.units.types"}, (name, package)

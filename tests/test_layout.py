@@ -13,9 +13,9 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from digenrl.cli.app import main  # noqa: E402
-from digenrl.config import load_config  # noqa: E402
-from digenrl.layout import RunLayout  # noqa: E402
-from digenrl.resolve import resolve  # noqa: E402
+from digenrl.config.run import load_config  # noqa: E402
+from digenrl.placement.layout import RunLayout  # noqa: E402
+from digenrl.placement.resolve import resolve  # noqa: E402
 from tests.helpers import FULL_MODE, QUIET, TINY, as_sets  # noqa: E402
 
 BASE = [
@@ -42,16 +42,16 @@ def _no_resolution(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a runtime module re-derived the layout")
 
-    import digenrl.preflight
-    import digenrl.resolve
+    import digenrl.placement.preflight
+    import digenrl.placement.resolve
 
     for module, name in [
-        (digenrl.resolve, "resolve"),
-        (digenrl.resolve, "fsdp_degree"),
-        (digenrl.resolve, "check_sp"),
-        (digenrl.preflight, "resolve_memory_settings"),
-        (digenrl.preflight, "resolve_cfg_batching"),
-        (digenrl.preflight, "check_memory"),
+        (digenrl.placement.resolve, "resolve"),
+        (digenrl.placement.resolve, "fsdp_degree"),
+        (digenrl.placement.resolve, "check_sp"),
+        (digenrl.placement.preflight, "resolve_memory_settings"),
+        (digenrl.placement.preflight, "resolve_cfg_batching"),
+        (digenrl.placement.preflight, "check_memory"),
     ]:
         monkeypatch.setattr(module, name, refuse)
 
@@ -139,7 +139,7 @@ def test_ray_actors_run_the_layout_and_the_run_directory_holds_it(tmp_path, ray_
 
 
 def test_a_local_run_directory_holds_its_trivial_layout(tmp_path):
-    from digenrl.trainer import LocalTrainer
+    from digenrl.engine.local import LocalTrainer
 
     cfg = load_config(None, BASE + ["placement.mode=local"])
     result = LocalTrainer(cfg).run(tmp_path / "run")
@@ -149,9 +149,10 @@ def test_a_local_run_directory_holds_its_trivial_layout(tmp_path):
 
 
 def test_no_runtime_module_resolves_the_layout():
-    """The runtime (engine/, adapters/, distributed/, algorithms/, policy, units, placement, layout)
-    neither imports the resolution (resolve, preflight, launch, cli) nor calls what resolves a setting
-    or rebuilds the plan from a config: it reads the layout it is handed."""
+    """The runtime (engine/, adapters/, distributed/, algorithms/, policy/, units/, schedule/, run/,
+    checkpoint/, the plan and the layout) neither imports the resolution (resolve, preflight, launch,
+    cli) nor calls what resolves a setting or rebuilds the plan from a config: it reads the layout it
+    is handed."""
     import ast
     from pathlib import Path
 
@@ -159,10 +160,21 @@ def test_no_runtime_module_resolves_the_layout():
     runtime = [
         p
         for p in package.rglob("*.py")
-        if p.relative_to(package).parts[0] in ("engine", "adapters", "distributed", "algorithms")
-        or p.name in ("policy.py", "units.py", "placement.py", "layout.py")
+        if p.relative_to(package).parts[0]
+        in (
+            "engine",
+            "adapters",
+            "distributed",
+            "algorithms",
+            "policy",
+            "units",
+            "schedule",
+            "run",
+            "checkpoint",
+        )
+        or p.relative_to(package).as_posix() in ("placement/plan.py", "placement/layout.py")
     ]
-    upward = ("digenrl.resolve", "digenrl.preflight", "digenrl.launch", "digenrl.cli")
+    upward = ("digenrl.placement.resolve", "digenrl.placement.preflight", "digenrl.launch", "digenrl.cli")
     resolving = {
         "resolve",
         "resolve_memory_settings",
@@ -183,7 +195,7 @@ def test_no_runtime_module_resolves_the_layout():
                 called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
                 if called == "resolve" and isinstance(f, ast.Attribute):
                     continue  # Path.resolve
-                if called in resolving and name != "placement.py":  # (placement defines from_run_config)
+                if called in resolving and name != "placement/plan.py":  # (the plan defines from_run_config)
                     found.append(f"{name} calls {called}")
     assert not found, found
     assert len(runtime) > 30  # the walk found the runtime
@@ -192,11 +204,11 @@ def test_no_runtime_module_resolves_the_layout():
 def test_resolve_builds_the_memory_model_once(monkeypatch):
     """One layout, one memory model: every resolution step (memory preflight, FSDP / checkpointing,
     rollout batch, CFG batching per role) reads the one ``resolve`` built; none on logical CPU pools."""
-    import digenrl.resolve
+    import digenrl.placement.resolve
 
     built = []
-    real = digenrl.resolve.memory_model
-    monkeypatch.setattr(digenrl.resolve, "memory_model", lambda cfg: built.append(1) or real(cfg))
+    real = digenrl.placement.resolve.memory_model
+    monkeypatch.setattr(digenrl.placement.resolve, "memory_model", lambda cfg: built.append(1) or real(cfg))
     gpus = [
         "placement.mode=disaggregated",
         "engine.tag=false",

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from digenrl.errors import UserError, WeightSyncError
-from digenrl.lora import checksum, load_lora_state_dict, lora_state_dict
-from digenrl.policy import Policy
+from digenrl.policy.lora import checksum, load_lora_state_dict, lora_state_dict
+from digenrl.policy.model import Policy
 
 
 def test_target_matching_nothing_is_an_error(tiny_cfg):
@@ -38,7 +38,7 @@ def test_full_finetuning_ships_all_weights(tiny_cfg):
 
 
 def test_kl_is_zero_before_the_first_update_and_positive_after(tiny_cfg, tmp_path):
-    from digenrl.trainer import LocalTrainer
+    from digenrl.engine.local import LocalTrainer
 
     cfg = tiny_cfg("train.iterations=2", "algorithm.kl_beta=0.04", f"output.run_dir={tmp_path}")
     rows = LocalTrainer(cfg).run().metrics

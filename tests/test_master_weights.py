@@ -11,7 +11,7 @@ from tests.helpers import TINY_IMAGE
 
 def _bf16_flux_adapter():
     from digenrl.adapters import build_adapter
-    from digenrl.config import load_config
+    from digenrl.config.run import load_config
 
     cfg = load_config(None, ["model.dtype=bfloat16", "model.lora=null", *TINY_IMAGE])
     adapter = build_adapter(cfg.model, cfg.sampling, "cpu")
@@ -52,8 +52,8 @@ def test_policy_trains_fp32_masters_and_ships_to_a_bf16_copy(tiny_cfg):
     import pytest
 
     from digenrl.errors import WeightSyncError
-    from digenrl.lora import checksum
-    from digenrl.policy import Policy
+    from digenrl.policy.lora import checksum
+    from digenrl.policy.model import Policy
 
     cfg = tiny_cfg("model.lora=null", "model.dtype=bfloat16")
     trainer = Policy(cfg, device="cpu")

@@ -2,7 +2,7 @@
 
 import torch
 
-from digenrl.media import GROUP_GAP, TILE_GAP, _has_glyph, caption_font, caption_fonts, image_grid
+from digenrl.run.media import GROUP_GAP, TILE_GAP, _has_glyph, caption_font, caption_fonts, image_grid
 
 
 def test_captions_never_draw_empty_boxes():

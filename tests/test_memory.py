@@ -11,12 +11,12 @@ import torch
 import yaml
 
 from digenrl.cli.app import main
-from digenrl.config import load_config
+from digenrl.config.run import load_config
+from digenrl.placement.preflight import check_memory, resolve_memory_settings
+from digenrl.placement.resolve import resolve
 from digenrl.planner.memory import MemoryModel
 from digenrl.planner.params import CostParams
 from digenrl.planner.workload import Workload
-from digenrl.preflight import check_memory, resolve_memory_settings
-from digenrl.resolve import resolve
 from tests.helpers import FULL_MODE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def _model(cfg) -> MemoryModel:
 def test_memory_model_counts_the_real_modules_bytes(lora):
     """Weights, fp32 masters and AdamW state of the tiny FLUX equal a direct count of the built
     module's tensors (a Policy: fp32 masters, one real AdamW step)."""
-    from digenrl.policy import Policy
+    from digenrl.policy.model import Policy
 
     cfg = load_config(None, [] if lora else ["model.lora=null"])
     model = _model(cfg)
@@ -141,8 +141,8 @@ def test_cpu_pools_are_not_checked():
 def test_plan_write_contains_the_settings_it_assumes(tmp_path, monkeypatch, capsys):
     import json
 
-    from digenrl.layout import RunLayout
-    from digenrl.resolve import resolve
+    from digenrl.placement.layout import RunLayout
+    from digenrl.placement.resolve import resolve
 
     # 16 GPUs: the best plan shards (colocated or beside TAG: plans the engine runs)
     src, cluster, out = tmp_path / "flux_full.yaml", tmp_path / "16xH800.yaml", tmp_path / "plan.yaml"

@@ -9,17 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import load_config
+from digenrl.config.run import load_config
 from digenrl.errors import UserError
-from digenrl.placement import Plan, apply_plan
+from digenrl.placement.plan import Plan, apply_plan
+from digenrl.placement.preflight import check_memory, resolve_cfg_batching, resolve_memory_settings
+from digenrl.planner.bound import bound
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import load_cluster
 from digenrl.planner.memory import MemoryModel
 from digenrl.planner.params import CostParams
 from digenrl.planner.search import candidates, sp_degrees
-from digenrl.planner.simulator import bound, simulate
+from digenrl.planner.simulator import simulate
 from digenrl.planner.workload import Workload
-from digenrl.preflight import check_memory, resolve_cfg_batching, resolve_memory_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "configs" / "clusters"
@@ -107,7 +108,7 @@ def test_real_scale_video_configs_are_runnable_as_shipped(path):
     """`digenrl config validate`'s engine checks, without Ray or a GPU: the runtime's own refusals of
     sequence parallelism and sharding, the engine's workers and schedule -- its resolved layout. The
     planner proposes only what these accept (search.refused_plan)."""
-    from digenrl.resolve import resolve
+    from digenrl.placement.resolve import resolve
 
     cfg = load_config(path, [])
     check_memory(cfg)
@@ -253,8 +254,8 @@ def test_the_search_proposes_only_what_the_runtime_runs(path, evaluates):
     resolves), colocated sequence-parallel ones included; the peers' colocated baseline is one the
     engine runs too."""
     from digenrl.cli.plan import plan_config
+    from digenrl.placement.resolve import resolve
     from digenrl.planner.search import baselines, refused_plan, search
-    from digenrl.resolve import resolve
 
     cfg = load_config(path, [f"output.eval_every={10 if evaluates else 0}"])
     cluster = load_cluster(CLUSTERS / "16xH800.yaml")

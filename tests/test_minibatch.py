@@ -5,10 +5,11 @@ binds), and one step per iteration is today's update bit for bit."""
 import pytest
 import torch
 
-from digenrl.config import load_config
-from digenrl.trainer import LocalTrainer
-from digenrl.unit_rows import minibatch_rows
-from digenrl.units import assign_advantages, merge_stats, train_unit
+from digenrl.config.run import load_config
+from digenrl.engine.local import LocalTrainer
+from digenrl.units.advantages import assign_advantages
+from digenrl.units.rows import minibatch_rows
+from digenrl.units.train import merge_stats, train_unit
 from tests.helpers import TINY, TINY_IMAGE
 
 SMALL = [
@@ -100,10 +101,10 @@ def test_on_policy_ratio_is_exactly_one_in_every_batch_layout(config, overrides)
 def test_on_policy_ratio_is_exactly_one_on_every_tsp_rank():
     """In the engine a unit's trained steps are split over TSP ranks; the rollout forwards each
     rank's samples of a step apart (random steps, two ranks, as a trainer rank runs them)."""
-    from digenrl.policy import Policy
-    from digenrl.prompts import PromptSampler, load_prompts
+    from digenrl.data.prompts import PromptSampler, load_prompts
+    from digenrl.policy.model import Policy
     from digenrl.rewards import build_reward
-    from digenrl.units import rollout_unit
+    from digenrl.units.rollout import rollout_unit
 
     cfg = load_config(
         None,
@@ -135,9 +136,9 @@ def test_on_policy_ratio_is_exactly_one_on_every_tsp_rank():
 def test_a_rollout_in_one_batch_gives_a_ratio_of_one_only_to_rounding(monkeypatch):
     """The control: forwarding the whole unit at once (what rollouts did before) leaves the
     trainer's recomputation of mini-batch 0 off the behaviour log-prob by fp32 rounding."""
-    import digenrl.units
+    import digenrl.units.rollout
 
-    monkeypatch.setattr(digenrl.units, "forward_batches", lambda *args, **kwargs: None)
+    monkeypatch.setattr(digenrl.units.rollout, "forward_batches", lambda *args, **kwargs: None)
     t = trainer_of("train.optimizer_steps=4")
     first, *_ = minibatch_stats(t, 0, 4)
     assert 0.0 < first["logprob_mismatch"] < 1e-5
@@ -198,7 +199,7 @@ def test_minibatch_rows_slice_every_group():
 
 
 def test_optimizer_steps_must_divide_the_group_size():
-    from digenrl.config import ConfigError
+    from digenrl.config.base import ConfigError
 
     with pytest.raises(
         ConfigError, match="train.optimizer_steps \\(3\\) must divide algorithm.group_size \\(4\\)"

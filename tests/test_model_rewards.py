@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from digenrl.config import RewardConfig
+from digenrl.config.train import RewardConfig
 from digenrl.errors import UserError
 from digenrl.rewards import build_reward
 from digenrl.rewards.clip_models import LAION_HIDDEN, Aesthetic, ClipScore, PickScore
@@ -260,7 +260,7 @@ def test_actor_counts_queue_depth_and_latency():
     """The actor class itself (no Ray), with calls from three threads: one scores, two queue."""
     import threading
 
-    from digenrl.rewards import REWARDS, Reward, register
+    from digenrl.rewards.base import REWARDS, Reward, register
     from digenrl.rewards.service import RewardActor
 
     gate, started = threading.Event(), threading.Event()
@@ -303,7 +303,7 @@ def test_actor_applies_the_nan_policy_to_late_nan():
     """NaN that shows up only in the run (the dry run scored 2 samples, the run scores 4):
     ``drop`` passes it on as NaN in the total (the driver gives it advantage 0), ``fail``
     raises the UserError naming the reward from the actor, which stays usable."""
-    from digenrl.rewards import REWARDS, Reward, register
+    from digenrl.rewards.base import REWARDS, Reward, register
     from digenrl.rewards.service import RewardActor
 
     @register("_nan_when_big")

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from digenrl.algorithms import nft
-from digenrl.config import load_config
-from digenrl.policy import Policy
-from digenrl.prompts import PromptSampler, load_prompts
+from digenrl.config.run import load_config
+from digenrl.data.prompts import PromptSampler, load_prompts
+from digenrl.policy.model import Policy
 from digenrl.rewards import build_reward
-from digenrl.units import assign_advantages, rollout_unit, train_unit
+from digenrl.units.advantages import assign_advantages
+from digenrl.units.rollout import rollout_unit
+from digenrl.units.train import train_unit
 from tests.helpers import TINY
 
 # --------------------------------------------------------------------------- the reference, restated
@@ -155,7 +157,7 @@ def test_defaults_select_the_ode_sampler_at_the_papers_steps():
     mine = load_config(None, ["algorithm.name=diffusion_nft", "sampling.steps=6", "sampling.noise_level=0.7"])
     assert (mine.sampling.steps, mine.sampling.noise_level) == (6, 0.7)  # set explicitly: kept
     assert load_config(None, []).sampling.noise_level == 1.0  # flow_grpo's unchanged
-    from digenrl.config import ConfigError
+    from digenrl.config.base import ConfigError
 
     with pytest.raises(ConfigError, match="algorithm.nft.noise_levels"):
         load_config(None, ["algorithm.name=diffusion_nft", "algorithm.nft.noise_levels=11"])
@@ -217,7 +219,7 @@ def test_tsp_shares_add_up_to_the_whole_gradient_and_the_old_policy_stays_put(se
 
 
 def test_cfg_families_train_cfg_free_and_may_evaluate_with_cfg():
-    from digenrl.evaluate import evaluate_policy
+    from digenrl.run.evaluate import evaluate_policy
 
     qwen = [
         "model.adapter=qwen_image",
@@ -300,7 +302,7 @@ def test_the_memory_model_counts_the_old_policy_sharded():
 def test_resume_continues_exactly_with_the_old_policy(tmp_path):
     from safetensors.torch import load_file
 
-    from digenrl.trainer import LocalTrainer
+    from digenrl.engine.local import LocalTrainer
 
     base = SMALL + [
         "train.prompts_per_iteration=1",

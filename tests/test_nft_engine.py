@@ -17,11 +17,11 @@ ray = pytest.importorskip("ray")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from digenrl.config import load_config  # noqa: E402
+from digenrl.config.run import load_config  # noqa: E402
+from digenrl.engine.local import LocalTrainer  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402
-from digenrl.runlog import read_metrics  # noqa: E402
-from digenrl.trainer import LocalTrainer  # noqa: E402
+from digenrl.run.rundir import read_metrics  # noqa: E402
 from tests.helpers import FULL_MODE, TINY  # noqa: E402
 
 pytestmark = pytest.mark.slow

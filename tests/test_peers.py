@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import load_config
+from digenrl.config.run import load_config
 from digenrl.planner import peers as peer_models
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import KERNEL_EFFICIENCY, load_cluster

@@ -13,19 +13,23 @@ import torch
 from typer.testing import CliRunner
 
 from digenrl.cli.app import app
-from digenrl.config import PoolConfig, load_config
-from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit
+from digenrl.config.engine import PoolConfig
+from digenrl.config.run import load_config
 from digenrl.engine.timeline import Timeline
 from digenrl.errors import UserError
-from digenrl.placement import Plan
+from digenrl.placement.devices import DEVICES, match_device_name
+from digenrl.placement.plan import Plan
+from digenrl.planner.bound import bound
 from digenrl.planner.call_times import AnalyticTimes, interpolate
 from digenrl.planner.costmodel import CostModel
-from digenrl.planner.gpus import DEVICES, cluster_from_dict, load_cluster, match_device_name
+from digenrl.planner.gpus import cluster_from_dict, load_cluster
 from digenrl.planner.params import CostParams, EngineOverheads
 from digenrl.planner.search import candidates, search
 from digenrl.planner.shapes import attention_fraction, forward_flops, model_shape
-from digenrl.planner.simulator import bound, simulate
+from digenrl.planner.simulator import simulate
 from digenrl.planner.workload import Workload
+from digenrl.schedule.scheduler import Scheduler
+from digenrl.units.types import RolloutUnit, StepUnit, TrainUnit
 from tests.helpers import FULL_MODE, TINY_IMAGE, as_sets
 from tests.helpers import cli as cli_main
 
@@ -131,7 +135,7 @@ def test_the_cost_model_forwards_in_the_runtimes_batches(tiny_cfg, overrides, gr
     """A rollout unit forwards in the train forwards' batches and a train unit is one mini-batch:
     the cost model composes them from the same batch sizes the runtime runs (digenrl.units)."""
     from digenrl.planner.call_times import micro_batches, minibatch_samples
-    from digenrl.unit_rows import train_batches
+    from digenrl.units.rows import train_batches
 
     cfg = tiny_cfg("algorithm.group_size=8", *overrides)
     w, S, G = Workload.from_config(cfg), cfg.train.optimizer_steps, 8
@@ -313,8 +317,8 @@ def test_minibatch_ppo_is_simulated_with_the_engines_units(tiny_cfg):
     only the last publishes -- and the bound counts every step."""
     from collections import Counter
 
+    from digenrl.placement.resolve import resolve
     from digenrl.planner.simulator import Simulator
-    from digenrl.resolve import resolve
 
     knobs = [
         *FULL_MODE,
@@ -678,7 +682,7 @@ class ProportionalCost(ConstantCost):
 
 
 def test_spread_units_gives_every_device_a_unit():
-    from digenrl.placement import spread_units
+    from digenrl.placement.plan import spread_units
 
     assert spread_units(32, 4, 16, 16) == (2, 1)  # enough groups: smaller units of whole groups
     assert spread_units(8, 1, 16, 2) == (1, 1)  # already covered: unchanged

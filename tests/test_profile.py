@@ -10,9 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from digenrl.cli.app import app
-from digenrl.config import PoolConfig, load_config
+from digenrl.config.engine import PoolConfig
+from digenrl.config.run import load_config
 from digenrl.errors import UserError
-from digenrl.placement import Plan
+from digenrl.placement.plan import Plan
 from digenrl.planner.call_times import ProfiledTimes
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import load_cluster
@@ -252,7 +253,7 @@ def test_gpu_profile_calibrates_the_efficiency_curve_from_the_batches_both_table
     efficiency curve ``peak n / (n + half)`` is fitted at the batches both measured, so a profile at
     several batch sizes recovers the curve its times came from (and a batch only one table has is
     left out)."""
-    from digenrl.planner.gpus import DEVICES
+    from digenrl.placement.devices import DEVICES
     from digenrl.planner.shapes import attention_fraction, forward_flops
 
     cfg = load_config(None, FULL_MODE + FAST)

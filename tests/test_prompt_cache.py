@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from digenrl.adapters import build_adapter
-from digenrl.config import load_config
-from digenrl.policy import Policy
-from digenrl.prompts import Prompt
+from digenrl.config.run import load_config
+from digenrl.data.prompts import Prompt
+from digenrl.policy.model import Policy
 from digenrl.rewards import build_reward
-from digenrl.units import rollout_unit
+from digenrl.units.rollout import rollout_unit
 from tests.helpers import TINY_IMAGE
 
 
@@ -204,7 +204,7 @@ def test_a_lean_rank_loads_the_transformer_alone(wan_checkpoint, monkeypatch):
 
 def test_an_engine_trainer_rank_loads_the_transformer_alone(wan_checkpoint):
     from digenrl.engine.workers import EngineWorker
-    from digenrl.lora import checksum
+    from digenrl.policy.lora import checksum
 
     overrides = [
         f"model.pretrained={wan_checkpoint}",

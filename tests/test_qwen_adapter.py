@@ -120,7 +120,7 @@ def test_missing_or_invalid_checkpoint_dir(tiny_cfg, tmp_path):
 
 
 def test_tiny_config_file_loads():
-    from digenrl.config import load_config
+    from digenrl.config.run import load_config
 
     cfg = load_config(Path(__file__).parents[1] / "configs" / "qwen_tiny.yaml")
     assert cfg.model.adapter == "qwen_image" and cfg.sampling.guidance > 1

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import load_config
+from digenrl.config.run import load_config
 from tests.helpers import TINY_IMAGE
 
 RECIPES = sorted((Path(__file__).parents[1] / "configs" / "recipes").glob("*.yaml"))
@@ -66,18 +66,18 @@ def test_recipe_validates_as_published(recipe):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_runs_two_iterations_on_the_tiny_preset(recipe, tmp_path, monkeypatch):
-    import digenrl.trainer
-    from digenrl.trainer import LocalTrainer
+    import digenrl.engine.local
+    from digenrl.engine.local import LocalTrainer
 
     seen = []  # (mini-batch, train unit stats)
-    train_unit = digenrl.trainer.train_unit
+    train_unit = digenrl.engine.local.train_unit
 
     def recording(*args, **kw):
         stats = train_unit(*args, **kw)
         seen.append((kw.get("minibatch", 0), stats))
         return stats
 
-    monkeypatch.setattr(digenrl.trainer, "train_unit", recording)
+    monkeypatch.setattr(digenrl.engine.local, "train_unit", recording)
 
     published = load_config(recipe)
     size = FAMILY_SIZE[published.model.adapter]

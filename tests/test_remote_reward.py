@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from digenrl.config import RewardConfig
+from digenrl.config.train import RewardConfig
 from digenrl.errors import UserError
 from digenrl.rewards import build_reward
 from digenrl.rewards.basic import COLORS, PromptColor, prompt_color
@@ -281,9 +281,9 @@ def test_a_server_down_at_start_stops_before_anything_is_written(tmp_path, monke
 def test_server_stopping_mid_run_trains_no_unit_on_missing_scores(tmp_path):
     """The server answers the dry run, iteration 0's four units and two units of iteration 1, then
     stops: the run ends with the one-line error, one optimizer step taken, one iteration logged."""
-    from digenrl.config import load_config
-    from digenrl.runlog import read_metrics
-    from digenrl.trainer import LocalTrainer
+    from digenrl.config.run import load_config
+    from digenrl.engine.local import LocalTrainer
+    from digenrl.run.rundir import read_metrics
 
     state = {"served": 0}
 

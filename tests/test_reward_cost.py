@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config import load_config
-from digenrl.placement import Plan
+from digenrl.config.run import load_config
+from digenrl.placement.plan import Plan
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import cluster_from_dict
 from digenrl.planner.params import CostParams

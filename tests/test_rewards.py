@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from digenrl.config import RewardConfig
+from digenrl.config.train import RewardConfig
 from digenrl.errors import UserError
 from digenrl.rewards import build_reward
 from digenrl.rewards.basic import COLORS, JpegCompressibility, JpegIncompressibility, PromptColor
@@ -64,7 +64,8 @@ def test_frame_stride_for_any_reward():
 
 
 def test_duplicate_reward_names_are_a_config_error():
-    from digenrl.config import ConfigError, validate_config
+    from digenrl.config.base import ConfigError
+    from digenrl.config.run import validate_config
 
     with pytest.raises(ConfigError, match="reward.components: reward 'prompt_color' is listed twice"):
         validate_config({"reward": {"components": [{"name": "prompt_color"}, {"name": "prompt_color"}]}})
@@ -76,7 +77,7 @@ def test_duplicate_reward_names_are_a_config_error():
 @pytest.fixture
 def fake_rewards():
     """Test-only rewards: a constant per prompt ('good' = 1, 'bad' = NaN), a wrong shape, a crash, inf."""
-    from digenrl.rewards import REWARDS, Reward, register
+    from digenrl.rewards.base import REWARDS, Reward, register
 
     @register("_by_prompt")
     class ByPrompt(Reward):
@@ -180,7 +181,7 @@ class _Batch:  # what assign_advantages needs of a Samples (or the engine's Rewa
 
 def _run_cfg(combine, group_size, weights, std="per_prompt", nan_policy="fail", adv_clip=5.0, std_ddof=1):
     """The closed forms below use the sample std (ddof 1); the default ddof 0 is tested in test_grpo.py."""
-    from digenrl.config import RunConfig
+    from digenrl.config.run import RunConfig
 
     return RunConfig(
         algorithm={"group_size": group_size, "std": std, "adv_clip": adv_clip, "std_ddof": std_ddof},
@@ -193,7 +194,7 @@ def _run_cfg(combine, group_size, weights, std="per_prompt", nan_policy="fail", 
 
 
 def test_weighted_sum_vs_per_reward_advantage_closed_form():
-    from digenrl.units import assign_advantages
+    from digenrl.units.advantages import assign_advantages
 
     w = {"a": 1.0, "b": 0.5}
     parts = {"a": [1.0, 2.0, 3.0], "b": [0.0, 0.0, 6.0]}  # one group of 3
@@ -226,7 +227,7 @@ def test_weighted_sum_vs_per_reward_advantage_closed_form():
 
 def test_dropped_samples_get_zero_advantage_and_leave_the_group_stats():
     from digenrl.algorithms.grpo import group_advantages
-    from digenrl.units import assign_advantages
+    from digenrl.units.advantages import assign_advantages
 
     nan, eps = float("nan"), 1e-4
     a = group_advantages(torch.tensor([1.0, nan, 3.0, 5.0, 7.0, nan, nan, nan]), 4, ddof=1)

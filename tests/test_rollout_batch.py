@@ -13,13 +13,15 @@ import pytest
 import torch
 import yaml
 
-from digenrl.config import load_config
-from digenrl.layout import RunLayout
-from digenrl.policy import Policy
-from digenrl.prompts import PromptSampler, load_prompts
-from digenrl.resolve import resolve
+from digenrl.config.run import load_config
+from digenrl.data.prompts import PromptSampler, load_prompts
+from digenrl.placement.layout import RunLayout
+from digenrl.placement.resolve import resolve
+from digenrl.policy.model import Policy
 from digenrl.rewards import build_reward
-from digenrl.units import assign_advantages, merge_stats, rollout_unit, train_unit
+from digenrl.units.advantages import assign_advantages
+from digenrl.units.rollout import rollout_unit
+from digenrl.units.train import merge_stats, train_unit
 from tests.helpers import FULL_MODE, TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,8 +72,8 @@ def test_the_layout_holds_the_rollout_batch_and_only_rollout_workers_use_it():
 
 
 def test_auto_on_a_known_gpu_is_the_largest_batch_its_memory_holds():
-    from digenrl.planner.costmodel import CostParams
     from digenrl.planner.memory import MemoryModel
+    from digenrl.planner.params import CostParams
     from digenrl.planner.workload import Workload
 
     cfg = load_config(None, [*SMALL, *H800])

@@ -13,16 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from digenrl.engine.driver import Back, Done, Lost, Released, Scored, drive
-from digenrl.engine.scheduler import (
-    RolloutUnit,
-    Scheduler,
-    SchedulerConfig,
-    StepUnit,
-    TrainUnit,
-    Unit,
-    WorkerSpec,
-)
+from digenrl.schedule.driver import Back, Done, Lost, Released, Scored, drive
+from digenrl.schedule.scheduler import Scheduler, SchedulerConfig
+from digenrl.units.types import RolloutUnit, StepUnit, TrainUnit, Unit, WorkerSpec
 
 Duration = Callable[[str, Unit], float]
 

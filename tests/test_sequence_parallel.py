@@ -37,8 +37,8 @@ def _adapter(family: str):
     """The family's tiny adapter with its LoRA, the LoRA weights set to seeded random values
     (peft starts B at 0, which would leave every A gradient 0)."""
     from digenrl.adapters import build_adapter
-    from digenrl.config import load_config
-    from digenrl.lora import apply_lora
+    from digenrl.config.run import load_config
+    from digenrl.policy.lora import apply_lora
 
     cfg = load_config(CONFIGS / FAMILIES[family], [])
     adapter = build_adapter(cfg.model, cfg.sampling)

@@ -8,7 +8,7 @@ import math
 import torch
 
 from digenrl.algorithms import sde
-from digenrl.units import recentred_logprob
+from digenrl.units.train import recentred_logprob
 
 
 def test_sample_records_each_steps_noise(tiny_cfg):

@@ -279,8 +279,8 @@ def test_groups_survive_the_chrome_trace_and_draw_as_one_row(tmp_path):
 
 def test_group_leads_of_the_engine_config():
     """The runtime's follower -> lead map (no Ray): FSDP ranks follow rank 0, SP followers their lead."""
-    from digenrl.config import load_config
-    from digenrl.resolve import resolve
+    from digenrl.config.run import load_config
+    from digenrl.placement.resolve import resolve
 
     def leads(*sets):
         return resolve(load_config(None, [*FULL_MODE, "engine.tag=false", *sets])).leads

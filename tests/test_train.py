@@ -6,8 +6,8 @@ import statistics
 import pytest
 import torch
 
-from digenrl.runlog import read_metrics
-from digenrl.trainer import LocalTrainer
+from digenrl.engine.local import LocalTrainer
+from digenrl.run.rundir import read_metrics
 from tests.helpers import FULL_MODE_SETS, TINY_IMAGE, as_sets
 
 pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
@@ -18,7 +18,7 @@ ON_POLICY_LR = "train.lr=1e-2"  # the default's 3e-3 is for its one-step async; 
 @pytest.fixture(scope="module")
 def learned(tmp_path_factory):
     """A short fixed-seed run on three colours (the default demo's recipe, smaller, on-policy)."""
-    from digenrl.config import load_config
+    from digenrl.config.run import load_config
 
     tmp = tmp_path_factory.mktemp("learn")
     prompts = tmp / "prompts.txt"
@@ -71,8 +71,8 @@ def test_run_directory_contract(learned):
 def test_saved_lora_loads_into_flux_pipeline_and_changes_output(learned):
     from diffusers import FluxPipeline
 
-    from digenrl.config import load_config
-    from digenrl.policy import Policy
+    from digenrl.config.run import load_config
+    from digenrl.policy.model import Policy
 
     cfg = load_config(None, TINY_IMAGE)
     base = Policy(cfg, trainable=False)  # fresh model with a zero-initialised LoRA

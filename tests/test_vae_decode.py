@@ -26,7 +26,7 @@ import torch
 
 from digenrl.adapters import build_adapter
 from digenrl.adapters.vae_decode import TILE_PX, configure_vae, tiling_mode
-from digenrl.config import load_config
+from digenrl.config.run import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXACT_ATOL = 1e-6

@@ -8,7 +8,7 @@ import torch
 
 from digenrl.adapters import build_adapter
 from digenrl.algorithms.sde import sample
-from digenrl.config import load_config
+from digenrl.config.run import load_config
 from digenrl.errors import UserError
 
 WAN_TINY = Path(__file__).resolve().parents[1] / "configs" / "wan_tiny.yaml"

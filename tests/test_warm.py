@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from digenrl.config import load_config
+from digenrl.config.run import load_config
 from digenrl.engine import warm
 from tests.helpers import TINY
 
@@ -71,7 +71,7 @@ def test_a_run_in_kept_processes_equals_one_in_fresh_processes(ray_cluster, tmp_
     """The same config twice: the second run builds every worker in the first run's processes
     (nothing started) and trains to the same weights and metrics."""
     from digenrl.launch import run_engine
-    from digenrl.resolve import resolve
+    from digenrl.placement.resolve import resolve
 
     pool = warm.active()
     pool.clear()

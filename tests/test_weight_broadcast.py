@@ -20,8 +20,8 @@ SMALL_BUCKETS = 16 * 1024  # several buckets even for the tiny model
 
 
 def _policy(full: bool, trainable: bool):
-    from digenrl.config import load_config
-    from digenrl.policy import Policy
+    from digenrl.config.run import load_config
+    from digenrl.policy.model import Policy
 
     sets = [*TINY_IMAGE] + (["model.lora=null"] if full else [])
     return Policy(load_config(None, sets), device="cpu", trainable=trainable)
@@ -37,8 +37,8 @@ def _train_a_little(policy, version: int) -> None:
 
 def _source(group, out):
     from digenrl.distributed.broadcast import WeightBroadcaster, sync_targets
-    from digenrl.faults import corrupting
-    from digenrl.lora import checksum, lora_state_dict
+    from digenrl.engine.faults import corrupting
+    from digenrl.policy.lora import checksum, lora_state_dict
 
     sender = WeightBroadcaster(group, bucket_bytes=SMALL_BUCKETS)
     lora, full = _policy(False, True), _policy(True, True)
@@ -75,7 +75,7 @@ def _source(group, out):
 def _receiver(rank, group, out):
     from digenrl.distributed.broadcast import WeightReceiver, sync_targets
     from digenrl.errors import WeightSyncError
-    from digenrl.lora import checksum, lora_state_dict
+    from digenrl.policy.lora import checksum, lora_state_dict
 
     receiver = WeightReceiver(group)
     lora, full = _policy(False, False), _policy(True, False)
@@ -182,7 +182,7 @@ def _fsdp_source_member(rank, _world, ports, tmp):
         specs_for,
         sync_targets,
     )
-    from digenrl.lora import checksum
+    from digenrl.policy.lora import checksum
 
     trainer_port, sync_port = ports
     if rank < 2:

@@ -9,9 +9,10 @@ import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from digenrl.config import load_config  # noqa: E402
+from digenrl.config.run import load_config  # noqa: E402
 from digenrl.engine.workers import EngineWorker, ResumeFrom, generates  # noqa: E402
-from digenrl.units import rollout_unit, train_unit  # noqa: E402
+from digenrl.units.rollout import rollout_unit  # noqa: E402
+from digenrl.units.train import train_unit
 from tests.helpers import FULL_MODE, TINY  # noqa: E402
 
 BASE = [
@@ -68,7 +69,8 @@ def test_a_rollout_worker_holds_no_optimizer_and_no_reference_copy():
 def test_rollout_workers_resume_by_path_without_the_optimizer_state(tmp_path):
     """Checkpoints by path: a rollout worker loads weights and version from the checkpoint
     directory and never opens ``optimizer.pt`` (here deleted); a trainer rank needs it."""
-    from digenrl.checkpoint import CheckpointError, checkpoint_files, save_checkpoint_files
+    from digenrl.checkpoint.compat import CheckpointError
+    from digenrl.checkpoint.store import checkpoint_files, save_checkpoint_files
 
     cfg = load_config(None, BASE)
     source = EngineWorker(cfg, "trainer-0", "trainer")

@@ -27,7 +27,7 @@ from digenrl.adapters.cond import Cond
 from digenrl.adapters.prompt_cache import PromptEmbeddingCache
 from digenrl.adapters.text_offload import TEXT_ENCODER_PARTS, attach_offload_hooks, offload_all
 from digenrl.adapters.vae_decode import configure_vae, tiling_mode
-from digenrl.config import ModelConfig, SamplingConfig
+from digenrl.config.model import ModelConfig, SamplingConfig
 from digenrl.errors import UserError
 
 

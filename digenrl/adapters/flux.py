@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from digenrl.adapters.base import Cond, PublishedModel, Tokens, hidden_size, seeded
+from digenrl.adapters.base import PublishedModel, Tokens, hidden_size, seeded
+from digenrl.adapters.cond import Cond
 from digenrl.adapters.packed import PackedLatentAdapter
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder

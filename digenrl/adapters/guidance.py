@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-from digenrl.adapters.base import Cond
+from digenrl.adapters.cond import Cond
 
 MODES = ("batched", "sequential")
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from digenrl.adapters.base import Adapter, Cond, PublishedModel, Tokens, hidden_size, seeded
+from digenrl.adapters.base import Adapter, PublishedModel, Tokens, hidden_size, seeded
+from digenrl.adapters.cond import Cond
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from digenrl.adapters.base import Cond, PublishedModel, Tokens, hidden_size, seeded
+from digenrl.adapters.base import PublishedModel, Tokens, hidden_size, seeded
+from digenrl.adapters.cond import Cond
 from digenrl.adapters.guidance import TwoPassCFG
 from digenrl.adapters.packed import PackedLatentAdapter
 from digenrl.adapters.preview import LatentRGBDecoder

@@ -38,7 +38,7 @@ SetOpt = typer.Option(None, "--set", "-s", help="Override a value: dotted.key=va
 
 
 def _load(config: Optional[Path], sets: Optional[List[str]]):
-    from digenrl.config import load_config
+    from digenrl.config.run import load_config
 
     return load_config(config, sets or [])
 
@@ -85,7 +85,7 @@ def train(
 
     edited = None
     if resume is not None:
-        from digenrl.checkpoint import find_checkpoint
+        from digenrl.checkpoint.store import find_checkpoint
 
         resume = find_checkpoint(resume)
         if config is None and run_dir is None and resume.parent.name == "checkpoints":
@@ -93,7 +93,7 @@ def train(
         config = config or resume / "config.yaml"
     cfg = _load(config, set_)
     if edited is not None:
-        from digenrl.resumecheck import check_resume_config
+        from digenrl.run.resume import check_resume_config
 
         check_resume_config(edited, config, set_ or [])  # an edit of RUN/config.yaml is never ignored
     run_train(
@@ -126,9 +126,9 @@ def config_validate(
     cfg = _load(config, set_)
     checked = ["schema"]
     if not schema_only:
-        from digenrl.preflight import check_config
-        from digenrl.prompts import check_prompts
-        from digenrl.resolve import resolve
+        from digenrl.data.prompts import check_prompts
+        from digenrl.placement.preflight import check_config
+        from digenrl.placement.resolve import resolve
 
         with console.status("checking placement, model, prompts and reward..."):
             layout = resolve(cfg)  # in train's order: the layout (the placement's memory first), the prompts
@@ -166,7 +166,7 @@ def profile(
     """Measure rollout / train step times vs batch size, decode, reward, weight-sync and memory on this
     device."""
     from digenrl.cli.profile import run_profile_command
-    from digenrl.runlog import check_output_file
+    from digenrl.run.rundir import check_output_file
 
     check_output_file(out, "--out")
     run_profile_command(_load(config, None), device, out, console, engine=engine, repeats=repeats)
@@ -211,7 +211,7 @@ def plan(
 ):
     """Search placements (pool split, unit size, TSP, TAG, staleness) by simulating the engine's scheduler."""
     from digenrl.cli.plan import run_plan_command
-    from digenrl.runlog import check_output_file, check_writable
+    from digenrl.run.rundir import check_output_file, check_writable
 
     if write is not None:
         check_output_file(write, "--write")

@@ -17,7 +17,7 @@ def run_eval(
     out: Path | None,
     console: Console,
 ) -> dict:
-    from digenrl.evaluate import evaluate_checkpoint, prepare_eval
+    from digenrl.run.evaluate import evaluate_checkpoint, prepare_eval
 
     job = prepare_eval(checkpoint, config, prompts, baseline, out)  # every input checked: UserError
     n = len(job.prompts) * (2 if job.baseline is not None else 1)

@@ -18,7 +18,7 @@ def library_output_beside(
     """Route library output to a temporary log while the block runs; then append it to ``target()``
     (a file path, decided once the command knows where it writes) and say where it went (on stderr
     with ``stderr``: stdout carries JSON). Nothing is said or kept when the libraries printed nothing."""
-    from digenrl.runlog import library_output_to_log
+    from digenrl.run.rundir import library_output_to_log
 
     log = None
     try:

@@ -9,9 +9,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from digenrl.config import RunConfig
-from digenrl.engine.knobs import SchedulingKnobs, knob_values
+from digenrl.config.run import RunConfig
 from digenrl.errors import UserError
+from digenrl.schedule.knobs import SchedulingKnobs, knob_values
 
 
 def run_plan_command(
@@ -328,8 +328,8 @@ def trainer_micro_batch(r) -> int | None:
 
 def plan_config(cfg: RunConfig, r, cluster) -> RunConfig:
     """``cfg`` with the plan's cluster, placement and engine sections (and micro-batch, device)."""
-    from digenrl.config import validate_config
-    from digenrl.placement import apply_plan
+    from digenrl.config.run import validate_config
+    from digenrl.placement.plan import apply_plan
 
     plan = replace(r.plan, micro_batch=trainer_micro_batch(r))
     out = apply_plan(cfg, plan, "cpu" if cluster.is_cpu else "cuda")
@@ -370,8 +370,8 @@ def trainer_memory_settings(r) -> dict:
 
 def write_plan_config(cfg: RunConfig, r, cluster, path: Path, row: dict) -> tuple[Path, Path]:
     """The plan's config at ``path`` and, beside it (``<path stem>.layout.json``), the layout that
-    config resolves to (:func:`digenrl.resolve.resolve`): exactly what ``train -c path`` will run."""
-    from digenrl.resolve import resolve
+    config resolves to (`placement.resolve.resolve`): exactly what ``train -c path`` will run."""
+    from digenrl.placement.resolve import resolve
 
     out = plan_config(cfg, r, cluster)
     layout = resolve(out)  # before anything is written: a plan the runtime refuses is never written

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from digenrl.config import RunConfig
+from digenrl.config.run import RunConfig
 
 
 def run_profile_command(

@@ -8,13 +8,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from digenrl.config import RunConfig
+from digenrl.config.run import RunConfig
 
 
 def planned_run_dir(cfg: RunConfig, run_dir: Path | None, resumed) -> Path:
     """Where the run will write: --run-dir, output.run_dir, the resumed run's own directory, or
     runs/<name>-<time> (the drivers resolve it the same way)."""
-    from digenrl.runlog import default_run_dir
+    from digenrl.run.rundir import default_run_dir
 
     if run_dir is not None:
         return Path(run_dir)
@@ -33,16 +33,16 @@ def run_train(
     quiet: bool = False,
     verbose: bool = False,
 ):
-    from digenrl.runlock import claim_run_dir
+    from digenrl.run.lock import claim_run_dir
 
     resumed = None
     if resume is not None:
-        from digenrl.checkpoint import find_checkpoint, read_state
+        from digenrl.checkpoint.store import find_checkpoint, read_state
 
         resumed = read_state(find_checkpoint(resume))
     target = planned_run_dir(cfg, run_dir, resumed)
     continuing = resumed is not None and run_dir is None  # a resumed run appends to its own directory
-    # one run per directory: taken before anything slow, held to the end (digenrl/runlock.py)
+    # one run per directory: taken before anything slow, held to the end (digenrl/run/lock.py)
     with claim_run_dir(target, "--resume" if continuing else "--run-dir"):
         return _run_claimed(
             cfg, target, continuing, resumed, ray_address, console, resume, overwrite, quiet, verbose
@@ -50,11 +50,11 @@ def run_train(
 
 
 def _run_claimed(cfg, target, continuing, resumed, ray_address, console, resume, overwrite, quiet, verbose):
-    from digenrl.preflight import check_resources
+    from digenrl.data.prompts import check_prompts
+    from digenrl.placement.preflight import check_resources
+    from digenrl.placement.resolve import resolve
     from digenrl.progress import listening
-    from digenrl.prompts import check_prompts
-    from digenrl.resolve import resolve
-    from digenrl.runlog import check_new_run_dir, keep_log, library_output_to_log
+    from digenrl.run.rundir import check_new_run_dir, keep_log, library_output_to_log
 
     if not continuing:
         check_new_run_dir(target, overwrite)  # before any work: a run is never overwritten by accident
@@ -118,13 +118,13 @@ def _run_claimed(cfg, target, continuing, resumed, ray_address, console, resume,
 
 def _driver(cfg: RunConfig, layout, run_dir: Path | None, ray_address: str | None, resume: Path | None):
     """The driver the placement asks for, built (local: model, reward and prompts) and ready to run."""
-    from digenrl.preflight import check_model
+    from digenrl.placement.preflight import check_model
     from digenrl.progress import progress
 
     progress("loading torch and the model code...")
     check_model(cfg)  # shapes, checkpoint directory, LoRA targets (meta device): seconds, before Ray starts
     if cfg.placement.mode == "local":
-        from digenrl.trainer import LocalTrainer
+        from digenrl.engine.local import LocalTrainer
 
         progress("building model, reward and prompts...")
 
@@ -141,7 +141,7 @@ def _set_aside(target: Path):
     """--overwrite: move the old run into RUN/.replaced/ (deleted once the new run has a checkpoint,
     moved back if it fails before that); None when RUN holds nothing to replace."""
     from digenrl.progress import progress
-    from digenrl.runlock import ReplacedRun, run_entries
+    from digenrl.run.lock import ReplacedRun, run_entries
 
     if not run_entries(target):
         return None

@@ -129,7 +129,7 @@ def shard_policy(
     activation_checkpointing: bool = False,
     independent_replicas: bool = False,
 ) -> None:
-    """Shard a :class:`~digenrl.policy.Policy`'s transformer and rebuild its optimizer over the
+    """Shard a :class:`~digenrl.policy.model.Policy`'s transformer and rebuild its optimizer over the
     shards (same hyper-parameters). ``param_dtype`` defaults to the model's compute dtype
     (``model.dtype``). Call before the first step; ``Policy.optimizer_step`` works on shards."""
     net = policy.adapter.transformer

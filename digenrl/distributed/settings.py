@@ -1,6 +1,6 @@
 """The combinations of sharding (``train.fsdp``) and sequence parallelism (``engine.rollout_sp`` /
 ``trainer_sp``) that mean nothing, as pure functions of the settings: every other combination runs
-(docs/distributed.md, "What is refused, and why"). :func:`digenrl.resolve.resolve` evaluates them
+(docs/distributed.md, "What is refused, and why"). :func:`digenrl.placement.resolve.resolve` evaluates them
 once per run (with ``auto`` already resolved by the memory model) and the planner's search
 (``planner/search.py``) never builds a plan they refuse.
 """

@@ -23,12 +23,13 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from digenrl.config import PoolConfig, RunConfig
+from digenrl.config.engine import PoolConfig
+from digenrl.config.run import RunConfig
 from digenrl.engine import warm
+from digenrl.engine.faults import FaultInjector
 from digenrl.errors import UserError, WeightSyncError
-from digenrl.faults import FaultInjector
-from digenrl.layout import RunLayout
-from digenrl.placement import Worker
+from digenrl.placement.layout import RunLayout
+from digenrl.placement.plan import Worker
 from digenrl.progress import progress
 
 REWARD_ROW = "reward"  # the reward actor's timeline row (pool SERVICE_POOL), and its in-flight entries

@@ -9,11 +9,14 @@ import itertools
 
 import torch
 
-from digenrl.adapters.base import Cond
-from digenrl.checkpoint import find_checkpoint, read_state, restore_optimizer
+from digenrl.adapters.cond import Cond
+from digenrl.checkpoint.optimizer import restore_optimizer
+from digenrl.checkpoint.store import find_checkpoint, read_state
 from digenrl.distributed import fsdp
-from digenrl.unit_rows import minibatch_rows
-from digenrl.units import ROW_FIELDS, Samples, _timestep_selection, forward_batches, rollout_unit, train_unit
+from digenrl.units.rollout import _timestep_selection, forward_batches, rollout_unit
+from digenrl.units.rows import minibatch_rows
+from digenrl.units.samples import ROW_FIELDS, Samples
+from digenrl.units.train import train_unit
 
 
 def shard_trainer_rank(policy, degree: int, resume: str | None = None):
@@ -42,7 +45,7 @@ def share_rows(
     group_size: int | None = None,
 ) -> torch.Tensor:
     """The rows of rank ``rank``'s equal share (consecutive rows) of the unit's samples of mini-batch
-    ``minibatch`` (:func:`~digenrl.unit_rows.minibatch_rows`; all of them with one mini-batch)."""
+    ``minibatch`` (:func:`~digenrl.units.rows.minibatch_rows`; all of them with one mini-batch)."""
     n = len(samples)
     rows = torch.arange(n)
     if minibatches > 1:
@@ -82,7 +85,7 @@ def lockstep_steps(shares: list[torch.Tensor], micro_batch: int, tsp_rank: int, 
     many micro-batches as the largest share has).
     FSDP2 gathers the parameters per forward and reduce-scatters per backward, so the ranks must run
     the same passes; with random trained timesteps (DanceGRPO) their samples train different steps,
-    and a rank runs a zero-weighted pass where it has none (:func:`~digenrl.units.train_unit`)."""
+    and a rank runs a zero-weighted pass where it has none (:func:`~digenrl.units.train.train_unit`)."""
     per_rank = []
     for idx in shares:
         positions = [j for j in range(idx.shape[1]) if j % tsp_degree == tsp_rank]
@@ -120,7 +123,7 @@ def unit_share(groups: tuple, span: tuple[int, int], share: int, shares: int):
 
 
 def _timesteps_forwards(cfg, iteration: int, groups, span) -> list[int]:
-    """The model forwards a share's rollout runs at each step (:func:`~digenrl.units.forward_batches`)."""
+    """The model forwards a share's rollout runs at each step (`units.rollout.forward_batches`)."""
 
     _, train_idx = _timestep_selection(cfg, iteration, cfg.train.seed, list(groups), span)
     batches = forward_batches(train_idx, cfg, span[1] - span[0], span[0])

@@ -85,9 +85,9 @@ class GroupMember:
     """A worker's membership of its process groups. What it needs from the worker:"""
 
     cfg: object  # the RunConfig
-    layout: object  # the run's RunLayout (digenrl.layout): ranks, groups, degrees
+    layout: object  # the run's RunLayout (digenrl.placement.layout): ranks, groups, degrees
     name: str
-    policy: object  # digenrl.policy.Policy
+    policy: object  # digenrl.policy.model.Policy
     resume_optimizer: str | None  # a sharded rank loads the optimizer state once sharded
     enable_sp: object  # (SequenceParallelMember) run the transformer over a sequence-parallel group
     # what it sets up
@@ -98,7 +98,7 @@ class GroupMember:
     mesh = None  # the shard group's device mesh
     followers: list = []  # a lead's followers (actor handles), which run every group_call with it
     sync = None  # engine.weight_sync broadcast: rank 0's publisher or a rollout worker's inbox
-    faults: object  # digenrl.faults.FaultInjector: where this process dies (engine.faults)
+    faults: object  # digenrl.engine.faults.FaultInjector: where this process dies (engine.faults)
     _pending: list = []  # the followers' refs of the group_call in progress
 
     # -- trainer group -------------------------------------------------------------------

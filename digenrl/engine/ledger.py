@@ -26,13 +26,15 @@ from typing import Callable
 
 import torch
 
-from digenrl.checkpoint import save_checkpoint_files
-from digenrl.config import RunConfig
-from digenrl.engine.scheduler import RolloutUnit, SchedulerConfig, TrainUnit
+from digenrl.checkpoint.store import save_checkpoint_files
+from digenrl.config.run import RunConfig
 from digenrl.engine.timeline import Timeline
 from digenrl.rewards.service import reward_call_metrics
-from digenrl.runpolicy import RunCadence, iteration_metrics, save_iteration_samples
-from digenrl.units import assign_advantages, merge_stats
+from digenrl.run.cadence import RunCadence, iteration_metrics, save_iteration_samples
+from digenrl.schedule.scheduler import SchedulerConfig
+from digenrl.units.advantages import assign_advantages
+from digenrl.units.train import merge_stats
+from digenrl.units.types import RolloutUnit, TrainUnit
 
 
 @dataclass
@@ -74,7 +76,7 @@ class IterationLedger:
         history: list[dict] | None = None,
         restarts: Callable[[], int] = lambda: 0,
     ):
-        """``out``: the :class:`~digenrl.runlog.RunDir` rows go to; ``restarts``: the run's worker
+        """``out``: the :class:`~digenrl.run.rundir.RunDir` rows go to; ``restarts``: the run's worker
         restarts so far (a metrics column)."""
         self.cfg, self.units_per_iteration = cfg, sched_cfg.units_per_iteration
         self.timeline, self.out, self.on_iteration, self.restarts = timeline, out, on_iteration, restarts

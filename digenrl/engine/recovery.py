@@ -25,9 +25,9 @@ import time
 from collections import Counter
 
 from digenrl.engine.cluster import REWARD_ROW, first_line, head_problem
-from digenrl.engine.driver import Back, Lost
-from digenrl.engine.scheduler import RolloutUnit, Unit
 from digenrl.errors import RunStopped, UserError, WeightSyncError, actor_death
+from digenrl.schedule.driver import Back, Lost
+from digenrl.units.types import RolloutUnit, Unit
 
 
 class TrainerLost(RunStopped):

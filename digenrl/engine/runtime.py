@@ -3,7 +3,7 @@
     run_on_ray:  (a resolved RunLayout) start one actor per worker (cluster.py) -> drive(scheduler,
                  RayBackend) -> the last eval / checkpoint -> final/ -> timeline.json / timeline.png
 
-:func:`~digenrl.engine.driver.drive` is the loop (the planner's simulator runs the same one in
+:func:`~digenrl.schedule.driver.drive` is the loop (the planner's simulator runs the same one in
 virtual time); :class:`RayBackend` is the dispatcher: it starts each unit as one Ray call on
 its worker's actor, waits for the first result and reports it to the loop. It only moves data:
 rollout samples and published weights go through the Ray object store, the driver keeps
@@ -26,8 +26,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable
 
-from digenrl.checkpoint import save_checkpoint_files, staging_dir
-from digenrl.config import RunConfig
+from digenrl.checkpoint.optimizer import staging_dir
+from digenrl.checkpoint.store import save_checkpoint_files
+from digenrl.config.run import RunConfig
 from digenrl.engine.cluster import (
     REWARD_ROW,
     first_line,
@@ -36,7 +37,6 @@ from digenrl.engine.cluster import (
     num_restarts,
     ray_workers,
 )
-from digenrl.engine.driver import Done, Event, Lost, Released, Scored, drive, finish_running
 from digenrl.engine.ledger import IterationLedger
 from digenrl.engine.recovery import (
     FaultRecovery,
@@ -47,16 +47,13 @@ from digenrl.engine.recovery import (
     own_error,
     user_errors,
 )
-from digenrl.engine.scheduler import RolloutUnit, Scheduler, StepUnit, TrainUnit, Unit
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
 from digenrl.engine.workers import SCORE_GROUP
 from digenrl.errors import WeightSyncError, actor_died
-from digenrl.evaluate import reward_metrics
-from digenrl.layout import RunLayout
+from digenrl.placement.layout import RunLayout
 from digenrl.progress import progress
-from digenrl.runlog import RunDir, check_writable, default_run_dir
-from digenrl.runpolicy import (
+from digenrl.run.cadence import (
     RunCadence,
     RunResult,
     StopRequest,
@@ -66,6 +63,11 @@ from digenrl.runpolicy import (
     stopped,
     write_final,
 )
+from digenrl.run.evaluate import reward_metrics
+from digenrl.run.rundir import RunDir, check_writable, default_run_dir
+from digenrl.schedule.driver import Done, Event, Lost, Released, Scored, drive, finish_running
+from digenrl.schedule.scheduler import Scheduler
+from digenrl.units.types import RolloutUnit, StepUnit, TrainUnit, Unit
 
 # ------------------------------------------------------------------------------ the run
 
@@ -547,7 +549,7 @@ class RayBackend:
     # -- outputs -------------------------------------------------------------------------------
 
     def final_files(self) -> dict[str, bytes]:
-        """``final/`` from trainer rank 0's weights (:func:`~digenrl.runpolicy.final_files`)."""
+        """``final/`` from trainer rank 0's weights (:func:`~digenrl.run.cadence.final_files`)."""
         import ray
 
         return ray.get(self.actors[self.rank0].export_final.remote())

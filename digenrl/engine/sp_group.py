@@ -19,7 +19,7 @@ import torch
 from digenrl.distributed import sequence_parallel as sp
 from digenrl.engine import sync_group, weight_sync
 from digenrl.engine.groups import group_share
-from digenrl.units import rollout_unit
+from digenrl.units.rollout import rollout_unit
 
 
 def _unscored(pixels, prompts, metadata=None):
@@ -33,8 +33,8 @@ class SequenceParallelMember:
 
     # what it needs from the worker
     cfg: object  # the RunConfig
-    policy: object  # digenrl.policy.Policy
-    prompts: object  # digenrl.prompts.PromptSampler
+    policy: object  # digenrl.policy.model.Policy
+    prompts: object  # digenrl.data.prompts.PromptSampler
     expected_keys: frozenset  # the weight names a sync must carry
     sync = None  # engine.weight_sync broadcast: this member's inbox (None: the object store)
     # what it sets up

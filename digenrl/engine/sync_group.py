@@ -31,7 +31,7 @@ from digenrl.distributed.broadcast import (
     sync_targets,
 )
 from digenrl.errors import WeightSyncError
-from digenrl.lora import full_tensor
+from digenrl.policy.lora import full_tensor
 
 SYNC_TIMEOUT_S = 300.0  # forming the group, and any one bucket in flight
 # An idle receiver blocks on the store for the next announcement (woken the moment rank 0 sets it,
@@ -118,7 +118,7 @@ class BroadcastPublisher:
     def publish(self, policy, corrupt=None) -> dict:
         """Broadcast the policy's version; raises when the group broke (a member gone), after
         finishing the gathers so the other trainer ranks stay in step. ``corrupt``: a fault
-        plugin's wrapper of the group for this version (:func:`digenrl.faults.corrupting`)."""
+        plugin's wrapper of the group for this version (:func:`digenrl.engine.faults.corrupting`)."""
         stream = publish_stream(policy)
         try:
             self.group.store.set(_announced(self.seq), str(policy.version))

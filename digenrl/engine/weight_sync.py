@@ -37,7 +37,7 @@ import torch
 from digenrl.distributed.broadcast import Received
 from digenrl.engine.sync_group import load_staged
 from digenrl.errors import WeightSyncError
-from digenrl.lora import checksum
+from digenrl.policy.lora import checksum
 
 
 @dataclass(frozen=True)

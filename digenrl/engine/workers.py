@@ -1,12 +1,12 @@
 """The Ray actor that executes units: one per device, in the role the placement gives it.
 
 Every worker process builds the same things from the RunConfig in the same order as the
-single-process :class:`~digenrl.trainer.LocalTrainer` (seed, prompts, reward, policy), so the
+single-process :class:`~digenrl.engine.local.LocalTrainer` (seed, prompts, reward, policy), so the
 same seed gives identical initial weights everywhere; the runtime checks the checksums. Only
 workers that score build the reward models (never with ``reward.service``, never a trainer
 rank without TAG); building them draws no random numbers, so skipping it changes nothing.
 
-- role ``rollout``: runs :func:`~digenrl.units.rollout_unit` (generation, decode, reward: the
+- role ``rollout``: runs :func:`~digenrl.units.rollout.rollout_unit` (generation, decode, reward: the
   reward stays off the trainer's critical path). With ``reward.service`` the worker does not
   wait for the scores: it submits the decoded samples to the shared reward actor and returns
   the reward ObjectRef in its result; the driver waits on it while this worker already
@@ -16,7 +16,7 @@ rank without TAG); building them draws no random numbers, so skipping it changes
 - role ``trainer``: one rank of the trainer group. It holds no text encoder and no VAE (the
   samples carry the prompt embeddings and latents) unless it generates: TAG, or evaluation
   (:func:`generates`; a model reward's eval samples are scored on a rollout worker). Runs
-  :func:`~digenrl.units.train_unit` (accumulating gradients), and on its StepUnit all-reduces the
+  :func:`~digenrl.units.train.train_unit` (accumulating gradients), and on its StepUnit all-reduces the
   gradients in ~25 MiB buckets
   (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, docs/architecture.md) and steps; after an
   iteration's last step (mini-batch PPO: ``train.optimizer_steps`` per iteration) rank 0 publishes the
@@ -42,26 +42,28 @@ from typing import Any
 
 import torch
 
-from digenrl.checkpoint import checkpoint_files, load_checkpoint
+from digenrl.checkpoint.store import checkpoint_files, load_checkpoint
+from digenrl.data.prompts import PromptSampler, load_prompts
 from digenrl.distributed.checkpointing import is_checkpointed
 from digenrl.distributed.fsdp import all_reduce_replicas, forget_meshes
 from digenrl.engine import sync_group, weight_sync
+from digenrl.engine.faults import FaultInjector
 from digenrl.engine.fsdp_group import combine_rank_stats, reshard, train_share
 from digenrl.engine.groups import GroupMember, abort_process_group, group_call
-from digenrl.engine.scheduler import RolloutUnit, StepUnit, TrainUnit
 from digenrl.engine.sp_group import SequenceParallelMember
 from digenrl.engine.warm import posted_args
 from digenrl.errors import UserError
-from digenrl.evaluate import evaluate_policy
-from digenrl.faults import FaultInjector
-from digenrl.layout import RunLayout
-from digenrl.lora import checksum
-from digenrl.policy import Policy, compile_transformer, pick_device
-from digenrl.prompts import PromptSampler, load_prompts
+from digenrl.placement.layout import RunLayout
+from digenrl.policy.lora import checksum
+from digenrl.policy.model import Policy, compile_transformer, pick_device
 from digenrl.rewards import build_reward, scored_after_unit
 from digenrl.rewards.service import Scored, reward_client
-from digenrl.runpolicy import final_files
-from digenrl.units import Samples, preflight_reward, rollout_unit, train_unit
+from digenrl.run.cadence import final_files
+from digenrl.run.evaluate import evaluate_policy
+from digenrl.units.rollout import preflight_reward, rollout_unit
+from digenrl.units.samples import Samples
+from digenrl.units.train import train_unit
+from digenrl.units.types import RolloutUnit, StepUnit, TrainUnit
 
 
 def unit_event(kind: str, unit, start: float, end: float, version: int, sample_versions=(), **args) -> dict:
@@ -214,7 +216,7 @@ class EngineWorker(GroupMember, SequenceParallelMember):
     ):
         """``resume``: the checkpoint to start from (read by path); ``sp_follower``: a rollout worker
         that follows its sequence-parallel group's lead (it scores nothing); ``layout``: the run's
-        (:mod:`digenrl.layout`), which this worker reads and never re-derives (None: a worker built
+        (:mod:`digenrl.placement.layout`), which this worker reads and never re-derives (None: a worker built
         outside a run, with a single process's settings); ``restart_from``: a warm actor's entry on
         its pool's board (:mod:`digenrl.engine.warm`): restarted by Ray, it builds the worker posted
         there (this run's), not the one it was created for."""
@@ -333,7 +335,7 @@ class EngineWorker(GroupMember, SequenceParallelMember):
 
     def resolved(self) -> dict:
         """What this worker runs with, read off what it built and joined (not off the config): the
-        tests compare it with the layout's :class:`~digenrl.layout.WorkerLayout` and settings."""
+        tests compare it with the layout's :class:`~digenrl.placement.layout.WorkerLayout` and settings."""
 
         sampling = self.policy.adapter.sampling
         return {
@@ -610,6 +612,6 @@ class EngineWorker(GroupMember, SequenceParallelMember):
 
     @group_call()
     def export_final(self) -> dict[str, bytes]:
-        """``final/``'s files (:func:`~digenrl.runpolicy.final_files`), as bytes for the driver, which
+        """``final/``'s files (:func:`~digenrl.run.cadence.final_files`), as bytes for the driver, which
         writes them wherever its run directory is (possibly another node)."""
         return final_files(self.policy)  # gathers shards on every rank

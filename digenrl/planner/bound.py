@@ -4,8 +4,8 @@ setups and unit times; its result is judged against the bound (``SimResult.effic
 
 from __future__ import annotations
 
-from digenrl.config import PoolConfig
-from digenrl.placement import Plan
+from digenrl.config.engine import PoolConfig
+from digenrl.placement.plan import Plan
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.memory import DeviceSetup
 

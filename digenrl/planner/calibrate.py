@@ -4,9 +4,9 @@ GPU profile implies, the engine overheads a CPU profile measured."""
 from __future__ import annotations
 
 from digenrl.errors import UserError
+from digenrl.placement.devices import DEVICES
 from digenrl.planner.constants import MFU_CAP
 from digenrl.planner.efficiency import fit_curve
-from digenrl.planner.gpus import DEVICES
 from digenrl.planner.params import EngineOverheads
 from digenrl.planner.shapes import attention_fraction, forward_flops
 from digenrl.planner.workload import Workload

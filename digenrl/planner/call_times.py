@@ -3,7 +3,7 @@
 - rollout unit of ``m`` groups (``b = m x G`` samples):
   ``encode(m prompts) + N x sum_c step(c) + decode(b) + reward(b) + overhead``, where ``step`` is one
   ``velocity`` call with the model's guidance (two passes for two-pass CFG) and the forwards ``c``
-  are the train forwards' batches (``digenrl.units.forward_batches``): each of the S =
+  are the train forwards' batches (``digenrl.units.rollout.forward_batches``): each of the S =
   ``train.optimizer_steps`` mini-batches' samples in micro-batches (one batch of b when that fits);
 - train unit (one mini-batch's samples, ``b / S``, x its share of the trained steps,
   ``T_r = |{j < T : j mod D = r}|`` for TSP rank r of degree D): for every trained-step position
@@ -21,6 +21,7 @@ below by reading the weights once per pass at ``memory bandwidth x efficiency``.
 
 from __future__ import annotations
 
+from digenrl.placement.devices import DeviceSpec
 from digenrl.planner.constants import (
     MIN_CALL_FRACTION,
     MIN_UNIT_FRACTION,
@@ -28,7 +29,6 @@ from digenrl.planner.constants import (
     OPTIMIZER_STATE_PASSES,
 )
 from digenrl.planner.efficiency import device_efficiency
-from digenrl.planner.gpus import DeviceSpec
 from digenrl.planner.params import CostParams
 from digenrl.planner.shapes import attention_fraction, forward_flops
 from digenrl.planner.workload import Workload

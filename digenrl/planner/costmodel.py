@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from digenrl.placement.devices import DEVICES
 from digenrl.planner.calibrate import (
     calibrated_mfu,
     check_profile_matches,
@@ -40,7 +41,7 @@ from digenrl.planner.call_times import (
     train_unit_time,
 )
 from digenrl.planner.constants import FP32_BYTES, FSDP_STEP_SHARE, MIN_UNIT_CV
-from digenrl.planner.gpus import DEVICES, ClusterSpec
+from digenrl.planner.gpus import ClusterSpec
 from digenrl.planner.memory import DeviceSetup, MemoryModel
 from digenrl.planner.params import ColocationCosts, CostParams, EngineOverheads
 from digenrl.planner.workload import Workload

@@ -1,4 +1,4 @@
-"""Hardware the planner knows: the accelerator table (:mod:`digenrl.devices`, which the runtime
+"""Hardware the planner knows: the accelerator table (:mod:`digenrl.placement.devices`, which the runtime
 reads too), the planner's kernel efficiencies per device type, and the cluster-file schema. The
 planner only uses the table's numbers through the cost model, which multiplies peak FLOP/s by a kernel
 efficiency (:data:`KERNEL_EFFICIENCY`, scaled by the tokens per call: ``efficiency.py``) and memory
@@ -25,19 +25,16 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from digenrl.config import PoolConfig, first_duplicate
-from digenrl.devices import (  # noqa: F401  (re-exported: the planner reads the table from here)
+from digenrl.config.base import first_duplicate
+from digenrl.config.engine import PoolConfig
+from digenrl.config.yamlfile import parse_yaml
+from digenrl.errors import UserError
+from digenrl.placement.devices import (
     DEVICES,
-    DeviceSpec,
-    device_spec,
-    known_devices,
     lookup_device,
-    match_device_name,
     unknown_device,
 )
-from digenrl.errors import UserError
-from digenrl.placement import device_type
-from digenrl.yamlfile import parse_yaml
+from digenrl.placement.plan import device_type
 
 #: (sampling, training) peak kernel efficiency -- share of peak bf16 FLOP/s at large token counts
 #: (efficiency.py scales it down for small calls) -- per device type. Hopper (H100 / H800 and the same

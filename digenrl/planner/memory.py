@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from digenrl.placement.devices import DEVICES
 from digenrl.planner.constants import ACT_BYTES_PER_TOKEN_HIDDEN, ADAMW_STATE_BYTES, FP32_BYTES, HALF_BYTES
-from digenrl.planner.gpus import DEVICES
 from digenrl.planner.params import ColocationCosts, CostParams
 from digenrl.planner.workload import Workload
 

@@ -33,9 +33,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from digenrl.placement.devices import DEVICES
 from digenrl.planner.call_times import AnalyticTimes, CallTimes, ProfiledTimes
 from digenrl.planner.constants import ADAMW_STATE_BYTES, FP32_BYTES, OPTIMIZER_FIXED_S, OPTIMIZER_STATE_PASSES
-from digenrl.planner.gpus import DEVICES
 
 #: (what, repository, path) for every structural term of each peer model
 SOURCES: dict[str, list[tuple[str, str, str]]] = {

@@ -54,6 +54,7 @@ from typing import Callable
 import torch
 
 from digenrl.errors import UserError, read_user_text
+from digenrl.placement.devices import match_device_name
 from digenrl.planner.constants import (
     CALIBRATION_ITERATIONS,
     DEFAULT_BATCHES,
@@ -62,13 +63,12 @@ from digenrl.planner.constants import (
     SHARING_MIN_SECONDS,
     SHARING_MIN_TIMES,
 )
-from digenrl.planner.gpus import match_device_name
 from digenrl.planner.measure.contention import OtherLoad, cpu_slowdown, private_weights
 from digenrl.planner.measure.engine_run import engine_run_overheads
 from digenrl.planner.measure.model_times import ModelBench
 from digenrl.planner.measure.ray_overheads import ray_overheads
 from digenrl.planner.measure.timing import torch_threads
-from digenrl.policy import pick_device
+from digenrl.policy.model import pick_device
 
 ENGINE_MODES = {"none": 0, "ray": 1, "run": 2}  # --engine -> the extra progress steps it takes
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from digenrl.config import load_config
+from digenrl.config.run import load_config
 from digenrl.planner.gpus import load_cluster
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -42,14 +42,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from digenrl.config import PoolConfig
+from digenrl.config.engine import PoolConfig
 from digenrl.distributed.settings import fsdp_refusal, sp_refusal
 from digenrl.errors import UserError
-from digenrl.placement import Plan, spread_units
+from digenrl.placement.plan import Plan, spread_units
 from digenrl.planner import peers as peer_models
+from digenrl.planner.bound import DoesNotFit, bound, setups
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import ClusterSpec
-from digenrl.planner.simulator import DoesNotFit, SimResult, bound, setups, simulate
+from digenrl.planner.simulator import SimResult, simulate
 
 TSP_DEGREES = (1, 2, 4)
 SP_DEGREES = (1, 2, 4, 8)

@@ -20,7 +20,7 @@ from pathlib import Path
 from digenrl.adapters import adapter_class
 from digenrl.adapters.base import Tokens, hidden_size
 from digenrl.errors import UserError
-from digenrl.lora import matching_modules
+from digenrl.policy.lora import matching_modules
 
 __all__ = [
     "ModelShape",

@@ -1,8 +1,8 @@
 """The engine's scheduler in virtual time, run by the engine's own driver loop (docs/architecture.md).
 
-The simulator is a backend of :func:`~digenrl.engine.driver.drive`, the loop the Ray runtime runs:
-the SAME :class:`~digenrl.engine.scheduler.Scheduler`, the same workers in the same order
-(:meth:`~digenrl.placement.Plan.workers`); completions are reported one at a time, earliest first
+The simulator is a backend of :func:`~digenrl.schedule.driver.drive`, the loop the Ray runtime runs:
+the SAME :class:`~digenrl.schedule.scheduler.Scheduler`, the same workers in the same order
+(:meth:`~digenrl.placement.plan.Plan.workers`); completions are reported one at a time, earliest first
 (submission order breaks ties, as ``ray.wait`` does). What a unit costs comes from the cost model, per worker
 device type, plus
 what the engine adds around it:
@@ -49,13 +49,14 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from digenrl.engine.driver import Done, drive
-from digenrl.engine.scheduler import RolloutUnit, Scheduler, TrainUnit
 from digenrl.engine.timeline import Timeline
-from digenrl.placement import Plan
+from digenrl.placement.plan import Plan
 from digenrl.planner.bound import DoesNotFit, bound, setups, unit_train_time
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.memory import DeviceSetup
+from digenrl.schedule.driver import Done, drive
+from digenrl.schedule.scheduler import Scheduler
+from digenrl.units.types import RolloutUnit, TrainUnit
 
 __all__ = ["DoesNotFit", "SimResult", "Simulator", "bound", "setups", "simulate", "steady_summary"]
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from digenrl.config import RewardConfig
+from digenrl.config.train import RewardConfig
 from digenrl.errors import UserError
 from digenrl.rewards import basic, clip_models, remote  # noqa: F401  (importing them registers them)
 from digenrl.rewards.base import REWARDS, Reward, RewardArgError, register  # noqa: F401  (re-exported)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from digenrl.config import RewardConfig
+from digenrl.config.train import RewardConfig
 from digenrl.errors import UserError
 from digenrl.rewards import CombinedReward, build_reward
 
@@ -81,7 +81,7 @@ class RewardActor:
     """Plain class; :func:`start_reward_actor` wraps it with ``ray.remote`` and its resources."""
 
     def __init__(self, cfg: RewardConfig, faults=None):
-        """``faults``: the engine's :class:`~digenrl.faults.FaultInjector` for this actor
+        """``faults``: the engine's :class:`~digenrl.engine.faults.FaultInjector` for this actor
         (``engine.faults``)."""
         self.faults = faults
         self.init_error = None  # raised from ready(): Ray hands the caller the exception itself
@@ -151,7 +151,7 @@ def start_reward_actor(cfg: RewardConfig, name: str | None = None, max_restarts:
     """Start the reward actor on the connected Ray cluster with ``cfg.service``'s resources and
     wait until its models are loaded (a bad reward config raises its UserError here). Ray restarts
     it up to ``max_restarts`` times if its process dies (the engine re-queues the units whose
-    scores were lost). ``faults``: its fault plugin (:class:`~digenrl.faults.FaultInjector`)."""
+    scores were lost). ``faults``: its fault plugin (:class:`~digenrl.engine.faults.FaultInjector`)."""
     import ray
 
     svc = cfg.service

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from digenrl.config import load_config
+from digenrl.config.run import load_config
 from digenrl.errors import UserError
 from digenrl.planner import peers as peer_models
 from digenrl.planner.costmodel import CostModel

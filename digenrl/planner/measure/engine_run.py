@@ -9,7 +9,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from digenrl.config import validate_config
+from digenrl.config.run import validate_config
 from digenrl.engine.timeline import Timeline
 from digenrl.planner.constants import CALIBRATION_ITERATIONS
 

@@ -19,16 +19,18 @@ from dataclasses import replace
 import torch
 
 from digenrl.algorithms.sde import recompute_logprob
+from digenrl.data.prompts import load_prompts
 from digenrl.engine.weight_sync import state_bytes
-from digenrl.lora import checksum
 from digenrl.planner.call_times import ProfiledTimes, rollout_unit_time, train_unit_time
 from digenrl.planner.measure.engine_run import unit_spread
 from digenrl.planner.measure.timing import RoundRobin, means
 from digenrl.planner.workload import Workload
-from digenrl.policy import Policy
-from digenrl.prompts import load_prompts
+from digenrl.policy.lora import checksum
+from digenrl.policy.model import Policy
 from digenrl.rewards import build_reward
-from digenrl.units import assign_advantages, rollout_unit, train_unit
+from digenrl.units.advantages import assign_advantages
+from digenrl.units.rollout import rollout_unit
+from digenrl.units.train import train_unit
 
 STEP_KEYS = {"rollout": "rollout_step_s", "train": "train_step_s", "ref": "ref_forward_s"}
 

@@ -1,0 +1,427 @@
+"""Checkpoints (docs/architecture.md, the run directory): ``RUN/checkpoints/iter-NNNNNN/``, written
+atomically, loaded with checks.
+
+A checkpoint directory (NNNNNN = iterations completed) holds
+
+    pytorch_lora_weights.safetensors   LoRA in the diffusers format (``Pipeline.load_lora_weights(dir)``)
+      or transformer.safetensors       full weights (``model.lora: null``)
+    optimizer.pt                       the optimizer's ``state_dict()``
+      or dcp/                          a sharded trainer group's (``train.fsdp``) optimizer state in
+                                       ``torch.distributed.checkpoint`` format: each rank wrote its own
+                                       shards, nothing was gathered; any trainer count loads it
+    ema.safetensors                    with ``train.ema``: the fp32 weight average (trained-parameter names)
+    rng.pt                             torch CPU (+ CUDA) / python ``random`` / numpy generator states
+    config.yaml                        the resolved config of the run that wrote it
+    state.json                         counters, model signature, file sizes; written LAST (completion marker)
+
+It is written into ``checkpoints/.tmp-iter-NNNNNN`` and renamed into place, so a crash leaves at most
+a ``.tmp-`` directory: never read, removed by the next save. Only directories holding ``state.json``
+count as checkpoints. A sharded group's ranks write ``dcp/`` by path into
+``checkpoints/.dcp-iter-NNNNNN`` first; the commit moves it in (``state.json`` says
+``optimizer_format: dcp`` and lists its files).
+
+The functions take a :class:`~digenrl.policy.model.Policy` and plain counters, so any driver (the local
+trainer, the Ray engine's trainer rank 0) saves and restores the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from digenrl.checkpoint.compat import (
+    CheckpointError,
+    CheckpointState,
+    check_compatible,
+    compat_fields,
+    torch_load,
+)
+from digenrl.checkpoint.optimizer import (
+    DCP_DIR,
+    OPTIMIZER_FILE,
+    TRAINER_ONLY,
+    StagedDir,
+    check_holds_optimizer,
+    restore_optimizer,
+    save_optimizer_sharded,
+)
+from digenrl.distributed.fsdp import is_sharded
+from digenrl.errors import WeightSyncError
+from digenrl.policy.lora import checksum, save_lora
+
+FORMAT = 1  # bump when the layout changes; older formats are refused with a message
+LORA_FILE = "pytorch_lora_weights.safetensors"
+FULL_FILE = "transformer.safetensors"
+EMA_FILE = "ema.safetensors"
+OLD_POLICY_FILE = "old_policy.safetensors"  # diffusion_nft: the old policy (trained-parameter names)
+STATE_FILE = "state.json"
+_NAME = re.compile(r"^iter-(\d{6,})$")
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter-{iteration:06d}"
+
+
+# ---------------------------------------------------------------------------------------- finding
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run directory, oldest first (``.tmp-`` and marker-less dirs skipped)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _NAME.match(p.name)) and p.is_dir() and (p / STATE_FILE).is_file()
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(path: Path) -> Path | None:
+    """The newest complete checkpoint: ``path`` itself if it is one, else the latest under
+    ``path/checkpoints`` (a run directory) or under ``path`` (a ``checkpoints`` directory)."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path
+    found = list_checkpoints(path) or (list_checkpoints(path.parent) if path.name == "checkpoints" else [])
+    return found[-1] if found else None
+
+
+def find_checkpoint(path: Path) -> Path:
+    """Like :func:`latest_checkpoint`, but a user error (naming what is wrong) when there is none."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint: {path} not found")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint: {path} is not a directory")
+    found = latest_checkpoint(path)
+    if found is not None:
+        return found
+    if (
+        _NAME.match(path.name)
+        or path.name.startswith(".tmp-")
+        or any((path / f).exists() for f in (LORA_FILE, FULL_FILE, OPTIMIZER_FILE))
+    ):
+        raise CheckpointError(f"checkpoint: {path} is incomplete (no {STATE_FILE}: its write did not finish)")
+    raise CheckpointError(
+        f"checkpoint: no complete checkpoint in {path} (looked for {path}/checkpoints/iter-*/{STATE_FILE})"
+    )
+
+
+def read_state(path: Path, unchecked: tuple[str, ...] = ()) -> CheckpointState:
+    """Read and check ``state.json`` and the sizes of the files it lists (a truncated file is
+    refused), except those named in ``unchecked`` (files, or top-level directories, the reader will
+    not open)."""
+    path = Path(path)
+    try:
+        raw = json.loads((path / STATE_FILE).read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not an object")
+        fmt = raw["format"]
+        state = CheckpointState(
+            path=path,
+            iteration=int(raw["iteration"]),
+            version=int(raw["version"]),
+            lora=bool(raw["lora"]),
+            signature=raw["model_signature"],
+            compat=raw["compat"],
+            files={str(k): int(v) for k, v in raw["files"].items()},
+            extra=raw.get("extra", {}),
+            optimizer_format=str(raw.get("optimizer_format", "torch")),
+        )
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint: {path} is incomplete (no {STATE_FILE})") from None
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        raise CheckpointError(
+            f"checkpoint: {path / STATE_FILE} is corrupt (not a DigenRL checkpoint state)"
+        ) from None
+    if fmt != FORMAT:
+        raise CheckpointError(f"checkpoint: {path} has format {fmt}, this DigenRL reads format {FORMAT}")
+    for name, size in state.files.items():
+        if name in unchecked or name.split("/")[0] in unchecked:
+            continue
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint: {path} is corrupt: {name} is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint: {path} is corrupt: {name} has {f.stat().st_size} bytes, "
+                f"expected {size} (truncated or overwritten)"
+            )
+    return state
+
+
+# ---------------------------------------------------------------------------------------- RNG
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": list(random.getstate()),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------- save
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    run_dir: Path, policy, iteration: int, cfg=None, keep_last: int | None = None, extra: dict | None = None
+) -> Path:
+    """Write ``run_dir/checkpoints/iter-NNNNNN`` atomically and keep the newest ``keep_last``.
+
+    ``iteration`` is the number of iterations completed (the one a resumed run starts at); ``cfg``
+    defaults to the policy's; ``extra`` (JSON) is stored for the driver, e.g. the engine's counters.
+    """
+    return commit_checkpoint(
+        run_dir, iteration, lambda tmp: write_checkpoint(tmp, policy, iteration, cfg, extra), keep_last
+    )
+
+
+def write_checkpoint(
+    directory: Path | None,
+    policy,
+    iteration: int,
+    cfg=None,
+    extra: dict | None = None,
+    optimizer_dir: Path | None = None,
+    where: str = "this node",
+) -> None:
+    """The checkpoint's files into an existing (empty) ``directory``; ``state.json`` last.
+
+    A sharded (FSDP2) policy: every rank of the group calls it (the weights and the EMA are gathered,
+    a collective) with the same ``optimizer_dir``, where each rank writes its own shards of the
+    optimizer state (:func:`staging_dir`); only rank 0 passes a ``directory`` (the others write nothing)."""
+    cfg = cfg or policy.cfg
+    weights = policy.weights()  # gathered from the shards on a sharded policy
+    ema = getattr(policy, "ema", None)
+    average = ema.state() if ema is not None else None
+    old = getattr(policy, "old", None)  # diffusion_nft's old policy, gathered like the EMA
+    old_state = old.state() if old is not None else None
+    trainer_files, fmt = {}, "torch"
+    if policy.optimizer is not None and is_sharded(policy.adapter.transformer):
+        if optimizer_dir is None:
+            raise ValueError("a sharded policy's optimizer state is saved by every rank: pass optimizer_dir")
+        trainer_files, fmt = save_optimizer_sharded(policy, Path(optimizer_dir), where), "dcp"
+    if directory is None:
+        return
+    tmp = Path(directory)
+    if policy.lora:
+        save_lora(policy.adapter, tmp, weights)
+    else:
+        save_file(weights, tmp / FULL_FILE)
+    if policy.optimizer is not None and fmt == "torch":
+        torch.save(policy.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+    if average is not None:
+        save_file(average, tmp / EMA_FILE)
+    if old_state is not None:
+        save_file(old_state, tmp / OLD_POLICY_FILE)
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / "config.yaml").write_text(cfg.dump_yaml())
+    files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.name != STATE_FILE}
+    files.update(trainer_files)
+    state = {
+        "format": FORMAT,
+        "iteration": iteration,
+        "version": policy.version,
+        "lora": policy.lora,
+        "weights_checksum": checksum(weights) if policy.lora else None,
+        "optimizer_format": fmt,
+        "compat": compat_fields(policy),
+        "model_signature": policy.adapter.model_signature(),
+        "files": files,
+        "extra": extra or {},
+    }
+    if ema is not None:  # the average's settings and how many optimizer steps it has seen
+        state["ema"] = {**ema.cfg.model_dump(), "steps": ema.steps}
+    if old is not None:
+        state["old_policy"] = {"steps": old.steps}
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
+
+
+def checkpoint_files(
+    policy,
+    iteration: int,
+    cfg=None,
+    extra: dict | None = None,
+    optimizer_dir: Path | None = None,
+    lead: bool = True,
+    where: str = "this node",
+) -> dict[str, bytes | StagedDir]:
+    """The checkpoint as file name -> bytes (a Ray worker hands these to the driver, which may run
+    on another node, to :func:`save_checkpoint_files`). A sharded group: every rank calls it with the
+    same ``optimizer_dir`` (its shards land there, by path; rank 0's answer names it as ``dcp``); the
+    ranks other than rank 0 (``lead=False``) only join the gathers and return nothing."""
+    if not lead:
+        write_checkpoint(None, policy, iteration, cfg, extra, optimizer_dir, where)
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint(Path(tmp), policy, iteration, cfg, extra, optimizer_dir, where)
+        files: dict = {f.name: f.read_bytes() for f in Path(tmp).iterdir()}
+    if json.loads(files[STATE_FILE])["optimizer_format"] == "dcp":
+        files[DCP_DIR] = StagedDir(str(optimizer_dir))
+    return files
+
+
+def save_checkpoint_files(
+    run_dir: Path, iteration: int, files: dict[str, bytes | StagedDir], keep_last: int | None = None
+) -> Path:
+    """:func:`checkpoint_files`' output written atomically as ``run_dir/checkpoints/iter-NNNNNN``
+    (a :class:`StagedDir` moved in)."""
+    if STATE_FILE not in files:
+        raise ValueError(f"checkpoint files lack {STATE_FILE}")
+
+    def fill(tmp: Path) -> None:
+        for name, data in sorted(files.items(), key=lambda kv: kv[0] == STATE_FILE):  # state.json last
+            if isinstance(data, StagedDir):
+                shutil.move(data.path, tmp / name)
+            else:
+                (tmp / name).write_bytes(data)
+
+    return commit_checkpoint(run_dir, iteration, fill, keep_last)
+
+
+def commit_checkpoint(run_dir: Path, iteration: int, fill, keep_last: int | None = None) -> Path:
+    """``fill(tmp)`` writes a checkpoint into ``checkpoints/.tmp-iter-NNNNNN``; every file is fsynced,
+    ``state.json`` (the completion marker) last, and the directory renamed into place."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):  # left by a crash mid-write: never a checkpoint
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(f".{DCP_DIR}-*"):  # shards of a checkpoint never committed (a stop, a crash)
+        if (m := _NAME.match(stale.name.removeprefix(f".{DCP_DIR}-"))) and int(m.group(1)) < iteration:
+            shutil.rmtree(stale, ignore_errors=True)
+    name = checkpoint_name(iteration)
+    tmp, final = root / f".tmp-{name}", root / name
+    tmp.mkdir()
+    fill(tmp)
+    marker = tmp / STATE_FILE
+    for f in sorted(tmp.iterdir()):
+        if f != marker:
+            _fsync(f)
+    _fsync(marker)
+    _fsync(tmp)
+    if final.exists():  # re-saving the same iteration (a forked run): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(root)
+    if keep_last:
+        for old in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------------------------------- load
+def read_weights(path: Path, lora: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights as the policy names them (LoRA: peft keys, without diffusers' prefix)."""
+    state = read_safetensors(Path(path) / (LORA_FILE if lora else FULL_FILE))
+    if lora:
+        state = {k.removeprefix("transformer."): v for k, v in state.items()}
+    return state
+
+
+def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = True) -> CheckpointState:
+    """Restore weights (verified), version, optimizer state and RNG states into ``policy``.
+
+    ``path`` is a checkpoint or a run directory (its latest complete checkpoint). Refuses, before
+    touching the policy, a checkpoint that is corrupt or was written for another model. The
+    optimizer keeps its state but takes lr / betas / weight decay from the policy's current config
+    (so a resumed run may change them). Returns the checkpoint's :class:`CheckpointState`.
+    """
+    loads_optimizer = optimizer and policy.optimizer is not None
+    state = read_state(find_checkpoint(path), unchecked=() if loads_optimizer else TRAINER_ONLY)
+    check_compatible(state, policy)
+    if state.lora != policy.lora:  # also caught by compat; kept for engine callers that skip it
+        raise CheckpointError(f"checkpoint {state.path}: LoRA checkpoint vs full fine-tuning model")
+    weights = read_weights(state.path, state.lora)
+    opt_state = None
+    if loads_optimizer:
+        check_holds_optimizer(state)
+        if state.optimizer_format == "torch":
+            opt_state = torch_load(state.path / OPTIMIZER_FILE)
+    rngs = torch_load(state.path / "rng.pt") if rng else None
+    raw = json.loads((state.path / STATE_FILE).read_text())
+    try:
+        policy.load_weights(weights, state.version, expected_checksum=raw.get("weights_checksum"))
+    except WeightSyncError as exc:
+        raise CheckpointError(f"checkpoint {state.path}: weights do not load cleanly ({exc})") from None
+    if loads_optimizer:
+        restore_optimizer(state, policy, opt_state)
+    if getattr(policy, "ema", None) is not None:  # resume the average, or start it here if none was kept
+        if EMA_FILE in state.files:
+            try:
+                policy.ema.load(
+                    read_safetensors(state.path / EMA_FILE), int(raw.get("ema", {}).get("steps", 0))
+                )
+            except ValueError as exc:
+                raise CheckpointError(
+                    f"checkpoint {state.path}: {EMA_FILE} does not fit this model ({exc})"
+                ) from None
+        else:
+            policy.ema.reset()
+    if getattr(policy, "old", None) is not None:  # diffusion_nft: resume the old policy, or restart it
+        steps = state.iteration * policy.cfg.train.optimizer_steps  # at the weights if none was kept
+        if OLD_POLICY_FILE in state.files:
+            try:
+                policy.old.load(read_safetensors(state.path / OLD_POLICY_FILE), steps)
+            except ValueError as exc:
+                raise CheckpointError(
+                    f"checkpoint {state.path}: {OLD_POLICY_FILE} does not fit this model ({exc})"
+                ) from None
+        else:
+            policy.old.reset(steps)
+    if rngs is not None:
+        set_rng_state(rngs)
+    return state
+
+
+def read_safetensors(f: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(f)
+    except Exception as exc:  # noqa: BLE001  (safetensors raises its own error types)
+        raise CheckpointError(f"checkpoint: {f} is corrupt or unreadable ({type(exc).__name__})") from None
+
+
+def use_ema_weights(path, policy) -> dict | None:
+    """Load checkpoint ``path``'s EMA weights (if it holds any) into ``policy``'s trained parameters,
+    after :func:`load_checkpoint`. Returns the average's settings (``decay``,
+    ``every``, ``warmup``, ``steps``), or None when the checkpoint holds no average."""
+    state = read_state(find_checkpoint(path))
+    if EMA_FILE not in state.files:
+        return None
+    average = read_safetensors(state.path / EMA_FILE)
+    params = policy.named_params
+    if set(average) != set(params):
+        raise CheckpointError(f"checkpoint {state.path}: {EMA_FILE} does not fit this model")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(average[name].to(p.device, p.dtype))
+    return json.loads((state.path / STATE_FILE).read_text()).get("ema", {})

@@ -1,0 +1,1 @@
+"""One Pydantic model of a whole run: its sections, the defaults, YAML and ``--set`` overrides."""

@@ -1,0 +1,124 @@
+"""The algorithm section and each algorithm's defaults (docs/algorithms.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from digenrl.config.base import (
+    MAX_BATCH,
+    MAX_STEPS,
+    _Section,
+)
+from digenrl.config.model import (
+    TimestepConfig,
+)
+
+#: what ``algorithm.name`` selects: the defaults of the algorithm's own choices, each of which a
+#: config may still set explicitly (e.g. DanceGRPO's timestep subset with Flow-GRPO's SDE)
+ALGORITHM_DEFAULTS = {
+    # Flow-GRPO: its SDE; train steps 0..T-1 in order, T = floor(0.99 N)
+    "flow_grpo": {"sde": "flow_grpo", "timesteps": {"mode": "fraction", "fraction": 0.99}},
+    # DanceGRPO: its SDE; drop the last step, shuffle, train floor(0.6 (N-1)) per sample
+    "dance_grpo": {"sde": "dance_grpo", "timesteps": {"mode": "random", "fraction": 0.6}},
+    # DiffusionNFT: no SDE and no trained steps -- rollouts are the deterministic ODE at the paper's 10
+    # steps; training draws algorithm.nft.noise_levels forward-noised copies of each clean sample
+    "diffusion_nft": {
+        "sde": "flow_grpo",
+        "timesteps": {"mode": "fraction", "fraction": 0.99},
+        "sampling": {"noise_level": 0.0, "steps": 10},
+    },
+}
+
+
+#: families whose guidance is two-pass CFG: diffusion_nft rolls out and trains them CFG-free by default
+TWO_PASS_CFG_FAMILIES = ("wan", "qwen_image")
+
+
+def algorithm_defaults(data: dict) -> dict:
+    """``data`` (a raw config mapping) with the keys ``algorithm.name`` selects filled in where unset."""
+    algorithm = data.get("algorithm", {})
+    if (
+        not isinstance(algorithm, dict)
+        or not isinstance(data.get("sampling", {}), dict)
+        or not isinstance(algorithm.get("timesteps", {}), dict)
+    ):
+        return data  # not a mapping: validation names the field
+    preset = ALGORITHM_DEFAULTS.get(algorithm.get("name", "flow_grpo"))
+    if preset is None:  # an unknown name: validation names it
+        return data
+    timesteps = {"mode": preset["timesteps"]["mode"], **(algorithm.get("timesteps") or {})}
+    if timesteps["mode"] == preset["timesteps"]["mode"]:
+        timesteps = {"fraction": preset["timesteps"]["fraction"], **timesteps}
+    sampling = dict(preset.get("sampling", {}))
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    if algorithm.get("name") == "diffusion_nft" and model.get("adapter") in TWO_PASS_CFG_FAMILIES:
+        sampling["guidance"] = 1.0  # CFG-free rollouts and training (sampling.eval_guidance: CFG at eval)
+    return {
+        **data,
+        "sampling": {"sde": preset["sde"], **sampling, **(data.get("sampling") or {})},
+        "algorithm": {**algorithm, "timesteps": timesteps},
+    }
+
+
+class NftConfig(_Section):
+    """DiffusionNFT's own knobs (``algorithm.name: diffusion_nft``; docs/algorithms.md)."""
+
+    beta: float = Field(
+        1.0,
+        gt=0,
+        description="v+ = (1 - beta) v_old + beta v, v- = (1 + beta) v_old - beta v (paper: 1; OCR 0.1)",
+    )
+    noise_levels: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_STEPS,
+        description="K forward-noised copies per sample, at K distinct sigmas of the rollout schedule "
+        "drawn per sample; null = all sampling.steps of them (the reference's timestep_fraction 1)",
+    )
+    decay_flat: int = Field(0, ge=0, description="old-policy EMA: decay 0 for the first N optimizer steps")
+    decay_rate: float = Field(
+        0.001, ge=0, description="old-policy EMA: decay rises by this per optimizer step"
+    )
+    decay_max: float = Field(
+        0.5, ge=0, lt=1, description="old-policy EMA: decay cap (the reference's decay_type 1: 0, 0.001, 0.5)"
+    )
+
+
+class AlgorithmConfig(_Section):
+    name: Literal["flow_grpo", "dance_grpo", "diffusion_nft"] = Field(
+        "flow_grpo",
+        description=(
+            "selects the defaults of sampling.sde and algorithm.timesteps (see ALGORITHM_DEFAULTS); "
+            "diffusion_nft: forward-process RL on clean ODE samples (algorithm.nft)"
+        ),
+    )
+    group_size: int = Field(
+        8, ge=2, le=MAX_BATCH, description="G samples per prompt; 1 would leave no advantage"
+    )
+    clip_range: float | None = Field(
+        None, gt=0, description="PPO clip; null = by sampling.sde: cps 1e-5, else 1e-4"
+    )
+    adv_clip: float = Field(5.0, gt=0)
+    std: Literal["per_prompt", "global"] = "per_prompt"
+    std_ddof: Literal[0, 1] = Field(
+        0,
+        description=(
+            "advantage std: 0 = population std (flow_grpo), 1 = sample std (DanceGRPO; advantages "
+            "sqrt((G-1)/G) smaller)"
+        ),
+    )
+    kl_beta: float = Field(0.0, ge=0)
+    is_cap: float = Field(
+        2.0, ge=1, description="cap of the importance weight for stale samples (decoupled PPO)"
+    )
+    stale_gradient: Literal["recentred", "raw"] = Field(
+        "recentred",
+        description=(
+            "stale samples' log-prob gradient: recentred = their recorded step noise around the current "
+            "mean (the on-policy score, no stale drift term); raw = the recorded sample as is"
+        ),
+    )
+    timesteps: TimestepConfig = Field(default_factory=TimestepConfig)
+    nft: NftConfig = Field(default_factory=NftConfig, description="algorithm.name diffusion_nft only")

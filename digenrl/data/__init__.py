@@ -1,0 +1,1 @@
+"""Prompt sets: the rows a run samples prompts from."""

@@ -1,0 +1,96 @@
+"""Prompt sets: a file (one prompt per line, or JSONL with a 'prompt' field and metadata) or built-in."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from digenrl.config.train import PromptsConfig
+from digenrl.errors import UserError, read_user_text
+
+_COLORS = ["red", "green", "blue", "yellow"]
+_OBJECTS = ["apple", "car", "bird", "house", "flower", "boat"]
+
+BUILTIN: dict[str, list[str]] = {
+    # colour x object: the prompt names the colour the prompt_color reward asks for
+    "colors": [f"a {c} {o}" for o, c in itertools.product(_OBJECTS, _COLORS)],
+}
+
+
+@dataclass
+class Prompt:
+    text: str
+    meta: dict = field(default_factory=dict)
+
+
+#: characters per token of the text encoder's limit a prompt may use (English averages ~4 characters a
+#: token: a 4x margin), and a floor for the tiny presets' short limits. Longer prompts are refused at load
+#: time, naming the file and line: the tokenizer would cut them anyway, and an absurd one (a 10 MB line)
+#: would fail much later, in the tokenizer or in Pillow drawing its caption.
+CHARS_PER_TOKEN = 16
+MIN_PROMPT_CHARS = 1024
+#: the limit when no model is known (``load_prompts`` without ``max_chars``)
+DEFAULT_PROMPT_CHARS = 16_384
+
+
+def prompt_char_limit(max_text_len: int) -> int:
+    """The longest prompt (characters) for a text encoder that reads ``max_text_len`` tokens."""
+    return max(MIN_PROMPT_CHARS, CHARS_PER_TOKEN * max_text_len)
+
+
+def check_prompts(cfg) -> list[Prompt]:
+    """The run's prompts, loaded with the limit its text encoder implies (``model.max_text_len``)."""
+    return load_prompts(cfg.prompts, max_chars=prompt_char_limit(cfg.model.max_text_len))
+
+
+def load_prompts(
+    cfg: PromptsConfig, max_chars: int = DEFAULT_PROMPT_CHARS, what: str = "prompts.file"
+) -> list[Prompt]:
+    """The prompt set; a file's errors name ``what`` (the field or option that named it), the file and
+    the line. A prompt must be a non-empty string of at most ``max_chars`` characters."""
+    if cfg.builtin is not None:
+        if cfg.builtin not in BUILTIN:
+            raise UserError(f"prompts.builtin: unknown set '{cfg.builtin}' (available: {', '.join(BUILTIN)})")
+        return [Prompt(p) for p in BUILTIN[cfg.builtin]]
+    path = Path(cfg.file)
+    prompts = []
+    for n, line in enumerate(read_user_text(path, what).splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                row = json.loads(line)
+                prompt = Prompt(row.pop("prompt"), row)
+            except (json.JSONDecodeError, KeyError, AttributeError, RecursionError):
+                raise UserError(f"{what}: {path}:{n}: expected a JSON object with a 'prompt' field") from None
+            if not isinstance(prompt.text, str) or not prompt.text.strip():
+                raise UserError(f"{what}: {path}:{n}: 'prompt' must be a non-empty string")
+        else:
+            prompt = Prompt(line.strip())
+        if len(prompt.text) > max_chars:
+            raise UserError(
+                f"{what}: {path}:{n}: a prompt of {len(prompt.text)} characters, more than the {max_chars} "
+                "a prompt may hold (the text encoder reads model.max_text_len tokens); shorten it"
+            )
+        if "\0" in prompt.text:
+            raise UserError(f"{what}: {path}:{n}: the prompt holds a NUL character")
+        prompts.append(prompt)
+    if not prompts:
+        raise UserError(f"{what}: {path} holds no prompts")
+    return prompts
+
+
+class PromptSampler:
+    """Deterministic prompt choice per iteration: a seeded shuffle of the set, cycled."""
+
+    def __init__(self, prompts: list[Prompt], seed: int):
+        self.prompts, self.seed = prompts, seed
+
+    def for_iteration(self, iteration: int, n: int) -> list[Prompt]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + iteration)
+        order = torch.randperm(len(self.prompts), generator=g).tolist()
+        return [self.prompts[order[i % len(order)]] for i in range(n)]

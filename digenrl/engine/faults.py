@@ -1,0 +1,110 @@
+"""Fault injection (``engine.faults``): a plugin in each engine process that can die.
+
+``engine.faults: [{worker: rollout0, unit: rollout-2-0}]`` (or ``DIGENRL_FAULTS=rollout0@rollout-2-0``)
+ends the process of ``rollout0`` while it runs unit ``rollout-2-0``, the way a crash would: no
+cleanup, no reply. The engine's workers and the reward actor each hold a :class:`FaultInjector`
+for their own name (``reward`` for the reward actor) and call :meth:`FaultInjector.reached` at
+the point of a unit where a crash is most telling (after the work, before the result is
+returned); a group's follower also at the start of its share of a unit, ``<uid>:start``, while its
+lead waits for it in the unit's first collective (a member lost mid-unit). Each fault fires once
+per run, also across the process restarts it causes: a unit generated again after its worker died
+does not kill the worker a second time.
+
+A unit named ``sync-<version>`` on trainer rank 0 (``{worker: trainer0, unit: sync-2}``) does not
+end a process: it flips one bit of the first bucket of that version's broadcast weight sync in
+transit (``engine.weight_sync: broadcast``), which the rollout workers must detect and name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from digenrl.config.engine import FaultConfig
+from digenrl.errors import UserError
+
+ENV = "DIGENRL_FAULTS"
+
+
+def fault_plan(cfg) -> set[tuple[str, str]]:
+    """``engine.faults`` plus ``DIGENRL_FAULTS=worker@unit,worker@unit`` (tests, soak runs)."""
+    plan = {(f.worker, f.unit) for f in cfg.engine.faults}
+    for item in filter(None, os.environ.get(ENV, "").split(",")):
+        worker, sep, unit = item.strip().partition("@")
+        if not sep or not worker or not unit:
+            raise UserError(f"{ENV}: expected worker@unit (e.g. rollout0@rollout-1-0), got {item!r}")
+        plan.add((worker, unit))
+    return plan
+
+
+def with_fault_plan(cfg):
+    """``cfg`` whose ``engine.faults`` is the whole plan (the environment's faults included): what the
+    engine hands its processes, which may not see the driver's environment."""
+
+    faults = [FaultConfig(worker=w, unit=u) for w, u in sorted(fault_plan(cfg))]
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"faults": faults})})
+
+
+class FaultInjector:
+    """The faults of one named process."""
+
+    def __init__(self, name: str, units: frozenset[str]):
+        self.name, self.units = name, units
+
+    @classmethod
+    def from_config(cls, cfg, name: str) -> FaultInjector:
+        return cls(name, frozenset(f.unit for f in cfg.engine.faults if f.worker == name))
+
+    def reached(self, uid: str | None) -> None:
+        """This process has done unit ``uid``'s work: die here if a fault says so (once)."""
+        if uid not in self.units:
+            return
+        mark = Path(tempfile.gettempdir()) / f"digenrl-fault-{_incarnations()}-{self.name}-{uid}"
+        if mark.exists():  # fired already, in an earlier process of this actor
+            return
+        mark.touch()
+        print(f"fault injection: {self.name} dies in {uid}", file=sys.stderr, flush=True)
+        os._exit(17)
+
+    def corrupts(self, version: int):
+        """The wrapper that corrupts this process's broadcast of ``version``, or None."""
+        return corrupting if f"sync-{version}" in self.units else None
+
+
+@contextlib.contextmanager
+def corrupting(group, bucket: int = 0, element: int = 0):
+    """Within the block, weight bucket ``bucket`` that ``group`` broadcasts arrives with one bit of
+    byte ``element`` flipped (the source's own tensors are untouched). A version's broadcasts:
+    header size, header, buckets."""
+    real, calls = group.broadcast, [0]
+
+    def broadcast(tensor, src):
+        calls[0] += 1
+        if calls[0] == 3 + bucket:
+            tensor = tensor.clone()
+            tensor[element] ^= 1
+        real(tensor, src)
+
+    group.broadcast = broadcast
+    try:
+        yield group
+    finally:
+        group.broadcast = real
+
+
+def _incarnations() -> str:
+    """What a process shares with its restarted successors: the Ray actor's id (outside an actor,
+    the process id)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            actor = ray.get_runtime_context().get_actor_id()
+            if actor:
+                return actor
+    except Exception:  # noqa: BLE001  (no Ray here: a plain process)
+        pass
+    return str(os.getpid())

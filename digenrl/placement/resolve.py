@@ -1,0 +1,133 @@
+"""``resolve(cfg) -> RunLayout``: the one place a run's layout is decided (docs/architecture.md).
+
+The process that starts a run calls it -- ``digenrl train``, ``digenrl config validate``,
+``digenrl plan --write`` -- and hands the :class:`~digenrl.placement.layout.RunLayout` to everything that
+runs: the drivers, the Ray actors, the policy. It is the only caller of the memory model's
+resolution (:mod:`digenrl.placement.preflight`) and of the engine's refusal rules
+(:mod:`digenrl.distributed.settings`), in the order ``train`` always met them:
+
+1. the memory preflight (:func:`~digenrl.placement.preflight.check_memory`): the placement fits its devices;
+2. sequence parallelism the engine runs (``engine.rollout_sp`` / ``engine.trainer_sp``);
+3. the placement plan (built once) and its workers (a CUDA run on logical CPU pools is refused);
+4. ``train.fsdp`` (``auto``: the memory model's degree) and what sharding the engine runs;
+5. every other ``auto``: activation checkpointing, CFG batching per role, the rollout-only workers'
+   batch (``engine.rollout_batch``), VAE tiling, weight sync;
+6. the scheduler's configuration.
+
+Errors are the user's: one line naming the field (:class:`~digenrl.errors.UserError`).
+"""
+
+from __future__ import annotations
+
+from digenrl.adapters.vae_decode import tiling_mode
+from digenrl.config.run import RunConfig
+from digenrl.distributed.settings import fsdp_refusal, sp_refusal
+from digenrl.errors import UserError
+from digenrl.placement.layout import RunLayout, engine_layout, local_layout
+from digenrl.placement.plan import Plan
+from digenrl.placement.preflight import (
+    GiB,
+    check_memory,
+    known_gpu_type,
+    memory_model,
+    resolve_cfg_batching,
+    resolve_memory_settings,
+    resolve_rollout_batch,
+)
+from digenrl.policy.settings import Settings
+
+
+def resolve(cfg: RunConfig) -> RunLayout:
+    """The run's layout (module docstring); raises UserError on a combination the engine refuses."""
+    if cfg.placement.mode == "local":
+        return local_layout(cfg)
+
+    # the memory model, built once for every step below (only where a pool has a known GPU type: the
+    # steps use it only there)
+    model = memory_model(cfg) if any(known_gpu_type(p) for p in cfg.cluster.pools) else None
+    plan = check_memory(cfg, model)  # (the plan it built: on devices of known memory)
+    check_sp(cfg)
+    plan = plan or Plan.from_run_config(cfg)  # the one plan of the run
+    check_device(cfg, plan)
+    memory = resolve_memory_settings(cfg, plan, model)
+    fsdp = fsdp_degree(cfg, plan, memory.fsdp)
+    ac = cfg.train.activation_checkpointing
+    settings = Settings(
+        fsdp=fsdp,
+        activation_checkpointing=memory.activation_checkpointing if ac == "auto" else ac == "on",
+        micro_batch=memory.micro_batch,
+        rollout_batch=resolve_rollout_batch(cfg, plan, model),
+        cfg_batching_trainer=resolve_cfg_batching(cfg, True, plan, memory, model),
+        cfg_batching_rollout=resolve_cfg_batching(cfg, False, plan, memory, model),
+        vae_tiling=tiling_mode(cfg.model, cfg.sampling),
+        weight_sync=weight_sync_mode(cfg, plan),
+        weight_sync_fallback=cfg.engine.weight_sync == "auto" and plan.rollout_pool is not None,
+        memory_device=memory.device,
+        memory_need_gib=round(memory.need_bytes / GiB, 2),
+        memory_have_gib=round(memory.have_bytes / GiB, 2),
+    )
+    try:
+        scheduler = plan.scheduler_config(
+            cfg.train.prompts_per_iteration,
+            cfg.train.iterations,
+            wait_for_full_batch=cfg.algorithm.std == "global",
+            optimizer_steps=cfg.train.optimizer_steps,
+        )
+    except ValueError as exc:
+        raise UserError(f"engine: {exc}") from None
+    return engine_layout(cfg, plan, settings, scheduler)
+
+
+def check_device(cfg: RunConfig, plan: Plan) -> None:
+    """A CUDA run on logical CPU pools is refused here, before Ray."""
+    if cfg.train.device == "cuda" and any(p.device.lower() == "cpu" for p in plan.pools):
+        raise UserError(
+            "train.device: cuda, but cluster.pools devices are 'cpu' (logical CPU pools); "
+            "set the pools' device to 'gpu' or a GPU type such as H100"
+        )
+
+
+def weight_sync_mode(cfg: RunConfig, plan: Plan) -> str:
+    """How trainer rank 0 ships versions: ``none`` without rollout workers, else ``engine.weight_sync``
+    (``auto``: the broadcast group, with the object store as the fallback when it does not form)."""
+    if plan.rollout_pool is None:
+        return "none"
+    return "object_store" if cfg.engine.weight_sync == "object_store" else "broadcast"
+
+
+def fsdp_degree(cfg: RunConfig, plan: Plan, memory_degree: int) -> int:
+    """``train.fsdp`` as the trainer ranks run it (``auto``: the memory model's ``memory_degree``),
+    refused with one line where that sharding means nothing (:func:`fsdp_refusal`)."""
+    n, head = cfg.train.fsdp, f"train.fsdp: {cfg.train.fsdp}:"
+    if n == "auto":
+        n, head = memory_degree, f"train.fsdp: auto (the memory preflight needs {memory_degree}):"
+    if n in ("off", 1):
+        return 1
+    mode = cfg.placement.mode
+    ranks = sum(w.role != "rollout" for w in plan.workers()) if mode != "local" else 0
+    why = fsdp_refusal(n, placement=mode, ranks=ranks, trainer_sp=cfg.engine.trainer_sp)
+    if why:
+        raise UserError(f"{head} {why}")
+    return n
+
+
+def check_sp(cfg: RunConfig) -> None:
+    """What sequence parallelism means something (:func:`sp_refusal`): ``engine.rollout_sp: s`` makes
+    each s consecutive devices of a disaggregated rollout pool one rollout worker, ``engine.trainer_sp:
+    s`` each s consecutive trainer devices one trainer rank. Anything else: one line."""
+    from digenrl.planner.shapes import model_shape
+
+    e, mode = cfg.engine, cfg.placement.mode
+    pools = {p.name: p.count for p in cfg.cluster.pools}
+    devices = {
+        "rollout": pools.get(cfg.placement.rollout_pool, 0),
+        "trainer": pools.get(cfg.placement.trainer_pool, 0),
+    }
+    if mode == "colocated":  # every device rolls out and trains, in groups of engine.trainer_sp
+        devices = dict.fromkeys(devices, sum(pools.values()))
+    for key, role in (("rollout_sp", "rollout"), ("trainer_sp", "trainer")):
+        s = getattr(e, key)
+        shape = (lambda: model_shape(cfg.model)) if s > 1 else None
+        why = sp_refusal(role, s, placement=mode, devices=devices[role], shape=shape)
+        if why:
+            raise UserError(f"engine.{key}: {s}: {why}")

@@ -1,0 +1,1 @@
+"""The trained model: an adapter's transformer with LoRA or full weights, its optimizer, EMA and version."""

@@ -1,0 +1,205 @@
+"""The trained policy: an adapter's transformer + LoRA (or full weights) + optimizer + version counter.
+
+One ``Policy`` lives in every process that samples or trains (the local trainer, each Ray worker).
+Version k = the weights after k iterations; an iteration takes ``train.optimizer_steps`` optimizer
+steps (mini-batch PPO) and only its last one bumps the version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from digenrl.adapters import build_adapter
+from digenrl.algorithms.nft import OldPolicy
+from digenrl.config.run import RunConfig
+from digenrl.distributed.checkpointing import checkpoint_blocks
+from digenrl.distributed.precision import fp32_master
+from digenrl.errors import UserError, WeightSyncError
+from digenrl.policy.ema import WeightAverage, swapped_in
+from digenrl.policy.lora import apply_lora, checksum, full_tensor, load_lora_state_dict, lora_state_dict
+from digenrl.policy.settings import single_process_settings
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device: cuda requested but no CUDA device is visible")
+    return torch.device(name)
+
+
+class Policy:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        device: torch.device | str | None = None,
+        trainable: bool = True,
+        generates: bool = True,
+        layout=None,
+    ):
+        """``generates=False``: a lean trainer rank (a checkpoint's transformer is loaded alone);
+        ``layout``: the run's (:mod:`digenrl.placement.layout`), whose resolved settings this policy runs with
+        (None: a policy outside a run, with a single process's settings)."""
+        self.cfg = cfg
+        # the run layout's settings (digenrl.placement.layout), else a single process's
+        self.settings = settings = layout.settings if layout is not None else single_process_settings(cfg)
+        self.device = torch.device(device) if device is not None else pick_device(cfg.train.device)
+        # the CFG passes batched or one at a time for this role, and the VAE's tiling, as resolved
+        sampling = cfg.sampling.model_copy(
+            update={"cfg_batching": settings.cfg_batching(trainable), "vae_tiling": settings.vae_tiling}
+        )
+        self.adapter = build_adapter(cfg.model, sampling, self.device, generates)
+        net = self.adapter.transformer
+        self.lora = cfg.model.lora is not None
+        if self.lora:
+            self.lora_targets = apply_lora(net, cfg.model.lora, self.adapter.default_lora_targets)
+        else:
+            net.requires_grad_(True)
+        self._ref = None
+        if trainable and not self.lora and cfg.algorithm.kl_beta > 0:  # full FT: the KL needs a frozen
+            # copy, on the ranks that train only (a rollout policy never computes the KL)
+            self._ref = copy.deepcopy(net).requires_grad_(False)
+        if trainable:
+            fp32_master(net)  # the optimizer steps fp32 masters; compute stays in model.dtype (autocast)
+            if settings.activation_checkpointing:
+                checkpoint_blocks(net)
+        self.named_params = {n: p for n, p in net.named_parameters() if p.requires_grad}
+        self.params = list(self.named_params.values())
+        self.optimizer = None
+        self.ema: WeightAverage | None = None  # train.ema: on the trainer only
+        self.old = None  # diffusion_nft: the old policy (an EMA of the trained weights), on trainer ranks
+        if trainable:
+            t = cfg.train
+            self.optimizer = torch.optim.AdamW(
+                self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
+            )
+            if t.ema is not None:
+                self.ema = WeightAverage(self.named_params, t.ema)
+            if cfg.algorithm.name == "diffusion_nft":
+                self.old = OldPolicy(self.named_params, cfg.algorithm.nft)
+        self.version = 0
+
+    # ------------------------------------------------------------------ optimisation
+    def optimizer_step(self, publish: bool = True) -> float:
+        """Clip the accumulated gradient, step, zero it, update the EMA; ``publish`` (the iteration's
+        last step) bumps the version. Returns the pre-clip grad norm."""
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
+        if hasattr(norm, "full_tensor"):  # FSDP2 shards: the norm is a DTensor over the mesh
+            norm = norm.full_tensor()
+        if not torch.isfinite(norm):  # a step now would write NaN into every weight: refuse it, say why
+            self.optimizer.zero_grad(set_to_none=True)
+            raise UserError(non_finite_gradient(self.cfg, float(norm), self.version))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
+        if self.old is not None:  # diffusion_nft: blend the old policy after the iteration's last step
+            self.old.step(publish)
+        if publish:
+            self.version += 1
+        return float(norm)
+
+    @contextlib.contextmanager
+    def averaged(self):
+        """Inside the block the network holds the EMA weights (``train.ema``); without EMA, a no-op."""
+        if self.ema is None:
+            yield
+            return
+        with swapped_in(self.named_params, self.ema.average):
+            yield
+
+    @contextlib.contextmanager
+    def old_weights(self):
+        """Inside the block the network holds the old policy's weights (diffusion_nft), for forwards
+        without gradient. A sharded network drops its gathered copies on the way in and out, so no
+        forward reuses the other weights' gather."""
+        net = self.adapter.transformer
+        _reshard(net)
+        with swapped_in(self.named_params, self.old.average):
+            try:
+                yield
+            finally:
+                _reshard(net)
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The KL reference: the same network with LoRA disabled (free), or the frozen initial copy."""
+        net = self.adapter.transformer
+        if self._ref is not None:
+            self.adapter.transformer = self._ref
+            try:
+                yield
+            finally:
+                self.adapter.transformer = net
+        else:
+            net.disable_adapters()
+            try:
+                yield
+            finally:
+                net.enable_adapters()
+
+    # ------------------------------------------------------------------ weights (sync, checkpoints)
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What a weight sync ships: LoRA tensors only with LoRA, all weights otherwise."""
+        if self.lora:
+            return lora_state_dict(self.adapter.transformer)
+        return {
+            k: full_tensor(v).detach().cpu().clone() for k, v in self.adapter.transformer.state_dict().items()
+        }
+
+    def load_weights(
+        self, state: dict[str, torch.Tensor], version: int, expected_checksum: str | None = None
+    ):
+        if self.lora:
+            load_lora_state_dict(self.adapter.transformer, state, expected_checksum)
+        else:
+            net = self.adapter.transformer
+            result = net.load_state_dict(state, strict=False)
+            if result.missing_keys or result.unexpected_keys:
+                raise WeightSyncError(
+                    f"weight load mismatch: missing {result.missing_keys[:3]}, "
+                    f"unexpected {result.unexpected_keys[:3]}"
+                )
+            if expected_checksum is not None:
+                own = net.state_dict()
+                if all(own[k].dtype == v.dtype for k, v in state.items()):
+                    if checksum(self.weights()) != expected_checksum:
+                        raise WeightSyncError("weight checksum mismatch after load")
+                else:  # fp32 masters loaded into a compute-dtype copy: verify what arrived, then the cast
+                    if checksum(state) != expected_checksum:
+                        raise WeightSyncError("weight checksum mismatch of the received weights")
+                    if not all(torch.equal(own[k], v.to(own[k].dtype)) for k, v in state.items()):
+                        raise WeightSyncError("weights differ from the received ones after load")
+        self.version = version
+
+
+def _reshard(net) -> None:
+    """Free an FSDP2 model's gathered parameter copies (a no-grad forward leaves the root's gathered)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in net.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def compile_transformer(policy: Policy, mode: str = "default") -> None:
+    """``engine.compile_rollout``: ``torch.compile`` the transformer's forward in place (``mode``:
+    ``engine.compile_mode``). The module, its parameters, its state-dict keys and its LoRA stay what
+    they were, so weight loads and checksums are unchanged; the first forwards of each new shape compile."""
+    policy.adapter.transformer.compile(mode=mode, dynamic=None)
+
+
+def non_finite_gradient(cfg, norm: float, version: int) -> str:
+    """The one line for a loss / gradient that overflowed: the fields that most likely caused it."""
+    likely = [f"train.lr ({cfg.train.lr:g}) too large"]
+    if cfg.model.dtype == "float16":
+        likely.append("model.dtype float16 overflowing (try bfloat16)")
+    if cfg.algorithm.kl_beta > 0:
+        likely.append(f"algorithm.kl_beta ({cfg.algorithm.kl_beta:g})")
+    return (
+        f"train.lr: the loss or its gradient is not finite (grad norm {norm}) in the update from version "
+        f"{version}; the weights were not changed. Most likely: {', or '.join(likely)}"
+    )

@@ -1,0 +1,50 @@
+"""The settings a process of a run runs with (every ``auto`` resolved): the part of the run's layout
+(:mod:`digenrl.placement.layout`) a :class:`~digenrl.policy.model.Policy` reads, at the policy's layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from digenrl.adapters.vae_decode import tiling_mode
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every ``auto`` of the config as the run's processes run it."""
+
+    fsdp: int = 1  # trainer ranks per FSDP2 shard group (1: replicated)
+    activation_checkpointing: bool = False  # trainer ranks checkpoint each transformer block
+    micro_batch: int = 1  # samples per forward / backward inside a train unit
+    rollout_batch: int | None = None  # samples per sampling forward of a rollout-only worker (None: the
+    # train forwards' batches, the on-policy ratio exactly 1; TAG ranks and colocated workers always)
+    cfg_batching_trainer: str = "sequential"  # two-pass CFG on workers that train (trainer / both)
+    cfg_batching_rollout: str = "sequential"  # ... on rollout workers
+    vae_tiling: str = "default"  # on | off | default (the VAE's own)
+    weight_sync: str = "none"  # broadcast | object_store | none (no rollout workers)
+    weight_sync_fallback: bool = False  # engine.weight_sync auto: the object store if no group forms
+    memory_device: str = ""  # the trainer device type the memory model checked ("" when none)
+    memory_need_gib: float = 0.0  # what a trainer rank needs there, by the memory model
+    memory_have_gib: float = 0.0
+
+    def cfg_batching(self, trainable: bool) -> str:
+        return self.cfg_batching_trainer if trainable else self.cfg_batching_rollout
+
+    def sampling_batch(self, role: str) -> int | None:
+        """Samples per sampling forward of a worker of ``role``: a rollout-only worker's own batch,
+        anyone else's the train forwards' batches (None)."""
+        return self.rollout_batch if role == "rollout" else None
+
+
+def single_process_settings(cfg) -> Settings:
+    """A process that knows no device memory (a local run; a policy built outside a run): explicit
+    values as written, ``auto`` off / sequential, the VAE's tiling by the adapters' own rule."""
+
+    t, cfg_batching = cfg.train, cfg.sampling.cfg_batching
+    cfg_batching = "sequential" if cfg_batching == "auto" else cfg_batching
+    return Settings(
+        activation_checkpointing=t.activation_checkpointing == "on",
+        micro_batch=t.micro_batch,
+        cfg_batching_trainer=cfg_batching,
+        cfg_batching_rollout=cfg_batching,
+        vae_tiling=tiling_mode(cfg.model, cfg.sampling),
+    )

@@ -1,0 +1,262 @@
+"""Evaluation: deterministic (ODE, noise level 0) sampling with fixed seeds, scored by every reward.
+
+The initial noise of prompt i is drawn from a generator seeded by (run seed, "eval", i), so a
+checkpoint and its baseline start every prompt from the same latents: the difference between
+them is the weights' doing, not the noise's.
+
+- :func:`evaluate_policy` samples and scores a prompt set with a policy's current weights (the
+  trainer calls it every ``output.eval_every`` iterations).
+- :func:`evaluate_checkpoint` is ``digenrl eval``: a checkpoint (and optionally a baseline: the
+  initial weights or another checkpoint) -> ``eval.json`` and captioned grids / GIFs. A checkpoint
+  that holds an EMA of the weights (``train.ema``) is evaluated with the EMA weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from digenrl.algorithms.sde import sample
+from digenrl.checkpoint.store import find_checkpoint, load_checkpoint, read_state, use_ema_weights
+from digenrl.config.run import load_config
+from digenrl.config.train import PromptsConfig
+from digenrl.data.prompts import Prompt, load_prompts, prompt_char_limit
+from digenrl.errors import UserError
+from digenrl.policy.model import Policy
+from digenrl.rewards import build_reward
+from digenrl.run.media import save_samples
+from digenrl.run.rundir import check_writable
+from digenrl.units.rows import stream_seed
+
+
+@dataclass
+class EvalResult:
+    prompts: list[str]
+    pixels: torch.Tensor  # uint8, (N, 3, H, W) or (N, 3, F, H, W)
+    scores: dict[str, torch.Tensor]  # reward component -> (N,)
+    total: torch.Tensor  # (N,) weighted sum, as in training
+
+    def rewards(self) -> dict[str, dict]:
+        """Per reward (and the weighted ``total``): mean, std and the per-prompt values. A NaN score
+        (``reward.nan_policy: drop``) is left out of mean / std and written as null."""
+        out = {}
+        for name, v in {**self.scores, "total": self.total}.items():
+            v = v.double()
+            kept = v[~torch.isnan(v)]
+            out[name] = {
+                "mean": kept.mean().item() if len(kept) else None,
+                "std": kept.std().item() if len(kept) > 1 else 0.0,
+                "values": [None if x != x else round(x, 6) for x in v.tolist()],
+            }
+        return out
+
+    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        """Flat means for a metrics row: ``eval/<reward>`` per component and ``eval/reward_mean``."""
+        return reward_metrics(self.total, self.scores, prefix)
+
+
+def reward_metrics(total: torch.Tensor, parts: dict[str, torch.Tensor], prefix: str = "eval/") -> dict:
+    """``eval/<reward>`` (each component's mean) and ``eval/reward_mean`` (the weighted total's), NaN
+    scores left out: of an :class:`EvalResult`, or of the scores a rollout worker returned for a trainer
+    rank's eval samples (the engine, a model reward: ``EngineWorker.evaluate``)."""
+    row = {f"{prefix}{k}": v.float().nanmean().item() for k, v in parts.items()}
+    row[f"{prefix}reward_mean"] = total.float().nanmean().item()
+    return row
+
+
+def eval_noise(adapter, index: int, seed: int) -> torch.Tensor:
+    """Initial latents of eval prompt ``index``: the same for every policy evaluated with ``seed``."""
+
+    return adapter.initial_noise(1, torch.Generator().manual_seed(stream_seed(seed, "eval", index)))
+
+
+@torch.no_grad()
+def evaluate_policy(
+    policy,
+    reward_fn,
+    prompts: list[Prompt],
+    *,
+    steps: int | None = None,
+    seed: int | None = None,
+    batch_size: int | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> EvalResult:
+    """ODE-sample one image / video per prompt with the policy's current weights and score it.
+
+    Defaults: ``sampling.eval_steps``, ``train.seed`` and ``train.micro_batch`` of the policy's config.
+    ``on_batch(n)`` is called after each batch of ``n`` prompts. ``sampling.eval_guidance``, when set,
+    replaces the guidance scale for the evaluation only.
+    """
+    cfg, ad = policy.cfg, policy.adapter
+    steps = steps or cfg.sampling.eval_steps
+    seed = cfg.train.seed if seed is None else seed
+    batch_size = batch_size or cfg.train.micro_batch
+    sigmas = ad.sigmas(steps)
+    pixels, totals, parts = [], [], []
+    guided = cfg.sampling.eval_guidance is not None and cfg.sampling.eval_guidance != ad.sampling.guidance
+    train_sampling = ad.sampling
+    if guided:  # sampling.eval_guidance: the evaluation's own guidance (e.g. CFG after CFG-free training)
+        ad.sampling = ad.sampling.model_copy(update={"guidance": cfg.sampling.eval_guidance})
+    try:
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            # encoded afresh with the eval guidance (a CFG family's conditioning holds the negative prompt)
+            cond = ad.encode_prompts([p.text for p in chunk]).to(ad.device) if guided else None
+            _eval_batch(ad, chunk, cond, sigmas, seed, start, reward_fn, pixels, totals, parts)
+            if on_batch:
+                on_batch(len(chunk))
+    finally:
+        ad.sampling = train_sampling
+    names = parts[0].keys()
+    return EvalResult(
+        prompts=[p.text for p in prompts],
+        pixels=torch.cat(pixels),
+        scores={k: torch.cat([p[k] for p in parts]).float() for k in names},
+        total=torch.cat(totals),
+    )
+
+
+def _eval_batch(ad, chunk, cond, sigmas, seed, start, reward_fn, pixels, totals, parts) -> None:
+    """Sample and score one batch of eval prompts (``cond``: None = through the prompt cache)."""
+
+    texts = [p.text for p in chunk]
+    cond = ad.cond_for(texts) if cond is None else cond
+    noise = torch.cat([eval_noise(ad, start + j, seed) for j in range(len(chunk))])
+    traj = sample(ad, cond, noise.to(ad.device), sigmas, "flow_grpo", 0.0)  # eta 0: the Euler ODE
+    px = ad.decode(traj.latents[:, -1]).clamp(0, 1)
+    total, p = reward_fn(px, texts, [dict(q.meta) for q in chunk])
+    pixels.append((px * 255).round().to(torch.uint8).cpu())
+    totals.append(total.float().cpu())
+    parts.append(p)
+
+
+# ------------------------------------------------------------------------------------- digenrl eval
+@dataclass
+class EvalJob:
+    """Everything ``digenrl eval`` checked before it starts sampling."""
+
+    checkpoint: Path
+    cfg: object  # RunConfig
+    config_path: Path
+    prompts: list[Prompt]
+    baseline: str | Path | None  # None | "base" | a checkpoint directory
+    out: Path
+
+
+def default_out_dir(checkpoint: Path) -> Path:
+    """RUN/eval/iter-NNNNNN for a checkpoint of a run directory, else CHECKPOINT/eval."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.parent.name == "checkpoints":
+        return checkpoint.parent.parent / "eval" / checkpoint.name
+    return checkpoint / "eval"
+
+
+def prepare_eval(
+    checkpoint: Path,
+    config: Path | None = None,
+    prompts: Path | None = None,
+    baseline: str | None = None,
+    out: Path | None = None,
+) -> EvalJob:
+    """Validate every input (checkpoint, config, prompts, baseline, output dir) before any work: UserError."""
+
+    if checkpoint is None:
+        raise UserError("--checkpoint: required (a checkpoint directory or a run directory)")
+    ckpt = find_checkpoint(checkpoint)
+    state = read_state(ckpt)
+    config_path = Path(config) if config is not None else state.config_path
+    cfg = load_config(config_path)
+    limit = prompt_char_limit(cfg.model.max_text_len)  # what the text encoder can use, as train checks
+    if prompts is not None:
+        prompt_set = load_prompts(PromptsConfig(file=prompts), max_chars=limit, what="--prompts")
+    else:
+        prompt_set = load_prompts(cfg.prompts, max_chars=limit)
+    base = None
+    if baseline is not None:
+        if baseline == "base":
+            base = "base"
+        else:
+            try:
+                base = find_checkpoint(Path(baseline))
+                read_state(base)
+            except UserError as exc:  # the option the user typed, not "checkpoint:"
+                raise UserError(f"--baseline: {str(exc).removeprefix('checkpoint: ')}") from None
+    out = Path(out) if out is not None else default_out_dir(ckpt)
+    check_writable(out, "--out")
+    return EvalJob(ckpt, cfg, config_path, prompt_set, base, out)
+
+
+def evaluate_checkpoint(job: EvalJob, on_batch: Callable[[int], None] | None = None) -> dict:
+    """Run ``digenrl eval``: sample + score the checkpoint (and baseline), write eval.json and grids."""
+
+    t0 = time.perf_counter()
+    cfg = job.cfg.model_copy(deep=True)
+    cfg.algorithm.kl_beta = 0.0  # no frozen reference copy: eval never needs one
+    reward = build_reward(cfg.reward)
+    policy = Policy(cfg, trainable=False)  # the initial weights (LoRA: B = 0, i.e. the base model)
+    run = lambda: evaluate_policy(policy, reward, job.prompts, on_batch=on_batch)  # noqa: E731
+    base = run() if job.baseline == "base" else None
+    state = load_checkpoint(job.checkpoint, policy, optimizer=False, rng=False)
+    ema = use_ema_weights(job.checkpoint, policy)  # train.ema: the averaged weights, when kept
+    main = run()
+    base_label = "base"
+    if isinstance(job.baseline, Path):
+        load_checkpoint(job.baseline, policy, optimizer=False, rng=False)
+        use_ema_weights(job.baseline, policy)
+        base, base_label = run(), job.baseline.name
+    report = {
+        "checkpoint": str(job.checkpoint),
+        "iteration": state.iteration,
+        "version": state.version,
+        "config": str(job.config_path),
+        "adapter": cfg.model.adapter,
+        "eval_steps": cfg.sampling.eval_steps,
+        "seed": cfg.train.seed,
+        "prompts": main.prompts,
+        "rewards": main.rewards(),
+        "weights": "ema" if ema is not None else "trained",
+    }
+    if ema is not None:
+        report["ema"] = ema
+    files = _write_grids(job.out, main, base, base_label)
+    if base is not None:
+        report["baseline"] = {
+            "source": "base" if job.baseline == "base" else str(job.baseline),
+            "rewards": base.rewards(),
+        }
+        ours = main.rewards()
+        report["difference"] = {
+            k: None if None in (ours[k]["mean"], v["mean"]) else ours[k]["mean"] - v["mean"]
+            for k, v in base.rewards().items()
+        }
+    report.update(files)
+    report["seconds"] = round(time.perf_counter() - t0, 3)
+    _write_atomic(job.out / "eval.json", json.dumps(report, indent=1))
+    return report
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_grids(out: Path, main: EvalResult, base: EvalResult | None, base_label: str) -> dict:
+    """``eval.png`` (video: ``eval.gif``) with prompt + total reward captions; with a baseline also
+    ``compare.png|gif``: checkpoint and baseline side by side, two pairs per row."""
+
+    out.mkdir(parents=True, exist_ok=True)
+    caps = [f"{p} {r:.2f}" for p, r in zip(main.prompts, main.total.tolist())]
+    files = {"grid": save_samples(main.pixels, caps, out / "eval").name}
+    if base is not None:
+        pixels = torch.stack([main.pixels, base.pixels], dim=1).flatten(0, 1)  # ckpt_i, base_i, ...
+        base_caps = [f"{base_label} {r:.2f}" for r in base.total.tolist()]
+        pair_caps = [c for pair in zip(caps, base_caps) for c in pair]
+        files["comparison"] = save_samples(pixels, pair_caps, out / "compare", group=2).name  # 2 pairs a row
+    return files

@@ -1,0 +1,1 @@
+"""Scheduling: which unit each worker does next, and the one loop that asks (pure Python)."""

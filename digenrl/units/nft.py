@@ -1,0 +1,153 @@
+"""DiffusionNFT's side of the two units (``algorithm.name: diffusion_nft``; the math:
+:mod:`digenrl.algorithms.nft`, docs/algorithms.md).
+
+- rollout: :func:`digenrl.units.rollout.rollout_unit` samples as for the other algorithms (the deterministic
+  ODE by default) and keeps only the clean latents: no trajectory and no log-probs travel.
+  :func:`noise_plan` picks each sample's K noise levels (distinct sigmas of the rollout schedule) and
+  the seed of each level's forward noise, from the group's seed, so a sample trains on the same
+  x_t in whichever unit, worker, TSP rank or FSDP share it lands.
+- train: :func:`train_unit` -- for every micro-batch and each of this TSP rank's noise-level positions
+  (j mod D = r, as TSP splits trained timesteps), the old policy's velocity (no gradient, its
+  weights swapped in where the step runs) and the current forward / backward of the NFT loss. Each
+  term is divided by the mini-batch's term count, so units and ranks add up to the mean loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from digenrl.adapters.guidance import backward_through_velocity
+from digenrl.algorithms import nft
+from digenrl.units.rows import stream_seed, train_batches
+
+
+def is_nft(cfg) -> bool:
+    return cfg.algorithm.name == "diffusion_nft"
+
+
+def noise_levels(cfg) -> int:
+    """K: forward-noised copies per sample (null: one per rollout step)."""
+    return cfg.algorithm.nft.noise_levels or cfg.sampling.steps
+
+
+def noise_plan(cfg, iteration: int, seed: int, group_ids: list[int], samples: tuple[int, int]):
+    """(sde_mask (N,) all True, level index (B, K) into the rollout sigmas, noise seeds (B, K) int64)
+    for samples [lo, hi) of each group: per sample a random K of the N sigmas (as the reference
+    shuffles each sample's timesteps and takes the first K), and one seed per (sample, level)."""
+
+    n, k, G = cfg.sampling.steps, noise_levels(cfg), cfg.algorithm.group_size
+    lo, hi = samples
+    idx, seeds = [], []
+    for gid in group_ids:
+        gen = torch.Generator().manual_seed(stream_seed(seed, iteration, gid, "nft-levels"))
+        levels = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(G)])
+        idx.append(levels[lo:hi])
+        seeds.append(
+            torch.tensor(
+                [
+                    [stream_seed(seed, iteration, gid, q, j, "nft-noise") for j in range(k)]
+                    for q in range(lo, hi)
+                ]
+            )
+        )
+    return torch.ones(n, dtype=torch.bool), torch.cat(idx), torch.cat(seeds)
+
+
+def _noise(seeds: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The forward noise eps of each row (one seed each)."""
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds])
+
+
+def train_unit(
+    policy,
+    samples,
+    total_terms: int,
+    tsp_rank: int = 0,
+    tsp_degree: int = 1,
+    minibatch: int = 0,
+    minibatches: int = 1,
+    micro_batches: int | None = None,
+    padding: bool = False,
+) -> dict:
+    """Accumulate this unit's share of the mini-batch's NFT loss gradient (docstring of the module).
+    A sharded group's rank (:func:`~digenrl.engine.fsdp_group.train_share`) runs ``micro_batches``,
+    its group's most: every micro-batch runs the same passes (one per noise level), so a rank with
+    fewer -- or none, ``padding`` (``samples`` is one row) -- runs the rest on one row, weighted 0."""
+
+    cfg, ad = policy.cfg, policy.adapter
+    alg = cfg.algorithm
+    beta = alg.nft.beta
+    stats = NftStats()
+    positions = [j for j in range(samples.train_idx.shape[1]) if j % tsp_degree == tsp_rank]
+    sig = samples.sigmas.float()
+    per_group = len(samples) // len(samples.group_ids)
+    batches = train_batches(len(samples), cfg, minibatch, minibatches, per_group, samples.first_sample)
+    real = 0 if padding else len(batches)
+    if micro_batches is not None and micro_batches > real:  # an uneven split: the group's other passes
+        batches = batches[:real] + [batches[0][:1]] * (micro_batches - real)
+    for k, mb in enumerate(batches):
+        if not positions:
+            break
+        weight = 0.0 if k >= real else 1.0  # a pass only the group's collectives need adds nothing
+        x0 = samples.latents[mb, -1].float().to(ad.device)
+        cond = samples.cond.select(mb).to(ad.device)
+        r = nft.optimality(samples.advantages[mb], alg.adv_clip).to(ad.device)
+        noisy = []
+        for j in positions:
+            t = sig[samples.train_idx[mb, j]].to(ad.device)
+            eps = _noise(samples.noise_seeds[mb, j], tuple(x0.shape[1:])).to(ad.device)
+            noisy.append((t, nft.forward_noise(x0, t, eps)))
+        with torch.no_grad(), policy.old_weights():  # v_old: every level's forward in one weight swap
+            olds = [ad.velocity(x_t, t, cond) for t, x_t in noisy]
+        for (t, x_t), v_old in zip(noisy, olds):
+            v_ref = None
+            if alg.kl_beta > 0:
+                with torch.no_grad(), policy.reference():
+                    v_ref = ad.velocity(x_t, t, cond)
+
+            def objective(v, v_old=v_old, x_t=x_t, t=t, v_ref=v_ref, weight=weight):
+                loss, parts = nft.nft_loss(v, v_old, x_t, x0, t, r, beta, alg.adv_clip)
+                kl = None
+                if v_ref is not None:
+                    kl = nft.velocity_kl(v, v_ref)
+                    loss = loss + alg.kl_beta * kl
+                    kl = kl.detach()
+                return weight * loss.sum() / total_terms, (loss.detach(), parts, kl)
+
+            loss, parts, kl = backward_through_velocity(ad, x_t, t, cond, objective)
+            if weight:
+                stats.add(loss, parts, kl, r, total_terms)
+    return stats.as_dict()
+
+
+class NftStats:
+    """Sums over a unit's (sample, noise level) terms; merged by :func:`merge_stats` (and summed
+    over FSDP ranks' shares by the engine's ``combine_rank_stats``)."""
+
+    def __init__(self):
+        self.loss = self.kl = 0.0
+        self.terms = 0
+        self.nft_positive = self.nft_negative = self.nft_old_deviation = self.nft_r = 0.0
+
+    def add(self, loss, parts, kl, r, total_terms):
+        self.loss += loss.sum().item() / total_terms
+        self.terms += loss.numel()
+        self.nft_positive += parts["positive"].sum().item()
+        self.nft_negative += parts["negative"].sum().item()
+        self.nft_old_deviation += parts["old_deviation"].sum().item()
+        self.nft_r += r.sum().item()
+        if kl is not None:
+            self.kl += kl.sum().item()
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:
+    """The iteration's metrics from the units' stats: ``loss`` (mean of the mini-batches' losses), and
+    per-term means of the KL, the positive / negative x0 errors, the old-policy deviation and r."""
+    terms = sum(p["terms"] for p in parts) or 1
+    out = {"loss": sum(p["loss"] for p in parts) / minibatches, "kl": sum(p["kl"] for p in parts) / terms}
+    for key in ("nft_positive", "nft_negative", "nft_old_deviation", "nft_r"):
+        out[key] = sum(p[key] for p in parts) / terms
+    return out

@@ -1,0 +1,164 @@
+"""The rollout unit: m prompt groups (or part of one) generated and decoded with ONE policy version.
+
+Its model forwards run in the train units' batches (:func:`forward_batches`), so an on-policy
+ratio is exactly 1 on the same kernels (docs/architecture.md, "Units and versions").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from digenrl.algorithms import grpo
+from digenrl.algorithms.sde import (
+    sample,
+)
+from digenrl.data.prompts import Prompt
+from digenrl.units.nft import is_nft, noise_plan
+from digenrl.units.rows import stream_seed, train_batches
+from digenrl.units.samples import GroupRNG, Samples
+
+
+@torch.no_grad()
+def rollout_unit(
+    policy,
+    reward_fn,
+    prompts: list[Prompt],
+    group_ids: list[int],
+    iteration: int,
+    seed: int,
+    samples: tuple[int, int] | None = None,
+    batch: int | None = None,
+    whole_forwards: bool = False,
+) -> Samples:
+    """Generate G samples for each prompt with the policy's current weights, decode and score them;
+    ``samples = (lo, hi)``: only samples lo..hi-1 of each group (a sub-group unit), the same ones a
+    whole-group unit generates. ``batch``: samples per model forward (a rollout-only worker's own,
+    ``engine.rollout_batch``: the trainer's log-probs then match to rounding); None: the train
+    forwards' batches (:func:`forward_batches`, bit for bit). ``whole_forwards``: one forward of all
+    the samples per step, not the train forwards' batches (a sharded group's ranks whose shares
+    would run different numbers)."""
+    cfg, ad = policy.cfg, policy.adapter
+    G, n_steps = cfg.algorithm.group_size, cfg.sampling.steps
+    lo, hi = samples or (0, G)
+    if not 0 <= lo < hi <= G:
+        raise ValueError(f"samples {samples} is not a range of 0..{G}")
+    n = hi - lo  # samples per group in this unit
+    rng = GroupRNG([stream_seed(seed, iteration, gid) for gid in group_ids], G, (lo, hi))
+    cond = ad.cond_for([p.text for p in prompts]).repeat_interleave(n)
+    noise = rng((len(prompts) * n, *ad.latent_shape()))
+    sigmas = ad.sigmas(n_steps)
+    nft, noise_seeds = is_nft(cfg), None
+    if nft:  # K noise levels per sample and their noise seeds; the rollout itself is a plain sampler
+        sde_mask, train_idx, noise_seeds = noise_plan(cfg, iteration, seed, group_ids, (lo, hi))
+    else:
+        sde_mask, train_idx = _timestep_selection(cfg, iteration, seed, group_ids, (lo, hi))
+    traj = sample(
+        ad,
+        cond.to(ad.device),
+        noise.to(ad.device),
+        sigmas,
+        cfg.sampling.sde,
+        cfg.sampling.noise_level,
+        rng,
+        sde_mask,
+        batches=None
+        if whole_forwards
+        else own_batches(len(noise), n_steps, batch)
+        if batch is not None
+        else None
+        if nft
+        else forward_batches(train_idx, cfg, n, lo),
+    )
+    pixels = ad.decode(traj.latents[:, -1])
+    texts = [p.text for p in prompts for _ in range(n)]
+    metas = [p.meta for p in prompts for _ in range(n)]
+    total, parts = reward_fn(pixels, texts, metas)
+    return Samples(
+        iteration=iteration,
+        version=policy.version,
+        group_ids=list(group_ids),
+        prompts=texts,
+        cond=cond.to("cpu"),
+        # NFT trains on the clean samples only: a copy, so no view drags the trajectory's storage along
+        latents=(traj.latents[:, -1:].clone() if nft else traj.latents).cpu(),
+        log_probs=(traj.log_probs[:, :0].clone() if nft else traj.log_probs).cpu(),
+        sigmas=sigmas.cpu(),
+        sde_mask=sde_mask,
+        train_idx=train_idx,
+        rewards=total,
+        reward_parts=parts,
+        preview=(pixels[::n].clamp(0, 1) * 255).round().to(torch.uint8).cpu(),
+        first_sample=lo,
+        noise_seeds=noise_seeds,
+        step_noise=None if nft else traj.noise.cpu(),  # diffusion_nft: no trajectory travels
+    )
+
+
+def preflight_reward(reward_fn, adapter, prompts: list[Prompt]) -> dict[str, float]:
+    """Dry-run the rewards on two random samples of the adapter's decoded shape, before training:
+    a reward that crashes, or returns NaN / inf / the wrong shape, fails here naming itself."""
+    with torch.no_grad():
+        shape = tuple(adapter.decode(torch.zeros(1, *adapter.latent_shape(), device=adapter.device))[0].shape)
+    head = prompts[:2]
+    return reward_fn.check([p.text for p in head], shape, [p.meta for p in head])
+
+
+def _timestep_selection(cfg, iteration: int, seed: int, group_ids: list[int], samples: tuple[int, int]):
+    """SDE steps (shared by the whole iteration) and trained steps per sample (per group's own seed),
+    for samples [lo, hi) of each group."""
+    ts, n_steps, G = cfg.algorithm.timesteps, cfg.sampling.steps, cfg.algorithm.group_size
+    lo, hi = samples
+
+    def select(n, *stream):
+        gen = torch.Generator().manual_seed(stream_seed(seed, iteration, *stream))
+        return grpo.select_timesteps(
+            ts.mode,
+            n_steps,
+            n,
+            gen,
+            fraction=ts.fraction,
+            window=ts.window,
+            iteration=iteration,
+            shift_every=ts.window_shift_every,
+            window_range=ts.window_range,
+        )
+
+    sde_mask, _ = select(1, "window")
+    if ts.mode == "random":
+        return sde_mask, torch.cat([select(G, gid, "t")[1][lo:hi] for gid in group_ids])
+    return sde_mask, select(len(group_ids) * (hi - lo), "window")[1]  # the same row for every sample
+
+
+def forward_batches(
+    train_idx: torch.Tensor, cfg, per_group: int | None = None, first: int = 0
+) -> list[list[torch.Tensor]] | None:
+    """Per denoising step, the rows of each model forward of a rollout unit (``train_idx``: its
+    samples' trained steps; ``per_group`` / ``first`` as in :func:`minibatch_rows`): the forwards
+    :func:`train_unit` runs -- per micro-batch of every mini-batch and per TSP rank, the samples
+    that train the step -- and each micro-batch's other samples together. None: one forward of the
+    whole unit at every step is already that."""
+    n, S = len(train_idx), cfg.train.optimizer_steps
+    degree = 1 if cfg.placement.mode == "local" else cfg.engine.tsp_degree  # the local trainer has no TSP
+    rank_of_position = torch.arange(train_idx.shape[1]) % degree
+    micro = [mb for s in range(S) for mb in train_batches(n, cfg, s, S, per_group, first)]
+    per_step = []
+    for i in range(cfg.sampling.steps):
+        batches = []
+        for mb in micro:
+            hit = train_idx[mb] == i  # (samples, positions): a sample trains a step at most once
+            for rank in range(degree):
+                trains = hit[:, rank_of_position == rank].any(1)
+                if trains.any():
+                    batches.append(mb[trains])
+            rest = mb[~hit.any(1)]
+            if len(rest):
+                batches.append(rest)
+        per_step.append(batches)
+    whole = all(len(b) == 1 and len(b[0]) == n for b in per_step)
+    return None if whole else per_step
+
+
+def own_batches(n: int, steps: int, batch: int) -> list[list[torch.Tensor]] | None:
+    """Per denoising step, the rows of each forward of ``n`` samples in chunks of ``batch`` (None: one
+    forward of all)."""
+    return None if batch >= n else [list(torch.arange(n).split(batch)) for _ in range(steps)]

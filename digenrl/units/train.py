@@ -1,0 +1,209 @@
+"""The train unit: a set of rolled-out samples x a subset of their trained timesteps; it only
+accumulates gradients (the driver steps the optimizer once per mini-batch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from digenrl.adapters.guidance import backward_through_velocity
+from digenrl.algorithms import grpo
+from digenrl.algorithms.sde import (
+    logprob_of_velocity,
+    recompute_logprob,
+    step_scale,
+    transition_logprob,
+)
+from digenrl.units import nft as units_nft
+from digenrl.units.nft import is_nft
+from digenrl.units.rows import train_batches
+from digenrl.units.samples import Samples
+
+
+def train_unit(
+    policy,
+    samples: Samples,
+    total_terms: int,
+    tsp_rank: int = 0,
+    tsp_degree: int = 1,
+    minibatch: int = 0,
+    minibatches: int = 1,
+    lockstep: list[list[int]] | None = None,
+    padding: bool = False,
+) -> dict:
+    """Accumulate the gradient of this unit's share of the iteration loss.
+
+    The loss of a mini-batch (the whole iteration with ``train.optimizer_steps: 1``) is the mean
+    over its (sample, trained step) terms; each term here is divided by ``total_terms``, the
+    mini-batch's count, so the units' gradients add up to the mini-batch gradient. The ratio is to
+    the behaviour policy (PPO: ~1 in an on-policy first mini-batch, moving after each step); a
+    stale sample (``samples.version`` older than the policy's) is clipped around the proximal
+    policy, the weights at the start of the current mini-batch (decoupled PPO).
+    Trains the trained-step positions j with j % tsp_degree == tsp_rank (time-step parallelism)
+    of the samples of mini-batch ``minibatch`` of ``minibatches`` (:func:`minibatch_rows`).
+    ``lockstep``: per micro-batch, the steps to run a forward / backward at (a sharded group's rank,
+    :func:`~digenrl.engine.fsdp_group.lockstep_steps`: every rank runs the same passes); at a step
+    none of this rank's samples trains, the pass runs on one row and adds nothing; ``padding``: the
+    rank holds no sample of the unit (``samples`` is one row to run the group's passes on).
+    """
+    cfg, ad = policy.cfg, policy.adapter
+    if is_nft(cfg):  # DiffusionNFT: flow matching on forward-noised clean samples
+        passes = None if lockstep is None else len(lockstep)  # a sharded group's micro-batches
+        return units_nft.train_unit(
+            policy, samples, total_terms, tsp_rank, tsp_degree, minibatch, minibatches, passes, padding
+        )
+    alg, kind, eta = cfg.algorithm, cfg.sampling.sde, cfg.sampling.noise_level
+    stale = samples.version < policy.version  # one-step async: decoupled PPO
+    stats = _Stats()
+    positions = [j for j in range(samples.train_idx.shape[1]) if j % tsp_degree == tsp_rank]
+    sig = samples.sigmas.to(ad.device)
+    batches = train_batches(
+        len(samples),
+        cfg,
+        minibatch,
+        minibatches,
+        len(samples) // len(samples.group_ids),
+        samples.first_sample,
+    )
+    real = 0 if padding else len(batches)
+    if lockstep is not None and len(lockstep) > real:  # an uneven split: the group's other micro-batches
+        batches = batches[:real] + [batches[0][:1]] * (len(lockstep) - real)  # run as zero-weighted passes
+    for k, mb in enumerate(batches):
+        cond = samples.cond.select(mb).to(ad.device)
+        adv = samples.advantages[mb].to(ad.device)
+        mine = samples.train_idx[mb][:, positions]  # (samples, this rank's positions): steps to train
+        steps = mine.unique().tolist() if lockstep is None else lockstep[k]
+        for i in steps:  # the samples training step i share one forward (each trains it once)
+            sel = (mine == i).any(1).nonzero().squeeze(1)
+            # lockstep: a pass the rank's group runs, on one row, weighted 0
+            idle = len(sel) == 0 or k >= real
+            if idle:
+                sel = sel.new_zeros(1)
+            rows = mb[sel]
+            x = samples.latents[rows, i].to(ad.device)
+            x_next = samples.latents[rows, i + 1].to(ad.device)
+            c = cond.select(sel) if len(sel) < len(mb) else cond
+            behaviour = samples.log_probs[rows, i].to(ad.device)
+            noise = None
+            if stale and alg.stale_gradient == "recentred" and samples.step_noise is not None:
+                noise = samples.step_noise[rows, i].to(ad.device)
+            mu_ref = None
+            if alg.kl_beta > 0:
+                with torch.no_grad(), policy.reference():
+                    _, mu_ref, _ = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
+
+            def objective(
+                v,
+                x=x,
+                x_next=x_next,
+                i=i,
+                behaviour=behaviour,
+                a=adv[sel],
+                mu_ref=mu_ref,
+                noise=noise,
+                scale=1.0 - idle,
+            ):
+                logp, mu, std = logprob_of_velocity(v, x, x_next, sig, i, kind, eta)
+                if noise is not None:  # the stale sample's noise around the current mean
+                    logp = (logp.detach(), recentred_logprob(kind, mu, noise, sig, i, std))
+                scalar, extras = term_loss(alg, logp, behaviour, a, stale, mu, mu_ref, std, total_terms)
+                return scalar * scale, (*extras, logp[0] if isinstance(logp, tuple) else logp.detach())
+
+            sigma = sig[i].expand(x.shape[0])
+            loss, st, w, kl, logp = backward_through_velocity(ad, x, sigma, c, objective)
+            if idle:
+                continue
+            if w is not None:
+                stats.add_is(w)
+            elif minibatch == 0:  # on-policy: the trainer should reproduce the rollout's log-prob
+                stats.add_mismatch(logp - behaviour)
+            if kl is not None:
+                stats.kl += kl.sum().item()
+            stats.add(loss, st, len(rows), total_terms)
+    return stats.as_dict()
+
+
+def recentred_logprob(kind: str, mu: torch.Tensor, noise: torch.Tensor, sigmas, i: int, std: float):
+    """log N(mu.detach() + noise; mu, scale^2): the stale sample's recorded step noise put around the
+    current step mean. Its value is the behaviour log-prob; its gradient is the on-policy score
+    noise / scale^2 * dmu, without the stale drift (mu_behaviour - mu) / scale^2 * dmu that the raw
+    sample's gradient carries (docs/algorithms.md, "Stale samples")."""
+    scale = step_scale(kind, float(sigmas[i]), float(sigmas[i + 1]), std)
+    return transition_logprob(kind, mu.detach() + noise, mu, scale)
+
+
+def term_loss(alg, logp, behaviour, adv, stale: bool, mu, mu_ref, std: float, total_terms: int):
+    """(the scalar to backpropagate, (per-term loss, ratio stats, IS weight or None, KL or None) detached).
+
+    On-policy: PPO-clip to the behaviour log-prob. Stale (one-step async): clip around the proximal
+    policy and weight by the capped exp(logp_prox - logp_behaviour) (decoupled PPO). ``logp`` may be a
+    pair (the sample's log-prob under the current weights, detached; the recentred log-prob to
+    differentiate, :func:`recentred_logprob`). ``mu_ref``: the KL reference's step mean (None: no KL term)."""
+    w = kl = None
+    prox, logp = logp if isinstance(logp, tuple) else (logp.detach(), logp)
+    if stale:
+        w = torch.exp(prox - behaviour).clamp(max=alg.is_cap)
+        loss, st = grpo.clipped_objective(logp, logp.detach(), adv, alg.clip_range, w)
+    else:
+        loss, st = grpo.clipped_objective(logp, behaviour, adv, alg.clip_range)
+    if mu_ref is not None:
+        kl = grpo.kl_to_reference(mu, mu_ref, std)
+        loss = loss + alg.kl_beta * kl
+        kl = kl.detach()
+    return loss.sum() / total_terms, (loss.detach(), st, w, kl)
+
+
+class _Stats:
+    """Sums over a unit's terms; merged across units by :func:`merge_stats`."""
+
+    def __init__(self):
+        self.loss = self.kl = self.ratio_sum = self.clip_sum = 0.0
+        self.terms = 0
+        self.ratio_max, self.ratio_min = float("-inf"), float("inf")
+        self.is_sum, self.is_max, self.is_n = 0.0, 0.0, 0
+        self.mismatch_sum, self.mismatch_n = 0.0, 0  # |logp - behaviour logp| over on-policy terms
+
+    def add(self, loss, st, n, total_terms):
+        self.loss += loss.sum().item() / total_terms
+        self.terms += n
+        self.ratio_sum += st["ratio_mean"] * n
+        self.clip_sum += st["clip_frac"] * n
+        self.ratio_max, self.ratio_min = (
+            max(self.ratio_max, st["ratio_max"]),
+            min(self.ratio_min, st["ratio_min"]),
+        )
+
+    def add_is(self, w):
+        self.is_sum += w.sum().item()
+        self.is_max = max(self.is_max, w.max().item())
+        self.is_n += w.numel()
+
+    def add_mismatch(self, diff):
+        self.mismatch_sum += diff.abs().sum().item()
+        self.mismatch_n += diff.numel()
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:
+    """Combine unit stats into the iteration's metrics (``loss``: the mean of the mini-batches' losses)."""
+    if parts and "nft_r" in parts[0]:  # DiffusionNFT's stats (no ratios)
+        return units_nft.merge_stats(parts, minibatches)
+    terms = sum(p["terms"] for p in parts) or 1
+    out = {
+        "loss": sum(p["loss"] for p in parts) / minibatches,
+        "kl": sum(p["kl"] for p in parts) / terms,
+        "ratio_mean": sum(p["ratio_sum"] for p in parts) / terms,
+        "ratio_max": max(p["ratio_max"] for p in parts),
+        "ratio_min": min(p["ratio_min"] for p in parts),
+        "clip_frac": sum(p["clip_sum"] for p in parts) / terms,
+    }
+    mismatch_n = sum(p["mismatch_n"] for p in parts)
+    if mismatch_n:
+        out["logprob_mismatch"] = sum(p["mismatch_sum"] for p in parts) / mismatch_n
+    is_n = sum(p["is_n"] for p in parts)
+    if is_n:
+        out["is_weight_mean"] = sum(p["is_sum"] for p in parts) / is_n
+        out["is_weight_max"] = max(p["is_max"] for p in parts)
+    return out
