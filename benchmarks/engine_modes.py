@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from rich.console import Console
 
-    from digenrl.engine.cluster import start_local
+    from digenrl.engine.resources import start_local
 
     console = Console(width=170)
     workloads = [w for w in WORKLOADS if w != "few_groups"] if args.workload == "all" else [args.workload]

@@ -141,7 +141,7 @@ def compare(
     calls it with one mode and several algorithms)."""
     import ray
 
-    from digenrl.engine.cluster import start_local
+    from digenrl.engine.resources import start_local
 
     known = engine_modes()
     if unknown := [m for m in modes if m not in known]:

@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     import ray
     import torch
 
-    from digenrl.engine.cluster import start_local
+    from digenrl.engine.resources import start_local
     from digenrl.engine.timeline import Timeline
     from digenrl.launch import run_engine
     from digenrl.placement.plan import Plan

@@ -98,7 +98,7 @@ def main() -> None:
     import ray
     import torch
 
-    from digenrl.engine.cluster import start_local
+    from digenrl.engine.resources import start_local
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_model_rewards import make_tiny_clip

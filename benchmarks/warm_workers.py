@@ -1,5 +1,5 @@
 """Warm workers: a sequence of engine runs in one process, each starting fresh actors ("cold") vs
-inside ``digenrl.engine.warm.warm_workers()`` ("warm": each run builds its workers in the
+inside ``tests.warm.warm_workers()`` ("warm": each run builds its workers in the
 processes the previous runs kept, by worker name and kind).
 
     python benchmarks/warm_workers.py [--repeats 3] [--runs sync,fsdp2,rollout_sp,sync] [--json F]
@@ -34,8 +34,8 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from digenrl.config.run import load_config  # noqa: E402
-from digenrl.engine import warm  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402
+from tests import warm  # noqa: E402
 
 TINY = [
     "model.height=16",

@@ -1,24 +1,23 @@
-"""Starting an engine run: resolve its layout once, check what the workers will build, run it on Ray.
-
-The layer above the runtime that may call the memory model (through :func:`digenrl.placement.resolve.resolve`)
-and the preflight; :mod:`digenrl.engine.runtime` runs what it is handed and imports neither.
-"""
+"""Starting an engine run: its layout resolved once, then run on Ray (the workers' first build is the
+dry run of what they hold: a failure there is the run's one-line error, before anything is written).
+The layer above the runtime: :mod:`digenrl.engine.runtime` runs what it is handed."""
 
 from __future__ import annotations
 
 import itertools
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from digenrl.config.run import RunConfig
 from digenrl.engine.faults import with_fault_plan
 from digenrl.engine.recovery import TrainerRankLost
 from digenrl.errors import UserError
 from digenrl.placement.layout import RunLayout
-from digenrl.placement.preflight import check_workers_build
 from digenrl.placement.resolve import resolve
-from digenrl.progress import progress
+
+if TYPE_CHECKING:
+    from digenrl.checkpoint.compat import CheckpointState
 
 
 def run_engine(
@@ -28,6 +27,7 @@ def run_engine(
     ray_address: str | None = None,
     resume: Path | None = None,
     layout: RunLayout | None = None,
+    resumed: CheckpointState | None = None,
 ):
     """Train ``cfg`` on Ray with placement ``cfg.placement.mode`` (colocated | disaggregated), as
     its ``layout`` (default: resolved here) says; see :func:`digenrl.engine.runtime.run_on_ray`.
@@ -36,13 +36,16 @@ def run_engine(
     checkpoint. A trainer rank (or a member of its group) that dies stops the run; with
     ``engine.trainer_restarts`` the run then goes on from its last checkpoint, every worker started
     again, as ``--resume`` would (the iterations after it are run again: nothing lost, nothing
-    trained twice). Returns the :class:`~digenrl.run.cadence.RunResult`."""
-    from digenrl.checkpoint.store import find_checkpoint, latest_checkpoint, read_state
+    trained twice). ``resumed``: the checkpoint's state, when the caller has read it (``digenrl
+    train`` does, once) instead of ``resume``. Returns the :class:`~digenrl.run.cadence.RunResult`."""
+    from digenrl.checkpoint.load import read_state
+    from digenrl.checkpoint.store import find_checkpoint, latest_checkpoint
     from digenrl.engine.runtime import run_on_ray
 
     if cfg.placement.mode == "local":
         raise UserError("placement.mode: 'local' runs without the engine (use LocalTrainer)")
-    resumed = read_state(find_checkpoint(resume)) if resume is not None else None
+    if resumed is None and resume is not None:
+        resumed = read_state(find_checkpoint(resume))
     start = resumed.iteration if resumed is not None else 0
     if start > cfg.train.iterations:
         raise UserError(
@@ -50,8 +53,6 @@ def run_engine(
             f"({cfg.train.iterations})"
         )
     layout = layout or resolve(cfg)
-    progress("checking prompts, reward and model...")
-    check_workers_build(cfg, layout, resumed)
     cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
     for restart in itertools.count(1):
         try:

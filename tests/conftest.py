@@ -46,11 +46,11 @@ def ray_cluster():
     by the first test that asks and shut down at the end of the run; yields its address. Tests that
     need Ray in this process ask for it rather than starting their own.
 
-    Engine runs inside it keep warm workers (:mod:`digenrl.engine.warm`): a run builds its workers
+    Engine runs inside it keep warm workers (tests/warm.py): a run builds its workers
     in the processes a finished run kept (the same worker, the same kind) instead of starting fresh
     ones (~5 s of CPU each); a run that needs the devices kept actors hold releases them first."""
-    from digenrl.engine.warm import warm_workers
     from tests.helpers import local_ray
+    from tests.warm import warm_workers
 
     with warm_workers():
         yield from local_ray()

@@ -108,7 +108,7 @@ def run_benchmark_here(name: str, tmp_path: Path, *args: str) -> dict:
     """``python benchmarks/<name> ARGS --json F``, run as its ``__main__`` in this process (from
     ``tmp_path``), and the JSON it wrote. Under the suite's Ray cluster (the caller asks for
     ``ray_cluster``) a benchmark uses that cluster instead of starting one
-    (:func:`digenrl.engine.cluster.start_local`), and its engine runs keep warm workers: seconds,
+    (:func:`digenrl.engine.resources.start_local`), and its engine runs keep warm workers: seconds,
     where a process of its own starts Ray and every actor afresh."""
     out = tmp_path / f"{name}.json"
     saved = sys.argv, list(sys.path), os.getcwd()

@@ -413,3 +413,36 @@ def test_a_pool_is_one_type_in_configs_cluster_files_and_plans():
         cluster_from_dict({"pools": [{"name": "a", "device": "B200", "count": 1}]})
     with pytest.raises(ValueError, match="two pools of different names"):
         Plan(placement="disaggregated", pools=(cluster.pools[0], cluster.pools[0]))
+
+
+def train_path(doc: Path = LAYERS_DOC) -> list[tuple[str, str]]:
+    """docs/architecture.md's numbered path of ``digenrl train``: (file under digenrl/, qualified name)."""
+    section = doc.read_text().split("<!-- train-path -->", 1)[1].split("<!-- /train-path -->", 1)[0]
+    return re.findall(r"^\d+\. `([\w/]+\.py): ([\w.]+)`", section, re.M)
+
+
+def defines(path: Path, qualname: str) -> bool:
+    """Whether the module at ``path`` defines ``qualname`` (a function, or a class's method)."""
+    scope = ast.parse(path.read_text()).body
+    for part in qualname.split("."):
+        node = next((n for n in scope if getattr(n, "name", None) == part), None)
+        if node is None:
+            return False
+        scope = getattr(node, "body", [])
+    return True
+
+
+def test_the_documented_path_of_train_is_the_code():
+    """Every function the newcomer's path names exists where the list says; the path stays short."""
+    path = train_path()
+    assert 10 <= len(path) <= 20
+    missing = [f"{f}: {q}" for f, q in path if not (PACKAGE / f).exists() or not defines(PACKAGE / f, q)]
+    assert missing == []
+
+
+def test_the_path_checker_sees_a_function_that_moved(tmp_path):
+    doc = tmp_path / "a.md"
+    items = "1. `launch.py: run_engine` -- x\n2. `launch.py: gone` -- y\n"
+    doc.write_text(f"<!-- train-path -->\n{items}<!-- /train-path -->")
+    (f, q1), (_, q2) = train_path(doc)
+    assert defines(PACKAGE / f, q1) and not defines(PACKAGE / f, q2)

@@ -151,7 +151,7 @@ def test_train_unit_gradient_is_the_same_batched_or_sequential():
     from digenrl.policy.model import Policy
     from digenrl.rewards import build_reward
     from digenrl.units.advantages import assign_advantages
-    from digenrl.units.rollout import rollout_unit
+    from digenrl.units.rollout import rollout_unit, scored
     from digenrl.units.train import train_unit
 
     grads = {}
@@ -169,7 +169,7 @@ def test_train_unit_gradient_is_the_same_batched_or_sequential():
         policy = Policy(cfg, device="cpu")
         assert policy.adapter.sampling.cfg_batching == mode
         prompts = load_prompts(cfg.prompts)[:1]
-        samples = rollout_unit(policy, build_reward(cfg.reward), prompts, [0], 0, seed=0)
+        samples = scored(rollout_unit(policy, prompts, [0], 0, seed=0), build_reward(cfg.reward))
         assign_advantages([samples], cfg)
         terms = int(samples.train_idx.numel())
         stats = train_unit(policy, samples, terms)

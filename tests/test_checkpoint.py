@@ -7,14 +7,8 @@ import pytest
 import torch
 
 from digenrl.checkpoint.compat import CheckpointError
-from digenrl.checkpoint.store import (
-    find_checkpoint,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    read_state,
-    save_checkpoint,
-)
+from digenrl.checkpoint.load import load_checkpoint, read_state
+from digenrl.checkpoint.store import find_checkpoint, latest_checkpoint, list_checkpoints, save_checkpoint
 from digenrl.config.run import load_config
 from digenrl.engine.local import LocalTrainer
 from digenrl.policy.model import Policy

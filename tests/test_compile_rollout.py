@@ -16,7 +16,7 @@ from digenrl.data.prompts import PromptSampler, load_prompts  # noqa: E402
 from digenrl.engine.workers import EngineWorker  # noqa: E402
 from digenrl.policy.model import Policy, compile_transformer  # noqa: E402
 from digenrl.rewards import build_reward  # noqa: E402
-from digenrl.units.rollout import rollout_unit  # noqa: E402
+from digenrl.units.rollout import rollout_unit, scored  # noqa: E402
 from tests.helpers import FULL_MODE, TINY  # noqa: E402
 
 SMALL = [
@@ -50,7 +50,7 @@ def test_a_compiled_transformer_samples_what_the_eager_one_does():
         policy = Policy(cfg, trainable=False)
         if compiled:
             compile_transformer(policy)
-        out.append(rollout_unit(policy, reward, prompts, [0], 0, cfg.train.seed))
+        out.append(scored(rollout_unit(policy, prompts, [0], 0, cfg.train.seed), reward))
     eager, compiled = out
     torch.testing.assert_close(compiled.latents, eager.latents, atol=ATOL, rtol=0)
     torch.testing.assert_close(compiled.log_probs, eager.log_probs, atol=ATOL, rtol=0)

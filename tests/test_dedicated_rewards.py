@@ -67,11 +67,12 @@ def test_trainer_ranks_never_build_the_reward_model_and_rollout_workers_score_af
     assert summary["score_on"] == "rollout0" and "rewards" not in summary  # released, scored after
     assert own.uid in rollout.pending
     _, tag_summary = trainer.rollout(tags, None)
-    assert "pixels" in tag_summary and "score_on" not in tag_summary  # a rollout worker scores it
+    assert "decoded" in tag_summary and "score_on" not in tag_summary  # a rollout worker scores it
 
     inline = build_reward(cfg.reward)
-    for uid, kept in ((own.uid, None), (tags.uid, tag_summary["pixels"])):
-        pixels, prompts, metadata = kept or rollout.pending[uid]
+    for uid, kept in ((own.uid, None), (tags.uid, tag_summary["decoded"])):
+        d = kept or rollout.pending[uid]
+        pixels, prompts, metadata = d.pixels, d.prompts, d.metadata
         scored = rollout.score(uid, kept)
         assert scored.end >= scored.start and "clipscore" in scored.timings
         assert scored.total.shape == (2,) and torch.isfinite(scored.total).all()
@@ -83,7 +84,7 @@ def test_trainer_rank_evaluates_without_the_reward_model_a_rollout_worker_scores
     """In-training eval of a model-reward run: trainer rank 0 samples the eval prompts but never builds
     the reward; it hands back the decoded pixels, a rollout worker's ``score`` scores them, and the
     metrics equal the same evaluation scored inline."""
-    from digenrl.run.evaluate import evaluate_policy, reward_metrics
+    from digenrl.run.evaluate import eval_metrics, evaluate_policy
 
     cfg = load_config(None, [*BASE, clip, "engine.tag=false", "output.eval_every=1"])
     layout = resolve(cfg)
@@ -92,12 +93,16 @@ def test_trainer_rank_evaluates_without_the_reward_model_a_rollout_worker_scores
     trainer = workers.EngineWorker(cfg, "trainer0", "trainer", layout=layout)
     assert trainer.init_error is None
     out = trainer.evaluate()
-    assert set(out) == {"eval_pixels"} and not built and not trainer.holds_reward()
-    pixels, prompts, metadata = out["eval_pixels"]
+    assert set(out) == {"eval_decoded"} and not built and not trainer.holds_reward()
+    pixels, prompts, metadata = (
+        out["eval_decoded"].pixels,
+        out["eval_decoded"].prompts,
+        out["eval_decoded"].metadata,
+    )
     assert pixels.shape[0] == len(prompts) == len(metadata) == len(trainer.prompts.prompts)
     rollout = workers.EngineWorker(cfg, "rollout0", "rollout", layout=layout)
-    scored = rollout.score("eval-0", out["eval_pixels"])
-    got = reward_metrics(scored.total, scored.parts)
+    scored = rollout.score("eval-0", out["eval_decoded"])
+    got = eval_metrics(scored.total, scored.parts)
     want = evaluate_policy(trainer.policy, build_reward(cfg.reward), trainer.prompts.prompts).metrics()
     assert set(got) == set(want) == {"eval/clipscore", "eval/reward_mean"}
     assert all(got[k] == pytest.approx(want[k], abs=1e-5) for k in want)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from digenrl.checkpoint.store import read_weights
+from digenrl.checkpoint.load import read_weights
 from digenrl.config.run import load_config
 from digenrl.data.prompts import load_prompts
 from digenrl.engine.local import LocalTrainer
@@ -117,7 +117,7 @@ def test_ema_is_off_by_default():
 def ema_eval(checkpoint, cfg, prompts, use_ema: bool):
     """Reference: the checkpoint's weights, with its ema.safetensors copied in by hand."""
     policy = Policy(cfg, device="cpu", trainable=False)
-    from digenrl.checkpoint.store import load_checkpoint
+    from digenrl.checkpoint.load import load_checkpoint
 
     load_checkpoint(checkpoint, policy, optimizer=False, rng=False)
     if use_ema:

@@ -114,7 +114,7 @@ def free_pools() -> dict:
     """Free logical devices, once the (asynchronous) release of a run's reservation is through, plus
     those of the warm workers a finished run kept for the next (conftest ``ray_cluster``): a run
     leaves nothing behind but those."""
-    from digenrl.engine import warm
+    from tests import warm
 
     kept = warm.active().held() if warm.active() is not None else {}
     for _ in range(50):
@@ -380,7 +380,7 @@ def test_late_scores_follow_the_nan_policy(tmp_path):
     from digenrl.engine.runtime import RayBackend
     from digenrl.placement.resolve import resolve
     from digenrl.rewards import reward_metrics
-    from digenrl.rewards.service import Scored
+    from digenrl.rewards.base import Scores
     from digenrl.schedule.scheduler import Scheduler
 
     cfg = load_config(None, BASE + SERVICE + ["reward.nan_policy=drop"])
@@ -394,7 +394,7 @@ def test_late_scores_follow_the_nan_policy(tmp_path):
     total = torch.tensor([0.2, float("nan"), 0.6, 0.4])
     t = engine.t0
     engine.scored(
-        unit, Scored(total, {"prompt_color": total}, t + 1.0, t + 1.5, {"prompt_color": 0.5}, 0.25, 1)
+        unit, Scores(total, {"prompt_color": total}, t + 1.0, t + 1.5, {"prompt_color": 0.5}, 0.25, 1)
     )
     sched.complete(unit)
     adv = engine.ledger.batches[unit.uid].advantages
@@ -559,7 +559,7 @@ def test_engine_workers_per_placement():
 
 
 def test_resource_bundles_for_gpu_pools():
-    from digenrl.engine.cluster import resource_bundles
+    from digenrl.engine.resources import resource_bundles
     from digenrl.placement.resolve import resolve
 
     gpus = load_config(
@@ -592,15 +592,16 @@ def test_a_part_of_a_group_generates_the_whole_group_units_samples():
     from digenrl.data.prompts import PromptSampler, load_prompts
     from digenrl.policy.model import Policy
     from digenrl.rewards import build_reward
-    from digenrl.units.rollout import rollout_unit
+    from digenrl.units.rollout import rollout_unit, scored
 
     cfg = load_config(None, BASE + ["algorithm.timesteps.mode=random", "algorithm.timesteps.fraction=0.6"])
     torch.manual_seed(cfg.train.seed)
     prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed).for_iteration(1, 2)
     reward, policy = build_reward(cfg.reward), Policy(cfg)
-    whole = rollout_unit(policy, reward, prompts[1:2], [1], 1, cfg.train.seed)
+    whole = scored(rollout_unit(policy, prompts[1:2], [1], 1, cfg.train.seed), reward)
     halves = [
-        rollout_unit(policy, reward, prompts[1:2], [1], 1, cfg.train.seed, (lo, lo + 2)) for lo in (0, 2)
+        scored(rollout_unit(policy, prompts[1:2], [1], 1, cfg.train.seed, (lo, lo + 2)), reward)
+        for lo in (0, 2)
     ]
     assert [len(h) for h in halves] == [2, 2] and halves[1].prompts == whole.prompts[2:]
     for name in ("latents", "log_probs", "train_idx", "rewards"):

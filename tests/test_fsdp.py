@@ -40,10 +40,10 @@ def _samples(policy, cfg):
     from digenrl.data.prompts import PromptSampler, load_prompts
     from digenrl.rewards import build_reward
     from digenrl.units.advantages import assign_advantages
-    from digenrl.units.rollout import rollout_unit
+    from digenrl.units.rollout import rollout_unit, scored
 
     prompts = PromptSampler(load_prompts(cfg.prompts), 0).for_iteration(0, 2)
-    unit = rollout_unit(policy, build_reward(cfg.reward), prompts, [0, 1], 0, 0)
+    unit = scored(rollout_unit(policy, prompts, [0, 1], 0, 0), build_reward(cfg.reward))
     assign_advantages([unit], cfg)
     return unit
 

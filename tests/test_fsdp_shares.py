@@ -12,6 +12,7 @@ import torch
 
 from digenrl.adapters.cond import Cond
 from digenrl.engine.fsdp_group import lockstep_steps, merge_shares, select_rows, share_rows, unit_share
+from digenrl.rewards.base import Decoded
 from digenrl.units.samples import ROW_FIELDS, Samples
 from digenrl.units.types import RolloutUnit
 
@@ -69,14 +70,18 @@ def test_a_unit_generated_in_shares_merges_back_into_the_unit(groups, span):
         w = span[1] - span[0]  # each group's samples in the unit
         rows = torch.tensor([groups.index(k) * w + j - span[0] for k in g for j in range(lo, hi)])
         mine = dataclasses.replace(select_rows(whole, rows), group_ids=list(g), first_sample=lo)
-        parts.append((mine, whole.latents[rows, 0]))
-    merged, pixels = merge_shares(parts, unit, G)
+        decoded = Decoded(whole.latents[rows, 0], mine.prompts, [{"row": i} for i in rows.tolist()])
+        parts.append((mine, decoded))
+    merged, decoded = merge_shares(parts, unit, G)
     for f in ROW_FIELDS:
         torch.testing.assert_close(getattr(merged, f), getattr(whole, f), msg=f)
     assert merged.prompts == whole.prompts and merged.group_ids == list(groups)
     torch.testing.assert_close(merged.cond.batched["emb"], whole.cond.batched["emb"])
     torch.testing.assert_close(merged.reward_parts["a"], whole.reward_parts["a"])
-    torch.testing.assert_close(pixels, whole.latents[:, 0])
+    torch.testing.assert_close(decoded.pixels, whole.latents[:, 0])
+    assert decoded.prompts == whole.prompts and [m["row"] for m in decoded.metadata] == list(
+        range(len(whole))
+    )
 
 
 def test_uneven_shares_run_the_same_passes_on_every_rank():

@@ -104,7 +104,7 @@ def test_on_policy_ratio_is_exactly_one_on_every_tsp_rank():
     from digenrl.data.prompts import PromptSampler, load_prompts
     from digenrl.policy.model import Policy
     from digenrl.rewards import build_reward
-    from digenrl.units.rollout import rollout_unit
+    from digenrl.units.rollout import rollout_unit, scored
 
     cfg = load_config(
         None,
@@ -122,7 +122,9 @@ def test_on_policy_ratio_is_exactly_one_on_every_tsp_rank():
     torch.manual_seed(cfg.train.seed)
     prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed).for_iteration(0, 2)
     policy, reward = Policy(cfg), build_reward(cfg.reward)
-    units = [rollout_unit(policy, reward, prompts[j : j + 1], [j], 0, cfg.train.seed) for j in range(2)]
+    units = [
+        scored(rollout_unit(policy, prompts[j : j + 1], [j], 0, cfg.train.seed), reward) for j in range(2)
+    ]
     assign_advantages(units, cfg)
     terms = sum(len(u) * u.train_idx.shape[1] for u in units) // 2
     parts = [

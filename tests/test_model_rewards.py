@@ -10,6 +10,7 @@ import torch
 from digenrl.config.train import RewardConfig
 from digenrl.errors import UserError
 from digenrl.rewards import build_reward
+from digenrl.rewards.base import Decoded
 from digenrl.rewards.clip_models import LAION_HIDDEN, Aesthetic, ClipScore, PickScore
 
 PROMPTS = ["a red car", "a blue bird on a tree", "a red car", "green hills", "a cat"]
@@ -318,17 +319,17 @@ def test_actor_applies_the_nan_policy_to_late_nan():
         terms = [{"name": "_nan_when_big"}, {"name": "prompt_color", "weight": 0.5}]
         drop = RewardActor(RewardConfig(components=terms, nan_policy="drop"))
         drop.check(["a red car"], (3, 8, 8))
-        scored = drop.score_timed(images(4), ["a red car"] * 4)
+        scored = drop.score_timed(Decoded(images(4), ["a red car"] * 4, [{}] * 4))
         assert torch.isnan(scored.total).tolist() == [False, True, False, False]
         assert scored.end >= scored.start and scored.wait_s >= 0 and scored.queue_depth == 0
         assert set(scored.timings) == {"_nan_when_big", "prompt_color"}
         fail = RewardActor(RewardConfig(components=terms))
         fail.check(["a red car"], (3, 8, 8))
         with pytest.raises(UserError, match=r"reward '_nan_when_big' returned NaN for 1 of 4 samples"):
-            fail.score_timed(images(4), ["a red car"] * 4)
+            fail.score_timed(Decoded(images(4), ["a red car"] * 4, [{}] * 4))
         assert (
             fail.stats()["queue_depth"] == 0
-            and fail.score_timed(images(2), ["a red car"] * 2).queue_depth == 0
+            and fail.score_timed(Decoded(images(2), ["a red car"] * 2, [{}] * 2)).queue_depth == 0
         )
     finally:
         REWARDS.pop("_nan_when_big")

@@ -14,7 +14,7 @@ from digenrl.data.prompts import PromptSampler, load_prompts
 from digenrl.policy.model import Policy
 from digenrl.rewards import build_reward
 from digenrl.units.advantages import assign_advantages
-from digenrl.units.rollout import rollout_unit
+from digenrl.units.rollout import rollout_unit, scored
 from digenrl.units.train import train_unit
 from tests.helpers import TINY
 
@@ -179,13 +179,13 @@ def setup():
 
 def test_rollout_carries_clean_latents_and_the_noise_plan(setup):
     cfg, policy, reward, prompts = setup
-    whole = rollout_unit(policy, reward, prompts, [0, 1], 0, cfg.train.seed)
+    whole = scored(rollout_unit(policy, prompts, [0, 1], 0, cfg.train.seed), reward)
     assert whole.latents.shape[1] == 1 and whole.log_probs.shape == (8, 0)  # no trajectory
     # ... nor its storage behind a view: what is pickled to a trainer is the clean latents alone
     assert whole.latents.untyped_storage().nbytes() == whole.latents.numel() * 4
     assert whole.train_idx.shape == (8, 4) and whole.noise_seeds.shape == (8, 4)
     assert all(sorted(row.tolist()) == [0, 1, 2, 3] for row in whole.train_idx)  # K = N distinct sigmas
-    half = rollout_unit(policy, reward, prompts[1:], [1], 0, cfg.train.seed, samples=(2, 4))
+    half = scored(rollout_unit(policy, prompts[1:], [1], 0, cfg.train.seed, samples=(2, 4)), reward)
     torch.testing.assert_close(half.latents, whole.latents[6:])  # a part of a group: the same samples
     assert torch.equal(half.train_idx, whole.train_idx[6:]) and torch.equal(
         half.noise_seeds, whole.noise_seeds[6:]
@@ -194,7 +194,7 @@ def test_rollout_carries_clean_latents_and_the_noise_plan(setup):
 
 def test_tsp_shares_add_up_to_the_whole_gradient_and_the_old_policy_stays_put(setup):
     cfg, policy, reward, prompts = setup
-    unit = rollout_unit(policy, reward, prompts, [0, 1], 0, cfg.train.seed)
+    unit = scored(rollout_unit(policy, prompts, [0, 1], 0, cfg.train.seed), reward)
     assign_advantages([unit], cfg)
     terms = len(unit) * unit.train_idx.shape[1]
     params = policy.params

@@ -13,7 +13,7 @@ from digenrl.config.run import load_config
 from digenrl.data.prompts import Prompt
 from digenrl.policy.model import Policy
 from digenrl.rewards import build_reward
-from digenrl.units.rollout import rollout_unit
+from digenrl.units.rollout import rollout_unit, scored
 from tests.helpers import TINY_IMAGE
 
 
@@ -76,8 +76,8 @@ def test_rollouts_encode_a_fixed_prompt_set_once(tiny_cfg):
     uncached = Policy(tiny_cfg(*overrides, "model.prompt_cache=0"), trainable=False)
     reward = build_reward(cached.cfg.reward)
     for it in range(2):
-        a = rollout_unit(cached, reward, prompts, [0, 1], it, 0)
-        b = rollout_unit(uncached, reward, prompts, [0, 1], it, 0)
+        a = scored(rollout_unit(cached, prompts, [0, 1], it, 0), reward)
+        b = scored(rollout_unit(uncached, prompts, [0, 1], it, 0), reward)
         assert_same_cond(a.cond, b.cond)
         assert torch.equal(a.latents, b.latents) and torch.equal(a.log_probs, b.log_probs)
     assert cached.adapter.prompt_cache.encoded == 2 and uncached.adapter.prompt_cache.encoded == 4

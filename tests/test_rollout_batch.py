@@ -20,7 +20,7 @@ from digenrl.placement.resolve import resolve
 from digenrl.policy.model import Policy
 from digenrl.rewards import build_reward
 from digenrl.units.advantages import assign_advantages
-from digenrl.units.rollout import rollout_unit
+from digenrl.units.rollout import rollout_unit, scored
 from digenrl.units.train import merge_stats, train_unit
 from tests.helpers import FULL_MODE, TINY
 
@@ -43,7 +43,7 @@ def on_policy_stats(batch: int | None) -> dict:
     torch.manual_seed(cfg.train.seed)
     prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed).for_iteration(0, 2)
     policy, reward = Policy(cfg), build_reward(cfg.reward)
-    unit = rollout_unit(policy, reward, prompts, [0, 1], 0, cfg.train.seed, batch=batch)
+    unit = scored(rollout_unit(policy, prompts, [0, 1], 0, cfg.train.seed, batch=batch), reward)
     assign_advantages([unit], cfg)
     return merge_stats([train_unit(policy, unit, len(unit) * unit.train_idx.shape[1])])
 

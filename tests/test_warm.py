@@ -1,4 +1,4 @@
-"""Warm workers (digenrl/engine/warm.py): which kept actor a run takes, what it releases, and a run
+"""Warm workers (tests/warm.py): which kept actor a run takes, what it releases, and a run
 in kept processes equal to one in fresh processes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from digenrl.config.run import load_config
-from digenrl.engine import warm
+from tests import warm
 from tests.helpers import TINY
 
 ROLLOUT = warm.kind_of({"CPU": 1.0, "pool:rollout": 1}, False, 3)
@@ -133,7 +133,7 @@ def _swap_ranks(rank: int, _world: int, ports: tuple[int, int], out) -> None:
 
 @pytest.mark.slow
 def test_a_kept_process_forgets_its_old_mesh_coordinates(tmp_path):
-    """What EngineWorker.retire clears (digenrl.distributed.fsdp.forget_meshes): DTensor caches an op's
+    """What WarmWorker.retire clears (digenrl.distributed.fsdp.forget_meshes): DTensor caches an op's
     sharding with the mesh it first ran on, and meshes compare equal whatever this process's rank.
     Without forgetting, a process kept from a run where it was rank 1 reports coordinate 1 as rank 0
     (an FSDP checkpoint then writes two shards at one offset: seen with the suite run under xdist)."""

@@ -10,8 +10,9 @@ import torch
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from digenrl.config.run import load_config  # noqa: E402
-from digenrl.engine.workers import EngineWorker, ResumeFrom, generates  # noqa: E402
-from digenrl.units.rollout import rollout_unit  # noqa: E402
+from digenrl.engine.worker_setup import ResumeFrom, generates
+from digenrl.engine.workers import EngineWorker
+from digenrl.units.rollout import rollout_unit, scored  # noqa: E402
 from digenrl.units.train import train_unit
 from tests.helpers import FULL_MODE, TINY  # noqa: E402
 
@@ -40,7 +41,7 @@ def test_a_trainer_rank_holds_no_text_encoder_and_no_vae():
     full = EngineWorker(load_config(None, BASE + ["output.eval_every=1"]), "trainer-1", "trainer")
     assert full.policy.adapter.generation_modules().keys() == held.keys()  # it evaluates: keeps them
     prompts = rollout.prompts.for_iteration(0, 2)
-    samples = rollout_unit(rollout.policy, rollout.reward, prompts, [0, 1], 0, 0)
+    samples = scored(rollout_unit(rollout.policy, prompts, [0, 1], 0, 0), rollout.reward)
     samples.advantages = torch.linspace(-1, 1, len(samples))
     total = len(samples) * samples.train_idx.shape[1]
     for worker in (trainer, full):

@@ -97,7 +97,14 @@ def train(
 
         check_resume_config(edited, config, set_ or [])  # an edit of RUN/config.yaml is never ignored
     run_train(
-        cfg, run_dir, ray_address, console, resume=resume, overwrite=overwrite, quiet=quiet, verbose=verbose
+        cfg,
+        run_dir,
+        ray_address,
+        console,
+        checkpoint=resume,
+        overwrite=overwrite,
+        quiet=quiet,
+        verbose=verbose,
     )
 
 

@@ -3,12 +3,25 @@ from the first second, route library output to ``RUN/log.txt``, print a summary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from digenrl.config.run import RunConfig
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """One ``digenrl train``, decided before it starts: each fact found once, then handed down whole."""
+
+    cfg: RunConfig
+    run_dir: Path  # where it writes
+    continuing: bool  # a resumed run appending to its own directory (else a new directory)
+    resumed: object  # the checkpoint's CheckpointState, or None
+    ray_address: str | None
+    overwrite: bool
 
 
 def planned_run_dir(cfg: RunConfig, run_dir: Path | None, resumed) -> Path:
@@ -28,39 +41,36 @@ def run_train(
     run_dir: Path | None,
     ray_address: str | None,
     console: Console,
-    resume: Path | None = None,
+    checkpoint: Path | None = None,
     overwrite: bool = False,
     quiet: bool = False,
     verbose: bool = False,
 ):
+    """``checkpoint``: the checkpoint directory to resume from (found by the caller)."""
+    from digenrl.checkpoint.load import read_state
     from digenrl.run.lock import claim_run_dir
 
-    resumed = None
-    if resume is not None:
-        from digenrl.checkpoint.store import find_checkpoint, read_state
-
-        resumed = read_state(find_checkpoint(resume))
-    target = planned_run_dir(cfg, run_dir, resumed)
+    resumed = read_state(checkpoint) if checkpoint is not None else None
     continuing = resumed is not None and run_dir is None  # a resumed run appends to its own directory
+    job = TrainJob(cfg, planned_run_dir(cfg, run_dir, resumed), continuing, resumed, ray_address, overwrite)
     # one run per directory: taken before anything slow, held to the end (digenrl/run/lock.py)
-    with claim_run_dir(target, "--resume" if continuing else "--run-dir"):
-        return _run_claimed(
-            cfg, target, continuing, resumed, ray_address, console, resume, overwrite, quiet, verbose
-        )
+    with claim_run_dir(job.run_dir, "--resume" if continuing else "--run-dir"):
+        return _run_claimed(job, console, quiet, verbose)
 
 
-def _run_claimed(cfg, target, continuing, resumed, ray_address, console, resume, overwrite, quiet, verbose):
+def _run_claimed(job: TrainJob, console: Console, quiet: bool, verbose: bool):
     from digenrl.data.prompts import check_prompts
     from digenrl.placement.preflight import check_resources
     from digenrl.placement.resolve import resolve
     from digenrl.progress import listening
     from digenrl.run.rundir import check_new_run_dir, keep_log, library_output_to_log
 
+    cfg, target, continuing, resumed = job.cfg, job.run_dir, job.continuing, job.resumed
     if not continuing:
-        check_new_run_dir(target, overwrite)  # before any work: a run is never overwritten by accident
+        check_new_run_dir(target, job.overwrite)  # before any work: a run is never overwritten by accident
     layout = resolve(cfg)  # the run's layout, once: memory against its device types, before this host's
     check_prompts(cfg)  # a prompt the text encoder or a caption cannot take: refused now, in seconds
-    check_resources(cfg, ray_address)
+    check_resources(cfg, job.ray_address)
     done = resumed.iteration if resumed is not None else 0
     say = (lambda *a: None) if quiet else (lambda text: console.print(text, soft_wrap=True, highlight=False))
     if resumed is not None:
@@ -84,8 +94,8 @@ def _run_claimed(cfg, target, continuing, resumed, ray_address, console, resume,
         try:
             with progress, listening(lambda stage: progress.update(task, stats=stage)):
                 task = progress.add_task("train", total=cfg.train.iterations, completed=done, stats="")
-                start = _driver(cfg, layout, None if continuing else target, ray_address, resume)
-                if overwrite and not continuing:
+                start = _driver(job, layout)
+                if job.overwrite and not continuing:
                     replaced = _set_aside(target)
 
                 last = {"stats": ""}
@@ -116,11 +126,12 @@ def _run_claimed(cfg, target, continuing, resumed, ray_address, console, resume,
     return result
 
 
-def _driver(cfg: RunConfig, layout, run_dir: Path | None, ray_address: str | None, resume: Path | None):
+def _driver(job: TrainJob, layout):
     """The driver the placement asks for, built (local: model, reward and prompts) and ready to run."""
     from digenrl.placement.preflight import check_model
     from digenrl.progress import progress
 
+    cfg, run_dir = job.cfg, None if job.continuing else job.run_dir
     progress("loading torch and the model code...")
     check_model(cfg)  # shapes, checkpoint directory, LoRA targets (meta device): seconds, before Ray starts
     if cfg.placement.mode == "local":
@@ -128,13 +139,13 @@ def _driver(cfg: RunConfig, layout, run_dir: Path | None, ray_address: str | Non
 
         progress("building model, reward and prompts...")
 
-        driver = LocalTrainer(cfg, resume=resume, layout=layout)
+        driver = LocalTrainer(cfg, layout=layout, resumed=job.resumed)
         progress("training...")
         return lambda cb: driver.run(run_dir, cb)
     from digenrl.launch import run_engine
 
     progress("starting the engine...")
-    return lambda cb: run_engine(cfg, run_dir, cb, ray_address=ray_address, resume=resume, layout=layout)
+    return lambda cb: run_engine(cfg, run_dir, cb, job.ray_address, layout=layout, resumed=job.resumed)
 
 
 def _set_aside(target: Path):

@@ -10,9 +10,11 @@ import itertools
 import torch
 
 from digenrl.adapters.cond import Cond
+from digenrl.checkpoint.load import read_state
 from digenrl.checkpoint.optimizer import restore_optimizer
-from digenrl.checkpoint.store import find_checkpoint, read_state
+from digenrl.checkpoint.store import find_checkpoint
 from digenrl.distributed import fsdp
+from digenrl.rewards.base import Decoded
 from digenrl.units.rollout import _timestep_selection, forward_batches, rollout_unit
 from digenrl.units.rows import minibatch_rows
 from digenrl.units.samples import ROW_FIELDS, Samples
@@ -97,17 +99,6 @@ def lockstep_steps(shares: list[torch.Tensor], micro_batch: int, tsp_rank: int, 
 # -- generation (TAG, colocated): the group rolls out each unit together -------------------------
 
 
-class _Kept:
-    """A share's reward: none yet; keeps the decoded pixels for the lead to score the whole unit."""
-
-    def __init__(self):
-        self.pixels = None
-
-    def __call__(self, pixels, prompts, metadata=None):
-        self.pixels = pixels.cpu()
-        return torch.zeros(len(prompts)), {}
-
-
 def unit_share(groups: tuple, span: tuple[int, int], share: int, shares: int):
     """The (groups, sample range) share ``share`` of ``shares`` of a rollout unit generates: whole
     groups when they split evenly, else an equal slice of every group's samples, else the whole unit
@@ -130,9 +121,9 @@ def _timesteps_forwards(cfg, iteration: int, groups, span) -> list[int]:
     return [1] * cfg.sampling.steps if batches is None else [len(b) for b in batches]
 
 
-def rollout_share(worker, unit, share: int, shares: int) -> tuple[Samples, torch.Tensor]:
+def rollout_share(worker, unit, share: int, shares: int) -> tuple[Samples, Decoded]:
     """Generate and decode share ``share`` of ``shares`` of ``unit`` (:func:`unit_share`) with the
-    worker's weights; unscored (the lead scores the whole unit). Every rank of the group calls it:
+    worker's weights (the lead scores the merged unit). Every rank of the group calls it:
     sharded ranks gather the parameters per forward together, so every share runs the same forwards
     (the trainer's batches when the shares' agree, else one per step)."""
 
@@ -142,10 +133,8 @@ def rollout_share(worker, unit, share: int, shares: int) -> tuple[Samples, torch
     plans = {tuple(_timesteps_forwards(cfg, unit.iteration, g, r)) for g, r in parts}
     groups, mine = parts[share]
     everything = worker.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
-    kept = _Kept()
-    samples = rollout_unit(
+    rollout = rollout_unit(
         worker.policy,
-        kept,
         [everything[g] for g in groups],
         list(groups),
         unit.iteration,
@@ -155,11 +144,12 @@ def rollout_share(worker, unit, share: int, shares: int) -> tuple[Samples, torch
     )
     if worker.sharded:  # sampling leaves the root's parameters gathered (no backward frees them)
         reshard(worker.policy.adapter.transformer)
-    return samples, kept.pixels
+    return rollout
 
 
-def merge_shares(parts: list[tuple[Samples, torch.Tensor]], unit, group_size: int):
-    """One unit's samples and pixels, in its order (group by group), from its shares' (in share order)."""
+def merge_shares(parts: list[tuple[Samples, Decoded]], unit, group_size: int) -> tuple[Samples, Decoded]:
+    """One unit's samples and decoded samples, in its order (group by group), from its shares' (in share
+    order)."""
 
     span = unit.sample_range(group_size)
     split = unit_share(unit.groups, span, 0, len(parts))
@@ -184,16 +174,10 @@ def merge_shares(parts: list[tuple[Samples, torch.Tensor]], unit, group_size: in
         first_sample=span[0],
         **{f: cat([getattr(p, f) for p in shares]) for f in ROW_FIELDS},
     )
-    return samples, cat([px for _, px in parts])
-
-
-def score_unit(samples: Samples, pixels: torch.Tensor, reward_fn, prompts: list) -> Samples:
-    """Score a unit generated in shares (``prompts``: the unit's groups' Prompts, in order), once."""
+    decoded = Decoded.cat([d for _, d in parts], rows)
     n = len(samples) // len(samples.group_ids)
-    metas = [p.meta for p in prompts for _ in range(n)]
-    samples.rewards, samples.reward_parts = reward_fn(pixels, samples.prompts, metas)
-    samples.preview = (pixels[::n].clamp(0, 1) * 255).round().to(torch.uint8).cpu()
-    return samples
+    samples.preview = (decoded.pixels[::n].clamp(0, 1) * 255).round().to(torch.uint8)
+    return samples, decoded
 
 
 def select_rows(samples: Samples, rows: torch.Tensor) -> Samples:

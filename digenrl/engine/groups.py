@@ -202,13 +202,11 @@ class GroupMember:
         """A trainer group's lead generates ``unit`` with its group (TAG, colocated): every rank its
         share (:func:`~digenrl.engine.fsdp_group.unit_share`; a sequence-parallel group one share
         together), parameters gathered per forward as in training, so the collectives match; the
-        lead merges the shares and scores the unit once with its reward (the followers' shares: the
-        ``rollout`` group call started them)."""
+        lead merges the shares into the unit's (samples, decoded), scored like any other unit's (the
+        followers' shares: the ``rollout`` group call started them)."""
         mine = fsdp_group.rollout_share(self, unit, *self._generation_share())
         parts = ([mine] + self.followers_done())[:: self.sp_world]  # SP members repeat their share
-        samples, pixels = fsdp_group.merge_shares(parts, unit, self.cfg.algorithm.group_size)
-        everything = self.prompts.for_iteration(unit.iteration, self.cfg.train.prompts_per_iteration)
-        return fsdp_group.score_unit(samples, pixels, self.reward, [everything[g] for g in unit.groups])
+        return fsdp_group.merge_shares(parts, unit, self.cfg.algorithm.group_size)
 
     def _all_reduce_gradients(self) -> None:
         """Sum the accumulated gradients over the ranks in DDP-style buckets

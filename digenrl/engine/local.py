@@ -25,7 +25,8 @@ from typing import Callable
 import torch
 
 from digenrl.checkpoint.compat import CheckpointState
-from digenrl.checkpoint.store import find_checkpoint, load_checkpoint, save_checkpoint
+from digenrl.checkpoint.load import load_checkpoint
+from digenrl.checkpoint.store import find_checkpoint, save_checkpoint
 from digenrl.config.run import RunConfig
 from digenrl.data.prompts import PromptSampler, load_prompts
 from digenrl.placement.layout import RunLayout, local_layout
@@ -47,7 +48,7 @@ from digenrl.run.cadence import (
 from digenrl.run.evaluate import evaluate_policy
 from digenrl.run.rundir import RunDir
 from digenrl.units.advantages import assign_advantages
-from digenrl.units.rollout import preflight_reward, rollout_unit
+from digenrl.units.rollout import preflight_reward, rollout_unit, scored
 from digenrl.units.samples import Samples
 from digenrl.units.train import merge_stats, train_unit
 
@@ -55,9 +56,16 @@ from digenrl.units.train import merge_stats, train_unit
 class LocalTrainer:
     """Everything in this process: one policy that both samples and trains."""
 
-    def __init__(self, cfg: RunConfig, resume: Path | None = None, layout: RunLayout | None = None):
-        """``resume``: a run directory (its latest complete checkpoint) or a checkpoint directory;
-        ``layout``: the run's (default: :func:`~digenrl.placement.layout.local_layout`, one process)."""
+    def __init__(
+        self,
+        cfg: RunConfig,
+        resume: Path | None = None,
+        layout: RunLayout | None = None,
+        resumed: CheckpointState | None = None,
+    ):
+        """``resume``: a run directory (its latest complete checkpoint) or a checkpoint directory (or
+        ``resumed``, its state, when the caller has read it); ``layout``: the run's (default:
+        :func:`~digenrl.placement.layout.local_layout`, one process)."""
         self.cfg = cfg
         self.layout = layout or local_layout(cfg)
         torch.manual_seed(cfg.train.seed)
@@ -68,8 +76,9 @@ class LocalTrainer:
         preflight_reward(self.reward, self.policy.adapter, self.prompts.prompts)
         self.start_iteration = 0
         self.resumed: CheckpointState | None = None
-        if resume is not None:  # weights, version, optimizer and RNG states (refused if it does not fit)
-            self.resumed = load_checkpoint(find_checkpoint(resume), self.policy)
+        where = resumed.path if resumed is not None else resume and find_checkpoint(resume)
+        if where is not None:  # weights, version, optimizer and RNG states (refused if it does not fit)
+            self.resumed = load_checkpoint(where, self.policy)
             self.start_iteration = self.resumed.iteration
 
     def rollout(self, iteration: int) -> list[Samples]:
@@ -77,8 +86,11 @@ class LocalTrainer:
         P, m = cfg.train.prompts_per_iteration, cfg.engine.unit_groups
         prompts = self.prompts.for_iteration(iteration, P)
         return [
-            rollout_unit(
-                self.policy, self.reward, prompts[j : j + m], list(range(j, j + m)), iteration, cfg.train.seed
+            scored(
+                rollout_unit(
+                    self.policy, prompts[j : j + m], list(range(j, j + m)), iteration, cfg.train.seed
+                ),
+                self.reward,
             )
             for j in range(0, P, m)
         ]

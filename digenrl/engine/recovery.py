@@ -24,7 +24,8 @@ import sys
 import time
 from collections import Counter
 
-from digenrl.engine.cluster import REWARD_ROW, first_line, head_problem
+from digenrl.engine.cluster import REWARD_ROW, first_line
+from digenrl.engine.resources import head_problem
 from digenrl.errors import RunStopped, UserError, WeightSyncError, actor_death
 from digenrl.schedule.driver import Back, Lost
 from digenrl.units.types import RolloutUnit, Unit

@@ -26,9 +26,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable
 
-from digenrl.checkpoint.optimizer import staging_dir
-from digenrl.checkpoint.store import save_checkpoint_files
 from digenrl.config.run import RunConfig
+from digenrl.engine.around_steps import AroundSteps
 from digenrl.engine.cluster import (
     REWARD_ROW,
     first_line,
@@ -42,9 +41,6 @@ from digenrl.engine.recovery import (
     FaultRecovery,
     GroupRestart,
     TrainerLost,
-    TrainerRankLost,
-    head_lost,
-    own_error,
     user_errors,
 )
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
@@ -57,15 +53,12 @@ from digenrl.run.cadence import (
     RunCadence,
     RunResult,
     StopRequest,
-    checkpoint_to_keep,
     resume_history,
     stop_on_interrupt,
-    stopped,
     write_final,
 )
-from digenrl.run.evaluate import reward_metrics
 from digenrl.run.rundir import RunDir, check_writable, default_run_dir
-from digenrl.schedule.driver import Done, Event, Lost, Released, Scored, drive, finish_running
+from digenrl.schedule.driver import Done, Event, Lost, Released, Scored, drive
 from digenrl.schedule.scheduler import Scheduler
 from digenrl.units.types import RolloutUnit, StepUnit, TrainUnit, Unit
 
@@ -147,7 +140,7 @@ def run_on_ray(
 # ---------------------------------------------------------------------- the dispatcher
 
 
-class RayBackend:
+class RayBackend(AroundSteps):
     """The driver loop's backend on Ray: one call per unit on its worker's actor, results reported
     one at a time (``ray.wait(num_returns=1)``). Rank 0's side calls (eval, checkpoint) and
     restarting workers' ready() calls are waited on beside the units."""
@@ -320,10 +313,11 @@ class RayBackend:
                 self.unscored[unit.uid] = result
                 self.in_flight[result["reward_ref"]] = (REWARD_ROW, unit)
                 return Released(worker, unit)
-            if "score_on" in result or "pixels" in result:  # a model reward: scored after the unit
+            if "score_on" in result or "decoded" in result:  # a model reward: scored after the unit
                 self.score_after(unit, result)
                 return Released(worker, unit)
-            self.ledger.rolled_out(unit, result)
+            self.unscored[unit.uid], self.score_row[unit.uid] = result, worker  # scored inline, on its row
+            self.scored(unit, result.pop("scores"), inline=True)
         elif isinstance(unit, TrainUnit):
             self.ledger.trained(unit, result["stats"])
             self.trained[unit.rollout_uid] += 1
@@ -367,40 +361,28 @@ class RayBackend:
         """A model reward (:func:`~digenrl.rewards.scored_after_unit`): the unit is released and scored
         by a side call on the rollout worker that generated it (a TAG rank's unit: on a rollout worker,
         its pixels sent along), in the worker's ``score`` group, beside its next unit."""
-        pixels = result.pop("pixels", None)
+        decoded = result.pop("decoded", None)
         scorer = result.pop("score_on", None) or self.scorers[len(self.score_row) % len(self.scorers)]
         call = self.actors[scorer].score.options(concurrency_group=SCORE_GROUP)
         self.unscored[unit.uid] = result
         self.score_row[unit.uid] = scorer
-        self.in_flight[call.remote(unit.uid, pixels)] = (REWARD_ROW, unit)
+        self.in_flight[call.remote(unit.uid, decoded)] = (REWARD_ROW, unit)
 
-    def scored(self, unit: RolloutUnit, scored) -> None:
-        """The :class:`~digenrl.rewards.service.Scored` of a released unit (the reward actor's, or a
-        rollout worker's own scoring after the unit): its scoring span on the reward row (on the
-        worker's row), its latency, then the unit as if scored inline."""
+    def scored(self, unit: RolloutUnit, scored, inline: bool = False) -> None:
+        """The :class:`~digenrl.rewards.base.Scores` of a rolled-out unit, whatever scored it (the worker
+        inline, the reward actor, a rollout worker after the unit): its scoring span on the reward row
+        (on the scoring worker's row), its latency, then the unit's advantages and metrics."""
         row = self.score_row.pop(unit.uid, REWARD_ROW)
+        queued = {} if inline else {"wait_s": scored.wait_s, "queue_depth": scored.queue_depth}
+        span = (scored.start - self.t0, scored.end - self.t0)
+        apart = {} if inline else {"samples": len(scored.total), **queued}  # scored apart from the unit
         self.timeline.record(
-            row,
-            "reward",
-            unit.uid,
-            unit.iteration,
-            unit.version,
-            scored.start - self.t0,
-            scored.end - self.t0,
-            service=row == REWARD_ROW,
-            samples=len(scored.total),
-            wait_s=scored.wait_s,
-            queue_depth=scored.queue_depth,
+            row, "reward", unit.uid, unit.iteration, unit.version, *span, service=row == REWARD_ROW, **apart
         )
         summary = self.unscored.pop(unit.uid)
         summary["rewards"], summary["reward_parts"] = scored.total, scored.parts
         summary["reward_calls"] = [
-            {
-                "seconds": scored.end - scored.start,
-                "timings": scored.timings,
-                "wait_s": scored.wait_s,
-                "queue_depth": scored.queue_depth,
-            }
+            {"seconds": scored.end - scored.start, "timings": scored.timings, **queued}
         ]
         self.ledger.rolled_out(unit, summary)
 
@@ -414,150 +396,3 @@ class RayBackend:
                 self.sched.published_version - self.sched.cfg.max_staleness
             )  # no unit needs older weights
             self.sync.prune(oldest)
-
-    # -- rank 0's side calls: eval and checkpoint after a step -------------------------------
-
-    def after_step(self, k: int) -> set[str]:
-        """Ask rank 0 for iteration k's eval / checkpoint now: it has just stepped to version k+1
-        and gets no other work before these calls run (an actor runs its calls in order). Returns
-        the names the metrics row of k waits for."""
-        rank0, names = self.actors[self.rank0], set()
-        if self.cadence.eval_due(k):
-            self.side[rank0.evaluate.remote()] = ("eval", k)
-            names.add(f"eval-{k}")
-        if self.cadence.checkpoint_due(k):
-            self.side[
-                rank0.checkpoint.remote(k + 1, self.checkpoint_extra(), staging_dir(self.out.path, k + 1))
-            ] = ("checkpoint", k)
-            names.add(f"checkpoint-{k}")
-        return names
-
-    def side_done(self, ref):
-        import ray
-
-        what, key = self.side.pop(ref)
-        if what == "restart":
-            back = self.faults.ready_answer(key, lambda: ray.get(ref))
-            if back is not None:
-                self.groups.reform(key)  # a sequence-parallel group restarted whole forms again
-            if back is not None and not self.faults.restarting:  # the last one back: the group re-forms
-                event = self.sync.rejoin(key)
-                if event is not None:
-                    self.record(self.rank0, [event])
-            return back
-        if what == "eval":
-            metrics = ray.get(ref)
-            if "eval_pixels" in metrics:  # a model reward: a rollout worker scores rank 0's eval samples
-                scorer = self.scorers[key % len(self.scorers)]
-                call = self.actors[scorer].score.options(concurrency_group=SCORE_GROUP)
-                self.side[call.remote(f"eval-{key}", metrics["eval_pixels"])] = ("eval_scored", key)
-                return None
-            self.ledger.evaluated(key, metrics)
-        elif what == "eval_scored":
-            scored = ray.get(ref)
-            self.ledger.evaluated(key, reward_metrics(scored.total, scored.parts))
-        else:
-            self.ledger.checkpointed(key, ray.get(ref))
-        return None
-
-    def drain(self) -> None:
-        """Wait for the side calls still running after the last step (the last eval / checkpoint)."""
-        import ray
-
-        while self.side:
-            (ref,), _ = ray.wait(list(self.side), num_returns=1)
-            self.side_done(ref)
-
-    def checkpoint_extra(self) -> dict:
-        return {
-            "driver": "engine",
-            "placement": self.cfg.placement.mode,
-            "max_staleness": self.cfg.engine.max_staleness,
-        }
-
-    # -- stopping mid-run: Ctrl-C, fatal errors ------------------------------------------------
-
-    def keep_work(self, exc: BaseException) -> BaseException:
-        """The run stops on ``exc`` (Ctrl-C, or an error). Unless trainer rank 0's state is gone (a dead
-        rank or head, ranks out of sync) or Ctrl-C was pressed twice: the running units finish, every
-        iteration whose step is done gets its row, and rank 0 checkpoints the last completed
-        iteration. Returns the exception to raise, naming the last checkpoint and how to resume."""
-        import ray
-
-        exc = own_error(exc)
-        if isinstance(exc, ray.exceptions.RayError):  # a dead head surfaces first as whichever call it broke
-            exc = head_lost() or exc
-        if isinstance(exc, TrainerRankLost):  # where a restart (engine.trainer_restarts) resumes from
-            exc.run_dir = self.out.path
-        if not (self.stop.forced or isinstance(exc, (TrainerLost, WeightSyncError))):
-            self.stopping = True
-            try:
-                progress(
-                    "stopping: finishing the running units, then a checkpoint (Ctrl-C again: stop now)..."
-                )
-                self.finish_running()
-                self.checkpoint_last()
-            except KeyboardInterrupt:  # a second Ctrl-C: stop now, with what is on disk
-                pass
-            except Exception as again:  # noqa: BLE001 -- the first error is the one to report
-                print(f"warning: could not keep the work in progress: {again!r}", file=sys.stderr)
-        return stopped(exc, self.out.path, self.iterations_logged(), self.cfg.train.iterations)
-
-    def iterations_logged(self) -> int:
-        rows = self.ledger.rows
-        return rows[-1]["iteration"] + 1 if rows else self.sched.cfg.start_iteration
-
-    def finish_running(self) -> None:
-        """No new work: wait for the units and side calls in flight (handing the other ranks their
-        share of a collective step one rank has begun), as the driver loop would. A unit that fails
-        now is dropped; the rows it held back are written without it."""
-        self.faults.restarting.clear()
-        self.side = {ref: what for ref, what in self.side.items() if what[0] != "restart"}
-        ranks = [w for w, role in self.role.items() if role != "rollout" and w not in self.hidden]
-
-        def owed_step_shares() -> list[str]:
-            begun = self.open_steps()
-            started = self.step_shares[begun[-1]] if begun else set()
-            busy = {w for w, _ in self.in_flight.values()}
-            return [r for r in ranks if started and r not in started and r not in busy]
-
-        finish_running(self.sched, self, owed_step_shares, lambda: bool(self.in_flight or self.side))
-        for name in {n for waiting in self.ledger.waiting.values() for n in waiting}:
-            self.ledger.finished(name)  # nothing runs any more: what a row still waits for will not come
-
-    def open_steps(self) -> list[tuple[int, int]]:
-        """The optimizer steps (iteration, step) handed out of the iteration not yet published, in order."""
-        return sorted(key for key in self.step_shares if key[0] == self.sched.published_version)
-
-    def checkpoint_last(self) -> None:
-        """Rank 0's checkpoint of the last completed iteration, when it holds exactly that version."""
-        import ray
-
-        done = self.iterations_logged()
-        if (
-            self.open_steps()
-        ):  # mini-batch PPO: rank 0 took a step of an unfinished iteration; keep what is on disk
-            return
-        if checkpoint_to_keep(self.out.path, done, self.sched.published_version):
-            files = ray.get(
-                self.actors[self.rank0].checkpoint.remote(
-                    done, self.checkpoint_extra(), staging_dir(self.out.path, done)
-                )
-            )
-            save_checkpoint_files(self.out.path, done, files, self.cfg.output.keep_last)
-
-    # -- outputs -------------------------------------------------------------------------------
-
-    def final_files(self) -> dict[str, bytes]:
-        """``final/`` from trainer rank 0's weights (:func:`~digenrl.run.cadence.final_files`)."""
-        import ray
-
-        return ray.get(self.actors[self.rank0].export_final.remote())
-
-    def save_timeline(self) -> None:
-        if self.timeline.events:
-            path, timeline = self.out.path / "timeline.json", self.timeline
-            if self.resumed_at is not None:  # resumed: the whole run's timeline, not this part's
-                timeline = timeline.after_earlier(path, self.resumed_at)
-            timeline.save_json(path)
-            timeline.to_png(self.out.path / "timeline.png")

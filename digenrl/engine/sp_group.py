@@ -14,17 +14,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import torch
-
 from digenrl.distributed import sequence_parallel as sp
 from digenrl.engine import sync_group, weight_sync
 from digenrl.engine.groups import group_share
 from digenrl.units.rollout import rollout_unit
-
-
-def _unscored(pixels, prompts, metadata=None):
-    """A follower's reward: none (its lead scores the same samples)."""
-    return torch.zeros(len(prompts)), {}
 
 
 class SequenceParallelMember:
@@ -76,9 +69,8 @@ class SequenceParallelMember:
             self.sync.drain_events()
         cfg = self.cfg
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
-        rollout_unit(
+        rollout_unit(  # (its lead scores the same samples)
             self.policy,
-            _unscored,
             [everything[g] for g in unit.groups],
             list(unit.groups),
             unit.iteration,

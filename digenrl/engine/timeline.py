@@ -212,7 +212,7 @@ class Timeline:
 
     def summary(self, skip: int = 0, tail: int = 0) -> dict:
         """Throughput and bubble over the steady state: without the first ``skip`` iterations
-        (warm-up) and the last ``tail`` (with one-step async the last one has no next rollout
+        (start-up) and the last ``tail`` (with one-step async the last one has no next rollout
         to overlap)."""
         rows = self.iteration_stats()
         rows = rows[skip : len(rows) - tail]

@@ -365,7 +365,7 @@ def check_workers_build(cfg: RunConfig, layout, resumed=None) -> None:
     # with reward.service only the reward actor loads the reward models (and checks them, before training)
     reward = build_reward(cfg.reward) if cfg.reward.service is None else None
     if cfg.model.pretrained is None:
-        from digenrl.checkpoint.store import load_checkpoint
+        from digenrl.checkpoint.load import load_checkpoint
         from digenrl.policy.model import Policy
         from digenrl.units.rollout import preflight_reward
 

@@ -3,10 +3,11 @@
     worker: pixels = decode(...) -> ref = client.submit(pixels, prompts, metas) -> go on sampling
             ... later: total, parts = client.result(ref)   (or hand ``ref`` on: it is an ObjectRef)
 
-The engine's rollout workers use :meth:`RewardClient.submit_scored`: the ref, to a :class:`Scored`
-(scores plus the wall-clock span of the scoring measured in the actor, per-reward seconds and
-the queue the call found), travels to the driver in the unit's result, and the worker takes its
-next unit at once (the scheduler's ``release``, docs/architecture.md).
+The engine's rollout workers use :meth:`RewardClient.submit_scored`: the ref, to the
+:class:`~digenrl.rewards.base.Scores` of the unit's decoded samples (scored by the same
+:func:`~digenrl.rewards.base.score` every mode calls, plus the queue the call found), travels to the
+driver in the unit's result, and the worker takes its next unit at once (the scheduler's
+``release``, docs/architecture.md).
 
 - :class:`RewardActor` holds one :class:`~digenrl.rewards.CombinedReward` with its own resource
   request (``reward.service``: a CPU fraction, a GPU of the cluster, custom resources). It is a
@@ -20,17 +21,16 @@ next unit at once (the scheduler's ``release``, docs/architecture.md).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
 from digenrl.config.train import RewardConfig
 from digenrl.errors import UserError
 from digenrl.rewards import CombinedReward, build_reward
+from digenrl.rewards.base import Decoded, Scores, score
 
 ACTOR_CONCURRENCY = 16  # threads: calls waiting on the scoring lock (= observable queue) + stats()
 
@@ -59,24 +59,6 @@ class _Latency:
         return {"calls": self.calls, "samples": self.samples, "busy_s": self.seconds, "rewards": per}
 
 
-@dataclass
-class Scored:
-    """One scoring call's result and how it went, measured where it ran.
-
-    ``start`` / ``end``: ``time.time()`` of the scoring itself (after any wait for the models);
-    ``wait_s``: seconds queued behind other calls; ``queue_depth``: calls ahead of this one when
-    it arrived (being scored or waiting); ``timings``: seconds per reward."""
-
-    total: torch.Tensor
-    parts: dict[str, torch.Tensor]
-    start: float
-    end: float
-    timings: dict[str, float] = field(default_factory=dict)
-    wait_s: float = 0.0
-    queue_depth: int = 0
-    pid: int = 0  # the actor's process: a new one means Ray restarted it
-
-
 class RewardActor:
     """Plain class; :func:`start_reward_actor` wraps it with ``ray.remote`` and its resources."""
 
@@ -100,19 +82,14 @@ class RewardActor:
 
     def score(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None):
         """One batch of decoded samples -> ``(total, parts)`` (CPU tensors)."""
-        scored = self.score_timed(pixels, prompts, metadata)
-        return scored.total, scored.parts
+        scores = self.score_timed(Decoded(pixels, list(prompts), metadata or [{} for _ in prompts]))
+        return scores.total, scores.parts
 
-    def score_timed(
-        self,
-        pixels: torch.Tensor,
-        prompts: list[str],
-        metadata: list[dict] | None = None,
-        label: str | None = None,
-    ) -> Scored:
-        """:meth:`score`, plus the span, per-reward seconds and queue of the call (:class:`Scored`).
-        ``label``: what is scored (the engine passes the unit's uid; a fault plugin may end the
-        process there: Ray restarts the actor and runs the call again, scoring being pure)."""
+    def score_timed(self, decoded: Decoded, label: str | None = None) -> Scores:
+        """:meth:`score` of a unit's decoded samples (:func:`~digenrl.rewards.base.score`), with the queue
+        of the call (``wait_s``, ``queue_depth``). ``label``: what is scored (the engine passes the
+        unit's uid; a fault plugin may end the process there: Ray restarts the actor and runs the call
+        again, scoring being pure)."""
         if self.faults is not None:
             self.faults.reached(label)
         arrived = time.time()
@@ -125,15 +102,13 @@ class RewardActor:
                 self.waiting -= 1
                 self.scoring = 1
             try:
-                start, t0 = time.time(), time.perf_counter()
-                total, parts = self.reward(pixels, prompts, metadata)
-                seconds = time.perf_counter() - t0
-                timings = dict(self.reward.last_timings)
-                self.latency.record(len(prompts), seconds, timings)
+                scores = score(self.reward, decoded)
+                self.latency.record(len(decoded.prompts), scores.end - scores.start, scores.timings)
             finally:
                 with self.mu:
                     self.scoring = 0
-        return Scored(total, parts, start, start + seconds, timings, start - arrived, ahead, os.getpid())
+        scores.wait_s, scores.queue_depth = scores.start - arrived, ahead
+        return scores
 
     def check(self, prompts: list[str], shape: tuple[int, ...], metadata: list[dict] | None = None) -> dict:
         with self.lock:
@@ -199,18 +174,10 @@ class RewardClient:
     def submit(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None):
         return self._track(self.actor.score.remote(pixels.detach().cpu(), list(prompts), metadata))
 
-    def submit_scored(
-        self,
-        pixels: torch.Tensor,
-        prompts: list[str],
-        metadata: list[dict] | None = None,
-        label: str | None = None,
-    ):
-        """Like :meth:`submit`, to a :class:`Scored` (what the engine's driver waits on); ``label``
-        names what is scored (the unit's uid)."""
-        return self._track(
-            self.actor.score_timed.remote(pixels.detach().cpu(), list(prompts), metadata, label)
-        )
+    def submit_scored(self, decoded: Decoded, label: str | None = None):
+        """Like :meth:`submit`, to the :class:`~digenrl.rewards.base.Scores` of a unit's decoded samples
+        (what the engine's driver waits on); ``label`` names what is scored (the unit's uid)."""
+        return self._track(self.actor.score_timed.remote(decoded, label))
 
     def _track(self, ref):
         self.in_flight()  # forget the finished ones: holding their refs would pin their results

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from digenrl.checkpoint.compat import CheckpointState
-from digenrl.checkpoint.store import latest_checkpoint, read_state
+from digenrl.checkpoint.load import read_state
+from digenrl.checkpoint.store import latest_checkpoint
 from digenrl.config.run import RunConfig
 from digenrl.errors import RunInterrupted, UserError
 from digenrl.policy.lora import save_lora

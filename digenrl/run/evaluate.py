@@ -23,13 +23,15 @@ from typing import Callable
 import torch
 
 from digenrl.algorithms.sde import sample
-from digenrl.checkpoint.store import find_checkpoint, load_checkpoint, read_state, use_ema_weights
+from digenrl.checkpoint.load import load_checkpoint, read_state, use_ema_weights
+from digenrl.checkpoint.store import find_checkpoint
 from digenrl.config.run import load_config
 from digenrl.config.train import PromptsConfig
 from digenrl.data.prompts import Prompt, load_prompts, prompt_char_limit
 from digenrl.errors import UserError
 from digenrl.policy.model import Policy
 from digenrl.rewards import build_reward
+from digenrl.rewards.base import Decoded, score
 from digenrl.run.media import save_samples
 from digenrl.run.rundir import check_writable
 from digenrl.units.rows import stream_seed
@@ -58,10 +60,10 @@ class EvalResult:
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         """Flat means for a metrics row: ``eval/<reward>`` per component and ``eval/reward_mean``."""
-        return reward_metrics(self.total, self.scores, prefix)
+        return eval_metrics(self.total, self.scores, prefix)
 
 
-def reward_metrics(total: torch.Tensor, parts: dict[str, torch.Tensor], prefix: str = "eval/") -> dict:
+def eval_metrics(total: torch.Tensor, parts: dict[str, torch.Tensor], prefix: str = "eval/") -> dict:
     """``eval/<reward>`` (each component's mean) and ``eval/reward_mean`` (the weighted total's), NaN
     scores left out: of an :class:`EvalResult`, or of the scores a rollout worker returned for a trainer
     rank's eval samples (the engine, a model reward: ``EngineWorker.evaluate``)."""
@@ -76,18 +78,29 @@ def eval_noise(adapter, index: int, seed: int) -> torch.Tensor:
     return adapter.initial_noise(1, torch.Generator().manual_seed(stream_seed(seed, "eval", index)))
 
 
+def evaluate_policy(policy, reward_fn, prompts: list[Prompt], **sampling) -> EvalResult:
+    """:func:`eval_samples` of ``prompts`` (``sampling``: its keyword arguments), scored by ``reward_fn``."""
+    decoded = eval_samples(policy, prompts, **sampling)
+    scores = score(reward_fn, decoded)
+    return EvalResult(
+        prompts=decoded.prompts,
+        pixels=(decoded.pixels * 255).round().to(torch.uint8),
+        scores={k: v.float().cpu() for k, v in scores.parts.items()},
+        total=scores.total.float().cpu(),
+    )
+
+
 @torch.no_grad()
-def evaluate_policy(
+def eval_samples(
     policy,
-    reward_fn,
     prompts: list[Prompt],
     *,
     steps: int | None = None,
     seed: int | None = None,
     batch_size: int | None = None,
     on_batch: Callable[[int], None] | None = None,
-) -> EvalResult:
-    """ODE-sample one image / video per prompt with the policy's current weights and score it.
+) -> Decoded:
+    """ODE-sample one image / video per prompt with the policy's current weights, decoded (unscored).
 
     Defaults: ``sampling.eval_steps``, ``train.seed`` and ``train.micro_batch`` of the policy's config.
     ``on_batch(n)`` is called after each batch of ``n`` prompts. ``sampling.eval_guidance``, when set,
@@ -98,7 +111,7 @@ def evaluate_policy(
     seed = cfg.train.seed if seed is None else seed
     batch_size = batch_size or cfg.train.micro_batch
     sigmas = ad.sigmas(steps)
-    pixels, totals, parts = [], [], []
+    pixels = []
     guided = cfg.sampling.eval_guidance is not None and cfg.sampling.eval_guidance != ad.sampling.guidance
     train_sampling = ad.sampling
     if guided:  # sampling.eval_guidance: the evaluation's own guidance (e.g. CFG after CFG-free training)
@@ -108,32 +121,15 @@ def evaluate_policy(
             chunk = prompts[start : start + batch_size]
             # encoded afresh with the eval guidance (a CFG family's conditioning holds the negative prompt)
             cond = ad.encode_prompts([p.text for p in chunk]).to(ad.device) if guided else None
-            _eval_batch(ad, chunk, cond, sigmas, seed, start, reward_fn, pixels, totals, parts)
+            cond = ad.cond_for([p.text for p in chunk]) if cond is None else cond  # (else: the prompt cache)
+            noise = torch.cat([eval_noise(ad, start + j, seed) for j in range(len(chunk))])
+            traj = sample(ad, cond, noise.to(ad.device), sigmas, "flow_grpo", 0.0)  # eta 0: the Euler ODE
+            pixels.append(ad.decode(traj.latents[:, -1]).clamp(0, 1).cpu())
             if on_batch:
                 on_batch(len(chunk))
     finally:
         ad.sampling = train_sampling
-    names = parts[0].keys()
-    return EvalResult(
-        prompts=[p.text for p in prompts],
-        pixels=torch.cat(pixels),
-        scores={k: torch.cat([p[k] for p in parts]).float() for k in names},
-        total=torch.cat(totals),
-    )
-
-
-def _eval_batch(ad, chunk, cond, sigmas, seed, start, reward_fn, pixels, totals, parts) -> None:
-    """Sample and score one batch of eval prompts (``cond``: None = through the prompt cache)."""
-
-    texts = [p.text for p in chunk]
-    cond = ad.cond_for(texts) if cond is None else cond
-    noise = torch.cat([eval_noise(ad, start + j, seed) for j in range(len(chunk))])
-    traj = sample(ad, cond, noise.to(ad.device), sigmas, "flow_grpo", 0.0)  # eta 0: the Euler ODE
-    px = ad.decode(traj.latents[:, -1]).clamp(0, 1)
-    total, p = reward_fn(px, texts, [dict(q.meta) for q in chunk])
-    pixels.append((px * 255).round().to(torch.uint8).cpu())
-    totals.append(total.float().cpu())
-    parts.append(p)
+    return Decoded(torch.cat(pixels), [p.text for p in prompts], [dict(p.meta) for p in prompts])
 
 
 # ------------------------------------------------------------------------------------- digenrl eval

@@ -13,6 +13,7 @@ from digenrl.algorithms.sde import (
     sample,
 )
 from digenrl.data.prompts import Prompt
+from digenrl.rewards.base import Decoded, score
 from digenrl.units.nft import is_nft, noise_plan
 from digenrl.units.rows import stream_seed, train_batches
 from digenrl.units.samples import GroupRNG, Samples
@@ -21,7 +22,6 @@ from digenrl.units.samples import GroupRNG, Samples
 @torch.no_grad()
 def rollout_unit(
     policy,
-    reward_fn,
     prompts: list[Prompt],
     group_ids: list[int],
     iteration: int,
@@ -29,8 +29,9 @@ def rollout_unit(
     samples: tuple[int, int] | None = None,
     batch: int | None = None,
     whole_forwards: bool = False,
-) -> Samples:
-    """Generate G samples for each prompt with the policy's current weights, decode and score them;
+) -> tuple[Samples, Decoded]:
+    """Generate G samples for each prompt with the policy's current weights and decode them (unscored:
+    :func:`scored`, or any other mode's :func:`~digenrl.rewards.base.score`, adds the rewards);
     ``samples = (lo, hi)``: only samples lo..hi-1 of each group (a sub-group unit), the same ones a
     whole-group unit generates. ``batch``: samples per model forward (a rollout-only worker's own,
     ``engine.rollout_batch``: the trainer's log-probs then match to rounding); None: the train
@@ -69,11 +70,10 @@ def rollout_unit(
         if nft
         else forward_batches(train_idx, cfg, n, lo),
     )
-    pixels = ad.decode(traj.latents[:, -1])
+    pixels = ad.decode(traj.latents[:, -1]).cpu()  # scored off the device (whatever mode scores it)
     texts = [p.text for p in prompts for _ in range(n)]
     metas = [p.meta for p in prompts for _ in range(n)]
-    total, parts = reward_fn(pixels, texts, metas)
-    return Samples(
+    samples = Samples(
         iteration=iteration,
         version=policy.version,
         group_ids=list(group_ids),
@@ -85,13 +85,18 @@ def rollout_unit(
         sigmas=sigmas.cpu(),
         sde_mask=sde_mask,
         train_idx=train_idx,
-        rewards=total,
-        reward_parts=parts,
-        preview=(pixels[::n].clamp(0, 1) * 255).round().to(torch.uint8).cpu(),
+        preview=(pixels[::n].clamp(0, 1) * 255).round().to(torch.uint8),
         first_sample=lo,
         noise_seeds=noise_seeds,
         step_noise=None if nft else traj.noise.cpu(),  # diffusion_nft: no trajectory travels
     )
+    return samples, Decoded(pixels, texts, metas)
+
+
+def scored(rollout: tuple[Samples, Decoded], reward_fn) -> Samples:
+    """A rollout unit's samples scored in place by ``reward_fn`` (the inline mode of scoring)."""
+    samples, decoded = rollout
+    return samples.take(score(reward_fn, decoded))
 
 
 def preflight_reward(reward_fn, adapter, prompts: list[Prompt]) -> dict[str, float]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from digenrl.adapters.cond import Cond
+from digenrl.rewards.base import Scores
 
 
 class GroupRNG:
@@ -41,8 +42,8 @@ class Samples:
     sigmas: torch.Tensor
     sde_mask: torch.Tensor  # (N,)
     train_idx: torch.Tensor  # (B, T) steps to train; diffusion_nft: (B, K) noise levels (sigma indices)
-    rewards: torch.Tensor  # (B,) weighted total
-    reward_parts: dict[str, torch.Tensor]
+    rewards: torch.Tensor | None = None  # (B,) weighted total, once scored (:meth:`take`)
+    reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
     advantages: torch.Tensor | None = None  # (B,), set once the group's rewards are known
     preview: torch.Tensor | None = None  # uint8 pixels of the first sample of each group
     timings: dict[str, float] = field(default_factory=dict)
@@ -52,6 +53,11 @@ class Samples:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def take(self, scores: Scores) -> Samples:
+        """These samples with their rewards (:func:`~digenrl.rewards.base.score`'s result)."""
+        self.rewards, self.reward_parts = scores.total, scores.parts
+        return self
 
 
 #: the tensor fields of :class:`Samples` that hold one row per sample (None where a run has none):

@@ -29,7 +29,7 @@ from digenrl.policy.lora import checksum
 from digenrl.policy.model import Policy
 from digenrl.rewards import build_reward
 from digenrl.units.advantages import assign_advantages
-from digenrl.units.rollout import rollout_unit
+from digenrl.units.rollout import rollout_unit, scored
 from digenrl.units.train import train_unit
 
 STEP_KEYS = {"rollout": "rollout_step_s", "train": "train_step_s", "ref": "ref_forward_s"}
@@ -144,8 +144,9 @@ class ModelBench:
         with self.clock.phase("units"):
 
             def one_rollout():
-                return rollout_unit(
-                    policy, self.reward, self.prompts[:groups], list(range(groups)), 0, cfg.train.seed
+                return scored(
+                    rollout_unit(policy, self.prompts[:groups], list(range(groups)), 0, cfg.train.seed),
+                    self.reward,
                 )
 
             samples = self.samples = one_rollout()  # the samples the train unit trains on

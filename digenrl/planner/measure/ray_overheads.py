@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from digenrl.engine.cluster import start_local
+from digenrl.engine.resources import start_local
 from digenrl.planner.constants import (
     LARGE_TRANSFER_BYTES,
     LARGE_TRANSFER_UNITS,

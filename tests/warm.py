@@ -1,13 +1,16 @@
-"""Warm workers: a process that runs the engine many times keeps its actors between runs.
+"""Warm workers: the test suite keeps a finished run's actors for the next run.
+
+This is the suite's actor source (``digenrl.engine.cluster.actor_source``, the runtime's one hook for
+it): the runtime itself always starts fresh actors.
 
 Starting an engine actor costs ~5 s of CPU before it builds anything (importing torch, Ray and
 diffusers' model classes: docs/engine.md "Warm workers"), and a tiny run is over in about one
 second. Inside :func:`warm_workers` the end of a run leaves its actors alive and empty
 (``EngineWorker.retire``); the next run takes the kept actors of the kinds it needs -- the same
 device resource, the same scoring concurrency group, the same restart budget -- and builds its
-workers in them (``EngineWorker.rebuild``), starting fresh actors only for the rest; kept actors
+workers in them (:meth:`WarmWorker.rebuild`), starting fresh actors only for the rest; kept actors
 it does not take stay kept unless the actors it starts need their devices. The test suite runs
-inside it; a single ``digenrl train`` never does.
+inside it (tests/conftest.py); a single ``digenrl train`` never does.
 
 What changes inside: each warm actor holds its own one-bundle placement group (so one can be kept
 and another released) with a small fixed CPU share (so kept and new actors always fit together),
@@ -17,7 +20,7 @@ Ray restarts a lost actor by calling its constructor with the arguments it was c
 kept actor, an earlier run's. So every warm actor is created with a handle to the pool's
 :class:`ArgsBoard`, where the driver posts the arguments of the worker it builds in that actor for
 each run (:meth:`WarmPool.post`); a restarted warm actor builds what the board says
-(``EngineWorker.__init__``'s ``restart_from``). Runs with injected faults use warm actors too.
+(:class:`WarmWorker`'s ``restart_from``). Runs with injected faults use warm actors too.
 
 Fresh actors, always, where a kept process could carry something over: a compiled transformer
 (dynamo's caches). After a run that failed, every actor is killed; after one that finished, the
@@ -28,11 +31,25 @@ ones) killed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
+import os
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 
+from digenrl.distributed.fsdp import forget_meshes
+from digenrl.engine import sync_group
+from digenrl.engine.cluster import FreshActors, actor_source, new_actor
+from digenrl.engine.groups import abort_process_group
+from digenrl.engine.resources import reserve
+from digenrl.engine.worker_setup import restarted
+from digenrl.engine.workers import EngineWorker
+
 #: A warm actor's CPU share (logical): small enough that any run's workers fit beside kept ones.
 CPU_SHARE = 0.05
+RETIRE_WAIT_S = 10.0  # how long a retiring rollout worker waits for its weight-sync thread
+RETIRE_TIMEOUT_S = 30.0  # emptying a finished run's actors for the next one
 
 _active: WarmPool | None = None  # the pool of the warm_workers() block this process is in
 
@@ -174,7 +191,8 @@ def warm_workers():
         raise RuntimeError("warm_workers() is already active in this process")
     _active = WarmPool()
     try:
-        yield _active
+        with actor_source(WarmActors(_active)):
+            yield _active
     finally:
         pool, _active = _active, None
         pool.clear()
@@ -199,3 +217,111 @@ def kind_of(bundle: dict, scoring: bool, max_restarts: int) -> tuple:
 def bundle_of(kind: tuple) -> dict:
     """The one-bundle reservation of a warm actor of ``kind``."""
     return {"CPU": CPU_SHARE, **dict(kind[0])}
+
+
+class WarmWorker(EngineWorker):
+    """An engine worker that can be emptied (:meth:`retire`) and built again as the next run's
+    (:meth:`rebuild`) in the same process; restarted by Ray, it builds what its pool's board says."""
+
+    def __init__(self, *args, restart_from: tuple | None = None, **kwargs):
+        if restart_from is not None and restarted():
+            args, kwargs = posted_args(restart_from)
+        super().__init__(*args, **kwargs)
+
+    def rebuild(self, *args, **kwargs) -> None:
+        """Build the next run's worker in this live process (the constructor's arguments)."""
+        self.__dict__.clear()
+        EngineWorker.__init__(self, *args, **kwargs)
+
+    def retire(self) -> int | None:
+        """The end of a run whose process is kept: leave its process groups, stop the weight-sync
+        thread, drop everything it built. Returns this process's id, or None when something is
+        still running in it (the driver then kills it)."""
+        inbox = self.sync if isinstance(self.sync, sync_group.BroadcastInbox) else None
+        if isinstance(self.sync, sync_group.BroadcastPublisher):
+            self.sync.close()  # the receivers' threads end
+        if inbox is not None and not inbox.stopped(timeout=RETIRE_WAIT_S):
+            return None
+        abort_process_group()
+        forget_meshes()  # the next run's meshes may look equal to this one's with other coordinates
+        self.__dict__.clear()
+        gc.unfreeze()  # (what the run built was frozen: workers.gc_paused_then_frozen)
+        gc.collect()
+        return os.getpid()
+
+
+class WarmActors:
+    """The actor source of runs inside :func:`warm_workers` (``cluster.actor_source``): kept actors
+    of the right kind rebuilt, the rest started, each in its own one-bundle placement group."""
+
+    def __init__(self, pool: WarmPool):
+        self.pool = pool
+        self.fresh = None  # a run that may not use warm actors starts fresh ones (eligible)
+
+    def start(self, cfg, plans, workers) -> dict:
+        import ray
+
+        if not eligible(cfg):  # this run starts fresh ones: release the kept first
+            self.pool.clear()
+            self.fresh = FreshActors()
+            return self.fresh.start(cfg, plans, workers)
+        self.fresh, self.names = None, [p.name for p in plans]
+        self.kinds = [kind_of(p.bundle, p.scoring, p.max_restarts) for p in plans]
+        self.groups, self.keys, self.kept = [], [], [None] * len(plans)
+        self.kept = self.pool.take([p.name for p in plans], self.kinds, ray.cluster_resources())
+        self.keys = [k.key if k is not None else uuid.uuid4().hex for k in self.kept]  # on the board
+        self.groups = [
+            k.group if k is not None else reserve([bundle_of(kd)], workers)
+            for k, kd in zip(self.kept, self.kinds)
+        ]
+        actors = {}
+        for i, p in enumerate(plans):
+            # a warm actor restarted by Ray builds what the pool posted for it, not its first run's worker
+            restart_from = self.pool.post(self.keys[i], p.args, p.kwargs)
+            if self.kept[i] is not None:  # the same process, this run's worker built in it
+                actors[p.name] = self.kept[i].actor
+                actors[p.name].rebuild.remote(*p.args, **p.kwargs)
+                continue
+            small = dataclasses.replace(p, bundle=bundle_of(self.kinds[i]))  # its one-bundle reservation
+            actors[p.name] = new_actor(small, self.groups[i], 0, WarmWorker, restart_from=restart_from)
+        return actors
+
+    def finish(self, actors: dict, pids: dict, clean: bool) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self.fresh is not None:
+            return self.fresh.finish(actors, pids, clean)
+        back = _retired(actors, pids) if clean else set()
+        # keep those back empty, as they started; the rest go
+        stay = [i for i, name in enumerate(self.names) if name in back]
+        self.pool.keep(
+            [
+                Kept(self.names[i], self.kinds[i], self.groups[i], actors[self.names[i]], self.keys[i])
+                for i in stay
+            ]
+        )
+        self.pool.forget([key for i, key in enumerate(self.keys) if i not in stay])
+        taken = [k.actor for k in self.kept if k is not None and k.actor not in actors.values()]
+        for actor in [*(a for name, a in actors.items() if name not in back), *taken]:
+            ray.kill(actor, no_restart=True)
+        for i, group in enumerate(self.groups):
+            if i not in stay:
+                remove_placement_group(group)
+
+
+def _retired(actors: dict, pids: dict) -> set[str]:
+    """Empty every worker of a finished run for the next one: the names of those that came back
+    empty in the process they started the run in (not restarted)."""
+    import ray
+
+    calls = {name: a.retire.remote() for name, a in actors.items()}
+    ray.wait(list(calls.values()), num_returns=len(calls), timeout=RETIRE_TIMEOUT_S)
+    back = set()
+    for name, call in calls.items():
+        try:
+            if ray.get(call, timeout=0) == pids[name]:
+                back.add(name)
+        except Exception:  # noqa: BLE001 -- a worker that cannot retire (or not yet) is killed
+            pass
+    return back

@@ -1,0 +1,200 @@
+"""The Ray cluster the engine runs on and the resources a placement asks of it.
+
+Placement is data: pools map to Ray resources. A CPU pool is a logical custom resource
+``pool:<name>`` (a local run creates them; a joined cluster must have them), a GPU pool asks
+for ``num_gpus=1`` plus its type (Ray's ``accelerator_type:<TYPE>`` or a custom resource named
+after the type; ``gpu`` / ``cuda`` = any GPU). A run's workers are reserved as a placement group
+after checking ``ray.cluster_resources()``, so an impossible placement fails in seconds with a
+message, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from collections import Counter
+
+from digenrl.config.engine import PoolConfig
+from digenrl.config.run import RunConfig
+from digenrl.errors import UserError
+from digenrl.placement.plan import Worker
+
+PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give up, say so
+
+
+ADDRESS_PROBE_S = 3.0  # a wrong --ray-address must fail fast
+
+
+def reserve(bundles: list[dict], workers: list[Worker]):
+    """A placement group of ``bundles``, once reserved (a UserError naming the ask after
+    PLACEMENT_TIMEOUT_S: the resources exist but stay taken)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    group = placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise UserError(
+            f"cluster: could not reserve {_asked(workers)} within {PLACEMENT_TIMEOUT_S:.0f}s "
+            f"(bundles {bundles}); free now: {_describe(ray.available_resources())}"
+        ) from None
+    return group
+
+
+def head_problem() -> str | None:
+    """Why the connected cluster's head (GCS) does not accept connections, or None when it does."""
+    import ray
+
+    try:
+        socket.create_connection(
+            host_port(ray.get_runtime_context().gcs_address), timeout=ADDRESS_PROBE_S
+        ).close()
+        return None
+    except (OSError, ValueError) as exc:
+        return getattr(exc, "strerror", None) or str(exc)
+
+
+def connect(workers: list[Worker], ray_address: str | None) -> bool:
+    """Join ``ray_address``, or start a local cluster whose logical resources are the CPU pools.
+    Returns True when this call connected (and so must disconnect)."""
+    import ray
+
+    if ray_address is None:
+        pools = {w.pool.name: w.pool for w in workers}
+        return start_local({f"pool:{p.name}": p.count for p in pools.values() if p.device.lower() == "cpu"})
+    _probe(ray_address)
+    if ray.is_initialized():
+        current = ray.get_runtime_context().gcs_address
+        if _same_address(ray_address, current):
+            return False
+        raise UserError(
+            f"ray address {ray_address}: this process is already connected to the Ray cluster at {current}"
+        )
+    try:
+        ray.init(address=ray_address, logging_level=logging.WARNING)
+    except Exception as exc:  # ConnectionError, RuntimeError, ...: all mean "not a usable cluster"
+        raise UserError(f"ray address {ray_address}: could not join a Ray cluster there ({exc})") from None
+    return True
+
+
+def start_local(resources: dict[str, float], **options) -> bool:
+    """Be connected to a local Ray cluster with the logical devices ``resources``: the one this process
+    is connected to already (the caller's -- a test suite, a notebook, a benchmark's loop -- used as it
+    is and left up), else one started here on every core, without the dashboard, with Ray's warnings
+    only (``options`` go to ``ray.init``). True when this call started it: the caller shuts it down."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    defaults = dict(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(resources=resources, **{**defaults, **options})
+    return True
+
+
+def _probe(address: str) -> None:
+    """Fail in seconds when nothing listens at the address (ray.init would retry for a minute)."""
+    if address == "auto":
+        return
+    host, port = host_port(address)
+    try:
+        socket.create_connection((host, port), timeout=ADDRESS_PROBE_S).close()
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"ray address {address}: no Ray cluster answers there ({exc}); start one with "
+            "`ray start --head` or leave the address out to run on a local cluster"
+        ) from None
+
+
+def host_port(address: str) -> tuple[str, int]:
+    rest = address.split("://", 1)[-1]
+    host, _, port = rest.rpartition(":")
+    if not host:
+        return rest, 10001 if address.startswith("ray://") else 6379
+    try:
+        return host, int(port)
+    except ValueError:
+        raise UserError(f"ray address {address}: expected host:port") from None
+
+
+def _same_address(a: str, b: str) -> bool:
+    (ha, pa), (hb, pb) = host_port(a), host_port(b)
+    try:
+        return pa == pb and socket.gethostbyname(ha) == socket.gethostbyname(hb)
+    except OSError:
+        return False
+
+
+def reward_service_resources(cfg: RunConfig) -> dict[str, float]:
+    """What the reward actor (``reward.service``) asks for, beside the placement group."""
+    svc = cfg.reward.service
+    if svc is None:
+        return {}
+    need = {"CPU": svc.num_cpus, "GPU": svc.num_gpus, **svc.resources}
+    return {k: v for k, v in need.items() if v > 0}
+
+
+def resource_bundles(
+    workers: list[Worker], have: dict, reserve: dict[str, float] | None = None
+) -> list[dict]:
+    """One placement-group bundle per worker: its device plus a CPU share that fits the cluster
+    beside ``reserve`` (the reward actor's request; fractional requests beyond the CPUs would
+    wait forever). Raises UserError, naming what was asked and what exists, when the cluster
+    cannot hold them."""
+    reserve = reserve or {}
+    free_cpus = max(0.0, have.get("CPU", 0) - reserve.get("CPU", 0))
+    share = math.floor(min(1.0, free_cpus / len(workers)) * 100) / 100
+    bundles = []
+    for w in workers:
+        bundle = {"CPU": share} if share > 0 else {}
+        bundle.update(_device_resources(w.pool, have))
+        bundles.append(bundle)
+    need = Counter(reserve)
+    for b in bundles:
+        need.update(b)
+    short = [
+        f"{k} {v:g} needed, {have.get(k, 0):g} exist" for k, v in need.items() if have.get(k, 0) < v - 1e-9
+    ]
+    if short:
+        extra = f" + the reward actor ({_describe(reserve)})" if reserve else ""
+        raise UserError(
+            f"cluster: cannot place {_asked(workers)}{extra}: {'; '.join(short)}. "
+            f"The Ray cluster has {_describe(have)}"
+        )
+    return bundles
+
+
+def _device_resources(pool: PoolConfig, have: dict) -> dict:
+    device = pool.device
+    if device.lower() == "cpu":
+        return {f"pool:{pool.name}": 1}
+    if device.lower() in ("gpu", "cuda"):
+        return {"GPU": 1}
+    for key in have:  # Ray's detected type (1 per node, so a tiny share) or a custom resource
+        if key.lower() == f"accelerator_type:{device}".lower():
+            return {"GPU": 1, key: 0.001}
+    for key in have:
+        if key.lower() == device.lower():
+            return {"GPU": 1, key: 1}
+    raise UserError(
+        f"cluster.pools: pool '{pool.name}' asks for device type '{device}', which the Ray cluster "
+        f"does not have (it has {_describe(have)}); use 'cpu' (logical), 'gpu' (any GPU) or a type "
+        "Ray reports as accelerator_type:<TYPE>"
+    )
+
+
+def _asked(workers: list[Worker]) -> str:
+    counts = Counter((w.pool.name, w.pool.device) for w in workers)
+    return ", ".join(f"{n} x {device} for pool '{name}'" for (name, device), n in counts.items())
+
+
+def _describe(resources: dict) -> str:
+    keep = {
+        k: v
+        for k, v in resources.items()
+        if not k.startswith("node:") and k not in ("memory", "object_store_memory")
+    }
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(keep.items())) or "no resources"
