@@ -53,3 +53,11 @@ def actor_death(exc: BaseException) -> BaseException | None:
 def actor_died(exc: BaseException) -> bool:
     """The call failed because an actor process died (the worker's own, or one it called)."""
     return actor_death(exc) is not None
+
+
+def first_line(exc: BaseException, typed: bool = False) -> str:
+    """The first line of ``exc``'s message (``typed``: after its type's name, cut at 160 characters)."""
+    text = str(exc).strip().splitlines()
+    if not text:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {text[0][:160]}" if typed else text[0]

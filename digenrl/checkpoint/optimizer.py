@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from digenrl.checkpoint.compat import CheckpointError, CheckpointState, torch_load
 from digenrl.distributed import dcp
 from digenrl.distributed.fsdp import is_sharded
-from digenrl.errors import UserError
+from digenrl.errors import UserError, first_line
 
 OPTIMIZER_FILE = "optimizer.pt"
 DCP_DIR = "dcp"
@@ -106,8 +106,3 @@ def _keyed_by_name(saved: dict, net) -> dict:
         "state": {names[i]: s for i, s in saved["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]],
     }
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

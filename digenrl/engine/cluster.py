@@ -23,7 +23,7 @@ from digenrl.engine.resources import (
     reward_service_resources,
 )
 from digenrl.engine.worker_setup import ResumeFrom, rollout_checkpoint_files
-from digenrl.errors import UserError, WeightSyncError
+from digenrl.errors import UserError, WeightSyncError, first_line
 from digenrl.placement.layout import RunLayout
 from digenrl.placement.plan import Worker
 from digenrl.progress import progress
@@ -42,11 +42,6 @@ def num_restarts(actor) -> int:
         return int(state.actors(actor._actor_id.hex()).get("NumRestarts", 0))
     except Exception:  # noqa: BLE001  (a private API: a metric is not worth a crash)
         return 0
-
-
-def first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
 
 
 # ------------------------------------------------------------------- Ray: cluster and actors
@@ -246,12 +241,12 @@ def form_sync_group(layout: RunLayout, actors: dict) -> tuple[str, list[str]]:
         if not layout.settings.weight_sync_fallback:
             raise UserError(
                 f"engine.weight_sync: broadcast: trainer rank 0 and the rollout workers could not form "
-                f"a process group ({first_line(exc)}); use auto or object_store"
+                f"a process group ({first_line(exc, typed=True)}); use auto or object_store"
             ) from None
         ray.get([actors[m].leave_sync.remote() for m in members])
         print(
             f"warning: engine.weight_sync: auto: no {backend} group between trainer rank 0 and the rollout "
-            f"workers ({first_line(exc)}); weights go through the Ray object store",
+            f"workers ({first_line(exc, typed=True)}); weights go through the Ray object store",
             file=sys.stderr,
         )
         return "object_store", []

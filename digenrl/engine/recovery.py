@@ -24,9 +24,9 @@ import sys
 import time
 from collections import Counter
 
-from digenrl.engine.cluster import REWARD_ROW, first_line
+from digenrl.engine.cluster import REWARD_ROW
 from digenrl.engine.resources import head_problem
-from digenrl.errors import RunStopped, UserError, WeightSyncError, actor_death
+from digenrl.errors import RunStopped, UserError, WeightSyncError, actor_death, first_line
 from digenrl.schedule.driver import Back, Lost
 from digenrl.units.types import RolloutUnit, Unit
 
@@ -69,7 +69,7 @@ class FaultRecovery:
             if not isinstance(exc, ray.exceptions.ObjectLostError):
                 raise RunStopped(
                     f"the reward actor died and was not restarted (engine.max_restarts: {limit}; "
-                    f"{first_line(exc)}); the run stopped."
+                    f"{first_line(exc, typed=True)}); the run stopped."
                 )
             print(
                 f"warning: the scores of {unit.uid} were lost with the worker that submitted them; "
@@ -79,7 +79,8 @@ class FaultRecovery:
             return Lost(unit)
         if self.roles[worker] != "rollout" or not isinstance(unit, RolloutUnit):
             raise TrainerRankLost(
-                f"trainer rank {worker} died while running {unit.uid} ({first_line(exc)}); the run stopped.",
+                f"trainer rank {worker} died while running {unit.uid} ({first_line(exc, typed=True)}); "
+                "the run stopped.",
                 unit.uid,
             )
         self.restarts[worker] += 1
@@ -116,7 +117,8 @@ class FaultRecovery:
             return None
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
             raise RunStopped(
-                f"{worker} did not come back after a restart ({first_line(exc)}); the run stopped."
+                f"{worker} did not come back after a restart ({first_line(exc, typed=True)}); "
+                "the run stopped."
             ) from None
         if ready["checksum"] != self.start_checksum:
             raise WeightSyncError(f"{worker} restarted with other weights than the run started with")

@@ -30,7 +30,6 @@ from digenrl.config.run import RunConfig
 from digenrl.engine.around_steps import AroundSteps
 from digenrl.engine.cluster import (
     REWARD_ROW,
-    first_line,
     form_rollout_sp_group,
     form_sync_group,
     num_restarts,
@@ -46,7 +45,7 @@ from digenrl.engine.recovery import (
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
 from digenrl.engine.workers import SCORE_GROUP
-from digenrl.errors import WeightSyncError, actor_died
+from digenrl.errors import WeightSyncError, actor_died, first_line
 from digenrl.placement.layout import RunLayout
 from digenrl.progress import progress
 from digenrl.run.cadence import (
@@ -267,7 +266,7 @@ class RayBackend(AroundSteps):
         except (TrainerLost, WeightSyncError):
             raise
         except Exception as exc:  # noqa: BLE001 -- stopping: that unit's work is lost, the rest goes on
-            print(f"warning: a unit failed while stopping: {first_line(exc)}", file=sys.stderr)
+            print(f"warning: a unit failed while stopping: {first_line(exc, typed=True)}", file=sys.stderr)
             return None
 
     def _next_event(self) -> Event | None:

@@ -143,7 +143,7 @@ class NftStats:
         return dict(vars(self))
 
 
-def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:
+def merge_nft_stats(parts: list[dict], minibatches: int = 1) -> dict:
     """The iteration's metrics from the units' stats: ``loss`` (mean of the mini-batches' losses), and
     per-term means of the KL, the positive / negative x0 errors, the old-policy deviation and r."""
     terms = sum(p["terms"] for p in parts) or 1

@@ -189,7 +189,7 @@ class _Stats:
 def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:
     """Combine unit stats into the iteration's metrics (``loss``: the mean of the mini-batches' losses)."""
     if parts and "nft_r" in parts[0]:  # DiffusionNFT's stats (no ratios)
-        return units_nft.merge_stats(parts, minibatches)
+        return units_nft.merge_nft_stats(parts, minibatches)
     terms = sum(p["terms"] for p in parts) or 1
     out = {
         "loss": sum(p["loss"] for p in parts) / minibatches,
