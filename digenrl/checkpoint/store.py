@@ -1,28 +1,7 @@
-"""Checkpoints (docs/architecture.md, the run directory): ``RUN/checkpoints/iter-NNNNNN/``, written
-atomically, loaded with checks.
-
-A checkpoint directory (NNNNNN = iterations completed) holds
-
-    pytorch_lora_weights.safetensors   LoRA in the diffusers format (``Pipeline.load_lora_weights(dir)``)
-      or transformer.safetensors       full weights (``model.lora: null``)
-    optimizer.pt                       the optimizer's ``state_dict()``
-      or dcp/                          a sharded trainer group's (``train.fsdp``) optimizer state in
-                                       ``torch.distributed.checkpoint`` format: each rank wrote its own
-                                       shards, nothing was gathered; any trainer count loads it
-    ema.safetensors                    with ``train.ema``: the fp32 weight average (trained-parameter names)
-    rng.pt                             torch CPU (+ CUDA) / python ``random`` / numpy generator states
-    config.yaml                        the resolved config of the run that wrote it
-    state.json                         counters, model signature, file sizes; written LAST (completion marker)
-
-It is written into ``checkpoints/.tmp-iter-NNNNNN`` and renamed into place, so a crash leaves at most
-a ``.tmp-`` directory: never read, removed by the next save. Only directories holding ``state.json``
-count as checkpoints. A sharded group's ranks write ``dcp/`` by path into
-``checkpoints/.dcp-iter-NNNNNN`` first; the commit moves it in (``state.json`` says
-``optimizer_format: dcp`` and lists its files).
-
-The functions take a :class:`~digenrl.policy.model.Policy` and plain counters, so any driver (the local
-trainer, the Ray engine's trainer rank 0) saves and restores the same way.
-"""
+"""Writing checkpoints: ``checkpoints/iter-NNNNNN/`` with the weights (LoRA in the diffusers / peft
+format, or full safetensors), optimizer, RNG states, counters and config, written into a staging
+directory and renamed into place (atomic), the newest ``output.keep_last`` kept; and finding them
+(a run directory's latest complete one). Reading them back: :mod:`digenrl.checkpoint.load`."""
 
 from __future__ import annotations
 

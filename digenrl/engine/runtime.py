@@ -1,22 +1,8 @@
 """The Ray runtime: a run of the engine, the scheduler's decisions carried out by Ray actors.
-
-    run_on_ray:  (a resolved RunLayout) start one actor per worker (cluster.py) -> drive(scheduler,
-                 RayBackend) -> the last eval / checkpoint -> final/ -> timeline.json / timeline.png
-
-:func:`~digenrl.schedule.driver.drive` is the loop (the planner's simulator runs the same one in
-virtual time); :class:`RayBackend` is the dispatcher: it starts each unit as one Ray call on
-its worker's actor, waits for the first result and reports it to the loop. It only moves data:
-rollout samples and published weights go through the Ray object store, the driver keeps
-rewards, stats and references. What results mean for an iteration (advantages, metrics rows,
-checkpoint order) is the :class:`~digenrl.engine.ledger.IterationLedger`'s; what a dead process
-means is the :class:`~digenrl.engine.recovery.FaultRecovery`'s.
-
-With ``reward.service`` one reward actor, outside the placement group, scores for every worker
-that rolls out: a rollout unit's result carries the ref of its scores, the worker is released
-(it takes its next unit at once) and the dispatcher waits on that ref like on any unit; the unit
-is complete (advantages, train units) when the scores arrive. The actor's scoring spans are the
-timeline's ``reward`` row.
-"""
+:func:`run_on_ray` starts the workers and drives the loop; :class:`RayBackend` is the dispatcher --
+one Ray call per unit, the first result reported -- and only moves data. What results mean for an
+iteration is the ledger's (:mod:`~digenrl.engine.ledger`), what a dead process means the fault
+recovery's (:mod:`~digenrl.engine.recovery`): docs/architecture.md, "The Ray runtime"."""
 
 from __future__ import annotations
 

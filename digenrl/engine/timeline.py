@@ -1,31 +1,8 @@
-"""The run's timeline: every unit each worker ran, with its wall-clock (or virtual) span.
-
-The Ray runtime feeds it measured times and the planner's simulator virtual ones; both get the
-same outputs (the run-directory contract, docs/architecture.md):
-
-- :meth:`Timeline.to_chrome_trace` -> ``timeline.json`` (Chrome trace format, opens in
-  Perfetto): one complete event (``"ph": "X"``) per unit; ``pid`` is the pool and ``tid`` the
-  worker, both named by metadata events; ``args`` hold kind, unit, iteration, version and, for
-  train units, the versions of the samples trained.
-- :meth:`Timeline.to_png` -> ``timeline.png``: a whole-run utilisation strip per worker and
-  the last few iterations as a Gantt chart (:mod:`digenrl.engine.timeline_draw`).
-- :meth:`Timeline.iteration_stats` -> per iteration ``samples_per_s`` and ``bubble_fraction``.
-
-Iteration k's span runs from the end of iteration k-1's optimizer step (or the start of the
-run) to the end of its own step, so the spans tile the run: with pipelining they contain
-work of several iterations, and a worker counts as busy whatever iteration it works on. The
-bubble fraction is 1 - busy device-time / total device-time over the span, where a device's
-busy time is the union of its events (nested events such as a reward inside its rollout
-count once). Rows of pool ``service`` (the reward actor) are drawn and traced but are not
-devices of the placement, so they do not count in the bubble.
-
-A multi-device worker -- a sequence-parallel group (``engine.rollout_sp`` / ``engine.trainer_sp``)
-or an FSDP shard group -- is one scheduled lead and followers that compute every unit with it but
-never appear in the scheduler. A follower is registered with ``follows=<lead>``: the bubble is
-counted over devices, and a follower device is busy whenever its lead is (or it runs something of
-its own), so a group of s devices weighs s times its lead's row. ``timeline.json`` keeps the link
-(``follows`` in the follower's ``thread_name`` metadata); ``timeline.png`` draws a group as one row.
-"""
+"""The run's timeline: every unit each worker ran with its wall-clock (or virtual) span, filled by the
+Ray runtime and the planner's simulator alike; written as ``timeline.json`` (Chrome trace) and
+``timeline.png``, and measured per iteration (``samples_per_s``, ``bubble_fraction``, over devices:
+a follower of a multi-device worker is busy while its lead is). The contract: docs/architecture.md,
+"The run directory"."""
 
 from __future__ import annotations
 

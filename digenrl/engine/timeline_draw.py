@@ -1,18 +1,5 @@
-"""``timeline.png``: a run's timeline drawn so that it reads at any length.
-
-Two panels, both with one row per worker; a multi-device worker (a sequence-parallel or FSDP
-group: its lead and the followers that compute with it) is one row, labelled with its device count:
-
-- **whole run**: a utilisation strip; each pixel column is one slice of the run, coloured by what
-  the worker did in it (the kinds' colours mixed by their share of the slice, white = idle), with
-  iteration boundaries marked on the axis. A 1000-iteration run is as legible as a 3-iteration one.
-- **last iterations**: the last ``window`` iterations at full detail (a Gantt chart: units coloured
-  by kind, shade alternating with the version, labelled ``v<version>`` where wide enough; sync /
-  reward as thin bars). The run's start-up (kind ``start``) shows in the strip, which begins at the
-  run's first event.
-
-The legend lists only the kinds that are drawn.
-"""
+"""``timeline.png``: a whole-run utilisation strip per worker and the last iterations as a Gantt
+chart, one row per worker (a multi-device group as one row), units coloured by kind and version."""
 
 from __future__ import annotations
 

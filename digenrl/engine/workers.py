@@ -1,33 +1,8 @@
-"""The Ray actor that executes units: one per device, in the role the placement gives it.
-
-Every worker process builds the same things from the RunConfig in the same order as the
-single-process :class:`~digenrl.engine.local.LocalTrainer` (seed, prompts, reward, policy), so the
-same seed gives identical initial weights everywhere; the runtime checks the checksums. Only
-workers that score build the reward models (never with ``reward.service``, never a trainer
-rank without TAG); building them draws no random numbers, so skipping it changes nothing.
-
-- role ``rollout``: runs :func:`~digenrl.units.rollout.rollout_unit` (generation, decode, reward: the
-  reward stays off the trainer's critical path). With ``reward.service`` the worker does not
-  wait for the scores: it submits the decoded samples to the shared reward actor and returns
-  the reward ObjectRef in its result; the driver waits on it while this worker already
-  generates its next unit. Before a unit of a newer version it loads that version's
-  published weights, verified (:mod:`digenrl.engine.weight_sync`): received by broadcast on a
-  background thread while it generated (``engine.weight_sync``), or from the object store.
-- role ``trainer``: one rank of the trainer group. It holds no text encoder and no VAE (the
-  samples carry the prompt embeddings and latents) unless it generates: TAG, or evaluation
-  (:func:`generates`; a model reward's eval samples are scored on a rollout worker). Runs
-  :func:`~digenrl.units.train.train_unit` (accumulating gradients), and on its StepUnit all-reduces the
-  gradients in ~25 MiB buckets
-  (gloo on CPU, nccl on GPU; per-tensor calls cost 5x more, docs/architecture.md) and steps; after an
-  iteration's last step (mini-batch PPO: ``train.optimizer_steps`` per iteration) rank 0 publishes the
-  new weights. With TAG it also rolls out, with its own weights (the scheduler hands it rollout units
-  only while they are a published version: before the iteration's first step).
-- role ``both`` (colocated): a trainer rank that also rolls out; the all-reduce keeps every
-  rank's weights identical, so no weight sync is needed.
-
-Each call returns its results plus timeline events (absolute ``time.time()`` spans measured
-here, in the worker) that the driver records relative to the run start.
-"""
+"""The Ray actor that executes units: one per device (or per multi-device group's lead), in the role
+the placement gives it -- ``rollout``, ``trainer`` or ``both`` (colocated). Every worker builds the
+same things from the RunConfig in the same order as the local trainer, so the same seed gives the
+same initial weights everywhere. What each role holds and how a unit is scored: docs/architecture.md,
+"The Ray runtime, split by concern"."""
 
 from __future__ import annotations
 

@@ -1,26 +1,7 @@
-"""The driver loop: the scheduler's decisions carried out by a backend, written once.
-
-    while the last optimizer step is not done:
-        every idle worker, in placement order, asks the scheduler for a unit -> the backend starts it
-        the backend reports the next thing that happened -> the scheduler hears of it
-
-The loop knows nothing of Ray or of time. A :class:`Backend` runs units and reports, one at a
-time, what became of them:
-
-- :class:`Done`      the worker finished the unit; its output is usable (``Scheduler.complete``)
-- :class:`Released`  the worker finished generating a rollout unit whose scores are still being
-                     computed elsewhere (the reward service): the worker is free, the unit is not
-                     (``Scheduler.release``; a :class:`Scored` follows)
-- :class:`Scored`    a released unit's scores arrived (``Scheduler.complete``)
-- :class:`Lost`      a rollout unit's work was lost (its worker died, or its scores did): it is
-                     generated again, whole (``Scheduler.requeue``); its worker, if it died, is
-                     away until :class:`Back`
-- :class:`Back`      a worker that died is running again and idle
-- ``None``           nothing happened yet (a poll timed out): ask again
-
-Backends: :class:`~digenrl.engine.runtime.RayBackend` (real workers),
-:class:`~digenrl.planner.simulator.Simulator` (virtual time) and the scheduler tests' own.
-"""
+"""The driver loop, written once: every idle worker asks the scheduler for a unit, the backend starts
+it and reports, one at a time, what became of it (:class:`Done`, :class:`Released`,
+:class:`Scored`, :class:`Lost`, :class:`Back`). Backends: the Ray runtime, the planner's simulator,
+the scheduler tests' own (docs/architecture.md, "The scheduler and the driver loop")."""
 
 from __future__ import annotations
 

@@ -1,40 +1,7 @@
-"""The scheduling policy: which unit of work each worker does next (docs/architecture.md).
-
-One policy, one loop (:func:`~digenrl.schedule.driver.drive`), two backends: Ray actors for real
-workers and the planner's simulator in virtual time. It is therefore pure Python: no Ray, no
-torch, no clock. The loop asks ``next_unit(worker)`` whenever a worker is idle and reports ``complete(unit)``
-when it finishes; ``None`` means "nothing for you now, ask again after the next completion".
-A rollout unit whose rewards are scored elsewhere (the reward service) may first be
-``release``d: its worker is free for the next unit, but its train units only appear at
-``complete``, once the rewards are in.
-
-Versions: version k is the policy after k iterations; iteration k trains version k into
-version k+1 with ``optimizer_steps`` collective steps (mini-batch PPO), of which only the last
-publishes. Each rolled-out unit is trained as ``optimizer_steps`` x ``tsp_degree`` train units;
-mini-batch s of iteration k is the train units of the s-th slice of every group's samples, so
-its step comes after the iteration's last rollout unit and its last train unit, and no train
-unit of mini-batch s+1 starts before that step. Rollout units of iteration k may be generated
-with version k - max_staleness or newer; they are always stamped with the newest version. A
-trainer rank that has taken an intermediate step of iteration k holds no published version, so
-it rolls out (TAG, colocated) only before iteration k's first step.
-
-Knobs (see the table in docs/architecture.md):
-- placement "colocated": every device rolls out iteration k, then trains it, then steps;
-  phases never overlap (max_staleness must be 0; ``gap`` and ``tag`` have no effect).
-- placement "disaggregated": "rollout" workers only roll out, "trainer" workers train.
-- gap: train units of a rollout unit are released as soon as it completes (else when the
-  whole iteration is rolled out). ``wait_for_full_batch`` forces the latter (global-std
-  advantages need every reward of the iteration).
-- tsp_degree: each rolled-out unit is trained as ``tsp_degree`` train units, one per
-  timestep residue class, so the last unit of an iteration is spread over several ranks.
-- tag: an idle trainer rank takes a pending rollout unit (it holds the newest weights; with
-  several optimizer steps per iteration, only before the iteration's first step).
-- max_staleness 1: rollout of iteration k+1 may start with version k while k trains.
-- group_parts P > 1 (sub-group units): a rollout unit holds 1/P of one group's samples. The
-  group's parts are all generated with the version its first part was handed out with (a
-  re-queued part keeps it); the group's train units appear only once every part is complete,
-  since advantages are relative to the whole group.
-"""
+"""The scheduling policy: which unit of work each worker does next. Pure Python (no Ray, torch or
+clock): the Ray runtime and the planner's simulator drive it through one loop
+(:func:`~digenrl.schedule.driver.drive`). Versions, mini-batch steps and every knob (placement,
+GAP, TSP, TAG, staleness, sub-group units): docs/architecture.md, "The engine"."""
 
 from __future__ import annotations
 
