@@ -76,7 +76,11 @@ def parallelize(
     fp32_master(model)
     if activation_checkpointing:
         checkpoint_blocks(model)
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # never cast a module's inputs (FSDP2's default casts every floating one to param_dtype: timesteps,
+    # rotary tables, position ids); activations follow the bf16 weights and the adapter's autocast
+    policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+    )
     for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # the root's parameters are needed again right at the start of backward: keep them gathered
