@@ -19,7 +19,8 @@ ray = pytest.importorskip("ray")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from digenrl.checkpoint.store import list_checkpoints, load_checkpoint  # noqa: E402
+from digenrl.checkpoint.load import load_checkpoint  # noqa: E402
+from digenrl.checkpoint.store import list_checkpoints  # noqa: E402
 from digenrl.config.run import load_config  # noqa: E402
 from digenrl.engine.local import LocalTrainer  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402

@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from digenrl.checkpoint.store import read_state  # noqa: E402
+from digenrl.checkpoint.load import read_state  # noqa: E402
 from digenrl.config.run import load_config  # noqa: E402
 from digenrl.engine.local import LocalTrainer  # noqa: E402
 from digenrl.engine.timeline import Timeline  # noqa: E402

@@ -114,8 +114,9 @@ class WanAdapter(TwoPassCFG, Adapter):
                 f"model.pretrained: {path} is not a diffusers Wan checkpoint (no model_index.json)"
             )
         # the Wan VAE is numerically fragile in half precision: keep it fp32 (as diffusers' example does)
-        vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", dtype=torch.float32)
-        self.pipe = WanPipeline.from_pretrained(path, vae=vae, dtype=self.dtype)
+        vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
+        # torch_dtype=: the keyword every diffusers >= 0.35 honours (0.35 ignores dtype=: 14B loads in fp32)
+        self.pipe = WanPipeline.from_pretrained(path, vae=vae, torch_dtype=self.dtype)
         self.place_pipe()  # model.offload_text_encoders: the encoders stay on the CPU
         self.transformer, self.vae, self.text = self.pipe.transformer, self.pipe.vae, None
         self.scheduler = self.pipe.scheduler = self._flow_scheduler_from(self.pipe.scheduler.config)

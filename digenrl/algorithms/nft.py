@@ -128,13 +128,24 @@ class OldPolicy:
             missing = sorted(set(self.average) - set(state))[:3]
             raise ValueError(f"old-policy keys do not match the trained parameters (missing {missing})")
         for n, t in state.items():
-            self.average[n].copy_(t.float())
+            self.average[n] = load_like(self.average[n], t)
         self.steps = steps
 
     def reset(self, steps: int = 0) -> None:
         """Restart from the current weights (a resumed run: the checkpoint holds no old policy)."""
         self.average = {n: p.detach().float().clone() for n, p in self.params.items()}
         self.steps = steps
+
+
+def load_like(average: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The whole tensor ``full`` (a checkpoint's, on the host) as fp32 laid out like ``average``: its
+    shard when ``average`` is sharded (a DTensor), a copy into it otherwise."""
+    if hasattr(average, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = full.detach().float().to(average.device)
+        return distribute_tensor(value, average.device_mesh, average.placements, src_data_rank=None)
+    return average.copy_(full.float())
 
 
 def _per_sample(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -73,12 +73,17 @@ def parallelize(
     """
     if independent_replicas and mesh.ndim == 2:
         mesh = mesh["shard"]
-    fp32_master(model)
     if activation_checkpointing:
         checkpoint_blocks(model)
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for block in transformer_blocks(model):
+    # never cast a module's inputs (FSDP2's default casts every floating one to param_dtype: timesteps,
+    # rotary tables, position ids); activations follow the bf16 weights and the adapter's autocast
+    policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+    )
+    for block in transformer_blocks(model):  # cast one block at a time, then shard it: the full fp32
+        fp32_master(block)  # copy of one block is the most that ever exists
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fp32_master(model)  # the root's own parameters (the blocks' are fp32 shards already)
     # the root's parameters are needed again right at the start of backward: keep them gathered
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     if gradient_sum:
@@ -131,9 +136,18 @@ def shard_policy(
 ) -> None:
     """Shard a :class:`~digenrl.policy.model.Policy`'s transformer and rebuild its optimizer over the
     shards (same hyper-parameters). ``param_dtype`` defaults to the model's compute dtype
-    (``model.dtype``). Call before the first step; ``Policy.optimizer_step`` works on shards."""
+    (``model.dtype``). Call before the first step; ``Policy.optimizer_step`` works on shards.
+
+    A policy built for a sharded rank (``shard_pending``) gets its fp32 masters, KL reference, EMA
+    and old policy created here, from its shards: nothing full-size is ever allocated for them. A
+    policy built whole (a test, a single process sharded later) has them split into shards."""
     net = policy.adapter.transformer
     dtype = param_dtype or policy.adapter.dtype
+    trained = {n for n, p in net.named_parameters() if p.requires_grad}
+    ref = policy._ref
+    if ref is None and getattr(policy, "shard_pending", False) and not policy.lora:
+        if policy.cfg.algorithm.kl_beta > 0:  # full FT: the reference is the initial weights, in the
+            ref = {n: p.dtype for n, p in net.named_parameters()}  # compute dtype they were loaded in
     parallelize(
         net,
         mesh,
@@ -141,13 +155,20 @@ def shard_policy(
         activation_checkpointing=activation_checkpointing,
         independent_replicas=independent_replicas,
     )
-    policy.named_params = {n: p for n, p in net.named_parameters() if p.requires_grad}
+    policy.named_params = {n: p for n, p in net.named_parameters() if n in trained}
     policy.params = list(policy.named_params.values())
+    if isinstance(ref, dict):  # the initial weights' shards, in their compute dtype (1/N each)
+        policy._ref = {n: p.detach().to(ref[n]).clone() for n, p in policy.named_params.items()}
+    elif ref is not None:  # a whole frozen copy: keep its shards only
+        whole = dict(ref.named_parameters())
+        policy._ref = {n: shard_like(whole[n], p) for n, p in policy.named_params.items()}
     if policy.optimizer is not None:
-        t = policy.cfg.train
-        policy.optimizer = torch.optim.AdamW(
-            policy.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
-        )
+        policy.build_optimizer()
+    if getattr(policy, "shard_pending", False):
+        if policy.optimizer is not None:
+            policy.build_averages()  # train.ema / the old policy, fp32, from the shards
+        policy.shard_pending = False
+        return
     ema = getattr(policy, "ema", None)
     if ema is not None:  # train.ema: each rank averages its own shards (elementwise, so equal to unsharded)
         ema.params = policy.named_params

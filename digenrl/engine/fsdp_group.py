@@ -10,9 +10,9 @@ import itertools
 import torch
 
 from digenrl.adapters.cond import Cond
-from digenrl.checkpoint.load import read_state
+from digenrl.checkpoint.load import read_safetensors, read_state
 from digenrl.checkpoint.optimizer import restore_optimizer
-from digenrl.checkpoint.store import find_checkpoint
+from digenrl.checkpoint.store import EMA_FILE, OLD_POLICY_FILE, STATE_FILE, find_checkpoint
 from digenrl.distributed import fsdp
 from digenrl.rewards.base import Decoded
 from digenrl.units.rollout import _timestep_selection, forward_batches, rollout_unit
@@ -28,13 +28,25 @@ def shard_trainer_rank(policy, degree: int, resume: str | None = None):
     replicas at the step; activation checkpointing, if on, is already applied by ``Policy``), then
     restore a resumed run's optimizer state (checkpoint ``resume``) into the shards: a ``dcp/``
     checkpoint resharded (each rank reads its own shards, by path), or an unsharded run's
-    ``optimizer.pt`` split. Returns the device mesh."""
+    ``optimizer.pt`` split; its EMA and old policy too (created on the shards, so loaded only now).
+    Returns the device mesh."""
+    import json
     from pathlib import Path
 
     mesh = fsdp.trainer_mesh(degree, policy.device.type)
     fsdp.shard_policy(policy, mesh, independent_replicas=True)
     if resume is not None:
-        restore_optimizer(read_state(find_checkpoint(Path(resume))), policy)
+        state = read_state(find_checkpoint(Path(resume)))
+        restore_optimizer(state, policy)
+        raw = json.loads((state.path / STATE_FILE).read_text())
+        if policy.ema is not None and EMA_FILE in state.files:  # else: restarted from these weights
+            policy.ema.load(read_safetensors(state.path / EMA_FILE), int(raw.get("ema", {}).get("steps", 0)))
+        if policy.old is not None:  # diffusion_nft, as checkpoint.store.load_checkpoint does
+            steps = state.iteration * policy.cfg.train.optimizer_steps
+            if OLD_POLICY_FILE in state.files:
+                policy.old.load(read_safetensors(state.path / OLD_POLICY_FILE), steps)
+            else:
+                policy.old.reset(steps)
     return mesh
 
 

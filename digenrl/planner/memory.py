@@ -9,11 +9,15 @@ Trainer rank, FSDP degree N (N = 1: replicated, DDP-style bucketed all-reduce):
 - full fine-tuning: fp32 master parameters, fp32 gradients and AdamW's two fp32 moments, each
   1/N; the bf16 compute copy: replicated (N = 1) autocast keeps a cast of every weight for the
   backward, sharded FSDP2 all-gathers one block at a time (that block + the prefetched next);
-  the KL reference (``kl_beta > 0``) a frozen copy in the model dtype, replicated (``Policy``
-  deep-copies it; ``fully_shard`` shards only the trained transformer);
+  the KL reference (``kl_beta > 0``) a frozen copy in the model dtype, 1/N (a sharded rank keeps
+  the initial weights' shards, ``distributed.fsdp.shard_policy``);
 - LoRA: the frozen base in the model dtype (1/N under FSDP), fp32 LoRA masters, gradients and
   AdamW moments (1/N under FSDP); the gathered block as above;
 - diffusion_nft: the old policy, an fp32 copy of the trained parameters (1/N under FSDP);
+- ``train.ema``: the average, an fp32 copy of the trained parameters (1/N under FSDP; replicated,
+  rank 0 alone keeps it, the device figured here);
+- every 1/N above is created on the shards: nothing full-size exists on a sharded rank
+  (``benchmarks/meta_memory_audit.py`` checks this, and these parts, at the published shapes).
 - activations per sample: every block's saved tensors (activation checkpointing off), or each
   block's input plus one block recomputed (on). Two-pass CFG (``sampling.cfg_batching``): batched,
   both passes are in one graph (twice one pass's activations); sequential, the trained step
@@ -192,8 +196,10 @@ class MemoryModel:
                 "compute copy": (
                     self.gathered_block() if shard > 1 else total * w.dtype_bytes if half else 0.0
                 ),
-                "reference": total * w.dtype_bytes if w.kl else 0.0,
+                "reference": total * w.dtype_bytes / shard if w.kl else 0.0,
             }
+        if w.ema:  # train.ema: an fp32 average of the trained weights, sharded like them
+            parts["EMA"] = (lora if w.lora else total) * FP32_BYTES / shard
         if w.forward_process:  # diffusion_nft: the old policy, an fp32 EMA of the trained weights, sharded
             parts["old policy"] = (lora if w.lora else total) * FP32_BYTES / shard
         parts["activations"] = self.train_acts(mb, ckpt, sp, cfg_batched)

@@ -51,6 +51,7 @@ class Workload:
     # diffusion_nft: rollouts keep only the clean latent (no log-probs, one forward of the unit per step);
     # a train term (sample x noise level) is the old policy's no-grad forward + the current forward/backward
     forward_process: bool = False
+    ema: bool = False  # train.ema: the trainer keeps an fp32 average of the trained weights
     # samples per sampling forward of a rollout-only worker (engine.rollout_batch N); None = the trainer's
     # micro-batches (engine.rollout_batch "trainer", the bit-exact ratio), or with rollout_batch_auto
     # (engine.rollout_batch "auto") the largest each rollout device holds by the memory model
@@ -107,6 +108,7 @@ class Workload:
             video=cfg.model.frames is not None,
             evaluates=cfg.output.eval_every > 0,
             forward_process=nft,
+            ema=cfg.train.ema is not None,
             rollout_batch=rb if isinstance(rb := cfg.engine.rollout_batch, int) else None,
             rollout_batch_auto=cfg.engine.rollout_batch == "auto",
             reward_terms=terms,

@@ -15,6 +15,7 @@ import contextlib
 
 import torch
 
+from digenrl.algorithms.nft import load_like
 from digenrl.policy.lora import full_tensor
 
 
@@ -52,7 +53,7 @@ class WeightAverage:
             missing = sorted(set(self.average) - set(state))[:3]
             raise ValueError(f"EMA keys do not match the trained parameters (missing {missing})")
         for n, t in state.items():
-            self.average[n].copy_(t.float())
+            self.average[n] = load_like(self.average[n], t)
         self.steps = steps
 
     def reset(self) -> None:

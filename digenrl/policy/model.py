@@ -58,31 +58,41 @@ class Policy:
             self.lora_targets = apply_lora(net, cfg.model.lora, self.adapter.default_lora_targets)
         else:
             net.requires_grad_(True)
-        self._ref = None
-        if trainable and not self.lora and cfg.algorithm.kl_beta > 0:  # full FT: the KL needs a frozen
-            # copy, on the ranks that train only (a rollout policy never computes the KL)
-            self._ref = copy.deepcopy(net).requires_grad_(False)
-        if trainable:
-            fp32_master(net)  # the optimizer steps fp32 masters; compute stays in model.dtype (autocast)
-            if settings.activation_checkpointing:
-                checkpoint_blocks(net)
-        self.named_params = {n: p for n, p in net.named_parameters() if p.requires_grad}
-        self.params = list(self.named_params.values())
+        self._ref = None  # the KL reference of a full fine-tune: a frozen module, or (sharded) its shards
+        # a rank that the layout shards creates its fp32 masters, KL reference, EMA and old policy on its
+        # shards (distributed.fsdp.shard_policy): never a full-size copy of them on a sharded rank
+        self.shard_pending = trainable and layout is not None and layout.will_shard("trainer")
+        if trainable and settings.activation_checkpointing:
+            checkpoint_blocks(net)
         self.optimizer = None
         self.ema: WeightAverage | None = None  # train.ema: on the trainer only
         self.old = None  # diffusion_nft: the old policy (an EMA of the trained weights), on trainer ranks
+        if trainable and not self.shard_pending:
+            if not self.lora and cfg.algorithm.kl_beta > 0:  # full FT: the KL needs a frozen copy, on
+                # the ranks that train only (a rollout policy never computes the KL)
+                self._ref = copy.deepcopy(net).requires_grad_(False)
+            fp32_master(net)  # the optimizer steps fp32 masters; compute stays in model.dtype (autocast)
+        self.named_params = {n: p for n, p in net.named_parameters() if p.requires_grad}
+        self.params = list(self.named_params.values())
         if trainable:
-            t = cfg.train
-            self.optimizer = torch.optim.AdamW(
-                self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay
-            )
-            if t.ema is not None:
-                self.ema = WeightAverage(self.named_params, t.ema)
-            if cfg.algorithm.name == "diffusion_nft":
-                self.old = OldPolicy(self.named_params, cfg.algorithm.nft)
+            self.build_optimizer()  # over the shards again once sharded (it holds no state before a step)
+            if not self.shard_pending:
+                self.build_averages()
         self.version = 0
 
     # ------------------------------------------------------------------ optimisation
+    def build_optimizer(self) -> None:
+        t = self.cfg.train
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+
+    def build_averages(self) -> None:
+        """``train.ema`` and diffusion_nft's old policy, fp32, shaped like the trained parameters
+        (their shards on a sharded rank)."""
+        if self.cfg.train.ema is not None:
+            self.ema = WeightAverage(self.named_params, self.cfg.train.ema)
+        if self.cfg.algorithm.name == "diffusion_nft":
+            self.old = OldPolicy(self.named_params, self.cfg.algorithm.nft)
+
     def optimizer_step(self, publish: bool = True) -> float:
         """Clip the accumulated gradient, step, zero it, update the EMA; ``publish`` (the iteration's
         last step) bumps the version. Returns the pre-clip grad norm."""
@@ -114,11 +124,17 @@ class Policy:
     @contextlib.contextmanager
     def old_weights(self):
         """Inside the block the network holds the old policy's weights (diffusion_nft), for forwards
-        without gradient. A sharded network drops its gathered copies on the way in and out, so no
-        forward reuses the other weights' gather."""
+        without gradient."""
+        with self._holding(self.old.average):
+            yield
+
+    @contextlib.contextmanager
+    def _holding(self, values: dict[str, torch.Tensor]):
+        """The trained parameters hold ``values`` inside the block. A sharded network drops its
+        gathered copies on the way in and out, so no forward reuses the other weights' gather."""
         net = self.adapter.transformer
         _reshard(net)
-        with swapped_in(self.named_params, self.old.average):
+        with swapped_in(self.named_params, values):
             try:
                 yield
             finally:
@@ -126,9 +142,13 @@ class Policy:
 
     @contextlib.contextmanager
     def reference(self):
-        """The KL reference: the same network with LoRA disabled (free), or the frozen initial copy."""
+        """The KL reference: the same network with LoRA disabled (free), the frozen initial copy, or
+        (sharded) the initial weights' shards swapped in."""
         net = self.adapter.transformer
-        if self._ref is not None:
+        if isinstance(self._ref, dict):
+            with self._holding(self._ref):
+                yield
+        elif self._ref is not None:
             self.adapter.transformer = self._ref
             try:
                 yield
