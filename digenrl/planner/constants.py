@@ -10,6 +10,12 @@ PROFILE_VERSION = 1  # the profile.json format
 DEFAULT_BATCHES = (1, 2, 4, 8, 16)  # batch sizes every profile measures
 MAX_PROFILED_UNIT_SAMPLES = 64  # rollout units larger than this are extrapolated, not measured
 
+# ------------------------------------------------------------------------------ reward costs
+
+# seconds per image of rewards measured on a CPU core (benchmarks/ocr_reward.py: rendered text, one ONNX
+# thread; benchmarks/RESULTS.md), by the image's side in px; a component's ``seconds_per_image`` wins
+MEASURED_REWARD_S = {"ocr": ((64, 0.056), (256, 0.105), (512, 0.365))}
+
 # ------------------------------------------------------------------------- model-time rounds
 
 TIMING_BUDGET_MIN_TIMES = 10  # the round-robin timing runs at least this many x ``min_time`` seconds
