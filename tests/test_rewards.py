@@ -249,3 +249,14 @@ def test_dropped_samples_get_zero_advantage_and_leave_the_group_stats():
     assert torch.allclose(
         b.advantages, torch.cat([torch.tensor([-2.0, 0.0, 2.0]) / (2 + eps), torch.zeros(1)])
     )
+
+
+def test_every_registered_reward_is_documented_in_configs_md():
+    from pathlib import Path
+
+    from digenrl.rewards import REWARDS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configs.md").read_text()
+    rows = {line.split("|")[1].strip() for line in doc.splitlines() if line.startswith("| `")}
+    documented = {name.strip("` ") for row in rows for name in row.split("/")}
+    assert sorted(set(REWARDS) - documented) == []
