@@ -49,6 +49,7 @@ def test_an_ocr_run_finishes_scored_where_configured(ray_cluster, prompts, tmp_p
     assert len(result.metrics) == len(rows) == 2
     for row in rows:  # a 16-px image of noise spells nothing: 0, but scored
         assert 0.0 <= row["reward/ocr"] <= 1.0 and row["reward_latency_s/ocr"] > 0
+        assert row["adv/ocr"] >= 0 and 0 <= row["adv_groups/ocr"] <= 1  # per-component advantage stats
 
 
 @pytest.mark.slow
