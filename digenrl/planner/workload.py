@@ -8,7 +8,13 @@ from dataclasses import asdict, dataclass
 from digenrl.adapters import adapter_class
 from digenrl.adapters.vae_decode import tiling_mode
 from digenrl.algorithms.grpo import select_timesteps
-from digenrl.planner.constants import FP32_BYTES, HALF_BYTES, MEASURED_REWARD_S, WEIGHT_FREE_REWARDS
+from digenrl.planner.constants import (
+    FP32_BYTES,
+    HALF_BYTES,
+    MEASURED_REWARD_S,
+    REMOTE_REWARDS,
+    WEIGHT_FREE_REWARDS,
+)
 from digenrl.planner.shapes import ModelShape, ParamCounts, forward_flops, model_shape, param_counts
 
 
@@ -34,7 +40,7 @@ def reward_term_kind(name: str) -> str:
     kind = name.split(":", 1)[0]  # (rewards.reward_kind: ``kind:label``)
     if kind in WEIGHT_FREE_REWARDS:
         return "function"
-    return "remote" if kind == "remote" else "model"
+    return "remote" if kind in REMOTE_REWARDS else "model"
 
 
 @dataclass(frozen=True)

@@ -195,4 +195,4 @@ class RemoteReward(Reward):
         return [float(s) for s in scores], info
 
     def _error(self, what: str) -> RemoteRewardError:
-        return RemoteRewardError(f"reward 'remote' at {self.url}: {what}")
+        return RemoteRewardError(f"reward '{self.name}' at {self.url}: {what}")  # (a subclass: its name)
