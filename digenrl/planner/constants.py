@@ -16,7 +16,7 @@ MAX_PROFILED_UNIT_SAMPLES = 64  # rollout units larger than this are extrapolate
 # thread; benchmarks/RESULTS.md), by the image's side in px; a component's ``seconds_per_image`` wins
 MEASURED_REWARD_S = {"ocr": ((64, 0.056), (256, 0.105), (512, 0.365))}
 # rewards whose model runs elsewhere (a judge or detector service): the scoring worker only waits
-REMOTE_REWARDS = frozenset({"remote", "geneval"})
+REMOTE_REWARDS = frozenset({"remote", "geneval", "vlm_judge"})
 
 # ------------------------------------------------------------------------- model-time rounds
 

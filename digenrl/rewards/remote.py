@@ -145,9 +145,8 @@ class RemoteReward(Reward):
         raise AssertionError("unreachable")
 
     def _post(self, body: bytes) -> bytes:
-        req = urllib.request.Request(
-            self.url, data=body, method="POST", headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json", **getattr(self, "headers", {})}
+        req = urllib.request.Request(self.url, data=body, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 data = resp.read()
