@@ -48,6 +48,7 @@ def test_edit_distance_and_score_by_hand():
         ocr_target("a sign with no quotes", {})
 
 
+@pytest.mark.slow  # ~2.5 s: four images up to 512 px (test_noise_and_a_near_miss reads two in the fast loop)
 def test_rendered_words_read_and_score_one(ocr):
     cases = [  # (text, side, font, size as a fraction of the side)
         ("Hello", 64, "DejaVuSans.ttf", 0.22),
