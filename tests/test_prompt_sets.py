@@ -45,3 +45,24 @@ def test_a_directory_without_the_split_or_with_both_is_one_line(tmp_path):
     (tmp_path / "train_metadata.jsonl").write_text(json.dumps({"prompt": "b"}) + "\n")
     with pytest.raises(UserError, match=r"holds both train\.txt and train_metadata\.jsonl"):
         load_prompts(PromptsConfig(file=tmp_path))
+
+
+def test_eval_means_per_tag_by_hand():
+    import torch
+
+    from digenrl.run.evaluate import EvalResult
+
+    nan = float("nan")
+    res = EvalResult(
+        prompts=["a", "b", "c", "d", "e"],
+        pixels=torch.zeros(5, 3, 2, 2, dtype=torch.uint8),
+        scores={"geneval": torch.tensor([1.0, 0.0, 1.0, 1.0, nan])},
+        total=torch.tensor([1.0, 0.0, 1.0, 1.0, nan]),
+        tags=["counting", "counting", "position", "colors", "colors"],
+    )
+    r = res.rewards()["geneval"]
+    # counting 1/2, position 1, colors 1 (its NaN left out); GenEval's overall: the mean of the tags'
+    assert r["by_tag"] == {"counting": 0.5, "position": 1.0, "colors": 1.0}
+    assert r["tag_mean"] == pytest.approx(2.5 / 3) and r["mean"] == pytest.approx(3 / 4)
+    untagged = EvalResult(["a"], torch.zeros(1, 3, 2, 2), {"x": torch.ones(1)}, torch.ones(1), tags=[None])
+    assert "by_tag" not in untagged.rewards()["x"]
