@@ -105,6 +105,6 @@ class VlmJudge(RemoteReward):
         return content if isinstance(content, str) else ""
 
     def score(self, images, prompts, metadata):
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
             self.replies = list(pool.map(self._reply, images, prompts))
         return torch.tensor([parse_score(r, self.pattern) for r in self.replies], dtype=torch.float32)
