@@ -105,6 +105,13 @@ def test_ocr_costs_its_measured_seconds_per_image_at_the_run_size():
     mid = workload(ocr, "model.height=256", "model.width=512")  # half-way in pixels from 256² to 512²
     half = table[256] + (table[512] - table[256]) * (256 * 512 - 256**2) / (512**2 - 256**2)
     assert CostModel(mid, CLUSTER).rollout_unit("H100", 1)[1] == pytest.approx(8 * half)
+    # on the CPU: no weights on the rollout device (a device model reward's would be there)
+    plain = workload("model.height=512", "model.width=512")
+    w512 = workload(ocr, "model.height=512", "model.width=512")
+    assert (
+        CostModel(w512, CLUSTER).memory.rollout_models() == CostModel(plain, CLUSTER).memory.rollout_models()
+    )
+    assert w512.reward_after_unit  # scored after the unit on a rollout worker, as the engine does
     given = workload(
         ocr.replace("ocr}", "ocr, seconds_per_image: 0.2}"), "model.height=512", "model.width=512"
     )

@@ -17,6 +17,8 @@ MAX_PROFILED_UNIT_SAMPLES = 64  # rollout units larger than this are extrapolate
 MEASURED_REWARD_S = {"ocr": ((64, 0.056), (256, 0.105), (512, 0.365))}
 # rewards whose model runs elsewhere (a judge or detector service): the scoring worker only waits
 REMOTE_REWARDS = frozenset({"remote", "geneval", "vlm_judge"})
+# model rewards that run on the scoring process's CPU (no weights on the device): kind "host"
+HOST_REWARDS = frozenset({"ocr"})
 
 # ------------------------------------------------------------------------- model-time rounds
 

@@ -11,6 +11,7 @@ from digenrl.algorithms.grpo import select_timesteps
 from digenrl.planner.constants import (
     FP32_BYTES,
     HALF_BYTES,
+    HOST_REWARDS,
     MEASURED_REWARD_S,
     REMOTE_REWARDS,
     WEIGHT_FREE_REWARDS,
@@ -36,10 +37,13 @@ def measured_reward_s(name: str, height: int, width: int) -> float | None:
 
 
 def reward_term_kind(name: str) -> str:
-    """A reward component's kind for the cost model: "function" | "model" | "remote"."""
+    """A reward component's kind for the cost model: "function" | "model" | "host" (a model on the
+    scoring process's CPU: its time, no device weights) | "remote"."""
     kind = name.split(":", 1)[0]  # (rewards.reward_kind: ``kind:label``)
     if kind in WEIGHT_FREE_REWARDS:
         return "function"
+    if kind in HOST_REWARDS:
+        return "host"
     return "remote" if kind in REMOTE_REWARDS else "model"
 
 
