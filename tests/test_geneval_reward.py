@@ -151,3 +151,39 @@ def test_geneval_through_a_detector_service_on_metadata_jsonl(detector, tmp_path
         reward(images, [p.text for p in prompts], [p.meta for p in prompts])
     with pytest.raises(UserError, match="has no GenEval metadata"):
         reward(images, ["a dog", "a cat"], [{}, {}])
+
+
+def test_flow_grpo_partial_score_by_hand():
+    from digenrl.rewards.geneval import flow_grpo_score
+
+    def score(dets, meta):
+        return flow_grpo_score(kept_objects(dets, meta["tag"]), meta)
+
+    cats = [obj(i * 10, 0, i * 10 + 8, 8) for i in range(4)]
+    assert score({"cat": cats[:3]}, COUNTING) == 1.0
+    assert score({"cat": cats[:2]}, COUNTING) == pytest.approx(1 - 1 / 3)  # 2 of 3
+    assert score({"cat": cats}, COUNTING) == pytest.approx(1 - 1 / 3)  # 4 of 3: exclude is not scored
+    # colour: car [count 1, colour 1], bench [count 1, colour 0] -> 3 / 4
+    half = {"car": [obj(0, 0, 9, 9, color="red")], "bench": [obj(20, 0, 29, 9, color="green")]}
+    assert score(half, COLOR_ATTR) == pytest.approx(3 / 4)
+    assert score({"car": [obj(0, 0, 9, 9, color="red")]}, COLOR_ATTR) == pytest.approx(
+        2 / 4
+    )  # no bench: 0, 0
+    # position: dog [1], cat [1, relation]; a failed relation adds 0 then 1 (as their server does)
+    dog, left, right = obj(50, 0, 60, 10), obj(0, 0, 10, 10), obj(100, 0, 110, 10)
+    assert score({"dog": [dog], "cat": [left]}, POSITION) == 1.0
+    assert score({"dog": [dog], "cat": [right]}, POSITION) == pytest.approx(3 / 4)
+    assert score({"cat": [left]}, POSITION) == pytest.approx(1 / 3)  # dog 0; cat 1; no target 0
+
+
+def test_the_reward_scores_flow_grpo_when_asked(detector):
+    url = f"http://127.0.0.1:{detector.server_port}/detect"
+    args = {"url": url, "retries": 0, "score": "flow_grpo"}
+    reward = build_reward(RewardConfig(components=[{"name": "geneval", "args": args}]))
+    detector.answers.append({"detections": [{"cat": [obj(i * 10, 0, i * 10 + 8, 8) for i in range(2)]}]})
+    meta = {k: v for k, v in COUNTING.items() if k != "prompt"}
+    assert reward(torch.rand(1, 3, 8, 8), ["three cats"], [meta])[1]["geneval"].tolist() == pytest.approx(
+        [2 / 3]
+    )
+    with pytest.raises(UserError, match=r"args\.score: .*must be correct or flow_grpo"):
+        build_reward(RewardConfig(components=[{"name": "geneval", "args": {"url": url, "score": "x"}}]))

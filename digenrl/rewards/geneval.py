@@ -7,7 +7,8 @@ a class's detections above the confidence threshold (0.9 for ``counting``, else 
 first, at most ``max_objects``. Every ``include`` clause must hold (the ``count`` most confident of its
 class exist; with ``color``, that many of them have it; with ``position: [relation, j]``, each of them
 stands in that relation to every object clause j matched), and no ``exclude`` clause may (``count`` or
-more of its class). Score 1 when all hold, else 0. docs/remote_reward.md has the service's format.
+more of its class). Score 1 when all hold, else 0 -- or, ``score: flow_grpo``, the partial score
+Flow-GRPO trains on. docs/remote_reward.md has the service's format.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 import torch
 
 from digenrl.errors import UserError
-from digenrl.rewards.base import register
+from digenrl.rewards.base import RewardArgError, register
 from digenrl.rewards.remote import RemoteReward, _positive, encode_images
 
 RELATIONS = ("left of", "right of", "above", "below")
@@ -89,6 +90,47 @@ def geneval_correct(objects: dict, meta: dict, position_threshold: float = 0.1) 
     return not reasons, "\n".join(reasons)
 
 
+def _fraction(want: int, got: int) -> float:
+    return 1 - abs(want - got) / want
+
+
+def flow_grpo_score(objects: dict, meta: dict, position_threshold: float = 0.1) -> float:
+    """Flow-GRPO's GenEval training score (its reward server's ``evaluate_reward``): the mean of one
+    term per check of each ``include`` clause, ``exclude`` ignored. Count: 1 - |count - found| / count
+    (every kept object of the class); when the count is not exact, a colour or position check scores
+    0. Colour: 1 - |count - found in that colour| / count; an inexact colour skips the position check.
+    Position: 1 when every object stands so to every matched target object; on the first pair that
+    does not, 0 and then 1 (their server appends both: kept, to score as they train)."""
+    terms, matched = [], []
+    for req in meta.get("include", []):
+        n, found = req["count"], objects.get(req["class"], [])
+        terms.append(_fraction(n, len(found)))
+        ok = len(found) == n
+        if not ok and ("color" in req or "position" in req):
+            terms.append(0.0)
+        if ok and "color" in req:
+            hits = sum(o.get("color") == req["color"] for o in found)
+            terms.append(_fraction(n, hits))
+            ok = hits == n
+        if ok and req.get("position") is not None:
+            rel, j = req["position"]
+            if matched[int(j)] is None:
+                ok = False
+                terms.append(0.0)
+            else:
+                pairs = (
+                    rel in relations(o["box"], t["box"], position_threshold)
+                    for o in found
+                    for t in matched[int(j)]
+                )
+                if not all(pairs):
+                    ok = False
+                    terms.append(0.0)
+                terms.append(1.0)
+        matched.append(found if ok else None)
+    return sum(terms) / len(terms) if terms else 0.0
+
+
 def _check_meta(meta: dict, prompt: str) -> None:
     if "tag" not in meta or not isinstance(meta.get("include"), list):
         raise UserError(
@@ -101,7 +143,9 @@ def _check_meta(meta: dict, prompt: str) -> None:
 class GenevalReward(RemoteReward):
     """GenEval correctness from a detector service: ``args`` as ``remote`` (``url`` the detector's)
     plus ``threshold`` (0.3), ``counting_threshold`` (0.9), ``max_objects`` (16), ``position_threshold``
-    (0.1), GenEval's defaults. The service answers ``{"detections": [one {class: [object]} per sample]}``.
+    (0.1), GenEval's defaults, and ``score``: ``correct`` (GenEval's 1 / 0) or ``flow_grpo`` (Flow-GRPO's
+    partial training score, :func:`flow_grpo_score`). The service answers
+    ``{"detections": [one {class: [object]} per sample]}``.
     """
 
     def __init__(
@@ -111,9 +155,13 @@ class GenevalReward(RemoteReward):
         counting_threshold: float = 0.9,
         max_objects: int = 16,
         position_threshold: float = 0.1,
+        score: str = "correct",
         **remote,
     ):
         super().__init__(url=url, **remote)
+        if score not in ("correct", "flow_grpo"):
+            raise RewardArgError("score", f"must be correct or flow_grpo (got {score!r})")
+        self.score_kind = score
         self.threshold = _positive("threshold", threshold, allow_zero=True)
         self.counting_threshold = _positive("counting_threshold", counting_threshold, allow_zero=True)
         self.max_objects = _positive("max_objects", max_objects, int)
@@ -133,7 +181,10 @@ class GenevalReward(RemoteReward):
         for det, meta in zip(detections, metadata):
             objs = kept_objects(det, meta["tag"], self.threshold, self.counting_threshold, self.max_objects)
             ok, why = geneval_correct(objs, meta, self.position_threshold)
-            scores.append(float(ok))
+            if self.score_kind == "flow_grpo":
+                scores.append(flow_grpo_score(objs, meta, self.position_threshold))
+            else:
+                scores.append(float(ok))
             info.append({"tag": meta["tag"], "reason": why})
         return scores, info
 
