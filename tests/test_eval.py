@@ -269,7 +269,7 @@ def test_eval_on_a_flow_grpo_directory_reads_its_test_split_and_reports_means_pe
     )
     (data / "train_metadata.jsonl").write_text(json.dumps({"prompt": "a train prompt", "tag": "x"}) + "\n")
     ckpt = flux_run / "checkpoints" / "iter-000002"
-    code, _, err = cli(
+    code, out, err = cli(
         monkeypatch,
         capsys,
         "eval",
@@ -281,6 +281,7 @@ def test_eval_on_a_flow_grpo_directory_reads_its_test_split_and_reports_means_pe
         str(tmp_path / "e"),
     )
     assert code == 0, err
+    assert "single_object" in out and "mean of tags" in out  # the printed table: a row per tag
     report = json.loads((tmp_path / "e" / "eval.json").read_text())
     assert report["prompts"] == [p for p, _ in rows]  # the test split, not train
     r = report["rewards"]["prompt_color"]
