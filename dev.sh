@@ -40,7 +40,7 @@ if [ ! -f "$VENV/.installed" ] || [ pyproject.toml -nt "$VENV/.installed" ]; the
     echo "setting up $VENV [3/4] torch: the CUDA build comes with the dependencies" >&2
   fi
   stage 4/4 "installing digenrl (editable) with diffusers, transformers, peft, ray and the dev tools" \
-    "$VENV/bin/pip" install -q -e ".[dev]"
+    "$VENV/bin/pip" install -q -e ".[dev,ocr]"
   touch "$VENV/.installed"
   echo "setting up $VENV: done in $((SECONDS - t0)) s (pip's log: $LOG)" >&2
 fi

@@ -140,6 +140,18 @@ CASES = {
         ["train", "--set", "engine.weight_sync=nccl"],
         "engine.weight_sync: Input should be 'auto', 'broadcast' or 'object_store'",
     ),
+    "an ocr prompt quoting no text": (  # the dry run before training reads the colour prompts
+        ["train", "--set", "reward.components=[{name: ocr}]"],
+        "reward.components.0: reward 'ocr' failed in its dry run on 2 random samples",
+    ),
+    "a geneval prompt without GenEval metadata": (
+        [
+            "train",
+            "--set",
+            "reward.components=[{name: geneval, args: {url: 'http://127.0.0.1:9/d', retries: 0}}]",
+        ],
+        "has no GenEval metadata",
+    ),
     # usage errors: the project's one line, not Click's box
     "unknown flag": (["train", "--frobnicate"], "error: --frobnicate: no such option of `digenrl train`"),
     "flag without its value": (["eval", "--out"], "error: --out: needs a value"),

@@ -298,3 +298,14 @@ def test_gpu_smoke_script_refuses_without_a_gpu(tmp_path):
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     done = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "no GPU visible" in done.stderr
+
+
+@pytest.mark.slow
+def test_ocr_reward(tmp_path):
+    pytest.importorskip("rapidocr_onnxruntime", reason="the ocr extra")
+    data = run_script("ocr_reward.py", tmp_path, "--sizes", "64", "256", "--repeats", "1")
+    assert [r["side"] for r in data["rows"]] == [64, 256]
+    assert all(finite(r["text_s"], r["noise_s"]) for r in data["rows"])
+    assert [r["text_score"] for r in data["rows"]] == [1.0, 1.0]  # the rendered words read
+    assert [r["noise_score"] for r in data["rows"]] == [0.0, 0.0]
+    assert data["rss_mib_after"] > data["rss_mib_before"] > 0

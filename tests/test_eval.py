@@ -254,3 +254,38 @@ def test_eval_bad_input_exits_2_with_one_line(case, needle, flux_run, tmp_path, 
         assert out.read_bytes() == before  # nothing changed
     else:
         assert not out.exists()  # nothing half-written
+
+
+def test_eval_on_a_flow_grpo_directory_reads_its_test_split_and_reports_means_per_tag(
+    flux_run, tmp_path, monkeypatch, capsys
+):
+    """A dataset directory (Flow-GRPO's layout) is evaluated on its held-out ``test`` split; GenEval-style
+    tags give each reward's mean per tag and their mean (GenEval's overall score) in eval.json."""
+    data = tmp_path / "geneval"
+    data.mkdir()
+    rows = [("a red car", "colors"), ("a blue boat", "colors"), ("a green bird", "single_object")]
+    (data / "test_metadata.jsonl").write_text(
+        "".join(json.dumps({"prompt": p, "tag": t}) + "\n" for p, t in rows)
+    )
+    (data / "train_metadata.jsonl").write_text(json.dumps({"prompt": "a train prompt", "tag": "x"}) + "\n")
+    ckpt = flux_run / "checkpoints" / "iter-000002"
+    code, out, err = cli(
+        monkeypatch,
+        capsys,
+        "eval",
+        "--checkpoint",
+        str(ckpt),
+        "--prompts",
+        str(data),
+        "--out",
+        str(tmp_path / "e"),
+    )
+    assert code == 0, err
+    assert "single_object" in out and "mean of tags" in out  # the printed table: a row per tag
+    report = json.loads((tmp_path / "e" / "eval.json").read_text())
+    assert report["prompts"] == [p for p, _ in rows]  # the test split, not train
+    r = report["rewards"]["prompt_color"]
+    colors, single = (r["values"][0] + r["values"][1]) / 2, r["values"][2]
+    assert r["by_tag"] == pytest.approx({"colors": colors, "single_object": single}, abs=1e-5)
+    assert r["tag_mean"] == pytest.approx((colors + single) / 2, abs=1e-5)
+    assert r["mean"] == pytest.approx(sum(r["values"]) / 3, abs=1e-5)

@@ -49,6 +49,8 @@ def test_every_family_has_a_recipe_and_every_recipe_a_readme_row():
         "mixgrpo_flux",
         "diffusion_nft_flux",
         "diffusion_nft_qwen_image",
+        "flow_grpo_qwen_image_ocr",
+        "flow_grpo_qwen_image_geneval",
     } <= names
     readme = (RECIPES[0].parent / "README.md").read_text()
     for name in names:

@@ -90,3 +90,29 @@ def test_a_rollout_worker_scores_beside_its_next_unit_for_less_than_the_serial_s
         _rollout_row(simulate(PLAN, half, iterations=3))[0]
         < _rollout_row(simulate(PLAN, none, iterations=3))[0]
     )
+
+
+def test_ocr_costs_its_measured_seconds_per_image_at_the_run_size():
+    """``ocr`` unconfigured costs what benchmarks/ocr_reward.py measured (planner MEASURED_REWARD_S):
+    the 512-px figure at 512 px, the 256-px one at 256, interpolated in pixels between them."""
+    from digenrl.planner.constants import MEASURED_REWARD_S
+
+    table = dict(MEASURED_REWARD_S["ocr"])
+    ocr = "reward.components=[{name: ocr}]"
+    for side, expect in ((512, table[512]), (256, table[256])):
+        w = workload(ocr, f"model.height={side}", f"model.width={side}")
+        assert CostModel(w, CLUSTER).rollout_unit("H100", 1)[1] == pytest.approx(8 * expect)
+    mid = workload(ocr, "model.height=256", "model.width=512")  # half-way in pixels from 256² to 512²
+    half = table[256] + (table[512] - table[256]) * (256 * 512 - 256**2) / (512**2 - 256**2)
+    assert CostModel(mid, CLUSTER).rollout_unit("H100", 1)[1] == pytest.approx(8 * half)
+    # on the CPU: no weights on the rollout device (a device model reward's would be there)
+    plain = workload("model.height=512", "model.width=512")
+    w512 = workload(ocr, "model.height=512", "model.width=512")
+    assert (
+        CostModel(w512, CLUSTER).memory.rollout_models() == CostModel(plain, CLUSTER).memory.rollout_models()
+    )
+    assert w512.reward_after_unit  # scored after the unit on a rollout worker, as the engine does
+    given = workload(
+        ocr.replace("ocr}", "ocr, seconds_per_image: 0.2}"), "model.height=512", "model.width=512"
+    )
+    assert CostModel(given, CLUSTER).rollout_unit("H100", 1)[1] == pytest.approx(8 * 0.2)

@@ -249,3 +249,47 @@ def test_dropped_samples_get_zero_advantage_and_leave_the_group_stats():
     assert torch.allclose(
         b.advantages, torch.cat([torch.tensor([-2.0, 0.0, 2.0]) / (2 + eps), torch.zeros(1)])
     )
+
+
+def test_every_registered_reward_is_documented_in_configs_md():
+    from pathlib import Path
+
+    from digenrl.rewards.base import REWARDS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configs.md").read_text()
+    rows = {line.split("|")[1].strip() for line in doc.splitlines() if line.startswith("| `")}
+    documented = {name.strip("` ") for row in rows for name in row.split("/")}
+    assert sorted(set(REWARDS) - documented) == []
+
+
+def test_per_component_advantage_metrics_by_hand():
+    from digenrl.units.advantages import advantage_metrics
+
+    w, eps = {"a": 1.0, "b": 0.5}, 1e-4
+    # two groups of 3: b tells samples apart in the first only
+    b = _Batch({"a": [1.0, 2.0, 3.0, 5.0, 6.0, 7.0], "b": [0.0, 0.0, 6.0, 2.0, 2.0, 2.0]}, w)
+    for combine in ("weighted_sum", "per_reward_advantage"):  # the same statistics either way
+        row = advantage_metrics([b], _run_cfg(combine, 3, w))
+        # |A_a| = [1, 0, 1] / (1 + eps) in both groups; |A_b| = [2, 2, 4] / (sqrt(12) + eps), then 0
+        assert row["adv/a"] == pytest.approx((4 / 6) / (1 + eps))
+        assert row["adv/b"] == pytest.approx(0.5 * (8 / 6) / (12**0.5 + eps))
+        assert row["adv_groups/a"] == 1.0 and row["adv_groups/b"] == 0.5
+    # a dropped sample (NaN total) leaves both components' statistics
+    nan = float("nan")
+    b = _Batch({"a": [1.0, 2.0, 3.0, 9.0], "b": [0.0, 0.0, 0.0, nan]}, w)
+    row = advantage_metrics([b], _run_cfg("per_reward_advantage", 4, w, nan_policy="drop"))
+    assert row["adv/a"] == pytest.approx((2 / 3) / (1 + eps))  # A_a of [1, 2, 3] over 3 scored samples
+    assert row["adv/b"] == 0.0 and row["adv_groups/b"] == 0.0
+
+
+@pytest.mark.slow
+def test_the_local_trainer_logs_per_component_advantage_statistics(tmp_path):
+    from digenrl.config.run import load_config
+    from digenrl.engine.local import LocalTrainer
+    from tests.helpers import QUIET, TINY
+
+    two = "reward.components=[{name: prompt_color}, {name: jpeg_compressibility, weight: 0.01}]"
+    cfg = load_config(None, [*TINY, *QUIET, "train.iterations=1", "reward.combine=per_reward_advantage", two])
+    (row,) = LocalTrainer(cfg).run(tmp_path).metrics
+    assert row["adv_groups/prompt_color"] == 1.0  # random images: every group's colours differ
+    assert row["adv/prompt_color"] > 0 and row["adv/jpeg_compressibility"] > 0

@@ -59,7 +59,21 @@ def reward_table(report: dict) -> Table:
             d = report["difference"][name]
             cells += [_mean_std(base["rewards"][name]), "n/a" if d is None else f"{d:+.4f}"]
         table.add_row(*cells)
+        for tag, mean in r.get("by_tag", {}).items():  # prompts tagged as GenEval's: the mean per tag
+            theirs = base["rewards"][name]["by_tag"].get(tag) if base else None
+            row = [f"  {tag}", _mean(mean)] + ([_mean(theirs), ""] if base else [])
+            table.add_row(*row)
+        if "tag_mean" in r:
+            table.add_row(
+                "  mean of tags",
+                _mean(r["tag_mean"]),
+                *([_mean(base["rewards"][name].get("tag_mean")), ""] if base else []),
+            )
     return table
+
+
+def _mean(x) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
 
 
 def _mean_std(r: dict) -> str:

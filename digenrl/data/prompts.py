@@ -47,16 +47,38 @@ def check_prompts(cfg) -> list[Prompt]:
     return load_prompts(cfg.prompts, max_chars=prompt_char_limit(cfg.model.max_text_len))
 
 
+def split_file(path: Path, split: str, what: str) -> Path:
+    """``path`` itself, or -- a directory in Flow-GRPO's dataset layout -- its ``<split>.txt`` (one
+    prompt a line: ocr, pickscore) or ``<split>_metadata.jsonl`` (GenEval metadata rows: geneval)."""
+    if not path.is_dir():
+        return path
+    found = [f for f in (path / f"{split}.txt", path / f"{split}_metadata.jsonl") if f.is_file()]
+    if not found:
+        raise UserError(
+            f"{what}: {path} is a directory, not a file (nor a dataset in Flow-GRPO's layout: it holds no "
+            f"{split}.txt or {split}_metadata.jsonl)"
+        )
+    if len(found) > 1:
+        raise UserError(
+            f"{what}: {path} holds both {split}.txt and {split}_metadata.jsonl: name the one to use"
+        )
+    return found[0]
+
+
 def load_prompts(
-    cfg: PromptsConfig, max_chars: int = DEFAULT_PROMPT_CHARS, what: str = "prompts.file"
+    cfg: PromptsConfig,
+    max_chars: int = DEFAULT_PROMPT_CHARS,
+    what: str = "prompts.file",
+    split: str = "train",
 ) -> list[Prompt]:
     """The prompt set; a file's errors name ``what`` (the field or option that named it), the file and
-    the line. A prompt must be a non-empty string of at most ``max_chars`` characters."""
+    the line. A prompt must be a non-empty string of at most ``max_chars`` characters. A directory is
+    read in Flow-GRPO's layout: its ``split`` (``train`` to train on, ``test`` for ``digenrl eval``)."""
     if cfg.builtin is not None:
         if cfg.builtin not in BUILTIN:
             raise UserError(f"prompts.builtin: unknown set '{cfg.builtin}' (available: {', '.join(BUILTIN)})")
         return [Prompt(p) for p in BUILTIN[cfg.builtin]]
-    path = Path(cfg.file)
+    path = split_file(Path(cfg.file), split, what)
     prompts = []
     for n, line in enumerate(read_user_text(path, what).splitlines(), 1):
         if not line.strip():

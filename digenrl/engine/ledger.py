@@ -32,7 +32,7 @@ from digenrl.engine.timeline import Timeline
 from digenrl.rewards.service import reward_call_metrics
 from digenrl.run.cadence import RunCadence, iteration_metrics, save_iteration_samples
 from digenrl.schedule.scheduler import SchedulerConfig
-from digenrl.units.advantages import assign_advantages
+from digenrl.units.advantages import advantage_metrics, assign_advantages
 from digenrl.units.train import merge_stats
 from digenrl.units.types import RolloutUnit, TrainUnit
 
@@ -244,6 +244,7 @@ class IterationLedger:
             sync_bytes=span["sync_bytes"],
             sample_staleness=self.staleness.pop(k, 0),
         )
+        row.update(advantage_metrics(batches, self.cfg))
         row.update(reward_call_metrics(self.reward_calls.pop(k, [])))
         row.update(self.evals.pop(k, {}))
         row["worker_restarts"] = self.restarts()

@@ -47,7 +47,7 @@ from digenrl.run.cadence import (
 )
 from digenrl.run.evaluate import evaluate_policy
 from digenrl.run.rundir import RunDir
-from digenrl.units.advantages import assign_advantages
+from digenrl.units.advantages import advantage_metrics, assign_advantages
 from digenrl.units.rollout import preflight_reward, rollout_unit, scored
 from digenrl.units.samples import Samples
 from digenrl.units.train import merge_stats, train_unit
@@ -115,7 +115,8 @@ class LocalTrainer:
         stats = merge_stats(parts, steps)
         stats["grad_norm"] = sum(norms) / steps
         wall = time.perf_counter() - t0
-        return iteration_metrics(iteration, self.policy.version, units, stats, wall, rollout_s=t_roll)
+        row = iteration_metrics(iteration, self.policy.version, units, stats, wall, rollout_s=t_roll)
+        return {**row, **advantage_metrics(units, self.cfg)}
 
     def evaluate(self) -> dict:
         """``eval/<reward>`` means of the current (with ``train.ema``: the EMA) weights over the whole

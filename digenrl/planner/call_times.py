@@ -64,6 +64,7 @@ def reward_per_image(w: Workload, p: CostParams) -> tuple[float, float]:
     if not terms or (w.reward_kind == "model" and all(k == "function" for k, _ in terms)):
         terms = (("model" if w.reward_kind == "model" else "function", None),)
     default = {"function": p.weight_free_reward_s, "model": p.model_reward_s, "remote": p.remote_reward_s}
+    default["host"] = p.model_reward_s  # (a host model is charged its measured seconds: MEASURED_REWARD_S)
     here = sum(default[k] if s is None else s for k, s in terms if k != "remote")
     wait = sum(default[k] if s is None else s for k, s in terms if k == "remote")
     return here, wait

@@ -10,6 +10,16 @@ PROFILE_VERSION = 1  # the profile.json format
 DEFAULT_BATCHES = (1, 2, 4, 8, 16)  # batch sizes every profile measures
 MAX_PROFILED_UNIT_SAMPLES = 64  # rollout units larger than this are extrapolated, not measured
 
+# ------------------------------------------------------------------------------ reward costs
+
+# seconds per image of rewards measured on a CPU core (benchmarks/ocr_reward.py: rendered text, one ONNX
+# thread; benchmarks/RESULTS.md), by the image's side in px; a component's ``seconds_per_image`` wins
+MEASURED_REWARD_S = {"ocr": ((64, 0.056), (256, 0.105), (512, 0.365))}
+# rewards whose model runs elsewhere (a judge or detector service): the scoring worker only waits
+REMOTE_REWARDS = frozenset({"remote", "geneval", "vlm_judge"})
+# model rewards that run on the scoring process's CPU (no weights on the device): kind "host"
+HOST_REWARDS = frozenset({"ocr"})
+
 # ------------------------------------------------------------------------- model-time rounds
 
 TIMING_BUDGET_MIN_TIMES = 10  # the round-robin timing runs at least this many x ``min_time`` seconds

@@ -8,16 +8,43 @@ from dataclasses import asdict, dataclass
 from digenrl.adapters import adapter_class
 from digenrl.adapters.vae_decode import tiling_mode
 from digenrl.algorithms.grpo import select_timesteps
-from digenrl.planner.constants import FP32_BYTES, HALF_BYTES, WEIGHT_FREE_REWARDS
+from digenrl.planner.constants import (
+    FP32_BYTES,
+    HALF_BYTES,
+    HOST_REWARDS,
+    MEASURED_REWARD_S,
+    REMOTE_REWARDS,
+    WEIGHT_FREE_REWARDS,
+)
 from digenrl.planner.shapes import ModelShape, ParamCounts, forward_flops, model_shape, param_counts
 
 
+def measured_reward_s(name: str, height: int, width: int) -> float | None:
+    """Seconds per image of a reward measured here (``MEASURED_REWARD_S``) at this image size: linear in
+    the pixel count between the measured sides, proportional to it beyond them; None = unmeasured."""
+    table = MEASURED_REWARD_S.get(name.split(":", 1)[0])
+    if table is None:
+        return None
+    px = height * width
+    (s0, t0), *rest = table
+    if px <= s0 * s0:
+        return t0
+    for s1, t1 in rest:
+        if px <= s1 * s1:
+            return t0 + (t1 - t0) * (px - s0 * s0) / (s1 * s1 - s0 * s0)
+        s0, t0 = s1, t1
+    return t0 * px / (s0 * s0)
+
+
 def reward_term_kind(name: str) -> str:
-    """A reward component's kind for the cost model: "function" | "model" | "remote"."""
+    """A reward component's kind for the cost model: "function" | "model" | "host" (a model on the
+    scoring process's CPU: its time, no device weights) | "remote"."""
     kind = name.split(":", 1)[0]  # (rewards.reward_kind: ``kind:label``)
     if kind in WEIGHT_FREE_REWARDS:
         return "function"
-    return "remote" if kind == "remote" else "model"
+    if kind in HOST_REWARDS:
+        return "host"
+    return "remote" if kind in REMOTE_REWARDS else "model"
 
 
 @dataclass(frozen=True)
@@ -82,7 +109,11 @@ class Workload:
             window=ts.window,
             shift_every=ts.window_shift_every,
         )
-        terms = tuple((reward_term_kind(c.name), c.seconds_per_image) for c in cfg.reward.components)
+        h, w = cfg.model.height, cfg.model.width
+        terms = tuple(
+            (reward_term_kind(c.name), c.seconds_per_image or measured_reward_s(c.name, h, w))
+            for c in cfg.reward.components
+        )
         nft = cfg.algorithm.name == "diffusion_nft"
         if nft:  # K noise levels per sample take the place of the trained steps
             idx = torch.zeros(1, cfg.algorithm.nft.noise_levels or n)

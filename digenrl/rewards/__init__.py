@@ -19,7 +19,7 @@ import torch
 
 from digenrl.config.train import RewardConfig
 from digenrl.errors import UserError
-from digenrl.rewards import basic, clip_models, remote  # noqa: F401  (importing them registers them)
+from digenrl.rewards import basic, clip_models, geneval, ocr, remote, vlm_judge  # noqa: F401  (importing them registers them)
 from digenrl.rewards.base import REWARDS, Reward, RewardArgError, register  # noqa: F401  (re-exported)
 
 
@@ -79,6 +79,8 @@ class CombinedReward:
                 raise UserError(f"{where}.args.{exc.arg}: reward '{term.name}': {exc.message}") from None
             except TypeError as exc:
                 raise UserError(f"{where}.args: reward '{term.name}': {exc}") from None
+            except UserError as exc:  # e.g. its optional extra is not installed
+                raise UserError(f"{where}: {exc}") from None
             fn.frame_stride = stride
             self.terms.append((term.name, term.weight, fn))
         self.nan_policy = cfg.nan_policy

@@ -145,9 +145,8 @@ class RemoteReward(Reward):
         raise AssertionError("unreachable")
 
     def _post(self, body: bytes) -> bytes:
-        req = urllib.request.Request(
-            self.url, data=body, method="POST", headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json", **getattr(self, "headers", {})}
+        req = urllib.request.Request(self.url, data=body, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 data = resp.read()
@@ -195,4 +194,4 @@ class RemoteReward(Reward):
         return [float(s) for s in scores], info
 
     def _error(self, what: str) -> RemoteRewardError:
-        return RemoteRewardError(f"reward 'remote' at {self.url}: {what}")
+        return RemoteRewardError(f"reward '{self.name}' at {self.url}: {what}")  # (a subclass: its name)

@@ -43,10 +43,13 @@ class EvalResult:
     pixels: torch.Tensor  # uint8, (N, 3, H, W) or (N, 3, F, H, W)
     scores: dict[str, torch.Tensor]  # reward component -> (N,)
     total: torch.Tensor  # (N,) weighted sum, as in training
+    tags: list[str | None] | None = None  # each prompt's metadata ``tag`` (GenEval's task), if any
 
     def rewards(self) -> dict[str, dict]:
         """Per reward (and the weighted ``total``): mean, std and the per-prompt values. A NaN score
-        (``reward.nan_policy: drop``) is left out of mean / std and written as null."""
+        (``reward.nan_policy: drop``) is left out of mean / std and written as null. Prompts with a
+        metadata ``tag`` add ``by_tag`` (the mean per tag) and ``tag_mean`` (the mean of those: GenEval's
+        overall score, as its ``summary_scores.py``)."""
         out = {}
         for name, v in {**self.scores, "total": self.total}.items():
             v = v.double()
@@ -56,11 +59,24 @@ class EvalResult:
                 "std": kept.std().item() if len(kept) > 1 else 0.0,
                 "values": [None if x != x else round(x, 6) for x in v.tolist()],
             }
+            if self.tags and any(self.tags):
+                out[name].update(_by_tag(v, self.tags))
         return out
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         """Flat means for a metrics row: ``eval/<reward>`` per component and ``eval/reward_mean``."""
         return eval_metrics(self.total, self.scores, prefix)
+
+
+def _by_tag(v: torch.Tensor, tags: list) -> dict:
+    """Means of ``v`` per tag (NaN left out; an untagged prompt under "none") and their mean."""
+    by = {}
+    for tag in dict.fromkeys(str(t) if t else "none" for t in tags):
+        rows = torch.tensor([(str(t) if t else "none") == tag for t in tags])
+        kept = v[rows & ~torch.isnan(v)]
+        by[tag] = kept.mean().item() if len(kept) else None
+    means = [m for m in by.values() if m is not None]
+    return {"by_tag": by, "tag_mean": sum(means) / len(means) if means else None}
 
 
 def eval_metrics(total: torch.Tensor, parts: dict[str, torch.Tensor], prefix: str = "eval/") -> dict:
@@ -87,6 +103,7 @@ def evaluate_policy(policy, reward_fn, prompts: list[Prompt], **sampling) -> Eva
         pixels=(decoded.pixels * 255).round().to(torch.uint8),
         scores={k: v.float().cpu() for k, v in scores.parts.items()},
         total=scores.total.float().cpu(),
+        tags=[p.meta.get("tag") for p in prompts],
     )
 
 
@@ -170,9 +187,13 @@ def prepare_eval(
     cfg = load_config(config_path)
     limit = prompt_char_limit(cfg.model.max_text_len)  # what the text encoder can use, as train checks
     if prompts is not None:
-        prompt_set = load_prompts(PromptsConfig(file=prompts), max_chars=limit, what="--prompts")
+        prompt_set = load_prompts(
+            PromptsConfig(file=prompts), max_chars=limit, what="--prompts", split="test"
+        )
     else:
-        prompt_set = load_prompts(cfg.prompts, max_chars=limit)
+        prompt_set = load_prompts(
+            cfg.prompts, max_chars=limit, split="test"
+        )  # a directory: its held-out split
     base = None
     if baseline is not None:
         if baseline == "base":
