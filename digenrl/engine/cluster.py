@@ -239,17 +239,18 @@ def form_trainer_group(layout: RunLayout, actors: dict, ready: dict) -> None:
         ray.get(actors[lead].lead.remote({r: actors[r] for r in others}))
 
 
-def form_sync_group(layout: RunLayout, actors: dict) -> tuple[str, list[str]]:
+def form_sync_group(layout: RunLayout, actors: dict) -> tuple[str, list[str], tuple[str, int] | None]:
     """The layout's weight sync: over ``broadcast``, trainer rank 0 (group rank 0) and the rollout
     workers form the weight-sync group (its own TCP store and port, beside the trainer ranks'
-    group). Returns the transport and the group's rollout workers; with the fallback (``auto``) the
-    object store, with a warning, when the group does not form."""
+    group). Returns the transport, the group's rollout workers and the address of its store (the
+    driver takes the group down through it); with the fallback (``auto``) the object store, with a
+    warning, when the group does not form."""
     import ray
 
     workers = layout.workers
     rollout = [w.name for w in workers if w.role == "rollout"]
     if layout.settings.weight_sync != "broadcast":
-        return "object_store", []
+        return "object_store", [], None
     from digenrl.engine.sync_group import SYNC_TIMEOUT_S
 
     members = [next(w.name for w in workers if w.role != "rollout"), *rollout]
@@ -283,8 +284,8 @@ def form_sync_group(layout: RunLayout, actors: dict) -> tuple[str, list[str]]:
             f"workers ({first_line(exc)}); weights go through the Ray object store",
             file=sys.stderr,
         )
-        return "object_store", []
-    return "broadcast", rollout
+        return "object_store", [], None
+    return "broadcast", rollout, (address, port)
 
 
 def form_sp_groups(layout: RunLayout, actors: dict, ready: dict) -> None:

@@ -233,8 +233,9 @@ class GroupMember:
         old = self.sync
         if isinstance(old, sync_group.BroadcastPublisher):
             old.close()  # the old group's receivers stop waiting
+        staleness = self.cfg.engine.max_staleness
         self.sync = sync_group.join(
-            self.policy, address, port, rank, world, backend, specs, self.cfg.engine.max_staleness
+            self.policy, address, port, rank, world, backend, specs, staleness, self.faults
         )
         sync_group.carry_over(old, self.sync)
 

@@ -107,7 +107,7 @@ def run_on_ray(
         out = RunDir(cfg, run_dir, history=history)
         layout.write(out.path)
         backend = None
-        routes = SyncRoutes(*sync, start, actors, layout.trainer_ranks[0])
+        routes = SyncRoutes(*sync[:2], start, actors, layout.trainer_ranks[0], store=sync[2])
         routes.reform = lambda: form_sync_group(layout, actors)  # the weight-sync group, after a restart
         sp_rollout = {names[0]: names for names in layout.rollout_sp_groups}  # restarted whole
         groups = GroupRestart(sp_rollout, actors, lambda names: form_rollout_sp_group(actors, names))
@@ -314,6 +314,10 @@ class RayBackend:
         if worker == REWARD_ROW:  # the scores of a released rollout unit: now it is complete
             self.scored(unit, result)
             return Scored(unit)
+        if isinstance(unit, RolloutUnit) and "missed" in result:  # the group went down without its version:
+            self.sync.missed(worker, unit, self.sched.published_version)  # again, with rank 0's copy
+            self.start(worker, unit)
+            return None
         self.record(worker, result["events"])
         if isinstance(unit, RolloutUnit):
             if "reward_ref" in result:  # scored by the reward service: the worker is free, the unit not done

@@ -1,0 +1,166 @@
+"""Failure semantics of the weight-sync group that never rely on a peer raising (NCCL peers hang):
+the driver takes a group down through its store and every member's waiting collective and unit
+boundary end at once; NCCL groups get the timeout they are given; and, end to end, a rollout
+worker killed in the middle of a broadcast leaves trainer rank 0 alive while the other rollout
+worker gets that version through the object store (issue 36, items 0 and 3)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+from collections import Counter
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pair(port: int):
+    """Rank 0 and rank 1 of a two-member gloo SyncGroup, formed in two threads of this process."""
+    from digenrl.distributed.broadcast import SyncGroup
+
+    out = {}
+
+    def member(rank):
+        out[rank] = SyncGroup(rank, 2, "127.0.0.1", port, backend="gloo", timeout_s=120)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out[0], out[1]
+
+
+def test_the_driver_takes_a_group_down_and_a_waiting_unit_boundary_hears_it():
+    """Rank 0 announces version 1 and sends its header, then stops (a member lost with the rest of the
+    broadcast: nothing fails on this side, as with NCCL). The receiver's thread waits inside the
+    broadcast and its unit boundary waits for version 1; the driver closes the group through its
+    store (:func:`close_group`): the boundary raises ``VersionMissed`` (the driver then sends the
+    unit again with an object-store copy) and every member's end is aborted. On 849bed7 the boundary
+    waited for the thread's collective to time out (300 s), then raised a plain WeightSyncError."""
+    import json
+
+    from digenrl.distributed.broadcast import close_group
+    from digenrl.engine.sync_group import BroadcastInbox, VersionMissed, _announced
+
+    port = _port()
+    source, sink = _pair(port)
+    inbox = BroadcastInbox(sink, max_staleness=0)
+    source.store.set(_announced(0), "1")
+    header = {"version": 1, "bucket_bytes": 64, "tensors": [["w", [4], "float32"]]}
+    source.broadcast_bytes(json.dumps(header).encode(), 0)  # ... and no bucket ever follows
+    outcome = {}
+
+    def boundary():
+        try:
+            inbox.take(1)
+        except VersionMissed as exc:
+            outcome["missed"] = str(exc)
+
+    waiting = threading.Thread(target=boundary, daemon=True)
+    waiting.start()
+    assert close_group(("127.0.0.1", port))
+    waiting.join(60)  # (a guard against a hang, not a timing assertion: it returns at once)
+    assert "version 1 were not received by broadcast" in outcome.get("missed", "")
+    assert source.down.wait(60) and sink.down.wait(60)  # both ends aborted by their watchers
+    assert source.pg is None and sink.pg is None
+    assert 1 not in inbox.staged
+
+
+def test_a_closed_group_refuses_collectives_and_a_version_already_staged_is_still_served():
+    """Once down, a member's collectives raise at once instead of waiting; a version the inbox staged
+    before the group went down is still handed to the unit boundary."""
+    from digenrl.distributed.broadcast import WeightBroadcaster
+    from digenrl.distributed.staged import sync_targets
+    from digenrl.engine.sync_group import BroadcastInbox, _announced
+    from digenrl.errors import WeightSyncError
+
+    source, sink = _pair(_port())
+    inbox = BroadcastInbox(sink, max_staleness=1)
+    net = torch.nn.Linear(3, 2)
+    source.store.set(_announced(0), "2")
+    WeightBroadcaster(source).publish(2, sync_targets(net, lora=False))
+    staged = inbox.take(2)
+    source.close()
+    assert sink.down.wait(60)
+    assert inbox.take(2) is staged
+    with pytest.raises(WeightSyncError, match="taken down"):
+        source.broadcast(torch.zeros(1), 0)
+
+
+def test_nccl_groups_get_the_timeout_they_are_given(monkeypatch):
+    """``ProcessGroupNCCL`` is built with options carrying the group's timeout (849bed7 built it
+    without options: ``timeout_s`` was ignored and a dead peer left the others waiting NCCL's default).
+    The CPU build has no NCCL: a stand-in records what the group is built with."""
+    import torch.distributed as dist
+
+    from digenrl.distributed import broadcast
+
+    built = {}
+
+    class NCCLOptions:
+        _timeout = None
+
+    class FakeNCCL:
+        Options = NCCLOptions
+
+        def __init__(self, store, rank, world, *rest):
+            built.update(rank=rank, world=world, options=rest[0] if rest else None)
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    group = broadcast.SyncGroup(0, 1, "127.0.0.1", _port(), backend="nccl", timeout_s=42)
+    assert built["options"] is not None
+    assert built["options"]._timeout == datetime.timedelta(seconds=42)
+    group.close()
+
+
+# -- end to end: a rollout worker killed mid-broadcast ------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_rollout_worker_killed_mid_broadcast_leaves_the_run_going(ray_cluster, tmp_path):
+    """Two rollout workers over broadcast, one-step async; rollout1 dies after the header of version 2
+    arrives (``{worker: rollout1, unit: sync-2}``: mid-broadcast). Trainer rank 0 stays alive, the run
+    falls back to the object store, rollout0 loads version 2 from rank 0's object-store copy (its
+    broadcast never completed), and every (iteration, group) is trained exactly once. On 849bed7
+    rollout0 waited 300 s on the broken group and the run stopped with a WeightSyncError."""
+    from digenrl.config.run import load_config
+    from digenrl.engine.timeline import Timeline
+    from digenrl.launch import run_engine
+    from tests.helpers import QUIET, TINY
+
+    sets = [
+        *TINY,
+        *QUIET,
+        "placement.mode=disaggregated",
+        "engine.gap=true",
+        "engine.tag=false",
+        "engine.tsp_degree=1",
+        "engine.max_staleness=1",
+        "engine.weight_sync=broadcast",
+        "train.iterations=4",
+        "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",
+        "engine.faults=[{worker: rollout1, unit: sync-2}]",
+    ]
+    result = run_engine(load_config(None, sets), tmp_path / "run")
+    assert [r["iteration"] for r in result.metrics] == [0, 1, 2, 3]
+    assert result.metrics[-1]["worker_restarts"] == 1
+    tl = Timeline.from_chrome_trace(tmp_path / "run" / "timeline.json")
+    trained = Counter((t.iteration, g) for t in tl.of("train") for g in t.args["groups"])
+    assert trained == Counter({(k, g): 1 for k in range(4) for g in range(2)})
+    publishes = {e.version: e for e in tl.of("sync") if e.args["direction"] == "publish"}
+    assert publishes[1].args["transport"] == "broadcast"  # before the fault
+    assert all(p.worker == "trainer0" for p in publishes.values())
+    loads = [e for e in tl.of("sync") if e.args["direction"] == "fetch" and e.version == 2]
+    assert loads and all(e.args["transport"] == "object_store" for e in loads if e.worker == "rollout0")
