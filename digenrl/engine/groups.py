@@ -119,7 +119,7 @@ class GroupMember:
             init_method=f"tcp://{address}:{port}",
             rank=rank,
             world_size=world,
-            timeout=timedelta(minutes=30),
+            timeout=timedelta(seconds=self.cfg.engine.group_timeout_s),  # NCCL's watchdog too
         )
         self.world, self.rank = world, rank
         me = self.layout.worker(self.name)  # what this rank does: the run's layout, never re-derived

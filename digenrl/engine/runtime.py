@@ -110,7 +110,8 @@ def run_on_ray(
         routes = SyncRoutes(*sync[:2], start, actors, layout.trainer_ranks[0], store=sync[2])
         routes.reform = lambda: form_sync_group(layout, actors)  # the weight-sync group, after a restart
         sp_rollout = {names[0]: names for names in layout.rollout_sp_groups}  # restarted whole
-        groups = GroupRestart(sp_rollout, actors, lambda names: form_rollout_sp_group(actors, names))
+        form = lambda names: form_rollout_sp_group(actors, names)  # noqa: E731
+        groups = GroupRestart(sp_rollout, actors, form, cfg.engine.group_timeout_s)
         try:
             with stop_on_interrupt() as stop:
                 backend = RayBackend(
@@ -286,6 +287,7 @@ class RayBackend:
             raise RuntimeError(f"engine stalled: nothing in flight at version {self.sched.published_version}")
         ready, _ = ray.wait([*self.in_flight, *self.side], num_returns=1, timeout=self.faults.wait_timeout())
         self.faults.check_head()
+        self.groups.watch(self.in_flight, self.role)  # a blocked member: the driver takes its group down
         if not ready:
             return None
         ref = ready[0]
