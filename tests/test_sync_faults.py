@@ -200,3 +200,31 @@ def test_a_blocked_group_member_is_detected_by_the_driver_and_its_group_restarte
     tl = Timeline.from_chrome_trace(tmp_path / "run" / "timeline.json")
     assert_timeline_invariants(cfg, tl)  # every group generated once (as recorded) and trained once
     assert Counter(r.uid for r in tl.of("rollout"))["rollout-0-1"] == 1
+
+
+@pytest.mark.parametrize(
+    ("sets", "devices", "backend"),
+    [
+        ([], ["cuda:0", "cuda:0", "cuda:0"], "nccl"),
+        (["engine.rollout_sp=2"], ["cuda:0", "cuda:0", "cuda:0"], "gloo"),
+        ([], ["cuda:0", "cpu", "cpu"], "gloo"),
+    ],
+    ids=["gpus", "gpus_with_rollout_sp", "a_cpu_member"],
+)
+def test_no_second_nccl_communicator_beside_a_sequence_parallel_all_to_all(tiny_cfg, sets, devices, backend):
+    """Item 9: a rollout worker of a sequence-parallel group all-to-alls over NCCL while its inbox
+    receives on a background thread; the weight-sync group is then gloo (host buffers, no second
+    NCCL communicator with kernels on that GPU). 849bed7 chose NCCL whenever every member was on a GPU."""
+    from digenrl.engine.sync_group import sync_backend
+    from digenrl.placement.resolve import resolve
+
+    layout = resolve(
+        tiny_cfg(
+            "placement.mode=disaggregated",
+            "engine.tag=false",
+            "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",
+            *sets,
+        )
+    )
+    assert bool(layout.rollout_sp_groups) == bool(sets)
+    assert sync_backend(devices, layout) == backend

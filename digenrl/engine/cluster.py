@@ -251,11 +251,11 @@ def form_sync_group(layout: RunLayout, actors: dict) -> tuple[str, list[str], tu
     rollout = [w.name for w in workers if w.role == "rollout"]
     if layout.settings.weight_sync != "broadcast":
         return "object_store", [], None
-    from digenrl.engine.sync_group import SYNC_TIMEOUT_S
+    from digenrl.engine.sync_group import SYNC_TIMEOUT_S, sync_backend
 
     members = [next(w.name for w in workers if w.role != "rollout"), *rollout]
     found = ray.get([actors[m].sync_specs.remote() for m in members])
-    backend = "nccl" if all(f["device"].startswith("cuda") for f in found) else "gloo"
+    backend = sync_backend([f["device"] for f in found], layout)
     address, port = ray.get(actors[members[0]].rendezvous_address.remote())
     try:
         ray.get(

@@ -57,6 +57,16 @@ def _wait_announced(store, seq: int) -> bool:
         return store.get(_announced(seq)) != CLOSED.encode()
 
 
+def sync_backend(devices: list[str], layout) -> str:
+    """The weight-sync group's backend: NCCL when every member is on a GPU, unless a rollout worker
+    is also in a sequence-parallel group -- its inbox receives on a background thread while its
+    forward all-to-alls, and two NCCL communicators with kernels in flight on one GPU can deadlock --
+    then gloo (host buffers: no GPU kernels beside the all-to-alls), as off GPUs."""
+    if layout.rollout_sp_groups or not all(d.startswith("cuda") for d in devices):
+        return "gloo"
+    return "nccl"
+
+
 def receiver_specs(policy) -> list[TensorSpec]:
     """What a rollout worker's load writes: names, shapes and dtypes of its sync targets."""
     return [TensorSpec.of(n, t) for n, t in sync_targets(policy.adapter.transformer, policy.lora).items()]
@@ -226,9 +236,8 @@ def join(policy, address: str, port: int, rank: int, world: int, backend: str, s
     returns its publisher, a rollout worker its inbox (holding its starting weights as a staged
     version when a re-queued unit may still ask for them after it has moved on). ``faults``: the
     worker's fault plugin; a rollout worker's ``sync-<version>`` fault ends it mid-broadcast."""
-    group = SyncGroup(
-        rank, world, address, port, backend=backend, timeout_s=SYNC_TIMEOUT_S, device=policy.device
-    )
+    device = policy.device if backend == "nccl" else "cpu"  # (gloo: buffers in host memory)
+    group = SyncGroup(rank, world, address, port, backend=backend, timeout_s=SYNC_TIMEOUT_S, device=device)
     if rank == 0:  # with one-step async, keep what a restarted rollout worker may still need
         keep = staleness + 1 if staleness else 0
         return BroadcastPublisher(group, _publisher_specs(policy, specs), keep=keep)
