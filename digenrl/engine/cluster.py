@@ -51,6 +51,12 @@ def num_restarts(actor) -> int:
         return 0
 
 
+def device_env(num_gpus: float) -> dict | None:
+    """An actor that asks for no GPU sees none (Ray leaves ``CUDA_VISIBLE_DEVICES`` unset then, so
+    ``device: auto`` would find every GPU of its node and land on GPU 0 beside the GPU workers)."""
+    return None if num_gpus else {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
+
+
 def first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
@@ -132,6 +138,7 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
                 .options(
                     num_cpus=b.get("CPU", 0),
                     num_gpus=b.get("GPU", 0),
+                    runtime_env=device_env(b.get("GPU", 0)),
                     resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         group, placement_group_bundle_index=index
