@@ -96,9 +96,8 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
     try:
         progress(f"starting {len(workers)} workers (each builds the model)...")
         bundles = resource_bundles(workers, ray.cluster_resources(), reserve=reward_service_resources(cfg))
-        if pool is None:  # the whole run as one placement group: bundle i is worker i's
-            groups = [_reserve(bundles, workers)]
-            slots = [(groups[0], i, b) for i, b in enumerate(bundles)]
+        if pool is None:  # a shard / SP group on one node each (STRICT_PACK), the other workers packed
+            groups, slots = _reserve_by_node(bundles, workers, layout.node_groups)
         else:  # warm workers: one reservation per actor, so each can be kept or released alone
             kinds = [warm.kind_of(b, s, r) for b, s, r in zip(bundles, scoring, restarts)]
             kept = pool.take([w.name for w in workers], kinds, ray.cluster_resources())
@@ -181,13 +180,13 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
             ray.shutdown()
 
 
-def _reserve(bundles: list[dict], workers: list[Worker]):
+def _reserve(bundles: list[dict], workers: list[Worker], strategy: str = "PACK"):
     """A placement group of ``bundles``, once reserved (a UserError naming the ask after
     PLACEMENT_TIMEOUT_S: the resources exist but stay taken)."""
     import ray
     from ray.util.placement_group import placement_group
 
-    group = placement_group(bundles, strategy="PACK")
+    group = placement_group(bundles, strategy=strategy)
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
@@ -196,6 +195,21 @@ def _reserve(bundles: list[dict], workers: list[Worker]):
             f"(bundles {bundles}); free now: {_describe(ray.available_resources())}"
         ) from None
     return group
+
+
+def _reserve_by_node(bundles: list[dict], workers: list[Worker], node_groups):
+    """Placement groups for the run: one STRICT_PACK group per set of workers that must share a node
+    (their collectives run every forward), one PACK group for the rest. Returns the groups and, per
+    worker, its (group, bundle index, bundle)."""
+    names = [w.name for w in workers]
+    sets = [[names.index(n) for n in g] for g in node_groups]
+    rest = [i for i in range(len(workers)) if not any(i in s for s in sets)]
+    groups, slots = [], [None] * len(workers)
+    for members, strategy in [(s, "STRICT_PACK") for s in sets] + [(rest, "PACK")] * bool(rest):
+        groups.append(_reserve([bundles[i] for i in members], workers, strategy))
+        for k, i in enumerate(members):
+            slots[i] = (groups[-1], k, bundles[i])
+    return groups, slots
 
 
 def _retired(actors: dict, pids: dict) -> set[str]:
