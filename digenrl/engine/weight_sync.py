@@ -228,7 +228,16 @@ class SyncRoutes:
 
         if not self.broadcast or self.reform is None or worker in self.members:
             return None
-        transport, members, store = self.reform()
+        try:
+            transport, members, store = self.reform()
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError) as exc:
+            # another member died meanwhile (it may not be reported yet): its own return tries again
+            print(
+                f"warning: weight sync: the group did not re-form with {worker} (a member is away: "
+                f"{str(exc).splitlines()[0][:120]}); the object store carries on",
+                file=sys.stderr,
+            )
+            return None
         if transport != "broadcast":
             return None
         self.store = store
