@@ -209,7 +209,8 @@ class SyncRoutes:
         had = self.held.get(worker, self.start)
         self.held[worker] = unit.version
         packet = self.packets.get(unit.version)
-        regrouped = self.rejoined_at is not None and unit.version >= self.rejoined_at
+        since = self.rejoined_at  # (not after a later fallback: the re-formed group may have broken)
+        regrouped = self.transport == "broadcast" and since is not None and unit.version >= since
         if regrouped and worker in self.members and had != unit.version:
             return None  # received over the re-formed group (the version rank 0 sent again, or a later one)
         if packet is not None or self.broadcast is False or had == unit.version:
