@@ -76,3 +76,26 @@ def test_zero_gpu_actors_see_no_gpu_on_a_real_ray_cluster(ray_cluster, monkeypat
         assert ray.get(probe.visible.remote()) == ""
     finally:
         ray.kill(probe)
+
+
+@pytest.mark.slow
+def test_a_tiny_engine_run_never_initialises_cuda_in_the_driver(ray_cluster, cuda_reported, tmp_path):
+    """The whole driver side of a disaggregated tiny run (resolve, preflight, the Ray runtime, the
+    ledger, checkpoints) with torch reporting 8 GPUs and CUDA's initialisation raising: it finishes."""
+    from digenrl.config.run import load_config
+    from digenrl.launch import run_engine
+    from tests.helpers import QUIET, TINY
+
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            *QUIET,
+            "train.iterations=2",
+            "placement.mode=disaggregated",
+            "engine.tag=false",
+            "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 1}]",
+        ],
+    )
+    result = run_engine(cfg, tmp_path / "run")
+    assert [r["iteration"] for r in result.metrics] == [0, 1]

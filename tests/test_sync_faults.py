@@ -127,23 +127,68 @@ def test_nccl_groups_get_the_timeout_they_are_given(monkeypatch):
 # -- end to end: a rollout worker killed mid-broadcast ------------------------------------------
 
 
+def _routes(rejoined_at=None):
+    """The driver's SyncRoutes over broadcast with two rollout workers, rank 0 a stand-in actor whose
+    ``publish`` hands out a marked object-store reference."""
+    from types import SimpleNamespace
+
+    from digenrl.engine.weight_sync import SyncRoutes
+
+    rank0 = SimpleNamespace(
+        publish=SimpleNamespace(remote=lambda: "rank0-copy"),
+        export_staged=SimpleNamespace(remote=lambda v: f"rank0-kept-{v}"),
+    )
+    routes = SyncRoutes("broadcast", ["rollout0", "rollout1"], 0, {"trainer0": rank0}, "trainer0")
+    routes.rejoined_at = rejoined_at
+    return routes
+
+
+def test_after_a_regroup_a_later_fallback_sends_the_version_by_object_store():
+    """The group re-formed once (a restarted worker rejoined at version 2); then rollout1 dies while
+    rank 0 broadcasts version 5. rollout0's next unit of version 5 must carry rank 0's object-store
+    copy: the re-formed group is the one that broke. On 849bed7 the driver still sent it to its inbox
+    (``None``): the worker waited 300 s on the broken group and the run stopped (the soak, issue 36)."""
+    from types import SimpleNamespace
+
+    routes = _routes(rejoined_at=2)
+    routes.held = {"rollout0": 4, "rollout1": 4}
+    routes.publishing = 5
+    assert routes.for_rollout("rollout0", SimpleNamespace(version=3), 4) is None  # (still on broadcast)
+    routes.worker_died("rollout1", 4)
+    assert routes.transport == "object_store"
+    assert routes.for_rollout("rollout0", SimpleNamespace(version=5), 4) == "rank0-copy"
+
+
+def test_a_missed_version_goes_again_with_rank_0s_copy():
+    """A unit boundary that found the group down without its version (``VersionMissed``): the driver
+    falls back and the same unit, sent again, carries rank 0's copy of that version -- the one it
+    holds, else the one it kept of what it broadcast."""
+    from types import SimpleNamespace
+
+    routes = _routes()
+    unit = SimpleNamespace(version=3)
+    assert routes.for_rollout("rollout0", unit, 3) is None  # its inbox is to have it
+    routes.missed("rollout0", unit, 3)
+    assert routes.transport == "object_store"
+    assert routes.for_rollout("rollout0", unit, 3) == "rank0-copy"
+    older = SimpleNamespace(version=2)
+    routes.missed("rollout1", older, 3)  # rank 0 has moved on: the copy it kept
+    assert routes.for_rollout("rollout1", older, 3) == "rank0-kept-2"
+
+
 @pytest.mark.slow
 @pytest.mark.faults
 def test_a_rollout_worker_killed_mid_broadcast_leaves_the_run_going(ray_cluster, tmp_path):
-    """Two rollout workers over broadcast, one-step async. rollout1 dies after its unit of iteration 0
-    and comes back: the group re-forms with it. Later it dies again after the header of version 8
-    arrives (``{worker: rollout1, unit: sync-8}``: mid-broadcast, the soak's fault of issue 36 item 0).
-    Trainer rank 0 stays alive, the run falls back to the object store, rollout0 -- whose broadcast
-    of version 8 never completed -- gets that version from rank 0's object-store copy, and every
-    (iteration, group) is trained exactly once. On 849bed7 the driver still routed rollout0 to its
-    inbox over the re-formed (now broken) group: it waited 300 s, then the run stopped with a
-    WeightSyncError."""
+    """Two rollout workers over broadcast, one-step async; rollout1 dies after the header of version 2
+    arrives (``{worker: rollout1, unit: sync-2}``: mid-broadcast, the fault of the soak). Trainer rank
+    0 stays alive, the run falls back to the object store (the driver takes the group down), rollout0
+    loads version 2 from rank 0's object-store copy, and every (iteration, group) is trained exactly
+    once."""
     from digenrl.config.run import load_config
     from digenrl.engine.timeline import Timeline
     from digenrl.launch import run_engine
     from tests.helpers import QUIET, TINY
 
-    iterations = 10
     sets = [
         *TINY,
         *QUIET,
@@ -153,20 +198,20 @@ def test_a_rollout_worker_killed_mid_broadcast_leaves_the_run_going(ray_cluster,
         "engine.tsp_degree=1",
         "engine.max_staleness=1",
         "engine.weight_sync=broadcast",
-        f"train.iterations={iterations}",
+        "train.iterations=4",
         "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",
-        "engine.faults=[{worker: rollout1, unit: rollout-0-1}, {worker: rollout1, unit: sync-8}]",
+        "engine.faults=[{worker: rollout1, unit: sync-2}]",
     ]
     result = run_engine(load_config(None, sets), tmp_path / "run")
-    assert [r["iteration"] for r in result.metrics] == list(range(iterations))
-    assert result.metrics[-1]["worker_restarts"] == 2
+    assert [r["iteration"] for r in result.metrics] == [0, 1, 2, 3]
+    assert result.metrics[-1]["worker_restarts"] == 1
     tl = Timeline.from_chrome_trace(tmp_path / "run" / "timeline.json")
     trained = Counter((t.iteration, g) for t in tl.of("train") for g in t.args["groups"])
-    assert trained == Counter({(k, g): 1 for k in range(iterations) for g in range(2)})
-    assert [e for e in tl.of("sync") if e.args.get("rejoin")]  # the group re-formed after the first death
+    assert trained == Counter({(k, g): 1 for k in range(4) for g in range(2)})
     publishes = {e.version: e for e in tl.of("sync") if e.args["direction"] == "publish"}
+    assert publishes[1].args["transport"] == "broadcast"  # before the fault
     assert all(p.worker == "trainer0" for p in publishes.values())
-    loads = [e for e in tl.of("sync") if e.args["direction"] == "fetch" and e.version == 8]
+    loads = [e for e in tl.of("sync") if e.args["direction"] == "fetch" and e.version == 2]
     assert loads and all(e.args["transport"] == "object_store" for e in loads if e.worker == "rollout0")
 
 
