@@ -277,3 +277,24 @@ def test_no_second_nccl_communicator_beside_a_sequence_parallel_all_to_all(tiny_
     )
     assert bool(layout.rollout_sp_groups) == bool(sets)
     assert sync_backend(devices, layout) == backend
+
+
+def test_the_driver_takes_an_overdue_group_down_once():
+    """``GroupRestart.watch``: a call past ``engine.group_timeout_s`` takes its worker's group down --
+    an SP rollout group whole, a trainer rank with every trainer rank -- once per call (its failure
+    then comes as a death's); a rollout worker of no group alone; calls within the limit untouched."""
+    import time
+
+    from digenrl.engine.recovery import GroupRestart
+
+    roles = {"rollout0": "rollout", "rollout1": "rollout", "rollout2": "rollout", "trainer0": "trainer"}
+    roles["trainer1"] = "trainer"
+    watch = GroupRestart({"rollout0": ["rollout0", "rollout1"]}, {}, None, timeout_s=0.0)
+    in_flight = {"a": ("rollout0", None), "b": ("trainer1", None), "c": ("rollout2", None)}
+    assert watch.watch(in_flight, roles) == []  # just seen
+    time.sleep(0.01)
+    assert watch.watch(in_flight, roles) == ["rollout0", "rollout1", "rollout2", "trainer0", "trainer1"]
+    assert watch.watch(in_flight, roles) == []  # once
+    patient = GroupRestart({}, {}, None, timeout_s=3600.0)
+    patient.watch(in_flight, roles)
+    assert patient.watch(in_flight, roles) == []

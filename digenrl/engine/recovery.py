@@ -172,7 +172,10 @@ class GroupRestart:
 
         now = time.time()
         self.seen = {ref: self.seen.get(ref, now) for ref in in_flight}
-        hung = {in_flight[ref][0] for ref, at in self.seen.items() if now - at > self.timeout_s}
+        overdue = [ref for ref, at in self.seen.items() if at is not None and now - at > self.timeout_s]
+        for ref in overdue:  # (taken down once: its failure is on its way)
+            self.seen[ref] = None
+        hung = {in_flight[ref][0] for ref in overdue}
         down = set()
         for worker in hung & set(roles):  # (not the reward actor's scoring: Ray restarts that one)
             if roles[worker] != "rollout":
