@@ -17,6 +17,9 @@ Afterwards the run directory's timeline is audited:
     lost         (iteration, group, TSP share) that were never trained            -- must be 0
     duplicated   (iteration, group, TSP share) trained more than once              -- must be 0
     rollouts_generated_again   rollout units run twice because a worker died with its results
+    longest_stall_s the longest time in which no unit of work (rollout, train, step) ended anywhere:
+                 bounds the wait after any fault (a broken group that leaves a worker waiting
+                 shows here; 849bed7: 300 s, then the run stopped)
 
 ``--json FILE`` writes ``{"iterations": n, "restarts": n, "lost": n, "duplicated": n, ...}``.
 Not a test: it takes minutes, and its numbers go into the closing note of the reliability work.
@@ -79,16 +82,16 @@ def fault_list(
 
 
 def audit(run_dir: Path, iterations: int, groups: int, degree: int) -> dict:
-    events = [
-        e["args"]
-        for e in json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
-        if e.get("ph") == "X"
+    spans = [
+        e for e in json.loads((run_dir / "timeline.json").read_text())["traceEvents"] if e.get("ph") == "X"
     ]
+    events = [e["args"] for e in spans]
     trained = Counter(
         (a["iteration"], g, a["tsp_rank"]) for a in events if a["kind"] == "train" for g in a["groups"]
     )
     expected = {(k, g, r) for k in range(iterations) for g in range(groups) for r in range(degree)}
     rolled = Counter(a["unit"] for a in events if a["kind"] == "rollout")
+    work = sorted(e["ts"] + e["dur"] for e in spans if e["args"]["kind"] in ("rollout", "train", "step"))
     return {
         "lost": sum(1 for key in expected if trained[key] == 0),
         "duplicated": sum(n - 1 for n in trained.values() if n > 1)
@@ -96,6 +99,7 @@ def audit(run_dir: Path, iterations: int, groups: int, degree: int) -> dict:
         "rollouts_generated_again": sum(
             n - 1 for n in rolled.values() if n > 1
         ),  # results lost with a worker
+        "longest_stall_s": round(max((b - a for a, b in zip(work, work[1:])), default=0.0) / 1e6, 2),
     }
 
 
@@ -150,6 +154,7 @@ def main() -> None:
         "duplicated": books["duplicated"],
         "units_with_a_fault": len({u for _, u in faults}),
         "rollouts_generated_again": books["rollouts_generated_again"],
+        "longest_stall_s": books["longest_stall_s"],
         "wall_s": round(wall, 1),
         "samples_per_s": round(sum(r["samples"] for r in result.metrics) / wall, 2),
     }

@@ -38,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from digenrl.distributed.broadcast import SyncGroup, WeightBroadcaster, WeightReceiver, specs_for  # noqa: E402
+from digenrl.distributed.broadcast import SyncGroup, WeightBroadcaster, WeightReceiver  # noqa: E402
 from digenrl.distributed.fingerprint import fingerprint  # noqa: E402
+from digenrl.distributed.staged import specs_for  # noqa: E402
 from digenrl.engine import weight_sync  # noqa: E402
 from digenrl.policy.lora import checksum  # noqa: E402
 

@@ -36,7 +36,8 @@ def _train_a_little(policy, version: int) -> None:
 
 
 def _source(group, out):
-    from digenrl.distributed.broadcast import WeightBroadcaster, sync_targets
+    from digenrl.distributed.broadcast import WeightBroadcaster
+    from digenrl.distributed.staged import sync_targets
     from digenrl.engine.faults import corrupting
     from digenrl.policy.lora import checksum, lora_state_dict
 
@@ -73,7 +74,8 @@ def _source(group, out):
 
 
 def _receiver(rank, group, out):
-    from digenrl.distributed.broadcast import WeightReceiver, sync_targets
+    from digenrl.distributed.broadcast import WeightReceiver
+    from digenrl.distributed.staged import sync_targets
     from digenrl.errors import WeightSyncError
     from digenrl.policy.lora import checksum, lora_state_dict
 
@@ -175,13 +177,8 @@ def _fsdp_source_member(rank, _world, ports, tmp):
     import torch.distributed as dist
 
     from digenrl.distributed import fsdp
-    from digenrl.distributed.broadcast import (
-        SyncGroup,
-        WeightBroadcaster,
-        WeightReceiver,
-        specs_for,
-        sync_targets,
-    )
+    from digenrl.distributed.broadcast import SyncGroup, WeightBroadcaster, WeightReceiver
+    from digenrl.distributed.staged import specs_for, sync_targets
     from digenrl.policy.lora import checksum
 
     trainer_port, sync_port = ports

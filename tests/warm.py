@@ -258,13 +258,13 @@ class WarmActors:
         self.pool = pool
         self.fresh = None  # a run that may not use warm actors starts fresh ones (eligible)
 
-    def start(self, cfg, plans, workers) -> dict:
+    def start(self, cfg, plans, workers, node_groups=()) -> dict:
         import ray
 
         if not eligible(cfg):  # this run starts fresh ones: release the kept first
             self.pool.clear()
             self.fresh = FreshActors()
-            return self.fresh.start(cfg, plans, workers)
+            return self.fresh.start(cfg, plans, workers, node_groups)
         self.fresh, self.names = None, [p.name for p in plans]
         self.kinds = [kind_of(p.bundle, p.scoring, p.max_restarts) for p in plans]
         self.groups, self.keys, self.kept = [], [], [None] * len(plans)

@@ -100,6 +100,15 @@ class EngineConfig(_Section):
             "checkpoint, up to this many times (0: the run stops with a resume hint)"
         ),
     )
+    group_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description=(
+            "a unit of work running longer than this has a member blocked (a hung collective: NCCL "
+            "peers never raise): the driver takes its group down and restarts it; also every "
+            "collective's timeout"
+        ),
+    )
     weight_sync: Literal["auto", "broadcast", "object_store"] = Field(
         "auto",
         description=(

@@ -20,57 +20,52 @@ does not need, or disturb, the trainer ranks' default process group.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import hashlib
 import json
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from digenrl.distributed.fingerprint import fingerprint, fingerprints
+from digenrl.distributed.fingerprint import fingerprint
+from digenrl.distributed.staged import (
+    DEFAULT_BUCKET_BYTES,
+    Received,
+    TensorSpec,
+    bucket_layout,
+    bytes_of,
+    digest,
+    load_received,
+    mismatch,
+    sync_span,
+    unpack,
+    verify,
+)
 from digenrl.errors import WeightSyncError
 
-DEFAULT_BUCKET_BYTES = 256 * 2**20
+CLOSED = "closed"  # store key: the group is over (its source closed it, or the driver took it down)
+WATCH_WAIT = datetime.timedelta(hours=1)  # a member's watcher re-checks that the store still answers
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # torch dtype name without the "torch." prefix
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * getattr(torch, self.dtype).itemsize
-
-    @staticmethod
-    def of(name: str, t: torch.Tensor) -> TensorSpec:
-        return TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-
-
-def bucket_layout(specs: list[TensorSpec], bucket_bytes: int) -> list[list[int]]:
-    """Indices of ``specs`` per bucket, in order; a tensor larger than a bucket is a bucket alone."""
-    buckets: list[list[int]] = []
-    used = 0
-    for i, spec in enumerate(specs):
-        if not buckets or (used + spec.nbytes > bucket_bytes and buckets[-1]):
-            buckets.append([])
-            used = 0
-        buckets[-1].append(i)
-        used += spec.nbytes
-    return buckets
+def nccl_group(store, rank: int, world_size: int, timeout: datetime.timedelta):
+    """A ``ProcessGroupNCCL`` whose collectives give up after ``timeout`` (without options NCCL
+    waits its default 10-30 min: a dead peer is never seen, the others hang)."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, opts)
 
 
 class SyncGroup:
     """A standalone process group between a weight source (usually trainer rank 0) and the
-    rollout workers. Every member calls it with the same address, port and size."""
+    rollout workers. Every member calls it with the same address, port and size.
+
+    Each member watches the group's store for :data:`CLOSED` on a thread of its own (with a client
+    of its own, so no store call waits behind it): once any member or the driver
+    (:func:`close_group`) sets it, the member aborts its end of the group (:meth:`abort`), so a
+    collective waiting for a lost member ends in seconds, NCCL's included; ``down`` tells."""
 
     def __init__(
         self,
@@ -87,13 +82,47 @@ class SyncGroup:
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
         elif backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size)
+            self.pg = nccl_group(self.store, rank, world_size, timeout)
         else:
             raise ValueError(f"unknown backend {backend!r} (gloo or nccl)")
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device(device)  # where collective buffers live (cuda for NCCL)
+        self.down = threading.Event()  # the group was taken down: no collective will complete
+        watch = dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
+        threading.Thread(target=self._watch, args=(watch,), name="sync-group-watch", daemon=True).start()
+
+    def _watch(self, store) -> None:
+        """Until the group is closed (or its store is gone with its source): then abort it."""
+        while not self.down.is_set():
+            try:
+                store.wait([CLOSED], WATCH_WAIT)
+                break
+            except Exception:  # noqa: BLE001 -- an hour without news, or a store that broke
+                try:
+                    if store.check([CLOSED]):
+                        break
+                except Exception:  # noqa: BLE001 -- the store is gone (its master, rank 0, died)
+                    break
+        self.abort()
+
+    def close(self) -> None:
+        """End the group for every member: each one's watcher aborts its end."""
+        with contextlib.suppress(Exception):
+            self.store.set(CLOSED, "1")
+        self.abort()
+
+    def abort(self) -> None:
+        """Abort this member's end: NCCL's pending collectives fail at once (``abort``); gloo's
+        connections close as its group is dropped, so the peers' pending collectives fail too."""
+        self.down.set()
+        pg, self.pg = self.pg, None
+        if pg is not None and self.backend == "nccl":
+            with contextlib.suppress(Exception):
+                pg.abort()
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        if self.pg is None:  # (no local name for it: a traceback must not keep a dropped group alive)
+            raise WeightSyncError("the weight-sync group was taken down (a member was lost)")
         self.pg.broadcast(tensor, src).wait()
 
     def broadcast_bytes(self, payload: bytes | None, src: int) -> bytes:
@@ -108,29 +137,19 @@ class SyncGroup:
         return buf.cpu().numpy().tobytes()
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _event(direction: str, version: int, start: float, end: float, nbytes: int, **args) -> dict:
-    """A timeline span of kind "sync", shaped like the engine's weight-sync events."""
-    return {
-        "kind": "sync",
-        "uid": f"sync-{version}-{direction}",
-        "version": version,
-        "start": start,
-        "end": end,
-        "args": {"direction": direction, "bytes": nbytes, "transport": "broadcast", **args},
-    }
-
-
-def digest(names: list[str], prints: torch.Tensor) -> str:
-    """One short hash of a version's names and per-tensor fingerprints (sorted by name), so the
-    source's and each receiver's copy can be compared in a log or a timeline."""
-    h = hashlib.sha256()
-    for name, row in sorted(zip(names, prints.tolist())):
-        h.update(f"{name}:{row[0]},{row[1]},{row[2]};".encode())
-    return h.hexdigest()[:16]
+def close_group(address: tuple[str, int] | None, timeout_s: float = 5.0) -> bool:
+    """The driver takes a weight-sync group down (a member was lost: it never waits for the others
+    to notice, NCCL peers hang): sets the group's :data:`CLOSED` key, so every member's watcher
+    aborts its end. Whether the store answered (a store gone with rank 0 needs nothing more)."""
+    if address is None:
+        return False
+    try:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(*address, None, False, timeout, wait_for_workers=False)
+        store.set(CLOSED, "1")
+    except Exception:  # noqa: BLE001
+        return False
+    return True
 
 
 class WeightBroadcaster:
@@ -167,7 +186,7 @@ class WeightBroadcaster:
         kept = [] if self.keep_sent else None
         prints = self._send_buckets(specs, iter(items), send_dtype, kept)
         self.group.broadcast_bytes(json.dumps(prints.tolist()).encode(), self.src)
-        event = _event(
+        event = sync_span(
             "publish",
             version,
             start,
@@ -205,7 +224,7 @@ class WeightBroadcaster:
                 if TensorSpec.of(name, t) != specs[i]:
                     raise WeightSyncError(f"publish: tensor {name} does not match its spec {specs[i]}")
                 prints.append(fingerprint(t).to(self.group.device))
-                buf[offset : offset + specs[i].nbytes].copy_(_bytes_of(t))
+                buf[offset : offset + specs[i].nbytes].copy_(bytes_of(t))
                 offset += specs[i].nbytes
             self.group.broadcast(buf, self.src)
             if kept is not None:
@@ -215,22 +234,6 @@ class WeightBroadcaster:
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
-
-
-@dataclass
-class Received:
-    """One version staged on a receiver, not yet loaded."""
-
-    version: int
-    specs: list[TensorSpec]
-    buckets: list[torch.Tensor]  # uint8 staging buffers
-    layout: list[list[int]]
-    fingerprints: torch.Tensor  # (n, 3), the source's
-    event: dict
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.specs)
 
 
 class WeightReceiver:
@@ -245,9 +248,13 @@ class WeightReceiver:
         self._pending: Future | None = None
         self._lock = threading.Lock()
 
-    def receive(self) -> Received:
+    def receive(self, midway=None) -> Received:
+        """Receive the next version; ``midway(version)``, when given, runs once its header is in
+        (a fault plugin may end the process there: a member lost mid-broadcast)."""
         start = time.time()
         header = json.loads(self.group.broadcast_bytes(None, self.src))
+        if midway is not None:
+            midway(header["version"])
         specs = [TensorSpec(n, tuple(s), d) for n, s, d in header["tensors"]]
         layout = bucket_layout(specs, header["bucket_bytes"])
         buckets = []
@@ -265,7 +272,7 @@ class WeightReceiver:
             buckets,
             layout,
             prints.reshape(-1, 3),
-            _event("prefetch", header["version"], start, end, sum(s.nbytes for s in specs)),
+            sync_span("prefetch", header["version"], start, end, sum(s.nbytes for s in specs)),
         )
 
     def prefetch(self) -> Future:
@@ -301,19 +308,19 @@ class WeightReceiver:
         version = header["version"]
         specs = [TensorSpec(n, tuple(s), d) for n, s, d in header["tensors"]]
         layout = bucket_layout(specs, header["bucket_bytes"])
-        problem = _mismatch(version, specs, targets)
+        problem = mismatch(version, specs, targets)
         for bucket in layout:
             buf = torch.empty(
                 sum(specs[i].nbytes for i in bucket), dtype=torch.uint8, device=self.group.device
             )
             self.group.broadcast(buf, self.src)
             if not problem:
-                _unpack(specs, bucket, buf, targets)
+                unpack(specs, bucket, buf, targets)
         prints = torch.tensor(json.loads(self.group.broadcast_bytes(None, self.src)), dtype=torch.int64)
         if problem:
             raise WeightSyncError(problem)
-        got = _verify(version, specs, layout, prints.reshape(-1, 3), targets)
-        return _event(
+        got = verify(version, specs, layout, prints.reshape(-1, 3), targets)
+        return sync_span(
             "receive_into",
             version,
             start,
@@ -321,130 +328,3 @@ class WeightReceiver:
             sum(s.nbytes for s in specs),
             digest=digest([s.name for s in specs], got),
         )
-
-
-def load_received(received: Received, targets: dict[str, torch.Tensor]) -> dict:
-    """Copy a staged version into ``targets`` (name -> the receiver's own tensor, written in
-    place), then check keys, shapes, dtypes and every fingerprint once; returns the "load" event
-    (``args.digest``: of the fingerprints of the loaded tensors)."""
-    start = time.time()
-    problem = _mismatch(received.version, received.specs, targets)
-    if problem:
-        raise WeightSyncError(problem)
-    for bucket, buf in zip(received.layout, received.buckets):
-        _unpack(received.specs, bucket, buf, targets)
-    got = _verify(received.version, received.specs, received.layout, received.fingerprints, targets)
-    return _event(
-        "load",
-        received.version,
-        start,
-        time.time(),
-        received.nbytes,
-        digest=digest([s.name for s in received.specs], got),
-    )
-
-
-@torch.no_grad()
-def received_from(
-    version: int,
-    tensors: dict[str, torch.Tensor],
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    staging_device: torch.device | str = "cpu",
-) -> Received:
-    """``tensors`` staged as a version without any group (a copy, with their fingerprints): a
-    receiver's own starting weights kept for a re-queued unit, or a staged version handed on."""
-    start = time.time()
-    specs = [TensorSpec.of(n, t) for n, t in tensors.items()]
-    layout = bucket_layout(specs, bucket_bytes)
-    values = list(tensors.values())
-    buckets = [torch.cat([_bytes_of(values[i]).to(staging_device) for i in bucket]) for bucket in layout]
-    prints = fingerprints(values)
-    return Received(
-        version,
-        specs,
-        buckets,
-        layout,
-        prints,
-        _event("stage", version, start, time.time(), sum(s.nbytes for s in specs)),
-    )
-
-
-def _mismatch(version: int, specs: list[TensorSpec], targets: dict[str, torch.Tensor]) -> str | None:
-    """Why ``targets`` cannot take ``specs`` (keys, shapes, dtypes), or None."""
-    names = [s.name for s in specs]
-    missing, unexpected = sorted(set(targets) - set(names)), sorted(set(names) - set(targets))
-    if missing or unexpected:
-        return (
-            f"broadcast of version {version}: {len(missing)} missing keys {missing[:3]}, "
-            f"{len(unexpected)} unexpected keys {unexpected[:3]}"
-        )
-    for spec in specs:
-        dest = targets[spec.name]
-        if TensorSpec.of(spec.name, dest) != spec:
-            return (
-                f"broadcast of version {version}: {spec.name} is {tuple(dest.shape)} {dest.dtype} here, "
-                f"{spec.shape} {spec.dtype} sent"
-            )
-    return None
-
-
-@torch.no_grad()
-def _unpack(
-    specs: list[TensorSpec], bucket: list[int], buf: torch.Tensor, targets: dict[str, torch.Tensor]
-) -> None:
-    offset = 0
-    for i in bucket:
-        spec = specs[i]
-        dest = targets[spec.name]
-        _bytes_of_inplace(dest).copy_(buf[offset : offset + spec.nbytes].to(dest.device))
-        offset += spec.nbytes
-
-
-def _verify(
-    version: int,
-    specs: list[TensorSpec],
-    layout: list[list[int]],
-    expected: torch.Tensor,
-    targets: dict[str, torch.Tensor],
-) -> torch.Tensor:
-    """Every loaded tensor's fingerprint equals the source's; else name the first bad one and its
-    bucket. Returns the loaded tensors' fingerprints."""
-    names = [s.name for s in specs]
-    got = fingerprints([targets[n] for n in names])
-    bad = [i for i, (a, e) in enumerate(zip(got, expected)) if not torch.equal(a, e)]
-    if bad:
-        bucket = next(b for b, members in enumerate(layout) if bad[0] in members)
-        raise WeightSyncError(
-            f"broadcast of version {version}: fingerprint mismatch after load in "
-            f"{len(bad)} tensors, first {names[bad[0]]} (bucket {bucket})"
-        )
-    return got
-
-
-def _bytes_of_inplace(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_contiguous():
-        raise WeightSyncError("broadcast: destination tensors must be contiguous")
-    return t.view(-1).view(torch.uint8)
-
-
-def sync_targets(model: torch.nn.Module, lora: bool) -> dict[str, torch.Tensor]:
-    """What a weight sync writes on a receiver: the LoRA parameters (by parameter name) with
-    LoRA, every state-dict tensor otherwise. The source uses the same names."""
-    if lora:
-        return {n: p.data for n, p in model.named_parameters() if "lora_" in n}
-    return dict(model.state_dict())
-
-
-def specs_for(tensors: dict[str, torch.Tensor], send_dtype: torch.dtype | None = None) -> list[TensorSpec]:
-    """The specs of ``tensors`` as they will be sent (global shapes for DTensor shards), so a
-    source can publish a stream of gathered tensors without holding them all."""
-    return [
-        TensorSpec(
-            n,
-            tuple(t.shape),
-            str(send_dtype if send_dtype is not None and t.is_floating_point() else t.dtype).removeprefix(
-                "torch."
-            ),
-        )
-        for n, t in tensors.items()
-    ]

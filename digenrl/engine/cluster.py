@@ -18,7 +18,7 @@ from digenrl.engine.faults import FaultInjector
 from digenrl.engine.resources import (
     connect,
     head_problem,
-    reserve,
+    reserve_by_node,
     resource_bundles,
     reward_service_resources,
 )
@@ -44,6 +44,12 @@ def num_restarts(actor) -> int:
         return 0
 
 
+def device_env(num_gpus: float) -> dict | None:
+    """An actor that asks for no GPU sees none (Ray leaves ``CUDA_VISIBLE_DEVICES`` unset then, so
+    ``device: auto`` would find every GPU of its node and land on GPU 0 beside the GPU workers)."""
+    return None if num_gpus else {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
+
+
 # ------------------------------------------------------------------- Ray: cluster and actors
 
 
@@ -64,14 +70,16 @@ class ActorPlan:
 
 
 class FreshActors:
-    """Where a run's actors come from, by default: the whole run reserved as one placement group
-    (bundle i is worker i's), one new actor per worker, all killed at the end. A process that runs
+    """Where a run's actors come from, by default: the run reserved as placement groups (one per set
+    of workers that must share a node, one for the rest), one new actor per worker, all killed at the
+    end. A process that runs
     the engine many times on a cluster it joined may install another source (:func:`actor_source`)."""
 
-    def start(self, cfg: RunConfig, plans: list[ActorPlan], workers: list[Worker]) -> dict:
-        """The actors (by worker name), each building its worker; the caller waits for ``ready``."""
-        self.group = reserve([p.bundle for p in plans], workers)
-        return {p.name: new_actor(p, self.group, i) for i, p in enumerate(plans)}
+    def start(self, cfg: RunConfig, plans: list[ActorPlan], workers: list[Worker], node_groups=()) -> dict:
+        """The actors (by worker name), each building its worker; the caller waits for ``ready``.
+        ``node_groups``: sets of workers that must share a node (a shard or SP group: STRICT_PACK)."""
+        self.groups, slots = reserve_by_node([p.bundle for p in plans], workers, node_groups)
+        return {p.name: new_actor(p, group, i) for p, (group, i) in zip(plans, slots)}
 
     def finish(self, actors: dict, pids: dict, clean: bool) -> None:
         """The run is over (``clean``: it finished; ``pids``: each actor's process at its start)."""
@@ -80,8 +88,8 @@ class FreshActors:
 
         for actor in actors.values():
             ray.kill(actor, no_restart=True)
-        if getattr(self, "group", None) is not None:
-            remove_placement_group(self.group)
+        for group in getattr(self, "groups", []):
+            remove_placement_group(group)
 
 
 _installed = None  # the actor source of this process's runs on a joined cluster (actor_source)
@@ -118,6 +126,7 @@ def new_actor(plan: ActorPlan, group, index: int, cls=None, **extra):
         num_cpus=b.get("CPU", 0),
         num_gpus=b.get("GPU", 0),
         resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
+        runtime_env=device_env(b.get("GPU", 0)),
         scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
         max_restarts=plan.max_restarts,
         max_task_retries=0,
@@ -168,7 +177,7 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
             )
             for spec, bundle in zip(workers, bundles)
         ]
-        actors = source.start(cfg, plans, workers)
+        actors = source.start(cfg, plans, workers, layout.node_groups)
         ready = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()])))
         pids = {name: r["pid"] for name, r in ready.items()}
         if len({r["checksum"] for r in ready.values()}) > 1:
@@ -205,22 +214,23 @@ def form_trainer_group(layout: RunLayout, actors: dict, ready: dict) -> None:
         ray.get(actors[lead].lead.remote({r: actors[r] for r in others}))
 
 
-def form_sync_group(layout: RunLayout, actors: dict) -> tuple[str, list[str]]:
+def form_sync_group(layout: RunLayout, actors: dict) -> tuple[str, list[str], tuple[str, int] | None]:
     """The layout's weight sync: over ``broadcast``, trainer rank 0 (group rank 0) and the rollout
     workers form the weight-sync group (its own TCP store and port, beside the trainer ranks'
-    group). Returns the transport and the group's rollout workers; with the fallback (``auto``) the
-    object store, with a warning, when the group does not form."""
+    group). Returns the transport, the group's rollout workers and the address of its store (the
+    driver takes the group down through it); with the fallback (``auto``) the object store, with a
+    warning, when the group does not form."""
     import ray
 
     workers = layout.workers
     rollout = [w.name for w in workers if w.role == "rollout"]
     if layout.settings.weight_sync != "broadcast":
-        return "object_store", []
-    from digenrl.engine.sync_group import SYNC_TIMEOUT_S
+        return "object_store", [], None
+    from digenrl.engine.sync_group import SYNC_TIMEOUT_S, sync_backend
 
     members = [next(w.name for w in workers if w.role != "rollout"), *rollout]
     found = ray.get([actors[m].sync_specs.remote() for m in members])
-    backend = "nccl" if all(f["device"].startswith("cuda") for f in found) else "gloo"
+    backend = sync_backend([f["device"] for f in found], layout)
     address, port = ray.get(actors[members[0]].rendezvous_address.remote())
     try:
         ray.get(
@@ -249,8 +259,8 @@ def form_sync_group(layout: RunLayout, actors: dict) -> tuple[str, list[str]]:
             f"workers ({first_line(exc, typed=True)}); weights go through the Ray object store",
             file=sys.stderr,
         )
-        return "object_store", []
-    return "broadcast", rollout
+        return "object_store", [], None
+    return "broadcast", rollout, (address, port)
 
 
 def form_sp_groups(layout: RunLayout, actors: dict, ready: dict) -> None:

@@ -21,6 +21,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from digenrl.config.engine import FaultConfig
@@ -59,15 +60,20 @@ class FaultInjector:
         return cls(name, frozenset(f.unit for f in cfg.engine.faults if f.worker == name))
 
     def reached(self, uid: str | None) -> None:
-        """This process has done unit ``uid``'s work: die here if a fault says so (once)."""
-        if uid not in self.units:
-            return
-        mark = Path(tempfile.gettempdir()) / f"digenrl-fault-{_incarnations()}-{self.name}-{uid}"
-        if mark.exists():  # fired already, in an earlier process of this actor
-            return
-        mark.touch()
-        print(f"fault injection: {self.name} dies in {uid}", file=sys.stderr, flush=True)
-        os._exit(17)
+        """This process has done unit ``uid``'s work: die here if a fault says so, or with
+        ``<uid>:block`` block here for good (a hung member: alive, never answering); once."""
+        for fault, blocks in ((uid, False), (f"{uid}:block", True)):
+            if fault not in self.units:
+                continue
+            mark = Path(tempfile.gettempdir()) / f"digenrl-fault-{_incarnations()}-{self.name}-{fault}"
+            if mark.exists():  # fired already, in an earlier process of this actor
+                continue
+            mark.touch()
+            print(f"fault injection: {self.name} {'blocks' if blocks else 'dies'} in {uid}", file=sys.stderr)
+            sys.stderr.flush()
+            while blocks:
+                time.sleep(3600)
+            os._exit(17)
 
     def corrupts(self, version: int):
         """The wrapper that corrupts this process's broadcast of ``version``, or None."""

@@ -119,7 +119,7 @@ class GroupMember:
             init_method=f"tcp://{address}:{port}",
             rank=rank,
             world_size=world,
-            timeout=timedelta(minutes=30),
+            timeout=timedelta(seconds=self.cfg.engine.group_timeout_s),  # NCCL's watchdog too
         )
         self.world, self.rank = world, rank
         me = self.layout.worker(self.name)  # what this rank does: the run's layout, never re-derived
@@ -231,8 +231,9 @@ class GroupMember:
         old = self.sync
         if isinstance(old, sync_group.BroadcastPublisher):
             old.close()  # the old group's receivers stop waiting
+        staleness = self.cfg.engine.max_staleness
         self.sync = sync_group.join(
-            self.policy, address, port, rank, world, backend, specs, self.cfg.engine.max_staleness
+            self.policy, address, port, rank, world, backend, specs, staleness, self.faults
         )
         sync_group.carry_over(old, self.sync)
 

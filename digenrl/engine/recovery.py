@@ -160,9 +160,40 @@ class GroupRestart:
     lead takes work; its unit was re-queued once, as any dead rollout worker's
     (:meth:`FaultRecovery.died`)."""
 
-    def __init__(self, groups: dict[str, list[str]], actors: dict, form):
+    def __init__(self, groups: dict[str, list[str]], actors: dict, form, timeout_s: float = 1800.0):
         self.groups, self.actors, self.form = groups, actors, form  # lead -> its members, lead first
         self.down: set[str] = set()
+        self.timeout_s = timeout_s  # engine.group_timeout_s
+        self.seen: dict = {}  # in-flight call -> when the driver first saw it running
+
+    def watch(self, in_flight: dict, roles: dict[str, str]) -> list[str]:
+        """The driver's own check for a blocked member (never a peer's error: an NCCL peer waits
+        without raising): a call running longer than ``timeout_s`` takes its worker's group down --
+        an SP rollout group whole, a trainer rank with every trainer rank (one process group) --
+        and its call then fails as a death does, handled as one. Returns the workers taken down."""
+        import ray
+
+        now = time.time()
+        self.seen = {ref: self.seen.get(ref, now) for ref in in_flight}
+        overdue = [ref for ref, at in self.seen.items() if at is not None and now - at > self.timeout_s]
+        for ref in overdue:  # (taken down once: its failure is on its way)
+            self.seen[ref] = None
+        hung = {in_flight[ref][0] for ref in overdue}
+        down = set()
+        for worker in hung & set(roles):  # (not the reward actor's scoring: Ray restarts that one)
+            if roles[worker] != "rollout":
+                down |= {w for w, role in roles.items() if role != "rollout"}
+            else:
+                down |= set(self.groups.get(worker, [worker]))
+        for name in sorted(down):
+            print(
+                f"warning: {name}'s group has run one call for over {self.timeout_s:.0f} s "
+                "(engine.group_timeout_s): a member is blocked; taking the group down",
+                file=sys.stderr,
+            )
+            with contextlib.suppress(Exception):
+                ray.kill(self.actors[name], no_restart=False)
+        return sorted(down)
 
     def take_down(self, lead: str, exc: Exception) -> None:
         """``lead``'s unit failed because a member of its group died (``exc``): restart the rest."""

@@ -27,13 +27,13 @@ PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give 
 ADDRESS_PROBE_S = 3.0  # a wrong --ray-address must fail fast
 
 
-def reserve(bundles: list[dict], workers: list[Worker]):
+def reserve(bundles: list[dict], workers: list[Worker], strategy: str = "PACK"):
     """A placement group of ``bundles``, once reserved (a UserError naming the ask after
     PLACEMENT_TIMEOUT_S: the resources exist but stay taken)."""
     import ray
     from ray.util.placement_group import placement_group
 
-    group = placement_group(bundles, strategy="PACK")
+    group = placement_group(bundles, strategy=strategy)
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
@@ -198,3 +198,18 @@ def _describe(resources: dict) -> str:
         if not k.startswith("node:") and k not in ("memory", "object_store_memory")
     }
     return ", ".join(f"{k} {v:g}" for k, v in sorted(keep.items())) or "no resources"
+
+
+def reserve_by_node(bundles: list[dict], workers: list[Worker], node_groups):
+    """Placement groups for the run: one STRICT_PACK group per set of workers that must share a node
+    (their collectives run every forward), one PACK group for the rest. Returns the groups and, per
+    worker, its (group, bundle index)."""
+    names = [w.name for w in workers]
+    sets = [[names.index(n) for n in g] for g in node_groups]
+    rest = [i for i in range(len(workers)) if not any(i in s for s in sets)]
+    groups, slots = [], [None] * len(workers)
+    for members, strategy in [(s, "STRICT_PACK") for s in sets] + [(rest, "PACK")] * bool(rest):
+        groups.append(reserve([bundles[i] for i in members], workers, strategy))
+        for k, i in enumerate(members):
+            slots[i] = (groups[-1], k)
+    return groups, slots

@@ -85,10 +85,11 @@ def run_on_ray(
         out = RunDir(cfg, run_dir, history=history)
         layout.write(out.path)
         backend = None
-        routes = SyncRoutes(*sync, start, actors, layout.trainer_ranks[0])
+        routes = SyncRoutes(*sync[:2], start, actors, layout.trainer_ranks[0], store=sync[2])
         routes.reform = lambda: form_sync_group(layout, actors)  # the weight-sync group, after a restart
         sp_rollout = {names[0]: names for names in layout.rollout_sp_groups}  # restarted whole
-        groups = GroupRestart(sp_rollout, actors, lambda names: form_rollout_sp_group(actors, names))
+        form = lambda names: form_rollout_sp_group(actors, names)  # noqa: E731
+        groups = GroupRestart(sp_rollout, actors, form, cfg.engine.group_timeout_s)
         try:
             with stop_on_interrupt() as stop:
                 backend = RayBackend(
@@ -264,6 +265,7 @@ class RayBackend(AroundSteps):
             raise RuntimeError(f"engine stalled: nothing in flight at version {self.sched.published_version}")
         ready, _ = ray.wait([*self.in_flight, *self.side], num_returns=1, timeout=self.faults.wait_timeout())
         self.faults.check_head()
+        self.groups.watch(self.in_flight, self.role)  # a blocked member: the driver takes its group down
         if not ready:
             return None
         ref = ready[0]
@@ -292,6 +294,10 @@ class RayBackend(AroundSteps):
         if worker == REWARD_ROW:  # the scores of a released rollout unit: now it is complete
             self.scored(unit, result)
             return Scored(unit)
+        if isinstance(unit, RolloutUnit) and "missed" in result:  # the group went down without its version:
+            self.sync.missed(worker, unit, self.sched.published_version)  # again, with rank 0's copy
+            self.start(worker, unit)
+            return None
         self.record(worker, result["events"])
         if isinstance(unit, RolloutUnit):
             if "reward_ref" in result:  # scored by the reward service: the worker is free, the unit not done

@@ -20,16 +20,8 @@ from datetime import timedelta
 import torch
 from torch.distributed import DistStoreError
 
-from digenrl.distributed.broadcast import (
-    Received,
-    SyncGroup,
-    TensorSpec,
-    WeightBroadcaster,
-    WeightReceiver,
-    load_received,
-    received_from,
-    sync_targets,
-)
+from digenrl.distributed.broadcast import CLOSED, SyncGroup, WeightBroadcaster, WeightReceiver
+from digenrl.distributed.staged import Received, TensorSpec, load_received, received_from, sync_targets
 from digenrl.errors import WeightSyncError
 from digenrl.policy.lora import full_tensor
 
@@ -37,7 +29,13 @@ SYNC_TIMEOUT_S = 300.0  # forming the group, and any one bucket in flight
 # An idle receiver blocks on the store for the next announcement (woken the moment rank 0 sets it,
 # or sets it to CLOSED); it re-checks the CLOSED key this often when nothing came at all.
 ANNOUNCE_WAIT = timedelta(hours=1)
-CLOSED = "closed"  # store key: rank 0 publishes no more versions over the group
+TAKE_POLL_S = 0.25  # a unit boundary waiting for a version: how often it looks whether the group went down
+
+
+class VersionMissed(WeightSyncError):
+    """A rollout worker's inbox will not receive the version a unit needs: the group went down
+    (a member was lost mid-broadcast) before it arrived. The worker hands the unit back and the
+    driver sends it again with rank 0's object-store copy of that version."""
 
 
 def _announced(seq: int) -> str:
@@ -57,6 +55,16 @@ def _wait_announced(store, seq: int) -> bool:
                 return False
             continue
         return store.get(_announced(seq)) != CLOSED.encode()
+
+
+def sync_backend(devices: list[str], layout) -> str:
+    """The weight-sync group's backend: NCCL when every member is on a GPU, unless a rollout worker
+    is also in a sequence-parallel group -- its inbox receives on a background thread while its
+    forward all-to-alls, and two NCCL communicators with kernels in flight on one GPU can deadlock --
+    then gloo (host buffers: no GPU kernels beside the all-to-alls), as off GPUs."""
+    if layout.rollout_sp_groups or not all(d.startswith("cuda") for d in devices):
+        return "gloo"
+    return "nccl"
 
 
 def receiver_specs(policy) -> list[TensorSpec]:
@@ -137,12 +145,13 @@ class BroadcastPublisher:
         return {**event, "iteration": policy.version - 1}
 
     def close(self) -> None:
-        """No more versions over the group: the receivers' threads end."""
+        """No more versions over the group: the receivers' threads end (a waiting one is woken, one
+        inside a broadcast sees the group aborted: :meth:`SyncGroup.close`)."""
         if not self.closed:
             self.closed = True
             with contextlib.suppress(Exception):
-                self.group.store.set(CLOSED, "1")
                 self.group.store.set(_announced(self.seq), CLOSED)  # wakes a waiting receiver
+            self.group.close()
 
 
 class BroadcastInbox:
@@ -151,8 +160,8 @@ class BroadcastInbox:
     boundary the version a unit needs. Keeps the versions a unit may still ask for
     (``engine.max_staleness`` behind the newest)."""
 
-    def __init__(self, group: SyncGroup, max_staleness: int):
-        self.group, self.max_staleness = group, max_staleness
+    def __init__(self, group: SyncGroup, max_staleness: int, midway=None):
+        self.group, self.max_staleness, self.midway = group, max_staleness, midway
         self.receiver = WeightReceiver(group, staging_device="cpu")
         self.staged: dict[int, Received] = {}
         self.events: list[dict] = []
@@ -172,7 +181,7 @@ class BroadcastInbox:
                 if store.check([CLOSED]) or not _wait_announced(store, seq):
                     return self._stop("trainer rank 0 publishes through the object store now")
                 with _side_stream(self.group.device):
-                    received = self.receiver.receive()
+                    received = self.receiver.receive(self.midway)
                 seq += 1
                 with self.cond:
                     self.staged[received.version] = received
@@ -190,15 +199,17 @@ class BroadcastInbox:
             self.cond.notify_all()
 
     def take(self, version: int) -> Received:
-        """The staged ``version``, waiting for the thread when it is still arriving."""
+        """The staged ``version``, waiting for the thread when it is still arriving; raises
+        :class:`VersionMissed` at once when the group went down without it (never waiting for the
+        thread's collective to time out: an NCCL one may never end)."""
         with self.cond:
             while version not in self.staged:
-                if self.problem is not None:
-                    raise WeightSyncError(
+                if self.problem is not None or self.group.down.is_set():
+                    raise VersionMissed(
                         f"weights of version {version} were not received by broadcast "
-                        f"({self.problem}) and no object-store copy came with the unit"
+                        f"({self.problem or 'the group was taken down'})"
                     )
-                self.cond.wait(timeout=1.0)
+                self.cond.wait(timeout=TAKE_POLL_S)
             return self.staged[version]
 
     def stopped(self, timeout: float) -> bool:
@@ -220,18 +231,19 @@ def _side_stream(device: torch.device):
     return contextlib.nullcontext()
 
 
-def join(policy, address: str, port: int, rank: int, world: int, backend: str, specs, max_staleness: int):
+def join(policy, address: str, port: int, rank: int, world: int, backend: str, specs, staleness, faults=None):
     """Join the weight-sync group: rank 0 (trainer rank 0, given the receivers' ``specs``)
     returns its publisher, a rollout worker its inbox (holding its starting weights as a staged
-    version when a re-queued unit may still ask for them after it has moved on)."""
-    group = SyncGroup(
-        rank, world, address, port, backend=backend, timeout_s=SYNC_TIMEOUT_S, device=policy.device
-    )
+    version when a re-queued unit may still ask for them after it has moved on). ``faults``: the
+    worker's fault plugin; a rollout worker's ``sync-<version>`` fault ends it mid-broadcast."""
+    device = policy.device if backend == "nccl" else "cpu"  # (gloo: buffers in host memory)
+    group = SyncGroup(rank, world, address, port, backend=backend, timeout_s=SYNC_TIMEOUT_S, device=device)
     if rank == 0:  # with one-step async, keep what a restarted rollout worker may still need
-        keep = max_staleness + 1 if max_staleness else 0
+        keep = staleness + 1 if staleness else 0
         return BroadcastPublisher(group, _publisher_specs(policy, specs), keep=keep)
-    inbox = BroadcastInbox(group, max_staleness)
-    if max_staleness > 0:
+    midway = (lambda v: faults.reached(f"sync-{v}")) if faults is not None else None
+    inbox = BroadcastInbox(group, staleness, midway)
+    if staleness > 0:
         inbox.keep(received_from(policy.version, sync_targets(policy.adapter.transformer, policy.lora)))
     return inbox
 

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from digenrl.distributed.broadcast import Received
+from digenrl.distributed.broadcast import close_group
+from digenrl.distributed.staged import Received
 from digenrl.engine.sync_group import load_staged
 from digenrl.errors import WeightSyncError
 from digenrl.policy.lora import checksum
@@ -168,8 +169,9 @@ class SyncRoutes:
     carries (a packet, an ObjectRef that resolves to one before the call runs, or None when the
     worker's broadcast inbox has the version)."""
 
-    def __init__(self, transport: str, members, start_version: int, actors: dict, rank0: str):
+    def __init__(self, transport: str, members, start_version: int, actors: dict, rank0: str, store=None):
         self.transport, self.members, self.start = transport, set(members), start_version
+        self.store = store  # (host, port) of the group's store: the driver takes the group down through it
         self.broadcast = (
             transport == "broadcast"
         )  # the run began over the group (it may have fallen back since)
@@ -207,7 +209,8 @@ class SyncRoutes:
         had = self.held.get(worker, self.start)
         self.held[worker] = unit.version
         packet = self.packets.get(unit.version)
-        regrouped = self.rejoined_at is not None and unit.version >= self.rejoined_at
+        since = self.rejoined_at  # (not after a later fallback: the re-formed group may have broken)
+        regrouped = self.transport == "broadcast" and since is not None and unit.version >= since
         if regrouped and worker in self.members and had != unit.version:
             return None  # received over the re-formed group (the version rank 0 sent again, or a later one)
         if packet is not None or self.broadcast is False or had == unit.version:
@@ -226,9 +229,19 @@ class SyncRoutes:
 
         if not self.broadcast or self.reform is None or worker in self.members:
             return None
-        transport, members = self.reform()
+        try:
+            transport, members, store = self.reform()
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError) as exc:
+            # another member died meanwhile (it may not be reported yet): its own return tries again
+            print(
+                f"warning: weight sync: the group did not re-form with {worker} (a member is away: "
+                f"{str(exc).splitlines()[0][:120]}); the object store carries on",
+                file=sys.stderr,
+            )
+            return None
         if transport != "broadcast":
             return None
+        self.store = store
         sent = ray.get(self.actors[self.rank0].republish.remote())
         self.restarted |= set(members) - self.members  # back from restarts: no version before the regroup
         self.transport, self.members = "broadcast", set(members)
@@ -258,15 +271,25 @@ class SyncRoutes:
             self.members.discard(worker)
             self.retire(self.publishing if self.publishing is not None else published, f"{worker} died")
 
+    def missed(self, worker: str, unit, published: int) -> None:
+        """``worker``'s inbox lost ``unit``'s version with the group (a member lost mid-broadcast):
+        the run is on the object store, and the unit goes to ``worker`` again with rank 0's copy."""
+        self.retire(self.publishing if self.publishing is not None else published, f"{worker} missed it")
+        if unit.version not in self.packets:
+            self._request(unit.version, published)
+
     def retire(self, holds: int, why: str) -> None:
-        """Switch to the object store; rank 0's copy of the version it holds (a member may have
-        lost that version with a broken broadcast)."""
+        """Switch to the object store and take the group down (:func:`close_group`: every member
+        aborts its end, so no one waits for a lost member -- an NCCL peer never notices one);
+        rank 0's copy of the version it holds (a member may have lost that version with a broken
+        broadcast)."""
         if self.transport == "broadcast":
             print(
                 f"warning: weight sync falls back to the Ray object store for the rest of the run ({why})",
                 file=sys.stderr,
             )
             self.transport = "object_store"
+            close_group(self.store)
         if holds not in self.packets:
             self.packets[holds] = self.actors[self.rank0].publish.remote()
 

@@ -188,11 +188,14 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
                 raise RuntimeError(
                     f"{self.name} holds version {self.policy.version}, unit {unit.uid} needs {unit.version}"
                 )
-            events.append(
-                weight_sync.load_version(
-                    self.policy, unit.version, unit.iteration, packet, self.sync, self.expected_keys
+            try:
+                events.append(
+                    weight_sync.load_version(
+                        self.policy, unit.version, unit.iteration, packet, self.sync, self.expected_keys
+                    )
                 )
-            )
+            except sync_group.VersionMissed as exc:  # the driver sends the unit again, with the version
+                return None, {"missed": unit.version, "why": str(exc)}
         cfg = self.cfg
         group = self.role != "rollout" and self.followers  # a trainer group generates each unit together
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)

@@ -101,6 +101,20 @@ class RunLayout:
         """The members of a sequence-parallel group that follow its lead (they score nothing)."""
         return {n for g in self.rollout_sp_groups + self.trainer_sp_groups for n in g[1:]}
 
+    @property
+    def node_groups(self) -> list[tuple[str, ...]]:
+        """The workers that must share one node (an FSDP shard group, a sequence-parallel group:
+        their collectives run every forward), overlapping groups merged, in worker order."""
+        merged: list[set[str]] = []
+        for g in self.shard_groups + self.rollout_sp_groups + self.trainer_sp_groups:
+            group = set(g)
+            for other in [m for m in merged if m & group]:
+                group |= other
+                merged.remove(other)
+            merged.append(group)
+        order = [w.name for w in self.workers]
+        return sorted((tuple(n for n in order if n in m) for m in merged), key=lambda g: order.index(g[0]))
+
     def followers_of(self, name: str) -> tuple[str, ...]:
         """The workers ``name`` leads through every call: its shard group's others (FSDP leads the
         trainer's sequence-parallel groups too), else its sequence-parallel group's."""

@@ -359,11 +359,14 @@ def check_workers_build(cfg: RunConfig, layout, resumed=None) -> None:
     -- the model, its LoRA targets and the fit of a checkpoint to resume. A pretrained model is
     only built by the workers (its errors reach the caller from there, as the same one line)."""
     from digenrl.data.prompts import load_prompts
-    from digenrl.rewards import build_reward
+    from digenrl.rewards import FUNCTION_REWARDS, build_reward, reward_kind
 
     prompts = load_prompts(cfg.prompts)
-    # with reward.service only the reward actor loads the reward models (and checks them, before training)
-    reward = build_reward(cfg.reward) if cfg.reward.service is None else None
+    # with reward.service only the reward actor loads the reward models (and checks them, before training);
+    # a model reward only the workers that score (they dry-run it): the driver never loads a model on a
+    # device (device: auto would put it on the head's GPU and keep a CUDA context there all run)
+    functions = all(reward_kind(c.name) in FUNCTION_REWARDS for c in cfg.reward.components)
+    reward = build_reward(cfg.reward) if cfg.reward.service is None and functions else None
     if cfg.model.pretrained is None:
         from digenrl.checkpoint.load import load_checkpoint
         from digenrl.policy.model import Policy

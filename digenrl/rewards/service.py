@@ -140,6 +140,8 @@ def start_reward_actor(cfg: RewardConfig, name: str | None = None, max_restarts:
         opts.update(num_cpus=svc.num_cpus, num_gpus=svc.num_gpus)
         if svc.resources:
             opts["resources"] = dict(svc.resources)
+    if svc is None or not svc.num_gpus:  # asks for no GPU: sees none (Ray would leave them all visible)
+        opts["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
     if name is not None:
         opts["name"] = name
     handle = ray.remote(RewardActor).options(**opts).remote(cfg, faults)
