@@ -201,17 +201,32 @@ def main():
         )
     res["rollout"]["flux_pipeline_step_s"] = t_pipe / N
 
-    # ---- on-policy ratio on the device's kernels: recompute each step's log-prob, same batch
-    with torch.no_grad():
-        diffs = []
-        for i in range(N):
-            lp, _, _ = recompute_logprob(
-                ad, cond, traj.latents[:, i], traj.latents[:, i + 1], sigmas, i, kind, eta
-            )
-            diffs.append((lp - traj.log_probs[:, i]).abs().max().item())
+    # ---- on-policy ratio on the device's kernels: recompute each step's log-prob, same batch, in the
+    # trainer's grad mode (autograd on, trained parameters requiring grad: the kernels it picks), and,
+    # for comparison, under no_grad as the rollout ran
+    def log_ratios(grad: bool) -> list[float]:
+        trained = [p for p in model.parameters() if not p.requires_grad]
+        for p in trained:
+            p.requires_grad_(grad)
+        try:
+            with torch.set_grad_enabled(grad):
+                out = []
+                for i in range(N):
+                    lp, _, _ = recompute_logprob(
+                        ad, cond, traj.latents[:, i], traj.latents[:, i + 1], sigmas, i, kind, eta
+                    )
+                    out.append((lp.detach() - traj.log_probs[:, i]).abs().max().item())
+                return out
+        finally:
+            for p in trained:
+                p.requires_grad_(False)
+
+    diffs, diffs_no_grad = log_ratios(True), log_ratios(False)
     res["on_policy"] = {
+        "grad_mode": True,
         "max_abs_log_ratio": max(diffs),
         "max_ratio_minus_1": float(torch.tensor(max(diffs)).exp() - 1),
+        "max_abs_log_ratio_no_grad": max(diffs_no_grad),
     }
 
     # ---- train (full fine-tuning, fp32 masters, AdamW): fwd + bwd at one step, with and without AC

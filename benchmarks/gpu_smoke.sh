@@ -23,6 +23,8 @@
 #   trainer ranks, GAP, TAG, TSP, one-step async: the weight sync between GPU workers); each run
 #   must leave 2 metrics rows, timeline.json / .png and final weights;
 # - profile: `digenrl profile --device cuda` -> profile.json (`digenrl plan --profile`).
+# GPUs are counted as this process sees them: nvidia-smi's, narrowed by CUDA_VISIBLE_DEVICES when set.
+# On one GPU the script says what it cannot check (NCCL between ranks needs two).
 set -uo pipefail
 
 OUT=${1:-${OUT:-$(mktemp -d)}}
@@ -42,18 +44,36 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: tiny widths, logical CPU devices
              --compile-backend eager --compile-batch 2 --reward-images 2)
   REALWIDTH=(--tiny --device cpu --double 1 --single 1 --batch 1 --steps 2)
 else
-  NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  visible_gpus() {  # the GPUs this process may use: nvidia-smi's, narrowed by CUDA_VISIBLE_DEVICES when set
+    local listed ids id n=0
+    listed=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    if [ -z "${CUDA_VISIBLE_DEVICES+set}" ]; then echo "${listed:-0}"; return; fi
+    IFS=, read -ra ids <<< "${CUDA_VISIBLE_DEVICES// /}"
+    for id in "${ids[@]}"; do  # CUDA stops at the first entry that names no device (-1, empty)
+      if [ -z "$id" ] || [[ "$id" == -* ]]; then break; fi
+      n=$(( n + 1 ))
+    done
+    echo $(( n < ${listed:-0} ? n : ${listed:-0} ))
+  }
+  NGPU=$(visible_gpus)
   if [ "${NGPU:-0}" -lt 1 ]; then
-    echo "gpu_smoke: no GPU visible (nvidia-smi -L)" >&2
+    echo "gpu_smoke: no GPU visible (nvidia-smi -L, CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset})" >&2
     exit 1
   fi
-  GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+  FIRST_GPU=${CUDA_VISIBLE_DEVICES:+${CUDA_VISIBLE_DEVICES%%,*}}
+  GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader ${FIRST_GPU:+-i "$FIRST_GPU"} | head -1)
   case "$GPU_NAME" in *H200*) KIND=H200;; *H100*) KIND=H100;; *H800*) KIND=H800;; *A100*) KIND=A100;; *H20*) KIND=H20;; *) KIND=H100;; esac
   POOL_DEVICE=gpu
   DEDICATED=(--gpu "$KIND")
   REALWIDTH=(--gpu "$KIND")
 fi
 echo "gpu_smoke: $NGPU $DEVICE device(s) ($KIND); output in $OUT; parts: $PARTS"
+if [ "$NGPU" -lt 2 ]; then  # say plainly what one device cannot check
+  echo "gpu_smoke: one device: NCCL between ranks (FSDP2 all-gather / reduce-scatter, the NCCL weight" \
+       "broadcast, a lost NCCL peer) and the disaggregated run need 2 GPUs and are NOT checked here;" \
+       "one device checks its memory against the static prediction, compile and the on-policy ratio" \
+       "in the trainer's grad mode (realwidth, dedicated)"
+fi
 
 FAILED=()
 part() {  # part NAME COMMAND...: run it if PARTS lists it and the budget allows; record a failure

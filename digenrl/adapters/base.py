@@ -25,7 +25,12 @@ from torch import nn
 
 from digenrl.adapters.cond import Cond
 from digenrl.adapters.prompt_cache import PromptEmbeddingCache
-from digenrl.adapters.text_offload import TEXT_ENCODER_PARTS, attach_offload_hooks, offload_all
+from digenrl.adapters.text_offload import (
+    TEXT_ENCODER_PARTS,
+    attach_offload_hooks,
+    detach_offload_hooks,
+    offload_all,
+)
 from digenrl.adapters.vae_decode import configure_vae, tiling_mode
 from digenrl.config.model import ModelConfig, SamplingConfig
 from digenrl.errors import UserError
@@ -123,8 +128,12 @@ class Adapter(ABC):
             self.vae = ReleasedVAE(self.vae.config)  # latent shapes still read the VAE's config
         self.text = self.preview = None
         self.prompt_cache.clear()
-        self.offload_hooks = []
         pipe = getattr(self, "pipe", None)
+        if (
+            self.offload_hooks
+        ):  # break the hooks' reference cycles: the encoders die with their last reference
+            detach_offload_hooks(pipe)
+        self.offload_hooks = []
         if pipe is not None:
             for name in self.GENERATION_PIPE_PARTS:
                 if getattr(pipe, name, None) is not None:

@@ -66,8 +66,10 @@ class TwoPassCFG:
         if self.cfg_batched:
             both = {k: torch.cat([pos[k], neg[k]]) for k in pos}
             v_cond, v_unc = self.forward_pass(torch.cat([latents, latents]), torch.cat([t, t]), both).chunk(2)
-        else:
-            v_cond = self.forward_pass(latents, t, pos)
+        else:  # the first output is kept across the second forward: a copy of it, since a compiled
+            # forward with CUDA graphs (compile_mode reduce-overhead) returns a buffer its next replay
+            # overwrites (``.float()`` copies nothing in fp32)
+            v_cond = self.forward_pass(latents, t, pos).clone()
             v_unc = self.forward_pass(latents, t, neg)
         return self.guide(v_cond, v_unc)
 

@@ -4,7 +4,10 @@ A checkpoint's text encoders (T5-XXL, UMT5, LLaMA, Qwen2.5-VL: billions of param
 to encode prompts, which the prompt cache makes rare. With offloading they live in host memory:
 accelerate's CPU-offload hook moves an encoder to the adapter's device when its forward is called
 (after moving the previous encoder back, so at most one is on the device), and
-:func:`offload_all` returns them to the CPU once the prompts are encoded.
+:func:`offload_all` returns them to the CPU once the prompts are encoded. The hook replaces an
+encoder's ``forward`` with a closure over the encoder (a reference cycle): :func:`detach_offload_hooks`
+removes it before an encoder is released, so reference counting frees it at once (a cycle waits for
+the cyclic collector, which a frozen-GC window never runs).
 """
 
 from __future__ import annotations
@@ -36,3 +39,17 @@ def offload_all(hooks: list) -> None:
         hook.offload()
     if hooks and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def detach_offload_hooks(pipe) -> None:
+    """Remove the offload hooks from ``pipe``'s text encoders (their own ``forward`` back)."""
+    from accelerate.hooks import remove_hook_from_module
+
+    for name in TEXT_ENCODER_PARTS:
+        encoder = getattr(pipe, name, None) if pipe is not None else None
+        if isinstance(encoder, nn.Module) and hasattr(encoder, "_hf_hook"):
+            remove_hook_from_module(encoder, recurse=True)
+            for module in encoder.modules():  # accelerate puts back ``module.forward = <bound method>``:
+                bound = module.__dict__.get("forward")  # a cycle too; the class's own is the same method
+                if getattr(bound, "__self__", None) is module:
+                    del module.__dict__["forward"]

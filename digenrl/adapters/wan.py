@@ -115,7 +115,7 @@ class WanAdapter(TwoPassCFG, Adapter):
             )
         # the Wan VAE is numerically fragile in half precision: keep it fp32 (as diffusers' example does)
         vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
-        # torch_dtype=: the keyword every diffusers >= 0.35 honours (0.35 ignores dtype=: 14B loads in fp32)
+        # torch_dtype=: honoured by every diffusers >= 0.35 (0.35 ignores dtype=: 14B would load in fp32)
         self.pipe = WanPipeline.from_pretrained(path, vae=vae, torch_dtype=self.dtype)
         self.place_pipe()  # model.offload_text_encoders: the encoders stay on the CPU
         self.transformer, self.vae, self.text = self.pipe.transformer, self.pipe.vae, None

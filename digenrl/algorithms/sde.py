@@ -112,32 +112,33 @@ def sample(
     x = noise.float()
     if batches is not None:
         batches = [[rows.to(x.device) for rows in step] for step in batches]
-    xs, lps, noises = [x], [], []
+    # the trajectory is written into buffers allocated once (no per-step lists stacked at the end: that
+    # held the trajectory twice), and nothing the model returned outlives its step's use of it (a
+    # compiled forward with CUDA graphs, compile_mode reduce-overhead, overwrites its output next call)
+    b, shape = x.shape[0], tuple(x.shape[1:])
+    latents = torch.empty((b, n + 1, *shape), device=x.device, dtype=torch.float32)
+    noises = torch.empty((b, n, *shape), device=x.device, dtype=torch.float32)
+    log_probs = torch.zeros((b, n), device=x.device, dtype=torch.float32)
+    latents[:, 0] = x
     for i in range(n):
-        parts = [
-            (rows, _velocity(adapter, x, sigmas[i], cond, rows))
-            for rows in (batches[i] if batches is not None else [None])
-        ]
         eps = None
         if eta > 0 and bool(sde_mask[i]):
             eps = randn(tuple(x.shape)).to(device=x.device, dtype=torch.float32)
-        if batches is None:
-            x_next, lp, mu = sde_step(kind, x, parts[0][1], sigmas, i, eta, eps)
-        else:  # each batch's step apart: its log-prob reduced in the shape the trainer reduces it in
-            x_next, lp, mu = (
-                torch.empty_like(x),
-                torch.zeros(x.shape[0], device=x.device),
-                torch.empty_like(x),
-            )
-            for rows, v in parts:
-                x_next[rows], lp[rows], mu[rows] = sde_step(
-                    kind, x[rows], v, sigmas, i, eta, None if eps is None else eps[rows]
-                )
-        noises.append(x_next - mu)
-        x = x_next
-        xs.append(x)
-        lps.append(lp)
-    return Trajectory(torch.stack(xs, 1), torch.stack(lps, 1), sigmas, sde_mask, torch.stack(noises, 1))
+        x_next = latents[:, i + 1]
+        for rows in batches[i] if batches is not None else [None]:
+            # each forward batch's step apart, at once: its log-prob reduced in the shape the trainer
+            # reduces it in, and its velocity used before the next forward runs
+            v = _velocity(adapter, x, sigmas[i], cond, rows)
+            if rows is None:
+                step, lp, mu = sde_step(kind, x, v, sigmas, i, eta, eps)
+                x_next.copy_(step)
+                torch.sub(step, mu, out=noises[:, i])
+                log_probs[:, i] = lp
+            else:
+                step, lp, mu = sde_step(kind, x[rows], v, sigmas, i, eta, None if eps is None else eps[rows])
+                x_next[rows], noises[rows, i], log_probs[rows, i] = step, step - mu, lp
+        x = x_next.contiguous()  # the next forward's input as one dense tensor (as the trainer's rows)
+    return Trajectory(latents, log_probs, sigmas, sde_mask, noises)
 
 
 def _velocity(adapter, x: torch.Tensor, sigma: torch.Tensor, cond, rows: torch.Tensor | None) -> torch.Tensor:

@@ -139,10 +139,14 @@ class MemoryModel:
             * w.params.hidden
             * self.params.infer_act_bytes
         )
-        trajectory = b * (
-            (w.steps + 1) * t.latent_elements * FP32_BYTES + w.passes * t.text * w.params.hidden * HALF_BYTES
-        )
+        trajectory = self.trajectory_bytes(b) + b * w.passes * t.text * w.params.hidden * HALF_BYTES
         return acts + trajectory + self.decode_bytes()
+
+    def trajectory_bytes(self, samples: float) -> float:
+        """What ``algorithms.sde.sample`` writes for ``samples`` samples, into buffers allocated once
+        (fp32): the latents x_0..x_N, each step's noise and each step's log-probability."""
+        w = self.workload
+        return samples * ((2 * w.steps + 1) * w.shape.tokens.latent_elements + w.steps) * FP32_BYTES
 
     def decode_bytes(self) -> float:
         """The VAE decode, one sample at a time: a tile of it when tiled (``sampling.vae_tiling``)."""

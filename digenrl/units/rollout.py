@@ -15,7 +15,7 @@ from digenrl.algorithms.sde import (
 from digenrl.data.prompts import Prompt
 from digenrl.rewards.base import Decoded, score
 from digenrl.units.nft import is_nft, noise_plan
-from digenrl.units.rows import stream_seed, train_batches
+from digenrl.units.rows import minibatch_rows, stream_seed
 from digenrl.units.samples import GroupRNG, Samples
 
 
@@ -68,7 +68,7 @@ def rollout_unit(
         if batch is not None
         else None
         if nft
-        else forward_batches(train_idx, cfg, n, lo),
+        else forward_batches(train_idx, cfg, n, lo, _trainer_shards(policy)),
     )
     pixels = ad.decode(traj.latents[:, -1]).cpu()  # scored off the device (whatever mode scores it)
     texts = [p.text for p in prompts for _ in range(n)]
@@ -135,17 +135,24 @@ def _timestep_selection(cfg, iteration: int, seed: int, group_ids: list[int], sa
 
 
 def forward_batches(
-    train_idx: torch.Tensor, cfg, per_group: int | None = None, first: int = 0
+    train_idx: torch.Tensor, cfg, per_group: int | None = None, first: int = 0, shards: int = 1
 ) -> list[list[torch.Tensor]] | None:
     """Per denoising step, the rows of each model forward of a rollout unit (``train_idx``: its
     samples' trained steps; ``per_group`` / ``first`` as in :func:`minibatch_rows`): the forwards
     :func:`train_unit` runs -- per micro-batch of every mini-batch and per TSP rank, the samples
-    that train the step -- and each micro-batch's other samples together. None: one forward of the
-    whole unit at every step is already that."""
+    that train the step -- and each micro-batch's other samples together. ``shards``: the trainer's
+    FSDP degree; each of its ranks trains an equal share of every mini-batch in micro-batches of its
+    own (``engine.fsdp_group.share_rows``), so the micro-batches are cut per share. None: one forward
+    of the whole unit at every step is already that."""
     n, S = len(train_idx), cfg.train.optimizer_steps
     degree = 1 if cfg.placement.mode == "local" else cfg.engine.tsp_degree  # the local trainer has no TSP
     rank_of_position = torch.arange(train_idx.shape[1]) % degree
-    micro = [mb for s in range(S) for mb in train_batches(n, cfg, s, S, per_group, first)]
+    micro = []
+    for s in range(S):
+        rows = minibatch_rows(n, cfg.algorithm.group_size, s, S, per_group, first)
+        for r in range(shards):  # FSDP rank r's share, as share_rows cuts it, in micro-batches
+            share = rows[len(rows) * r // shards : len(rows) * (r + 1) // shards]
+            micro += [mb for mb in share.split(cfg.train.micro_batch) if len(mb)]
     per_step = []
     for i in range(cfg.sampling.steps):
         batches = []
@@ -161,6 +168,12 @@ def forward_batches(
         per_step.append(batches)
     whole = all(len(b) == 1 and len(b[0]) == n for b in per_step)
     return None if whole else per_step
+
+
+def _trainer_shards(policy) -> int:
+    """The FSDP degree whose per-rank shares a rollout worker's forwards follow (a rank of a sharded
+    group that generates, TAG or colocated, generates shares of its own: the unit-wide batches)."""
+    return policy.settings.fsdp if policy.optimizer is None else 1
 
 
 def own_batches(n: int, steps: int, batch: int) -> list[list[torch.Tensor]] | None:
