@@ -84,7 +84,7 @@ SD35_MEDIUM = PublishedModel(
         qk_norm="rms_norm",
     ),
     vae=_SD3_VAE,
-    vae_params=83.7e6,
+    vae_params=83.8e6,
     vae_decode_flops_per_px=6.6e6,
     text_encoder_params=_TEXT_ENCODERS,
 )
@@ -106,7 +106,7 @@ SD35_LARGE = PublishedModel(
         qk_norm="rms_norm",
     ),
     vae=_SD3_VAE,
-    vae_params=83.7e6,
+    vae_params=83.8e6,
     vae_decode_flops_per_px=6.6e6,
     text_encoder_params=_TEXT_ENCODERS,
 )
@@ -179,6 +179,12 @@ class SD3Adapter(TwoPassCFG, Adapter):
             raise UserError("model.frames: SD3 is an image model; leave frames unset")
 
     # ------------------------------------------------------------------ cost
+    @classmethod
+    def published_model(cls, model) -> PublishedModel:
+        # stabilityai/stable-diffusion-3.5-large(-turbo) vs -medium: the checkpoint directory's name
+        large = model.pretrained is not None and "large" in Path(model.pretrained).name.lower()
+        return SD35_LARGE if large else SD35_MEDIUM
+
     @classmethod
     def vae_factors(cls, vae_config) -> tuple[int, int]:
         return 2 ** (len(vae_config.get("block_out_channels", [0] * 4)) - 1), 1
