@@ -173,3 +173,107 @@ def test_tiny_config_file_loads():
 
     cfg = load_config(Path(__file__).parents[1] / "configs" / "sd3_tiny.yaml")
     assert cfg.model.adapter == "sd3" and cfg.sampling.guidance > 1
+
+
+@pytest.fixture(scope="module")
+def sd3_checkpoint(tmp_path_factory):
+    """A tiny SD3 checkpoint in the real layout -- CLIP-L, CLIP-G (with projections) and T5 encoders
+    with word-level tokenizers, the tiny transformer and VAE -- saved with save_pretrained."""
+    from diffusers import StableDiffusion3Pipeline
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        PreTrainedTokenizerFast,
+        T5Config,
+        T5EncoderModel,
+    )
+
+    from digenrl.config.run import load_config
+
+    words = ["<pad>", "</s>", "<unk>", "a", "red", "apple", "blue", "sky", "on", "table"]
+
+    def tokenizer(max_len):
+        tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            pad_token="<pad>",
+            eos_token="</s>",
+            unk_token="<unk>",
+            model_max_length=max_len,
+        )
+
+    def clip(width):  # hidden widths 4 + 8 = 12 <= T5's 16; projections 8 + 8 = the pooled 16
+        cfg = CLIPTextConfig(
+            vocab_size=len(words),
+            hidden_size=width,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            projection_dim=8,
+            eos_token_id=2,
+        )
+        return CLIPTextModelWithProjection(cfg)
+
+    cfg = load_config(None, [*SD3, "model.height=32", "model.width=32"])
+    tiny = build_adapter(cfg.model, cfg.sampling)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        encoders = dict(
+            text_encoder=clip(4),
+            text_encoder_2=clip(8),
+            text_encoder_3=T5EncoderModel(
+                T5Config(vocab_size=len(words), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+            ),
+        )
+    path = tmp_path_factory.mktemp("sd3_ckpt")
+    StableDiffusion3Pipeline(
+        transformer=tiny.transformer,
+        vae=tiny.vae,
+        scheduler=tiny.scheduler,
+        tokenizer=tokenizer(77),
+        tokenizer_2=tokenizer(77),
+        tokenizer_3=tokenizer(512),
+        **encoders,
+    ).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+def test_checkpoint_with_three_text_encoders_equals_the_pipeline_from_prompts(tiny_cfg, sd3_checkpoint):
+    """From a checkpoint directory the adapter encodes with the pipeline's own three encoders: the
+    trajectory equals StableDiffusion3Pipeline.from_pretrained given the prompt strings themselves
+    (it tokenizes and encodes prompt and negative prompt on its own)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    cfg = tiny_cfg(
+        *SD3,
+        "model.height=32",
+        "model.width=32",
+        "model.max_text_len=8",
+        "sampling.guidance=4.5",
+        f"model.pretrained={sd3_checkpoint}",
+    )
+    ad = build_adapter(cfg.model, cfg.sampling)
+    prompts = ["a red apple on a table", "a blue sky"]
+    cond = ad.cond_for(prompts)
+    assert cond.batched["prompt_embeds"].shape == (2, 77 + 8, 16) and cond.batched["pooled"].shape == (2, 16)
+    noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
+    ours = sample(ad, cond, noise, ad.sigmas(4), "flow_grpo", 0.0, None).latents[:, -1]
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3_checkpoint)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(
+        prompt=prompts,
+        negative_prompt="",
+        guidance_scale=4.5,
+        latents=noise.clone(),
+        num_inference_steps=4,
+        height=32,
+        width=32,
+        max_sequence_length=8,
+        output_type="latent",
+    ).images
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+    assert (ours - noise).abs().mean() > 1e-2
