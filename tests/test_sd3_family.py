@@ -49,6 +49,31 @@ def test_published_shapes_parameter_counts_and_flops(name):
     assert 0.6 * w.params.total < per_token < 1.5 * w.params.total
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sd3.5_medium", "sd3.5_large"])
+def test_flop_formula_matches_torch_flop_counter_on_the_published_shape(name):
+    """The real-size transformer on the meta device (no memory): the counter reads shapes only."""
+    import diffusers
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+    w = Workload.from_config(cfg)
+    c, t = w.shape.config, w.shape.tokens
+    latents = w.shape.adapter.latent_shape_for(cfg.model, c, w.shape.adapter.published_model(cfg.model).vae)
+    assert latents == (16, 64, 64)  # 512 px / 8
+    with torch.device("meta"):
+        net = diffusers.SD3Transformer2DModel(**c)
+        inputs = dict(
+            hidden_states=torch.randn(1, *latents),
+            encoder_hidden_states=torch.randn(1, t.text, c["joint_attention_dim"]),
+            pooled_projections=torch.randn(1, c["pooled_projection_dim"]),
+            timestep=torch.ones(1),
+        )
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            net(**inputs, return_dict=False)
+    assert forward_flops(w.shape) == pytest.approx(counter.get_total_flops(), rel=0.01)
+
+
 @pytest.mark.parametrize("dual", [(0,), ()], ids=["mmdit_x", "mmdit"])
 @pytest.mark.parametrize("guidance", [4.5, 1.0])
 def test_flop_formula_matches_torch_flop_counter(dual, guidance, monkeypatch):
