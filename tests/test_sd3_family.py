@@ -1,9 +1,10 @@
 """SD3.5 as a family: the planner's facts (published shapes, exact parameter counts, FLOPs against
-torch's flop counter), `digenrl profile`, the engine (colocated and full mode, sharing two runs) and the
-trained LoRA in StableDiffusion3Pipeline."""
+torch's flop counter), `digenrl profile`, the engine (colocated and full mode, sharing two runs), the
+trained LoRA in StableDiffusion3Pipeline, and learning on the colour reward."""
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -196,3 +197,21 @@ def test_trained_lora_loads_into_the_sd3_pipeline_and_changes_its_output(engine_
     for k, v in saved.items():
         assert torch.equal(loaded[k.removeprefix("transformer.")], v), k
     assert (generate() - before).abs().max() > 1e-4  # the trained LoRA is loaded and active
+
+
+@pytest.mark.slow
+def test_sd3_learns_the_colour_reward(tmp_path):
+    """A short fixed-seed run on two colours: the reward of the last third is above the first third
+    (the criterion of tests/test_families.py::test_family_learns)."""
+    from digenrl.engine.local import LocalTrainer
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red apple\na red car\na blue apple\na blue car\n")
+    cfg = load_config(
+        TINY_SD3, ["train.iterations=24", f"prompts.file={prompts}", f"output.run_dir={tmp_path / 'run'}"]
+    )
+    rewards = [r["reward_mean"] for r in LocalTrainer(cfg).run().metrics]
+    first, last = rewards[:8], rewards[-8:]
+    gain = statistics.mean(last) - statistics.mean(first)
+    noise = (statistics.variance(first) / 8 + statistics.variance(last) / 8) ** 0.5
+    assert gain > 0.02 and gain > 2 * noise, (gain, noise, rewards)
