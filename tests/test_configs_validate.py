@@ -22,9 +22,11 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs" /
 ADDRESS = "127.0.0.1:6379"  # validate does not join it: train checks the cluster's devices
 
 
-def config_only_checkpoint(adapter: str, root: Path) -> Path:
-    """A diffusers checkpoint directory with only the published model's config files, no weights."""
-    ref = adapter_class(adapter).published
+def config_only_checkpoint(model, root: Path) -> Path:
+    """A diffusers checkpoint directory with only the published model's config files, no weights (of
+    the size the config names: SD3.5 Medium or Large)."""
+    adapter = model.adapter
+    ref = adapter_class(adapter).published_model(model)
     for sub, config in (("transformer", ref.transformer), ("vae", ref.vae)):
         (root / sub).mkdir(parents=True)
         (root / sub / "config.json").write_text(json.dumps(dict(config)))
@@ -37,7 +39,7 @@ def user_paths(path: Path, tmp: Path) -> list[str]:
     cfg = load_config(path)
     sets = []
     if cfg.model.pretrained is not None:
-        sets.append(f"model.pretrained={config_only_checkpoint(cfg.model.adapter, tmp / 'ckpt')}")
+        sets.append(f"model.pretrained={config_only_checkpoint(cfg.model, tmp / 'ckpt')}")
     if cfg.prompts.file is not None and not (ROOT / cfg.prompts.file).is_file():
         (tmp / "prompts.txt").write_text("a red cube\na blue sphere\n")
         sets.append(f"prompts.file={tmp / 'prompts.txt'}")

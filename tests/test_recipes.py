@@ -36,6 +36,7 @@ FAMILY_SIZE = {  # per family: a size the tiny preset takes
     "flux": [*TINY_IMAGE],
     "hunyuan_video": ["model.height=32", "model.width=32", "model.frames=9"],
     "qwen_image": ["model.height=32", "model.width=32"],
+    "sd3": [*TINY_IMAGE],
 }
 
 

@@ -12,6 +12,7 @@ ADAPTERS: dict[str, str] = {
     "wan": "digenrl.adapters.wan:WanAdapter",
     "hunyuan_video": "digenrl.adapters.hunyuan_video:HunyuanVideoAdapter",
     "qwen_image": "digenrl.adapters.qwen_image:QwenImageAdapter",
+    "sd3": "digenrl.adapters.sd3:SD3Adapter",
 }
 
 

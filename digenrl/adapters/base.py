@@ -239,6 +239,12 @@ class Adapter(ABC):
 
     # ------------------------------------------------------------------ cost (from configs, no model)
     @classmethod
+    def published_model(cls, model: ModelConfig) -> PublishedModel:
+        """The published reference a config without a local checkpoint is costed as (a family with
+        several published sizes picks one from the configured checkpoint's directory name)."""
+        return cls.published
+
+    @classmethod
     def vae_factors(cls, vae_config: dict) -> tuple[int, int]:
         """(spatial, temporal) compression of a VAE with this config."""
         raise NotImplementedError

@@ -33,7 +33,7 @@ ALGORITHM_DEFAULTS = {
 
 
 #: families whose guidance is two-pass CFG: diffusion_nft rolls out and trains them CFG-free by default
-TWO_PASS_CFG_FAMILIES = ("wan", "qwen_image")
+TWO_PASS_CFG_FAMILIES = ("wan", "qwen_image", "sd3")
 
 
 def algorithm_defaults(data: dict) -> dict:

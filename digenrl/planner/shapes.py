@@ -60,7 +60,7 @@ class ModelShape:
 def model_shape(model_cfg) -> ModelShape:
     """The shape of the configured model (see the module docstring for the source order)."""
     adapter = adapter_class(model_cfg.adapter)
-    ref = adapter.published
+    ref = adapter.published_model(model_cfg)
     sizes = dict(
         vae_params=ref.vae_params,
         vae_decode_flops_per_px=ref.vae_decode_flops_per_px,
