@@ -121,7 +121,9 @@ OUT_OF_SAMPLE = (
         published_images_per_gpu_s=0.077,
         source=f"{_H} (d07f42ba, 2026-06-05: run_qwen_image_ocr.sh, 64 GPUs)",
         settings={"param_offload": False},  # the row's note: param_offload=False, optimizer_offload=True
-        caveat="8 images per GPU; the FSDP all-gathers cross 8 nodes at 50 GB/s per GPU",
+        caveat="not explained: at 8 images per GPU the modelled work is ~36 s and the published step 105 s; "
+        "what does not shrink with the work per GPU -- dispatch to 64 workers, 16 judge replicas, the push "
+        "into 64 servers across 8 nodes -- is modelled only as the 9.8 s push latency fitted on 4 GPUs",
     ),
     PublishedSetup(
         name="veRL-Omni Qwen-Image full fine-tune, no CFG, 64xH100 (VeOmni)",
@@ -133,7 +135,7 @@ OUT_OF_SAMPLE = (
         published_images_per_gpu_s=0.079,
         source=f"{_H} (d07f42ba, 2026-06-05: run_qwen_image_ocr_veomni.sh, 64 GPUs)",
         settings={"param_offload": False},
-        caveat="modelled as the FSDP1 row: the VeOmni engine's own sharding is not modelled",
+        caveat="not explained, as the FSDP1 row (modelled the same: VeOmni's own sharding is not modelled)",
     ),
     PublishedSetup(
         name="veRL-Omni Qwen-Image LoRA FlowDPPO, 4xH200",
@@ -144,7 +146,9 @@ OUT_OF_SAMPLE = (
         published_step_s=540.0,
         published_images_per_gpu_s=0.240,
         source=f"{_H} (36cdadf3, 2026-06-17: flowdppo_trainer/qwen_image/run_qwen_image_ocr_lora.sh)",
-        caveat="FlowDPPO's loss modelled as Flow-GRPO's (a forward + backward per trained step)",
+        caveat="not explained: FlowDPPO's loss is modelled as Flow-GRPO's (a forward + backward per "
+        "trained step); its KL terms (loss_mode=flow_dppo, add_kl_coefficient, kl_mask_threshold in the "
+        "script) are not, nor anything else the 137 s missing would be",
     ),
     PublishedSetup(
         name="veRL-Omni Qwen-Image LoRA DiffusionNFT, no CFG, 4xH200",
@@ -163,7 +167,8 @@ OUT_OF_SAMPLE = (
         source=f"{_H} (36cdadf3, 2026-06-17: diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh)",
         settings={"micro_batch": 12},
         caveat="the row says 24 x 12, the script 24 prompts x rollout.n 16 (0.175 x 4 x 550 = 385 images: "
-        "the script's); NFT's forward-noised training passes as DigenRL's diffusion_nft counts them",
+        "the script's); not explained: NFT's training passes counted as DigenRL's diffusion_nft counts "
+        "them, its reference KL (ref_kl_coef, script :43) not modelled",
     ),
     PublishedSetup(
         name="DanceGRPO FLUX.1-dev full fine-tune, 16xH800",

@@ -367,14 +367,17 @@ def published_markdown(d: dict) -> list[str]:
             else "-"
         )
         top_gain = f"{dg['sps'] / top['sps']:.2f}x" if dg and top else "n/a"
-        if dg is None and r.get("digenrl_why_not"):
+        if dg is None and (r.get("digenrl_why_not") or "").startswith("not searched"):
+            dg_cell = r["digenrl_why_not"]
+        elif dg is None and r.get("digenrl_why_not"):
             dg_cell = "no placement the engine runs fits (" + r["digenrl_why_not"].split(": ", 1)[-1] + ")"
         else:
             dg_cell = _cell(dg)
         lines.append(
             f"| {r['setup']} | {r['cluster']} | {r['published_step_s']:.0f} | {peer} | {top_cell} | "
             f"{dg_cell} | "
-            f"{_cell(b.get('colocated'))} | {_cell(b.get('separate_async'))} | {gain} | {top_gain} |"
+            f"{_cell(b.get('colocated')) if b else '-'} | {_cell(b.get('separate_async')) if b else '-'} | "
+            f"{gain} | {top_gain} |"
         )
     return lines + [""]
 
