@@ -1,18 +1,21 @@
-"""Fit ONE pair of kernel efficiencies (sampling, training) to veRL-Omni's published step, check it out of
-sample, and say what DigenRL's best plan predicts on the same GPUs with the same pair.
+"""Fit the kernel efficiencies to veRL-Omni's published figures, check them out of sample, and say what
+DigenRL's best plan predicts on the same GPUs with the same numbers.
 
     python benchmarks/peer_calibration.py [--json F]
 
 What is fitted, what is read off, what is predicted (docs/scaling.md, "Calibration on published numbers"):
 
-- fitted: the sampling efficiency (to the generation phase) and the training efficiency (to
-  update_actor + old_log_prob, least squares in log error): the pair every baseline and DigenRL use,
-  and the default of H100 / H800 / H200 in digenrl/planner/gpus.py;
+- fitted: the sampling curve -- peak efficiency AND the small-call falloff (``half``: tokens per call at
+  half the peak) -- to TWO generation figures of one workload (serial vs request-level batching at
+  max_num_seqs 32, docs/start/rollout_batching.md); the training efficiency to update_actor +
+  old_log_prob of the published step (least squares in log error). They are the defaults of H100 /
+  H800 / H200 in digenrl/planner/gpus.py and of ``CostParams.mfu_half_tokens_rollout``;
 - read off the breakdown (inputs, not predictions): the reward judge's seconds per image (the reward
   phase / the images per GPU: a Qwen3-VL-8B served by vLLM that DigenRL does not model) and the fixed
   part of the weight push (update_weights - the modelled host/device moves);
-- predicted: each phase, the step, images/GPU/s; and out of sample, the published figures of
-  :data:`~digenrl.planner.published.OUT_OF_SAMPLE` (their error is printed, whatever it is).
+- predicted: each phase (the published step's generation, serial, included), the step, images/GPU/s;
+  and out of sample every other published row (:data:`~digenrl.planner.published.OUT_OF_SAMPLE`, their
+  error printed whatever it is).
 
 Runs in seconds on a CPU (the analytic cost model only; nothing is measured here).
 """
@@ -26,6 +29,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from digenrl.planner import peer_verl_omni as verl
 from digenrl.planner import peers as peer_models
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.params import CostParams
@@ -34,6 +38,8 @@ from digenrl.planner.published import (
     NOT_CHECKED,
     OUT_OF_SAMPLE,
     PREDICTED_PHASES,
+    VERL_OMNI_GENERATION,
+    VERL_OMNI_GENERATION_SOURCE,
     VERL_OMNI_PHASES,
     PublishedSetup,
 )
@@ -44,23 +50,34 @@ WORST_PHASE_TOLERANCE = 0.20
 IMAGES_PER_GPU_TOLERANCE = 0.10
 
 
-def _params(rollout: float, train: float, judge_s: float | None) -> CostParams:
+def _params(rollout: float, train: float, judge_s: float | None, half: float | None = None) -> CostParams:
     p = CostParams(mfu_rollout=rollout, mfu_train=train, mfu_source="fitted to veRL-Omni's published step")
+    if half is not None:
+        p.mfu_half_tokens_rollout = half
     if judge_s is not None:
         p.model_reward_s = judge_s
     return p
 
 
-def _settings(setup: PublishedSetup, push_latency_s: float) -> peer_models.VerlOmniSettings:
-    return replace(peer_models.VERL_OMNI, push_latency_s=push_latency_s, **setup.settings)
+def _settings(setup: PublishedSetup, push_latency_s: float) -> verl.VerlOmniSettings:
+    return replace(verl.PUBLISHED, push_latency_s=push_latency_s, **setup.settings)
 
 
-def phases(rollout: float, train: float, judge_s: float, push_latency_s: float) -> dict[str, float]:
-    """veRL-Omni's step on the calibration setup, phase by phase, with these numbers."""
+def phases(
+    rollout: float,
+    train: float,
+    judge_s: float,
+    push_latency_s: float,
+    half: float | None = None,
+    batch: int = 1,
+) -> dict[str, float]:
+    """veRL-Omni's step on the calibration setup, phase by phase, with these numbers (``batch``: the
+    server's max_num_seqs; 1 = serial, as the published step ran)."""
     w, cluster = CALIBRATION.workload(), CALIBRATION.load_cluster()
-    cost = CostModel(w, cluster, params=_params(rollout, train, judge_s))
+    cost = CostModel(w, cluster, params=_params(rollout, train, judge_s, half))
     device, n = next(iter(cluster.devices.items()))
-    return peer_models.verl_omni_phases(cost, device, n, _settings(CALIBRATION, push_latency_s))
+    s = replace(_settings(CALIBRATION, push_latency_s), server_batch=batch)
+    return verl.verl_omni_phases(cost, device, n, s)
 
 
 def golden(f, lo: float, hi: float, iters: int = 80) -> float:
@@ -78,36 +95,65 @@ def golden(f, lo: float, hi: float, iters: int = 80) -> float:
     return (a + b) / 2
 
 
+def _log_err(got: float, want: float) -> float:
+    return math.log(got / want) ** 2
+
+
 def fit() -> dict:
-    """The pair, the judge's seconds per image and the push latency, fitted to the breakdown."""
+    """The sampling curve (peak, half) through both generation points, then the training efficiency,
+    the judge's seconds per image and the push latency, fitted to the breakdown."""
     n = next(iter(CALIBRATION.load_cluster().devices.values()))
     judge_s = VERL_OMNI_PHASES["reward"] / (CALIBRATION.workload().samples / n)
+    (small, t_small), (large, t_large) = sorted(VERL_OMNI_GENERATION.items())
 
-    def err(name: str, got: float) -> float:
-        return math.log(got / VERL_OMNI_PHASES[name]) ** 2
+    def gen(r: float, half: float, batch: int) -> float:
+        return phases(r, 0.3, judge_s, 0.0, half, batch)["generation"]
 
-    rollout = golden(lambda r: err("generation", phases(r, 0.3, judge_s, 0.0)["generation"]), 0.02, 0.9)
+    def peak(half: float) -> float:  # the peak that puts the batched point exactly on the curve
+        return golden(lambda r: _log_err(gen(r, half, large), t_large), 0.02, 0.95, 60)
+
+    half = golden(lambda h: _log_err(gen(peak(h), h, small), t_small), 0.0, 20000.0, 60)
+    rollout = peak(half)
     train = golden(
         lambda t: sum(
-            err(k, v) for k, v in phases(rollout, t, judge_s, 0.0).items() if k in PREDICTED_PHASES[1:]
+            _log_err(v, VERL_OMNI_PHASES[k])
+            for k, v in phases(rollout, t, judge_s, 0.0, half).items()
+            if k in PREDICTED_PHASES[1:]
         ),
         0.02,
         0.9,
     )
-    moves = phases(rollout, train, judge_s, 0.0)["update_weights"]
+    moves = phases(rollout, train, judge_s, 0.0, half)["update_weights"]
     return {
         "rollout": rollout,
+        "half_tokens_rollout": half,
         "train": train,
         "judge_s_per_image": judge_s,
         "push_latency_s": VERL_OMNI_PHASES["update_weights"] - moves,
     }
 
 
+def generation_rows(f: dict) -> list[dict]:
+    """Both generation points, published vs the fitted curve."""
+    rows = []
+    for batch, published in sorted(VERL_OMNI_GENERATION.items()):
+        got = phases(f["rollout"], f["train"], f["judge_s_per_image"], 0.0, f["half_tokens_rollout"], batch)
+        rows.append(
+            {
+                "max_num_seqs": batch,
+                "published_s": published,
+                "predicted_s": got["generation"],
+                "error": got["generation"] / published - 1,
+            }
+        )
+    return rows
+
+
 def predict(setup: PublishedSetup, f: dict) -> dict:
     """The peer's predicted step on a published setup with the fitted numbers, against what was published."""
     w, cluster = setup.workload(), setup.load_cluster()
     judge = f["judge_s_per_image"] if setup.peer.startswith("verl_omni") else None
-    cost = CostModel(w, cluster, params=_params(f["rollout"], f["train"], judge))
+    cost = CostModel(w, cluster, params=_params(f["rollout"], f["train"], judge, f["half_tokens_rollout"]))
     model = peer_models.MODELS[setup.peer]
     run = (
         model(cost, cluster, _settings(setup, f["push_latency_s"]))
@@ -134,14 +180,24 @@ def predict(setup: PublishedSetup, f: dict) -> dict:
 def digenrl_best(f: dict) -> dict:
     """DigenRL's best plan on the calibration's GPUs, same pair, same judge (on the rollout devices)."""
     w, cluster = CALIBRATION.workload(), CALIBRATION.load_cluster()
-    cost = CostModel(w, cluster, params=_params(f["rollout"], f["train"], f["judge_s_per_image"]))
+    params = _params(f["rollout"], f["train"], f["judge_s_per_image"], f["half_tokens_rollout"])
+    cost = CostModel(w, cluster, params=params)
     res = search(cost, cluster, top=1)
     best = res.ranked[0]
     n = sum(cluster.devices.values())
+    today = {  # every peer as it runs today on the same GPUs (veRL-Omni with its batching)
+        name: {"where": r.where, "images_per_gpu_s": r.per_device_s, "iteration_s": r.iteration_s}
+        for name, r in peer_models.peers(cost, cluster).items()
+        if r.fits
+    }
     return {
         "label": best.plan.label(),
         "images_per_gpu_s": best.samples_per_s / n,
         "iteration_s": best.iteration_s,
+        "peers_today": today,
+        "speedup_vs_fastest_peer_today": best.samples_per_s
+        / n
+        / max(r["images_per_gpu_s"] for r in today.values()),
         "note": "DigenRL's engine as built: rollout-only workers sample at engine.rollout_batch (auto: the "
         "largest batch the memory model fits; TAG / colocated workers in the trainer's micro-batch), "
         "the judge on the rollout devices at the same seconds per image",
@@ -150,7 +206,9 @@ def digenrl_best(f: dict) -> dict:
 
 def report() -> dict:
     f = fit()
-    cal = phases(f["rollout"], f["train"], f["judge_s_per_image"], f["push_latency_s"])
+    cal = phases(
+        f["rollout"], f["train"], f["judge_s_per_image"], f["push_latency_s"], f["half_tokens_rollout"]
+    )
     rows = [
         {
             "name": k,
@@ -170,8 +228,11 @@ def report() -> dict:
             "sampling": f["rollout"],
             "training": f["train"],
             "source": CALIBRATION.source,
-            "half_tokens": CostParams().mfu_half_tokens_rollout,
+            "half_tokens": f["half_tokens_rollout"],
+            "generation_source": VERL_OMNI_GENERATION_SOURCE,
         },
+        "generation": generation_rows(f),
+        "worst_generation_error": max(abs(r["error"]) for r in generation_rows(f)),
         "inputs": {"judge_s_per_image": f["judge_s_per_image"], "push_latency_s": f["push_latency_s"]},
         "phases": rows,
         "worst_predicted_phase_error": max(abs(r["error"]) for r in rows if r["kind"] == "predicted"),
@@ -190,9 +251,14 @@ def report() -> dict:
 def print_report(r: dict) -> None:
     e = r["efficiency"]
     print(
-        f"fitted kernel efficiency: sampling {e['sampling']:.3f}, training {e['training']:.3f} "
-        f"({e['source']})"
+        f"fitted kernel efficiency: sampling {e['sampling']:.3f} (half at {e['half_tokens']:.0f} tokens per "
+        f"call), training {e['training']:.3f} ({e['source']}; {e['generation_source']})"
     )
+    for g in r["generation"]:
+        print(
+            f"generation at max_num_seqs {g['max_num_seqs']}: published {g['published_s']:.1f} s, "
+            f"predicted {g['predicted_s']:.1f} s ({g['error']:+.1%})"
+        )
     print(
         f"read off the breakdown: judge {r['inputs']['judge_s_per_image']:.3f} s/image, "
         f"push latency {r['inputs']['push_latency_s']:.2f} s"
@@ -208,8 +274,13 @@ def print_report(r: dict) -> None:
     d = r["digenrl"]
     print(
         f"DigenRL best plan on the same GPUs, same efficiencies: {d['label']}: {d['images_per_gpu_s']:.3f} "
-        f"images/GPU/s ({d['speedup_vs_verl_omni']:.2f}x veRL-Omni as modelled)"
+        f"images/GPU/s ({d['speedup_vs_verl_omni']:.2f}x veRL-Omni as published, serial)"
     )
+    for name, p in d["peers_today"].items():
+        print(
+            f"   today: {name} ({p['where']}): {p['images_per_gpu_s']:.3f} images/GPU/s, "
+            f"{p['iteration_s']:.0f} s/step (DigenRL {d['images_per_gpu_s'] / p['images_per_gpu_s']:.2f}x)"
+        )
     for o in r["out_of_sample"]:
         line = (
             f"out of sample: {o['name']}: published {o['published_step_s']:.0f} s/step, predicted "

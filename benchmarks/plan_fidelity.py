@@ -195,7 +195,8 @@ def main(argv=None) -> int:
     from digenrl.planner.measure.contention import OtherLoad
     from digenrl.planner.params import CostParams
     from digenrl.planner.profile import load_profile, run_profile, save_profile, unit_groups
-    from digenrl.planner.simulator import simulate, steady_summary
+    from digenrl.planner.sim_result import steady_summary
+    from digenrl.planner.simulator import simulate
     from digenrl.planner.workload import Workload
 
     torch.set_num_threads(1)

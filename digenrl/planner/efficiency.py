@@ -15,9 +15,10 @@ Where the numbers come from (:func:`device_efficiency`):
   published phase breakdown by ``benchmarks/peer_calibration.py``; other types: the generic
   0.40 / 0.35 nobody measured), unless ``CostParams.mfu_rollout`` / ``mfu_train`` are set -- which
   a GPU profile does (:func:`fit_curve`);
-- ``half``: ``CostParams.mfu_half_tokens_rollout`` / ``_train``, default
-  :data:`DEFAULT_HALF_TOKENS` -- an assumption, not a measurement, until a profile measured at
-  several batch sizes replaces it (``benchmarks/gpu_smoke.sh`` measures the curve on a GPU).
+- ``half``: ``CostParams.mfu_half_tokens_rollout`` / ``_train``. Sampling's is fitted with the Hopper
+  peak to veRL-Omni's generation at two batch sizes (serial and 32 requests per forward); training's
+  is :data:`DEFAULT_HALF_TOKENS`, an assumption -- until a profile measured at several batch sizes
+  replaces them (``benchmarks/gpu_smoke.sh`` measures the curve on a GPU).
 """
 
 from __future__ import annotations

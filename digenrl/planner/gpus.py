@@ -38,11 +38,12 @@ from digenrl.placement.plan import device_type
 
 #: (sampling, training) peak kernel efficiency -- share of peak bf16 FLOP/s at large token counts
 #: (efficiency.py scales it down for small calls) -- per device type. Hopper (H100 / H800 and the same
-#: GH100 compute in H200): fitted by benchmarks/peer_calibration.py to veRL-Omni's published step
-#: (verl-project/verl-omni PR #52 phase breakdown of run_qwen_image_ocr_lora.sh, Qwen-Image LoRA r64,
-#: 4xH800, 408.8 s: generation 228.2 s, update_actor 109.3 s, old_log_prob 32.0 s), the fit in
+#: GH100 compute in H200): fitted by benchmarks/peer_calibration.py to veRL-Omni's published figures --
+#: sampling (with ``CostParams.mfu_half_tokens_rollout``) to one Qwen-Image LoRA workload's generation at
+#: two batch sizes (docs/start/rollout_batching.md: 226.4 s serial, 107.9 s at max_num_seqs 32, 4xH800),
+#: training to its step's update_actor 109.3 s and old_log_prob 32.0 s (PR #52) -- the fit in
 #: docs/scaling.md ("Calibration on published numbers"), until a GPU profile replaces it.
-CALIBRATED_HOPPER = (0.216, 0.301)
+CALIBRATED_HOPPER = (0.473, 0.301)
 KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     "H100": CALIBRATED_HOPPER,
     "H800": CALIBRATED_HOPPER,

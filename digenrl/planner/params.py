@@ -22,8 +22,9 @@ class CostParams:
     mfu_train: float | None = None
     mfu_source: str = "default"
     # tokens per forward at which a call reaches half its peak (efficiency.py; a profile at several
-    # batch sizes fits them)
-    mfu_half_tokens_rollout: float = 1024.0
+    # batch sizes fits them). Sampling: fitted with the Hopper peak to veRL-Omni's serial vs batched
+    # generation (benchmarks/peer_calibration.py), assumed on other types; training: an assumption
+    mfu_half_tokens_rollout: float = 1473.0
     mfu_half_tokens_train: float = 1024.0
     vae_mfu: float = 0.25  # VAE decoder convolutions
     mem_bw_efficiency: float = 0.70  # share of peak memory bandwidth a weight-streaming pass reaches

@@ -2,8 +2,9 @@
 
 Each :class:`PublishedSetup` is a shipped config + the overrides that make it the peer's published
 run, the cluster it ran on, the peer model (:mod:`~digenrl.planner.peers`) and what was published.
-``benchmarks/peer_calibration.py`` fits the kernel efficiencies to :data:`CALIBRATION` and checks
-them on :data:`OUT_OF_SAMPLE`; docs/scaling.md prints both.
+``benchmarks/peer_calibration.py`` fits the sampling curve to :data:`VERL_OMNI_GENERATION` (two
+batch sizes of one workload) and training to :data:`CALIBRATION`'s phases, and checks them on
+:data:`OUT_OF_SAMPLE`; docs/scaling.md prints both.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ VERL_OMNI_PHASES = {
     "reward": 29.1,
     "update_weights": 10.2,
 }
+#: the same workload's generation phase (gen excluding step 1), serial vs request-level batching at
+#: max_num_seqs 32 (verl-project/verl-omni docs/start/rollout_batching.md:131 at fe5bb1a7, 2026-07-30):
+#: requests per forward -> seconds; a request is one image, true CFG two calls per step
+VERL_OMNI_GENERATION = {1: 226.4, 32: 107.9}
+VERL_OMNI_GENERATION_SOURCE = (
+    "verl-project/verl-omni docs/start/rollout_batching.md:131 (fe5bb1a7, 2026-07-30)"
+)
 #: ... and its performance table (docs/algo/performance.md): 0.305 images/GPU/s at 420 s/step on 4xH800
 VERL_OMNI_STEP_S = 420.0
 VERL_OMNI_IMAGES_PER_GPU_S = 0.305
@@ -43,7 +51,7 @@ class PublishedSetup:
     published_images_per_gpu_s: float | None
     source: str  # where the number is published
     model_reward: bool = True  # the reward is a model on the GPUs (its per-image cost applies)
-    settings: dict = field(default_factory=dict)  # VerlOmniSettings overrides (veRL-Omni setups)
+    settings: dict = field(default_factory=dict)  # peer_verl_omni.PUBLISHED overrides (veRL-Omni setups)
     caveat: str = ""
 
     def workload(self):
@@ -75,7 +83,93 @@ CALIBRATION = PublishedSetup(
     source="verl-project/verl-omni docs/algo/performance.md + PR #52 (phase breakdown)",
 )
 
+_H = "verl-project/verl-omni docs/algo/performance.md"
+_FULL = (*_VERL_QWEN, "model.lora=null", "sampling.guidance=1.0")  # true_cfg_scale=1.0: one pass
+
 OUT_OF_SAMPLE = (
+    PublishedSetup(
+        name="veRL-Omni Qwen-Image LoRA, async reward on a 5th GPU, 5xH800",
+        config="qwen_image.yaml",
+        overrides=_VERL_QWEN,
+        cluster="5xH800",
+        peer="verl_omni_async_reward",
+        published_step_s=360.0,
+        published_images_per_gpu_s=0.280,
+        source=f"{_H} (1cf9aa94, 2026-04-24: run_qwen_image_ocr_lora_async_reward.sh)",
+        caveat="serial generation (published before request batching); the judge at TP 1 on the 5th GPU "
+        "at the calibrated GPU-seconds per image, hidden behind generation",
+    ),
+    PublishedSetup(
+        name="veRL-Omni Qwen-Image full fine-tune, no CFG, 4xH200",
+        config="qwen_image.yaml",
+        overrides=_FULL,
+        cluster="4xH200",
+        peer="verl_omni_colocated",
+        published_step_s=250.0,
+        published_images_per_gpu_s=0.510,
+        source=f"{_H} (c415a591, 2026-05-14: run_qwen_image_ocr.sh)",
+        caveat="serial generation (published before step-wise batching, 2026-07-24); another model mode "
+        "(full weights, one pass) and GPU",
+    ),
+    PublishedSetup(
+        name="veRL-Omni Qwen-Image full fine-tune, no CFG, 64xH100 (FSDP1)",
+        config="qwen_image.yaml",
+        overrides=_FULL,
+        cluster="64xH100",
+        peer="verl_omni_colocated",
+        published_step_s=105.0,
+        published_images_per_gpu_s=0.077,
+        source=f"{_H} (d07f42ba, 2026-06-05: run_qwen_image_ocr.sh, 64 GPUs)",
+        settings={"param_offload": False},  # the row's note: param_offload=False, optimizer_offload=True
+        caveat="not explained: at 8 images per GPU the modelled work is ~36 s and the published step 105 s; "
+        "what does not shrink with the work per GPU -- dispatch to 64 workers, 16 judge replicas, the push "
+        "into 64 servers across 8 nodes -- is modelled only as the 9.8 s push latency fitted on 4 GPUs",
+    ),
+    PublishedSetup(
+        name="veRL-Omni Qwen-Image full fine-tune, no CFG, 64xH100 (VeOmni)",
+        config="qwen_image.yaml",
+        overrides=_FULL,
+        cluster="64xH100",
+        peer="verl_omni_colocated",
+        published_step_s=100.0,
+        published_images_per_gpu_s=0.079,
+        source=f"{_H} (d07f42ba, 2026-06-05: run_qwen_image_ocr_veomni.sh, 64 GPUs)",
+        settings={"param_offload": False},
+        caveat="not explained, as the FSDP1 row (modelled the same: VeOmni's own sharding is not modelled)",
+    ),
+    PublishedSetup(
+        name="veRL-Omni Qwen-Image LoRA FlowDPPO, 4xH200",
+        config="qwen_image.yaml",
+        overrides=_VERL_QWEN,
+        cluster="4xH200",
+        peer="verl_omni_colocated",
+        published_step_s=540.0,
+        published_images_per_gpu_s=0.240,
+        source=f"{_H} (36cdadf3, 2026-06-17: flowdppo_trainer/qwen_image/run_qwen_image_ocr_lora.sh)",
+        caveat="not explained: FlowDPPO's loss is modelled as Flow-GRPO's (a forward + backward per "
+        "trained step); its KL terms (loss_mode=flow_dppo, add_kl_coefficient, kl_mask_threshold in the "
+        "script) are not, nor anything else the 137 s missing would be",
+    ),
+    PublishedSetup(
+        name="veRL-Omni Qwen-Image LoRA DiffusionNFT, no CFG, 4xH200",
+        config="qwen_image.yaml",
+        overrides=(
+            "train.prompts_per_iteration=24",  # data.train_batch_size=24 (rollout.n=16: 384 images)
+            "train.optimizer_steps=2",  # ppo_mini_batch_size=12 of 24
+            "train.micro_batch=12",
+            "algorithm.name=diffusion_nft",
+            "sampling.guidance=1.0",  # true_cfg_scale=1.0
+        ),
+        cluster="4xH200",
+        peer="verl_omni_colocated",
+        published_step_s=550.0,
+        published_images_per_gpu_s=0.175,
+        source=f"{_H} (36cdadf3, 2026-06-17: diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh)",
+        settings={"micro_batch": 12},
+        caveat="the row says 24 x 12, the script 24 prompts x rollout.n 16 (0.175 x 4 x 550 = 385 images: "
+        "the script's); not explained: NFT's training passes counted as DigenRL's diffusion_nft counts "
+        "them, its reference KL (ref_kl_coef, script :43) not modelled",
+    ),
     PublishedSetup(
         name="DanceGRPO FLUX.1-dev full fine-tune, 16xH800",
         config="recipes/dancegrpo_flux_hpsv2.yaml",
@@ -89,23 +183,12 @@ OUT_OF_SAMPLE = (
         caveat="the published figure is a bound ('within 12 hours'), not a measured step time; HPSv2.1 "
         "is scored at the default 10 ms per image on the GPU",
     ),
-    PublishedSetup(
-        name="veRL-Omni Qwen-Image full fine-tune, no CFG, 4xH200",
-        config="qwen_image.yaml",
-        overrides=(*_VERL_QWEN, "model.lora=null", "sampling.guidance=1.0"),
-        cluster="4xH200",
-        peer="verl_omni_colocated",
-        published_step_s=250.0,
-        published_images_per_gpu_s=0.510,
-        source="verl-project/verl-omni docs/algo/performance.md (run_qwen_image_ocr.sh: 0.510 images/GPU/s, "
-        "250 s/step)",
-        settings={"server_batch": 256},  # max_num_seqs 256 in run_qwen_image_ocr.sh
-        caveat="same system as the calibration (its judge and push latency carried over), another "
-        "model mode (full weights, one pass) and GPU",
-    ),
 )
 
 #: published figures the model cannot check
 NOT_CHECKED = (
-    "MM-GRPO's one-step-off table (3xH800) uses SD3.5, a family DigenRL does not have: not checked",
+    "MM-GRPO's one-step-off table (3xH800): SD3.5 -- needs the SD3.5 family",
+    "veRL-Omni SD3.5 LoRA 8x8 384^2 generation, serial 25.4 s vs request-level 22.3 s at max_num_seqs 256 "
+    "(docs/start/rollout_batching.md:132): needs the SD3.5 family",
+    "veRL-Omni separate_async SD3.5 (docs/algo/separate_async_omni.md): needs the SD3.5 family",
 )

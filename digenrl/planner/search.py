@@ -50,7 +50,8 @@ from digenrl.planner import peers as peer_models
 from digenrl.planner.bound import DoesNotFit, bound, setups
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.gpus import ClusterSpec
-from digenrl.planner.simulator import SimResult, simulate
+from digenrl.planner.sim_result import SimResult
+from digenrl.planner.simulator import simulate
 
 TSP_DEGREES = (1, 2, 4)
 SP_DEGREES = (1, 2, 4, 8)

@@ -1,128 +1,51 @@
 """The engine's scheduler in virtual time, run by the engine's own driver loop (docs/architecture.md).
 
-The simulator is a backend of :func:`~digenrl.schedule.driver.drive`, the loop the Ray runtime runs:
-the SAME :class:`~digenrl.schedule.scheduler.Scheduler`, the same workers in the same order
-(:meth:`~digenrl.placement.plan.Plan.workers`); completions are reported one at a time, earliest first
-(submission order breaks ties, as ``ray.wait`` does). What a unit costs comes from the cost model, per worker
-device type, plus
-what the engine adds around it:
+A backend of :func:`~digenrl.schedule.driver.drive`, the loop the Ray runtime runs: the SAME
+:class:`~digenrl.schedule.scheduler.Scheduler`, the same workers in the same order; completions are
+reported one at a time, earliest first (submission order breaks ties, as ``ray.wait`` does). A unit
+costs what the cost model says for its worker's device type, plus what the engine adds around it:
 
-- every unit starts ``call_s`` after it is handed out (driver -> actor call);
-- a train unit's samples are ready ``transfer`` after its rollout unit ended -- with a barrier
-  (``SchedulerConfig.barrier``) after the iteration's last one did -- (the driver's reward /
-  advantage work, the object-store hop); the unit starts ``call_s`` after it is handed out or after
-  they are ready, whichever is later (a trainer busy with its previous unit hides the transfer);
-- a rollout worker handed a unit of a newer version first loads it (a ``sync`` fetch, as the
-  runtime records it), trainer rank 0 publishes after each step (a ``sync`` nested in the step);
-  over the broadcast (``engine.weight_sync``, the default) the publish sends the version and every
-  rollout worker receives it meanwhile (a ``sync`` prefetch on its row, beside whatever it
-  generates, as the runtime records it), so its fetch is only the load from staging
-  (:meth:`CostModel.sync_fetch`);
-- with ``train.optimizer_steps`` S (mini-batch PPO) each rolled-out unit is trained as S train units
-  per TSP rank, each one mini-batch's share of its samples, and every rank takes S collective
-  steps per iteration, the last one publishing -- the scheduler's own units, as in the engine;
-  a rollout unit forwards in the train micro-batches (:mod:`digenrl.planner.call_times`);
-- the optimizer step is collective: a rank's step event starts when it arrives and ends when the
-  all-reduce -- which waits for the last rank -- and its update are done;
-- a colocated device pays a phase switch (idle, so counted as bubble) when it turns from training
-  to sampling or back;
-- with a unit-time spread (``CostModel.unit_cv``, measured by the profile) every rollout and train
-  unit's duration is drawn from a lognormal of the cost model's mean and that spread, and
-  :func:`simulate` averages ``CostParams.replicas`` seeded runs: ranks that meet at a barrier (a
-  colocated phase change, the all-reduce) wait for the slowest of them;
-- ``device: cpu`` pools share the host's cores: when ``n`` workers compute at once each runs at
-  the speed the profile measured for ``n`` concurrent workers (``CostParams.cpu_sharing =
-  "measured"``, the default), or at processor sharing of the ``C`` cores with the other processes'
-  ``K`` runnable threads (``"cores"``, and when the profile has no measurement), and the driver's
-  work between units (``call_s``) at the speed of ``n + 1``.
+- every unit starts ``call_s`` after it is handed out (driver -> actor call); a train unit's samples
+  are ready ``transfer`` after its rollout unit ended (after the iteration's last one with
+  ``SchedulerConfig.barrier``) and it starts ``call_s`` after it is handed out or they are ready;
+- a rollout worker handed a newer version first loads it (a ``sync`` fetch); trainer rank 0
+  publishes after each step; over the broadcast (``engine.weight_sync``) every rollout worker
+  receives meanwhile, so its fetch is the load from staging (:meth:`CostModel.sync_fetch`);
+- with ``train.optimizer_steps`` S each rolled-out unit is trained as S train units per TSP rank and
+  every rank takes S collective steps per iteration, the last one publishing; a rollout unit
+  forwards in the train micro-batches (:mod:`digenrl.planner.call_times`);
+- the optimizer step is collective: it ends when the all-reduce (waiting for the last rank) and the
+  update are done; a colocated device pays a phase switch (bubble) between training and sampling;
+- with a unit-time spread (``CostModel.unit_cv``) durations are drawn from a lognormal and
+  :func:`simulate` averages ``CostParams.replicas`` seeded runs;
+- ``device: cpu`` pools share the host's cores: ``n`` workers computing at once run at the speed the
+  profile measured for ``n`` (``CostParams.cpu_sharing = "measured"``) or at processor sharing of the
+  cores with the other processes' runnable threads (``"cores"``); the driver's work at ``n + 1``.
 
-Per-pool setups and the throughput bound the result is judged against: :mod:`digenrl.planner.bound`.
-Everything is recorded into the same :class:`~digenrl.engine.timeline.Timeline` a real run fills,
-so ``timeline.json``, ``timeline.png`` and the per-iteration samples/s and bubble fraction are
-computed by the same code.
+Per-pool setups and the bound: :mod:`digenrl.planner.bound`; the result: :mod:`~.sim_result`. Events
+go into the same :class:`~digenrl.engine.timeline.Timeline` a real run fills.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from digenrl.engine.timeline import Timeline
 from digenrl.placement.plan import Plan
-from digenrl.planner.bound import DoesNotFit, bound, setups, unit_train_time
+from digenrl.planner.bound import bound, setups, unit_train_time
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.memory import DeviceSetup
+from digenrl.planner.sim_jobs import Job, Seg
+from digenrl.planner.sim_result import SimResult, pool_summaries, steady_summary
 from digenrl.schedule.driver import Done, drive
 from digenrl.schedule.scheduler import Scheduler
 from digenrl.units.types import RolloutUnit, TrainUnit
 
-__all__ = ["DoesNotFit", "SimResult", "Simulator", "bound", "setups", "simulate", "steady_summary"]
-
 EPS = 1e-12
 
 
-# ---------------------------------------------------------------------------------- result
-
-
-@dataclass
-class SimResult:
-    plan: Plan
-    timeline: Timeline
-    scheduler: Scheduler
-    summary: dict  # Timeline.summary over the measured iterations
-    bound_s: float  # the throughput bound on the iteration time (docs/architecture.md)
-    setups: dict[str, DeviceSetup] = field(default_factory=dict)
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.summary["samples_per_s"]
-
-    @property
-    def bubble_fraction(self) -> float:
-        return self.summary["bubble_fraction"]
-
-    @property
-    def iteration_s(self) -> float:
-        return self.summary.get("iteration_s", 0.0)
-
-    @property
-    def efficiency(self) -> float:
-        return self.bound_s / self.iteration_s if self.iteration_s else 0.0
-
-    def save(self, directory: Path) -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.timeline.save_json(directory / "timeline.json")
-        self.timeline.to_png(directory / "timeline.png")
-
-
 # ------------------------------------------------------------------------------- simulation
-
-
-@dataclass
-class _Seg:
-    kind: str  # "call" | "samples" (waiting for them) | "wait" (collective) | "switch" | a timeline kind
-    amount: float  # seconds at full speed (inf: until released)
-    cpu: bool  # competes for host cores (cpu pools)
-    event: dict | None = None  # timeline event fields, recorded when the segment ends
-    start: float = 0.0
-
-
-@dataclass
-class _Job:
-    seq: int
-    worker: str
-    unit: object
-    segs: list[_Seg]
-    i: int = 0
-    remaining: float = 0.0
-    arrived: float = 0.0  # step: when the rank reached the collective
-
-    @property
-    def seg(self) -> _Seg:
-        return self.segs[self.i]
 
 
 class Simulator:
@@ -162,14 +85,13 @@ class Simulator:
         for w in workers:
             self.timeline.add_worker(w.name, w.pool.name)
         self.now, self.seq = 0.0, 0
-        self.running: list[_Job] = []
+        self.running: list[Job] = []
         self.held = {n: 0 for n in self.order}  # weights version each rollout worker holds
         self.phase = {n: "rollout" for n in self.order}  # colocated: what the device is set up for
         self.rolled: dict[str, float] = {}  # rollout uid -> when it ended (its samples leave then)
         self.last_rolled: dict[int, float] = {}  # iteration -> when its last rollout unit ended
-        self.scored: dict[
-            str, float
-        ] = {}  # rollout uid -> when its scores are in (after it: a hidden reward)
+        # rollout uid -> when its scores are in (after it: a hidden reward)
+        self.scored: dict[str, float] = {}
         self._cache: dict = {}
 
     # -- durations (cached) --------------------------------------------------------------
@@ -179,15 +101,15 @@ class Simulator:
             self._cache[key] = fn()
         return self._cache[key]
 
-    def _segments(self, worker: str, unit, now: float) -> list[_Seg]:
+    def _segments(self, worker: str, unit, now: float) -> list[Seg]:
         pool, cost, ov = self.pool[worker], self.cost, self.cost.overheads
         dev, setup = pool.device, self.setups[pool.name]
-        segs = [_Seg("call", ov.call_s, False)]
+        segs = [Seg("call", ov.call_s, False)]
         base = {"uid": unit.uid, "iteration": unit.iteration}
         if isinstance(unit, RolloutUnit):
             if self.role[worker] == "rollout" and unit.version != self.held[worker]:
                 segs.append(
-                    _Seg(
+                    Seg(
                         "sync",
                         self._d(("fetch", dev), lambda: cost.sync_fetch(dev)),
                         True,
@@ -212,7 +134,7 @@ class Simulator:
             if self.role[worker] == "rollout":
                 hidden = self._d(("hidden", pool.name, size), lambda: cost.reward_hidden(dev, size, setup))
             segs.append(
-                _Seg(
+                Seg(
                     "rollout",
                     self._draw(total - hidden, dev, "rollout"),
                     True,
@@ -241,7 +163,7 @@ class Simulator:
                 else self.rolled.get(unit.rollout_uid, now)
             )
             arrive = ended + transfer  # the samples at the trainer
-            segs.insert(0, _Seg("samples", max(0.0, arrive - now), False))  # then the call
+            segs.insert(0, Seg("samples", max(0.0, arrive - now), False))  # then the call
             segs += self._switch(worker, "train", dev, setup)
             d = self._d(
                 ("train", dev, len(unit.groups), parts, unit.tsp_rank, unit.tsp_degree),
@@ -250,7 +172,7 @@ class Simulator:
                 ),
             )
             segs.append(
-                _Seg(
+                Seg(
                     "train",
                     self._draw(d, dev, "train"),
                     True,
@@ -272,9 +194,9 @@ class Simulator:
             publish = self.publish and worker == self.rank0 and unit.last  # once per iteration
             segs += self._switch(worker, "train", dev, setup)
             d, pub = self._d(("step", dev, publish), lambda: cost.step(dev, len(self.ranks), publish, setup))
-            segs.append(_Seg("wait", math.inf, False))
+            segs.append(Seg("wait", math.inf, False))
             segs.append(
-                _Seg(
+                Seg(
                     "step",
                     d,
                     True,
@@ -297,12 +219,12 @@ class Simulator:
         s2 = math.log1p(cv * cv)  # lognormal with mean 1 and std cv
         return mean * self.rng.lognormvariate(-s2 / 2, math.sqrt(s2))
 
-    def _switch(self, worker: str, phase: str, dev: str, setup: DeviceSetup) -> list[_Seg]:
+    def _switch(self, worker: str, phase: str, dev: str, setup: DeviceSetup) -> list[Seg]:
         if self.role[worker] != "both" or self.phase[worker] == phase:
             return []
         self.phase[worker] = phase
         s = self._d(("switch", dev), lambda: self.cost.switch(dev, setup))
-        return [_Seg("switch", s, False)] if s > 0 else []
+        return [Seg("switch", s, False)] if s > 0 else []
 
     # -- the driver loop's backend: virtual time ------------------------------------------
 
@@ -311,7 +233,7 @@ class Simulator:
         return self.timeline
 
     def start(self, worker: str, unit) -> None:
-        job = _Job(self.seq, worker, unit, self._segments(worker, unit, self.now))
+        job = Job(self.seq, worker, unit, self._segments(worker, unit, self.now))
         self.seq += 1
         self._enter(job, self.now)
         self.running.append(job)
@@ -364,14 +286,14 @@ class Simulator:
     def completed(self, unit, stepped: int | None) -> None:
         """(Nothing to record: the timeline events were written as the segments ended.)"""
 
-    def _enter(self, job: _Job, now: float) -> None:
+    def _enter(self, job: Job, now: float) -> None:
         seg = job.seg
         seg.start = now
         job.remaining = seg.amount
         if seg.kind == "wait":
             job.arrived = now
 
-    def _release_collective(self, running: list[_Job], now: float) -> bool:
+    def _release_collective(self, running: list[Job], now: float) -> bool:
         waiting = [j for j in running if j.seg.kind == "wait"]
         if len(waiting) < len(self.ranks):
             return False
@@ -380,7 +302,7 @@ class Simulator:
             j.seg.amount = 0.0
         return True
 
-    def _rates(self, running: list[_Job]) -> dict[int, float]:
+    def _rates(self, running: list[Job]) -> dict[int, float]:
         if not self.shared:
             return {j.seq: 1.0 for j in running}
         busy = sum(1 for j in running if j.seg.cpu and j.remaining < math.inf)
@@ -388,7 +310,7 @@ class Simulator:
         driver = self.cost.cpu_rate(busy + 1)  # a "call" is the driver's work: it competes with the workers
         return {j.seq: (share if j.seg.cpu else driver if j.seg.kind == "call" else 1.0) for j in running}
 
-    def _leave(self, job: _Job, now: float) -> None:
+    def _leave(self, job: Job, now: float) -> None:
         seg = job.seg
         if seg.event is None:
             return
@@ -474,28 +396,3 @@ def simulate(
     summary = pool_summaries([r[2] for r in runs])
     sim, timeline, _ = min(runs, key=lambda r: abs(r[2]["samples_per_s"] - summary["samples_per_s"]))
     return SimResult(plan, timeline, sim.sched, summary, bound(plan, cost, sim.setups), sim.setups)
-
-
-def pool_summaries(rows: list[dict]) -> dict:
-    """Steady-state summaries of replicated runs as one: samples / wall time over all of them, the
-    other figures averaged."""
-    if len(rows) == 1:
-        return rows[0]
-    out = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
-    wall, samples = sum(r["wall_s"] for r in rows), sum(r["samples"] for r in rows)
-    out.update(
-        wall_s=wall / len(rows),
-        samples=samples / len(rows),
-        samples_per_s=samples / wall if wall > 0 else 0.0,
-    )
-    return out
-
-
-def steady_summary(timeline: Timeline, skip: int | None = None, tail: int | None = None) -> dict:
-    """:meth:`Timeline.summary` of the steady state, the same for a real run's timeline.json and a
-    simulated one: without the first iteration (nothing to overlap with yet) and, from 3 iterations
-    on, the last (with one-step async it holds no next rollout)."""
-    n = len(timeline.iteration_spans())
-    skip = (1 if n > 1 else 0) if skip is None else skip
-    tail = (1 if n - skip > 1 and n >= 3 else 0) if tail is None else tail
-    return {"iterations": 0, "iteration_s": 0.0, **timeline.summary(skip=skip, tail=tail)}
