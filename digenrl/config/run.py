@@ -123,11 +123,17 @@ class RunConfig(_Section):
         alg, ts, steps = self.algorithm, self.algorithm.timesteps, self.sampling.steps
         if alg.clip_range is None:
             alg.clip_range = default_clip_range(self.sampling.sde)
-        k = alg.nft.noise_levels
-        if alg.name == "diffusion_nft" and k is not None and k > steps:
+        section = {"diffusion_nft": "nft", "awm": "awm", "online_dpo": "dpo"}.get(alg.name)
+        k = getattr(alg, section).noise_levels if section else None
+        if k is not None and k > steps:
             raise ValueError(
-                f"algorithm.nft.noise_levels ({k}) exceeds sampling.steps ({steps}): the noise levels are "
-                "distinct sigmas of the rollout schedule"
+                f"algorithm.{section}.noise_levels ({k}) exceeds sampling.steps ({steps}): the noise levels "
+                "are distinct sigmas of the rollout schedule"
+            )
+        if alg.name == "grpo_guard" and self.sampling.sde == "cps":
+            raise ValueError(
+                "algorithm.name: grpo_guard normalises a Gaussian log-ratio; sampling.sde cps has none "
+                "(use flow_grpo or dance_grpo)"
             )
         if ts.mode == "window" and window_bounds(steps, ts.window, ts.window_range) is None:
             raise ValueError(

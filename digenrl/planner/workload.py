@@ -10,6 +10,7 @@ from digenrl.adapters.vae_decode import tiling_mode
 from digenrl.algorithms.grpo import select_timesteps
 from digenrl.planner.constants import FP32_BYTES, HALF_BYTES, WEIGHT_FREE_REWARDS
 from digenrl.planner.shapes import ModelShape, ParamCounts, forward_flops, model_shape, param_counts
+from digenrl.units.nft import is_forward_process, noise_levels
 
 
 def reward_term_kind(name: str) -> str:
@@ -82,9 +83,9 @@ class Workload:
             shift_every=ts.window_shift_every,
         )
         terms = tuple((reward_term_kind(c.name), c.seconds_per_image) for c in cfg.reward.components)
-        nft = cfg.algorithm.name == "diffusion_nft"
+        nft = is_forward_process(cfg)  # diffusion_nft, awm, online_dpo (costed as diffusion_nft's terms)
         if nft:  # K noise levels per sample take the place of the trained steps
-            idx = torch.zeros(1, cfg.algorithm.nft.noise_levels or n)
+            idx = torch.zeros(1, noise_levels(cfg))
         return cls(
             family=cfg.model.adapter,
             shape=shape,

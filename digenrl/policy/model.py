@@ -59,7 +59,8 @@ class Policy:
         else:
             net.requires_grad_(True)
         self._ref = None
-        if trainable and not self.lora and cfg.algorithm.kl_beta > 0:  # full FT: the KL needs a frozen
+        needs_ref = cfg.algorithm.kl_beta > 0 or cfg.algorithm.name == "online_dpo"  # DPO: its reference
+        if trainable and not self.lora and needs_ref:  # full FT: the KL needs a frozen
             # copy, on the ranks that train only (a rollout policy never computes the KL)
             self._ref = copy.deepcopy(net).requires_grad_(False)
         if trainable:

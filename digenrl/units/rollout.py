@@ -13,7 +13,7 @@ from digenrl.algorithms.sde import (
     sample,
 )
 from digenrl.data.prompts import Prompt
-from digenrl.units.nft import is_nft, noise_plan
+from digenrl.units.nft import is_forward_process, noise_plan
 from digenrl.units.rows import stream_seed, train_batches
 from digenrl.units.samples import GroupRNG, Samples
 
@@ -47,7 +47,7 @@ def rollout_unit(
     cond = ad.cond_for([p.text for p in prompts]).repeat_interleave(n)
     noise = rng((len(prompts) * n, *ad.latent_shape()))
     sigmas = ad.sigmas(n_steps)
-    nft, noise_seeds = is_nft(cfg), None
+    nft, noise_seeds = is_forward_process(cfg), None
     if nft:  # K noise levels per sample and their noise seeds; the rollout itself is a plain sampler
         sde_mask, train_idx, noise_seeds = noise_plan(cfg, iteration, seed, group_ids, (lo, hi))
     else:
