@@ -168,6 +168,13 @@ class AlgorithmConfig(_Section):
     nft: NftConfig = Field(default_factory=NftConfig, description="algorithm.name diffusion_nft only")
     awm: AwmConfig = Field(default_factory=AwmConfig, description="algorithm.name awm only")
     dpo: DpoConfig = Field(default_factory=DpoConfig, description="algorithm.name online_dpo only")
+    shared_prefix: int = Field(
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="k > 0: a group's samples share their initial noise and first k (ODE) steps, computed "
+        "once per group, and branch at step k (BranchGRPO); 0 = every sample its own",
+    )
     kl_mask_threshold: float = Field(
         1e-5, gt=0, description="flow_dppo: the trust region delta on the exact step KL (veRL-Omni: 1e-5)"
     )

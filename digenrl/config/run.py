@@ -8,6 +8,7 @@ the dotted path.
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,19 @@ class RunConfig(_Section):
             raise ValueError(
                 f"algorithm.{section}.noise_levels ({k}) exceeds sampling.steps ({steps}): the noise levels "
                 "are distinct sigmas of the rollout schedule"
+            )
+        k = alg.shared_prefix
+        if k and (k >= steps or ts.mode == "random" or self.sampling.noise_level == 0):
+            raise ValueError(
+                f"algorithm.shared_prefix ({k}) needs stochastic steps after it: fewer than sampling.steps "
+                f"({steps}), sampling.noise_level > 0 (else the branches are identical) and "
+                "algorithm.timesteps.mode fraction or window (not random)"
+            )
+        first = math.floor(ts.window_range[0] * steps + 1e-9)  # a window's first possible step
+        if k and ts.mode == "window" and first < k:
+            raise ValueError(
+                f"algorithm.shared_prefix ({k}): the window must start at or after the branch step "
+                f"(algorithm.timesteps.window_range starts at step {first})"
             )
         if alg.name == "grpo_guard" and self.sampling.sde == "cps":
             raise ValueError(

@@ -13,6 +13,7 @@ from digenrl.algorithms.sde import (
     sample,
 )
 from digenrl.data.prompts import Prompt
+from digenrl.units.branch import branched_sample, prefix_noise, prefix_selection
 from digenrl.units.nft import is_forward_process, noise_plan
 from digenrl.units.rows import stream_seed, train_batches
 from digenrl.units.samples import GroupRNG, Samples
@@ -52,23 +53,24 @@ def rollout_unit(
         sde_mask, train_idx, noise_seeds = noise_plan(cfg, iteration, seed, group_ids, (lo, hi))
     else:
         sde_mask, train_idx = _timestep_selection(cfg, iteration, seed, group_ids, (lo, hi))
-    traj = sample(
-        ad,
-        cond.to(ad.device),
-        noise.to(ad.device),
-        sigmas,
-        cfg.sampling.sde,
-        cfg.sampling.noise_level,
-        rng,
-        sde_mask,
-        batches=None
+    k = cfg.algorithm.shared_prefix  # > 0: the group shares its noise and first k (ODE) steps
+    if k:
+        sde_mask, train_idx = prefix_selection(sde_mask, train_idx, k)
+    batches = (
+        None
         if whole_forwards
         else own_batches(len(noise), n_steps, batch)
         if batch is not None
         else None
         if nft
-        else forward_batches(train_idx, cfg, n, lo),
+        else forward_batches(train_idx, cfg, n, lo)
     )
+    kind, eta = cfg.sampling.sde, cfg.sampling.noise_level
+    if k:
+        start = prefix_noise(seed, iteration, group_ids, tuple(ad.latent_shape())).to(ad.device)
+        traj = branched_sample(ad, cond.to(ad.device), start, n, sigmas, kind, eta, rng, sde_mask, batches, k)
+    else:
+        traj = sample(ad, cond.to(ad.device), noise.to(ad.device), sigmas, kind, eta, rng, sde_mask, batches)
     pixels = ad.decode(traj.latents[:, -1])
     texts = [p.text for p in prompts for _ in range(n)]
     metas = [p.meta for p in prompts for _ in range(n)]
