@@ -85,6 +85,35 @@ def test_forwards_per_group_drop_by_g_minus_one_times_the_prefix(setup):
             assert (unit.latents[:G, : k + 1] - unit.latents[:1, : k + 1]).abs().max() < 1e-5
     assert counts[0] == G * n
     assert counts[0] - counts[K] == (G - 1) * K
+    # the planner counts the same forwards, and prices the prefix as one forward per group
+    from digenrl.planner.call_times import rollout_unit_time
+    from digenrl.planner.workload import Workload
+
+    work = {
+        k: Workload.from_config(load_config(None, [*SETS, f"algorithm.shared_prefix={k}"])) for k in (0, K)
+    }
+    assert [work[k].rollout_forwards / work[k].prompts for k in (0, K)] == [counts[0], counts[K]]
+    assert work[K].rollout_flops < work[0].rollout_flops
+    times = {k: rollout_unit_time(PerSample(), work[k], groups=1)[0] for k in (0, K)}
+    assert times[0] - times[K] == pytest.approx(0.1 * K * (G - 1))  # 0.1 s per sample-forward
+
+
+class PerSample:
+    """A call-time table: 0.1 s per sample in a rollout forward, nothing else."""
+
+    rollout_unit_factor, rollout_overhead_s = 1.0, 0.0
+
+    def rollout_step(self, b):
+        return 0.1 * b
+
+    def encode(self, n):
+        return 0.0
+
+    def decode(self, b):
+        return 0.0
+
+    def reward(self, b):
+        return 0.0
 
 
 @pytest.mark.parametrize(

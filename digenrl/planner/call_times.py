@@ -336,7 +336,9 @@ def rollout_unit_time(
     else:
         forwards = [c for n in minibatch_samples(w, groups) for c in micro_batches(n, w.micro_batch)]
     reward = t.reward(b)
-    calls = t.encode(groups) + w.steps * sum(t.rollout_step(c) for c in forwards) + t.decode(b) + reward
+    k = w.shared_prefix  # algorithm.shared_prefix: the first k steps run once per group (one forward)
+    steps = k * t.rollout_step(groups) + (w.steps - k) * sum(t.rollout_step(c) for c in forwards)
+    calls = t.encode(groups) + steps + t.decode(b) + reward
     return max(MIN_UNIT_FRACTION * calls, calls * t.rollout_unit_factor + t.rollout_overhead_s), reward
 
 

@@ -52,6 +52,8 @@ class Workload:
     # diffusion_nft: rollouts keep only the clean latent (no log-probs, one forward of the unit per step);
     # a train term (sample x noise level) is the old policy's no-grad forward + the current forward/backward
     forward_process: bool = False
+    # algorithm.shared_prefix k: a group's first k rollout steps run once per group, not per sample
+    shared_prefix: int = 0
     # samples per sampling forward of a rollout-only worker (engine.rollout_batch N); None = the trainer's
     # micro-batches (engine.rollout_batch "trainer", the bit-exact ratio), or with rollout_batch_auto
     # (engine.rollout_batch "auto") the largest each rollout device holds by the memory model
@@ -108,6 +110,7 @@ class Workload:
             video=cfg.model.frames is not None,
             evaluates=cfg.output.eval_every > 0,
             forward_process=nft,
+            shared_prefix=cfg.algorithm.shared_prefix,
             rollout_batch=rb if isinstance(rb := cfg.engine.rollout_batch, int) else None,
             rollout_batch_auto=cfg.engine.rollout_batch == "auto",
             reward_terms=terms,
@@ -117,6 +120,17 @@ class Workload:
     @property
     def samples(self) -> int:
         return self.prompts * self.group_size
+
+    @property
+    def rollout_forwards(self) -> int:
+        """Sample-forwards of one iteration's rollouts (per guidance pass): N per sample, less the
+        (G - 1) x k a shared prefix saves per group."""
+        return self.samples * self.steps - self.prompts * (self.group_size - 1) * self.shared_prefix
+
+    @property
+    def rollout_flops(self) -> float:
+        """The iteration's rollout transformer FLOPs (every guidance pass)."""
+        return self.rollout_forwards * self.passes * forward_flops(self.shape)
 
     @property
     def trained_params(self) -> int:
@@ -163,4 +177,5 @@ class Workload:
         d["tokens"] = asdict(self.shape.tokens)
         d["shape_source"] = self.shape.source
         d["forward_tflops_per_sample"] = forward_flops(self.shape) / 1e12
+        d["rollout_tflops"] = self.rollout_flops / 1e12
         return d
