@@ -40,7 +40,7 @@ The best colocated plan is always simulated: speedups are against it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from digenrl.config.engine import PoolConfig
 from digenrl.distributed.settings import fsdp_refusal, sp_refusal
@@ -389,3 +389,24 @@ def peers(cost: CostModel, cluster: ClusterSpec) -> dict[str, peer_models.PeerRu
     """Each peer of :data:`PEERS` running this workload on this cluster, phase by phase, with the same
     per-call times (kernel efficiencies, FLOPs, bandwidths) as DigenRL's plans."""
     return peer_models.peers(cost, cluster)
+
+
+def search_shared_prefix(
+    cost: CostModel, cluster: ClusterSpec, prefixes=(0, 1, 2), **kw
+) -> dict[int, SearchResult]:
+    """The search at each ``algorithm.shared_prefix`` k (a group's first k rollout steps run once per
+    group, docs/algorithms.md): the same plans, priced with the (G - 1) x k forwards per group saved.
+    A prefix changes the trained steps (the algorithm), so it is offered, never chosen silently."""
+    w = cost.workload
+    out = {}
+    for k in (k for k in prefixes if k < w.steps):
+        priced = CostModel(
+            replace(w, shared_prefix=k),
+            cost.cluster,
+            cost.params,
+            cost.colocation,
+            cost.overheads,
+            cost.profile,
+        )
+        out[k] = search(priced, cluster, **kw)
+    return out
