@@ -51,11 +51,12 @@ TASKS = {
 
 
 def engine_modes():
-    """The mode definitions of benchmarks/engine_modes.py (one source for both benchmarks)."""
+    """The mode definitions of benchmarks/engine_modes.py (one source for both benchmarks), and
+    ``local``: the single-process trainer (no Ray; the same units, one at a time)."""
     spec = importlib.util.spec_from_file_location("engine_modes", Path(__file__).with_name("engine_modes.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.MODES
+    return {**mod.MODES, "local": ["placement.mode=local"]}
 
 
 class WallTimeUp(Exception):
@@ -82,6 +83,7 @@ def known_algorithm(name: str, overrides: list[str]) -> str | None:
 def run_one(overrides: list[str], seconds: float, iterations: int, run_dir: Path) -> dict:
     """Train one configuration until ``seconds`` of wall time after its first logged iteration."""
     from digenrl.config.run import load_config
+    from digenrl.engine.local import LocalTrainer
     from digenrl.launch import run_engine
 
     cfg = load_config(None, [*overrides, f"train.iterations={iterations}", *RUN_SET])
@@ -97,7 +99,10 @@ def run_one(overrides: list[str], seconds: float, iterations: int, run_dir: Path
             raise WallTimeUp
 
     try:
-        run_engine(cfg, run_dir=run_dir, on_iteration=on_iteration)
+        if cfg.placement.mode == "local":
+            LocalTrainer(cfg).run(run_dir, on_iteration=on_iteration)
+        else:
+            run_engine(cfg, run_dir=run_dir, on_iteration=on_iteration)
     except WallTimeUp:
         pass
     rows.sort(key=lambda r: r["iteration"])
@@ -191,7 +196,8 @@ def compare(
             log(f"skipping algorithm {name!r}: the config does not know it yet ({why})")
     algos = [a for a in algorithms if a not in skipped]
     runs = []
-    started = start_local({"pool:rollout": 2, "pool:trainer": 1}, log_to_driver=False)
+    ray_modes = [m for m in modes if m != "local"]
+    started = bool(ray_modes) and start_local({"pool:rollout": 2, "pool:trainer": 1}, log_to_driver=False)
     try:
         kept = contextlib.nullcontext() if active() is not None else warm_workers()  # (the suite's own)
         with tempfile.TemporaryDirectory() as tmp, kept:

@@ -30,6 +30,7 @@ def test_modes_are_engine_modes_own():
     b = bench()
     assert set(b.DEFAULT_MODES) <= set(b.engine_modes())
     assert "engine.max_staleness=1" in b.engine_modes()["full"]
+    assert b.engine_modes()["local"] == ["placement.mode=local"]  # the single-process trainer
 
 
 def test_unknown_algorithm_is_named_not_raised():
@@ -76,18 +77,18 @@ def test_tasks_are_rewards_the_config_knows():
 
 @pytest.mark.slow
 def test_tiny_run_writes_the_json_fields(tmp_path, ray_cluster):
-    args = ["--tiny", "--modes", "colocated,full", "--algorithms", "flow_grpo,no_such_algorithm"]
+    args = ["--tiny", "--modes", "local,full", "--algorithms", "flow_grpo,no_such_algorithm"]
     sets = as_sets(TINY_IMAGE)
     result = run_benchmark_here("learning.py", tmp_path, *args, "--tasks", "colors,shapes", *sets)
     assert "no_such_algorithm" in result["skipped"]
     assert [(r["task"], r["mode"], r["iterations"]) for r in result["runs"]] == [
-        ("colors", "colocated", 2),
+        ("colors", "local", 2),
         ("colors", "full", 2),
-        ("shapes", "colocated", 2),
+        ("shapes", "local", 2),
         ("shapes", "full", 2),
     ]
     assert {(b["task"], b["mode"], b["best"]) for b in result["best_vs_flow_grpo"]} == {
-        (t, m, "flow_grpo") for t in ("colors", "shapes") for m in ("colocated", "full")
+        (t, m, "flow_grpo") for t in ("colors", "shapes") for m in ("local", "full")
     }
     for row in result["summary"]:
         assert row["algorithm"] == "flow_grpo" and row["seeds"] == [0]
