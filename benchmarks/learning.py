@@ -149,13 +149,19 @@ def ratio_se(a: float, a_se: float, b: float, b_se: float) -> tuple[float, float
 
 def best_vs_flow_grpo(summary: list[dict]) -> list[dict]:
     """Per (task, mode): the algorithm with the highest mean gain per minute, and its ratio to
-    Flow-GRPO's with the standard error (absent where Flow-GRPO was not run)."""
+    Flow-GRPO's with the standard error (absent where Flow-GRPO was not run; None where Flow-GRPO's
+    mean gain per minute is not positive)."""
     out = []
     for task, mode in dict.fromkeys((r["task"], r["mode"]) for r in summary):
         rows = [r for r in summary if (r["task"], r["mode"]) == (task, mode)]
         base = next((r for r in rows if r["algorithm"] == "flow_grpo"), None)
         best = max(rows, key=lambda r: r["gain_per_min"])
-        if base is None or base["gain_per_min"] == 0:
+        if base is None:
+            continue
+        if base["gain_per_min"] <= 0:  # a ratio to no gain (or a loss) means nothing
+            out.append(
+                {"task": task, "mode": mode, "best": best["algorithm"], "ratio": None, "ratio_se": None}
+            )
             continue
         ratio, se = ratio_se(
             best["gain_per_min"], best["gain_per_min_se"], base["gain_per_min"], base["gain_per_min_se"]
@@ -312,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     console.print(table(result))
     for b in result["best_vs_flow_grpo"]:
+        if b["ratio"] is None:
+            console.print(f"{b['task']} / {b['mode']}: best {b['best']}; Flow-GRPO gained nothing: no ratio")
+            continue
         console.print(
             f"{b['task']} / {b['mode']}: best {b['best']}, gain per minute "
             f"{b['ratio']:.2f} ± {b['ratio_se']:.2f} x Flow-GRPO's"

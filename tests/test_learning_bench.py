@@ -64,6 +64,8 @@ def test_best_against_flow_grpo_per_task_and_mode():
     (best,) = b.best_vs_flow_grpo(summary)  # shapes has no Flow-GRPO run: no ratio
     assert (best["task"], best["best"], best["ratio"]) == ("colors", "awm", 3.0)
     assert best["ratio_se"] == pytest.approx(3.0 * ((0.1 / 3) ** 2 + 0.1**2) ** 0.5)
+    lost = [row("colors", "flow_grpo", -1.0), row("colors", "awm", 0.5)]
+    assert b.best_vs_flow_grpo(lost)[0]["ratio"] is None  # no ratio to a loss
 
 
 def test_tasks_are_rewards_the_config_knows():
