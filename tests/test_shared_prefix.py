@@ -116,10 +116,56 @@ class PerSample:
         return 0.0
 
 
+def test_a_branch_tree_shares_each_nodes_steps_and_saves_its_forwards(setup):
+    """G = 4, prefix 1, then 2 nodes that split in 2 at step 3: leaves 0, 1 (one node) share x_0..x_3 and
+    differ after; leaves 0, 2 (two nodes) share x_0, x_1 only; forwards per group 1 + 2 x 2 + 4 x 3 = 17,
+    counted, and the planner's count."""
+    cfg, policy, reward, prompts = setup
+    sets = [*SETS, "algorithm.shared_prefix=1", "algorithm.branch_tree=[[3, 2]]"]
+    tree_cfg = load_config(None, sets)
+    policy.cfg = tree_cfg
+    rows, handle = counted_rows(policy)
+    try:
+        unit = rollout_unit(policy, reward, prompts, [0, 1], 0, cfg.train.seed)
+    finally:
+        handle.remove()
+        policy.cfg = cfg
+    lat = unit.latents
+    assert (lat[0, :4] - lat[1, :4]).abs().max() < 1e-5 and (lat[0, 4] - lat[1, 4]).abs().max() > 0.1
+    assert (lat[0, :2] - lat[2, :2]).abs().max() < 1e-5 and (lat[0, 2] - lat[2, 2]).abs().max() > 0.1
+    assert unit.train_idx.min() >= 1 and not unit.sde_mask[0] and unit.sde_mask[1:].all()
+    from digenrl.planner.workload import Workload
+
+    w = Workload.from_config(tree_cfg)
+    assert w.rollout_widths() == [1, 2, 2, 4, 4, 4]
+    assert sum(rows) / len(prompts) == 17 == w.rollout_forwards / w.prompts
+
+
+@pytest.mark.slow
+def test_a_branch_tree_trains_two_iterations_on_the_local_trainer(tmp_path):
+    from digenrl.engine.local import LocalTrainer
+
+    sets = [
+        *SETS,
+        *QUIET,
+        "algorithm.shared_prefix=1",
+        "algorithm.branch_tree=[[3, 2]]",
+        "train.iterations=2",
+    ]
+    result = LocalTrainer(load_config(None, sets)).run(tmp_path)
+    assert len(result.metrics) == 2 and all(m["grad_norm"] > 0 for m in result.metrics)
+    # the leaves train their shared node's steps from the node's forward: ratio 1 to rounding
+    assert abs(result.metrics[0]["ratio_mean"] - 1) < 1e-5
+
+
 @pytest.mark.parametrize(
     "sets",
     [
         ["algorithm.shared_prefix=6"],  # no step left to branch in
+        ["algorithm.branch_tree=[[3, 2]]"],  # a tree without a prefix
+        ["algorithm.shared_prefix=3", "algorithm.branch_tree=[[2, 2]]"],  # a split before the prefix's
+        ["algorithm.shared_prefix=1", "algorithm.branch_tree=[[3, 3]]"],  # 3 does not divide G = 4
+        ["algorithm.shared_prefix=1", "algorithm.branch_tree=[[3, 4]]"],  # one first branch only
         ["algorithm.shared_prefix=2", "algorithm.timesteps.mode=random"],
         ["algorithm.shared_prefix=2", "sampling.noise_level=0"],
         [
@@ -130,7 +176,7 @@ class PerSample:
     ],
 )
 def test_a_prefix_without_stochastic_steps_after_it_is_refused(sets):
-    with pytest.raises(ConfigError, match="shared_prefix"):
+    with pytest.raises(ConfigError, match="shared_prefix|branch_tree"):
         load_config(None, [*SETS, *sets])
 
 

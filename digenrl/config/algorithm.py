@@ -175,6 +175,12 @@ class AlgorithmConfig(_Section):
         description="k > 0: a group's samples share their initial noise and first k (ODE) steps, computed "
         "once per group, and branch at step k (BranchGRPO); 0 = every sample its own",
     )
+    branch_tree: list[tuple[int, int]] = Field(
+        default_factory=list,
+        description="later splits [step, factor] after shared_prefix (BranchGRPO's tree): the group splits "
+        "at shared_prefix into G / prod(factors) branches, each of which splits into factor at step; "
+        "[] = one split, into all G",
+    )
     kl_mask_threshold: float = Field(
         1e-5, gt=0, description="flow_dppo: the trust region delta on the exact step KL (veRL-Omni: 1e-5)"
     )

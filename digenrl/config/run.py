@@ -144,6 +144,24 @@ class RunConfig(_Section):
                 f"algorithm.shared_prefix ({k}): the window must start at or after the branch step "
                 f"(algorithm.timesteps.window_range starts at step {first})"
             )
+        tree = alg.branch_tree
+        steps_in = [k, *(s for s, _ in tree)]
+        factors = math.prod(f for _, f in tree)
+        if tree and (
+            not k
+            or steps_in != sorted(set(steps_in))
+            or steps_in[-1] >= steps
+            or any(f < 2 for _, f in tree)
+            or alg.group_size % factors
+            or alg.group_size // factors < 2
+            or self.engine.unit_samples is not None
+        ):
+            raise ValueError(
+                f"algorithm.branch_tree {[list(t) for t in tree]}: needs algorithm.shared_prefix > 0, split "
+                f"steps increasing after it and below sampling.steps ({steps}), factors >= 2 whose product "
+                f"divides algorithm.group_size ({alg.group_size}) leaving >= 2 first branches, and whole "
+                "groups per rollout unit (engine.unit_samples null)"
+            )
         if alg.name == "grpo_guard" and self.sampling.sde == "cps":
             raise ValueError(
                 "algorithm.name: grpo_guard normalises a Gaussian log-ratio; sampling.sde cps has none "

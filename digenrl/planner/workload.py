@@ -3,6 +3,7 @@ groups, guidance passes, what travels between workers."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from digenrl.adapters import adapter_class
@@ -54,6 +55,7 @@ class Workload:
     forward_process: bool = False
     # algorithm.shared_prefix k: a group's first k rollout steps run once per group, not per sample
     shared_prefix: int = 0
+    branch_tree: tuple = ()  # algorithm.branch_tree: later splits (step, factor)
     # samples per sampling forward of a rollout-only worker (engine.rollout_batch N); None = the trainer's
     # micro-batches (engine.rollout_batch "trainer", the bit-exact ratio), or with rollout_batch_auto
     # (engine.rollout_batch "auto") the largest each rollout device holds by the memory model
@@ -111,6 +113,7 @@ class Workload:
             evaluates=cfg.output.eval_every > 0,
             forward_process=nft,
             shared_prefix=cfg.algorithm.shared_prefix,
+            branch_tree=tuple(tuple(t) for t in cfg.algorithm.branch_tree),
             rollout_batch=rb if isinstance(rb := cfg.engine.rollout_batch, int) else None,
             rollout_batch_auto=cfg.engine.rollout_batch == "auto",
             reward_terms=terms,
@@ -121,11 +124,25 @@ class Workload:
     def samples(self) -> int:
         return self.prompts * self.group_size
 
+    def rollout_widths(self) -> list[int]:
+        """Per rollout step, the rows one group runs: 1 on a shared prefix, a tree's nodes between its
+        splits, G after the last split (G everywhere without a prefix)."""
+        k, G = self.shared_prefix, self.group_size
+        if not k:
+            return [G] * self.steps
+        tree = list(self.branch_tree)
+        widths, width = [1] * k, 1
+        splits = [(k, G // math.prod(f for _, f in tree)), *tree]
+        for (step, factor), end in zip(splits, [s for s, _ in tree] + [self.steps]):
+            width *= factor
+            widths += [width] * (end - step)
+        return widths
+
     @property
     def rollout_forwards(self) -> int:
-        """Sample-forwards of one iteration's rollouts (per guidance pass): N per sample, less the
-        (G - 1) x k a shared prefix saves per group."""
-        return self.samples * self.steps - self.prompts * (self.group_size - 1) * self.shared_prefix
+        """Sample-forwards of one iteration's rollouts (per guidance pass): N per sample, less what a
+        shared prefix (and a branch tree) saves: (G - 1) x k per group for one split."""
+        return self.prompts * sum(self.rollout_widths())
 
     @property
     def rollout_flops(self) -> float:

@@ -13,7 +13,7 @@ from digenrl.algorithms.sde import (
     sample,
 )
 from digenrl.data.prompts import Prompt
-from digenrl.units.branch import branched_sample, prefix_noise, prefix_selection
+from digenrl.units.branch import branched_sample, node_rng, prefix_noise, prefix_selection
 from digenrl.units.nft import is_forward_process, noise_plan
 from digenrl.units.rows import stream_seed, train_batches
 from digenrl.units.samples import GroupRNG, Samples
@@ -68,7 +68,11 @@ def rollout_unit(
     kind, eta = cfg.sampling.sde, cfg.sampling.noise_level
     if k:
         start = prefix_noise(seed, iteration, group_ids, tuple(ad.latent_shape())).to(ad.device)
-        traj = branched_sample(ad, cond.to(ad.device), start, n, sigmas, kind, eta, rng, sde_mask, batches, k)
+        tree = [tuple(t) for t in cfg.algorithm.branch_tree]
+        nodes = node_rng(seed, iteration, group_ids)
+        traj = branched_sample(
+            ad, cond.to(ad.device), start, n, sigmas, kind, eta, rng, sde_mask, batches, k, tree, nodes
+        )
     else:
         traj = sample(ad, cond.to(ad.device), noise.to(ad.device), sigmas, kind, eta, rng, sde_mask, batches)
     pixels = ad.decode(traj.latents[:, -1])
