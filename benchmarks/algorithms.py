@@ -1,8 +1,8 @@
-"""Flow-GRPO against DiffusionNFT: reward gained per wall-minute on the tiny FLUX demo.
+"""The algorithms against each other: reward gained per wall-minute on the tiny FLUX demo's tasks.
 
     python benchmarks/algorithms.py [--minutes 2] [--seeds 0,1,2,3,4] [--mode full]
-                                    [--algorithms flow_grpo,diffusion_nft] [--set KEY=VALUE ...]
-                                    [--tiny] [--json FILE]
+                                    [--algorithms flow_grpo,diffusion_nft,awm,flow_dppo,grpo_guard,online_dpo]
+                                    [--tasks colors,shapes] [--set KEY=VALUE ...] [--tiny] [--json FILE]
 
 The algorithm axis of benchmarks/learning.py at one engine mode (default ``full``: the disaggregated
 engine with GAP, TSP, TAG and one-step async, configs/flux_tiny_disaggregated.yaml; ``--mode colocated``
@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import learning  # noqa: E402  (benchmarks/learning.py, beside this script)
 
+ALGORITHMS = "flow_grpo,diffusion_nft,awm,flow_dppo,grpo_guard,online_dpo"
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = argv[i + 1]
         del argv[i : i + 2]
     if "--algorithms" not in argv:
-        argv += ["--algorithms", "flow_grpo,diffusion_nft"]
+        argv += ["--algorithms", ALGORITHMS]
     return learning.main(["--modes", mode, *argv])
 
 

@@ -1,8 +1,8 @@
 """Reward per wall-second: the demo task trained for the same wall time in each engine mode.
 
     python benchmarks/learning.py [--minutes 2] [--seeds 0,1,2,3,4] [--modes colocated,sync,gap_tsp_tag,full]
-                                  [--algorithms flow_grpo[,diffusion_nft]] [--set KEY=VALUE ...]
-                                  [--tiny] [--json FILE]
+                                  [--algorithms flow_grpo[,diffusion_nft,...]] [--tasks colors[,shapes]]
+                                  [--set KEY=VALUE ...] [--tiny] [--json FILE]
 
 Samples per second (benchmarks/engine_modes.py) is what the engine buys; reward gained per minute is
 what a user buys. Each run trains the default demo (configs/flux_tiny.yaml: a tiny FLUX learning
@@ -14,8 +14,12 @@ prompt colours) with one mode's engine knobs (the modes of engine_modes.py) and 
   (the demo's own measure);
 - gain per minute (of that wall time) and per 1000 samples trained.
 
-Runs go seed by seed, every mode (and algorithm) of a seed in turn, so that load drifting on a
-shared machine hits them alike; the table gives the mean and standard error over seeds.
+Tasks (``--tasks``): ``colors``, the demo's ``prompt_color``; ``shapes``, ``prompt_shape`` (the
+prompt's colour as the shape its object word picks, on gray: it needs spatial structure). Runs go
+seed by seed, every task, algorithm and mode of a seed in turn, so that load drifting on a shared
+machine hits them alike, in kept worker processes (tests.warm.warm_workers); the
+table gives the mean and standard error over seeds, and per task and mode the best algorithm's gain
+per minute over Flow-GRPO's, with its standard error (:func:`ratio_se`).
 An ``algorithm.name`` the config does not accept is skipped with one line saying so.
 ``--tiny``: 2 iterations, one seed, for the smoke test. Not a test: nothing is asserted.
 """
@@ -23,6 +27,7 @@ An ``algorithm.name`` the config does not accept is skipped with one line saying
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -38,14 +43,20 @@ os.environ.setdefault("RAY_worker_niceness", "0")  # as engine_modes.py: equal f
 DEFAULT_MODES = ["colocated", "sync", "gap_tsp_tag", "full"]
 RUN_SET = ["output.checkpoint_every=0", "output.save_samples_every=0", "output.tensorboard=false"]
 METRICS = ("gain", "gain_per_min", "gain_per_1k_samples", "samples_per_s", "iterations")
+#: the learning tasks: each the reward (and prompts) that replace the demo's
+TASKS = {
+    "colors": [],
+    "shapes": ["reward.components=[{name: prompt_shape}]"],
+}
 
 
 def engine_modes():
-    """The mode definitions of benchmarks/engine_modes.py (one source for both benchmarks)."""
+    """The mode definitions of benchmarks/engine_modes.py (one source for both benchmarks), and
+    ``local``: the single-process trainer (no Ray; the same units, one at a time)."""
     spec = importlib.util.spec_from_file_location("engine_modes", Path(__file__).with_name("engine_modes.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.MODES
+    return {**mod.MODES, "local": ["placement.mode=local"]}
 
 
 class WallTimeUp(Exception):
@@ -72,6 +83,7 @@ def known_algorithm(name: str, overrides: list[str]) -> str | None:
 def run_one(overrides: list[str], seconds: float, iterations: int, run_dir: Path) -> dict:
     """Train one configuration until ``seconds`` of wall time after its first logged iteration."""
     from digenrl.config.run import load_config
+    from digenrl.engine.local import LocalTrainer
     from digenrl.launch import run_engine
 
     cfg = load_config(None, [*overrides, f"train.iterations={iterations}", *RUN_SET])
@@ -87,7 +99,10 @@ def run_one(overrides: list[str], seconds: float, iterations: int, run_dir: Path
             raise WallTimeUp
 
     try:
-        run_engine(cfg, run_dir=run_dir, on_iteration=on_iteration)
+        if cfg.placement.mode == "local":
+            LocalTrainer(cfg).run(run_dir, on_iteration=on_iteration)
+        else:
+            run_engine(cfg, run_dir=run_dir, on_iteration=on_iteration)
     except WallTimeUp:
         pass
     rows.sort(key=lambda r: r["iteration"])
@@ -114,14 +129,44 @@ def mean_se(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    """One row per (algorithm, mode): mean and standard error over seeds of each metric."""
+    """One row per (task, algorithm, mode): mean and standard error over seeds of each metric."""
     out = []
-    for key in dict.fromkeys((r["algorithm"], r["mode"]) for r in runs):
-        mine = [r for r in runs if (r["algorithm"], r["mode"]) == key]
-        row = {"algorithm": key[0], "mode": key[1], "seeds": [r["seed"] for r in mine]}
+    for key in dict.fromkeys((r.get("task", "colors"), r["algorithm"], r["mode"]) for r in runs):
+        mine = [r for r in runs if (r.get("task", "colors"), r["algorithm"], r["mode"]) == key]
+        row = {"task": key[0], "algorithm": key[1], "mode": key[2], "seeds": [r["seed"] for r in mine]}
         for m in METRICS:
             row[m], row[f"{m}_se"] = mean_se([r[m] for r in mine])
         out.append(row)
+    return out
+
+
+def ratio_se(a: float, a_se: float, b: float, b_se: float) -> tuple[float, float]:
+    """a / b and its standard error by the delta method (independent means):
+    se = |a / b| sqrt((se_a / a)^2 + (se_b / b)^2)."""
+    r = a / b
+    return r, abs(r) * ((a_se / a) ** 2 + (b_se / b) ** 2) ** 0.5
+
+
+def best_vs_flow_grpo(summary: list[dict]) -> list[dict]:
+    """Per (task, mode): the algorithm with the highest mean gain per minute, and its ratio to
+    Flow-GRPO's with the standard error (absent where Flow-GRPO was not run; None where Flow-GRPO's
+    mean gain per minute is not positive)."""
+    out = []
+    for task, mode in dict.fromkeys((r["task"], r["mode"]) for r in summary):
+        rows = [r for r in summary if (r["task"], r["mode"]) == (task, mode)]
+        base = next((r for r in rows if r["algorithm"] == "flow_grpo"), None)
+        best = max(rows, key=lambda r: r["gain_per_min"])
+        if base is None:
+            continue
+        if base["gain_per_min"] <= 0:  # a ratio to no gain (or a loss) means nothing
+            out.append(
+                {"task": task, "mode": mode, "best": best["algorithm"], "ratio": None, "ratio_se": None}
+            )
+            continue
+        ratio, se = ratio_se(
+            best["gain_per_min"], best["gain_per_min_se"], base["gain_per_min"], base["gain_per_min_se"]
+        )
+        out.append({"task": task, "mode": mode, "best": best["algorithm"], "ratio": ratio, "ratio_se": se})
     return out
 
 
@@ -134,6 +179,7 @@ def compare(
     iterations: int = 100_000,
     log=print,
     on_run=None,
+    tasks: list[str] = ("colors",),
 ) -> dict:
     """Train every (seed, algorithm, mode) for ``minutes``; returns {"runs", "summary", "skipped"}.
     ``on_run(partial result)`` after each run (the script writes its JSON then: a stopped
@@ -142,10 +188,13 @@ def compare(
     import ray
 
     from digenrl.engine.resources import start_local
+    from tests.warm import active, warm_workers
 
     known = engine_modes()
     if unknown := [m for m in modes if m not in known]:
         raise ValueError(f"--modes: {', '.join(unknown)} not a mode ({', '.join(known)})")
+    if unknown := [t for t in tasks if t not in TASKS]:
+        raise ValueError(f"--tasks: {', '.join(unknown)} not a task ({', '.join(TASKS)})")
     skipped = {}
     for name in algorithms:
         if (why := known_algorithm(name, list(overrides))) is not None:
@@ -153,23 +202,31 @@ def compare(
             log(f"skipping algorithm {name!r}: the config does not know it yet ({why})")
     algos = [a for a in algorithms if a not in skipped]
     runs = []
-    started = start_local({"pool:rollout": 2, "pool:trainer": 1}, log_to_driver=False)
+    ray_modes = [m for m in modes if m != "local"]
+    started = bool(ray_modes) and start_local({"pool:rollout": 2, "pool:trainer": 1}, log_to_driver=False)
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for seed in seeds:  # interleaved: load drift on a shared machine hits every mode alike
-                for algo in algos:
-                    for mode in modes:
-                        sets = [*overrides, f"algorithm.name={algo}", *known[mode], f"train.seed={seed}"]
-                        r = run_one(sets, minutes * 60, iterations, Path(tmp) / f"{algo}-{mode}-{seed}")
-                        r.update(algorithm=algo, mode=mode, seed=seed)
-                        runs.append(r)
-                        if on_run is not None:
-                            on_run(result(minutes, seeds, runs, skipped))
-                        log(
-                            f"{algo} / {mode} / seed {seed}: {r['iterations']} iterations in "
-                            f"{r['wall_s']:.0f} s, gain {r['gain']:+.3f} ({r['gain_per_min']:+.3f}/min, "
-                            f"{r['gain_per_1k_samples']:+.3f}/1k samples)"
-                        )
+        kept = contextlib.nullcontext() if active() is not None else warm_workers()  # (the suite's own)
+        with tempfile.TemporaryDirectory() as tmp, kept:
+            cells = [(t, a, m) for t in tasks for a in algos for m in modes]
+            for seed in seeds:  # interleaved: load drift on a shared machine hits every cell alike
+                for task, algo, mode in cells:
+                    sets = [
+                        *overrides,
+                        *TASKS[task],
+                        f"algorithm.name={algo}",
+                        *known[mode],
+                        f"train.seed={seed}",
+                    ]
+                    r = run_one(sets, minutes * 60, iterations, Path(tmp) / f"{task}-{algo}-{mode}-{seed}")
+                    r.update(task=task, algorithm=algo, mode=mode, seed=seed)
+                    runs.append(r)
+                    if on_run is not None:
+                        on_run(result(minutes, seeds, runs, skipped))
+                    log(
+                        f"{task} / {algo} / {mode} / seed {seed}: {r['iterations']} iterations in "
+                        f"{r['wall_s']:.0f} s, gain {r['gain']:+.3f} ({r['gain_per_min']:+.3f}/min, "
+                        f"{r['gain_per_1k_samples']:+.3f}/1k samples)"
+                    )
     finally:
         if started:
             ray.shutdown()
@@ -183,7 +240,8 @@ def result(minutes: float, seeds: list[int], runs: list[dict], skipped: dict) ->
         "load_average": os.getloadavg(),
         "cpu_count": os.cpu_count(),
         "runs": runs,
-        "summary": summarize(runs),
+        "summary": (summary := summarize(runs)),
+        "best_vs_flow_grpo": best_vs_flow_grpo(summary),
         "skipped": skipped,
     }
 
@@ -195,11 +253,21 @@ def table(result: dict):
         title=f"reward per wall time - {result['minutes']:g} min per run, seeds {result['seeds']}, "
         f"{result['cpu_count']} CPU cores (load average at the end {result['load_average'][0]:.1f})"
     )
-    for col in ("algorithm", "mode", "iterations", "samples/s", "gain", "gain / min", "gain / 1k samples"):
-        tab.add_column(col, justify="left" if col in ("algorithm", "mode") else "right")
+    for col in (
+        "task",
+        "algorithm",
+        "mode",
+        "iterations",
+        "samples/s",
+        "gain",
+        "gain / min",
+        "gain / 1k samples",
+    ):
+        tab.add_column(col, justify="left" if col in ("task", "algorithm", "mode") else "right")
     pm = lambda r, m, f: f"{r[m]:{f}} ± {r[m + '_se']:.3f}"  # noqa: E731
     for r in result["summary"]:
         tab.add_row(
+            r["task"],
             r["algorithm"],
             r["mode"],
             f"{r['iterations']:.0f}",
@@ -217,6 +285,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES))
     parser.add_argument("--algorithms", default="flow_grpo", help="comma-separated algorithm.name values")
+    parser.add_argument("--tasks", default="colors", help=f"comma-separated, of {', '.join(TASKS)}")
     parser.add_argument("--set", action="append", default=[], help="a config override for every run")
     parser.add_argument("--tiny", action="store_true", help="2 iterations, one seed (the smoke test)")
     parser.add_argument("--json", type=Path, help="write the runs and the summary here")
@@ -242,11 +311,20 @@ def main(argv: list[str] | None = None) -> int:
             iterations,
             log=lambda s: console.print(f"[dim]{s}[/dim]"),
             on_run=(lambda r: args.json.write_text(json.dumps(r, indent=2))) if args.json else None,
+            tasks=[t for t in args.tasks.split(",") if t],
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     console.print(table(result))
+    for b in result["best_vs_flow_grpo"]:
+        if b["ratio"] is None:
+            console.print(f"{b['task']} / {b['mode']}: best {b['best']}; Flow-GRPO gained nothing: no ratio")
+            continue
+        console.print(
+            f"{b['task']} / {b['mode']}: best {b['best']}, gain per minute "
+            f"{b['ratio']:.2f} ± {b['ratio_se']:.2f} x Flow-GRPO's"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

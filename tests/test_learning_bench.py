@@ -30,6 +30,7 @@ def test_modes_are_engine_modes_own():
     b = bench()
     assert set(b.DEFAULT_MODES) <= set(b.engine_modes())
     assert "engine.max_staleness=1" in b.engine_modes()["full"]
+    assert b.engine_modes()["local"] == ["placement.mode=local"]  # the single-process trainer
 
 
 def test_unknown_algorithm_is_named_not_raised():
@@ -47,15 +48,50 @@ def test_summary_mean_and_standard_error():
     ]
     (row,) = b.summarize(runs)
     assert row["gain"] == 2.0 and row["gain_se"] == pytest.approx(1.0) and row["seeds"] == [0, 1]
+    assert row["task"] == "colors"  # runs without a task are the demo's
+
+
+def test_ratio_and_its_standard_error_by_the_delta_method():
+    b = bench()
+    r, se = b.ratio_se(2.0, 0.2, 1.0, 0.1)  # relative errors 0.1 and 0.1: sqrt(0.02) x 2
+    assert r == 2.0 and se == pytest.approx(2.0 * 0.02**0.5)
+
+
+def test_best_against_flow_grpo_per_task_and_mode():
+    b = bench()
+    row = lambda t, a, g: {"task": t, "mode": "m", "algorithm": a, "gain_per_min": g, "gain_per_min_se": 0.1}  # noqa: E731
+    summary = [row("colors", "flow_grpo", 1.0), row("colors", "awm", 3.0), row("shapes", "awm", 1.0)]
+    (best,) = b.best_vs_flow_grpo(summary)  # shapes has no Flow-GRPO run: no ratio
+    assert (best["task"], best["best"], best["ratio"]) == ("colors", "awm", 3.0)
+    assert best["ratio_se"] == pytest.approx(3.0 * ((0.1 / 3) ** 2 + 0.1**2) ** 0.5)
+    lost = [row("colors", "flow_grpo", -1.0), row("colors", "awm", 0.5)]
+    assert b.best_vs_flow_grpo(lost)[0]["ratio"] is None  # no ratio to a loss
+
+
+def test_tasks_are_rewards_the_config_knows():
+    from digenrl.config.run import load_config
+
+    b = bench()
+    assert set(b.TASKS) == {"colors", "shapes"}
+    cfg = load_config(None, b.TASKS["shapes"])
+    assert [c.name for c in cfg.reward.components] == ["prompt_shape"]
 
 
 @pytest.mark.slow
 def test_tiny_run_writes_the_json_fields(tmp_path, ray_cluster):
-    args = ["--tiny", "--modes", "colocated,full", "--algorithms", "flow_grpo,no_such_algorithm"]
+    args = ["--tiny", "--modes", "local,full", "--algorithms", "flow_grpo,no_such_algorithm"]
     sets = as_sets(TINY_IMAGE)
-    result = run_benchmark_here("learning.py", tmp_path, *args, *sets)
+    result = run_benchmark_here("learning.py", tmp_path, *args, "--tasks", "colors,shapes", *sets)
     assert "no_such_algorithm" in result["skipped"]
-    assert [(r["mode"], r["iterations"]) for r in result["runs"]] == [("colocated", 2), ("full", 2)]
+    assert [(r["task"], r["mode"], r["iterations"]) for r in result["runs"]] == [
+        ("colors", "local", 2),
+        ("colors", "full", 2),
+        ("shapes", "local", 2),
+        ("shapes", "full", 2),
+    ]
+    assert {(b["task"], b["mode"], b["best"]) for b in result["best_vs_flow_grpo"]} == {
+        (t, m, "flow_grpo") for t in ("colors", "shapes") for m in ("local", "full")
+    }
     for row in result["summary"]:
         assert row["algorithm"] == "flow_grpo" and row["seeds"] == [0]
         for key in ("gain", "gain_per_min", "gain_per_1k_samples", "samples_per_s"):

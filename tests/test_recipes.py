@@ -52,6 +52,10 @@ def test_every_family_has_a_recipe_and_every_recipe_a_readme_row():
         "diffusion_nft_qwen_image",
         "flow_grpo_qwen_image_ocr",
         "flow_grpo_qwen_image_geneval",
+        "awm_flux_pickscore",
+        "flow_dppo_qwen_image",
+        "grpo_guard_qwen_image",
+        "online_dpo_flux_pickscore",
     } <= names
     readme = (RECIPES[0].parent / "README.md").read_text()
     for name in names:
@@ -106,9 +110,11 @@ def test_recipe_runs_two_iterations_on_the_tiny_preset(recipe, tmp_path, monkeyp
     steps = cfg.train.optimizer_steps
     assert len(seen) == 2 * steps and sorted(m for m, _ in seen) == sorted(list(range(steps)) * 2)
     unit = trainer.last_units[0]
-    if alg.name == "diffusion_nft":  # no ratio: clean samples, K noise levels each, r in [0, 1]
-        assert unit.latents.shape[1] == 1 and unit.train_idx.shape[1] == (alg.nft.noise_levels or samp.steps)
-        assert all(0 <= r["nft_r"] <= 1 and r["loss"] > 0 for r in rows)
+    if alg.name in ("diffusion_nft", "awm", "online_dpo"):  # no ratio: clean samples, K noise levels each
+        section = {"awm": alg.awm, "online_dpo": alg.dpo}.get(alg.name, alg.nft)
+        assert unit.latents.shape[1] == 1 and unit.train_idx.shape[1] == (section.noise_levels or samp.steps)
+        if alg.name == "diffusion_nft":  # r in [0, 1]
+            assert all(0 <= r["nft_r"] <= 1 and r["loss"] > 0 for r in rows)
         assert (result.run_dir / "final").is_dir()
         return
     for m, st in seen:

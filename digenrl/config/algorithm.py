@@ -29,7 +29,24 @@ ALGORITHM_DEFAULTS = {
         "timesteps": {"mode": "fraction", "fraction": 0.99},
         "sampling": {"noise_level": 0.0, "steps": 10},
     },
+    # AWM and online DPO: forward-process like diffusion_nft -- clean ODE samples, no log-probs
+    "awm": {
+        "sde": "flow_grpo",
+        "timesteps": {"mode": "fraction", "fraction": 0.99},
+        "sampling": {"noise_level": 0.0},
+    },
+    "online_dpo": {
+        "sde": "flow_grpo",
+        "timesteps": {"mode": "fraction", "fraction": 0.99},
+        "sampling": {"noise_level": 0.0},
+    },
+    # Flow-DPPO and GRPO-Guard: Flow-GRPO's SDE and trained steps, another trust region
+    "flow_dppo": {"sde": "flow_grpo", "timesteps": {"mode": "fraction", "fraction": 0.99}},
+    "grpo_guard": {"sde": "flow_grpo", "timesteps": {"mode": "fraction", "fraction": 0.99}},
 }
+
+#: the algorithms that train on forward-noised clean samples (no SDE log-probs travel)
+FORWARD_PROCESS = ("diffusion_nft", "awm", "online_dpo")
 
 
 #: families whose guidance is two-pass CFG: diffusion_nft rolls out and trains them CFG-free by default
@@ -53,7 +70,7 @@ def algorithm_defaults(data: dict) -> dict:
         timesteps = {"fraction": preset["timesteps"]["fraction"], **timesteps}
     sampling = dict(preset.get("sampling", {}))
     model = data.get("model") if isinstance(data.get("model"), dict) else {}
-    if algorithm.get("name") == "diffusion_nft" and model.get("adapter") in TWO_PASS_CFG_FAMILIES:
+    if algorithm.get("name") in FORWARD_PROCESS and model.get("adapter") in TWO_PASS_CFG_FAMILIES:
         sampling["guidance"] = 1.0  # CFG-free rollouts and training (sampling.eval_guidance: CFG at eval)
     return {
         **data,
@@ -86,12 +103,39 @@ class NftConfig(_Section):
     )
 
 
+class AwmConfig(_Section):
+    """Advantage Weighted Matching's knobs (``algorithm.name: awm``; docs/algorithms.md)."""
+
+    weighting: Literal["uniform", "t", "t2", "ghuber"] = Field(
+        "ghuber", description="w(t, l) of the matching error l (Flow-Factory's SD3.5 recipe: ghuber)"
+    )
+    ghuber_power: float = Field(0.25, gt=0, le=1, description="p of the generalised Huber weighting")
+    noise_levels: int | None = Field(
+        None, gt=0, le=MAX_STEPS, description="noised copies per sample (null: one per sampling step)"
+    )
+
+
+class DpoConfig(_Section):
+    """Online DPO's knobs (``algorithm.name: online_dpo``; docs/algorithms.md)."""
+
+    beta: float = Field(100.0, gt=0, description="DPO temperature on the error difference (flow_grpo: 100)")
+    noise_levels: int | None = Field(
+        None, gt=0, le=MAX_STEPS, description="noised copies per pair (null: one per sampling step)"
+    )
+
+
+AlgorithmName = Literal[
+    "flow_grpo", "dance_grpo", "diffusion_nft", "awm", "flow_dppo", "grpo_guard", "online_dpo"
+]
+
+
 class AlgorithmConfig(_Section):
-    name: Literal["flow_grpo", "dance_grpo", "diffusion_nft"] = Field(
+    name: AlgorithmName = Field(
         "flow_grpo",
         description=(
             "selects the defaults of sampling.sde and algorithm.timesteps (see ALGORITHM_DEFAULTS); "
-            "diffusion_nft: forward-process RL on clean ODE samples (algorithm.nft)"
+            "diffusion_nft / awm / online_dpo: forward-process RL on clean ODE samples; flow_dppo / "
+            "grpo_guard: Flow-GRPO with a KL trust-region mask / a normalised ratio"
         ),
     )
     group_size: int = Field(
@@ -122,3 +166,21 @@ class AlgorithmConfig(_Section):
     )
     timesteps: TimestepConfig = Field(default_factory=TimestepConfig)
     nft: NftConfig = Field(default_factory=NftConfig, description="algorithm.name diffusion_nft only")
+    awm: AwmConfig = Field(default_factory=AwmConfig, description="algorithm.name awm only")
+    dpo: DpoConfig = Field(default_factory=DpoConfig, description="algorithm.name online_dpo only")
+    shared_prefix: int = Field(
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="k > 0: a group's samples share their initial noise and first k (ODE) steps, computed "
+        "once per group, and branch at step k (BranchGRPO); 0 = every sample its own",
+    )
+    branch_tree: list[tuple[int, int]] = Field(
+        default_factory=list,
+        description="later splits [step, factor] after shared_prefix (BranchGRPO's tree): the group splits "
+        "at shared_prefix into G / prod(factors) branches, each of which splits into factor at step; "
+        "[] = one split, into all G",
+    )
+    kl_mask_threshold: float = Field(
+        1e-5, gt=0, description="flow_dppo: the trust region delta on the exact step KL (veRL-Omni: 1e-5)"
+    )

@@ -8,6 +8,7 @@ the dotted path.
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -123,11 +124,48 @@ class RunConfig(_Section):
         alg, ts, steps = self.algorithm, self.algorithm.timesteps, self.sampling.steps
         if alg.clip_range is None:
             alg.clip_range = default_clip_range(self.sampling.sde)
-        k = alg.nft.noise_levels
-        if alg.name == "diffusion_nft" and k is not None and k > steps:
+        section = {"diffusion_nft": "nft", "awm": "awm", "online_dpo": "dpo"}.get(alg.name)
+        k = getattr(alg, section).noise_levels if section else None
+        if k is not None and k > steps:
             raise ValueError(
-                f"algorithm.nft.noise_levels ({k}) exceeds sampling.steps ({steps}): the noise levels are "
-                "distinct sigmas of the rollout schedule"
+                f"algorithm.{section}.noise_levels ({k}) exceeds sampling.steps ({steps}): the noise levels "
+                "are distinct sigmas of the rollout schedule"
+            )
+        k = alg.shared_prefix
+        if k and (k >= steps or ts.mode == "random" or self.sampling.noise_level == 0):
+            raise ValueError(
+                f"algorithm.shared_prefix ({k}) needs stochastic steps after it: fewer than sampling.steps "
+                f"({steps}), sampling.noise_level > 0 (else the branches are identical) and "
+                "algorithm.timesteps.mode fraction or window (not random)"
+            )
+        first = math.floor(ts.window_range[0] * steps + 1e-9)  # a window's first possible step
+        if k and ts.mode == "window" and first < k:
+            raise ValueError(
+                f"algorithm.shared_prefix ({k}): the window must start at or after the branch step "
+                f"(algorithm.timesteps.window_range starts at step {first})"
+            )
+        tree = alg.branch_tree
+        steps_in = [k, *(s for s, _ in tree)]
+        factors = math.prod(f for _, f in tree)
+        if tree and (
+            not k
+            or steps_in != sorted(set(steps_in))
+            or steps_in[-1] >= steps
+            or any(f < 2 for _, f in tree)
+            or alg.group_size % factors
+            or alg.group_size // factors < 2
+            or self.engine.unit_samples is not None
+        ):
+            raise ValueError(
+                f"algorithm.branch_tree {[list(t) for t in tree]}: needs algorithm.shared_prefix > 0, split "
+                f"steps increasing after it and below sampling.steps ({steps}), factors >= 2 whose product "
+                f"divides algorithm.group_size ({alg.group_size}) leaving >= 2 first branches, and whole "
+                "groups per rollout unit (engine.unit_samples null)"
+            )
+        if alg.name == "grpo_guard" and self.sampling.sde == "cps":
+            raise ValueError(
+                "algorithm.name: grpo_guard normalises a Gaussian log-ratio; sampling.sde cps has none "
+                "(use flow_grpo or dance_grpo)"
             )
         if ts.mode == "window" and window_bounds(steps, ts.window, ts.window_range) is None:
             raise ValueError(

@@ -146,7 +146,9 @@ def shard_policy(
     trained = {n for n, p in net.named_parameters() if p.requires_grad}
     ref = policy._ref
     if ref is None and getattr(policy, "shard_pending", False) and not policy.lora:
-        if policy.cfg.algorithm.kl_beta > 0:  # full FT: the reference is the initial weights, in the
+        if (
+            policy.cfg.algorithm.kl_beta > 0 or policy.cfg.algorithm.name == "online_dpo"
+        ):  # full FT: the reference is the initial weights, in the
             ref = {n: p.dtype for n, p in net.named_parameters()}  # compute dtype they were loaded in
     parallelize(
         net,

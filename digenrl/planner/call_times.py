@@ -337,7 +337,12 @@ def rollout_unit_time(
     else:
         forwards = [c for n in minibatch_samples(w, groups) for c in micro_batches(n, w.micro_batch)]
     reward = t.reward(b)
-    calls = t.encode(groups) + w.steps * sum(t.rollout_step(c) for c in forwards) + t.decode(b) + reward
+    # algorithm.shared_prefix / branch_tree: a step with fewer rows per group than G runs one forward of
+    # the unit's nodes (a prefix: its group heads); the others run the unit's own forwards
+    widths = w.rollout_widths()
+    full = sum(t.rollout_step(c) for c in forwards)
+    steps = sum(full if n == w.group_size else t.rollout_step(groups * n) for n in widths)
+    calls = t.encode(groups) + steps + t.decode(b) + reward
     return max(MIN_UNIT_FRACTION * calls, calls * t.rollout_unit_factor + t.rollout_overhead_s), reward
 
 

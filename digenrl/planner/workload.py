@@ -3,6 +3,7 @@ groups, guidance passes, what travels between workers."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from digenrl.adapters import adapter_class
@@ -17,6 +18,7 @@ from digenrl.planner.constants import (
     WEIGHT_FREE_REWARDS,
 )
 from digenrl.planner.shapes import ModelShape, ParamCounts, forward_flops, model_shape, param_counts
+from digenrl.units.nft import is_forward_process, noise_levels
 
 
 def measured_reward_s(name: str, height: int, width: int) -> float | None:
@@ -79,6 +81,9 @@ class Workload:
     # a train term (sample x noise level) is the old policy's no-grad forward + the current forward/backward
     forward_process: bool = False
     ema: bool = False  # train.ema: the trainer keeps an fp32 average of the trained weights
+    # algorithm.shared_prefix k: a group's first k rollout steps run once per group, not per sample
+    shared_prefix: int = 0
+    branch_tree: tuple = ()  # algorithm.branch_tree: later splits (step, factor)
     # samples per sampling forward of a rollout-only worker (engine.rollout_batch N); None = the trainer's
     # micro-batches (engine.rollout_batch "trainer", the bit-exact ratio), or with rollout_batch_auto
     # (engine.rollout_batch "auto") the largest each rollout device holds by the memory model
@@ -114,9 +119,9 @@ class Workload:
             (reward_term_kind(c.name), c.seconds_per_image or measured_reward_s(c.name, h, w))
             for c in cfg.reward.components
         )
-        nft = cfg.algorithm.name == "diffusion_nft"
+        nft = is_forward_process(cfg)  # diffusion_nft, awm, online_dpo (costed as diffusion_nft's terms)
         if nft:  # K noise levels per sample take the place of the trained steps
-            idx = torch.zeros(1, cfg.algorithm.nft.noise_levels or n)
+            idx = torch.zeros(1, noise_levels(cfg))
         return cls(
             family=cfg.model.adapter,
             shape=shape,
@@ -140,6 +145,8 @@ class Workload:
             evaluates=cfg.output.eval_every > 0,
             forward_process=nft,
             ema=cfg.train.ema is not None,
+            shared_prefix=cfg.algorithm.shared_prefix,
+            branch_tree=tuple(tuple(t) for t in cfg.algorithm.branch_tree),
             rollout_batch=rb if isinstance(rb := cfg.engine.rollout_batch, int) else None,
             rollout_batch_auto=cfg.engine.rollout_batch == "auto",
             reward_terms=terms,
@@ -149,6 +156,31 @@ class Workload:
     @property
     def samples(self) -> int:
         return self.prompts * self.group_size
+
+    def rollout_widths(self) -> list[int]:
+        """Per rollout step, the rows one group runs: 1 on a shared prefix, a tree's nodes between its
+        splits, G after the last split (G everywhere without a prefix)."""
+        k, G = self.shared_prefix, self.group_size
+        if not k:
+            return [G] * self.steps
+        tree = list(self.branch_tree)
+        widths, width = [1] * k, 1
+        splits = [(k, G // math.prod(f for _, f in tree)), *tree]
+        for (step, factor), end in zip(splits, [s for s, _ in tree] + [self.steps]):
+            width *= factor
+            widths += [width] * (end - step)
+        return widths
+
+    @property
+    def rollout_forwards(self) -> int:
+        """Sample-forwards of one iteration's rollouts (per guidance pass): N per sample, less what a
+        shared prefix (and a branch tree) saves: (G - 1) x k per group for one split."""
+        return self.prompts * sum(self.rollout_widths())
+
+    @property
+    def rollout_flops(self) -> float:
+        """The iteration's rollout transformer FLOPs (every guidance pass)."""
+        return self.rollout_forwards * self.passes * forward_flops(self.shape)
 
     @property
     def trained_params(self) -> int:
@@ -195,4 +227,5 @@ class Workload:
         d["tokens"] = asdict(self.shape.tokens)
         d["shape_source"] = self.shape.source
         d["forward_tflops_per_sample"] = forward_flops(self.shape) / 1e12
+        d["rollout_tflops"] = self.rollout_flops / 1e12
         return d

@@ -68,8 +68,8 @@ class Policy:
         self.ema: WeightAverage | None = None  # train.ema: on the trainer only
         self.old = None  # diffusion_nft: the old policy (an EMA of the trained weights), on trainer ranks
         if trainable and not self.shard_pending:
-            if not self.lora and cfg.algorithm.kl_beta > 0:  # full FT: the KL needs a frozen copy, on
-                # the ranks that train only (a rollout policy never computes the KL)
+            # full FT: the KL (online DPO: its reference) needs a frozen copy, on the ranks that train only
+            if not self.lora and (cfg.algorithm.kl_beta > 0 or cfg.algorithm.name == "online_dpo"):
                 self._ref = copy.deepcopy(net).requires_grad_(False)
             fp32_master(net)  # the optimizer steps fp32 masters; compute stays in model.dtype (autocast)
         self.named_params = {n: p for n, p in net.named_parameters() if p.requires_grad}

@@ -25,9 +25,16 @@ def is_nft(cfg) -> bool:
     return cfg.algorithm.name == "diffusion_nft"
 
 
+def is_forward_process(cfg) -> bool:
+    """DiffusionNFT, AWM, online DPO: trained on forward-noised clean samples, no SDE log-probs."""
+    return cfg.algorithm.name in ("diffusion_nft", "awm", "online_dpo")
+
+
 def noise_levels(cfg) -> int:
     """K: forward-noised copies per sample (null: one per rollout step)."""
-    return cfg.algorithm.nft.noise_levels or cfg.sampling.steps
+    alg = cfg.algorithm
+    section = {"awm": alg.awm, "online_dpo": alg.dpo}.get(alg.name, alg.nft)
+    return section.noise_levels or cfg.sampling.steps
 
 
 def noise_plan(cfg, iteration: int, seed: int, group_ids: list[int], samples: tuple[int, int]):
@@ -53,7 +60,7 @@ def noise_plan(cfg, iteration: int, seed: int, group_ids: list[int], samples: tu
     return torch.ones(n, dtype=torch.bool), torch.cat(idx), torch.cat(seeds)
 
 
-def _noise(seeds: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def noise_of(seeds: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """The forward noise eps of each row (one seed each)."""
     return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds])
 
@@ -95,7 +102,7 @@ def train_unit(
         noisy = []
         for j in positions:
             t = sig[samples.train_idx[mb, j]].to(ad.device)
-            eps = _noise(samples.noise_seeds[mb, j], tuple(x0.shape[1:])).to(ad.device)
+            eps = noise_of(samples.noise_seeds[mb, j], tuple(x0.shape[1:])).to(ad.device)
             noisy.append((t, nft.forward_noise(x0, t, eps)))
         with torch.no_grad(), policy.old_weights():  # v_old: every level's forward in one weight swap
             olds = [ad.velocity(x_t, t, cond) for t, x_t in noisy]

@@ -14,7 +14,8 @@ from digenrl.algorithms.sde import (
 )
 from digenrl.data.prompts import Prompt
 from digenrl.rewards.base import Decoded, score
-from digenrl.units.nft import is_nft, noise_plan
+from digenrl.units.branch import branched_sample, node_rng, prefix_noise, prefix_selection
+from digenrl.units.nft import is_forward_process, noise_plan
 from digenrl.units.rows import minibatch_rows, stream_seed
 from digenrl.units.samples import GroupRNG, Samples
 
@@ -48,28 +49,33 @@ def rollout_unit(
     cond = ad.cond_for([p.text for p in prompts]).repeat_interleave(n)
     noise = rng((len(prompts) * n, *ad.latent_shape()))
     sigmas = ad.sigmas(n_steps)
-    nft, noise_seeds = is_nft(cfg), None
+    nft, noise_seeds = is_forward_process(cfg), None
     if nft:  # K noise levels per sample and their noise seeds; the rollout itself is a plain sampler
         sde_mask, train_idx, noise_seeds = noise_plan(cfg, iteration, seed, group_ids, (lo, hi))
     else:
         sde_mask, train_idx = _timestep_selection(cfg, iteration, seed, group_ids, (lo, hi))
-    traj = sample(
-        ad,
-        cond.to(ad.device),
-        noise.to(ad.device),
-        sigmas,
-        cfg.sampling.sde,
-        cfg.sampling.noise_level,
-        rng,
-        sde_mask,
-        batches=None
+    k = cfg.algorithm.shared_prefix  # > 0: the group shares its noise and first k (ODE) steps
+    if k:
+        sde_mask, train_idx = prefix_selection(sde_mask, train_idx, k)
+    batches = (
+        None
         if whole_forwards
         else own_batches(len(noise), n_steps, batch)
         if batch is not None
         else None
         if nft
-        else forward_batches(train_idx, cfg, n, lo, _trainer_shards(policy)),
+        else forward_batches(train_idx, cfg, n, lo, _trainer_shards(policy))
     )
+    kind, eta = cfg.sampling.sde, cfg.sampling.noise_level
+    if k:
+        start = prefix_noise(seed, iteration, group_ids, tuple(ad.latent_shape())).to(ad.device)
+        tree = [tuple(t) for t in cfg.algorithm.branch_tree]
+        nodes = node_rng(seed, iteration, group_ids)
+        traj = branched_sample(
+            ad, cond.to(ad.device), start, n, sigmas, kind, eta, rng, sde_mask, batches, k, tree, nodes
+        )
+    else:
+        traj = sample(ad, cond.to(ad.device), noise.to(ad.device), sigmas, kind, eta, rng, sde_mask, batches)
     pixels = ad.decode(traj.latents[:, -1]).cpu()  # scored off the device (whatever mode scores it)
     texts = [p.text for p in prompts for _ in range(n)]
     metas = [p.meta for p in prompts for _ in range(n)]

@@ -7,13 +7,14 @@ from __future__ import annotations
 import torch
 
 from digenrl.adapters.guidance import backward_through_velocity
-from digenrl.algorithms import grpo
+from digenrl.algorithms import dppo, grpo, guard
 from digenrl.algorithms.sde import (
     logprob_of_velocity,
     recompute_logprob,
     step_scale,
     transition_logprob,
 )
+from digenrl.units import forward as units_forward
 from digenrl.units import nft as units_nft
 from digenrl.units.nft import is_nft
 from digenrl.units.rows import train_batches
@@ -47,11 +48,11 @@ def train_unit(
     rank holds no sample of the unit (``samples`` is one row to run the group's passes on).
     """
     cfg, ad = policy.cfg, policy.adapter
-    if is_nft(cfg):  # DiffusionNFT: flow matching on forward-noised clean samples
+    if is_nft(cfg) or cfg.algorithm.name in ("awm", "online_dpo"):  # flow matching on noised clean samples
         passes = None if lockstep is None else len(lockstep)  # a sharded group's micro-batches
-        return units_nft.train_unit(
-            policy, samples, total_terms, tsp_rank, tsp_degree, minibatch, minibatches, passes, padding
-        )
+        unit = units_nft.train_unit if is_nft(cfg) else units_forward.train_unit
+        share = (tsp_rank, tsp_degree, minibatch, minibatches, passes, padding)
+        return unit(policy, samples, total_terms, *share)
     alg, kind, eta = cfg.algorithm, cfg.sampling.sde, cfg.sampling.noise_level
     stale = samples.version < policy.version  # one-step async: decoupled PPO
     stats = _Stats()
@@ -84,8 +85,10 @@ def train_unit(
             x_next = samples.latents[rows, i + 1].to(ad.device)
             c = cond.select(sel) if len(sel) < len(mb) else cond
             behaviour = samples.log_probs[rows, i].to(ad.device)
-            noise = None
-            if stale and alg.stale_gradient == "recentred" and samples.step_noise is not None:
+            noise = mu_old = None
+            if alg.name in TRUST_REGION:  # the behaviour step mean: x_{i+1} minus its recorded noise
+                mu_old = x_next - samples.step_noise[rows, i].to(ad.device)
+            elif stale and alg.stale_gradient == "recentred" and samples.step_noise is not None:
                 noise = samples.step_noise[rows, i].to(ad.device)
             mu_ref = None
             if alg.kl_beta > 0:
@@ -101,12 +104,16 @@ def train_unit(
                 a=adv[sel],
                 mu_ref=mu_ref,
                 noise=noise,
+                mu_old=mu_old,
                 scale=1.0 - idle,
             ):
                 logp, mu, std = logprob_of_velocity(v, x, x_next, sig, i, kind, eta)
                 if noise is not None:  # the stale sample's noise around the current mean
                     logp = (logp.detach(), recentred_logprob(kind, mu, noise, sig, i, std))
-                scalar, extras = term_loss(alg, logp, behaviour, a, stale, mu, mu_ref, std, total_terms)
+                old = None
+                if mu_old is not None:  # flow_dppo / grpo_guard: the behaviour mean and the step scale
+                    old = (mu_old, step_scale(kind, float(sig[i]), float(sig[i + 1]), std))
+                scalar, extras = term_loss(alg, logp, behaviour, a, stale, mu, mu_ref, std, total_terms, old)
                 return scalar * scale, (*extras, logp[0] if isinstance(logp, tuple) else logp.detach())
 
             sigma = sig[i].expand(x.shape[0])
@@ -132,16 +139,26 @@ def recentred_logprob(kind: str, mu: torch.Tensor, noise: torch.Tensor, sigmas, 
     return transition_logprob(kind, mu.detach() + noise, mu, scale)
 
 
-def term_loss(alg, logp, behaviour, adv, stale: bool, mu, mu_ref, std: float, total_terms: int):
+#: the algorithms whose trust region needs the behaviour step mean (recovered from the step noise)
+TRUST_REGION = ("flow_dppo", "grpo_guard")
+
+
+def term_loss(alg, logp, behaviour, adv, stale: bool, mu, mu_ref, std: float, total_terms: int, old=None):
     """(the scalar to backpropagate, (per-term loss, ratio stats, IS weight or None, KL or None) detached).
 
     On-policy: PPO-clip to the behaviour log-prob. Stale (one-step async): clip around the proximal
     policy and weight by the capped exp(logp_prox - logp_behaviour) (decoupled PPO). ``logp`` may be a
     pair (the sample's log-prob under the current weights, detached; the recentred log-prob to
-    differentiate, :func:`recentred_logprob`). ``mu_ref``: the KL reference's step mean (None: no KL term)."""
+    differentiate, :func:`recentred_logprob`). ``mu_ref``: the KL reference's step mean (None: no KL term).
+    ``old`` = (behaviour step mean, step scale): flow_dppo's KL mask / grpo_guard's normalised ratio,
+    both to the behaviour policy (a stale sample too: its trust region is around what generated it)."""
     w = kl = None
     prox, logp = logp if isinstance(logp, tuple) else (logp.detach(), logp)
-    if stale:
+    if alg.name == "flow_dppo":
+        loss, st = dppo.dppo_objective(logp, behaviour, adv, mu, old[0], old[1], alg.kl_mask_threshold)
+    elif alg.name == "grpo_guard":
+        loss, st = guard.guard_objective(logp, behaviour, adv, mu, old[0], old[1], alg.clip_range)
+    elif stale:
         w = torch.exp(prox - behaviour).clamp(max=alg.is_cap)
         loss, st = grpo.clipped_objective(logp, logp.detach(), adv, alg.clip_range, w)
     else:
@@ -190,6 +207,8 @@ def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:
     """Combine unit stats into the iteration's metrics (``loss``: the mean of the mini-batches' losses)."""
     if parts and "nft_r" in parts[0]:  # DiffusionNFT's stats (no ratios)
         return units_nft.merge_nft_stats(parts, minibatches)
+    if parts and "forward_error" in parts[0]:  # AWM's / online DPO's
+        return units_forward.merge_forward_stats(parts, minibatches)
     terms = sum(p["terms"] for p in parts) or 1
     out = {
         "loss": sum(p["loss"] for p in parts) / minibatches,

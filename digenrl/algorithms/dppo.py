@@ -1,0 +1,58 @@
+"""Flow-DPPO (Ping et al. 2026, arXiv 2606.11025; veRL-Omni's ``flow_dppo``, UniRL's flowdppo):
+Flow-GRPO with the ratio clip replaced by a divergence trust region.
+
+Each SDE step is a Gaussian with a fixed scale s = std_i sqrt(-d), so the behaviour policy's and the
+current policy's step distributions differ only in their means and their KL is exact:
+
+    D = KL(pi_old || pi_theta) = mean (mu_theta - mu_old)^2 / (2 s^2)       (mean over elements)
+
+A term is masked (no gradient) when the update left the trust region AND still pushes away from the
+behaviour policy in the advantage's direction; everything else keeps the plain policy gradient:
+
+    block = D >= delta  and  ((A > 0 and rho > 1) or (A < 0 and rho < 1))
+    L     = -A rho (1 - block)                                  rho = exp(logp - logp_old)
+
+(veRL-Omni compares D >= delta; a ratio of exactly 1 never blocks.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def step_kl(mu: torch.Tensor, mu_old: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per sample: the exact KL between two step Gaussians of equal scale, mean((mu - mu_old)^2) / (2 s^2)."""
+    diff = (mu - mu_old).reshape(mu.shape[0], -1)
+    return (diff**2).mean(dim=1) / (2 * max(scale, 1e-12) ** 2)
+
+
+def trust_region_block(kl: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, delta: float):
+    """True where a term leaves the trust region moving away from the behaviour policy."""
+    away = ((adv > 0) & (ratio > 1)) | ((adv < 0) & (ratio < 1))
+    return (kl >= delta) & away
+
+
+def dppo_objective(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    adv: torch.Tensor,
+    mu: torch.Tensor,
+    mu_old: torch.Tensor,
+    scale: float,
+    delta: float,
+) -> tuple[torch.Tensor, dict]:
+    """The per-term loss -A rho, zero where blocked (the mask is detached), and detached stats."""
+    ratio = torch.exp(logp - logp_old)
+    with torch.no_grad():
+        kl = step_kl(mu, mu_old, scale)
+        block = trust_region_block(kl, ratio, adv, delta)
+    loss = torch.where(block, torch.zeros_like(ratio), -adv * ratio)
+    with torch.no_grad():
+        stats = {
+            "ratio_mean": ratio.mean().item(),
+            "ratio_max": ratio.max().item(),
+            "ratio_min": ratio.min().item(),
+            "clip_frac": block.float().mean().item(),  # the masked fraction, reported as the clip's
+            "step_kl_mean": kl.mean().item(),
+        }
+    return loss, stats
