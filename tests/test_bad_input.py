@@ -95,7 +95,7 @@ CASES = {
     "unknown reward": (["train", "--set", "reward.components=[{name: hpsv9}]"], "unknown reward 'hpsv9'"),
     "empty prompt file": (["train", "--set", "prompts.file={t}/empty.txt"], "empty.txt holds no prompts"),
     "missing prompt file": (["train", "--set", "prompts.file={t}/none.txt"], "none.txt not found"),
-    "unknown adapter": (["train", "--set", "model.adapter=sd3"], "unknown adapter 'sd3'"),
+    "unknown adapter": (["train", "--set", "model.adapter=sdxl"], "unknown adapter 'sdxl'"),
     "resolution the model cannot take": (["train", "--set", "model.height=18"], "model.height"),
     # files that are not UTF-8 text, a duplicate key
     "config file not UTF-8": (

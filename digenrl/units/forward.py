@@ -103,9 +103,11 @@ def _dpo_objective(alg, x0, eps, t, adv, v_ref, counts, scale):
 
 def _pairs(samples, mb: torch.Tensor, per_group: int):
     """(rows: the chosen rows then the rejected ones, the chosen rows, samples per pair's group in
-    ``mb``) of the micro-batch ``mb``'s part of each group."""
+    ``mb``) of the micro-batch ``mb``'s part of each group. Ranked by advantage: within a group it orders
+    the samples as their rewards do, and it is what every engine mode hands a train unit (the rewards
+    stay with the driver)."""
     groups = mb // per_group
-    pairs = dpo.best_worst_pairs(samples.rewards[mb].double(), groups)
+    pairs = dpo.best_worst_pairs(samples.advantages[mb].double(), groups)
     if not pairs:
         return mb[:0], mb[:0], torch.zeros(0)
     w = torch.tensor([mb[a] for a, _ in pairs])
