@@ -94,7 +94,7 @@ def local_ray(pools: dict[str, int] = POOLS):
     # log_to_driver off: what actors print stays in Ray's session logs -- forwarded, a late line landed
     # in the stderr of whichever CLI test was capturing next (seen under xdist: test_bad_input)
     quiet = dict(include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    ray.init(num_cpus=2, resources=dict(pools), **quiet)
+    ray.init(address="local", num_cpus=2, resources=dict(pools), **quiet)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

@@ -1,13 +1,6 @@
 """The adapter protocol: step-level hooks over one model family's real diffusers classes.
 
-An adapter knows nothing of RL. The sampler (``digenrl.algorithms.sde``) owns the step loop and
-calls :meth:`Adapter.velocity` once per step; with noise level 0 it must reproduce the family's
-own diffusers pipeline. Latents are kept in the model's native layout (FLUX / Qwen: packed 2x2
-tokens; Wan / Hunyuan: (B, C, F, H, W)) and always in fp32 outside the network.
-
-Each family also states what one sample costs, from configs alone (class-level hooks the planner
-calls without building a model): the latent shape and token counts, the FLOPs of one transformer
-pass, the guidance passes per step, and the published reference model's shapes.
+Details: docs/modules.md, `digenrl.adapters.base`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """Two-pass classifier-free guidance (Wan, Qwen-Image): how the two passes run (``sampling.cfg_batching``).
 
-A CFG family runs the transformer on the same latents twice, with the prompt's conditioning and with the
-negative prompt's, and combines the two outputs (:meth:`TwoPassCFG.guide`). The passes can run
-
-- **batched**: one forward of batch 2B (conditional rows first). In training both passes' activations
-  sit in one autograd graph: twice the activation memory of one pass.
-- **sequential**: two forwards of batch B. In training, :func:`backward_through_velocity` backpropagates
-  one pass at a time, so only one pass's activations are ever held: the unconditional pass runs
-  without a graph, the loss is backpropagated through the conditional pass (keeping the gradient of the
-  loss with respect to the unconditional output), then the unconditional pass runs again with its graph
-  and is backpropagated with that gradient. The gradient equals the batched one (the chain rule split
-  in two); the cost is one extra forward of one pass.
-
-Both give the same velocity up to the rounding of a different batch size (tests/test_cfg_batching.py).
+Details: docs/modules.md, `digenrl.adapters.guidance`.
 """
 
 from __future__ import annotations

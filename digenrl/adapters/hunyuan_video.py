@@ -1,17 +1,6 @@
 """HunyuanVideo (``HunyuanVideoTransformer3DModel``): (B, C, F, H, W) latents, embedded guidance, fixed shift.
 
-Mirrors ``diffusers.HunyuanVideoPipeline``:
-- sigmas: ``set_timesteps(sigmas=np.linspace(1, 0, N + 1)[:-1])`` through the scheduler's fixed ``shift``
-  (7.0 in HunyuanVideo's scheduler config); the scheduler appends the final 0. This is NOT what
-  ``set_timesteps(N)`` gives (that one spaces from the shifted sigma_min, ending ~0.55 -> 0.05 -> 0 at N=8),
-  so the adapter builds its sigmas itself instead of calling ``Adapter._set_timesteps``.
-- timestep: ``sigma * 1000`` in fp32 (the pipeline casts it to the latents' dtype, fp32).
-- guidance: embedded, ``tensor([scale] * B, dtype=transformer dtype) * 1000``; one pass, no CFG.
-- ``encoder_attention_mask`` is required and the transformer only uses its SUM (per-sample valid length),
-  so valid tokens must be a left-aligned prefix: checked in :meth:`encode_prompts`.
-- LoRA: ``to_q``/``to_k``/``to_v``/``to_out.0`` also match the token-refiner blocks' self-attention
-  (``context_embedder.token_refiner.*``); accepted, as the reference recipe's names (docs/algorithms.md) do
-  the same. Single-stream blocks have only ``to_q/k/v`` (their output layer is ``proj_out``).
+Details: docs/modules.md, `digenrl.adapters.hunyuan_video`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Latent-to-RGB preview decoder used by the tiny presets instead of their random-init VAE.
 
-A random-init VAE decoder ends in GroupNorm + conv, which normalises away almost every dependence of
-the image's colour on the latents (measured: the mean colour of 16 decoded samples varies by ~0.003),
-so no reward could be learned through it. The tiny presets therefore decode like a latent preview:
-a FIXED random linear map from latent channels to RGB, a sigmoid, and nearest upsampling by the
-VAE's spatial (and temporal) factors. It is deterministic and has no trained weights; real
-checkpoints always decode with the family's real VAE (``Adapter.decode`` with ``preview = None``).
+Details: docs/modules.md, `digenrl.adapters.preview`.
 """
 
 from __future__ import annotations

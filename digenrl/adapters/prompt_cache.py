@@ -1,10 +1,6 @@
 """Prompt embeddings of a fixed prompt set, encoded once per run and reused.
 
-The text encoders are frozen, so a prompt's conditioning never changes during a run: a worker
-encodes each distinct prompt once and later iterations read the stored rows. Rows are kept on the
-CPU (device memory holds only the transformer's working set) in least-recently-used order, at
-most ``capacity`` prompts; a copy back to the device is exact, so the cached conditioning is the
-same tensors the encoder returned.
+Details: docs/modules.md, `digenrl.adapters.prompt_cache`.
 """
 
 from __future__ import annotations

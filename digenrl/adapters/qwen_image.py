@@ -1,11 +1,6 @@
 """Qwen-Image (``QwenImageTransformer2DModel``): packed 2x2 latent tokens, true CFG with norm rescale.
 
-Mirrors ``diffusers.QwenImagePipeline``: latents (B, C, H, W) are packed into (B, H/2*W/2, 4C) tokens;
-RoPE positions come from ``img_shapes = [[(1, H/2, W/2)]] * B`` over the packed grid (the model only
-checks the token total, so a wrong grid would run silently); the timestep is sigma in [0, 1]; the
-sigma schedule is ``linspace(1, 1/N, N)`` shifted by ``mu = calculate_shift(image_seq_len)`` (and
-stretched to ``shift_terminal``); guidance is two passes, ``v = v_unc + g (v_cond - v_unc)``, rescaled
-to the conditional prediction's norm over the channel (last) dim.
+Details: docs/modules.md, `digenrl.adapters.qwen_image`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """Stable Diffusion 3.5 (``SD3Transformer2DModel``, MMDiT / MMDiT-X): spatial latents, two-pass CFG.
 
-Mirrors ``diffusers.StableDiffusion3Pipeline``: latents stay (B, C, H, W) (the transformer patches
-them itself); the text conditioning is the three encoders' output -- CLIP-L and CLIP-G token
-embeddings side by side, padded to T5's width and followed by T5-XXL's tokens (77 + L tokens), plus
-the two CLIPs' pooled vectors; the timestep is ``1000 * sigma`` (the scheduler's own ``timesteps``)
-in fp32; the schedule is a fixed shift (3.0 in the SD3.5 checkpoints); CFG runs the network twice,
-``v = v_unc + g (v_cond - v_unc)``, when g > 1. The pipeline's skip-layer guidance is off here (it
-is off in the pipeline unless ``skip_guidance_layers`` is passed). Decoding undoes the VAE's
-shift and scaling factor.
+Details: docs/modules.md, `digenrl.adapters.sd3`.
 """
 
 from __future__ import annotations

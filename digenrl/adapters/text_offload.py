@@ -1,13 +1,6 @@
 """Text encoders kept on the CPU between encodes (``model.offload_text_encoders``).
 
-A checkpoint's text encoders (T5-XXL, UMT5, LLaMA, Qwen2.5-VL: billions of parameters) run only
-to encode prompts, which the prompt cache makes rare. With offloading they live in host memory:
-accelerate's CPU-offload hook moves an encoder to the adapter's device when its forward is called
-(after moving the previous encoder back, so at most one is on the device), and
-:func:`offload_all` returns them to the CPU once the prompts are encoded. The hook replaces an
-encoder's ``forward`` with a closure over the encoder (a reference cycle): :func:`detach_offload_hooks`
-removes it before an encoder is released, so reference counting frees it at once (a cycle waits for
-the cyclic collector, which a frozen-GC window never runs).
+Details: docs/modules.md, `digenrl.adapters.text_offload`.
 """
 
 from __future__ import annotations

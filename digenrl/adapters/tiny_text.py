@@ -1,10 +1,6 @@
 """Deterministic stand-in text encoder for the tiny presets (no tokenizer or weights to download).
 
-Real checkpoints use the family's own text encoders (CLIP/T5, UMT5, LLaMA, Qwen2.5-VL). The tiny
-presets need prompt embeddings that (a) differ between prompts in a stable way and (b) cost
-nothing, so this module maps each lower-cased word to a fixed random vector (seeded by a CRC32
-of the word) and pads to ``max_len``. It is not trained and carries no learned language
-knowledge: it only gives the transformer a consistent, prompt-dependent signal.
+Details: docs/modules.md, `digenrl.adapters.tiny_text`.
 """
 
 from __future__ import annotations

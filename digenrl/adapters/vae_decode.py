@@ -1,15 +1,7 @@
 """How an adapter's VAE decodes a batch (``sampling.vae_tiling``): one sample at a time, tiled where
 configured or where a sample is larger than the decode tile (:data:`TILE_PX`).
 
-- **Slicing** (always): the diffusers VAE decodes a batch one sample at a time (``enable_slicing``), so
-  the decode's memory is one sample's, whatever the rollout unit's size, and the output equals
-  decoding each sample alone.
-- **Tiling** (``on``, or ``auto`` above :data:`TILE_PX` pixels per sample): the VAE's own tiled decode
-  (``enable_tiling``: overlapping spatial tiles blended at the seams; the Wan VAE already decodes one
-  latent frame at a time, HunyuanVideo's also tiles time). Blending makes it differ slightly from the
-  untiled decode near the seams (tests/test_vae_decode.py states by how much). Below the tile,
-  ``auto`` keeps the VAE's own default (HunyuanVideo's decodes in time tiles); ``off`` decodes whole
-  samples (HunyuanVideo's frame-wise decode off too).
+Details: docs/modules.md, `digenrl.adapters.vae_decode`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Wan2.1 (``WanTransformer3DModel``): video latents (B, C, F, H, W), two-pass CFG, fixed shift.
 
-Mirrors ``diffusers.WanPipeline``: the VAE compresses time by 4 and space by 8 (``(F-1)//4 + 1`` latent
-frames); the transformer patches (1, 2, 2); the timestep is ``1000 * sigma`` (the scheduler's own
-``timesteps``) in fp32; CFG runs the network twice, ``v = v_unc + g (v_cond - v_unc)``, when g > 1.
-The checkpoint ships UniPC with a ``flow_shift``; RL sampling always uses FlowMatchEulerDiscreteScheduler
-with that same fixed shift (``sampling.shift`` overrides it).
+Details: docs/modules.md, `digenrl.adapters.wan`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """AWM, Advantage Weighted Matching (Xue et al. 2025, arXiv 2509.25050; Flow-Factory's ``awm``).
 
-No likelihoods: like DiffusionNFT, training is flow matching on forward-noised copies of the clean
-rollout samples x0 (any solver made them), x_t = (1 - t) x0 + t eps. The flow-matching error is the
-model's "log-likelihood" of the sample (up to constants and a weight), and the policy gradient
-becomes the pretraining loss weighted by the group advantage A:
-
-    l      = mean (v(x_t, t) - (eps - x0))^2              per sample (the flow-matching target)
-    log p  = -w(t, l)                                      w: uniform l, t l, t^2 l, or ghuber
-    L      = -A * log p = A * w(t, l)                     + kl_beta * mean (v - v_ref)^2
-
-A > 0 pulls the velocity towards the sample, A < 0 pushes it away; A = 0 (a flat group) adds
-nothing. The weight w(t, l) is the paper's time weighting (Flow-Factory's ``awm_weighting``).
+Details: docs/modules.md, `digenrl.algorithms.awm`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """Online Diffusion-DPO (Wallace et al. 2023, arXiv 2311.12908; online as in Flow-Factory's ``dpo``,
 flow_grpo and veRL-Omni): each prompt group's best and worst sample form a preference pair.
 
-For the pair (w, l), noised with the SAME t and eps, and the flow-matching errors
-e = mean (v(x_t, t) - (eps - x0))^2 of the current policy and of the frozen reference:
-
-    Delta = (e_w - e_w_ref) - (e_l - e_l_ref)
-    L     = -log sigmoid(-beta Delta)
-
-so the policy gains on the chosen sample and loses on the rejected one, relative to the reference.
-A group whose rewards are all equal (zero advantage) forms no pair; an identical pair (x_w = x_l)
-gives Delta = 0 for every weight: L = log 2 and a zero gradient.
+Details: docs/modules.md, `digenrl.algorithms.dpo`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
 """Flow-DPPO (Ping et al. 2026, arXiv 2606.11025; veRL-Omni's ``flow_dppo``, UniRL's flowdppo):
 Flow-GRPO with the ratio clip replaced by a divergence trust region.
 
-Each SDE step is a Gaussian with a fixed scale s = std_i sqrt(-d), so the behaviour policy's and the
-current policy's step distributions differ only in their means and their KL is exact:
-
-    D = KL(pi_old || pi_theta) = mean (mu_theta - mu_old)^2 / (2 s^2)       (mean over elements)
-
-A term is masked (no gradient) when the update left the trust region AND still pushes away from the
-behaviour policy in the advantage's direction; everything else keeps the plain policy gradient:
-
-    block = D >= delta  and  ((A > 0 and rho > 1) or (A < 0 and rho < 1))
-    L     = -A rho (1 - block)                                  rho = exp(logp - logp_old)
-
-(veRL-Omni compares D >= delta; a ratio of exactly 1 never blocks.)
+Details: docs/modules.md, `digenrl.algorithms.dppo`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
 """GRPO-Guard (Wang et al. 2025, arXiv 2510.22319; Flow-Factory's ``grpo-guard``): Flow-GRPO with the
 ratio normalised so that the clip regulates every timestep alike.
 
-With the behaviour step x' = mu_old + s eps (s = std_i sqrt(-d)), the raw log-ratio is
-
-    logp - logp_old = -mean(mu - mu_old)^2 / (2 s^2)  +  mean((mu - mu_old) eps) / s
-
-Its first term is a negative drift (the mean of the ratio sits left of 1 once the policy moves) and
-the 1/s factor makes its spread depend on the step, so one clip range is too wide at some steps and
-too tight at others. Guard multiplies the log-ratio by s and adds the drift back:
-
-    log rho_guard = s (logp - logp_old) + mean(mu - mu_old)^2 / (2 s)  =  mean((mu - mu_old) eps)
-
-(mu - mu_old keeps its gradient), then applies the usual clip: L = max(-A rho_g, -A clip(rho_g, 1 +- e)).
-The factor s also re-weights each step's gradient by its noise scale (the paper's gradient re-weighting).
+Details: docs/modules.md, `digenrl.algorithms.guard`.
 """
 
 from __future__ import annotations

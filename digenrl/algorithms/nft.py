@@ -1,24 +1,6 @@
 """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117): online RL on the forward process.
 
-No likelihoods: the policy generates clean samples x0 with any solver (an ODE by default), each gets
-a reward, and training is flow matching on forward-noised copies of them,
-
-    x_t = (1 - t) x0 + t eps,     eps ~ N(0, I),   t one of K noise levels per sample,
-
-where the flow-matching target is split by the reward. With ``v`` the current velocity (with
-gradient) and ``v_old`` the old policy's (no gradient) at (x_t, t):
-
-    v+ = (1 - beta) v_old + beta v       the implicit positive policy
-    v- = (1 + beta) v_old - beta v       the implicit negative policy (reflected through v_old)
-
-and ``r`` in [0, 1] the sample's optimality probability, the loss drives v+ towards good samples
-and v- towards bad ones, each as an x0-prediction error with the adaptive weight
-``w = mean |x0_pred - x0|`` (detached), scaled by ``adv_clip / beta`` as the reference code does:
-
-    L = adv_clip / beta * ( r * ||x_t - t v+ - x0||^2 / w+  +  (1 - r) * ||x_t - t v- - x0||^2 / w- )
-
-(means over elements). The old policy is an EMA of the trained weights with a ramped decay.
-The math in words, and where this follows the paper or the reference code: docs/algorithms.md.
+Details: docs/modules.md, `digenrl.algorithms.nft`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """A trainer checkpoint's optimizer state, in either format, restored into either sharding.
 
-- ``optimizer.pt``: ``optimizer.state_dict()`` of an unsharded trainer (indexed by trained parameter);
-- ``dcp/``: a sharded (FSDP2, ``train.fsdp``) group's state in ``torch.distributed.checkpoint``
-  format, keyed by parameter name: every rank writes its own shards, by path, into a staging
-  directory the commit then moves into the checkpoint (:func:`staging_dir`), nothing is gathered.
-
-Either loads into either: an unsharded policy (a local run, replicated engine ranks) or a sharded
-group of any size (DCP reshards; ``optimizer.pt`` is split, each rank keeping its shard). Only
-trainers read these (:data:`TRAINER_ONLY`); a rollout worker never opens them.
+Details: docs/modules.md, `digenrl.checkpoint.optimizer`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """Weight sync at GB scale: bucketed broadcast from one source rank over a standalone process
 group (gloo on CPU, NCCL on GPU), verified by per-tensor fingerprints, with prefetch.
 
-Protocol of one version (every member issues the same collectives in the same order):
-
-1. header: JSON (version, bucket size, each tensor's name / shape / dtype), as a length then bytes;
-2. buckets: the tensors' bytes, concatenated in header order into buffers of about
-   ``bucket_bytes`` (one broadcast per bucket: one flat buffer is ~5x faster than many tensors);
-3. trailer: the source's fingerprint of every tensor (:mod:`.fingerprint`), computed on its
-   device while packing.
-
-A receiver can run steps 1-3 on a background thread (:meth:`WeightReceiver.prefetch`) into
-staging buffers while its main thread generates, then :meth:`WeightReceiver.load` copies the
-staged bytes into its own tensors at a unit boundary and checks, once, that every loaded tensor's
-fingerprint equals the source's. A mismatch names the tensor and its bucket.
-
-The group is its own ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over its own ``TCPStore``: it
-does not need, or disturb, the trainer ranks' default process group.
+Details: docs/modules.md, `digenrl.distributed.broadcast`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Activation checkpointing per transformer block.
 
-Each block's ``forward`` is replaced (on the instance, so parameter names and state-dict keys
-do not change) by one that runs it under non-reentrant ``torch.utils.checkpoint``: autograd then
-keeps only the block's inputs and recomputes the block's internals during backward. Apply it
-before FSDP2 (torchtitan's order): FSDP2's hooks sit around the module call, so the parameters
-are unsharded again when backward recomputes the block.
+Details: docs/modules.md, `digenrl.distributed.checkpointing`.
 """
 
 from __future__ import annotations

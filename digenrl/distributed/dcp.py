@@ -1,12 +1,6 @@
 """Checkpoints by path with ``torch.distributed.checkpoint`` (DCP).
 
-A trainer checkpoint directory holds the model under ``model.<name>`` and the optimizer under
-``optim.<...>`` in DCP's format: every rank writes its own shards, in parallel, and a load
-reshards to whatever the loading ranks hold -- save with 2 FSDP ranks, resume with 1 or 4.
-The engine's trainer checkpoints use :func:`save_optimizer` / :func:`load_optimizer` (the optimizer
-state only: the weights are written gathered beside it, in the format eval and diffusers read).
-A rollout worker reads only the tensors it asks for (``model.*``, or just the LoRA ones):
-DCP plans the read per requested item, so the optimizer's bytes are never read.
+Details: docs/modules.md, `digenrl.distributed.dcp`.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """A per-tensor fingerprint computed on the tensor's own device, for verifying weight transfers.
 
-The tensor's bytes are read as 16-bit integers (a bf16 element is one, an fp32 element two; an
-odd byte count as 8-bit integers), widened to int32 and laid out as rows of ``_ROW`` values (the
-tail is a last, shorter row); row and column sums are exact in int32 (|sum| < 2^29), the rest
-runs in int64. With r_j the
-row sums and c_k the column sums, the fingerprint is three wrap-around sums:
-
-    s1 = sum_j r_j        s2 = sum_j r_j * w_j        s3 = sum_k c_k * w_k,
-    w_i = ((i + 1) * 2654435761) mod 2^32
-
-(all arithmetic mod 2^64, so the result does not depend on the reduction order or device). One
-changed element changes s1 by a non-zero amount smaller than 2^32: always detected. Two changed
-elements that cancel in s1 lie in different rows (s2 changes by d * (w_j - w_l) != 0) or in the
-same row and different columns (s3 changes likewise): always detected. Larger corruptions escape
-only by a 2^-64-scale coincidence. Unlike SHA-256 of host bytes it never leaves the device and
-costs a widening copy and two reductions.
+Details: docs/modules.md, `digenrl.distributed.fingerprint`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """FSDP2 sharding of the trained transformer: ``fully_shard`` per block, then the root.
 
-What FSDP2 does per step, and so what replaces the flat gradient all-reduce on sharded ranks:
-each block's parameters are all-gathered (in ``param_dtype``) just before its forward and freed
-after it, all-gathered again for its backward, and its gradients are reduce-scattered (in
-``reduce_dtype``, fp32) as soon as the block's backward is done, overlapped with the backward of
-the blocks before it. Each rank keeps, and steps, only its shard of the fp32 parameters and of
-the optimizer state. Works for full fine-tuning and for peft LoRA (frozen base, trainable LoRA
-parameters in the same blocks).
+Details: docs/modules.md, `digenrl.distributed.fsdp`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """fp32 master weights, bf16 compute.
 
-A bf16 parameter updated by AdamW at a small learning rate loses most of its updates: an update
-smaller than half a bf16 ulp of the weight rounds away (one step at lr 1e-5 changed ~3.5% of
-the elements of a bf16 model, measured here). So every trained parameter is kept in fp32 and the
-optimizer steps in fp32; compute runs in bf16 either through ``torch.autocast`` (unsharded:
-the adapter's ``autocast()``) or through FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``
-which casts the all-gathered parameters (sharded).
+Details: docs/modules.md, `digenrl.distributed.precision`.
 """
 
 from __future__ import annotations

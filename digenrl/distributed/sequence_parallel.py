@@ -1,26 +1,6 @@
 """Ulysses sequence parallelism for an unchanged diffusers transformer over one process group.
 
-Each of the group's ``p`` ranks holds ``1/p`` of every sample's tokens. Everything outside
-attention is token-wise, so it runs on the local tokens as written. Around attention, one
-all-to-all trades the sequence split for a head split (each rank: all tokens, ``H/p`` heads),
-attention runs as usual, and the inverse all-to-all restores the sequence split. The model's
-output is all-gathered along the sequence, so every rank returns the full velocity.
-
-- FLUX, Wan, Qwen-Image: diffusers' own context parallelism (the model's ``_cp_plan``, Ulysses
-  degree ``p``): its hooks split the inputs, its attention backend does the all-to-alls. FLUX and
-  Qwen-Image split the text tokens too (joint attention); Wan keeps the text whole on every rank
-  (its cross-attention needs no exchange: local queries, all text keys).
-- HunyuanVideo (no ``_cp_plan`` in diffusers): this module's hooks split the image tokens, the
-  text tokens (after the token refiner, which runs on the whole prompt) and the RoPE table, and
-  its attention processor (:class:`HunyuanUlyssesProcessor`) does the all-to-alls.
-
-Gradients: every rank computes the same loss from the gathered output; the gather's backward
-keeps each rank's own slice, so a rank's parameter gradients are the contributions of its own
-tokens, and the group's sum (:func:`sum_gradients`) is the single-device gradient.
-
-Enable it last: after LoRA is added (peft replaces the hooked layers, e.g. ``proj_out``), on
-the model's final device. Sequence lengths (image, and text where split) and the head count
-must divide by ``p``.
+Details: docs/modules.md, `digenrl.distributed.sequence_parallel`.
 """
 
 from __future__ import annotations

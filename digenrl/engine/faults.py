@@ -1,18 +1,6 @@
 """Fault injection (``engine.faults``): a plugin in each engine process that can die.
 
-``engine.faults: [{worker: rollout0, unit: rollout-2-0}]`` (or ``DIGENRL_FAULTS=rollout0@rollout-2-0``)
-ends the process of ``rollout0`` while it runs unit ``rollout-2-0``, the way a crash would: no
-cleanup, no reply. The engine's workers and the reward actor each hold a :class:`FaultInjector`
-for their own name (``reward`` for the reward actor) and call :meth:`FaultInjector.reached` at
-the point of a unit where a crash is most telling (after the work, before the result is
-returned); a group's follower also at the start of its share of a unit, ``<uid>:start``, while its
-lead waits for it in the unit's first collective (a member lost mid-unit). Each fault fires once
-per run, also across the process restarts it causes: a unit generated again after its worker died
-does not kill the worker a second time.
-
-A unit named ``sync-<version>`` on trainer rank 0 (``{worker: trainer0, unit: sync-2}``) does not
-end a process: it flips one bit of the first bucket of that version's broadcast weight sync in
-transit (``engine.weight_sync: broadcast``), which the rollout workers must detect and name.
+Details: docs/modules.md, `digenrl.engine.faults`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """The iteration ledger: what the engine's driver keeps of each iteration until its metrics row is out.
 
-Units of several iterations run at once (GAP, TAG, one-step async), and finish in any order; the
-ledger puts what they leave behind back into iterations:
-
-- **advantages**: a rollout unit's rewards become group advantages as soon as it is scored (per
-  prompt std), or once every unit of its iteration is (global std: the scheduler holds training
-  back until then, ``wait_for_full_batch``). Sub-group units: a group's parts are first joined,
-  in part order, once every part is scored; advantages are never computed on a partial group
-  (:meth:`IterationLedger.advantages` raises if asked for one). Only the driver sees every
-  reward, so they are computed here.
-- **metrics rows**: iteration k's row is written once its optimizer step is done and every unit
-  that was running during its span has finished too (so the bubble counts their busy time), with
-  its eval when one was asked for;
-- **checkpoint ordering**: iteration k's checkpoint is committed after its row, so a checkpoint
-  never runs ahead of the metrics a resumed run keeps.
-
-No Ray here: the dispatcher (:mod:`digenrl.engine.runtime`) feeds it plain results.
+Details: docs/modules.md, `digenrl.engine.ledger`.
 """
 
 from __future__ import annotations

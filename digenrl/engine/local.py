@@ -1,18 +1,6 @@
 """The single-process driver (``placement.mode: local``): the algorithm, one iteration at a time.
 
-    for each iteration:
-        sample prompts -> rollout units (generate, decode, score) -> group advantages
-        -> per mini-batch s (train.optimizer_steps of them, each a slice of every group):
-           train units (accumulate gradients) -> one optimizer step (the last publishes k + 1) -> log
-        [-> eval every output.eval_every] [-> checkpoint every output.checkpoint_every]
-
-The cadence, the metrics row, the sample grids and ``final/`` come from :mod:`digenrl.run.cadence`,
-which the engine uses as well. A local run measures no bubble (one process does everything in
-turn), so its rows carry no ``bubble_fraction``.
-
-Resume (``LocalTrainer(cfg, resume=RUN_OR_CHECKPOINT)``) is exact: the randomness of iteration k
-is derived from (seed, k, group) and the prompts of k from (seed, k), so restoring weights,
-optimizer state, version and RNG states reproduces the uninterrupted run iteration for iteration.
+Details: docs/modules.md, `digenrl.engine.local`.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """The engine's fault policy: what a dead process means for the run.
 
-- a **rollout worker** holds nothing that cannot be rebuilt: Ray restarts it (up to
-  ``engine.max_restarts`` times), its unit is generated again whole, with its original version
-  and seeds (the driver loop's ``Lost``), and once the restarted worker answers ``ready()`` with
-  the run's starting weights it is idle again (``Back``);
-- the **reward actor** is restarted by Ray, which runs its lost calls again (scoring is pure);
-  a call fails only when the actor is gone for good (the run stops) or when the worker that
-  submitted it died (its scores are lost: the unit is generated again);
-- a **trainer rank** holds optimizer state and its share of the gradient: the run stops
-  (:class:`TrainerLost`), the last complete checkpoint stays as it is, and the message names it;
-  any other stop (a reward actor gone for good, a worker out of restarts, Ctrl-C) leaves rank 0's
-  state intact, and the dispatcher checkpoints the last completed iteration first;
-- the **head** of the cluster (GCS) gone takes every actor along: not a worker fault, the run
-  stops (Ray itself would wait a minute and then end the driver without a word).
-
-Each decision is one method; the dispatcher (:mod:`digenrl.engine.runtime`) does the Ray calls.
+Details: docs/modules.md, `digenrl.engine.recovery`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """The Ray cluster the engine runs on and the resources a placement asks of it.
 
-Placement is data: pools map to Ray resources. A CPU pool is a logical custom resource
-``pool:<name>`` (a local run creates them; a joined cluster must have them), a GPU pool asks
-for ``num_gpus=1`` plus its type (Ray's ``accelerator_type:<TYPE>`` or a custom resource named
-after the type; ``gpu`` / ``cuda`` = any GPU). A run's workers are reserved as a placement group
-after checking ``ray.cluster_resources()``, so an impossible placement fails in seconds with a
-message, never a hang.
+Details: docs/modules.md, `digenrl.engine.resources`.
 """
 
 from __future__ import annotations
@@ -91,7 +86,8 @@ def start_local(resources: dict[str, float], **options) -> bool:
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     defaults = dict(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING)
-    ray.init(resources=resources, **{**defaults, **options})
+    # address="local": never join a cluster another process started with `ray start` on this host
+    ray.init(address="local", resources=resources, **{**defaults, **options})
     return True
 
 

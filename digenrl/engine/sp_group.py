@@ -2,13 +2,8 @@
 and s - 1 hidden followers, running the transformer with Ulysses over their group
 (:mod:`digenrl.distributed.sequence_parallel`). The scheduler sees the lead only.
 
-- rollout: the group is its own torch.distributed world; the lead hands each rollout unit to its
-  followers (:meth:`sp_rollout`), which generate the same samples with it (the same seeds; every
-  transformer call exchanges tokens within the group) and score nothing.
-- trainer: the groups are consecutive ranks of the trainer ranks' world; the lead's ``train`` and
-  ``step`` run on its followers too (``EngineWorker.lead`` / ``group_call``), on the same samples, and
-  the gradient all-reduce over every trainer process sums each group's per-token shares and the
-  groups' gradients at once."""
+Details: docs/modules.md, `digenrl.engine.sp_group`.
+"""
 
 from __future__ import annotations
 

@@ -2,13 +2,7 @@
 :class:`BroadcastPublisher` and each rollout worker's :class:`BroadcastInbox`, over a
 :class:`~digenrl.distributed.broadcast.SyncGroup` of their own.
 
-Rank 0 announces each version on the group's store, then broadcasts it in buckets
-(:class:`~digenrl.distributed.broadcast.WeightBroadcaster`); a rollout worker's background thread
-waits for the announcement on the store (no collective timeout however long an iteration takes),
-receives the version into host memory while the worker generates, and the worker loads it at its
-next unit boundary (:func:`load_staged`: keys, shapes, dtypes and every tensor's fingerprint
-checked once). What each call carries is the driver's business
-(:class:`~digenrl.engine.weight_sync.SyncRoutes`).
+Details: docs/modules.md, `digenrl.engine.sync_group`.
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
 """Weight sync from trainer rank 0 to the rollout workers, through the Ray object store.
 
-After each optimizer step rank 0 *publishes* the new weights once (``ray.put`` of
-``Policy.weights()``: the LoRA tensors only when training LoRA) as a small :class:`WeightPacket`
-holding the version, the checksum, the key list and an object reference. A rollout worker
-that is handed a unit of a newer version *fetches* the packet's tensors, *verifies* them and
-loads them at the unit boundary, never inside a unit.
-
-Every sync is verified (docs/architecture.md): the shipped keys must be exactly the keys the receiver
-expects (a dropped LoRA module would otherwise leave it sampling with stale weights, as peers
-have shipped) and the checksum must match before and after the load. Any mismatch raises
-:class:`~digenrl.errors.WeightSyncError`.
-
-Each publish / fetch returns a timeline event of kind ``"sync"`` carrying ``bytes`` and its
-wall-clock span, so the run's metrics can report ``sync_s`` and ``sync_bytes``.
-
-``engine.weight_sync: broadcast`` (and ``auto`` when the group forms) replaces the object store
-with a torch.distributed group of trainer rank 0 and the rollout workers
-(:mod:`digenrl.engine.sync_group`): rank 0's publisher sends each version in buckets right after
-the step; each rollout worker's inbox receives it on a background thread while the worker
-generates, and the worker loads it at the next unit boundary, checking every tensor's
-fingerprint once. The driver's :class:`SyncRoutes` decides what each
-call carries, and falls back to the object store when a rollout worker dies (the group cannot
-lose a member); once the restarted worker is back the group is formed again with it and rank 0
-sends the version it holds over it once (:meth:`SyncRoutes.rejoin`).
+Details: docs/modules.md, `digenrl.engine.weight_sync`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """The layout of a run, resolved once: what every process of the run does, decided before it starts.
 
-A :class:`RunLayout` is computed by the process that starts a run (``digenrl train``,
-``digenrl config validate``, ``digenrl plan --write``: `placement.resolve.resolve`, the one place
-that asks the memory model), written to ``RUN/layout.json`` and shipped to every Ray actor, which
-reads it and never re-derives it. It holds
-
-- the placement plan (:class:`~digenrl.placement.plan.Plan`): pools, roles, workers, the engine knobs;
-- the process groups: the trainer ranks in rank order, the FSDP2 shard groups (several: HSDP) and
-  the sequence-parallel groups, each a lead followed by the workers that run its calls;
-- every ``auto`` setting resolved (:class:`Settings`);
-- the scheduler's configuration;
-- the verdict on the combination (``runs``, or the one-line reason the engine refuses it).
-
-torchtitan's ``ParallelDims`` is the model of this, stretched to disaggregated pools. This module
-is pure data (no memory model, no Ray): the runtime imports it.
+Details: docs/modules.md, `digenrl.placement.layout`.
 """
 
 from __future__ import annotations

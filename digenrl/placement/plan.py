@@ -1,20 +1,6 @@
 """Placement: which devices exist, which of them roll out and which train -- derived once.
 
-A :class:`Plan` is exactly what a run config's ``cluster`` / ``placement`` / ``engine`` sections
-say, in the form the engine and the planner both read:
-
-    RunConfig --Plan.from_run_config--> Plan --workers()--------> [Worker]   (runtime, simulator)
-                                             --scheduler_config()-> SchedulerConfig
-    Plan --apply_plan--> RunConfig                                           (``plan --write``)
-
-A pool is :class:`~digenrl.config.engine.PoolConfig` (name, device, count) everywhere: in a run config,
-in a cluster file and in a plan. Its role is not a property of the pool but of the placement:
-colocated, every device of every pool rolls out and trains (``both``); disaggregated, a plan
-holds two pools, the first rolls out and the second trains.
-
-One worker per device, named ``<pool><index>``; rollout workers come first, because idle
-workers ask for work in this order and with TAG a trainer should take only the rollout units
-the rollout workers leave over.
+Details: docs/modules.md, `digenrl.placement.plan`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """What ``digenrl train`` would reject, checked in seconds and without training: the preflight that
 ``digenrl config validate`` runs, built from the checks the drivers themselves make (no second copy).
 
-- the host: logical CPU devices against this machine's cores, GPU devices against the visible GPUs
-  (a local run; a ``--ray-address`` cluster is checked by the engine when it reserves the devices);
-- the placement: the engine's worker plan and scheduler settings (the run's resolved layout);
-- the model: the adapter's shape checks, the preset or checkpoint directory, the LoRA targets (a
-  checkpoint's transformer is built on the meta device from its config: no weights are read);
-- the files and the reward: the engine's own preflight (prompts, reward arguments and weights, a
-  dry-run of the reward on a decoded sample of the tiny preset).
-- memory: does the run's placement fit its devices, before anything starts? :func:`resolve_memory_settings`
-  turns ``train.fsdp: auto`` and ``train.activation_checkpointing: auto`` into what a trainer rank
-  runs, by the planner's memory model (:mod:`digenrl.planner.memory`); :func:`check_memory` refuses,
-  with one line, a placement that cannot fit and names the setting that would. Both are called by
-  :func:`digenrl.placement.resolve.resolve` only, once per run: the runtime reads the resolved layout.
-
-  Which devices are checked: pools of a known GPU type (:data:`~digenrl.planner.gpus.DEVICES`).
-  Logical CPU pools (``device: cpu``) share the host's RAM with each other and the OS and have no
-  fixed per-device limit, and ``gpu`` / ``cuda`` pools name no type: both are skipped (the run
-  then finds out at allocation time).
+Details: docs/modules.md, `digenrl.placement.preflight`.
 """
 
 from __future__ import annotations

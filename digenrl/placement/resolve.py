@@ -1,20 +1,6 @@
 """``resolve(cfg) -> RunLayout``: the one place a run's layout is decided (docs/architecture.md).
 
-The process that starts a run calls it -- ``digenrl train``, ``digenrl config validate``,
-``digenrl plan --write`` -- and hands the :class:`~digenrl.placement.layout.RunLayout` to everything that
-runs: the drivers, the Ray actors, the policy. It is the only caller of the memory model's
-resolution (:mod:`digenrl.placement.preflight`) and of the engine's refusal rules
-(:mod:`digenrl.distributed.settings`), in the order ``train`` always met them:
-
-1. the memory preflight (:func:`~digenrl.placement.preflight.check_memory`): the placement fits its devices;
-2. sequence parallelism the engine runs (``engine.rollout_sp`` / ``engine.trainer_sp``);
-3. the placement plan (built once) and its workers (a CUDA run on logical CPU pools is refused);
-4. ``train.fsdp`` (``auto``: the memory model's degree) and what sharding the engine runs;
-5. every other ``auto``: activation checkpointing, CFG batching per role, the rollout-only workers'
-   batch (``engine.rollout_batch``), VAE tiling, weight sync;
-6. the scheduler's configuration.
-
-Errors are the user's: one line naming the field (:class:`~digenrl.errors.UserError`).
+Details: docs/modules.md, `digenrl.placement.resolve`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """Seconds per call on one device type, and the rollout / train unit durations composed from them.
 
-- rollout unit of ``m`` groups (``b = m x G`` samples):
-  ``encode(m prompts) + N x sum_c step(c) + decode(b) + reward(b) + overhead``, where ``step`` is one
-  ``velocity`` call with the model's guidance (two passes for two-pass CFG) and the forwards ``c``
-  are the train forwards' batches (``digenrl.units.rollout.forward_batches``): each of the S =
-  ``train.optimizer_steps`` mini-batches' samples in micro-batches (one batch of b when that fits);
-- train unit (one mini-batch's samples, ``b / S``, x its share of the trained steps,
-  ``T_r = |{j < T : j mod D = r}|`` for TSP rank r of degree D): for every trained-step position
-  and micro-batch one forward + backward of ``recompute_logprob`` (+ a no-grad reference forward
-  when ``kl_beta > 0``; diffusion_nft: per noise level, the old policy's no-grad forward + the
-  forward / backward, and rollouts of one forward of the unit per step); DanceGRPO's random
-  steps split a micro-batch into one forward per distinct step (in the train unit; the rollout's
-  matching split, at most D + 1 forwards of a micro-batch per step, is modelled as one).
-
-Per-call times come from a profile (:class:`ProfiledTimes`: means vs batch size, interpolated
-piecewise-linearly in the batch, extrapolated along the last segment) or from the analytic model
-(:class:`AnalyticTimes`): FLOPs from the adapter's formula over ``peak bf16 FLOP/s x MFU``, bounded
-below by reading the weights once per pass at ``memory bandwidth x efficiency``.
+Details: docs/modules.md, `digenrl.planner.call_times`.
 """
 
 from __future__ import annotations

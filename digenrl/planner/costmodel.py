@@ -1,24 +1,6 @@
 """What each unit of work costs on each device type of a cluster: :class:`CostModel`.
 
-It composes unit durations from per-call times (:mod:`~digenrl.planner.call_times`: a profile's
-when it was measured on that device type, else the analytic model) and adds what lies between the
-calls the way the engine pays it:
-
-- step: all-reduce of the trained parameters' fp32 gradients + the AdamW update (+ on trainer
-  rank 0 of a disaggregated run the weight publish, :meth:`CostModel.publish`);
-- weight sync (a rollout worker that changes version, :meth:`CostModel.sync_fetch`), as
-  ``engine.weight_sync`` ships it (``Workload.weight_sync``): over the object store rank 0 packs
-  (``Policy.weights()`` + checksum) and the rollout worker pays bytes / bandwidth + latency + the
-  verified load (two checksums) before its unit; over the broadcast (the default) rank 0's step
-  streams the version to every rollout worker (pack + bytes / bandwidth + latency: the broadcast
-  returns when the receivers hold it, while they generate), and the worker's unit boundary pays
-  only the load from its staging buffers with one fingerprint check;
-- samples transfer, colocated phase switches, CPU-core sharing between concurrent workers.
-
-It picks how each device fits in memory (:mod:`~digenrl.planner.memory`) by the time each fitting
-setup costs. A profile calibrates it (:mod:`~digenrl.planner.calibrate`): a GPU profile of another
-type sets the MFU, a CPU profile the engine's overheads. Every assumption is a named field of
-:mod:`~digenrl.planner.params` or a constant of :mod:`~digenrl.planner.constants`.
+Details: docs/modules.md, `digenrl.planner.costmodel`.
 """
 
 from __future__ import annotations

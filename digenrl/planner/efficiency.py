@@ -1,24 +1,6 @@
 """Kernel efficiency (MFU) as a function of the tokens one forward processes.
 
-A transformer call of ``n`` tokens (batch x guidance passes x tokens per sample) reaches
-
-    mfu(n) = peak x n / (n + half)
-
-of the device's peak bf16 FLOP/s: small calls leave the GPU's SMs partly idle (short GEMMs, launch
-gaps), large ones saturate at ``peak``. ``half`` is the token count at which half the peak is
-reached. So a sampling forward at batch 1 costs more per sample than one at batch 8 -- what a
-dedicated rollout worker gains by sampling at its own batch.
-
-Where the numbers come from (:func:`device_efficiency`):
-
-- ``peak`` per device type: ``gpus.KERNEL_EFFICIENCY`` (H100 / H800 / H200: fitted to veRL-Omni's
-  published phase breakdown by ``benchmarks/peer_calibration.py``; other types: the generic
-  0.40 / 0.35 nobody measured), unless ``CostParams.mfu_rollout`` / ``mfu_train`` are set -- which
-  a GPU profile does (:func:`fit_curve`);
-- ``half``: ``CostParams.mfu_half_tokens_rollout`` / ``_train``. Sampling's is fitted with the Hopper
-  peak to veRL-Omni's generation at two batch sizes (serial and 32 requests per forward); training's
-  is :data:`DEFAULT_HALF_TOKENS`, an assumption -- until a profile measured at several batch sizes
-  replaces them (``benchmarks/gpu_smoke.sh`` measures the curve on a GPU).
+Details: docs/modules.md, `digenrl.planner.efficiency`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
-"""Hardware the planner knows: the accelerator table (:mod:`digenrl.placement.devices`, which the runtime
-reads too), the planner's kernel efficiencies per device type, and the cluster-file schema. The
-planner only uses the table's numbers through the cost model, which multiplies peak FLOP/s by a kernel
-efficiency (:data:`KERNEL_EFFICIENCY`, scaled by the tokens per call: ``efficiency.py``) and memory
-bandwidth by a bandwidth efficiency (``params.CostParams``).
+"""Hardware the planner knows: the accelerator table, kernel efficiencies per device type, cluster files.
 
-A cluster file describes pools of devices::
-
-    name: 8xH800_16xH20
-    gpus_per_node: 8
-    interconnect: {bandwidth_gb_s: 50, latency_us: 10}   # between nodes, per device
-    pools:
-      - {name: h800, device: H800, count: 8}
-      - {name: h20, device: H20, count: 16}
-
-``device: cpu`` pools are logical CPU devices (one engine worker process each) on one host with
-``host_cores`` cores (default: this machine's); the simulator shares those cores between the
-workers that compute at the same time.
+Details (the cluster-file schema): docs/modules.md, `digenrl.planner.gpus`.
 """
 
 from __future__ import annotations

@@ -1,38 +1,6 @@
 """What a device holds, in bytes, as the runtime lays it out (docs/scaling.md, "Memory model").
 
-Rollout worker (lean): the transformer in the model dtype, the LoRA weights as received (model
-dtype), the text encoders, the VAE and a reward model with weights (half precision), one rollout
-unit's live activations, trajectory and a decode tile. No optimizer, no reference copy.
-
-Trainer rank, FSDP degree N (N = 1: replicated, DDP-style bucketed all-reduce):
-
-- full fine-tuning: fp32 master parameters, fp32 gradients and AdamW's two fp32 moments, each
-  1/N; the bf16 compute copy: replicated (N = 1) autocast keeps a cast of every weight for the
-  backward, sharded FSDP2 all-gathers one block at a time (that block + the prefetched next);
-  the KL reference (``kl_beta > 0``) a frozen copy in the model dtype, 1/N (a sharded rank keeps
-  the initial weights' shards, ``distributed.fsdp.shard_policy``);
-- LoRA: the frozen base in the model dtype (1/N under FSDP), fp32 LoRA masters, gradients and
-  AdamW moments (1/N under FSDP); the gathered block as above;
-- diffusion_nft: the old policy, an fp32 copy of the trained parameters (1/N under FSDP);
-- ``train.ema``: the average, an fp32 copy of the trained parameters (1/N under FSDP; replicated,
-  rank 0 alone keeps it, the device figured here);
-- every 1/N above is created on the shards: nothing full-size exists on a sharded rank
-  (``benchmarks/meta_memory_audit.py`` checks this, and these parts, at the published shapes).
-- activations per sample: every block's saved tensors (activation checkpointing off), or each
-  block's input plus one block recomputed (on). Two-pass CFG (``sampling.cfg_batching``): batched,
-  both passes are in one graph (twice one pass's activations); sequential, the trained step
-  backpropagates one pass at a time (adapters/guidance.py), so one pass's activations are held.
-  A micro-batch of ``mb`` samples is one forward.
-
-Sequence parallelism (``engine.rollout_sp`` / ``engine.trainer_sp`` = sp): a worker spans sp devices
-and each holds 1/sp of the video / image tokens (Ulysses), so the token-proportional activations per
-device scale 1/sp; text tokens, the weights (FSDP shards them over all the trainer devices, as the
-runtime does: ``train.fsdp`` counts devices, sequence parallelism runs inside), the trajectory and
-the decode do not. Every figure here is per device.
-
-No offloading: the runtime moves nothing to the host between phases, so the model has no offload
-option. :class:`MemoryModel` lists every setting that fits; the cost model picks the cheapest in
-time, :func:`resolve` picks a run's ``auto`` settings (the same model, a fixed preference order).
+Details: docs/modules.md, `digenrl.planner.memory`.
 """
 
 from __future__ import annotations

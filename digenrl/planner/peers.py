@@ -1,21 +1,6 @@
 """The peers as they run: each published system's iteration, phase by phase, with its structural costs.
 
-DigenRL's own baselines (``search.BASELINES``: the best colocated arrangement of OUR engine, and
-``separate_async``) show what the engine's knobs add. These models show what a user of each peer
-pays today. They run no scheduler: each peer is synchronous phase after phase (veRL-Omni's
-``separate_async`` overlaps one rollout with one update), so an iteration is a sum (or max) of
-phases, each computed from the same per-call times as DigenRL's units (:mod:`call_times`: the same
-kernel efficiencies, the same FLOP formulas, the same datasheet bandwidths). Every structural term
-names the peer's file that shows it (:data:`SOURCES`; docs/scaling.md "The peers as they run").
-
-- veRL-Omni (:mod:`~digenrl.planner.peer_verl_omni`): colocated as its examples run today, batched
-  with the bypass mode, async reward on a GPU of its own, ``separate_async``;
-- ``dancegrpo``: every GPU samples its prompt's G images at batch 1 through the FULL_SHARD FSDP
-  training module (fp32 parameters: an fp32 all-gather every denoising forward), scores them on the
-  same GPU, and trains each sample's steps at batch 1 (an all-gather in the forward, one in the
-  backward, a reduce-scatter of fp32 gradients every backward).
-- ``flow_grpo``: DDP (a full replica per GPU), sampling on the training model itself in the train
-  batch, rewards on the same GPU, gradients all-reduced once per optimizer step.
+Details: docs/modules.md, `digenrl.planner.peers`.
 """
 
 from __future__ import annotations

@@ -1,45 +1,7 @@
 """``digenrl profile``: measure what the cost model needs, on this device, for the configured model;
 the profile.json format. The measuring itself is in :mod:`digenrl.planner.measure`.
 
-Every number is the mean of timed calls after ``warmup`` untimed ones (CUDA: synchronised around
-each call), taken in round robin: each round times every measurement once, for at least
-``repeats`` rounds and ``TIMING_BUDGET_MIN_TIMES x min_time`` seconds, so that on a shared host
-every entry -- and the ratio of a whole unit to its calls -- spans the same stretch of the other
-processes' load. On CPU the torch
-thread count is set to ``threads`` (default 1, as every engine worker runs).
-
-measurements
-  rollout_step_s[b]   one ``Adapter.velocity`` call at batch b with the model's guidance (both
-                      passes with two-pass CFG), no grad
-  train_step_s[b]     forward + backward of ``recompute_logprob`` on the trained parameters
-  ref_forward_s[b]    the KL reference forward (LoRA disabled), no grad
-  decode / reward / encode   per sample / per sample / per prompt
-  optimizer_step_s    grad-norm clip + AdamW on the trained parameters
-  weight_sync         bytes of ``Policy.weights()``, pack (weights + checksum), verified load
-  unit_overhead       a real ``rollout_unit`` / ``train_unit`` of ``engine.unit_groups`` groups against
-                      the sum of its calls: ``*_factor`` = whole unit / composed calls (the cost model
-                      scales every composed unit by it), ``*_s`` = the difference in seconds
-  unit_cv             spread (std / mean, from successive differences) of whole rollout / train unit
-                      times across the timing rounds; the engine run's ``unit_cv``, when there is one,
-                      is the spread inside engine workers (the simulator draws unit times from it)
-  cpu_slowdown        (CPU) time per rollout step (a unit's batch) with n = 1, 2, 3 forked workers
-                      computing at once, relative to one: what concurrent workers get of the host (one
-                      observer beside n - 1 neighbours that compute in every other slot of
-                      ``SHARING_SLOT_S``, each process with its own copy of the weights)
-  peak_memory_bytes   CUDA ``max_memory_allocated`` per phase, or the process's peak RSS on CPU
-  other_runnable      (CPU) mean number of runnable threads of other processes (not this one or its
-                      children) while measuring: the call times above were measured beside that
-                      demand on the host's cores; ``other_load_cores``: the CPU they got
-engine (optional)
-  ``ray``: Ray micro-benchmarks -- actor call round trip, object-store transfer between two actors
-  at two sizes (latency + bytes/s), ``ray.put`` / ``ray.get`` of the weights, gloo all-reduce of
-  the gradients; ``run``: additionally a ``CALIBRATION_ITERATIONS``-iteration run of the engine itself
-  (disaggregated, sync, 1 + 1 workers) whose timeline gives the per-unit dispatch gap, the samples
-  transfer, the publish / fetch times as the runtime really pays them (what the simulator adds around units),
-  and how much slower a unit runs inside an engine worker than the profile's round-robin whole
-  unit (``unit_time_factor``), and the spread of its unit times (``unit_cv``)
-
-Measured figures (what these come out at on the project's hosts): docs/scaling.md.
+Details: docs/modules.md, `digenrl.planner.profile`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """The peers' published setups and numbers the cost model is calibrated on and checked against.
 
-Each :class:`PublishedSetup` is a shipped config + the overrides that make it the peer's published
-run, the cluster it ran on, the peer model (:mod:`~digenrl.planner.peers`) and what was published.
-``benchmarks/peer_calibration.py`` fits the sampling curve to :data:`VERL_OMNI_GENERATION` (two
-batch sizes of one workload) and training to :data:`CALIBRATION`'s phases, and checks them on
-:data:`OUT_OF_SAMPLE`; docs/scaling.md prints both.
+Details: docs/modules.md, `digenrl.planner.published`.
 """
 
 from __future__ import annotations

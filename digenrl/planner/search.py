@@ -1,40 +1,6 @@
 """Enumerate placements of a cluster, keep those that fit in memory, simulate, rank (docs/architecture.md).
 
-Candidates:
-
-- colocated on every device of the cluster (and, on a mixed cluster, on the devices of each type
-  alone), for every GAP unit size ``m`` (divisors of ``prompts_per_iteration``) and TSP degree
-  (1, 2, 4 <= devices), and -- when the groups are fewer than the devices -- sub-group units
-  (1/P of a group, P a divisor of G up to the fewest parts that give every device a unit), as
-  veRL-Omni-style colocation spreads an iteration's samples over every rank;
-- disaggregated: a rollout pool of one device type and a trainer pool of one type (the runtime
-  runs one rollout pool and one trainer pool): two different types use all their devices; one type
-  is split ``r + t = n`` in every way; x ``m`` (and sub-group units when the groups are fewer than
-  the rollout workers) x TSP degree (1, 2, 4 <= t) x TAG on/off x ``max_staleness`` 0/1, with GAP on;
-- video models, also sequence parallelism (:func:`sp_degrees`): workers of sp devices (2, 4, 8, inside
-  one node, dividing the pool), for the rollout pool and the trainer pool independently (colocated: one
-  sp for every device). Unit shapes and TSP degrees count workers, not devices.
-
-Two kinds of baseline, named apart:
-
-- strong baselines, OUR engine in the peers' arrangements (:data:`BASELINES`, :func:`baselines`):
-  the best plan of each -- ``colocated`` (sub-group units allowed, as veRL-Omni colocates),
-  ``colocated_whole_groups`` (the planner's earlier colocated baseline: units of whole groups only)
-  and ``separate_async`` (disaggregated one-step-off async without GAP, TSP or TAG). They show what
-  the knobs add, with none of the peers' structural costs;
-- the peers as they run (:data:`PEERS`, :func:`peers`; :mod:`~digenrl.planner.peers`):
-  ``verl_omni_colocated``, ``verl_omni_separate_async``, ``dancegrpo``, ``flow_grpo`` -- each peer's
-  published arrangement with its structural costs (offload, recompute pass, weight push, batch-1
-  FSDP sampling, ...), each cited from the peer's code. What a user of the peer pays today.
-
-Pruning: a candidate whose memory does not fit, or that means nothing to the engine -- a
-sequence-parallel degree that does not divide the model's heads, trainer ranks needing an FSDP degree
-that splits a sequence-parallel group (:func:`refused_plan`, the runtime's own rules) -- is dropped
-(its reason is kept, for the error when nothing fits); every other combination of FSDP, sequence
-parallelism, TAG, TSP and placement is searched (the engine runs them all). The others are
-simulated in order of their throughput bound (a lower bound on the iteration time that costs no
-simulation), and the search stops once the next bound cannot beat the K-th best simulated plan.
-The best colocated plan is always simulated: speedups are against it.
+Details: docs/modules.md, `digenrl.planner.search`.
 """
 
 from __future__ import annotations

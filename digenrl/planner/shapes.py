@@ -1,13 +1,6 @@
 """Model shapes for the analytic cost model: transformer config, token counts, FLOPs, parameters.
 
-Everything family-specific comes from the family's adapter (its class-level cost hooks, see
-:mod:`digenrl.adapters.base`); this module only picks the configs and counts parameters.
-Where a shape comes from, in order:
-
-1. ``model.pretrained`` is a directory with ``transformer/config.json``: the checkpoint's own config;
-2. ``model.preset: tiny``: the adapter's tiny preset (``Adapter.presets``);
-3. otherwise (a real-scale config whose checkpoint is not on this machine): the published shape of
-   the family's reference model (``Adapter.published``).
+Details: docs/modules.md, `digenrl.planner.shapes`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """The engine's scheduler in virtual time, run by the engine's own driver loop (docs/architecture.md).
 
-A backend of :func:`~digenrl.schedule.driver.drive`, the loop the Ray runtime runs: the SAME
-:class:`~digenrl.schedule.scheduler.Scheduler`, the same workers in the same order; completions are
-reported one at a time, earliest first (submission order breaks ties, as ``ray.wait`` does). A unit
-costs what the cost model says for its worker's device type, plus what the engine adds around it:
-
-- every unit starts ``call_s`` after it is handed out (driver -> actor call); a train unit's samples
-  are ready ``transfer`` after its rollout unit ended (after the iteration's last one with
-  ``SchedulerConfig.barrier``) and it starts ``call_s`` after it is handed out or they are ready;
-- a rollout worker handed a newer version first loads it (a ``sync`` fetch); trainer rank 0
-  publishes after each step; over the broadcast (``engine.weight_sync``) every rollout worker
-  receives meanwhile, so its fetch is the load from staging (:meth:`CostModel.sync_fetch`);
-- with ``train.optimizer_steps`` S each rolled-out unit is trained as S train units per TSP rank and
-  every rank takes S collective steps per iteration, the last one publishing; a rollout unit
-  forwards in the train micro-batches (:mod:`digenrl.planner.call_times`);
-- the optimizer step is collective: it ends when the all-reduce (waiting for the last rank) and the
-  update are done; a colocated device pays a phase switch (bubble) between training and sampling;
-- with a unit-time spread (``CostModel.unit_cv``) durations are drawn from a lognormal and
-  :func:`simulate` averages ``CostParams.replicas`` seeded runs;
-- ``device: cpu`` pools share the host's cores: ``n`` workers computing at once run at the speed the
-  profile measured for ``n`` (``CostParams.cpu_sharing = "measured"``) or at processor sharing of the
-  cores with the other processes' runnable threads (``"cores"``); the driver's work at ``n + 1``.
-
-Per-pool setups and the bound: :mod:`digenrl.planner.bound`; the result: :mod:`~.sim_result`. Events
-go into the same :class:`~digenrl.engine.timeline.Timeline` a real run fills.
+Details: docs/modules.md, `digenrl.planner.simulator`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """An exponential moving average (EMA) of the trained weights, for eval and export (``train.ema``).
 
-At the n-th optimizer step of the run (n = 1, 2, ...), when n is a multiple of ``every``:
-
-    d_n  = min(decay, (1 + n) / (10 + n))   with warmup (flow_grpo's schedule), else decay
-    ema <- ema + (1 - d_n) * (w_n - ema)     = d_n * ema + (1 - d_n) * w_n
-
-starting from the initial weights w_0. The average is kept in fp32 beside the trained weights (on
-the trainer; trainer rank 0 in the engine); it never feeds back into training or rollouts.
+Details: docs/modules.md, `digenrl.policy.ema`.
 """
 
 from __future__ import annotations

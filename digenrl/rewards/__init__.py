@@ -1,14 +1,6 @@
 """Rewards: a registry of scorers and their weighted combination.
 
-A reward is a callable ``(pixels, prompts, metadata) -> (N,) float tensor``; ``pixels`` are in [0,1],
-images (N,C,H,W) or videos (N,C,F,H,W). Image rewards score videos per frame unless they declare
-``video_native = True``: frames 0, s, 2s, ... (``frame_stride`` s, default 1 = every frame) are
-scored and their scores averaged per video.
-
-Rewards are built from ``reward.components`` (``name``, ``weight``, ``args``); every component may
-take ``frame_stride`` in its ``args``; a name ``kind:label`` lists one kind twice (:func:`reward_kind`).
-:class:`CombinedReward` returns the weighted sum and each
-component; :meth:`CombinedReward.check` is the dry run that catches a broken reward before training.
+Details: docs/modules.md, `digenrl.rewards`.
 """
 
 from __future__ import annotations

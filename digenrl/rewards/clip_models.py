@@ -1,22 +1,6 @@
 """Model rewards on a CLIP backbone, loaded from a local ``from_pretrained`` directory (never a hub).
 
-| reward | score | range |
-|---|---|---|
-| ``clipscore`` | CLIPScore (Hessel et al. 2021): ``w * max(cos(image, prompt), 0)``, w = 2.5 | [0, w] |
-| ``pickscore`` | PickScore (Kirstain et al. 2023): ``logit_scale.exp() * cos(image, prompt)`` | +-s, s~100 |
-| ``aesthetic`` | LAION aesthetic predictor: MLP head on the L2-normalised CLIP image embedding | ~ [1, 10] |
-
-Common ``args``: ``path`` (a directory with a transformers ``CLIPModel``, its tokenizer and, when
-present, ``preprocessor_config.json``), ``processor_path`` (tokenizer / preprocessor config from
-another directory, e.g. PickScore's weights with the CLIP-ViT-H-14 processor), ``batch_size``
-(images per forward), ``device`` (``auto`` | ``cpu`` | ``cuda[:i]``), ``dtype``.
-
-Images arrive as float NCHW in [0,1] and are preprocessed with torch ops on the model's device, as
-the CLIP processor does: bicubic resize of the shortest edge (antialiased), centre crop, normalise
-with the processor's mean / std (OpenAI CLIP's when the directory has no preprocessor config).
-Prompts are embedded once per distinct prompt in a call (a group's G samples share one).
-Models sharing a directory, device and dtype (e.g. ``clipscore`` and ``aesthetic`` on ViT-L/14)
-are loaded once.
+Details: docs/modules.md, `digenrl.rewards.clip_models`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """``geneval``: GenEval's correctness rule (Ghosh et al. 2023, ``evaluation/evaluate_images.py``) on the
 detections of a remote detector service, against the prompt's GenEval metadata row.
 
-The rule (:func:`geneval_correct`) is a pure function of detections ``{class: [{"box": [x0, y0, x1,
-y1], "score": s, "color": c}, ...]}`` and the row's ``tag`` / ``include`` / ``exclude``: kept are
-a class's detections above the confidence threshold (0.9 for ``counting``, else 0.3), most confident
-first, at most ``max_objects``. Every ``include`` clause must hold (the ``count`` most confident of its
-class exist; with ``color``, that many of them have it; with ``position: [relation, j]``, each of them
-stands in that relation to every object clause j matched), and no ``exclude`` clause may (``count`` or
-more of its class). Score 1 when all hold, else 0 -- or, ``score: flow_grpo``, the partial score
-Flow-GRPO trains on. docs/remote_reward.md has the service's format.
+Details: docs/modules.md, `digenrl.rewards.geneval`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """``ocr``: how well an image spells the text its prompt quotes, read by a real pretrained OCR model.
 
-The reader is PP-OCRv4 (detection + recognition ONNX models shipped inside the ``rapidocr-onnxruntime``
-wheel; the optional extra ``ocr``), run on the CPU. The score is Flow-GRPO's (``flow_grpo/ocr.py``):
-target = the text between the first pair of double quotes in the prompt (or metadata ``text``),
-reading = every recognised line joined; both lower-cased with spaces removed;
-``1 - min(d, len(target)) / len(target)`` with d = 0 when the target is inside the reading, else the
-Levenshtein distance between reading and target. 1 = spelled right, 0 = nothing of it.
+Details: docs/modules.md, `digenrl.rewards.ocr`.
 """
 
 from __future__ import annotations

@@ -2,20 +2,7 @@
 environments). Standard library only (urllib, json, base64); docs/remote_reward.md has the payload and
 benchmarks/reward_server.py a server to copy.
 
-One POST of JSON per batch of at most ``batch_size`` samples::
-
-    {"format": "png" | "array", "prompts": [str] * n, "metadata": [dict] * n, "images": ...}
-
-- ``png``: ``images`` is a list of n base64 PNGs (8-bit RGB; with ``video_native`` a list of PNG
-  frames per sample);
-- ``array``: ``images`` is ``{"shape": [n, C, H, W] (or [n, C, F, H, W]), "dtype": "float32",
-  "data": base64 of the little-endian float32 bytes}``, values in [0, 1], exact.
-
-The answer: ``{"scores": [float] * n}`` and optionally ``"info": [dict] * n`` (kept in
-:attr:`RemoteReward.last_info`, not logged). Connection errors, timeouts and HTTP 5xx are retried
-``retries`` times with exponential backoff; a server still down, an answer that is not this JSON, or
-the wrong number of scores stop the run with one line naming the URL -- a sample is never given a
-made-up score.
+Details: docs/modules.md, `digenrl.rewards.remote`.
 """
 
 from __future__ import annotations

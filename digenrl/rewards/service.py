@@ -1,22 +1,6 @@
 """Rewards served apart from the rollout workers: a Ray actor and the client a worker holds.
 
-    worker: pixels = decode(...) -> ref = client.submit(pixels, prompts, metas) -> go on sampling
-            ... later: total, parts = client.result(ref)   (or hand ``ref`` on: it is an ObjectRef)
-
-The engine's rollout workers use :meth:`RewardClient.submit_scored`: the ref, to the
-:class:`~digenrl.rewards.base.Scores` of the unit's decoded samples (scored by the same
-:func:`~digenrl.rewards.base.score` every mode calls, plus the queue the call found), travels to the
-driver in the unit's result, and the worker takes its next unit at once (the scheduler's
-``release``, docs/architecture.md).
-
-- :class:`RewardActor` holds one :class:`~digenrl.rewards.CombinedReward` with its own resource
-  request (``reward.service``: a CPU fraction, a GPU of the cluster, custom resources). It is a
-  threaded actor: calls from many workers queue on one lock (so models are never run twice at
-  once), while ``stats()`` answers at any time with per-reward latency and the queue depth.
-- :class:`RewardClient` submits to the actor and returns at once; :class:`InlineRewardClient` has
-  the same interface and scores in the caller's process (no Ray: ``placement.mode: local`` or
-  ``reward.service: null``). Both are also plain reward functions: ``client(pixels, prompts, metas)``
-  blocks and returns ``(total, parts)``, as :class:`CombinedReward` does.
+Details: docs/modules.md, `digenrl.rewards.service`.
 """
 
 from __future__ import annotations

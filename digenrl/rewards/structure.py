@@ -1,11 +1,7 @@
 """A weight-free reward that needs spatial structure: ``prompt_shape`` (the learning benchmark's second
 task, harder than ``prompt_color``).
 
-The prompt names a colour (as ``prompt_color``) and an object; the object picks one of six shapes
-(a stable function of the word, :func:`shape_of`), and the target picture is that shape in the named
-colour on a mid-gray ground, drawn at the image's size. The reward is 1 - the mean per-pixel RGB
-distance to it (normalised by sqrt 3, so in [0, 1]): an image of the right mean colour without the
-shape scores well below one that draws it, and the shape depends on a second word of the prompt.
+Details: docs/modules.md, `digenrl.rewards.structure`.
 """
 
 from __future__ import annotations

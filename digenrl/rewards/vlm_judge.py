@@ -1,14 +1,7 @@
 """``vlm_judge``: a vision-language model served behind the OpenAI-compatible chat-completions API
 (``vllm serve``, SGLang, ...) grades each image against a rubric; the score is read from its reply.
 
-One request per image (``POST <url>``, ``url`` ending in ``/chat/completions``), at most
-``concurrency`` in flight: a user message with the rubric (``{prompt}`` replaced by the sample's
-prompt) and the image as a base64 PNG data URL; ``temperature`` 0, ``max_tokens`` 64 by default.
-The score is the first match of ``score_pattern`` (its first group) in the reply's
-``choices[0].message.content``; a reply with no match scores NaN, which ``reward.nan_policy`` then
-handles (``fail``: the run stops naming the reward; ``drop``: the sample gets advantage 0). A server
-that is down, stalls past ``timeout`` or answers 5xx is retried ``retries`` times with doubling
-``backoff``, then the run stops with one line naming the URL (``remote``'s transport).
+Details: docs/modules.md, `digenrl.rewards.vlm_judge`.
 """
 
 from __future__ import annotations

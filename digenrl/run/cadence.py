@@ -1,19 +1,6 @@
 """What every driver does around its iterations, written once for the local trainer and the engine.
 
-    resume_history                     where a (resumed) run writes and the metrics rows it keeps
-    RunCadence.eval_due(k)             eval after iteration k        (output.eval_every)
-    RunCadence.checkpoint_due(k)       checkpoint after iteration k  (output.checkpoint_every, and the last)
-    RunCadence.samples_due(k)          sample grid of iteration k    (output.save_samples_every, and the last)
-    iteration_metrics                  the metrics row of an iteration
-    save_iteration_samples             samples/iter-NNNNNN.png
-    final_files -> write_final         final/: the trained (with train.ema: the EMA) weights, as diffusers /
-                                       peft load them
-    RunResult                          what a run returns
-    stop_on_interrupt -> StopRequest   Ctrl-C: stop after the running work (twice: at once)
-    checkpoint_to_keep, stopped        stopping mid-run keeps the last completed iteration; the last line
-
-Iteration ``k`` (0-based) trains version k into k + 1; "done" counts are ``k + 1``, which is also
-the iteration a checkpoint written after k resumes at.
+Details: docs/modules.md, `digenrl.run.cadence`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Evaluation: deterministic (ODE, noise level 0) sampling with fixed seeds, scored by every reward.
 
-The initial noise of prompt i is drawn from a generator seeded by (run seed, "eval", i), so a
-checkpoint and its baseline start every prompt from the same latents: the difference between
-them is the weights' doing, not the noise's.
-
-- :func:`evaluate_policy` samples and scores a prompt set with a policy's current weights (the
-  trainer calls it every ``output.eval_every`` iterations).
-- :func:`evaluate_checkpoint` is ``digenrl eval``: a checkpoint (and optionally a baseline: the
-  initial weights or another checkpoint) -> ``eval.json`` and captioned grids / GIFs. A checkpoint
-  that holds an EMA of the weights (``train.ema``) is evaluated with the EMA weights.
+Details: docs/modules.md, `digenrl.run.evaluate`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """One run per directory: ``RUN/.lock``, held (``fcntl.flock``) by the ``digenrl train`` that writes RUN.
 
-The lock is taken before anything slow (model, Ray, workers), so two trainings into one directory
-cannot both start: the second is refused with one line naming the live owner (pid, host). The
-file holds the owner's pid, host and start time; the kernel drops the ``flock`` when the owner
-dies, however it dies, so a lock left by a killed run is recognised (the lock is free, the file
-still names its old owner) and taken over, with a note on stderr. The file is removed when the
-run ends.
-
-``--overwrite`` keeps the old run until the new one is safe (:class:`ReplacedRun`): the old run's
-files move into ``RUN/.replaced/`` (a rename, same file system), the new run writes RUN, and
-only when RUN holds a complete checkpoint of the new run are the old files deleted. A new run
-that fails before that is removed and the old files are moved back. A run killed in between
-leaves ``.replaced/`` behind; the next claim of RUN (which finds the lock stale) finishes the
-job the same way.
+Details: docs/modules.md, `digenrl.run.lock`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """The engine's knobs, declared once: the fields a run config's ``engine`` section, a placement
 :class:`~digenrl.placement.plan.Plan` and the :class:`~digenrl.schedule.scheduler.SchedulerConfig` share.
 
-A plain dataclass (no pydantic, no torch, no Ray: the scheduler imports it). Plan and scheduler
-configuration inherit the fields; the run config's ``EngineConfig`` (``digenrl/config.py``) carries
-the same names with the user-facing defaults, descriptions and validation, and is read and written
-by name (:func:`from_engine_config`, :func:`engine_config_values`): no translation table. The one
-knob spelled differently is sub-group units -- ``engine.unit_samples`` (samples per unit) in a
-config, ``group_parts`` (units per group) in a plan -- converted here only.
+Details: docs/modules.md, `digenrl.schedule.knobs`.
 """
 
 from __future__ import annotations

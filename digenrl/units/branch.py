@@ -1,12 +1,7 @@
 """Shared-prefix group rollouts (``algorithm.shared_prefix: k``; BranchGRPO / DanceGRPO's shared
 initial noise; docs/algorithms.md "Shared-prefix group rollouts").
 
-A group's G samples start from one initial noise and take the deterministic (ODE) steps 0..k-1
-together: those k forwards run once per group, on one row, and the group branches at step k into its
-samples, each with its own SDE noise from there on. The saved work is (G - 1) x k forwards per group.
-Everything after the branch is the plain sampler (:func:`digenrl.algorithms.sde.sample` on the tail of
-the schedule), so the trajectory, its log-probs and its step noise have the unshared layout: steps
-before k are ODE steps (log-prob 0, no noise, never trained).
+Details: docs/modules.md, `digenrl.units.branch`.
 """
 
 from __future__ import annotations

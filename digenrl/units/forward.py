@@ -1,17 +1,7 @@
 """The train unit of AWM and online DPO (``algorithm.name: awm | online_dpo``; the math:
 :mod:`digenrl.algorithms.awm`, :mod:`digenrl.algorithms.dpo`, docs/algorithms.md).
 
-Both are forward-process algorithms like DiffusionNFT and share its rollout side
-(:mod:`digenrl.units.nft`: clean ODE samples, K noise levels and their noise seeds per sample), its
-micro-batches and its TSP split (noise-level positions j mod D = r). Per micro-batch and position:
-
-- awm: one forward / backward of every sample at its own noised x_t, loss A * w(t, l);
-- online_dpo: the micro-batch's part of each group gives one pair (best, worst reward); both are
-  noised with the chosen sample's t and eps; the reference's errors (no gradient, LoRA off or the
-  frozen copy) and one forward / backward of the pairs. Each pair weighs as many terms as its group
-  has samples in the micro-batch, so the loss is the mean over pairs when every group pairs.
-
-A pass that a sharded group's lockstep needs but this rank has nothing for runs on one row, weighted 0.
+Details: docs/modules.md, `digenrl.units.forward`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """DiffusionNFT's side of the two units (``algorithm.name: diffusion_nft``; the math:
 :mod:`digenrl.algorithms.nft`, docs/algorithms.md).
 
-- rollout: :func:`digenrl.units.rollout.rollout_unit` samples as for the other algorithms (the deterministic
-  ODE by default) and keeps only the clean latents: no trajectory and no log-probs travel.
-  :func:`noise_plan` picks each sample's K noise levels (distinct sigmas of the rollout schedule) and
-  the seed of each level's forward noise, from the group's seed, so a sample trains on the same
-  x_t in whichever unit, worker, TSP rank or FSDP share it lands.
-- train: :func:`train_unit` -- for every micro-batch and each of this TSP rank's noise-level positions
-  (j mod D = r, as TSP splits trained timesteps), the old policy's velocity (no gradient, its
-  weights swapped in where the step runs) and the current forward / backward of the NFT loss. Each
-  term is divided by the mini-batch's term count, so units and ranks add up to the mean loss.
+Details: docs/modules.md, `digenrl.units.nft`.
 """
 
 from __future__ import annotations

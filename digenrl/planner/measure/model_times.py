@@ -1,15 +1,6 @@
 """The configured model's calls on this device, and whole units at the run's unit size.
 
-Calls (each timed in round robin, :mod:`~digenrl.planner.measure.timing`):
-
-- ``rollout:b``  one ``Adapter.velocity`` at batch b with the model's guidance, no grad
-- ``train:b``    forward + backward of ``recompute_logprob`` on the trained parameters
-- ``ref:b``      the KL reference forward (LoRA disabled), no grad
-- ``decode`` / ``reward`` a group's samples, ``encode`` an iteration's prompts, ``optimizer`` the
-  clipped AdamW step, ``pack`` / ``load`` the weight sync (weights + checksum, verified load)
-- ``rollout_unit`` / ``train_unit``  a real unit of ``engine.unit_groups`` groups, as the engine runs
-  it: its ratio to the sum of its calls (the SDE step and log-prob math, the loss, gathering
-  latents, stats) scales every unit size, TSP share and micro-batch split the planner composes.
+Details: docs/modules.md, `digenrl.planner.measure.model_times`.
 """
 
 from __future__ import annotations

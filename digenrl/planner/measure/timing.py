@@ -1,11 +1,7 @@
 """Timing calls on one device: warm-up phase by phase (peak memory per phase, batches that do not
 fit dropped), then every call timed in round robin.
 
-Round robin: round r times each call once, so that every mean spans the same stretch of time. On
-a shared host the load of other processes comes and goes within seconds; measured one after the
-other, a call timed in a quiet second and a whole unit timed in a busy one would disagree. The mean,
-not the median, is kept: throughput sees the mean, and on a busy host the median of short calls
-skips exactly those the scheduler preempted, so median calls composed into a unit undercount it.
+Details: docs/modules.md, `digenrl.planner.measure.timing`.
 """
 
 from __future__ import annotations
