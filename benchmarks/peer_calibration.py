@@ -23,6 +23,7 @@ Runs in seconds on a CPU (the analytic cost model only; nothing is measured here
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -59,6 +60,13 @@ def _params(rollout: float, train: float, judge_s: float | None, half: float | N
     return p
 
 
+@functools.cache
+def _calibration_setup():
+    """The calibration's workload and cluster, read once: a fit evaluates ``phases`` thousands of times,
+    and reading the config is nine tenths of one evaluation."""
+    return CALIBRATION.workload(), CALIBRATION.load_cluster()
+
+
 def _settings(setup: PublishedSetup, push_latency_s: float) -> verl.VerlOmniSettings:
     return replace(verl.PUBLISHED, push_latency_s=push_latency_s, **setup.settings)
 
@@ -73,7 +81,7 @@ def phases(
 ) -> dict[str, float]:
     """veRL-Omni's step on the calibration setup, phase by phase, with these numbers (``batch``: the
     server's max_num_seqs; 1 = serial, as the published step ran)."""
-    w, cluster = CALIBRATION.workload(), CALIBRATION.load_cluster()
+    w, cluster = _calibration_setup()
     cost = CostModel(w, cluster, params=_params(rollout, train, judge_s, half))
     device, n = next(iter(cluster.devices.items()))
     s = replace(_settings(CALIBRATION, push_latency_s), server_batch=batch)
@@ -102,8 +110,9 @@ def _log_err(got: float, want: float) -> float:
 def fit() -> dict:
     """The sampling curve (peak, half) through both generation points, then the training efficiency,
     the judge's seconds per image and the push latency, fitted to the breakdown."""
-    n = next(iter(CALIBRATION.load_cluster().devices.values()))
-    judge_s = VERL_OMNI_PHASES["reward"] / (CALIBRATION.workload().samples / n)
+    w, cluster = _calibration_setup()
+    n = next(iter(cluster.devices.values()))
+    judge_s = VERL_OMNI_PHASES["reward"] / (w.samples / n)
     (small, t_small), (large, t_large) = sorted(VERL_OMNI_GENERATION.items())
 
     def gen(r: float, half: float, batch: int) -> float:
