@@ -141,8 +141,46 @@ def test_a_branch_tree_shares_each_nodes_steps_and_saves_its_forwards(setup):
     assert sum(rows) / len(prompts) == 17 == w.rollout_forwards / w.prompts
 
 
+def test_branchgrpo_depth_advantages_by_hand():
+    """G = 4, prefix 1, split [3, 2] at 6 steps: steps 1-2 lead to 2 nodes (leaves 0-1, 2-3), steps 3-5
+    to the 4 leaves. Group [1, 3, 2, 6]: nodes 2 and 4 -> -+1/sqrt(2); leaves: mean 3, sample std
+    sqrt(14/3). A flat group is 0; a NaN leaf is left out of its node and of its depth, and is 0."""
+    from digenrl.algorithms.grpo import group_advantages
+    from digenrl.planner.workload import Workload
+    from digenrl.units.advantages import depth_advantages, step_widths
+
+    tree = load_config(None, [*SETS, "algorithm.shared_prefix=1", "algorithm.branch_tree=[[3, 2]]",
+                              "algorithm.branch_advantages=depth"])  # fmt: skip
+    widths = step_widths(tree)
+    assert widths == [1, 2, 2, 4, 4, 4] == Workload.from_config(tree).rollout_widths()
+    nan = float("nan")
+    got = depth_advantages(torch.tensor([1.0, 3, 2, 6, 5, 5, 5, 5, 1, nan, 3, 3]), 4, widths)
+    h, s4, s3 = 2**-0.5, (14 / 3) ** 0.5, (4 / 3) ** 0.5  # 2 nodes; 4 leaves; leaves 1, 3, 3
+    m = 7 / 3  # the mean of leaves 1, 3, 3
+    want = torch.tensor(
+        [
+            [0, -h, -h, *[-2 / s4] * 3], [0, -h, -h, *[0.0] * 3],
+            [0, h, h, *[-1 / s4] * 3], [0, h, h, *[3 / s4] * 3],
+            *[[0.0] * 6] * 4,
+            [0, -h, -h, *[(1 - m) / s3] * 3], [0.0] * 6,
+            [0, h, h, *[(3 - m) / s3] * 3], [0, h, h, *[(3 - m) / s3] * 3],
+        ]
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # one split (no tree): every branched step's advantage is the group's, with the sample std
+    one = load_config(None, [*SETS, "algorithm.shared_prefix=2", "algorithm.branch_advantages=depth"])
+    r = torch.tensor([0.3, 0.9, 0.1, 0.5, 2.0, 1.0, 4.0, 3.0])
+    flat = group_advantages(r, 4, clip=float("inf"), eps=1e-8, ddof=1)
+    got = depth_advantages(r, 4, step_widths(one))
+    assert got[:, :2].abs().max() == 0
+    torch.testing.assert_close(got[:, 2:], flat[:, None].expand(-1, 4), rtol=0, atol=1e-6)
+    with pytest.raises(ConfigError, match="branch_advantages: depth needs a branched group"):
+        load_config(None, [*SETS, "algorithm.branch_advantages=depth"])
+
+
 @pytest.mark.slow
-def test_a_branch_tree_trains_two_iterations_on_the_local_trainer(tmp_path):
+def test_a_branch_tree_trains_two_iterations_on_the_local_trainer(tmp_path, monkeypatch):
+    import digenrl.units.train
     from digenrl.engine.local import LocalTrainer
 
     sets = [
@@ -150,10 +188,21 @@ def test_a_branch_tree_trains_two_iterations_on_the_local_trainer(tmp_path):
         *QUIET,
         "algorithm.shared_prefix=1",
         "algorithm.branch_tree=[[3, 2]]",
+        "algorithm.branch_advantages=depth",
         "train.iterations=2",
     ]
+    seen, term_loss = [], digenrl.units.train.term_loss
+
+    def record(alg, logp, behaviour, adv, *args, **kwargs):  # the advantages each step's loss took
+        seen.append(adv.abs())
+        return term_loss(alg, logp, behaviour, adv, *args, **kwargs)
+
+    monkeypatch.setattr(digenrl.units.train, "term_loss", record)
     result = LocalTrainer(load_config(None, sets)).run(tmp_path)
     assert len(result.metrics) == 2 and all(m["grad_norm"] > 0 for m in result.metrics)
+    # BranchGRPO's per-depth advantages reach the loss: the 2-node steps of a group with distinct
+    # nodes take exactly +-1/sqrt(2), which no 4-leaf standardisation gives every sample of a group
+    assert any(torch.allclose(a, torch.full_like(a, 2**-0.5), atol=1e-5) for a in seen)
     # the leaves train their shared node's steps from the node's forward: ratio 1 to rounding
     assert abs(result.metrics[0]["ratio_mean"] - 1) < 1e-5
 

@@ -37,6 +37,7 @@ class Chat(BaseHTTPRequestHandler):
         reply = f"The image is fine.\nScore: {10 * pixels.mean() / 255:.3f}"
         if self.server.mode == "noscore" and "NOSCORE" in text["text"]:
             reply = "I cannot judge this image."
+        getattr(self.server, "replies", []).append(reply)  # kept where the server keeps them
         body = json.dumps(
             {
                 "id": "chatcmpl-1",

@@ -181,6 +181,12 @@ class AlgorithmConfig(_Section):
         "at shared_prefix into G / prod(factors) branches, each of which splits into factor at step; "
         "[] = one split, into all G",
     )
+    branch_advantages: Literal["leaf", "depth"] = Field(
+        "leaf",
+        description="with shared_prefix: leaf = each sample's group advantage at every step; depth = "
+        "BranchGRPO's: a step's advantage is its tree node's (the mean of the node's leaves' rewards) "
+        "normalised over the group's nodes at that depth (flow_grpo / dance_grpo / flow_dppo / grpo_guard)",
+    )
     kl_mask_threshold: float = Field(
         1e-5, gt=0, description="flow_dppo: the trust region delta on the exact step KL (veRL-Omni: 1e-5)"
     )

@@ -162,6 +162,11 @@ class RunConfig(_Section):
                 f"divides algorithm.group_size ({alg.group_size}) leaving >= 2 first branches, and whole "
                 "groups per rollout unit (engine.unit_samples null)"
             )
+        if alg.branch_advantages == "depth" and (not k or alg.name in ("diffusion_nft", "awm", "online_dpo")):
+            raise ValueError(
+                "algorithm.branch_advantages: depth needs a branched group (algorithm.shared_prefix > 0) "
+                f"and a per-step loss ({alg.name} takes one advantage per sample)"
+            )
         if alg.name == "grpo_guard" and self.sampling.sde == "cps":
             raise ValueError(
                 "algorithm.name: grpo_guard normalises a Gaussian log-ratio; sampling.sde cps has none "

@@ -11,7 +11,7 @@ import torch
 
 from digenrl.config.train import RewardConfig
 from digenrl.errors import UserError
-from digenrl.rewards import basic, clip_models, geneval, ocr, remote, structure, vlm_judge  # noqa: F401  (importing them registers them)
+from digenrl.rewards import basic, clip_models, geneval, hps, ocr, remote, structure, vlm_judge  # noqa: F401  (importing them registers them)
 from digenrl.rewards.base import REWARDS, Reward, RewardArgError, register  # noqa: F401  (re-exported)
 
 

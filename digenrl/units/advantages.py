@@ -1,6 +1,9 @@
-"""Group-relative advantages over rolled-out units (docs/algorithms.md)."""
+"""Group-relative advantages over rolled-out units (docs/algorithms.md): one per sample, or, for a
+branched group (``algorithm.branch_advantages: depth``), BranchGRPO's one per sample and step."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -17,25 +20,74 @@ def assign_advantages(batches: list[Samples], cfg) -> None:
     (``nan_policy: drop``) gets advantage 0 and is left out of every group statistic.
     """
     alg, rc = cfg.algorithm, cfg.reward
-    chunks = [batches] if alg.std == "global" else [[b] for b in batches]
+    widths = step_widths(cfg)
+    chunks = [batches] if alg.std == "global" and widths is None else [[b] for b in batches]
     for chunk in chunks:
         total = torch.cat([b.rewards for b in chunk]).float()
         if rc.combine == "weighted_sum":
-            adv = grpo.group_advantages(total, alg.group_size, alg.std, alg.adv_clip, ddof=alg.std_ddof)
+            adv = _advantages(total, alg, alg.adv_clip, widths)
         else:
-            adv = torch.zeros_like(total)
+            adv = 0.0
             for term in rc.components:
-                adv += term.weight * _component_advantages(chunk, term.name, total, alg)
+                adv = adv + term.weight * _component_advantages(chunk, term.name, total, alg, widths)
             adv = adv.clamp(-alg.adv_clip, alg.adv_clip)
         for b, a in zip(chunk, adv.split([len(b) for b in chunk])):
             b.advantages = a
 
 
-def _component_advantages(chunk, name: str, total: torch.Tensor, alg) -> torch.Tensor:
+def _component_advantages(chunk, name: str, total: torch.Tensor, alg, widths=None) -> torch.Tensor:
     """One component's own group advantage (unweighted, unclipped); samples whose total is NaN are
     left out of it (advantage 0)."""
     r = torch.cat([b.reward_parts[name] for b in chunk]).float().masked_fill(torch.isnan(total), float("nan"))
-    return grpo.group_advantages(r, alg.group_size, alg.std, float("inf"), ddof=alg.std_ddof)
+    return _advantages(r, alg, float("inf"), widths)
+
+
+def _advantages(r: torch.Tensor, alg, clip: float, widths) -> torch.Tensor:
+    if widths is None:
+        return grpo.group_advantages(r, alg.group_size, alg.std, clip, ddof=alg.std_ddof)
+    return depth_advantages(r, alg.group_size, widths).clamp(-clip, clip)
+
+
+def step_widths(cfg) -> list[int] | None:
+    """With ``algorithm.branch_advantages: depth``, the number of nodes per group each rollout step
+    leads to (1 on the shared prefix; the branches' count from ``shared_prefix`` on, multiplied at each
+    ``branch_tree`` split); else None (one advantage per sample)."""
+    alg = cfg.algorithm
+    if alg.branch_advantages != "depth":
+        return None
+    splits = [(alg.shared_prefix, alg.group_size // math.prod(f for _, f in alg.branch_tree))]
+    splits += [tuple(t) for t in alg.branch_tree]
+    widths, width = [], 1
+    for step in range(cfg.sampling.steps):
+        for at, factor in splits:
+            width *= factor if at == step else 1
+        widths.append(width)
+    return widths
+
+
+def depth_advantages(rewards: torch.Tensor, group_size: int, widths: list[int]) -> torch.Tensor:
+    """BranchGRPO's advantages (Li et al. 2025; their ``compute_node_rewards_from_leaves`` and
+    ``compute_hierarchical_advantages_by_depth``): (B,) leaf rewards -> (B, steps).
+
+    Step t leads to one of ``widths[t]`` nodes of the group's tree (a node's leaves are contiguous
+    rows). A node's reward is the mean of its leaves' (reward fusion); the nodes of one depth are
+    normalised together, (R - mean) / (std + 1e-8) with the sample std, 0 where that std is below
+    1e-6 or the depth holds one node; every leaf takes its node's advantage for that step. A leaf
+    whose reward is NaN is left out of its node's mean and gets 0 at every step."""
+    r = rewards.double().view(-1, group_size)  # (groups, G)
+    out = torch.zeros(*r.shape, len(widths), dtype=torch.float64)
+    for w in sorted(set(widths) - {1}):
+        node = r.view(len(r), w, group_size // w).nanmean(dim=2)  # fused node rewards (groups, w)
+        ok = ~torch.isnan(node)
+        n = ok.sum(dim=1, keepdim=True)
+        mean = torch.where(ok, node, 0.0).sum(dim=1, keepdim=True) / n.clamp(min=1)
+        centred = torch.where(ok, node - mean, 0.0)
+        std = (centred.square().sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+        adv = torch.where((std < 1e-6) | (n < 2), 0.0, centred / (std + 1e-8))
+        leaf = adv.repeat_interleave(group_size // w, 1)  # every leaf takes its node's advantage
+        out[:, :, [t for t, wt in enumerate(widths) if wt == w]] = leaf[..., None]
+    out[torch.isnan(r)] = 0.0
+    return out.float().reshape(len(rewards), len(widths))
 
 
 def advantage_metrics(batches, cfg) -> dict[str, float]:

@@ -44,7 +44,7 @@ class Samples:
     train_idx: torch.Tensor  # (B, T) steps to train; diffusion_nft: (B, K) noise levels (sigma indices)
     rewards: torch.Tensor | None = None  # (B,) weighted total, once scored (:meth:`take`)
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
-    advantages: torch.Tensor | None = None  # (B,), set once the group's rewards are known
+    advantages: torch.Tensor | None = None  # (B,) or per step (B, N), set once the group's rewards are known
     preview: torch.Tensor | None = None  # uint8 pixels of the first sample of each group
     timings: dict[str, float] = field(default_factory=dict)
     first_sample: int = 0  # a sub-group unit: the in-group index of its groups' first sample

@@ -101,7 +101,7 @@ def train_unit(
                 x_next=x_next,
                 i=i,
                 behaviour=behaviour,
-                a=adv[sel],
+                a=adv[sel] if adv.ndim == 1 else adv[sel, i],  # branch_advantages depth: per step
                 mu_ref=mu_ref,
                 noise=noise,
                 mu_old=mu_old,
