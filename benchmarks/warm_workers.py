@@ -98,7 +98,12 @@ def main() -> None:
     import ray
 
     cpus = min(2, os.cpu_count() or 1)
-    ray.init(address="local", num_cpus=cpus, resources={"pool:rollout": 2, "pool:trainer": 2}, include_dashboard=False)
+    ray.init(
+        address="local",
+        num_cpus=cpus,
+        resources={"pool:rollout": 2, "pool:trainer": 2},
+        include_dashboard=False,
+    )
     cold, hot = [], []
     try:
         for _ in range(args.repeats):

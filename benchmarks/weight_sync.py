@@ -138,7 +138,13 @@ def main() -> None:
     for kind, mib in (("lora", args.lora_mib), ("full", args.full_mib)):  # named by their real size
         state = synthetic(kind, mib * 2**20)
         payloads[f"{kind}_like_{weight_sync.state_bytes(state) / 2**20:.0f}MiB"] = state
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=2 * 2**30, logging_level="ERROR")
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=2 * 2**30,
+        logging_level="ERROR",
+    )
     rows = []
     try:
         actor = Receiver.remote()

@@ -211,6 +211,7 @@ def test_other_load_counts_our_children_as_ours():
         [sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<3: pass"],
         start_new_session=True,
     )
+
     def cpu_s() -> float:  # the child's CPU seconds so far (utime + stime)
         fields = open(f"/proc/{spin.pid}/stat").read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

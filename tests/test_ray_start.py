@@ -28,7 +28,9 @@ def test_start_local_ignores_the_address_ray_start_recorded():
         with open(f"{tmp}/ray/ray_current_cluster", "w") as f:
             f.write("127.0.0.1:9")
         env = {"RAY_TMPDIR": tmp, "RAY_AUTH_MODE": "disabled", "PATH": "/usr/bin:/bin"}
-        out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     assert out.returncode == 0, out.stderr[-2000:]
