@@ -151,6 +151,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
             "device": str(self.policy.device),
             "pid": os.getpid(),
             "version": self.policy.version,
+            "node": _node_id(),
         }
 
     def resolved(self) -> dict:
@@ -356,3 +357,10 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
             "events": events,
             "sync_failed": failed,
         }
+
+
+def _node_id() -> str | None:
+    """The Ray node this actor runs on (None outside Ray): the driver names it when the node leaves."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
