@@ -112,7 +112,11 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
             load_checkpoint(Path(tmp), self.policy, optimizer=False)
 
     def _build(self, cfg, reward_actor) -> None:
-        if pick_device(cfg.train.device).type == "cpu":
+        # the device the layout gives this worker (train.device resolved for its pool, never here)
+        self.device = pick_device(
+            self.layout.worker(self.name).torch_device if self.layout else cfg.train.device
+        )
+        if self.device.type == "cpu":
             torch.set_num_threads(1)  # one thread per CPU worker: they share few cores with each other
         torch.manual_seed(cfg.train.seed)  # same construction order as LocalTrainer
         self.prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed)
@@ -130,7 +134,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
             self.scoring, self.reward = "inline", build_reward(cfg.reward)
         lean = not generates(cfg, self.role)  # a lean trainer rank: no text encoder, no VAE
         self.policy = Policy(  # a checkpoint: transformer alone
-            cfg, trainable=self.role != "rollout", generates=not lean, layout=self.layout
+            cfg, self.device, trainable=self.role != "rollout", generates=not lean, layout=self.layout
         )
         if lean:  # a preset builds them all: release them
             self.policy.adapter.release_generation_modules()
