@@ -10,6 +10,11 @@ lead waits for it in the unit's first collective (a member lost mid-unit). Each 
 per run, also across the process restarts it causes: a unit generated again after its worker died
 does not kill the worker a second time.
 
+On a rollout worker, ``sync-<version>`` fires as that version's broadcast arrives (its header read):
+``{worker: rollout1, unit: sync-2}`` ends it mid-broadcast; ``sync-2:received`` fires once the
+version is in, and ``sync-2:received:drop`` breaks the worker's end of the weight-sync group there
+(its receiver raises: it misses version 2, which the others hold, and lives on).
+
 A unit named ``sync-<version>`` on trainer rank 0 (``{worker: trainer0, unit: sync-2}``) does not
 end a process: it flips one bit of the first bucket of that version's broadcast weight sync in
 transit (``engine.weight_sync: broadcast``), which the rollout workers must detect and name.
@@ -60,18 +65,21 @@ class FaultInjector:
         return cls(name, frozenset(f.unit for f in cfg.engine.faults if f.worker == name))
 
     def reached(self, uid: str | None) -> None:
-        """This process has done unit ``uid``'s work: die here if a fault says so, or with
-        ``<uid>:block`` block here for good (a hung member: alive, never answering); once."""
-        for fault, blocks in ((uid, False), (f"{uid}:block", True)):
+        """This process has done unit ``uid``'s work: die here if a fault says so, with
+        ``<uid>:block`` block here for good (a hung member: alive, never answering), with
+        ``<uid>:drop`` raise ConnectionError (a connection that broke: the process lives on); once."""
+        for fault, how in ((uid, "dies"), (f"{uid}:block", "blocks"), (f"{uid}:drop", "drops")):
             if fault not in self.units:
                 continue
             mark = Path(tempfile.gettempdir()) / f"digenrl-fault-{_incarnations()}-{self.name}-{fault}"
             if mark.exists():  # fired already, in an earlier process of this actor
                 continue
             mark.touch()
-            print(f"fault injection: {self.name} {'blocks' if blocks else 'dies'} in {uid}", file=sys.stderr)
+            print(f"fault injection: {self.name} {how} in {uid}", file=sys.stderr)
             sys.stderr.flush()
-            while blocks:
+            if how == "drops":
+                raise ConnectionError(f"fault injection: {self.name}'s connection dropped in {uid}")
+            while how == "blocks":
                 time.sleep(3600)
             os._exit(17)
 

@@ -187,7 +187,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
         With ``reward.service`` the scoring is only submitted: the summary's ``reward_ref``
         (an ObjectRef of a :class:`~digenrl.rewards.service.Scored`) replaces its rewards, and
         the samples carry NaN placeholders."""
-        events = []
+        events, missed = [], None
         if unit.version != self.policy.version:
             if self.role != "rollout":
                 raise RuntimeError(
@@ -199,8 +199,14 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
                         self.policy, unit.version, unit.iteration, packet, self.sync, self.expected_keys
                     )
                 )
-            except sync_group.VersionMissed as exc:  # the driver sends the unit again, with the version
-                return None, {"missed": unit.version, "why": str(exc)}
+            except sync_group.VersionMissed as exc:
+                missed = str(exc)
+        if self.role == "rollout" and self.sp_world > 1 and self.any_member_missed(missed is not None):
+            missed = (
+                missed or f"a member of {self.name}'s sequence-parallel group missed version {unit.version}"
+            )
+        if missed is not None:  # the driver sends the unit again, with the version
+            return None, {"missed": unit.version, "why": missed}
         cfg = self.cfg
         group = self.role != "rollout" and self.followers  # a trainer group generates each unit together
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
