@@ -309,7 +309,9 @@ def test_a_missed_broadcast_inside_a_sequence_parallel_group_falls_back(ray_clus
     that a member missed it before any of its collectives, the lead answers "missed", the driver
     falls back to the object store and sends the unit again with rank 0's copy, which both members
     load: the run finishes with no restart, every group generated and trained once. Before, the
-    follower's VersionMissed came back through its lead as a task error and the run stopped."""
+    follower aborted its group on its VersionMissed while its lead, which held the version, waited in
+    the unit's first all-to-all: the run stalled (still waiting when killed at 300 s; the group's
+    collective timeout is 30 min)."""
     from digenrl.config.run import load_config
     from digenrl.engine.timeline import Timeline
     from digenrl.launch import run_engine
