@@ -22,6 +22,12 @@
 #   GPUs: the nccl all-reduce), and with >= 2 GPUs disaggregated (1 rollout GPU + the rest as
 #   trainer ranks, GAP, TAG, TSP, one-step async: the weight sync between GPU workers); each run
 #   must leave 2 metrics rows, timeline.json / .png and final weights;
+# - fsdp_dtype: benchmarks/gpu_fsdp_dtype.py -> fsdp_dtype.json: one FSDP2 rank (NCCL, world size 1) of
+#   the real-width FLUX in bf16: the root's inputs and the blocks' rotary tables keep their dtypes, the
+#   sharded velocity equals the unsharded one bit for bit;
+# - shared: two processes on one GPU -- a disaggregated `digenrl` run whose rollout worker and trainer
+#   rank both use GPU 0 (Ray shown two logical GPUs, CUDA_VISIBLE_DEVICES left alone), weights through
+#   the Ray object store (the broadcast's fallback path): 2 metrics rows, every sync by object store;
 # - profile: `digenrl profile --device cuda` -> profile.json (`digenrl plan --profile`).
 # GPUs are counted as this process sees them: nvidia-smi's, narrowed by CUDA_VISIBLE_DEVICES when set.
 # On one GPU the script says what it cannot check (NCCL between ranks needs two).
@@ -30,7 +36,7 @@ set -uo pipefail
 OUT=${1:-${OUT:-$(mktemp -d)}}
 PY=${PYTHON:-python}
 DEVICE=${DEVICE:-cuda}
-PARTS=${PARTS:-dedicated realwidth fold colocated disaggregated profile}
+PARTS=${PARTS:-dedicated realwidth fsdp_dtype fold colocated shared disaggregated profile}
 BUDGET=${BUDGET:-480}
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -43,6 +49,7 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: tiny widths, logical CPU devices
   DEDICATED=(--tiny --device cpu --double 1 --single 1 --steps 2 --repeats 1 --curve-batches 1 2
              --compile-backend eager --compile-batch 2 --reward-images 2)
   REALWIDTH=(--tiny --device cpu --double 1 --single 1 --batch 1 --steps 2)
+  FSDP_DTYPE=(--tiny --device cpu --double 1 --single 1)
 else
   visible_gpus() {  # the GPUs this process may use: nvidia-smi's, narrowed by CUDA_VISIBLE_DEVICES when set
     local listed ids id n=0
@@ -66,13 +73,15 @@ else
   POOL_DEVICE=gpu
   DEDICATED=(--gpu "$KIND")
   REALWIDTH=(--gpu "$KIND")
+  FSDP_DTYPE=(--device cuda)
 fi
 echo "gpu_smoke: $NGPU $DEVICE device(s) ($KIND); output in $OUT; parts: $PARTS"
 if [ "$NGPU" -lt 2 ]; then  # say plainly what one device cannot check
   echo "gpu_smoke: one device: NCCL between ranks (FSDP2 all-gather / reduce-scatter, the NCCL weight" \
        "broadcast, a lost NCCL peer) and the disaggregated run need 2 GPUs and are NOT checked here;" \
        "one device checks its memory against the static prediction, compile and the on-policy ratio" \
-       "in the trainer's grad mode (realwidth, dedicated)"
+       "in the trainer's grad mode (realwidth, dedicated), one FSDP2 rank's dtypes (fsdp_dtype) and two" \
+       "processes sharing the GPU through the object store (shared)"
 fi
 
 FAILED=()
@@ -97,12 +106,16 @@ train() {  # train NAME override...
   else  # no console script: call the engine directly
     "$PY" - "$OUT/$name" "$@" "${COMMON[@]}" <<'EOF' || return 1
 import sys
-from digenrl.config import load_config
+from digenrl.config.run import load_config
 from digenrl.launch import run_engine
 run_engine(load_config(None, sys.argv[2:]), run_dir=sys.argv[1])
 EOF
   fi
-  "$PY" - "$OUT/$name" <<'EOF'
+  check_run "$OUT/$name"
+}
+
+check_run() {  # check_run RUN_DIR: two metrics rows, the timeline, final weights
+  "$PY" - "$1" <<'EOF'
 import json, pathlib, sys
 run = pathlib.Path(sys.argv[1])
 rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
@@ -126,16 +139,43 @@ disaggregated() {
     engine.gap=true engine.tag=true engine.tsp_degree=$tsp engine.max_staleness=1
 }
 
+shared() {  # two processes on one GPU: rollout worker and trainer rank on GPU 0, weights by object store
+  RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 "$PY" - "$OUT/shared" "$DEVICE" "$POOL_DEVICE" "${COMMON[@]}" \
+    <<'EOF' || return 1
+import json, pathlib, sys
+import ray
+from digenrl.config.run import load_config
+from digenrl.launch import run_engine
+run_dir, device, pool = sys.argv[1:4]
+quiet = dict(include_dashboard=False, logging_level="WARNING")
+if device == "cuda":  # one GPU shown to Ray as two, CUDA_VISIBLE_DEVICES left alone: both on GPU 0
+    ray.init(num_gpus=2, **quiet)
+else:  # the dry run: logical CPU devices
+    ray.init(num_cpus=2, resources={"pool:rollout": 1, "pool:trainer": 1}, **quiet)
+pools = f"cluster.pools=[{{name: rollout, device: {pool}, count: 1}}, {{name: trainer, device: {pool}, count: 1}}]"
+sets = [*sys.argv[4:], "placement.mode=disaggregated", "engine.weight_sync=object_store", "engine.tag=false", pools]
+run_engine(load_config(None, sets), run_dir=run_dir)
+ray.shutdown()
+trace = json.loads((pathlib.Path(run_dir) / "timeline.json").read_text())["traceEvents"]
+syncs = [e["args"] for e in trace if e.get("ph") == "X" and e["args"]["kind"] == "sync"]
+assert syncs and {s["transport"] for s in syncs} == {"object_store"}, syncs
+print(f"shared: {len(syncs)} weight syncs through the object store, both workers on {device}")
+EOF
+  check_run "$OUT/shared"
+}
+
 profile() {
   digenrl profile --device "$DEVICE" --out "$OUT/profile.json" && test -s "$OUT/profile.json"
 }
 
 part dedicated timeout 240 "$PY" "$HERE/gpu_dedicated.py" "${DEDICATED[@]}" --json "$OUT/dedicated.json"
 part realwidth timeout 180 "$PY" "$HERE/gpu_realwidth.py" "${REALWIDTH[@]}" --json "$OUT/realwidth.json"
+part fsdp_dtype timeout 120 "$PY" "$HERE/gpu_fsdp_dtype.py" "${FSDP_DTYPE[@]}" --json "$OUT/fsdp_dtype.json"
 part fold "$PY" "$HERE/fold_gpu_check.py" "$OUT" --json "$OUT/fold.json"
 part colocated train colocated placement.mode=colocated \
   "cluster.pools=[{name: gpus, device: $POOL_DEVICE, count: $NGPU}]" placement.rollout_pool=gpus placement.trainer_pool=gpus \
   engine.max_staleness=0
+part shared shared
 part disaggregated disaggregated
 part profile profile
 

@@ -120,12 +120,16 @@ def audit(name: str, config: str, sets: list[str]) -> dict:
 
     held = dict.fromkeys(PARTS, 0)
     whole = []  # tensors that are not shards: full-size copies
+    keep = set(getattr(net, "_keep_in_fp32_modules", None) or ())
+    kept = [0, 0]  # what FSDP leaves whole by design (diffusers' fp32-kept bare parameters): count, bytes
 
     def add(part, tensors, label):
         for n, t in tensors:
             b, shard = local_bytes(t)
             held[part] += b
-            if not shard:
+            if not shard and keep & set(n.split(".")):
+                kept[0], kept[1] = kept[0] + 1, kept[1] + b
+            elif not shard:
                 whole.append(f"{label} {n}")
 
     add("frozen base", [(n, p) for n, p in net.named_parameters() if not p.requires_grad], "param")
@@ -158,6 +162,8 @@ def audit(name: str, config: str, sets: list[str]) -> dict:
         "difference": (total - plan) / plan,
         "full_size": whole[:5],
         "full_size_count": len(whole),
+        "kept_whole_count": kept[0],
+        "kept_whole_bytes": kept[1],
     }
 
 

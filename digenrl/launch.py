@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 from digenrl.config.run import RunConfig
 from digenrl.engine.faults import with_fault_plan
 from digenrl.engine.recovery import TrainerRankLost
+from digenrl.engine.resources import PlacementError
 from digenrl.errors import UserError
 from digenrl.placement.layout import RunLayout
 from digenrl.placement.resolve import resolve
@@ -54,20 +55,35 @@ def run_engine(
         )
     layout = layout or resolve(cfg)
     cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
+    lost = None  # the stop a restart is for
     for restart in itertools.count(1):
         try:
             return run_on_ray(cfg, layout, resumed, run_dir, on_iteration, ray_address)
+        except PlacementError as exc:
+            if lost is None:
+                raise
+            raise UserError(f"{lost[0]}; the run stopped: {exc}; {lost[1]}") from None
         except TrainerRankLost as exc:
+            with_nodes(exc)
             last = latest_checkpoint(exc.run_dir) if exc.run_dir is not None else None
             if restart > cfg.engine.trainer_restarts or last is None:
                 raise
+            what, _, hint = str(exc).partition("; the run stopped; ")
+            lost = (what, hint)
             print(
-                f"warning: {str(exc).split('; the run stopped')[0]}; restarting every worker from "
+                f"warning: {what}; restarting every worker from "
                 f"{last} ({restart} of {cfg.engine.trainer_restarts}, engine.trainer_restarts)",
                 file=sys.stderr,
             )
             resumed, run_dir = read_state(last), None  # the checkpoint's run directory goes on
             cfg = without_faults(cfg, exc.uid)  # a fault fires once per run
+
+
+def with_nodes(exc: TrainerRankLost) -> None:
+    """A trainer rank lost with its node: the message names the node first (what must come back)."""
+    gone = getattr(exc, "nodes_gone", None)
+    if gone:
+        exc.args = (f"{' and '.join(gone)} left the Ray cluster: {exc}",)
 
 
 def without_faults(cfg: RunConfig, uid: str) -> RunConfig:

@@ -213,8 +213,14 @@ def test_reward_server_is_exercised_by_the_remote_reward_tests():
 @pytest.mark.slow
 def test_gpu_smoke_dry_run_on_cpu(tmp_path):
     """``DEVICE=cpu`` runs the GPU check's measuring parts at tiny sizes ("gpu_dedicated.py", then
-    "fold_gpu_check.py"): every JSON field the fold reads is there, and the fold names the defaults."""
-    env = {**os.environ, "DEVICE": "cpu", "PARTS": "dedicated fold", "PYTHON": sys.executable}
+    "fold_gpu_check.py"): every JSON field the fold reads is there, and the fold names the defaults;
+    the one-rank FSDP2 dtype check ("gpu_fsdp_dtype.py") and the two-processes-one-device run pass."""
+    env = {
+        **os.environ,
+        "DEVICE": "cpu",
+        "PARTS": "dedicated fold fsdp_dtype shared",
+        "PYTHON": sys.executable,
+    }
     env["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(
         ["bash", str(BENCH / "gpu_smoke.sh"), str(tmp_path)],
@@ -225,6 +231,12 @@ def test_gpu_smoke_dry_run_on_cpu(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "dedicated: ok" in done.stdout and "fold: ok" in done.stdout
+    # one FSDP2 rank in bf16: inputs and rotary tables keep their dtypes, sharded == unsharded
+    dtype = json.loads((tmp_path / "fsdp_dtype.json").read_text())
+    assert dtype["ok"] and dtype["equal"] and dtype["rotary_dtypes"] == ["torch.float32"]
+    assert dtype["root_inputs_unchanged"] and dtype["velocity_scale"] > 0
+    # two processes (rollout worker, trainer rank) on one device, weights through the object store
+    assert "shared: ok" in done.stdout and "weight syncs through the object store" in done.stdout
     ded = json.loads((tmp_path / "dedicated.json").read_text())
     assert ded["tiny"] and ded["errors"] == {} and ded["gpu"] is None
     curve = ded["rollout_batch_curve"]

@@ -99,3 +99,29 @@ def test_a_tiny_engine_run_never_initialises_cuda_in_the_driver(ray_cluster, cud
     )
     result = run_engine(cfg, tmp_path / "run")
     assert [r["iteration"] for r in result.metrics] == [0, 1]
+
+
+def test_workers_build_on_the_device_the_layout_gives_them(tiny_cfg, cuda_reported):
+    """Each worker's device is resolved once, in the RunLayout (a logical CPU pool: ``cpu``; a GPU
+    pool: ``cuda``, or ``cpu`` with ``train.device: cpu``), and a worker builds there without resolving
+    ``train.device: auto`` itself: with torch reporting 8 GPUs, the workers of CPU pools build on the
+    CPU and never initialise CUDA. Before, each worker re-resolved ``auto`` and built on ``cuda``."""
+    from digenrl.engine.workers import EngineWorker
+    from digenrl.placement.resolve import resolve
+
+    pools = "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 1}]"
+    cfg = tiny_cfg("placement.mode=disaggregated", "engine.tag=false", pools)
+    assert cfg.train.device == "auto"
+    layout = resolve(cfg)
+    for name, role in (("rollout0", "rollout"), ("trainer0", "trainer")):
+        assert layout.worker(name).torch_device == "cpu"
+        worker = EngineWorker(cfg, name, role, layout=layout)
+        assert worker.init_error is None, worker.init_error
+        assert worker.ready()["device"] == "cpu"
+    on_gpus = "cluster.pools=[{name: rollout, device: H100}, {name: trainer, device: H100}]"
+    gpu = resolve(tiny_cfg("placement.mode=disaggregated", "engine.tag=false", on_gpus))
+    assert {gpu.worker(w.name).torch_device for w in gpu.workers} == {"cuda"}
+    forced = resolve(
+        tiny_cfg("placement.mode=disaggregated", "engine.tag=false", on_gpus, "train.device=cpu")
+    )
+    assert {forced.worker(w.name).torch_device for w in forced.workers} == {"cpu"}

@@ -104,7 +104,8 @@ def _one_step(rank, world, cfg, unit, mode: str):
     total_terms = len(unit) * unit.train_idx.shape[1]
     share = None
     if mode == "fsdp":
-        fsdp.shard_policy(policy, fsdp.trainer_mesh())
+        mesh = fsdp.trainer_mesh()
+        fsdp.shard_policy(policy, mesh)
         share = (
             fsdp.local_numel(net) / fsdp.full_numel(net),
             fsdp.local_numel(net, trainable_only=True) / fsdp.full_numel(net, trainable_only=True),
@@ -116,6 +117,8 @@ def _one_step(rank, world, cfg, unit, mode: str):
     buckets = 0
     if mode == "bucketed":
         buckets = grad_sync.all_reduce_gradients(policy.params, bucket_bytes=4096)
+    if mode == "fsdp":  # as a sharded rank's step: what FSDP2 leaves whole (Wan's fp32 tables) summed
+        fsdp.all_reduce_replicas(policy.params, mesh)
     grads = _grads(net)
     policy.optimizer_step()
     return _trained(net, policy.lora), grads, share, buckets

@@ -1,9 +1,11 @@
-"""dtype discipline under FSDP2 in bf16 (issue 36, item 1): sharding must not cast a module's
-forward inputs. Two gloo ranks shard the tiny FLUX / Wan / HunyuanVideo (full fine-tuning, bf16
-compute, fp32 masters) exactly as a trainer rank does; forward pre-hooks placed after FSDP2's own
-see the inputs each sharded module gets: the root's inputs keep the dtypes the adapter passed (Wan's
-and Hunyuan's timestep fp32: 937.5 would round to 936 in bf16), the blocks' rotary tables stay fp32,
-and the sharded velocity equals the unsharded one computed with the same bf16 weights."""
+"""dtype discipline under FSDP2 in bf16 (issue 36: item 1, and Wan's fp32-kept modules): sharding
+casts neither a module's forward inputs nor what diffusers keeps in fp32. Two gloo ranks shard the
+tiny FLUX / Wan / HunyuanVideo (full fine-tuning, bf16 compute, fp32 masters) exactly as a trainer
+rank does; forward pre-hooks placed after FSDP2's own see the inputs each sharded module gets: the
+root's inputs keep the dtypes the adapter passed (Wan's and Hunyuan's timestep fp32: 937.5 would
+round to 936 in bf16), the blocks' rotary tables stay fp32, Wan's kept parameters arrive in fp32,
+and the sharded velocity equals the unsharded one computed with the same weights (bf16 but for
+what diffusers keeps in fp32 when it loads a bf16 model)."""
 
 from __future__ import annotations
 
@@ -56,6 +58,23 @@ def _hooks(net, seen: dict):
         block.register_forward_pre_hook(recorder("block_seen"), with_kwargs=True)
 
 
+def _kept_hooks(net, seen: dict):
+    """Record, as each module runs (after FSDP2 gathered it), the dtypes of the parameters diffusers
+    keeps in fp32 (``_keep_in_fp32_modules``: Wan's time embedder, norms, modulation tables)."""
+    keep = set(getattr(net, "_keep_in_fp32_modules", None) or ())
+    for name, module in net.named_modules():
+        whole = name.split(".")[-1] in keep  # a kept module: all its parameters; else its kept own ones
+        kept = [n for n, _ in module.named_parameters(recurse=whole) if whole or n in keep]
+        if not kept:
+            continue
+
+        def hook(module, args, name=name, kept=kept, whole=whole):
+            params = dict(module.named_parameters(recurse=whole))
+            seen.setdefault("kept", {})[name] = sorted({str(params[n].dtype) for n in kept})
+
+        module.register_forward_pre_hook(hook)
+
+
 def _check(rank, world, out):
     from digenrl.config.run import load_config
     from digenrl.distributed import fsdp
@@ -66,8 +85,10 @@ def _check(rank, world, out):
         cfg = load_config(path, [*sets, "model.dtype=bfloat16", "model.lora=null", "algorithm.kl_beta=0"])
         torch.manual_seed(0)  # unsharded, its weights in bf16 as FSDP2 all-gathers them (param_dtype)
         rollout = Policy(cfg, device="cpu", trainable=False)
-        for p in rollout.adapter.transformer.parameters():  # parameters only: buffers (RoPE) stay fp32
-            p.data = p.data.to(torch.bfloat16)
+        keep = set(getattr(rollout.adapter.transformer, "_keep_in_fp32_modules", None) or ())
+        for name, p in rollout.adapter.transformer.named_parameters():  # (buffers, RoPE, stay fp32)
+            if not keep & set(name.split(".")):  # what diffusers keeps in fp32 loading a bf16 model stays
+                p.data = p.data.to(torch.bfloat16)
         torch.manual_seed(0)  # the trainer rank's: the same weights as fp32 masters, then sharded
         policy = Policy(cfg, device="cpu")
         adapter = policy.adapter
@@ -79,6 +100,7 @@ def _check(rank, world, out):
         fsdp.shard_policy(policy, fsdp.trainer_mesh())
         seen: dict = {}
         _hooks(adapter.transformer, seen)
+        _kept_hooks(adapter.transformer, seen)
         with torch.no_grad():
             sharded = adapter.velocity(x, sigma, cond)
         results[family] = {"unsharded": unsharded, "sharded": sharded, "seen": seen}
@@ -113,3 +135,14 @@ def test_sharded_velocity_equals_unsharded_in_bf16(results, family):
         assert r["unsharded"].abs().max().item() > 0
         diff = (r["sharded"] - r["unsharded"]).abs().max().item()
         assert torch.equal(r["sharded"], r["unsharded"]), f"{family}: sharded differs by {diff:.3g}"
+
+
+def test_what_diffusers_keeps_in_fp32_is_gathered_in_fp32(results):
+    """Wan's ``_keep_in_fp32_modules`` (the time embedder, the blocks' cross-attention norm, every
+    ``scale_shift_table``) reach its forward in fp32 on a bf16 sharded rank, as a rollout worker holds
+    them (diffusers loads them so): a module as its own fp32 FSDP2 unit, a bare table left whole.
+    Before, FSDP2 gathered them in bf16 (the sharded velocity then differed from the unsharded one)."""
+    for rank in results:
+        kept = rank["wan"]["seen"]["kept"]
+        assert {"condition_embedder.time_embedder", "", "blocks.0", "blocks.0.norm2"} <= set(kept)
+        assert set(map(tuple, kept.values())) == {("torch.float32",)}, kept

@@ -298,3 +298,49 @@ def test_the_driver_takes_an_overdue_group_down_once():
     patient = GroupRestart({}, {}, None, timeout_s=3600.0)
     patient.watch(in_flight, roles)
     assert patient.watch(in_flight, roles) == []
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_missed_broadcast_inside_a_sequence_parallel_group_falls_back(ray_cluster, tmp_path, capsys):
+    """A sequence-parallel rollout pair over broadcast; the follower's end of the weight-sync group
+    breaks once version 2 is in, before it is staged (``sync-2:received:drop``: it misses the version
+    and lives on; rank 0 has published it, the lead holds it). The pair agrees
+    that a member missed it before any of its collectives, the lead answers "missed", the driver
+    falls back to the object store and sends the unit again with rank 0's copy, which both members
+    load: the run finishes with no restart, every group generated and trained once. Before, the
+    follower aborted its group on its VersionMissed while its lead, which held the version, waited in
+    the unit's first all-to-all: the run stalled (still waiting when killed at 300 s; the group's
+    collective timeout is 30 min)."""
+    from digenrl.config.run import load_config
+    from digenrl.engine.timeline import Timeline
+    from digenrl.launch import run_engine
+    from tests.helpers import QUIET, TINY, assert_timeline_invariants
+
+    sets = [
+        *TINY,
+        *QUIET,
+        "placement.mode=disaggregated",
+        "engine.gap=false",
+        "engine.tag=false",
+        "engine.tsp_degree=1",
+        "engine.max_staleness=0",
+        "engine.weight_sync=broadcast",
+        "engine.rollout_sp=2",
+        "train.iterations=3",
+        "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",
+        "engine.faults=[{worker: rollout1, unit: 'sync-2:received:drop'}]",
+    ]
+    cfg = load_config(None, sets)
+    result = run_engine(cfg, tmp_path / "run")
+    err = capsys.readouterr().err
+    assert [r["iteration"] for r in result.metrics] == [0, 1, 2]
+    assert result.metrics[-1]["worker_restarts"] == 0  # nobody died: the pair went on
+    assert (
+        "weight sync falls back to the Ray object store for the rest of the run (rollout0 missed it)" in err
+    )
+    tl = Timeline.from_chrome_trace(tmp_path / "run" / "timeline.json")
+    assert_timeline_invariants(cfg, tl)
+    publishes = {e.version: e for e in tl.of("sync") if e.args["direction"] == "publish"}
+    assert publishes[2].args["transport"] == "broadcast"  # rank 0 sent it; the follower lost it
+    assert publishes[3].args["transport"] == "object_store"  # after the fallback

@@ -1,8 +1,11 @@
-"""Multi-node placement for real, on one machine (issue 36, item 12): a Ray cluster of two nodes on
-localhost (``ray.cluster_utils.Cluster``). A shard group or a sequence-parallel group runs collectives
-every forward, so it must live on one node: the engine reserves one STRICT_PACK placement group per
-such group (``RunLayout.node_groups``) and packs the other workers. The check runs in a subprocess
-(its own Ray, beside the suite's)."""
+"""Multi-node for real, on one machine (issue 36): a Ray cluster of several nodes on localhost
+(``ray.cluster_utils.Cluster``), built once for the module by ``tests/two_node_runs.py`` in a
+subprocess (its own Ray, beside the suite's). A shard group or a sequence-parallel group runs
+collectives every forward, so it must live on one node (``RunLayout.node_groups``: one STRICT_PACK
+placement group each); a disaggregated run across two nodes equals the same run on one node bit for
+bit; the trainer's node replaced mid-run restarts the run from its last checkpoint
+(``engine.trainer_restarts``) with nothing lost or trained twice; a node lost for good stops the run
+with one line naming it, exit code 2, the last checkpoint intact."""
 
 from __future__ import annotations
 
@@ -10,65 +13,116 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    from types import SimpleNamespace
-    import ray
-    from ray.cluster_utils import Cluster
-    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-    from digenrl.engine.resources import reserve_by_node
-
-    # two nodes of 3 devices each; six workers of one device: two pairs that must share a node (PACK
-    # fills the head first: w0-w2 there, w3-w5 on the other node, so w2 and w3 would straddle)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"dev": 3}})
-    cluster.add_node(num_cpus=1, resources={"dev": 3})
-    ray.init(address=cluster.address)
-    cluster.wait_for_nodes()
-    workers = [SimpleNamespace(name=f"w{i}") for i in range(6)]
-    bundles = [{"dev": 1} for _ in workers]
-    node_groups = [("w2", "w3"), ("w4", "w5")]
-
-    def nodes(group, indices):
-        where = placement_group_table(group)["bundles_to_node_id"]
-        return sorted({where[i] for i in indices})
-
-    # 849bed7's arrangement: one PACK group of every bundle (fills the head first): does a pair straddle?
-    packed = placement_group(bundles, strategy="PACK")
-    ray.get(packed.ready(), timeout=60)
-    old = [len(nodes(packed, [int(n[1:]) for n in g])) for g in node_groups]
-    remove_placement_group(packed)
-
-    groups, slots = reserve_by_node(bundles, workers, node_groups)
-    new = [len({placement_group_table(slots[int(n[1:])][0])["bundles_to_node_id"][slots[int(n[1:])][1]]
-                for n in g}) for g in node_groups]
-    strategies = [placement_group_table(g)["strategy"] for g in groups]
-    print(json.dumps({"old": old, "new": new, "strategies": strategies, "nodes": len(ray.nodes())}))
-    ray.shutdown()
-    cluster.shutdown()
-    """
-)
+LORA = "pytorch_lora_weights.safetensors"
 
 
-def test_shard_and_sp_groups_never_straddle_a_node(tmp_path):
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    """What tests/two_node_runs.py reports: each check's result (or its error) and the node ids."""
+    work = tmp_path_factory.mktemp("two_nodes")
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "RAY_AUTH_MODE": "disabled"}
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=400, cwd=tmp_path
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["nodes"] == 2
+    with tempfile.TemporaryDirectory(prefix="rn", dir="/tmp") as ray_tmp:  # (short: Ray's socket paths)
+        env = {**os.environ, "PYTHONPATH": str(root), "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmp}
+        run = subprocess.run(
+            [sys.executable, "-m", "tests.two_node_runs", str(work / "report.json")],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=540,
+            cwd=root,
+        )
+    assert (work / "report.json").is_file(), run.stderr[-3000:]
+    report = json.loads((work / "report.json").read_text())
+    assert run.returncode == 0, run.stderr[-3000:]
+    return report
+
+
+def part(nodes, name: str) -> dict:
+    got = nodes.get(name, {"error": "not reached"})
+    assert "error" not in got, got["error"]
+    return got
+
+
+def lora(run_dir: str, *sub: str) -> dict:
+    return load_file(Path(run_dir, *sub, LORA))
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_shard_and_sp_groups_never_straddle_a_node(nodes):
+    got = part(nodes, "placement")
     assert max(got["old"]) == 2  # the setup discriminates: one PACK group splits a pair across nodes
     assert got["new"] == [1, 1]  # each pair on one node
     assert got["strategies"] == ["STRICT_PACK", "STRICT_PACK", "PACK"]
+
+
+def test_a_run_across_two_nodes_equals_the_same_run_on_one(nodes):
+    """The rollout worker on one node, the trainer rank on another (weights and samples cross
+    between raylets), against both on one node: the same rewards every iteration and the same final
+    LoRA weights, bit for bit."""
+    one, two, ids = part(nodes, "one"), part(nodes, "two"), nodes["nodes"]
+    assert {n for row in one["nodes"].values() for n in row.values()} == {ids["one"]}
+    assert ids["rollout"] != ids["trainer"]
+    assert all(
+        row == {"pool:rollout": ids["rollout"], "pool:trainer": ids["trainer"]}
+        for row in two["nodes"].values()
+    )
+    assert [r["reward_mean"] for r in two["rows"]] == [r["reward_mean"] for r in one["rows"]]
+    assert_same(lora(two["run_dir"], "final"), lora(one["run_dir"], "final"))
+
+
+def test_the_trainer_node_replaced_mid_run_loses_and_repeats_nothing(nodes):
+    """The trainer's node removed (killed) after iteration 0 and a fresh node added: the run restarts
+    every worker from the iteration-1 checkpoint on the new node and finishes; every (iteration,
+    group) generated once and trained once (the timeline as recorded), the one-node result bit for bit."""
+    from digenrl.config.run import load_config
+    from digenrl.engine.timeline import Timeline
+    from tests.helpers import assert_timeline_invariants
+    from tests.two_node_runs import RESTARTS, SETS
+
+    got, one, ids = part(nodes, "replaced"), part(nodes, "one"), nodes["nodes"]
+    assert got["nodes"]["0"]["pool:trainer"] == ids["trainer"]
+    assert got["nodes"]["1"]["pool:trainer"] == ids["fresh"] != ids["trainer"]
+    assert [r["iteration"] for r in got["rows"]] == [0, 1]
+    assert [r["samples"] for r in got["rows"]] == [r["samples"] for r in one["rows"]]
+    cfg = load_config(None, SETS + RESTARTS)
+    assert_timeline_invariants(cfg, Timeline.from_chrome_trace(Path(got["run_dir"]) / "timeline.json"))
+    assert [r["reward_mean"] for r in got["rows"]] == [r["reward_mean"] for r in one["rows"]]
+    assert_same(lora(got["run_dir"], "final"), lora(one["run_dir"], "final"))
+
+
+def test_a_node_lost_for_good_stops_the_run_with_one_line(nodes):
+    """``digenrl train`` with ``engine.trainer_restarts=1``; the trainer's node killed in iteration 1
+    and none added: the restart finds no node for the trainer pool. One line naming the lost node and
+    what it held, exit code 2, no traceback; the iteration-1 checkpoint as written (the one-node
+    run's, bit for bit) and the hint to resume."""
+    from digenrl.checkpoint.store import list_checkpoints
+
+    got, one, ids = part(nodes, "lost"), part(nodes, "one"), nodes["nodes"]
+    assert got["code"] == 2, got["stderr"][-2000:]
+    assert "Traceback" not in got["stderr"]
+    last = got["stderr"].strip().splitlines()[-1]
+    run = got["run_dir"]
+    assert last.startswith(f"error: node {ids['fresh'][:12]} (with trainer0) left the Ray cluster: "), last
+    assert "trainer rank trainer0 died while running train-1-0-0" in last
+    assert "the run stopped: cluster: cannot place " in last and "pool:trainer 1 needed, 0 exist" in last
+    hint = (
+        f"last checkpoint: {run}/checkpoints/iter-000001 (iteration 1); resume with: digenrl train --resume"
+    )
+    assert last.endswith(f"{hint} {run}")
+    assert [p.name for p in list_checkpoints(Path(run))] == ["iter-000001"]
+    assert_same(lora(run, "checkpoints", "iter-000001"), lora(one["run_dir"], "checkpoints", "iter-000001"))
 
 
 def test_node_groups_merge_overlapping_groups(tiny_cfg):

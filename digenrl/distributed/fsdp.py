@@ -74,12 +74,28 @@ def parallelize(
     policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
     )
+    # what diffusers keeps in fp32 (`_keep_in_fp32_modules`: Wan's time embedder, norms, modulation
+    # tables) is gathered in fp32: a module as its own fp32 unit, a bare parameter left whole
+    fp32 = MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+    )
+    kept_modules, kept_params = fp32_kept(model)
     for block in transformer_blocks(model):  # cast one block at a time, then shard it: the full fp32
         fp32_master(block)  # copy of one block is the most that ever exists
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        for sub in kept_modules.pop(block, []):
+            fully_shard(sub, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            block,
+            mesh=mesh,
+            mp_policy=policy,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=kept_params,
+        )
     fp32_master(model)  # the root's own parameters (the blocks' are fp32 shards already)
+    for sub in kept_modules.pop(model, []):
+        fully_shard(sub, mesh=mesh, mp_policy=fp32, reshard_after_forward=False)
     # the root's parameters are needed again right at the start of backward: keep them gathered
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=kept_params)
     if gradient_sum:
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -88,18 +104,73 @@ def parallelize(
     return model
 
 
+def fp32_kept(model: nn.Module) -> tuple[dict[nn.Module, list[nn.Module]], set[nn.Parameter]]:
+    """What ``model._keep_in_fp32_modules`` names (matched on a name's parts, as diffusers loads them):
+    the kept modules that hold parameters, by the block (or the root) that contains them, and the
+    kept bare parameters (a block's own ``scale_shift_table``)."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    modules: dict[nn.Module, list[nn.Module]] = {}
+    params: set[nn.Parameter] = set()
+    if not keep:
+        return modules, params
+    blocks = {id(b): b for b in transformer_blocks(model)}
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if parts[-1] not in keep or not any(True for _ in module.parameters()):
+            continue
+        if any(p in keep for p in parts[:-1]):
+            continue  # inside a kept module already
+        owner = next((b for b in _ancestors(model, parts) if id(b) in blocks), model)
+        modules.setdefault(owner, []).append(module)
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        if parts[-1] in keep:  # a bare parameter (a kept module's own are its unit's)
+            params.add(param)
+    return modules, params
+
+
+def _ancestors(model: nn.Module, parts: list[str]) -> list[nn.Module]:
+    out, here = [], model
+    for part in parts[:-1]:
+        here = getattr(here, part)
+        out.append(here)
+    return out
+
+
 def all_reduce_replicas(params: list[nn.Parameter], mesh: DeviceMesh) -> int:
     """HSDP with independent replicas: sum every trained parameter's local gradient shard over the
-    ``replicate`` mesh dimension, in buckets (a replica that trained nothing adds zeros). Returns
-    the bucket count (0 on a 1-D mesh: nothing to do)."""
-
-    if mesh.ndim != 2:
-        return 0
-    for p in params:
+    ``replicate`` mesh dimension, in buckets (a replica that trained nothing adds zeros). A parameter
+    FSDP leaves whole (:func:`fp32_kept`) has its gradient summed over every rank. Returns the bucket
+    count (0 on a 1-D mesh without whole parameters: nothing to do)."""
+    whole = [p for p in params if not isinstance(p, DTensor)]
+    sharded = [p for p in params if isinstance(p, DTensor)] if mesh.ndim == 2 else []
+    for p in whole + sharded:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    buckets = 0
     with torch.no_grad():  # the local tensors are the gradients' own storage: summed in place
-        return all_reduce_tensors([p.grad.to_local() for p in params], mesh.get_group("replicate"))
+        if whole and dist.get_world_size() > 1:
+            buckets += all_reduce_tensors([p.grad for p in whole], None)
+        if sharded:
+            buckets += all_reduce_tensors([p.grad.to_local() for p in sharded], mesh.get_group("replicate"))
+    return buckets
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` over FSDP2 shards and whole parameters together (torch's refuses the mix):
+    the total norm of both, every gradient scaled by the same coefficient. Returns the norm."""
+    whole = [p.grad for p in params if p.grad is not None and not isinstance(p, DTensor)]
+    sharded = [p.grad for p in params if p.grad is not None and isinstance(p, DTensor)]
+    if not (whole and sharded):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm_s = torch.nn.utils.get_total_norm(sharded).full_tensor()
+    norm_w = torch.nn.utils.get_total_norm(whole).to(norm_s.device)
+    total = torch.linalg.vector_norm(torch.stack([norm_s, norm_w]))
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    if coef < 1.0:
+        for g in sharded + whole:
+            g.mul_(coef)
+    return total
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -178,6 +249,8 @@ def shard_policy(
 def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     """This rank's shard of the whole tensor ``full``, laid out like the sharded parameter ``like``
     (no communication: every rank holds ``full``)."""
+    if not isinstance(like, DTensor):  # a parameter FSDP leaves whole (fp32_kept)
+        return full.detach().to(like.device).clone()
     return distribute_tensor(
         full.detach().to(like.device), like.device_mesh, like.placements, src_data_rank=None
     )

@@ -17,7 +17,7 @@ from digenrl.engine.recovery import (
     own_error,
 )
 from digenrl.engine.workers import SCORE_GROUP
-from digenrl.errors import WeightSyncError
+from digenrl.errors import WeightSyncError, first_line
 from digenrl.progress import progress
 from digenrl.run.cadence import (
     checkpoint_to_keep,
@@ -69,7 +69,7 @@ class AroundSteps:
                     self.record(self.rank0, [event])
             return back
         if what == "eval":
-            metrics = ray.get(ref)
+            metrics = self.side_result(ref, what, key)
             if "eval_decoded" in metrics:  # a model reward: a rollout worker scores rank 0's eval samples
                 scorer = self.scorers[key % len(self.scorers)]
                 call = self.actors[scorer].score.options(concurrency_group=SCORE_GROUP)
@@ -80,8 +80,22 @@ class AroundSteps:
             scored = ray.get(ref)
             self.ledger.evaluated(key, eval_metrics(scored.total, scored.parts))
         else:
-            self.ledger.checkpointed(key, ray.get(ref))
+            self.ledger.checkpointed(key, self.side_result(ref, what, key))
         return None
+
+    def side_result(self, ref, what: str, key: int):
+        """Rank 0's answer to a side call; its process (or node) gone: the trainer rank is lost, as in a
+        unit (the run stops, or restarts from the last checkpoint: ``engine.trainer_restarts``)."""
+        import ray
+
+        try:
+            return ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
+            raise TrainerRankLost(
+                f"trainer rank {self.rank0} died while running {what}-{key} ({first_line(exc, typed=True)}); "
+                "the run stopped.",
+                f"{what}-{key}",
+            ) from None
 
     def drain(self) -> None:
         """Wait for the side calls still running after the last step (the last eval / checkpoint)."""

@@ -18,12 +18,13 @@ from digenrl.engine.faults import FaultInjector
 from digenrl.engine.resources import (
     connect,
     head_problem,
+    nodes_gone,
     reserve_by_node,
     resource_bundles,
     reward_service_resources,
 )
 from digenrl.engine.worker_setup import ResumeFrom, rollout_checkpoint_files
-from digenrl.errors import UserError, WeightSyncError, first_line
+from digenrl.errors import RunStopped, UserError, WeightSyncError, first_line
 from digenrl.placement.layout import RunLayout
 from digenrl.placement.plan import Worker
 from digenrl.progress import progress
@@ -150,7 +151,7 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
     workers = layout.workers
     ours = connect(workers, ray_address)
     source = _installed if not ours and _installed is not None else FreshActors()
-    actors, reward_actor, pids, clean = {}, None, {}, False
+    actors, reward_actor, pids, clean, workers_on = {}, None, {}, False, {}
     try:
         progress(f"starting {len(workers)} workers (each builds the model)...")
         bundles = resource_bundles(workers, ray.cluster_resources(), reserve=reward_service_resources(cfg))
@@ -182,10 +183,16 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
         pids = {name: r["pid"] for name, r in ready.items()}
         if len({r["checksum"] for r in ready.values()}) > 1:
             raise WeightSyncError(f"initial weights differ between workers: {ready}")
+        for name, r in ready.items():
+            workers_on.setdefault(r["node"], []).append(name)
         form_trainer_group(layout, actors, ready)
         form_sp_groups(layout, actors, ready)
         yield {**actors, REWARD_ROW: reward_actor} if reward_actor is not None else actors
         clean = True
+    except RunStopped as exc:  # a lost node takes its workers along: name it (the restart needs it back)
+        if head_problem() is None:
+            exc.nodes_gone = nodes_gone(workers_on)
+        raise
     finally:
         if head_problem() is None:  # with the head gone, every call below would wait a minute for it
             # (and the cluster took its processes along)

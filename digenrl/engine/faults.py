@@ -48,18 +48,21 @@ class FaultInjector:
         return cls(name, frozenset(f.unit for f in cfg.engine.faults if f.worker == name))
 
     def reached(self, uid: str | None) -> None:
-        """This process has done unit ``uid``'s work: die here if a fault says so, or with
-        ``<uid>:block`` block here for good (a hung member: alive, never answering); once."""
-        for fault, blocks in ((uid, False), (f"{uid}:block", True)):
+        """This process has done unit ``uid``'s work: die here if a fault says so, with
+        ``<uid>:block`` block here for good (a hung member: alive, never answering), with
+        ``<uid>:drop`` raise ConnectionError (a connection that broke: the process lives on); once."""
+        for fault, how in ((uid, "dies"), (f"{uid}:block", "blocks"), (f"{uid}:drop", "drops")):
             if fault not in self.units:
                 continue
             mark = Path(tempfile.gettempdir()) / f"digenrl-fault-{_incarnations()}-{self.name}-{fault}"
             if mark.exists():  # fired already, in an earlier process of this actor
                 continue
             mark.touch()
-            print(f"fault injection: {self.name} {'blocks' if blocks else 'dies'} in {uid}", file=sys.stderr)
+            print(f"fault injection: {self.name} {how} in {uid}", file=sys.stderr)
             sys.stderr.flush()
-            while blocks:
+            if how == "drops":
+                raise ConnectionError(f"fault injection: {self.name}'s connection dropped in {uid}")
+            while how == "blocks":
                 time.sleep(3600)
             os._exit(17)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import socket
 from collections import Counter
 
@@ -16,10 +17,15 @@ from digenrl.config.run import RunConfig
 from digenrl.errors import UserError
 from digenrl.placement.plan import Worker
 
+PG_SHARE = re.compile(r"_group_(\d+_)?[0-9a-f]{20,}$")  # a placement group's share of a resource (Ray's)
 PLACEMENT_TIMEOUT_S = 30.0  # resources exist but stay taken (other jobs): give up, say so
 
 
 ADDRESS_PROBE_S = 3.0  # a wrong --ray-address must fail fast
+
+
+class PlacementError(UserError):
+    """The cluster cannot hold the run's workers (exit code 2): too few devices of a pool, or none free."""
 
 
 def reserve(bundles: list[dict], workers: list[Worker], strategy: str = "PACK"):
@@ -32,7 +38,7 @@ def reserve(bundles: list[dict], workers: list[Worker], strategy: str = "PACK"):
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
-        raise UserError(
+        raise PlacementError(
             f"cluster: could not reserve {_asked(workers)} within {PLACEMENT_TIMEOUT_S:.0f}s "
             f"(bundles {bundles}); free now: {_describe(ray.available_resources())}"
         ) from None
@@ -89,6 +95,31 @@ def start_local(resources: dict[str, float], **options) -> bool:
     # address="local": never join a cluster another process started with `ray start` on this host
     ray.init(address="local", resources=resources, **{**defaults, **options})
     return True
+
+
+def nodes_gone(workers_on: dict[str, list[str]]) -> list[str]:
+    """Which of the Ray nodes in ``workers_on`` (node id -> the run's workers on it) have left the
+    cluster, each as ``node ID (its workers)``: marked dead by Ray, or alive to Ray but with a raylet
+    that refuses connections (Ray's health check notices a lost node only after missed checks)."""
+    import ray
+
+    gone = []
+    for node in ray.nodes():
+        names = workers_on.get(node["NodeID"])
+        if names is None or (
+            node.get("Alive") and _answers(node["NodeManagerAddress"], node["NodeManagerPort"])
+        ):
+            continue
+        gone.append(f"node {node['NodeID'][:12]} (with {', '.join(names)})")
+    return gone
+
+
+def _answers(host, port) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=ADDRESS_PROBE_S).close()
+        return True
+    except (OSError, TypeError, ValueError):
+        return False
 
 
 def _probe(address: str) -> None:
@@ -156,7 +187,7 @@ def resource_bundles(
     ]
     if short:
         extra = f" + the reward actor ({_describe(reserve)})" if reserve else ""
-        raise UserError(
+        raise PlacementError(
             f"cluster: cannot place {_asked(workers)}{extra}: {'; '.join(short)}. "
             f"The Ray cluster has {_describe(have)}"
         )
@@ -188,10 +219,11 @@ def _asked(workers: list[Worker]) -> str:
 
 
 def _describe(resources: dict) -> str:
+    """What a user asked of the cluster (not Ray's own: nodes, memory, placement groups' shares)."""
     keep = {
         k: v
         for k, v in resources.items()
-        if not k.startswith("node:") and k not in ("memory", "object_store_memory")
+        if not k.startswith("node:") and not PG_SHARE.search(k) and k not in ("memory", "object_store_memory")
     }
     return ", ".join(f"{k} {v:g}" for k, v in sorted(keep.items())) or "no resources"
 

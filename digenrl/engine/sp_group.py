@@ -51,15 +51,32 @@ class SequenceParallelMember:
         )
         self.sp_world = degree
 
+    def any_member_missed(self, missed: bool) -> bool:
+        """Whether any member of this sequence-parallel rollout group missed a unit's version by broadcast
+        (one all-reduce, before the unit's collectives): then none generates and the lead answers
+        "missed", where a lone member's miss would leave the others waiting in an all-to-all."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(missed)], device=self.policy.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     @group_share
     def sp_rollout(self, unit, packet: weight_sync.WeightPacket | None) -> None:
         """A follower's share of its lead's rollout unit (the lead's :meth:`rollout` starts it):
         the same generation, with that version's weights; returns nothing."""
         self.faults.reached(f"{unit.uid}:start")  # engine.faults: dies while its lead waits in the unit
+        missed = False
         if unit.version != self.policy.version:  # the lead's packet (object store), else this member's inbox
-            weight_sync.load_version(
-                self.policy, unit.version, unit.iteration, packet, self.sync, self.expected_keys
-            )
+            try:
+                weight_sync.load_version(
+                    self.policy, unit.version, unit.iteration, packet, self.sync, self.expected_keys
+                )
+            except sync_group.VersionMissed:
+                missed = True
+        if self.any_member_missed(missed):  # the lead answers "missed": the unit comes again, with the
+            return None  # version from the object store
         if isinstance(self.sync, sync_group.BroadcastInbox):  # a follower's prefetches stay off the timeline
             self.sync.drain_events()
         cfg = self.cfg

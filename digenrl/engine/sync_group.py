@@ -154,8 +154,9 @@ class BroadcastInbox:
     boundary the version a unit needs. Keeps the versions a unit may still ask for
     (``engine.max_staleness`` behind the newest)."""
 
-    def __init__(self, group: SyncGroup, max_staleness: int, midway=None):
+    def __init__(self, group: SyncGroup, max_staleness: int, midway=None, received=None):
         self.group, self.max_staleness, self.midway = group, max_staleness, midway
+        self.on_received = received  # (engine.faults: a version lost after it arrived)
         self.receiver = WeightReceiver(group, staging_device="cpu")
         self.staged: dict[int, Received] = {}
         self.events: list[dict] = []
@@ -176,6 +177,8 @@ class BroadcastInbox:
                     return self._stop("trainer rank 0 publishes through the object store now")
                 with _side_stream(self.group.device):
                     received = self.receiver.receive(self.midway)
+                if self.on_received is not None:
+                    self.on_received(received.version)
                 seq += 1
                 with self.cond:
                     self.staged[received.version] = received
@@ -185,6 +188,7 @@ class BroadcastInbox:
                         del self.staged[v]
                     self.cond.notify_all()
         except Exception as exc:  # noqa: BLE001 -- a member gone: the driver switches to the object store
+            self.group.close()  # (this end broke: take the group down, so no member waits for it)
             self._stop(f"the group broke: {type(exc).__name__}: {str(exc)[:120]}")
 
     def _stop(self, why: str) -> None:
@@ -236,7 +240,8 @@ def join(policy, address: str, port: int, rank: int, world: int, backend: str, s
         keep = staleness + 1 if staleness else 0
         return BroadcastPublisher(group, _publisher_specs(policy, specs), keep=keep)
     midway = (lambda v: faults.reached(f"sync-{v}")) if faults is not None else None
-    inbox = BroadcastInbox(group, staleness, midway)
+    received = (lambda v: faults.reached(f"sync-{v}:received")) if faults is not None else None
+    inbox = BroadcastInbox(group, staleness, midway, received)
     if staleness > 0:
         inbox.keep(received_from(policy.version, sync_targets(policy.adapter.transformer, policy.lora)))
     return inbox

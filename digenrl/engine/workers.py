@@ -112,7 +112,11 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
             load_checkpoint(Path(tmp), self.policy, optimizer=False)
 
     def _build(self, cfg, reward_actor) -> None:
-        if pick_device(cfg.train.device).type == "cpu":
+        # the device the layout gives this worker (train.device resolved for its pool, never here)
+        self.device = pick_device(
+            self.layout.worker(self.name).torch_device if self.layout else cfg.train.device
+        )
+        if self.device.type == "cpu":
             torch.set_num_threads(1)  # one thread per CPU worker: they share few cores with each other
         torch.manual_seed(cfg.train.seed)  # same construction order as LocalTrainer
         self.prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed)
@@ -130,7 +134,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
             self.scoring, self.reward = "inline", build_reward(cfg.reward)
         lean = not generates(cfg, self.role)  # a lean trainer rank: no text encoder, no VAE
         self.policy = Policy(  # a checkpoint: transformer alone
-            cfg, trainable=self.role != "rollout", generates=not lean, layout=self.layout
+            cfg, self.device, trainable=self.role != "rollout", generates=not lean, layout=self.layout
         )
         if lean:  # a preset builds them all: release them
             self.policy.adapter.release_generation_modules()
@@ -151,6 +155,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
             "device": str(self.policy.device),
             "pid": os.getpid(),
             "version": self.policy.version,
+            "node": _node_id(),
         }
 
     def resolved(self) -> dict:
@@ -182,7 +187,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
         With ``reward.service`` the scoring is only submitted: the summary's ``reward_ref``
         (an ObjectRef of a :class:`~digenrl.rewards.service.Scored`) replaces its rewards, and
         the samples carry NaN placeholders."""
-        events = []
+        events, missed = [], None
         if unit.version != self.policy.version:
             if self.role != "rollout":
                 raise RuntimeError(
@@ -194,8 +199,14 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
                         self.policy, unit.version, unit.iteration, packet, self.sync, self.expected_keys
                     )
                 )
-            except sync_group.VersionMissed as exc:  # the driver sends the unit again, with the version
-                return None, {"missed": unit.version, "why": str(exc)}
+            except sync_group.VersionMissed as exc:
+                missed = str(exc)
+        if self.role == "rollout" and self.sp_world > 1 and self.any_member_missed(missed is not None):
+            missed = (
+                missed or f"a member of {self.name}'s sequence-parallel group missed version {unit.version}"
+            )
+        if missed is not None:  # the driver sends the unit again, with the version
+            return None, {"missed": unit.version, "why": missed}
         cfg = self.cfg
         group = self.role != "rollout" and self.followers  # a trainer group generates each unit together
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
@@ -356,3 +367,10 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
             "events": events,
             "sync_failed": failed,
         }
+
+
+def _node_id() -> str | None:
+    """The Ray node this actor runs on (None outside Ray): the driver names it when the node leaves."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

@@ -28,7 +28,8 @@ class WorkerLayout:
     name: str
     role: str  # rollout | trainer | both
     pool: str
-    device: str
+    device: str  # its pool's device type (cpu: a logical CPU device; a GPU type)
+    torch_device: str  # where its models live (cpu | cuda): train.device resolved for its pool, once
     rank: int | None  # its rank among the trainer ranks (None: a rollout worker)
     lead: str | None  # the worker whose calls it runs (None: scheduled itself)
     followers: tuple[str, ...]  # the workers that run this one's calls (a lead)
@@ -127,6 +128,7 @@ class RunLayout:
             role=w.role,
             pool=w.pool.name,
             device=w.pool.device,
+            torch_device="cpu" if w.pool.device.lower() == "cpu" else self.settings.gpu_device,
             rank=ranks.index(name) if name in ranks else None,
             lead=self.leads.get(name),
             followers=self.followers_of(name),

@@ -48,6 +48,7 @@ def resolve(cfg: RunConfig) -> RunLayout:
         vae_tiling=tiling_mode(cfg.model, cfg.sampling),
         weight_sync=weight_sync_mode(cfg, plan),
         weight_sync_fallback=cfg.engine.weight_sync == "auto" and plan.rollout_pool is not None,
+        gpu_device="cpu" if cfg.train.device == "cpu" else "cuda",  # (auto on a GPU pool: its GPU)
         memory_device=memory.device,
         memory_need_gib=round(memory.need_bytes / GiB, 2),
         memory_have_gib=round(memory.have_bytes / GiB, 2),

@@ -16,6 +16,7 @@ from digenrl.adapters import build_adapter
 from digenrl.algorithms.nft import OldPolicy
 from digenrl.config.run import RunConfig
 from digenrl.distributed.checkpointing import checkpoint_blocks
+from digenrl.distributed.fsdp import clip_grad_norm
 from digenrl.distributed.precision import fp32_master
 from digenrl.errors import UserError, WeightSyncError
 from digenrl.policy.ema import WeightAverage, swapped_in
@@ -96,7 +97,7 @@ class Policy:
     def optimizer_step(self, publish: bool = True) -> float:
         """Clip the accumulated gradient, step, zero it, update the EMA; ``publish`` (the iteration's
         last step) bumps the version. Returns the pre-clip grad norm."""
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
+        norm = clip_grad_norm(self.params, self.cfg.train.grad_clip)  # (shards and whole parameters)
         if hasattr(norm, "full_tensor"):  # FSDP2 shards: the norm is a DTensor over the mesh
             norm = norm.full_tensor()
         if not torch.isfinite(norm):  # a step now would write NaN into every weight: refuse it, say why

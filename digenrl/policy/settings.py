@@ -22,6 +22,8 @@ class Settings:
     vae_tiling: str = "default"  # on | off | default (the VAE's own)
     weight_sync: str = "none"  # broadcast | object_store | none (no rollout workers)
     weight_sync_fallback: bool = False  # engine.weight_sync auto: the object store if no group forms
+    gpu_device: str = "cuda"  # the torch device of a worker on a GPU pool (cpu: train.device cpu); a
+    # worker on a logical CPU pool runs on cpu (RunLayout.worker: each worker's device, never re-resolved)
     memory_device: str = ""  # the trainer device type the memory model checked ("" when none)
     memory_need_gib: float = 0.0  # what a trainer rank needs there, by the memory model
     memory_have_gib: float = 0.0
