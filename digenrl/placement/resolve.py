@@ -10,8 +10,9 @@ resolution (:mod:`digenrl.placement.preflight`) and of the engine's refusal rule
 2. sequence parallelism the engine runs (``engine.rollout_sp`` / ``engine.trainer_sp``);
 3. the placement plan (built once) and its workers (a CUDA run on logical CPU pools is refused);
 4. ``train.fsdp`` (``auto``: the memory model's degree) and what sharding the engine runs;
-5. every other ``auto``: activation checkpointing, CFG batching per role, the rollout-only workers'
-   batch (``engine.rollout_batch``), VAE tiling, weight sync;
+5. every other ``auto``: activation checkpointing, CFG batching per role, the sampling batch of
+   rollout-only workers (``engine.rollout_batch``) and of workers that also train
+   (``engine.colocated_batch``), VAE tiling, weight sync;
 6. the scheduler's configuration.
 
 Errors are the user's: one line naming the field (:class:`~digenrl.errors.UserError`).
@@ -57,6 +58,7 @@ def resolve(cfg: RunConfig) -> RunLayout:
         activation_checkpointing=memory.activation_checkpointing if ac == "auto" else ac == "on",
         micro_batch=memory.micro_batch,
         rollout_batch=resolve_rollout_batch(cfg, plan, model),
+        colocated_batch=colocated_batch(cfg, plan),
         cfg_batching_trainer=resolve_cfg_batching(cfg, True, plan, memory, model),
         cfg_batching_rollout=resolve_cfg_batching(cfg, False, plan, memory, model),
         vae_tiling=tiling_mode(cfg.model, cfg.sampling),
@@ -76,6 +78,21 @@ def resolve(cfg: RunConfig) -> RunLayout:
     except ValueError as exc:
         raise UserError(f"engine: {exc}") from None
     return engine_layout(cfg, plan, settings, scheduler)
+
+
+def colocated_batch(cfg: RunConfig, plan: Plan) -> int | None:
+    """``engine.colocated_batch`` as the workers that also train run it (colocated, TAG ranks): samples
+    per sampling forward, or None for the train forwards' batches (``trainer``; no such worker;
+    ``auto`` on a trainer pool of unknown memory). ``auto`` on known GPU types: the whole unit in one
+    forward -- what the memory model already holds on such a device (``MemoryModel.trainer_need``)."""
+    value = cfg.engine.colocated_batch
+    if not (plan.placement == "colocated" or plan.tag) or value == "trainer":
+        return None
+    if isinstance(value, int):
+        return value
+    if not all(known_gpu_type(p) for p in plan.trainer_pools):
+        return None
+    return max(1, round(plan.unit_size * cfg.algorithm.group_size))
 
 
 def check_device(cfg: RunConfig, plan: Plan) -> None:
