@@ -98,3 +98,37 @@ def test_the_layout_holds_the_colocated_batch():
 def test_a_bad_colocated_batch_names_the_field(value):
     with pytest.raises(UserError, match="engine.colocated_batch"):
         load_config(None, [f"engine.colocated_batch={value}"])
+
+
+def test_the_planner_times_a_colocated_unit_at_its_batch():
+    """The cost model samples a colocated worker's unit of 8 Qwen-Image samples (true CFG: 2 passes of
+    1024 + 256 tokens) in one forward, not the trainer's two of 4: per sample, the kernel efficiency
+    at 20480 tokens over that at 10240, by the fitted falloff n / (n + 1473) (a hand computation)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from digenrl.planner.costmodel import CostModel
+    from digenrl.planner.gpus import load_cluster
+    from digenrl.planner.workload import Workload
+
+    root = Path(__file__).resolve().parents[1]
+    qwen = load_config(root / "configs" / "qwen_image.yaml")
+    cluster = load_cluster(root / "configs" / "clusters" / "16xH800.yaml")
+    cost = CostModel(Workload.from_config(qwen), cluster)
+    setup = cost.colocated_setup("H800", 16, 0.5, 4)
+    assert (setup.rollout_batch, setup.micro_batch, setup.cfg_batched) == (8, 4, True)
+    t, half = cost.times("H800", setup), cost.params.mfu_half_tokens_rollout
+    eff = lambda n: n / (n + half)  # noqa: E731
+    assert t.rollout_step(8) / (2 * t.rollout_step(4)) == pytest.approx(eff(10240) / eff(20480), rel=1e-2)
+    unit, trainer = (
+        cost.rollout_unit("H800", 0.5, setup)[0],
+        cost.rollout_unit("H800", 0.5, replace(setup, rollout_batch=None))[0],
+    )
+    assert unit < 0.95 * trainer
+    pinned = CostModel(
+        Workload.from_config(
+            load_config(root / "configs" / "qwen_image.yaml", ["engine.colocated_batch=trainer"])
+        ),
+        cluster,
+    )
+    assert pinned.colocated_setup("H800", 16, 0.5, 4).rollout_batch is None
