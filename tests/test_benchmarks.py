@@ -52,21 +52,19 @@ def test_every_benchmark_has_a_smoke_test():
 
 @pytest.mark.slow
 def test_engine_modes(tmp_path, ray_cluster):
+    """The colocated_batch workload: colocated at the trainer's batches, then at a unit per forward
+    (engine.colocated_batch), side by side in one run, and the ratio of the two."""
     data = run_benchmark_here(
-        "engine_modes.py",
-        tmp_path,
-        "--tiny",
-        "--iterations",
-        "3",
-        "--workload",
-        "balanced",
-        "--modes",
-        "sync",
+        "engine_modes.py", tmp_path, "--tiny", "--iterations", "3", "--workload", "colocated_batch"
     )
-    (row,) = data["modes"]
-    assert row["mode"] == "sync" and row["samples_per_s"] > 0 and 0 <= row["bubble_fraction"] <= 1
-    assert finite(row["iteration_s"], row["bound_s"], row["efficiency"], row["sync_s"])
-    assert list(data["workloads"]) == ["balanced"]
+    rows = data["modes"]
+    assert [r["mode"] for r in rows] == ["trainer_batches", "unit_batch"]
+    for row in rows:
+        assert row["samples_per_s"] > 0 and 0 <= row["bubble_fraction"] <= 1
+        assert finite(row["iteration_s"], row["bound_s"], row["efficiency"], row["sync_s"])
+    ratio = data["vs_first_mode"]["colocated_batch"]
+    assert ratio["trainer_batches"] == 1.0
+    assert ratio["unit_batch"] == pytest.approx(rows[1]["samples_per_s"] / rows[0]["samples_per_s"])
 
 
 @pytest.mark.slow

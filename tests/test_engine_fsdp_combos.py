@@ -38,8 +38,9 @@ FSDP = [
 ]
 RANDOM = ["algorithm.timesteps.mode=random", "algorithm.timesteps.fraction=0.5"]
 CASES = {
-    # the group takes rollout units before its first step (TAG): each rank generates one of the two groups
-    "tag": (["engine.tag=true"], []),
+    # the group takes rollout units before its first step (TAG): each rank generates one of the two
+    # groups, at its own sampling batch (engine.colocated_batch 1: forwards of 1 sample per share)
+    "tag": (["engine.tag=true", "engine.colocated_batch=1"], []),
     # two TSP shares of every unit, both trained by the one sharded group
     "tsp": (["engine.tag=false", "engine.tsp_degree=2"], []),
     # DanceGRPO's random trained steps: the ranks' samples train different steps, run in lockstep
@@ -79,6 +80,9 @@ def test_sharded_group_beside_tag_tsp_and_random_timesteps(cluster, tmp_path, ca
     assert {t.worker for t in tl.of("train")} == {"trainer0"}  # the group's lead, for both ranks
     if "engine.tag=true" in sets:  # the group generated (a unit before the first step)
         assert any(r.worker == "trainer0" for r in tl.of("rollout"))
+    if "engine.colocated_batch=1" in sets:  # ... at its own batch; the rollout worker at its own (auto)
+        assert {r.args["batch"] for r in tl.of("rollout") if r.worker == "trainer0"} == {1}
+        assert {r.args["batch"] for r in tl.of("rollout") if r.worker != "trainer0"} <= {None}
 
 
 @pytest.mark.faults

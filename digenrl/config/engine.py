@@ -125,7 +125,17 @@ class EngineConfig(_Section):
             "batches (on-policy ratio exactly 1); N = N per forward (the ratio 1 to rounding, see "
             "logprob_mismatch); auto = the largest the rollout device holds by the memory model "
             "(trainer on devices of unknown memory: CPU pools, untyped GPUs). TAG trainer ranks and "
-            "colocated workers always forward in the trainer's batches"
+            "colocated workers: engine.colocated_batch"
+        ),
+    )
+    colocated_batch: Literal["auto", "trainer"] | int = Field(
+        "auto",
+        description=(
+            "samples per sampling forward of a worker that also trains (a colocated worker, a TAG "
+            "trainer rank): trainer = the train forwards' batches (on-policy ratio exactly 1); N = up "
+            "to N per forward (the ratio 1 to rounding); auto = the whole unit (or a sharded rank's "
+            "share) in one forward on GPUs of known memory (the memory model already holds it), "
+            "trainer elsewhere (CPU pools, untyped GPUs)"
         ),
     )
     compile_rollout: Literal["off", "on"] = Field(
@@ -147,9 +157,9 @@ class EngineConfig(_Section):
     def _switch(cls, value):
         return on_off(value)
 
-    @field_validator("rollout_batch", mode="before")
+    @field_validator("rollout_batch", "colocated_batch", mode="before")
     @classmethod
-    def _rollout_batch(cls, value):
+    def _batch(cls, value):
         if isinstance(value, str) and value.strip().isdigit():
             value = int(value)
         if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_BATCH:

@@ -137,7 +137,7 @@ def rollout_share(worker, unit, share: int, shares: int) -> tuple[Samples, Decod
     """Generate and decode share ``share`` of ``shares`` of ``unit`` (:func:`unit_share`) with the
     worker's weights (the lead scores the merged unit). Every rank of the group calls it:
     sharded ranks gather the parameters per forward together, so every share runs the same forwards
-    (the trainer's batches when the shares' agree, else one per step)."""
+    (``engine.colocated_batch``'s; the trainer's batches when the shares' agree, else one per step)."""
 
     cfg, G = worker.cfg, worker.cfg.algorithm.group_size
     span = unit.sample_range(G)
@@ -152,6 +152,7 @@ def rollout_share(worker, unit, share: int, shares: int) -> tuple[Samples, Decod
         unit.iteration,
         cfg.train.seed,
         mine,
+        worker.policy.settings.sampling_batch(worker.role),  # engine.colocated_batch (equal on every share)
         whole_forwards=len(plans) > 1,
     )
     if worker.sharded:  # sampling leaves the root's parameters gathered (no backward frees them)

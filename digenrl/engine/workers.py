@@ -211,6 +211,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
         group = self.role != "rollout" and self.followers  # a trainer group generates each unit together
         everything = self.prompts.for_iteration(unit.iteration, cfg.train.prompts_per_iteration)
         start = time.time()
+        batch = self.policy.settings.sampling_batch(self.role)  # engine.rollout_batch / colocated_batch
         if group:  # every rank its share (fsdp_group.unit_share), merged here
             samples, decoded = self.group_rollout(unit)
         else:
@@ -221,7 +222,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
                 unit.iteration,
                 cfg.train.seed,
                 unit.sample_range(cfg.algorithm.group_size),
-                self.policy.settings.sampling_batch(self.role),  # engine.rollout_batch (rollout workers)
+                batch,
             )
         scoring = self.scores_of(unit, decoded)  # inline: scored now, inside the unit
         end = time.time()
@@ -239,6 +240,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
                 samples=len(samples),
                 groups=list(unit.groups),
                 sp=self.sp_world,
+                batch=batch,  # samples per sampling forward (None: the train forwards' batches)
             )
         )
         if isinstance(self.sync, sync_group.BroadcastInbox):  # versions received meanwhile

@@ -43,6 +43,7 @@ def resolve(cfg: RunConfig) -> RunLayout:
         activation_checkpointing=memory.activation_checkpointing if ac == "auto" else ac == "on",
         micro_batch=memory.micro_batch,
         rollout_batch=resolve_rollout_batch(cfg, plan, model),
+        colocated_batch=colocated_batch(cfg, plan),
         cfg_batching_trainer=resolve_cfg_batching(cfg, True, plan, memory, model),
         cfg_batching_rollout=resolve_cfg_batching(cfg, False, plan, memory, model),
         vae_tiling=tiling_mode(cfg.model, cfg.sampling),
@@ -63,6 +64,21 @@ def resolve(cfg: RunConfig) -> RunLayout:
     except ValueError as exc:
         raise UserError(f"engine: {exc}") from None
     return engine_layout(cfg, plan, settings, scheduler)
+
+
+def colocated_batch(cfg: RunConfig, plan: Plan) -> int | None:
+    """``engine.colocated_batch`` as the workers that also train run it (colocated, TAG ranks): samples
+    per sampling forward, or None for the train forwards' batches (``trainer``; no such worker;
+    ``auto`` on a trainer pool of unknown memory). ``auto`` on known GPU types: the whole unit in one
+    forward -- what the memory model already holds on such a device (``MemoryModel.trainer_need``)."""
+    value = cfg.engine.colocated_batch
+    if not (plan.placement == "colocated" or plan.tag) or value == "trainer":
+        return None
+    if isinstance(value, int):
+        return value
+    if not all(known_gpu_type(p) for p in plan.trainer_pools):
+        return None
+    return max(1, round(plan.unit_size * cfg.algorithm.group_size))
 
 
 def check_device(cfg: RunConfig, plan: Plan) -> None:

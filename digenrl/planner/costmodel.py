@@ -5,7 +5,7 @@ Details: docs/modules.md, `digenrl.planner.costmodel`.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from digenrl.placement.devices import DEVICES
 from digenrl.planner.calibrate import (
@@ -300,14 +300,32 @@ class CostModel:
         """The cheapest way a trainer rank of this type fits (``tag``: it also rolls out units of
         ``groups``)."""
         fits, miss = self.memory.trainer(device, ranks, tag, groups, sp)
-        return self._best(fits, device, ranks, False, micro_batch) if fits else miss
+        if not fits:
+            return miss
+        best = self._best(fits, device, ranks, False, micro_batch)
+        return replace(best, rollout_batch=self.sampling_batch(device, groups)) if tag else best
 
     def colocated_setup(
         self, device: str, ranks: int, groups: int, micro_batch: int | None = None, sp: int = 1
     ) -> DeviceSetup:
         """A colocated device: training state and sampling state at once."""
         fits, miss = self.memory.colocated(device, ranks, groups, sp)
-        return self._best(fits, device, ranks, True, micro_batch) if fits else miss
+        if not fits:
+            return miss
+        best = self._best(fits, device, ranks, True, micro_batch)
+        return replace(best, rollout_batch=self.sampling_batch(device, groups))
+
+    def sampling_batch(self, device: str, groups: float) -> int | None:
+        """Samples per sampling forward of a worker that also trains (``engine.colocated_batch``, as
+        ``placement.resolve`` resolves it): N, or ``auto`` on a GPU the whole unit of ``groups`` -- its
+        activations are what the memory model already holds there (``MemoryModel.trainer_need``); None:
+        the train forwards' batches. Each forward's efficiency follows its tokens (efficiency.py)."""
+        w = self.workload
+        if w.colocated_batch is not None:
+            return w.colocated_batch
+        if w.colocated_batch_auto and DEVICES[device].kind == "gpu":
+            return max(1, round(groups * w.group_size))
+        return None
 
     def _score(self, device: str, setup: DeviceSetup, ranks: int, colocated: bool) -> float:
         """Seconds a device of this setup spends per iteration on its share of the training

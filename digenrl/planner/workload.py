@@ -89,6 +89,10 @@ class Workload:
     # (engine.rollout_batch "auto") the largest each rollout device holds by the memory model
     rollout_batch: int | None = None
     rollout_batch_auto: bool = False
+    # ... of a worker that also trains (colocated, TAG: engine.colocated_batch N); None = the trainer's
+    # micro-batches, or with colocated_batch_auto ("auto") the whole unit on GPUs
+    colocated_batch: int | None = None
+    colocated_batch_auto: bool = False
     # each reward component: (kind, its configured seconds per image or None), kind "function" (a plain
     # function of the pixels, on the host), "model" (weights on the scoring device), "remote" (a judge
     # served elsewhere: the scoring worker only waits); () = one term of ``reward_kind``
@@ -149,6 +153,8 @@ class Workload:
             branch_tree=tuple(tuple(t) for t in cfg.algorithm.branch_tree),
             rollout_batch=rb if isinstance(rb := cfg.engine.rollout_batch, int) else None,
             rollout_batch_auto=cfg.engine.rollout_batch == "auto",
+            colocated_batch=cb if isinstance(cb := cfg.engine.colocated_batch, int) else None,
+            colocated_batch_auto=cfg.engine.colocated_batch == "auto",
             reward_terms=terms,
             reward_after_unit=cfg.reward.service is None and any(k != "function" for k, _ in terms),
         )

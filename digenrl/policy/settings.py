@@ -16,7 +16,8 @@ class Settings:
     activation_checkpointing: bool = False  # trainer ranks checkpoint each transformer block
     micro_batch: int = 1  # samples per forward / backward inside a train unit
     rollout_batch: int | None = None  # samples per sampling forward of a rollout-only worker (None: the
-    # train forwards' batches, the on-policy ratio exactly 1; TAG ranks and colocated workers always)
+    # train forwards' batches, the on-policy ratio exactly 1)
+    colocated_batch: int | None = None  # ... of a worker that also trains (colocated, TAG); None as above
     cfg_batching_trainer: str = "sequential"  # two-pass CFG on workers that train (trainer / both)
     cfg_batching_rollout: str = "sequential"  # ... on rollout workers
     vae_tiling: str = "default"  # on | off | default (the VAE's own)
@@ -32,9 +33,9 @@ class Settings:
         return self.cfg_batching_trainer if trainable else self.cfg_batching_rollout
 
     def sampling_batch(self, role: str) -> int | None:
-        """Samples per sampling forward of a worker of ``role``: a rollout-only worker's own batch,
-        anyone else's the train forwards' batches (None)."""
-        return self.rollout_batch if role == "rollout" else None
+        """Samples per sampling forward of a worker of ``role`` (None: the train forwards' batches):
+        ``engine.rollout_batch`` on a rollout-only worker, ``engine.colocated_batch`` on one that trains."""
+        return self.rollout_batch if role == "rollout" else self.colocated_batch
 
 
 def single_process_settings(cfg) -> Settings:

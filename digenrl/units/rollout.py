@@ -34,11 +34,11 @@ def rollout_unit(
     """Generate G samples for each prompt with the policy's current weights and decode them (unscored:
     :func:`scored`, or any other mode's :func:`~digenrl.rewards.base.score`, adds the rewards);
     ``samples = (lo, hi)``: only samples lo..hi-1 of each group (a sub-group unit), the same ones a
-    whole-group unit generates. ``batch``: samples per model forward (a rollout-only worker's own,
-    ``engine.rollout_batch``: the trainer's log-probs then match to rounding); None: the train
-    forwards' batches (:func:`forward_batches`, bit for bit). ``whole_forwards``: one forward of all
-    the samples per step, not the train forwards' batches (a sharded group's ranks whose shares
-    would run different numbers)."""
+    whole-group unit generates. ``batch``: samples per model forward (``engine.rollout_batch`` /
+    ``engine.colocated_batch``: the trainer's log-probs then match to rounding); None: the train
+    forwards' batches (:func:`forward_batches`, bit for bit). ``whole_forwards`` (without ``batch``):
+    one forward of all the samples per step (a sharded group's ranks whose shares would run
+    different numbers)."""
     cfg, ad = policy.cfg, policy.adapter
     G, n_steps = cfg.algorithm.group_size, cfg.sampling.steps
     lo, hi = samples or (0, G)
@@ -58,12 +58,10 @@ def rollout_unit(
     if k:
         sde_mask, train_idx = prefix_selection(sde_mask, train_idx, k)
     batches = (
-        None
-        if whole_forwards
-        else own_batches(len(noise), n_steps, batch)
+        own_batches(len(noise), n_steps, batch)
         if batch is not None
         else None
-        if nft
+        if whole_forwards or nft
         else forward_batches(train_idx, cfg, n, lo, _trainer_shards(policy))
     )
     kind, eta = cfg.sampling.sde, cfg.sampling.noise_level
