@@ -260,6 +260,16 @@ class Adapter(ABC):
         return cls.published
 
     @classmethod
+    def experts_held(cls, model: ModelConfig) -> int:
+        """Transformers the model holds (a mixture of experts by noise level holds each in memory)."""
+        return 1
+
+    @classmethod
+    def experts_trained(cls, model: ModelConfig) -> int:
+        """Of :meth:`experts_held`, the ones that train (the others stay frozen)."""
+        return 1
+
+    @classmethod
     def vae_factors(cls, vae_config: dict) -> tuple[int, int]:
         """(spatial, temporal) compression of a VAE with this config."""
         raise NotImplementedError

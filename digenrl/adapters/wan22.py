@@ -18,20 +18,23 @@ from pathlib import Path
 
 import torch
 
-from digenrl.adapters.base import PublishedModel, seeded
+from digenrl.adapters.base import PublishedModel, hidden_size, seeded
 from digenrl.adapters.experts import EXPERT_NAMES, Experts
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.adapters.wan import TINY_TRANSFORMER, TINY_VAE, WAN21_T2V_14B, WanAdapter
 from digenrl.errors import UserError
 
+#: the Wan2.2 VAE's latent channels: a transformer over them is TI2V's, whose WanPipeline gives the
+#: timestep per token (expand_timesteps)
+TI2V_CHANNELS = 48
 BOUNDARY_RATIO = 0.875  # Wan2.2-T2V-A14B-Diffusers' model_index.json (the I2V-A14B uses 0.9)
 # TI2V-5B's tiny twin: 48 latent channels; the VAE patchifies 2x2 and downsamples twice (x8 here;
 # the real one three times, x16)
-TINY_5B_TRANSFORMER = {**TINY_TRANSFORMER, "in_channels": 48, "out_channels": 48}
+TINY_5B_TRANSFORMER = {**TINY_TRANSFORMER, "in_channels": TI2V_CHANNELS, "out_channels": TI2V_CHANNELS}
 TINY_5B_VAE = dict(
     base_dim=8,
-    z_dim=48,
+    z_dim=TI2V_CHANNELS,
     in_channels=12,
     out_channels=12,
     is_residual=True,
@@ -55,8 +58,8 @@ WAN22_T2V_A14B = PublishedModel(
     vae_decode_flops_per_px=WAN21_T2V_14B.vae_decode_flops_per_px,
     text_encoder_params=WAN21_T2V_14B.text_encoder_params,
 )
-# Wan-AI/Wan2.2-TI2V-5B-Diffusers: transformer/config.json; the Wan2.2 VAE (AutoencoderKLWan,
-# base_dim 160, decoder_base_dim 256, z_dim 48, patch_size 2)
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers: transformer/config.json; the Wan2.2 VAE (AutoencoderKLWan, base_dim
+# 160, decoder_base_dim 256, z_dim 48, dim_mult [1, 2, 4, 4], is_residual, patch_size 2)
 WAN22_TI2V_5B = PublishedModel(
     label="Wan2.2-TI2V-5B",
     transformer=dict(
@@ -75,8 +78,8 @@ WAN22_TI2V_5B = PublishedModel(
         rope_max_seq_len=1024,
     ),
     vae=dict(scale_factor_spatial=16, scale_factor_temporal=4, z_dim=48),
-    vae_params=705e6,
-    vae_decode_flops_per_px=17e6,
+    vae_params=704.7e6,  # AutoencoderKLWan(**that config) on the meta device
+    vae_decode_flops_per_px=19.3e6,  # FlopCounterMode over its decode on the meta device (5 x 64 x 64 px)
     text_encoder_params=WAN21_T2V_14B.text_encoder_params,
 )
 
@@ -167,19 +170,27 @@ class Wan22Adapter(WanAdapter):
     @classmethod
     def experts_held(cls, model) -> int:
         """Transformers the model holds in memory (the planner's parameter count): 2 for A14B."""
-        if model.pretrained is not None:
-            try:
-                index = json.loads((Path(model.pretrained) / "model_index.json").read_text())
-                return 2 if (index.get("transformer_2") or [None])[0] is not None else 1
-            except (OSError, ValueError):
-                pass  # not on this machine: the published model the directory names
-            return 1 if cls.published_model(model) is WAN22_TI2V_5B else 2
-        return 2 if model.preset == "tiny" else 1
+        if model.pretrained is None:
+            return 2 if model.preset == "tiny" else 1
+        root = Path(model.pretrained)
+        index = _read_json(root / "model_index.json") or {}
+        if "transformer_2" in index:  # a Wan2.2 checkpoint names it (null for TI2V-5B)
+            return 2 if index["transformer_2"][0] is not None else 1
+        config = _read_json(root / "transformer" / "config.json") or cls.published_model(model).transformer
+        return 1 if config.get("in_channels") == TI2V_CHANNELS else 2
 
     @classmethod
     def experts_trained(cls, model) -> int:
         held = cls.experts_held(model)
         return min(held, len(TRAINED[model.train_experts]))
+
+    @classmethod
+    def forward_flops(cls, transformer_config, tokens) -> float:
+        c, flops = transformer_config, super().forward_flops(transformer_config, tokens)
+        if c.get("in_channels") == TI2V_CHANNELS:  # TI2V: the time MLP and its 6d projection run per token
+            d = hidden_size(c)
+            flops += (tokens.x - 1) * (2 * (c.get("freq_dim", 256) * d + d * d) + 2 * d * 6 * d)
+        return flops
 
     # ------------------------------------------------------------------ the step's expert and guidance
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
@@ -248,3 +259,10 @@ class Wan22Adapter(WanAdapter):
             for name, weight_name in zip(EXPERT_NAMES, self.lora_weight_names)
             for k, v in files.get(weight_name, {}).items()
         }
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

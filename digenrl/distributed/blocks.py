@@ -3,8 +3,8 @@ activation checkpointing recomputes.
 
 FLUX and HunyuanVideo: ``transformer_blocks`` then ``single_transformer_blocks``; Wan2.1:
 ``blocks``; Qwen-Image: ``transformer_blocks``; a model of two experts (Wan2.2 A14B,
-adapters/experts.py): each expert's blocks, high-noise expert first. LoRA added with ``add_adapter`` leaves these
-attributes in place (peft injects into the blocks' linear layers).
+adapters/experts.py): each expert's blocks, high-noise expert first. LoRA added with
+``add_adapter`` leaves these attributes in place (peft injects into the blocks' linear layers).
 """
 
 from __future__ import annotations
