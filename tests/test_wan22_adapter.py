@@ -134,6 +134,25 @@ def test_a_batch_across_the_boundary_runs_each_row_on_its_expert():
         assert expert.blocks[0].attn1.to_q.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("cfg_batching", ["sequential", "batched"])
+def test_a_frozen_experts_steps_backpropagate_nothing(cfg_batching):
+    """model.train_experts=low_noise: a batch of high-noise steps reaches no trained weight (no error,
+    no gradient); a batch across the boundary trains the low-noise expert only."""
+    from digenrl.adapters.guidance import backward_through_velocity
+
+    cfg = wan22_cfg("a14b", "model.train_experts=low_noise", f"sampling.cfg_batching={cfg_batching}")
+    ad = build(cfg)
+    cond = ad.encode_prompts(["a red apple", "a blue sky"])
+    x = ad.initial_noise(2, torch.Generator().manual_seed(1))
+    high, low = ad.transformer.experts()
+    objective = lambda v: (v.square().mean(), None)  # noqa: E731
+    backward_through_velocity(ad, x, torch.tensor([0.95, 0.9]), cond, objective)
+    assert all(p.grad is None for p in ad.transformer.parameters())
+    backward_through_velocity(ad, x, torch.tensor([0.95, 0.5]), cond, objective)
+    assert all(p.grad is None for p in high.parameters())
+    assert low.blocks[0].attn1.to_q.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("train_experts, trained", [("both", [1, 1]), ("low_noise", [0, 1])])
 def test_lora_on_the_trained_experts_only(train_experts, trained):
     from digenrl.policy.lora import apply_lora, lora_state_dict
