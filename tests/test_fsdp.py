@@ -29,7 +29,7 @@ def _config(adapter: str, lora: bool):
     from digenrl.config.run import load_config
 
     sets = list(SETS) + [f"model.adapter={adapter}"]
-    if adapter == "wan":
+    if adapter in ("wan", "wan22"):
         sets += ["model.frames=1"]
     if not lora:
         sets.append("model.lora=null")
@@ -190,6 +190,7 @@ def test_fsdp_and_bucketed_allreduce_match_single_process(tmp_path):
         ("flux", True, tmp_path / "flux_lora.pt"),
         ("flux", False, tmp_path / "flux_full.pt"),
         ("wan", False, tmp_path / "wan_full.pt"),
+        ("wan22", False, tmp_path / "wan22_full.pt"),  # two experts, each its own FSDP root
     ]
     spawn(_run, 2, jobs, tmp_path)
     for _, lora, out in jobs:

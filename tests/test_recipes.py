@@ -37,6 +37,7 @@ FAMILY_SIZE = {  # per family: a size the tiny preset takes
     "hunyuan_video": ["model.height=32", "model.width=32", "model.frames=9"],
     "qwen_image": ["model.height=32", "model.width=32"],
     "sd3": [*TINY_IMAGE],
+    "wan22": ["model.height=32", "model.width=32", "model.frames=5"],
 }
 
 
@@ -56,6 +57,7 @@ def test_every_family_has_a_recipe_and_every_recipe_a_readme_row():
         "flow_dppo_qwen_image",
         "grpo_guard_qwen_image",
         "online_dpo_flux_pickscore",
+        "flow_factory_wan22_pickscore",
     } <= names
     readme = (RECIPES[0].parent / "README.md").read_text()
     for name in names:

@@ -25,6 +25,7 @@ FAMILIES = {
     "wan": "wan_tiny.yaml",
     "qwen_image": "qwen_tiny.yaml",
     "hunyuan_video": "hunyuan_tiny.yaml",
+    "wan22": "wan2.2_tiny.yaml",  # two experts: the low-noise one runs at these sigmas
 }
 PROMPTS = ["a red apple on a wooden table", "blue sky"]  # different lengths: padded text tokens
 VELOCITY_ATOL = 1e-5
@@ -51,13 +52,15 @@ def _adapter(family: str):
 
 
 def _first_attention_tokens(net) -> list[int]:
-    """Records how many tokens the first attention's query projection sees per call."""
+    """Records how many tokens the last block's first attention query projection sees per call (the
+    last expert's, for a model of two experts)."""
     seen = []
-    name = next(
+    name = [
         n
         for n, _ in net.named_modules()
-        if n.split(".")[0] in ("transformer_blocks", "blocks") and n.endswith((".attn.to_q", ".attn1.to_q"))
-    )
+        if {"transformer_blocks", "blocks"} & set(n.split(".")[:2])
+        and n.endswith((".attn.to_q", ".attn1.to_q"))
+    ][-1]
     net.get_submodule(name).register_forward_hook(lambda m, a, out: seen.append(a[0].shape[1]))
     return seen
 

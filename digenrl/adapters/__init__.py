@@ -13,6 +13,7 @@ ADAPTERS: dict[str, str] = {
     "hunyuan_video": "digenrl.adapters.hunyuan_video:HunyuanVideoAdapter",
     "qwen_image": "digenrl.adapters.qwen_image:QwenImageAdapter",
     "sd3": "digenrl.adapters.sd3:SD3Adapter",
+    "wan22": "digenrl.adapters.wan22:Wan22Adapter",
 }
 
 

@@ -28,6 +28,9 @@ from digenrl.adapters.vae_decode import configure_vae, tiling_mode
 from digenrl.config.model import ModelConfig, SamplingConfig
 from digenrl.errors import UserError
 
+#: diffusers' default LoRA weight file (``save_lora_weights`` / ``load_lora_weights``)
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+
 
 @dataclass(frozen=True)
 class Tokens:
@@ -230,12 +233,34 @@ class Adapter(ABC):
             return self.preview(x)
         return self.vae_decode(x)
 
+    # ------------------------------------------------------------------ LoRA files
+    lora_weight_names: tuple[str, ...] = (LORA_WEIGHT_NAME,)  # the files :meth:`lora_files` may write
+
+    def lora_files(self, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """The trained LoRA tensors by diffusers weight file, each file for one of the pipeline's
+        transformers (``load_lora_weights``); a model of two experts writes one file per expert."""
+        return {LORA_WEIGHT_NAME: state}
+
+    def lora_from_files(self, files: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The inverse of :meth:`lora_files`: the tensors as ``adapter.transformer`` names them."""
+        return files[LORA_WEIGHT_NAME]
+
     # ------------------------------------------------------------------ cost (from configs, no model)
     @classmethod
     def published_model(cls, model: ModelConfig) -> PublishedModel:
         """The published reference a config without a local checkpoint is costed as (a family with
         several published sizes picks one from the configured checkpoint's directory name)."""
         return cls.published
+
+    @classmethod
+    def experts_held(cls, model: ModelConfig) -> int:
+        """Transformers the model holds (a mixture of experts by noise level holds each in memory)."""
+        return 1
+
+    @classmethod
+    def experts_trained(cls, model: ModelConfig) -> int:
+        """Of :meth:`experts_held`, the ones that train (the others stay frozen)."""
+        return 1
 
     @classmethod
     def vae_factors(cls, vae_config: dict) -> tuple[int, int]:

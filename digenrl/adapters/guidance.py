@@ -70,7 +70,8 @@ def backward_through_velocity(adapter, latents: torch.Tensor, sigma: torch.Tenso
     docstring); the same parameter gradient."""
     if not (isinstance(adapter, TwoPassCFG) and adapter.uses_cfg() and not adapter.cfg_batched):
         scalar, extras = objective(adapter.velocity(latents, sigma, cond))
-        scalar.backward()
+        if scalar.requires_grad:  # else the step reached no trained weight (a frozen expert's step)
+            scalar.backward()
         return extras
     t = adapter.timestep(sigma)
     neg = adapter.pass_inputs(cond, negative=True)
@@ -85,7 +86,8 @@ def backward_through_velocity(adapter, latents: torch.Tensor, sigma: torch.Tenso
     if grad_unc is not None:  # the unconditional pass again, now with its graph, backpropagated alone
         with _replayed(latents.device, rng):
             v_again = adapter.forward_pass(latents, t, neg)
-        v_again.backward(grad_unc)
+        if v_again.requires_grad:  # else a frozen expert ran the step: nothing of it trains
+            v_again.backward(grad_unc)
     return extras
 
 

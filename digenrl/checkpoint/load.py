@@ -89,12 +89,18 @@ def set_rng_state(state: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------- load
-def read_weights(path: Path, lora: bool) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights as the policy names them (LoRA: peft keys, without diffusers' prefix)."""
-    state = read_safetensors(Path(path) / (LORA_FILE if lora else FULL_FILE))
-    if lora:
-        state = {k.removeprefix("transformer."): v for k, v in state.items()}
-    return state
+def read_weights(path: Path, lora: bool, adapter=None) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights as the policy names them (LoRA: peft keys, without diffusers' prefix;
+    with ``adapter``, every LoRA file it writes, e.g. one per expert, joined by ``lora_from_files``)."""
+    if not lora:
+        return read_safetensors(Path(path) / FULL_FILE)
+    names = adapter.lora_weight_names if adapter is not None else (LORA_FILE,)
+    files = {  # a model of two experts may have trained one: its other file is absent
+        name: {k.removeprefix("transformer."): v for k, v in read_safetensors(Path(path) / name).items()}
+        for name in names
+        if len(names) == 1 or (Path(path) / name).is_file()
+    }
+    return adapter.lora_from_files(files) if adapter is not None else files[LORA_FILE]
 
 
 def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = True) -> CheckpointState:
@@ -110,7 +116,7 @@ def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = T
     check_compatible(state, policy)
     if state.lora != policy.lora:  # also caught by compat; kept for engine callers that skip it
         raise CheckpointError(f"checkpoint {state.path}: LoRA checkpoint vs full fine-tuning model")
-    weights = read_weights(state.path, state.lora)
+    weights = read_weights(state.path, state.lora, policy.adapter)
     opt_state = None
     if loads_optimizer:
         check_holds_optimizer(state)

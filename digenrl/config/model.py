@@ -63,6 +63,11 @@ class ModelConfig(_Section):
         description="distinct prompts whose embeddings a worker keeps "
         "(each encoded once per run, kept on the CPU); 0 = encode every time",
     )
+    train_experts: Literal["both", "high_noise", "low_noise"] = Field(
+        "both",
+        description="a model of two experts by noise level (wan22 T2V-A14B): train both, or only the "
+        "high-noise `transformer` / the low-noise `transformer_2` (the other stays frozen)",
+    )
     offload_text_encoders: bool = Field(
         False,
         description="a checkpoint's text encoders stay on the CPU and "
@@ -104,6 +109,12 @@ class SamplingConfig(_Section):
         None, gt=0, description="fixed sigma shift; None = the model's own (FLUX/Qwen: dynamic mu)"
     )
     guidance: float = Field(3.5, ge=0, description="guidance scale in the model's own style")
+    guidance_2: float | None = Field(
+        None,
+        ge=0,
+        description="guidance scale of the low-noise expert (wan22 T2V-A14B, WanPipeline's "
+        "guidance_scale_2); null: sampling.guidance",
+    )
     eval_guidance: float | None = Field(
         None,
         ge=0,

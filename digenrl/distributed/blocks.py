@@ -2,8 +2,9 @@
 activation checkpointing recomputes.
 
 FLUX and HunyuanVideo: ``transformer_blocks`` then ``single_transformer_blocks``; Wan2.1:
-``blocks``; Qwen-Image: ``transformer_blocks``. LoRA added with ``add_adapter`` leaves these
-attributes in place (peft injects into the blocks' linear layers).
+``blocks``; Qwen-Image: ``transformer_blocks``; a model of two experts (Wan2.2 A14B,
+adapters/experts.py): each expert's blocks, high-noise expert first. LoRA added with
+``add_adapter`` leaves these attributes in place (peft injects into the blocks' linear layers).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """Every block of the model's block lists, in forward order; raises on a model without any."""
     blocks: list[nn.Module] = []
-    for name in BLOCK_LISTS:
-        group = getattr(model, name, None)
-        if isinstance(group, nn.ModuleList):
-            blocks.extend(group)
+    for part in model.experts() if hasattr(model, "experts") else [model]:
+        for name in BLOCK_LISTS:
+            group = getattr(part, name, None)
+            if isinstance(group, nn.ModuleList):
+                blocks.extend(group)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has none of the block lists {BLOCK_LISTS}")
     return blocks

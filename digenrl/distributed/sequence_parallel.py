@@ -36,7 +36,10 @@ def enable_sequence_parallel(transformer: nn.Module, mesh: DeviceMesh) -> None:
     heads = transformer.config.num_attention_heads
     if heads % mesh["ulysses"].size():
         raise ValueError(f"{heads} attention heads do not split over {mesh['ulysses'].size()} ranks")
-    if isinstance(transformer, HunyuanVideoTransformer3DModel):
+    if hasattr(transformer, "experts"):  # two experts by noise level (Wan2.2 A14B): each one
+        for expert in transformer.experts():
+            enable_sequence_parallel(expert, mesh)
+    elif isinstance(transformer, HunyuanVideoTransformer3DModel):
         _enable_hunyuan(transformer, mesh["ulysses"].get_group())
     elif getattr(transformer, "_cp_plan", None) is not None:
         _enable_diffusers_ulysses(transformer, mesh)

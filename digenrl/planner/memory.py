@@ -145,7 +145,8 @@ class MemoryModel:
 
     def gathered_block(self) -> float:
         """FSDP2's all-gathered compute copy: the running block and the prefetched next one."""
-        return 2 * self.workload.params.total / self.workload.params.blocks * self.workload.dtype_bytes
+        p = self.workload.params
+        return 2 * p.total / (p.experts * p.blocks) * self.workload.dtype_bytes
 
     def train_parts(self, shard: int, mb: int, ckpt: bool, sp: int = 1, cfg_batched: bool = True) -> dict:
         w = self.workload

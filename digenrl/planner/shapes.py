@@ -35,6 +35,8 @@ class ModelShape:
     vae_decode_flops_per_px: float
     text_encoder_params: float
     tokens: Tokens = field(default=None)  # filled by model_shape()
+    experts: int = 1  # transformers of this config held in memory (Wan2.2 A14B: 2, one runs per step)
+    trained_experts: int = 1  # of them, the ones that train
 
     @property
     def adapter(self):
@@ -63,13 +65,19 @@ def model_shape(model_cfg) -> ModelShape:
     if checkpoint is not None:
         (config, vae), source = checkpoint, "checkpoint"
         vae = vae if vae is not None else ref.vae
-    elif model_cfg.preset == "tiny":
-        (config, vae), source = adapter.presets["tiny"], f"{model_cfg.adapter} tiny preset"
+    elif model_cfg.preset in adapter.presets:  # tiny (wan22: tiny, tiny_5b)
+        (config, vae), source = (
+            adapter.presets[model_cfg.preset],
+            f"{model_cfg.adapter} {model_cfg.preset} preset",
+        )
         # tiny presets decode with a linear preview and embed prompts with a hash table
         sizes = dict(vae_params=0.0, vae_decode_flops_per_px=0.0, text_encoder_params=0.0)
     else:
         config, vae, source = ref.transformer, ref.vae, ref.label
-    shape = ModelShape(model_cfg.adapter, _public(config), source, **sizes)
+    experts = dict(
+        experts=adapter.experts_held(model_cfg), trained_experts=adapter.experts_trained(model_cfg)
+    )
+    shape = ModelShape(model_cfg.adapter, _public(config), source, **sizes, **experts)
     shape.tokens = adapter.tokens(model_cfg, shape.config, dict(vae))
     return shape
 
@@ -107,10 +115,12 @@ def attention_fraction(shape: ModelShape) -> float:
 
 @dataclass(frozen=True)
 class ParamCounts:
-    total: int  # transformer parameters
-    lora: int  # LoRA parameters for the configured targets and rank (0 without LoRA)
+    total: int  # transformer parameters (every expert held)
+    lora: int  # LoRA parameters for the configured targets and rank (0 without LoRA), trained experts
     hidden: int  # d
-    blocks: int  # transformer blocks (activation memory)
+    blocks: int  # transformer blocks one pass runs (activation memory)
+    experts: int = 1  # transformers held (total / experts: one expert's parameters)
+    frozen: int = 0  # parameters of the experts that do not train
 
 
 def param_counts(shape: ModelShape, lora_cfg, default_targets: tuple[str, ...]) -> ParamCounts:
@@ -123,7 +133,9 @@ def param_counts(shape: ModelShape, lora_cfg, default_targets: tuple[str, ...]) 
             f"model.lora.targets: {list(missing)} match no linear module of {shape.transformer_class}"
         )
     c = shape.config
-    return ParamCounts(total, lora, hidden_size(c), c["num_layers"] + c.get("num_single_layers", 0))
+    n, trained = shape.experts, shape.trained_experts  # every expert has the same architecture
+    blocks = c["num_layers"] + c.get("num_single_layers", 0)
+    return ParamCounts(n * total, trained * lora, hidden_size(c), blocks, n, (n - trained) * total)
 
 
 @lru_cache(maxsize=16)

@@ -190,7 +190,7 @@ class Workload:
 
     @property
     def trained_params(self) -> int:
-        return self.params.lora if self.lora else self.params.total
+        return self.params.lora if self.lora else self.params.total - self.params.frozen
 
     @property
     def sync_bytes(self) -> int:

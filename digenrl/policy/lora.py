@@ -114,9 +114,12 @@ def save_lora(adapter, directory: Path, state: dict[str, torch.Tensor] | None = 
         "target_modules": sorted(peft_cfg.target_modules),
         "bias": "none",
     }
-    pipeline_cls.save_lora_weights(
-        directory,
-        transformer_lora_layers=state if state is not None else lora_state_dict(adapter.transformer),
-        transformer_lora_adapter_metadata=metadata,
-    )
+    state = state if state is not None else lora_state_dict(adapter.transformer)
+    for weight_name, part in adapter.lora_files(state).items():  # one file per trained expert
+        pipeline_cls.save_lora_weights(
+            directory,
+            transformer_lora_layers=part,
+            weight_name=weight_name,
+            transformer_lora_adapter_metadata=metadata,
+        )
     return directory / "pytorch_lora_weights.safetensors"
