@@ -13,6 +13,9 @@ ADAPTERS: dict[str, str] = {
     "hunyuan_video": "digenrl.adapters.hunyuan_video:HunyuanVideoAdapter",
     "qwen_image": "digenrl.adapters.qwen_image:QwenImageAdapter",
     "sd3": "digenrl.adapters.sd3:SD3Adapter",
+    # image editing: a prompt row carries an input image (adapters/edit.py)
+    "flux_kontext": "digenrl.adapters.flux_kontext:FluxKontextAdapter",
+    "qwen_image_edit": "digenrl.adapters.qwen_image_edit:QwenImageEditAdapter",
 }
 
 

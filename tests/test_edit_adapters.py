@@ -1,0 +1,149 @@
+"""FLUX.1 Kontext and Qwen-Image-Edit: the sampler with noise level 0 reproduces diffusers' own
+FluxKontextPipeline and QwenImageEditPipeline on the same prompt embeddings, input image and noise."""
+
+import pytest
+import torch
+from PIL import Image
+
+from digenrl.adapters import build_adapter
+from digenrl.algorithms.sde import sample
+from digenrl.errors import UserError
+
+KONTEXT = ("model.adapter=flux_kontext", "model.lora.targets=null")
+QWEN_EDIT = ("model.adapter=qwen_image_edit", "model.lora.targets=null")
+PROMPTS = ["make the apple red", "a blue sky"]
+
+
+def edit_images(tmp_path, h, w) -> list[str]:
+    """Two input images with structure (a gradient and a disc), written as PNG."""
+    paths = []
+    for i, colour in enumerate([(200, 40, 40), (30, 60, 220)]):
+        img = Image.new("RGB", (w, h), colour)
+        for x in range(w):
+            for y in range(h):
+                if (x - w / 2) ** 2 + (y - h / 2) ** 2 < (h / 4) ** 2 or (x + y + i) % 7 == 0:
+                    img.putpixel((x, y), (x * 255 // w, y * 255 // h, 128))
+        paths.append(str(tmp_path / f"src{i}.png"))
+        img.save(paths[-1])
+    return paths
+
+
+def trajectory(ad, cond, noise, steps):
+    return sample(ad, cond, noise, ad.sigmas(steps), "flow_grpo", 0.0, None).latents
+
+
+def kontext_pipeline(ad, cond, noise, images, cfg, steps, i):
+    """FluxKontextPipeline on sample i alone (the pipeline resizes one image per call)."""
+    from diffusers import FluxKontextPipeline
+
+    none = dict.fromkeys(["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"])
+    pipe = FluxKontextPipeline(
+        transformer=ad.transformer, scheduler=ad.flow_scheduler(dict(ad.scheduler.config)), vae=ad.vae, **none
+    )
+    pipe.set_progress_bar_config(disable=True)
+    h, w = cfg.model.height, cfg.model.width
+    seen = []
+    out = pipe(
+        image=Image.open(images[i]),
+        prompt_embeds=cond.batched["prompt_embeds"][i : i + 1],
+        pooled_prompt_embeds=cond.batched["pooled"][i : i + 1],
+        guidance_scale=cfg.sampling.guidance,
+        latents=noise[i : i + 1].clone(),
+        num_inference_steps=steps,
+        height=h,
+        width=w,
+        max_area=h * w,
+        _auto_resize=False,
+        output_type="pt",
+        callback_on_step_end=lambda p, j, t, kw: seen.append(kw["latents"].clone()) or {},
+    ).images
+    return torch.stack(seen, 1), out
+
+
+def qwen_edit_pipeline(ad, cond, noise, images, cfg, steps, i, monkeypatch):
+    """QwenImageEditPipeline on sample i alone; its conditioning area (1024^2) set to the tiny
+    preset's, through the pipeline's own ``calculate_dimensions``."""
+    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as module
+    from diffusers import QwenImageEditPipeline
+
+    area = ad.condition_area(cfg.model)
+    real = module.calculate_dimensions
+    monkeypatch.setattr(module, "calculate_dimensions", lambda _area, ratio: real(area, ratio))
+    pipe = QwenImageEditPipeline(
+        transformer=ad.transformer,
+        scheduler=ad.flow_scheduler(dict(ad.scheduler.config)),
+        vae=ad.vae,
+        text_encoder=None,
+        tokenizer=None,
+        processor=None,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    b = cond.batched
+    negative = {}
+    if cfg.sampling.guidance > 1:
+        negative = dict(
+            negative_prompt_embeds=b["neg_prompt_embeds"][i : i + 1],
+            negative_prompt_embeds_mask=b["neg_mask"][i : i + 1],
+        )
+    seen = []
+    out = pipe(
+        image=Image.open(images[i]),
+        prompt_embeds=b["prompt_embeds"][i : i + 1],
+        prompt_embeds_mask=b["mask"][i : i + 1],
+        **negative,
+        true_cfg_scale=cfg.sampling.guidance,
+        latents=noise[i : i + 1].clone(),
+        num_inference_steps=steps,
+        height=cfg.model.height,
+        width=cfg.model.width,
+        output_type="pt",
+        callback_on_step_end=lambda p, j, t, kw: seen.append(kw["latents"].clone()) or {},
+    ).images
+    return torch.stack(seen, 1), out
+
+
+@pytest.mark.parametrize("guidance", [1.0, 2.5])  # the guidance embedding: no guidance / Kontext's 2.5
+@pytest.mark.parametrize("size", [(16, 16), (16, 24)])
+def test_ode_trajectory_equals_flux_kontext_pipeline(tiny_cfg, tmp_path, size, guidance):
+    h, w = size
+    cfg = tiny_cfg(*KONTEXT, f"model.height={h}", f"model.width={w}", f"sampling.guidance={guidance}")
+    ad = build_adapter(cfg.model, cfg.sampling)
+    images = edit_images(tmp_path, h, w)
+    cond = ad.cond_for(PROMPTS, images)
+    n = (h // 4) * (w // 4)  # tokens: the tiny VAE (2x) then 2x2 patches
+    assert cond.batched["image_latents"].shape == (2, n, 16)
+    noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
+    ours = trajectory(ad, cond, noise, 4)
+    ad.preview = None
+    for i in range(2):
+        theirs, pixels = kontext_pipeline(ad, cond, noise, images, cfg, 4, i)
+        assert torch.allclose(ours[i : i + 1, 1:], theirs, atol=1e-5, rtol=1e-5), (ours[i, 1:] - theirs).abs().max()
+        assert torch.allclose(ad.decode(ours[i : i + 1, -1]), pixels, atol=1e-5)
+    assert (ours[:, -1] - noise).abs().mean() > 1e-2  # not vacuous: the trajectory moved
+    # the input image conditions the result: another image, another trajectory
+    swapped = ad.cond_for(PROMPTS, images[::-1])
+    assert not torch.allclose(trajectory(ad, swapped, noise, 4), ours)
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.0])  # no CFG / true CFG (Qwen-Image-Edit's 4.0)
+@pytest.mark.parametrize("size", [(32, 32), (32, 48)])
+def test_ode_trajectory_equals_qwen_image_edit_pipeline(tiny_cfg, tmp_path, monkeypatch, size, guidance):
+    h, w = size
+    cfg = tiny_cfg(*QWEN_EDIT, f"model.height={h}", f"model.width={w}", f"sampling.guidance={guidance}")
+    ad = build_adapter(cfg.model, cfg.sampling)
+    images = edit_images(tmp_path, h, w)
+    cond = ad.cond_for(PROMPTS, images)
+    # the conditioning size rounds each side to 32: 32x48 -> 32x64 (round(1.5) = 2), a grid of its own
+    ch, cw = {(32, 32): (32, 32), (32, 48): (32, 64)}[size]
+    assert cond.batched["image_latents"].shape == (2, (ch // 8) * (cw // 8), 16)
+    noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
+    ours = trajectory(ad, cond, noise, 4)
+    ad.preview = None
+    for i in range(2):
+        theirs, pixels = qwen_edit_pipeline(ad, cond, noise, images, cfg, 4, i, monkeypatch)
+        assert torch.allclose(ours[i : i + 1, 1:], theirs, atol=1e-5, rtol=1e-5), (ours[i, 1:] - theirs).abs().max()
+        assert torch.allclose(ad.decode(ours[i : i + 1, -1]), pixels, atol=1e-5)
+    assert (ours[:, -1] - noise).abs().mean() > 1e-2
+    # the stand-in VL encoder sees the image: the same instruction on another image embeds differently
+    swapped = ad.cond_for(PROMPTS, images[::-1])
+    assert not torch.allclose(swapped.batched["prompt_embeds"], cond.batched["prompt_embeds"])
