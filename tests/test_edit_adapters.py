@@ -32,72 +32,55 @@ def trajectory(ad, cond, noise, steps):
     return sample(ad, cond, noise, ad.sigmas(steps), "flow_grpo", 0.0, None).latents
 
 
-def kontext_pipeline(ad, cond, noise, images, cfg, steps, i):
-    """FluxKontextPipeline on sample i alone (the pipeline resizes one image per call)."""
-    from diffusers import FluxKontextPipeline
+def edit_pipeline(family, ad, monkeypatch=None):
+    """The family's diffusers pipeline over the adapter's components (no text encoders). Qwen-Image-Edit's
+    conditioning area (1024^2) is set to the tiny preset's through the pipeline's own
+    ``calculate_dimensions``."""
+    from diffusers import FluxKontextPipeline, QwenImageEditPipeline
 
-    none = dict.fromkeys(["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"])
-    pipe = FluxKontextPipeline(
-        transformer=ad.transformer, scheduler=ad.flow_scheduler(dict(ad.scheduler.config)), vae=ad.vae, **none
-    )
+    parts = dict(transformer=ad.transformer, scheduler=ad.flow_scheduler(dict(ad.scheduler.config)), vae=ad.vae)
+    if family == "flux_kontext":
+        none = dict.fromkeys(["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"])
+        pipe = FluxKontextPipeline(**parts, **none)
+    else:
+        import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as module
+
+        area, real = ad.condition_area(ad.cfg), module.calculate_dimensions
+        monkeypatch.setattr(module, "calculate_dimensions", lambda _area, ratio: real(area, ratio))
+        pipe = QwenImageEditPipeline(**parts, text_encoder=None, tokenizer=None, processor=None)
     pipe.set_progress_bar_config(disable=True)
-    h, w = cfg.model.height, cfg.model.width
-    seen = []
-    out = pipe(
-        image=Image.open(images[i]),
-        prompt_embeds=cond.batched["prompt_embeds"][i : i + 1],
-        pooled_prompt_embeds=cond.batched["pooled"][i : i + 1],
-        guidance_scale=cfg.sampling.guidance,
-        latents=noise[i : i + 1].clone(),
-        num_inference_steps=steps,
-        height=h,
-        width=w,
-        max_area=h * w,
-        _auto_resize=False,
-        output_type="pt",
-        callback_on_step_end=lambda p, j, t, kw: seen.append(kw["latents"].clone()) or {},
-    ).images
-    return torch.stack(seen, 1), out
+    return pipe
 
 
-def qwen_edit_pipeline(ad, cond, noise, images, cfg, steps, i, monkeypatch):
-    """QwenImageEditPipeline on sample i alone; its conditioning area (1024^2) set to the tiny
-    preset's, through the pipeline's own ``calculate_dimensions``."""
-    import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit as module
-    from diffusers import QwenImageEditPipeline
-
-    area = ad.condition_area(cfg.model)
-    real = module.calculate_dimensions
-    monkeypatch.setattr(module, "calculate_dimensions", lambda _area, ratio: real(area, ratio))
-    pipe = QwenImageEditPipeline(
-        transformer=ad.transformer,
-        scheduler=ad.flow_scheduler(dict(ad.scheduler.config)),
-        vae=ad.vae,
-        text_encoder=None,
-        tokenizer=None,
-        processor=None,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    b = cond.batched
-    negative = {}
-    if cfg.sampling.guidance > 1:
-        negative = dict(
-            negative_prompt_embeds=b["neg_prompt_embeds"][i : i + 1],
-            negative_prompt_embeds_mask=b["neg_mask"][i : i + 1],
+def run_pipeline(pipe, family, cfg, cond, noise, images, steps, i, output_type="pt"):
+    """The pipeline on sample i alone (it resizes one input image per call): its per-step latents and
+    its output."""
+    b, h, w = cond.batched, cfg.model.height, cfg.model.width
+    if family == "flux_kontext":
+        kw = dict(
+            pooled_prompt_embeds=b["pooled"][i : i + 1],
+            guidance_scale=cfg.sampling.guidance,
+            max_area=h * w,
+            _auto_resize=False,
         )
+    else:
+        kw = dict(prompt_embeds_mask=b["mask"][i : i + 1], true_cfg_scale=cfg.sampling.guidance)
+        if cfg.sampling.guidance > 1:
+            kw.update(
+                negative_prompt_embeds=b["neg_prompt_embeds"][i : i + 1],
+                negative_prompt_embeds_mask=b["neg_mask"][i : i + 1],
+            )
     seen = []
     out = pipe(
         image=Image.open(images[i]),
         prompt_embeds=b["prompt_embeds"][i : i + 1],
-        prompt_embeds_mask=b["mask"][i : i + 1],
-        **negative,
-        true_cfg_scale=cfg.sampling.guidance,
         latents=noise[i : i + 1].clone(),
         num_inference_steps=steps,
-        height=cfg.model.height,
-        width=cfg.model.width,
-        output_type="pt",
+        height=h,
+        width=w,
+        output_type=output_type,
         callback_on_step_end=lambda p, j, t, kw: seen.append(kw["latents"].clone()) or {},
+        **kw,
     ).images
     return torch.stack(seen, 1), out
 
@@ -115,8 +98,9 @@ def test_ode_trajectory_equals_flux_kontext_pipeline(tiny_cfg, tmp_path, size, g
     noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
     ours = trajectory(ad, cond, noise, 4)
     ad.preview = None
+    pipe = edit_pipeline("flux_kontext", ad)
     for i in range(2):
-        theirs, pixels = kontext_pipeline(ad, cond, noise, images, cfg, 4, i)
+        theirs, pixels = run_pipeline(pipe, "flux_kontext", cfg, cond, noise, images, 4, i)
         assert torch.allclose(ours[i : i + 1, 1:], theirs, atol=1e-5, rtol=1e-5), (ours[i, 1:] - theirs).abs().max()
         assert torch.allclose(ad.decode(ours[i : i + 1, -1]), pixels, atol=1e-5)
     assert (ours[:, -1] - noise).abs().mean() > 1e-2  # not vacuous: the trajectory moved
@@ -139,8 +123,9 @@ def test_ode_trajectory_equals_qwen_image_edit_pipeline(tiny_cfg, tmp_path, monk
     noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
     ours = trajectory(ad, cond, noise, 4)
     ad.preview = None
+    pipe = edit_pipeline("qwen_image_edit", ad, monkeypatch)
     for i in range(2):
-        theirs, pixels = qwen_edit_pipeline(ad, cond, noise, images, cfg, 4, i, monkeypatch)
+        theirs, pixels = run_pipeline(pipe, "qwen_image_edit", cfg, cond, noise, images, 4, i)
         assert torch.allclose(ours[i : i + 1, 1:], theirs, atol=1e-5, rtol=1e-5), (ours[i, 1:] - theirs).abs().max()
         assert torch.allclose(ad.decode(ours[i : i + 1, -1]), pixels, atol=1e-5)
     assert (ours[:, -1] - noise).abs().mean() > 1e-2

@@ -75,6 +75,15 @@ class QwenImageEditAdapter(QwenImageAdapter):
         self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
         self.text = None
 
+    def check_shapes(self) -> None:
+        super().check_shapes()
+        h, w = condition_size(self.condition_area(self.cfg), self.cfg.height, self.cfg.width)
+        if not (h and w):  # the tiny preset conditions at the output's area: each side rounds to 32
+            raise UserError(
+                f"model.height/width: Qwen-Image-Edit's conditioning rounds each side to a multiple of 32; "
+                f"{self.cfg.height}x{self.cfg.width} rounds to {h}x{w}"
+            )
+
     # ------------------------------------------------------------------ cost
     @classmethod
     def tokens(cls, model, transformer_config, vae_config) -> Tokens:
