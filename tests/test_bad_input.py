@@ -276,8 +276,8 @@ CASES = {
     ),
     "an edit row with no input image": (
         ["train", *KONTEXT_SETS, "--set", "prompts.file={t}/edit_noimage.jsonl"],
-        "prompts.file: {t}/edit_noimage.jsonl:2: model.adapter flux_kontext edits an input image: the row has "
-        "no 'image'",
+        "prompts.file: {t}/edit_noimage.jsonl:2: model.adapter flux_kontext edits an input image: "
+        "the row has no 'image'",
     ),
     "an edit family on a prompt set without images": (
         ["train", *KONTEXT_SETS],

@@ -7,7 +7,6 @@ from PIL import Image
 
 from digenrl.adapters import build_adapter
 from digenrl.algorithms.sde import sample
-from digenrl.errors import UserError
 
 KONTEXT = ("model.adapter=flux_kontext", "model.lora.targets=null")
 QWEN_EDIT = ("model.adapter=qwen_image_edit", "model.lora.targets=null")
@@ -38,7 +37,9 @@ def edit_pipeline(family, ad, monkeypatch=None):
     ``calculate_dimensions``."""
     from diffusers import FluxKontextPipeline, QwenImageEditPipeline
 
-    parts = dict(transformer=ad.transformer, scheduler=ad.flow_scheduler(dict(ad.scheduler.config)), vae=ad.vae)
+    parts = dict(
+        transformer=ad.transformer, scheduler=ad.flow_scheduler(dict(ad.scheduler.config)), vae=ad.vae
+    )
     if family == "flux_kontext":
         none = dict.fromkeys(["text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"])
         pipe = FluxKontextPipeline(**parts, **none)
@@ -101,7 +102,9 @@ def test_ode_trajectory_equals_flux_kontext_pipeline(tiny_cfg, tmp_path, size, g
     pipe = edit_pipeline("flux_kontext", ad)
     for i in range(2):
         theirs, pixels = run_pipeline(pipe, "flux_kontext", cfg, cond, noise, images, 4, i)
-        assert torch.allclose(ours[i : i + 1, 1:], theirs, atol=1e-5, rtol=1e-5), (ours[i, 1:] - theirs).abs().max()
+        assert torch.allclose(ours[i : i + 1, 1:], theirs, atol=1e-5, rtol=1e-5), (
+            (ours[i, 1:] - theirs).abs().max()
+        )
         assert torch.allclose(ad.decode(ours[i : i + 1, -1]), pixels, atol=1e-5)
     assert (ours[:, -1] - noise).abs().mean() > 1e-2  # not vacuous: the trajectory moved
     # the input image conditions the result: another image, another trajectory
@@ -126,7 +129,9 @@ def test_ode_trajectory_equals_qwen_image_edit_pipeline(tiny_cfg, tmp_path, monk
     pipe = edit_pipeline("qwen_image_edit", ad, monkeypatch)
     for i in range(2):
         theirs, pixels = run_pipeline(pipe, "qwen_image_edit", cfg, cond, noise, images, 4, i)
-        assert torch.allclose(ours[i : i + 1, 1:], theirs, atol=1e-5, rtol=1e-5), (ours[i, 1:] - theirs).abs().max()
+        assert torch.allclose(ours[i : i + 1, 1:], theirs, atol=1e-5, rtol=1e-5), (
+            (ours[i, 1:] - theirs).abs().max()
+        )
         assert torch.allclose(ad.decode(ours[i : i + 1, -1]), pixels, atol=1e-5)
     assert (ours[:, -1] - noise).abs().mean() > 1e-2
     # the stand-in VL encoder sees the image: the same instruction on another image embeds differently

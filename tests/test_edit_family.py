@@ -29,14 +29,22 @@ EXACT = {"flux1_kontext_dev": 11_901_408_320, "qwen_image_edit": 20_430_401_088}
 #: output size, Qwen-Image-Edit's at the pipeline's 1024^2 conditioning area (64 x 64)
 IMAGE_TOKENS = {"flux1_kontext_dev": 1024 + 1024, "qwen_image_edit": 1024 + 4096}
 #: the colour-learning rows: the instruction names the colour, the input image has another one
-ROWS = [("make it red", "blue"), ("make it blue", "red"), ("make it red", "green"), ("make it blue", "yellow")]
+ROWS = [
+    ("make it red", "blue"),
+    ("make it blue", "red"),
+    ("make it red", "green"),
+    ("make it blue", "yellow"),
+]
 
 
 @pytest.mark.parametrize("name", ["flux1_kontext_dev", "qwen_image_edit"])
 def test_published_shapes_parameter_counts_and_tokens(name):
     cfg = load_config(ROOT / "configs" / f"{name}.yaml")  # its checkpoint is not on this machine
     w = Workload.from_config(cfg)
-    assert w.shape.source == {"flux1_kontext_dev": "FLUX.1-Kontext-dev (12B)", "qwen_image_edit": "Qwen-Image-Edit (20B)"}[name]
+    assert (
+        w.shape.source
+        == {"flux1_kontext_dev": "FLUX.1-Kontext-dev (12B)", "qwen_image_edit": "Qwen-Image-Edit (20B)"}[name]
+    )
     assert w.params.total == EXACT[name]
     t = w.shape.tokens
     assert t.x == IMAGE_TOKENS[name] and t.latent_elements == 16 * 64 * 64  # the state: the output's alone
@@ -59,7 +67,9 @@ def edit_adapter(family, tmp_path, guidance=None):
     return cfg, build_adapter(cfg.model, cfg.sampling), rows, images
 
 
-@pytest.mark.parametrize("family,guidance", [("flux_kontext", 2.5), ("qwen_image_edit", 4.0), ("qwen_image_edit", 1.0)])
+@pytest.mark.parametrize(
+    "family,guidance", [("flux_kontext", 2.5), ("qwen_image_edit", 4.0), ("qwen_image_edit", 1.0)]
+)
 def test_flop_formula_matches_torch_flop_counter(family, guidance, tmp_path):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
@@ -148,16 +158,26 @@ def test_edit_reward_reads_the_input_image_from_the_metadata(tmp_path):
 #: per family, the colocated run: long enough (fixed seed) for the colour reward to move
 LEARN = {
     "flux_kontext": ["train.iterations=8", "train.lr=2e-2", "algorithm.group_size=8"],
-    "qwen_image_edit": ["train.iterations=8", "train.lr=2e-2", "algorithm.group_size=8", "sampling.guidance=1.0"],
+    "qwen_image_edit": [
+        "train.iterations=8",
+        "train.lr=2e-2",
+        "algorithm.group_size=8",
+        "sampling.guidance=1.0",
+    ],
 }
 #: the full mode's 2 iterations also score the edit's similarity to its input image (read from the metadata)
-FULL = [*FULL_MODE, "train.iterations=2", "reward.components=[{name: prompt_color}, {name: source_similarity, weight: 0.5}]"]
+FULL = [
+    *FULL_MODE,
+    "train.iterations=2",
+    "reward.components=[{name: prompt_color}, {name: source_similarity, weight: 0.5}]",
+]
 
 
 @pytest.fixture(scope="module")
 def engine_runs(tmp_path_factory):
     """Per family, `digenrl train` colocated (LEARN) and in the engine's full mode (disaggregated, GAP,
-    TAG, TSP 2, one-step async; 2 iterations) on a generated edit set; (exit code, run dir) by (family, mode)."""
+    TAG, TSP 2, one-step async; 2 iterations) on a generated edit set; (exit code, run dir) by (family,
+    mode)."""
     from digenrl.cli.app import main
 
     runs = {}
@@ -197,7 +217,9 @@ def test_engine_trains_and_the_colour_reward_moves(engine_runs, family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", TINY_CONFIG)
-def test_trained_lora_loads_into_the_stock_pipeline_and_changes_its_output(engine_runs, family, tmp_path, monkeypatch):
+def test_trained_lora_loads_into_the_stock_pipeline_and_changes_its_output(
+    engine_runs, family, tmp_path, monkeypatch
+):
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -209,7 +231,9 @@ def test_trained_lora_loads_into_the_stock_pipeline_and_changes_its_output(engin
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in saved.items())  # it trained something
     h, w = SIZE[family]
     data = write_edit_set(tmp_path / "edits", h, w)
-    cfg = load_config(TINY_CONFIG[family], [*TINY, f"model.height={h}", f"model.width={w}", f"prompts.file={data}"])
+    cfg = load_config(
+        TINY_CONFIG[family], [*TINY, f"model.height={h}", f"model.width={w}", f"prompts.file={data}"]
+    )
     fresh = Policy(cfg, trainable=False).adapter
     fresh.transformer.delete_adapters("default")
     images = [str(data.parent / "images" / "blue.png")]

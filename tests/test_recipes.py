@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.config.run import load_config
 from digenrl.adapters import adapter_class
+from digenrl.config.run import load_config
 from tests.helpers import TINY_IMAGE, write_edit_set
 
 RECIPES = sorted((Path(__file__).parents[1] / "configs" / "recipes").glob("*.yaml"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+
 def read_image(path: str):
     """The image at ``path`` as an RGB PIL image, fully decoded (a truncated file raises here)."""
     from PIL import Image

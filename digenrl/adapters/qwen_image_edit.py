@@ -68,7 +68,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
         if not (path / "model_index.json").is_file():
             raise UserError(
-                f"model.pretrained: {path} is not a diffusers Qwen-Image-Edit checkpoint (no model_index.json)"
+                f"model.pretrained: {path} is not a diffusers Qwen-Image-Edit checkpoint "
+                "(no model_index.json)"
             )
         self.pipe = QwenImageEditPipeline.from_pretrained(path, torch_dtype=self.dtype)  # Qwen2.5-VL
         self.place_pipe()
@@ -99,7 +100,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     def encode_prompts(self, prompts: list[str], images: list[str | None] | None = None) -> Cond:
         if images is None or None in images:
-            raise ValueError("qwen_image_edit encodes an (instruction, input image) pair: an image per prompt")
+            raise ValueError(
+                "qwen_image_edit encodes an (instruction, input image) pair: an image per prompt"
+            )
         h, w = condition_size(self.condition_area(self.cfg), self.cfg.height, self.cfg.width)
         pil = [read_image(p) for p in images]
         pixels = preprocess(pil, self.vae_scale, h, w)  # (B, 3, h, w) in [-1, 1]

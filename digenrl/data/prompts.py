@@ -132,7 +132,8 @@ def load_prompts(
                 row["image"] = _image_path(row, path, n, what, image_size)
             elif edit_family is not None:
                 raise UserError(
-                    f"{what}: {path}:{n}: model.adapter {edit_family} edits an input image: the row has no 'image'"
+                    f"{what}: {path}:{n}: model.adapter {edit_family} edits an input image: the row has "
+                    "no 'image'"
                 )
         elif edit_family is not None:
             raise UserError(

@@ -93,7 +93,9 @@ class SourceSimilarity(Reward):
     def source(self, meta: dict, size: tuple[int, int]) -> torch.Tensor:
         path = meta.get("image")
         if path is None:
-            raise UserError("reward source_similarity: a prompt row has no input image ('image' in its .jsonl row)")
+            raise UserError(
+                "reward source_similarity: a prompt row has no input image ('image' in its .jsonl row)"
+            )
         if path not in self.sources:
             arr = np.asarray(read_image(path), dtype=np.float32) / 255
             self.sources[path] = torch.from_numpy(arr).permute(2, 0, 1)

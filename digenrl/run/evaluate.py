@@ -139,7 +139,9 @@ def eval_samples(
             # encoded afresh with the eval guidance (a CFG family's conditioning holds the negative prompt)
             texts, images = [p.text for p in chunk], [p.meta.get("image") for p in chunk]
             if guided:
-                cond = (ad.encode_prompts(texts, images) if ad.edits else ad.encode_prompts(texts)).to(ad.device)
+                cond = (ad.encode_prompts(texts, images) if ad.edits else ad.encode_prompts(texts)).to(
+                    ad.device
+                )
             else:
                 cond = ad.cond_for(texts, images)  # through the prompt cache
             noise = torch.cat([eval_noise(ad, start + j, seed) for j in range(len(chunk))])
