@@ -7,6 +7,7 @@ from PIL import Image
 
 from digenrl.adapters import build_adapter
 from digenrl.algorithms.sde import sample
+from digenrl.errors import UserError
 
 KONTEXT = ("model.adapter=flux_kontext", "model.lora.targets=null")
 QWEN_EDIT = ("model.adapter=qwen_image_edit", "model.lora.targets=null")
@@ -137,3 +138,53 @@ def test_ode_trajectory_equals_qwen_image_edit_pipeline(tiny_cfg, tmp_path, monk
     # the stand-in VL encoder sees the image: the same instruction on another image embeds differently
     swapped = ad.cond_for(PROMPTS, images[::-1])
     assert not torch.allclose(swapped.batched["prompt_embeds"], cond.batched["prompt_embeds"])
+
+
+@pytest.mark.parametrize("family", ["flux_kontext", "qwen_image_edit"])
+def test_pretrained_directory_loads_through_the_pipeline(tiny_cfg, tmp_path, monkeypatch, family):
+    """A saved FluxKontextPipeline / QwenImageEditPipeline directory (the tiny components, no text
+    encoders) loads as ``model.pretrained``: the same transformer weights, the checkpoint's scheduler,
+    and the same input-image latents from its VAE."""
+    h, w = (16, 16) if family == "flux_kontext" else (32, 32)
+    sets = (f"model.adapter={family}", "model.lora.targets=null", f"model.height={h}", f"model.width={w}")
+    tiny = build_adapter(tiny_cfg(*sets).model, tiny_cfg(*sets).sampling)
+    edit_pipeline(family, tiny, monkeypatch).save_pretrained(tmp_path / "ckpt")
+    cfg = tiny_cfg(*sets, f"model.pretrained={tmp_path / 'ckpt'}")
+    ad = build_adapter(cfg.model, cfg.sampling)
+    a, b = tiny.transformer.state_dict(), ad.transformer.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(ad.sigmas(6), tiny.sigmas(6))
+    images = edit_images(tmp_path, h, w)
+    if family == "flux_kontext":
+        assert torch.equal(ad.encode_images(images), tiny.encode_images(images))
+    else:  # a checkpoint conditions at the pipeline's 1024^2 area (its tiny VAE: 1024 / 4 / 2 a side)
+        assert ad.condition_grid() == (128, 128) and tiny.condition_grid() == (h // 8, w // 8)
+
+
+@pytest.mark.parametrize(
+    "family,override,field",
+    [
+        ("flux_kontext", "model.height=18", "model.height"),
+        ("qwen_image_edit", "model.height=16", "model.height/width"),  # conditioning rounds to 0
+        ("qwen_image_edit", "model.frames=1", "model.frames"),
+    ],
+)
+def test_bad_shape_is_a_user_error(tiny_cfg, family, override, field):
+    cfg = tiny_cfg(f"model.adapter={family}", "model.lora.targets=null", "model.width=32", override)
+    with pytest.raises(UserError, match=field):
+        build_adapter(cfg.model, cfg.sampling)
+
+
+def test_lora_targets_are_flow_grpos_and_all_exist(tiny_cfg):
+    from digenrl.policy.lora import matching_modules
+
+    for family, size in (("flux_kontext", 16), ("qwen_image_edit", 32)):
+        cfg = tiny_cfg(
+            f"model.adapter={family}",
+            "model.lora.targets=null",
+            f"model.height={size}",
+            f"model.width={size}",
+        )
+        ad = build_adapter(cfg.model, cfg.sampling)
+        for target in ad.default_lora_targets:
+            assert matching_modules(ad.transformer, target), (family, target)

@@ -53,6 +53,14 @@ def preprocess(images: list, vae_scale: int, height: int, width: int) -> torch.T
     return proc.preprocess(resized, height, width)
 
 
+def absent_components(path) -> dict:
+    """The components a checkpoint saved as null (e.g. no text encoder), to pass as None when loading."""
+    import json
+
+    index = json.loads((path / "model_index.json").read_text())
+    return {k: None for k, v in index.items() if isinstance(v, list) and v[0] is None}
+
+
 def image_key(prompt: str, image: str | None) -> str:
     """The prompt cache's key of an (instruction, image) pair (a prompt never holds a NUL)."""
     return prompt if image is None else f"{prompt}\0{image}"

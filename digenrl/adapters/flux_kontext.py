@@ -15,7 +15,7 @@ import torch
 
 from digenrl.adapters.base import PublishedModel
 from digenrl.adapters.cond import Cond
-from digenrl.adapters.edit import pack, preprocess, read_image
+from digenrl.adapters.edit import absent_components, pack, preprocess, read_image
 from digenrl.adapters.flux import FLUX1_DEV, TINY_TRANSFORMER, TINY_VAE, FluxAdapter
 from digenrl.errors import UserError
 
@@ -63,7 +63,9 @@ class FluxKontextAdapter(FluxAdapter):
             raise UserError(
                 f"model.pretrained: {path} is not a diffusers FLUX.1 Kontext checkpoint (no model_index.json)"
             )
-        self.pipe = FluxKontextPipeline.from_pretrained(path, torch_dtype=self.dtype)
+        self.pipe = FluxKontextPipeline.from_pretrained(
+            path, torch_dtype=self.dtype, **absent_components(path)
+        )
         self.place_pipe()
         self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
         self.text = None

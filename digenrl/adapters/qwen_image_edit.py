@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from digenrl.adapters.base import PublishedModel, Tokens
 from digenrl.adapters.cond import Cond
-from digenrl.adapters.edit import ImageToken, pack, preprocess, read_image
+from digenrl.adapters.edit import ImageToken, absent_components, pack, preprocess, read_image
 from digenrl.adapters.qwen_image import QWEN_IMAGE, QwenImageAdapter
 from digenrl.errors import UserError
 
@@ -71,7 +71,10 @@ class QwenImageEditAdapter(QwenImageAdapter):
                 f"model.pretrained: {path} is not a diffusers Qwen-Image-Edit checkpoint "
                 "(no model_index.json)"
             )
-        self.pipe = QwenImageEditPipeline.from_pretrained(path, torch_dtype=self.dtype)  # Qwen2.5-VL
+        # Qwen2.5-VL and its processor (a component saved as null loads as None)
+        self.pipe = QwenImageEditPipeline.from_pretrained(
+            path, torch_dtype=self.dtype, **absent_components(path)
+        )
         self.place_pipe()
         self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
         self.text = None
