@@ -248,3 +248,24 @@ def test_trained_lora_loads_into_the_stock_pipeline_and_changes_its_output(
         assert torch.equal(loaded[k.removeprefix("transformer.")], v), k
     after = run_pipeline(pipe, family, cfg, cond, noise, images, 4, 0, "latent")[1]
     assert (after - before).abs().max() > 1e-4  # the trained LoRA is loaded and active
+
+
+@pytest.mark.slow
+def test_profile_runs_on_the_tiny_preset(tmp_path):
+    """`digenrl profile` on an edit family: its encode calls carry each row's input image."""
+    from digenrl.planner.profile import run_profile
+
+    data = write_edit_set(tmp_path / "edits", *SIZE["qwen_image_edit"])
+    fast = [
+        "sampling.steps=2",
+        "train.prompts_per_iteration=2",
+        "algorithm.group_size=2",
+        "train.micro_batch=2",
+    ]
+    cfg = load_config(TINY_CONFIG["qwen_image_edit"], [*fast, f"prompts.file={data}"])
+    profile = run_profile(cfg, "cpu", batches=[1, 2], repeats=1, warmup=0, min_time=0.0, sharing=0)
+    assert (
+        profile["model"]["class"] == "QwenImageTransformer2DModel"
+        and profile["workload"]["guidance_passes"] == 2
+    )
+    assert all(v > 0 for v in profile["measurements"]["rollout_step_s"].values())
