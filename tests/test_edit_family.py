@@ -269,3 +269,21 @@ def test_profile_runs_on_the_tiny_preset(tmp_path):
         and profile["workload"]["guidance_passes"] == 2
     )
     assert all(v > 0 for v in profile["measurements"]["rollout_step_s"].values())
+
+
+@pytest.mark.slow
+def test_eval_scores_an_edit_checkpoint_on_its_input_images(engine_runs, tmp_path, monkeypatch, capsys):
+    """`digenrl eval` on an edit run: each prompt's input image conditions it, and source_similarity
+    (read from the metadata) scores the result against it."""
+    import json
+
+    from tests.helpers import cli
+
+    _, run = engine_runs["flux_kontext", "full"]
+    data = write_edit_set(tmp_path / "edits", *SIZE["flux_kontext"], ROWS)
+    code, out, err = cli(monkeypatch, capsys, "eval", "--checkpoint", str(run), "--prompts", str(data))
+    assert code == 0, err
+    report = json.loads(next((run / "eval").glob("*/eval.json")).read_text())
+    assert report["adapter"] == "flux_kontext" and report["prompts"] == [text for text, _ in ROWS]
+    assert set(report["rewards"]) == {"prompt_color", "source_similarity", "total"}
+    assert all(0 < v < 1 for v in report["rewards"]["source_similarity"]["values"])
