@@ -113,6 +113,43 @@ def test_ode_trajectory_equals_flux_kontext_pipeline(tiny_cfg, tmp_path, size, g
     assert not torch.allclose(trajectory(ad, swapped, noise, 4), ours)
 
 
+def test_kontext_conditions_at_the_pipelines_preferred_resolution(tiny_cfg, tmp_path, monkeypatch):
+    """With the pipeline's auto-resize (a checkpoint's way), the input image is encoded at the preferred
+    Kontext resolution nearest its aspect ratio -- a grid of its own, with its own position ids. Here
+    the preferred list is one tiny size, 24 x 32, set in the pipeline's module for both sides."""
+    import diffusers.pipelines.flux.pipeline_flux_kontext as module
+
+    from digenrl.adapters.flux_kontext import FluxKontextAdapter
+
+    monkeypatch.setattr(module, "PREFERRED_KONTEXT_RESOLUTIONS", [(32, 24)])  # (width, height)
+    monkeypatch.setattr(FluxKontextAdapter, "tiny_at_output_size", False)
+    cfg = tiny_cfg(*KONTEXT, "sampling.guidance=2.5")  # 16 x 16 output
+    ad = build_adapter(cfg.model, cfg.sampling)
+    images = edit_images(tmp_path, 16, 16)
+    cond = ad.cond_for(PROMPTS, images)
+    assert ad.condition_grid() == (6, 8) and cond.batched["image_latents"].shape == (2, 48, 16)
+    noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
+    ours = trajectory(ad, cond, noise, 4)
+    pipe = edit_pipeline("flux_kontext", ad)
+    b = cond.batched
+    seen = []
+    pipe(
+        image=Image.open(images[0]),
+        prompt_embeds=b["prompt_embeds"][:1],
+        pooled_prompt_embeds=b["pooled"][:1],
+        guidance_scale=2.5,
+        latents=noise[:1].clone(),
+        num_inference_steps=4,
+        height=16,
+        width=16,
+        max_area=16 * 16,
+        output_type="latent",
+        callback_on_step_end=lambda p, j, t, kw: seen.append(kw["latents"].clone()) or {},
+    )  # _auto_resize on: the pipeline's default
+    theirs = torch.stack(seen, 1)
+    assert torch.allclose(ours[:1, 1:], theirs, atol=1e-5, rtol=1e-5), (ours[0, 1:] - theirs).abs().max()
+
+
 @pytest.mark.parametrize("guidance", [1.0, 4.0])  # no CFG / true CFG (Qwen-Image-Edit's 4.0)
 @pytest.mark.parametrize("size", [(32, 32), (32, 48)])
 def test_ode_trajectory_equals_qwen_image_edit_pipeline(tiny_cfg, tmp_path, monkeypatch, size, guidance):
@@ -155,10 +192,14 @@ def test_pretrained_directory_loads_through_the_pipeline(tiny_cfg, tmp_path, mon
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(ad.sigmas(6), tiny.sigmas(6))
     images = edit_images(tmp_path, h, w)
-    if family == "flux_kontext":
-        assert torch.equal(ad.encode_images(images), tiny.encode_images(images))
-    else:  # a checkpoint conditions at the pipeline's 1024^2 area (its tiny VAE: 1024 / 4 / 2 a side)
-        assert ad.condition_grid() == (128, 128) and tiny.condition_grid() == (h // 8, w // 8)
+    # a checkpoint conditions as its pipeline: Kontext at its preferred 1024 x 1024 for a square image,
+    # Qwen-Image-Edit at the 1024^2 area (the tiny VAEs: 1024 / 2 / 2 and 1024 / 4 / 2 tokens a side)
+    s = tiny.vae_scale
+    assert ad.condition_grid() == (1024 // s // 2,) * 2 and tiny.condition_grid() == (
+        h // s // 2,
+        w // s // 2,
+    )
+    assert images
 
 
 @pytest.mark.parametrize(

@@ -25,9 +25,9 @@ SIZE = {"flux_kontext": (16, 16), "qwen_image_edit": (32, 32)}  # the suite's 16
 #: the transformers' parameters on the meta device: the published checkpoints' (FLUX.1-Kontext-dev is
 #: FLUX.1-dev's architecture, 11.9B; Qwen-Image-Edit Qwen-Image's, 20.4B)
 EXACT = {"flux1_kontext_dev": 11_901_408_320, "qwen_image_edit": 20_430_401_088}
-#: image tokens at 512 px: the output's 32 x 32 packed grid, then the input image's -- Kontext's at the
-#: output size, Qwen-Image-Edit's at the pipeline's 1024^2 conditioning area (64 x 64)
-IMAGE_TOKENS = {"flux1_kontext_dev": 1024 + 1024, "qwen_image_edit": 1024 + 4096}
+#: image tokens at 512 px: the output's 32 x 32 packed grid, then the input image's at its pipeline's
+#: conditioning size, 64 x 64 -- Kontext's preferred 1024 x 1024 for a square, Qwen-Image-Edit's 1024^2 area
+IMAGE_TOKENS = {"flux1_kontext_dev": 1024 + 4096, "qwen_image_edit": 1024 + 4096}
 #: the colour-learning rows: the instruction names the colour, the input image has another one
 ROWS = [
     ("make it red", "blue"),
