@@ -4,6 +4,7 @@ its input image."""
 from __future__ import annotations
 
 import io
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -87,8 +88,10 @@ class SourceSimilarity(Reward):
     """An edit's faithfulness to its input image: 1 - the mean per-pixel RGB distance between the result
     and the prompt row's input image (``metadata['image']``, resized to the result), in [0, 1]."""
 
+    CACHED = 64  # input images held (uint8), most recently used: a group's samples share one
+
     def __init__(self):
-        self.sources: dict[str, torch.Tensor] = {}  # path -> (3, H, W) in [0, 1], read once
+        self.sources: OrderedDict[str, torch.Tensor] = OrderedDict()  # path -> (3, H, W) uint8
 
     def source(self, meta: dict, size: tuple[int, int]) -> torch.Tensor:
         path = meta.get("image")
@@ -97,9 +100,11 @@ class SourceSimilarity(Reward):
                 "reward source_similarity: a prompt row has no input image ('image' in its .jsonl row)"
             )
         if path not in self.sources:
-            arr = np.asarray(read_image(path), dtype=np.float32) / 255
-            self.sources[path] = torch.from_numpy(arr).permute(2, 0, 1)
-        src = self.sources[path]
+            self.sources[path] = torch.from_numpy(np.asarray(read_image(path)).copy()).permute(2, 0, 1)
+            while len(self.sources) > self.CACHED:
+                self.sources.popitem(last=False)
+        self.sources.move_to_end(path)
+        src = self.sources[path].float() / 255
         if tuple(src.shape[1:]) != size:
             src = torch.nn.functional.interpolate(src[None], size=size, mode="bilinear", antialias=True)[0]
         return src
