@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +19,8 @@ from digenrl.planner.shapes import attention_fraction, forward_flops, model_shap
 from digenrl.planner.workload import Workload
 from digenrl.run.rundir import read_metrics
 from tests.helpers import FULL_MODE, QUIET, TINY, write_edit_set
-from tests.test_sd3_family import ROOT
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = {f: ROOT / "configs" / f"{f}_tiny.yaml" for f in ("flux_kontext", "qwen_image_edit")}
 SIZE = {"flux_kontext": (16, 16), "qwen_image_edit": (32, 32)}  # the suite's 16 px; Qwen-Image-Edit's 32
 #: the transformers' parameters on the meta device: the published checkpoints' (FLUX.1-Kontext-dev is
