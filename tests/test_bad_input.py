@@ -49,7 +49,27 @@ def make_inputs(tmp):
     (tmp / "num.jsonl").write_text('{"prompt": "a red car"}\n{"prompt": 5}\n')
     (tmp / "nul.txt").write_text("a red car\na blue\0boat\n")
     (tmp / "tag.yaml").write_text("train: !!python/object:os.system x\n")
+    make_edit_inputs(tmp)
     return tmp
+
+
+def make_edit_inputs(tmp):
+    """Edit prompt sets (FLUX.1 Kontext at the default 32x32): a missing, an unreadable (a PNG cut short)
+    and a wrong-size input image, each on row 2 after a good one; a row with no image."""
+    from PIL import Image
+
+    (tmp / "img").mkdir()
+    Image.new("RGB", (32, 32), (200, 0, 0)).save(tmp / "img" / "ok.png")
+    Image.new("RGB", (32, 24), (0, 0, 200)).save(tmp / "img" / "small.png")
+    (tmp / "img" / "cut.png").write_bytes((tmp / "img" / "ok.png").read_bytes()[:40])
+    good = json.dumps({"prompt": "make it blue", "image": "img/ok.png"})
+    for name, row in [
+        ("missing", {"prompt": "make it red", "image": "img/none.png"}),
+        ("cut", {"prompt": "make it red", "image": "img/cut.png"}),
+        ("small", {"prompt": "make it red", "image": "img/small.png"}),
+        ("noimage", {"prompt": "make it red"}),
+    ]:
+        (tmp / f"edit_{name}.jsonl").write_text(f"{good}\n{json.dumps(row)}\n")
 
 
 def write_big_prompt(tmp: Path) -> None:
@@ -58,6 +78,8 @@ def write_big_prompt(tmp: Path) -> None:
         f.write("a red car\n" + "a red apple " * 900_000 + "\n")
 
 
+#: the edit cases' family (the default run's size, 32x32)
+KONTEXT_SETS = as_sets(["model.adapter=flux_kontext", "model.lora.targets=null"])
 #: one logical CPU device more than this host may run (the limit scales with its cores)
 MANY = CPU_DEVICES_PER_CORE * (os.cpu_count() or 1)
 CASES = {
@@ -239,6 +261,27 @@ CASES = {
     "unknown key in a -c file": (
         ["train", "-c", "{t}/unk.yaml"],
         "error: {t}/unk.yaml: train.lr_max: unknown key",
+    ),
+    "a missing input image": (
+        ["train", *KONTEXT_SETS, "--set", "prompts.file={t}/edit_missing.jsonl"],
+        "prompts.file: {t}/edit_missing.jsonl:2: image not found: {t}/img/none.png",
+    ),
+    "an unreadable input image": (
+        ["config", "validate", *KONTEXT_SETS, "--set", "prompts.file={t}/edit_cut.jsonl"],
+        "prompts.file: {t}/edit_cut.jsonl:2: image unreadable: {t}/img/cut.png",
+    ),
+    "an input image of the wrong size": (
+        ["train", *KONTEXT_SETS, "--set", "prompts.file={t}/edit_small.jsonl"],
+        "prompts.file: {t}/edit_small.jsonl:2: image {t}/img/small.png is 24x32, the model generates 32x32",
+    ),
+    "an edit row with no input image": (
+        ["train", *KONTEXT_SETS, "--set", "prompts.file={t}/edit_noimage.jsonl"],
+        "prompts.file: {t}/edit_noimage.jsonl:2: model.adapter flux_kontext edits an input image: "
+        "the row has no 'image'",
+    ),
+    "an edit family on a prompt set without images": (
+        ["train", *KONTEXT_SETS],
+        "prompts.builtin: model.adapter flux_kontext edits images: give prompts.file, a .jsonl",
     ),
     "a run name too long for a file name": (
         ["train", "--set", f"output.name={'x' * 300}"],

@@ -15,7 +15,7 @@ import pytest
 
 from digenrl.adapters import adapter_class
 from digenrl.config.run import load_config
-from tests.helpers import cli
+from tests.helpers import cli, write_edit_set
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs" / "recipes").glob("*.yaml"))
@@ -41,8 +41,11 @@ def user_paths(path: Path, tmp: Path) -> list[str]:
     if cfg.model.pretrained is not None:
         sets.append(f"model.pretrained={config_only_checkpoint(cfg.model, tmp / 'ckpt')}")
     if cfg.prompts.file is not None and not (ROOT / cfg.prompts.file).is_file():
-        (tmp / "prompts.txt").write_text("a red cube\na blue sphere\n")
-        sets.append(f"prompts.file={tmp / 'prompts.txt'}")
+        if adapter_class(cfg.model.adapter).edits:  # an edit set: input images of the output's size
+            sets.append(f"prompts.file={write_edit_set(tmp / 'edits', cfg.model.height, cfg.model.width)}")
+        else:
+            (tmp / "prompts.txt").write_text("a red cube\na blue sphere\n")
+            sets.append(f"prompts.file={tmp / 'prompts.txt'}")
     if any("path" in c.args for c in cfg.reward.components):  # a model reward's local weights
         sets.append("reward.components=[{name: prompt_color}]")
     return sets

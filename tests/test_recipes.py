@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from digenrl.adapters import adapter_class
 from digenrl.config.run import load_config
-from tests.helpers import TINY_IMAGE
+from tests.helpers import TINY_IMAGE, write_edit_set
 
 RECIPES = sorted((Path(__file__).parents[1] / "configs" / "recipes").glob("*.yaml"))
 COMMON = [
@@ -38,6 +39,8 @@ FAMILY_SIZE = {  # per family: a size the tiny preset takes
     "qwen_image": ["model.height=32", "model.width=32"],
     "sd3": [*TINY_IMAGE],
     "wan22": ["model.height=32", "model.width=32", "model.frames=5"],
+    "qwen_image_edit": ["model.height=32", "model.width=32"],
+    "flux_kontext": [*TINY_IMAGE],
 }
 
 
@@ -58,6 +61,7 @@ def test_every_family_has_a_recipe_and_every_recipe_a_readme_row():
         "grpo_guard_qwen_image",
         "online_dpo_flux_pickscore",
         "flow_factory_wan22_pickscore",
+        "flow_grpo_qwen_image_edit_counting",
     } <= names
     readme = (RECIPES[0].parent / "README.md").read_text()
     for name in names:
@@ -90,7 +94,11 @@ def test_recipe_runs_two_iterations_on_the_tiny_preset(recipe, tmp_path, monkeyp
 
     published = load_config(recipe)
     size = FAMILY_SIZE[published.model.adapter]
-    cfg = load_config(recipe, [*COMMON, *size, f"output.run_dir={tmp_path / 'run'}"])
+    edit = []  # an edit family: a tiny edit set of input images instead of the colour prompts
+    if adapter_class(published.model.adapter).edits:
+        h, w = (int(kv.split("=")[1]) for kv in size[:2])
+        edit = ["prompts.builtin=null", f"prompts.file={write_edit_set(tmp_path / 'edits', h, w)}"]
+    cfg = load_config(recipe, [*COMMON, *size, *edit, f"output.run_dir={tmp_path / 'run'}"])
     alg, samp = cfg.algorithm, cfg.sampling
     # the algorithm is the recipe's, untouched by the swap
     assert (

@@ -14,6 +14,9 @@ ADAPTERS: dict[str, str] = {
     "qwen_image": "digenrl.adapters.qwen_image:QwenImageAdapter",
     "sd3": "digenrl.adapters.sd3:SD3Adapter",
     "wan22": "digenrl.adapters.wan22:Wan22Adapter",
+    # image editing: a prompt row carries an input image (adapters/edit.py)
+    "flux_kontext": "digenrl.adapters.flux_kontext:FluxKontextAdapter",
+    "qwen_image_edit": "digenrl.adapters.qwen_image_edit:QwenImageEditAdapter",
 }
 
 

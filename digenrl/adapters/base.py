@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from digenrl.adapters.cond import Cond
+from digenrl.adapters.edit import image_key, split_key
 from digenrl.adapters.prompt_cache import PromptEmbeddingCache
 from digenrl.adapters.text_offload import (
     TEXT_ENCODER_PARTS,
@@ -70,6 +71,7 @@ class Adapter(ABC):
     published: PublishedModel  # the family's reference model
     presets: dict[str, tuple[dict, dict]] = {}  # preset name -> (transformer, VAE) configs
     preview = None  # LatentRGBDecoder for tiny presets, None = decode with the real VAE
+    edits = False  # an edit family: every prompt row has an input image (adapters/edit.py)
 
     def __init__(
         self,
@@ -188,13 +190,16 @@ class Adapter(ABC):
     def encode_prompts(self, prompts: list[str]) -> Cond:
         """Text conditioning for each prompt (with negative-prompt tensors when the family uses CFG)."""
 
-    def cond_for(self, prompts: list[str]) -> Cond:
+    def cond_for(self, prompts: list[str], images: list[str | None] | None = None) -> Cond:
         """:meth:`encode_prompts` through this worker's prompt cache (``model.prompt_cache``): each
-        distinct prompt is encoded once per run. On the adapter's device."""
-        return self.prompt_cache.lookup(prompts, self._encode_then_offload).to(self.device)
+        distinct prompt (an edit family: each distinct (prompt, input image) pair) is encoded once
+        per run. On the adapter's device."""
+        keys = [image_key(p, i) for p, i in zip(prompts, images or [None] * len(prompts))]
+        return self.prompt_cache.lookup(keys, self._encode_then_offload).to(self.device)
 
-    def _encode_then_offload(self, prompts: list[str]) -> Cond:
-        cond = self.encode_prompts(prompts)
+    def _encode_then_offload(self, keys: list[str]) -> Cond:
+        texts, images = (list(x) for x in zip(*map(split_key, keys)))
+        cond = self.encode_prompts(texts, images) if self.edits else self.encode_prompts(texts)
         if self.offload_hooks:
             offload_all(self.offload_hooks)
         return cond

@@ -99,10 +99,11 @@ class FluxAdapter(PackedLatentAdapter):
         from diffusers import AutoencoderKL, FluxTransformer2DModel
 
         if preset != "tiny":
-            raise UserError(f"model.preset: unknown preset '{preset}' for flux (available: tiny)")
+            raise UserError(f"model.preset: unknown preset '{preset}' for {self.name} (available: tiny)")
+        transformer, vae = self.presets["tiny"]
         with seeded(1234):
-            self.transformer = FluxTransformer2DModel(**TINY_TRANSFORMER)
-            self.vae = AutoencoderKL(**TINY_VAE).eval()
+            self.transformer = FluxTransformer2DModel(**transformer)
+            self.vae = AutoencoderKL(**vae).eval()
         tcfg = self.transformer.config
         self.text = HashTextEncoder(
             tcfg.joint_attention_dim, self.cfg.max_text_len, tcfg.pooled_projection_dim
@@ -180,18 +181,24 @@ class FluxAdapter(PackedLatentAdapter):
             guidance = torch.full((b,), self.sampling.guidance, device=self.device, dtype=torch.float32)
         # the pipeline feeds timesteps = sigma * 1000 and divides by 1000: mirror it bit for bit
         t = (sigma.to(torch.float32) * 1000) / 1000
+        hidden, ids = self.image_tokens(latents, cond)
         with self.autocast():
             out = self.transformer(
-                hidden_states=latents.to(self.dtype),
+                hidden_states=hidden.to(self.dtype),
                 timestep=t.to(self.dtype),
                 guidance=guidance,
                 pooled_projections=cond.batched["pooled"].to(self.dtype),
                 encoder_hidden_states=cond.batched["prompt_embeds"].to(self.dtype),
                 txt_ids=cond.shared["txt_ids"],
-                img_ids=self.img_ids(),
+                img_ids=ids,
                 return_dict=False,
             )[0]
-        return out.float()
+        return out[:, : latents.shape[1]].float()  # an edit family's image tokens are dropped
+
+    def image_tokens(self, latents: torch.Tensor, cond: Cond) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transformer's image-stream tokens and their position ids (an edit family adds its
+        input image's)."""
+        return latents, self.img_ids()
 
     def vae_decode(self, x: torch.Tensor) -> torch.Tensor:
         vc = self.vae.config

@@ -50,7 +50,7 @@ FORWARD_PROCESS = ("diffusion_nft", "awm", "online_dpo")
 
 
 #: families whose guidance is two-pass CFG: diffusion_nft rolls out and trains them CFG-free by default
-TWO_PASS_CFG_FAMILIES = ("wan", "qwen_image", "sd3", "wan22")
+TWO_PASS_CFG_FAMILIES = ("wan", "qwen_image", "sd3", "wan22", "qwen_image_edit")
 
 
 def algorithm_defaults(data: dict) -> dict:

@@ -1,4 +1,8 @@
-"""Prompt sets: a file (one prompt per line, or JSONL with a 'prompt' field and metadata) or built-in."""
+"""Prompt sets: a file (one prompt per line, or JSONL with a 'prompt' field and metadata) or built-in.
+
+A JSONL row of an edit prompt set names its input image (``image``: a path relative to the file); the
+path travels, resolved, in the prompt's metadata to the adapter's conditioning and to the rewards.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from digenrl.adapters import adapter_class
+from digenrl.adapters.edit import image_problem
 from digenrl.config.train import PromptsConfig
 from digenrl.errors import UserError, read_user_text
 
@@ -43,8 +49,35 @@ def prompt_char_limit(max_text_len: int) -> int:
 
 
 def check_prompts(cfg) -> list[Prompt]:
-    """The run's prompts, loaded with the limit its text encoder implies (``model.max_text_len``)."""
-    return load_prompts(cfg.prompts, max_chars=prompt_char_limit(cfg.model.max_text_len))
+    """The run's prompts, loaded with the limit its text encoder implies (``model.max_text_len``), their
+    input images read and sized against the model's output (an edit family needs one on every row)."""
+    model = cfg.model
+    edits = adapter_class(model.adapter).edits
+    if edits and cfg.prompts.builtin is not None:
+        raise UserError(
+            f"prompts.builtin: model.adapter {model.adapter} edits images: give prompts.file, a .jsonl "
+            "whose rows carry 'prompt' and 'image'"
+        )
+    return load_prompts(cfg.prompts, prompt_char_limit(model.max_text_len), **image_checks(cfg))
+
+
+def image_checks(cfg) -> dict:
+    """:func:`load_prompts`'s image arguments for a run: its output size, and its family if it edits."""
+    model = cfg.model
+    edits = adapter_class(model.adapter).edits
+    return dict(image_size=(model.height, model.width), edit_family=model.adapter if edits else None)
+
+
+def _image_path(row: dict, path: Path, n: int, what: str, size: tuple[int, int] | None) -> str:
+    """Row ``n``'s input image as an absolute path (relative paths are read from the file's directory);
+    with ``size`` = (height, width), the image is read and must be that size."""
+    image = row["image"]
+    if not isinstance(image, str) or not image.strip():
+        raise UserError(f"{what}: {path}:{n}: 'image' must be a path (relative to the file)")
+    resolved = str((path.parent / image).resolve())
+    if size is not None and (problem := image_problem(resolved, size)) is not None:
+        raise UserError(f"{what}: {path}:{n}: {problem}")
+    return resolved
 
 
 def split_file(path: Path, split: str, what: str) -> Path:
@@ -70,10 +103,14 @@ def load_prompts(
     max_chars: int = DEFAULT_PROMPT_CHARS,
     what: str = "prompts.file",
     split: str = "train",
+    image_size: tuple[int, int] | None = None,
+    edit_family: str | None = None,
 ) -> list[Prompt]:
     """The prompt set; a file's errors name ``what`` (the field or option that named it), the file and
     the line. A prompt must be a non-empty string of at most ``max_chars`` characters. A directory is
-    read in Flow-GRPO's layout: its ``split`` (``train`` to train on, ``test`` for ``digenrl eval``)."""
+    read in Flow-GRPO's layout: its ``split`` (``train`` to train on, ``test`` for ``digenrl eval``).
+    ``image_size``: read every row's input image and require this (height, width); ``edit_family``: the
+    edit adapter that needs an image on every row."""
     if cfg.builtin is not None:
         if cfg.builtin not in BUILTIN:
             raise UserError(f"prompts.builtin: unknown set '{cfg.builtin}' (available: {', '.join(BUILTIN)})")
@@ -91,6 +128,18 @@ def load_prompts(
                 raise UserError(f"{what}: {path}:{n}: expected a JSON object with a 'prompt' field") from None
             if not isinstance(prompt.text, str) or not prompt.text.strip():
                 raise UserError(f"{what}: {path}:{n}: 'prompt' must be a non-empty string")
+            if "image" in row:
+                row["image"] = _image_path(row, path, n, what, image_size)
+            elif edit_family is not None:
+                raise UserError(
+                    f"{what}: {path}:{n}: model.adapter {edit_family} edits an input image: the row has "
+                    "no 'image'"
+                )
+        elif edit_family is not None:
+            raise UserError(
+                f"{what}: {path}:{n}: model.adapter {edit_family} edits an input image: give a .jsonl whose "
+                "rows carry 'prompt' and 'image'"
+            )
         else:
             prompt = Prompt(line.strip())
         if len(prompt.text) > max_chars:

@@ -31,7 +31,7 @@ def reward_kind(name: str) -> str:
 #: the rewards that are plain functions of the pixels (digenrl/rewards/basic.py): every other one is a
 #: model (CLIP, PickScore, aesthetic) or a remote judge's client (the planner's WEIGHT_FREE_REWARDS)
 FUNCTION_REWARDS = frozenset(
-    {"prompt_color", "prompt_shape", "jpeg_compressibility", "jpeg_incompressibility"}
+    {"prompt_color", "prompt_shape", "source_similarity", "jpeg_compressibility", "jpeg_incompressibility"}
 )
 
 

@@ -1,13 +1,16 @@
-"""Weight-free rewards: JPEG (in)compressibility (as in DDPO) and prompt colour."""
+"""Weight-free rewards: JPEG (in)compressibility (as in DDPO), prompt colour, and an edit's similarity to
+its input image."""
 
 from __future__ import annotations
 
 import io
+from collections import OrderedDict
 
 import numpy as np
 import torch
 from PIL import Image
 
+from digenrl.adapters.edit import read_image
 from digenrl.errors import UserError
 from digenrl.rewards.base import Reward, register
 
@@ -77,4 +80,37 @@ class PromptColor(Reward):
             [COLORS[prompt_color(p, m)] for p, m in zip(prompts, metadata)], dtype=torch.float32
         )
         dist = (images.float().cpu() - target[:, :, None, None]).norm(dim=1) / 3**0.5
+        return 1 - dist.mean(dim=(1, 2))
+
+
+@register("source_similarity")
+class SourceSimilarity(Reward):
+    """An edit's faithfulness to its input image: 1 - the mean per-pixel RGB distance between the result
+    and the prompt row's input image (``metadata['image']``, resized to the result), in [0, 1]."""
+
+    CACHED = 64  # input images held (uint8), most recently used: a group's samples share one
+
+    def __init__(self):
+        self.sources: OrderedDict[str, torch.Tensor] = OrderedDict()  # path -> (3, H, W) uint8
+
+    def source(self, meta: dict, size: tuple[int, int]) -> torch.Tensor:
+        path = meta.get("image")
+        if path is None:
+            raise UserError(
+                "reward source_similarity: a prompt row has no input image ('image' in its .jsonl row)"
+            )
+        if path not in self.sources:
+            self.sources[path] = torch.from_numpy(np.asarray(read_image(path)).copy()).permute(2, 0, 1)
+            while len(self.sources) > self.CACHED:
+                self.sources.popitem(last=False)
+        self.sources.move_to_end(path)
+        src = self.sources[path].float() / 255
+        if tuple(src.shape[1:]) != size:
+            src = torch.nn.functional.interpolate(src[None], size=size, mode="bilinear", antialias=True)[0]
+        return src
+
+    def score(self, images, prompts, metadata):
+        size = tuple(images.shape[2:])
+        target = torch.stack([self.source(m, size) for m in metadata])
+        dist = (images.float().cpu() - target).norm(dim=1) / 3**0.5
         return 1 - dist.mean(dim=(1, 2))

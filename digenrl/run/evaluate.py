@@ -19,7 +19,7 @@ from digenrl.checkpoint.load import load_checkpoint, read_state, use_ema_weights
 from digenrl.checkpoint.store import find_checkpoint
 from digenrl.config.run import load_config
 from digenrl.config.train import PromptsConfig
-from digenrl.data.prompts import Prompt, load_prompts, prompt_char_limit
+from digenrl.data.prompts import Prompt, image_checks, load_prompts, prompt_char_limit
 from digenrl.errors import UserError
 from digenrl.policy.model import Policy
 from digenrl.rewards import build_reward
@@ -129,8 +129,13 @@ def eval_samples(
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
             # encoded afresh with the eval guidance (a CFG family's conditioning holds the negative prompt)
-            cond = ad.encode_prompts([p.text for p in chunk]).to(ad.device) if guided else None
-            cond = ad.cond_for([p.text for p in chunk]) if cond is None else cond  # (else: the prompt cache)
+            texts, images = [p.text for p in chunk], [p.meta.get("image") for p in chunk]
+            if guided:
+                cond = (ad.encode_prompts(texts, images) if ad.edits else ad.encode_prompts(texts)).to(
+                    ad.device
+                )
+            else:
+                cond = ad.cond_for(texts, images)  # through the prompt cache
             noise = torch.cat([eval_noise(ad, start + j, seed) for j in range(len(chunk))])
             traj = sample(ad, cond, noise.to(ad.device), sigmas, "flow_grpo", 0.0)  # eta 0: the Euler ODE
             pixels.append(ad.decode(traj.latents[:, -1]).clamp(0, 1).cpu())
@@ -180,12 +185,10 @@ def prepare_eval(
     limit = prompt_char_limit(cfg.model.max_text_len)  # what the text encoder can use, as train checks
     if prompts is not None:
         prompt_set = load_prompts(
-            PromptsConfig(file=prompts), max_chars=limit, what="--prompts", split="test"
+            PromptsConfig(file=prompts), max_chars=limit, what="--prompts", split="test", **image_checks(cfg)
         )
-    else:
-        prompt_set = load_prompts(
-            cfg.prompts, max_chars=limit, split="test"
-        )  # a directory: its held-out split
+    else:  # a directory: its held-out split
+        prompt_set = load_prompts(cfg.prompts, max_chars=limit, split="test", **image_checks(cfg))
     base = None
     if baseline is not None:
         if baseline == "base":

@@ -46,7 +46,8 @@ def rollout_unit(
         raise ValueError(f"samples {samples} is not a range of 0..{G}")
     n = hi - lo  # samples per group in this unit
     rng = GroupRNG([stream_seed(seed, iteration, gid) for gid in group_ids], G, (lo, hi))
-    cond = ad.cond_for([p.text for p in prompts]).repeat_interleave(n)
+    # an edit prompt's input image (its path, in the metadata) conditions it
+    cond = ad.cond_for([p.text for p in prompts], [p.meta.get("image") for p in prompts]).repeat_interleave(n)
     noise = rng((len(prompts) * n, *ad.latent_shape()))
     sigmas = ad.sigmas(n_steps)
     nft, noise_seeds = is_forward_process(cfg), None

@@ -38,12 +38,19 @@ class ModelBench:
         self.prompts = load_prompts(cfg.prompts)
         self.reward = build_reward(cfg.reward)
         self.clock = RoundRobin(device, warmup)
-        self.cond1 = self.ad.encode_prompts([self.prompts[0].text])
+        self.cond1 = self.encode(self.prompts[:1])
         self.sigmas = self.ad.sigmas(cfg.sampling.steps).to(device)
         self.gen = torch.Generator().manual_seed(0)
         self.groups = 0  # of the whole units, once added
         self.samples = None  # a rollout unit's samples (what the train unit trains on)
         self.state: dict = {}  # the weights a sync ships, once the calls are added
+
+    def encode(self, prompts):
+        """The prompts' conditioning, uncached (an edit family's with each row's input image)."""
+        texts = [p.text for p in prompts]
+        if self.ad.edits:
+            return self.ad.encode_prompts(texts, [p.meta.get("image") for p in prompts])
+        return self.ad.encode_prompts(texts)
 
     def inputs(self, b: int):
         """A batch of b: the first prompt's conditioning and noise latents."""
@@ -105,11 +112,11 @@ class ModelBench:
 
         texts = [prompts[i % len(prompts)].text for i in range(G)]
         metas = [prompts[i % len(prompts)].meta for i in range(G)]
-        ptexts = [prompts[i % len(prompts)].text for i in range(P)]
+        prows = [prompts[i % len(prompts)] for i in range(P)]
 
         def encode():
             with torch.no_grad():
-                ad.encode_prompts(ptexts)
+                self.encode(prows)
 
         def opt():
             for p in policy.params:
