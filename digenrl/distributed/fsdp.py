@@ -97,7 +97,9 @@ def parallelize(
     # the root's parameters are needed again right at the start of backward: keep them gathered. A
     # model of experts (Wan2.2 A14B) runs each expert's forward, never its own: each expert is a root
     for root in [*getattr(model, "experts", list)(), model]:
-        fully_shard(root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=kept_params)
+        fully_shard(
+            root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=kept_params
+        )
     if gradient_sum:
         for module in model.modules():
             if isinstance(module, FSDPModule):
