@@ -91,6 +91,9 @@ class AroundSteps:
         try:
             return ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
+            lost = head_lost()  # a dead head takes every actor along: that is not a lost trainer rank
+            if lost is not None:
+                raise lost from None
             raise TrainerRankLost(
                 f"trainer rank {self.rank0} died while running {what}-{key} ({first_line(exc, typed=True)}); "
                 "the run stopped.",
