@@ -175,8 +175,9 @@ FULL = [
 
 
 @pytest.fixture(scope="module")
-def engine_runs(tmp_path_factory):
-    """Per family, `digenrl train` colocated (LEARN) and in the engine's full mode (disaggregated, GAP,
+def engine_runs(tmp_path_factory, ray_cluster):
+    """On the suite's cluster (warm workers). Per family, `digenrl train` colocated (LEARN) and in
+    the engine's full mode (disaggregated, GAP,
     TAG, TSP 2, one-step async; 2 iterations) on a generated edit set; (exit code, run dir) by (family,
     mode)."""
     from digenrl.cli.app import main

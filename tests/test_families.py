@@ -43,7 +43,7 @@ def cli(monkeypatch, *argv):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_trains_from_cli_and_lora_loads_into_the_family_pipeline(family, tmp_path, monkeypatch):
+def test_trains_from_cli_and_lora_loads_into_the_family_pipeline(family, tmp_path, monkeypatch, ray_cluster):
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
 

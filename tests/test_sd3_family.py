@@ -125,9 +125,10 @@ MODES = {"colocated": ["placement.mode=colocated"], "full": FULL_MODE}
 
 
 @pytest.fixture(scope="module")
-def engine_runs(tmp_path_factory):
-    """Two iterations of `digenrl train` on the tiny preset, colocated and in the engine's full mode
-    (disaggregated, GAP, TAG, TSP 2, one-step async); run dirs by mode."""
+def engine_runs(tmp_path_factory, ray_cluster):
+    """On the suite's cluster (warm workers): two iterations of `digenrl train` on the tiny preset,
+    colocated and in the engine's full mode (disaggregated, GAP, TAG, TSP 2, one-step async); run dirs
+    by mode."""
     from digenrl.cli.app import main
 
     runs = {}

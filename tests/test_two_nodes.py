@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("two_nodes")]  # one cluster, one worker
 
 LORA = "pytorch_lora_weights.safetensors"
 

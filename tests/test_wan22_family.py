@@ -135,8 +135,9 @@ _RUNS: dict = {}
 
 
 @pytest.fixture(scope="module")
-def engine_run(tmp_path_factory):
-    """Two iterations of `digenrl train` on a tiny preset in one mode, run once per module and shared."""
+def engine_run(tmp_path_factory, ray_cluster):
+    """On the suite's cluster (warm workers): two iterations of `digenrl train` on a tiny preset in
+    one mode, run once per module and shared."""
     from digenrl.cli.app import main
 
     def run(variant: str, mode: str):
