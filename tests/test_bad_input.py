@@ -323,16 +323,21 @@ def run_case(argv, needle, tmp_path, monkeypatch, capsys):
     assert not any((t / "adir").iterdir())
 
 
-@pytest.mark.parametrize("case", CASES)
+#: the cases refused only once the engine runs (inside run_engine), so on the path the placement decides
+IN_THE_ENGINE = ["LoRA targets matching no module", "missing reward weights directory", "unknown reward"]
+#: cases that start Ray (~10 s each): the full suite runs them, the fast loop does not
+STARTS_RAY = {*IN_THE_ENGINE, "a geneval prompt without GenEval metadata", "an ocr prompt quoting no text"}
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c in STARTS_RAY else c for c in CASES]
+)
 def test_bad_input_exits_2_with_one_line(case, tmp_path, monkeypatch, capsys):
     argv, needle = CASES[case]
     run_case(full_mode(argv), needle, tmp_path, monkeypatch, capsys)
 
 
-#: the cases refused only once the engine runs (inside run_engine), so on the path the placement decides
-IN_THE_ENGINE = ["LoRA targets matching no module", "missing reward weights directory", "unknown reward"]
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("case", IN_THE_ENGINE)
 def test_bad_input_on_the_default_colocated_run(case, tmp_path, monkeypatch, capsys):
     """The same one line from the default run: colocated workers, each a trainer that also rolls out."""
