@@ -68,7 +68,14 @@ def clipped_objective(
     PPO); ``is_weight`` = capped exp(logp_prox - logp_behaviour) multiplies the loss in that case.
     Returns the unreduced loss and detached stats.
     """
-    ratio = torch.exp(logp - logp_old)
+    return clipped_ratio_objective(torch.exp(logp - logp_old), adv, clip_range, is_weight)
+
+
+def clipped_ratio_objective(
+    ratio: torch.Tensor, adv: torch.Tensor, clip_range: float, is_weight: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict]:
+    """PPO-clip of a given ratio (Flow-GRPO's, or GRPO-Guard's normalised one): the unreduced loss and
+    detached stats."""
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_range, 1 + clip_range)
     loss = torch.maximum(unclipped, clipped)

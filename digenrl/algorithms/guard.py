@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from digenrl.algorithms.grpo import clipped_ratio_objective
+
 
 def normalised_log_ratio(
     logp: torch.Tensor, logp_old: torch.Tensor, mu: torch.Tensor, mu_old: torch.Tensor, scale: float
@@ -28,12 +30,4 @@ def guard_objective(
 ) -> tuple[torch.Tensor, dict]:
     """PPO-clip on the normalised ratio; returns the per-term loss and detached stats."""
     ratio = torch.exp(normalised_log_ratio(logp, logp_old, mu, mu_old, scale))
-    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))
-    with torch.no_grad():
-        stats = {
-            "ratio_mean": ratio.mean().item(),
-            "ratio_max": ratio.max().item(),
-            "ratio_min": ratio.min().item(),
-            "clip_frac": ((ratio - 1).abs() > clip_range).float().mean().item(),
-        }
-    return loss, stats
+    return clipped_ratio_objective(ratio, adv, clip_range)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from digenrl.errors import first_line
 from digenrl.rewards.base import Reward, RewardArgError, register
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -240,20 +241,27 @@ def load_head_state(head) -> dict[str, torch.Tensor]:
     head = Path(head).expanduser()
     if not head.is_file():
         raise RewardArgError("head", f"head weights file {head} not found")
+    state = read_state_dict(head, "head")
+    return {k if k.startswith("layers.") else f"layers.{k}": v for k, v in state.items()}
+
+
+def read_state_dict(path: Path, field: str) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file (.safetensors, or torch's .pt / .pth / .bin; a ``{"state_dict":
+    ...}`` wrapper unwrapped); an unreadable file is a one-line error naming the reward's ``field``."""
     try:
-        if head.suffix == ".safetensors":
+        if path.suffix == ".safetensors":
             from safetensors.torch import load_file
 
-            state = load_file(head)
+            state = load_file(path)
         else:
-            state = torch.load(head, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # corrupt / not a weights file
-        raise RewardArgError("head", f"cannot read {head} ({type(exc).__name__}: {exc})") from None
-    if isinstance(state, dict) and "state_dict" in state:
+        raise RewardArgError(field, f"cannot read {path} ({first_line(exc, typed=True)})") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise RewardArgError("head", f"{head} does not hold a state dict of tensors")
-    return {k if k.startswith("layers.") else f"layers.{k}": v for k, v in state.items()}
+        raise RewardArgError(field, f"{path} does not hold a state dict of tensors")
+    return state
 
 
 @register("aesthetic")

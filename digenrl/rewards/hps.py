@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from digenrl.errors import first_line
 from digenrl.rewards.base import RewardArgError, register
 from digenrl.rewards.clip_models import (
     DTYPES,
@@ -21,6 +20,7 @@ from digenrl.rewards.clip_models import (
     ClipBackbone,
     _ClipReward,
     _device,
+    read_state_dict,
 )
 
 #: open_clip's model configs (``model_configs/<name>.json``) for the checkpoints HPS ships on
@@ -126,19 +126,7 @@ def _clip_config(a: dict, tokenizer):
 def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     """The open_clip state dict in an HPS checkpoint (``{"state_dict": ...}``, DDP's ``module.``
     prefix dropped) or a bare state dict (.pt / .bin / .safetensors)."""
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state = load_file(path)
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # corrupt / not a weights file
-        raise RewardArgError("path", f"cannot read {path} ({first_line(exc, typed=True)})") from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise RewardArgError("path", f"{path} does not hold a state dict of tensors")
+    state = read_state_dict(path, "path")
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
