@@ -11,25 +11,19 @@ conditions at the output's own size (the pipeline's ``_auto_resize=False``).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from digenrl.adapters.base import PublishedModel, Tokens
+from digenrl.adapters.base import Tokens
 from digenrl.adapters.cond import Cond
 from digenrl.adapters.edit import absent_components, pack, preprocess, read_image
 from digenrl.adapters.flux import FLUX1_DEV, TINY_TRANSFORMER, TINY_VAE, FluxAdapter
 from digenrl.errors import UserError
 
 # black-forest-labs/FLUX.1-Kontext-dev: transformer/config.json is FLUX.1-dev's (12B)
-FLUX1_KONTEXT_DEV = PublishedModel(
-    label="FLUX.1-Kontext-dev (12B)",
-    transformer=dict(FLUX1_DEV.transformer),
-    vae=FLUX1_DEV.vae,
-    vae_params=FLUX1_DEV.vae_params,
-    vae_decode_flops_per_px=FLUX1_DEV.vae_decode_flops_per_px,
-    text_encoder_params=FLUX1_DEV.text_encoder_params,
-)
+FLUX1_KONTEXT_DEV = replace(FLUX1_DEV, label="FLUX.1-Kontext-dev (12B)")
 
 #: FLUX's tiny VAE with the real one's shift and scale (the pipeline subtracts the shift when it encodes)
 TINY_KONTEXT_VAE = dict(TINY_VAE, shift_factor=0.1159, scaling_factor=0.3611)

@@ -12,12 +12,13 @@ the schedule (shift from the noisy tokens alone) and decode are Qwen-Image's.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from digenrl.adapters.base import PublishedModel, Tokens
+from digenrl.adapters.base import Tokens
 from digenrl.adapters.cond import Cond
 from digenrl.adapters.edit import ImageToken, absent_components, pack, preprocess, read_image
 from digenrl.adapters.qwen_image import QWEN_IMAGE, QwenImageAdapter
@@ -27,14 +28,7 @@ from digenrl.errors import UserError
 CONDITION_AREA = 1024 * 1024
 
 # Qwen/Qwen-Image-Edit: transformer/config.json is Qwen-Image's (20B)
-QWEN_IMAGE_EDIT = PublishedModel(
-    label="Qwen-Image-Edit (20B)",
-    transformer=dict(QWEN_IMAGE.transformer),
-    vae=QWEN_IMAGE.vae,
-    vae_params=QWEN_IMAGE.vae_params,
-    vae_decode_flops_per_px=QWEN_IMAGE.vae_decode_flops_per_px,
-    text_encoder_params=QWEN_IMAGE.text_encoder_params,
-)
+QWEN_IMAGE_EDIT = replace(QWEN_IMAGE, label="Qwen-Image-Edit (20B)")
 
 
 def condition_size(area: int, height: int, width: int) -> tuple[int, int]:

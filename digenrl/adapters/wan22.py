@@ -14,6 +14,7 @@ the VAE's mean / std) plus what ``diffusers.WanPipeline`` adds for Wan2.2:
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,14 +51,7 @@ TINY_5B_VAE = dict(
 TRAINED = {"both": EXPERT_NAMES, "high_noise": EXPERT_NAMES[:1], "low_noise": EXPERT_NAMES[1:]}
 
 # Wan-AI/Wan2.2-T2V-A14B-Diffusers: each expert is Wan2.1-T2V-14B's architecture; the Wan2.1 VAE
-WAN22_T2V_A14B = PublishedModel(
-    label="Wan2.2-T2V-A14B",
-    transformer=WAN21_T2V_14B.transformer,
-    vae=WAN21_T2V_14B.vae,
-    vae_params=WAN21_T2V_14B.vae_params,
-    vae_decode_flops_per_px=WAN21_T2V_14B.vae_decode_flops_per_px,
-    text_encoder_params=WAN21_T2V_14B.text_encoder_params,
-)
+WAN22_T2V_A14B = replace(WAN21_T2V_14B, label="Wan2.2-T2V-A14B")
 # Wan-AI/Wan2.2-TI2V-5B-Diffusers: transformer/config.json; the Wan2.2 VAE (AutoencoderKLWan, base_dim
 # 160, decoder_base_dim 256, z_dim 48, dim_mult [1, 2, 4, 4], is_residual, patch_size 2)
 WAN22_TI2V_5B = PublishedModel(
