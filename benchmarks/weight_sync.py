@@ -3,6 +3,9 @@ device fingerprint vs SHA-256.
 
     python benchmarks/weight_sync.py [--repeats 3] [--json FILE]
 
+Last rows: the trainer ranks' agreement after a step on the LoRA-like payload, the host copy +
+SHA-256 the engine ran before (``agree_sha256``) vs ``Policy.agreement_digest`` (``agree_fingerprint``).
+
 Transports, each end to end from the source (this driver) to one receiver (a Ray actor), the
 receiver's tensors loaded and verified:
 - ``ray_object_store``: engine/weight_sync.py as the engine runs it (``publish``: SHA-256 + put;
@@ -39,8 +42,8 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from digenrl.distributed.broadcast import SyncGroup, WeightBroadcaster, WeightReceiver  # noqa: E402
-from digenrl.distributed.fingerprint import fingerprint  # noqa: E402
-from digenrl.distributed.staged import specs_for  # noqa: E402
+from digenrl.distributed.fingerprint import fingerprint, fingerprints  # noqa: E402
+from digenrl.distributed.staged import digest, specs_for  # noqa: E402
 from digenrl.engine import weight_sync  # noqa: E402
 from digenrl.policy.lora import checksum  # noqa: E402
 
@@ -194,6 +197,16 @@ def main() -> None:
     rows.append(
         row("sha256", what, nbytes, median_time(lambda: checksum(big), args.repeats))
     )  # the engine's check
+    # the trainer ranks' agreement after each step, on the LoRA-like payload: before, a host copy and a
+    # SHA-256 of it (checksum(policy.weights())); now Policy.agreement_digest's fingerprints + digest
+    what = next(k for k in payloads if k.startswith("lora_like"))
+    lora = payloads[what]
+    nbytes = weight_sync.state_bytes(lora)
+    names = list(lora)
+    agree_sha = median_time(lambda: checksum({k: v.clone() for k, v in lora.items()}), args.repeats)
+    agree_fp = median_time(lambda: digest(names, fingerprints(list(lora.values()))), args.repeats)
+    rows.append(row("agree_sha256", what, nbytes, agree_sha))
+    rows.append(row("agree_fingerprint", what, nbytes, agree_fp))
     for r in rows:
         print(
             f"{r['transport']:>18} {r['what']:>20} {r['bytes'] / 2**20:9.2f} MiB {r['seconds']:8.4f} s "

@@ -116,7 +116,9 @@ def test_weight_sync(tmp_path):
     rows = run_script("weight_sync.py", tmp_path, "--repeats", "1", "--lora-mib", "1", "--full-mib", "4")[
         "rows"
     ]
-    assert {"ray_object_store", "broadcast_gloo"} <= {r["transport"] for r in rows}
+    assert {"ray_object_store", "broadcast_gloo", "agree_sha256", "agree_fingerprint"} <= {
+        r["transport"] for r in rows
+    }
     assert all(r["bytes"] > 0 and r["bytes_per_s"] > 0 for r in rows)
 
 

@@ -43,3 +43,23 @@ def test_passes_do_not_change_the_result(monkeypatch):
     monkeypatch.setattr(fp_module, "_ROWS_PER_PASS", 3)
     assert torch.equal(one_pass, fingerprint(t))
     assert fingerprints([t, t[:5]]).shape == (2, 3)
+
+
+def test_the_trainer_ranks_agreement_digest_sees_one_changed_lora_value():
+    """What trainer ranks compare after each step (``Policy.agreement_digest``): equal on equal LoRA
+    weights, different after one value of one LoRA tensor moves by one ulp, computed from the
+    parameters where they live (no host copy of the weights: ``weights()`` is not called)."""
+    from digenrl.config.run import load_config
+    from digenrl.policy.model import Policy
+    from tests.helpers import TINY
+
+    cfg = load_config(None, [*TINY, "placement.mode=local"])
+    a, b = Policy(cfg, device="cpu"), Policy(cfg, device="cpu")
+    b.load_weights(a.weights(), 0)
+    b.weights = a.weights = None  # the digest must not go through the host copy of the weights
+    assert a.agreement_digest() == b.agreement_digest()
+    name, p = next((n, p) for n, p in b.named_params.items() if "lora_B" in n)
+    with torch.no_grad():
+        flat = p.view(-1)
+        flat[3] = torch.nextafter(flat[3], torch.tensor(float("inf"), dtype=flat.dtype))
+    assert a.agreement_digest() != b.agreement_digest(), name

@@ -54,6 +54,21 @@ def test_published_shapes_parameter_counts_and_flops(variant):
     assert (t.x, t.text) == {"a14b": (21 * 30 * 52, 512), "ti2v_5b": (31 * 22 * 40, 512)}[variant]
 
 
+def test_a_frozen_expert_holds_its_weights_and_no_optimizer_state_in_the_memory_model():
+    """Full fine-tune of A14B's low-noise expert: fp32 masters, gradients and AdamW moments for one
+    expert (14.3B), the frozen one in bf16 -- not both experts' optimizer state (hand count)."""
+    from digenrl.planner.memory import MemoryModel
+    from digenrl.planner.params import CostParams
+
+    cfg = load_config(
+        ROOT / "configs" / "wan2.2_t2v_a14b.yaml", ["model.train_experts=low_noise", "model.lora=null"]
+    )
+    parts = MemoryModel(Workload.from_config(cfg), CostParams()).train_parts(4, 1, True)
+    assert parts["fp32 masters"] == parts["fp32 grads"] == EXPERT_14B * 4 / 4
+    assert parts["AdamW state"] == EXPERT_14B * 8 / 4
+    assert parts["frozen expert"] == EXPERT_14B * 2 / 4  # bf16
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", REAL)
 def test_flop_formula_matches_torch_flop_counter_on_the_published_shape(variant):

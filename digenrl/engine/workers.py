@@ -356,7 +356,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
             packet, events, failed = weight_sync.publish_version(
                 self.policy, self.sync, "object_store" if publish is True else publish, self.faults, self.name
             )
-        digest = checksum(self.policy.weights()) if self.policy.lora else None  # ranks must agree
+        digest = self.policy.agreement_digest() if self.policy.lora else None  # ranks must agree
         self.followers_done()
         publishes = {"publishes": unit.version} if unit.last else {}
         events.insert(

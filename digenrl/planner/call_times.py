@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from digenrl.placement.devices import DeviceSpec
 from digenrl.planner.constants import (
+    FINGERPRINT_KERNELS,
+    FINGERPRINT_PASSES,
+    KERNEL_LAUNCH_S,
     MIN_CALL_FRACTION,
     MIN_UNIT_FRACTION,
     OPTIMIZER_FIXED_S,
@@ -73,6 +76,7 @@ class CallTimes:
     def encode(self, prompts: int) -> float: ...
     def optimizer(self) -> float: ...
     def pack(self) -> float: ...  # Policy.weights() + checksum
+    def agree(self) -> float: ...  # Policy.agreement_digest: the trainer ranks' check after a step
     def load(self) -> float: ...  # verified load of shipped weights
 
     def load_staged(self) -> float:
@@ -129,6 +133,10 @@ class ProfiledTimes(CallTimes):
 
     def pack(self):
         return self.profile["measurements"]["weight_sync"]["pack_s"]
+
+    def agree(self):  # profiles before the on-device digest measured the host copy + SHA-256 only
+        ws = self.profile["measurements"]["weight_sync"]
+        return ws.get("agree_s", ws["pack_s"])
 
     def load(self):
         return self.profile["measurements"]["weight_sync"]["load_s"]
@@ -230,6 +238,13 @@ class AnalyticTimes(CallTimes):
         b = self.workload.sync_bytes
         return b / self.dev.host_bw + b / self.params.checksum_bytes_per_s
 
+    def agree(self):
+        """Every trained tensor fingerprinted where it lives (memory-bound passes over its bytes, a
+        few kernels each), one (n, 3) host copy; nothing of the weights crosses to the host."""
+        bw = self.dev.mem_bw * self.params.mem_bw_efficiency
+        stream = FINGERPRINT_PASSES * self.workload.sync_bytes / bw
+        return stream + FINGERPRINT_KERNELS * KERNEL_LAUNCH_S * self.workload.params.lora_tensors
+
     def load(self):
         b = self.workload.sync_bytes
         return b / self.dev.host_bw + 2 * b / self.params.checksum_bytes_per_s
@@ -301,6 +316,9 @@ class SequenceParallelTimes(CallTimes):
 
     def pack(self):
         return self.inner.pack()
+
+    def agree(self):
+        return self.inner.agree()
 
     def load(self):
         return self.inner.load()

@@ -62,6 +62,11 @@ WEIGHT_FREE_REWARDS = frozenset(
 MIN_CALL_FRACTION = 0.5  # an interpolated call never costs less than this x the cheaper neighbour point
 MIN_UNIT_FRACTION = 0.5  # a composed unit never costs less than this x the sum of its calls
 OPTIMIZER_FIXED_S = 0.001  # per optimizer step beyond streaming the trained state
+# Policy.agreement_digest (distributed/fingerprint.py): per trained tensor, an int16 view widened to
+# int32 (read 2 B, write 4 B) and three reductions over the widened copy (4 B each): 14 B per 2 B read
+FINGERPRINT_PASSES = 7.0
+FINGERPRINT_KERNELS = 16  # launches per tensor (widen, row / column sums, weights, the three sums)
+KERNEL_LAUNCH_S = 5e-6
 OPTIMIZER_STATE_PASSES = 3  # an AdamW update reads / writes the trained state about this many times
 FSDP_STEP_SHARE = (
     0.5  # FSDP: the step's all-reduce is an all-gather only (reduce-scatter ran in the backward)

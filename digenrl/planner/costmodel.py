@@ -229,9 +229,7 @@ class CostModel:
             if setup is not None and setup.shard > 1 and not self.workload.lora:
                 allreduce *= FSDP_STEP_SHARE  # the reduce-scatter already ran in the backward
         publish_s = self.publish(device, setup) if publish else 0.0
-        agree = (
-            t.pack() if self.workload.lora else 0.0
-        )  # every rank checksums its LoRA weights (ranks must agree)
+        agree = t.agree() if self.workload.lora else 0.0  # every rank digests its LoRA weights (ranks agree)
         return allreduce + t.optimizer() + publish_s + agree, publish_s
 
     def broadcasts(self) -> bool:

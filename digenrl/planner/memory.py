@@ -161,20 +161,22 @@ class MemoryModel:
                 "compute copy": self.gathered_block() if shard > 1 else 0.0,
                 "reference": 0.0,
             }  # LoRA: the reference is the base with the adapters off
-        else:
+        else:  # a frozen expert (Wan2.2 A14B, model.train_experts) keeps its dtype and no optimizer state
+            trained = w.trained_params
             parts = {
-                "fp32 masters": total * FP32_BYTES / shard,
-                "fp32 grads": total * FP32_BYTES / shard,
-                "AdamW state": total * ADAMW_STATE_BYTES / shard,
+                "fp32 masters": trained * FP32_BYTES / shard,
+                "fp32 grads": trained * FP32_BYTES / shard,
+                "AdamW state": trained * ADAMW_STATE_BYTES / shard,
+                "frozen expert": w.params.frozen * w.dtype_bytes / shard,
                 "compute copy": (
-                    self.gathered_block() if shard > 1 else total * w.dtype_bytes if half else 0.0
+                    self.gathered_block() if shard > 1 else trained * w.dtype_bytes if half else 0.0
                 ),
                 "reference": total * w.dtype_bytes / shard if w.kl else 0.0,
             }
         if w.ema:  # train.ema: an fp32 average of the trained weights, sharded like them
-            parts["EMA"] = (lora if w.lora else total) * FP32_BYTES / shard
+            parts["EMA"] = w.trained_params * FP32_BYTES / shard
         if w.forward_process:  # diffusion_nft: the old policy, an fp32 EMA of the trained weights, sharded
-            parts["old policy"] = (lora if w.lora else total) * FP32_BYTES / shard
+            parts["old policy"] = w.trained_params * FP32_BYTES / shard
         parts["activations"] = self.train_acts(mb, ckpt, sp, cfg_batched)
         return parts
 

@@ -161,7 +161,12 @@ def verl_omni_phases(cost, device: str, n: int, s: VerlOmniSettings = PUBLISHED)
     calls, b = batches(per, s.log_prob_micro_batch)
     gather = collective_s(cost, device, shard, weights)  # FSDP all-gather of the actor per forward
     forward = train.ref_forward(b)
-    old_log_prob = 0.0 if s.bypass else onload + T * calls * (forward + unhidden(cost, gather, forward))
+    recompute = T * calls * (forward + unhidden(cost, gather, forward))
+    old_log_prob = 0.0 if s.bypass else onload + recompute
+    # with a KL term (use_kl_loss) the reference's log-probs: one more forward over every trained step,
+    # the actor with its LoRA off (ref_in_actor), bypass or not (ray_diffusion_trainer.py:1224-1228,
+    # _compute_ref_log_prob :1008, at a1139baf)
+    ref = recompute if w.kl else 0.0
 
     calls, b = batches(per / S, s.micro_batch)
     step_compute = train.train_step(b)
@@ -180,6 +185,7 @@ def verl_omni_phases(cost, device: str, n: int, s: VerlOmniSettings = PUBLISHED)
         "generation": generation,
         "reward": reward,
         "old_log_prob": old_log_prob,
+        **({"ref_log_prob": ref} if w.kl else {}),
         "update_actor": update_actor,
         "update_weights": update_weights,
     }
@@ -247,7 +253,7 @@ def verl_omni_separate_async(cost, cluster, s: VerlOmniSettings | None = None) -
         train = verl_omni_phases(cost, device, n - r, quiet)
         wake = host_s(cost, device, w.params.total * w.dtype_bytes)  # a dedicated server stays awake
         rollout_side = roll["generation"] - wake + roll["reward"]
-        train_side = train["old_log_prob"] + train["update_actor"]
+        train_side = train["old_log_prob"] + train.get("ref_log_prob", 0.0) + train["update_actor"]
         wire = w.sync_bytes / (cost.cluster.interconnect.bandwidth_gb_s * 1e9)  # trainer -> server pool
         push = wire + s.push_latency_s
         run = PeerRun(

@@ -134,8 +134,16 @@ def flow_grpo(cost, cluster) -> PeerRun:
     S = w.optimizer_steps
     calls, b = batches(per / S, mb)
     allreduce = 2 * collective_s(cost, device, n, w.trained_params * FP32_BYTES)
-    training = S * (w.trained_steps * calls * t.train_step(b) + allreduce + t.optimizer())
-    run.phases = {"sampling": sampling, "reward": reward, "training": training}
+    # with a KL term (train.beta > 0) every trained step also runs the reference: the same call with the
+    # LoRA off, no grad (yifan123/flow_grpo scripts/train_sd3.py:875-878 at ac4c86e; the same in its
+    # train_flux.py at 74db6919, train_wan2_1.py and the Qwen-Image / Kontext trainers)
+    ref = t.ref_forward(b) if w.kl else 0.0
+    training = S * (w.trained_steps * calls * (t.train_step(b) + ref) + allreduce + t.optimizer())
+    # two phase switches per iteration on the same GPUs (pipeline.transformer.eval() to sample, .train()
+    # to train: train_sd3.py:602 / :844 at ac4c86e), at the latency the cost model assumes for every
+    # colocated arrangement, DigenRL's included (ColocationCosts.switch_latency_s)
+    switches = 2 * cost.colocation.switch_latency_s  # 0 on a CPU cluster
+    run.phases = {"sampling": sampling, "reward": reward, "training": training, "phase switches": switches}
     run.iteration_s = sum(run.phases.values())
     return run
 

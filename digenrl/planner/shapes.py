@@ -121,13 +121,16 @@ class ParamCounts:
     blocks: int  # transformer blocks one pass runs (activation memory)
     experts: int = 1  # transformers held (total / experts: one expert's parameters)
     frozen: int = 0  # parameters of the experts that do not train
+    lora_tensors: int = 0  # LoRA A and B matrices of the trained experts
 
 
 def param_counts(shape: ModelShape, lora_cfg, default_targets: tuple[str, ...]) -> ParamCounts:
     """Exact counts from the real diffusers class instantiated on the meta device (no memory)."""
     targets = tuple(lora_cfg.targets or default_targets) if lora_cfg is not None else ()
     rank = lora_cfg.rank if lora_cfg is not None else 0
-    total, lora, missing = _counts(shape.family, json.dumps(shape.config, sort_keys=True), targets, rank)
+    total, lora, modules, missing = _counts(
+        shape.family, json.dumps(shape.config, sort_keys=True), targets, rank
+    )
     if missing:
         raise UserError(
             f"model.lora.targets: {list(missing)} match no linear module of {shape.transformer_class}"
@@ -135,13 +138,15 @@ def param_counts(shape: ModelShape, lora_cfg, default_targets: tuple[str, ...]) 
     c = shape.config
     n, trained = shape.experts, shape.trained_experts  # every expert has the same architecture
     blocks = c["num_layers"] + c.get("num_single_layers", 0)
-    return ParamCounts(n * total, trained * lora, hidden_size(c), blocks, n, (n - trained) * total)
+    return ParamCounts(
+        n * total, trained * lora, hidden_size(c), blocks, n, (n - trained) * total, 2 * trained * modules
+    )
 
 
 @lru_cache(maxsize=16)
 def _counts(
     family: str, config_json: str, targets: tuple[str, ...], rank: int
-) -> tuple[int, int, tuple[str, ...]]:
+) -> tuple[int, int, int, tuple[str, ...]]:
     import diffusers
     import torch
     from torch import nn
@@ -158,12 +163,9 @@ def _counts(
             missing.append(t)
         matched.update(names)
     modules = dict(net.named_modules())
-    lora = sum(
-        rank * (modules[n].in_features + modules[n].out_features)
-        for n in matched
-        if isinstance(modules[n], nn.Linear)
-    )
-    return total, lora, tuple(missing)
+    linear = [modules[n] for n in matched if isinstance(modules[n], nn.Linear)]
+    lora = sum(rank * (m.in_features + m.out_features) for m in linear)
+    return total, lora, len(linear) if rank else 0, tuple(missing)
 
 
 def _init_args(cls) -> set[str]:

@@ -16,8 +16,10 @@ from digenrl.adapters import build_adapter
 from digenrl.algorithms.nft import OldPolicy
 from digenrl.config.run import RunConfig
 from digenrl.distributed.checkpointing import checkpoint_blocks
+from digenrl.distributed.fingerprint import fingerprints
 from digenrl.distributed.fsdp import clip_grad_norm
 from digenrl.distributed.precision import fp32_master
+from digenrl.distributed.staged import digest
 from digenrl.errors import UserError, WeightSyncError
 from digenrl.policy.ema import WeightAverage, swapped_in
 from digenrl.policy.lora import apply_lora, checksum, full_tensor, load_lora_state_dict, lora_state_dict
@@ -170,6 +172,13 @@ class Policy:
         return {
             k: full_tensor(v).detach().cpu().clone() for k, v in self.adapter.transformer.state_dict().items()
         }
+
+    def agreement_digest(self) -> str:
+        """A short digest of the trained parameters, fingerprinted on their own device (a sharded
+        tensor gathered there first: every rank calls it in the same order); trainer ranks compare it
+        after each step. One (n, 3) host copy, where ``checksum(weights())`` copied every byte."""
+        names = list(self.named_params)
+        return digest(names, fingerprints([full_tensor(p.detach()) for p in self.named_params.values()]))
 
     def load_weights(
         self, state: dict[str, torch.Tensor], version: int, expected_checksum: str | None = None

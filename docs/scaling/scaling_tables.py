@@ -16,6 +16,8 @@ MODELS = {
     "Wan2.1-T2V-14B 240p": "wan2.1_t2v_14b_240p.yaml",
     "HunyuanVideo (13B)": "hunyuan_video.yaml",
     "Qwen-Image (20B)": "qwen_image.yaml",
+    "SD3.5-Medium (2.5B)": "sd3.5_medium.yaml",
+    "Wan2.2-T2V-A14B 480p": "wan2.2_t2v_a14b.yaml",
 }
 CLUSTERS = ["16xH800", "8xH800_16xH20", "32xA100", "16xH100_16xL40S"]
 GANTT = ("FLUX.1-dev (12B)", "8xH800_16xH20")

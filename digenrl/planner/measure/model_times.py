@@ -130,6 +130,7 @@ class ModelBench:
         self.clock.add("encode", encode, "rollout")
         self.clock.add("optimizer", opt, "train")
         self.clock.add("pack", lambda: checksum(policy.weights()), "train")
+        self.clock.add("agree", policy.agreement_digest, "train")
         self.clock.add(
             "load", lambda: policy.load_weights(self.state, policy.version, expected_checksum=digest), "train"
         )
@@ -176,6 +177,7 @@ class ModelBench:
             "bytes": state_bytes(self.state),
             "tensors": len(self.state),
             "pack_s": mean["pack"],
+            "agree_s": mean["agree"],
             "load_s": mean["load"],
         }
         m["timing_rounds"] = len(timed["rollout_unit"])
