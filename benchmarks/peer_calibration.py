@@ -44,6 +44,7 @@ from digenrl.planner.published import (
     VERL_OMNI_PHASES,
     PublishedSetup,
 )
+from digenrl.planner.published_sd3 import VERL_OMNI_SD35_GENERATION
 from digenrl.planner.search import search
 
 #: the tolerances the fit must meet (tests/test_peer_calibration.py asserts them)
@@ -68,7 +69,9 @@ def _calibration_setup():
 
 
 def _settings(setup: PublishedSetup, push_latency_s: float) -> verl.VerlOmniSettings:
-    return replace(verl.PUBLISHED, push_latency_s=push_latency_s, **setup.settings)
+    """veRL-Omni's published settings with the fitted push latency; a setup's own settings win (MM-GRPO
+    has no server to reload: its push latency is 0)."""
+    return replace(verl.PUBLISHED, **{"push_latency_s": push_latency_s, **setup.settings})
 
 
 def phases(
@@ -156,6 +159,29 @@ def generation_rows(f: dict) -> list[dict]:
             }
         )
     return rows
+
+
+def sd35_generation(f: dict) -> dict:
+    """veRL-Omni's SD3.5 generation at both published max_num_seqs, predicted with the efficiencies fitted
+    on Qwen-Image (out of sample: nothing refitted), as :func:`phases` predicts Qwen-Image's."""
+    g = VERL_OMNI_SD35_GENERATION
+    w, cluster = g.workload(), g.load_cluster()
+    cost = CostModel(w, cluster, params=_params(f["rollout"], f["train"], None, f["half_tokens_rollout"]))
+    device = next(iter(cluster.devices))
+    rows = []
+    for batch, published in sorted(g.points.items()):
+        s = replace(verl.PUBLISHED, server_batch=batch)
+        got = verl.verl_omni_phases(cost, device, g.gpus, s)["generation"]
+        rows.append(
+            {
+                "max_num_seqs": batch,
+                "images_per_forward": min(batch, w.samples // g.gpus),
+                "published_s": published,
+                "predicted_s": got,
+                "error": got / published - 1,
+            }
+        )
+    return {"name": g.name, "source": g.source, "caveat": g.caveat, "rows": rows}
 
 
 def predict(setup: PublishedSetup, f: dict) -> dict:
@@ -253,6 +279,7 @@ def report() -> dict:
         },
         "digenrl": {**dg, "speedup_vs_verl_omni": dg["images_per_gpu_s"] / ips},
         "out_of_sample": [predict(s, f) for s in OUT_OF_SAMPLE],
+        "out_of_sample_generation": [sd35_generation(f)],
         "not_checked": list(NOT_CHECKED),
     }
 
@@ -302,6 +329,14 @@ def print_report(r: dict) -> None:
             )
         print(line)
         print(f"   phases: {o['phases']}" + (f"; {o['caveat']}" if o["caveat"] else ""))
+    for g in r["out_of_sample_generation"]:
+        for row in g["rows"]:
+            print(
+                f"out of sample: {g['name']} at max_num_seqs {row['max_num_seqs']} "
+                f"({row['images_per_forward']} images per forward): published {row['published_s']:.1f} s, "
+                f"predicted {row['predicted_s']:.1f} s ({row['error']:+.0%})"
+            )
+        print(f"   {g['caveat']}")
     for line in r["not_checked"]:
         print(line)
 

@@ -205,6 +205,10 @@ def test_peer_calibration_benchmark_fits_within_its_tolerances(tmp_path):
     assert all(abs(g["error"]) <= 0.10 for g in r["generation"])
     for o in r["out_of_sample"]:
         assert math.isfinite(o["step_error"]) and o["source"]
+    assert sum(o["name"].startswith("MM-GRPO SD3.5-M") for o in r["out_of_sample"]) == 3
+    (sd35,) = r["out_of_sample_generation"]  # veRL-Omni's SD3.5 generation at both max_num_seqs
+    assert [g["published_s"] for g in sd35["rows"]] == [25.4, 22.3]
+    assert all(math.isfinite(g["error"]) for g in sd35["rows"])
     fitted = (r["efficiency"]["sampling"], r["efficiency"]["training"])
     assert KERNEL_EFFICIENCY["H800"] == pytest.approx(fitted, abs=0.002)
     # the fields tests/test_benchmarks.py's smoke test of this script read (it runs here, in-process)

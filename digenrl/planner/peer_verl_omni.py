@@ -119,6 +119,12 @@ class VerlOmniSettings:
     # fixed part of update_weights beyond the modelled moves (wake, layered summon, server load):
     # 10.2 s published - the moves predicted on 4xH800 (peer_calibration.py prints the fit)
     push_latency_s: float = 9.8
+    # FSDP shard group of the actor (fsdp_config.fsdp_size): 0 = every GPU of the actor (veRL-Omni's
+    # scripts); 1 = a replica per GPU, no parameter all-gather (MM-GRPO's fsdp_size=1)
+    fsdp_size: int = 0
+    # separate_async only: the rollout pool's GPUs as published (MM-GRPO's a1_r2 / a2_r1 splits);
+    # None = the best split
+    rollout_gpus: int | None = None
 
 
 #: as the published rows ran (every row of docs/algo/performance.md predates request batching: serial)
@@ -142,7 +148,8 @@ def verl_omni_phases(cost, device: str, n: int, s: VerlOmniSettings = PUBLISHED)
     roll = times(cost, device, cfg_batched=s.cfg_batched)  # the server: an unsharded bf16 copy (TP 1)
     train = times(cost, device, checkpointing=s.checkpointing)
     weights = w.params.total * w.dtype_bytes
-    actor_shard = weights / n  # FSDP-sharded actor parameters on each GPU
+    shard = min(n, s.fsdp_size) if s.fsdp_size else n
+    actor_shard = weights / shard  # FSDP-sharded actor parameters on each GPU
 
     calls, b = batches(per, s.server_batch)
     wake = host_s(cost, device, weights)  # the slept server's weights back from host memory
@@ -152,7 +159,7 @@ def verl_omni_phases(cost, device: str, n: int, s: VerlOmniSettings = PUBLISHED)
 
     onload = host_s(cost, device, actor_shard) if s.param_offload else 0.0
     calls, b = batches(per, s.log_prob_micro_batch)
-    gather = collective_s(cost, device, n, weights)  # FSDP all-gather of the actor per forward
+    gather = collective_s(cost, device, shard, weights)  # FSDP all-gather of the actor per forward
     forward = train.ref_forward(b)
     recompute = T * calls * (forward + unhidden(cost, gather, forward))
     old_log_prob = 0.0 if s.bypass else onload + recompute
@@ -225,8 +232,9 @@ def verl_omni_async_reward(cost, cluster, s: VerlOmniSettings | None = None) -> 
 
 
 def verl_omni_separate_async(cost, cluster, s: VerlOmniSettings | None = None) -> PeerRun:
-    """The best split: rollout pool of r GPUs (server awake, reward on it), trainer pool of n - r
-    (no offload needed), one step off: ``max(rollout, train) + weight push``."""
+    """The best split (``s.rollout_gpus``: the published one): rollout pool of r GPUs (server awake,
+    reward on it), trainer pool of n - r (no offload needed), one step off: ``max(rollout, train) +
+    weight push``."""
     s = s or today(cost.workload)
     one = one_type(cluster)
     if one is None or one[1] < 2:
@@ -236,8 +244,11 @@ def verl_omni_separate_async(cost, cluster, s: VerlOmniSettings | None = None) -
     best = PeerRun("verl_omni_separate_async", f"{n}x{device}", why_not="does not fit")
     if not weights_fit(cost, device, w.params.total * w.dtype_bytes):
         return best
+    if s.rollout_gpus is not None and not 0 < s.rollout_gpus < n:
+        best.why_not = f"a rollout pool of {s.rollout_gpus} of {n} GPUs leaves none to one side"
+        return best
     quiet = replace(s, param_offload=False, optimizer_offload=False)
-    for r in range(1, n):
+    for r in [s.rollout_gpus] if s.rollout_gpus else range(1, n):
         roll = verl_omni_phases(cost, device, r, quiet)
         train = verl_omni_phases(cost, device, n - r, quiet)
         wake = host_s(cost, device, w.params.total * w.dtype_bytes)  # a dedicated server stays awake

@@ -181,10 +181,15 @@ OUT_OF_SAMPLE = (
     ),
 )
 
+# the SD3.5 rows (MM-GRPO's one-step-off table and its hybrid row): digenrl/planner/published_sd3.py
+from digenrl.planner.published_sd3 import MM_GRPO  # noqa: E402 (it builds on PublishedSetup)
+
+OUT_OF_SAMPLE = (*OUT_OF_SAMPLE, *MM_GRPO)
+
 #: published figures the model cannot check
 NOT_CHECKED = (
-    "MM-GRPO's one-step-off table (3xH800): SD3.5 -- needs the SD3.5 family",
-    "veRL-Omni SD3.5 LoRA 8x8 384^2 generation, serial 25.4 s vs request-level 22.3 s at max_num_seqs 256 "
-    "(docs/start/rollout_batching.md:132): needs the SD3.5 family",
-    "veRL-Omni separate_async SD3.5 (docs/algo/separate_async_omni.md): needs the SD3.5 family",
+    "veRL-Omni separate_async SD3.5: no published figure. docs/algo/separate_async_omni.md (only on PR "
+    "#380's branch, 3eebed60) is Qwen3-Omni's AR recipe and states no time; the SD3.5 script "
+    "(examples/flowgrpo_trainer/sd35/run_sd35_medium_ocr_lora_v1_separate_async.sh) states none; PR #315 "
+    "says 'hard to compare performance' and gives none; PR #575's table is a 5B video model's",
 )

@@ -283,6 +283,20 @@ def calibration_markdown() -> list[str]:
             f"| {o['name']} ({o['source']}) | {o['published_step_s']:.0f} | {o['predicted_step_s']:.0f} | "
             f"{o['step_error']:+.0%} | {note}; phases {o['phases']} |"
         )
+    for g in r["out_of_sample_generation"]:  # a generation phase at several max_num_seqs
+        lines += [
+            "",
+            f"Out of sample, a generation phase: {g['name']} ({g['source']}):",
+            "",
+            "| max_num_seqs | images per forward | published s | predicted s | error |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {x['max_num_seqs']} | {x['images_per_forward']} | {x['published_s']:.1f} | "
+            f"{x['predicted_s']:.1f} | {x['error']:+.0%} |"
+            for x in g["rows"]
+        ]
+        lines += ["", g["caveat"] + "."]
     return lines + [""] + [f"- {x}" for x in r["not_checked"]] + [""]
 
 
