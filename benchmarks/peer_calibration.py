@@ -42,9 +42,9 @@ from digenrl.planner.published import (
     VERL_OMNI_GENERATION,
     VERL_OMNI_GENERATION_SOURCE,
     VERL_OMNI_PHASES,
-    PublishedSetup,
 )
 from digenrl.planner.published_sd3 import VERL_OMNI_SD35_GENERATION
+from digenrl.planner.published_setup import PublishedSetup
 from digenrl.planner.search import search
 
 #: the tolerances the fit must meet (tests/test_peer_calibration.py asserts them)

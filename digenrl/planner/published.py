@@ -5,13 +5,8 @@ Details: docs/modules.md, `digenrl.planner.published`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-
-from digenrl.config.run import load_config
-from digenrl.planner.gpus import load_cluster
-
-ROOT = Path(__file__).resolve().parents[2]
+from digenrl.planner.published_sd3 import MM_GRPO
+from digenrl.planner.published_setup import PublishedSetup
 
 #: veRL-Omni's published Qwen-Image LoRA step (verl-project/verl-omni PR #52: the per-phase timing of
 #: run_qwen_image_ocr_lora.sh, colocated, 4 GPUs), in seconds
@@ -34,30 +29,6 @@ VERL_OMNI_STEP_S = 420.0
 VERL_OMNI_IMAGES_PER_GPU_S = 0.305
 #: the phases the kernel efficiencies predict; the other two are inputs read off the breakdown
 PREDICTED_PHASES = ("generation", "update_actor", "old_log_prob")
-
-
-@dataclass(frozen=True)
-class PublishedSetup:
-    name: str
-    config: str  # under configs/
-    overrides: tuple[str, ...]
-    cluster: str  # configs/clusters/<cluster>.yaml
-    peer: str  # peers.MODELS key
-    published_step_s: float
-    published_images_per_gpu_s: float | None
-    source: str  # where the number is published
-    model_reward: bool = True  # the reward is a model on the GPUs (its per-image cost applies)
-    settings: dict = field(default_factory=dict)  # peer_verl_omni.PUBLISHED overrides (veRL-Omni setups)
-    caveat: str = ""
-
-    def workload(self):
-        from digenrl.planner.workload import Workload
-
-        w = Workload.from_config(load_config(ROOT / "configs" / self.config, list(self.overrides)))
-        return replace(w, reward_kind="model") if self.model_reward else w
-
-    def load_cluster(self):
-        return load_cluster(ROOT / "configs" / "clusters" / f"{self.cluster}.yaml")
 
 
 _VERL_QWEN = (
@@ -182,8 +153,6 @@ OUT_OF_SAMPLE = (
 )
 
 # the SD3.5 rows (MM-GRPO's one-step-off table and its hybrid row): digenrl/planner/published_sd3.py
-from digenrl.planner.published_sd3 import MM_GRPO  # noqa: E402 (it builds on PublishedSetup)
-
 OUT_OF_SAMPLE = (*OUT_OF_SAMPLE, *MM_GRPO)
 
 #: published figures the model cannot check

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from digenrl.config.run import load_config
 from digenrl.planner.gpus import load_cluster
-from digenrl.planner.published import PublishedSetup
+from digenrl.planner.published_setup import PublishedSetup
 
 ROOT = Path(__file__).resolve().parents[2]
 
