@@ -65,10 +65,14 @@ class QwenImageEditAdapter(QwenImageAdapter):
                 f"model.pretrained: {path} is not a diffusers Qwen-Image-Edit checkpoint "
                 "(no model_index.json)"
             )
-        # Qwen2.5-VL and its processor (a component saved as null loads as None)
-        self.pipe = QwenImageEditPipeline.from_pretrained(
-            path, torch_dtype=self.dtype, **absent_components(path)
-        )
+        # Qwen2.5-VL and its processor (a component saved as null loads as None); without torchvision,
+        # the processor without its video half (adapters/qwen_vl_processor.py)
+        parts = absent_components(path)
+        if "processor" not in parts:
+            from digenrl.adapters.qwen_vl_processor import processor_without_video
+
+            parts.update(processor_without_video(path))
+        self.pipe = QwenImageEditPipeline.from_pretrained(path, torch_dtype=self.dtype, **parts)
         self.place_pipe()
         self.transformer, self.vae, self.scheduler = self.pipe.transformer, self.pipe.vae, self.pipe.scheduler
         self.text = None
