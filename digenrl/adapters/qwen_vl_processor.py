@@ -1,12 +1,7 @@
-"""Qwen-Image-Edit's ``Qwen2VLProcessor`` on a machine without torchvision.
+"""Qwen-Image-Edit's ``Qwen2VLProcessor`` without torchvision: the tokenizer and image processor of the
+checkpoint, no video processor.
 
-A Qwen-Image-Edit checkpoint's ``processor/`` holds the tokenizer, the image processor's and the video
-processor's configs. ``Qwen2VLProcessor.from_pretrained`` builds all three, and the video processor
-(``Qwen2VLVideoProcessor``) requires torchvision, so ``QwenImageEditPipeline.from_pretrained`` fails
-without it (the CPU build of torch has no matching torchvision on the package index). The pipeline
-never passes videos: where torchvision is absent, the processor is built here from the checkpoint's
-tokenizer and image processor (``AutoImageProcessor`` picks its PIL backend) with no video processor,
-and handed to ``from_pretrained`` as a component. With torchvision, the checkpoint loads as it is.
+Details: docs/modules.md, `digenrl.adapters.qwen_vl_processor`.
 """
 
 from __future__ import annotations
