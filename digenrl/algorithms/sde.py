@@ -95,6 +95,7 @@ def sample(
     randn=None,
     sde_mask: torch.Tensor | None = None,
     batches: list[list[torch.Tensor]] | None = None,
+    reference=None,
 ) -> Trajectory:
     """Run the step loop, recording every latent and transition log-prob (eta = 0: pure ODE).
 
@@ -102,6 +103,8 @@ def sample(
     ``batches[i]``: the rows of each model forward at step i (a partition of the batch; default: one
     forward of all). The rollout forwards in the trainer's batches, so that the trainer's
     recomputation of a log-prob runs the very same forward and gets the very same number.
+    ``reference``: a :class:`~digenrl.units.klref.RolloutReference`, run on each forward batch's samples
+    that train the step (after the step has used the policy's velocity).
     """
     if isinstance(randn, torch.Generator):
         gen = randn
@@ -137,6 +140,8 @@ def sample(
             else:
                 step, lp, mu = sde_step(kind, x[rows], v, sigmas, i, eta, None if eps is None else eps[rows])
                 x_next[rows], noises[rows, i], log_probs[rows, i] = step, step - mu, lp
+            if reference is not None:
+                reference.at_step(adapter, x, sigmas, i, cond, rows)
         x = x_next.contiguous()  # the next forward's input as one dense tensor (as the trainer's rows)
     return Trajectory(latents, log_probs, sigmas, sde_mask, noises)
 

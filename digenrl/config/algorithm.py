@@ -53,6 +53,26 @@ FORWARD_PROCESS = ("diffusion_nft", "awm", "online_dpo")
 TWO_PASS_CFG_FAMILIES = ("wan", "qwen_image", "sd3", "wan22", "qwen_image_edit")
 
 
+def rollout_reference_refusal(cfg) -> str | None:
+    """Why ``algorithm.kl_reference: rollout`` cannot run with ``cfg`` (None: it can). The sampler computes
+    the reference at trained SDE steps: a Flow-GRPO-family loss, LoRA (the reference is the rollout
+    worker's own base weights) and unbranched groups."""
+    alg = cfg.algorithm
+    if alg.name in FORWARD_PROCESS:
+        return (
+            f"needs a Flow-GRPO-family loss; algorithm.name {alg.name} trains on forward-noised samples "
+            "and computes its reference in the train unit (use train or auto)"
+        )
+    if cfg.model.lora is None:
+        return (
+            "needs LoRA (model.lora): with full fine-tuning the rollout workers do not hold the "
+            "reference weights (use train or auto)"
+        )
+    if alg.shared_prefix:
+        return "does not run with algorithm.shared_prefix > 0 (branched groups; use train or auto)"
+    return None
+
+
 def algorithm_defaults(data: dict) -> dict:
     """``data`` (a raw config mapping) with the keys ``algorithm.name`` selects filled in where unset."""
     algorithm = data.get("algorithm", {})
@@ -154,6 +174,16 @@ class AlgorithmConfig(_Section):
         ),
     )
     kl_beta: float = Field(0.0, ge=0)
+    kl_reference: Literal["auto", "train", "rollout"] = Field(
+        "auto",
+        description=(
+            "where the KL reference's step mean (kl_beta > 0) is computed: train = a no-grad reference "
+            "forward per trained step in the train unit; rollout = the sampler runs it at each sample's "
+            "trained steps under the reference (LoRA off) and the samples carry it to the trainer "
+            "(Flow-GRPO-family losses with LoRA only); auto = rollout on GPU pools where it applies, "
+            "train elsewhere (CPU pools, local runs)"
+        ),
+    )
     is_cap: float = Field(
         2.0, ge=1, description="cap of the importance weight for stale samples (decoupled PPO)"
     )

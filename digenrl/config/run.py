@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from digenrl.config.algorithm import (
     AlgorithmConfig,
     algorithm_defaults,
+    rollout_reference_refusal,
 )
 from digenrl.config.base import (
     ConfigError,
@@ -167,6 +168,8 @@ class RunConfig(_Section):
                 "algorithm.branch_advantages: depth needs a branched group (algorithm.shared_prefix > 0) "
                 f"and a per-step loss ({alg.name} takes one advantage per sample)"
             )
+        if alg.kl_reference == "rollout" and (why := rollout_reference_refusal(self)):
+            raise ValueError(f"algorithm.kl_reference: rollout {why}")
         if alg.name == "grpo_guard" and self.sampling.sde == "cps":
             raise ValueError(
                 "algorithm.name: grpo_guard normalises a Gaussian log-ratio; sampling.sde cps has none "

@@ -185,6 +185,7 @@ def merge_shares(parts: list[tuple[Samples, Decoded]], unit, group_size: int) ->
         cond=Cond.cat([p.cond for p in shares]).select(rows),
         reward_parts={k: cat([p.reward_parts[k] for p in shares]) for k in shares[0].reward_parts},
         first_sample=span[0],
+        timings={"ref_forwards": sum(p.timings.get("ref_forwards", 0) for p in shares)},
         **{f: cat([getattr(p, f) for p in shares]) for f in ROW_FIELDS},
     )
     decoded = Decoded.cat([d for _, d in parts], rows)

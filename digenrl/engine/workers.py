@@ -241,6 +241,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
                 groups=list(unit.groups),
                 sp=self.sp_world,
                 batch=batch,  # samples per sampling forward (None: the train forwards' batches)
+                ref_forwards=samples.timings.get("ref_forwards", 0),  # algorithm.kl_reference rollout
             )
         )
         if isinstance(self.sync, sync_group.BroadcastInbox):  # versions received meanwhile
@@ -332,6 +333,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
             tsp_degree=unit.tsp_degree,
             minibatch=unit.step,
             sp=self.sp_world,
+            ref_forwards=stats.get("ref_forwards", 0),  # KL reference forwards (0: shipped with the samples)
         )
         return {"stats": stats, "events": [event]}
 

@@ -213,7 +213,8 @@ class RunLayout:
             f"micro-batch {s.micro_batch}; rollout batch {s.rollout_batch or 'trainer'}; "
             f"colocated batch {s.colocated_batch or 'trainer'}; "
             f"CFG trainer {s.cfg_batching_trainer} / rollout "
-            f"{s.cfg_batching_rollout}; VAE tiling {s.vae_tiling}; weight sync {s.weight_sync}"
+            f"{s.cfg_batching_rollout}; VAE tiling {s.vae_tiling}; KL reference {s.kl_reference}; "
+            f"weight sync {s.weight_sync}"
             + (" (object store if the group does not form)" if s.weight_sync_fallback else "")
         )
         if s.memory_device:

@@ -20,7 +20,7 @@ from digenrl.placement.preflight import (
     resolve_memory_settings,
     resolve_rollout_batch,
 )
-from digenrl.policy.settings import Settings
+from digenrl.policy.settings import Settings, kl_reference
 
 
 def resolve(cfg: RunConfig) -> RunLayout:
@@ -53,6 +53,7 @@ def resolve(cfg: RunConfig) -> RunLayout:
         memory_device=memory.device,
         memory_need_gib=round(memory.need_bytes / GiB, 2),
         memory_have_gib=round(memory.have_bytes / GiB, 2),
+        kl_reference=kl_reference(cfg, gpu=_gpu_pools(cfg, plan)),
     )
     try:
         scheduler = plan.scheduler_config(
@@ -79,6 +80,12 @@ def colocated_batch(cfg: RunConfig, plan: Plan) -> int | None:
     if not all(known_gpu_type(p) for p in plan.trainer_pools):
         return None
     return max(1, round(plan.unit_size * cfg.algorithm.group_size))
+
+
+def _gpu_pools(cfg: RunConfig, plan: Plan) -> bool:
+    """Whether every device of the run is a GPU its models run on (``engine``/``algorithm`` autos that
+    pay off only there: ``algorithm.kl_reference``)."""
+    return cfg.train.device != "cpu" and all(p.device.lower() != "cpu" for p in plan.pools)
 
 
 def check_device(cfg: RunConfig, plan: Plan) -> None:

@@ -28,6 +28,7 @@ class Settings:
     memory_device: str = ""  # the trainer device type the memory model checked ("" when none)
     memory_need_gib: float = 0.0  # what a trainer rank needs there, by the memory model
     memory_have_gib: float = 0.0
+    kl_reference: str = "train"  # where the KL reference's step mean is computed: train | rollout
 
     def cfg_batching(self, trainable: bool) -> str:
         return self.cfg_batching_trainer if trainable else self.cfg_batching_rollout
@@ -50,4 +51,19 @@ def single_process_settings(cfg) -> Settings:
         cfg_batching_trainer=cfg_batching,
         cfg_batching_rollout=cfg_batching,
         vae_tiling=tiling_mode(cfg.model, cfg.sampling),
+        kl_reference=kl_reference(cfg, gpu=False),
     )
+
+
+def kl_reference(cfg, gpu: bool) -> str:
+    """``algorithm.kl_reference`` as the run computes it: ``rollout`` or ``train`` (also whenever there
+    is no KL term). ``auto``: rollout where it applies (LoRA, a Flow-GRPO-family loss, unbranched) on
+    GPU pools (``gpu``), train elsewhere -- every CPU run bit for bit as before."""
+    from digenrl.config.algorithm import rollout_reference_refusal
+
+    value, alg = cfg.algorithm.kl_reference, cfg.algorithm
+    if alg.kl_beta <= 0 or value == "train":
+        return "train"
+    if value == "rollout":
+        return value
+    return "rollout" if gpu and rollout_reference_refusal(cfg) is None else "train"

@@ -56,6 +56,7 @@ def train_unit(
             if alg.name == "online_dpo" or alg.kl_beta > 0:
                 with torch.no_grad(), policy.reference():
                     v_ref = ad.velocity(x_t, t, cond)
+                stats.ref_forwards += 1
             adv = samples.advantages[rows].to(ad.device)
             objective = _dpo_objective if alg.name == "online_dpo" else _awm_objective
             scalar = objective(alg, x0, eps, t, adv, v_ref, counts, weight / total_terms)
@@ -114,6 +115,7 @@ class ForwardStats:
         self.terms = 0
         self.forward_error = 0.0  # AWM: the matching error l; DPO: Delta
         self.forward_n = 0
+        self.ref_forwards = 0  # KL (or DPO) reference forwards this unit ran
 
     def add(self, loss, parts, kl, total_terms, counts):
         self.loss += (loss * counts).sum().item() / total_terms

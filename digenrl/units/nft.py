@@ -103,6 +103,7 @@ def train_unit(
             if alg.kl_beta > 0:
                 with torch.no_grad(), policy.reference():
                     v_ref = ad.velocity(x_t, t, cond)
+                stats.ref_forwards += 1
 
             def objective(v, v_old=v_old, x_t=x_t, t=t, v_ref=v_ref, weight=weight):
                 loss, parts = nft.nft_loss(v, v_old, x_t, x0, t, r, beta, alg.adv_clip)
@@ -127,6 +128,7 @@ class NftStats:
         self.loss = self.kl = 0.0
         self.terms = 0
         self.nft_positive = self.nft_negative = self.nft_old_deviation = self.nft_r = 0.0
+        self.ref_forwards = 0  # KL reference forwards this unit ran
 
     def add(self, loss, parts, kl, r, total_terms):
         self.loss += loss.sum().item() / total_terms

@@ -15,6 +15,7 @@ from digenrl.algorithms.sde import (
 from digenrl.data.prompts import Prompt
 from digenrl.rewards.base import Decoded, score
 from digenrl.units.branch import branched_sample, node_rng, prefix_noise, prefix_selection
+from digenrl.units.klref import RolloutReference
 from digenrl.units.nft import is_forward_process, noise_plan
 from digenrl.units.rows import minibatch_rows, stream_seed
 from digenrl.units.samples import GroupRNG, Samples
@@ -66,6 +67,9 @@ def rollout_unit(
         else forward_batches(train_idx, cfg, n, lo, _trainer_shards(policy))
     )
     kind, eta = cfg.sampling.sde, cfg.sampling.noise_level
+    reference = None  # algorithm.kl_reference rollout: the KL reference at the trained steps, here
+    if policy.settings.kl_reference == "rollout" and cfg.algorithm.kl_beta > 0 and not nft:
+        reference = RolloutReference(policy.reference, train_idx, kind, eta)
     if k:
         start = prefix_noise(seed, iteration, group_ids, tuple(ad.latent_shape())).to(ad.device)
         tree = [tuple(t) for t in cfg.algorithm.branch_tree]
@@ -74,7 +78,9 @@ def rollout_unit(
             ad, cond.to(ad.device), start, n, sigmas, kind, eta, rng, sde_mask, batches, k, tree, nodes
         )
     else:
-        traj = sample(ad, cond.to(ad.device), noise.to(ad.device), sigmas, kind, eta, rng, sde_mask, batches)
+        traj = sample(
+            ad, cond.to(ad.device), noise.to(ad.device), sigmas, kind, eta, rng, sde_mask, batches, reference
+        )
     pixels = ad.decode(traj.latents[:, -1]).cpu()  # scored off the device (whatever mode scores it)
     texts = [p.text for p in prompts for _ in range(n)]
     metas = [p.meta for p in prompts for _ in range(n)]
@@ -94,6 +100,8 @@ def rollout_unit(
         first_sample=lo,
         noise_seeds=noise_seeds,
         step_noise=None if nft else traj.noise.cpu(),  # diffusion_nft: no trajectory travels
+        ref_means=None if reference is None else reference.result(tuple(ad.latent_shape())),
+        timings={"ref_forwards": 0 if reference is None else reference.forwards},
     )
     return samples, Decoded(pixels, texts, metas)
 

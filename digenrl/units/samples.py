@@ -46,10 +46,13 @@ class Samples:
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
     advantages: torch.Tensor | None = None  # (B,) or per step (B, N), set once the group's rewards are known
     preview: torch.Tensor | None = None  # uint8 pixels of the first sample of each group
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # ref_forwards: the unit's KL reference forwards
     first_sample: int = 0  # a sub-group unit: the in-group index of its groups' first sample
     noise_seeds: torch.Tensor | None = None  # diffusion_nft: (B, K) seeds of each level's forward noise
     step_noise: torch.Tensor | None = None  # (B, N, ...) x_{i+1} - mu_behaviour_i (stale samples' gradient)
+    # (B, T, ...) the KL reference's step mean at each trained-step position (algorithm.kl_reference
+    # rollout; None: the trainer runs the reference forward)
+    ref_means: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -63,4 +66,13 @@ class Samples:
 #: the tensor fields of :class:`Samples` that hold one row per sample (None where a run has none):
 #: what cutting a unit's rows or joining its shares touches, beside ``prompts``, ``cond`` and
 #: ``reward_parts``. A per-sample field added to Samples belongs here, or a split unit loses it.
-ROW_FIELDS = ("latents", "log_probs", "train_idx", "rewards", "advantages", "noise_seeds", "step_noise")
+ROW_FIELDS = (
+    "latents",
+    "log_probs",
+    "train_idx",
+    "rewards",
+    "advantages",
+    "noise_seeds",
+    "step_noise",
+    "ref_means",
+)

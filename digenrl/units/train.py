@@ -16,6 +16,7 @@ from digenrl.algorithms.sde import (
 )
 from digenrl.units import forward as units_forward
 from digenrl.units import nft as units_nft
+from digenrl.units.klref import shipped_reference
 from digenrl.units.nft import is_nft
 from digenrl.units.rows import train_batches
 from digenrl.units.samples import Samples
@@ -91,9 +92,12 @@ def train_unit(
             elif stale and alg.stale_gradient == "recentred" and samples.step_noise is not None:
                 noise = samples.step_noise[rows, i].to(ad.device)
             mu_ref = None
-            if alg.kl_beta > 0:
+            if alg.kl_beta > 0 and samples.ref_means is not None:  # computed at rollout (kl_reference)
+                mu_ref = shipped_reference(samples, rows, i, ad.device)
+            elif alg.kl_beta > 0:
                 with torch.no_grad(), policy.reference():
                     _, mu_ref, _ = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
+                stats.ref_forwards += 1
 
             def objective(
                 v,
@@ -179,6 +183,7 @@ class _Stats:
         self.ratio_max, self.ratio_min = float("-inf"), float("inf")
         self.is_sum, self.is_max, self.is_n = 0.0, 0.0, 0
         self.mismatch_sum, self.mismatch_n = 0.0, 0  # |logp - behaviour logp| over on-policy terms
+        self.ref_forwards = 0  # KL reference forwards this unit ran (0: none, or computed at rollout)
 
     def add(self, loss, st, n, total_terms):
         self.loss += loss.sum().item() / total_terms

@@ -1,0 +1,56 @@
+"""The KL reference computed at rollout (``algorithm.kl_reference: rollout``): the sampler's
+reference step means at each sample's trained steps, and the trainer's read of them.
+
+Details: docs/modules.md, `digenrl.units.klref`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from digenrl.algorithms.sde import noise_std, step_mean
+
+
+class RolloutReference:
+    """Collects, while a unit is sampled, the reference step mean of every (sample, trained step):
+    one no-grad forward under ``context`` (``Policy.reference``) per sampling forward batch that holds
+    samples training the step, on those samples only."""
+
+    def __init__(self, context, train_idx: torch.Tensor, kind: str, eta: float):
+        self.context, self.train_idx, self.kind, self.eta = context, train_idx.cpu(), kind, eta
+        self.means: torch.Tensor | None = None  # (B, T, *latent): by trained-step position
+        self.forwards = 0  # reference forwards run
+
+    def at_step(self, adapter, x: torch.Tensor, sigmas, i: int, cond, rows: torch.Tensor | None) -> None:
+        """The reference step means at step ``i`` of the batch's rows ``rows`` (None: all) that train it."""
+        idx = self.train_idx if rows is None else self.train_idx[rows.cpu()]
+        hit = idx == i  # (rows, positions): a sample trains a step at most once
+        trains = hit.any(1)
+        if not bool(trains.any()):
+            return
+        local = trains.nonzero().squeeze(1)
+        picked = local if rows is None else rows.cpu()[local]
+        if self.means is None:
+            shape = (len(self.train_idx), self.train_idx.shape[1], *x.shape[1:])
+            self.means = torch.zeros(shape, dtype=torch.float32, device=x.device)
+        dev_rows = picked.to(x.device)
+        xr, c = x[dev_rows], cond.select(dev_rows)
+        with torch.no_grad(), self.context():
+            v = adapter.velocity(xr, sigmas[i].expand(len(xr)).to(x.device), c)
+        std = noise_std(self.kind, sigmas, i, self.eta)  # the trainer's: the step's std, SDE or not
+        mu = step_mean(self.kind, xr, v, float(sigmas[i]), float(sigmas[i + 1]), std)
+        self.means[dev_rows, hit[local].float().argmax(1).to(x.device)] = mu
+        self.forwards += 1
+
+    def result(self, latent_shape: tuple[int, ...]) -> torch.Tensor:
+        """(B, T, *latent) fp32 on the CPU: what the samples carry (zeros where no step is trained)."""
+        if self.means is None:
+            return torch.zeros((len(self.train_idx), self.train_idx.shape[1], *latent_shape))
+        return self.means.cpu()
+
+
+def shipped_reference(samples, rows: torch.Tensor, i: int, device) -> torch.Tensor:
+    """The reference step mean of ``rows`` at step ``i`` from the samples' ``ref_means`` (a row that
+    does not train ``i`` -- a lockstep pass weighted 0 -- gets its first position's)."""
+    pos = (samples.train_idx[rows] == i).float().argmax(1)
+    return samples.ref_means[rows, pos].to(device)

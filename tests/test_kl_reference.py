@@ -1,0 +1,173 @@
+"""``algorithm.kl_reference: rollout``: the sampler computes the KL reference's step mean at each
+sample's trained steps (LoRA off) and the samples carry it; the trainer reads it instead of running a
+reference forward. Checked against the trainer's own reference forward (``train``) and against a
+one-row forward per (sample, step); a local run of 2 iterations equal to ``train``'s; the engine (full
+mode, colocated) with no reference forward on its trainer ranks; the refusals; ``auto``'s resolution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from digenrl.algorithms import grpo
+from digenrl.algorithms.sde import noise_std, step_mean
+from digenrl.config.run import load_config
+from digenrl.data.prompts import PromptSampler, load_prompts
+from digenrl.errors import UserError
+from digenrl.placement.resolve import resolve
+from digenrl.policy.model import Policy
+from digenrl.units import train as units_train
+from digenrl.units.advantages import assign_advantages
+from digenrl.units.rollout import rollout_unit
+from tests.helpers import TINY
+
+#: a KL term, 2 prompts x 4 samples of 4 steps, DanceGRPO's per-sample trained steps (each sample its
+#: own subset: the shipped means are indexed by position, not by step)
+KL = [*TINY, "algorithm.kl_beta=0.04", "train.micro_batch=2"]
+KL_TO_REFERENCE = grpo.kl_to_reference
+H800 = "cluster.pools=[{name: rollout, device: H800, count: 2}, {name: trainer, device: H800, count: 2}]"
+
+
+def perturbed_policy(cfg) -> Policy:
+    """A policy whose LoRA is not zero (at initialisation the policy IS the reference: KL 0)."""
+    torch.manual_seed(cfg.train.seed)
+    policy = Policy(cfg)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in policy.adapter.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    return policy
+
+
+def unit_of(policy, batch=None):
+    cfg = policy.cfg
+    prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed).for_iteration(0, 2)
+    samples, _ = rollout_unit(policy, prompts, [0, 1], 0, cfg.train.seed, batch=batch)
+    samples.rewards = torch.arange(len(samples), dtype=torch.float32)
+    assign_advantages([samples], cfg)
+    return samples
+
+
+def trainer_references(policy, samples, monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(mu, mu_ref) of every KL term the train unit computes, in order (its gradients zeroed after)."""
+    seen = []
+    real = KL_TO_REFERENCE
+
+    def spy(mu, mu_ref, std):
+        seen.append((mu.detach().clone(), mu_ref.detach().clone()))
+        return real(mu, mu_ref, std)
+
+    monkeypatch.setattr(grpo, "kl_to_reference", spy)
+    terms = len(samples) * samples.train_idx.shape[1]
+    stats = units_train.train_unit(policy, samples, terms)
+    policy.optimizer.zero_grad(set_to_none=True)
+    return seen, stats
+
+
+@pytest.mark.parametrize("sde", ["flow_grpo", "dance_grpo"])
+def test_the_shipped_reference_equals_the_trainers_reference_forward(sde, monkeypatch):
+    """Rolled out in the train forwards' batches (the CPU default), the reference forward at rollout
+    runs on the very rows the trainer's would: the same numbers, bit for bit."""
+    name = "flow_grpo" if sde == "flow_grpo" else "dance_grpo"
+    cfg = load_config(None, [*KL, f"algorithm.name={name}", "algorithm.kl_reference=rollout"])
+    policy = perturbed_policy(cfg)
+    assert policy.settings.kl_reference == "rollout"
+    samples = unit_of(policy)
+    assert samples.ref_means is not None and samples.ref_means.shape[:2] == samples.train_idx.shape
+    assert samples.timings["ref_forwards"] > 0
+    shipped, st_ship = trainer_references(policy, samples, monkeypatch)
+    samples.ref_means = None  # the trainer's own reference forward (kl_reference: train)
+    recomputed, st_train = trainer_references(policy, samples, monkeypatch)
+    assert len(shipped) == len(recomputed) == st_train["ref_forwards"] > 0
+    assert st_ship["ref_forwards"] == 0
+    for (mu_a, ref_a), (mu_b, ref_b) in zip(shipped, recomputed):
+        torch.testing.assert_close(mu_a, mu_b, atol=0, rtol=0)
+        torch.testing.assert_close(ref_a, ref_b, atol=0, rtol=0)
+        assert (mu_a - ref_a).abs().max() > 1e-4  # not vacuous: the reference is another network
+    assert st_ship["kl"] == st_train["kl"] > 0
+
+
+def test_the_shipped_reference_equals_a_one_row_reference_forward():
+    """An independent reference: per (sample, trained step), one forward of that row alone with the
+    LoRA off and the step mean of docs/algorithms.md. A colocated batch of 3 (other rows per forward
+    than the trainer's) agrees to float rounding: 1e-5 on latents of O(1) (a different batch
+    composition reorders the matmuls' sums; bit-exact only in the trainer's batches, test above)."""
+    cfg = load_config(None, [*KL, "algorithm.name=dance_grpo", "algorithm.kl_reference=rollout"])
+    policy = perturbed_policy(cfg)
+    ad, kind, eta = policy.adapter, cfg.sampling.sde, cfg.sampling.noise_level
+    for batch in (None, 3):
+        samples = unit_of(policy, batch)
+        sig = samples.sigmas
+        for r in range(len(samples)):
+            for j, i in enumerate(samples.train_idx[r].tolist()):
+                x = samples.latents[r : r + 1, i]
+                with torch.no_grad(), policy.reference():
+                    v = ad.velocity(x, sig[i].expand(1), samples.cond.select(torch.tensor([r])))
+                want = step_mean(kind, x, v, float(sig[i]), float(sig[i + 1]), noise_std(kind, sig, i, eta))
+                torch.testing.assert_close(samples.ref_means[r : r + 1, j], want, atol=1e-5, rtol=0)
+
+
+def test_a_local_run_with_the_reference_at_rollout_equals_train():
+    """Two iterations of the local trainer, kl_reference rollout vs train: the KL, the loss and the LoRA
+    weights after them equal (bit for bit on the CPU: the same rows per reference forward)."""
+    from digenrl.engine.local import LocalTrainer
+
+    runs = {}
+    for where in ("train", "rollout"):
+        cfg = load_config(None, [*KL, "placement.mode=local", f"algorithm.kl_reference={where}"])
+        trainer = LocalTrainer(cfg)
+        assert trainer.policy.settings.kl_reference == where
+        rows = [trainer.iteration(k) for k in range(2)]
+        runs[where] = rows, trainer.policy.weights()
+    (rows_t, w_t), (rows_r, w_r) = runs["train"], runs["rollout"]
+    assert rows_t[1]["kl"] > 0  # after one step the policy has left the reference
+    for a, b in zip(rows_t, rows_r):
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-6, abs=1e-12)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-12)
+    assert w_t.keys() == w_r.keys()
+    for k in w_t:
+        torch.testing.assert_close(w_r[k], w_t[k], atol=1e-7, rtol=0)
+    assert any(w_t[k].abs().max() > 0 for k in w_t if "lora_B" in k)  # the run moved the weights
+
+
+@pytest.mark.parametrize(
+    "sets, field",
+    [
+        (["model.lora=null"], "needs LoRA"),
+        (["algorithm.name=diffusion_nft"], "diffusion_nft"),
+        (["algorithm.name=awm"], "awm"),
+        (["algorithm.name=online_dpo"], "online_dpo"),
+        (["algorithm.shared_prefix=1"], "shared_prefix"),
+    ],
+)
+def test_rollout_is_refused_where_it_cannot_run(sets, field):
+    with pytest.raises(UserError, match=f"algorithm.kl_reference: rollout .*{field}") as exc:
+        load_config(None, [*KL, "algorithm.kl_reference=rollout", *sets])
+    assert "\n" not in str(exc.value)
+
+
+def test_auto_resolves_once_into_the_layout():
+    """auto: rollout on GPU pools (LoRA, a Flow-GRPO-family loss), train on CPU pools and locally."""
+    colo = [*KL, "placement.mode=colocated"]
+    assert resolve(load_config(None, colo)).settings.kl_reference == "train"  # CPU pools
+    on_gpu = resolve(load_config(None, [*colo, H800]))
+    assert on_gpu.settings.kl_reference == "rollout"
+    assert any("KL reference rollout" in line for line in on_gpu.describe())
+    for sets in (["algorithm.kl_reference=train"], ["model.lora=null"], ["algorithm.name=awm"]):
+        assert resolve(load_config(None, [*colo, H800, *sets])).settings.kl_reference == "train"
+    no_kl = resolve(load_config(None, [*colo, H800, "algorithm.kl_beta=0"]))
+    assert no_kl.settings.kl_reference == "train"  # no KL term: no reference anywhere
+    local = resolve(load_config(None, [*KL, "placement.mode=local"]))
+    assert local.settings.kl_reference == "train"
+    pinned = resolve(load_config(None, [*colo, "algorithm.kl_reference=rollout"]))
+    assert pinned.settings.kl_reference == "rollout"  # explicit: on CPU pools too
+
+
+def test_the_samples_carry_no_reference_by_default():
+    cfg = load_config(None, KL)
+    samples = unit_of(perturbed_policy(cfg))
+    assert samples.ref_means is None and samples.timings["ref_forwards"] == 0
+    assert math.isfinite(float(samples.log_probs.sum()))
