@@ -102,6 +102,14 @@ CASES = {
         ["train", "--set", "engine.unit_samples=4", "--set", "engine.unit_groups=2"],
         "engine.unit_samples",
     ),
+    "KL reference at rollout with full fine-tuning": (
+        ["train", "--set", "algorithm.kl_reference=rollout", "--set", "model.lora=null"],
+        "algorithm.kl_reference: rollout needs LoRA (model.lora)",
+    ),
+    "KL reference at rollout with a forward-process loss": (
+        ["train", "--set", "algorithm.kl_reference=rollout", "--set", "algorithm.name=diffusion_nft"],
+        "algorithm.kl_reference: rollout needs a Flow-GRPO-family loss; algorithm.name diffusion_nft",
+    ),
     "LoRA targets matching no module": (
         ["train", *TINY_SETS, "--set", "model.lora.targets=[to_qkv]"],
         "model.lora.targets: ['to_qkv'] match no linear module",

@@ -171,3 +171,32 @@ def test_the_samples_carry_no_reference_by_default():
     samples = unit_of(perturbed_policy(cfg))
     assert samples.ref_means is None and samples.timings["ref_forwards"] == 0
     assert math.isfinite(float(samples.log_probs.sum()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["colocated", "full_mode", "colocated_train"])
+def test_the_engine_runs_no_reference_forward_on_its_trainer_ranks(mode, ray_cluster, tmp_path):
+    """Two iterations on the engine (colocated; the full mode: disaggregated + GAP + TSP 2 + TAG +
+    one-step async) with kl_reference rollout: every rollout unit ran reference forwards, no train
+    unit did (the timeline's ``ref_forwards``); ``colocated_train``: the control, the other way round."""
+    from digenrl.engine.timeline import Timeline
+    from digenrl.launch import run_engine
+    from tests.helpers import FULL_MODE, QUIET, assert_timeline_invariants
+
+    where = "train" if mode == "colocated_train" else "rollout"
+    sets = FULL_MODE if mode == "full_mode" else ["placement.mode=colocated"]
+    base = [*KL, *QUIET, "train.iterations=2", "output.checkpoint_every=0"]
+    cfg = load_config(None, [*base, f"algorithm.kl_reference={where}", *sets])
+    result = run_engine(cfg, run_dir=tmp_path)
+    timeline = Timeline.from_chrome_trace(tmp_path / "timeline.json")
+    assert_timeline_invariants(cfg, timeline)
+    rollouts, trains = timeline.of("rollout"), timeline.of("train")
+    assert rollouts and trains
+    on_rollout = [e.args["ref_forwards"] for e in rollouts]
+    on_trainer = [e.args["ref_forwards"] for e in trains]
+    if where == "rollout":
+        assert all(n > 0 for n in on_rollout) and not any(on_trainer)
+    else:
+        assert not any(on_rollout) and all(n > 0 for n in on_trainer)
+    assert len(result.metrics) == 2
+    assert all(math.isfinite(m["loss"]) for m in result.metrics) and result.metrics[1]["kl"] > 0
