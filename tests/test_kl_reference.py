@@ -200,3 +200,56 @@ def test_the_engine_runs_no_reference_forward_on_its_trainer_ranks(mode, ray_clu
         assert not any(on_rollout) and all(n > 0 for n in on_trainer)
     assert len(result.metrics) == 2
     assert all(math.isfinite(m["loss"]) for m in result.metrics) and result.metrics[1]["kl"] > 0
+
+
+def test_the_planner_moves_the_reference_forward_to_the_rollout_unit():
+    """FLUX.1-dev on 16 H800s (kl_beta > 0, LoRA, 9 trained steps of 10, G 16, micro-batch 4), a unit
+    of one group, by hand: with rollout the train unit loses 9 positions x 4 micro-batches of a
+    reference forward of 4 (TSP rank 0 of 2: 5 positions); the rollout unit gains 9 trained steps x 4
+    sampling forwards of 4 at the rollout kernel (a sampling forward: ``rollout_step``), or 9 of 16 at a
+    rollout batch of 16; a sample travels 9 latents of 64x64x16 fp32 more. auto: rollout on GPUs."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from digenrl.planner.costmodel import CostModel
+    from digenrl.planner.gpus import load_cluster
+    from digenrl.planner.workload import Workload
+
+    root = Path(__file__).resolve().parents[1]
+    cluster = load_cluster(root / "configs" / "clusters" / "16xH800.yaml")
+
+    def cost(where: str) -> CostModel:
+        cfg = load_config(root / "configs" / "flux1_dev.yaml", [f"algorithm.kl_reference={where}"])
+        return CostModel(Workload.from_config(cfg), cluster)
+
+    train, roll, auto = cost("train"), cost("rollout"), cost("auto")
+    w = train.workload
+    assert (w.kl, w.lora, w.trained_steps, w.group_size, w.micro_batch, w.optimizer_steps) == (
+        True,
+        True,
+        9,
+        16,
+        4,
+        1,
+    )
+    assert auto.workload.kl_reference == "rollout" and train.workload.kl_reference == "train"
+    t = train.times("H800")
+    assert t.ref_forward(4) > 0 and t.rollout_step(4) > 0
+    saved = train.train_unit("H800", 1, 0, 1) - roll.train_unit("H800", 1, 0, 1)
+    assert saved == pytest.approx(9 * 4 * t.ref_forward(4), rel=1e-9)
+    saved_tsp = train.train_unit("H800", 1, 0, 2) - roll.train_unit("H800", 1, 0, 2)
+    assert saved_tsp == pytest.approx(5 * 4 * t.ref_forward(4), rel=1e-9)
+    added = roll.rollout_unit("H800", 1)[0] - train.rollout_unit("H800", 1)[0]
+    assert added == pytest.approx(9 * 4 * t.rollout_step(4), rel=1e-9)
+    from digenrl.planner.memory import DeviceSetup
+
+    setup = DeviceSetup(fits=True, micro_batch=4, rollout_batch=16)
+    added16 = roll.rollout_unit("H800", 1, setup)[0] - train.rollout_unit("H800", 1, setup)[0]
+    assert added16 == pytest.approx(9 * roll.times("H800", setup).rollout_step(16), rel=1e-9)
+    assert added16 < added < saved  # a larger batch at the rollout kernel costs less than the trainer's
+    assert roll.workload.sample_bytes - train.workload.sample_bytes == 9 * 64 * 64 * 16 * 4
+    on_cpu = CostModel(
+        replace(auto.workload, kl_reference="auto"),
+        load_cluster(root / "configs" / "clusters" / "local_cpu.yaml"),
+    )
+    assert on_cpu.workload.kl_reference == "train"  # auto on a CPU cluster: as the runtime resolves it

@@ -344,7 +344,7 @@ def rollout_unit_time(
     widths = w.rollout_widths()
     full = sum(t.rollout_step(c) for c in forwards)
     steps = sum(full if n == w.group_size else t.rollout_step(groups * n) for n in widths)
-    calls = t.encode(groups) + steps + t.decode(b) + reward
+    calls = t.encode(groups) + steps + t.decode(b) + reward + reference_at_rollout(t, w, forwards)
     return max(MIN_UNIT_FRACTION * calls, calls * t.rollout_unit_factor + t.rollout_overhead_s), reward
 
 
@@ -367,7 +367,20 @@ def train_unit_time(
             choices = max(1, w.steps - 1)
             k = choices * (1 - (1 - min(1.0, positions / choices)) ** size)
             per = size * positions / k if k else 0.0
-            calls += k * (t.train_step(per) + (t.ref_forward(per) if w.kl else 0.0)) if k else 0.0
+            calls += k * (t.train_step(per) + (t.ref_forward(per) if w.kl_on_trainer else 0.0)) if k else 0.0
         else:
-            calls += positions * (t.train_step(size) + (t.ref_forward(size) if w.kl else 0.0))
+            calls += positions * (t.train_step(size) + (t.ref_forward(size) if w.kl_on_trainer else 0.0))
     return max(MIN_UNIT_FRACTION * calls, calls * t.train_unit_factor + t.train_overhead_s)
+
+
+def reference_at_rollout(t: CallTimes, w: Workload, forwards: list[float]) -> float:
+    """``algorithm.kl_reference: rollout``: per trained step, one no-grad reference forward of each
+    sampling forward's samples that train it -- a sampling forward's kernel (rollout efficiency, every
+    guidance pass) at that batch; with random steps, the expected share of each forward's samples."""
+    if not w.kl_at_rollout:
+        return 0.0
+    if w.timestep_mode == "random":
+        choices = max(1, w.steps - 1)
+        share = min(1.0, w.trained_steps / choices)
+        return choices * sum(t.rollout_step(c * share) for c in forwards)
+    return w.trained_steps * sum(t.rollout_step(c) for c in forwards)

@@ -41,6 +41,8 @@ class CostModel:
         overheads: EngineOverheads | None = None,
         profile: dict | None = None,
     ):
+        if workload.kl_reference == "auto":  # algorithm.kl_reference auto, as placement.resolve resolves it
+            workload = replace(workload, kl_reference="train" if cluster.is_cpu else "rollout")
         self.workload, self.cluster = workload, cluster
         self.params = params or CostParams()
         self.colocation = colocation or ColocationCosts()
@@ -331,7 +333,7 @@ class CostModel:
         w = self.workload
         t = self.times(device, setup)
         mb = setup.micro_batch
-        per_sample = (t.train_step(mb) + (t.ref_forward(mb) if w.kl else 0.0)) / mb
+        per_sample = (t.train_step(mb) + (t.ref_forward(mb) if w.kl_on_trainer else 0.0)) / mb
         score = w.samples * w.trained_steps / max(1, ranks) * per_sample
         if colocated:
             score += 2 * self.switch(device, setup)

@@ -100,6 +100,9 @@ class Workload:
     # the engine scores a rollout-only worker's units after them, beside its next unit (a model reward or a
     # remote judge and no reward.service: rewards.scored_after_unit in a disaggregated run)
     reward_after_unit: bool = False
+    # where the KL reference runs (algorithm.kl_reference): train (also without a KL term or where rollout
+    # cannot run) | rollout | auto (CostModel: rollout on GPU clusters, train on CPU ones)
+    kl_reference: str = "train"
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
@@ -157,7 +160,18 @@ class Workload:
             colocated_batch_auto=cfg.engine.colocated_batch == "auto",
             reward_terms=terms,
             reward_after_unit=cfg.reward.service is None and any(k != "function" for k, _ in terms),
+            kl_reference=_kl_reference(cfg),
         )
+
+    @property
+    def kl_at_rollout(self) -> bool:
+        """The reference forward of each trained step runs in the rollout unit (resolved ``rollout``)."""
+        return self.kl and self.kl_reference == "rollout"
+
+    @property
+    def kl_on_trainer(self) -> bool:
+        """The train unit runs a reference forward per trained step."""
+        return self.kl and not self.kl_at_rollout
 
     @property
     def samples(self) -> int:
@@ -200,7 +214,8 @@ class Workload:
     @property
     def sample_bytes(self) -> int:
         """One rolled-out sample as it travels to a trainer: the latent trajectory (fp32), behaviour
-        log-probs, and its prompt conditioning."""
+        log-probs, its prompt conditioning, and (KL reference at rollout) a reference step mean per
+        trained step (fp32)."""
         t = self.shape.tokens
         cond_dim = self.params.hidden  # order of the text embedding width
         if self.forward_process:  # diffusion_nft: the clean latent and K noise seeds
@@ -213,6 +228,7 @@ class Workload:
             (self.steps + 1) * t.latent_elements * FP32_BYTES
             + self.steps * FP32_BYTES
             + self.passes * t.text * cond_dim * HALF_BYTES
+            + (self.trained_steps * t.latent_elements * FP32_BYTES if self.kl_at_rollout else 0)
         )
 
     @property
@@ -235,3 +251,13 @@ class Workload:
         d["forward_tflops_per_sample"] = forward_flops(self.shape) / 1e12
         d["rollout_tflops"] = self.rollout_flops / 1e12
         return d
+
+
+def _kl_reference(cfg) -> str:
+    """``algorithm.kl_reference`` as the planner costs it (``auto`` left to the cluster's kind)."""
+    from digenrl.config.algorithm import rollout_reference_refusal
+
+    value = cfg.algorithm.kl_reference
+    if cfg.algorithm.kl_beta <= 0 or (value == "auto" and rollout_reference_refusal(cfg) is not None):
+        return "train"
+    return value
