@@ -1,7 +1,7 @@
 """Throughput of every engine mode on the same hardware, beside the bound of DESIGN.md §4.
 
     python benchmarks/engine_modes.py [--iterations 7] [--repeats 1] [--pick best|median]
-                                      [--workload balanced|flow_grpo|few_groups|colocated_batch|all]
+        [--workload balanced|flow_grpo|few_groups|colocated_batch|kl_reference|all]
                                       [--modes colocated,sync,...] [--json FILE] [--tiny]
 
 One local Ray cluster with 1 rollout + 1 trainer logical device (each actor one torch thread:
@@ -22,6 +22,10 @@ of 16 samples per iteration on 2 rollout + 1 trainer devices (GAP, no TAG, on-po
 "colocated_batch" (not part of "all"): colocated, units of 16 samples, train micro-batch 2; modes
 "trainer_batches" (sampling forwards of 2, the trainer's) and "unit_batch" (engine.colocated_batch 16:
 one forward of the unit), side by side; "vs the first mode" is the feature's speed-up.
+"kl_reference" (not part of "all"): Flow-GRPO with a KL term (kl_beta 0.04, 7 of 8 steps trained),
+disaggregated with GAP on 1 + 1 devices; modes "train" (the reference forward in the train unit) and
+"rollout" (algorithm.kl_reference rollout: computed by the sampler, shipped with the samples), side by
+side; the JSON's ``vs_first_mode_train_unit_s`` is the ratio of the median train unit's seconds.
 Not a test: timings are reported, never asserted.
 """
 
@@ -106,9 +110,20 @@ COLOCATED_BATCH_MODES = {
     "trainer_batches": MODES["colocated"] + ["engine.colocated_batch=trainer"],
     "unit_batch": MODES["colocated"] + ["engine.colocated_batch=16"],
 }
+#: the KL reference's forward in the train unit vs at rollout (algorithm.kl_reference), the same run
+KL_REFERENCE = SIZE + ["algorithm.timesteps.fraction=0.99", "algorithm.kl_beta=0.04"]
+KL_REFERENCE_MODES = {
+    "train": MODES["gap"] + ["algorithm.kl_reference=train"],
+    "rollout": MODES["gap"] + ["algorithm.kl_reference=rollout"],
+}
 WORKLOADS["few_groups"] = FEW_GROUPS
 WORKLOADS["colocated_batch"] = COLOCATED_BATCH
-MODES_OF = {"few_groups": FEW_GROUP_MODES, "colocated_batch": COLOCATED_BATCH_MODES}  # else: MODES
+WORKLOADS["kl_reference"] = KL_REFERENCE
+MODES_OF = {
+    "few_groups": FEW_GROUP_MODES,
+    "colocated_batch": COLOCATED_BATCH_MODES,
+    "kl_reference": KL_REFERENCE_MODES,
+}  # else: MODES
 
 
 def bound(mode_cfg, R: float, T: float, r: int, t: int) -> float:
@@ -138,6 +153,9 @@ def run_mode(workload: str, mode: str, iterations: int, root: Path, extra: list[
     R, T = s["rollout_device_s"], s["train_device_s"]
     r, t = DEVICES.get(workload, (1, 1))
     b = bound(cfg, R, T, r=r, t=t)  # colocated: the same 2 devices, r + t = 2
+    last = max(e.iteration for e in tl.of("rollout"))
+    steady = [e for e in tl.of("train") if 0 < e.iteration < last] or tl.of("train")
+    units = sorted(e.duration for e in steady)
     return {
         "mode": mode,
         "samples_per_s": s["samples_per_s"],
@@ -149,6 +167,10 @@ def run_mode(workload: str, mode: str, iterations: int, root: Path, extra: list[
         "bound_s": b,
         "efficiency": b / s["iteration_s"],
         "wall_s_with_startup": total,
+        "train_unit_s": units[len(units) // 2],  # the median train unit of the steady state
+        # KL reference forwards each side ran (the timeline's ref_forwards; 0 without a KL term)
+        "ref_forwards_rollout": sum(e.args.get("ref_forwards", 0) for e in tl.of("rollout")),
+        "ref_forwards_train": sum(e.args.get("ref_forwards", 0) for e in tl.of("train")),
     }
 
 
@@ -158,6 +180,7 @@ def pick_run(runs: list[dict], how: str) -> dict:
     ordered = sorted(runs, key=lambda r: r["samples_per_s"])
     row = dict(ordered[-1] if how == "best" else ordered[len(ordered) // 2])
     row["samples_per_s_all"] = [r["samples_per_s"] for r in runs]
+    row["train_unit_s_all"] = [r["train_unit_s"] for r in runs]
     return row
 
 
@@ -174,6 +197,7 @@ def table(title: str, rows: list[dict]):
         "bubble",
         "sync s/iter",
         "iter s",
+        "train unit s",
         "R dev-s",
         "T dev-s",
         "bound s",
@@ -193,6 +217,7 @@ def table(title: str, rows: list[dict]):
             f"{r['bubble_fraction']:.1%}",
             f"{r['sync_s'] * 1e3:.1f} ms",
             f"{r['iteration_s']:.3f}",
+            f"{r['train_unit_s']:.3f}",
             f"{r['R_device_s']:.3f}",
             f"{r['T_device_s']:.3f}",
             f"{r['bound_s']:.3f}",
@@ -228,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     from digenrl.engine.resources import start_local
 
     console = Console(width=170)
-    own = ("few_groups", "colocated_batch")  # run only when named
+    own = ("few_groups", "colocated_batch", "kl_reference")  # run only when named
     workloads = [w for w in WORKLOADS if w not in own] if args.workload == "all" else [args.workload]
     modes_of = {}
     for workload in workloads:
@@ -273,9 +298,17 @@ def main(argv: list[str] | None = None) -> int:
             w: {r["mode"]: r["samples_per_s"] / rows[0]["samples_per_s"] for r in rows}
             for w, rows in results.items()
         }
-        args.json.write_text(
-            json.dumps({"modes": first, "workloads": results, "vs_first_mode": ratios}, indent=2)
-        )
+        unit_ratios = {
+            w: {r["mode"]: r["train_unit_s"] / rows[0]["train_unit_s"] for r in rows}
+            for w, rows in results.items()
+        }
+        out = {
+            "modes": first,
+            "workloads": results,
+            "vs_first_mode": ratios,
+            "vs_first_mode_train_unit_s": unit_ratios,
+        }
+        args.json.write_text(json.dumps(out, indent=2))
     return 0
 
 

@@ -68,6 +68,24 @@ def test_engine_modes(tmp_path, ray_cluster):
 
 
 @pytest.mark.slow
+def test_engine_modes_kl_reference(tmp_path, ray_cluster):
+    """The kl_reference workload: the KL reference's forward in the train unit, then at rollout, side
+    by side in one run: the ratios of samples/s and of the median train unit's seconds, and each
+    side's reference forwards (all on the trainer, then all on the rollout worker)."""
+    data = run_benchmark_here(
+        "engine_modes.py", tmp_path, "--tiny", "--iterations", "3", "--workload", "kl_reference"
+    )
+    train, rollout = data["modes"]
+    assert (train["mode"], rollout["mode"]) == ("train", "rollout")
+    assert train["ref_forwards_train"] > 0 and train["ref_forwards_rollout"] == 0
+    assert rollout["ref_forwards_rollout"] > 0 and rollout["ref_forwards_train"] == 0
+    units = data["vs_first_mode_train_unit_s"]["kl_reference"]
+    assert units["train"] == 1.0
+    assert units["rollout"] == pytest.approx(rollout["train_unit_s"] / train["train_unit_s"])
+    assert data["vs_first_mode"]["kl_reference"]["rollout"] > 0
+
+
+@pytest.mark.slow
 def test_plan_fidelity(tmp_path, ray_cluster):
     """It ran into a TypeError after the simulator's cost interface changed (and nothing noticed)."""
     data = run_benchmark_here(
