@@ -253,3 +253,52 @@ def test_the_planner_moves_the_reference_forward_to_the_rollout_unit():
         load_cluster(root / "configs" / "clusters" / "local_cpu.yaml"),
     )
     assert on_cpu.workload.kl_reference == "train"  # auto on a CPU cluster: as the runtime resolves it
+
+
+#: generated in shares or by a sequence-parallel pair: a rollout worker over 2 devices (rollout_sp), a
+#: sharded trainer group whose ranks each generate their share of a unit (FSDP x2 + TAG)
+SPLIT = {
+    "rollout_sp": [
+        "engine.rollout_sp=2",
+        "engine.tag=false",
+        "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",
+    ],
+    "fsdp2_tag": [
+        "train.fsdp=2",
+        "engine.tag=true",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]",
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SPLIT)
+def test_split_rollouts_with_the_reference_at_rollout_equal_the_local_trainer(case, ray_cluster, tmp_path):
+    """The reference means computed by a sequence-parallel pair, or in a sharded group's shares and
+    merged, train what the local trainer with its own reference forwards (kl_reference train) trains:
+    the LoRA weights after 2 on-policy iterations to test_engine_sp's tolerance (1% of one Adam step:
+    the samples and gradients agree to ~1e-6, summed in another order)."""
+    from safetensors.torch import load_file
+
+    from digenrl.engine.local import LocalTrainer
+    from digenrl.engine.timeline import Timeline
+    from digenrl.launch import run_engine
+    from tests.helpers import QUIET
+
+    base = [*KL, *QUIET, "train.iterations=2", "output.checkpoint_every=0", "engine.max_staleness=0"]
+    base += ["engine.tsp_degree=1", "engine.gap=false"]
+    ref = LocalTrainer(load_config(None, [*base, "algorithm.kl_reference=train"])).run(tmp_path / "local")
+    sets = [*base, "placement.mode=disaggregated", "algorithm.kl_reference=rollout", *SPLIT[case]]
+    result = run_engine(load_config(None, sets), run_dir=tmp_path / "engine")
+    lora = "final/pytorch_lora_weights.safetensors"
+    want, got = load_file(tmp_path / "local" / lora), load_file(tmp_path / "engine" / lora)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=0)
+    for mine, theirs in zip(result.metrics, ref.metrics, strict=True):
+        assert mine["kl"] == pytest.approx(theirs["kl"], rel=1e-3, abs=1e-9)
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-3, abs=1e-6)
+    assert ref.metrics[1]["kl"] > 0
+    timeline = Timeline.from_chrome_trace(tmp_path / "engine" / "timeline.json")
+    assert all(e.args["ref_forwards"] > 0 for e in timeline.of("rollout"))
+    assert not any(e.args["ref_forwards"] for e in timeline.of("train"))
