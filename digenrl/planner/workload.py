@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from digenrl.adapters import adapter_class
 from digenrl.adapters.vae_decode import tiling_mode
 from digenrl.algorithms.grpo import select_timesteps
+from digenrl.config.algorithm import rollout_reference_refusal
 from digenrl.planner.constants import (
     FP32_BYTES,
     HALF_BYTES,
@@ -255,8 +256,6 @@ class Workload:
 
 def _kl_reference(cfg) -> str:
     """``algorithm.kl_reference`` as the planner costs it (``auto`` left to the cluster's kind)."""
-    from digenrl.config.algorithm import rollout_reference_refusal
-
     value = cfg.algorithm.kl_reference
     if cfg.algorithm.kl_beta <= 0 or (value == "auto" and rollout_reference_refusal(cfg) is not None):
         return "train"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from digenrl.adapters.vae_decode import tiling_mode
+from digenrl.config.algorithm import rollout_reference_refusal
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,6 @@ def kl_reference(cfg, gpu: bool) -> str:
     """``algorithm.kl_reference`` as the run computes it: ``rollout`` or ``train`` (also whenever there
     is no KL term). ``auto``: rollout where it applies (LoRA, a Flow-GRPO-family loss, unbranched) on
     GPU pools (``gpu``), train elsewhere -- every CPU run bit for bit as before."""
-    from digenrl.config.algorithm import rollout_reference_refusal
-
     value, alg = cfg.algorithm.kl_reference, cfg.algorithm
     if alg.kl_beta <= 0 or value == "train":
         return "train"
