@@ -268,6 +268,14 @@ SPLIT = {
         "engine.tag=true",
         "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]",
     ],
+    # DanceGRPO: each sample its own trained steps, so a rank's share may train none of a step its
+    # group's other rank trains -- the reference passes run in lockstep (RolloutReference.lockstep)
+    "fsdp2_tag_dance_grpo": [
+        "algorithm.name=dance_grpo",
+        "train.fsdp=2",
+        "engine.tag=true",
+        "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]",
+    ],
 }
 
 
@@ -287,7 +295,9 @@ def test_split_rollouts_with_the_reference_at_rollout_equal_the_local_trainer(ca
 
     base = [*KL, *QUIET, "train.iterations=2", "output.checkpoint_every=0", "engine.max_staleness=0"]
     base += ["engine.tsp_degree=1", "engine.gap=false"]
-    ref = LocalTrainer(load_config(None, [*base, "algorithm.kl_reference=train"])).run(tmp_path / "local")
+    name = [s for s in SPLIT[case] if s.startswith("algorithm.name")]
+    local = [*base, *name, "algorithm.kl_reference=train"]
+    ref = LocalTrainer(load_config(None, local)).run(tmp_path / "local")
     sets = [*base, "placement.mode=disaggregated", "algorithm.kl_reference=rollout", *SPLIT[case]]
     result = run_engine(load_config(None, sets), run_dir=tmp_path / "engine")
     lora = "final/pytorch_lora_weights.safetensors"
@@ -302,3 +312,28 @@ def test_split_rollouts_with_the_reference_at_rollout_equal_the_local_trainer(ca
     timeline = Timeline.from_chrome_trace(tmp_path / "engine" / "timeline.json")
     assert all(e.args["ref_forwards"] > 0 for e in timeline.of("rollout"))
     assert not any(e.args["ref_forwards"] for e in timeline.of("train"))
+
+
+def test_a_sharded_groups_shares_run_the_same_reference_forwards():
+    """DanceGRPO: the two slices of one group train different steps; a sharded group's ranks must run
+    the same forwards (FSDP2 gathers per forward). With the unit's steps as ``reference_steps`` both
+    shares run one reference forward per step of them (whole_forwards: one forward per step), and
+    the means they keep are those each share computes alone."""
+    from digenrl.engine.fsdp_group import _reference_steps, unit_share
+
+    cfg = load_config(None, [*KL, "algorithm.name=dance_grpo", "algorithm.kl_reference=rollout"])
+    policy = perturbed_policy(cfg)
+    prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed).for_iteration(0, 2)
+    parts = [unit_share((0,), (0, 4), s, 2) for s in range(2)]
+    steps = _reference_steps(cfg, 0, parts)
+    alone, together = [], []
+    for groups, span in parts:
+        args = (policy, [prompts[g] for g in groups], list(groups), 0, cfg.train.seed, span)
+        alone.append(rollout_unit(*args, whole_forwards=True)[0])
+        together.append(rollout_unit(*args, whole_forwards=True, reference_steps=steps)[0])
+    trained = [set(s.train_idx.unique().tolist()) for s in alone]
+    assert trained[0] != trained[1] and set(steps) == trained[0] | trained[1]  # not vacuous
+    assert [s.timings["ref_forwards"] for s in alone] == [len(t) for t in trained]
+    assert [s.timings["ref_forwards"] for s in together] == [len(steps)] * 2
+    for a, b in zip(alone, together):
+        torch.testing.assert_close(b.ref_means, a.ref_means, atol=0, rtol=0)

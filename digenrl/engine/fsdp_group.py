@@ -133,6 +133,17 @@ def _timesteps_forwards(cfg, iteration: int, groups, span) -> list[int]:
     return [1] * cfg.sampling.steps if batches is None else [len(b) for b in batches]
 
 
+def _reference_steps(cfg, iteration: int, parts) -> list[int]:
+    """The steps any share of a unit trains: where every rank of a sharded group runs a KL reference
+    forward at rollout (``algorithm.kl_reference: rollout``), whatever its own samples train."""
+    steps = set()
+    for groups, span in parts:
+        steps |= set(
+            _timestep_selection(cfg, iteration, cfg.train.seed, list(groups), span)[1].unique().tolist()
+        )
+    return sorted(steps)
+
+
 def rollout_share(worker, unit, share: int, shares: int) -> tuple[Samples, Decoded]:
     """Generate and decode share ``share`` of ``shares`` of ``unit`` (:func:`unit_share`) with the
     worker's weights (the lead scores the merged unit). Every rank of the group calls it:
@@ -154,6 +165,7 @@ def rollout_share(worker, unit, share: int, shares: int) -> tuple[Samples, Decod
         mine,
         worker.policy.settings.sampling_batch(worker.role),  # engine.colocated_batch (equal on every share)
         whole_forwards=len(plans) > 1,
+        reference_steps=_reference_steps(cfg, unit.iteration, parts) if worker.sharded else None,
     )
     if worker.sharded:  # sampling leaves the root's parameters gathered (no backward frees them)
         reshard(worker.policy.adapter.transformer)

@@ -14,10 +14,13 @@ from digenrl.algorithms.sde import noise_std, step_mean
 class RolloutReference:
     """Collects, while a unit is sampled, the reference step mean of every (sample, trained step):
     one no-grad forward under ``context`` (``Policy.reference``) per sampling forward batch that holds
-    samples training the step, on those samples only."""
+    samples training the step, on those samples only. ``lockstep``: the steps a sharded group's ranks
+    all run a reference forward at, on every forward batch (one with no sample training the step: on
+    its first row, discarded), so their parameter gathers match (FSDP2; DanceGRPO's per-sample steps)."""
 
-    def __init__(self, context, train_idx: torch.Tensor, kind: str, eta: float):
+    def __init__(self, context, train_idx: torch.Tensor, kind: str, eta: float, lockstep=None):
         self.context, self.train_idx, self.kind, self.eta = context, train_idx.cpu(), kind, eta
+        self.lockstep = None if lockstep is None else set(lockstep)
         self.means: torch.Tensor | None = None  # (B, T, *latent): by trained-step position
         self.forwards = 0  # reference forwards run
 
@@ -27,6 +30,9 @@ class RolloutReference:
         hit = idx == i  # (rows, positions): a sample trains a step at most once
         trains = hit.any(1)
         if not bool(trains.any()):
+            if self.lockstep is not None and i in self.lockstep:  # the group's pass, on one row
+                first = torch.zeros(1, dtype=torch.long) if rows is None else rows[:1].cpu()
+                self._velocity(adapter, x, sigmas, i, cond, first.to(x.device))
             return
         local = trains.nonzero().squeeze(1)
         picked = local if rows is None else rows.cpu()[local]
@@ -34,13 +40,18 @@ class RolloutReference:
             shape = (len(self.train_idx), self.train_idx.shape[1], *x.shape[1:])
             self.means = torch.zeros(shape, dtype=torch.float32, device=x.device)
         dev_rows = picked.to(x.device)
-        xr, c = x[dev_rows], cond.select(dev_rows)
-        with torch.no_grad(), self.context():
-            v = adapter.velocity(xr, sigmas[i].expand(len(xr)).to(x.device), c)
+        xr, v = self._velocity(adapter, x, sigmas, i, cond, dev_rows)
         std = noise_std(self.kind, sigmas, i, self.eta)  # the trainer's: the step's std, SDE or not
         mu = step_mean(self.kind, xr, v, float(sigmas[i]), float(sigmas[i + 1]), std)
         self.means[dev_rows, hit[local].float().argmax(1).to(x.device)] = mu
+
+    def _velocity(self, adapter, x, sigmas, i, cond, rows):
+        """(x of ``rows``, the reference's velocity there): one forward under the reference."""
+        xr, c = x[rows], cond.select(rows)
+        with torch.no_grad(), self.context():
+            v = adapter.velocity(xr, sigmas[i].expand(len(xr)).to(x.device), c)
         self.forwards += 1
+        return xr, v
 
     def result(self, latent_shape: tuple[int, ...]) -> torch.Tensor:
         """(B, T, *latent) fp32 on the CPU: what the samples carry (zeros where no step is trained)."""

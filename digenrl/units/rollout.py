@@ -31,6 +31,7 @@ def rollout_unit(
     samples: tuple[int, int] | None = None,
     batch: int | None = None,
     whole_forwards: bool = False,
+    reference_steps: list[int] | None = None,
 ) -> tuple[Samples, Decoded]:
     """Generate G samples for each prompt with the policy's current weights and decode them (unscored:
     :func:`scored`, or any other mode's :func:`~digenrl.rewards.base.score`, adds the rewards);
@@ -39,7 +40,8 @@ def rollout_unit(
     ``engine.colocated_batch``: the trainer's log-probs then match to rounding); None: the train
     forwards' batches (:func:`forward_batches`, bit for bit). ``whole_forwards`` (without ``batch``):
     one forward of all the samples per step (a sharded group's ranks whose shares would run
-    different numbers)."""
+    different numbers). ``reference_steps``: the KL reference at rollout in a sharded group's lockstep
+    (:class:`~digenrl.units.klref.RolloutReference`)."""
     cfg, ad = policy.cfg, policy.adapter
     G, n_steps = cfg.algorithm.group_size, cfg.sampling.steps
     lo, hi = samples or (0, G)
@@ -69,7 +71,7 @@ def rollout_unit(
     kind, eta = cfg.sampling.sde, cfg.sampling.noise_level
     reference = None  # algorithm.kl_reference rollout: the KL reference at the trained steps, here
     if policy.settings.kl_reference == "rollout" and cfg.algorithm.kl_beta > 0 and not nft:
-        reference = RolloutReference(policy.reference, train_idx, kind, eta)
+        reference = RolloutReference(policy.reference, train_idx, kind, eta, reference_steps)
     if k:
         start = prefix_noise(seed, iteration, group_ids, tuple(ad.latent_shape())).to(ad.device)
         tree = [tuple(t) for t in cfg.algorithm.branch_tree]
