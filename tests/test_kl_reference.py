@@ -312,6 +312,8 @@ def test_split_rollouts_with_the_reference_at_rollout_equal_the_local_trainer(ca
     timeline = Timeline.from_chrome_trace(tmp_path / "engine" / "timeline.json")
     assert all(e.args["ref_forwards"] > 0 for e in timeline.of("rollout"))
     assert not any(e.args["ref_forwards"] for e in timeline.of("train"))
+    if "engine.tag=true" in SPLIT[case]:  # the sharded group generated units in shares (TAG)
+        assert any(e.worker.startswith("trainer") for e in timeline.of("rollout"))
 
 
 def test_a_sharded_groups_shares_run_the_same_reference_forwards():
