@@ -23,8 +23,8 @@ from digenrl.units.advantages import assign_advantages
 from digenrl.units.rollout import rollout_unit
 from tests.helpers import TINY
 
-#: a KL term, 2 prompts x 4 samples of 4 steps, DanceGRPO's per-sample trained steps (each sample its
-#: own subset: the shipped means are indexed by position, not by step)
+#: a KL term, 2 prompts x 4 samples of 4 steps, micro-batches of 2 (several reference forwards per step);
+#: the tests add DanceGRPO's per-sample trained steps where the means' indexing by position matters
 KL = [*TINY, "algorithm.kl_beta=0.04", "train.micro_batch=2"]
 KL_TO_REFERENCE = grpo.kl_to_reference
 H800 = "cluster.pools=[{name: rollout, device: H800, count: 2}, {name: trainer, device: H800, count: 2}]"
@@ -67,11 +67,10 @@ def trainer_references(policy, samples, monkeypatch) -> list[tuple[torch.Tensor,
     return seen, stats
 
 
-@pytest.mark.parametrize("sde", ["flow_grpo", "dance_grpo"])
-def test_the_shipped_reference_equals_the_trainers_reference_forward(sde, monkeypatch):
+@pytest.mark.parametrize("name", ["flow_grpo", "dance_grpo"])
+def test_the_shipped_reference_equals_the_trainers_reference_forward(name, monkeypatch):
     """Rolled out in the train forwards' batches (the CPU default), the reference forward at rollout
     runs on the very rows the trainer's would: the same numbers, bit for bit."""
-    name = "flow_grpo" if sde == "flow_grpo" else "dance_grpo"
     cfg = load_config(None, [*KL, f"algorithm.name={name}", "algorithm.kl_reference=rollout"])
     policy = perturbed_policy(cfg)
     assert policy.settings.kl_reference == "rollout"
@@ -339,3 +338,28 @@ def test_a_sharded_groups_shares_run_the_same_reference_forwards():
     assert [s.timings["ref_forwards"] for s in together] == [len(steps)] * 2
     for a, b in zip(alone, together):
         torch.testing.assert_close(b.ref_means, a.ref_means, atol=0, rtol=0)
+
+
+def test_prefix_moves_the_kl_reference_back(monkeypatch):
+    """The planner's shared-prefix search prices a prefix k > 0 with the reference on the trainer
+    (kl_reference rollout refuses branched groups); k = 0 keeps the run's (auto: rollout on GPUs)."""
+    from pathlib import Path
+
+    from digenrl.planner import prefix_search
+    from digenrl.planner.costmodel import CostModel
+    from digenrl.planner.gpus import load_cluster
+    from digenrl.planner.workload import Workload
+
+    root = Path(__file__).resolve().parents[1]
+    w = Workload.from_config(load_config(root / "configs" / "flux1_dev.yaml", ["sampling.steps=8"]))
+    cluster = load_cluster(root / "configs" / "clusters" / "4xH200.yaml")
+    cost = CostModel(w, cluster)
+    assert cost.workload.kl_reference == "rollout"
+    priced = {}
+
+    def search(cost, cluster, **kw):  # what each prefix is priced with
+        priced[cost.workload.shared_prefix] = cost.workload.kl_reference
+
+    monkeypatch.setattr(prefix_search, "search", search)
+    prefix_search.search_shared_prefix(cost, cluster, prefixes=(0, 2))
+    assert priced == {0: "rollout", 2: "train"}

@@ -247,7 +247,9 @@ def test_engine_timeline_invariants_hold_with_a_shared_prefix(ray_cluster, tmp_p
 @pytest.mark.slow
 def test_the_planner_search_offers_the_prefix_as_a_knob():
     """FLUX.1-dev at 8 steps on 4 x H200: a 2-step shared prefix saves (G - 1) x 2 forwards per group,
-    and the best plan's simulated throughput rises with it."""
+    and the best plan's simulated throughput rises with it. The KL reference stays on the trainer in
+    both (algorithm.kl_reference train: a branched group cannot compute it at rollout, so with auto
+    the prefix would also move it back; test_prefix_moves_the_kl_reference_back checks that part)."""
     from pathlib import Path
 
     from digenrl.planner.costmodel import CostModel
@@ -256,7 +258,8 @@ def test_the_planner_search_offers_the_prefix_as_a_knob():
     from digenrl.planner.workload import Workload
 
     root = Path(__file__).resolve().parents[1]
-    w = Workload.from_config(load_config(root / "configs" / "flux1_dev.yaml", ["sampling.steps=8"]))
+    sets = ["sampling.steps=8", "algorithm.kl_reference=train"]
+    w = Workload.from_config(load_config(root / "configs" / "flux1_dev.yaml", sets))
     cluster = load_cluster(root / "configs" / "clusters" / "4xH200.yaml")
     found = search_shared_prefix(CostModel(w, cluster), cluster, prefixes=(0, 2, 8), iterations=2, top=2)
     assert set(found) == {0, 2}  # a prefix of every step leaves nothing to branch: not offered

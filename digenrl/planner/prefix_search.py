@@ -20,7 +20,8 @@ def search_shared_prefix(
     out = {}
     for k in (k for k in prefixes if k < w.steps):
         priced = CostModel(
-            replace(w, shared_prefix=k),
+            # a branched group keeps its KL reference on the trainer (kl_reference rollout refuses it)
+            replace(w, shared_prefix=k, kl_reference=w.kl_reference if not k else "train"),
             cost.cluster,
             cost.params,
             cost.colocation,
