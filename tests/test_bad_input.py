@@ -318,11 +318,13 @@ def full_mode(argv: list[str]) -> list[str]:
     return [*argv[:n], *FULL_MODE_SETS, *argv[n:]]
 
 
-def run_case(argv, needle, tmp_path, monkeypatch, capsys):
+def run_case(argv, needle, tmp_path, monkeypatch, capsys, ray_address=None):
     t = make_inputs(tmp_path)
     if "big.txt" in " ".join(argv):
         write_big_prompt(t)
     argv = [a.replace("{t}", str(t)) for a in argv] + ["--run-dir", str(t / "run")] * (argv[0] == "train")
+    if ray_address is not None:  # the suite's cluster (its warm workers), not a Ray started per case
+        argv += ["--ray-address", ray_address]
     code, err = cli(monkeypatch, capsys, argv)
     assert code == 2, err
     assert needle.replace("{t}", str(t)) in err
@@ -337,20 +339,26 @@ IN_THE_ENGINE = ["LoRA targets matching no module", "missing reward weights dire
 STARTS_RAY = {*IN_THE_ENGINE, "a geneval prompt without GenEval metadata", "an ocr prompt quoting no text"}
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=pytest.mark.slow) if c in STARTS_RAY else c for c in CASES]
-)
+@pytest.mark.parametrize("case", [c for c in CASES if c not in STARTS_RAY])
 def test_bad_input_exits_2_with_one_line(case, tmp_path, monkeypatch, capsys):
     argv, needle = CASES[case]
     run_case(full_mode(argv), needle, tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(STARTS_RAY))
+def test_bad_input_on_the_engine_exits_2_with_one_line(case, ray_cluster, tmp_path, monkeypatch, capsys):
+    """The cases refused once Ray runs, on the suite's cluster (``--ray-address``)."""
+    argv, needle = CASES[case]
+    run_case(full_mode(argv), needle, tmp_path, monkeypatch, capsys, ray_cluster)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", IN_THE_ENGINE)
-def test_bad_input_on_the_default_colocated_run(case, tmp_path, monkeypatch, capsys):
+def test_bad_input_on_the_default_colocated_run(case, ray_cluster, tmp_path, monkeypatch, capsys):
     """The same one line from the default run: colocated workers, each a trainer that also rolls out."""
     argv, needle = CASES[case]
-    run_case(argv, needle, tmp_path, monkeypatch, capsys)
+    run_case(argv, needle, tmp_path, monkeypatch, capsys, ray_cluster)
 
 
 def tree_digest(root: Path) -> str:
