@@ -250,6 +250,10 @@ CASES = {
         ["config", "validate", "--set", "reward.components=[{name: prompt_color, weight: 0.0}]"],
         "reward.components: every reward weight is 0",
     ),
+    "a reward that is not a judge on the cluster": (
+        ["config", "validate", "--set", "reward.components=[{name: prompt_color, server: cluster}]"],
+        "reward.components.0: server: cluster is for a judge served beside the run",
+    ),
     "recursive YAML anchor": (
         ["config", "validate", "-c", "{t}/rec.yaml"],
         "{t}/rec.yaml: a recursive YAML anchor (an alias used inside its own anchor) at line 1",

@@ -214,3 +214,28 @@ def test_peer_calibration_benchmark_fits_within_its_tolerances(tmp_path):
     # the fields tests/test_benchmarks.py's smoke test of this script read (it runs here, in-process)
     assert all(0 < e < 1 for e in fitted)
     assert math.isfinite(r["worst_predicted_phase_error"]) and math.isfinite(r["step_s"]["predicted"])
+
+
+def test_plan_peers_on_verl_omnis_own_run_puts_digenrl_at_or_above_it(monkeypatch, capsys):
+    """The recipe of veRL-Omni's published run (its judge served on the same 4 GPUs: ``server:
+    cluster``), planned with --peers on 4xH800: the workload is the calibration's, and DigenRL's best
+    plan is at least as fast as every veRL-Omni variant as its examples run today."""
+    from helpers import cli as cli_main
+
+    from digenrl.planner.published import CALIBRATION, VERL_OMNI_PHASES
+
+    recipe = ROOT / "configs" / "recipes" / "verl_omni_qwen_image_ocr_lora.yaml"
+    w, cal = Workload.from_config(load_config(recipe)), CALIBRATION.workload()
+    same = ("steps", "trained_steps", "group_size", "prompts", "passes", "kl", "lora", "micro_batch")
+    assert [getattr(w, f) for f in same] == [getattr(cal, f) for f in same]
+    assert (w.params, w.optimizer_steps, w.shape) == (cal.params, cal.optimizer_steps, cal.shape)
+    judge_s = VERL_OMNI_PHASES["reward"] / (w.samples / 4)  # the published reward phase, per GPU's images
+    assert w.reward_terms == (("model", pytest.approx(judge_s, rel=0.01)),)
+    args = ["plan", "-c", str(recipe), "--cluster", str(ROOT / "configs" / "clusters" / "4xH800.yaml")]
+    code, out, err = cli_main(monkeypatch, capsys, *args, "--peers", "--json", "--top", "1")
+    assert code in (0, None), err
+    peers = json.loads(out)["peers"]["peers"]
+    verl_rows = {k: v for k, v in peers.items() if k.startswith("verl_omni")}
+    assert set(verl_rows) == {k for k in ALL_PEERS if k.startswith("verl_omni")}
+    assert peers["verl_omni_batched"]["phases_s"]["old_log_prob"] == 0.0  # bypass mode, as its example
+    assert all(r["fits"] and r["digenrl_speedup"] >= 1.0 for r in verl_rows.values())

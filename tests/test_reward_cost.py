@@ -116,3 +116,19 @@ def test_ocr_costs_its_measured_seconds_per_image_at_the_run_size():
         ocr.replace("ocr}", "ocr, seconds_per_image: 0.2}"), "model.height=512", "model.width=512"
     )
     assert CostModel(given, CLUSTER).rollout_unit("H100", 1)[1] == pytest.approx(8 * 0.2)
+
+
+def test_a_judge_served_on_the_cluster_costs_what_a_model_reward_costs():
+    """``server: cluster`` (a vLLM judge sharing the run's GPUs, veRL-Omni's REWARD_TP=4 layout): its
+    seconds take the scoring device's time, none of it hidden, and its weights sit on the device --
+    exactly what a model reward at the same seconds per image costs."""
+    on = workload(JUDGE.replace("seconds_per_image", "server: cluster, seconds_per_image"))
+    pick = workload(PICK.replace("}}]", "}, seconds_per_image: 0.05}]"))
+    remote = CostModel(workload(JUDGE), CLUSTER)
+    on_cost, pick_cost = CostModel(on, CLUSTER), CostModel(pick, CLUSTER)
+    assert on_cost.rollout_unit("H100", 1) == pytest.approx(pick_cost.rollout_unit("H100", 1))
+    assert on_cost.times("H100").reward_wait(8) == 0.0 < remote.times("H100").reward_wait(8)
+    assert on_cost.memory.rollout_models() == pytest.approx(pick_cost.memory.rollout_models())
+    assert on_cost.memory.rollout_models() > remote.memory.rollout_models()
+    served = _rollout_row(simulate(PLAN, on_cost, iterations=3))[0]
+    assert served > _rollout_row(simulate(PLAN, remote, iterations=3))[0]  # nothing hides behind the unit

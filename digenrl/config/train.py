@@ -29,6 +29,25 @@ class RewardTerm(_Section):
             "default for its kind"
         ),
     )
+    server: Literal["remote", "cluster"] = Field(
+        "remote",
+        description=(
+            "for `digenrl plan` only, a judge's (remote, geneval, vlm_judge): remote = its server runs off "
+            "the cluster's GPUs (the scoring worker waits); cluster = on the run's own GPUs beside it "
+            "(e.g. vLLM sharing them), costed as a model reward: its seconds and weights on the device"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _server_is_a_judges(self) -> RewardTerm:
+        from digenrl.planner.constants import REMOTE_REWARDS
+
+        if self.server == "cluster" and self.name.split(":", 1)[0] not in REMOTE_REWARDS:
+            raise ValueError(
+                "server: cluster is for a judge served beside the run "
+                f"({', '.join(sorted(REMOTE_REWARDS))}); '{self.name}' runs in the scoring process"
+            )
+        return self
 
 
 class RewardServiceConfig(_Section):

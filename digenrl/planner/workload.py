@@ -39,15 +39,16 @@ def measured_reward_s(name: str, height: int, width: int) -> float | None:
     return t0 * px / (s0 * s0)
 
 
-def reward_term_kind(name: str) -> str:
+def reward_term_kind(name: str, server: str = "remote") -> str:
     """A reward component's kind for the cost model: "function" | "model" | "host" (a model on the
-    scoring process's CPU: its time, no device weights) | "remote"."""
+    scoring process's CPU: its time, no device weights) | "remote" (a judge served elsewhere; one
+    served on the run's GPUs, ``server: cluster``, is a "model")."""
     kind = name.split(":", 1)[0]  # (rewards.reward_kind: ``kind:label``)
     if kind in WEIGHT_FREE_REWARDS:
         return "function"
     if kind in HOST_REWARDS:
         return "host"
-    return "remote" if kind in REMOTE_REWARDS else "model"
+    return "remote" if kind in REMOTE_REWARDS and server == "remote" else "model"
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class Workload:
         )
         h, w = cfg.model.height, cfg.model.width
         terms = tuple(
-            (reward_term_kind(c.name), c.seconds_per_image or measured_reward_s(c.name, h, w))
+            (reward_term_kind(c.name, c.server), c.seconds_per_image or measured_reward_s(c.name, h, w))
             for c in cfg.reward.components
         )
         nft = is_forward_process(cfg)  # diffusion_nft, awm, online_dpo (costed as diffusion_nft's terms)

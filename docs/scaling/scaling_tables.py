@@ -265,7 +265,9 @@ def calibration_markdown() -> list[str]:
             f"{r['digenrl']['images_per_gpu_s'] / p['images_per_gpu_s']:.2f}x)"
             for n, p in r["digenrl"]["peers_today"].items()
         )
-        + ".",
+        + ". The same comparison from a config: `digenrl plan -c "
+        "configs/recipes/verl_omni_qwen_image_ocr_lora.yaml --cluster configs/clusters/4xH800.yaml "
+        "--peers` (the judge served on the 4 GPUs: `server: cluster`).",
         "",
         "Out of sample (the same pair, nothing refitted):",
         "",
