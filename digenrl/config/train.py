@@ -14,8 +14,11 @@ from digenrl.config.base import (
     on_off,
 )
 
-
 # -------------------------------------------------------------------------------------- reward
+#: rewards whose model runs elsewhere (a judge or detector service): the scoring worker only waits
+REMOTE_REWARDS = frozenset({"remote", "geneval", "vlm_judge"})
+
+
 class RewardTerm(_Section):
     name: str
     weight: float = Field(1.0, description="0 = logged only (reward/<name>), not trained on")
@@ -40,8 +43,6 @@ class RewardTerm(_Section):
 
     @model_validator(mode="after")
     def _server_is_a_judges(self) -> RewardTerm:
-        from digenrl.planner.constants import REMOTE_REWARDS
-
         if self.server == "cluster" and self.name.split(":", 1)[0] not in REMOTE_REWARDS:
             raise ValueError(
                 "server: cluster is for a judge served beside the run "

@@ -4,6 +4,10 @@ these settings is in docs/scaling.md ("Measured figures")."""
 
 from __future__ import annotations
 
+# rewards whose model runs elsewhere (a judge or detector service): the scoring worker only waits;
+# named once, beside the reward config (a component's ``server``)
+from digenrl.config.train import REMOTE_REWARDS  # noqa: F401
+
 # ------------------------------------------------------------------------------ profile.json
 
 PROFILE_VERSION = 1  # the profile.json format
@@ -15,8 +19,6 @@ MAX_PROFILED_UNIT_SAMPLES = 64  # rollout units larger than this are extrapolate
 # seconds per image of rewards measured on a CPU core (benchmarks/ocr_reward.py: rendered text, one ONNX
 # thread; benchmarks/RESULTS.md), by the image's side in px; a component's ``seconds_per_image`` wins
 MEASURED_REWARD_S = {"ocr": ((64, 0.056), (256, 0.105), (512, 0.365))}
-# rewards whose model runs elsewhere (a judge or detector service): the scoring worker only waits
-REMOTE_REWARDS = frozenset({"remote", "geneval", "vlm_judge"})
 # model rewards that run on the scoring process's CPU (no weights on the device): kind "host"
 HOST_REWARDS = frozenset({"ocr"})
 
