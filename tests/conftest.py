@@ -15,16 +15,30 @@ torch.set_num_threads(1)  # tiny models: threads only add sync overhead on 2 cor
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (``./dev.sh test``: 2 workers, ``--dist loadgroup``) the tests on the suite's
-    Ray cluster are one group, run on one worker in order: one cluster per run, its warm workers
-    reused as in one process; every other test goes to whichever worker is free. Among them the
-    tests marked ``faults`` come last: the processes Ray restarts in their runs are not kept, so a
-    run after them would start those workers afresh."""
+    Ray cluster are two groups (:func:`ray_group`), each run on one worker in order on that worker's
+    cluster, its warm workers reused as in one process; every other test goes to whichever worker is
+    free, so the two workers finish together."""
     on_ray = {id(item) for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
+    faults = {id(item) for item in items if id(item) in on_ray and item.get_closest_marker("faults")}
     for item in items:
         if id(item) in on_ray:
-            item.add_marker(pytest.mark.xdist_group("ray_cluster"))
-    late = [item for item in items if id(item) in on_ray and item.get_closest_marker("faults")]
-    items[:] = [item for item in items if item not in late] + late
+            item.add_marker(pytest.mark.xdist_group(ray_group(id(item) in faults)))
+        elif uses_a_module_fixture(item):  # its module's tests on one worker: the fixture is built once
+            item.add_marker(pytest.mark.xdist_group(f"module:{item.module.__name__}"))
+
+
+def uses_a_module_fixture(item) -> bool:
+    """Whether a test asks for a module-scoped fixture (a trained run, a written checkpoint) that
+    xdist would build again on each worker its module's tests land on."""
+    defs = getattr(item, "_fixtureinfo", None)
+    return defs is not None and any(d and d[-1].scope == "module" for d in defs.name2fixturedefs.values())
+
+
+def ray_group(faults: bool) -> str:
+    """The xdist group of a test on the suite's Ray cluster. The ``faults`` tests are a group of their
+    own (the processes Ray restarts in their runs are not kept: a run after them would start those
+    workers afresh), on another worker's cluster; the rest share one cluster and its warm workers."""
+    return "ray_faults" if faults else "ray_cluster"
 
 
 @pytest.fixture

@@ -111,8 +111,9 @@ def test_reward_overlap(tmp_path, ray_cluster):
 
 
 @pytest.mark.slow
-def test_soak(tmp_path):
-    data = run_script(
+@pytest.mark.faults  # (kills workers: on the faults tests' cluster)
+def test_soak(tmp_path, ray_cluster):
+    data = run_benchmark_here(
         "soak.py",
         tmp_path,
         "--iterations",

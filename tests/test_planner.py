@@ -530,7 +530,7 @@ def test_candidates_cover_the_knobs():
 
 
 @pytest.mark.slow
-def test_plan_cli_json_and_write_then_train_one_iteration(tmp_path):
+def test_plan_cli_json_and_write_then_train_one_iteration(tmp_path, ray_cluster):
     out = tmp_path / "plan.yaml"
     result = cli(
         "plan", "--cluster", str(CLUSTERS / "local_cpu.yaml"), "--top", "3", "--json", "--write", str(out)

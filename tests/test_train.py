@@ -112,8 +112,9 @@ def test_saved_lora_loads_into_flux_pipeline_and_changes_output(learned):
 
 
 @pytest.mark.parametrize("mode", [[], FULL_MODE_SETS], ids=["default_colocated", "full"])
-def test_cli_train_runs_and_writes(mode, tmp_path, monkeypatch, capsys):
-    """`digenrl train` on the default run (colocated) and on the engine's full mode."""
+def test_cli_train_runs_and_writes(mode, tmp_path, monkeypatch, capsys, ray_cluster):
+    """`digenrl train` on the default run (colocated) and on the engine's full mode (in the suite's
+    Ray cluster, as a driver of a running cluster does)."""
     import sys
 
     from digenrl.cli.app import main
