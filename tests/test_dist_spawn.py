@@ -23,5 +23,5 @@ def _compute(rank, world, seconds):
 
 def test_a_waiting_rank_is_a_hang_a_computing_one_is_not():
     with pytest.raises(TimeoutError, match="idle"):
-        spawn(_wait, 0, nprocs=1, idle_s=5)
-    spawn(_compute, 0, 8.0, nprocs=1, idle_s=5)  # longer than idle_s, and it passes
+        spawn(_wait, 0, nprocs=1, idle_s=2)
+    spawn(_compute, 0, 4.5, nprocs=1, idle_s=2)  # longer than idle_s, and it passes

@@ -238,7 +238,7 @@ def test_a_blocked_group_member_is_detected_by_the_driver_and_its_group_restarte
         "engine.tag=false",
         "engine.gap=false",
         "engine.rollout_sp=2",
-        "engine.group_timeout_s=15",
+        "engine.group_timeout_s=8",
         "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",
         "engine.faults=[{worker: rollout1, unit: 'rollout-0-1:start:block'}]",
     ]
