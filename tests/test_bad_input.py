@@ -250,6 +250,10 @@ CASES = {
         ["config", "validate", "--set", "reward.components=[{name: prompt_color, weight: 0.0}]"],
         "reward.components: every reward weight is 0",
     ),
+    "profile: one CPU-sharing worker": (
+        ["profile", "--cpu-sharing", "1"],
+        "--cpu-sharing: 0 (skip) or at least 2 workers, got 1",
+    ),
     "a reward that is not a judge on the cluster": (
         ["config", "validate", "--set", "reward.components=[{name: prompt_color, server: cluster}]"],
         "reward.components.0: server: cluster is for a judge served beside the run",

@@ -110,10 +110,12 @@ def test_profile_cli_writes_json_and_prints_a_table(tmp_path):
         "micro_batch: 2}\n" + FULL_MODE_YAML
     )
     out = tmp_path / "p" / "profile.json"
-    result = CliRunner().invoke(app, ["profile", "--config", str(cfg_file), "--out", str(out)])
+    cmd = ["profile", "--config", str(cfg_file), "--out", str(out), "--cpu-sharing", "2"]
+    result = CliRunner().invoke(app, cmd)
     assert result.exit_code == 0, result.output
     assert "rollout step" in result.output and "engine: call round trip" in result.output
     data = json.loads(out.read_text())
+    assert set(data["measurements"]["cpu_slowdown"]) == {"1", "2"}  # probed up to --cpu-sharing
     assert data["engine"]["call_s"] > 0 and data["engine"]["transfer_bytes_per_s"] > 0
     # and `digenrl plan` takes it
     result = CliRunner().invoke(
@@ -252,10 +254,13 @@ def test_profile_cli_engine_none_measures_the_model_only(monkeypatch, capsys, tm
         "none",
         "--repeats",
         "1",
+        "--cpu-sharing",
+        "0",
     )
     assert code in (0, None), err
     data = json.loads(out.read_text())
     assert data["engine"] is None and "engine: call round trip" not in stdout
+    assert "cpu_slowdown" not in data["measurements"]  # --cpu-sharing 0: not probed (the other test does)
     assert data["measurements"]["timing_rounds"] >= 1 and "other_load_cores" in data["measurements"]
 
 

@@ -169,6 +169,13 @@ def profile(
         ),
     ),
     repeats: int = typer.Option(5, help="Timed calls per measurement (the median is kept)."),
+    cpu_sharing: int = typer.Option(
+        3,
+        help=(
+            "CPU only: measure what 2..N concurrent workers get of this host's cores (the planner's "
+            "cpu_slowdown); 0 skips it (the planner then shares the cores evenly)."
+        ),
+    ),
 ):
     """Measure rollout / train step times vs batch size, decode, reward, weight-sync and memory on this
     device."""
@@ -176,7 +183,9 @@ def profile(
     from digenrl.run.rundir import check_output_file
 
     check_output_file(out, "--out")
-    run_profile_command(_load(config, None), device, out, console, engine=engine, repeats=repeats)
+    run_profile_command(
+        _load(config, None), device, out, console, engine=engine, repeats=repeats, sharing=cpu_sharing
+    )
 
 
 @app.command()

@@ -12,7 +12,13 @@ from digenrl.config.run import RunConfig
 
 
 def run_profile_command(
-    cfg: RunConfig, device: str, out: Path, console: Console, engine: str | None = None, repeats: int = 5
+    cfg: RunConfig,
+    device: str,
+    out: Path,
+    console: Console,
+    engine: str | None = None,
+    repeats: int = 5,
+    sharing: int = 3,
 ) -> dict:
     from digenrl.errors import UserError
     from digenrl.planner.profile import ENGINE_MODES, run_profile, save_profile, steps_total
@@ -29,6 +35,8 @@ def run_profile_command(
         raise UserError(f"--engine: expected none, ray or run, got '{engine}'")
     if repeats < 1:
         raise UserError(f"--repeats: must be at least 1, got {repeats}")
+    if sharing < 0 or sharing == 1:
+        raise UserError(f"--cpu-sharing: 0 (skip) or at least 2 workers, got {sharing}")
     progress = Progress(
         TextColumn("[bold]profile"),
         BarColumn(),
@@ -40,7 +48,7 @@ def run_profile_command(
     from digenrl.cli.liblog import library_output_beside
 
     with library_output_beside(console, lambda: Path(out).with_suffix(".log")), progress:
-        task = progress.add_task("starting", total=steps_total(cfg, engine, device=device))
+        task = progress.add_task("starting", total=steps_total(cfg, engine, device=device, sharing=sharing))
         seen = {"n": 0}
 
         def on_step(what: str) -> None:
@@ -50,9 +58,17 @@ def run_profile_command(
         from digenrl.launch import run_engine
 
         profile = run_profile(
-            cfg, device, repeats=repeats, engine=engine, on_step=on_step, run_engine=run_engine
+            cfg,
+            device,
+            repeats=repeats,
+            engine=engine,
+            sharing=sharing,
+            on_step=on_step,
+            run_engine=run_engine,
         )
-        progress.update(task, completed=steps_total(cfg, engine, device=device), description="done")
+        progress.update(
+            task, completed=steps_total(cfg, engine, device=device, sharing=sharing), description="done"
+        )
     save_profile(profile, out)
     console.print(profile_table(profile))
     console.print(f"wrote {out}")
