@@ -35,8 +35,8 @@ COMMON = [
 ]
 FAMILY_SIZE = {  # per family: a size the tiny preset takes
     "flux": [*TINY_IMAGE],
-    "hunyuan_video": ["model.height=32", "model.width=32", "model.frames=9"],
-    "qwen_image": ["model.height=32", "model.width=32"],
+    "hunyuan_video": ["model.height=32", "model.width=32", "model.frames=5"],
+    "qwen_image": [*TINY_IMAGE],
     "sd3": [*TINY_IMAGE],
     "wan22": ["model.height=32", "model.width=32", "model.frames=5"],
     "qwen_image_edit": ["model.height=32", "model.width=32"],
