@@ -136,9 +136,13 @@ def test_ctrl_c_on_the_local_trainer_keeps_the_last_iteration_and_resumes(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_fatal_error_mid_run_keeps_the_last_iteration(tmp_path):
+@pytest.mark.faults
+def test_a_fatal_error_mid_run_keeps_the_last_iteration(tmp_path, monkeypatch, capsys, ray_cluster):
     """The reward actor dies for good while scoring iteration 1 (engine.max_restarts: 0): rank 0's
-    state is intact, so the run stops with a checkpoint of iteration 1 (none was due) and says so."""
+    state is intact, so the run stops with a checkpoint of iteration 1 (none was due) and says so.
+    (`digenrl train` in this process, on the suite's cluster.)"""
+    from tests.helpers import cli
+
     run = tmp_path / "run"
     sets = SMALL + [
         *FULL_MODE,
@@ -149,9 +153,8 @@ def test_a_fatal_error_mid_run_keeps_the_last_iteration(tmp_path):
         "reward.service={num_cpus: 0.1}",
         "engine.faults=[{worker: reward, unit: rollout-1-0}]",
     ]
-    proc = train("--run-dir", str(run), *as_sets(sets))
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 1, err
+    code, _, err = cli(monkeypatch, capsys, "train", "--run-dir", str(run), *as_sets(sets))
+    assert code == 1, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: the reward actor died and was not restarted (engine.max_restarts: 0")
     assert last.endswith(
