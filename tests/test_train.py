@@ -12,8 +12,8 @@ from tests.helpers import FULL_MODE_SETS, TINY_IMAGE, as_sets
 
 pytestmark = pytest.mark.slow  # Ray, subprocess or learning runs: ./dev.sh test -m "not slow" skips them
 
-ON_POLICY_LR = "train.lr=1e-2"
-LEARN_ITERATIONS = 30  # the gain at 30: 0.17 against the 0.05 and 4-sigma (0.05) bars  # the default's 3e-3 is for its one-step async; this trainer is on-policy
+ON_POLICY_LR = "train.lr=1e-2"  # the default's 3e-3 is for its one-step async; this trainer is on-policy
+LEARN_ITERATIONS = 30  # the gain at 30: 0.17 against the 0.05 and 4-sigma (0.05) bars
 
 
 @pytest.fixture(scope="module")
