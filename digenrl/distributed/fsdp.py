@@ -5,6 +5,8 @@ Details: docs/modules.md, `digenrl.distributed.fsdp`.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -19,13 +21,37 @@ from digenrl.distributed.precision import fp32_master
 
 
 def forget_meshes() -> None:
-    """Drop DTensor's process-wide sharding caches (Python's, of this thread, and the C++ fast
-    path's), for a process kept to join another run's groups. A cached op's output carries the mesh
-    it was first computed on, and meshes compare equal by shape and global ranks alone: a process
-    whose coordinate in an equal-looking mesh changed would get its old coordinate back, and place
-    its shards at another rank's offsets (DCP then refuses the save plan)."""
+    """Drop every DTensor cache that holds a mesh, for a process kept to join another run's groups
+    (call it on the thread that ran the DTensor ops: the sharding caches are per thread).
+
+    A cached op's output carries the mesh it was first computed on, and meshes compare equal by shape
+    and global ranks alone: a process whose coordinate in an equal-looking mesh changed would get its
+    old coordinate back, and place its shards at another rank's offsets (DCP then refuses the save
+    plan). And a cached mesh holds its process groups: the redistribute plans and cost caches an
+    optimizer step fills kept a destroyed group alive -- gloo's threads, sockets to the old peers,
+    rank 0's store server -- one more every run (tests/test_warm.py)."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
+    clear_redistribute_planner_cache()
+    for cached in _dtensor_lru_caches():
+        cached.cache_clear()
+
+
+def _dtensor_lru_caches() -> list:
+    """The ``functools.lru_cache`` functions of torch's DTensor modules (and of their classes)."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed.tensor") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            inner = vars(value).values() if isinstance(value, type) and value.__module__ == name else ()
+            for v in (value, *inner):
+                v = getattr(v, "__func__", v)  # (a cached staticmethod)
+                if not isinstance(v, type) and callable(getattr(v, "cache_clear", None)):
+                    found.append(v)
+    return found
 
 
 def trainer_mesh(degree: int | None = None, device_type: str = "cpu") -> DeviceMesh:
