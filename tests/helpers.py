@@ -1,9 +1,12 @@
 """Shared test helpers, and the suite's one tiny size."""
 
+import atexit
 import json
 import os
 import runpy
+import shutil
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -83,6 +86,14 @@ def cli(monkeypatch, capsys, *argv):
         main()
     out = capsys.readouterr()
     return exc.value.code, out.out, out.err
+
+
+def ray_tmpdir(prefix: str) -> str:
+    """A fresh directory for a subprocess's own Ray cluster (``RAY_TMPDIR``): short, under /tmp
+    (Ray's socket paths must fit 107 bytes), removed when this test process exits."""
+    path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def local_ray(pools: dict[str, int] = POOLS):

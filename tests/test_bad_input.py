@@ -12,7 +12,7 @@ import pytest
 
 from digenrl.cli.app import main
 from digenrl.placement.preflight import CPU_DEVICES_PER_CORE
-from tests.helpers import FULL_MODE_SETS, TINY, TINY_IMAGE, TINY_SETS, as_sets
+from tests.helpers import FULL_MODE_SETS, TINY, TINY_IMAGE, TINY_SETS, as_sets, ray_tmpdir
 
 
 def cli(monkeypatch, capsys, argv):
@@ -662,7 +662,6 @@ def test_two_trainings_into_one_directory_one_refuses(tmp_path):
     lock is taken before the driver is chosen, so the local trainer stands for the engine here (the
     engine only widens the window: Ray and the workers start after the lock)."""
     import subprocess
-    import tempfile
     import time
 
     run = tmp_path / "run"
@@ -671,7 +670,7 @@ def test_two_trainings_into_one_directory_one_refuses(tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     procs = []
     for _ in range(2):
-        tmp = tempfile.mkdtemp(prefix="di", dir="/tmp")  # each its own Ray cluster's files
+        tmp = ray_tmpdir("di")  # each its own Ray cluster's files
         procs.append(
             subprocess.Popen(
                 argv,

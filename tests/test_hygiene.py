@@ -8,13 +8,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY, as_sets
+from tests.helpers import TINY, as_sets, ray_tmpdir
 
 pytestmark = [
     pytest.mark.slow,
@@ -36,7 +35,7 @@ def test_killed_ray_head_stops_the_run_within_seconds(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    head_dir = tempfile.mkdtemp(prefix="dk", dir="/tmp")
+    head_dir = ray_tmpdir("dk")
     ray_bin = str(Path(sys.executable).parent / "ray")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     subprocess.run(

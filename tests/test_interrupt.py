@@ -17,13 +17,12 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import FULL_MODE, TINY, as_sets, marked, process_marker, wait_gone
+from tests.helpers import FULL_MODE, TINY, as_sets, marked, process_marker, ray_tmpdir, wait_gone
 
 SMALL = [
     *TINY,
@@ -35,7 +34,7 @@ def train(*args: str) -> subprocess.Popen:
     """``digenrl train ARGS`` as a subprocess; ``proc.marker`` is in the environment of every process
     it starts (:func:`tests.helpers.marked`)."""
     marker = process_marker()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": tempfile.mkdtemp(prefix="di", dir="/tmp")}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmpdir("di")}
     env[marker] = "1"  # (RAY_TMPDIR short: Ray's socket paths are limited)
     argv = [sys.executable, "-m", "digenrl.cli.app", "train", *args]
     # SIGINT as a terminal delivers it: a suite started in the background (`cmd &` in a script) ignores
