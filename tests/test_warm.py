@@ -39,16 +39,13 @@ def test_the_kind_leaves_out_the_cpu_share_and_keeps_the_rest():
     assert warm.bundle_of(TRAINER) == {"CPU": warm.CPU_SHARE, "pool:trainer": 1}
 
 
-def test_a_kept_actor_is_taken_by_the_worker_it_ran_else_by_another_of_its_kind(released):
-    pool = pool_of(("rollout0", ROLLOUT), ("trainer0", TRAINER), ("trainer1", TRAINER), ("rollout1", ROLLOUT))
-    got = pool.take(["rollout0", "trainer2", "trainer1"], [ROLLOUT, TRAINER, TRAINER], TOTAL)
-    # trainer1 takes its own although trainer2 asks first; trainer2 gets trainer0's
-    assert [k.name for k in got] == ["rollout0", "trainer0", "trainer1"]
-    assert released == [] and [k.name for k in pool.kept] == ["rollout1"]
-    assert (pool.reused, pool.started) == (3, 0)
-    pool = pool_of(("rollout0", ROLLOUT), ("trainer0", TRAINER))
-    got = pool.take(["trainer0"], [ROLLOUT], TOTAL)  # never across kinds, whatever the name
-    assert [k.name for k in got] == ["rollout0"] and [k.name for k in pool.kept] == ["trainer0"]
+def test_a_kept_actor_is_taken_only_by_the_worker_it_ran_and_of_its_kind(released):
+    pool = pool_of(("rollout0", ROLLOUT), ("trainer0", TRAINER), ("trainer1", TRAINER))
+    got = pool.take(["rollout0", "trainer1", "trainer2"], [ROLLOUT, TRAINER, TRAINER], TOTAL)
+    assert [k and k.name for k in got] == ["rollout0", "trainer1", None]
+    # trainer0 is not handed to trainer2 (a rank it was not), and the new trainer2 needs its device
+    assert released == ["trainer0"] and pool.kept == []
+    assert (pool.reused, pool.started) == (2, 1)
 
 
 def test_kept_actors_not_taken_stay_while_their_devices_are_not_needed(released):

@@ -56,7 +56,7 @@ _active: WarmPool | None = None  # the pool of the warm_workers() block this pro
 
 @dataclass
 class Kept:
-    name: str  # the worker it ran last (taken first by that worker again: see WarmPool.take)
+    name: str  # the worker it ran last (it is only ever that worker again: see WarmPool.take)
     kind: tuple  # what fixes an actor at creation (see kind_of)
     group: object  # its one-bundle placement group
     actor: object
@@ -120,26 +120,19 @@ class WarmPool:
             self.board.drop.remote(keys)
 
     def take(self, names: list[str], kinds: list[tuple], total: dict[str, float]) -> list[Kept | None]:
-        """For each of a run's workers (``names``, ``kinds``, in order), a kept actor of its kind
-        (handed over: no longer kept), or None: the one that last ran the worker of that name, else
-        any other of the kind. The kept actors not taken stay kept unless the workers to start need
-        their devices (of the cluster's ``total``): those are released.
+        """For each of a run's workers (``names``, ``kinds``, in order), the kept actor that last ran
+        the worker of that name, when of that kind (handed over: no longer kept), or None. The kept
+        actors not taken stay kept unless the workers to start need their devices (of the cluster's
+        ``total``): those are released.
 
-        Any of the kind: what torch keeps per process across runs -- DTensor's caches, which hold a
-        mesh and its coordinates -- ``WarmWorker.retire`` clears
-        (:func:`digenrl.distributed.fsdp.forget_meshes`), so a process that was trainer1 can be
-        trainer0 next (tests/test_warm.py). The same name first keeps the reuse predictable."""
+        By name: a worker comes back as itself. (What torch keeps per process across runs, DTensor's
+        sharding cache, ``EngineWorker.retire`` clears: :func:`digenrl.distributed.fsdp.forget_meshes`.)"""
         left, out = list(self.kept), []
         for name, kind in zip(names, kinds):
             match = next((k for k in left if k.name == name and k.kind == kind), None)
             if match is not None:
                 left.remove(match)
             out.append(match)
-        for i, kind in enumerate(kinds):
-            if out[i] is None:
-                out[i] = next((k for k in left if k.kind == kind), None)
-                if out[i] is not None:
-                    left.remove(out[i])
         need = _sum(bundle_of(kd) for kd, k in zip(kinds, out) if k is None)
         while left:
             held = _sum(bundle_of(k.kind) for k in [*left, *filter(None, out)])
