@@ -152,13 +152,21 @@ def small_area(monkeypatch):
     monkeypatch.setattr(adapter_module, "CONDITION_AREA", AREA)
 
 
-def test_stock_pipeline_needs_torchvision_for_the_processor(checkpoint):
-    """Why the adapter builds the processor itself: the checkpoint's video processor needs torchvision."""
+def test_the_adapter_builds_the_processor_exactly_where_the_stock_pipeline_cannot(checkpoint):
+    """Why the adapter builds the processor itself: the checkpoint's video processor needs torchvision.
+    Without it the stock pipeline fails and the adapter supplies an image-only processor; with it the
+    stock pipeline loads and the adapter leaves the processor to it."""
     from diffusers import QwenImageEditPipeline
     from transformers.utils import is_torchvision_available
 
+    from digenrl.adapters.qwen_vl_processor import ImageOnlyQwen2VLProcessor, processor_without_video
+
+    ours = processor_without_video(checkpoint[0])
     if is_torchvision_available():
-        pytest.skip("torchvision is installed: the stock processor loads")
+        assert ours == {}
+        assert QwenImageEditPipeline.from_pretrained(checkpoint[0]).processor is not None
+        return
+    assert isinstance(ours["processor"], ImageOnlyQwen2VLProcessor)
     with pytest.raises(ImportError, match="Qwen2VLVideoProcessor requires the Torchvision library"):
         QwenImageEditPipeline.from_pretrained(checkpoint[0])
 
