@@ -1,6 +1,6 @@
 """Warm workers: a sequence of engine runs in one process, each starting fresh actors ("cold") vs
 inside ``tests.warm.warm_workers()`` ("warm": each run builds its workers in the
-processes the previous runs kept, by worker name and kind).
+processes the previous runs kept, by kind, the same worker name first).
 
     python benchmarks/warm_workers.py [--repeats 3] [--runs sync,fsdp2,rollout_sp,sync] [--json F]
 

@@ -43,8 +43,10 @@ FULL_MODE_SETS = as_sets(FULL_MODE)
 TINY_SETS = as_sets(TINY)
 #: No sample grids, no TensorBoard: what a run writes besides what a test reads.
 QUIET = ["output.save_samples_every=0", "output.tensorboard=false"]
-#: The logical devices of the suite's one Ray cluster: enough for every engine test's pools.
-POOLS = {"pool:rollout": 2, "pool:trainer": 4}
+#: The logical devices of the suite's one Ray cluster: enough for every engine test's pools, and
+#: rollout devices to spare, so the warm pool (tests/warm.py) keeps rollout actors of several kinds
+#: (restart budget, scoring group) while a run uses others.
+POOLS = {"pool:rollout": 4, "pool:trainer": 4}
 
 
 def process_marker() -> str:

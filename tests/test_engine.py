@@ -509,10 +509,13 @@ def test_unsatisfiable_cluster_fails_fast(cluster, tmp_path, monkeypatch):
     """Refused from the cluster's resources, before a placement group could wait for them."""
     module = importlib.import_module("ray.util.placement_group")  # (ray.util.placement_group: the function)
     monkeypatch.setattr(module, "placement_group", unreachable("a placement group"))
-    three = load_config(None, BASE + DISAGG + ["cluster.pools=[{name: rollout, count: 3}, {name: trainer}]"])
+    have = POOLS["pool:rollout"]
+    more = load_config(
+        None, BASE + DISAGG + [f"cluster.pools=[{{name: rollout, count: {have + 1}}}, {{name: trainer}}]"]
+    )
     expect_user_error(
-        three,
-        ["pool:rollout 3 needed, 2 exist", "3 x cpu for pool 'rollout'"],
+        more,
+        [f"pool:rollout {have + 1} needed, {have} exist", f"{have + 1} x cpu for pool 'rollout'"],
         ray_address=cluster,
         run_dir=tmp_path / "a",
     )

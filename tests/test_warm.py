@@ -39,13 +39,16 @@ def test_the_kind_leaves_out_the_cpu_share_and_keeps_the_rest():
     assert warm.bundle_of(TRAINER) == {"CPU": warm.CPU_SHARE, "pool:trainer": 1}
 
 
-def test_a_kept_actor_is_taken_only_by_the_worker_it_ran_and_of_its_kind(released):
-    pool = pool_of(("rollout0", ROLLOUT), ("trainer0", TRAINER), ("trainer1", TRAINER))
-    got = pool.take(["rollout0", "trainer1", "trainer2"], [ROLLOUT, TRAINER, TRAINER], TOTAL)
-    assert [k and k.name for k in got] == ["rollout0", "trainer1", None]
-    # trainer0 is not handed to trainer2 (a rank it was not), and the new trainer2 needs its device
-    assert released == ["trainer0"] and pool.kept == []
-    assert (pool.reused, pool.started) == (2, 1)
+def test_a_kept_actor_is_taken_by_the_worker_it_ran_else_by_another_of_its_kind(released):
+    pool = pool_of(("rollout0", ROLLOUT), ("trainer0", TRAINER), ("trainer1", TRAINER), ("rollout1", ROLLOUT))
+    got = pool.take(["rollout0", "trainer2", "trainer1"], [ROLLOUT, TRAINER, TRAINER], TOTAL)
+    # trainer1 takes its own although trainer2 asks first; trainer2 gets trainer0's
+    assert [k.name for k in got] == ["rollout0", "trainer0", "trainer1"]
+    assert released == [] and [k.name for k in pool.kept] == ["rollout1"]
+    assert (pool.reused, pool.started) == (3, 0)
+    pool = pool_of(("rollout0", ROLLOUT), ("trainer0", TRAINER))
+    got = pool.take(["trainer0"], [ROLLOUT], TOTAL)  # never across kinds, whatever the name
+    assert [k.name for k in got] == ["rollout0"] and [k.name for k in pool.kept] == ["trainer0"]
 
 
 def test_kept_actors_not_taken_stay_while_their_devices_are_not_needed(released):
@@ -89,6 +92,31 @@ def test_a_run_in_kept_processes_equals_one_in_fresh_processes(ray_cluster, tmp_
     lora = "final/pytorch_lora_weights.safetensors"
     want, got = load_file(tmp_path / "fresh" / lora), load_file(tmp_path / "warm" / lora)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_a_run_refused_while_its_workers_build_leaves_them_kept(ray_cluster, tmp_path):
+    """Bad input that only a worker's build finds (an unknown reward) fails the run from ``ready``,
+    before any process group or thread exists: its actors come back empty and the next run builds
+    in them. (A failure later in a run kills every actor: the fault tests' runs.) The refused run's
+    rollout worker scores beside its units (an unknown reward is taken for a model), so only the
+    trainer's kind is the next run's."""
+    from digenrl.errors import UserError
+    from digenrl.launch import run_engine
+    from digenrl.placement.resolve import resolve
+
+    pool = warm.active()
+    pool.clear()
+    base = [*TINY, "train.iterations=1", "placement.mode=disaggregated"]
+    with pytest.raises(UserError, match="unknown reward 'hpsv9'"):
+        run_engine(load_config(None, [*base, "reward.components=[{name: hpsv9}]"]), run_dir=tmp_path / "bad")
+    cfg = load_config(None, base)
+    names = [w.name for w in resolve(cfg).workers]
+    assert sorted(k.name for k in pool.kept) == sorted(names)
+    trainer, started = next(k.actor for k in pool.kept if k.name == "trainer0"), pool.started
+    run_engine(cfg, run_dir=tmp_path / "good")
+    assert any(k.actor is trainer for k in pool.kept)  # built in the refused run's process, kept again
+    assert pool.started == started + 1  # the rollout worker, of another kind
 
 
 @pytest.mark.slow

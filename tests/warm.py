@@ -23,9 +23,10 @@ each run (:meth:`WarmPool.post`); a restarted warm actor builds what the board s
 (:class:`WarmWorker`'s ``restart_from``). Runs with injected faults use warm actors too.
 
 Fresh actors, always, where a kept process could carry something over: a compiled transformer
-(dynamo's caches). After a run that failed, every actor is killed; after one that finished, the
-actors that came back empty in the process they started the run in are kept, the others (restarted
-ones) killed.
+(dynamo's caches). After a run that finished, or one refused while its workers built (bad input,
+raised by their ``ready``: no process group or thread exists yet), the actors that come back empty
+in the process they started the run in are kept, the others (restarted ones) killed; after a run
+that failed later, every actor is killed.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from digenrl.engine.groups import abort_process_group
 from digenrl.engine.resources import reserve
 from digenrl.engine.worker_setup import restarted
 from digenrl.engine.workers import EngineWorker
+from tests.warm_board import ArgsBoard
 
 #: A warm actor's CPU share (logical): small enough that any run's workers fit beside kept ones.
 CPU_SHARE = 0.05
@@ -56,29 +58,11 @@ _active: WarmPool | None = None  # the pool of the warm_workers() block this pro
 
 @dataclass
 class Kept:
-    name: str  # the worker it ran last (it is only ever that worker again: see WarmPool.take)
+    name: str  # the worker it ran last (taken first by that worker again: see WarmPool.take)
     kind: tuple  # what fixes an actor at creation (see kind_of)
     group: object  # its one-bundle placement group
     actor: object
     key: str = ""  # its entry on the pool's ArgsBoard
-
-
-class ArgsBoard:
-    """A Ray actor of the pool: by warm actor, the constructor arguments of the worker last built in it
-    (a one-element list holding the driver's ObjectRef of ``(args, kwargs)``: never unpickled here)."""
-
-    def __init__(self):
-        self.posted: dict[str, list] = {}
-
-    def put(self, key: str, boxed: list) -> None:
-        self.posted[key] = boxed
-
-    def get(self, key: str) -> list:
-        return self.posted[key]
-
-    def drop(self, keys: list[str]) -> None:
-        for key in keys:
-            self.posted.pop(key, None)
 
 
 def posted_args(restart_from: tuple) -> tuple[tuple, dict]:
@@ -120,19 +104,26 @@ class WarmPool:
             self.board.drop.remote(keys)
 
     def take(self, names: list[str], kinds: list[tuple], total: dict[str, float]) -> list[Kept | None]:
-        """For each of a run's workers (``names``, ``kinds``, in order), the kept actor that last ran
-        the worker of that name, when of that kind (handed over: no longer kept), or None. The kept
-        actors not taken stay kept unless the workers to start need their devices (of the cluster's
-        ``total``): those are released.
+        """For each of a run's workers (``names``, ``kinds``, in order), a kept actor of its kind
+        (handed over: no longer kept), or None: the one that last ran the worker of that name, else
+        any other of the kind. The kept actors not taken stay kept unless the workers to start need
+        their devices (of the cluster's ``total``): those are released.
 
-        By name: a worker comes back as itself. (What torch keeps per process across runs, DTensor's
-        sharding cache, ``EngineWorker.retire`` clears: :func:`digenrl.distributed.fsdp.forget_meshes`.)"""
+        Any of the kind: what torch keeps per process across runs -- DTensor's caches, which hold a
+        mesh and its coordinates -- ``WarmWorker.retire`` clears
+        (:func:`digenrl.distributed.fsdp.forget_meshes`), so a process that was trainer1 can be
+        trainer0 next (tests/test_warm.py). The same name first keeps the reuse predictable."""
         left, out = list(self.kept), []
         for name, kind in zip(names, kinds):
             match = next((k for k in left if k.name == name and k.kind == kind), None)
             if match is not None:
                 left.remove(match)
             out.append(match)
+        for i, kind in enumerate(kinds):
+            if out[i] is None:
+                out[i] = next((k for k in left if k.kind == kind), None)
+                if out[i] is not None:
+                    left.remove(out[i])
         need = _sum(bundle_of(kd) for kd, k in zip(kinds, out) if k is None)
         while left:
             held = _sum(bundle_of(k.kind) for k in [*left, *filter(None, out)])
@@ -236,10 +227,14 @@ class WarmWorker(EngineWorker):
     def retire(self) -> int | None:
         """The end of a run whose process is kept: leave its process groups, stop the weight-sync
         thread, drop everything it built. Returns this process's id, or None when something is
-        still running in it (the driver then kills it)."""
-        inbox = self.sync if isinstance(self.sync, sync_group.BroadcastInbox) else None
-        if isinstance(self.sync, sync_group.BroadcastPublisher):
-            self.sync.close()  # the receivers' threads end
+        still running in it or Ray restarted it (the driver then kills it). Also after a build that
+        failed (``init_error``): what it built, if anything, goes."""
+        if restarted():
+            return None
+        sync = getattr(self, "sync", None)  # (absent when the build failed before it)
+        inbox = sync if isinstance(sync, sync_group.BroadcastInbox) else None
+        if isinstance(sync, sync_group.BroadcastPublisher):
+            sync.close()  # the receivers' threads end
         if inbox is not None and not inbox.stopped(timeout=RETIRE_WAIT_S):
             return None
         abort_process_group()
@@ -257,6 +252,7 @@ class WarmActors:
     def __init__(self, pool: WarmPool):
         self.pool = pool
         self.fresh = None  # a run that may not use warm actors starts fresh ones (eligible)
+        self.open = False  # between a run's start and its finish
 
     def start(self, cfg, plans, workers, node_groups=()) -> dict:
         import ray
@@ -265,7 +261,7 @@ class WarmActors:
             self.pool.clear()
             self.fresh = FreshActors()
             return self.fresh.start(cfg, plans, workers, node_groups)
-        self.fresh, self.names = None, [p.name for p in plans]
+        self.fresh, self.open, self.names = None, True, [p.name for p in plans]
         self.kinds = [kind_of(p.bundle, p.scoring, p.max_restarts) for p in plans]
         self.groups, self.keys, self.kept = [], [], [None] * len(plans)
         self.kept = self.pool.take([p.name for p in plans], self.kinds, ray.cluster_resources())
@@ -292,7 +288,13 @@ class WarmActors:
 
         if self.fresh is not None:
             return self.fresh.finish(actors, pids, clean)
-        back = _retired(actors, pids) if clean else set()
+        if not self.open:  # the run failed before it asked for actors: nothing of it to release
+            return
+        self.open = False
+        # A run that finished, or one refused while its workers built (bad input: ``ready`` raised,
+        # so no ``pids``, no process group or thread yet), leaves its processes clean: they are
+        # emptied and kept. After a failure later in a run every actor goes.
+        back = _retired(actors, pids) if clean or not pids else set()
         # keep those back empty, as they started; the rest go
         stay = [i for i, name in enumerate(self.names) if name in back]
         self.pool.keep(
@@ -312,7 +314,8 @@ class WarmActors:
 
 def _retired(actors: dict, pids: dict) -> set[str]:
     """Empty every worker of a finished run for the next one: the names of those that came back
-    empty in the process they started the run in (not restarted)."""
+    empty in the process they started the run in (not restarted; ``pids``: by worker, the process
+    its ``ready`` reported, empty when the run failed before)."""
     import ray
 
     calls = {name: a.retire.remote() for name, a in actors.items()}
@@ -320,7 +323,8 @@ def _retired(actors: dict, pids: dict) -> set[str]:
     back = set()
     for name, call in calls.items():
         try:
-            if ray.get(call, timeout=0) == pids[name]:
+            pid = ray.get(call, timeout=0)
+            if pid is not None and pid == pids.get(name, pid):
                 back.add(name)
         except Exception:  # noqa: BLE001 -- a worker that cannot retire (or not yet) is killed
             pass
