@@ -108,6 +108,9 @@ def local_ray(pools: dict[str, int] = POOLS):
     # in the stderr of whichever CLI test was capturing next (seen under xdist: test_bad_input)
     quiet = dict(include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     ray.init(address="local", num_cpus=2, resources=dict(pools), **quiet)
+    # Its log monitor tails every worker's log file for a driver that reads none (log_to_driver off):
+    # ~10 s of CPU over a suite run, for nothing
+    ray._private.worker._global_node.kill_log_monitor()
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
