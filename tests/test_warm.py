@@ -96,27 +96,28 @@ def test_a_run_in_kept_processes_equals_one_in_fresh_processes(ray_cluster, tmp_
 
 @pytest.mark.slow
 def test_a_run_refused_while_its_workers_build_leaves_them_kept(ray_cluster, tmp_path):
-    """Bad input that only a worker's build finds (an unknown reward) fails the run from ``ready``,
-    before any process group or thread exists: its actors come back empty and the next run builds
-    in them. (A failure later in a run kills every actor: the fault tests' runs.) The refused run's
-    rollout worker scores beside its units (an unknown reward is taken for a model), so only the
-    trainer's kind is the next run's."""
+    """Bad input that only a worker's build finds (LoRA targets matching no module) fails the run
+    from ``ready``, before any process group or thread exists: its actors come back empty, stay kept,
+    and the same run with good input builds every worker in them. (A failure later in a run kills
+    every actor: the fault tests' runs.) The pool is not cleared first: the refused run may itself
+    start in kept actors, which is what the suite's bad-input runs do."""
+    from digenrl.engine import cluster
     from digenrl.errors import UserError
     from digenrl.launch import run_engine
     from digenrl.placement.resolve import resolve
 
-    pool = warm.active()
-    pool.clear()
+    pool, source = warm.active(), cluster._installed  # (the suite's actor source: warm.WarmActors)
     base = [*TINY, "train.iterations=1", "placement.mode=disaggregated"]
-    with pytest.raises(UserError, match="unknown reward 'hpsv9'"):
-        run_engine(load_config(None, [*base, "reward.components=[{name: hpsv9}]"]), run_dir=tmp_path / "bad")
-    cfg = load_config(None, base)
-    names = [w.name for w in resolve(cfg).workers]
-    assert sorted(k.name for k in pool.kept) == sorted(names)
-    trainer, started = next(k.actor for k in pool.kept if k.name == "trainer0"), pool.started
-    run_engine(cfg, run_dir=tmp_path / "good")
-    assert any(k.actor is trainer for k in pool.kept)  # built in the refused run's process, kept again
-    assert pool.started == started + 1  # the rollout worker, of another kind
+    bad = load_config(None, [*base, "model.lora.targets=[to_qkv]"])
+    asked = pool.started + pool.reused
+    with pytest.raises(UserError, match="match no linear module"):
+        run_engine(bad, run_dir=tmp_path / "bad")
+    assert pool.started + pool.reused == asked + len(resolve(bad).workers)  # refused by its workers
+    refused = set(source.keys)  # the refused run's actors, by their entries on the pool's board
+    assert refused <= {k.key for k in pool.kept}
+    started = pool.started
+    run_engine(load_config(None, base), run_dir=tmp_path / "good")
+    assert pool.started == started and set(source.keys) == refused  # built in those processes
 
 
 @pytest.mark.slow
