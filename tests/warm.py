@@ -113,17 +113,9 @@ class WarmPool:
         mesh and its coordinates -- ``WarmWorker.retire`` clears
         (:func:`digenrl.distributed.fsdp.forget_meshes`), so a process that was trainer1 can be
         trainer0 next (tests/test_warm.py). The same name first keeps the reuse predictable."""
-        left, out = list(self.kept), []
-        for name, kind in zip(names, kinds):
-            match = next((k for k in left if k.name == name and k.kind == kind), None)
-            if match is not None:
-                left.remove(match)
-            out.append(match)
-        for i, kind in enumerate(kinds):
-            if out[i] is None:
-                out[i] = next((k for k in left if k.kind == kind), None)
-                if out[i] is not None:
-                    left.remove(out[i])
+        left = list(self.kept)
+        out = [_pop(left, lambda k: k.name == name and k.kind == kind) for name, kind in zip(names, kinds)]
+        out = [got or _pop(left, lambda k: k.kind == kind) for got, kind in zip(out, kinds)]
         need = _sum(bundle_of(kd) for kd, k in zip(kinds, out) if k is None)
         while left:
             held = _sum(bundle_of(k.kind) for k in [*left, *filter(None, out)])
@@ -152,6 +144,14 @@ class WarmPool:
         kept, self.kept = self.kept, []
         release(kept)
         self.forget([k.key for k in kept])
+
+
+def _pop(kept: list[Kept], match) -> Kept | None:
+    """The first of ``kept`` that ``match``es, removed from it; or None."""
+    found = next((k for k in kept if match(k)), None)
+    if found is not None:
+        kept.remove(found)
+    return found
 
 
 def _sum(bundles) -> dict[str, float]:
@@ -294,7 +294,7 @@ class WarmActors:
         # A run that finished, or one refused while its workers built (bad input: ``ready`` raised,
         # so no ``pids``, no process group or thread yet), leaves its processes clean: they are
         # emptied and kept. After a failure later in a run every actor goes.
-        back = _retired(actors, pids) if clean or not pids else set()
+        back = _retired(actors) if clean or not pids else set()
         # keep those back empty, as they started; the rest go
         stay = [i for i, name in enumerate(self.names) if name in back]
         self.pool.keep(
@@ -312,10 +312,9 @@ class WarmActors:
                 remove_placement_group(group)
 
 
-def _retired(actors: dict, pids: dict) -> set[str]:
+def _retired(actors: dict) -> set[str]:
     """Empty every worker of a finished run for the next one: the names of those that came back
-    empty in the process they started the run in (not restarted; ``pids``: by worker, the process
-    its ``ready`` reported, empty when the run failed before)."""
+    empty in the process they started the run in (a process Ray restarted answers None)."""
     import ray
 
     calls = {name: a.retire.remote() for name, a in actors.items()}
@@ -323,8 +322,7 @@ def _retired(actors: dict, pids: dict) -> set[str]:
     back = set()
     for name, call in calls.items():
         try:
-            pid = ray.get(call, timeout=0)
-            if pid is not None and pid == pids.get(name, pid):
+            if ray.get(call, timeout=0) is not None:
                 back.add(name)
         except Exception:  # noqa: BLE001 -- a worker that cannot retire (or not yet) is killed
             pass

@@ -1,6 +1,6 @@
 """The warm pool's board (tests/warm.py): a Ray actor holding, by warm actor, the constructor
 arguments of the worker last built in it. Its own module, importing nothing heavy: the actor's
-process imports only this (tests/warm.py would pull torch and diffusers, ~4 s of CPU, into a process
+process imports only this (tests/warm.py would pull torch and the engine, ~2 s of CPU, into a process
 that stores a few references)."""
 
 from __future__ import annotations
