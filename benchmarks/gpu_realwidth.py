@@ -97,6 +97,7 @@ def build(args, dev):
             f"model.width={px}",
             f"model.max_text_len={args.text_len}",
             f"sampling.steps={args.steps}",
+            f"model.cudnn_attention={getattr(args, 'cudnn_attention', False)}",
         ],
     )
     adapter = build_adapter(cfg.model, cfg.sampling, dev)

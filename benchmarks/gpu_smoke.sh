@@ -22,6 +22,9 @@
 #   GPUs: the nccl all-reduce), and with >= 2 GPUs disaggregated (1 rollout GPU + the rest as
 #   trainer ranks, GAP, TAG, TSP, one-step async: the weight sync between GPU workers); each run
 #   must leave 2 metrics rows, timeline.json / .png and final weights;
+# - train_variants: benchmarks/gpu_train_variants.py -> train_variants.json: the same FLUX's train step
+#   with fp32 masters and with LoRA (attention off cuDNN's kernel, the default), and once with
+#   model.cudnn_attention on (its backward failed on the first GPU run; reported, not counted);
 # - fsdp_dtype: benchmarks/gpu_fsdp_dtype.py -> fsdp_dtype.json: one FSDP2 rank (NCCL, world size 1) of
 #   the real-width FLUX in bf16: the root's inputs and the blocks' rotary tables keep their dtypes, the
 #   sharded velocity equals the unsharded one bit for bit;
@@ -36,7 +39,7 @@ set -uo pipefail
 OUT=${1:-${OUT:-$(mktemp -d)}}
 PY=${PYTHON:-python}
 DEVICE=${DEVICE:-cuda}
-PARTS=${PARTS:-dedicated realwidth fsdp_dtype fold colocated shared disaggregated profile}
+PARTS=${PARTS:-dedicated realwidth train_variants fsdp_dtype fold colocated shared disaggregated profile}
 BUDGET=${BUDGET:-480}
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -50,6 +53,7 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: tiny widths, logical CPU devices
              --compile-backend eager --compile-batch 2 --reward-images 2)
   REALWIDTH=(--tiny --device cpu --double 1 --single 1 --batch 1 --steps 2)
   FSDP_DTYPE=(--tiny --device cpu --double 1 --single 1)
+  TRAIN_VARIANTS=(--tiny --device cpu --double 1 --single 1 --steps 2 --batch 1 --variants cudnn)
 else
   visible_gpus() {  # the GPUs this process may use: nvidia-smi's, narrowed by CUDA_VISIBLE_DEVICES when set
     local listed ids id n=0
@@ -74,6 +78,7 @@ else
   DEDICATED=(--gpu "$KIND")
   REALWIDTH=(--gpu "$KIND")
   FSDP_DTYPE=(--device cuda)
+  TRAIN_VARIANTS=(--gpu "$KIND" --variants fp32_master lora cudnn)
 fi
 echo "gpu_smoke: $NGPU $DEVICE device(s) ($KIND); output in $OUT; parts: $PARTS"
 if [ "$NGPU" -lt 2 ]; then  # say plainly what one device cannot check
@@ -170,6 +175,7 @@ profile() {
 
 part dedicated timeout 240 "$PY" "$HERE/gpu_dedicated.py" "${DEDICATED[@]}" --json "$OUT/dedicated.json"
 part realwidth timeout 180 "$PY" "$HERE/gpu_realwidth.py" "${REALWIDTH[@]}" --json "$OUT/realwidth.json"
+part train_variants timeout 240 "$PY" "$HERE/gpu_train_variants.py" "${TRAIN_VARIANTS[@]}" --json "$OUT/train_variants.json"
 part fsdp_dtype timeout 120 "$PY" "$HERE/gpu_fsdp_dtype.py" "${FSDP_DTYPE[@]}" --json "$OUT/fsdp_dtype.json"
 part fold "$PY" "$HERE/fold_gpu_check.py" "$OUT" --json "$OUT/fold.json"
 part colocated train colocated placement.mode=colocated \

@@ -4,10 +4,13 @@ can hold its weights, each in its own process so that a CUDA error in one cannot
 - ``fp32_master``: full fine-tuning as ``policy.model`` builds it (fp32 masters, bf16 autocast);
 - ``bf16``: full fine-tuning with the parameters left in bf16 (autocast, no masters);
 - ``lora``: peft LoRA (rank 64) on the bf16 base, LoRA weights in fp32 (the engine's default);
-- ``fp32_master_lt``: ``fp32_master`` with cuBLASLt as torch's preferred BLAS library;
-- ``fp32_master_b1``: ``fp32_master`` at batch 1.
+- ``fp32_master_b1``: ``fp32_master`` at batch 1;
+- ``cudnn``: ``fp32_master`` with ``model.cudnn_attention: true`` -- PyTorch may pick cuDNN's attention
+  kernel, whose backward failed here on an H200 with torch 2.11.0+cu130
+  (benchmarks/gpu_runs/2026-12-04-h200). It says whether the default can change on this torch; its
+  failure is reported, not counted.
 
-    python benchmarks/gpu_train_variants.py [--json F] [--variants ...]
+    python benchmarks/gpu_train_variants.py [--json F] [--variants ...]   (exit 1: a counted variant failed)
     python benchmarks/gpu_train_variants.py --tiny --device cpu      (a dry run of the code)
 
 A variant that fails is run again with CUDA_LAUNCH_BLOCKING=1 and its error's last lines are kept.
@@ -26,7 +29,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-VARIANTS = ("fp32_master", "bf16", "lora", "fp32_master_lt", "fp32_master_b1")
+VARIANTS = ("fp32_master", "bf16", "lora", "fp32_master_b1", "cudnn")
+INFORMATIONAL = {"cudnn"}
 
 
 def one(args) -> dict:
@@ -42,10 +46,7 @@ def one(args) -> dict:
 
     v = args.variant
     dev = torch.device(args.device)
-    if os.environ.get("NO_CUDNN_SDP"):
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    if v.endswith("_lt") and dev.type == "cuda":
-        torch.backends.cuda.preferred_blas_library("cublaslt")
+    args.cudnn_attention = v == "cudnn"
     cfg, ad, model = build(args, dev)
     B = 1 if v.endswith("_b1") else args.batch
     cond = ad.encode_prompts([f"prompt {i}" for i in range(B)])
@@ -142,6 +143,10 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
+    failed = [r["variant"] for r in rows if not r["ok"] and r["variant"] not in INFORMATIONAL]
+    if failed:
+        print(f"gpu_train_variants: failed: {' '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -252,11 +252,13 @@ def test_reward_server_is_exercised_by_the_remote_reward_tests():
 def test_gpu_smoke_dry_run_on_cpu(tmp_path):
     """``DEVICE=cpu`` runs the GPU check's measuring parts at tiny sizes ("gpu_dedicated.py", then
     "fold_gpu_check.py"): every JSON field the fold reads is there, and the fold names the defaults;
-    the one-rank FSDP2 dtype check ("gpu_fsdp_dtype.py") and the two-processes-one-device run pass."""
+    the one-rank FSDP2 dtype check ("gpu_fsdp_dtype.py"), the train step's variants
+    ("gpu_train_variants.py": here only fp32 masters with model.cudnn_attention on) and the
+    two-processes-one-device run pass."""
     env = {
         **os.environ,
         "DEVICE": "cpu",
-        "PARTS": "dedicated fold fsdp_dtype shared",
+        "PARTS": "dedicated train_variants fold fsdp_dtype shared",
         "PYTHON": sys.executable,
     }
     env["PYTHONPATH"] = str(ROOT)
@@ -273,6 +275,9 @@ def test_gpu_smoke_dry_run_on_cpu(tmp_path):
     dtype = json.loads((tmp_path / "fsdp_dtype.json").read_text())
     assert dtype["ok"] and dtype["equal"] and dtype["rotary_dtypes"] == ["torch.float32"]
     assert dtype["root_inputs_unchanged"] and dtype["velocity_scale"] > 0
+    variants = json.loads((tmp_path / "train_variants.json").read_text())
+    assert [(r["variant"], r["ok"], r["launch_blocking"]) for r in variants] == [("cudnn", True, False)]
+    assert finite(variants[0]["ac_off"]["step_s"], variants[0]["ac_on"]["step_s"])
     # two processes (rollout worker, trainer rank) on one device, weights through the object store
     assert "shared: ok" in done.stdout and "weight syncs through the object store" in done.stdout
     ded = json.loads((tmp_path / "dedicated.json").read_text())

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from digenrl.adapters.attention import attention_kernels
 from digenrl.adapters.cond import Cond
 from digenrl.adapters.edit import image_key, split_key
 from digenrl.adapters.prompt_cache import PromptEmbeddingCache
@@ -314,11 +315,14 @@ class Adapter(ABC):
         return 1
 
     # ------------------------------------------------------------------ helpers
+    @contextlib.contextmanager
     def autocast(self):
-        """Mixed precision when the model dtype is not fp32 (trainable LoRA params stay fp32)."""
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        """Every transformer call's numerics: mixed precision when the model dtype is not fp32
+        (trainable LoRA params stay fp32), and the attention kernels ``model.cudnn_attention`` allows."""
+        fp32 = self.dtype == torch.float32
+        mixed = contextlib.nullcontext() if fp32 else torch.autocast(self.device.type, dtype=self.dtype)
+        with attention_kernels(self.cfg.cudnn_attention), mixed:
+            yield
 
     def model_signature(self) -> dict:
         n = sum(p.numel() for p in self.transformer.parameters())

@@ -73,6 +73,11 @@ class ModelConfig(_Section):
         description="a checkpoint's text encoders stay on the CPU and "
         "move to the device only to encode prompts",
     )
+    cudnn_attention: bool = Field(
+        False,
+        description="let PyTorch's attention pick cuDNN's kernel on CUDA (off: its backward failed on the "
+        "first train step at FLUX width in bf16 on an H200, torch 2.11 + CUDA 13.0; docs/real_scale.md)",
+    )
 
     @field_validator("adapter")
     @classmethod
