@@ -790,3 +790,22 @@ def test_the_ranks_agreement_after_a_step_is_an_on_device_pass_not_a_host_copy()
     assert t.agree() == pytest.approx(by_hand)
     assert t.pack() == pytest.approx(w.sync_bytes / DEVICES["H800"].host_bw + w.sync_bytes / 1.5e9)
     assert t.agree() < t.pack() / 5
+
+
+def test_the_gpu_checks_numbers_are_the_planners_and_the_calibration_stays_below_the_kernels():
+    """The defaults folded from the first GPU run equal what fold_gpu_check.py read from its files;
+    the calibrated (effective) Hopper efficiencies are at most the kernels' measured on an H200."""
+    from digenrl.planner.gpus import KERNEL_EFFICIENCY, MEASURED_KERNEL_EFFICIENCY
+    from digenrl.planner.params import CostParams
+
+    run = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_runs" / "2026-12-04-h200"
+    fold = json.loads((run / "fold.json").read_text())
+    assert fold["applies"] and fold["gpu"] == "H200"
+    measured = {d["name"]: d["measured"] for d in fold["defaults"]}
+    sampling, training = MEASURED_KERNEL_EFFICIENCY["H200"]
+    assert sampling == round(measured["sampling peak efficiency"], 3)
+    assert training == round(measured["training peak efficiency"], 3)
+    assert all(k <= m for k, m in zip(KERNEL_EFFICIENCY["H200"], MEASURED_KERNEL_EFFICIENCY["H200"]))
+    p = CostParams()
+    assert p.model_reward_overlap == round(measured["model reward overlap"], 3)
+    assert p.model_reward_params == pytest.approx(measured["model reward parameters"], rel=1e-3)

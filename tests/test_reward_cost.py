@@ -80,11 +80,13 @@ def test_a_rollout_worker_scores_beside_its_next_unit_for_less_than_the_serial_s
     assert any(r.end > nxt[r.uid].start + 1e-9 for r in rewards if r.uid in nxt)
     assert all(r.end - r.start == pytest.approx(hidden) for r in rewards)
     assert overlapped.samples_per_s >= serial.samples_per_s * (1 - 1e-9)
-    # a model on the device hides only the share model_reward_overlap (none by default)
+    # a model on the device hides only the share model_reward_overlap (the GPU check's, by default)
     pick = workload(PICK)
-    none = CostModel(pick, CLUSTER)
+    none = CostModel(pick, CLUSTER, params=CostParams(model_reward_overlap=0.0))
     half = CostModel(pick, CLUSTER, params=CostParams(model_reward_overlap=0.5))
+    default = CostModel(pick, CLUSTER).reward_hidden("H100", 1)
     assert none.reward_hidden("H100", 1) == 0.0
+    assert default == pytest.approx(0.365 * 8 * CostParams().model_reward_s)
     assert half.reward_hidden("H100", 1) == pytest.approx(0.5 * 8 * CostParams().model_reward_s)
     assert (
         _rollout_row(simulate(PLAN, half, iterations=3))[0]

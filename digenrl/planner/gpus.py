@@ -37,6 +37,13 @@ KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
 KERNEL_EFFICIENCY_SOURCE = (
     "calibrated on veRL-Omni's published Qwen-Image step (benchmarks/peer_calibration.py)"
 )
+#: (sampling, training) kernel efficiency measured on a device type by the GPU check
+#: (benchmarks/gpu_smoke.sh; fold_gpu_check.py): DigenRL's own sampler and train step on a FLUX-width
+#: transformer, fitted peaks. Not used for predictions: the calibrated pair above is an effective
+#: efficiency of whole steps, and must stay at or below this (docs/real_scale.md, "The first run").
+MEASURED_KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
+    "H200": (0.759, 0.621),  # one H200, torch 2.11.0+cu130, 2026-12-04: benchmarks/gpu_runs/2026-12-04-h200
+}
 #: every other type: typical values for bf16 DiT kernels with FlashAttention, never measured
 GENERIC_EFFICIENCY = (0.40, 0.35)
 

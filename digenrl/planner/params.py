@@ -32,18 +32,22 @@ class CostParams:
     unit_overhead_s: float = 0.010  # per unit: batching, noise, sigmas, host<->device copies
     checksum_bytes_per_s: float = 1.5e9  # sha256 of shipped weights (one CPU core)
     weight_free_reward_s: float = 0.002  # per image (per frame for video): JPEG size, prompt colour, on CPU
-    model_reward_s: float = 0.010  # per image (per frame): a CLIP-H class reward model on the device
-    # (peer_calibration sets veRL-Omni's VLM judge's); a component's ``seconds_per_image`` overrides it
-    model_reward_params: float = 1.0e9  # its weights on the rollout device (bf16)
+    # per image (per frame): a CLIP-H class reward model on the device (peer_calibration sets veRL-Omni's
+    # VLM judge's); a component's ``seconds_per_image`` overrides it. Kept device-independent: PickScore
+    # (ViT-H/14, bf16, 512 px in) measured 0.0032 s at 16 images per call and 0.036 s at 1 on an H200
+    # (benchmarks/gpu_runs/2026-12-04-h200), mostly not FLOPs; the tables' rollout pools are slower types
+    model_reward_s: float = 0.010
+    model_reward_params: float = 0.986e9  # its weights on the rollout device (bf16): PickScore's, counted
     # per image (per frame): a remote judge (``remote``), waited for by the scoring worker, its device idle;
     # unmeasured (the CLIP-H figure): set the component's ``seconds_per_image`` to the judge's latency
     remote_reward_s: float = 0.010
     # share of an on-device model reward's time a rollout-only worker hides behind its next unit
     # (EngineWorker.score runs in another thread on the same device -- and on CUDA its default stream, so
     # the two units' kernels run one after another: what hides is the host-side part and the sampler's
-    # launch gaps). 0 = no credit until the GPU check measures it (gpu_dedicated.py ``reward_overlap``);
+    # launch gaps). Measured: PickScore on 16 images beside FLUX-width sampling at batch 4 on an H200,
+    # 0.365 of its time hidden (gpu_dedicated.py ``reward_overlap``, benchmarks/gpu_runs/2026-12-04-h200);
     # a remote judge's wait always hides
-    model_reward_overlap: float = 0.0
+    model_reward_overlap: float = 0.365
     # memory
     usable_memory: float = 0.90  # share of device memory the run may use (CUDA context, fragmentation)
     train_act_bytes: float = (
