@@ -118,8 +118,8 @@ def flops_per_forward(model, tokens: int) -> float:
     return 2 * block_params * tokens + 4 * tokens**2 * hidden * len(blocks)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The model's size and the device: the options this script shares with gpu_train_variants.py."""
     ap.add_argument("--double", type=int, default=2)
     ap.add_argument("--single", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4)
@@ -129,7 +129,11 @@ def main():
     ap.add_argument("--gpu", default="H200", help="peak bf16 FLOPs for MFU: " + ", ".join(PEAK_BF16_FLOPS))
     ap.add_argument("--tiny", action="store_true", help="tiny widths: a dry run of the code on CPU")
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    return ap
+
+
+def main():
+    args = model_args(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args()
     if args.tiny:
         args.text_len = min(args.text_len, 16)
     dev = torch.device(args.device)

@@ -113,19 +113,12 @@ def run_variant(argv: list[str], variant: str, timeout: float) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--double", type=int, default=2)
-    ap.add_argument("--single", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--text-len", type=int, default=512)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--gpu", default="H200")
-    ap.add_argument("--tiny", action="store_true")
+    from gpu_realwidth import model_args
+
+    ap = model_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # the child's one
     ap.add_argument("--timeout", type=float, default=90)
-    ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.tiny:
         args.text_len = min(args.text_len, 16)
