@@ -30,7 +30,10 @@ class CostParams:
     mem_bw_efficiency: float = 0.70  # share of peak memory bandwidth a weight-streaming pass reaches
     forward_overhead_s: float = 0.002  # per transformer call: kernel launches, Python
     unit_overhead_s: float = 0.010  # per unit: batching, noise, sigmas, host<->device copies
-    checksum_bytes_per_s: float = 1.5e9  # sha256 of shipped weights (one CPU core)
+    # sha256 of shipped weights (one CPU core): ``policy.lora.checksum`` as the engine runs it, host copy
+    # included, measured on an H200 host: 0.92 GB/s on 38 MB of LoRA-sized tensors, 0.58 GB/s on 2.6 GB
+    # of full weights (gpu_realwidth.py ``weight_sync``, benchmarks/gpu_runs/2026-12-04-h200); was 1.5e9
+    checksum_bytes_per_s: float = 0.92e9
     weight_free_reward_s: float = 0.002  # per image (per frame for video): JPEG size, prompt colour, on CPU
     # per image (per frame): a CLIP-H class reward model on the device (peer_calibration sets veRL-Omni's
     # VLM judge's); a component's ``seconds_per_image`` overrides it. Kept device-independent: PickScore
