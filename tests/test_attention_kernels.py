@@ -65,3 +65,26 @@ def test_no_family_lets_attention_pick_cudnn(name, cudnn_seen):
 def test_cudnn_attention_on_gives_torch_its_choice_back(cudnn_seen):
     rollout_and_backward("flux", "model.cudnn_attention=true")
     assert cudnn_seen and all(cudnn_seen)
+
+
+def test_overlapping_calls_in_two_threads_keep_cudnn_off_until_the_last_one_leaves():
+    """A call that ends while another thread's is still running must not switch cuDNN back on under it."""
+    import threading
+
+    from digenrl.adapters.attention import attention_kernels
+
+    inside, release = threading.Event(), threading.Event()
+
+    def other():
+        with attention_kernels(False):
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other)
+    with attention_kernels(False):
+        t.start()
+        assert inside.wait(10)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()  # this call left, the other thread's has not
+    release.set()
+    t.join(10)
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -9,8 +9,13 @@ fast (benchmarks/gpu_runs/2026-12-04-h200, docs/real_scale.md). ``model.cudnn_at
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
+
+_lock = threading.Lock()
+_inside = 0  # calls in this process inside the context (threads may overlap: the last one out restores)
+_before = True  # torch's cuDNN-attention flag when the first of them entered
 
 
 @contextlib.contextmanager
@@ -18,9 +23,19 @@ def attention_kernels(cudnn: bool):
     """Keeps ``scaled_dot_product_attention`` off cuDNN's kernel unless ``cudnn``; every other kernel
     choice stays the caller's (an outer ``sdpa_kernel`` still holds). The forward's kernel fixes the
     backward's, and rollout and trainer pick alike, so their log-probs agree."""
-    before = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(before and cudnn)
+    global _inside, _before
+    if cudnn:
+        yield
+        return
+    with _lock:
+        if _inside == 0:
+            _before = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        _inside += 1
     try:
         yield
     finally:
-        torch.backends.cuda.enable_cudnn_sdp(before)
+        with _lock:
+            _inside -= 1
+            if _inside == 0:
+                torch.backends.cuda.enable_cudnn_sdp(_before)
