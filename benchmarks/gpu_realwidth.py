@@ -45,6 +45,31 @@ def timed(dev, fn, repeats=3):
     return (time.perf_counter() - t0) / repeats, out
 
 
+def host_syncs(dev, fn, steps: int) -> dict | None:
+    """The calls that make the host wait for the device while ``fn`` runs (``steps`` sampling steps),
+    as torch's sync debug mode reports them (a pageable host-to-device copy, ``.item()``, ...): per
+    step, and the distinct messages. None off CUDA, where there is nothing to wait for."""
+    if dev.type != "cuda":
+        return None
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        seen = synchronizing_warnings(fn)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return {"per_step": len(seen) / steps, "kinds": sorted(set(seen))[:8]}
+
+
+def synchronizing_warnings(fn) -> list[str]:
+    """The first line of every warning about a synchronizing CUDA call that ``fn`` raises."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    lines = [str(w.message).splitlines()[0] for w in caught]
+    return [m for m in lines if "synchroniz" in m]
+
+
 def peak_gib(dev, reset=True):
     if dev.type != "cuda":
         return float("nan")
@@ -205,6 +230,10 @@ def main():
             2,
         )
     res["rollout"]["flux_pipeline_step_s"] = t_pipe / N
+    with torch.no_grad():  # what makes the host wait in our sampler's steps (the 1.12x lead, real_scale.md)
+        res["rollout"]["host_syncs"] = host_syncs(
+            dev, lambda: sample(ad, cond, noise, sigmas, kind, eta, torch.Generator().manual_seed(1)), N
+        )
 
     # ---- on-policy ratio on the device's kernels: recompute each step's log-prob, same batch, in the
     # trainer's grad mode (autograd on, trained parameters requiring grad: the kernels it picks), and,

@@ -185,6 +185,26 @@ def test_gpu_realwidth(tmp_path):
     assert data["device"] == "cpu" and data["params"] > 0
     assert data["rollout"]["step_s"] > 0 and data["train_ac_off"]["step_s"] > 0
     assert finite(data["on_policy"]["max_abs_log_ratio"]) and data["weight_sync"]
+    assert data["rollout"]["host_syncs"] is None  # counted on CUDA only
+
+
+def test_gpu_realwidth_counts_the_warnings_of_synchronizing_calls_and_nothing_else():
+    """What torch's sync debug mode raises on CUDA ("called a synchronizing CUDA operation"), counted
+    without CUDA: the helper keeps those warnings' first lines and drops the rest."""
+    import importlib.util
+    import warnings
+
+    spec = importlib.util.spec_from_file_location("gpu_realwidth", BENCH / "gpu_realwidth.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    synchronizing_warnings = module.synchronizing_warnings
+
+    def step():
+        warnings.warn("called a synchronizing CUDA operation\n  (the stack)", UserWarning)
+        warnings.warn("called a synchronizing CUDA operation\n  (the stack)", UserWarning)
+        warnings.warn("Mismatch dtype between input and weight", UserWarning)
+
+    assert synchronizing_warnings(step) == ["called a synchronizing CUDA operation"] * 2
 
 
 @pytest.mark.slow
