@@ -125,14 +125,9 @@ def main():
     if args.variant:
         print(json.dumps(one(args)))
         return
-    argv = [a for a in sys.argv[1:] if a not in ("--json", str(args.json))]
-    cut = argv.index("--variants") if "--variants" in argv else None
-    if cut is not None:  # the children get every option but the list of variants
-        rest = argv[cut + 1 :]
-        argv = argv[:cut] + rest[next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest)) :]
     rows = []
-    for v in args.variants:
-        rows.append(run_variant(argv, v, args.timeout))
+    for v in args.variants:  # a child given --variant reads the model options and ignores the rest
+        rows.append(run_variant(sys.argv[1:], v, args.timeout))
         print(json.dumps(rows[-1]), flush=True)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))

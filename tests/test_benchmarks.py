@@ -39,6 +39,16 @@ def run_script(name: str, tmp_path: Path, *args: str, timeout: int = 600) -> dic
     return json.loads(out.read_text())
 
 
+def bench_module(name: str):
+    """``benchmarks/<name>.py`` imported as a module (its functions, without running its main)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def finite(*xs) -> bool:
     return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
 
@@ -135,11 +145,7 @@ def test_soak(tmp_path, ray_cluster):
 def test_soak_fault_plan():
     """Each planned unit kills every rollout worker that may run it, or (with the reward service,
     about half the time) the reward actor while it scores; the same seed gives the same plan."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("soak", BENCH / "soak.py")
-    soak = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(soak)
+    soak = bench_module("soak")
     plan = soak.fault_list(40, 4, 2, 0.3, 0, reward_service=False)
     units = {u for _, u in plan}
     assert 0 < len(units) < 160 and plan == soak.fault_list(40, 4, 2, 0.3, 0, reward_service=False)
@@ -191,13 +197,9 @@ def test_gpu_realwidth(tmp_path):
 def test_gpu_realwidth_counts_the_warnings_of_synchronizing_calls_and_nothing_else():
     """What torch's sync debug mode raises on CUDA ("called a synchronizing CUDA operation"), counted
     without CUDA: the helper keeps those warnings' first lines and drops the rest."""
-    import importlib.util
     import warnings
 
-    spec = importlib.util.spec_from_file_location("gpu_realwidth", BENCH / "gpu_realwidth.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    synchronizing_warnings = module.synchronizing_warnings
+    synchronizing_warnings = bench_module("gpu_realwidth").synchronizing_warnings
 
     def step():
         warnings.warn("called a synchronizing CUDA operation\n  (the stack)", UserWarning)
