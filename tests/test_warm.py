@@ -216,3 +216,44 @@ def gloo_threads() -> int:
     if not tasks.is_dir():
         return 0
     return sum("gloo" in Path(t, "comm").read_text() for t in tasks.iterdir() if Path(t, "comm").exists())
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self  # freed by the cyclic collector only
+
+
+def test_a_kept_process_collects_each_runs_cycles_without_refreezing_them(monkeypatch):
+    """A worker's first build is frozen (``gc_paused_then_frozen``); a kept process's first retire
+    unfreezes, collects and freezes what stays, and its later builds (``WarmWorker.rebuild``) are not
+    frozen: their cycles die at the next retire, and the frozen count does not grow run by run (a
+    frozen build would make every retire traverse the imports again, ~0.36 s of CPU each)."""
+    import gc
+    import weakref
+
+    from digenrl.engine import workers
+    from digenrl.engine.worker_setup import gc_paused_then_frozen
+
+    built = []
+    record = lambda self, *a, **k: built.append(self.freeze_build)  # noqa: E731
+    monkeypatch.setattr(workers.EngineWorker, "__init__", record)
+    monkeypatch.setattr(warm, "_refrozen", False)
+    unfrozen = gc.get_freeze_count() == 0
+    try:
+        with gc_paused_then_frozen():  # the first build
+            first = weakref.ref(_Cycle())
+        warm.collect_the_run()  # the first retire
+        assert first() is None
+        frozen = gc.get_freeze_count()
+        worker = warm.WarmWorker.__new__(warm.WarmWorker)
+        for _ in range(2):
+            worker.rebuild()
+            with gc_paused_then_frozen(freeze=worker.freeze_build):  # what EngineWorker.__init__ does
+                later = weakref.ref(_Cycle())
+            assert gc.get_freeze_count() == frozen
+            warm.collect_the_run()
+            assert later() is None
+        assert built == [False, False]
+    finally:
+        if unfrozen:  # (this test process froze nothing before)
+            gc.unfreeze()

@@ -220,8 +220,10 @@ class WarmWorker(EngineWorker):
         super().__init__(*args, **kwargs)
 
     def rebuild(self, *args, **kwargs) -> None:
-        """Build the next run's worker in this live process (the constructor's arguments)."""
+        """Build the next run's worker in this live process (the constructor's arguments), unfrozen:
+        what stays in the process is frozen already (:func:`collect_the_run`)."""
         self.__dict__.clear()
+        self.freeze_build = False
         EngineWorker.__init__(self, *args, **kwargs)
 
     def retire(self) -> int | None:
@@ -240,9 +242,26 @@ class WarmWorker(EngineWorker):
         abort_process_group()
         forget_meshes()  # the next run's meshes may look equal to this one's with other coordinates
         self.__dict__.clear()
-        gc.unfreeze()  # (what the run built was frozen: workers.gc_paused_then_frozen)
-        gc.collect()
+        collect_the_run()
         return os.getpid()
+
+
+_refrozen = False  # (in a warm actor's process) whether its first retire has run collect_the_run
+
+
+def collect_the_run() -> None:
+    """Collect what the finished run left in reference cycles. A first build froze everything
+    (``workers.gc_paused_then_frozen``): the first time, unfreeze, collect, and freeze again what
+    stays (the imports, ~5x10^5 objects). Later builds are not frozen (:meth:`WarmWorker.rebuild`), so
+    later collections traverse only the run's ~10^4 objects: ~0.36 s of CPU saved per retire."""
+    global _refrozen
+    if _refrozen:
+        gc.collect()
+        return
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    _refrozen = True
 
 
 class WarmActors:

@@ -57,6 +57,9 @@ SCORE_GROUP = "score"
 class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
     """Plain class; the runtime wraps it with ``ray.remote`` and the pool's resources."""
 
+    #: freeze what the build made (:func:`gc_paused_then_frozen`); a process built again turns it off
+    freeze_build = True
+
     def __init__(
         self,
         cfg,
@@ -79,7 +82,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
         # and raise it from ready(), where Ray hands the driver the exception itself.
         self.init_error = None
         try:
-            with gc_paused_then_frozen():
+            with gc_paused_then_frozen(freeze=self.freeze_build):
                 self._build(cfg, reward_actor)
             if resume is not None:
                 self._resume(resume)
