@@ -1,9 +1,11 @@
 """Every script in benchmarks/ runs at a tiny size (1-3 iterations) and writes the JSON fields its
 readers use, so a change elsewhere cannot break one silently. Smoke runs only: no number is judged
 (speed lives in the benchmarks themselves). Each runs as a user runs it (``python benchmarks/X.py
-ARGS``): as its own process, or -- the scripts whose engine runs need only logical devices -- as its
-``__main__`` inside the suite's process, on the suite's Ray cluster with its warm workers
-(``tests.helpers.run_benchmark_here``)."""
+ARGS``): as its own process where it starts Ray or processes of its own, else as its ``__main__``
+inside the suite's process (``tests.helpers.run_benchmark_here``): a script whose engine runs need
+only logical devices on the suite's Ray cluster with its warm workers, a single-process one (memory,
+minibatch_ppo, stale_gradient, gpu_realwidth on the CPU) without the ~5 s of CPU a fresh interpreter
+spends importing torch and diffusers."""
 
 from __future__ import annotations
 
@@ -177,7 +179,9 @@ def test_warm_workers(tmp_path):
 
 @pytest.mark.slow
 def test_memory(tmp_path):
-    rows = run_script("memory.py", tmp_path, "--configs", str(ROOT / "configs" / "flux_tiny.yaml"))["rows"]
+    rows = run_benchmark_here("memory.py", tmp_path, "--configs", str(ROOT / "configs" / "flux_tiny.yaml"))[
+        "rows"
+    ]
     assert {r["config"] for r in rows} == {"flux_tiny.yaml"} and len(rows) >= 4
     assert all(finite(r["predicted_gib"], r["measured_gib"]) for r in rows)
     weights = next(r for r in rows if r["component"].startswith("weights"))
@@ -187,7 +191,7 @@ def test_memory(tmp_path):
 @pytest.mark.slow
 def test_gpu_realwidth(tmp_path):
     small = ["--double", "1", "--single", "1", "--batch", "1", "--steps", "2"]
-    data = run_script("gpu_realwidth.py", tmp_path, "--tiny", "--device", "cpu", *small)
+    data = run_benchmark_here("gpu_realwidth.py", tmp_path, "--tiny", "--device", "cpu", *small)
     assert data["device"] == "cpu" and data["params"] > 0
     assert data["rollout"]["step_s"] > 0 and data["train_ac_off"]["step_s"] > 0
     assert finite(data["on_policy"]["max_abs_log_ratio"]) and data["weight_sync"]
@@ -218,7 +222,7 @@ def test_minibatch_ppo(tmp_path):
         "train.prompts_per_iteration=2",
     ]
     sets = [arg for kv in tiny for arg in ("--set", kv)]
-    data = run_script(
+    data = run_benchmark_here(
         "minibatch_ppo.py", tmp_path, "--steps", "1", "2", "--seeds", "0", "--iterations", "2", *sets
     )
     assert set(data["summary"]) == {"1", "2"} and [len(r["rows"]) for r in data["runs"]] == [2, 2]
@@ -238,7 +242,7 @@ def test_stale_gradient(tmp_path):
     """Every variant trains 2 iterations; a stale variant's probe splits the gradient per trained step."""
     tiny = [*TINY_IMAGE, "sampling.steps=3"]
     sets = [arg for kv in tiny for arg in ("--set", kv)]
-    data = run_script(
+    data = run_benchmark_here(
         "stale_gradient.py", tmp_path, "--iterations", "2", "--seeds", "0", "--probe_every", "1", *sets
     )
     assert [r["variant"] for r in data["runs"]] == ["on_policy", "stale_raw", "stale_recentred"]
