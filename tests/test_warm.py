@@ -13,8 +13,8 @@ from digenrl.config.run import load_config
 from tests import warm
 from tests.helpers import TINY
 
-ROLLOUT = warm.kind_of({"CPU": 1.0, "pool:rollout": 1}, False, 3)
-TRAINER = warm.kind_of({"CPU": 0.5, "pool:trainer": 1}, False, 0)
+ROLLOUT = warm.kind_of({"CPU": 1.0, "pool:rollout": 1}, 3)
+TRAINER = warm.kind_of({"CPU": 0.5, "pool:trainer": 1}, 0)
 TOTAL = {"CPU": 2.0, "pool:rollout": 2, "pool:trainer": 2}
 
 
@@ -32,11 +32,35 @@ def pool_of(*kept) -> warm.WarmPool:
 
 
 def test_the_kind_leaves_out_the_cpu_share_and_keeps_the_rest():
-    assert ROLLOUT == warm.kind_of({"CPU": 0.05, "pool:rollout": 1}, False, 3)
-    assert ROLLOUT != warm.kind_of({"CPU": 1.0, "pool:rollout": 1}, True, 3)  # scoring group
-    assert ROLLOUT != warm.kind_of({"CPU": 1.0, "pool:rollout": 1}, False, 0)  # restart budget
-    assert ROLLOUT != warm.kind_of({"CPU": 1.0, "pool:trainer": 1}, False, 3)  # device
+    assert ROLLOUT == warm.kind_of({"CPU": 0.05, "pool:rollout": 1}, 3)
+    assert ROLLOUT != warm.kind_of({"CPU": 1.0, "pool:rollout": 1}, 0)  # restart budget
+    assert ROLLOUT != warm.kind_of({"CPU": 1.0, "pool:trainer": 1}, 3)  # device
     assert warm.bundle_of(TRAINER) == {"CPU": warm.CPU_SHARE, "pool:trainer": 1}
+
+
+def test_every_warm_actor_has_the_scoring_group_so_scoring_is_no_kind(monkeypatch):
+    """A run whose rollout workers score beside their next unit and one that does not take the same
+    kept actors: each warm actor is created with the scoring concurrency group."""
+    import ray
+
+    from digenrl.engine.cluster import ActorPlan
+
+    made = []
+    monkeypatch.setattr(warm, "reserve", lambda bundles, workers: "pg")
+    monkeypatch.setattr(
+        warm, "new_actor", lambda plan, group, index, cls, **kw: made.append(plan) or plan.name
+    )
+    pool = warm.WarmPool()
+    monkeypatch.setattr(pool, "post", lambda key, args, kwargs: ("board", key))
+    source = warm.WarmActors(pool)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: TOTAL)
+    plans = [
+        ActorPlan("rollout0", (), {}, {"CPU": 1.0, "pool:rollout": 1}, scoring, 3)
+        for scoring in (False, True)
+    ]
+    source.start(load_config(None, TINY), plans, [])
+    assert [p.scoring for p in made] == [True, True] and source.kinds[0] == source.kinds[1] == ROLLOUT
+    assert [p.bundle for p in made] == [{"CPU": warm.CPU_SHARE, "pool:rollout": 1}] * 2
 
 
 def test_a_kept_actor_is_taken_by_the_worker_it_ran_else_by_another_of_its_kind(released):
@@ -58,9 +82,9 @@ def test_kept_actors_not_taken_stay_while_their_devices_are_not_needed(released)
     assert released == [] and [k.name for k in pool.kept] == ["trainer1"]
     assert pool.held() == {"CPU": warm.CPU_SHARE, "pool:trainer": 1}
     # the next run needs both trainer devices for workers of another kind: trainer1 goes
-    scoring = warm.kind_of({"CPU": 1.0, "pool:trainer": 1}, True, 0)
+    other = warm.kind_of({"CPU": 1.0, "pool:trainer": 1}, 1)
     pool.keep(got)
-    pool.take(["a", "b"], [scoring, scoring], TOTAL)
+    pool.take(["a", "b"], [other, other], TOTAL)
     assert released == ["trainer1", "trainer0"] and [k.name for k in pool.kept] == ["rollout0"]
 
 

@@ -7,14 +7,16 @@ Starting an engine actor costs ~5 s of CPU before it builds anything (importing 
 diffusers' model classes: docs/engine.md "Warm workers"), and a tiny run is over in about one
 second. Inside :func:`warm_workers` the end of a run leaves its actors alive and empty
 (``EngineWorker.retire``); the next run takes the kept actors of the kinds it needs -- the same
-device resource, the same scoring concurrency group, the same restart budget -- and builds its
+device resource, the same restart budget -- and builds its
 workers in them (:meth:`WarmWorker.rebuild`), starting fresh actors only for the rest; kept actors
 it does not take stay kept unless the actors it starts need their devices. The test suite runs
 inside it (tests/conftest.py); a single ``digenrl train`` never does.
 
 What changes inside: each warm actor holds its own one-bundle placement group (so one can be kept
 and another released) with a small fixed CPU share (so kept and new actors always fit together),
-where a run without warm workers reserves all its workers as one placement group.
+where a run without warm workers reserves all its workers as one placement group; and every warm
+actor has the scoring concurrency group, which only the runs with a model reward scored beside the
+next unit use.
 
 Ray restarts a lost actor by calling its constructor with the arguments it was created with: for a
 kept actor, an earlier run's. So every warm actor is created with a handle to the pool's
@@ -199,10 +201,11 @@ def eligible(cfg) -> bool:
     return cfg.engine.compile_rollout != "on"
 
 
-def kind_of(bundle: dict, scoring: bool, max_restarts: int) -> tuple:
+def kind_of(bundle: dict, max_restarts: int) -> tuple:
     """What an actor is created with and a rebuild cannot change: its device resources (its
-    bundle without the CPU share), the scoring concurrency group, its restart budget."""
-    return (tuple(sorted((k, v) for k, v in bundle.items() if k != "CPU")), scoring, max_restarts)
+    bundle without the CPU share) and its restart budget. Not the scoring concurrency group: every
+    warm actor has it (:meth:`WarmActors.start`), used by the runs that score and idle in the rest."""
+    return (tuple(sorted((k, v) for k, v in bundle.items() if k != "CPU")), max_restarts)
 
 
 def bundle_of(kind: tuple) -> dict:
@@ -281,7 +284,7 @@ class WarmActors:
             self.fresh = FreshActors()
             return self.fresh.start(cfg, plans, workers, node_groups)
         self.fresh, self.open, self.names = None, True, [p.name for p in plans]
-        self.kinds = [kind_of(p.bundle, p.scoring, p.max_restarts) for p in plans]
+        self.kinds = [kind_of(p.bundle, p.max_restarts) for p in plans]
         self.groups, self.keys, self.kept = [], [], [None] * len(plans)
         self.kept = self.pool.take([p.name for p in plans], self.kinds, ray.cluster_resources())
         self.keys = [k.key if k is not None else uuid.uuid4().hex for k in self.kept]  # on the board
@@ -297,7 +300,9 @@ class WarmActors:
                 actors[p.name] = self.kept[i].actor
                 actors[p.name].rebuild.remote(*p.args, **p.kwargs)
                 continue
-            small = dataclasses.replace(p, bundle=bundle_of(self.kinds[i]))  # its one-bundle reservation
+            # its one-bundle reservation, and the scoring group whether or not this run scores: a
+            # kind fewer, so a run that scores and one that does not take the same kept actors
+            small = dataclasses.replace(p, bundle=bundle_of(self.kinds[i]), scoring=True)
             actors[p.name] = new_actor(small, self.groups[i], 0, WarmWorker, restart_from=restart_from)
         return actors
 
