@@ -3,6 +3,7 @@ in kept processes equal to one in fresh processes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -122,8 +123,8 @@ def test_a_run_in_kept_processes_equals_one_in_fresh_processes(ray_cluster, tmp_
 def test_a_run_refused_while_its_workers_build_leaves_them_kept(ray_cluster, tmp_path):
     """Bad input that only a worker's build finds (LoRA targets matching no module) fails the run
     from ``ready``, before any process group or thread exists: its actors come back empty, stay kept,
-    and the same run with good input builds every worker in them. (A failure later in a run kills
-    every actor: the fault tests' runs.) The pool is not cleared first: the refused run may itself
+    and the same run with good input builds every worker in them. The pool is not cleared first: the
+    refused run may itself
     start in kept actors, which is what the suite's bad-input runs do."""
     from digenrl.engine import cluster
     from digenrl.errors import UserError
@@ -142,6 +143,36 @@ def test_a_run_refused_while_its_workers_build_leaves_them_kept(ray_cluster, tmp
     started = pool.started
     run_engine(load_config(None, base), run_dir=tmp_path / "good")
     assert pool.started == started and set(source.keys) == refused  # built in those processes
+
+
+@pytest.mark.slow
+def test_a_run_that_failed_mid_run_leaves_its_idle_workers_kept(ray_cluster, tmp_path):
+    """A run that fails after iteration 0 (its driver raises; iteration 1 may be in flight): the
+    workers that empty themselves within seconds are kept (``WarmActors.finish``), and the same run
+    built in them gives iteration 0's row of the failed run, which ran in fresh processes."""
+    from digenrl.launch import run_engine
+    from digenrl.placement.resolve import resolve
+
+    class Stop(Exception):
+        pass
+
+    def stop(row):
+        raise Stop
+
+    pool = warm.active()
+    pool.clear()
+    cfg = load_config(None, [*TINY, "train.iterations=2", "placement.mode=disaggregated"])
+    with pytest.raises(Stop):
+        run_engine(cfg, run_dir=tmp_path / "failed", on_iteration=stop)
+    assert len(pool.kept) == len(resolve(cfg).workers)
+    started = pool.started
+    again = run_engine(cfg, run_dir=tmp_path / "again")
+    assert pool.started == started  # every worker built in a kept process
+    (failed,) = [
+        json.loads(line) for line in (tmp_path / "failed" / "metrics.jsonl").read_text().splitlines()
+    ]
+    keys = ("loss", "grad_norm", "reward_mean")
+    assert {k: failed[k] for k in keys} == {k: again.metrics[0][k] for k in keys}
 
 
 @pytest.mark.slow

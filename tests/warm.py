@@ -28,7 +28,8 @@ Fresh actors, always, where a kept process could carry something over: a compile
 (dynamo's caches). After a run that finished, or one refused while its workers built (bad input,
 raised by their ``ready``: no process group or thread exists yet), the actors that come back empty
 in the process they started the run in are kept, the others (restarted ones) killed; after a run
-that failed later, every actor is killed.
+that failed later, the same within a few seconds (a worker still busy is killed), unless its rollout
+workers scored beside their units: then every actor is killed.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from tests.warm_board import ArgsBoard
 CPU_SHARE = 0.05
 RETIRE_WAIT_S = 10.0  # how long a retiring rollout worker waits for its weight-sync thread
 RETIRE_TIMEOUT_S = 30.0  # emptying a finished run's actors for the next one
+FAILED_RETIRE_TIMEOUT_S = 5.0  # the same after a failed run (the rest are killed)
 
 _active: WarmPool | None = None  # the pool of the warm_workers() block this process is in
 
@@ -285,6 +287,7 @@ class WarmActors:
             return self.fresh.start(cfg, plans, workers, node_groups)
         self.fresh, self.open, self.names = None, True, [p.name for p in plans]
         self.kinds = [kind_of(p.bundle, p.max_restarts) for p in plans]
+        self.scoring = any(p.scoring for p in plans)
         self.groups, self.keys, self.kept = [], [], [None] * len(plans)
         self.kept = self.pool.take([p.name for p in plans], self.kinds, ray.cluster_resources())
         self.keys = [k.key if k is not None else uuid.uuid4().hex for k in self.kept]  # on the board
@@ -317,8 +320,15 @@ class WarmActors:
         self.open = False
         # A run that finished, or one refused while its workers built (bad input: ``ready`` raised,
         # so no ``pids``, no process group or thread yet), leaves its processes clean: they are
-        # emptied and kept. After a failure later in a run every actor goes.
-        back = _retired(actors) if clean or not pids else set()
+        # emptied and kept. After a failure later in a run, the workers that empty themselves within
+        # a few seconds are kept too (a fault test's survivors: each ~5 s of CPU not spent again); one
+        # still busy (blocked in a collective or by an injected fault, mid-unit) is killed, and so is
+        # every worker of a run that scored beside its units (a score call may still be running in
+        # the scoring thread while the default one empties the worker).
+        if clean or not pids:
+            back = _retired(actors, RETIRE_TIMEOUT_S)
+        else:
+            back = set() if self.scoring else _retired(actors, FAILED_RETIRE_TIMEOUT_S)
         # keep those back empty, as they started; the rest go
         stay = [i for i, name in enumerate(self.names) if name in back]
         self.pool.keep(
@@ -336,13 +346,13 @@ class WarmActors:
                 remove_placement_group(group)
 
 
-def _retired(actors: dict) -> set[str]:
-    """Empty every worker of a finished run for the next one: the names of those that came back
-    empty in the process they started the run in (a process Ray restarted answers None)."""
+def _retired(actors: dict, timeout: float) -> set[str]:
+    """Empty every worker of a run for the next one: the names of those that came back empty within
+    ``timeout`` in the process they started the run in (a process Ray restarted answers None)."""
     import ray
 
     calls = {name: a.retire.remote() for name, a in actors.items()}
-    ray.wait(list(calls.values()), num_returns=len(calls), timeout=RETIRE_TIMEOUT_S)
+    ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout)
     back = set()
     for name, call in calls.items():
         try:
