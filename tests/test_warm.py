@@ -312,3 +312,36 @@ def test_a_kept_process_collects_each_runs_cycles_without_refreezing_them(monkey
     finally:
         if unfrozen:  # (this test process froze nothing before)
             gc.unfreeze()
+
+
+def test_a_reward_actor_is_kept_only_where_a_mistake_cannot_pass_unseen():
+    from tests.warm_rewards import reward_kind
+
+    small = ["reward.service={num_cpus: 0.1}"]
+    assert reward_kind(load_config(None, [*TINY, *small])) == (0.1,)
+    assert reward_kind(load_config(None, [*TINY, "reward.service={}"])) is None  # a whole CPU
+    assert reward_kind(load_config(None, [*TINY, "reward.service={num_cpus: 0.1, num_gpus: 1}"])) is None
+    fault = "engine.faults=[{worker: rollout0, unit: rollout-0-0}]"
+    assert reward_kind(load_config(None, [*TINY, *small, fault])) is None
+
+
+@pytest.mark.slow
+def test_a_kept_reward_actor_scores_the_next_run_as_a_fresh_one(ray_cluster, tmp_path):
+    """The same run with a reward service twice: the second builds its reward in the first run's
+    reward actor (none started) and gets the same rewards; a run whose reward config is bad fails
+    from the kept actor's ``ready`` with the one-line error, and the actor goes."""
+    from digenrl.errors import UserError
+    from digenrl.launch import run_engine
+
+    rewards = warm.active().rewards
+    base = [*TINY, "train.iterations=1", "placement.mode=disaggregated", "reward.service={num_cpus: 0.1}"]
+    cfg = load_config(None, base)
+    first = run_engine(cfg, run_dir=tmp_path / "first")
+    started, reused = rewards.started, rewards.reused
+    second = run_engine(cfg, run_dir=tmp_path / "second")
+    assert (rewards.started, rewards.reused) == (started, reused + 1)
+    assert [r["reward_mean"] for r in first.metrics] == [r["reward_mean"] for r in second.metrics]
+    bad = load_config(None, [*base, "reward.components=[{name: ocr}]"])  # prompts without text to read
+    with pytest.raises(UserError, match="quotes no text"):
+        run_engine(bad, run_dir=tmp_path / "bad")
+    assert rewards.kept is None and rewards.running is None

@@ -50,6 +50,7 @@ from digenrl.engine.resources import reserve
 from digenrl.engine.worker_setup import restarted
 from digenrl.engine.workers import EngineWorker
 from tests.warm_board import ArgsBoard
+from tests.warm_rewards import WarmRewards
 
 #: A warm actor's CPU share (logical): small enough that any run's workers fit beside kept ones.
 CPU_SHARE = 0.05
@@ -87,6 +88,7 @@ class WarmPool:
         self.reused = self.started = 0
         self.board = None  # the ArgsBoard actor, started with the first warm actor
         self.refs: dict[str, object] = {}  # key -> the ObjectRef posted for it (owned here)
+        self.rewards = WarmRewards()  # the reward actor a finished run kept (tests/warm_rewards.py)
 
     def post(self, key: str, args: tuple, kwargs: dict) -> tuple:
         """Post the constructor arguments of the worker built next in the warm actor ``key`` (before
@@ -148,6 +150,7 @@ class WarmPool:
         kept, self.kept = self.kept, []
         release(kept)
         self.forget([k.key for k in kept])
+        self.rewards.clear()
 
 
 def _pop(kept: list[Kept], match) -> Kept | None:
@@ -308,6 +311,12 @@ class WarmActors:
             small = dataclasses.replace(p, bundle=bundle_of(self.kinds[i]), scoring=True)
             actors[p.name] = new_actor(small, self.groups[i], 0, WarmWorker, restart_from=restart_from)
         return actors
+
+    def start_reward(self, cfg, faults):
+        return self.pool.rewards.start(cfg, faults)
+
+    def finish_reward(self, actor, clean: bool) -> None:
+        self.pool.rewards.finish(actor, clean)
 
     def finish(self, actors: dict, pids: dict, clean: bool) -> None:
         import ray

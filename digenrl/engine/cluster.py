@@ -92,6 +92,17 @@ class FreshActors:
         for group in getattr(self, "groups", []):
             remove_placement_group(group)
 
+    def start_reward(self, cfg: RunConfig, faults: FaultInjector):
+        """The run's reward actor (``reward.service``), its models loaded; started before the workers."""
+        from digenrl.rewards.service import start_reward_actor
+
+        return start_reward_actor(cfg.reward, max_restarts=cfg.engine.max_restarts, faults=faults)
+
+    def finish_reward(self, actor, clean: bool) -> None:
+        import ray
+
+        ray.kill(actor, no_restart=True)
+
 
 _installed = None  # the actor source of this process's runs on a joined cluster (actor_source)
 
@@ -99,7 +110,8 @@ _installed = None  # the actor source of this process's runs on a joined cluster
 @contextlib.contextmanager
 def actor_source(source):
     """Inside: every run on a cluster this process joined gets its actors from ``source`` (its
-    ``start`` and ``finish`` as :class:`FreshActors`'), not fresh ones. The test suite keeps a
+    ``start`` / ``finish`` and ``start_reward`` / ``finish_reward`` as :class:`FreshActors`'), not
+    fresh ones. The test suite keeps a
     finished run's actors for the next run this way (its conftest; docs/engine.md)."""
     global _installed
     if _installed is not None:
@@ -156,13 +168,7 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
         progress(f"starting {len(workers)} workers (each builds the model)...")
         bundles = resource_bundles(workers, ray.cluster_resources(), reserve=reward_service_resources(cfg))
         if cfg.reward.service is not None:  # one reward actor shared by every worker that scores
-            from digenrl.rewards.service import start_reward_actor
-
-            reward_actor = start_reward_actor(
-                cfg.reward,
-                max_restarts=cfg.engine.max_restarts,
-                faults=FaultInjector.from_config(cfg, REWARD_ROW),
-            )
+            reward_actor = source.start_reward(cfg, FaultInjector.from_config(cfg, REWARD_ROW))
         resume_from = None
         if resume is not None:  # rollout workers' fallback copy: never the optimizer state
             resume_from = ResumeFrom(str(Path(resume).resolve()), ray.put(rollout_checkpoint_files(resume)))
@@ -198,7 +204,7 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
             # (and the cluster took its processes along)
             source.finish(actors, pids, clean)
             if reward_actor is not None:
-                ray.kill(reward_actor, no_restart=True)
+                source.finish_reward(reward_actor, clean)
         if ours:
             ray.shutdown()
 

@@ -106,11 +106,13 @@ class RewardActor:
         return {**self.latency.as_dict(), "queue_depth": depth, "max_queue_depth": peak}
 
 
-def start_reward_actor(cfg: RewardConfig, name: str | None = None, max_restarts: int = 0, faults=None):
-    """Start the reward actor on the connected Ray cluster with ``cfg.service``'s resources and
-    wait until its models are loaded (a bad reward config raises its UserError here). Ray restarts
-    it up to ``max_restarts`` times if its process dies (the engine re-queues the units whose
-    scores were lost). ``faults``: its fault plugin (:class:`~digenrl.engine.faults.FaultInjector`)."""
+def start_reward_actor(
+    cfg: RewardConfig, name: str | None = None, max_restarts: int = 0, faults=None, cls: type = RewardActor
+):
+    """Start the reward actor (of class ``cls``) on the connected Ray cluster with ``cfg.service``'s
+    resources and wait until its models are loaded (a bad reward config raises its UserError here).
+    Ray restarts it up to ``max_restarts`` times if its process dies (the engine re-queues the units
+    whose scores were lost). ``faults``: its fault plugin (:class:`~digenrl.engine.faults.FaultInjector`)."""
     import ray
 
     svc = cfg.service
@@ -128,7 +130,7 @@ def start_reward_actor(cfg: RewardConfig, name: str | None = None, max_restarts:
         opts["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
     if name is not None:
         opts["name"] = name
-    handle = ray.remote(RewardActor).options(**opts).remote(cfg, faults)
+    handle = ray.remote(cls).options(**opts).remote(cfg, faults)
     try:
         _get(handle.ready.remote())
     except BaseException:
