@@ -5,6 +5,7 @@ import json
 import os
 import runpy
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,6 +70,18 @@ def marked(marker: str) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def still_running(proc) -> None:
+    """Fail with what ``proc`` (a ``digenrl train`` subprocess) printed if it has ended already; a
+    process it left behind may hold its pipes open, so its output is read for 20 s at most."""
+    if proc.poll() is None:
+        return
+    try:
+        _, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        err = "(its stderr is still held open by a process it started)"
+    pytest.fail(f"the run ended early with exit code {proc.returncode}: {err[-3000:]}")
 
 
 def wait_gone(marker: str, timeout: float = 30.0) -> list[int]:

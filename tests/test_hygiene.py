@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import TINY, as_sets, ray_tmpdir
+from tests.helpers import TINY, as_sets, ray_tmpdir, still_running
 
 pytestmark = [
     pytest.mark.slow,
@@ -75,7 +75,7 @@ def test_killed_ray_head_stops_the_run_within_seconds(tmp_path):
             if (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2:
                 break
             time.sleep(0.5)
-        assert proc.poll() is None, proc.communicate()[1]
+        still_running(proc)
         subprocess.run(
             ["pkill", "-9", "-f", f"(gcs_server|raylet).*{head_dir}"], check=False
         )  # the head dies

@@ -22,7 +22,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FULL_MODE, TINY, as_sets, marked, process_marker, ray_tmpdir, wait_gone
+from tests.helpers import (
+    FULL_MODE,
+    TINY,
+    as_sets,
+    marked,
+    process_marker,
+    ray_tmpdir,
+    still_running,
+    wait_gone,
+)
 
 SMALL = [
     *TINY,
@@ -69,7 +78,7 @@ def interrupt_then_resume(run: Path, extra: list[str], resume: bool = True) -> N
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None and len(rows(run)) < 2:
         time.sleep(0.3)
-    assert proc.poll() is None, proc.communicate()[1]
+    still_running(proc)
     engine = "placement.mode=local" not in extra
     assert len(marked(proc.marker)) > (1 if engine else 0)  # the driver (and the Ray processes it started)
     proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
