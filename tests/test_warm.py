@@ -124,8 +124,7 @@ def test_a_run_refused_while_its_workers_build_leaves_them_kept(ray_cluster, tmp
     """Bad input that only a worker's build finds (LoRA targets matching no module) fails the run
     from ``ready``, before any process group or thread exists: its actors come back empty, stay kept,
     and the same run with good input builds every worker in them. The pool is not cleared first: the
-    refused run may itself
-    start in kept actors, which is what the suite's bad-input runs do."""
+    refused run may itself start in kept actors, which is what the suite's bad-input runs do."""
     from digenrl.engine import cluster
     from digenrl.errors import UserError
     from digenrl.launch import run_engine

@@ -7,9 +7,9 @@ Starting an engine actor costs ~5 s of CPU before it builds anything (importing 
 diffusers' model classes: docs/engine.md "Warm workers"), and a tiny run is over in about one
 second. Inside :func:`warm_workers` the end of a run leaves its actors alive and empty
 (``EngineWorker.retire``); the next run takes the kept actors of the kinds it needs -- the same
-device resource, the same restart budget -- and builds its
-workers in them (:meth:`WarmWorker.rebuild`), starting fresh actors only for the rest; kept actors
-it does not take stay kept unless the actors it starts need their devices. The test suite runs
+device resource, the same restart budget -- and builds its workers in them
+(:meth:`WarmWorker.rebuild`), starting fresh actors only for the rest; kept actors it does not take
+stay kept unless the actors it starts need their devices. The test suite runs
 inside it (tests/conftest.py); a single ``digenrl train`` never does.
 
 What changes inside: each warm actor holds its own one-bundle placement group (so one can be kept

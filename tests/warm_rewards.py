@@ -71,8 +71,7 @@ class WarmRewards:
         import ray
 
         running, self.running = self.running, None
-        if clean and running is not None and running[1] is actor:
-            self.clear()
+        if clean and running is not None and running[1] is actor:  # (start took or cleared the kept one)
             self.kept = running
         else:
             ray.kill(actor, no_restart=True)

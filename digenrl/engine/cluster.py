@@ -111,8 +111,8 @@ _installed = None  # the actor source of this process's runs on a joined cluster
 def actor_source(source):
     """Inside: every run on a cluster this process joined gets its actors from ``source`` (its
     ``start`` / ``finish`` and ``start_reward`` / ``finish_reward`` as :class:`FreshActors`'), not
-    fresh ones. The test suite keeps a
-    finished run's actors for the next run this way (its conftest; docs/engine.md)."""
+    fresh ones. The test suite keeps a finished run's actors for the next run this way (its conftest;
+    docs/engine.md)."""
     global _installed
     if _installed is not None:
         raise RuntimeError("an actor source is already installed in this process")
