@@ -12,17 +12,22 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 torch.set_num_threads(1)  # tiny models: threads only add sync overhead on 2 cores
 
 
+#: The xdist group of every test on the suite's Ray cluster (:func:`pytest_collection_modifyitems`).
+RAY_GROUP = "ray_cluster"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (``./dev.sh test``: 2 workers, ``--dist loadgroup``) the tests on the suite's
-    Ray cluster are two groups (:func:`ray_group`), each run on one worker in order on that worker's
+    Ray cluster are one group (:data:`RAY_GROUP`), run on one worker in order on that worker's
     cluster, its warm workers reused as in one process; every other test goes to whichever worker is
-    free, so the two workers finish together."""
+    free, so the two workers finish together. (The ``faults`` tests as a second group on the other
+    worker's cluster cost more than they spread: a second cluster, and a second pool starting the same
+    kinds of actors; benchmarks/RESULTS.md, "The test suite".)"""
     on_ray = {id(item) for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
-    faults = {id(item) for item in items if id(item) in on_ray and item.get_closest_marker("faults")}
     for item in items:
         if id(item) in on_ray:
-            item.add_marker(pytest.mark.xdist_group(ray_group(id(item) in faults)))
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
         elif uses_a_module_fixture(item):  # its module's tests on one worker: the fixture is built once
             item.add_marker(pytest.mark.xdist_group(f"module:{item.module.__name__}"))
 
@@ -32,13 +37,6 @@ def uses_a_module_fixture(item) -> bool:
     xdist would build again on each worker its module's tests land on."""
     defs = getattr(item, "_fixtureinfo", None)
     return defs is not None and any(d and d[-1].scope == "module" for d in defs.name2fixturedefs.values())
-
-
-def ray_group(faults: bool) -> str:
-    """The xdist group of a test on the suite's Ray cluster. The ``faults`` tests are a group of their
-    own (the processes Ray restarts in their runs are not kept: a run after them would start those
-    workers afresh), on another worker's cluster; the rest share one cluster and its warm workers."""
-    return "ray_faults" if faults else "ray_cluster"
 
 
 @pytest.fixture

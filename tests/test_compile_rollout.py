@@ -44,8 +44,11 @@ def test_a_compiled_transformer_samples_what_the_eager_one_does(monkeypatch):
     from torch._inductor import config as inductor
 
     # inductor compiles its C++ kernels in this process: its pool of compile workers (each importing
-    # torch) cost ~4 s more CPU on these 2 cores than it saved (cold cache, /usr/bin/time)
+    # torch) cost ~4 s more CPU on these 2 cores than it saved (cold cache, /usr/bin/time); and scalar
+    # kernels: vectorized ones took ~4 s more CPU to generate and compile (40.5 s against 36.1 s), and
+    # what is checked here is the compiled module's plumbing and numerics, not the CPU kernels' speed
     monkeypatch.setattr(inductor, "compile_threads", 1)
+    monkeypatch.setattr(inductor.cpp, "simdlen", 1)
     cfg = load_config(None, SMALL)
     prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed).for_iteration(0, 1)
     reward = build_reward(cfg.reward)
