@@ -11,7 +11,7 @@ fails its run instead.
 
 from __future__ import annotations
 
-from digenrl.rewards.service import RewardActor, start_reward_actor
+from digenrl.rewards.service import RewardActor, await_ready, start_reward_actor
 
 
 class WarmRewardActor(RewardActor):
@@ -52,12 +52,12 @@ class WarmRewards:
             return start_reward_actor(cfg.reward, max_restarts=cfg.engine.max_restarts, faults=faults)
         if self.kept is not None and self.kept[0] == kind:
             actor, self.kept = self.kept[1], None
-            try:
+            try:  # (a threaded actor: its calls are not ordered, so the rebuild is waited for)
                 ray.get(actor.rebuild.remote(cfg.reward))
-                ray.get(actor.ready.remote())  # a bad reward config raises its UserError here
             except BaseException:
                 ray.kill(actor, no_restart=True)
                 raise
+            await_ready(actor)  # a bad reward config raises its UserError here, as from a new actor
             self.reused += 1
         else:
             self.clear()

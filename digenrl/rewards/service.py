@@ -130,7 +130,14 @@ def start_reward_actor(
         opts["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
     if name is not None:
         opts["name"] = name
-    handle = ray.remote(cls).options(**opts).remote(cfg, faults)
+    return await_ready(ray.remote(cls).options(**opts).remote(cfg, faults))
+
+
+def await_ready(handle):
+    """Wait until the reward actor ``handle`` has built its reward; a bad reward config raises its
+    UserError here, and the actor is killed."""
+    import ray
+
     try:
         _get(handle.ready.remote())
     except BaseException:
