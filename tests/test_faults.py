@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +20,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from digenrl.checkpoint.store import list_checkpoints  # noqa: E402
 from digenrl.config.run import load_config  # noqa: E402
-from digenrl.engine.faults import fault_plan  # noqa: E402
+from digenrl.engine.faults import FaultInjector, fault_plan, forget_fired  # noqa: E402
 from digenrl.engine.local import LocalTrainer  # noqa: E402
 from digenrl.errors import RunStopped, UserError  # noqa: E402
 from digenrl.launch import run_engine  # noqa: E402
@@ -63,6 +65,15 @@ def trained_groups(run_dir) -> Counter:
     )
 
 
+def marks_left() -> list[str]:
+    """The fired-fault marks in this node's temp directory whose process is (was) an actor of the
+    suite's cluster: ``digenrl-fault-<actor id>-<worker>-<fault>``."""
+    from ray._private import state
+
+    ids, marks = set(state.actors()), Path(tempfile.gettempdir()).glob("digenrl-fault-*")
+    return [m.name for m in marks if m.name.split("-")[2] in ids]
+
+
 @pytest.mark.faults
 @pytest.mark.slow
 def test_killed_rollout_worker_is_restarted_and_its_unit_regenerated(cluster, tmp_path):
@@ -73,6 +84,7 @@ def test_killed_rollout_worker_is_restarted_and_its_unit_regenerated(cluster, tm
     result = run_engine(cfg, tmp_path / "run")
     assert [r["iteration"] for r in result.metrics] == [0, 1, 2]
     assert result.metrics[-1]["worker_restarts"] == 2
+    assert marks_left() == []  # the marks that kept the restarted process from dying again are gone
     # every group of every iteration trained exactly once per TSP rank: nothing lost, nothing twice
     assert trained_groups(tmp_path / "run") == Counter(
         {(k, g, r): 1 for k in range(3) for g in range(2) for r in range(2)}
@@ -128,6 +140,21 @@ def test_dead_trainer_stops_cleanly_with_a_resume_hint(cluster, tmp_path, monkey
     code, out, err = cli(monkeypatch, capsys, "train", "--resume", str(run), "--set", "engine.faults=[]")
     assert code == 0, err
     assert [r["iteration"] for r in read_metrics(run)] == [0, 1, 2]
+
+
+def test_a_fired_fault_is_marked_until_its_run_ends():
+    """Out of Ray the process id is the incarnation: a fault fires once (its mark keeps a restarted
+    process from firing it again), and once the run's marks are forgotten, a next run fires it anew."""
+    me = str(os.getpid())
+    injector = FaultInjector("rollout0", frozenset({"rollout-0-0:drop"}))
+    with pytest.raises(ConnectionError, match="rollout0's connection dropped in rollout-0-0"):
+        injector.reached("rollout-0-0")
+    injector.reached("rollout-0-0")  # marked: not again
+    forget_fired(["1", me])  # (another process's marks: none)
+    assert not list(Path(tempfile.gettempdir()).glob(f"digenrl-fault-{me}-*"))
+    with pytest.raises(ConnectionError):
+        injector.reached("rollout-0-0")
+    forget_fired([me])
 
 
 def test_fault_plan_from_the_environment(monkeypatch):

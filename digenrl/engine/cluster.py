@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from digenrl.config.run import RunConfig
-from digenrl.engine.faults import FaultInjector
+from digenrl.engine.faults import FaultInjector, forget_fired
 from digenrl.engine.resources import (
     connect,
     head_problem,
@@ -205,6 +205,8 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
             source.finish(actors, pids, clean)
             if reward_actor is not None:
                 source.finish_reward(reward_actor, clean)
+        if cfg.engine.faults:  # the marks of the faults this run's processes fired
+            forget_fired(a._actor_id.hex() for a in [*actors.values(), reward_actor] if a is not None)
         if ours:
             ray.shutdown()
 

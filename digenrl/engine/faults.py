@@ -54,7 +54,7 @@ class FaultInjector:
         for fault, how in ((uid, "dies"), (f"{uid}:block", "blocks"), (f"{uid}:drop", "drops")):
             if fault not in self.units:
                 continue
-            mark = Path(tempfile.gettempdir()) / f"digenrl-fault-{_incarnations()}-{self.name}-{fault}"
+            mark = _mark(_incarnations(), f"{self.name}-{fault}")
             if mark.exists():  # fired already, in an earlier process of this actor
                 continue
             mark.touch()
@@ -90,6 +90,21 @@ def corrupting(group, bucket: int = 0, element: int = 0):
         yield group
     finally:
         group.broadcast = real
+
+
+def _mark(incarnation: str, what: str) -> Path:
+    """Where a process marks a fault it fired, so that Ray's restart of it does not fire it again:
+    this node's temp directory (``what``: ``*`` for every mark of ``incarnation``)."""
+    return Path(tempfile.gettempdir()) / f"digenrl-fault-{incarnation}-{what}"
+
+
+def forget_fired(incarnations) -> None:
+    """The run is over: its processes' marks go (those on this node), so no file is left behind and
+    a process kept for another run (the test suite's warm actors) fires that run's faults anew."""
+    for incarnation in incarnations:
+        pattern = _mark(incarnation, "*")
+        for mark in pattern.parent.glob(pattern.name):
+            mark.unlink(missing_ok=True)
 
 
 def _incarnations() -> str:
