@@ -48,6 +48,7 @@ from digenrl.config.run import load_config  # noqa: E402
 # the same workloads and mode definitions as benchmarks/engine_modes.py (one source of truth)
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_modes import MODES, TINY, WORKLOADS  # noqa: E402
+from fidelity_table import fmt, mode_rows, print_run, print_table, replay_cost, run_row, unit_ms  # noqa: E402
 
 QUIET = ["output.save_samples_every=0", "output.checkpoint_every=0", "train.device=cpu"]
 
@@ -55,84 +56,6 @@ QUIET = ["output.save_samples_every=0", "output.checkpoint_every=0", "train.devi
 def mode_config(config, workload: str, mode: str, iterations: int, extra: list[str] = ()):
     overrides = WORKLOADS[workload] + MODES[mode] + [*extra, *QUIET, f"train.iterations={iterations}"]
     return load_config(config, overrides)
-
-
-def replay_cost(cost, measured):
-    """The same cost model, but every unit takes what it took in the measured run (mean per kind and
-    TSP rank, and the run's unit-to-unit spread), and no CPU sharing on top (measured durations
-    include it): what the simulator predicts when the unit times are right, i.e. the error of the
-    scheduling + overhead model alone."""
-    import statistics
-
-    from digenrl.planner.costmodel import CostModel
-    from digenrl.planner.measure.engine_run import timeline_unit_cv
-
-    by = {}
-    for e in measured.events:
-        if (e.kind == "sync" and e.args.get("direction") != "fetch") or e.iteration == 0:
-            continue  # iteration 0 warms up (and is not in the measured steady state)
-        by.setdefault((e.kind, e.args.get("tsp_rank", 0)), []).append(e.duration)
-    med = {k: statistics.mean(v) for k, v in by.items()}  # throughput: the mean, not the median
-    steps = {}
-    for e in measured.events:
-        if e.kind == "step":
-            steps.setdefault(e.uid.split("/")[0], []).append(e.duration)
-    step_s = statistics.median(min(v) for v in steps.values())  # the last rank's share: no waiting
-    # rank 0's publish inside its step (over the broadcast the rollout workers' prefetch spans it)
-    published = [
-        e.duration for e in measured.events if e.kind == "sync" and e.args.get("direction") == "publish"
-    ]
-    publish_s = min(statistics.mean(published), step_s) if published else 0.0
-    spread = timeline_unit_cv(measured)
-
-    class Replay(CostModel):
-        def rollout_unit(self, device, groups, setup=None):
-            return med[("rollout", 0)], med.get(("reward", 0), 0.0)
-
-        def train_unit(self, device, groups, tsp_rank, tsp_degree, setup=None):
-            return med.get(("train", tsp_rank), med[("train", 0)])
-
-        def step(self, device, ranks, publish, setup=None):
-            return step_s, publish_s if publish else 0.0
-
-        def sync_fetch(self, device):
-            return med.get(("sync", 0), 0.0)
-
-        def cpu_rate(self, busy):
-            return 1.0
-
-        def unit_cv(self, device, kind):
-            return spread[kind]
-
-    return Replay(cost.workload, cost.cluster, cost.params, profile=cost.profile)
-
-
-def unit_ms(predicted, measured) -> dict:
-    """Mean duration (ms) per unit kind (train per TSP rank) after the first iteration: predicted,
-    measured."""
-    import statistics
-
-    def means(tl):
-        by = {}
-        for e in tl.events:
-            if e.iteration > 0 and e.kind in ("rollout", "train", "step"):
-                by.setdefault(
-                    e.kind + (str(e.args.get("tsp_rank", 0)) if e.kind == "train" else ""), []
-                ).append(e.duration * 1e3)
-        return {k: statistics.mean(v) for k, v in by.items()}
-
-    p, m = means(predicted), means(measured)
-    return {k: (p[k], m.get(k, float("nan"))) for k in sorted(p)}
-
-
-def fmt(d) -> str:
-    return "{" + ", ".join(f"{k}: {v:.2f}" for k, v in d.items()) + "}" if d else "-"
-
-
-def median(xs):
-    import statistics
-
-    return statistics.median(xs)
 
 
 def main(argv=None) -> int:
@@ -232,6 +155,11 @@ def main(argv=None) -> int:
             flush=True,
         )
 
+    def predict(cfg, cost):
+        """The simulator's run of ``cfg``'s plan under ``cost``."""
+        plan, full = Plan.from_run_config(cfg), cfg.algorithm.std == "global"
+        return simulate(plan, cost, args.iterations, wait_for_full_batch=full)
+
     G = base.algorithm.group_size
     profile = None
     if args.profile is not None:
@@ -248,20 +176,13 @@ def main(argv=None) -> int:
         for rep in range(args.repeats):
             for mode in modes:
                 cfg = mode_config(args.config, args.workload, mode, args.iterations, extra)
-                if args.reprofile:  # the host's speed drifts 10-20% within a minute: each run gets its own
-                    profile = profiled(
-                        f"{mode} #{rep + 1} profile"
-                    )  # profile, errors average out over repeats
+                if args.reprofile:  # the host's speed drifts 10-20% within a minute: each run gets its
+                    profile = profiled(f"{mode} #{rep + 1} profile")  # own; errors average out over repeats
                 cluster = cluster_from_dict(
                     {"name": "local_cpu", "pools": [p.model_dump() for p in cfg.cluster.pools]}
                 )
                 cost = CostModel(workload, cluster, params, profile=profile)
-                sim = simulate(
-                    Plan.from_run_config(cfg),
-                    cost,
-                    args.iterations,
-                    wait_for_full_batch=cfg.algorithm.std == "global",
-                )
+                sim = predict(cfg, cost)
                 with tempfile.TemporaryDirectory() as tmp:
                     run_dir = Path(tmp) / mode
                     t1 = time.time()
@@ -275,135 +196,32 @@ def main(argv=None) -> int:
                         (out / "measured").mkdir(parents=True, exist_ok=True)
                         measured_tl.save_json(out / "measured" / "timeline.json")
                         measured_tl.to_png(out / "measured" / "timeline.png")
-                meas = steady_summary(measured_tl)
-                pred = sim.summary
                 # the same prediction, but beside the other processes' load the run really had (their
                 # runnable threads, measured during the run): what the planner would have said, had it
                 # known what the other users of the host would do -- the load is an input, not a fit
-                at_load = simulate(
-                    Plan.from_run_config(cfg),
-                    CostModel(
-                        workload,
-                        cluster,
-                        dataclasses.replace(params, cpu_other_load=load.other_runnable),
-                        profile=profile,
-                    ),
-                    args.iterations,
-                    wait_for_full_batch=cfg.algorithm.std == "global",
-                ).summary
-                replay = simulate(
-                    Plan.from_run_config(cfg),
-                    replay_cost(cost, measured_tl),
-                    args.iterations,
-                    wait_for_full_batch=cfg.algorithm.std == "global",
-                ).summary
-                r = {
-                    "mode": mode,
-                    "repeat": rep,
-                    "predicted_samples_per_s": pred["samples_per_s"],
-                    "measured_samples_per_s": meas["samples_per_s"],
-                    "rel_error": (pred["samples_per_s"] - meas["samples_per_s"]) / meas["samples_per_s"],
-                    "predicted_bubble_fraction": pred["bubble_fraction"],
-                    "measured_bubble_fraction": meas["bubble_fraction"],
-                    "predicted_iteration_s": pred["iteration_s"],
-                    "measured_iteration_s": meas["iteration_s"],
-                    "at_run_load_samples_per_s": at_load["samples_per_s"],
-                    "at_run_load_rel_error": (at_load["samples_per_s"] - meas["samples_per_s"])
-                    / meas["samples_per_s"],
-                    "replay_samples_per_s": replay["samples_per_s"],
-                    "replay_rel_error": (replay["samples_per_s"] - meas["samples_per_s"])
-                    / meas["samples_per_s"],
-                    "other_load_cores": load.other_cores,
-                    "other_runnable": load.other_runnable,
-                    "profile_other_runnable": profile["measurements"].get("other_runnable"),
-                    "run_s": time.time() - t1,
-                    "unit_ms": unit_ms(sim.timeline, measured_tl),
-                    "profile_other_load_cores": profile["measurements"].get("other_load_cores"),
-                    "profile_unit_factors": [
-                        profile["measurements"]["unit_overhead"].get(k)
-                        for k in ("rollout_factor", "train_factor")
-                    ],
-                    "engine_unit_factor": (profile["engine"] or {}).get("unit_time_factor"),
-                    "unit_cv": (profile["engine"] or {}).get("unit_cv"),
-                    "cpu_slowdown": profile["measurements"].get("cpu_slowdown"),
-                }
-                runs[mode].append(r)
-                print(
-                    f"{mode:12s} #{rep + 1} predicted {r['predicted_samples_per_s']:7.2f} samples/s  "
-                    f"measured {r['measured_samples_per_s']:7.2f}  error {r['rel_error']:+6.1%}   bubble "
-                    f"predicted {r['predicted_bubble_fraction']:.2f} measured "
-                    f"{r['measured_bubble_fraction']:.2f}   replay error {r['replay_rel_error']:+6.1%}\n    "
-                    f"other processes: {r['other_runnable']:.1f} runnable threads, "
-                    f"{r['other_load_cores']:.2f} cores (profiled beside "
-                    f"{r['profile_other_runnable'] or 0:.1f}, {r['profile_other_load_cores'] or 0:.2f})"
-                    + (
-                        f"; at the run's load predicted {r['at_run_load_samples_per_s']:.2f}, error "
-                        f"{r['at_run_load_rel_error']:+.1%}"
-                        if args.cpu_sharing == "cores"
-                        else ""
-                    )
-                    + "\n    unit ms predicted / measured: "
-                    + ", ".join(f"{k} {p:.0f}/{m:.0f}" for k, (p, m) in r["unit_ms"].items()),
-                    flush=True,
+                loaded = dataclasses.replace(params, cpu_other_load=load.other_runnable)
+                at_load = predict(cfg, CostModel(workload, cluster, loaded, profile=profile)).summary
+                replay = predict(cfg, replay_cost(cost, measured_tl)).summary
+                r = run_row(
+                    mode,
+                    rep,
+                    sim.summary,
+                    steady_summary(measured_tl),
+                    at_load,
+                    replay,
+                    load,
+                    profile,
+                    run_s=time.time() - t1,
+                    unit_ms=unit_ms(sim.timeline, measured_tl),
                 )
+                runs[mode].append(r)
+                print_run(r, args.cpu_sharing == "cores")
     finally:
         if started:
             ray.shutdown()
 
-    rows = []
-    for mode in modes:
-        rs = runs[mode]
-        pred, meas = (
-            median([r["predicted_samples_per_s"] for r in rs]),
-            median([r["measured_samples_per_s"] for r in rs]),
-        )
-        rows.append(
-            {
-                "mode": mode,
-                "predicted_samples_per_s": pred,
-                "measured_samples_per_s": meas,
-                "rel_error": (pred - meas) / meas,
-                "predicted_bubble_fraction": median([r["predicted_bubble_fraction"] for r in rs]),
-                "measured_bubble_fraction": median([r["measured_bubble_fraction"] for r in rs]),
-                "replay_rel_error": median([r["replay_rel_error"] for r in rs]),
-                "at_run_load_samples_per_s": median([r["at_run_load_samples_per_s"] for r in rs]),
-                "other_load_cores": median([r["other_load_cores"] for r in rs]),
-                "other_runnable": median([r["other_runnable"] for r in rs]),
-                "runs": rs,
-            }
-        )
-    for r in rows:
-        r["at_run_load_rel_error"] = (r["at_run_load_samples_per_s"] - r["measured_samples_per_s"]) / r[
-            "measured_samples_per_s"
-        ]
-    print()
-    cores = args.cpu_sharing == "cores"  # only then does the prediction depend on the other load directly
-    print(
-        f"{'mode':12s} {'pred. samples/s':>16s} {'meas. samples/s':>16s} {'rel. error':>10s} "
-        f"{'pred. bubble':>12s} {'meas. bubble':>12s}"
-        + (f" {'at run load':>11s}" if cores else "")
-        + f" {'replay error':>12s} {'other cores':>11s}"
-    )
-    for r in rows:
-        print(
-            f"{r['mode']:12s} {r['predicted_samples_per_s']:16.2f} {r['measured_samples_per_s']:16.2f} "
-            f"{r['rel_error']:+10.1%} {r['predicted_bubble_fraction']:12.2f} "
-            f"{r['measured_bubble_fraction']:12.2f}"
-            + (f" {r['at_run_load_rel_error']:+11.1%}" if cores else "")
-            + f" {r['replay_rel_error']:+12.1%} {r['other_load_cores']:11.2f}"
-        )
-    worst = max(abs(r["rel_error"]) for r in rows)
-    print(
-        f"{'median of ' + str(args.repeats) + ' runs per mode; ' if args.repeats > 1 else ''}worst |error| "
-        f"{worst:.1%} (target 10%); other cores = CPU other processes used during the runs (of "
-        f"{os.cpu_count()} cores)"
-        + (
-            "; at run load = the prediction beside the other processes' runnable "
-            "threads measured during the run"
-            if cores
-            else ""
-        )
-    )
+    rows = mode_rows(runs)
+    print_table(rows, args.repeats, cores=args.cpu_sharing == "cores")
     if args.json is not None:
         args.json.write_text(
             json.dumps(

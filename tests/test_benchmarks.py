@@ -109,6 +109,31 @@ def test_plan_fidelity(tmp_path, ray_cluster):
     assert data["iterations"] == 3 and data["profile_engine"]["source"]
 
 
+def test_plan_fidelity_table_compares_medians():
+    """Per mode, the median prediction against the median measurement (not the median of the
+    runs' errors), in the order the modes ran; by hand for three runs of one mode and one of another."""
+    import runpy
+
+    table = runpy.run_path(str(BENCH / "fidelity_table.py"))
+    keys = ["bubble_fraction", "replay_rel_error", "at_run_load_samples_per_s", "other_load_cores"]
+
+    def run(pred, meas, **kw):
+        r = {"predicted_samples_per_s": pred, "measured_samples_per_s": meas, "other_runnable": 0.0}
+        r |= {f"predicted_{keys[0]}": 0.1, f"measured_{keys[0]}": 0.2} | dict.fromkeys(keys[1:], 1.0)
+        return r | kw
+
+    runs = {
+        "sync": [run(10.0, 8.0), run(12.0, 10.0, at_run_load_samples_per_s=4.0), run(11.0, 12.0)],
+        "gap": [run(6.0, 5.0, replay_rel_error=-0.5)],
+    }
+    sync, gap = table["mode_rows"](runs)
+    assert (sync["mode"], gap["mode"]) == ("sync", "gap") and sync["runs"] == runs["sync"]
+    assert (sync["predicted_samples_per_s"], sync["measured_samples_per_s"]) == (11.0, 10.0)
+    assert sync["rel_error"] == pytest.approx(0.1)  # (11 - 10) / 10, where the runs' errors' median is 0.2
+    assert sync["at_run_load_samples_per_s"] == 1.0 and sync["at_run_load_rel_error"] == pytest.approx(-0.9)
+    assert gap["rel_error"] == pytest.approx(0.2) and gap["replay_rel_error"] == -0.5
+
+
 @pytest.mark.slow
 def test_reward_overlap(tmp_path, ray_cluster):
     tiny = ["train.prompts_per_iteration=2", "sampling.steps=2"]  # 2 units of 4 samples per iteration
