@@ -27,15 +27,14 @@ SMALL = [
 ]
 
 
-def test_killed_ray_head_stops_the_run_within_seconds(tmp_path):
-    """The driver joined a cluster (--ray-address) whose head dies mid-run: one line saying so and
-    how to resume, exit 1, within seconds (Ray alone would hang a minute, then end the process)."""
+def head_cluster(prefix: str) -> tuple[int, str, dict]:
+    """A Ray head started with ``ray start`` (its own directory): its port, directory, environment."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    head_dir = ray_tmpdir("dk")
+    head_dir = ray_tmpdir(prefix)
     ray_bin = str(Path(sys.executable).parent / "ray")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     subprocess.run(
@@ -54,6 +53,13 @@ def test_killed_ray_head_stops_the_run_within_seconds(tmp_path):
         capture_output=True,
         timeout=120,
     )
+    return port, head_dir, env
+
+
+def test_killed_ray_head_stops_the_run_within_seconds(tmp_path):
+    """The driver joined a cluster (--ray-address) whose head dies mid-run: one line saying so and
+    how to resume, exit 1, within seconds (Ray alone would hang a minute, then end the process)."""
+    port, head_dir, env = head_cluster("dk")
     run = tmp_path / "run"
     try:
         argv = [
@@ -88,3 +94,43 @@ def test_killed_ray_head_stops_the_run_within_seconds(tmp_path):
         assert last.endswith(f"resume with: digenrl train --resume {run}")
     finally:
         subprocess.run(["pkill", "-9", "-f", head_dir], check=False)
+
+
+DEAD_HEAD = """
+import subprocess, sys, time
+import ray
+from digenrl.engine.resources import connect, disconnect, head_problem
+port, head_dir = sys.argv[1:]
+assert connect([], f"127.0.0.1:{port}")
+subprocess.run(["pkill", "-9", "-f", f"gcs_server.*{head_dir}"], check=False)  # the head (GCS) dies
+deadline = time.time() + 30
+while head_problem() is None and time.time() < deadline:
+    time.sleep(0.1)
+disconnect(True)  # the run's end
+print("after disconnect:", ray.is_initialized())
+assert connect([], None)  # the next run's start: a local cluster of its own
+print("reconnected:", ray.get(ray.put(7)) == 7)
+disconnect(True)
+"""
+
+
+def test_a_dead_heads_connection_is_left_for_the_next_connect(tmp_path):
+    """A run's end (``disconnect``) does not shut Ray down when the head died: that waits ~5 s, and
+    Ray may end the process on the way (its core worker exits when it finds the local raylet dead),
+    before the run's error line is printed (the test above failed so, with no output, exit code 1).
+    The next ``connect`` closes the dead connection and starts a cluster of its own."""
+    port, head_dir, env = head_cluster("dc")
+    script = tmp_path / "dead_head.py"  # (a file: pkill -f would match the text of a `python -c`)
+    script.write_text(DEAD_HEAD)
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script), str(port), head_dir],
+            env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    finally:
+        subprocess.run(["pkill", "-9", "-f", head_dir], check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["after disconnect: True", "reconnected: True"], done.stderr[-3000:]

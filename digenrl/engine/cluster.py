@@ -17,6 +17,7 @@ from digenrl.config.run import RunConfig
 from digenrl.engine.faults import FaultInjector, forget_fired
 from digenrl.engine.resources import (
     connect,
+    disconnect,
     head_problem,
     nodes_gone,
     reserve_by_node,
@@ -207,8 +208,7 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
                 source.finish_reward(reward_actor, clean)
         if cfg.engine.faults:  # the marks of the faults this run's processes fired
             forget_fired(a._actor_id.hex() for a in [*actors.values(), reward_actor] if a is not None)
-        if ours:
-            ray.shutdown()
+        disconnect(ours)
 
 
 def form_trainer_group(layout: RunLayout, actors: dict, ready: dict) -> None:

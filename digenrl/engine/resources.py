@@ -60,9 +60,12 @@ def head_problem() -> str | None:
 
 def connect(workers: list[Worker], ray_address: str | None) -> bool:
     """Join ``ray_address``, or start a local cluster whose logical resources are the CPU pools.
-    Returns True when this call connected (and so must disconnect)."""
+    Returns True when this call connected (and so must :func:`disconnect`). A connection left to a
+    cluster whose head died (by a run that stopped for it) is closed first."""
     import ray
 
+    if ray.is_initialized() and head_problem() is not None:
+        ray.shutdown()
     if ray_address is None:
         pools = {w.pool.name: w.pool for w in workers}
         return start_local({f"pool:{p.name}": p.count for p in pools.values() if p.device.lower() == "cpu"})
@@ -79,6 +82,17 @@ def connect(workers: list[Worker], ray_address: str | None) -> bool:
     except Exception as exc:  # ConnectionError, RuntimeError, ...: all mean "not a usable cluster"
         raise UserError(f"ray address {ray_address}: could not join a Ray cluster there ({exc})") from None
     return True
+
+
+def disconnect(ours: bool) -> None:
+    """Leave the cluster :func:`connect` joined (``ours``), unless its head (GCS) is gone: then the
+    connection stays until the next :func:`connect` or the process's exit. Ray's shutdown against a
+    dead head waits ~5 s, and its core worker may end the process on the way (it exits when it
+    finds the local raylet dead), before the run's error is reported."""
+    import ray
+
+    if ours and head_problem() is None:
+        ray.shutdown()
 
 
 def start_local(resources: dict[str, float], **options) -> bool:
