@@ -81,9 +81,10 @@ def rel(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured
 
 
-def run_row(mode, rep, pred, meas, at_load, replay, load, profile, **extra) -> dict:
+def run_row(mode, rep, pred, meas, at_load, replay, load, profile, run_s: float, units: dict) -> dict:
     """One run's row: the prediction, the measurement (steady-state summaries), the prediction at the
-    run's measured load and the replay's, the other processes' load, the profile's factors."""
+    run's measured load and the replay's, the other processes' load, the run's seconds, the unit
+    means (:func:`unit_ms`), the profile's factors."""
     m, engine = profile["measurements"], profile["engine"] or {}
     return {
         "mode": mode,
@@ -102,7 +103,8 @@ def run_row(mode, rep, pred, meas, at_load, replay, load, profile, **extra) -> d
         "other_load_cores": load.other_cores,
         "other_runnable": load.other_runnable,
         "profile_other_runnable": m.get("other_runnable"),
-        **extra,
+        "run_s": run_s,
+        "unit_ms": units,
         "profile_other_load_cores": m.get("other_load_cores"),
         "profile_unit_factors": [m["unit_overhead"].get(k) for k in ("rollout_factor", "train_factor")],
         "engine_unit_factor": engine.get("unit_time_factor"),

@@ -212,7 +212,7 @@ def main(argv=None) -> int:
                     load,
                     profile,
                     run_s=time.time() - t1,
-                    unit_ms=unit_ms(sim.timeline, measured_tl),
+                    units=unit_ms(sim.timeline, measured_tl),
                 )
                 runs[mode].append(r)
                 print_run(r, args.cpu_sharing == "cores")

@@ -117,8 +117,8 @@ disconnect(True)
 def test_a_dead_heads_connection_is_left_for_the_next_connect(tmp_path):
     """A run's end (``disconnect``) does not shut Ray down when the head died: that waits ~5 s, and
     Ray may end the process on the way (its core worker exits when it finds the local raylet dead),
-    before the run's error line is printed (the test above failed so, with no output, exit code 1).
-    The next ``connect`` closes the dead connection and starts a cluster of its own."""
+    before the run's error line is printed (the test above once failed with no output, exit code 1:
+    most likely so). The next ``connect`` closes the dead connection and starts a cluster of its own."""
     port, head_dir, env = head_cluster("dc")
     script = tmp_path / "dead_head.py"  # (a file: pkill -f would match the text of a `python -c`)
     script.write_text(DEAD_HEAD)
