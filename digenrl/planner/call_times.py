@@ -16,6 +16,7 @@ from digenrl.planner.constants import (
     OPTIMIZER_STATE_PASSES,
 )
 from digenrl.planner.efficiency import device_efficiency
+from digenrl.planner.op_counts import forward_ops
 from digenrl.planner.params import CostParams
 from digenrl.planner.shapes import attention_fraction, forward_flops
 from digenrl.planner.workload import Workload
@@ -71,6 +72,11 @@ class CallTimes:
     def reward_wait(self, b: float) -> float:
         """Of :meth:`reward`, the seconds a remote judge takes while the scoring device is idle (a
         profile measured the whole reward on its device: none)."""
+        return 0.0
+
+    def kernels_s(self, call: str) -> float:
+        """Of a ``call`` ("rollout" | "train" | "ref"), the seconds its kernels' launches take whatever
+        its size: every device of a sequence-parallel worker pays them whole (a profile: none apart)."""
         return 0.0
 
     def encode(self, prompts: int) -> float: ...
@@ -169,20 +175,40 @@ class AnalyticTimes(CallTimes):
         self.weight_bytes = w.params.total * w.dtype_bytes
         self.rollout_overhead_s = self.train_overhead_s = p.unit_overhead_s
         # FSDP: every pass all-gathers the weights (and the backward reduce-scatters full-FT gradients)
+        self.ops = forward_ops(w.shape) if p.op_launch_s is not None else None
         self.fsdp_s = 0.0
         if shard > 1:
             moved = self.weight_bytes * (shard - 1) / shard / (link_bw or dev.link_bw)
             self.fsdp_s = (1 - p.fsdp_overlap) * moved
 
-    def _pass(self, b: float, kind: str, flop_factor: float, weight_reads: float) -> float:
+    def _pass(
+        self, b: float, kind: str, flop_factor: float, weight_reads: float, kernels: float = 1.0
+    ) -> float:
         """One transformer call over ``b`` samples: FLOPs at the kernel efficiency this call's token
         count reaches (``kind`` "rollout" | "train"), or streaming the weights, whichever is slower."""
         tokens = b * self.sample_tokens
         e = self.efficiency
         mfu = e.rollout_at(tokens) if kind == "rollout" else e.train_at(tokens)
         compute = b * self.flops * flop_factor / (self.dev.bf16_flops * mfu)
-        stream = weight_reads * self.weight_bytes / (self.dev.mem_bw * self.params.mem_bw_efficiency)
-        return max(compute, stream) + self.params.forward_overhead_s
+        bw = self.dev.mem_bw * self.params.mem_bw_efficiency
+        stream = weight_reads * self.weight_bytes / bw
+        if self.ops is None:
+            return max(compute, stream) + self.params.forward_overhead_s
+        # the counted ops' launches and memory-bound traffic, x ``kernels`` forwards' worth (a backward
+        # runs ~2x a forward's kernels; a checkpointed one re-runs the forward)
+        ops, elems = self.ops
+        traffic = b * elems * self.workload.dtype_bytes / bw if self.params.op_traffic else 0.0
+        return max(compute, stream) + kernels * (ops * self.params.op_launch_s + traffic)
+
+    def kernels_s(self, call: str) -> float:
+        if self.ops is None:
+            return 0.0
+        one = self.ops[0] * self.params.op_launch_s
+        if call == "rollout":
+            return one * (1 if self.cfg_batched else self.workload.passes)
+        if call == "ref":
+            return one * self.workload.passes
+        return one * self.workload.passes * (3.0 + (1.0 if self.checkpointing else 0.0))
 
     def rollout_step(self, b):
         if self.cfg_batched:  # every guidance pass in one forward of passes x b
@@ -195,7 +221,7 @@ class AnalyticTimes(CallTimes):
         factor = 1.0 + backward + (1.0 if self.checkpointing else 0.0)
         reads = 2.0 + (1.0 if self.checkpointing else 0.0)
         fsdp = self.fsdp_s * (3 if not self.workload.lora else 2)
-        t = self.workload.passes * (self._pass(b, "train", factor, reads) + fsdp)
+        t = self.workload.passes * (self._pass(b, "train", factor, reads, reads + 1.0) + fsdp)
         if (
             self.workload.passes > 1 and not self.cfg_batched
         ):  # sequential CFG runs the unconditional forward twice
@@ -268,60 +294,6 @@ def micro_batches(b: float, micro_batch: int) -> list[float]:
     """``b`` samples as forwards of ``micro_batch`` samples, the last one partial."""
     full, rest = divmod(b, micro_batch)
     return [float(micro_batch)] * int(full) + ([rest] if rest > 1e-9 else [])
-
-
-class SequenceParallelTimes(CallTimes):
-    """A worker of ``sp`` devices (Ulysses sequence parallelism): every transformer call's time over
-    ``sp`` (each device computes 1/sp of the tokens; the weights are read by every device, so a
-    call bound by weight streaming gains less than this says), plus the all-to-alls: four per
-    attention layer and pass (q, k, v in; the output back), each moving (sp-1)/sp of a device's
-    activations of that layer over the link; the backward moves them again. Everything else (encode,
-    decode, reward, optimizer, sync) runs as on one device."""
-
-    def __init__(self, inner: CallTimes, w: Workload, sp: int, link_bw: float):
-        self.inner, self.workload, self.sp, self.link_bw = inner, w, sp, link_bw
-        self.source = f"{inner.source}, SP x{sp}"
-        for name in ("rollout_overhead_s", "train_overhead_s", "rollout_unit_factor", "train_unit_factor"):
-            setattr(self, name, getattr(inner, name))
-
-    def all_to_all(self, b: float) -> float:
-        """One pass's all-to-alls for a batch of ``b`` samples, per device."""
-        w, t = self.workload, self.workload.shape.tokens
-        layer = b * (t.x + t.text) / self.sp * w.params.hidden * w.dtype_bytes * (self.sp - 1) / self.sp
-        return 4 * w.params.blocks * layer / self.link_bw
-
-    def rollout_step(self, b):
-        return self.inner.rollout_step(b) / self.sp + self.workload.passes * self.all_to_all(b)
-
-    def train_step(self, b):
-        return self.inner.train_step(b) / self.sp + 2 * self.workload.passes * self.all_to_all(b)
-
-    def ref_forward(self, b):
-        return self.inner.ref_forward(b) / self.sp + self.workload.passes * self.all_to_all(b)
-
-    def decode(self, b):
-        return self.inner.decode(b)
-
-    def reward(self, b):
-        return self.inner.reward(b)
-
-    def reward_wait(self, b):
-        return self.inner.reward_wait(b)
-
-    def encode(self, prompts):
-        return self.inner.encode(prompts)
-
-    def optimizer(self):
-        return self.inner.optimizer()
-
-    def pack(self):
-        return self.inner.pack()
-
-    def agree(self):
-        return self.inner.agree()
-
-    def load(self):
-        return self.inner.load()
 
 
 def rollout_unit_time(

@@ -18,7 +18,6 @@ from digenrl.planner.call_times import (
     AnalyticTimes,
     CallTimes,
     ProfiledTimes,
-    SequenceParallelTimes,
     rollout_unit_time,
     train_unit_time,
 )
@@ -26,6 +25,7 @@ from digenrl.planner.constants import FP32_BYTES, FSDP_STEP_SHARE, MIN_UNIT_CV
 from digenrl.planner.gpus import ClusterSpec
 from digenrl.planner.memory import DeviceSetup, MemoryModel
 from digenrl.planner.params import ColocationCosts, CostParams, EngineOverheads
+from digenrl.planner.sp_times import SequenceParallelTimes
 from digenrl.planner.workload import Workload
 
 

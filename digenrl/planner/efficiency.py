@@ -44,6 +44,8 @@ def device_efficiency(params, device: str) -> KernelEfficiency:
     ``params`` (a :class:`~digenrl.planner.params.CostParams`) where set, else the device table's."""
 
     table_rollout, table_train, table_source = kernel_efficiency(device)
+    if params.device_mfu and device in params.device_mfu:  # another fit of the device table's pair
+        table_rollout, table_train = params.device_mfu[device]
     explicit = params.mfu_rollout is not None or params.mfu_train is not None
     return KernelEfficiency(
         rollout=params.mfu_rollout if params.mfu_rollout is not None else table_rollout,

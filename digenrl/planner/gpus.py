@@ -21,21 +21,19 @@ from digenrl.placement.devices import (
 )
 from digenrl.placement.plan import device_type
 
-#: (sampling, training) peak kernel efficiency -- share of peak bf16 FLOP/s at large token counts
-#: (efficiency.py scales it down for small calls) -- per device type. Hopper (H100 / H800 and the same
-#: GH100 compute in H200): fitted by benchmarks/peer_calibration.py to veRL-Omni's published figures --
-#: sampling (with ``CostParams.mfu_half_tokens_rollout``) to one Qwen-Image LoRA workload's generation at
-#: two batch sizes (docs/start/rollout_batching.md: 226.4 s serial, 107.9 s at max_num_seqs 32, 4xH800),
-#: training to its step's update_actor 109.3 s and old_log_prob 32.0 s (PR #52) -- the fit in
-#: docs/scaling.md ("Calibration on published numbers"), until a GPU profile replaces it.
-CALIBRATED_HOPPER = (0.473, 0.301)
+#: (sampling, training) kernel efficiency of the matmuls -- share of peak bf16 FLOP/s -- per device type
+#: (small calls pay their kernels apart: CostParams.op_launch_s). Hopper (H100 / H800 and the same GH100
+#: compute in H200): the one fit over every published row and DigenRL's H200 rows
+#: (planner/cost_fit.json, benchmarks/peer_calibration.py; docs/scaling.md, "Calibration on published
+#: numbers"), until a GPU profile replaces it.
+CALIBRATED_HOPPER = (0.570, 0.375)
 KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     "H100": CALIBRATED_HOPPER,
     "H800": CALIBRATED_HOPPER,
     "H200": CALIBRATED_HOPPER,
 }
 KERNEL_EFFICIENCY_SOURCE = (
-    "calibrated on veRL-Omni's published Qwen-Image step (benchmarks/peer_calibration.py)"
+    "fitted on every published peer row and DigenRL's H200 rows (benchmarks/peer_calibration.py)"
 )
 #: (sampling, training) kernel efficiency measured on a device type by the GPU check
 #: (benchmarks/gpu_smoke.sh; fold_gpu_check.py): DigenRL's own sampler and train step on a FLUX-width

@@ -21,14 +21,35 @@ class CostParams:
     mfu_rollout: float | None = None
     mfu_train: float | None = None
     mfu_source: str = "default"
-    # tokens per forward at which a call reaches half its peak (efficiency.py; a profile at several
-    # batch sizes fits them). Sampling: fitted with the Hopper peak to veRL-Omni's serial vs batched
-    # generation (benchmarks/peer_calibration.py), assumed on other types; training: an assumption
-    mfu_half_tokens_rollout: float = 1473.0
-    mfu_half_tokens_train: float = 1024.0
+    # per device type, a (sampling, training) pair in place of the device table's (a leave-one-out fit's:
+    # planner/uncertainty.py); below mfu_rollout / mfu_train, which win everywhere
+    device_mfu: dict[str, tuple[float, float]] | None = None
+    # tokens per forward at which a call reaches half its peak (efficiency.py): 0 = no falloff, the
+    # analytic model's small calls pay their kernels instead (op_launch_s); a profile at several batch
+    # sizes fits them for the device it measured
+    mfu_half_tokens_rollout: float = 0.0
+    mfu_half_tokens_train: float = 0.0
+    # The fitted defaults below: planner/cost_fit.json (benchmarks/peer_calibration.py --write-fits),
+    # one fit over every published row and DigenRL's H200 rows (docs/scaling.md, "Calibration").
+    # a peer's rollout server, per request (one image): agent loop, prompt encoding, decode, transfers
+    # beside the forwards (veRL-Omni's vllm-omni server); fitted at its floor: the rows carry none
+    serve_request_s: float = 0.001
+    # a single controller's step cost per worker (dispatch, gather of every phase's data): peer models
+    dispatch_s_per_worker: float = 1.05
+    # a judge served beside generation and waited for inside it: images/s at c images in flight
+    # = judge_rate_max c / (c + judge_half_concurrency) (a vLLM server's batching; fitted per judge)
+    judge_rate_max: float = 0.0
+    judge_half_concurrency: float = 0.0
     vae_mfu: float = 0.25  # VAE decoder convolutions
     mem_bw_efficiency: float = 0.70  # share of peak memory bandwidth a weight-streaming pass reaches
-    forward_overhead_s: float = 0.002  # per transformer call: kernel launches, Python
+    forward_overhead_s: float = 0.002  # per text-encoder call (and a transformer call of an uncounted family)
+    # per kernel a transformer call launches (eager: launch + Python + dispatch), x the kernels counted on
+    # the real class (op_counts.py); a backward runs ~2x the forward's kernels. Fitted with the
+    # efficiencies (fitted; device-independent: host-bound); None = forward_overhead_s per call instead
+    op_launch_s: float | None = 1.22e-5
+    # memory-bound ops (norms, adaLN, activations, residuals): elements counted per token x hidden
+    # (op_counts.py), streamed at mem_bw_efficiency; False = FLOPs and the weight stream only
+    op_traffic: bool = True
     unit_overhead_s: float = 0.010  # per unit: batching, noise, sigmas, host<->device copies
     # sha256 of shipped weights (one CPU core): ``policy.lora.checksum`` as the engine runs it, host copy
     # included, measured on an H200 host: 0.92 GB/s on 38 MB of LoRA-sized tensors, 0.58 GB/s on 2.6 GB

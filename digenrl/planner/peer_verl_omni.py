@@ -125,6 +125,15 @@ class VerlOmniSettings:
     # separate_async only: the rollout pool's GPUs as published (MM-GRPO's a1_r2 / a2_r1 splits);
     # None = the best split
     rollout_gpus: int | None = None
+    # a request-serving front end (vllm-omni's agent loop) that pays ``CostParams.serve_request_s`` per
+    # image; MM-GRPO's in-process diffusers rollout has none
+    server: bool = True
+    # the reward judge waited for per micro-batch inside generation (MM-GRPO: compute_reward_async,
+    # diffusers_rollout.py:192-201), at ``CostParams.judge_rate_*``
+    judge_in_generation: bool = False
+    # reward_model.enable_resource_pool=True: every image's score streamed from a judge on this many GPUs
+    # of its own into the agent loop, awaited inside the gen timer (ray_diffusion_trainer.py:668-687)
+    judge_streamed_gpus: int = 0
 
 
 #: as the published rows ran (every row of docs/algo/performance.md predates request batching: serial)
@@ -154,6 +163,12 @@ def verl_omni_phases(cost, device: str, n: int, s: VerlOmniSettings = PUBLISHED)
     calls, b = batches(per, s.server_batch)
     wake = host_s(cost, device, weights)  # the slept server's weights back from host memory
     generation = w.steps * calls * roll.rollout_step(b) + roll.encode(w.prompts / n) + roll.decode(per) + wake
+    generation += per * p.serve_request_s if s.server else 0.0
+    if s.judge_streamed_gpus:  # scored while generated; the last image's score after it
+        generation = max(generation, w.samples * p.model_reward_s / s.judge_streamed_gpus) + p.model_reward_s
+    if s.judge_in_generation and p.judge_rate_max > 0:  # n GPUs' micro-batches scored at once, waited for
+        c = b * n
+        generation += calls * c * (c + p.judge_half_concurrency) / (p.judge_rate_max * c)
 
     reward = roll.reward(per)  # the judge on the same GPUs (p.model_reward_s per image)
 
@@ -181,6 +196,7 @@ def verl_omni_phases(cost, device: str, n: int, s: VerlOmniSettings = PUBLISHED)
     )
     offload = host_s(cost, device, actor_shard) if s.param_offload else 0.0
     update_weights = onload + push + offload + s.push_latency_s
+    dispatch = p.dispatch_s_per_worker * n  # the controller's per-worker work each step
     return {
         "generation": generation,
         "reward": reward,
@@ -188,6 +204,7 @@ def verl_omni_phases(cost, device: str, n: int, s: VerlOmniSettings = PUBLISHED)
         **({"ref_log_prob": ref} if w.kl else {}),
         "update_actor": update_actor,
         "update_weights": update_weights,
+        **({"dispatch": dispatch} if dispatch else {}),
     }
 
 
@@ -255,7 +272,7 @@ def verl_omni_separate_async(cost, cluster, s: VerlOmniSettings | None = None) -
         rollout_side = roll["generation"] - wake + roll["reward"]
         train_side = train["old_log_prob"] + train.get("ref_log_prob", 0.0) + train["update_actor"]
         wire = w.sync_bytes / (cost.cluster.interconnect.bandwidth_gb_s * 1e9)  # trainer -> server pool
-        push = wire + s.push_latency_s
+        push = wire + s.push_latency_s + cost.params.dispatch_s_per_worker * n
         run = PeerRun(
             "verl_omni_separate_async",
             f"R {r}x{device} / T {n - r}x{device}",

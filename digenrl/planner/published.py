@@ -126,6 +126,7 @@ OUT_OF_SAMPLE = (
             "train.micro_batch=12",
             "algorithm.name=diffusion_nft",
             "sampling.guidance=1.0",  # true_cfg_scale=1.0
+            "algorithm.kl_beta=0.0001",  # ref_kl_coef (script :43): a reference forward per trained term
         ),
         cluster="4xH200",
         peer="verl_omni_colocated",
@@ -134,8 +135,8 @@ OUT_OF_SAMPLE = (
         source=f"{_H} (36cdadf3, 2026-06-17: diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh)",
         settings={"micro_batch": 12},
         caveat="the row says 24 x 12, the script 24 prompts x rollout.n 16 (0.175 x 4 x 550 = 385 images: "
-        "the script's); not explained: NFT's training passes counted as DigenRL's diffusion_nft counts "
-        "them, its reference KL (ref_kl_coef, script :43) not modelled",
+        "the script's); NFT's training passes counted as DigenRL's diffusion_nft counts them, with the "
+        "reference KL's forward (ref_kl_coef, script :43)",
     ),
     PublishedSetup(
         name="DanceGRPO FLUX.1-dev full fine-tune, 16xH800",

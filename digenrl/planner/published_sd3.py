@@ -56,6 +56,8 @@ _MM_SETTINGS = {
     # no vLLM server to wake and reload: the LoRA state dict goes actor -> rollout workers through Ray
     # (ray_diffusion_trainer.py:358-372, async_utils.py:18-24); veRL-Omni's fixed 9.8 s is not MM-GRPO's
     "push_latency_s": 0.0,
+    "server": False,  # diffusers in the rollout worker's process: no request-serving front end
+    "judge_in_generation": True,  # compute_reward_async per micro-batch (diffusers_rollout.py:192-201)
 }
 _MM_REWARD = (
     "the reward (UnifiedReward-Think-qwen3vl-32b served by vLLM off these 3 GPUs, README.md:100) is scored "

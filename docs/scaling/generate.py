@@ -29,6 +29,7 @@ from digenrl.planner.gpus import load_cluster
 from digenrl.planner.published import CALIBRATION, OUT_OF_SAMPLE, VERL_OMNI_PHASES
 from digenrl.planner.search import baselines, ladder, search
 from digenrl.planner.search import peers as peer_runs
+from digenrl.planner.uncertainty import ratio_ranges
 from digenrl.planner.workload import Workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scaling_tables.py, beside this script
@@ -139,6 +140,8 @@ def main(only: list[str] | None = None) -> int:
             peers = baselines(cost, cluster)
             rows[(label, cname)] = {
                 "peers": {name: _peer(run) for name, run in peer_runs(cost, cluster).items()},
+                # DigenRL vs each peer (and the fastest): min..max over the leave-one-out fits
+                "peer_ranges": ratio_ranges(res, cost, cluster),
                 # DigenRL = the planner's pick: the engine runs every plan it proposes, colocated ones too
                 "digenrl": _summary(best),
                 "disaggregated": _summary(steps[-1][1]),  # the best disaggregated plan with every knob
@@ -172,7 +175,8 @@ def main(only: list[str] | None = None) -> int:
 
 
 def refresh_peers() -> int:
-    """Only the peers as they run (analytic, no search) for every model x cluster, into predictions.json."""
+    """Only the peers as they run and the ratios' leave-one-out ranges, for every model x cluster, into
+    predictions.json."""
     path = OUT / "predictions.json"
     rows = json.loads(path.read_text())
     for label, cfg_file in MODELS.items():
@@ -181,6 +185,8 @@ def refresh_peers() -> int:
             cluster = load_cluster(ROOT / "configs" / "clusters" / f"{cname}.yaml")
             cost = CostModel(w, cluster)
             rows[f"{label} | {cname}"]["peers"] = {n: _peer(r) for n, r in peer_runs(cost, cluster).items()}
+            res = search(cost, cluster, top=5)
+            rows[f"{label} | {cname}"]["peer_ranges"] = ratio_ranges(res, cost, cluster)
     path.write_text(json.dumps(rows, indent=1, default=str))
     return 0
 

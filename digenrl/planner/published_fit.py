@@ -1,0 +1,291 @@
+"""One fit of the cost model's free parameters over every published row and DigenRL's own GPU rows.
+
+The parameters (:data:`PARAMS`, fewer than the rows) and the rows (:func:`rows`) are named here; the
+fit and its leave-one-out check are :mod:`digenrl.planner.loo`'s. Read off, not fitted: veRL-Omni's
+judge seconds per image (its reward phase) and its push's fixed part (docs/scaling.md, "Calibration").
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from digenrl.config.run import load_config
+from digenrl.placement.devices import DEVICES
+from digenrl.planner import loo
+from digenrl.planner import peer_verl_omni as verl
+from digenrl.planner import peers as peer_models
+from digenrl.planner.call_times import AnalyticTimes
+from digenrl.planner.costmodel import CostModel
+from digenrl.planner.loo import Param, Row, Theta
+from digenrl.planner.params import CostParams
+from digenrl.planner.published import CALIBRATION, OUT_OF_SAMPLE, VERL_OMNI_GENERATION, VERL_OMNI_PHASES
+from digenrl.planner.published_sd3 import VERL_OMNI_SD35_GENERATION
+from digenrl.planner.published_setup import PublishedSetup
+from digenrl.planner.search import search
+from digenrl.planner.shapes import param_counts
+from digenrl.planner.workload import Workload
+
+ROOT = Path(__file__).resolve().parents[2]
+H200_RUN = "benchmarks/gpu_runs/2026-12-04-h200"
+
+PARAMS = [
+    Param("mfu_rollout", 0.45, 0.05, 0.95, "share of peak bf16 FLOP/s a sampling forward's matmuls reach"),
+    Param("mfu_train", 0.35, 0.05, 0.95, "... a training forward + backward's"),
+    Param(
+        "op_launch_s", 1.2e-5, 1e-6, 2e-4, "seconds per kernel of an eager transformer call (op_counts.py)"
+    ),
+    Param("serve_request_s", 0.1, 1e-3, 10.0, "veRL-Omni's rollout server, seconds per request (image)"),
+    Param("dispatch_s_per_worker", 0.3, 1e-3, 10.0, "a single controller's step seconds per worker"),
+    Param("judge_rate", 5.0, 0.2, 200.0, "MM-GRPO's judge (UnifiedReward-Think 32B over vLLM): images/s"),
+]
+
+
+def cost_params(theta: Theta, judge_s: float | None = None) -> CostParams:
+    """The cost model's parameters with ``theta``; the efficiency falloff is off (the fixed terms
+    replace it)."""
+    p = CostParams(
+        mfu_rollout=theta["mfu_rollout"],
+        mfu_train=theta["mfu_train"],
+        mfu_source="fitted on every published row (planner/published_fit.py)",
+        mfu_half_tokens_rollout=0.0,
+        mfu_half_tokens_train=0.0,
+        op_launch_s=theta["op_launch_s"],
+        serve_request_s=theta["serve_request_s"],
+        dispatch_s_per_worker=theta["dispatch_s_per_worker"],
+        judge_rate_max=theta["judge_rate"],  # the rows show no rise with concurrency: a constant rate
+    )
+    if judge_s is not None:
+        p.model_reward_s = judge_s
+    return p
+
+
+_SETUPS: dict[str, tuple] = {}
+
+
+def _setup(setup) -> tuple:
+    """(workload, cluster) of a published setup, read once (reading a config is most of an evaluation)."""
+    if setup.name not in _SETUPS:
+        _SETUPS[setup.name] = setup.workload(), setup.load_cluster()
+    return _SETUPS[setup.name]
+
+
+def judge_s_per_image() -> float:
+    """veRL-Omni's Qwen-Image judge, read off its reward phase: seconds per image on one GPU."""
+    w, cluster = _setup(CALIBRATION)
+    return VERL_OMNI_PHASES["reward"] / (w.samples / next(iter(cluster.devices.values())))
+
+
+def settings(setup: PublishedSetup, push_latency_s: float) -> verl.VerlOmniSettings:
+    """veRL-Omni's published settings with the read-off push latency; a setup's own settings win."""
+    return replace(verl.PUBLISHED, **{"push_latency_s": push_latency_s, **setup.settings})
+
+
+def calibration_phases(theta: Theta, batch: int = 1, push_latency_s: float = 0.0) -> dict[str, float]:
+    """veRL-Omni's Qwen-Image LoRA step on 4xH800, phase by phase (``batch``: max_num_seqs)."""
+    w, cluster = _setup(CALIBRATION)
+    cost = CostModel(w, cluster, params=cost_params(theta, judge_s_per_image()))
+    device, n = next(iter(cluster.devices.items()))
+    return verl.verl_omni_phases(
+        cost, device, n, replace(settings(CALIBRATION, push_latency_s), server_batch=batch)
+    )
+
+
+def push_latency_s(theta: Theta) -> float:
+    """The push's fixed part: the published update_weights less the modelled moves."""
+    return VERL_OMNI_PHASES["update_weights"] - calibration_phases(theta)["update_weights"]
+
+
+def peer_run(setup: PublishedSetup, theta: Theta):
+    """The peer's modelled step on a published setup."""
+    w, cluster = _setup(setup)
+    judge = judge_s_per_image() if setup.peer.startswith("verl_omni") else None
+    cost = CostModel(w, cluster, params=cost_params(theta, judge))
+    model = peer_models.MODELS[setup.peer]
+    if setup.peer.startswith("verl"):
+        return model(cost, cluster, settings(setup, push_latency_s(theta)))
+    return model(cost, cluster)
+
+
+def sd35_generation(theta: Theta, batch: int) -> float:
+    g = VERL_OMNI_SD35_GENERATION
+    w, cluster = _setup(g)
+    # the judge: GenRM-OCR on a 3rd GPU, streamed into the gen timer (enable_resource_pool=True, script
+    # :97), at the GPU-seconds per image read off the Qwen-Image OCR judge (not fitted on these rows)
+    cost = CostModel(w, cluster, params=cost_params(theta, judge_s_per_image()))
+    s = replace(verl.PUBLISHED, server_batch=batch, judge_streamed_gpus=1)
+    return verl.verl_omni_phases(cost, next(iter(cluster.devices)), g.gpus, s)["generation"]
+
+
+@functools.cache
+def h200_workload():
+    """The H200 check's sampler model: FLUX.1 width, 2 double + 4 single blocks, 1536 tokens, bf16."""
+    over = ["model.height=512", "model.width=512", "model.max_text_len=512", "model.lora=null"]
+    w = Workload.from_config(load_config(ROOT / "configs" / "flux1_dev.yaml", over))
+    shape = replace(w.shape, config={**w.shape.config, "num_layers": 2, "num_single_layers": 4})
+    shape.tokens = w.shape.tokens
+    return replace(w, shape=shape, params=param_counts(shape, None, ()))
+
+
+def h200_times(theta: Theta) -> AnalyticTimes:
+    return AnalyticTimes(h200_workload(), DEVICES["H200"], cost_params(theta))
+
+
+def _memo(fn):
+    """Cache on the parameter values (a fit evaluates every row at one theta)."""
+    seen: dict = {}
+
+    def wrapped(theta: Theta, *args):
+        key = (tuple(sorted(theta.items())), args)
+        if key not in seen:
+            if len(seen) > 4096:
+                seen.clear()
+            seen[key] = fn(theta, *args)
+        return seen[key]
+
+    return wrapped
+
+
+_cal = _memo(calibration_phases)
+_peer = _memo(lambda theta, i: peer_run(OUT_OF_SAMPLE[i], theta).iteration_s)
+
+
+def rows() -> list[Row]:
+    """Every published row the model predicts (kind "peer" or "bound") and DigenRL's own H200 rows."""
+    cal = CALIBRATION.source
+    out = [
+        Row(
+            f"veRL-Omni Qwen-Image LoRA 4xH800: generation at max_num_seqs {b}",
+            "qwen_lora_4xh800",
+            s,
+            lambda t, b=b: _cal(t, b)["generation"],
+            source="verl-omni docs/start/rollout_batching.md:131",
+        )
+        for b, s in sorted(VERL_OMNI_GENERATION.items())
+    ]
+    out += [
+        Row(
+            f"veRL-Omni Qwen-Image LoRA 4xH800: {k}",
+            "qwen_lora_4xh800",
+            VERL_OMNI_PHASES[k],
+            lambda t, k=k: _cal(t, 1)[k],
+            source=cal,
+        )
+        for k in ("update_actor", "old_log_prob")
+    ]
+    for i, s in enumerate(OUT_OF_SAMPLE):
+        kind = "bound" if s.peer == "dancegrpo" else "peer"
+        out.append(Row(s.name, s.name, s.published_step_s, lambda t, i=i: _peer(t, i), kind, s.source))
+    g = VERL_OMNI_SD35_GENERATION
+    out += [
+        Row(
+            f"{g.name}: max_num_seqs {b}",
+            "verl_omni_sd35_generation",
+            s,
+            lambda t, b=b: sd35_generation(t, b),
+            source=g.source,
+        )
+        for b, s in sorted(g.points.items())
+    ]
+    out += own_rows()
+    return out
+
+
+def own_rows() -> list[Row]:
+    """DigenRL's measured H200 rows: the sampler step at each batch, the train step at batch 4."""
+    run = ROOT / H200_RUN
+    curve = json.loads((run / "dedicated.json").read_text())["rollout_batch_curve"]
+    train = json.loads((run / "realwidth.json").read_text())["train_ac_off"]
+    out = [
+        Row(
+            f"DigenRL H200 sampler step, batch {b}",
+            f"h200_sampler_{b}",
+            v["step_s"],
+            lambda t, b=int(b): h200_times(t).rollout_step(b),
+            "own",
+            f"{H200_RUN}/dedicated.json",
+        )
+        for b, v in curve.items()
+    ]
+    b = train.get("batch", 4)
+    out.append(
+        Row(
+            f"DigenRL H200 train step, batch {b}",
+            "h200_train",
+            train["step_s"],
+            lambda t: h200_times(t).train_step(b),
+            "own",
+            f"{H200_RUN}/realwidth.json",
+        )
+    )
+    return out
+
+
+#: why a row stays outside the leave-one-out bound, with the evidence (benchmarks/peer_calibration.py)
+OUTSIDE = {
+    "veRL-Omni SD3.5-M": "judge-bound: GenRM-OCR (Qwen2.5-VL-3B, 3rd GPU) streamed into the gen timer at the "
+    "0.227 GPU-s per image read off the Qwen-Image judge gives 14.8 s; the rows imply ~0.33 s per image "
+    "(64 images in ~22 s, barely moving with batching): the GenRM-OCR judge's own rate is the missing "
+    "term, unmeasured (a judge-rate measurement on one H800 decides it)",
+    "DanceGRPO": "a bound ('within 12 hours'), exceeded: DanceGRPO's model (peers.py) prices batch-1 "
+    "sampling through the fp32 FSDP module at 171 s and training at 289 s; its code path, not a fitted "
+    "number, is what to re-read",
+    "MM-GRPO SD3.5-M Flow-GRPO-Fast LoRA, one-step-off, 2 actor": "rollout-bound on its judge: left out, "
+    "only the hybrid row constrains the judge's rate (a1_r2 is trainer-bound)",
+}
+
+
+def report(loo_fits: bool = True) -> dict:
+    """The fit over every row, each row's in-sample and leave-one-out error, and the summaries."""
+    table_rows = rows()
+    full = loo.fit(PARAMS, table_rows)
+    held = loo.leave_one_out(PARAMS, table_rows, full) if loo_fits else {r.group: full for r in table_rows}
+    return _report(table_rows, full, held)
+
+
+def _report(table_rows: list[Row], full: Theta, held: dict[str, Theta]) -> dict:
+    table = loo.errors(table_rows, full, held)
+    for t in table:
+        why = next((v for k, v in OUTSIDE.items() if t["name"].startswith(k)), None)
+        if why and abs(t["loo_error"]) > 0.30:
+            t["outside"] = why
+    return {
+        "params": [{"name": p.name, "value": full[p.name], "what": p.what} for p in PARAMS],
+        "read_off": {"judge_s_per_image": judge_s_per_image(), "push_latency_s": push_latency_s(full)},
+        "rows": table,
+        "peers": loo.summary(table, "peer"),
+        "own": loo.summary(table, "own"),
+        "fits": {"all": full, **held},
+    }
+
+
+def ratios(fits: dict[str, Theta]) -> dict:
+    """DigenRL's best plan vs each peer as it runs today on the calibration's GPUs (4xH800), under each
+    fit: the ratio of images per GPU-second, its value under the fit of all rows and its range over
+    the leave-one-out fits."""
+    w, cluster = _setup(CALIBRATION)
+    per_fit: dict[str, dict[str, float]] = {}
+    for name, theta in fits.items():
+        cost = CostModel(w, cluster, params=cost_params(theta, judge_s_per_image()))
+        best = search(cost, cluster, top=1).ranked[0].samples_per_s
+        per_fit[name] = {
+            peer: best / r.samples_per_s for peer, r in peer_models.peers(cost, cluster).items() if r.fits
+        }
+    peers = per_fit["all"]
+    held = [v for k, v in per_fit.items() if k != "all"]
+    return {
+        peer: {"all": peers[peer], "min": min(h[peer] for h in held), "max": max(h[peer] for h in held)}
+        for peer in peers
+    }
+
+
+def shipped_table() -> dict:
+    """:func:`report` from the shipped fits (planner/cost_fit.json): no fitting, every row evaluated under
+    the fit of all rows and the fit that left its group out."""
+    from digenrl.planner.uncertainty import fits
+
+    f = fits()
+    full, held = f["all"], f["leave_one_out"]
+    return _report(rows(), full, held)
