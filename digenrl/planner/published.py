@@ -88,9 +88,8 @@ OUT_OF_SAMPLE = (
         published_images_per_gpu_s=0.077,
         source=f"{_H} (d07f42ba, 2026-06-05: run_qwen_image_ocr.sh, 64 GPUs)",
         settings={"param_offload": False},  # the row's note: param_offload=False, optimizer_offload=True
-        caveat="not explained: at 8 images per GPU the modelled work is ~36 s and the published step 105 s; "
-        "what does not shrink with the work per GPU -- dispatch to 64 workers, 16 judge replicas, the push "
-        "into 64 servers across 8 nodes -- is modelled only as the 9.8 s push latency fitted on 4 GPUs",
+        caveat="at 8 images per GPU most of the step is what does not shrink with the work per GPU: the "
+        "single controller's per-worker cost (dispatch_s_per_worker x 64), fitted on every row",
     ),
     PublishedSetup(
         name="veRL-Omni Qwen-Image full fine-tune, no CFG, 64xH100 (VeOmni)",
@@ -102,7 +101,7 @@ OUT_OF_SAMPLE = (
         published_images_per_gpu_s=0.079,
         source=f"{_H} (d07f42ba, 2026-06-05: run_qwen_image_ocr_veomni.sh, 64 GPUs)",
         settings={"param_offload": False},
-        caveat="not explained, as the FSDP1 row (modelled the same: VeOmni's own sharding is not modelled)",
+        caveat="as the FSDP1 row (modelled the same: VeOmni's own sharding is not modelled)",
     ),
     PublishedSetup(
         name="veRL-Omni Qwen-Image LoRA FlowDPPO, 4xH200",

@@ -60,18 +60,13 @@ _MM_SETTINGS = {
     "judge_in_generation": True,  # compute_reward_async per micro-batch (diffusers_rollout.py:192-201)
 }
 _MM_REWARD = (
-    "the reward (UnifiedReward-Think-qwen3vl-32b served by vLLM off these 3 GPUs, README.md:100) is scored "
-    "per micro-batch while the next one is generated (diffusers_rollout.py:192-201): nothing on these GPUs, "
-    "its tail after the last micro-batch not modelled"
+    "the reward (UnifiedReward-Think-qwen3vl-32b served by vLLM off these 3 GPUs, README.md:100) is "
+    "awaited per micro-batch inside generate_sequences (diffusers_rollout.py:192-201): its rate is fitted"
 )
-#: why the MM-GRPO rows are ~3x above the model (the same for the three rows)
+#: what the model of the MM-GRPO rows rests on (the same for the three rows)
 _MM_GAP = (
-    "not explained by a phase the model leaves out: the published rows imply 0.27 s per image generated "
-    "on one GPU (a2_r1: 128 images, rollout-bound at 34.1 s, its trainer has a1_r2's 64 images per GPU) "
-    "and 0.31 s per image trained (a1_r2: trainer-bound, 64 images on one GPU in 19.9 s), both ~3x the "
-    "model's; the efficiencies fitted on Qwen-Image (20B, hidden 3072) do not carry to SD3.5-M (2.2B, "
-    "hidden 1536, eager diffusers in fp16), whose small calls spend more in memory-bound kernels and "
-    "launches (adaLN, norms, QK-norm, the SDE step and its log-prob) than a FLOP count sees"
+    "SD3.5-M's small calls priced by their kernels (op_counts.py); the judge waited for per micro-batch "
+    "inside generation at the fitted constant rate (planner/published_fit.py)"
 )
 
 

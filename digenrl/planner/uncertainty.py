@@ -59,9 +59,10 @@ def params_under(theta: dict, base):
 
 
 def ratio_ranges(result, cost, cluster, top: int = 5) -> dict[str, tuple[float, float]]:
-    """Per peer, (min, max) of DigenRL's best plan over the peer as it runs, under every leave-one-out
-    fit: the ``top`` plans of ``result`` re-ranked under each fit (a lower bound of that fit's own best
-    plan, which a full search could only raise), the peers re-modelled under it."""
+    """Per peer (and "fastest": the fastest peer of each fit), (min, max) of DigenRL's best plan over
+    the peer as it runs, under every leave-one-out fit: the ``top`` plans of ``result`` re-ranked
+    under each fit (a lower bound of that fit's own best plan, which a full search could only raise),
+    the peers re-modelled under it."""
     plans = [r.plan for r in result.ranked[:top]]
     spans: dict[str, list[float]] = {}
     for theta in distinct_fits():
@@ -69,7 +70,9 @@ def ratio_ranges(result, cost, cluster, top: int = 5) -> dict[str, tuple[float, 
             cost.workload, cluster, params_under(theta, cost.params), cost.colocation, cost.overheads
         )
         best = search(c, cluster, top=1, plans=plans).ranked[0].samples_per_s
-        for name, run in peers(c, cluster).items():
-            if run.fits and run.samples_per_s:
-                spans.setdefault(name, []).append(best / run.samples_per_s)
+        runs = {n: r.samples_per_s for n, r in peers(c, cluster).items() if r.fits and r.samples_per_s}
+        for name, sps in runs.items():
+            spans.setdefault(name, []).append(best / sps)
+        if runs:  # "fastest": the fastest peer under this fit
+            spans.setdefault("fastest", []).append(best / max(runs.values()))
     return {name: (min(v), max(v)) for name, v in spans.items()}
