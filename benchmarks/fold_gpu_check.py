@@ -62,8 +62,69 @@ def reward_row(ded: dict, which: str = "pickscore") -> dict | None:
     return max(rows, key=lambda r: r["images"]) if rows else None
 
 
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b x``: (a, b)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def call_costs(calls: dict) -> dict:
+    """calls.json (benchmarks/gpu_calls.py) folded per family, kind and mode: seconds vs batch fitted by
+    least squares, intercept = fixed seconds per call, slope = seconds per sample, each also per block
+    run (x a published model's block count: its fixed cost; the embeddings and head counted in)."""
+    series: dict[tuple, list] = {}
+    for r in calls.get("rows") or []:
+        series.setdefault((r["family"], r["kind"], r["mode"]), []).append(r)
+    rows = []
+    for (family, kind, mode), got in series.items():
+        if len({r["batch"] for r in got}) < 2:
+            continue  # one batch: no slope
+        xs, ys = [r["batch"] for r in got], [r["median_s"] for r in got]
+        fixed, slope = fit_line(xs, ys)
+        run, published = got[0]["blocks_run"], got[0]["published_blocks"]
+        model = (calls.get("models") or {}).get(family) or {}
+        kernels = (model.get("kernels_per_forward") or {}).get(mode) if kind == "forward" else None
+        rows.append(
+            {
+                "family": family,
+                "kind": kind,
+                "mode": mode,
+                "batches": xs,
+                "blocks_run": run,
+                "published_blocks": published,
+                "hidden": got[0]["hidden"],
+                "tokens": got[0]["tokens"],
+                "fixed_s": fixed,
+                "per_sample_s": slope,
+                "fixed_s_per_block": fixed / run,
+                "per_sample_s_per_block": slope / run,
+                "published_fixed_s": fixed / run * published,
+                "published_per_sample_s": slope / run * published,
+                "max_rel_residual": max(abs(fixed + slope * x - y) / y for x, y in zip(xs, ys)),
+                "kernels_per_forward": kernels,
+                "fixed_s_per_kernel": fixed / kernels if kernels else None,
+            }
+        )
+    ray = calls.get("ray_call") or {}
+    return {
+        "device": calls.get("device"),
+        "gpu": calls.get("gpu"),
+        "applies": bool(calls.get("gpu")) and not calls.get("tiny"),
+        "ray_call_s": ray.get("median_s"),
+        "rows": rows,
+        "skipped": calls.get("skipped") or [],
+        "errors": calls.get("errors") or {},
+    }
+
+
 def fold(out: Path) -> dict:
-    ded = json.loads((out / "dedicated.json").read_text())
+    ded_file, calls_file = out / "dedicated.json", out / "calls.json"
+    if not ded_file.is_file() and not calls_file.is_file():
+        print(f"fold_gpu_check: {out} holds neither dedicated.json nor calls.json", file=sys.stderr)
+        raise SystemExit(2)
+    ded = json.loads(ded_file.read_text()) if ded_file.is_file() else {}
     rw_file = out / "realwidth.json"
     rw = json.loads(rw_file.read_text()) if rw_file.is_file() else None
     gpu = ded.get("gpu")
@@ -121,7 +182,25 @@ def fold(out: Path) -> dict:
         "applies": bool(gpu) and not ded.get("tiny"),
         "errors": ded.get("errors") or {},
         "defaults": rows,
+        "call_costs": call_costs(json.loads(calls_file.read_text())) if calls_file.is_file() else None,
     }
+
+
+def print_call_costs(costs: dict) -> None:
+    ray = costs["ray_call_s"]
+    dry = "" if costs["applies"] else "  (a CPU / tiny dry run)"
+    print(
+        f"call costs on {costs['device']}: Ray actor round trip {'-' if ray is None else f'{ray:.3g} s'}{dry}"
+    )
+    for r in costs["rows"]:
+        ms = {k: r[k] * 1e3 for k in ("fixed_s_per_block", "published_fixed_s", "per_sample_s_per_block")}
+        print(
+            f"  {r['family']:<5} {r['kind']:<10} {r['mode']:<8} fixed {ms['fixed_s_per_block']:.3g} ms per"
+            f" block (x {r['published_blocks']}: {ms['published_fixed_s']:.3g} ms), per sample"
+            f" {ms['per_sample_s_per_block']:.3g} ms per block; worst residual {r['max_rel_residual']:.0%}"
+        )
+    for s in costs["skipped"]:
+        print(f"  skipped: {s}")
 
 
 def main():
@@ -131,12 +210,15 @@ def main():
     args = ap.parse_args()
     res = fold(args.out)
     verdict = "" if res["applies"] else "  (a CPU / tiny dry run: not planner defaults)"
-    print(f"measured on {res['device']}{verdict}")
-    for r in res["defaults"]:
+    if res["device"] is not None:  # dedicated.json was there
+        print(f"measured on {res['device']}{verdict}")
+    for r in res["defaults"] if res["device"] is not None else []:
         got = "-" if r["measured"] is None else f"{r['measured']:.4g}"
         print(f"  {r['name']:<28} now {r['now']:<10.4g} measured {got:<10} {r['where']}  {r['note'] or ''}")
     for name, err in res["errors"].items():
         print(f"  section {name} failed: {err}")
+    if res["call_costs"]:
+        print_call_costs(res["call_costs"])
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
 
