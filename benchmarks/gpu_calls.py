@@ -11,13 +11,14 @@ configs/ (SD3.5-Medium and FLUX.1-dev at 512 px, Wan2.1-T2V-14B at 240p x 33 fra
 blocks (FAMILIES: their mix as published), random init, bf16 weights called under the adapters'
 autocast on CUDA (fp32 on CPU). A forward runs under no_grad; a train step is forward + backward of
 every parameter (a mean-square loss; gradients dropped before each step, no optimizer). Compiled:
-``torch.compile`` of each block (``--compile-scope blocks``, the default: minutes less compilation)
-or of the whole transformer as ``engine.compile_rollout`` does (``model``); batches run in rising
+``torch.compile`` of each block (``--compile-scope blocks``, the default: a block class compiles
+once, not once per block) or of the whole transformer as ``engine.compile_rollout`` does
+(``model``); batches run in rising
 order, so batch 1 compiles static and batch 2 once with a dynamic batch. Per family: the aten ops
 one eager forward dispatches (views apart) and, on CUDA, the device kernels one forward launches
 (torch.profiler, batch 1). Order, most needed first: eager rows, the Ray round trip, compiled
-forwards, compiled train steps; a series that would start after ``--budget`` seconds is skipped and
-named in ``skipped``. The JSON is rewritten after each series (a killed run keeps what it measured).
+forwards, compiled train steps; a row that would start after ``--budget`` seconds is skipped and
+named in ``skipped`` (so the call ends within ~4 minutes). The JSON is rewritten after each series (a killed run keeps what it measured).
 benchmarks/fold_gpu_check.py folds the rows into fixed seconds per forward and seconds per sample.
 """
 
