@@ -72,38 +72,58 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def call_costs(calls: dict) -> dict:
     """calls.json (benchmarks/gpu_calls.py) folded per family, kind and mode: seconds vs batch fitted by
-    least squares, intercept = fixed seconds per call, slope = seconds per sample, each also per block
-    run (x a published model's block count: its fixed cost; the embeddings and head counted in)."""
+    least squares (intercept: fixed seconds per call, slope: seconds per sample) at each depth run.
+    With a half-depth fit beside the full one, the difference splits each into per block and the rest
+    (embeddings, head); with one depth, all of it counts per block. ``published_*``: the rest + the
+    published model's blocks x per block."""
+    fits: dict[tuple, dict] = {}
     series: dict[tuple, list] = {}
     for r in calls.get("rows") or []:
-        series.setdefault((r["family"], r["kind"], r["mode"]), []).append(r)
-    rows = []
-    for (family, kind, mode), got in series.items():
-        if len({r["batch"] for r in got}) < 2:
-            continue  # one batch: no slope
+        series.setdefault((r["family"], r["kind"], r["mode"], r["blocks_run"]), []).append(r)
+    for (family, kind, mode, blocks), got in series.items():
         xs, ys = [r["batch"] for r in got], [r["median_s"] for r in got]
-        fixed, slope = fit_line(xs, ys)
-        run, published = got[0]["blocks_run"], got[0]["published_blocks"]
-        model = (calls.get("models") or {}).get(family) or {}
-        kernels = (model.get("kernels_per_forward") or {}).get(mode) if kind == "forward" else None
+        if len(set(xs)) >= 2:  # one batch: no slope
+            a, b = fit_line(xs, ys)
+            resid = max(abs(a + b * x - y) / y for x, y in zip(xs, ys))
+            fits.setdefault((family, kind, mode), {})[blocks] = (a, b, resid, xs, got[0])
+    models = calls.get("models") or {}
+    rows = []
+    for (family, kind, mode), by in fits.items():
+        n, half = max(by), (min(by) if len(by) > 1 else None)
+        fixed, slope, resid, xs, first = by[n]
+        if half is None:
+            per_block, rest = (fixed / n, slope / n), (None, None)
+        else:
+            per_block = ((fixed - by[half][0]) / (n - half), (slope - by[half][1]) / (n - half))
+            rest = (fixed - n * per_block[0], slope - n * per_block[1])
+        published = first["published_blocks"]
+        full, halved = models.get(family) or {}, models.get(f"{family}/half") or {}
+        kernels = (full.get("kernels_per_forward") or {}).get(mode) if kind == "forward" else None
+        kernels_half = (halved.get("kernels_per_forward") or {}).get(mode) if kind == "forward" else None
+        ops, ops_half = full.get("aten_ops_per_forward"), halved.get("aten_ops_per_forward")
         rows.append(
             {
                 "family": family,
                 "kind": kind,
                 "mode": mode,
                 "batches": xs,
-                "blocks_run": run,
+                "blocks_run": n,
+                "blocks_run_half": half,
                 "published_blocks": published,
-                "hidden": got[0]["hidden"],
-                "tokens": got[0]["tokens"],
+                "hidden": first["hidden"],
+                "tokens": first["tokens"],
                 "fixed_s": fixed,
                 "per_sample_s": slope,
-                "fixed_s_per_block": fixed / run,
-                "per_sample_s_per_block": slope / run,
-                "published_fixed_s": fixed / run * published,
-                "published_per_sample_s": slope / run * published,
-                "max_rel_residual": max(abs(fixed + slope * x - y) / y for x, y in zip(xs, ys)),
+                "fixed_s_per_block": per_block[0],
+                "per_sample_s_per_block": per_block[1],
+                "fixed_s_outside_blocks": rest[0],
+                "per_sample_s_outside_blocks": rest[1],
+                "published_fixed_s": (rest[0] or 0.0) + published * per_block[0],
+                "published_per_sample_s": (rest[1] or 0.0) + published * per_block[1],
+                "max_rel_residual": max(f[2] for f in by.values()),
                 "kernels_per_forward": kernels,
+                "kernels_per_block": _per_block(kernels, kernels_half, n, half),
+                "aten_ops_per_block": _per_block(ops, ops_half, n, half) if kind == "forward" else None,
                 "fixed_s_per_kernel": fixed / kernels if kernels else None,
             }
         )
@@ -117,6 +137,11 @@ def call_costs(calls: dict) -> dict:
         "skipped": calls.get("skipped") or [],
         "errors": calls.get("errors") or {},
     }
+
+
+def _per_block(full, half, n: int, n_half: int | None) -> float | None:
+    """A count's share per block from the full and half depth (None without both)."""
+    return None if full is None or half is None or n_half is None else (full - half) / (n - n_half)
 
 
 def fold(out: Path) -> dict:
@@ -193,11 +218,12 @@ def print_call_costs(costs: dict) -> None:
         f"call costs on {costs['device']}: Ray actor round trip {'-' if ray is None else f'{ray:.3g} s'}{dry}"
     )
     for r in costs["rows"]:
-        ms = {k: r[k] * 1e3 for k in ("fixed_s_per_block", "published_fixed_s", "per_sample_s_per_block")}
+        ms = {k: (r[k] or 0.0) * 1e3 for k in r if k.endswith("_s") or "_s_" in k}
+        rest = "" if r["blocks_run_half"] is None else f" {ms['fixed_s_outside_blocks']:+.3g} ms"
         print(
             f"  {r['family']:<5} {r['kind']:<10} {r['mode']:<8} fixed {ms['fixed_s_per_block']:.3g} ms per"
-            f" block (x {r['published_blocks']}: {ms['published_fixed_s']:.3g} ms), per sample"
-            f" {ms['per_sample_s_per_block']:.3g} ms per block; worst residual {r['max_rel_residual']:.0%}"
+            f" block{rest} (x {r['published_blocks']}: {ms['published_fixed_s']:.3g} ms), per sample"
+            f" {ms['published_per_sample_s']:.3g} ms; worst residual {r['max_rel_residual']:.0%}"
         )
     for s in costs["skipped"]:
         print(f"  skipped: {s}")

@@ -1,24 +1,22 @@
 """What one call costs on one device: per-forward and per-train-step seconds of real-width diffusers
 transformers at batch 1, 2, 4, 8, 16, eager and compiled, and a Ray actor call's round trip (issue 51:
-the fixed cost per forward and per call of the planner's cost model).
+the fixed costs per forward and per call of the planner's cost model).
 
     python benchmarks/gpu_calls.py --gpu H200 --json OUT/calls.json
     python benchmarks/gpu_calls.py --tiny --device cpu --batches 1 2 --repeats 1 --json F   (a dry run)
 
-Each family is its published model's transformer class at its published widths (the adapter's
-``published_model``, as digenrl/planner/shapes.py costs it) and the token count of its config in
-configs/ (SD3.5-Medium and FLUX.1-dev at 512 px, Wan2.1-T2V-14B at 240p x 33 frames), with only a few
-blocks (FAMILIES: their mix as published), random init, bf16 weights called under the adapters'
-autocast on CUDA (fp32 on CPU). A forward runs under no_grad; a train step is forward + backward of
-every parameter (a mean-square loss; gradients dropped before each step, no optimizer). Compiled:
-``torch.compile`` of each block (``--compile-scope blocks``, the default: a block class compiles
-once, not once per block) or of the whole transformer as ``engine.compile_rollout`` does
-(``model``); batches run in rising
-order, so batch 1 compiles static and batch 2 once with a dynamic batch. Per family: the aten ops
-one eager forward dispatches (views apart) and, on CUDA, the device kernels one forward launches
-(torch.profiler, batch 1). Order, most needed first: eager rows, the Ray round trip, compiled
-forwards, compiled train steps; a row that would start after ``--budget`` seconds is skipped and
-named in ``skipped`` (so the call ends within ~4 minutes). The JSON is rewritten after each series (a killed run keeps what it measured).
+Each family is its published transformer (the adapter's ``published_model``, as planner/shapes.py
+costs it) at its config's token count (configs/: SD3.5-M and FLUX.1-dev at 512 px, Wan2.1-14B at
+240p x 33 frames) with a few blocks in the published mix (FAMILIES), random init, bf16 weights called
+under the adapters' autocast on CUDA (fp32 on CPU); eager rows also at half as many blocks, so the
+fold can split the fixed cost into per block and the rest. A forward runs under no_grad; a train step
+is forward + backward of every parameter (no optimizer). Compiled: ``torch.compile`` of each block
+(``--compile-scope blocks``: a block class compiles once) or of the whole transformer as
+``engine.compile_rollout`` does (``model``); batches rise, so batch 1 compiles static and batch 2 once
+with a dynamic batch. Per model: aten ops one eager forward dispatches and, on CUDA, device kernels
+one forward launches (torch.profiler, batch 1). Most needed first: eager rows, the Ray round trip,
+compiled forwards, compiled train steps; a row that would start after ``--budget`` seconds is skipped
+and named (the call ends within ~4 minutes). The JSON is rewritten after each series.
 benchmarks/fold_gpu_check.py folds the rows into fixed seconds per forward and seconds per sample.
 """
 
@@ -37,11 +35,21 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-# family -> (real-scale config, tiny config, the transformer config's block counts to run)
+# family -> (real-scale config, tiny config, the blocks to run: full, half)
 FAMILIES = {
-    "sd3": ("sd3.5_medium.yaml", "sd3_tiny.yaml", dict(num_layers=4, dual_attention_layers=[0, 1])),
-    "flux": ("flux1_dev.yaml", "flux_tiny.yaml", dict(num_layers=2, num_single_layers=4)),
-    "wan": ("wan2.1_t2v_14b_240p.yaml", "wan_tiny.yaml", dict(num_layers=2)),
+    "sd3": (
+        "sd3.5_medium.yaml",
+        "sd3_tiny.yaml",
+        dict(num_layers=4, dual_attention_layers=[0, 1]),
+        dict(num_layers=2, dual_attention_layers=[0]),
+    ),
+    "flux": (
+        "flux1_dev.yaml",
+        "flux_tiny.yaml",
+        dict(num_layers=2, num_single_layers=4),
+        dict(num_layers=1, num_single_layers=2),
+    ),
+    "wan": ("wan2.1_t2v_14b_240p.yaml", "wan_tiny.yaml", dict(num_layers=2), dict(num_layers=1)),
 }
 
 
@@ -71,21 +79,23 @@ def blocks_of(config: dict) -> int:
     return config["num_layers"] + config.get("num_single_layers", 0)
 
 
-def family_spec(family: str, tiny: bool) -> dict:
-    """The model to build and what the rows record of it: configs, latent shape, tokens, blocks."""
+def family_spec(family: str, tiny: bool, half: bool = False) -> dict:
+    """The model to build and what the rows record of it: configs, latent shape, tokens, blocks
+    (``half``: half as many blocks, whose rows split the fixed cost into per block and the rest)."""
     from digenrl.adapters import adapter_class
     from digenrl.adapters.base import hidden_size
     from digenrl.config.run import load_config
 
-    real, small, run_blocks = FAMILIES[family]
+    real, small, full_blocks, half_blocks = FAMILIES[family]
     cfg = load_config(ROOT / "configs" / (small if tiny else real), [])
     adapter = adapter_class(cfg.model.adapter)
     published = adapter.published_model(cfg.model)
     config, vae = adapter.presets[cfg.model.preset] if tiny else (published.transformer, published.vae)
-    config = {**config, **run_blocks}
+    config = {**config, **(half_blocks if half else full_blocks)}
     tokens = adapter.tokens(cfg.model, config, vae)
     grid = adapter.grid(cfg.model, adapter.vae_factors(vae)[0]) if family == "flux" else None
     return {
+        "family": family,
         "class": adapter.transformer_class,
         "config_file": f"configs/{small if tiny else real}",
         "published": published.label,
@@ -254,6 +264,7 @@ def main(argv=None):
     )
     ap.add_argument("--ray-calls", type=int, default=200, help="round trips timed (0: no Ray)")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds: later rows are skipped")
+    ap.add_argument("--no-half", action="store_true", help="no eager rows at half depth")
     ap.add_argument("--compile-scope", default="blocks", choices=["blocks", "model"])
     ap.add_argument("--compile-mode", default="default", help="engine.compile_mode")
     ap.add_argument("--compile-backend", default="inductor", help="inductor, or eager (a dry run)")
@@ -307,22 +318,25 @@ def main(argv=None):
 
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, 64)  # every family, shape and grad mode keeps its graphs
-    specs = {f: family_spec(f, args.tiny) for f in args.families}
+    specs = {f: family_spec(f, args.tiny) for f in args.families}  # by name: "flux", "flux/half"
+    halves = [] if args.no_half else [f"{f}/half" for f in args.families]
+    specs |= {h: family_spec(h.split("/")[0], args.tiny, half=True) for h in halves}
     models = {}
 
-    def prepare(family):
-        spec = specs[family]
-        models[family] = model = build(spec, dev, dtype)
-        ops, views = aten_ops(calling(model, dev, dtype), inputs(family, spec, 1, dev, dtype))
-        res["models"][family] = {k: v for k, v in spec.items() if k not in ("config", "grid")} | {
+    def prepare(name):
+        spec = specs[name]
+        models[name] = model = build(spec, dev, dtype)
+        ops, views = aten_ops(calling(model, dev, dtype), inputs(spec["family"], spec, 1, dev, dtype))
+        res["models"][name] = {k: v for k, v in spec.items() if k not in ("config", "grid")} | {
             "params": sum(p.numel() for p in model.parameters()),
             "aten_ops_per_forward": ops,
             "view_ops_per_forward": views,
             "kernels_per_forward": {},
         }
 
-    def series(family, mode, kind):
-        spec, model = specs[family], models[family]
+    def series(name, mode, kind):
+        spec, model = specs[name], models[name]
+        family = spec["family"]
         call = calling(model, dev, dtype)
         if mode == "compiled" and not getattr(model, "_digenrl_compiled", False):
             for m in transformer_blocks(model) if args.compile_scope == "blocks" else [model]:
@@ -330,7 +344,7 @@ def main(argv=None):
             model._digenrl_compiled = True
         for batch in sorted(args.batches):
             if time.perf_counter() - t_start > args.budget:
-                res["skipped"].append(f"{family}/{mode}/{kind}/b{batch}: time bound")
+                res["skipped"].append(f"{name}/{mode}/{kind}/b{batch}: time bound")
                 break
             kw = inputs(family, spec, batch, dev, dtype)
             fn = step_fn(model, call, kw, kind)
@@ -339,42 +353,34 @@ def main(argv=None):
                 # compile on the call after the one that made the batch dynamic)
                 median, warm = median_call(dev, fn, args.repeats, 2 if mode == "compiled" else 1)
             except torch.OutOfMemoryError:  # the largest batches may not fit: a limit, not a failure
-                res["skipped"].append(f"{family}/{mode}/{kind}/b{batch}: out of memory")
+                res["skipped"].append(f"{name}/{mode}/{kind}/b{batch}: out of memory")
                 del kw, fn
                 break
-            row = {
-                "family": family,
-                "mode": mode,
-                "kind": kind,
-                "batch": batch,
-                "median_s": median,
-                "warmup_s": warm,
-                "repeats": args.repeats,
-            }
+            row = dict(family=family, mode=mode, kind=kind, batch=batch, median_s=median, warmup_s=warm)
             keys = ("blocks_run", "published_blocks", "hidden", "tokens")
             res["rows"].append(row | {k: spec[k] for k in keys})
             if kind == "forward" and batch == min(args.batches):
-                res["models"][family]["kernels_per_forward"][mode] = device_kernels(dev, fn)
+                res["models"][name]["kernels_per_forward"][mode] = device_kernels(dev, fn)
             del kw, fn
         for p in model.parameters():
             p.grad = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
-    for family in args.families:
-        section(f"{family}/build", lambda f=family: prepare(f))
-    built = [f for f in args.families if f in models]
+    for name in specs:
+        section(f"{name}/build", lambda n=name: prepare(n))
 
-    def all_series(mode, kind):
-        for family in built if mode in args.modes else []:
-            section(f"{family}/{mode}/{kind}", lambda f=family: series(f, mode, kind))
+    def all_series(names, mode, kind):
+        for name in [n for n in names if n in models] if mode in args.modes else []:
+            section(f"{name}/{mode}/{kind}", lambda n=name: series(n, mode, kind))
 
-    all_series("eager", "forward")
-    all_series("eager", "train_step")
+    for names in (args.families, halves):  # eager: full depth, then half (the per-block split)
+        all_series(names, "eager", "forward")
+        all_series(names, "eager", "train_step")
     if args.ray_calls > 0:
         section("ray_call", lambda: res.update(ray_call=ray_round_trip(args.ray_calls)))
-    all_series("compiled", "forward")
-    all_series("compiled", "train_step")
+    all_series(args.families, "compiled", "forward")
+    all_series(args.families, "compiled", "train_step")
     res["seconds"]["total"] = time.perf_counter() - t_start
     print(json.dumps({k: v for k, v in res.items() if k != "args"}, indent=1, default=float))
     save()

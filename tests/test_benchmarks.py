@@ -353,12 +353,13 @@ def test_gpu_smoke_dry_run_on_cpu(tmp_path):
     assert names["compiled sampling speed-up"]["measured"] == comp["speedup"]
     assert names["model reward overlap"]["measured"] == lap["hidden_share"]
     calls = json.loads((tmp_path / "calls.json").read_text())
-    assert calls["errors"] == {} and len(calls["rows"]) == 3 * 2 * 2  # families x kinds x batches
+    assert calls["errors"] == {} and len(calls["rows"]) == 3 * 2 * 2 * 2  # families, depths, kinds, batches
     costs = fold["call_costs"]
     assert {(r["family"], r["kind"], r["mode"]) for r in costs["rows"]} == {
         (f, k, "eager") for f in ("sd3", "flux", "wan") for k in ("forward", "train_step")
     }
     assert not costs["applies"] and costs["ray_call_s"] is None  # no Ray in the dry run
+    assert all(r["blocks_run_half"] == r["blocks_run"] // 2 for r in costs["rows"])
 
 
 def test_fold_gpu_check_recovers_the_curve_a_gpu_measured(tmp_path):
