@@ -7,6 +7,7 @@
 #   DEVICE=cpu bash benchmarks/gpu_smoke.sh OUT     (a dry run of every part at tiny sizes, any machine:
 #                                                    its numbers mean nothing)
 #   PARTS="dedicated fold" ...                      (only these parts; default: all, in this order)
+#   PARTS="calls fold" ...                          (the call costs alone: one GPU call of ~4 minutes)
 #
 # Parts (each prints "NAME: ok (S s)" / "NAME: FAILED"; the JSON files land in OUT):
 # - dedicated: benchmarks/gpu_dedicated.py -> dedicated.json: per-sample sampling time and MFU at batch
@@ -16,8 +17,13 @@
 # - realwidth: benchmarks/gpu_realwidth.py -> realwidth.json: the same FLUX's peak memory per phase vs
 #   the static prediction, rollout step vs FluxPipeline, train step and MFU with and without
 #   activation checkpointing, fingerprint / packing bandwidth, the on-policy ratio on GPU kernels;
-# - fold: benchmarks/fold_gpu_check.py -> fold.json: each planner default the two files measure, its
-#   value now and the measured one (docs/real_scale.md, "Folding the GPU check into the planner");
+# - calls: benchmarks/gpu_calls.py -> calls.json: seconds per forward and per train step at batch 1, 2,
+#   4, 8, 16 of SD3.5-M's, FLUX.1-dev's and Wan2.1-14B's transformers at their published widths (a few
+#   blocks each), eager and compiled, their kernels per forward, and a Ray actor call's round trip
+#   (the fixed costs per forward and per call of the planner's cost model, issue 51; within ~4 minutes);
+# - fold: benchmarks/fold_gpu_check.py -> fold.json: each planner default the files measure, its
+#   value now and the measured one (docs/real_scale.md, "Folding the GPU check into the planner"), and
+#   calls.json's fixed seconds per forward and seconds per sample (``call_costs``);
 # - colocated / disaggregated: `digenrl train` of the tiny FLUX, colocated on every visible GPU (>= 2
 #   GPUs: the nccl all-reduce), and with >= 2 GPUs disaggregated (1 rollout GPU + the rest as
 #   trainer ranks, GAP, TAG, TSP, one-step async: the weight sync between GPU workers); each run
@@ -39,7 +45,7 @@ set -uo pipefail
 OUT=${1:-${OUT:-$(mktemp -d)}}
 PY=${PYTHON:-python}
 DEVICE=${DEVICE:-cuda}
-PARTS=${PARTS:-dedicated realwidth train_variants fsdp_dtype fold colocated shared disaggregated profile}
+PARTS=${PARTS:-dedicated realwidth train_variants fsdp_dtype calls fold colocated shared disaggregated profile}
 BUDGET=${BUDGET:-480}
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -54,6 +60,7 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: tiny widths, logical CPU devices
   REALWIDTH=(--tiny --device cpu --double 1 --single 1 --batch 1 --steps 2)
   FSDP_DTYPE=(--tiny --device cpu --double 1 --single 1)
   TRAIN_VARIANTS=(--tiny --device cpu --double 1 --single 1 --steps 2 --batch 1 --variants cudnn)
+  CALLS=(--tiny --device cpu --batches 1 2 --repeats 1 --modes eager --ray-calls 0)
 else
   visible_gpus() {  # the GPUs this process may use: nvidia-smi's, narrowed by CUDA_VISIBLE_DEVICES when set
     local listed ids id n=0
@@ -79,6 +86,7 @@ else
   REALWIDTH=(--gpu "$KIND")
   FSDP_DTYPE=(--device cuda)
   TRAIN_VARIANTS=(--gpu "$KIND" --variants fp32_master lora cudnn)
+  CALLS=(--gpu "$KIND")
 fi
 echo "gpu_smoke: $NGPU $DEVICE device(s) ($KIND); output in $OUT; parts: $PARTS"
 if [ "$NGPU" -lt 2 ]; then  # say plainly what one device cannot check
@@ -177,6 +185,7 @@ part dedicated timeout 240 "$PY" "$HERE/gpu_dedicated.py" "${DEDICATED[@]}" --js
 part realwidth timeout 180 "$PY" "$HERE/gpu_realwidth.py" "${REALWIDTH[@]}" --json "$OUT/realwidth.json"
 part train_variants timeout 240 "$PY" "$HERE/gpu_train_variants.py" "${TRAIN_VARIANTS[@]}" --json "$OUT/train_variants.json"
 part fsdp_dtype timeout 120 "$PY" "$HERE/gpu_fsdp_dtype.py" "${FSDP_DTYPE[@]}" --json "$OUT/fsdp_dtype.json"
+part calls timeout 240 "$PY" "$HERE/gpu_calls.py" "${CALLS[@]}" --json "$OUT/calls.json"
 part fold "$PY" "$HERE/fold_gpu_check.py" "$OUT" --json "$OUT/fold.json"
 part colocated train colocated placement.mode=colocated \
   "cluster.pools=[{name: gpus, device: $POOL_DEVICE, count: $NGPU}]" placement.rollout_pool=gpus placement.trainer_pool=gpus \

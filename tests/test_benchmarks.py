@@ -305,11 +305,11 @@ def test_gpu_smoke_dry_run_on_cpu(tmp_path):
     "fold_gpu_check.py"): every JSON field the fold reads is there, and the fold names the defaults;
     the one-rank FSDP2 dtype check ("gpu_fsdp_dtype.py"), the train step's variants
     ("gpu_train_variants.py": here only fp32 masters with model.cudnn_attention on) and the
-    two-processes-one-device run pass."""
+    two-processes-one-device run pass; the call costs ("gpu_calls.py", eager) fold per family and kind."""
     env = {
         **os.environ,
         "DEVICE": "cpu",
-        "PARTS": "dedicated train_variants fold fsdp_dtype shared",
+        "PARTS": "dedicated train_variants fsdp_dtype calls fold shared",
         "PYTHON": sys.executable,
     }
     env["PYTHONPATH"] = str(ROOT)
@@ -352,6 +352,14 @@ def test_gpu_smoke_dry_run_on_cpu(tmp_path):
     assert names["sampling peak efficiency"]["measured"] is None  # no MFU on CPU
     assert names["compiled sampling speed-up"]["measured"] == comp["speedup"]
     assert names["model reward overlap"]["measured"] == lap["hidden_share"]
+    calls = json.loads((tmp_path / "calls.json").read_text())
+    assert calls["errors"] == {} and len(calls["rows"]) == 3 * 2 * 2 * 2  # families, depths, kinds, batches
+    costs = fold["call_costs"]
+    assert {(r["family"], r["kind"], r["mode"]) for r in costs["rows"]} == {
+        (f, k, "eager") for f in ("sd3", "flux", "wan") for k in ("forward", "train_step")
+    }
+    assert not costs["applies"] and costs["ray_call_s"] is None  # no Ray in the dry run
+    assert all(r["blocks_run_half"] == r["blocks_run"] // 2 for r in costs["rows"])
 
 
 def test_fold_gpu_check_recovers_the_curve_a_gpu_measured(tmp_path):

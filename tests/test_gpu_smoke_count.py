@@ -51,3 +51,17 @@ def test_counts_the_gpus_cuda_visible_devices_leaves(tmp_path, visible, count):
     assert f"gpu_smoke: {count} cuda device(s) (H200)" in done.stdout
     one = "NCCL between ranks" in done.stdout and "NOT checked" in done.stdout
     assert one == (count == 1)  # one device says plainly what it cannot check
+
+
+def test_every_part_runs_by_default_and_is_described():
+    """Each ``part NAME`` the script runs is in its default PARTS, in order, and named in the header's
+    list of parts (a new part -- ``calls``, issue 51 -- cannot be left out of a plain run or undocumented)."""
+    import re
+
+    text = (ROOT / "benchmarks" / "gpu_smoke.sh").read_text()
+    header = text.split("set -uo pipefail")[0]
+    run = re.findall(r"^part (\w+) ", text, flags=re.M)
+    default = re.search(r"PARTS=\$\{PARTS:-([\w ]+)\}", text).group(1).split()
+    assert "calls" in run and run.index("calls") < run.index("fold")  # the fold reads calls.json
+    assert [p for p in default if p in run] == run and set(default) == set(run)
+    assert [p for p in run if not re.search(rf"^# - (\w+ / )?{p}\b|/ {p}:", header, flags=re.M)] == []
