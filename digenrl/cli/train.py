@@ -128,12 +128,13 @@ def _run_claimed(job: TrainJob, console: Console, quiet: bool, verbose: bool):
 
 def _driver(job: TrainJob, layout):
     """The driver the placement asks for, built (local: model, reward and prompts) and ready to run."""
-    from digenrl.placement.preflight import check_model
+    from digenrl.placement.preflight import check_model, check_rewards
     from digenrl.progress import progress
 
     cfg, run_dir = job.cfg, None if job.continuing else job.run_dir
     progress("loading torch and the model code...")
     check_model(cfg)  # shapes, checkpoint directory, LoRA targets (meta device): seconds, before Ray starts
+    check_rewards(cfg)  # names, args and files of the rewards (no model loaded), as config validate does
     if cfg.placement.mode == "local":
         from digenrl.engine.local import LocalTrainer
 

@@ -19,7 +19,7 @@ from digenrl.checkpoint.load import load_checkpoint, read_state, use_ema_weights
 from digenrl.checkpoint.store import find_checkpoint
 from digenrl.config.run import load_config
 from digenrl.config.train import PromptsConfig
-from digenrl.data.prompts import Prompt, image_checks, load_prompts, prompt_char_limit
+from digenrl.data.prompts import Prompt, image_checks, load_prompts, prompt_char_limit, say_notes
 from digenrl.errors import UserError
 from digenrl.policy.model import Policy
 from digenrl.rewards import build_reward
@@ -183,12 +183,14 @@ def prepare_eval(
     config_path = Path(config) if config is not None else state.config_path
     cfg = load_config(config_path)
     limit = prompt_char_limit(cfg.model.max_text_len)  # what the text encoder can use, as train checks
+    notes: list[str] = []
     if prompts is not None:
         prompt_set = load_prompts(
-            PromptsConfig(file=prompts), max_chars=limit, what="--prompts", split="test", **image_checks(cfg)
+            PromptsConfig(file=prompts), limit, "--prompts", "test", notes=notes, **image_checks(cfg)
         )
     else:  # a directory: its held-out split
-        prompt_set = load_prompts(cfg.prompts, max_chars=limit, split="test", **image_checks(cfg))
+        prompt_set = load_prompts(cfg.prompts, limit, split="test", notes=notes, **image_checks(cfg))
+    say_notes(notes)
     base = None
     if baseline is not None:
         if baseline == "base":
