@@ -47,7 +47,8 @@ def run_eval(
 
 def reward_table(report: dict) -> Table:
     base = report.get("baseline")
-    table = Table(title=f"{Path(report['checkpoint']).name} (version {report['version']})")
+    version = "weights export" if report["version"] is None else f"version {report['version']}"
+    table = Table(title=f"{Path(report['checkpoint']).name} ({version})")
     table.add_column("reward")
     table.add_column("checkpoint", justify="right")
     if base:

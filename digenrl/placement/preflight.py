@@ -12,7 +12,7 @@ from pathlib import Path
 
 from digenrl.adapters import adapter_class
 from digenrl.config.run import RunConfig
-from digenrl.errors import UserError
+from digenrl.errors import UserError, relative_note
 from digenrl.placement.devices import DEVICES, device_spec
 from digenrl.placement.plan import Plan
 from digenrl.planner.params import CostParams
@@ -76,7 +76,7 @@ def check_model(cfg: RunConfig) -> None:
         return  # the tiny preset is built (cheaply, for real) by the engine's preflight
     root = Path(cfg.model.pretrained)
     if not root.is_dir():
-        raise UserError(f"model.pretrained: checkpoint directory not found: {root}")
+        raise UserError(f"model.pretrained: checkpoint directory not found: {root}{relative_note(root)}")
     if not (root / "model_index.json").is_file():
         raise UserError(f"model.pretrained: {root} is not a diffusers checkpoint (no model_index.json)")
     if (root / "transformer" / "config.json").is_file() and cfg.model.lora is not None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from digenrl.errors import first_line
+from digenrl.errors import first_line, relative_note
 from digenrl.rewards.base import Reward, RewardArgError, register
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -165,14 +165,14 @@ def backbone_args(path, processor_path, dtype: str) -> tuple[Path, Path]:
         )
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise RewardArgError("path", f"weights directory {path} not found")
+        raise RewardArgError("path", f"weights directory {path} not found{relative_note(path)}")
     if not (path / "config.json").is_file():
         raise RewardArgError(
             "path", f"{path} has no config.json (expected a transformers CLIPModel directory)"
         )
     proc = Path(processor_path).expanduser() if processor_path is not None else path
     if not proc.is_dir():
-        raise RewardArgError("processor_path", f"directory {proc} not found")
+        raise RewardArgError("processor_path", f"directory {proc} not found{relative_note(proc)}")
     if dtype not in DTYPES:
         raise RewardArgError("dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
     return path, proc
@@ -271,7 +271,7 @@ def load_head_state(head) -> dict[str, torch.Tensor]:
         raise RewardArgError("head", "required: the MLP head's weights (.safetensors, .pt or .pth)")
     head = Path(head).expanduser()
     if not head.is_file():
-        raise RewardArgError("head", f"head weights file {head} not found")
+        raise RewardArgError("head", f"head weights file {head} not found{relative_note(head)}")
     state = read_state_dict(head, "head")
     return {k if k.startswith("layers.") else f"layers.{k}": v for k, v in state.items()}
 

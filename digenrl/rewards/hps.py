@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from digenrl.errors import relative_note
 from digenrl.rewards.base import RewardArgError, register
 from digenrl.rewards.clip_models import (
     DTYPES,
@@ -222,12 +223,12 @@ class HPSv2(_ClipReward):
             raise RewardArgError("path", "required: the HPS checkpoint file (e.g. HPS_v2.1_compressed.pt)")
         path = Path(path).expanduser()
         if not path.is_file():
-            raise RewardArgError("path", f"checkpoint file {path} not found")
+            raise RewardArgError("path", f"checkpoint file {path} not found{relative_note(path)}")
         if tokenizer is None:
             raise RewardArgError("tokenizer", "required: a directory with a CLIP tokenizer (any CLIP's)")
         tokenizer = Path(tokenizer).expanduser()
         if not tokenizer.is_dir():
-            raise RewardArgError("tokenizer", f"directory {tokenizer} not found")
+            raise RewardArgError("tokenizer", f"directory {tokenizer} not found{relative_note(tokenizer)}")
         if dtype not in DTYPES:
             raise RewardArgError("dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
         _arch(arch)
