@@ -1,0 +1,64 @@
+"""`digenrl report RUN` (issue 56): one HTML page that opens offline -- a curve per reward component
+whose points are the metrics rows, the sample grids and the timeline embedded, nothing fetched."""
+
+import base64
+import json
+import re
+import sys
+
+import pytest
+from PIL import Image
+
+from digenrl.cli.app import main
+
+
+def fake_run(run, n=9):
+    """A run directory as train writes it: config, metrics rows, two sample grids, a timeline."""
+    (run / "samples").mkdir(parents=True)
+    (run / "config.yaml").write_text("train: {iterations: 9}\n")
+    rows = [
+        {
+            "iteration": i,
+            "reward_mean": 0.1 * i,
+            "reward/a": 0.1 * i,
+            "reward/b": 0.5,
+            "clip_frac": 0.0,
+            "kl": 0.0,
+        }
+        for i in range(n)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for i, colour in ((0, "red"), (8, "blue")):
+        Image.new("RGB", (8, 8), colour).save(run / "samples" / f"iter-{i:06d}.png")
+    Image.new("RGB", (20, 10), "green").save(run / "timeline.png")
+    return run
+
+
+def test_the_page_holds_every_curve_and_image_and_fetches_nothing(tmp_path, monkeypatch, capsys):
+    run = fake_run(tmp_path / "run")
+    monkeypatch.setattr(sys, "argv", ["digenrl", "report", str(run)])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    assert exc.value.code == 0 and f"wrote {run / 'report.html'}" in capsys.readouterr().out
+    page = (run / "report.html").read_text()
+    curves = dict(re.findall(r'<polyline data-series="([^"]+)"[^>]*points="([^"]+)"', page))
+    assert {"reward_mean", "reward/a", "reward/b"} <= set(curves)
+    assert all(len(curves[k].split()) == 9 for k in ("reward_mean", "reward/a", "reward/b"))
+    ys = [float(p.split(",")[1]) for p in curves["reward/a"].split()]
+    assert ys == sorted(ys, reverse=True)  # a rising reward climbs the page (SVG y grows downwards)
+    images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
+    assert len(images) == 3  # two sample grids and the timeline, embedded byte for byte
+    assert base64.b64decode(images[-1]) == (run / "timeline.png").read_bytes()
+    assert not re.search(r'(src|href)="(https?:)?//', page)  # offline: nothing to fetch
+
+
+def test_a_directory_without_a_run_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["digenrl", "report", str(tmp_path)])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    err = capsys.readouterr().err
+    assert (
+        exc.value.code == 2
+        and err
+        == f"error: RUN: {tmp_path} holds no metrics.jsonl (not a run directory, or one not yet started)\n"
+    )
