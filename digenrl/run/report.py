@@ -11,8 +11,10 @@ import html
 import math
 from pathlib import Path
 
+from digenrl.config.run import load_config
 from digenrl.errors import UserError
 from digenrl.run.diagnose import diagnosis
+from digenrl.run.rundir import read_metrics
 
 #: the curves drawn, one chart each: (title, metric keys; ``reward/*`` expands to every component)
 CHARTS = [
@@ -101,9 +103,6 @@ def _images(title: str, paths: list[Path]) -> str:
 
 def build_report(run: Path) -> str:
     """The page's HTML for run directory ``run``; a UserError when it holds no run."""
-    from digenrl.config.run import load_config
-    from digenrl.run.rundir import read_metrics
-
     run = Path(run)
     if not (run / "metrics.jsonl").is_file():
         raise UserError(f"RUN: {run} holds no metrics.jsonl (not a run directory, or one not yet started)")
