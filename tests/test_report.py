@@ -4,6 +4,8 @@ whose points are the metrics rows, the sample grids and the timeline embedded, n
 import base64
 import json
 import re
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -62,3 +64,23 @@ def test_a_directory_without_a_run_is_one_line(tmp_path, monkeypatch, capsys):
         and err
         == f"error: RUN: {tmp_path} holds no metrics.jsonl (not a run directory, or one not yet started)\n"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs a headless browser (Debian's chromium)")
+def test_the_page_renders_offline_in_a_headless_browser(tmp_path):
+    """Debian's chromium, offline, draws the embedded images and the curves: their exact colours are in
+    its screenshot (solid sample grids, drawn pixelated; each curve point a dot of its colour, within
+    antialiasing)."""
+    from digenrl.run.report import write_report
+
+    page = write_report(fake_run(tmp_path / "run"))
+    shot = tmp_path / "shot.png"
+    argv = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    argv += ["--window-size=1000,2000", f"--screenshot={shot}", page.as_uri()]
+    subprocess.run(argv, capture_output=True, timeout=120, check=True)
+    img = Image.open(shot).convert("RGB")
+    colours = {img.getpixel((x, y)) for x in range(img.width) for y in range(img.height)}
+    assert {(255, 0, 0), (0, 0, 255), (0, 128, 0)} <= colours  # the two sample grids, the timeline
+    for curve in ((0x1F, 0x77, 0xB4), (0xD6, 0x27, 0x28)):  # two curves' dots (antialiased: near)
+        assert any(max(abs(a - b) for a, b in zip(c, curve)) <= 12 for c in colours), curve

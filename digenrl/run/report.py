@@ -76,7 +76,10 @@ def svg_chart(title: str, series: dict[str, list[tuple[int, float]]]) -> str:
     ]
     for i, (name, pts) in enumerate(series.items()):
         colour = COLOURS[i % len(COLOURS)]
-        coords = " ".join(f"{a:.1f},{b:.1f}" for a, b in (px(x, y) for x, y in pts))
+        xy = [px(x, y) for x, y in pts]
+        coords = " ".join(f"{a:.1f},{b:.1f}" for a, b in xy)
+        if len(xy) <= 60:  # few points (a short run): each one marked, a single one visible at all
+            parts += [f'<circle cx="{a:.1f}" cy="{b:.1f}" r="2.5" fill="{colour}"/>' for a, b in xy]
         parts.append(
             f'<polyline data-series="{html.escape(name)}" fill="none" stroke="{colour}" stroke-width="1.5" '
             f'points="{coords}"/>'
