@@ -25,7 +25,7 @@ CHARTS = [
     ("speed: samples per second", ["samples_per_s"]),
 ]  # fmt: skip
 COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
-W, H, PAD = 640, 220, 44
+W, H, PAD, LEGEND = 470, 220, 44, 160  # the plot, then the legend to its right
 
 
 def _data_uri(path: Path) -> str:
@@ -65,8 +65,8 @@ def svg_chart(title: str, series: dict[str, list[tuple[int, float]]]) -> str:
         return PAD + (x - x0) / (x1 - x0) * (W - 2 * PAD), H - PAD + (y - y0) / (y1 - y0) * (2 * PAD - H)
 
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" role="img">',
-        f'<rect width="{W}" height="{H}" fill="white"/>',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W + LEGEND}" height="{H}" role="img">',
+        f'<rect width="{W + LEGEND}" height="{H}" fill="white"/>',
         f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - PAD}" y2="{H - PAD}" stroke="#888"/>',
         f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{H - PAD}" stroke="#888"/>',
         f'<text x="{PAD}" y="{H - PAD + 16}" font-size="11">{x0}</text>',
@@ -85,11 +85,11 @@ def svg_chart(title: str, series: dict[str, list[tuple[int, float]]]) -> str:
             f'points="{coords}"/>'
         )
         parts.append(
-            f'<text x="{W - PAD + 4 - 130}" y="{PAD + 14 * i}" font-size="11" fill="{colour}">'
+            f'<text x="{W - PAD + 12}" y="{PAD + 14 * i}" font-size="11" fill="{colour}">'
             f"{html.escape(name)}</text>"
         )
     parts.append("</svg>")
-    return f"<h3>{html.escape(title)}</h3>\n" + "\n".join(parts)
+    return f"<figure><h3>{html.escape(title)}</h3>\n" + "\n".join(parts) + "</figure>"
 
 
 def _images(title: str, paths: list[Path]) -> str:
@@ -124,11 +124,8 @@ def build_report(run: Path) -> str:
         why = diagnosis(rows, *((cfg.algorithm.clip_range, cfg.algorithm.kl_beta) if cfg else ()))
         if why:
             body.append(f"<p class=why>{html.escape(why)}</p>")
-        body.append("<h2>curves</h2>")
-        for title, keys in CHARTS:
-            series = _series(rows, keys)
-            if series:
-                body.append(svg_chart(title, series))
+        charts = [svg_chart(title, series) for title, keys in CHARTS if (series := _series(rows, keys))]
+        body.append("<h2>curves</h2>\n<div class=grid>" + "\n".join(charts) + "</div>")
     samples = sorted((run / "samples").glob("iter-*.*")) if (run / "samples").is_dir() else []
     body.append(
         _images("samples over the iterations (one per prompt group, captioned with its reward)", samples)
@@ -136,13 +133,13 @@ def build_report(run: Path) -> str:
     evals = sorted(p for p in (run / "eval").glob("*/*") if p.name in ("eval.png", "eval.gif", "compare.png"))
     body.append(_images("evaluations (ODE, fixed seeds)", evals))
     if (run / "timeline.png").is_file():
-        body.append(
-            _images("timeline (one row per worker; units by kind and version)", [run / "timeline.png"])
-        )
+        timeline = _images("timeline (one row per worker; units by kind and version)", [run / "timeline.png"])
+        body.append(timeline.replace("<img ", "<img class=wide ", 1))
     style = (
         "body{font-family:sans-serif;max-width:1400px;margin:1em auto;padding:0 1em}"
         ".grid{display:flex;flex-wrap:wrap;gap:8px}figure{margin:0}img{max-width:680px;image-rendering:pixelated}"
-        "figcaption{font-size:12px;color:#555}.why{background:#fff3cd;padding:6px}"
+        "figcaption{font-size:12px;color:#555}.why{background:#fff3cd;padding:6px}img.wide{max-width:100%}"
+        "h3{font-size:14px;margin:4px 0}"
     )
     return (
         f"<!doctype html>\n<html><head><meta charset=utf-8><title>{html.escape(run.name)}</title>"
