@@ -84,3 +84,29 @@ def test_the_page_renders_offline_in_a_headless_browser(tmp_path):
     assert {(255, 0, 0), (0, 0, 255), (0, 128, 0)} <= colours  # the two sample grids, the timeline
     for curve in ((0x1F, 0x77, 0xB4), (0xD6, 0x27, 0x28)):  # two curves' dots (antialiased: near)
         assert any(max(abs(a - b) for a, b in zip(c, curve)) <= 12 for c in colours), curve
+
+
+def test_sample_grids_reach_tensorboard_as_images(tmp_path):
+    """RunDir.log_image (called where a run saves samples/iter-*.png): the grid, pixel for pixel, as a
+    TensorBoard image at the iteration's step."""
+    import io
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from digenrl.config.run import load_config
+    from digenrl.run.rundir import RunDir
+
+    grid = tmp_path / "grid.png"
+    Image.new("RGB", (12, 6), (10, 200, 30)).save(grid)
+    out = RunDir(load_config(None, ["output.tensorboard=true"]), tmp_path / "run")
+    out.log_image(grid, 30)
+    out.close()
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    (logged,) = events.Images("samples")
+    assert logged.step == 30 and (logged.width, logged.height) == (12, 6)
+    assert Image.open(io.BytesIO(logged.encoded_image_string)).convert("RGB").getpixel((5, 3)) == (
+        10,
+        200,
+        30,
+    )
