@@ -23,6 +23,16 @@ class RunInterrupted(Exception):
     kept and how to resume."""
 
 
+#: resolved path -> where it came from, for a relative path a config file named (its folder is the base)
+RELATIVE: dict[str, str] = {}
+
+
+def relative_note(path) -> str:
+    """`` (how a config's relative path became ``path``)`` for a "not found" line, or ""."""
+    note = RELATIVE.get(str(path))
+    return f" ({note})" if note else ""
+
+
 def read_user_text(path, what: str) -> str:
     """The text of a file the user named, or a one-line UserError: missing, a directory, unreadable
     or not UTF-8 (``what``: the field or option that named it, e.g. ``prompts.file``)."""
@@ -32,7 +42,7 @@ def read_user_text(path, what: str) -> str:
     try:
         return path.read_bytes().decode("utf-8")
     except FileNotFoundError:
-        raise UserError(f"{what}: {path} not found") from None
+        raise UserError(f"{what}: {path} not found{relative_note(path)}") from None
     except IsADirectoryError:
         raise UserError(f"{what}: {path} is a directory, not a file") from None
     except OSError as exc:

@@ -198,22 +198,4 @@ def assert_timeline_invariants(cfg, tl) -> None:
     )
 
 
-#: the colours of the tiny edit set's input images (RGB 0-255)
-EDIT_COLOURS = {"red": (230, 30, 30), "blue": (30, 40, 230), "green": (20, 160, 40), "yellow": (230, 220, 30)}
-
-
-def write_edit_set(folder: Path, height: int, width: int, rows=None) -> Path:
-    """A tiny edit prompt set: solid-colour input images (PNG) and a ``prompts.jsonl`` whose rows name
-    them relative to the file; ``rows``: (instruction, source colour) pairs. Returns the .jsonl path."""
-    from PIL import Image
-
-    rows = rows or [("make it red", "blue"), ("make it blue", "red")]
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "images").mkdir(exist_ok=True)
-    lines = []
-    for colour in {c for _, c in rows}:
-        Image.new("RGB", (width, height), EDIT_COLOURS[colour]).save(folder / "images" / f"{colour}.png")
-    for text, colour in rows:
-        lines.append(json.dumps({"prompt": text, "image": f"images/{colour}.png"}))
-    (folder / "prompts.jsonl").write_text("\n".join(lines) + "\n")
-    return folder / "prompts.jsonl"
+from digenrl.data.edit_set import EDIT_COLOURS, write_edit_set  # noqa: E402,F401  (re-exported: the project's own)

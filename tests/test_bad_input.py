@@ -47,6 +47,9 @@ def make_inputs(tmp):
     (tmp / "rec.yaml").write_text("train: &x\n  lr: *x\n")
     (tmp / "unk.yaml").write_text("train:\n  lr_max: 1\n")
     (tmp / "num.jsonl").write_text('{"prompt": "a red car"}\n{"prompt": 5}\n')
+    (tmp / "array.jsonl").write_text('["make it red", "images/ok.png"]\n')  # crashed with a TypeError
+    (tmp / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"prompt": "a red car"}\n')
+    (tmp / "cut.jsonl").write_text('{"prompt": "a red car"}\n{"prompt": "a blue\n')
     (tmp / "nul.txt").write_text("a red car\na blue\0boat\n")
     (tmp / "tag.yaml").write_text("train: !!python/object:os.system x\n")
     make_edit_inputs(tmp)
@@ -299,6 +302,27 @@ CASES = {
         ["train", *KONTEXT_SETS],
         "prompts.builtin: model.adapter flux_kontext edits images: give prompts.file, a .jsonl",
     ),
+    # issue 56: every malformed prompt row says what is wrong; a model reward's files checked before Ray
+    "a JSONL row that is an array": (
+        ["train", "--set", "prompts.file={t}/array.jsonl"],
+        "prompts.file: {t}/array.jsonl:1: a JSON array, not an object with a 'prompt' field",
+    ),
+    "a JSONL file with a byte-order mark": (
+        ["train", "--set", "prompts.file={t}/bom.jsonl"],
+        "prompts.file: {t}/bom.jsonl:1: starts with a UTF-8 byte-order mark (BOM)",
+    ),
+    "a JSONL row cut short": (
+        ["train", "--set", "prompts.file={t}/cut.jsonl"],
+        "prompts.file: {t}/cut.jsonl:2: invalid JSON at column 12 (Unterminated string",
+    ),
+    "an hpsv2 checkpoint that does not exist": (
+        ["train", "--set", "reward.components=[{name: hpsv2, args: {path: {t}/no.pt, tokenizer: {t}/adir}}]"],
+        "reward.components.0.args.path: reward 'hpsv2': checkpoint file {t}/no.pt not found",
+    ),
+    "an argument a model reward does not take": (
+        ["train", "--set", "reward.components=[{name: pickscore, args: {path: {t}/adir, sizee: 2}}]"],
+        "reward.components.0.args: reward 'pickscore': got an unexpected keyword argument 'sizee'",
+    ),
     "a run name too long for a file name": (
         ["train", "--set", f"output.name={'x' * 300}"],
         "output.name: must be a name of at most 200 bytes (got 300)",
@@ -342,7 +366,7 @@ def run_case(argv, needle, tmp_path, monkeypatch, capsys, ray_address=None):
 
 
 #: the cases refused only once the engine runs (inside run_engine), so on the path the placement decides
-IN_THE_ENGINE = ["LoRA targets matching no module", "missing reward weights directory", "unknown reward"]
+IN_THE_ENGINE = ["LoRA targets matching no module"]
 #: cases that start Ray (~10 s each): the full suite runs them, the fast loop does not
 STARTS_RAY = {*IN_THE_ENGINE, "a geneval prompt without GenEval metadata", "an ocr prompt quoting no text"}
 

@@ -283,6 +283,22 @@ def test_corrupt_checkpoint_exits_2(copied, monkeypatch, capsys, damage, needle)
     assert not (copied.parent.parent / "metrics.jsonl").exists()  # nothing half-written
 
 
+def test_a_directory_that_is_no_checkpoint_says_what_it_is(tmp_path):
+    """A run's final/ (weights only) is named as an export; any other directory by what it holds."""
+    from digenrl.checkpoint.store import LORA_FILE
+
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / LORA_FILE).write_bytes(b"x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    with pytest.raises(
+        CheckpointError, match="final is a weights export .* --resume needs the run directory"
+    ):
+        find_checkpoint(tmp_path / "final")
+    with pytest.raises(CheckpointError, match="it is neither a checkpoint .* it holds notes.txt$"):
+        find_checkpoint(tmp_path / "other")
+
+
 @pytest.mark.parametrize(
     "target, needle",
     [

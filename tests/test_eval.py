@@ -289,3 +289,29 @@ def test_eval_on_a_flow_grpo_directory_reads_its_test_split_and_reports_means_pe
     assert r["by_tag"] == pytest.approx({"colors": colors, "single_object": single}, abs=1e-5)
     assert r["tag_mean"] == pytest.approx((colors + single) / 2, abs=1e-5)
     assert r["mean"] == pytest.approx(sum(r["values"]) / 3, abs=1e-5)
+
+
+def test_eval_of_a_runs_lora_export_equals_its_last_checkpoint(flux_run, tmp_path, monkeypatch, capsys):
+    """`eval --checkpoint RUN/final` (the LoRA export, no state.json) works, with the run's config, and
+    scores what the last checkpoint (the same weights, no EMA) scores; so does the .safetensors path."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red apple\na blue car\n")
+    reports = []
+    for target in ("final", "checkpoints/iter-000002", "final/pytorch_lora_weights.safetensors"):
+        out = tmp_path / target.replace("/", "_")
+        code, _, err = cli(
+            monkeypatch,
+            capsys,
+            "eval",
+            "--checkpoint",
+            str(flux_run / target),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+        )
+        assert code == 0, err
+        reports.append(json.loads((out / "eval.json").read_text()))
+    export, last, by_file = reports
+    assert export["rewards"] == last["rewards"] == by_file["rewards"]
+    assert export["version"] is None and last["version"] == 2

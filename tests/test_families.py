@@ -50,11 +50,13 @@ def test_trains_from_cli_and_lora_loads_into_the_family_pipeline(family, tmp_pat
     from digenrl.policy.model import Policy
 
     sets = [f"--set={s}" for s in SMALL.get(family, [])]
+    config = Path(__file__).resolve().parents[1] / FAMILIES[family]
+    monkeypatch.chdir(tmp_path)  # a shipped config runs from any directory (issue 56)
     code = cli(
         monkeypatch,
         "train",
         "-c",
-        FAMILIES[family],
+        str(config),
         "--run-dir",
         str(tmp_path / "run"),
         "--set",
@@ -67,7 +69,7 @@ def test_trains_from_cli_and_lora_loads_into_the_family_pipeline(family, tmp_pat
 
     saved = load_file(tmp_path / "run" / "final" / "pytorch_lora_weights.safetensors")
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in saved.items())  # it trained something
-    cfg = load_config(Path(FAMILIES[family]), SMALL.get(family, []))
+    cfg = load_config(config, SMALL.get(family, []))
     fresh = Policy(cfg, trainable=False).adapter
     fresh.transformer.delete_adapters("default")
     pipe = family_pipeline(fresh)

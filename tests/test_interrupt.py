@@ -43,7 +43,8 @@ def train(*args: str) -> subprocess.Popen:
     """``digenrl train ARGS`` as a subprocess; ``proc.marker`` is in the environment of every process
     it starts (:func:`tests.helpers.marked`)."""
     marker = process_marker()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmpdir("di")}
+    ray_dir = ray_tmpdir("di")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_dir}
     env[marker] = "1"  # (RAY_TMPDIR short: Ray's socket paths are limited)
     argv = [sys.executable, "-m", "digenrl.cli.app", "train", *args]
     # SIGINT as a terminal delivers it: a suite started in the background (`cmd &` in a script) ignores
@@ -56,7 +57,7 @@ def train(*args: str) -> subprocess.Popen:
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    proc.marker = marker
+    proc.marker, proc.ray_sessions = marker, lambda: list(Path(ray_dir).glob("ray/session_*"))
     return proc
 
 
@@ -85,6 +86,7 @@ def interrupt_then_resume(run: Path, extra: list[str], resume: bool = True) -> N
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert wait_gone(proc.marker) == []  # every actor stopped, the local cluster shut down
+    assert proc.ray_sessions() == []  # and its session directory removed (issue 56: they piled up)
     before = rows(run)
     done = len(before)
     assert 2 <= done < 20  # stopped well before the default periodic checkpoint (output.checkpoint_every: 20)
@@ -106,6 +108,7 @@ def interrupt_then_resume(run: Path, extra: list[str], resume: bool = True) -> N
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert wait_gone(proc.marker) == []  # a normal exit leaves no process either
+    assert proc.ray_sessions() == []  # nor Ray's session directory
     assert f"resuming from {run / 'checkpoints' / f'iter-{done:06d}'} (iteration {done} of {done + 2})" in out
     lines = out.splitlines()  # the terminal gets only DigenRL's own lines
     assert lines[0] == "digenrl train: loading the config..."  # the first thing the user sees

@@ -55,7 +55,7 @@ def exit_code(result) -> int:
 def test_cluster_files_load():
     for path in sorted(CLUSTERS.glob("*.yaml")):
         cluster = load_cluster(path)
-        assert sum(cluster.devices.values()) >= 2, path
+        assert sum(cluster.devices.values()) >= 1, path  # 1x24GB, 1x48GB: docs/fit.md
     assert load_cluster(CLUSTERS / "8xH800_16xH20.yaml").devices == {"H800": 8, "H20": 16}
     assert load_cluster(CLUSTERS / "local_cpu.yaml").is_cpu
 

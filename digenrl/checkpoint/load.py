@@ -158,6 +158,21 @@ def load_checkpoint(path: Path, policy, *, optimizer: bool = True, rng: bool = T
     return state
 
 
+def load_export(path: Path, policy) -> None:
+    """Load a weights export (a run's ``final/``: LoRA in diffusers' format, or the full transformer)
+    into ``policy``; refused with one line when it does not fit the model."""
+    lora = (Path(path) / LORA_FILE).is_file()
+    if lora != policy.lora:
+        held, wants = ("LoRA", "full weights (model.lora: null)") if lora else ("full weights", "a LoRA")
+        raise CheckpointError(f"checkpoint: {path} holds {held}, the config trains {wants}")
+    try:
+        policy.load_weights(read_weights(path, lora, policy.adapter), version=0)
+    except (WeightSyncError, ValueError, KeyError) as exc:
+        raise CheckpointError(
+            f"checkpoint: {path} does not fit this config's model ({str(exc).splitlines()[0][:200]})"
+        ) from None
+
+
 def read_safetensors(f: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(f)

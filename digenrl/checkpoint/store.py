@@ -77,14 +77,30 @@ def find_checkpoint(path: Path) -> Path:
     found = latest_checkpoint(path)
     if found is not None:
         return found
-    if (
-        _NAME.match(path.name)
-        or path.name.startswith(".tmp-")
-        or any((path / f).exists() for f in (LORA_FILE, FULL_FILE, OPTIMIZER_FILE))
-    ):
+    if _NAME.match(path.name) or path.name.startswith(".tmp-") or (path / OPTIMIZER_FILE).exists():
         raise CheckpointError(f"checkpoint: {path} is incomplete (no {STATE_FILE}: its write did not finish)")
+    if is_weights_export(path):
+        raise CheckpointError(
+            f"checkpoint: {path} is a weights export (a run's final/: weights only, no {STATE_FILE}, no "
+            "optimizer); --resume needs the run directory or one of its checkpoints/iter-*; "
+            "`digenrl eval --checkpoint` reads an export"
+        )
+    held = sorted(p.name for p in path.iterdir())[:5] if path.is_dir() else []
     raise CheckpointError(
-        f"checkpoint: no complete checkpoint in {path} (looked for {path}/checkpoints/iter-*/{STATE_FILE})"
+        f"checkpoint: no complete checkpoint in {path}: it is neither a checkpoint ({STATE_FILE}), a run "
+        f"directory (checkpoints/iter-*/{STATE_FILE}) nor a weights export ({LORA_FILE} or {FULL_FILE}); "
+        "it holds " + (", ".join(held) + (", ..." if len(held) == 5 else "") if held else "nothing")
+    )
+
+
+def is_weights_export(path: Path) -> bool:
+    """A run's ``final/`` (or any folder of the same files): the trained weights -- a LoRA in diffusers'
+    format, or the full transformer -- without a checkpoint's state, optimizer or RNG."""
+    path = Path(path)
+    return (
+        path.is_dir()
+        and not (path / STATE_FILE).exists()
+        and any((path / f).is_file() for f in (LORA_FILE, FULL_FILE))
     )
 
 

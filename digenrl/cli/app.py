@@ -268,6 +268,20 @@ def eval_(
     run_eval(checkpoint, config, prompts, baseline, out, console)
 
 
+@app.command()
+def report(
+    run: Path = typer.Argument(..., help="The run directory."),
+    out: Optional[Path] = typer.Option(None, help="Where to write the page (default RUN/report.html)."),
+):
+    """One HTML page of a run that opens offline: reward curves per component, samples, timeline."""
+    from digenrl.run.report import write_report
+    from digenrl.run.rundir import check_output_file
+
+    if out is not None:
+        check_output_file(out, "--out")
+    console.print(f"wrote {write_report(run, out)}", highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     """Console entry point: user errors and usage errors become one line on stderr and exit code 2,
     no traceback."""

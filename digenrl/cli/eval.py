@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from digenrl.cli.tables import show
+
 
 def run_eval(
     checkpoint: Path | None,
@@ -36,7 +38,7 @@ def run_eval(
             f"every {e.get('every')} of {e.get('steps')} optimizer steps)",
             soft_wrap=True,
         )
-    console.print(reward_table(report))
+    show(console, reward_table(report))  # whole words; piped: one line a row
     files = [report["grid"], *([report["comparison"]] if "comparison" in report else [])]
     console.print(
         f"{len(job.prompts)} prompts, {report['eval_steps']} ODE steps, {report['seconds']:.1f} s; "
@@ -47,7 +49,8 @@ def run_eval(
 
 def reward_table(report: dict) -> Table:
     base = report.get("baseline")
-    table = Table(title=f"{Path(report['checkpoint']).name} (version {report['version']})")
+    version = "weights export" if report["version"] is None else f"version {report['version']}"
+    table = Table(title=f"{Path(report['checkpoint']).name} ({version})")
     table.add_column("reward")
     table.add_column("checkpoint", justify="right")
     if base:

@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from digenrl.cli.tables import compact, say, show
 from digenrl.config.run import RunConfig
 from digenrl.errors import UserError
 from digenrl.schedule.knobs import SchedulingKnobs, knob_values
@@ -78,17 +79,18 @@ def run_plan_command(
     if json_out:
         print(json.dumps(report, indent=2, default=str))
     else:
-        console.print(plan_table(report))
+        say(console, plan_title(report))
+        show(console, plan_table(report))
         if report["ladder"]:
-            console.print(ladder_table(report))
+            show(console, ladder_table(report))
         if report.get("peers"):
             from digenrl.cli.plan_peers import peers_notes, peers_table
 
-            console.print(peers_table(report))
+            show(console, peers_table(report))
             for line in peers_notes(report):
-                console.print(line)
+                say(console, line)
         for line in report_notes(report):
-            console.print(line)
+            say(console, line)
     if timeline_dir is not None:
         best = result.ranked[0]
         best.save(Path(timeline_dir) / "best")
@@ -205,12 +207,17 @@ def _fmt_speedup(x) -> str:
     return f"{x:.2f}x" if x is not None else "n/a"
 
 
-def plan_table(report: dict) -> Table:
+def plan_title(report: dict) -> str:
     m, c = report["model"], report["cluster"]
-    t = Table(
-        title=f"{m['shape_source']} | {m['prompts']} prompts x {m['group_size']} samples, {m['steps']} steps "
+    return (
+        f"{m['shape_source']} | {m['prompts']} prompts x {m['group_size']} samples, {m['steps']} steps "
         f"| cluster {c['name']} ({' + '.join(f'{n}x{d}' for d, n in c['devices'].items())})"
     )
+
+
+def plan_table(report: dict) -> Table:
+    m = report["model"]
+    t = compact()  # its title: plan_title (a line of its own, never cut to the table's width)
     for col in ("#", "placement", "knobs"):
         t.add_column(col, overflow="fold")
     for col in ("samples/s", "s/iter", "bubble", "eff.", "vs col."):
@@ -247,15 +254,15 @@ def plan_table(report: dict) -> Table:
         t.add_section()
         for name, row in report["baselines"].items():
             if row is None:
-                t.add_row(name, "no plan fits", "", "", "", "", "", "", "")
+                t.add_row(name.replace("_", " "), "no plan fits", "", "", "", "", "", "", "")
             else:
-                add(row, name)
+                add(row, name.replace("_", " "))  # colocated whole groups: wraps at its words
     return t
 
 
 def ladder_table(report: dict) -> Table:
     """GAP, TSP, TAG, async switched on one by one: the best plan at each step and what the step adds."""
-    t = Table(title="what each knob adds (the best disaggregated plan with the knobs up to this line)")
+    t = compact("what each knob adds (the best disaggregated plan with the knobs up to this line)")
     for col in ("step", "placement", "knobs"):
         t.add_column(col, overflow="fold")
     for col in ("samples/s", "bubble", "vs previous", "vs col."):

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from digenrl.cli.tables import show
 from digenrl.config.run import RunConfig
 
 
@@ -70,7 +71,7 @@ def run_profile_command(
             task, completed=steps_total(cfg, engine, device=device, sharing=sharing), description="done"
         )
     save_profile(profile, out)
-    console.print(profile_table(profile))
+    show(console, profile_table(profile))  # whole words; piped: one line a row
     console.print(f"wrote {out}")
     return profile
 

@@ -122,18 +122,19 @@ def _run_claimed(job: TrainJob, console: Console, quiet: bool, verbose: bool):
             # bad input (or a restored old run): write nothing
             started = not restored and (result is not None or (target / "config.yaml").exists())
             kept = keep_log(log, (result.run_dir if result is not None else target) if started else None)
-    _summary(result, console, kept)
+    _summary(result, console, kept, cfg)
     return result
 
 
 def _driver(job: TrainJob, layout):
     """The driver the placement asks for, built (local: model, reward and prompts) and ready to run."""
-    from digenrl.placement.preflight import check_model
+    from digenrl.placement.preflight import check_model, check_rewards
     from digenrl.progress import progress
 
     cfg, run_dir = job.cfg, None if job.continuing else job.run_dir
     progress("loading torch and the model code...")
     check_model(cfg)  # shapes, checkpoint directory, LoRA targets (meta device): seconds, before Ray starts
+    check_rewards(cfg)  # names, args and files of the rewards (no model loaded), as config validate does
     if cfg.placement.mode == "local":
         from digenrl.engine.local import LocalTrainer
 
@@ -175,8 +176,9 @@ def _note_restored(exc: Exception, target: Path) -> None:
         exc.add_note(note)
 
 
-def _summary(result, console: Console, log: Path | None) -> None:
-    """The last lines, also under -q."""
+def _summary(result, console: Console, log: Path | None, cfg: RunConfig) -> None:
+    """The last lines, also under -q (a flat run's: which metric points at the cause)."""
+    from digenrl.run.diagnose import diagnosis
 
     def say(text: str) -> None:
         console.print(text, soft_wrap=True, highlight=False)
@@ -187,6 +189,9 @@ def _summary(result, console: Console, log: Path | None) -> None:
         first = sum(r["reward_mean"] for r in rows[:k]) / k
         last = sum(r["reward_mean"] for r in rows[-k:]) / k
         say(f"reward (mean of first third -> last third): {first:.4f} -> {last:.4f} ({last - first:+.4f})")
+        why = diagnosis(rows, cfg.algorithm.clip_range, cfg.algorithm.kl_beta)
+        if why is not None:
+            say(why)
     if log:
         say(f"library messages (Ray, torch): {log}")
     say(f"run directory: {result.run_dir}")

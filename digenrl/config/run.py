@@ -34,7 +34,7 @@ from digenrl.config.train import (
     RewardConfig,
     TrainConfig,
 )
-from digenrl.config.yamlfile import parse_yaml
+from digenrl.config.yamlfile import parse_yaml, rebase_paths
 from digenrl.errors import UserError
 
 
@@ -256,9 +256,12 @@ def read_yaml(path: Path) -> dict:
 
 
 def load_config(path: Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """The defaults (= the tiny FLUX demo) <- the YAML file, if any <- overrides, validated.
-    Raises ConfigError naming the dotted path."""
+    """The defaults (= the tiny FLUX demo) <- the YAML file, if any <- overrides, validated; the
+    file's relative input paths are read from its folder (:func:`rebase_paths`). Raises ConfigError
+    naming the dotted path."""
     data = read_yaml(path) if path is not None else {}
+    if path is not None:
+        rebase_paths(data, path)  # the file's relative paths are read from its folder; --set's from the cwd
     for assignment in overrides or []:
         apply_override(data, assignment)
     try:

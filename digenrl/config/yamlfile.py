@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from digenrl.errors import UserError, read_user_text
+from digenrl.errors import RELATIVE, UserError, read_user_text
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -53,3 +53,36 @@ def parse_yaml(path: Path, what: str) -> Any:
         raise UserError(f"{path}: malformed YAML{where}") from None
     finally:
         loader.dispose()
+
+
+#: a run config's input paths: relative ones are read from the config file's folder (output.run_dir,
+#: where the run writes, stays relative to the working directory, as runs/ does)
+INPUT_PATHS = (("model", "pretrained"), ("prompts", "file"))
+#: the ``args`` of a reward component that name files or directories (the model rewards')
+REWARD_PATH_ARGS = ("path", "processor_path", "head", "tokenizer")
+
+
+def rebase_paths(data: dict, config: Path) -> None:
+    """Make the relative input paths of config file ``config``'s ``data`` absolute, against the file's
+    folder (in place), so that a config runs from any working directory; each is remembered for the
+    "not found" line (:func:`digenrl.errors.relative_note`)."""
+    folder = Path(config).resolve().parent
+
+    def rebased(value, key: str):
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            return value
+        resolved = str(folder / value)
+        RELATIVE[resolved] = f"{key}: {value} in {config} is read from that file's folder"
+        return resolved
+
+    for section, key in INPUT_PATHS:
+        if isinstance(data.get(section), dict) and key in data[section]:
+            data[section][key] = rebased(data[section][key], f"{section}.{key}")
+    components = (
+        (data.get("reward") or {}).get("components") if isinstance(data.get("reward"), dict) else None
+    )
+    for i, c in enumerate(components if isinstance(components, list) else []):
+        args = c.get("args") if isinstance(c, dict) else None
+        for arg in REWARD_PATH_ARGS if isinstance(args, dict) else ():
+            if arg in args:
+                args[arg] = rebased(args[arg], f"reward.components.{i}.args.{arg}")

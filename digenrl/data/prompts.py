@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from digenrl.adapters import adapter_class
-from digenrl.adapters.edit import image_problem
 from digenrl.config.train import PromptsConfig
 from digenrl.errors import UserError, read_user_text
 
@@ -58,26 +58,101 @@ def check_prompts(cfg) -> list[Prompt]:
             f"prompts.builtin: model.adapter {model.adapter} edits images: give prompts.file, a .jsonl "
             "whose rows carry 'prompt' and 'image'"
         )
-    return load_prompts(cfg.prompts, prompt_char_limit(model.max_text_len), **image_checks(cfg))
+    notes: list[str] = []
+    prompts = load_prompts(
+        cfg.prompts, prompt_char_limit(model.max_text_len), notes=notes, **image_checks(cfg)
+    )
+    say_notes(notes)
+    return prompts
 
 
 def image_checks(cfg) -> dict:
-    """:func:`load_prompts`'s image arguments for a run: its output size, and its family if it edits."""
+    """:func:`load_prompts`'s image arguments for a run: its output size (an edit family's input images
+    must have it; other families do not read them), and its family."""
     model = cfg.model
     edits = adapter_class(model.adapter).edits
-    return dict(image_size=(model.height, model.width), edit_family=model.adapter if edits else None)
+    return dict(image_size=(model.height, model.width) if edits else None, family=model.adapter, edits=edits)
 
 
-def _image_path(row: dict, path: Path, n: int, what: str, size: tuple[int, int] | None) -> str:
+_SAID: set[str] = set()
+
+
+def say_notes(notes: list[str]) -> None:
+    """Print each note once per process (train and validate load the prompts more than once)."""
+    for note in notes:
+        if note not in _SAID:
+            _SAID.add(note)
+            print(f"note: {note}", file=sys.stderr)
+
+
+def _image_mode(path: str, size: tuple[int, int]) -> tuple[str | None, str]:
+    """(why the image at ``path`` cannot condition a ``size`` = (height, width) sample or None, its PIL
+    mode). Every image is fully decoded: a truncated file is refused here, not mid-run."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            img.load()
+            mode, height, width = img.mode, img.height, img.width
+    except FileNotFoundError:
+        return f"image not found: {path}", ""
+    except (OSError, ValueError, SyntaxError) as e:  # PIL: UnidentifiedImageError, truncated data
+        return f"image unreadable: {path} ({type(e).__name__})", ""
+    if (height, width) != tuple(size):
+        return (
+            f"image {path} is {height}x{width}, the model generates {size[0]}x{size[1]} "
+            "(model.height x model.width): resize it"
+        ), mode
+    return None, mode
+
+
+def _image_path(row: dict, path: Path, n: int, what: str, size, modes: dict) -> str:
     """Row ``n``'s input image as an absolute path (relative paths are read from the file's directory);
-    with ``size`` = (height, width), the image is read and must be that size."""
+    with ``size`` = (height, width), the image is read and must be that size (``modes``: row numbers of
+    the images that are not RGB, by PIL mode)."""
     image = row["image"]
     if not isinstance(image, str) or not image.strip():
         raise UserError(f"{what}: {path}:{n}: 'image' must be a path (relative to the file)")
     resolved = str((path.parent / image).resolve())
-    if size is not None and (problem := image_problem(resolved, size)) is not None:
-        raise UserError(f"{what}: {path}:{n}: {problem}")
+    if size is not None:
+        problem, mode = _image_mode(resolved, size)
+        if problem is not None:
+            raise UserError(f"{what}: {path}:{n}: {problem}")
+        if mode != "RGB":
+            modes.setdefault(mode, []).append(n)
     return resolved
+
+
+BOM = "\ufeff"
+BOM_PROBLEM = "starts with a UTF-8 byte-order mark (BOM); save the file as UTF-8 without one"
+_JSON_TYPES = {list: "a JSON array", str: "a JSON string", int: "a JSON number", float: "a JSON number"}
+
+
+def _json_row(line: str, path: Path, n: int, what: str) -> dict:
+    """Row ``n`` of a .jsonl prompt file as an object with a 'prompt', or one line saying what is wrong."""
+    where = f"{what}: {path}:{n}"
+    if line.startswith(BOM):
+        raise UserError(f"{where}: {BOM_PROBLEM}")
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{where}: invalid JSON at column {exc.colno} ({exc.msg})") from None
+    except RecursionError:
+        raise UserError(f"{where}: invalid JSON (nested too deep)") from None
+    if not isinstance(row, dict):
+        kind = (
+            "JSON null"
+            if row is None
+            else "a JSON boolean"
+            if isinstance(row, bool)
+            else _JSON_TYPES[type(row)]
+        )
+        raise UserError(f"{where}: {kind}, not an object with a 'prompt' field")
+    if "prompt" not in row:
+        raise UserError(
+            f"{where}: the object has no 'prompt' field (it has {', '.join(map(repr, row)) or 'none'})"
+        )
+    return row
 
 
 def split_file(path: Path, split: str, what: str) -> Path:
@@ -104,13 +179,18 @@ def load_prompts(
     what: str = "prompts.file",
     split: str = "train",
     image_size: tuple[int, int] | None = None,
-    edit_family: str | None = None,
+    family: str | None = None,
+    edits: bool = False,
+    notes: list[str] | None = None,
 ) -> list[Prompt]:
     """The prompt set; a file's errors name ``what`` (the field or option that named it), the file and
     the line. A prompt must be a non-empty string of at most ``max_chars`` characters. A directory is
     read in Flow-GRPO's layout: its ``split`` (``train`` to train on, ``test`` for ``digenrl eval``).
-    ``image_size``: read every row's input image and require this (height, width); ``edit_family``: the
-    edit adapter that needs an image on every row."""
+    ``image_size``: read every row's input image and require this (height, width); ``family``: the model
+    adapter, which needs an image on every row when it ``edits``; ``notes``: what the user should know
+    (non-RGB images converted, images a non-edit family ignores) is appended there."""
+    edit_family = family if edits else None
+    modes: dict[str, list[int]] = {}
     if cfg.builtin is not None:
         if cfg.builtin not in BUILTIN:
             raise UserError(f"prompts.builtin: unknown set '{cfg.builtin}' (available: {', '.join(BUILTIN)})")
@@ -121,15 +201,12 @@ def load_prompts(
         if not line.strip():
             continue
         if path.suffix == ".jsonl":
-            try:
-                row = json.loads(line)
-                prompt = Prompt(row.pop("prompt"), row)
-            except (json.JSONDecodeError, KeyError, AttributeError, RecursionError):
-                raise UserError(f"{what}: {path}:{n}: expected a JSON object with a 'prompt' field") from None
+            row = _json_row(line, path, n, what)
+            prompt = Prompt(row.pop("prompt"), row)
             if not isinstance(prompt.text, str) or not prompt.text.strip():
                 raise UserError(f"{what}: {path}:{n}: 'prompt' must be a non-empty string")
             if "image" in row:
-                row["image"] = _image_path(row, path, n, what, image_size)
+                row["image"] = _image_path(row, path, n, what, image_size, modes)
             elif edit_family is not None:
                 raise UserError(
                     f"{what}: {path}:{n}: model.adapter {edit_family} edits an input image: the row has "
@@ -141,6 +218,8 @@ def load_prompts(
                 "rows carry 'prompt' and 'image'"
             )
         else:
+            if line.startswith(BOM):
+                raise UserError(f"{what}: {path}:{n}: {BOM_PROBLEM}")
             prompt = Prompt(line.strip())
         if len(prompt.text) > max_chars:
             raise UserError(
@@ -152,7 +231,25 @@ def load_prompts(
         prompts.append(prompt)
     if not prompts:
         raise UserError(f"{what}: {path} holds no prompts")
+    if notes is not None:
+        notes += _image_notes(path, what, modes, family, edits, prompts)
     return prompts
+
+
+def _image_notes(path: Path, what: str, modes: dict, family, edits: bool, prompts: list[Prompt]) -> list[str]:
+    out = []
+    if modes:
+        rows = sorted(n for ns in modes.values() for n in ns)
+        out.append(
+            f"{what}: {path}: {len(rows)} input image(s) are not RGB ({', '.join(sorted(modes))}; first on "
+            f"row {rows[0]}): converted to RGB as the edit pipelines do (an alpha channel is dropped)"
+        )
+    if family is not None and not edits and any("image" in p.meta for p in prompts):
+        out.append(
+            f"{what}: {path}: model.adapter {family} does not edit: the rows' input images are not given "
+            "to the model (only a reward that reads 'image', e.g. source_similarity, sees them)"
+        )
+    return out
 
 
 class PromptSampler:

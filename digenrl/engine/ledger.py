@@ -234,7 +234,7 @@ class IterationLedger:
         row.update(self.evals.pop(k, {}))
         row["worker_restarts"] = self.restarts()
         if self.cadence.samples_due(k):
-            save_iteration_samples(self.out.path, k, batches)
+            self.out.log_image(save_iteration_samples(self.out.path, k, batches), k)
         for uid in self.unit_uids.pop(k).values():
             del self.batches[uid]
         del self.whole[k]

@@ -153,7 +153,7 @@ class LocalTrainer:
             if on_iteration:
                 on_iteration(row)
             if cadence.samples_due(it):
-                save_iteration_samples(out.path, it, self.last_units)
+                out.log_image(save_iteration_samples(out.path, it, self.last_units), it)
             if cadence.checkpoint_due(it):
                 save_checkpoint(out.path, self.policy, it + 1, cfg, keep_last=cfg.output.keep_last)
 

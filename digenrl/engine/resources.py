@@ -92,7 +92,39 @@ def disconnect(ours: bool) -> None:
     import ray
 
     if ours and head_problem() is None:
+        session = _session_dir()
         ray.shutdown()
+        if session in _STARTED:  # a local cluster this process started: its session directory goes too
+            remove_session(session)
+
+
+#: the session directories (Ray's temp dir, /tmp/ray/session_*) of the local clusters started here
+_STARTED: set[str] = set()
+
+
+def _session_dir() -> str | None:
+    """The connected cluster's session directory on this host (Ray keeps its logs and sockets there)."""
+    import ray._private.worker as worker
+
+    node = getattr(worker, "_global_node", None)
+    try:
+        return node.get_session_dir_path() if node is not None else None
+    except Exception:  # noqa: BLE001  (a private API: without it, the directory is simply kept)
+        return None
+
+
+def remove_session(session: str | None) -> None:
+    """Delete a finished local cluster's session directory, and Ray's ``session_latest`` link when it
+    points there: one per run would pile up in Ray's temp dir (49 in an afternoon of runs)."""
+    import shutil
+
+    if not session:
+        return
+    _STARTED.discard(session)
+    shutil.rmtree(session, ignore_errors=True)
+    latest = os.path.join(os.path.dirname(session), "session_latest")
+    if os.path.islink(latest) and os.path.realpath(latest) == os.path.realpath(session):
+        os.unlink(latest)
 
 
 def start_local(resources: dict[str, float], **options) -> bool:
@@ -108,6 +140,7 @@ def start_local(resources: dict[str, float], **options) -> bool:
     defaults = dict(num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING)
     # address="local": never join a cluster another process started with `ray start` on this host
     ray.init(address="local", resources=resources, **{**defaults, **options})
+    _STARTED.add(_session_dir())
     return True
 
 

@@ -43,6 +43,8 @@ DEVICES: dict[str, DeviceSpec] = {
     # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): BF16 312 TFLOPS (624 sparse), 80 GB HBM2e at
     # 2,039 GB/s, NVLink 600 GB/s, PCIe Gen4 64 GB/s
     "A100": DeviceSpec("A100", 312 * TB, 2.039 * TB, 80 * GB, 300 * GB, 32 * GB),
+    # the same datasheet (40GB SXM): 40 GB HBM2 at 1,555 GB/s, the same compute and links
+    "A100-40GB": DeviceSpec("A100-40GB", 312 * TB, 1.555 * TB, 40 * GB, 300 * GB, 32 * GB),
     # NVIDIA L40S datasheet: BF16 tensor 362.05 TFLOPS (733 with sparsity), 48 GB GDDR6 at 864 GB/s,
     # no NVLink: PCIe Gen4 x16 64 GB/s (32 one way) is also the GPU-to-GPU path
     "L40S": DeviceSpec("L40S", 362.05 * TB, 864 * GB, 48 * GB, 32 * GB, 32 * GB),
@@ -82,6 +84,8 @@ def match_device_name(full_name: str) -> str | None:
     """A table key for a CUDA device name such as 'NVIDIA H100 80GB HBM3' (longest key first, so that
     'H200' is not read as 'H20')."""
     upper = full_name.upper().replace("GEFORCE ", "")
+    if "A100" in upper and "40GB" in upper:  # 'NVIDIA A100-SXM4-40GB': the 40 GB board
+        return "A100-40GB"
     for key in sorted([k for k in DEVICES if k != "cpu"] + list(ALIASES), key=len, reverse=True):
         if key.upper() in upper:
             return ALIASES.get(key, key)

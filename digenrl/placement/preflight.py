@@ -12,7 +12,7 @@ from pathlib import Path
 
 from digenrl.adapters import adapter_class
 from digenrl.config.run import RunConfig
-from digenrl.errors import UserError
+from digenrl.errors import UserError, relative_note
 from digenrl.placement.devices import DEVICES, device_spec
 from digenrl.placement.plan import Plan
 from digenrl.planner.params import CostParams
@@ -76,7 +76,7 @@ def check_model(cfg: RunConfig) -> None:
         return  # the tiny preset is built (cheaply, for real) by the engine's preflight
     root = Path(cfg.model.pretrained)
     if not root.is_dir():
-        raise UserError(f"model.pretrained: checkpoint directory not found: {root}")
+        raise UserError(f"model.pretrained: checkpoint directory not found: {root}{relative_note(root)}")
     if not (root / "model_index.json").is_file():
         raise UserError(f"model.pretrained: {root} is not a diffusers checkpoint (no model_index.json)")
     if (root / "transformer" / "config.json").is_file() and cfg.model.lora is not None:
@@ -343,21 +343,25 @@ def check_workers_build(cfg: RunConfig, layout, resumed=None) -> None:
     -- the model, its LoRA targets and the fit of a checkpoint to resume. A pretrained model is
     only built by the workers (its errors reach the caller from there, as the same one line)."""
     from digenrl.data.prompts import load_prompts
-    from digenrl.rewards import FUNCTION_REWARDS, build_reward, reward_kind
 
     prompts = load_prompts(cfg.prompts)
-    # with reward.service only the reward actor loads the reward models (and checks them, before training);
-    # a model reward only the workers that score (they dry-run it): the driver never loads a model on a
-    # device (device: auto would put it on the head's GPU and keep a CUDA context there all run)
-    functions = all(reward_kind(c.name) in FUNCTION_REWARDS for c in cfg.reward.components)
-    reward = build_reward(cfg.reward) if cfg.reward.service is None and functions else None
+    reward = check_rewards(cfg)
     if cfg.model.pretrained is None:
         from digenrl.checkpoint.load import load_checkpoint
         from digenrl.policy.model import Policy
         from digenrl.units.rollout import preflight_reward
 
         policy = Policy(cfg, device="cpu", trainable=resumed is not None, layout=layout)
-        if reward is not None:
-            preflight_reward(reward, policy.adapter, prompts)
+        preflight_reward(reward, policy.adapter, prompts)
         if resumed is not None:  # fits this model, every file reads back (weights verified)
             load_checkpoint(resumed.path, policy, rng=False)
+
+
+def check_rewards(cfg: RunConfig):
+    """Every reward component built as the workers build it -- names, ``args``, the files a model reward
+    reads -- except that no model is loaded: the driver never loads one on a device (``device: auto``
+    would put it on the head's GPU and keep a CUDA context there all run); a model reward's checkpoint
+    contents are checked by the process that loads it. Returns the rewards (models as stand-ins)."""
+    from digenrl.rewards import build_reward
+
+    return build_reward(cfg.reward, load_models=False)

@@ -70,10 +70,13 @@ class MemoryModel:
     # -- what the parts weigh ------------------------------------------------------------
 
     def rollout_models(self) -> float:
-        """Text encoder(s), VAE and a reward model with weights (not a remote judge), in half precision."""
+        """Text encoder(s), VAE and a reward model with weights (not a remote judge), in half precision;
+        with ``model.offload_text_encoders`` the encoders live on the CPU (on the device only for the
+        encode, before a unit's denoising activations exist: not counted at the peak)."""
         sh = self.workload.shape
         reward = self.params.model_reward_params if self.workload.reward_weights else 0.0  # (a judge: none)
-        return HALF_BYTES * (sh.text_encoder_params + sh.vae_params + reward)
+        text = 0.0 if self.workload.text_offload else sh.text_encoder_params
+        return HALF_BYTES * (text + sh.vae_params + reward)
 
     def cfg_modes(self, choice: str = "auto") -> tuple[bool, ...]:
         """Two-pass CFG modes to try, batched first (``choice``: auto | batched | sequential); one

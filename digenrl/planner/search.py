@@ -6,7 +6,7 @@ Details: docs/modules.md, `digenrl.planner.search`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from digenrl.config.engine import PoolConfig
 from digenrl.distributed.settings import fsdp_refusal, sp_refusal
@@ -229,12 +229,15 @@ def search(
             continue
         fitting.append((bound(plan, cost, s), plan))
     if not fitting:
+        if not rejected:  # no placement of this kind at all (e.g. a disaggregated one on 1 device)
+            raise UserError(f"cluster {cluster.name} ({cluster.describe()}) has no placement of this kind")
         why, _ = min(rejected.values(), key=lambda r: r[1])  # the placement that came closest
         w = cost.workload
         weights = w.params.total * w.dtype_bytes / 2**30
         raise UserError(
             f"{w.shape.source} fits no placement of cluster {cluster.name} ({cluster.describe()}): "
             f"its weights alone are {weights:.1f} GiB; the closest placement: {why}"
+            + _would_fit(cost, cluster, plans)
         )
     fitting.sort(key=lambda bp: (bp[0], bp[1].label()))
 
@@ -316,6 +319,22 @@ BASELINES = {
     ),  # this planner's earlier baseline
     "separate_async": dict(colocated=False, gap=(False,), tsp=(1,), tag=(False,), staleness=(1,)),
 }
+
+
+def _would_fit(cost: CostModel, cluster: ClusterSpec, plans: list[Plan]) -> str:
+    """What the user can set that makes a plan fit, for the refusal's line: the text encoders on the
+    CPU (``model.offload_text_encoders``), when they are what does not fit; else ""."""
+    w = cost.workload
+    if w.text_offload or not w.shape.text_encoder_params:
+        return ""
+    offloaded = CostModel(
+        replace(w, text_offload=True), cluster, cost.params, cost.colocation, cost.overheads, cost.profile
+    )
+    try:
+        best = search(offloaded, cluster, top=1, iterations=2, plans=plans).ranked[0]
+    except UserError:
+        return ""
+    return f"; with model.offload_text_encoders: true it fits ({best.plan.where()}, {best.plan.knobs()})"
 
 
 def baselines(

@@ -83,6 +83,8 @@ class Workload:
     # a train term (sample x noise level) is the old policy's no-grad forward + the current forward/backward
     forward_process: bool = False
     ema: bool = False  # train.ema: the trainer keeps an fp32 average of the trained weights
+    # model.offload_text_encoders: the text encoders live on the CPU, on the device only while encoding
+    text_offload: bool = False
     # algorithm.shared_prefix k: a group's first k rollout steps run once per group, not per sample
     shared_prefix: int = 0
     branch_tree: tuple = ()  # algorithm.branch_tree: later splits (step, factor)
@@ -154,6 +156,7 @@ class Workload:
             evaluates=cfg.output.eval_every > 0,
             forward_process=nft,
             ema=cfg.train.ema is not None,
+            text_offload=cfg.model.offload_text_encoders,
             shared_prefix=cfg.algorithm.shared_prefix,
             branch_tree=tuple(tuple(t) for t in cfg.algorithm.branch_tree),
             rollout_batch=rb if isinstance(rb := cfg.engine.rollout_batch, int) else None,

@@ -5,6 +5,7 @@ Details: docs/modules.md, `digenrl.rewards`.
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -56,7 +57,9 @@ class CombinedReward:
     ``last_timings`` holds the seconds each component took in the latest call.
     """
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, load_models: bool = True):
+        """``load_models=False`` (the preflight): a model reward's arguments and files are checked, not
+        loaded; it scores 0 (:class:`Unloaded`) in a dry run."""
         self.terms: list[tuple[str, float, Reward]] = []
         for i, term in enumerate(cfg.components):
             where = f"reward.components.{i}"
@@ -68,11 +71,17 @@ class CombinedReward:
             args = dict(term.args)
             try:
                 stride = _frame_stride(args.pop("frame_stride", 1))
-                fn = REWARDS[kind](**args)
+                cls = REWARDS[kind]
+                if not load_models and cls.loads_model:
+                    cls.check_args(**args)
+                    fn = Unloaded()
+                else:
+                    fn = cls(**args)
             except RewardArgError as exc:
                 raise UserError(f"{where}.args.{exc.arg}: reward '{term.name}': {exc.message}") from None
-            except TypeError as exc:
-                raise UserError(f"{where}.args: reward '{term.name}': {exc}") from None
+            except TypeError as exc:  # "X.__init__() got an unexpected ...": the same line from check_args
+                what = re.sub(r"^[\w.]+\(\) ", "", str(exc))
+                raise UserError(f"{where}.args: reward '{term.name}': {what}") from None
             except UserError as exc:  # e.g. its optional extra is not installed
                 raise UserError(f"{where}: {exc}") from None
             fn.frame_stride = stride
@@ -156,6 +165,13 @@ class CombinedReward:
         return timings
 
 
+class Unloaded(Reward):
+    """The preflight's stand-in for a model reward whose arguments were checked, not loaded: scores 0."""
+
+    def score(self, images, prompts, metadata):
+        return torch.zeros(len(prompts))
+
+
 def reward_metrics(rewards: torch.Tensor, parts: dict[str, torch.Tensor]) -> dict[str, float]:
     """Metrics of an iteration's rewards that NaN (``nan_policy: drop``) cannot poison:
     ``reward_mean`` / ``reward_std`` / ``reward/<name>`` over the scored samples, ``reward_nan``
@@ -173,10 +189,10 @@ def reward_metrics(rewards: torch.Tensor, parts: dict[str, torch.Tensor]) -> dic
     return row
 
 
-def build_reward(cfg: RewardConfig) -> CombinedReward:
-    """The configured rewards, their models loaded. Building them draws nothing from torch's
-    global CPU generator (a model head's init would): the policy built next gets the same
-    initial weights in every process, whether or not that process builds the rewards (with
-    ``reward.service`` only the reward actor does)."""
+def build_reward(cfg: RewardConfig, load_models: bool = True) -> CombinedReward:
+    """The configured rewards, their models loaded (``load_models=False``: checked, not loaded; what
+    the preflight builds). Building them draws nothing from torch's global CPU generator (a model
+    head's init would): the policy built next gets the same initial weights in every process, whether
+    or not that process builds the rewards (with ``reward.service`` only the reward actor does)."""
     with torch.random.fork_rng(devices=[]):
-        return CombinedReward(cfg)
+        return CombinedReward(cfg, load_models)

@@ -39,6 +39,9 @@ class Reward(ABC):
     name = ""
     video_native = False
     frame_stride = 1  # videos: score frames 0, s, 2s, ... and average
+    #: a model (CLIP, HPS): the preflight calls ``check_args(**args)`` (what ``__init__`` refuses before
+    #: loading, in its order) instead of loading it
+    loads_model = False
 
     @abstractmethod
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:

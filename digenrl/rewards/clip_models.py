@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from digenrl.errors import first_line
+from digenrl.errors import first_line, relative_note
 from digenrl.rewards.base import Reward, RewardArgError, register
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -21,15 +21,29 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _device(name: str) -> torch.device:
+def device_name(name: str) -> torch.device | None:
+    """``args.device`` checked for its form only (the preflight's check: the workers' host may have the
+    GPU this one lacks); None for ``auto``."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return None
     try:
-        dev = torch.device(name)
-    except RuntimeError:
+        return torch.device(name)
+    except (RuntimeError, TypeError):
         raise RewardArgError(
             "device", f"not a torch device: {name!r} (auto, cpu, cuda, cuda:1, ...)"
         ) from None
+
+
+def batch_size_arg(batch_size) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise RewardArgError("batch_size", f"must be a positive integer (got {batch_size!r})")
+    return batch_size
+
+
+def _device(name: str) -> torch.device:
+    dev = device_name(name)
+    if dev is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RewardArgError("device", f"{name!r} asked for, but CUDA is not available here")
     return dev
@@ -134,22 +148,7 @@ _LOADED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 def load_backbone(path, processor_path=None, device: str = "auto", dtype: str = "float32") -> ClipBackbone:
     """Checks the arguments (errors name the arg) and loads, or reuses, the backbone."""
-    if path is None:
-        raise RewardArgError(
-            "path", "required: a local directory with the CLIP weights (from_pretrained layout)"
-        )
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise RewardArgError("path", f"weights directory {path} not found")
-    if not (path / "config.json").is_file():
-        raise RewardArgError(
-            "path", f"{path} has no config.json (expected a transformers CLIPModel directory)"
-        )
-    proc = Path(processor_path).expanduser() if processor_path is not None else path
-    if not proc.is_dir():
-        raise RewardArgError("processor_path", f"directory {proc} not found")
-    if dtype not in DTYPES:
-        raise RewardArgError("dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+    path, proc = backbone_args(path, processor_path, dtype)
     dev = _device(device)
     key = (str(path.resolve()), str(proc.resolve()), str(dev), dtype)
     backbone = _LOADED.get(key)
@@ -158,9 +157,32 @@ def load_backbone(path, processor_path=None, device: str = "auto", dtype: str = 
     return backbone
 
 
+def backbone_args(path, processor_path, dtype: str) -> tuple[Path, Path]:
+    """The backbone's directories and dtype checked without loading (errors name the arg)."""
+    if path is None:
+        raise RewardArgError(
+            "path", "required: a local directory with the CLIP weights (from_pretrained layout)"
+        )
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise RewardArgError("path", f"weights directory {path} not found{relative_note(path)}")
+    if not (path / "config.json").is_file():
+        raise RewardArgError(
+            "path", f"{path} has no config.json (expected a transformers CLIPModel directory)"
+        )
+    proc = Path(processor_path).expanduser() if processor_path is not None else path
+    if not proc.is_dir():
+        raise RewardArgError("processor_path", f"directory {proc} not found{relative_note(proc)}")
+    if dtype not in DTYPES:
+        raise RewardArgError("dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+    return path, proc
+
+
 class _ClipReward(Reward):
     """Shared loading and batching; subclasses turn embeddings into scores. (Videos: every reward's
     ``args.frame_stride`` is read by the reward builder, which sets :attr:`Reward.frame_stride`.)"""
+
+    loads_model = True
 
     def __init__(
         self,
@@ -170,10 +192,15 @@ class _ClipReward(Reward):
         device: str = "auto",
         dtype: str = "float32",
     ):
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise RewardArgError("batch_size", f"must be a positive integer (got {batch_size!r})")
+        self.batch_size = batch_size_arg(batch_size)
         self.backbone = load_backbone(path, processor_path, device, dtype)
-        self.batch_size = batch_size
+
+    @classmethod
+    def check_args(cls, path=None, processor_path=None, batch_size=16, device="auto", dtype="float32"):
+        """What ``__init__`` refuses, checked without loading (the preflight's check), in its order."""
+        batch_size_arg(batch_size)
+        backbone_args(path, processor_path, dtype)
+        device_name(device)
 
     @property
     def device(self) -> torch.device:
@@ -192,6 +219,10 @@ class ClipScore(_ClipReward):
     def __init__(self, w: float = 2.5, **kwargs):
         super().__init__(**kwargs)
         self.w = float(w)
+
+    @classmethod
+    def check_args(cls, w: float = 2.5, **kwargs):
+        super().check_args(**kwargs)
 
     def score(self, images, prompts, metadata):
         return (self.w * self.cosine(images, prompts).clamp(min=0)).cpu()
@@ -240,7 +271,7 @@ def load_head_state(head) -> dict[str, torch.Tensor]:
         raise RewardArgError("head", "required: the MLP head's weights (.safetensors, .pt or .pth)")
     head = Path(head).expanduser()
     if not head.is_file():
-        raise RewardArgError("head", f"head weights file {head} not found")
+        raise RewardArgError("head", f"head weights file {head} not found{relative_note(head)}")
     state = read_state_dict(head, "head")
     return {k if k.startswith("layers.") else f"layers.{k}": v for k, v in state.items()}
 
@@ -268,6 +299,11 @@ def read_state_dict(path: Path, field: str) -> dict[str, torch.Tensor]:
 class Aesthetic(_ClipReward):
     """LAION-style aesthetic predictor: the MLP ``head`` (a local file) on the L2-normalised CLIP
     image embedding; its input size is the CLIP projection size (768 for ViT-L/14)."""
+
+    @classmethod
+    def check_args(cls, head=None, **kwargs):
+        load_head_state(head)
+        super().check_args(**kwargs)
 
     def __init__(self, head=None, **kwargs):
         state = load_head_state(head)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from digenrl.errors import relative_note
 from digenrl.rewards.base import RewardArgError, register
 from digenrl.rewards.clip_models import (
     DTYPES,
@@ -20,6 +21,8 @@ from digenrl.rewards.clip_models import (
     ClipBackbone,
     _ClipReward,
     _device,
+    batch_size_arg,
+    device_name,
     read_state_dict,
 )
 
@@ -204,22 +207,33 @@ class HPSv2(_ClipReward):
         self, path=None, tokenizer=None, arch="ViT-H-14", scale: float = 1.0, batch_size: int = 16,
         device: str = "auto", dtype: str = "float32",
     ):  # fmt: skip
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise RewardArgError("batch_size", f"must be a positive integer (got {batch_size!r})")
+        path, tokenizer = self.check_args(path, tokenizer, arch, scale, batch_size, device, dtype)
+        self.backbone = OpenClipBackbone(path, tokenizer, arch, _device(device), DTYPES[dtype])
+        self.batch_size, self.scale = batch_size, float(scale)
+
+    @classmethod
+    def check_args(
+        cls, path=None, tokenizer=None, arch="ViT-H-14", scale: float = 1.0, batch_size: int = 16,
+        device: str = "auto", dtype: str = "float32",
+    ) -> tuple[Path, Path]:  # fmt: skip
+        """What ``__init__`` refuses before loading (the preflight's check): the files, not their
+        contents; returns the checkpoint file and the tokenizer directory."""
+        batch_size_arg(batch_size)
         if path is None:
             raise RewardArgError("path", "required: the HPS checkpoint file (e.g. HPS_v2.1_compressed.pt)")
         path = Path(path).expanduser()
         if not path.is_file():
-            raise RewardArgError("path", f"checkpoint file {path} not found")
+            raise RewardArgError("path", f"checkpoint file {path} not found{relative_note(path)}")
         if tokenizer is None:
             raise RewardArgError("tokenizer", "required: a directory with a CLIP tokenizer (any CLIP's)")
         tokenizer = Path(tokenizer).expanduser()
         if not tokenizer.is_dir():
-            raise RewardArgError("tokenizer", f"directory {tokenizer} not found")
+            raise RewardArgError("tokenizer", f"directory {tokenizer} not found{relative_note(tokenizer)}")
         if dtype not in DTYPES:
             raise RewardArgError("dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
-        self.backbone = OpenClipBackbone(path, tokenizer, arch, _device(device), DTYPES[dtype])
-        self.batch_size, self.scale = batch_size, float(scale)
+        _arch(arch)
+        device_name(device)
+        return path, tokenizer
 
     def score(self, images, prompts, metadata):
         return (self.scale * self.cosine(images, prompts)).cpu()

@@ -23,6 +23,7 @@ from digenrl.errors import RunInterrupted, UserError
 from digenrl.policy.lora import save_lora
 from digenrl.progress import progress
 from digenrl.rewards import reward_metrics
+from digenrl.run.diagnose import group_metrics
 from digenrl.run.media import save_samples
 
 
@@ -88,8 +89,9 @@ def iteration_metrics(
     bubble_fraction: float | None = None,
     **extra,
 ) -> dict:
-    """The metrics row: rewards of the iteration's rolled-out ``units`` (anything with ``rewards`` and
-    ``reward_parts``), the merged train ``stats``, wall time and throughput. ``samples_per_s``
+    """The metrics row: rewards of the iteration's rolled-out ``units`` (anything with ``rewards``,
+    ``reward_parts`` and ``group_ids``, whole groups) and their groups' spread (:mod:`digenrl.run.diagnose`),
+    the merged train ``stats``, wall time and throughput. ``samples_per_s``
     defaults to samples / ``wall``; ``bubble_fraction`` is only logged by a driver that measured it."""
     rewards = torch.cat([u.rewards for u in units])
     parts = {name: torch.cat([u.reward_parts[name] for u in units]) for name in units[0].reward_parts}
@@ -105,6 +107,7 @@ def iteration_metrics(
     }
     if bubble_fraction is not None:
         row["bubble_fraction"] = bubble_fraction
+    row.update(group_metrics(units))  # groups_zero_std, reward_std_in_group: why a reward may not move
     row.update(stats)
     row.update(extra)
     return row

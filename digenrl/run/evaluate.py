@@ -15,11 +15,11 @@ from typing import Callable
 import torch
 
 from digenrl.algorithms.sde import sample
-from digenrl.checkpoint.load import load_checkpoint, read_state, use_ema_weights
-from digenrl.checkpoint.store import find_checkpoint
+from digenrl.checkpoint.load import load_checkpoint, load_export, read_state, use_ema_weights
+from digenrl.checkpoint.store import FULL_FILE, LORA_FILE, find_checkpoint, is_weights_export
 from digenrl.config.run import load_config
 from digenrl.config.train import PromptsConfig
-from digenrl.data.prompts import Prompt, image_checks, load_prompts, prompt_char_limit
+from digenrl.data.prompts import Prompt, image_checks, load_prompts, prompt_char_limit, say_notes
 from digenrl.errors import UserError
 from digenrl.policy.model import Policy
 from digenrl.rewards import build_reward
@@ -160,10 +160,13 @@ class EvalJob:
 
 
 def default_out_dir(checkpoint: Path) -> Path:
-    """RUN/eval/iter-NNNNNN for a checkpoint of a run directory, else CHECKPOINT/eval."""
+    """RUN/eval/iter-NNNNNN for a checkpoint of a run directory (RUN/eval/final for its export), else
+    CHECKPOINT/eval."""
     checkpoint = Path(checkpoint)
     if checkpoint.parent.name == "checkpoints":
         return checkpoint.parent.parent / "eval" / checkpoint.name
+    if is_weights_export(checkpoint) and (checkpoint.parent / "config.yaml").is_file():
+        return checkpoint.parent / "eval" / checkpoint.name  # RUN/final -> RUN/eval/final
     return checkpoint / "eval"
 
 
@@ -178,17 +181,17 @@ def prepare_eval(
 
     if checkpoint is None:
         raise UserError("--checkpoint: required (a checkpoint directory or a run directory)")
-    ckpt = find_checkpoint(checkpoint)
-    state = read_state(ckpt)
-    config_path = Path(config) if config is not None else state.config_path
+    ckpt, config_path = _checkpoint_and_config(Path(checkpoint), config)
     cfg = load_config(config_path)
     limit = prompt_char_limit(cfg.model.max_text_len)  # what the text encoder can use, as train checks
+    notes: list[str] = []
     if prompts is not None:
         prompt_set = load_prompts(
-            PromptsConfig(file=prompts), max_chars=limit, what="--prompts", split="test", **image_checks(cfg)
+            PromptsConfig(file=prompts), limit, "--prompts", "test", notes=notes, **image_checks(cfg)
         )
     else:  # a directory: its held-out split
-        prompt_set = load_prompts(cfg.prompts, max_chars=limit, split="test", **image_checks(cfg))
+        prompt_set = load_prompts(cfg.prompts, limit, split="test", notes=notes, **image_checks(cfg))
+    say_notes(notes)
     base = None
     if baseline is not None:
         if baseline == "base":
@@ -204,6 +207,24 @@ def prepare_eval(
     return EvalJob(ckpt, cfg, config_path, prompt_set, base, out)
 
 
+def _checkpoint_and_config(checkpoint: Path, config: Path | None) -> tuple[Path, Path]:
+    """The checkpoint to evaluate and its config: a checkpoint, a run (its latest), or a weights
+    export -- a run's ``final/`` (its config: the run's ``config.yaml``, else ``-c``) or the path of its
+    ``.safetensors``."""
+    if checkpoint.is_file() and checkpoint.name in (LORA_FILE, FULL_FILE):
+        checkpoint = checkpoint.parent
+    if is_weights_export(checkpoint):
+        run_config = checkpoint.parent / "config.yaml"
+        if config is None and not run_config.is_file():
+            raise UserError(
+                f"--config: {checkpoint} is a weights export without its run's config.yaml beside it: give "
+                "the config it was trained with (-c)"
+            )
+        return checkpoint, Path(config) if config is not None else run_config
+    ckpt = find_checkpoint(checkpoint)
+    return ckpt, Path(config) if config is not None else read_state(ckpt).config_path
+
+
 def evaluate_checkpoint(job: EvalJob, on_batch: Callable[[int], None] | None = None) -> dict:
     """Run ``digenrl eval``: sample + score the checkpoint (and baseline), write eval.json and grids."""
 
@@ -214,8 +235,12 @@ def evaluate_checkpoint(job: EvalJob, on_batch: Callable[[int], None] | None = N
     policy = Policy(cfg, trainable=False)  # the initial weights (LoRA: B = 0, i.e. the base model)
     run = lambda: evaluate_policy(policy, reward, job.prompts, on_batch=on_batch)  # noqa: E731
     base = run() if job.baseline == "base" else None
-    state = load_checkpoint(job.checkpoint, policy, optimizer=False, rng=False)
-    ema = use_ema_weights(job.checkpoint, policy)  # train.ema: the averaged weights, when kept
+    if is_weights_export(job.checkpoint):  # final/: the weights as trained (the EMA's, with train.ema)
+        load_export(job.checkpoint, policy)
+        state, ema = None, None
+    else:
+        state = load_checkpoint(job.checkpoint, policy, optimizer=False, rng=False)
+        ema = use_ema_weights(job.checkpoint, policy)  # train.ema: the averaged weights, when kept
     main = run()
     base_label = "base"
     if isinstance(job.baseline, Path):
@@ -224,8 +249,8 @@ def evaluate_checkpoint(job: EvalJob, on_batch: Callable[[int], None] | None = N
         base, base_label = run(), job.baseline.name
     report = {
         "checkpoint": str(job.checkpoint),
-        "iteration": state.iteration,
-        "version": state.version,
+        "iteration": state.iteration if state is not None else None,  # an export keeps no counters
+        "version": state.version if state is not None else None,
         "config": str(job.config_path),
         "adapter": cfg.model.adapter,
         "eval_steps": cfg.sampling.eval_steps,

@@ -210,6 +210,24 @@ class RunDir:
         if self._wandb is not None:
             self._wandb.log(dict(numeric_items(row)), step=step)
 
+    def log_image(self, path: Path, step: int, tag: str = "samples") -> None:
+        """A saved sample grid (``samples/iter-*.png``; a video's ``.gif``: its first frame to TensorBoard,
+        the animation to W&B) logged at ``step``, as flow_grpo logs its samples."""
+        if self._tb is None and self._wandb is None:
+            return
+        import numpy as np
+        from PIL import Image
+
+        with Image.open(path) as img:
+            frame = np.asarray(img.convert("RGB"))
+        if self._tb is not None:
+            self._tb.add_image(tag, frame, global_step=step, dataformats="HWC")
+        if self._wandb is not None:
+            import wandb
+
+            media = wandb.Video(str(path)) if Path(path).suffix == ".gif" else wandb.Image(str(path))
+            self._wandb.log({tag: media}, step=step)
+
     def close(self) -> None:
         self._metrics.close()
         if self._tb is not None:

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from digenrl.engine.resources import start_local
+from digenrl.engine.resources import disconnect, start_local
 from digenrl.planner.constants import (
     LARGE_TRANSFER_BYTES,
     LARGE_TRANSFER_UNITS,
@@ -154,5 +154,4 @@ def ray_overheads(
             "source": "ray micro-benchmarks",
         }
     finally:
-        if ours:
-            ray.shutdown()
+        disconnect(ours)  # and the session directory of the cluster started here
