@@ -16,6 +16,7 @@ from digenrl.schedule.bts import Elastic, UnitTimes
 from digenrl.schedule.driver import drive
 from digenrl.schedule.scheduler import Scheduler, SchedulerConfig
 from digenrl.units.types import RolloutUnit, StepUnit, TrainUnit
+from tests.helpers import run_benchmark_here
 from tests.test_planner import ConstantCost
 from tests.test_scheduler import VirtualTime, check_invariants, pools
 
@@ -150,3 +151,19 @@ def test_engine_tag_takes_auto_on_off_and_the_old_booleans(value, want):
 def test_a_bad_engine_tag_names_the_field():
     with pytest.raises(UserError, match="engine.tag: must be auto, on or off"):
         load_config(None, ["engine.tag=sometimes"])
+
+
+def test_the_decision_cost_benchmark_runs(tmp_path):
+    """benchmarks/bts_cost.py on 2 + 2 GPUs for 2 iterations: a row per placement and tag, and for
+    auto its decisions (their cost is the benchmark's to report, never judged here)."""
+    cluster = tmp_path / "small.yaml"
+    cluster.write_text(
+        "name: small\ninterconnect: {bandwidth_gb_s: 50, latency_us: 10}\npools:\n"
+        "  - {name: h100, device: H100, count: 2}\n  - {name: l40s, device: L40S, count: 2}\n"
+    )
+    rows = run_benchmark_here("bts_cost.py", tmp_path, "--cluster", str(cluster), "--iterations", "2")
+    assert [(r["rollout"], r["tag"]) for r in rows] == [
+        (r, tag) for r in ("l40s", "h100") for tag in (False, True, "auto")
+    ]
+    auto = [r for r in rows if r["tag"] == "auto"]
+    assert all(r["decisions"] > 0 and r["ms_per_decision"] > 0 for r in auto)
