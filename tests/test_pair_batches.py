@@ -97,3 +97,55 @@ def test_a_bad_pair_batch_names_the_field():
 
     with pytest.raises(UserError, match="train.pair_batch"):
         load_config(None, ["train.pair_batch=0"])
+
+
+# -- a sharded group: the same gradient, fewer forwards, fewer all-gathers --------------------------
+
+
+def _sharded(rank, world, out):
+    """Both ranks of an FSDP2 group train one unit's shares (3 samples: 2 + 1, DanceGRPO's random
+    steps: the ranks train different steps) per step and in pairs; all-gathers counted."""
+    import torch.distributed as dist
+
+    from digenrl.distributed import fsdp
+    from digenrl.engine.fsdp_group import train_share
+    from digenrl.units.types import TrainUnit
+
+    policy, unit = unit_and_policy("flux_tiny.yaml", ["algorithm.timesteps.mode=random", *HALF])
+    mesh = fsdp.trainer_mesh()
+    fsdp.shard_policy(policy, mesh)
+    gathers, gather = [], dist.all_gather_single
+    dist.all_gather_single = lambda *a, **k: gathers.append(1) or gather(*a, **k)
+    share = TrainUnit("train-0-0-0", 0, "rollout-0-0", (0,), 0, 0, 1, 0)
+    result = {}
+    for pair_batch in (None, 4):
+        policy.cfg.train.pair_batch = pair_batch
+        for p in policy.params:
+            p.grad = None
+        gathers.clear()
+        train_share(policy, unit, share, rank, world, len(unit) * unit.train_idx.shape[1])
+        fsdp.all_reduce_replicas(policy.params, mesh)
+        from tests.test_fsdp import _grads
+
+        result[pair_batch] = (_grads(policy.adapter.transformer), len(gathers))
+    result["pairs"] = int(unit.train_idx.numel())
+    result["steps"] = [sorted(set(unit.train_idx[rows].flatten().tolist())) for rows in ([0, 1], [2])]
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_a_sharded_group_trains_pairs_with_the_same_gradient_and_fewer_all_gathers(tmp_path):
+    from tests.dist_spawn import spawn
+
+    spawn(_sharded, 2, tmp_path)
+    r = torch.load(tmp_path / "rank0.pt")
+    (steps, per_step), (pairs, in_pairs) = r[None], r[4]
+    for name, g in steps.items():
+        torch.testing.assert_close(pairs[name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()))
+    # per step: one pass per step either rank trains (the group's lockstep); in pairs: the busiest
+    # rank's ceil(pairs / 4) -- each pass the same gathers (the forward's and the backward's)
+    passes_steps = len(set(r["steps"][0]) | set(r["steps"][1]))
+    passes_pairs = -(-r["pairs"] * 2 // 3 // 4)  # rank 0 holds 2 of the 3 samples
+    assert per_step % passes_steps == 0 and in_pairs * passes_steps == per_step * passes_pairs
+    assert in_pairs < per_step
+    assert torch.load(tmp_path / "rank1.pt")[4][1] == in_pairs  # the ranks ran the same collectives

@@ -32,6 +32,7 @@ def train_unit(
     minibatches: int = 1,
     lockstep: list[list[int]] | None = None,
     padding: bool = False,
+    pair_passes: int | None = None,
 ) -> dict:
     """Accumulate the gradient of this unit's share of the iteration loss.
 
@@ -47,6 +48,8 @@ def train_unit(
     :func:`~digenrl.engine.fsdp_group.lockstep_steps`: every rank runs the same passes); at a step
     none of this rank's samples trains, the pass runs on one row and adds nothing; ``padding``: the
     rank holds no sample of the unit (``samples`` is one row to run the group's passes on).
+    ``train.pair_batch``: the pairs of the mini-batch in forwards of that many rows (:func:`pair_chunks`);
+    ``pair_passes``: a sharded group's forwards (its busiest rank's), the rest zero-weighted.
     """
     cfg, ad = policy.cfg, policy.adapter
     if is_nft(cfg) or cfg.algorithm.name in ("awm", "online_dpo"):  # flow matching on noised clean samples
@@ -66,7 +69,7 @@ def train_unit(
         len(samples) // len(samples.group_ids),
         samples.first_sample,
     )
-    pairs = cfg.train.pair_batch if lockstep is None else None  # a sharded group: per-step passes
+    pairs = cfg.train.pair_batch if lockstep is None else None  # (lockstep: a group's per-step passes)
     if pairs:  # timestep-pair batches: the mini-batch's (sample, step) pairs, pair_batch rows a forward
         batches = [torch.cat(batches)]
     real = 0 if padding else len(batches)
@@ -83,7 +86,11 @@ def train_unit(
             # lockstep: a pass the rank's group runs, on one row, weighted 0
             idle = len(sel) == 0 or k >= real
             groups.append((i, sel.new_zeros(1) if idle else sel, idle))
-        for chunk in pair_chunks(groups, pairs) if pairs else [[g] for g in groups]:
+        chunks = [[g] for g in groups]
+        if pairs:  # (a sharded group: as many forwards as its busiest rank, the others zero-weighted)
+            chunks = pair_chunks([g for g in groups if not g[2]], pairs)
+            chunks += [[(groups[0][0], groups[0][1][:1], True)]] * ((pair_passes or 0) - len(chunks))
+        for chunk in chunks:
             terms = [
                 _term(policy, samples, mb, cond, adv, sig, i, sel, idle, stale, total_terms, stats)
                 for i, sel, idle in chunk
