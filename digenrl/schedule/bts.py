@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 BTS_KEYS = ("kind", "uid", "iteration", "end", "args")  # a runtime event's fields, event_args' order
 KINDS = ("rollout", "train", "step", "score")  # score: a released rollout unit's wait for its rewards
 RECENT = 8  # measured unit times: the mean of the last RECENT (the host's speed drifts)
+KEPT = 4096  # decisions kept in Elastic.decisions (the timeline logs each; a long run makes many)
 
 
 def tag_mode(tag) -> str:
@@ -96,7 +97,7 @@ class Elastic:
         self.running: dict[str, tuple[str, Unit, float]] = {}  # uid -> (worker, unit, started)
         self.released: dict[str, tuple[RolloutUnit, str, float]] = {}  # uid -> (unit, worker, released)
         self.step_starts: dict[tuple[int, int], list[float]] = defaultdict(list)
-        self.decisions: list[Decision] = []
+        self.decisions: deque[Decision] = deque(maxlen=KEPT)  # the latest, for reports
         self.by_uid: dict[str, Decision] = {}  # TAG rollout uid -> its decision
         self.by_target: dict[int, list[Decision]] = defaultdict(list)  # version -> decisions ending there
         self.changes = 0  # scheduler state changes heard: a decision's memo key
@@ -152,6 +153,8 @@ class Elastic:
             root = Branch(self, sched.fork(), now, self._jobs(now), 0)
             self._memo = {key: (now, target, *root.compare(worker))}
         now, target, at_insert, at_skip = self._memo[key]
+        if target not in self.by_target:  # a new horizon: forget the decisions logged already
+            self._forget_before(sched.published_version)
         if at_insert is None:  # a unit time unknown yet: TAG as with tag: on (it gets measured)
             d = Decision(worker, now, target, math.nan, math.nan, True, "unmeasured")
         else:
@@ -164,6 +167,13 @@ class Elastic:
         """The rollout unit the last decision inserted."""
         self.decisions[-1].uid = unit.uid
         self.by_uid[unit.uid] = self.decisions[-1]
+
+    def _forget_before(self, version: int) -> None:
+        """Drop the decisions whose makespan ended before ``version`` (their publish was logged)."""
+        for v in [v for v in self.by_target if v < version]:
+            del self.by_target[v]
+        for uid in [u for u, d in self.by_uid.items() if d.target < version]:
+            del self.by_uid[uid]
 
     def _jobs(self, now: float) -> list[tuple]:
         out = []
@@ -183,7 +193,9 @@ class Elastic:
             d = self.by_uid.get(uid)
             if d is None or d.reason != "predicted":
                 return {} if d is None else {"bts": {"why": d.reason}}
-            return {"bts": {"insert_s": d.insert_at - d.at, "skip_s": d.skip_at - d.at, "why": d.reason}}
+            ahead = {"insert_s": d.insert_at - d.at, "skip_s": d.skip_at - d.at}
+            ahead = {k: v if math.isfinite(v) else None for k, v in ahead.items()}  # a stall: null
+            return {"bts": {**ahead, "why": d.reason}}
         if kind != "step" or "publishes" not in args:
             return {}
         mine = [d for d in self.by_target.get(iteration + 1, ()) if d.reason == "predicted"]
