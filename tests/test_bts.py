@@ -34,15 +34,16 @@ def durations(tag_rollout: float, train: float):
     return d
 
 
-def run(tag, d, priors: bool = True):
+def run(tag, d, priors: bool = True, depth: int = 1, rollout: int = 1):
     """3 iterations of 4 units (GAP, on-policy) on r0 + t0; (time of the last publish, advisor)."""
     cfg = SchedulerConfig(placement="disaggregated", groups_per_iteration=4, iterations=3, tag=tag)
-    workers, clock = pools(1, 1), []
-    known = {(k, w): d(w, u) for w in ("r0", "t0") for k, u in UNITS.items()} if priors else None
-    el = Elastic(UnitTimes(known, {"r0": "rollout", "t0": "trainer"}), lambda: clock[0].now)
+    workers, clock = pools(rollout, 1), []
+    names = [w.name for w in workers]
+    known = {(k, w): d(w, u) for w in names for k, u in UNITS.items()} if priors else None
+    el = Elastic(UnitTimes(known, {w.name: w.role for w in workers}), lambda: clock[0].now, depth=depth)
     sched = Scheduler(cfg, workers, el if tag == "auto" else None)
     clock.append(VirtualTime(sched, workers, d))
-    drive(sched, ["r0", "t0"], clock[0])
+    drive(sched, names, clock[0])
     check_invariants(cfg, workers, sched, clock[0].events)
     return clock[0].now, el
 
@@ -76,6 +77,22 @@ def test_auto_inserts_where_tag_shortens_the_iteration():
     end, el = run("auto", d)
     assert on < off and end == pytest.approx(on)
     assert el.decisions and all(x.insert and x.insert_at < x.skip_at for x in el.decisions)
+
+
+@pytest.mark.parametrize(("tag_rollout", "train"), [(5.0, 1.0), (1.0, 0.2)])
+def test_a_deeper_search_decides_the_same_here(tag_rollout, train):
+    # depth 2: every later TAG point inside a branch is itself searched (recursively, bounded)
+    d = durations(tag_rollout, train)
+    one, two = run("auto", d), run("auto", d, depth=2)
+    assert two[0] == pytest.approx(one[0])
+    assert [x.insert for x in two[1].decisions] == [x.insert for x in one[1].decisions]
+
+
+def test_without_rollout_workers_skipping_stalls_so_auto_inserts():
+    end, el = run("auto", durations(1.0, 0.2), rollout=0)
+    assert end == pytest.approx(run(True, durations(1.0, 0.2), rollout=0)[0])
+    assert el.decisions and all(x.insert and x.skip_at == float("inf") for x in el.decisions)
+    assert el.event_args("rollout", el.decisions[-1].uid, 2, 0.0, {})["bts"]["skip_s"] is None  # JSON null
 
 
 def test_without_a_profile_auto_takes_tag_until_the_times_are_measured():
