@@ -1,7 +1,8 @@
 """Throughput of every engine mode on the same hardware, beside the bound of DESIGN.md §4.
 
     python benchmarks/engine_modes.py [--iterations 7] [--repeats 1] [--pick best|median]
-        [--workload balanced|flow_grpo|few_groups|colocated_batch|kl_reference|all]
+        [--workload balanced|flow_grpo|few_groups|colocated_batch|kl_reference|tag_balanced|
+                    tag_flow_grpo|all]
                                       [--modes colocated,sync,...] [--json FILE] [--tiny]
 
 One local Ray cluster with 1 rollout + 1 trainer logical device (each actor one torch thread:
@@ -27,6 +28,9 @@ disaggregated with GAP on 1 + 1 devices; modes "train" (the reference forward in
 "rollout" (algorithm.kl_reference rollout: computed by the sampler, shipped with the samples), side by
 side; the JSON's ``vs_first_mode_train_unit_s`` is the ratio of the train units' seconds per iteration
 (each mode's median over the repeats).
+"tag_balanced" / "tag_flow_grpo" (not part of "all"): the full mode with engine.tag off, on and auto
+(elastic TAG, BTS: docs/architecture.md) on the balanced / Flow-GRPO workloads; the JSON's rows hold
+``tag_units`` (rollout units a trainer rank generated).
 Not a test: timings are reported, never asserted.
 """
 
@@ -117,6 +121,13 @@ KL_REFERENCE_MODES = {
     "train": MODES["gap"] + ["algorithm.kl_reference=train"],
     "rollout": MODES["gap"] + ["algorithm.kl_reference=rollout"],
 }
+#: elastic TAG (engine.tag auto, BTS) against greedy TAG (on) and none, in the full mode otherwise
+TAG_MODES = {
+    f"full_tag_{v}": [o if o != "engine.tag=true" else f"engine.tag={v}" for o in MODES["full"]]
+    for v in ("off", "on", "auto")
+}
+WORKLOADS["tag_balanced"] = WORKLOADS["balanced"]
+WORKLOADS["tag_flow_grpo"] = WORKLOADS["flow_grpo"]  # the trainer is the bottleneck: greedy TAG hurts
 WORKLOADS["few_groups"] = FEW_GROUPS
 WORKLOADS["colocated_batch"] = COLOCATED_BATCH
 WORKLOADS["kl_reference"] = KL_REFERENCE
@@ -124,6 +135,8 @@ MODES_OF = {
     "few_groups": FEW_GROUP_MODES,
     "colocated_batch": COLOCATED_BATCH_MODES,
     "kl_reference": KL_REFERENCE_MODES,
+    "tag_balanced": TAG_MODES,
+    "tag_flow_grpo": TAG_MODES,
 }  # else: MODES
 
 
@@ -173,6 +186,7 @@ def run_mode(workload: str, mode: str, iterations: int, root: Path, extra: list[
         # KL reference forwards each side ran (the timeline's ref_forwards; 0 without a KL term)
         "ref_forwards_rollout": sum(e.args.get("ref_forwards", 0) for e in tl.of("rollout")),
         "ref_forwards_train": sum(e.args.get("ref_forwards", 0) for e in tl.of("train")),
+        "tag_units": sum(tl.workers[e.worker] == "trainer" for e in tl.of("rollout")),
     }
 
 
@@ -256,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     from digenrl.engine.resources import start_local
 
     console = Console(width=170)
-    own = ("few_groups", "colocated_batch", "kl_reference")  # run only when named
+    own = ("few_groups", "colocated_batch", "kl_reference", "tag_balanced", "tag_flow_grpo")  # when named
     workloads = [w for w in WORKLOADS if w not in own] if args.workload == "all" else [args.workload]
     modes_of = {}
     for workload in workloads:

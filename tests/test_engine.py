@@ -54,10 +54,11 @@ MODES = {
     "gap": DISAGG + ["engine.gap=true", "engine.tag=false", "reward.service={num_cpus: 0.1}"],
     "gap_tsp": DISAGG + TWO_TRAINERS + ["engine.tag=false", "engine.tsp_degree=2"],
     # (GAP + TSP + TAG on-policy is "minibatch": the same knobs, with two optimizer steps and an EMA)
-    # async also scores through the reward actor: TAG trainer ranks release rollout units too
+    # async also scores through the reward actor: TAG trainer ranks release rollout units too; its TAG
+    # is elastic (BTS decides each TAG point on the unit times the run measures)
     "async": DISAGG
     + TWO_TRAINERS
-    + ["engine.tag=true", "engine.tsp_degree=2", "engine.max_staleness=1", "reward.service={num_cpus: 0.1}"],
+    + ["engine.tag=auto", "engine.tsp_degree=2", "engine.max_staleness=1", "reward.service={num_cpus: 0.1}"],
     # GAP + TSP + TAG with mini-batch PPO: two optimizer steps per iteration (one per rollout unit), over
     # two ranks with TAG; with an EMA (rank 0 keeps it; final/ holds it)
     "minibatch": DISAGG
@@ -68,11 +69,12 @@ MODES = {
         "train.optimizer_steps=2",
         "train.ema={decay: 0.5, every: 1}",
     ],
-    # sub-group units (G/2 samples each) scored by the reward actor: a group trains once both halves are in
+    # sub-group units (G/2 samples each) scored by the reward actor: a group trains once both halves are
+    # in; elastic TAG
     "sub_groups": DISAGG
     + [
         "engine.unit_samples=2",
-        "engine.tag=true",
+        "engine.tag=auto",
         "reward.service={num_cpus: 0.1}",
         "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",
     ],
@@ -183,6 +185,10 @@ def test_mode_invariants(mode, cluster, reference, tmp_path):
         }
         assert fetched == used and all(s.args["bytes"] > 0 for s in tl.of("sync"))
     check_reward_events(tl, rows, service=cfg.reward.service is not None)
+    if e.tag == "auto":  # BTS: a TAG unit carries its decision, a publish the decisions it ended
+        assert all("bts" in r.args for r in rollouts if tl.workers[r.worker] == "trainer")
+        decided = [s.args["bts"] for s in steps if "bts" in s.args]
+        assert all(d["decisions"] >= d["inserted"] >= 0 for d in decided)
 
     if cfg.train.ema is not None:  # rank 0 kept the average over every optimizer step, in its checkpoint
         last = tmp_path / "checkpoints" / f"iter-{n_iter:06d}"

@@ -43,8 +43,9 @@ CASES = {
     "tag": (["engine.tag=true", "engine.colocated_batch=1"], []),
     # two TSP shares of every unit, both trained by the one sharded group
     "tsp": (["engine.tag=false", "engine.tsp_degree=2"], []),
-    # DanceGRPO's random trained steps: the ranks' samples train different steps, run in lockstep
-    "random_timesteps": (["engine.tag=true"] + RANDOM, RANDOM),
+    # DanceGRPO's random trained steps: the ranks' samples train different steps, run in lockstep; the
+    # group's TAG elastic (BTS)
+    "random_timesteps": (["engine.tag=auto"] + RANDOM, RANDOM),
     # a unit of 3 samples over 2 ranks (2 + 1): the rank with one micro-batch fewer runs the other's
     # passes zero-weighted (train.micro_batch 1), and the TAG units are generated whole on both ranks
     "uneven_split": (

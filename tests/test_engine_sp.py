@@ -140,10 +140,10 @@ WIRED = {  # sequence parallelism beside the engine's other features, each one S
         "engine.tag=true",
         "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 2}]",
     ],
-    # SP rollout workers beside TAG trainer ranks
+    # SP rollout workers beside TAG trainer ranks, their TAG elastic (BTS)
     "rollout_sp_tag": [
         "engine.rollout_sp=2",
-        "engine.tag=true",
+        "engine.tag=auto",
         "cluster.pools=[{name: rollout, count: 2}, {name: trainer, count: 1}]",
     ],
     # in-training eval on an SP trainer pair: the lead's evaluate runs on its follower too

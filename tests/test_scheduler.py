@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from digenrl.schedule.bts import elastic_for
 from digenrl.schedule.driver import Back, Done, Lost, Released, Scored, drive
 from digenrl.schedule.scheduler import Scheduler, SchedulerConfig
 from digenrl.units.types import RolloutUnit, StepUnit, TrainUnit, Unit, WorkerSpec
@@ -140,8 +141,10 @@ def simulate(
 ) -> tuple[Scheduler, list[Event]]:
     """The engine's driver loop on :class:`VirtualTime`: after each completion, every idle worker
     asks for work, in a fixed order (runs are reproducible)."""
-    sched = Scheduler(cfg, workers)
+    clock = []  # tag auto: BTS on the backend's virtual clock, unit times as measured
+    sched = Scheduler(cfg, workers, elastic_for(cfg, workers, lambda: clock[0].now))
     backend = VirtualTime(sched, workers, duration, scoring, dies)
+    clock.append(backend)
     drive(sched, [w.name for w in workers], backend)
     assert not backend.heap, "units still running after the last step"
     assert all(sched.next_unit(w.name) is None for w in workers), "work handed out after done()"
@@ -333,7 +336,7 @@ def overlaps(a: list[Event], b: list[Event]) -> bool:
 @st.composite
 def scenarios(draw: st.DrawFn) -> tuple[SchedulerConfig, list[WorkerSpec]]:
     placement = draw(st.sampled_from(["colocated", "disaggregated"]))
-    tag = draw(st.booleans())
+    tag = draw(st.sampled_from([False, True, "auto"]))
     if placement == "colocated":
         workers = [WorkerSpec(f"d{i}", "both") for i in range(draw(st.integers(1, 4)))]
         stale = 0

@@ -83,7 +83,13 @@ class EngineConfig(_Section):
     tsp_degree: int = Field(
         1, gt=0, le=MAX_STEPS, description="TSP: trained timesteps split over this many ranks"
     )
-    tag: bool = Field(False, description="TAG (disaggregated): an idle trainer rank rolls out a pending unit")
+    tag: bool | Literal["auto"] = Field(
+        False,
+        description=(
+            "TAG (disaggregated): an idle trainer rank rolls out a pending unit -- on (whenever it can), "
+            "off, or auto (only where BTS predicts the iteration ends sooner with it; docs/architecture.md)"
+        ),
+    )
     rollout_sp: int = Field(1, gt=0, description="sequence parallelism: devices per rollout worker (Ulysses)")
     trainer_sp: int = Field(1, gt=0, description="sequence parallelism: devices per trainer rank (Ulysses)")
     max_staleness: Literal[0, 1] = Field(
@@ -151,6 +157,15 @@ class EngineConfig(_Section):
             "(a plugin in the worker processes, engine/faults.py); also DIGENRL_FAULTS=worker@unit,..."
         ),
     )
+
+    @field_validator("tag", mode="before")
+    @classmethod
+    def _tag(cls, value):
+        if value in ("on", "off"):
+            return value == "on"
+        if isinstance(value, bool) or value == "auto":
+            return value
+        raise ValueError(f"must be auto, on or off, got {value!r}")
 
     @field_validator("compile_rollout", mode="before")
     @classmethod

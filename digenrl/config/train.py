@@ -133,6 +133,17 @@ class TrainConfig(_Section):
     micro_batch: int = Field(
         16, gt=0, le=MAX_BATCH, description="samples per forward/backward inside a train unit"
     )
+    pair_batch: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_BATCH,
+        description=(
+            "timestep-pair train batches: a train unit's (sample, trained step) pairs in forwards of this "
+            "many rows, each row at its own timestep (fewer, larger forwards than one per step; the "
+            "gradient is the same); the behaviour log-prob is then recomputed to rounding only "
+            "(logprob_mismatch). null: one forward per trained step and micro-batch (ratio exactly 1)"
+        ),
+    )
     # 3e-3: the demo (colocated, on-policy) learns well with it, and so does one-step async (samples one
     # version old, decoupled PPO), which overshot and collapsed late in some runs at 5e-3
     # (docs/algorithms.md, "Stale samples: the step size")

@@ -43,6 +43,7 @@ from digenrl.run.cadence import (
     write_final,
 )
 from digenrl.run.rundir import RunDir, check_writable, default_run_dir
+from digenrl.schedule.bts import BTS_KEYS, elastic_for
 from digenrl.schedule.driver import Done, Event, Lost, Released, Scored, drive
 from digenrl.schedule.scheduler import Scheduler
 from digenrl.units.types import RolloutUnit, StepUnit, TrainUnit, Unit
@@ -73,7 +74,8 @@ def run_on_ray(
     run directory unless ``run_dir`` forks it elsewhere.
     """
     start = resumed.iteration if resumed is not None else 0
-    scheduler = Scheduler(layout.scheduler_config(start), layout.scheduled)
+    sched_cfg = layout.scheduler_config(start)  # tag auto: BTS measures unit times on the wall clock
+    scheduler = Scheduler(sched_cfg, layout.scheduled, elastic_for(sched_cfg, layout.scheduled, time.time))
     run_dir, history = resume_history(resumed, run_dir)
     check_writable(run_dir or cfg.output.run_dir or default_run_dir(cfg), "output.run_dir")
     if resumed is not None and start == cfg.train.iterations:  # finished already: nothing to do
@@ -323,6 +325,8 @@ class RayBackend(AroundSteps):
     def record(self, worker: str, events: list[dict]) -> None:
         """A worker's timeline events (absolute times, measured where they ran) relative to the run start."""
         for ev in events:
+            if (bts := self.sched.elastic) is not None:  # tag auto: BTS's predictions, then their errors
+                ev["args"] = {**ev["args"], **bts.event_args(*(ev[k] for k in BTS_KEYS))}
             self.timeline.record(
                 worker,
                 ev["kind"],

@@ -148,7 +148,7 @@ class Plan(EngineKnobs):
             )
         if self.placement == "disaggregated":
             if self.tag:
-                k.append("TAG")
+                k.append("TAG auto" if self.tag == "auto" else "TAG")
             if self.max_staleness:
                 k.append("async")
         return " ".join(k)

@@ -13,6 +13,7 @@ from digenrl.placement.plan import Plan
 from digenrl.planner.bound import bound, setups, unit_train_time
 from digenrl.planner.costmodel import CostModel
 from digenrl.planner.memory import DeviceSetup
+from digenrl.planner.sim_bts import bts_event, elastic
 from digenrl.planner.sim_jobs import Job, Seg
 from digenrl.planner.sim_result import SimResult, pool_summaries, steady_summary
 from digenrl.schedule.driver import Done, drive
@@ -48,15 +49,9 @@ class Simulator:
         self.ranks = [w.name for w in workers if w.role != "rollout"]
         self.rank0 = self.ranks[0]
         self.publish = any(w.role == "rollout" for w in workers)
-        self.sched = Scheduler(
-            plan.scheduler_config(
-                self.workload.prompts,
-                iterations,
-                wait_for_full_batch,
-                optimizer_steps=self.workload.optimizer_steps,
-            ),
-            workers,
-        )
+        w, full = self.workload, wait_for_full_batch
+        sched_cfg = plan.scheduler_config(w.prompts, iterations, full, optimizer_steps=w.optimizer_steps)
+        self.sched = Scheduler(sched_cfg, workers, elastic=elastic(self, sched_cfg))  # tag auto: BTS
         self.shared = cost.cluster.is_cpu  # logical CPU devices share the host's cores
         self.timeline = Timeline()
         for w in workers:
@@ -295,6 +290,8 @@ class Simulator:
         start = job.arrived if ev["kind"] == "step" else seg.start
         reward_s, publish_s = ev.pop("reward_s", 0.0), ev.pop("publish_s", 0.0)
         hidden_s = ev.pop("hidden_s", 0.0)
+        if self.sched.elastic is not None:  # tag auto: the decisions' predictions, their errors
+            ev["args"] = {**ev.get("args", {}), **self.sched.elastic.event_args(**bts_event(ev, now))}
         self.timeline.record(
             job.worker,
             ev["kind"],

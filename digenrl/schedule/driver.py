@@ -55,10 +55,10 @@ class Backend(Protocol):
         this completion finished (its new version is published), else None."""
 
 
-def drive(scheduler: Scheduler, order: list[str], backend: Backend) -> None:
+def drive(scheduler: Scheduler, order: list[str], backend: Backend, busy=()) -> None:
     """Run ``scheduler`` to its last optimizer step on ``backend``; ``order``: the workers, in the
-    order idle workers ask for work."""
-    idle = set(order)
+    order idle workers ask for work; ``busy``: those running a unit already (a BTS branch's start)."""
+    idle = set(order) - set(busy)
     while not scheduler.done():
         for worker in order:
             if worker in idle and (unit := scheduler.next_unit(worker)) is not None:

@@ -16,7 +16,7 @@ class SchedulingKnobs:
     unit_groups: int = 1  # GAP unit size m: prompt groups per rollout unit (1 with sub-group units)
     group_parts: int = 1  # sub-group units: rollout units per group (P > 1: 1/P of one group each)
     tsp_degree: int = 1  # time-step parallelism degree D
-    tag: bool = False  # trainer-assisted generation
+    tag: bool | str = False  # trainer-assisted generation: False off, True on, "auto" elastic (BTS)
     gap: bool = True  # release train units per rollout unit (else per iteration)
     max_staleness: int = 0  # 0 (on-policy) or 1 (one-step async)
 

@@ -55,6 +55,8 @@ class SchedulerConfig(SchedulingKnobs):
             raise ValueError(
                 f"start_iteration must be in 0..iterations ({self.iterations}), got {self.start_iteration!r}"
             )
+        if not (isinstance(self.tag, bool) or self.tag == "auto"):
+            raise ValueError(f"tag must be False, True or 'auto', got {self.tag!r}")
         if self.max_staleness not in (0, 1):
             raise ValueError(f"max_staleness must be 0 or 1, got {self.max_staleness!r}")
         if self.placement == "colocated" and self.max_staleness:
@@ -81,8 +83,11 @@ class Scheduler:
     rather than guessing, since a silent slip here would corrupt versions.
     """
 
-    def __init__(self, cfg: SchedulerConfig, workers: list[WorkerSpec]) -> None:
+    def __init__(self, cfg: SchedulerConfig, workers: list[WorkerSpec], elastic=None) -> None:
+        """``elastic``: with ``tag: auto``, the advisor (:class:`~digenrl.schedule.bts.Elastic`) that
+        decides each TAG point and hears every hand-out and completion (without one, auto is on)."""
         self.cfg = cfg
+        self.elastic = elastic
         self._roles: dict[str, Role] = {}
         for w in workers:
             if w.role not in ("rollout", "trainer", "both"):
@@ -158,6 +163,8 @@ class Scheduler:
             self.record.append((worker, unit))
             if isinstance(unit, RolloutUnit) and role == "rollout":
                 self._rollout_version[worker] = unit.version  # it syncs before starting
+            if self.elastic is not None:
+                self.elastic.started(worker, unit)
         return unit
 
     def release(self, unit: RolloutUnit) -> None:
@@ -171,6 +178,8 @@ class Scheduler:
                 f"unit {unit.uid!r} is not running (never handed out, released or completed already)"
             )
         self._released.add(unit.uid)
+        if self.elastic is not None:
+            self.elastic.released_unit(unit)
 
     def complete(self, unit: Unit, result: object = None) -> None:
         """Mark ``unit`` done (running or released). ``result`` is the driver's payload; the
@@ -181,6 +190,8 @@ class Scheduler:
             worker = ""  # a released unit holds no worker
         if worker is None:
             raise ValueError(f"unit {unit.uid!r} is not in flight (never handed out, or completed twice)")
+        if self.elastic is not None:
+            self.elastic.completed(unit)
         if isinstance(unit, RolloutUnit):
             self._rollout_done(unit)
         elif isinstance(unit, TrainUnit):
@@ -209,6 +220,8 @@ class Scheduler:
                 raise ValueError(f"unit {unit.uid!r} is not in flight (never handed out, or completed)")
             self._released.discard(unit.uid)
         self._retry.append(unit)
+        if self.elastic is not None:
+            self.elastic.forget(unit)
 
     def done(self) -> bool:
         return self.published_version == self.cfg.iterations
@@ -240,8 +253,46 @@ class Scheduler:
         if k < self.cfg.iterations and self._ready[k][s]:
             return self._ready[k][s].popleft()
         if (role == "both" or self.cfg.tag) and s == 0:  # it holds the published version k
+            if role == "trainer" and self.cfg.tag == "auto" and self.elastic is not None:
+                return self._elastic_rollout(worker)
             return self._take_rollout()
         return None
+
+    def _elastic_rollout(self, worker: str) -> RolloutUnit | None:
+        """``tag: auto``: a rollout unit only where BTS predicts that taking it ends sooner."""
+        if not self._rollout_pending() or not self.elastic.insert(self, worker):
+            return None
+        unit = self._take_rollout()
+        self.elastic.taken(worker, unit)
+        return unit
+
+    def _rollout_pending(self) -> bool:
+        """Whether a trainer rank's ``_take_rollout()`` would hand out a unit (changes nothing)."""
+        pv = self.published_version
+        if any(u.parts == 1 or u.version == pv for u in self._retry):
+            return True
+        k, j = self._next_rollout
+        if k >= self.cfg.iterations or pv < k - self.cfg.max_staleness:
+            return False
+        parts = self.cfg.group_parts
+        return parts == 1 or self._group_version.get((k, j // parts), pv) == pv
+
+    def fork(self) -> Scheduler:
+        """A copy of the policy's state that the copy's calls do not share (BTS plays it forward):
+        no record, no advisor. The past iterations' rows, which nothing changes, are shared."""
+        new = object.__new__(Scheduler)
+        new.__dict__.update(self.__dict__)
+        pv = self.published_version
+        new.elastic, new.record = None, []
+        new._in_flight, new._released = dict(self._in_flight), set(self._released)
+        new._rollout_version, new._step_unfinished = dict(self._rollout_version), set(self._step_unfinished)
+        new._rolled_out = list(self._rolled_out)
+        new._behind_barrier = self._behind_barrier[:pv] + [list(x) for x in self._behind_barrier[pv:]]
+        new._ready = self._ready[:pv] + [[deque(d) for d in row] for row in self._ready[pv:]]
+        new._train_left = self._train_left[:pv] + [list(x) for x in self._train_left[pv:]]
+        new._retry, new._group_version = deque(self._retry), dict(self._group_version)
+        new._parts_done = {key: dict(held) for key, held in self._parts_done.items()}
+        return new
 
     def _step_unit(self, worker: str) -> StepUnit:
         k, s, S = self.published_version, self.minibatch, self.cfg.optimizer_steps

@@ -32,6 +32,7 @@ def train_unit(
     minibatches: int = 1,
     lockstep: list[list[int]] | None = None,
     padding: bool = False,
+    pair_passes: int | None = None,
 ) -> dict:
     """Accumulate the gradient of this unit's share of the iteration loss.
 
@@ -47,6 +48,8 @@ def train_unit(
     :func:`~digenrl.engine.fsdp_group.lockstep_steps`: every rank runs the same passes); at a step
     none of this rank's samples trains, the pass runs on one row and adds nothing; ``padding``: the
     rank holds no sample of the unit (``samples`` is one row to run the group's passes on).
+    ``train.pair_batch``: the pairs of the mini-batch in forwards of that many rows (:func:`pair_chunks`);
+    ``pair_passes``: a sharded group's forwards (its busiest rank's), the rest zero-weighted.
     """
     cfg, ad = policy.cfg, policy.adapter
     if is_nft(cfg) or cfg.algorithm.name in ("awm", "online_dpo"):  # flow matching on noised clean samples
@@ -54,7 +57,6 @@ def train_unit(
         unit = units_nft.train_unit if is_nft(cfg) else units_forward.train_unit
         share = (tsp_rank, tsp_degree, minibatch, minibatches, passes, padding)
         return unit(policy, samples, total_terms, *share)
-    alg, kind, eta = cfg.algorithm, cfg.sampling.sde, cfg.sampling.noise_level
     stale = samples.version < policy.version  # one-step async: decoupled PPO
     stats = _Stats()
     positions = [j for j in range(samples.train_idx.shape[1]) if j % tsp_degree == tsp_rank]
@@ -67,6 +69,9 @@ def train_unit(
         len(samples) // len(samples.group_ids),
         samples.first_sample,
     )
+    pairs = cfg.train.pair_batch if lockstep is None else None  # (lockstep: a group's per-step passes)
+    if pairs:  # timestep-pair batches: the mini-batch's (sample, step) pairs, pair_batch rows a forward
+        batches = [torch.cat(batches)]
     real = 0 if padding else len(batches)
     if lockstep is not None and len(lockstep) > real:  # an uneven split: the group's other micro-batches
         batches = batches[:real] + [batches[0][:1]] * (len(lockstep) - real)  # run as zero-weighted passes
@@ -75,63 +80,106 @@ def train_unit(
         adv = samples.advantages[mb].to(ad.device)
         mine = samples.train_idx[mb][:, positions]  # (samples, this rank's positions): steps to train
         steps = mine.unique().tolist() if lockstep is None else lockstep[k]
+        groups = []
         for i in steps:  # the samples training step i share one forward (each trains it once)
             sel = (mine == i).any(1).nonzero().squeeze(1)
             # lockstep: a pass the rank's group runs, on one row, weighted 0
             idle = len(sel) == 0 or k >= real
-            if idle:
-                sel = sel.new_zeros(1)
-            rows = mb[sel]
-            x = samples.latents[rows, i].to(ad.device)
-            x_next = samples.latents[rows, i + 1].to(ad.device)
-            c = cond.select(sel) if len(sel) < len(mb) else cond
-            behaviour = samples.log_probs[rows, i].to(ad.device)
-            noise = mu_old = None
-            if alg.name in TRUST_REGION:  # the behaviour step mean: x_{i+1} minus its recorded noise
-                mu_old = x_next - samples.step_noise[rows, i].to(ad.device)
-            elif stale and alg.stale_gradient == "recentred" and samples.step_noise is not None:
-                noise = samples.step_noise[rows, i].to(ad.device)
-            mu_ref = None
-            if alg.kl_beta > 0 and samples.ref_means is not None:  # computed at rollout (kl_reference)
-                mu_ref = shipped_reference(samples, rows, i, ad.device)
-            elif alg.kl_beta > 0:
-                with torch.no_grad(), policy.reference():
-                    _, mu_ref, _ = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
-                stats.ref_forwards += 1
+            groups.append((i, sel.new_zeros(1) if idle else sel, idle))
+        chunks = [[g] for g in groups]
+        if pairs:  # (a sharded group: as many forwards as its busiest rank, the others zero-weighted)
+            chunks = pair_chunks([g for g in groups if not g[2]], pairs)
+            chunks += [[(groups[0][0], groups[0][1][:1], True)]] * ((pair_passes or 0) - len(chunks))
+        for chunk in chunks:
+            terms = [
+                _term(policy, samples, mb, cond, adv, sig, i, sel, idle, stale, total_terms, stats)
+                for i, sel, idle in chunk
+            ]
+            x = torch.cat([t["x"] for t in terms])
+            sigma = torch.cat([sig[t["i"]].expand(len(t["sel"])) for t in terms])
+            every = torch.cat([t["sel"] for t in terms])
+            c = cond.select(every) if len(every) != len(mb) or len(terms) > 1 else cond
 
-            def objective(
-                v,
-                x=x,
-                x_next=x_next,
-                i=i,
-                behaviour=behaviour,
-                a=adv[sel] if adv.ndim == 1 else adv[sel, i],  # branch_advantages depth: per step
-                mu_ref=mu_ref,
-                noise=noise,
-                mu_old=mu_old,
-                scale=1.0 - idle,
+            def objective(v, terms=terms):  # each step's rows: its own terms, summed into one backward
+                scalar, extras, at = 0.0, [], 0
+                for t in terms:
+                    part, ex = t["objective"](v[at : at + len(t["sel"])])
+                    scalar, at = scalar + part, at + len(t["sel"])
+                    extras.append(ex)
+                return scalar, extras
+
+            for t, (loss, st, w, kl, logp) in zip(
+                terms, backward_through_velocity(ad, x, sigma, c, objective)
             ):
-                logp, mu, std = logprob_of_velocity(v, x, x_next, sig, i, kind, eta)
-                if noise is not None:  # the stale sample's noise around the current mean
-                    logp = (logp.detach(), recentred_logprob(kind, mu, noise, sig, i, std))
-                old = None
-                if mu_old is not None:  # flow_dppo / grpo_guard: the behaviour mean and the step scale
-                    old = (mu_old, step_scale(kind, float(sig[i]), float(sig[i + 1]), std))
-                scalar, extras = term_loss(alg, logp, behaviour, a, stale, mu, mu_ref, std, total_terms, old)
-                return scalar * scale, (*extras, logp[0] if isinstance(logp, tuple) else logp.detach())
-
-            sigma = sig[i].expand(x.shape[0])
-            loss, st, w, kl, logp = backward_through_velocity(ad, x, sigma, c, objective)
-            if idle:
-                continue
-            if w is not None:
-                stats.add_is(w)
-            elif minibatch == 0:  # on-policy: the trainer should reproduce the rollout's log-prob
-                stats.add_mismatch(logp - behaviour)
-            if kl is not None:
-                stats.kl += kl.sum().item()
-            stats.add(loss, st, len(rows), total_terms)
+                if t["idle"]:
+                    continue
+                if w is not None:
+                    stats.add_is(w)
+                elif minibatch == 0:  # on-policy: the trainer should reproduce the rollout's log-prob
+                    stats.add_mismatch(logp - t["behaviour"])
+                if kl is not None:
+                    stats.kl += kl.sum().item()
+                stats.add(loss, st, len(t["rows"]), total_terms)
     return stats.as_dict()
+
+
+def pair_chunks(groups: list[tuple], size: int) -> list[list[tuple]]:
+    """Timestep-pair batches: the (step, rows, idle) groups of one mini-batch cut into forwards of
+    ``size`` rows, in step order (a step's rows may span two forwards)."""
+    chunks, chunk, room = [], [], size
+    for i, sel, idle in groups:
+        while len(sel):
+            take, sel = sel[:room], sel[room:]
+            chunk.append((i, take, idle))
+            room -= len(take)
+            if room == 0:
+                chunks, chunk, room = chunks + [chunk], [], size
+    return chunks + [chunk] if chunk else chunks
+
+
+def _term(policy, samples, mb, cond, adv, sig, i, sel, idle, stale, total_terms, stats) -> dict:
+    """The rows ``sel`` (of micro-batch ``mb``) training step ``i``: their inputs and the objective of
+    their velocity (the per-step loss, divided by ``total_terms``)."""
+    cfg, ad = policy.cfg, policy.adapter
+    alg, kind, eta = cfg.algorithm, cfg.sampling.sde, cfg.sampling.noise_level
+    rows = mb[sel]
+    x = samples.latents[rows, i].to(ad.device)
+    x_next = samples.latents[rows, i + 1].to(ad.device)
+    behaviour = samples.log_probs[rows, i].to(ad.device)
+    noise = mu_old = None
+    if alg.name in TRUST_REGION:  # the behaviour step mean: x_{i+1} minus its recorded noise
+        mu_old = x_next - samples.step_noise[rows, i].to(ad.device)
+    elif stale and alg.stale_gradient == "recentred" and samples.step_noise is not None:
+        noise = samples.step_noise[rows, i].to(ad.device)
+    mu_ref = None
+    if alg.kl_beta > 0 and samples.ref_means is not None:  # computed at rollout (kl_reference)
+        mu_ref = shipped_reference(samples, rows, i, ad.device)
+    elif alg.kl_beta > 0:
+        c = cond.select(sel) if len(sel) < len(mb) else cond
+        with torch.no_grad(), policy.reference():
+            _, mu_ref, _ = recompute_logprob(ad, c, x, x_next, sig, i, kind, eta)
+        stats.ref_forwards += 1
+    a = adv[sel] if adv.ndim == 1 else adv[sel, i]  # branch_advantages depth: per step
+
+    def objective(v):
+        logp, mu, std = logprob_of_velocity(v, x, x_next, sig, i, kind, eta)
+        if noise is not None:  # the stale sample's noise around the current mean
+            logp = (logp.detach(), recentred_logprob(kind, mu, noise, sig, i, std))
+        old = None
+        if mu_old is not None:  # flow_dppo / grpo_guard: the behaviour mean and the step scale
+            old = (mu_old, step_scale(kind, float(sig[i]), float(sig[i + 1]), std))
+        scalar, extras = term_loss(alg, logp, behaviour, a, stale, mu, mu_ref, std, total_terms, old)
+        return scalar * (1.0 - idle), (*extras, logp[0] if isinstance(logp, tuple) else logp.detach())
+
+    return {
+        "i": i,
+        "sel": sel,
+        "rows": rows,
+        "x": x,
+        "behaviour": behaviour,
+        "idle": idle,
+        "objective": objective,
+    }
 
 
 def recentred_logprob(kind: str, mu: torch.Tensor, noise: torch.Tensor, sigmas, i: int, std: float):
