@@ -26,6 +26,7 @@ from digenrl.planner.published_sd3 import VERL_OMNI_SD35_GENERATION
 from digenrl.planner.published_setup import PublishedSetup
 from digenrl.planner.search import search
 from digenrl.planner.shapes import param_counts
+from digenrl.planner.uncertainty import fits
 from digenrl.planner.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -284,8 +285,6 @@ def ratios(fits: dict[str, Theta]) -> dict:
 def shipped_table() -> dict:
     """:func:`report` from the shipped fits (planner/cost_fit.json): no fitting, every row evaluated under
     the fit of all rows and the fit that left its group out."""
-    from digenrl.planner.uncertainty import fits
-
     f = fits()
     full, held = f["all"], f["leave_one_out"]
     return _report(rows(), full, held)
