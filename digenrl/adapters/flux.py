@@ -179,13 +179,14 @@ class FluxAdapter(PackedLatentAdapter):
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((b,), self.sampling.guidance, device=self.device, dtype=torch.float32)
-        # the pipeline feeds timesteps = sigma * 1000 and divides by 1000: mirror it bit for bit
-        t = (sigma.to(torch.float32) * 1000) / 1000
+        # FluxPipeline: timestep = t.to(latents.dtype) / 1000, t = 1000 sigma (fp32), its latents in the
+        # model dtype: rounded to bf16 before the division, as the pipeline does (issue 53, item 3)
+        t = (sigma.to(torch.float32) * 1000).to(self.dtype) / 1000
         hidden, ids = self.image_tokens(latents, cond)
         with self.autocast():
             out = self.transformer(
                 hidden_states=hidden.to(self.dtype),
-                timestep=t.to(self.dtype),
+                timestep=t,
                 guidance=guidance,
                 pooled_projections=cond.batched["pooled"].to(self.dtype),
                 encoder_hidden_states=cond.batched["prompt_embeds"].to(self.dtype),

@@ -212,8 +212,10 @@ class HunyuanVideoAdapter(Adapter):
         b = latents.shape[0]
         # pipeline: torch.tensor([g] * B, dtype=transformer_dtype) * 1000.0 (rounded in the model dtype first)
         guidance = torch.full((b,), self.sampling.guidance, dtype=self.dtype, device=self.device) * 1000.0
-        # pipeline: timesteps = sigmas * 1000 (fp32), expanded and cast to the latents' dtype (fp32)
-        t = sigma.to(torch.float32) * 1000
+        # pipeline: t.expand(B).to(latents.dtype), t = 1000 sigma (fp32); its latents turn to the model
+        # dtype at its first scheduler step (the step returns the model output's dtype): from the second
+        # step on the timestep is rounded to it (the first, 1000, is exact in bf16)
+        t = (sigma.to(torch.float32) * 1000).to(self.dtype)
         with self.autocast():
             out = self.transformer(
                 hidden_states=latents.to(self.dtype),

@@ -181,8 +181,8 @@ class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
 
     # ------------------------------------------------------------------ true CFG (adapters/guidance.py)
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
-        # the pipeline feeds timesteps = sigma * 1000 and divides by 1000: mirror it bit for bit
-        return (sigma.to(torch.float32) * 1000) / 1000
+        # QwenImagePipeline: t.to(latents.dtype) / 1000, t = 1000 sigma (fp32), latents in the model dtype
+        return (sigma.to(torch.float32) * 1000).to(self.dtype) / 1000
 
     def pass_inputs(self, cond: Cond, negative: bool) -> dict[str, torch.Tensor]:
         b = cond.batched
@@ -198,7 +198,7 @@ class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
         with self.autocast():
             out = self.transformer(
                 hidden_states=latents.to(self.dtype),
-                timestep=t.to(self.dtype),
+                timestep=t,
                 encoder_hidden_states=inputs["embeds"].to(self.dtype),
                 # as QwenImagePipeline.encode_prompt: an all-valid mask is passed as None
                 encoder_hidden_states_mask=None if mask.all() else mask,

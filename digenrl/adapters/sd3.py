@@ -276,7 +276,7 @@ class SD3Adapter(TwoPassCFG, Adapter):
         with self.autocast():
             out = self.transformer(
                 hidden_states=latents.to(self.dtype),
-                timestep=t.to(self.dtype),
+                timestep=t,  # fp32, as StableDiffusion3Pipeline (bf16 would round 937.5 to 936)
                 encoder_hidden_states=inputs["embeds"].to(self.dtype),
                 pooled_projections=inputs["pooled"].to(self.dtype),
                 return_dict=False,
