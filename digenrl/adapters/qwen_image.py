@@ -194,14 +194,14 @@ class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
         self, latents: torch.Tensor, t: torch.Tensor, inputs: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """One transformer pass over a batch (one side of the CFG pair, or both batched), fp32 out."""
-        mask = inputs["mask"]
         with self.autocast():
             out = self.transformer(
                 hidden_states=latents.to(self.dtype),
                 timestep=t,
                 encoder_hidden_states=inputs["embeds"].to(self.dtype),
-                # as QwenImagePipeline.encode_prompt: an all-valid mask is passed as None
-                encoder_hidden_states_mask=None if mask.all() else mask,
+                # always the mask (the pipeline drops an all-valid one: the same attention, and deciding
+                # would read the mask on the host every forward)
+                encoder_hidden_states_mask=inputs["mask"],
                 img_shapes=self.img_shapes(latents.shape[0]),
                 return_dict=False,
             )[0]
