@@ -16,6 +16,7 @@ from digenrl.adapters.cond import Cond
 from digenrl.adapters.packed import PackedLatentAdapter
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
+from digenrl.adapters.vae_decode import unit_range
 from digenrl.errors import UserError
 
 TINY_TRANSFORMER = dict(
@@ -205,4 +206,4 @@ class FluxAdapter(PackedLatentAdapter):
         vc = self.vae.config
         x = x / vc.scaling_factor + (vc.shift_factor or 0.0)
         image = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return unit_range(image)

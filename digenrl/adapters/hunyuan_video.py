@@ -14,6 +14,7 @@ from digenrl.adapters.base import Adapter, PublishedModel, Tokens, hidden_size, 
 from digenrl.adapters.cond import Cond
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
+from digenrl.adapters.vae_decode import unit_range
 from digenrl.errors import UserError
 
 # values as in diffusers' own HunyuanVideo tests
@@ -232,4 +233,4 @@ class HunyuanVideoAdapter(Adapter):
     def vae_decode(self, x: torch.Tensor) -> torch.Tensor:
         x = x / self.vae.config.scaling_factor  # no shift factor for this VAE
         video = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0]
-        return (video.float() / 2 + 0.5).clamp(0, 1)  # VideoProcessor.postprocess_video: [-1,1] -> [0,1]
+        return unit_range(video)  # VideoProcessor.postprocess_video: [-1,1] -> [0,1]

@@ -16,6 +16,7 @@ from digenrl.adapters.guidance import TwoPassCFG
 from digenrl.adapters.packed import PackedLatentAdapter
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
+from digenrl.adapters.vae_decode import unit_range
 from digenrl.errors import UserError
 
 TINY_TRANSFORMER = dict(
@@ -219,4 +220,4 @@ class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
         inv_std = 1.0 / torch.tensor(vc.latents_std).view(1, vc.z_dim, 1, 1, 1).to(x.device, x.dtype)
         x = x / inv_std + mean  # the pipeline's exact op order
         image = self.vae.decode(x, return_dict=False)[0][:, :, 0]  # drop the frame dim
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return unit_range(image)

@@ -15,6 +15,7 @@ from digenrl.adapters.cond import Cond
 from digenrl.adapters.guidance import TwoPassCFG
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
+from digenrl.adapters.vae_decode import unit_range
 from digenrl.errors import UserError
 
 #: CLIP's fixed token count, in front of T5's in SD3's joint text sequence
@@ -290,4 +291,4 @@ class SD3Adapter(TwoPassCFG, Adapter):
         vc = self.vae.config
         x = x / vc.scaling_factor + vc.shift_factor  # the pipeline's exact op order
         image = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return unit_range(image)
