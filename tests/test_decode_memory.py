@@ -77,3 +77,34 @@ def test_a_rollout_decodes_through_the_host_buffer(monkeypatch):
     prompts = PromptSampler(load_prompts(cfg.prompts), 0).for_iteration(0, 1)
     _, decoded = rollout.rollout_unit(policy, prompts, [0], 0, 0)
     assert calls == [2] and len(decoded.pixels) == 2
+
+
+def test_shared_prefix_sampling_writes_into_one_trajectory():
+    """A branched rollout (prefix 1, a split at step 3) holds, beyond its trajectory, what one forward
+    holds, however long the trajectory: its segments are sampled into the one buffer (on 8f4fead each
+    segment's own buffers were copied to the leaves with repeat_interleave, then concatenated: the
+    trajectory held twice, growing with the steps)."""
+    from digenrl.policy.model import Policy
+    from digenrl.units.branch import branched_sample, node_rng
+    from tests.helpers import TINY
+
+    cfg = load_config(None, [*TINY, "placement.mode=local"])
+    torch.manual_seed(0)
+    ad = Policy(cfg, trainable=False).adapter
+    cond = ad.cond_for(["a red cube", "a blue ball"]).repeat_interleave(4)
+    start = torch.randn(2, *ad.latent_shape(), generator=torch.Generator().manual_seed(3))
+    held = {}
+    for n in (16, 32):
+        sigmas, mask = ad.sigmas(n), torch.arange(n) >= 1
+        rng, nodes = torch.Generator().manual_seed(5), node_rng(0, 0, [0, 1])
+        with torch.no_grad(), LiveBytes() as m:
+            t = branched_sample(
+                ad, cond, start, 4, sigmas, "flow_grpo", 1.0, rng, mask, None, 1, [(3, 2)], nodes
+            )
+        held[n] = m.peak - sum(x.numel() * x.element_size() for x in (t.latents, t.log_probs, t.noise))
+        assert (
+            (t.latents[0, :4] - t.latents[1, :4]).abs().max()
+            == 0
+            < (t.latents[0, 5] - t.latents[1, 5]).abs().max()
+        )
+    assert 0 < held[32] == held[16], held

@@ -96,6 +96,7 @@ def sample(
     sde_mask: torch.Tensor | None = None,
     batches: list[list[torch.Tensor]] | None = None,
     reference=None,
+    out: Trajectory | None = None,
 ) -> Trajectory:
     """Run the step loop, recording every latent and transition log-prob (eta = 0: pure ODE).
 
@@ -105,6 +106,8 @@ def sample(
     recomputation of a log-prob runs the very same forward and gets the very same number.
     ``reference``: a :class:`~digenrl.units.klref.RolloutReference`, run on each forward batch's samples
     that train the step (after the step has used the policy's velocity).
+    ``out``: buffers (views) to write the trajectory into (units/branch.py: each segment into the
+    whole tree's), instead of new ones.
     """
     if isinstance(randn, torch.Generator):
         gen = randn
@@ -119,9 +122,12 @@ def sample(
     # held the trajectory twice), and nothing the model returned outlives its step's use of it (a
     # compiled forward with CUDA graphs, compile_mode reduce-overhead, overwrites its output next call)
     b, shape = x.shape[0], tuple(x.shape[1:])
-    latents = torch.empty((b, n + 1, *shape), device=x.device, dtype=torch.float32)
-    noises = torch.empty((b, n, *shape), device=x.device, dtype=torch.float32)
-    log_probs = torch.zeros((b, n), device=x.device, dtype=torch.float32)
+    if out is not None:
+        latents, noises, log_probs = out.latents, out.noise, out.log_probs
+    else:
+        latents = torch.empty((b, n + 1, *shape), device=x.device, dtype=torch.float32)
+        noises = torch.empty((b, n, *shape), device=x.device, dtype=torch.float32)
+        log_probs = torch.zeros((b, n), device=x.device, dtype=torch.float32)
     latents[:, 0] = x
     for i in range(n):
         eps = None
