@@ -169,15 +169,14 @@ def _record(ad, calls: list):
     return [net.register_forward_pre_hook(hook, with_kwargs=True) for net in nets]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_timestep_and_guidance_reach_the_transformer_as_the_pipeline_passes_them(
-    family, tmp_path, monkeypatch
-):
+def timestep_calls(family: str, tmp_path, monkeypatch, device="cpu") -> tuple[list, list]:
+    """(the adapter's, the pipeline's) transformer calls over the family's 28-step schedule at bf16, on
+    ``device`` (benchmarks/gpu_ready.py runs it on a GPU)."""
     from tests.test_edit_adapters import PROMPTS, edit_images
 
     path, sets, run = FAMILIES[family]
     cfg = load_config(CONFIGS / path, [*sets, "model.dtype=bfloat16", "model.lora=null"])
-    ad = build_adapter(cfg.model, cfg.sampling)
+    ad = build_adapter(cfg.model, cfg.sampling, device)
     ad.transformer.to(BF16)  # a bf16 checkpoint's weights, as both sides hold them
     ad.vae.to(BF16)
     images = edit_images(tmp_path, cfg.model.height, cfg.model.width) if ad.edits else None
@@ -193,18 +192,38 @@ def test_timestep_and_guidance_reach_the_transformer_as_the_pipeline_passes_them
     run(ad, cond, noise, images=images, monkeypatch=monkeypatch)
     for h in hooks:
         h.remove()
-    assert len(ours) == len(theirs) >= STEPS, (len(ours), len(theirs))
-    # HunyuanVideoPipeline casts the timestep to its latents' dtype: fp32 at the first step, then the
-    # model's (its scheduler step returns the model output's dtype); where a pipeline's own dtype for an
-    # input changes over a run, the adapter's must be one of them and its value the same
+    return ours, theirs
+
+
+def difference(family: str, ours: list, theirs: list) -> str | None:
+    """The first way the adapter's calls differ from the pipeline's (None: equal, dtype and bits).
+    HunyuanVideoPipeline casts the timestep to its latents' dtype: fp32 at the first step, then the
+    model's (its scheduler step returns the model output's dtype); where a pipeline's own dtype for an
+    input changes over a run, the adapter's must be one of them and its value the same."""
+    if not len(ours) == len(theirs) >= STEPS:
+        return f"{len(ours)} calls, the pipeline's {len(theirs)}"
     mixed = {k for k in ("timestep", "guidance") if len({c[k].dtype for _, c in theirs if k in c}) > 1}
-    assert mixed <= ({"timestep"} if family == "hunyuan_video" else set()), mixed
+    if not mixed <= ({"timestep"} if family == "hunyuan_video" else set()):
+        return f"the pipeline's dtypes of {mixed} change over its run"
     for i, ((e_ours, a), (e_theirs, b)) in enumerate(zip(ours, theirs)):
-        assert e_ours == e_theirs, f"call {i}: expert {e_ours}, the pipeline's {e_theirs}"
-        assert a.keys() == b.keys(), f"call {i}: inputs {sorted(a)}, the pipeline's {sorted(b)}"
+        if e_ours != e_theirs:
+            return f"call {i}: expert {e_ours}, the pipeline's {e_theirs}"
+        if a.keys() != b.keys():
+            return f"call {i}: inputs {sorted(a)}, the pipeline's {sorted(b)}"
         for key in a:
             x, y = (a[key].float(), b[key].float()) if key in mixed else (a[key], b[key])
-            assert x.dtype == y.dtype, f"call {i}: {key} in {x.dtype}, the pipeline's {y.dtype}"
-            assert torch.equal(x, y), f"call {i}: {key} {a[key].tolist()} vs the pipeline's {b[key].tolist()}"
-    if mixed:
-        assert {c["timestep"].dtype for _, c in ours} <= {c["timestep"].dtype for _, c in theirs}
+            if x.dtype != y.dtype:
+                return f"call {i}: {key} in {x.dtype}, the pipeline's {y.dtype}"
+            if not torch.equal(x, y):
+                return f"call {i}: {key} {a[key].tolist()} vs the pipeline's {b[key].tolist()}"
+    if mixed and not {c["timestep"].dtype for _, c in ours} <= {c["timestep"].dtype for _, c in theirs}:
+        return "timestep in a dtype the pipeline never passes"
+    return None
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_timestep_and_guidance_reach_the_transformer_as_the_pipeline_passes_them(
+    family, tmp_path, monkeypatch
+):
+    ours, theirs = timestep_calls(family, tmp_path, monkeypatch)
+    assert difference(family, ours, theirs) is None, difference(family, ours, theirs)
