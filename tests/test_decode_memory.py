@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from digenrl.adapters import build_adapter
-from digenrl.adapters.vae_decode import decode_to_host
+from digenrl.adapters.pixels import decode_to_host
 from digenrl.config.run import load_config
 from tests.live_bytes import LiveBytes
 from tests.test_pipeline_timesteps import CONFIGS, FAMILIES

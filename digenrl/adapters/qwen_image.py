@@ -14,9 +14,9 @@ from digenrl.adapters.base import PublishedModel, Tokens, hidden_size, seeded
 from digenrl.adapters.cond import Cond
 from digenrl.adapters.guidance import TwoPassCFG
 from digenrl.adapters.packed import PackedLatentAdapter
+from digenrl.adapters.pixels import unit_range
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
-from digenrl.adapters.vae_decode import unit_range
 from digenrl.errors import UserError
 
 TINY_TRANSFORMER = dict(

@@ -13,9 +13,9 @@ import torch
 from digenrl.adapters.base import Adapter, PublishedModel, Tokens, hidden_size, seeded
 from digenrl.adapters.cond import Cond
 from digenrl.adapters.guidance import TwoPassCFG
+from digenrl.adapters.pixels import unit_range
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
-from digenrl.adapters.vae_decode import unit_range
 from digenrl.errors import UserError
 
 # values as in diffusers' own Wan tests, with 4 latent channels

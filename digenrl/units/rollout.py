@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from digenrl.adapters.vae_decode import decode_to_host
+from digenrl.adapters.pixels import decode_to_host
 from digenrl.algorithms import grpo
 from digenrl.algorithms.sde import (
     sample,
