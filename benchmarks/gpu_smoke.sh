@@ -37,6 +37,9 @@
 # - shared: two processes on one GPU -- a disaggregated `digenrl` run whose rollout worker and trainer
 #   rank both use GPU 0 (Ray shown two logical GPUs, CUDA_VISIBLE_DEVICES left alone), weights through
 #   the Ray object store (the broadcast's fallback path): 2 metrics rows, every sync by object store;
+# - gpu_ready: benchmarks/gpu_ready.py -> gpu_ready.json: every family's bf16 timestep and guidance as its
+#   diffusers pipeline passes them (dtype and bits), and Wan2.2's experts run in the same order on the
+#   FSDP2 shares of a unit whose rows need different experts (issue 53);
 # - profile: `digenrl profile --device cuda` -> profile.json (`digenrl plan --profile`).
 # GPUs are counted as this process sees them: nvidia-smi's, narrowed by CUDA_VISIBLE_DEVICES when set.
 # On one GPU the script says what it cannot check (NCCL between ranks needs two).
@@ -45,7 +48,7 @@ set -uo pipefail
 OUT=${1:-${OUT:-$(mktemp -d)}}
 PY=${PYTHON:-python}
 DEVICE=${DEVICE:-cuda}
-PARTS=${PARTS:-dedicated realwidth train_variants fsdp_dtype calls fold colocated shared disaggregated profile}
+PARTS=${PARTS:-dedicated realwidth train_variants fsdp_dtype gpu_ready calls fold colocated shared disaggregated profile}
 BUDGET=${BUDGET:-480}
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -60,6 +63,7 @@ if [ "$DEVICE" = cpu ]; then  # the dry run: tiny widths, logical CPU devices
   REALWIDTH=(--tiny --device cpu --double 1 --single 1 --batch 1 --steps 2)
   FSDP_DTYPE=(--tiny --device cpu --double 1 --single 1)
   TRAIN_VARIANTS=(--tiny --device cpu --double 1 --single 1 --steps 2 --batch 1 --variants cudnn)
+  GPU_READY=(--device cpu --families flux wan22)
   CALLS=(--tiny --device cpu --batches 1 2 --repeats 1 --modes eager --ray-calls 0)
 else
   visible_gpus() {  # the GPUs this process may use: nvidia-smi's, narrowed by CUDA_VISIBLE_DEVICES when set
@@ -86,6 +90,7 @@ else
   REALWIDTH=(--gpu "$KIND")
   FSDP_DTYPE=(--device cuda)
   TRAIN_VARIANTS=(--gpu "$KIND" --variants fp32_master lora cudnn)
+  GPU_READY=(--device cuda)
   CALLS=(--gpu "$KIND")
 fi
 echo "gpu_smoke: $NGPU $DEVICE device(s) ($KIND); output in $OUT; parts: $PARTS"
@@ -185,6 +190,7 @@ part dedicated timeout 240 "$PY" "$HERE/gpu_dedicated.py" "${DEDICATED[@]}" --js
 part realwidth timeout 180 "$PY" "$HERE/gpu_realwidth.py" "${REALWIDTH[@]}" --json "$OUT/realwidth.json"
 part train_variants timeout 240 "$PY" "$HERE/gpu_train_variants.py" "${TRAIN_VARIANTS[@]}" --json "$OUT/train_variants.json"
 part fsdp_dtype timeout 120 "$PY" "$HERE/gpu_fsdp_dtype.py" "${FSDP_DTYPE[@]}" --json "$OUT/fsdp_dtype.json"
+part gpu_ready timeout 240 "$PY" "$HERE/gpu_ready.py" "${GPU_READY[@]}" --json "$OUT/gpu_ready.json"
 part calls timeout 240 "$PY" "$HERE/gpu_calls.py" "${CALLS[@]}" --json "$OUT/calls.json"
 part fold "$PY" "$HERE/fold_gpu_check.py" "$OUT" --json "$OUT/fold.json"
 part colocated train colocated placement.mode=colocated \

@@ -303,13 +303,14 @@ def test_reward_server_is_exercised_by_the_remote_reward_tests():
 def test_gpu_smoke_dry_run_on_cpu(tmp_path):
     """``DEVICE=cpu`` runs the GPU check's measuring parts at tiny sizes ("gpu_dedicated.py", then
     "fold_gpu_check.py"): every JSON field the fold reads is there, and the fold names the defaults;
-    the one-rank FSDP2 dtype check ("gpu_fsdp_dtype.py"), the train step's variants
+    the one-rank FSDP2 dtype check ("gpu_fsdp_dtype.py"), issue 53's checks ("gpu_ready.py"), the train
+    step's variants
     ("gpu_train_variants.py": here only fp32 masters with model.cudnn_attention on) and the
     two-processes-one-device run pass; the call costs ("gpu_calls.py", eager) fold per family and kind."""
     env = {
         **os.environ,
         "DEVICE": "cpu",
-        "PARTS": "dedicated train_variants fsdp_dtype calls fold shared",
+        "PARTS": "dedicated train_variants fsdp_dtype gpu_ready calls fold shared",
         "PYTHON": sys.executable,
     }
     env["PYTHONPATH"] = str(ROOT)
@@ -326,6 +327,13 @@ def test_gpu_smoke_dry_run_on_cpu(tmp_path):
     dtype = json.loads((tmp_path / "fsdp_dtype.json").read_text())
     assert dtype["ok"] and dtype["equal"] and dtype["rotary_dtypes"] == ["torch.float32"]
     assert dtype["root_inputs_unchanged"] and dtype["velocity_scale"] > 0
+    # issue 53: bf16 timesteps as the pipelines pass them; Wan2.2's experts the same on both shares
+    ready = json.loads((tmp_path / "gpu_ready.json").read_text())
+    assert ready["ok"] and ready["timesteps"] == {"flux": "ok", "wan22": "ok"}, ready["timesteps"]
+    assert ready["collectives"]["equal"] and ready["collectives"]["share0"][:2] == [
+        ["forward", "transformer"],
+        ["forward", "transformer_2"],
+    ]
     variants = json.loads((tmp_path / "train_variants.json").read_text())
     assert [(r["variant"], r["ok"], r["launch_blocking"]) for r in variants] == [("cudnn", True, False)]
     assert finite(variants[0]["ac_off"]["step_s"], variants[0]["ac_on"]["step_s"])

@@ -31,6 +31,20 @@ CASES = {
         ["--set", "train.fsdp=2", "--set", "placement.mode=local", *as_sets(TINY_IMAGE)],
         "train.fsdp: 2: sharded trainer ranks need placement.mode: disaggregated or colocated (got local)",
     ),
+    # issue 53, item 7: a plain FSDP group wider than a node (STRICT_PACK) can never be placed
+    "fsdp wider than a node": (
+        [
+            "--set",
+            "cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 16}]",
+            "--set",
+            "cluster.gpus_per_node=8",
+            "--set",
+            "train.fsdp=16",
+            *as_sets(TINY_IMAGE),
+        ],
+        "train.fsdp: 16: a shard group must fit one node of 8 GPUs (a plain FSDP group of 16 spans nodes "
+        "and can never be placed); use train.fsdp: 8 (HSDP: 2 replica groups of 8)",
+    ),
     # sequence parallelism: what engine.rollout_sp and trainer_sp mean nothing with (resolve.check_sp)
     "rollout sp local": (
         ["--set", "engine.rollout_sp=2", "--set", "placement.mode=local", *as_sets(TINY_IMAGE)],
@@ -74,6 +88,20 @@ def test_bad_distributed_settings_exit_2_with_one_line(case, tmp_path, monkeypat
     assert needle in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_config_validate_refuses_a_shard_group_wider_than_a_node(tmp_path, monkeypatch, capsys):
+    """`config validate` says what `train` would (the same line, exit 2); nodes of 16 take the group,
+    and so does HSDP's split of it on nodes of 8."""
+    wide = ["cluster.pools=[{name: rollout, count: 1}, {name: trainer, count: 16}]", *TINY_IMAGE, *FULL_MODE]
+    argv = ["config", "validate", *as_sets([*wide, "train.fsdp=16", "cluster.gpus_per_node=8"])]
+    code, err = cli(monkeypatch, capsys, argv)
+    assert code == 2 and "HSDP: 2 replica groups of 8" in err and err.count("\n") == 1, err
+    assert (
+        resolve(load_config(None, [*wide, "train.fsdp=16", "cluster.gpus_per_node=16"])).settings.fsdp == 16
+    )
+    hsdp = resolve(load_config(None, [*wide, "train.fsdp=8", "cluster.gpus_per_node=8"]))
+    assert len(hsdp.shard_groups) == 2
 
 
 def test_settings_resolve():
@@ -128,12 +156,17 @@ def test_the_planner_never_proposes_a_sharding_the_engine_refuses():
         cluster = h800s(n)
         res = search(CostModel(Workload.from_config(cfg), cluster), cluster, top=3)
         refused = [why for why, _ in res.rejected.values() if "which the engine refuses" in why]
-        assert all("split evenly" in why or "divide" in why for why in refused)  # only uneven shares
+        # only uneven shares, and (issue 53) shard groups wider than a node, with HSDP's split named
+        wide = [why for why in refused if "fit one node of 8 GPUs" in why]
+        assert all("split evenly" in why or "divide" in why for why in set(refused) - set(wide))
+        assert all("HSDP" in why or "train.fsdp: off" in why for why in wide) and (n == 8 or wide)
         assert res.ranked
         for r in res.ranked:
             trainer = r.setups[r.plan.trainer_pools[0].name]
-            assert r.plan.ranks % trainer.shard == 0
-            resolve(plan_config(cfg, r, cluster))  # raises on a refused sharding
+            assert r.plan.ranks % trainer.shard == 0 and trainer.shard <= 8
+            out = plan_config(cfg, r, cluster)
+            assert out.cluster.gpus_per_node == 8
+            resolve(out)  # raises on a refused sharding
 
 
 def test_sp_inside_fsdp_is_accepted_with_units_that_split_over_the_groups():

@@ -55,6 +55,9 @@ class HalfVelocity:
     def velocity(self, x, sigma, cond):
         return x * 0.5
 
+    def sigma_input(self, sigma):  # (as Adapter.sigma_input: on the device, here the CPU)
+        return sigma
+
 
 def test_sampling_peak_is_the_planners_trajectory_term():
     from digenrl.config.run import load_config

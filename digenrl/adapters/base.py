@@ -220,7 +220,22 @@ class Adapter(ABC):
 
     @abstractmethod
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
-        """Guided model output at (latents, sigma) for a batch; fp32 in, fp32 out. ``sigma`` is (B,)."""
+        """Guided model output at (latents, sigma) for a batch; fp32 in, fp32 out. ``sigma`` is (B,),
+        as :meth:`sigma_input` gives it."""
+
+    #: the family reads ``sigma`` on the host (it moves it to the device itself): Wan2.2 picks experts
+    host_sigma = False
+
+    def sigma_input(self, sigma: torch.Tensor) -> torch.Tensor:
+        """A host ``sigma`` (B,) as :meth:`velocity` takes it: on the device, or left on the host for a
+        family that reads it there (``host_sigma``), so that no forward waits for the device."""
+        return sigma if self.host_sigma else sigma.to(self.device)
+
+    @contextlib.contextmanager
+    def lockstep(self, on: bool = True):
+        """Forwards inside run the same modules whatever their rows hold (a sharded group's ranks each
+        run their own rows: the same collectives on every rank). A family of one transformer always does."""
+        yield
 
     def to_spatial(self, latents: torch.Tensor) -> torch.Tensor:
         """Native latents -> the VAE's layout (N,C,H,W) / (N,C,F,H,W); packed families unpack here."""

@@ -14,6 +14,7 @@ import torch
 from digenrl.adapters.base import PublishedModel, Tokens, hidden_size, seeded
 from digenrl.adapters.cond import Cond
 from digenrl.adapters.packed import PackedLatentAdapter
+from digenrl.adapters.pixels import unit_range
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
@@ -179,13 +180,14 @@ class FluxAdapter(PackedLatentAdapter):
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((b,), self.sampling.guidance, device=self.device, dtype=torch.float32)
-        # the pipeline feeds timesteps = sigma * 1000 and divides by 1000: mirror it bit for bit
-        t = (sigma.to(torch.float32) * 1000) / 1000
+        # FluxPipeline: timestep = t.to(latents.dtype) / 1000, t = 1000 sigma (fp32), its latents in the
+        # model dtype: rounded to bf16 before the division, as the pipeline does (issue 53, item 3)
+        t = (sigma.to(torch.float32) * 1000).to(self.dtype) / 1000
         hidden, ids = self.image_tokens(latents, cond)
         with self.autocast():
             out = self.transformer(
                 hidden_states=hidden.to(self.dtype),
-                timestep=t.to(self.dtype),
+                timestep=t,
                 guidance=guidance,
                 pooled_projections=cond.batched["pooled"].to(self.dtype),
                 encoder_hidden_states=cond.batched["prompt_embeds"].to(self.dtype),
@@ -204,4 +206,4 @@ class FluxAdapter(PackedLatentAdapter):
         vc = self.vae.config
         x = x / vc.scaling_factor + (vc.shift_factor or 0.0)
         image = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return unit_range(image)

@@ -12,6 +12,7 @@ import torch
 
 from digenrl.adapters.base import Adapter, PublishedModel, Tokens, hidden_size, seeded
 from digenrl.adapters.cond import Cond
+from digenrl.adapters.pixels import unit_range
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
@@ -212,8 +213,10 @@ class HunyuanVideoAdapter(Adapter):
         b = latents.shape[0]
         # pipeline: torch.tensor([g] * B, dtype=transformer_dtype) * 1000.0 (rounded in the model dtype first)
         guidance = torch.full((b,), self.sampling.guidance, dtype=self.dtype, device=self.device) * 1000.0
-        # pipeline: timesteps = sigmas * 1000 (fp32), expanded and cast to the latents' dtype (fp32)
-        t = sigma.to(torch.float32) * 1000
+        # pipeline: t.expand(B).to(latents.dtype), t = 1000 sigma (fp32); its latents turn to the model
+        # dtype at its first scheduler step (the step returns the model output's dtype): from the second
+        # step on the timestep is rounded to it (the first, 1000, is exact in bf16)
+        t = (sigma.to(torch.float32) * 1000).to(self.dtype)
         with self.autocast():
             out = self.transformer(
                 hidden_states=latents.to(self.dtype),
@@ -230,4 +233,4 @@ class HunyuanVideoAdapter(Adapter):
     def vae_decode(self, x: torch.Tensor) -> torch.Tensor:
         x = x / self.vae.config.scaling_factor  # no shift factor for this VAE
         video = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0]
-        return (video.float() / 2 + 0.5).clamp(0, 1)  # VideoProcessor.postprocess_video: [-1,1] -> [0,1]
+        return unit_range(video)  # VideoProcessor.postprocess_video: [-1,1] -> [0,1]

@@ -14,6 +14,7 @@ from digenrl.adapters.base import PublishedModel, Tokens, hidden_size, seeded
 from digenrl.adapters.cond import Cond
 from digenrl.adapters.guidance import TwoPassCFG
 from digenrl.adapters.packed import PackedLatentAdapter
+from digenrl.adapters.pixels import unit_range
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
@@ -181,8 +182,8 @@ class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
 
     # ------------------------------------------------------------------ true CFG (adapters/guidance.py)
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
-        # the pipeline feeds timesteps = sigma * 1000 and divides by 1000: mirror it bit for bit
-        return (sigma.to(torch.float32) * 1000) / 1000
+        # QwenImagePipeline: t.to(latents.dtype) / 1000, t = 1000 sigma (fp32), latents in the model dtype
+        return (sigma.to(torch.float32) * 1000).to(self.dtype) / 1000
 
     def pass_inputs(self, cond: Cond, negative: bool) -> dict[str, torch.Tensor]:
         b = cond.batched
@@ -194,14 +195,14 @@ class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
         self, latents: torch.Tensor, t: torch.Tensor, inputs: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """One transformer pass over a batch (one side of the CFG pair, or both batched), fp32 out."""
-        mask = inputs["mask"]
         with self.autocast():
             out = self.transformer(
                 hidden_states=latents.to(self.dtype),
-                timestep=t.to(self.dtype),
+                timestep=t,
                 encoder_hidden_states=inputs["embeds"].to(self.dtype),
-                # as QwenImagePipeline.encode_prompt: an all-valid mask is passed as None
-                encoder_hidden_states_mask=None if mask.all() else mask,
+                # always the mask (the pipeline drops an all-valid one: the same attention, and deciding
+                # would read the mask on the host every forward)
+                encoder_hidden_states_mask=inputs["mask"],
                 img_shapes=self.img_shapes(latents.shape[0]),
                 return_dict=False,
             )[0]
@@ -219,4 +220,4 @@ class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
         inv_std = 1.0 / torch.tensor(vc.latents_std).view(1, vc.z_dim, 1, 1, 1).to(x.device, x.dtype)
         x = x / inv_std + mean  # the pipeline's exact op order
         image = self.vae.decode(x, return_dict=False)[0][:, :, 0]  # drop the frame dim
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return unit_range(image)

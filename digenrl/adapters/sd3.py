@@ -13,6 +13,7 @@ import torch
 from digenrl.adapters.base import Adapter, PublishedModel, Tokens, hidden_size, seeded
 from digenrl.adapters.cond import Cond
 from digenrl.adapters.guidance import TwoPassCFG
+from digenrl.adapters.pixels import unit_range
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
@@ -276,7 +277,7 @@ class SD3Adapter(TwoPassCFG, Adapter):
         with self.autocast():
             out = self.transformer(
                 hidden_states=latents.to(self.dtype),
-                timestep=t.to(self.dtype),
+                timestep=t,  # fp32, as StableDiffusion3Pipeline (bf16 would round 937.5 to 936)
                 encoder_hidden_states=inputs["embeds"].to(self.dtype),
                 pooled_projections=inputs["pooled"].to(self.dtype),
                 return_dict=False,
@@ -290,4 +291,4 @@ class SD3Adapter(TwoPassCFG, Adapter):
         vc = self.vae.config
         x = x / vc.scaling_factor + vc.shift_factor  # the pipeline's exact op order
         image = self.vae.decode(x.to(self.vae.dtype), return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return unit_range(image)

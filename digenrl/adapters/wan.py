@@ -13,6 +13,7 @@ import torch
 from digenrl.adapters.base import Adapter, PublishedModel, Tokens, hidden_size, seeded
 from digenrl.adapters.cond import Cond
 from digenrl.adapters.guidance import TwoPassCFG
+from digenrl.adapters.pixels import unit_range
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder
 from digenrl.errors import UserError
@@ -279,4 +280,4 @@ class WanAdapter(TwoPassCFG, Adapter):
         inv_std = 1.0 / torch.tensor(vc.latents_std).view(1, vc.z_dim, 1, 1, 1).to(x.device, x.dtype)
         x = x / inv_std + mean  # the same float ops as WanPipeline
         video = self.vae.decode(x, return_dict=False)[0]  # (N, 3, F, H, W) in [-1, 1]
-        return (video.float() / 2 + 0.5).clamp(0, 1)
+        return unit_range(video)

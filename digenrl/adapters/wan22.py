@@ -13,6 +13,7 @@ the VAE's mean / std) plus what ``diffusers.WanPipeline`` adds for Wan2.2:
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -86,7 +87,10 @@ class Wan22Adapter(WanAdapter):
     presets = {"tiny": (TINY_TRANSFORMER, TINY_VAE), "tiny_5b": (TINY_5B_TRANSFORMER, TINY_5B_VAE)}
     boundary_ratio: float | None = None  # None: one transformer (TI2V-5B)
     expand_timesteps = False
-    _high: torch.Tensor | None = None  # the rows of the current step that the high-noise expert runs
+    host_sigma = True  # the experts are picked from the host's sigma: no forward waits for the device
+    _high: torch.Tensor | None = None  # on the host: the current step's rows the high-noise expert runs
+    _t: torch.Tensor | None = None  # the timestep (on the device) that ``_high`` belongs to
+    _lockstep = False  # every forward runs both experts, high first (a sharded group's rank)
 
     # ------------------------------------------------------------------ build
     def build_preset(self, preset: str) -> None:
@@ -188,11 +192,21 @@ class Wan22Adapter(WanAdapter):
 
     # ------------------------------------------------------------------ the step's expert and guidance
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
-        t = super().timestep(sigma)  # 1000 sigma in fp32: the scheduler's timesteps
+        t = super().timestep(sigma)  # 1000 sigma in fp32: the scheduler's timesteps (``sigma_input``: host)
         # WanPipeline: the high-noise expert while t >= boundary_ratio * num_train_timesteps; the rows are
-        # kept for guide() (velocity and the sequential-CFG backward both call timestep() first)
-        self._high = t >= self.boundary_ratio * 1000 if self.two_experts else None
-        return t
+        # read on the host and kept for forward_pass() and guide() (velocity and the sequential-CFG
+        # backward both call timestep() first)
+        self._high = (t >= self.boundary_ratio * 1000).cpu() if self.two_experts else None
+        self._t = t.to(self.device)
+        return self._t
+
+    @contextlib.contextmanager
+    def lockstep(self, on: bool = True):
+        self._lockstep, before = on, self._lockstep
+        try:
+            yield
+        finally:
+            self._lockstep = before
 
     def guide(self, v_cond: torch.Tensor, v_unc: torch.Tensor) -> torch.Tensor:
         g = self.sampling.guidance
@@ -201,21 +215,34 @@ class Wan22Adapter(WanAdapter):
             g = torch.where(self._high, g, g2).to(v_cond).view(-1, *[1] * (v_cond.ndim - 1))
         return v_unc + g * (v_cond - v_unc)
 
+    def _rows_high(self, t: torch.Tensor) -> torch.Tensor:
+        """On the host, the rows of ``t`` the high-noise expert runs: from timestep() (``t`` is its
+        output, or twice it: batched CFG), else read from ``t``."""
+        if self._t is not None and (t is self._t or len(t) == 2 * len(self._t)):
+            return self._high if t is self._t else self._high.repeat(2)
+        return (t >= self.boundary_ratio * 1000).cpu()
+
     def forward_pass(
         self, latents: torch.Tensor, t: torch.Tensor, inputs: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         if not self.two_experts:
             return self._run(self.transformer, latents, t, inputs["embeds"])
-        experts = self.transformer
-        high = t >= self.boundary_ratio * 1000
-        if bool(high.all()) or not bool(high.any()):  # one expert for the whole batch (every sampling step)
-            net = experts.transformer if bool(high.all()) else experts.transformer_2
+        experts, high = self.transformer, self._rows_high(t)
+        n_high = int(high.sum())
+        if not self._lockstep and n_high in (0, len(high)):  # one expert for the batch (every sampling step)
+            net = experts.transformer if n_high else experts.transformer_2
             return self._run(net, latents, t, inputs["embeds"])
-        out = None  # rows of both kinds (training on mixed steps): each expert on its rows
+        # rows of both kinds (training on per-row levels), or a sharded rank: each expert on its rows,
+        # high first; in lockstep an expert none of the rows needs runs on the first row, discarded, so
+        # that every rank gathers (and a trained expert reduces) the same parameters in the same order
+        out = latents.new_zeros(latents.shape)
         for rows, net in ((high, experts.transformer), (~high, experts.transformer_2)):
             idx = rows.nonzero().squeeze(1)
-            v = self._run(net, latents[idx], t[idx], inputs["embeds"][idx])
-            out = (out if out is not None else latents.new_zeros(latents.shape)).index_copy(0, idx, v)
+            if len(idx) == 0 and not self._lockstep:
+                continue
+            run = (idx if len(idx) else idx.new_zeros(1)).to(latents.device)
+            v = self._run(net, latents[run], t[run], inputs["embeds"][run])
+            out = out.index_copy(0, idx.to(latents.device), v[: len(idx)])
         return out
 
     def _run(self, net, latents: torch.Tensor, t: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,8 @@ def dppo_objective(
     scale: float,
     delta: float,
 ) -> tuple[torch.Tensor, dict]:
-    """The per-term loss -A rho, zero where blocked (the mask is detached), and detached stats."""
+    """The per-term loss -A rho, zero where blocked (the mask is detached), and detached stats (0-dim
+    tensors: read after the backward, nothing here waits for the device)."""
     ratio = torch.exp(logp - logp_old)
     with torch.no_grad():
         kl = step_kl(mu, mu_old, scale)
@@ -38,10 +39,10 @@ def dppo_objective(
     loss = torch.where(block, torch.zeros_like(ratio), -adv * ratio)
     with torch.no_grad():
         stats = {
-            "ratio_mean": ratio.mean().item(),
-            "ratio_max": ratio.max().item(),
-            "ratio_min": ratio.min().item(),
-            "clip_frac": block.float().mean().item(),  # the masked fraction, reported as the clip's
-            "step_kl_mean": kl.mean().item(),
+            "ratio_mean": ratio.mean(),
+            "ratio_max": ratio.max(),
+            "ratio_min": ratio.min(),
+            "clip_frac": block.float().mean(),  # the masked fraction, reported as the clip's
+            "step_kl_mean": kl.mean(),
         }
     return loss, stats

@@ -75,7 +75,7 @@ def clipped_ratio_objective(
     ratio: torch.Tensor, adv: torch.Tensor, clip_range: float, is_weight: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict]:
     """PPO-clip of a given ratio (Flow-GRPO's, or GRPO-Guard's normalised one): the unreduced loss and
-    detached stats."""
+    detached stats (0-dim tensors: read after the backward, nothing here waits for the device)."""
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_range, 1 + clip_range)
     loss = torch.maximum(unclipped, clipped)
@@ -83,10 +83,10 @@ def clipped_ratio_objective(
         loss = loss * is_weight
     with torch.no_grad():
         stats = {
-            "ratio_mean": ratio.mean().item(),
-            "ratio_max": ratio.max().item(),
-            "ratio_min": ratio.min().item(),
-            "clip_frac": ((ratio - 1).abs() > clip_range).float().mean().item(),
+            "ratio_mean": ratio.mean(),
+            "ratio_max": ratio.max(),
+            "ratio_min": ratio.min(),
+            "clip_frac": ((ratio - 1).abs() > clip_range).float().mean(),
         }
     return loss, stats
 

@@ -96,6 +96,7 @@ def sample(
     sde_mask: torch.Tensor | None = None,
     batches: list[list[torch.Tensor]] | None = None,
     reference=None,
+    out: Trajectory | None = None,
 ) -> Trajectory:
     """Run the step loop, recording every latent and transition log-prob (eta = 0: pure ODE).
 
@@ -105,6 +106,8 @@ def sample(
     recomputation of a log-prob runs the very same forward and gets the very same number.
     ``reference``: a :class:`~digenrl.units.klref.RolloutReference`, run on each forward batch's samples
     that train the step (after the step has used the policy's velocity).
+    ``out``: buffers (views) to write the trajectory into (units/branch.py: each segment into the
+    whole tree's), instead of new ones.
     """
     if isinstance(randn, torch.Generator):
         gen = randn
@@ -113,22 +116,25 @@ def sample(
     if sde_mask is None:
         sde_mask = torch.ones(n, dtype=torch.bool)
     x = noise.float()
-    if batches is not None:
-        batches = [[rows.to(x.device) for rows in step] for step in batches]
+    if batches is not None:  # each forward's rows on the host (the reference reads them) and the device
+        batches = [[(rows, rows.to(x.device)) for rows in step] for step in batches]
     # the trajectory is written into buffers allocated once (no per-step lists stacked at the end: that
     # held the trajectory twice), and nothing the model returned outlives its step's use of it (a
     # compiled forward with CUDA graphs, compile_mode reduce-overhead, overwrites its output next call)
     b, shape = x.shape[0], tuple(x.shape[1:])
-    latents = torch.empty((b, n + 1, *shape), device=x.device, dtype=torch.float32)
-    noises = torch.empty((b, n, *shape), device=x.device, dtype=torch.float32)
-    log_probs = torch.zeros((b, n), device=x.device, dtype=torch.float32)
+    if out is not None:
+        latents, noises, log_probs = out.latents, out.noise, out.log_probs
+    else:
+        latents = torch.empty((b, n + 1, *shape), device=x.device, dtype=torch.float32)
+        noises = torch.empty((b, n, *shape), device=x.device, dtype=torch.float32)
+        log_probs = torch.zeros((b, n), device=x.device, dtype=torch.float32)
     latents[:, 0] = x
     for i in range(n):
         eps = None
         if eta > 0 and bool(sde_mask[i]):
             eps = randn(tuple(x.shape)).to(device=x.device, dtype=torch.float32)
         x_next = latents[:, i + 1]
-        for rows in batches[i] if batches is not None else [None]:
+        for host_rows, rows in batches[i] if batches is not None else [(None, None)]:
             # each forward batch's step apart, at once: its log-prob reduced in the shape the trainer
             # reduces it in, and its velocity used before the next forward runs
             v = _velocity(adapter, x, sigmas[i], cond, rows)
@@ -141,7 +147,7 @@ def sample(
                 step, lp, mu = sde_step(kind, x[rows], v, sigmas, i, eta, None if eps is None else eps[rows])
                 x_next[rows], noises[rows, i], log_probs[rows, i] = step, step - mu, lp
             if reference is not None:
-                reference.at_step(adapter, x, sigmas, i, cond, rows)
+                reference.at_step(adapter, x, sigmas, i, cond, host_rows)
         x = x_next.contiguous()  # the next forward's input as one dense tensor (as the trainer's rows)
     return Trajectory(latents, log_probs, sigmas, sde_mask, noises)
 
@@ -150,7 +156,7 @@ def _velocity(adapter, x: torch.Tensor, sigma: torch.Tensor, cond, rows: torch.T
     """The model's velocity at noise level ``sigma`` for the given rows (None: all) of the batch."""
     if rows is not None:
         x, cond = x[rows], cond.select(rows)
-    return adapter.velocity(x, sigma.expand(x.shape[0]).to(x.device), cond)
+    return adapter.velocity(x, adapter.sigma_input(sigma.expand(x.shape[0])), cond)
 
 
 def recompute_logprob(
@@ -160,7 +166,7 @@ def recompute_logprob(
 
     Returns (log_prob (B,), mu (B, ...), std_i) -- mu and std feed the KL term.
     """
-    v = adapter.velocity(x, sigmas[i].expand(x.shape[0]).to(x.device), cond)
+    v = adapter.velocity(x, adapter.sigma_input(sigmas[i].expand(x.shape[0])), cond)
     return logprob_of_velocity(v, x, x_next, sigmas, i, kind, eta)
 
 

@@ -344,6 +344,8 @@ def plan_config(cfg: RunConfig, r, cluster) -> RunConfig:
     data["train"].update(trainer_memory_settings(r))
     data["sampling"]["cfg_batching"] = cfg_batching_setting(cfg, r)
     data["engine"]["rollout_batch"] = rollout_batch_setting(cfg, r)
+    if not cluster.is_cpu:  # the run refuses a shard group wider than a node, as the search did
+        data["cluster"]["gpus_per_node"] = cluster.gpus_per_node
     return validate_config(data)
 
 

@@ -43,6 +43,14 @@ class ClusterConfig(_Section):
         ],
         min_length=1,
     )
+    gpus_per_node: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "GPUs per node (`digenrl plan` writes its cluster's): a shard group wider than a node is "
+            "refused before the run (null: checked when the run reserves its devices)"
+        ),
+    )
 
 
 class PlacementConfig(_Section):

@@ -30,6 +30,20 @@ def fsdp_refusal(n: int, *, placement: str, ranks: int, trainer_sp: int = 1) -> 
     return None
 
 
+def node_refusal(n: int, gpus_per_node: int, ranks: int, trainer_sp: int = 1) -> str | None:
+    """Why shard groups of ``n`` devices cannot be placed on nodes of ``gpus_per_node`` GPUs, or None:
+    a shard group's devices share a node (its collectives run every forward), so a wider one is HSDP's
+    to split -- shard groups within a node, replicated across nodes."""
+    if n <= gpus_per_node:
+        return None
+    fits = [d for d in range(gpus_per_node, 1, -1) if ranks % d == 0 and d % trainer_sp == 0]
+    hint = f"use train.fsdp: {fits[0]} (HSDP: {ranks // fits[0]} replica groups of {fits[0]})" if fits else ""
+    return (
+        f"a shard group must fit one node of {gpus_per_node} GPUs (a plain FSDP group of {n} spans "
+        f"nodes and can never be placed); {hint or 'use train.fsdp: off'}"
+    )
+
+
 def sp_refusal(role: str, s: int, *, placement: str, devices: int, shape=None) -> str | None:
     """Why sequence-parallel ``role`` workers ("rollout" / "trainer") of ``s`` devices mean nothing, or
     None: a single process has no group to split a sequence over, ``s`` must divide the role's

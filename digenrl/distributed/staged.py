@@ -195,10 +195,14 @@ def _bytes_of_inplace(t: torch.Tensor) -> torch.Tensor:
 
 def sync_targets(model: torch.nn.Module, lora: bool) -> dict[str, torch.Tensor]:
     """What a weight sync writes on a receiver: the LoRA parameters (by parameter name) with
-    LoRA, every state-dict tensor otherwise. The source uses the same names."""
+    LoRA, every state-dict tensor otherwise -- of the trained experts only where a model of two
+    (Wan2.2 A14B, ``model.train_experts``) keeps one frozen: it never changes, so it never ships nor
+    is gathered. The source uses the same names."""
     if lora:
         return {n: p.data for n, p in model.named_parameters() if "lora_" in n}
-    return dict(model.state_dict())
+    trained = getattr(model, "trained", None)  # adapters.experts.Experts: the trained experts' names
+    state = model.state_dict()
+    return state if trained is None else {k: v for k, v in state.items() if k.split(".", 1)[0] in trained}
 
 
 def specs_for(tensors: dict[str, torch.Tensor], send_dtype: torch.dtype | None = None) -> list[TensorSpec]:

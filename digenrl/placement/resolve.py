@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from digenrl.adapters.vae_decode import tiling_mode
 from digenrl.config.run import RunConfig
-from digenrl.distributed.settings import fsdp_refusal, sp_refusal
+from digenrl.distributed.settings import fsdp_refusal, node_refusal, sp_refusal
 from digenrl.errors import UserError
 from digenrl.placement.layout import RunLayout, engine_layout, local_layout
 from digenrl.placement.plan import Plan
@@ -116,6 +116,9 @@ def fsdp_degree(cfg: RunConfig, plan: Plan, memory_degree: int) -> int:
     mode = cfg.placement.mode
     ranks = sum(w.role != "rollout" for w in plan.workers()) if mode != "local" else 0
     why = fsdp_refusal(n, placement=mode, ranks=ranks, trainer_sp=cfg.engine.trainer_sp)
+    node = cfg.cluster.gpus_per_node
+    if not why and node is not None:
+        why = node_refusal(n, node, ranks, cfg.engine.trainer_sp)
     if why:
         raise UserError(f"{head} {why}")
     return n

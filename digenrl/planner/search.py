@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from digenrl.config.engine import PoolConfig
-from digenrl.distributed.settings import fsdp_refusal, sp_refusal
+from digenrl.distributed.settings import fsdp_refusal, node_refusal, sp_refusal
 from digenrl.errors import UserError
 from digenrl.placement.plan import Plan, spread_units
 from digenrl.planner import peers as peer_models
@@ -141,8 +141,12 @@ def refused_plan(plan: Plan, setups_: dict, cost: CostModel) -> str | None:
     for pool in plan.trainer_pools:
         shard = setups_[pool.name].shard
         ranks = plan.ranks * plan.trainer_sp
-        why = shard > 1 and fsdp_refusal(
-            shard, placement=plan.placement, ranks=ranks, trainer_sp=plan.trainer_sp
+        why = shard > 1 and (
+            fsdp_refusal(shard, placement=plan.placement, ranks=ranks, trainer_sp=plan.trainer_sp)
+            or (
+                not cost.cluster.is_cpu
+                and node_refusal(shard, cost.cluster.gpus_per_node, ranks, plan.trainer_sp)
+            )
         )
         if why:
             return f"its {pool.name} ranks need train.fsdp {shard}, which the engine refuses: {why}"

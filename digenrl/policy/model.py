@@ -19,7 +19,7 @@ from digenrl.distributed.checkpointing import checkpoint_blocks
 from digenrl.distributed.fingerprint import fingerprints
 from digenrl.distributed.fsdp import clip_grad_norm
 from digenrl.distributed.precision import fp32_master
-from digenrl.distributed.staged import digest
+from digenrl.distributed.staged import digest, sync_targets
 from digenrl.errors import UserError, WeightSyncError
 from digenrl.policy.ema import WeightAverage, swapped_in
 from digenrl.policy.lora import apply_lora, checksum, full_tensor, load_lora_state_dict, lora_state_dict
@@ -166,11 +166,13 @@ class Policy:
 
     # ------------------------------------------------------------------ weights (sync, checkpoints)
     def weights(self) -> dict[str, torch.Tensor]:
-        """What a weight sync ships: LoRA tensors only with LoRA, all weights otherwise."""
+        """What a weight sync ships: LoRA tensors only with LoRA, all weights otherwise (a frozen
+        expert's none: ``staged.sync_targets``)."""
         if self.lora:
             return lora_state_dict(self.adapter.transformer)
         return {
-            k: full_tensor(v).detach().cpu().clone() for k, v in self.adapter.transformer.state_dict().items()
+            k: full_tensor(v).detach().cpu().clone()
+            for k, v in sync_targets(self.adapter.transformer, lora=False).items()
         }
 
     def agreement_digest(self) -> str:
@@ -188,10 +190,11 @@ class Policy:
         else:
             net = self.adapter.transformer
             result = net.load_state_dict(state, strict=False)
-            if result.missing_keys or result.unexpected_keys:
+            shipped = sync_targets(net, lora=False)  # (a frozen expert is not in a sync)
+            missing = [k for k in result.missing_keys if k in shipped]
+            if missing or result.unexpected_keys:
                 raise WeightSyncError(
-                    f"weight load mismatch: missing {result.missing_keys[:3]}, "
-                    f"unexpected {result.unexpected_keys[:3]}"
+                    f"weight load mismatch: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}"
                 )
             if expected_checksum is not None:
                 own = net.state_dict()

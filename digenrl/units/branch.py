@@ -44,21 +44,51 @@ def branched_sample(
     ``node_randn(width)`` (a draw of ``width`` rows per group) for its SDE noise."""
     splits = [(k, per_group // math.prod(f for _, f in tree)), *tree]
     ends = [step for step, _ in splits[1:]] + [len(sigmas) - 1]
-    groups = len(start)
-
-    def expand(t: torch.Tensor, width: int) -> torch.Tensor:  # a node's rows copied to its leaves
-        return t.repeat_interleave(per_group // width, 0)
-
-    prefix = sample(
-        adapter, node_cond(cond, groups, per_group, 1), start, sigmas[: k + 1], kind, eta, randn, sde_mask[:k]
+    groups, n, shape, dev = len(start), len(sigmas) - 1, tuple(start.shape[1:]), start.device
+    # the whole tree's trajectory, allocated once: each segment is sampled into its nodes' rows (a
+    # node's first leaf) and copied to the node's other leaves in place -- nothing is stacked at the end
+    whole = Trajectory(
+        torch.empty((groups * per_group, n + 1, *shape), device=dev),
+        torch.zeros((groups * per_group, n), device=dev),
+        sigmas,
+        sde_mask,
+        torch.empty((groups * per_group, n, *shape), device=dev),
     )
-    lat, lps, noises = [expand(prefix.latents[:, :-1], 1)], [], []
-    x, width = prefix.latents[:, -1], 1
+
+    def nodes(width: int, lo: int, hi: int) -> Trajectory:  # steps lo..hi of each node's first leaf
+        def rows(t: torch.Tensor, extra: int) -> torch.Tensor:
+            t = t.view(groups, width, per_group // width, *t.shape[1:])
+            return t[:, :, 0, lo : hi + extra].view(groups * width, -1, *t.shape[4:])  # (a view: no copy)
+
+        return Trajectory(
+            rows(whole.latents, 1), rows(whole.log_probs, 0), sigmas, sde_mask, rows(whole.noise, 0)
+        )
+
+    def to_leaves(width: int, lo: int, hi: int) -> None:  # steps lo..hi-1 of each node to its leaves
+        for t in (whole.latents, whole.log_probs, whole.noise):
+            t = t.view(groups, width, per_group // width, *t.shape[1:])
+            t[:, :, 1:, lo:hi] = t[:, :, :1, lo:hi]
+
+    x, width = start, 1
+    sample(
+        adapter,
+        node_cond(cond, groups, per_group, 1),
+        x,
+        sigmas[: k + 1],
+        kind,
+        eta,
+        randn,
+        sde_mask[:k],
+        out=nodes(1, 0, k),
+    )
+    whole.log_probs[:, :k], whole.noise[:, :k] = 0.0, 0.0  # the prefix: deterministic, untrained
+    to_leaves(1, 0, k)
     for (step, factor), end in zip(splits, ends):
-        x = x.reshape(groups, width, *x.shape[1:]).repeat_interleave(factor, 1).reshape(-1, *x.shape[1:])
+        x = nodes(width, step, step).latents[:, 0]  # the nodes' state at the split, then each new node's
+        x = x.reshape(groups, width, *shape).repeat_interleave(factor, 1).reshape(-1, *shape)
         width *= factor
         leaves = width == per_group
-        seg = sample(
+        sample(
             adapter,
             node_cond(cond, groups, per_group, width),
             x,
@@ -68,16 +98,11 @@ def branched_sample(
             randn if leaves else node_randn(width),
             sde_mask[step:end],
             None if batches is None or not leaves else batches[step:],
+            out=nodes(width, step, end),
         )
-        lat.append(expand(seg.latents[:, :-1], width))
-        lps.append(expand(seg.log_probs, width))
-        noises.append(expand(seg.noise, width))
-        x = seg.latents[:, -1]
-    lat.append(x[:, None])
-    b, dev = groups * per_group, x.device
-    lps.insert(0, torch.zeros(b, k, device=dev))
-    noises.insert(0, torch.zeros(b, k, *x.shape[1:], device=dev))
-    return Trajectory(torch.cat(lat, 1), torch.cat(lps, 1), sigmas, sde_mask, torch.cat(noises, 1))
+        if not leaves:
+            to_leaves(width, step, end)
+    return whole
 
 
 def node_rng(seed: int, iteration: int, group_ids: list[int]):

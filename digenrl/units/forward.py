@@ -11,7 +11,7 @@ import torch
 from digenrl.adapters.guidance import backward_through_velocity
 from digenrl.algorithms import awm, dpo, nft
 from digenrl.units.nft import noise_of
-from digenrl.units.rows import train_batches
+from digenrl.units.rows import host_values, train_batches
 
 
 def train_unit(
@@ -47,22 +47,23 @@ def train_unit(
         x0 = samples.latents[rows, -1].float().to(ad.device)
         cond = samples.cond.select(rows).to(ad.device)
         for j in positions:
-            t = sig[samples.train_idx[chosen, j]].to(ad.device)
+            levels = sig[samples.train_idx[chosen, j]]  # on the host
             eps = noise_of(samples.noise_seeds[chosen, j], tuple(x0.shape[1:])).to(ad.device)
             if alg.name == "online_dpo":  # the pair shares the chosen sample's t and eps
-                t, eps = t.repeat(2), eps.repeat(2, *([1] * (eps.dim() - 1)))
+                levels, eps = levels.repeat(2), eps.repeat(2, *([1] * (eps.dim() - 1)))
+            t, s = levels.to(ad.device), ad.sigma_input(levels)
             x_t = nft.forward_noise(x0, t, eps)
             v_ref = None
             if alg.name == "online_dpo" or alg.kl_beta > 0:
                 with torch.no_grad(), policy.reference():
-                    v_ref = ad.velocity(x_t, t, cond)
+                    v_ref = ad.velocity(x_t, s, cond)
                 stats.ref_forwards += 1
             adv = samples.advantages[rows].to(ad.device)
             objective = _dpo_objective if alg.name == "online_dpo" else _awm_objective
             scalar = objective(alg, x0, eps, t, adv, v_ref, counts, weight / total_terms)
-            loss, parts, kl = backward_through_velocity(ad, x_t, t, cond, scalar)
+            loss, parts, kl = backward_through_velocity(ad, x_t, s, cond, scalar)
             if weight:
-                stats.add(loss, parts, kl, total_terms, 1 if counts is None else counts.to(loss.device))
+                stats.add(loss, parts, kl, total_terms, counts)
     return stats.as_dict()
 
 
@@ -118,16 +119,18 @@ class ForwardStats:
         self.ref_forwards = 0  # KL (or DPO) reference forwards this unit ran
 
     def add(self, loss, parts, kl, total_terms, counts):
-        self.loss += (loss * counts).sum().item() / total_terms
-        self.terms += int(loss.numel() if isinstance(counts, int) else counts.sum().item())
+        """``counts``: on the host, each pair's samples (None: AWM, one term per row)."""
+        weights = 1 if counts is None else counts.to(loss.device)
+        self.loss += (loss * weights).sum() / total_terms  # on the device until the unit ends
+        self.terms += int(loss.numel() if counts is None else counts.sum())
         part = next(iter(parts.values()))
-        self.forward_error += part.sum().item()
+        self.forward_error += part.sum()
         self.forward_n += part.numel()
         if kl is not None:
-            self.kl += kl.sum().item()
+            self.kl += kl.sum()
 
     def as_dict(self) -> dict:
-        return dict(vars(self))
+        return host_values(vars(self))
 
 
 def merge_forward_stats(parts: list[dict], minibatches: int = 1) -> dict:

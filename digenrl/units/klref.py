@@ -25,17 +25,18 @@ class RolloutReference:
         self.forwards = 0  # reference forwards run
 
     def at_step(self, adapter, x: torch.Tensor, sigmas, i: int, cond, rows: torch.Tensor | None) -> None:
-        """The reference step means at step ``i`` of the batch's rows ``rows`` (None: all) that train it."""
-        idx = self.train_idx if rows is None else self.train_idx[rows.cpu()]
+        """The reference step means at step ``i`` of the batch's rows ``rows`` (on the host; None: all)
+        that train it. Which rows train it is read on the host: nothing here waits for the device."""
+        idx = self.train_idx if rows is None else self.train_idx[rows]
         hit = idx == i  # (rows, positions): a sample trains a step at most once
         trains = hit.any(1)
         if not bool(trains.any()):
             if self.lockstep is not None and i in self.lockstep:  # the group's pass, on one row
-                first = torch.zeros(1, dtype=torch.long) if rows is None else rows[:1].cpu()
+                first = torch.zeros(1, dtype=torch.long) if rows is None else rows[:1]
                 self._velocity(adapter, x, sigmas, i, cond, first.to(x.device))
             return
         local = trains.nonzero().squeeze(1)
-        picked = local if rows is None else rows.cpu()[local]
+        picked = local if rows is None else rows[local]
         if self.means is None:
             shape = (len(self.train_idx), self.train_idx.shape[1], *x.shape[1:])
             self.means = torch.zeros(shape, dtype=torch.float32, device=x.device)
@@ -49,7 +50,7 @@ class RolloutReference:
         """(x of ``rows``, the reference's velocity there): one forward under the reference."""
         xr, c = x[rows], cond.select(rows)
         with torch.no_grad(), self.context():
-            v = adapter.velocity(xr, sigmas[i].expand(len(xr)).to(x.device), c)
+            v = adapter.velocity(xr, adapter.sigma_input(sigmas[i].expand(len(xr))), c)
         self.forwards += 1
         return xr, v
 

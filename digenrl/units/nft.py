@@ -10,7 +10,7 @@ import torch
 
 from digenrl.adapters.guidance import backward_through_velocity
 from digenrl.algorithms import nft
-from digenrl.units.rows import stream_seed, train_batches
+from digenrl.units.rows import host_values, stream_seed, train_batches
 
 
 def is_nft(cfg) -> bool:
@@ -91,18 +91,19 @@ def train_unit(
         x0 = samples.latents[mb, -1].float().to(ad.device)
         cond = samples.cond.select(mb).to(ad.device)
         r = nft.optimality(samples.advantages[mb], alg.adv_clip).to(ad.device)
-        noisy = []
+        noisy = []  # (the levels as velocity takes them, on the device, x_t)
         for j in positions:
-            t = sig[samples.train_idx[mb, j]].to(ad.device)
+            levels = sig[samples.train_idx[mb, j]]  # on the host
+            t = levels.to(ad.device)
             eps = noise_of(samples.noise_seeds[mb, j], tuple(x0.shape[1:])).to(ad.device)
-            noisy.append((t, nft.forward_noise(x0, t, eps)))
+            noisy.append((ad.sigma_input(levels), t, nft.forward_noise(x0, t, eps)))
         with torch.no_grad(), policy.old_weights():  # v_old: every level's forward in one weight swap
-            olds = [ad.velocity(x_t, t, cond) for t, x_t in noisy]
-        for (t, x_t), v_old in zip(noisy, olds):
+            olds = [ad.velocity(x_t, s, cond) for s, _, x_t in noisy]
+        for (s, t, x_t), v_old in zip(noisy, olds):
             v_ref = None
             if alg.kl_beta > 0:
                 with torch.no_grad(), policy.reference():
-                    v_ref = ad.velocity(x_t, t, cond)
+                    v_ref = ad.velocity(x_t, s, cond)
                 stats.ref_forwards += 1
 
             def objective(v, v_old=v_old, x_t=x_t, t=t, v_ref=v_ref, weight=weight):
@@ -114,7 +115,7 @@ def train_unit(
                     kl = kl.detach()
                 return weight * loss.sum() / total_terms, (loss.detach(), parts, kl)
 
-            loss, parts, kl = backward_through_velocity(ad, x_t, t, cond, objective)
+            loss, parts, kl = backward_through_velocity(ad, x_t, s, cond, objective)
             if weight:
                 stats.add(loss, parts, kl, r, total_terms)
     return stats.as_dict()
@@ -131,17 +132,17 @@ class NftStats:
         self.ref_forwards = 0  # KL reference forwards this unit ran
 
     def add(self, loss, parts, kl, r, total_terms):
-        self.loss += loss.sum().item() / total_terms
+        self.loss += loss.sum() / total_terms  # on the device until the unit ends (rows.host_values)
         self.terms += loss.numel()
-        self.nft_positive += parts["positive"].sum().item()
-        self.nft_negative += parts["negative"].sum().item()
-        self.nft_old_deviation += parts["old_deviation"].sum().item()
-        self.nft_r += r.sum().item()
+        self.nft_positive += parts["positive"].sum()
+        self.nft_negative += parts["negative"].sum()
+        self.nft_old_deviation += parts["old_deviation"].sum()
+        self.nft_r += r.sum()
         if kl is not None:
-            self.kl += kl.sum().item()
+            self.kl += kl.sum()
 
     def as_dict(self) -> dict:
-        return dict(vars(self))
+        return host_values(vars(self))
 
 
 def merge_nft_stats(parts: list[dict], minibatches: int = 1) -> dict:

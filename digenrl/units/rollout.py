@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from digenrl.adapters.pixels import decode_to_host
 from digenrl.algorithms import grpo
 from digenrl.algorithms.sde import (
     sample,
@@ -83,7 +84,7 @@ def rollout_unit(
         traj = sample(
             ad, cond.to(ad.device), noise.to(ad.device), sigmas, kind, eta, rng, sde_mask, batches, reference
         )
-    pixels = ad.decode(traj.latents[:, -1]).cpu()  # scored off the device (whatever mode scores it)
+    pixels = decode_to_host(ad, traj.latents[:, -1])  # scored off the device (whatever mode scores it)
     texts = [p.text for p in prompts for _ in range(n)]
     metas = [p.meta for p in prompts for _ in range(n)]
     samples = Samples(

@@ -35,3 +35,11 @@ def train_batches(
     :func:`minibatch_rows`): its rows in ``train.micro_batch`` chunks."""
     rows = minibatch_rows(n, cfg.algorithm.group_size, minibatch, minibatches, per_group, first)
     return [mb for mb in rows.split(cfg.train.micro_batch) if len(mb)]
+
+
+def host_values(stats: dict) -> dict:
+    """A unit's stats as numbers: its sums kept on the device (a term's forward or backward never
+    waits to report one), read from there at once when the unit ends."""
+    keys = [k for k, v in stats.items() if isinstance(v, torch.Tensor)]
+    read = torch.stack([stats[k].detach().float().reshape(()).cpu() for k in keys]).tolist() if keys else []
+    return {**stats, **dict(zip(keys, read))}

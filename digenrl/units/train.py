@@ -18,7 +18,7 @@ from digenrl.units import forward as units_forward
 from digenrl.units import nft as units_nft
 from digenrl.units.klref import shipped_reference
 from digenrl.units.nft import is_nft
-from digenrl.units.rows import train_batches
+from digenrl.units.rows import host_values, train_batches
 from digenrl.units.samples import Samples
 
 
@@ -56,11 +56,12 @@ def train_unit(
         passes = None if lockstep is None else len(lockstep)  # a sharded group's micro-batches
         unit = units_nft.train_unit if is_nft(cfg) else units_forward.train_unit
         share = (tsp_rank, tsp_degree, minibatch, minibatches, passes, padding)
-        return unit(policy, samples, total_terms, *share)
+        with ad.lockstep(passes is not None):  # per-row levels: a rank's rows may need either expert
+            return unit(policy, samples, total_terms, *share)
     stale = samples.version < policy.version  # one-step async: decoupled PPO
     stats = _Stats()
     positions = [j for j in range(samples.train_idx.shape[1]) if j % tsp_degree == tsp_rank]
-    sig = samples.sigmas.to(ad.device)
+    sig = samples.sigmas.float()  # on the host: the step's scalars and sigma are read there
     batches = train_batches(
         len(samples),
         cfg,
@@ -96,7 +97,7 @@ def train_unit(
                 for i, sel, idle in chunk
             ]
             x = torch.cat([t["x"] for t in terms])
-            sigma = torch.cat([sig[t["i"]].expand(len(t["sel"])) for t in terms])
+            sigma = ad.sigma_input(torch.cat([sig[t["i"]].expand(len(t["sel"])) for t in terms]))
             every = torch.cat([t["sel"] for t in terms])
             c = cond.select(every) if len(every) != len(mb) or len(terms) > 1 else cond
 
@@ -118,7 +119,7 @@ def train_unit(
                 elif minibatch == 0:  # on-policy: the trainer should reproduce the rollout's log-prob
                     stats.add_mismatch(logp - t["behaviour"])
                 if kl is not None:
-                    stats.kl += kl.sum().item()
+                    stats.kl += kl.sum()
                 stats.add(loss, st, len(t["rows"]), total_terms)
     return stats.as_dict()
 
@@ -223,7 +224,8 @@ def term_loss(alg, logp, behaviour, adv, stale: bool, mu, mu_ref, std: float, to
 
 
 class _Stats:
-    """Sums over a unit's terms; merged across units by :func:`merge_stats`."""
+    """Sums over a unit's terms, kept on the device until the unit ends (no term's forward or backward
+    waits for the device to report one); merged across units by :func:`merge_stats`."""
 
     def __init__(self):
         self.loss = self.kl = self.ratio_sum = self.clip_sum = 0.0
@@ -234,26 +236,24 @@ class _Stats:
         self.ref_forwards = 0  # KL reference forwards this unit ran (0: none, or computed at rollout)
 
     def add(self, loss, st, n, total_terms):
-        self.loss += loss.sum().item() / total_terms
+        self.loss += loss.sum() / total_terms
         self.terms += n
         self.ratio_sum += st["ratio_mean"] * n
         self.clip_sum += st["clip_frac"] * n
-        self.ratio_max, self.ratio_min = (
-            max(self.ratio_max, st["ratio_max"]),
-            min(self.ratio_min, st["ratio_min"]),
-        )
+        self.ratio_max = st["ratio_max"].clamp(min=self.ratio_max)
+        self.ratio_min = st["ratio_min"].clamp(max=self.ratio_min)
 
     def add_is(self, w):
-        self.is_sum += w.sum().item()
-        self.is_max = max(self.is_max, w.max().item())
+        self.is_sum += w.sum()
+        self.is_max = w.max().clamp(min=self.is_max)
         self.is_n += w.numel()
 
     def add_mismatch(self, diff):
-        self.mismatch_sum += diff.abs().sum().item()
+        self.mismatch_sum += diff.abs().sum()
         self.mismatch_n += diff.numel()
 
     def as_dict(self) -> dict:
-        return dict(vars(self))
+        return host_values(vars(self))
 
 
 def merge_stats(parts: list[dict], minibatches: int = 1) -> dict:
