@@ -185,3 +185,47 @@ def test_a_sequence_parallel_worker_pays_every_kernel_on_each_device():
         sp.rollout_step(2) == pytest.approx(want)
         and sp.rollout_step(2) > inner.rollout_step(2) / 4 + k * 0.99
     )
+
+
+def test_a_gpu_runs_call_times_join_the_fit_as_own_rows(tmp_path):
+    """benchmarks/gpu_calls.py's calls.json of a GPU run: each eager row predicted for its blocks and
+    device -- FLUX.1 width at 2 double + 4 single blocks is the H200 check's sampler model, so the two
+    paths must agree; a CPU (or tiny) run adds nothing."""
+    import json
+
+    from digenrl.adapters import adapter_class
+    from digenrl.planner import published_fit as pf
+
+    cfg = load_config(ROOT / "configs" / "flux1_dev.yaml")
+    config = {
+        **adapter_class("flux").published_model(cfg.model).transformer,
+        "num_layers": 2,
+        "num_single_layers": 4,
+    }
+    model = {"family": "flux", "config_file": "configs/flux1_dev.yaml", "blocks_run": 6, "config": config}
+    rows = [
+        {"family": "flux", "mode": m, "kind": k, "batch": b, "median_s": 0.01 * b, "blocks_run": 6}
+        for m in ("eager", "compiled")
+        for k in ("forward", "train_step")
+        for b in (1, 4)
+    ]
+    path = tmp_path / "calls.json"
+    path.write_text(json.dumps({"gpu": "H200", "tiny": False, "models": {"flux": model}, "rows": rows}))
+    got = pf.call_rows(path)
+    assert len(got) == 4 and {r.group for r in got} == {
+        f"{tmp_path.name}/calls.json:flux:{k}" for k in ("forward", "train_step")
+    }
+    theta = {
+        "mfu_rollout": 0.5,
+        "mfu_train": 0.4,
+        "op_launch_s": 1e-5,
+        "serve_request_s": 0.0,
+        "dispatch_s_per_worker": 0.0,
+        "judge_rate": 1.0,
+    }
+    forward = [r for r in got if "forward" in r.name]
+    for r, b in zip(forward, (1, 4)):
+        assert r.published == pytest.approx(0.01 * b)
+        assert r.predict(theta) == pytest.approx(pf.h200_times(theta).rollout_step(b), rel=1e-3)
+    path.write_text(json.dumps({"gpu": None, "tiny": True, "models": {"flux": model}, "rows": rows}))
+    assert pf.call_rows(path) == []

@@ -194,8 +194,59 @@ def rows() -> list[Row]:
     return out
 
 
+def call_rows(path: Path) -> list[Row]:
+    """The GPU check's eager call times (``benchmarks/gpu_calls.py``'s calls.json of a GPU run): one row
+    per family, kind and batch, predicted for the same blocks, tokens and device; a family's curve
+    leaves the fit together. None from a CPU or tiny run."""
+    data = json.loads(path.read_text())
+    if not data.get("gpu") or data.get("tiny") or data["gpu"] not in DEVICES:
+        return []
+    out = []
+    for r in data["rows"]:
+        model = next(
+            (
+                m
+                for m in data["models"].values()
+                if m["family"] == r["family"] and m["blocks_run"] == r["blocks_run"]
+            ),
+            None,
+        )
+        if r["mode"] != "eager" or model is None:
+            continue
+        w = _call_workload(model["config_file"], json.dumps(model["config"], sort_keys=True))
+        kind, b = r["kind"], r["batch"]
+        where = f"{path.parent.name}/{path.name}"
+        out.append(
+            Row(
+                f"DigenRL {data['gpu']} {r['family']} {r['blocks_run']} blocks, {kind}, batch {b}",
+                f"{where}:{r['family']}:{kind}",
+                r["median_s"],
+                lambda t, w=w, g=data["gpu"], kind=kind, b=b: _call_s(t, w, g, kind, b),
+                "own",
+                where,
+            )
+        )
+    return out
+
+
+@functools.cache
+def _call_workload(config_file: str, config_json: str):
+    """The workload of ``config_file`` with its transformer's config replaced (fewer blocks), one pass,
+    full weights, bf16."""
+    w = Workload.from_config(load_config(ROOT / config_file, ["model.lora=null"]))
+    shape = replace(w.shape, config=json.loads(config_json))
+    shape.tokens = w.shape.tokens
+    return replace(w, shape=shape, params=param_counts(shape, None, ()), passes=1, lora=False, kl=False)
+
+
+def _call_s(theta: Theta, w, gpu: str, kind: str, b: int) -> float:
+    t = AnalyticTimes(w, DEVICES[gpu], cost_params(theta))
+    return t.rollout_step(b) if kind == "forward" else t.train_step(b)
+
+
 def own_rows() -> list[Row]:
-    """DigenRL's measured H200 rows: the sampler step at each batch, the train step at batch 4."""
+    """DigenRL's measured GPU rows: the H200 check's sampler step at each batch and train step at batch
+    4, and every GPU run's eager call times (benchmarks/gpu_runs/*/calls.json)."""
     run = ROOT / H200_RUN
     curve = json.loads((run / "dedicated.json").read_text())["rollout_batch_curve"]
     train = json.loads((run / "realwidth.json").read_text())["train_ac_off"]
@@ -221,6 +272,8 @@ def own_rows() -> list[Row]:
             f"{H200_RUN}/realwidth.json",
         )
     )
+    for calls in sorted((ROOT / "benchmarks" / "gpu_runs").glob("*/calls.json")):
+        out += call_rows(calls)
     return out
 
 
