@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from digenrl.planner.constants import MFU_CAP  # noqa: E402
-from digenrl.planner.efficiency import fit_curve, tokens_factor  # noqa: E402
+from digenrl.planner.efficiency import DEFAULT_HALF_TOKENS, fit_curve, tokens_factor  # noqa: E402
 from digenrl.planner.gpus import GENERIC_EFFICIENCY, KERNEL_EFFICIENCY  # noqa: E402
 from digenrl.planner.params import CostParams  # noqa: E402
 
@@ -169,7 +169,8 @@ def fold(out: Path) -> dict:
         defaults.mfu_half_tokens_rollout,
         curve and curve[1],
     )
-    half = defaults.mfu_half_tokens_train
+    # the efficiency curve of a profile (the analytic model's default has none: it prices kernels apart)
+    half = defaults.mfu_half_tokens_train or DEFAULT_HALF_TOKENS
     row("training peak efficiency", f"{table}[1]", now[1], training_peak(rw, half), f"at half {half:.0f}")
     pick = reward_row(ded)
     row(
