@@ -8,7 +8,9 @@ Details: docs/smallworld.md.
 from __future__ import annotations
 
 import itertools
+import json
 import random
+from pathlib import Path
 
 import numpy as np
 
@@ -155,3 +157,12 @@ def sample_scene(meta: dict, seed: int) -> tuple[np.ndarray, list[dict]]:
     """One drawn image of a caption's metadata row and its objects, a function of ``seed``."""
     objs = scene_objects(meta, random.Random(f"{meta['prompt']}:{seed}"))
     return draw(objs), objs
+
+
+def write_prompt_sets(folder, seed: int = 0) -> None:
+    """``folder``/train_metadata.jsonl and test_metadata.jsonl (:func:`split_rows`): a prompt set in
+    Flow-GRPO's GenEval layout, one metadata row a line."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rows in zip(("train", "test"), split_rows(seed)):
+        (folder / f"{name}_metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
