@@ -73,6 +73,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=500, help="drawings per category")
     ap.add_argument("--vae", type=Path, help="a checkpoint directory: also on its VAE's reconstructions")
+    ap.add_argument("--json", type=Path, help="also write the result here")
     args = ap.parse_args(argv)
     result = {"drawn": measure(args.n)}
     if args.vae is not None:
@@ -87,6 +88,8 @@ def main(argv=None) -> None:
                 f"({r['other_caption_truly_wrong']:.2f})  {r['objects']:.3f}"
             )
     print(json.dumps(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

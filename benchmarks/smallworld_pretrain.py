@@ -258,6 +258,7 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-seeds", type=int, default=4, help="samples per held-out caption")
     ap.add_argument("--sample-steps", type=int, default=16, help="ODE steps (as digenrl eval's)")
     ap.add_argument("--keep-probes", action="store_true", help="save the pipeline at each probe")
+    ap.add_argument("--json", type=Path, help="also write pretrain.json's content here")
     ap.add_argument("--threads", type=int, default=1, help="1: tiny ops gain nothing from more")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -308,7 +309,10 @@ def main(argv=None) -> None:
         "curve": curve,
         "seconds": round(time.time() - t0),
     }
-    (args.out / "pretrain.json").write_text(json.dumps(meta, indent=1) + "\n")
+    meta["command"].pop("json")
+    for path in (args.out / "pretrain.json", args.json):
+        if path is not None:
+            path.write_text(json.dumps(meta, indent=1) + "\n")
     log(f"saved {args.out}")
 
 

@@ -14,6 +14,7 @@ from digenrl.rewards import build_reward
 from digenrl.rewards.geneval import relations
 from digenrl.rewards.smallworld.detect import detect
 from digenrl.rewards.smallworld.world import COLORS, TAGS, all_rows, draw, sample_scene, split_rows
+from tests.helpers import run_benchmark_here
 
 
 def row(prompt):
@@ -145,5 +146,13 @@ def test_reward_rules_on_hand_cases():
 def test_bad_arguments_and_missing_metadata():
     with pytest.raises(UserError, match=r"reward.components.0.args.score: reward 'smallworld'"):
         reward("best")
-    with pytest.raises(UserError, match="has no GenEval metadata"):
+    with pytest.raises(
+        UserError, match="reward smallworld: prompt 'a photo of a circle' has no GenEval metadata"
+    ):
         reward()(torch.zeros(1, 3, 32, 32), ["a photo of a circle"], [{}])
+
+
+def test_the_detector_benchmark_finds_it_exact_on_drawings(tmp_path):
+    data = run_benchmark_here("smallworld_detector.py", tmp_path, "--n", "6")
+    assert set(data["drawn"]) == set(TAGS)
+    assert all(r["own_caption"] == r["other_caption"] == r["objects"] == 1.0 for r in data["drawn"].values())

@@ -152,10 +152,10 @@ class Rules:
         return score, {"tag": meta["tag"], "reason": why}
 
 
-def check_meta(meta: dict, prompt: str) -> None:
+def check_meta(meta: dict, prompt: str, reward: str = "geneval") -> None:
     if "tag" not in meta or not isinstance(meta.get("include"), list):
         raise UserError(
-            f"reward geneval: prompt {prompt!r} has no GenEval metadata (a prompts.file .jsonl row with "
+            f"reward {reward}: prompt {prompt!r} has no GenEval metadata (a prompts.file .jsonl row with "
             '"tag" and "include", as GenEval\'s evaluation_metadata.jsonl)'
         )
 

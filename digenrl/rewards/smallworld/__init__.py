@@ -28,7 +28,7 @@ class SmallWorldReward(Reward):
 
     def score(self, images, prompts, metadata):
         for p, m in zip(prompts, metadata):
-            check_meta(m, p)
+            check_meta(m, p, "smallworld")
         pixels = images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
         judged = [self.rules.judge(detect(img), meta) for img, meta in zip(pixels, metadata)]
         self.last_info = [info for _, info in judged]
