@@ -251,7 +251,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--images", type=int, default=16_000)
     ap.add_argument("--vae-steps", type=int, default=800)
-    ap.add_argument("--flow-steps", type=int, default=2500)
+    ap.add_argument("--flow-steps", type=int, default=3000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--eval-every", type=int, default=250, help="flow steps between score probes (0: none)")
     ap.add_argument("--lr", type=float, default=1e-3)
