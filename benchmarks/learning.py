@@ -15,7 +15,8 @@ prompt colours) with one mode's engine knobs (the modes of engine_modes.py) and 
 - gain per minute (of that wall time) and per 1000 samples trained.
 
 Tasks (``--tasks``): ``colors``, the demo's ``prompt_color``; ``shapes``, ``prompt_shape`` (the
-prompt's colour as the shape its object word picks, on gray: it needs spatial structure). Runs go
+prompt's colour as the shape its object word picks, on gray: it needs spatial structure);
+``smallworld``, the pretrained small-world FLUX on GenEval's categories (docs/smallworld.md). Runs go
 seed by seed, every task, algorithm and mode of a seed in turn, so that load drifting on a shared
 machine hits them alike, in kept worker processes (tests.warm.warm_workers); the
 table gives the mean and standard error over seeds, and per task and mode the best algorithm's gain
@@ -43,10 +44,18 @@ os.environ.setdefault("RAY_worker_niceness", "0")  # as engine_modes.py: equal f
 DEFAULT_MODES = ["colocated", "sync", "gap_tsp_tag", "full"]
 RUN_SET = ["output.checkpoint_every=0", "output.save_samples_every=0", "output.tensorboard=false"]
 METRICS = ("gain", "gain_per_min", "gain_per_1k_samples", "samples_per_s", "iterations")
-#: the learning tasks: each the reward (and prompts) that replace the demo's
+ROOT = Path(__file__).resolve().parents[1]
+#: the learning tasks: each the reward (and prompts, and model) that replace the demo's
 TASKS = {
     "colors": [],
     "shapes": ["reward.components=[{name: prompt_shape}]"],
+    # configs/smallworld_flux.yaml's task: the pretrained small-world FLUX, GenEval's rules
+    "smallworld": [
+        f"model.pretrained={ROOT / 'models' / 'smallworld_flux'}",
+        "model.lora.targets=null",
+        "reward.components=[{name: smallworld, args: {score: flow_grpo}}]",
+        f"prompts.file={ROOT / 'configs' / 'smallworld'}",
+    ],
 }
 
 

@@ -72,9 +72,16 @@ def test_tasks_are_rewards_the_config_knows():
     from digenrl.config.run import load_config
 
     b = bench()
-    assert set(b.TASKS) == {"colors", "shapes"}
+    assert set(b.TASKS) == {"colors", "shapes", "smallworld"}
     cfg = load_config(None, b.TASKS["shapes"])
     assert [c.name for c in cfg.reward.components] == ["prompt_shape"]
+    cfg = load_config(None, b.TASKS["smallworld"])  # configs/smallworld_flux.yaml's model, reward, prompts
+    ref = load_config(b.ROOT / "configs" / "smallworld_flux.yaml")
+    assert (cfg.model.pretrained, cfg.prompts.file) == (
+        b.ROOT / ref.model.pretrained,
+        b.ROOT / ref.prompts.file,
+    )
+    assert cfg.reward.components == ref.reward.components and cfg.model.preset is None
 
 
 @pytest.mark.slow

@@ -59,7 +59,14 @@ CALIBRATION_ITERATIONS = 8  # iterations of the engine calibration run (the firs
 MIN_UNIT_CV = 0.02  # unit-time spreads below this are simulated as none
 #: rewards with no model weights (JPEG size, prompt colour): CPU time per image only
 WEIGHT_FREE_REWARDS = frozenset(
-    {"prompt_color", "prompt_shape", "source_similarity", "jpeg_compressibility", "jpeg_incompressibility"}
+    {
+        "prompt_color",
+        "prompt_shape",
+        "smallworld",
+        "source_similarity",
+        "jpeg_compressibility",
+        "jpeg_incompressibility",
+    }
 )
 MIN_CALL_FRACTION = 0.5  # an interpolated call never costs less than this x the cheaper neighbour point
 MIN_UNIT_FRACTION = 0.5  # a composed unit never costs less than this x the sum of its calls

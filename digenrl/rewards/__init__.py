@@ -12,7 +12,7 @@ import torch
 
 from digenrl.config.train import RewardConfig
 from digenrl.errors import UserError
-from digenrl.rewards import basic, clip_models, geneval, hps, ocr, remote, structure, vlm_judge  # noqa: F401  (importing them registers them)
+from digenrl.rewards import basic, clip_models, geneval, hps, ocr, remote, smallworld, structure, vlm_judge  # noqa: F401  (importing them registers them)
 from digenrl.rewards.base import REWARDS, Reward, RewardArgError, register  # noqa: F401  (re-exported)
 
 
@@ -32,7 +32,14 @@ def reward_kind(name: str) -> str:
 #: the rewards that are plain functions of the pixels (digenrl/rewards/basic.py): every other one is a
 #: model (CLIP, PickScore, aesthetic) or a remote judge's client (the planner's WEIGHT_FREE_REWARDS)
 FUNCTION_REWARDS = frozenset(
-    {"prompt_color", "prompt_shape", "source_similarity", "jpeg_compressibility", "jpeg_incompressibility"}
+    {
+        "prompt_color",
+        "prompt_shape",
+        "smallworld",
+        "source_similarity",
+        "jpeg_compressibility",
+        "jpeg_incompressibility",
+    }
 )
 
 

@@ -124,10 +124,38 @@ def flow_grpo_score(objects: dict, meta: dict, position_threshold: float = 0.1) 
     return sum(terms) / len(terms) if terms else 0.0
 
 
-def _check_meta(meta: dict, prompt: str) -> None:
+class Rules:
+    """GenEval's scoring arguments, checked (a bad one is a :class:`RewardArgError`), and the verdict
+    on one sample's detections: ``score`` ``correct`` (GenEval's 1 / 0) or ``flow_grpo``."""
+
+    def __init__(
+        self, threshold=0.3, counting_threshold=0.9, max_objects=16, position_threshold=0.1, score="correct"
+    ):
+        if score not in ("correct", "flow_grpo"):
+            raise RewardArgError("score", f"must be correct or flow_grpo (got {score!r})")
+        self.score_kind = score
+        self.threshold = _positive("threshold", threshold, allow_zero=True)
+        self.counting_threshold = _positive("counting_threshold", counting_threshold, allow_zero=True)
+        self.max_objects = _positive("max_objects", max_objects, int)
+        self.position_threshold = _positive("position_threshold", position_threshold, allow_zero=True)
+
+    def judge(self, detections: dict, meta: dict) -> tuple[float, dict]:
+        """(score, {"tag", "reason"}) of one sample's detections against its metadata row."""
+        objs = kept_objects(
+            detections, meta["tag"], self.threshold, self.counting_threshold, self.max_objects
+        )
+        ok, why = geneval_correct(objs, meta, self.position_threshold)
+        if self.score_kind == "flow_grpo":
+            score = flow_grpo_score(objs, meta, self.position_threshold)
+        else:
+            score = float(ok)
+        return score, {"tag": meta["tag"], "reason": why}
+
+
+def check_meta(meta: dict, prompt: str, reward: str = "geneval") -> None:
     if "tag" not in meta or not isinstance(meta.get("include"), list):
         raise UserError(
-            f"reward geneval: prompt {prompt!r} has no GenEval metadata (a prompts.file .jsonl row with "
+            f"reward {reward}: prompt {prompt!r} has no GenEval metadata (a prompts.file .jsonl row with "
             '"tag" and "include", as GenEval\'s evaluation_metadata.jsonl)'
         )
 
@@ -152,17 +180,11 @@ class GenevalReward(RemoteReward):
         **remote,
     ):
         super().__init__(url=url, **remote)
-        if score not in ("correct", "flow_grpo"):
-            raise RewardArgError("score", f"must be correct or flow_grpo (got {score!r})")
-        self.score_kind = score
-        self.threshold = _positive("threshold", threshold, allow_zero=True)
-        self.counting_threshold = _positive("counting_threshold", counting_threshold, allow_zero=True)
-        self.max_objects = _positive("max_objects", max_objects, int)
-        self.position_threshold = _positive("position_threshold", position_threshold, allow_zero=True)
+        self.rules = Rules(threshold, counting_threshold, max_objects, position_threshold, score)
 
     def _score_batch(self, images, prompts, metadata):
         for p, m in zip(prompts, metadata):
-            _check_meta(m, p)
+            check_meta(m, p)
         payload = {
             "format": self.format,
             "prompts": list(prompts),
@@ -170,16 +192,8 @@ class GenevalReward(RemoteReward):
             "images": encode_images(images, self.format),
         }
         detections = self._detections(self._post_with_retries(json.dumps(payload).encode()), len(prompts))
-        scores, info = [], []
-        for det, meta in zip(detections, metadata):
-            objs = kept_objects(det, meta["tag"], self.threshold, self.counting_threshold, self.max_objects)
-            ok, why = geneval_correct(objs, meta, self.position_threshold)
-            if self.score_kind == "flow_grpo":
-                scores.append(flow_grpo_score(objs, meta, self.position_threshold))
-            else:
-                scores.append(float(ok))
-            info.append({"tag": meta["tag"], "reason": why})
-        return scores, info
+        judged = [self.rules.judge(det, meta) for det, meta in zip(detections, metadata)]
+        return [s for s, _ in judged], [i for _, i in judged]
 
     def _detections(self, data: bytes, n: int) -> list[dict]:
         try:
