@@ -101,7 +101,9 @@ FLUX2_DEV = PublishedModel(
 class Flux2Adapter(TwoPassCFG, PackedLatentAdapter):
     name = "flux2"
     # Flow-Factory src/flow_factory/models/flux/flux2_klein.py ``default_target_modules``: the
-    # double-stream attention and feed-forwards, the single-stream fused projections
+    # double-stream attention and feed-forwards, the single-stream fused input projection. Its
+    # "attn.to_out" (the single-stream output Linear) is left out: as a suffix it also names the
+    # double-stream blocks' ``to_out`` ModuleList, which peft refuses
     default_lora_targets = (
         "attn.to_q",
         "attn.to_k",
@@ -116,7 +118,6 @@ class Flux2Adapter(TwoPassCFG, PackedLatentAdapter):
         "ff_context.linear_in",
         "ff_context.linear_out",
         "attn.to_qkv_mlp_proj",
-        "attn.to_out",
     )
     pipeline_class = "Flux2KleinPipeline"  # [dev]: Flux2Pipeline (set at build)
     transformer_class = "Flux2Transformer2DModel"
