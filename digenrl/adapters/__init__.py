@@ -12,6 +12,7 @@ ADAPTERS: dict[str, str] = {
     "flux2": "digenrl.adapters.flux2:Flux2Adapter",
     "wan": "digenrl.adapters.wan:WanAdapter",
     "hunyuan_video": "digenrl.adapters.hunyuan_video:HunyuanVideoAdapter",
+    "hunyuan_video15": "digenrl.adapters.hunyuan_video15:HunyuanVideo15Adapter",
     "qwen_image": "digenrl.adapters.qwen_image:QwenImageAdapter",
     "sd3": "digenrl.adapters.sd3:SD3Adapter",
     "wan22": "digenrl.adapters.wan22:Wan22Adapter",

@@ -57,6 +57,26 @@ class TinyLM:
         with seeded(seed):
             return cls(MistralModel(config), max_len)
 
+    @classmethod
+    def qwen2_5_vl(cls, hidden: int, layers: int, max_len: int, seed: int = 4321) -> TinyLM:
+        """``Qwen2_5_VLTextModel``: HunyuanVideo-1.5's text encoder (Qwen2.5-VL's language model)."""
+        from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+        config = Qwen2_5_VLTextConfig(
+            vocab_size=512,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=max(64, max_len),
+            rope_scaling={"type": "default", "mrope_section": [1, 1, 2]},
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+        with seeded(seed):
+            return cls(Qwen2_5_VLTextModel(config), max_len)
+
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, mask), both (B, max_len) long; a word's id is its CRC32 (0 is padding)."""
         ids = torch.zeros(len(prompts), self.max_len, dtype=torch.long)

@@ -1,6 +1,7 @@
-"""Z-Image and FLUX.2 as families: the planner's facts (published shapes, exact parameter counts,
-FLOPs against torch's flop counter), the engine from the CLI (one tiny run per family: Z-Image
-colocated, FLUX.2 in the full disaggregated mode), and the trained LoRA in the stock pipeline."""
+"""Z-Image, FLUX.2 and HunyuanVideo-1.5 as families: the planner's facts (published shapes, exact
+parameter counts, FLOPs against torch's flop counter), the engine from the CLI (one tiny run per family:
+Z-Image and HunyuanVideo-1.5 colocated, FLUX.2 in the full disaggregated mode), and the trained LoRA in
+the stock pipeline."""
 
 from __future__ import annotations
 
@@ -18,10 +19,14 @@ from digenrl.run.rundir import read_metrics
 from tests.helpers import FULL_MODE, QUIET, TINY
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"z_image": ROOT / "configs" / "z_image_tiny.yaml", "flux2": ROOT / "configs" / "flux2_tiny.yaml"}
+CONFIGS = {
+    "z_image": ROOT / "configs" / "z_image_tiny.yaml",
+    "flux2": ROOT / "configs" / "flux2_tiny.yaml",
+    "hunyuan_video15": ROOT / "configs" / "hunyuan_video15_tiny.yaml",
+}
 
 #: the transformer's parameters on the meta device at the published transformer/config.json, and the
-#: published size they round to (Z-Image-Turbo "6B", FLUX.2 [klein] "4B", FLUX.2 [dev] "32B")
+#: published size they round to (Z-Image-Turbo 6B, FLUX.2 [klein] 4B, [dev] 32B, HunyuanVideo-1.5 8.3B)
 PUBLISHED = {
     "Z-Image-Turbo": (["model.adapter=z_image", "model.pretrained=/x/Z-Image-Turbo"], 6_154_908_736, 6e9, 2),
     "FLUX.2-klein-4B": (
@@ -31,6 +36,12 @@ PUBLISHED = {
         2,
     ),
     "FLUX.2-dev": (["model.adapter=flux2", "model.pretrained=/x/FLUX.2-dev"], 32_223_281_152, 32e9, 1),
+    "HunyuanVideo-1.5": (
+        ["model.adapter=hunyuan_video15", "model.pretrained=/x/HunyuanVideo-1.5", "model.frames=5"],
+        8_326_608_160,
+        8.3e9,
+        2,
+    ),
 }
 
 
@@ -41,7 +52,8 @@ def test_published_shapes_and_parameter_counts(name):
     assert w.params.total == exact and w.params.total == pytest.approx(rounded, rel=0.06)
     assert 0 < w.params.lora < 0.01 * w.params.total
     assert w.passes == passes
-    assert w.params.blocks == {"Z-Image-Turbo": 34, "FLUX.2-klein-4B": 25, "FLUX.2-dev": 56}[name]
+    blocks = {"Z-Image-Turbo": 34, "FLUX.2-klein-4B": 25, "FLUX.2-dev": 56, "HunyuanVideo-1.5": 54}
+    assert w.params.blocks == blocks[name]
 
 
 def _counted(cfg, prompt: str):
@@ -69,7 +81,11 @@ def test_flop_formula_matches_torch_flop_counter(family):
 
 
 # ----------------------------------------------------------------------------- the engine (slow)
-RUNS = {"z_image": ["placement.mode=colocated"], "flux2": FULL_MODE}
+RUNS = {
+    "z_image": ["placement.mode=colocated"],
+    "flux2": FULL_MODE,
+    "hunyuan_video15": ["placement.mode=colocated"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +138,10 @@ def test_trained_lora_loads_into_the_stock_pipeline_and_changes_its_output(engin
     cond = fresh.encode_prompts(["a red apple"])
     noise = fresh.initial_noise(1, torch.Generator().manual_seed(0))
     before = sample(fresh, cond, noise, fresh.sigmas(4), "flow_grpo", 0.0, None).latents[:, -1]
-    pipe.load_lora_weights(run / "final")
+    if hasattr(pipe, "load_lora_weights"):
+        pipe.load_lora_weights(run / "final")
+    else:  # HunyuanVideo15Pipeline has no LoRA loader: its transformer reads the file
+        pipe.transformer.load_lora_adapter(run / "final", prefix="transformer")
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=pipe.transformer.active_adapters()[0])
     assert len(loaded) == len(saved)
     for k, v in saved.items():
