@@ -18,6 +18,8 @@ from digenrl.planner.workload import Workload
 from digenrl.run.rundir import read_metrics
 from tests.helpers import FULL_MODE, QUIET, TINY
 
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "z_image": ROOT / "configs" / "z_image_tiny.yaml",
@@ -141,7 +143,7 @@ def test_trained_lora_loads_into_the_stock_pipeline_and_changes_its_output(engin
     if hasattr(pipe, "load_lora_weights"):
         pipe.load_lora_weights(run / "final")
     else:  # HunyuanVideo15Pipeline has no LoRA loader: its transformer reads the file
-        pipe.transformer.load_lora_adapter(run / "final", prefix="transformer")
+        pipe.transformer.load_lora_adapter(run / "final", prefix="transformer", weight_name=LORA_FILE)
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=pipe.transformer.active_adapters()[0])
     assert len(loaded) == len(saved)
     for k, v in saved.items():

@@ -86,8 +86,8 @@ class HunyuanVideo15Adapter(TwoPassCFG, Adapter):
     default_lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
     pipeline_class = "HunyuanVideo15Pipeline"
     # HunyuanVideo15Pipeline has no LoRA loader (diffusers 0.42): the file is written by HunyuanVideo's
-    # (transformer.-prefixed peft keys); ``pipe.transformer.load_lora_adapter(dir, prefix="transformer")``
-    # reads it into the stock pipeline's transformer
+    # (transformer.-prefixed peft keys); the stock pipeline's transformer reads it with
+    # ``load_lora_adapter(dir, prefix="transformer", weight_name=...)``
     lora_pipeline_class = "HunyuanVideoPipeline"
     transformer_class = "HunyuanVideo15Transformer3DModel"
     published = HUNYUAN_VIDEO15
