@@ -43,6 +43,7 @@ FAMILY_SIZE = {  # per family: a size the tiny preset takes
     "flux_kontext": [*TINY_IMAGE],
     "z_image": [*TINY_IMAGE],
     "flux2": [*TINY_IMAGE],
+    "hunyuan_video15": [*TINY_IMAGE, "model.frames=5"],
 }
 
 
@@ -66,6 +67,7 @@ def test_every_family_has_a_recipe_and_every_recipe_a_readme_row():
         "flow_grpo_qwen_image_edit_counting",
         "flow_factory_z_image_turbo_pickscore",
         "flow_factory_flux2_klein_pickscore",
+        "unirl_hunyuan_video15_pickscore",
     } <= names
     readme = (RECIPES[0].parent / "README.md").read_text()
     for name in names:

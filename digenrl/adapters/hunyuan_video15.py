@@ -82,8 +82,22 @@ HUNYUAN_VIDEO15 = PublishedModel(
 
 class HunyuanVideo15Adapter(TwoPassCFG, Adapter):
     name = "hunyuan_video15"
-    # the blocks' attention projections, as the hunyuan_video family (a peer recipe's list: not yet read)
-    default_lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
+    # UniRL examples/diffusion/hunyuan_video15/hunyuan_video15_t2v_dancegrpo_trainside.yaml (@ 36547bd):
+    # both streams' attention and feed-forward projections
+    default_lora_targets = (
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    )
     pipeline_class = "HunyuanVideo15Pipeline"
     # HunyuanVideo15Pipeline has no LoRA loader (diffusers 0.42): the file is written by HunyuanVideo's
     # (transformer.-prefixed peft keys); the stock pipeline's transformer reads it with
