@@ -19,6 +19,10 @@ class TinyLM:
     def __init__(self, model: torch.nn.Module, max_len: int):
         self.model, self.max_len = model.eval(), max_len
         self.vocab = model.config.vocab_size
+        # unit-variance word vectors (as tiny_text's): at the LM's own init (std 0.02) the hidden
+        # states are too small for the tiny transformers' text projections to tell prompts apart
+        with torch.no_grad():
+            model.get_input_embeddings().weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(7))
 
     @classmethod
     def qwen3(cls, hidden: int, layers: int, max_len: int, seed: int = 4321) -> TinyLM:
