@@ -55,6 +55,19 @@ CASES = [
         "qwen_image.yaml",
         ["model.lora=null", "algorithm.kl_beta=0.01", "train.ema={decay: 0.99}"],
     ),
+    ("z_image_turbo LoRA", "z_image_turbo.yaml", []),
+    (
+        "z_image_turbo full FT + KL + EMA",
+        "z_image_turbo.yaml",
+        ["model.lora=null", "algorithm.kl_beta=0.01", "train.ema={decay: 0.99}"],
+    ),
+    ("hunyuan_video15 LoRA", "hunyuan_video15.yaml", []),
+    ("flux2_klein_4b LoRA", "flux2_klein_4b.yaml", []),
+    (
+        "flux2_klein_4b full FT + KL + EMA",
+        "flux2_klein_4b.yaml",
+        ["model.lora=null", "algorithm.kl_beta=0.01", "train.ema={decay: 0.99}"],
+    ),
 ]
 PARTS = ("frozen base", "fp32 masters", "fp32 grads", "AdamW state", "reference", "EMA", "old policy")
 

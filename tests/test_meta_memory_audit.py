@@ -17,6 +17,8 @@ CASES = [
     "flux1_dev full FT + KL + EMA",
     "flux1_dev full FT, diffusion_nft",
     "wan2.1_t2v_14b full FT + KL + EMA",
+    "z_image_turbo full FT + KL + EMA",  # its refiner blocks shard as its main layers do
+    "flux2_klein_4b full FT + KL + EMA",
 ]
 
 

@@ -41,6 +41,9 @@ FAMILY_SIZE = {  # per family: a size the tiny preset takes
     "wan22": ["model.height=32", "model.width=32", "model.frames=5"],
     "qwen_image_edit": ["model.height=32", "model.width=32"],
     "flux_kontext": [*TINY_IMAGE],
+    "z_image": [*TINY_IMAGE],
+    "flux2": [*TINY_IMAGE],
+    "hunyuan_video15": [*TINY_IMAGE, "model.frames=5"],
 }
 
 
@@ -62,6 +65,9 @@ def test_every_family_has_a_recipe_and_every_recipe_a_readme_row():
         "online_dpo_flux_pickscore",
         "flow_factory_wan22_pickscore",
         "flow_grpo_qwen_image_edit_counting",
+        "flow_factory_z_image_turbo_pickscore",
+        "flow_factory_flux2_klein_pickscore",
+        "unirl_hunyuan_video15_pickscore",
     } <= names
     readme = (RECIPES[0].parent / "README.md").read_text()
     for name in names:

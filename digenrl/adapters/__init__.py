@@ -9,11 +9,14 @@ from digenrl.errors import UserError
 #: family name -> "module:Class"
 ADAPTERS: dict[str, str] = {
     "flux": "digenrl.adapters.flux:FluxAdapter",
+    "flux2": "digenrl.adapters.flux2:Flux2Adapter",
     "wan": "digenrl.adapters.wan:WanAdapter",
     "hunyuan_video": "digenrl.adapters.hunyuan_video:HunyuanVideoAdapter",
+    "hunyuan_video15": "digenrl.adapters.hunyuan_video15:HunyuanVideo15Adapter",
     "qwen_image": "digenrl.adapters.qwen_image:QwenImageAdapter",
     "sd3": "digenrl.adapters.sd3:SD3Adapter",
     "wan22": "digenrl.adapters.wan22:Wan22Adapter",
+    "z_image": "digenrl.adapters.z_image:ZImageAdapter",
     # image editing: a prompt row carries an input image (adapters/edit.py)
     "flux_kontext": "digenrl.adapters.flux_kontext:FluxKontextAdapter",
     "qwen_image_edit": "digenrl.adapters.qwen_image_edit:QwenImageEditAdapter",

@@ -318,6 +318,16 @@ class Adapter(ABC):
         raise NotImplementedError
 
     @classmethod
+    def width(cls, transformer_config: dict) -> int:
+        """The model width d (the planner's activation and text-embedding sizes)."""
+        return hidden_size(transformer_config)
+
+    @classmethod
+    def blocks(cls, transformer_config: dict) -> int:
+        """Transformer blocks one pass runs (activation memory, per-block costs)."""
+        return transformer_config["num_layers"] + transformer_config.get("num_single_layers", 0)
+
+    @classmethod
     def attention_flops(cls, transformer_config: dict, tokens: Tokens) -> float:
         """The score / value products of one pass: joint attention over image + text tokens in every block."""
         c = transformer_config
@@ -328,6 +338,11 @@ class Adapter(ABC):
     def guidance_passes(cls, guidance: float) -> int:
         """Transformer passes per denoising step at this guidance scale (2 for two-pass CFG)."""
         return 1
+
+    @classmethod
+    def passes_for(cls, transformer_config: dict, guidance: float) -> int:
+        """:meth:`guidance_passes` of this transformer config (FLUX.2: [dev] embeds the guidance)."""
+        return cls.guidance_passes(guidance)
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager

@@ -2,7 +2,8 @@
 activation checkpointing recomputes.
 
 FLUX and HunyuanVideo: ``transformer_blocks`` then ``single_transformer_blocks``; Wan2.1:
-``blocks``; Qwen-Image: ``transformer_blocks``; a model of two experts (Wan2.2 A14B,
+``blocks``; Qwen-Image: ``transformer_blocks``; Z-Image: ``noise_refiner``,
+``context_refiner``, ``layers``; a model of two experts (Wan2.2 A14B,
 adapters/experts.py): each expert's blocks, high-noise expert first. LoRA added with
 ``add_adapter`` leaves these attributes in place (peft injects into the blocks' linear layers).
 """
@@ -11,7 +12,14 @@ from __future__ import annotations
 
 from torch import nn
 
-BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
+BLOCK_LISTS = (
+    "transformer_blocks",
+    "single_transformer_blocks",
+    "blocks",
+    "noise_refiner",  # Z-Image: the image and caption refiners, then the joint layers
+    "context_refiner",
+    "layers",
+)
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

@@ -53,6 +53,8 @@ def sp_problem(
     """Why a model (diffusers class name, transformer config, tokens per sample) cannot run over
     ``degree`` ranks, or None: its heads, image tokens and, where the text is split too (joint
     attention), text tokens must divide."""
+    if "num_attention_heads" not in config:  # Z-Image: no context-parallel plan in diffusers
+        return f"{transformer_class} has no sequence-parallel plan"
     heads = config["num_attention_heads"]
     if heads % degree:
         return f"the model's {heads} attention heads do not split over {degree} devices"

@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from digenrl.adapters import adapter_class
-from digenrl.adapters.base import Tokens, hidden_size
+from digenrl.adapters.base import Tokens
 from digenrl.errors import UserError
 from digenrl.policy.lora import matching_modules
 
@@ -137,9 +137,15 @@ def param_counts(shape: ModelShape, lora_cfg, default_targets: tuple[str, ...]) 
         )
     c = shape.config
     n, trained = shape.experts, shape.trained_experts  # every expert has the same architecture
-    blocks = c["num_layers"] + c.get("num_single_layers", 0)
+    family = shape.adapter
     return ParamCounts(
-        n * total, trained * lora, hidden_size(c), blocks, n, (n - trained) * total, 2 * trained * modules
+        n * total,
+        trained * lora,
+        family.width(c),
+        family.blocks(c),
+        n,
+        (n - trained) * total,
+        2 * trained * modules,
     )
 
 

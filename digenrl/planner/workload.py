@@ -142,7 +142,7 @@ class Workload:
             timestep_mode=ts.mode,
             group_size=cfg.algorithm.group_size,
             prompts=cfg.train.prompts_per_iteration,
-            passes=adapter.guidance_passes(cfg.sampling.guidance),
+            passes=adapter.passes_for(shape.config, cfg.sampling.guidance),
             kl=cfg.algorithm.kl_beta > 0,
             lora=cfg.model.lora is not None,
             micro_batch=cfg.train.micro_batch,

@@ -102,7 +102,8 @@ def save_lora(adapter, directory: Path, state: dict[str, torch.Tensor] | None = 
     when already gathered (:func:`lora_state_dict`)."""
     import diffusers
 
-    pipeline_cls = getattr(diffusers, adapter.pipeline_class)
+    # a pipeline without a LoRA loader (HunyuanVideo-1.5) names one that writes the same file format
+    pipeline_cls = getattr(diffusers, getattr(adapter, "lora_pipeline_class", None) or adapter.pipeline_class)
     directory.mkdir(parents=True, exist_ok=True)
     # the adapter's own rank / alpha / targets travel in the file's metadata: without them
     # load_lora_weights guesses alpha = rank and scales the trained update by rank/alpha
