@@ -23,7 +23,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from digenrl.adapters import adapter_class, build_adapter
-from digenrl.adapters.base import hidden_size
 from digenrl.config.run import load_config
 from digenrl.planner.shapes import _init_args, model_shape
 
@@ -36,6 +35,9 @@ TINY_CONFIGS = {
     "qwen_image": "qwen_tiny.yaml",
     "wan": "wan_tiny.yaml",
     "hunyuan_video": "hunyuan_tiny.yaml",
+    "z_image": "z_image_tiny.yaml",
+    "flux2": "flux2_tiny.yaml",
+    "hunyuan_video15": "hunyuan_video15_tiny.yaml",
 }
 SAME_TRANSFORMER = {"flux_kontext": "flux", "qwen_image_edit": "qwen_image", "wan22": "wan"}
 #: ops that launch a matmul-class kernel (compute-bound: priced by FLOPs, not by bytes)
@@ -130,7 +132,7 @@ def count_family(family: str) -> OpCounts:
     shape = model_shape(cfg.model)
     cond = ad.encode_prompts(["a red apple"])
     x = torch.randn(1, *ad.latent_shape())
-    tokens_hidden = (shape.tokens.x + shape.tokens.text) * hidden_size(shape.config)
+    tokens_hidden = (shape.tokens.x + shape.tokens.text) * shape.adapter.width(shape.config)
     with torch.no_grad():
         return count_calls(ad.transformer, lambda: ad.velocity(x, torch.full((1,), 0.5), cond), tokens_hidden)
 
@@ -168,7 +170,7 @@ def forward_ops(shape) -> tuple[int, float] | None:
     if counts is None:
         return None
     ops, elems = counts.per_forward(published_blocks(shape))
-    return ops, elems * (shape.tokens.x + shape.tokens.text) * hidden_size(shape.config)
+    return ops, elems * (shape.tokens.x + shape.tokens.text) * shape.adapter.width(shape.config)
 
 
 def main(argv: list[str]) -> int:
