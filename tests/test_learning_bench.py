@@ -77,9 +77,9 @@ def test_tasks_are_rewards_the_config_knows():
     assert [c.name for c in cfg.reward.components] == ["prompt_shape"]
     cfg = load_config(None, b.TASKS["smallworld"])  # configs/smallworld_flux.yaml's model, reward, prompts
     ref = load_config(b.ROOT / "configs" / "smallworld_flux.yaml")
-    assert (cfg.model.pretrained, cfg.prompts.file) == (
-        b.ROOT / ref.model.pretrained,
-        b.ROOT / ref.prompts.file,
+    assert (Path(cfg.model.pretrained).resolve(), Path(cfg.prompts.file).resolve()) == (
+        Path(ref.model.pretrained).resolve(),  # the config's paths: read from its folder
+        Path(ref.prompts.file).resolve(),
     )
     assert cfg.reward.components == ref.reward.components and cfg.model.preset is None
 
