@@ -28,6 +28,13 @@ def pipeline_of(ad):
     return pipe
 
 
+def prompt_kwargs(ad, cond) -> dict:
+    """The prompt's embeddings (and the negative prompt's where [klein] runs CFG)."""
+    b = cond.batched
+    negative = {"negative_prompt_embeds": b["neg_prompt_embeds"]} if ad.uses_cfg() else {}
+    return {"prompt_embeds": b["prompt_embeds"], **negative}
+
+
 def run_both(cfg, steps=5):
     """Our ODE trajectory and the pipeline's (per-step latents via its callback, its decoded images)."""
     ad = build_adapter(cfg.model, cfg.sampling)
@@ -35,12 +42,9 @@ def run_both(cfg, steps=5):
     noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
     ours = sample(ad, cond, noise, ad.sigmas(steps), "flow_grpo", 0.0, None).latents
     pipe = pipeline_of(ad)
-    b = cond.batched
-    negative = {"negative_prompt_embeds": b["neg_prompt_embeds"]} if ad.uses_cfg() else {}
     seen = []
     images = pipe(
-        prompt_embeds=b["prompt_embeds"],
-        **negative,
+        **prompt_kwargs(ad, cond),
         guidance_scale=cfg.sampling.guidance,
         latents=ad.to_spatial(noise),  # the pipeline packs (B, 4C, rows, cols) itself
         num_inference_steps=steps,

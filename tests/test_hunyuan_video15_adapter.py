@@ -11,14 +11,10 @@ from digenrl.errors import UserError
 HV = ("model.adapter=hunyuan_video15", "model.lora.targets=null", "model.frames=5")
 
 
-def run_both(cfg, steps=4):
-    """Our ODE trajectory and the pipeline's (per-step latents via its callback, its decoded video)."""
+def pipeline_of(ad):
+    """HunyuanVideo15Pipeline over the adapter's own modules, its guider at the sampling's scale."""
     from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline
 
-    ad = build_adapter(cfg.model, cfg.sampling)
-    cond = ad.encode_prompts(['a red apple with the word "hi"', "a blue sky"])  # one glyph text
-    noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
-    ours = sample(ad, cond, noise, ad.sigmas(steps), "flow_grpo", 0.0, None).latents
     pipe = HunyuanVideo15Pipeline(
         text_encoder=None,
         tokenizer=None,
@@ -27,16 +23,29 @@ def run_both(cfg, steps=4):
         scheduler=ad.flow_scheduler(dict(ad.scheduler.config)),
         text_encoder_2=None,
         tokenizer_2=None,
-        guider=ClassifierFreeGuidance(guidance_scale=cfg.sampling.guidance),
+        guider=ClassifierFreeGuidance(guidance_scale=ad.sampling.guidance),
     )
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def prompt_kwargs(ad, cond) -> dict:
+    """Both text encoders' embeddings and masks (and the negative prompt's when the guider runs CFG)."""
+    keys = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
     b = cond.batched
-    neg = {}
+    out = {k: b[k] for k in keys}
     if ad.uses_cfg():
-        neg = {
-            f"negative_{k}": b[f"neg_{k}"]
-            for k in ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
-        }
+        out.update({f"negative_{k}": b[f"neg_{k}"] for k in keys})
+    return out
+
+
+def run_both(cfg, steps=4):
+    """Our ODE trajectory and the pipeline's (per-step latents via its callback, its decoded video)."""
+    ad = build_adapter(cfg.model, cfg.sampling)
+    cond = ad.encode_prompts(['a red apple with the word "hi"', "a blue sky"])  # one glyph text
+    noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
+    ours = sample(ad, cond, noise, ad.sigmas(steps), "flow_grpo", 0.0, None).latents
+    pipe = pipeline_of(ad)
     seen, step = [], pipe.scheduler.step  # the pipeline has no step callback: record the scheduler's steps
 
     def recorded(*args, **kwargs):
@@ -46,11 +55,7 @@ def run_both(cfg, steps=4):
 
     pipe.scheduler.step = recorded
     video = pipe(
-        prompt_embeds=b["prompt_embeds"],
-        prompt_embeds_mask=b["prompt_embeds_mask"],
-        prompt_embeds_2=b["prompt_embeds_2"],
-        prompt_embeds_mask_2=b["prompt_embeds_mask_2"],
-        **neg,
+        **prompt_kwargs(ad, cond),
         latents=noise.clone(),
         num_inference_steps=steps,
         height=cfg.model.height,

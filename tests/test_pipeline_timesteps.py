@@ -10,6 +10,7 @@ A new family is one line of ``FAMILIES``: its tiny config, overrides, and the pi
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,32 @@ def run_edit(ad, cond, noise, images, monkeypatch, **_):
     run_pipeline(pipe, ad.name, cfg, cond, noise, images, STEPS, 0, output_type="latent")
 
 
+def run_z_image(ad, cond, noise, **_):
+    from tests.test_z_image_adapter import pipeline_of, prompt_kwargs
+
+    cond.batched.update(_bf16(cond, "prompt_embeds", "neg_prompt_embeds"))
+    pipe = pipeline_of(ad)
+    pipe(**prompt_kwargs(ad, cond), guidance_scale=ad.sampling.guidance, **_common(ad, noise))
+
+
+def run_flux2(ad, cond, noise, **_):
+    """[klein] (Flux2KleinPipeline) or [dev] (Flux2Pipeline), as the adapter's transformer says."""
+    from tests.test_flux2_adapter import pipeline_of, prompt_kwargs
+
+    cond.batched.update(_bf16(cond, "prompt_embeds", "neg_prompt_embeds"))
+    spatial = {**_common(ad, noise), "latents": ad.to_spatial(noise)}  # the pipeline packs them itself
+    pipeline_of(ad)(**prompt_kwargs(ad, cond), guidance_scale=ad.sampling.guidance, **spatial)
+
+
+def run_hunyuan15(ad, cond, noise, **_):
+    from tests.test_hunyuan_video15_adapter import pipeline_of, prompt_kwargs
+
+    cond.batched.update(
+        _bf16(cond, "prompt_embeds", "prompt_embeds_2", "neg_prompt_embeds", "neg_prompt_embeds_2")
+    )
+    pipeline_of(ad)(**prompt_kwargs(ad, cond), num_frames=ad.cfg.frames, **_common(ad, noise))
+
+
 def _common(ad, noise) -> dict:
     m = ad.cfg
     return dict(
@@ -149,6 +176,10 @@ FAMILIES = {
     "wan22": ("wan2.2_tiny.yaml", [], run_wan),
     "wan22_ti2v": ("wan2.2_ti2v_tiny.yaml", ["model.frames=1"], run_wan),
     "hunyuan_video": ("hunyuan_tiny.yaml", ["model.frames=1"], run_hunyuan),
+    "z_image": ("z_image_tiny.yaml", [], run_z_image),
+    "flux2": ("flux2_tiny.yaml", [], run_flux2),  # [klein]
+    "flux2_dev": ("flux2_tiny.yaml", ["model.preset=tiny_dev", "sampling.guidance=4.0"], run_flux2),
+    "hunyuan_video15": ("hunyuan_video15_tiny.yaml", [], run_hunyuan15),
 }
 
 
@@ -157,10 +188,12 @@ def _record(ad, calls: list):
     guidance) of each call, the first row's (a pipeline of an edit family runs one sample)."""
     nets = ad.transformer.experts() if getattr(ad, "two_experts", False) else [ad.transformer]
 
-    def hook(module, args, kwargs, i=0):
+    def hook(module, args, kwargs):
+        named = {**dict(zip(inspect.signature(module.forward).parameters, args)), **kwargs}
+        named.setdefault("timestep", named.get("t"))  # Z-Image: forward(x, t, cap_feats), positional
         row = {}
         for key in ("timestep", "guidance"):
-            value = kwargs.get(key)
+            value = named.get(key)
             if value is not None:
                 assert (value == value[:1]).all(), f"{key}: rows of one call differ"
                 row[key] = value[0].detach().clone()

@@ -10,14 +10,9 @@ from digenrl.errors import UserError
 Z = ("model.adapter=z_image", "model.lora.targets=null")
 
 
-def run_both(cfg, steps=5):
-    """Our ODE trajectory and the pipeline's (per-step latents via its callback, its decoded images)."""
+def pipeline_of(ad):
+    """ZImagePipeline over the adapter's own modules (no text encoder: prompts come as embeddings)."""
     from diffusers import ZImagePipeline
-
-    ad = build_adapter(cfg.model, cfg.sampling)
-    cond = ad.encode_prompts(["a red apple on a table", "a blue sky"])
-    noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
-    ours = sample(ad, cond, noise, ad.sigmas(steps), "flow_grpo", 0.0, None).latents
 
     pipe = ZImagePipeline(
         scheduler=ad.flow_scheduler(dict(ad.scheduler.config)),
@@ -27,18 +22,30 @@ def run_both(cfg, steps=5):
         transformer=ad.transformer,
     )
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def prompt_kwargs(ad, cond) -> dict:
+    """The conditioning as ZImagePipeline.encode_prompt returns it: each caption's valid tokens."""
     b = cond.batched
 
-    def listed(embeds, mask):  # what ZImagePipeline.encode_prompt returns: each caption's valid tokens
+    def listed(embeds, mask):
         return [e[m.bool()] for e, m in zip(embeds, mask)]
 
-    negative = None
-    if cfg.sampling.guidance > 0:
-        negative = listed(b["neg_prompt_embeds"], b["neg_mask"])
+    negative = listed(b["neg_prompt_embeds"], b["neg_mask"]) if ad.uses_cfg() else None
+    return {"prompt_embeds": listed(b["prompt_embeds"], b["mask"]), "negative_prompt_embeds": negative}
+
+
+def run_both(cfg, steps=5):
+    """Our ODE trajectory and the pipeline's (per-step latents via its callback, its decoded images)."""
+    ad = build_adapter(cfg.model, cfg.sampling)
+    cond = ad.encode_prompts(["a red apple on a table", "a blue sky"])
+    noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
+    ours = sample(ad, cond, noise, ad.sigmas(steps), "flow_grpo", 0.0, None).latents
+    pipe = pipeline_of(ad)
     seen = []
     images = pipe(
-        prompt_embeds=listed(b["prompt_embeds"], b["mask"]),
-        negative_prompt_embeds=negative,
+        **prompt_kwargs(ad, cond),
         guidance_scale=cfg.sampling.guidance,
         latents=noise.clone(),
         num_inference_steps=steps,
