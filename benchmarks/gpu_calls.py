@@ -83,7 +83,7 @@ def family_spec(family: str, tiny: bool, half: bool = False) -> dict:
     """The model to build and what the rows record of it: configs, latent shape, tokens, blocks
     (``half``: half as many blocks, whose rows split the fixed cost into per block and the rest)."""
     from digenrl.adapters import adapter_class
-    from digenrl.adapters.base import hidden_size
+    from digenrl.adapters.cost_hooks import hidden_size
     from digenrl.config.run import load_config
 
     real, small, full_blocks, half_blocks = FAMILIES[family]

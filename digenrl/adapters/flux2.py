@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from digenrl.adapters.base import PublishedModel, Tokens, hidden_size, seeded
+from digenrl.adapters.base import seeded
 from digenrl.adapters.cond import Cond
+from digenrl.adapters.cost_hooks import PublishedModel, Tokens, hidden_size
 from digenrl.adapters.guidance import TwoPassCFG
 from digenrl.adapters.packed import PackedLatentAdapter
 from digenrl.adapters.preview import LatentRGBDecoder

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from digenrl.adapters.base import Tokens
 from digenrl.adapters.cond import Cond
+from digenrl.adapters.cost_hooks import Tokens
 from digenrl.adapters.edit import absent_components, pack, preprocess, read_image
 from digenrl.adapters.flux import FLUX1_DEV, TINY_TRANSFORMER, TINY_VAE, FluxAdapter
 from digenrl.errors import UserError

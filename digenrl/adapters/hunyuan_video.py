@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from digenrl.adapters.base import Adapter, PublishedModel, Tokens, hidden_size, seeded
+from digenrl.adapters.base import Adapter, seeded
 from digenrl.adapters.cond import Cond
+from digenrl.adapters.cost_hooks import PublishedModel, Tokens, hidden_size
 from digenrl.adapters.pixels import unit_range
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder

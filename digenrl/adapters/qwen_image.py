@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from digenrl.adapters.base import PublishedModel, Tokens, hidden_size, seeded
+from digenrl.adapters.base import seeded
 from digenrl.adapters.cond import Cond
+from digenrl.adapters.cost_hooks import PublishedModel, Tokens, hidden_size
 from digenrl.adapters.guidance import TwoPassCFG
 from digenrl.adapters.packed import PackedLatentAdapter
 from digenrl.adapters.pixels import unit_range

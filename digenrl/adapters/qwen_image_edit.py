@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from digenrl.adapters.base import Tokens
 from digenrl.adapters.cond import Cond
+from digenrl.adapters.cost_hooks import Tokens
 from digenrl.adapters.edit import ImageToken, absent_components, pack, preprocess, read_image
 from digenrl.adapters.qwen_image import QWEN_IMAGE, QwenImageAdapter
 from digenrl.errors import UserError

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from digenrl.adapters.base import PublishedModel, hidden_size, seeded
+from digenrl.adapters.base import seeded
+from digenrl.adapters.cost_hooks import PublishedModel, hidden_size
 from digenrl.adapters.experts import EXPERT_NAMES, Experts
 from digenrl.adapters.preview import LatentRGBDecoder
 from digenrl.adapters.tiny_text import HashTextEncoder

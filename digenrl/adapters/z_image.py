@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from digenrl.adapters.base import Adapter, PublishedModel, Tokens, seeded
+from digenrl.adapters.base import Adapter, seeded
 from digenrl.adapters.cond import Cond
+from digenrl.adapters.cost_hooks import PublishedModel, Tokens
 from digenrl.adapters.guidance import TwoPassCFG
 from digenrl.adapters.packed import calculate_shift
 from digenrl.adapters.preview import LatentRGBDecoder

@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from digenrl.adapters import adapter_class
-from digenrl.adapters.base import Tokens
+from digenrl.adapters.cost_hooks import Tokens
 from digenrl.errors import UserError
 from digenrl.policy.lora import matching_modules
 
