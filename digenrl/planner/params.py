@@ -36,10 +36,9 @@ class CostParams:
     serve_request_s: float = 0.001
     # a single controller's step cost per worker (dispatch, gather of every phase's data): peer models
     dispatch_s_per_worker: float = 1.05
-    # a judge served beside generation and waited for inside it: images/s at c images in flight
-    # = judge_rate_max c / (c + judge_half_concurrency) (a vLLM server's batching; fitted per judge)
-    judge_rate_max: float = 0.0
-    judge_half_concurrency: float = 0.0
+    # a judge served beside generation and waited for inside it, images/s (fitted on MM-GRPO's rows,
+    # which show no rise with concurrency; 0 = none)
+    judge_rate: float = 0.0
     vae_mfu: float = 0.25  # VAE decoder convolutions
     mem_bw_efficiency: float = 0.70  # share of peak memory bandwidth a weight-streaming pass reaches
     forward_overhead_s: float = 0.002  # per text-encoder call (and a transformer call of an uncounted family)

@@ -166,9 +166,8 @@ def verl_omni_phases(cost, device: str, n: int, s: VerlOmniSettings = PUBLISHED)
     generation += per * p.serve_request_s if s.server else 0.0
     if s.judge_streamed_gpus:  # scored while generated; the last image's score after it
         generation = max(generation, w.samples * p.model_reward_s / s.judge_streamed_gpus) + p.model_reward_s
-    if s.judge_in_generation and p.judge_rate_max > 0:  # n GPUs' micro-batches scored at once, waited for
-        c = b * n
-        generation += calls * c * (c + p.judge_half_concurrency) / (p.judge_rate_max * c)
+    if s.judge_in_generation and p.judge_rate > 0:  # n GPUs' micro-batches scored at once, waited for
+        generation += calls * b * n / p.judge_rate
 
     reward = roll.reward(per)  # the judge on the same GPUs (p.model_reward_s per image)
 

@@ -25,7 +25,7 @@ from digenrl.planner.published import CALIBRATION, OUT_OF_SAMPLE, VERL_OMNI_GENE
 from digenrl.planner.published_sd3 import VERL_OMNI_SD35_GENERATION
 from digenrl.planner.published_setup import PublishedSetup
 from digenrl.planner.search import search
-from digenrl.planner.shapes import param_counts
+from digenrl.planner.shapes import model_shape, param_counts
 from digenrl.planner.uncertainty import fits
 from digenrl.planner.workload import Workload
 
@@ -56,7 +56,7 @@ def cost_params(theta: Theta, judge_s: float | None = None) -> CostParams:
         op_launch_s=theta["op_launch_s"],
         serve_request_s=theta["serve_request_s"],
         dispatch_s_per_worker=theta["dispatch_s_per_worker"],
-        judge_rate_max=theta["judge_rate"],  # the rows show no rise with concurrency: a constant rate
+        judge_rate=theta["judge_rate"],
     )
     if judge_s is not None:
         p.model_reward_s = judge_s
@@ -120,14 +120,12 @@ def sd35_generation(theta: Theta, batch: int) -> float:
     return verl.verl_omni_phases(cost, next(iter(cluster.devices)), g.gpus, s)["generation"]
 
 
-@functools.cache
 def h200_workload():
     """The H200 check's sampler model: FLUX.1 width, 2 double + 4 single blocks, 1536 tokens, bf16."""
-    over = ["model.height=512", "model.width=512", "model.max_text_len=512", "model.lora=null"]
-    w = Workload.from_config(load_config(ROOT / "configs" / "flux1_dev.yaml", over))
-    shape = replace(w.shape, config={**w.shape.config, "num_layers": 2, "num_single_layers": 4})
-    shape.tokens = w.shape.tokens
-    return replace(w, shape=shape, params=param_counts(shape, None, ()))
+    over = ("model.height=512", "model.width=512", "model.max_text_len=512")
+    config = model_shape(load_config(ROOT / "configs" / "flux1_dev.yaml", list(over)).model).config
+    blocks = json.dumps({**config, "num_layers": 2, "num_single_layers": 4}, sort_keys=True)
+    return reduced_workload("configs/flux1_dev.yaml", blocks, over)
 
 
 def h200_times(theta: Theta) -> AnalyticTimes:
@@ -213,7 +211,7 @@ def call_rows(path: Path) -> list[Row]:
         )
         if r["mode"] != "eager" or model is None:
             continue
-        w = _call_workload(model["config_file"], json.dumps(model["config"], sort_keys=True))
+        w = reduced_workload(model["config_file"], json.dumps(model["config"], sort_keys=True))
         kind, b = r["kind"], r["batch"]
         where = f"{path.parent.name}/{path.name}"
         out.append(
@@ -230,10 +228,10 @@ def call_rows(path: Path) -> list[Row]:
 
 
 @functools.cache
-def _call_workload(config_file: str, config_json: str):
-    """The workload of ``config_file`` with its transformer's config replaced (fewer blocks), one pass,
-    full weights, bf16."""
-    w = Workload.from_config(load_config(ROOT / config_file, ["model.lora=null"]))
+def reduced_workload(config_file: str, config_json: str, overrides: tuple[str, ...] = ()):
+    """The workload of ``config_file`` (+ ``overrides``) with its transformer's config replaced (fewer
+    blocks): one pass, full weights, bf16 -- a GPU check's model."""
+    w = Workload.from_config(load_config(ROOT / config_file, ["model.lora=null", *overrides]))
     shape = replace(w.shape, config=json.loads(config_json))
     shape.tokens = w.shape.tokens
     return replace(w, shape=shape, params=param_counts(shape, None, ()), passes=1, lora=False, kl=False)
