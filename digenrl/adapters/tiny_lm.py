@@ -25,22 +25,27 @@ class TinyLM:
             model.get_input_embeddings().weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(7))
 
     @classmethod
-    def qwen3(cls, hidden: int, layers: int, max_len: int, seed: int = 4321) -> TinyLM:
-        """``Qwen3Model`` (Z-Image's and FLUX.2 [klein]'s text encoder class), ``hidden`` wide."""
-        from transformers import Qwen3Config, Qwen3Model
-
-        config = Qwen3Config(
+    def build(cls, model_cls, config_cls, hidden: int, layers: int, max_len: int, seed: int = 4321, **extra):
+        """A random-init ``model_cls`` of ``hidden`` width and ``layers`` layers (2 heads, 1 KV head)."""
+        config = config_cls(
             vocab_size=512,
             hidden_size=hidden,
             intermediate_size=2 * hidden,
             num_hidden_layers=layers,
             num_attention_heads=2,
             num_key_value_heads=1,
-            head_dim=hidden // 2,
             max_position_embeddings=max(64, max_len),
+            **extra,
         )
         with seeded(seed):
-            return cls(Qwen3Model(config), max_len)
+            return cls(model_cls(config), max_len)
+
+    @classmethod
+    def qwen3(cls, hidden: int, layers: int, max_len: int, seed: int = 4321) -> TinyLM:
+        """``Qwen3Model`` (Z-Image's and FLUX.2 [klein]'s text encoder class), ``hidden`` wide."""
+        from transformers import Qwen3Config, Qwen3Model
+
+        return cls.build(Qwen3Model, Qwen3Config, hidden, layers, max_len, seed, head_dim=hidden // 2)
 
     @classmethod
     def mistral(cls, hidden: int, layers: int, max_len: int, seed: int = 4321) -> TinyLM:
@@ -48,38 +53,25 @@ class TinyLM:
         is never used for text)."""
         from transformers import MistralConfig, MistralModel
 
-        config = MistralConfig(
-            vocab_size=512,
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=hidden // 2,
-            max_position_embeddings=max(64, max_len),
-        )
-        with seeded(seed):
-            return cls(MistralModel(config), max_len)
+        return cls.build(MistralModel, MistralConfig, hidden, layers, max_len, seed, head_dim=hidden // 2)
 
     @classmethod
     def qwen2_5_vl(cls, hidden: int, layers: int, max_len: int, seed: int = 4321) -> TinyLM:
         """``Qwen2_5_VLTextModel``: HunyuanVideo-1.5's text encoder (Qwen2.5-VL's language model)."""
         from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
-        config = Qwen2_5_VLTextConfig(
-            vocab_size=512,
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=max(64, max_len),
-            rope_scaling={"type": "default", "mrope_section": [1, 1, 2]},
+        rope = {"type": "default", "mrope_section": [1, 1, 2]}
+        return cls.build(
+            Qwen2_5_VLTextModel,
+            Qwen2_5_VLTextConfig,
+            hidden,
+            layers,
+            max_len,
+            seed,
+            rope_scaling=rope,
             bos_token_id=None,
             eos_token_id=None,
         )
-        with seeded(seed):
-            return cls(Qwen2_5_VLTextModel(config), max_len)
 
     def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, mask), both (B, max_len) long; a word's id is its CRC32 (0 is padding)."""
