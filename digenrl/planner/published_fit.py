@@ -284,8 +284,6 @@ OUTSIDE = {
     "DanceGRPO": "a bound ('within 12 hours'), exceeded: DanceGRPO's model (peers.py) prices batch-1 "
     "sampling through the fp32 FSDP module at 171 s and training at 289 s; its code path, not a fitted "
     "number, is what to re-read",
-    "MM-GRPO SD3.5-M Flow-GRPO-Fast LoRA, one-step-off, 2 actor": "rollout-bound on its judge: left out, "
-    "only the hybrid row constrains the judge's rate (a1_r2 is trainer-bound)",
 }
 
 
