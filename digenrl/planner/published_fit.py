@@ -277,10 +277,13 @@ def own_rows() -> list[Row]:
 
 #: why a row stays outside the leave-one-out bound, with the evidence (benchmarks/peer_calibration.py)
 OUTSIDE = {
-    "veRL-Omni SD3.5-M": "judge-bound: GenRM-OCR (Qwen2.5-VL-3B, 3rd GPU) streamed into the gen timer at the "
-    "0.227 GPU-s per image read off the Qwen-Image judge gives 14.8 s; the rows imply ~0.33 s per image "
-    "(64 images in ~22 s, barely moving with batching): the GenRM-OCR judge's own rate is the missing "
-    "term, unmeasured (a judge-rate measurement on one H800 decides it)",
+    "veRL-Omni SD3.5-M": "judge-bound, the judge unmeasured: every image's GenRM-OCR request (genrm_ocr.py: "
+    "max_tokens 4096, temperature 0.7) to Qwen2.5-VL-3B at TP 1 is awaited inside the gen timer; priced at "
+    "the 0.227 GPU-s per image read off the Qwen-Image phase (another judge: Qwen3-VL-8B at TP 4) it gives "
+    "14.8 s. Both rows carry ~21 s beyond generation that barely move with batching: a throughput reading "
+    "(64 transcriptions of ~20 tokens) is < 2 s, a decode that runs to max_tokens (4096 steps at ~5 ms) is "
+    "~21 s. Decides it: the judge's response lengths (genrm_response, logged per image) or its rate "
+    "on one H800",
     "DanceGRPO": "a bound ('within 12 hours'), exceeded: DanceGRPO's model (peers.py) prices batch-1 "
     "sampling through the fp32 FSDP module at 171 s and training at 289 s; its code path, not a fitted "
     "number, is what to re-read",
