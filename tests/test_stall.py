@@ -128,3 +128,65 @@ def test_a_stopped_follower_is_found_by_the_driver(ray_cluster, tmp_path, monkey
     else:  # the pair restarted whole, its unit generated again once
         assert result.metrics[-1]["worker_restarts"] >= 1
         assert Counter(r.uid for r in tl.of("rollout"))[uid] == 1
+
+
+class FakeRay:
+    """Ray's ``wait`` / ``get`` over :class:`Member` pings: the StallWatch's logic without a cluster."""
+
+    def wait(self, refs, num_returns, timeout):
+        return [r for r in refs if r.answer is not None], [r for r in refs if r.answer is None]
+
+    def get(self, ref):
+        if isinstance(ref.answer, Exception):
+            raise ref.answer
+        return ref.answer
+
+
+class Ping:
+    def __init__(self, member):
+        self.answer = member.answer  # None: not answered (yet)
+
+
+class Member:
+    """An actor handle whose ``alive`` ping answers ``answer``: a pid, an error, or None (silent)."""
+
+    def __init__(self, answer):
+        self.answer, self.alive = answer, self
+
+    def options(self, concurrency_group):
+        assert concurrency_group == "health"
+        return self
+
+    def remote(self):
+        return Ping(self)
+
+
+def test_the_stall_watch_takes_down_a_silent_or_replaced_member_once(monkeypatch):
+    """A busy worker's members are pinged; one silent (stopped), failing (dead) or answering from
+    another process (restarted under its lead) for ``timeout_s`` stalls its worker -- named once;
+    members answering from their process keep theirs; a worker no longer busy starts afresh."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", FakeRay())
+    actors = {n: Member(1) for n in ("a", "a1", "b", "b1", "c", "d", "d1")}
+    members = {"a": ["a", "a1"], "b": ["b", "b1"], "c": ["c"], "d": ["d", "d1"]}
+    watch = StallWatch(actors, members, timeout_s=0.2)
+
+    def check_for(seconds, busy):
+        stalled, deadline = {}, time.time() + seconds
+        while time.time() < deadline:
+            stalled.update(watch.check(busy))
+            time.sleep(0.01)
+        return stalled
+
+    assert check_for(0.1, {"a", "b", "c", "d"}) == {}  # each member answered from its first process
+    actors["a1"].answer = None  # stopped
+    actors["b1"].answer = RuntimeError("the actor died")  # dead (or restarting)
+    actors["d1"].answer = 2  # restarted: another process answers now
+    stalled = check_for(0.5, {"a", "b", "c", "d"})
+    assert sorted(stalled) == ["a", "b", "d"]
+    assert stalled["a"].startswith("a1 gave no answer for 0 s (engine.stall_timeout_s: 0.2) while a ran")
+    assert check_for(0.3, {"a", "b", "c", "d"}) == {}  # once (their calls now fail as deaths)
+    actors["b1"].answer = 2
+    assert check_for(0.3, {"c"}) == {}  # no longer busy: forgotten
+    assert check_for(0.3, {"b", "c", "d"}) == {}  # a new call: b1's and d1's new processes answer
