@@ -21,11 +21,13 @@ class GroupStalled(RuntimeError):
 
 
 class StallWatch:
+    """The driver's pings of busy workers' members, and who stopped answering them."""
+
     def __init__(self, actors: dict, members: dict[str, list[str]], timeout_s: float):
         """``members``: each scheduled worker -> the processes its calls run on (itself first, then
         the followers it leads); ``timeout_s``: ``engine.stall_timeout_s``."""
         self.actors, self.members, self.timeout_s = actors, members, timeout_s
-        self.pings: dict[str, tuple[object, float]] = {}  # member -> (its ping in flight, when sent)
+        self.pings: dict[str, object] = {}  # member -> its ping in flight (an ObjectRef)
         self.since: dict[str, float] = {}  # member of a busy worker -> its last answer (or the call's start)
         self.pid: dict[str, int] = {}  # member of a busy worker -> the process that answers for it
         self.down: set[str] = set()  # busy workers taken down (once: their calls fail as deaths)
@@ -56,7 +58,7 @@ class StallWatch:
                 )
             elif m not in self.pings and now - self.since[m] >= min(PING_EVERY_S, self.timeout_s / 4):
                 call = self.actors[m].alive.options(concurrency_group=HEALTH_GROUP)
-                self.pings[m] = (call.remote(), now)
+                self.pings[m] = call.remote()
         for worker, line in stalled.items():
             print(f"warning: {line}: a stalled member; taking the group down", file=sys.stderr)
             self.down.add(worker)
@@ -69,8 +71,8 @@ class StallWatch:
 
         if not self.pings:
             return
-        done = set(ray.wait([r for r, _ in self.pings.values()], num_returns=len(self.pings), timeout=0)[0])
-        for m, (ref, _) in list(self.pings.items()):
+        done = set(ray.wait(list(self.pings.values()), num_returns=len(self.pings), timeout=0)[0])
+        for m, ref in list(self.pings.items()):
             if ref not in done:
                 continue
             del self.pings[m]
