@@ -90,6 +90,7 @@ CASES = {
     "unknown key": (["train", "--set", "train.lr_max=1"], "train.lr_max: unknown key"),
     "negative size": (["train", "--set", "train.prompts_per_iteration=-4"], "train.prompts_per_iteration"),
     "zero size": (["train", "--set", "model.lora.rank=0"], "model.lora.rank"),
+    "no stall timeout": (["train", "--set", "engine.stall_timeout_s=0"], "engine.stall_timeout_s"),
     "group size 1": (["train", "--set", "algorithm.group_size=1"], "algorithm.group_size"),
     "groups do not divide into units": (["train", "--set", "engine.unit_groups=3"], "engine.unit_groups"),
     "mini-batches that do not divide a group": (

@@ -67,7 +67,8 @@ class FaultConfig(_Section):
         description=(
             "unit uid, e.g. rollout-2-0 (iteration 2, unit 0) or train-1-0-0: the process dies after the "
             "unit's work; <uid>:start on a sequence-parallel or sharded group's follower: as its share "
-            "starts, while its lead waits in the unit's collectives; sync-<version> on "
+            "starts, while its lead waits in the unit's collectives; a :block or :stop suffix: blocks "
+            "its main thread (still answering pings) or SIGSTOPs the process instead; sync-<version> on "
             "trainer rank 0 corrupts that version's broadcast weight sync in transit instead"
         )
     )
@@ -121,6 +122,15 @@ class EngineConfig(_Section):
             "a unit of work running longer than this has a member blocked (a hung collective: NCCL "
             "peers never raise): the driver takes its group down and restarts it; also every "
             "collective's timeout"
+        ),
+    )
+    stall_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "a member of a busy worker's group (or the worker) that answers no ping for this long -- "
+            "stopped, dead, or restarted under its waiting peers -- is stalled: the driver takes its "
+            "group down and restarts it (engine/stall.py)"
         ),
     )
     weight_sync: Literal["auto", "broadcast", "object_store"] = Field(

@@ -55,6 +55,11 @@ class AroundSteps:
             names.add(f"checkpoint-{k}")
         return names
 
+    def side_busy(self) -> set[str]:
+        """The workers busy with a side call: rank 0 (and its group) in an eval or checkpoint."""
+        side = {what for what, _ in self.side.values()}
+        return {self.rank0} if side & {"eval", "checkpoint"} else set()
+
     def side_done(self, ref):
         import ray
 
@@ -95,7 +100,8 @@ class AroundSteps:
             if lost is not None:
                 raise lost from None
             raise TrainerRankLost(
-                f"trainer rank {self.rank0} died while running {what}-{key} ({first_line(exc, typed=True)}); "
+                f"trainer rank {self.rank0} died while running {what}-{key} "
+                f"({first_line(self.groups.cause(self.rank0, exc), typed=True)}); "
                 "the run stopped.",
                 f"{what}-{key}",
             ) from None

@@ -24,6 +24,7 @@ from digenrl.engine.resources import (
     resource_bundles,
     reward_service_resources,
 )
+from digenrl.engine.stall import HEALTH_GROUP
 from digenrl.engine.worker_setup import ResumeFrom, rollout_checkpoint_files
 from digenrl.errors import RunStopped, UserError, WeightSyncError, first_line
 from digenrl.placement.layout import RunLayout
@@ -133,8 +134,10 @@ def new_actor(plan: ActorPlan, group, index: int, cls=None, **extra):
     from digenrl.engine.workers import SCORE_GROUP, EngineWorker
 
     cls = cls or EngineWorker
-    # a model reward scored after each unit: the rollout workers' score() runs beside their next unit
-    remote = ray.remote(concurrency_groups={SCORE_GROUP: 1})(cls) if plan.scoring else ray.remote(cls)
+    # the driver's pings answer beside any call (engine/stall.py); a model reward scored after each
+    # unit: the rollout workers' score() runs beside their next unit
+    groups = {HEALTH_GROUP: 1, **({SCORE_GROUP: 1} if plan.scoring else {})}
+    remote = ray.remote(concurrency_groups=groups)(cls)
     b = plan.bundle
     return remote.options(
         num_cpus=b.get("CPU", 0),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -49,20 +50,25 @@ class FaultInjector:
 
     def reached(self, uid: str | None) -> None:
         """This process has done unit ``uid``'s work: die here if a fault says so, with
-        ``<uid>:block`` block here for good (a hung member: alive, never answering), with
-        ``<uid>:drop`` raise ConnectionError (a connection that broke: the process lives on); once."""
-        for fault, how in ((uid, "dies"), (f"{uid}:block", "blocks"), (f"{uid}:drop", "drops")):
+        ``<uid>:block`` block here for good (a hung member: alive, never returning), with
+        ``<uid>:stop`` stop the whole process (SIGSTOP: it neither raises nor answers, as a hung NCCL
+        peer), with ``<uid>:drop`` raise ConnectionError (a connection that broke: the process lives
+        on); once."""
+        for suffix, how in {"": "dies", ":block": "blocks", ":stop": "stops", ":drop": "drops"}.items():
+            fault = f"{uid}{suffix}"
             if fault not in self.units:
                 continue
             mark = _mark(_incarnations(), f"{self.name}-{fault}")
             if mark.exists():  # fired already, in an earlier process of this actor
                 continue
             mark.touch()
-            print(f"fault injection: {self.name} {how} in {uid}", file=sys.stderr)
+            print(f"fault injection: {self.name} {how} in {uid} at {time.time():.3f}", file=sys.stderr)
             sys.stderr.flush()
             if how == "drops":
                 raise ConnectionError(f"fault injection: {self.name}'s connection dropped in {uid}")
-            while how == "blocks":
+            if how == "stops":  # until killed (SIGKILL ends a stopped process)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            while how in ("blocks", "stops"):
                 time.sleep(3600)
             os._exit(17)
 

@@ -7,6 +7,7 @@ A mixin of :class:`~digenrl.engine.workers.EngineWorker`; the driver forms the g
 from __future__ import annotations
 
 import functools
+import os
 import socket
 from datetime import timedelta
 
@@ -100,6 +101,11 @@ class GroupMember:
     sync = None  # engine.weight_sync broadcast: rank 0's publisher or a rollout worker's inbox
     faults: object  # digenrl.engine.faults.FaultInjector: where this process dies (engine.faults)
     _pending: list = []  # the followers' refs of the group_call in progress
+
+    def alive(self) -> int:
+        """The driver's ping (engine/stall.py), answered in the ``health`` concurrency group beside
+        whatever this worker runs: this process's id."""
+        return os.getpid()
 
     # -- trainer group -------------------------------------------------------------------
 

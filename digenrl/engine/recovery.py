@@ -12,6 +12,7 @@ from collections import Counter
 
 from digenrl.engine.cluster import REWARD_ROW
 from digenrl.engine.resources import head_problem
+from digenrl.engine.stall import GroupStalled
 from digenrl.errors import RunStopped, UserError, WeightSyncError, actor_death, first_line
 from digenrl.schedule.driver import Back, Lost
 from digenrl.units.types import RolloutUnit, Unit
@@ -146,17 +147,23 @@ class GroupRestart:
     lead takes work; its unit was re-queued once, as any dead rollout worker's
     (:meth:`FaultRecovery.died`)."""
 
-    def __init__(self, groups: dict[str, list[str]], actors: dict, form, timeout_s: float = 1800.0):
+    def __init__(
+        self, groups: dict[str, list[str]], actors: dict, form, timeout_s: float = 1800.0, stall=None
+    ):
         self.groups, self.actors, self.form = groups, actors, form  # lead -> its members, lead first
         self.down: set[str] = set()
         self.timeout_s = timeout_s  # engine.group_timeout_s
         self.seen: dict = {}  # in-flight call -> when the driver first saw it running
+        self.stall = stall  # engine.stall_timeout_s: a StallWatch (engine/stall.py), or None
+        self.why: dict[str, Exception] = {}  # a worker taken down for a stalled member -> that stall
 
-    def watch(self, in_flight: dict, roles: dict[str, str]) -> list[str]:
+    def watch(self, in_flight: dict, roles: dict[str, str], busy: set[str] = frozenset()) -> list[str]:
         """The driver's own check for a blocked member (never a peer's error: an NCCL peer waits
-        without raising): a call running longer than ``timeout_s`` takes its worker's group down --
-        an SP rollout group whole, a trainer rank with every trainer rank (one process group) --
-        and its call then fails as a death does, handled as one. Returns the workers taken down."""
+        without raising): a call running longer than ``timeout_s``, or a member of a busy worker's
+        group that stopped answering (``stall``; ``busy``: workers busy besides ``in_flight``'s),
+        takes its worker's group down -- an SP rollout group whole, a trainer rank with every
+        trainer rank (one process group) -- and its call then fails as a death does, handled as
+        one. Returns the workers taken down."""
         import ray
 
         now = time.time()
@@ -165,6 +172,16 @@ class GroupRestart:
         for ref in overdue:  # (taken down once: its failure is on its way)
             self.seen[ref] = None
         hung = {in_flight[ref][0] for ref in overdue}
+        for worker in hung & set(roles):
+            print(
+                f"warning: {worker}'s group has run one call for over {self.timeout_s:.0f} s "
+                "(engine.group_timeout_s): a member is blocked; taking the group down",
+                file=sys.stderr,
+            )
+        if self.stall is not None:
+            stalled = self.stall.check(({w for w, _ in in_flight.values()} | set(busy)) & set(roles))
+            self.why.update({w: GroupStalled(line) for w, line in stalled.items()})
+            hung |= set(stalled)
         down = set()
         for worker in hung & set(roles):  # (not the reward actor's scoring: Ray restarts that one)
             if roles[worker] != "rollout":
@@ -172,14 +189,13 @@ class GroupRestart:
             else:
                 down |= set(self.groups.get(worker, [worker]))
         for name in sorted(down):
-            print(
-                f"warning: {name}'s group has run one call for over {self.timeout_s:.0f} s "
-                "(engine.group_timeout_s): a member is blocked; taking the group down",
-                file=sys.stderr,
-            )
             with contextlib.suppress(Exception):
                 ray.kill(self.actors[name], no_restart=False)
         return sorted(down)
+
+    def cause(self, worker: str, exc: Exception) -> Exception:
+        """Why ``worker``'s call failed with ``exc`` (a death): the stall it was taken down for, if any."""
+        return self.why.pop(worker, exc)
 
     def take_down(self, lead: str, exc: Exception) -> None:
         """``lead``'s unit failed because a member of its group died (``exc``): restart the rest."""

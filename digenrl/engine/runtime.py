@@ -28,6 +28,7 @@ from digenrl.engine.recovery import (
     TrainerLost,
     user_errors,
 )
+from digenrl.engine.stall import StallWatch
 from digenrl.engine.timeline import SERVICE_POOL, Timeline
 from digenrl.engine.weight_sync import SyncRoutes
 from digenrl.engine.workers import SCORE_GROUP
@@ -91,7 +92,8 @@ def run_on_ray(
         routes.reform = lambda: form_sync_group(layout, actors)  # the weight-sync group, after a restart
         sp_rollout = {names[0]: names for names in layout.rollout_sp_groups}  # restarted whole
         form = lambda names: form_rollout_sp_group(actors, names)  # noqa: E731
-        groups = GroupRestart(sp_rollout, actors, form, cfg.engine.group_timeout_s)
+        stall = StallWatch.of(layout, actors, cfg.engine.stall_timeout_s)  # a stalled member: its group down
+        groups = GroupRestart(sp_rollout, actors, form, cfg.engine.group_timeout_s, stall)
         try:
             with stop_on_interrupt() as stop:
                 backend = RayBackend(
@@ -267,7 +269,7 @@ class RayBackend(AroundSteps):
             raise RuntimeError(f"engine stalled: nothing in flight at version {self.sched.published_version}")
         ready, _ = ray.wait([*self.in_flight, *self.side], num_returns=1, timeout=self.faults.wait_timeout())
         self.faults.check_head()
-        self.groups.watch(self.in_flight, self.role)  # a blocked member: the driver takes its group down
+        self.groups.watch(self.in_flight, self.role, self.side_busy())  # a blocked or stalled member
         if not ready:
             return None
         ref = ready[0]
@@ -287,9 +289,8 @@ class RayBackend(AroundSteps):
             if self.score_row.pop(unit.uid, None) is not None:  # its scorer died: generate it again
                 self.unscored.pop(unit.uid, None)
                 return Lost(unit)
-            lost = self.faults.died(
-                worker, unit, exc
-            )  # the unit goes back to the scheduler, or the run stops
+            # the unit goes back to the scheduler, or the run stops (naming the stall it was taken down for)
+            lost = self.faults.died(worker, unit, self.groups.cause(worker, exc))
             self.sync.worker_died(worker, self.sched.published_version)  # a rollout worker leaves the group
             self.groups.take_down(worker, exc)  # engine.rollout_sp: the rest of its group restarts too
             return lost
