@@ -54,7 +54,11 @@ class Policy:
         sampling = cfg.sampling.model_copy(
             update={"cfg_batching": settings.cfg_batching(trainable), "vae_tiling": settings.vae_tiling}
         )
-        self.adapter = build_adapter(cfg.model, sampling, self.device, generates)
+        # a rank that the layout shards creates its fp32 masters, KL reference, EMA and old policy on its
+        # shards (distributed.fsdp.shard_policy): never a full-size copy of them on a sharded rank; and
+        # its transformer stays in host memory until sharding moves it to the device, block by block
+        self.shard_pending = trainable and layout is not None and layout.will_shard("trainer")
+        self.adapter = build_adapter(cfg.model, sampling, self.device, generates, self.shard_pending)
         net = self.adapter.transformer
         self.lora = cfg.model.lora is not None
         if self.lora:
@@ -62,9 +66,6 @@ class Policy:
         else:
             net.requires_grad_(True)
         self._ref = None  # the KL reference of a full fine-tune: a frozen module, or (sharded) its shards
-        # a rank that the layout shards creates its fp32 masters, KL reference, EMA and old policy on its
-        # shards (distributed.fsdp.shard_policy): never a full-size copy of them on a sharded rank
-        self.shard_pending = trainable and layout is not None and layout.will_shard("trainer")
         if trainable and settings.activation_checkpointing:
             checkpoint_blocks(net)
         self.optimizer = None
