@@ -18,8 +18,6 @@ import torch
 
 from tests.dist_spawn import spawn
 
-pytestmark = pytest.mark.slow
-
 WAN22 = "configs/wan2.2_tiny.yaml"
 
 
@@ -64,6 +62,7 @@ def wan22_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["preset, full fine-tuning", "pretrained, LoRA"])
 def test_the_sharded_build_equals_the_whole_build(source, wan22_dir, tmp_path):
     sets = ["model.lora=null", "algorithm.kl_beta=0.1"]
@@ -110,6 +109,7 @@ def _audit_build(rank, world, out, config, sets):
     torch.save(result, out / "audit.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config, sets",
     [("configs/flux_tiny.yaml", ["model.lora=null"]), (WAN22, [])],
@@ -124,3 +124,15 @@ def test_no_rank_holds_the_whole_model_while_it_builds(config, sets, tmp_path):
     # the peak: what the rank ends with, plus one unit whole on its way to be sharded (hand count)
     assert r["peak"] <= r["end"] + r["unit"]
     assert r["peak"] - other < r["whole"]  # on the old code: other + the whole transformer at least
+
+
+@pytest.mark.parametrize(
+    "sets", [[], ["model.lora=null"], ["model.lora=null", "model.train_experts=low_noise"]]
+)
+def test_weight_names_are_the_keys_of_weights(sets):
+    """A worker reads the names a sync carries without copying the host-held model (``weight_names``)."""
+    from digenrl.config.run import load_config
+    from digenrl.policy.model import Policy
+
+    policy = Policy(load_config(WAN22, sets), device="cpu", trainable=False)
+    assert policy.weight_names() == set(policy.weights()) and len(policy.weight_names()) > 0

@@ -143,7 +143,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
             self.policy.adapter.release_generation_modules()
         if cfg.engine.compile_rollout == "on" and self.role == "rollout":
             compile_transformer(self.policy, cfg.engine.compile_mode)
-        self.expected_keys = frozenset(self.policy.weights())
+        self.expected_keys = self.policy.weight_names()
         if self.reward is not None and not restarted():  # dry-run the rewards on this worker's decoded
             # shape (once: a restarted worker was checked at the start, the reward actor may be restarting)
             preflight_reward(self.reward, self.policy.adapter, self.prompts.prompts)

@@ -176,6 +176,14 @@ class Policy:
             for k, v in sync_targets(self.adapter.transformer, lora=False).items()
         }
 
+    def weight_names(self) -> frozenset[str]:
+        """The names :meth:`weights` ships, read without copying a tensor (a rank that will shard holds
+        its whole transformer in host memory: a copy would double it)."""
+        from peft.utils import get_peft_model_state_dict
+
+        net = self.adapter.transformer
+        return frozenset(get_peft_model_state_dict(net) if self.lora else sync_targets(net, lora=False))
+
     def agreement_digest(self) -> str:
         """A short digest of the trained parameters, fingerprinted on their own device (a sharded
         tensor gathered there first: every rank calls it in the same order); trainer ranks compare it
