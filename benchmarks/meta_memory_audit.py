@@ -11,7 +11,10 @@ shards; every tensor must be a shard (no full-size copy), and the total is compa
 ``planner/memory.py``'s parts (activations and FSDP2's gathered block, which live only inside a
 forward, excluded).
 
-    python benchmarks/meta_memory_audit.py [--json F] [--markdown] [--only flux1_dev]
+``--build``: the build instead (issue 53, item 4): the device bytes of a rank while its transformer is
+moved from host memory and sharded, block by block (``build_audit``).
+
+    python benchmarks/meta_memory_audit.py [--json F] [--markdown] [--only NAME] [--build [--device cuda]]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import sys
 from pathlib import Path
@@ -195,12 +199,13 @@ def audit(name: str, config: str, sets: list[str]) -> dict:
     }
 
 
-def build_audit(name: str, config: str, sets: list[str]) -> dict:
+def build_audit(name: str, config: str, sets: list[str], device_type: str = "meta") -> dict:
     """The build of one rank of 8, by the runtime's own ``Policy`` and ``fsdp.shard_policy``: the
     published transformer in host memory (``to_empty`` on the CPU: pages reserved, never touched but
     for the one block cast to fp32 at a time), the rank's device played by ``meta`` and every storage
     put there counted (``distributed.build_audit.DeviceBytes``). ``whole``: the transformer's bytes,
-    which the build before issue 53 put on every rank's device before sharding."""
+    which the build before issue 53 put on every rank's device before sharding. ``device_type``
+    ``cuda``: the rank's device is the GPU, its peak ``torch.cuda.max_memory_allocated`` (not yet run)."""
     from digenrl.adapters import adapter_class
     from digenrl.config.run import load_config
     from digenrl.distributed import fsdp
@@ -224,11 +229,23 @@ def build_audit(name: str, config: str, sets: list[str]) -> dict:
     settings = dataclasses.replace(single_process_settings(cfg), fsdp=WORLD, activation_checkpointing=False)
     layout = mock.create_autospec(RunLayout, instance=True, settings=settings)
     layout.will_shard.side_effect = lambda role: role != "rollout"
+    cuda = device_type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated() if cuda else 0
     with mock.patch.object(policy_model, "build_adapter", lambda *a, **k: adapter):
-        with DeviceBytes("meta") as device:
-            policy = policy_model.Policy(cfg, device="meta", layout=layout)
-            fsdp.shard_policy(policy, fsdp.trainer_mesh(WORLD, "cpu"), independent_replicas=True)
-    device._forget_freed()
+        with contextlib.nullcontext() if cuda else DeviceBytes("meta") as device:
+            policy = policy_model.Policy(cfg, device=device_type, layout=layout)
+            mesh = fsdp.trainer_mesh(WORLD, "cuda" if cuda else "cpu")
+            fsdp.shard_policy(policy, mesh, independent_replicas=True)
+    if cuda:
+        device = SimpleNamespace(
+            peak=torch.cuda.max_memory_allocated() - start,
+            live=torch.cuda.memory_allocated() - start,
+            largest=None,
+        )
+    else:
+        device._forget_freed()
     return {
         "name": name,
         "config": f"configs/{config}",
@@ -288,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print the table for docs/real_scale.md")
     ap.add_argument("--only", action="append", help="cases whose name starts with this (repeatable)")
     ap.add_argument("--build", action="store_true", help="the build column (BUILD_CASES) instead")
+    ap.add_argument("--device", default="meta", choices=["meta", "cuda"], help="--build: the rank's device")
     a = ap.parse_args(argv)
     cases = [
         c
@@ -298,8 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.build:
         with fake_group():
             for case in cases:
-                rows.append(build_audit(*case))
+                rows.append(build_audit(*case, a.device))
                 r = rows[-1]
+                gc.collect()  # (the case's FSDP modules hold reference cycles)
+                if a.device == "cuda":
+                    torch.cuda.empty_cache()
                 print(
                     f"{r['name']}: build peak {r['build_peak'] / GiB:.2f} GiB on rank 0 of {WORLD} "
                     f"(whole transformer {r['whole'] / GiB:.2f} GiB)",

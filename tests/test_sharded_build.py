@@ -3,7 +3,7 @@ transformer stays in host memory and ``fsdp.parallelize`` casts, moves and shard
 
 (a) The sharded model equals the model built whole, bit for bit (2 gloo ranks, the tiny Wan2.2 A14B:
 two experts and diffusers' fp32-kept modules; a random-init preset with full fine-tuning, and a saved
-pretrained directory with LoRA). (b) The build's device bytes, counted by
+pretrained directory loaded in bf16, with LoRA). (b) The build's device bytes, counted by
 ``distributed.build_audit.DeviceBytes`` with the ``meta`` device standing in for the GPU (8 ranks of a
 fake process group): the peak is this rank's shards plus one block (or the root's own tensors), far
 below the whole transformer; on the old code the whole transformer reached the device at build time."""
@@ -63,11 +63,11 @@ def wan22_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["preset, full fine-tuning", "pretrained, LoRA"])
+@pytest.mark.parametrize("source", ["preset, full fine-tuning", "pretrained bf16, LoRA"])
 def test_the_sharded_build_equals_the_whole_build(source, wan22_dir, tmp_path):
     sets = ["model.lora=null", "algorithm.kl_beta=0.1"]
     if source.startswith("pretrained"):
-        sets = [f"model.pretrained={wan22_dir}", "model.preset=null"]
+        sets = [f"model.pretrained={wan22_dir}", "model.preset=null", "model.dtype=bfloat16"]
     spawn(_equal_build, 2, tmp_path, sets)
     for rank in (0, 1):
         r = torch.load(tmp_path / f"rank{rank}.pt")
