@@ -129,10 +129,14 @@ def test_no_rank_holds_the_whole_model_while_it_builds(config, sets, tmp_path):
 @pytest.mark.parametrize(
     "sets", [[], ["model.lora=null"], ["model.lora=null", "model.train_experts=low_noise"]]
 )
-def test_weight_names_are_the_keys_of_weights(sets):
-    """A worker reads the names a sync carries without copying the host-held model (``weight_names``)."""
+def test_names_and_checksum_of_the_weights_read_without_a_copy(sets):
+    """A worker reads the names a sync carries and the weights' checksum (``ready``) without copying
+    the host-held model: the same as read off ``weights()``."""
     from digenrl.config.run import load_config
+    from digenrl.policy.lora import checksum
     from digenrl.policy.model import Policy
 
     policy = Policy(load_config(WAN22, sets), device="cpu", trainable=False)
-    assert policy.weight_names() == set(policy.weights()) and len(policy.weight_names()) > 0
+    weights = policy.weights()
+    assert policy.weight_names() == set(weights) and len(weights) > 0
+    assert policy.weights_checksum() == checksum(weights)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Mapping
 
 import torch
 
@@ -184,6 +185,13 @@ class Policy:
         net = self.adapter.transformer
         return frozenset(get_peft_model_state_dict(net) if self.lora else sync_targets(net, lora=False))
 
+    def weights_checksum(self) -> str:
+        """``checksum(self.weights())`` read one tensor at a time (each gathered in turn when sharded: every
+        rank calls it), never a copy of the whole model: a rank that will shard holds it in host memory."""
+        if self.lora:
+            return checksum(self.weights())
+        return checksum(_Gathered(sync_targets(self.adapter.transformer, lora=False)))
+
     def agreement_digest(self) -> str:
         """A short digest of the trained parameters, fingerprinted on their own device (a sharded
         tensor gathered there first: every rank calls it in the same order); trainer ranks compare it
@@ -216,6 +224,22 @@ class Policy:
                     if not all(torch.equal(own[k], v.to(own[k].dtype)) for k, v in state.items()):
                         raise WeightSyncError("weights differ from the received ones after load")
         self.version = version
+
+
+class _Gathered(Mapping):
+    """A state dict whose tensors are gathered whole (``full_tensor``) only when read."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return full_tensor(self.state[name]).detach()
+
+    def __iter__(self):
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
 
 
 def _reshard(net) -> None:
