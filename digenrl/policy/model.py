@@ -216,7 +216,7 @@ class Policy:
             if expected_checksum is not None:
                 own = net.state_dict()
                 if all(own[k].dtype == v.dtype for k, v in state.items()):
-                    if checksum(self.weights()) != expected_checksum:
+                    if self.weights_checksum() != expected_checksum:
                         raise WeightSyncError("weight checksum mismatch after load")
                 else:  # fp32 masters loaded into a compute-dtype copy: verify what arrived, then the cast
                     if checksum(state) != expected_checksum:
