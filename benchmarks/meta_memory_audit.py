@@ -11,7 +11,10 @@ shards; every tensor must be a shard (no full-size copy), and the total is compa
 ``planner/memory.py``'s parts (activations and FSDP2's gathered block, which live only inside a
 forward, excluded).
 
-    python benchmarks/meta_memory_audit.py [--json F] [--markdown] [--only flux1_dev]
+``--build``: the build instead (issue 53, item 4): the device bytes of a rank while its transformer is
+moved from host memory and sharded, block by block (``build_audit``).
+
+    python benchmarks/meta_memory_audit.py [--json F] [--markdown] [--only NAME] [--build [--device cuda]]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import sys
 from pathlib import Path
@@ -69,6 +73,12 @@ CASES = [
         ["model.lora=null", "algorithm.kl_beta=0.01", "train.ema={decay: 0.99}"],
     ),
 ]
+# the build column (issue 53, item 4): what a rank's device holds while it builds and shards
+BUILD_CASES = [
+    ("wan2.2_t2v_a14b full FT + KL", "wan2.2_t2v_a14b.yaml", ["model.lora=null", "algorithm.kl_beta=0.01"]),
+    ("wan2.2_t2v_a14b LoRA", "wan2.2_t2v_a14b.yaml", []),
+    ("flux1_dev full FT + KL + EMA", "flux1_dev.yaml", ["model.lora=null", "train.ema={decay: 0.99}"]),
+]
 PARTS = ("frozen base", "fp32 masters", "fp32 grads", "AdamW state", "reference", "EMA", "old policy")
 
 
@@ -82,14 +92,23 @@ def meta_transformer(cfg):
 
     shape = model_shape(cfg.model)
     cls = getattr(diffusers, adapter_class(cfg.model.adapter).transformer_class)
-    with torch.device("meta"):
-        net = cls(**{k: v for k, v in shape.config.items() if k in _init_args(cls)})
-    net.to(getattr(torch, cfg.model.dtype))
-    keep = getattr(cls, "_keep_in_fp32_modules", None) or []
-    for name, module in net.named_modules():
-        if any(k in name.split(".") for k in keep):
-            module.float()
-    return net, shape.source
+
+    def one():
+        with torch.device("meta"):
+            net = cls(**{k: v for k, v in shape.config.items() if k in _init_args(cls)})
+        net.to(getattr(torch, cfg.model.dtype))
+        keep = getattr(cls, "_keep_in_fp32_modules", None) or []
+        for name, module in net.named_modules():
+            if any(k in name.split(".") for k in keep):
+                module.float()
+        return net
+
+    if shape.experts == 2:  # Wan2.2 A14B: two experts of one architecture, as adapters/wan22.py holds them
+        from digenrl.adapters.experts import Experts
+        from digenrl.adapters.wan22 import TRAINED
+
+        return Experts(one(), one(), TRAINED[cfg.model.train_experts]), shape.source
+    return one(), shape.source
 
 
 def local_bytes(t) -> tuple[int, bool]:
@@ -180,6 +199,82 @@ def audit(name: str, config: str, sets: list[str]) -> dict:
     }
 
 
+def build_audit(name: str, config: str, sets: list[str], device_type: str = "meta") -> dict:
+    """The build of one rank of 8, by the runtime's own ``Policy`` and ``fsdp.shard_policy``: the
+    published transformer in host memory (``to_empty`` on the CPU: pages reserved, never touched but
+    for the one block cast to fp32 at a time), the rank's device played by ``meta`` and every storage
+    put there counted (``distributed.build_audit.DeviceBytes``). ``whole``: the transformer's bytes,
+    which the build before issue 53 put on every rank's device before sharding. ``device_type``
+    ``cuda``: the rank's device is the GPU, its peak ``torch.cuda.max_memory_allocated`` (not yet run)."""
+    from digenrl.adapters import adapter_class
+    from digenrl.config.run import load_config
+    from digenrl.distributed import fsdp
+    from digenrl.distributed.blocks import transformer_blocks
+    from digenrl.distributed.build_audit import DeviceBytes
+    from digenrl.placement.layout import RunLayout
+    from digenrl.policy import model as policy_model
+    from digenrl.policy.settings import single_process_settings
+
+    cfg = load_config(ROOT / "configs" / config, sets)
+    net, source = meta_transformer(cfg)
+    whole = sum(p.numel() * p.element_size() for p in net.parameters())
+    block = max(sum(p.numel() * 4 for p in b.parameters()) for b in transformer_blocks(net))
+    net.to_empty(device="cpu")
+    adapter = SimpleNamespace(
+        transformer=net,
+        dtype=getattr(torch, cfg.model.dtype),
+        default_lora_targets=adapter_class(cfg.model.adapter).default_lora_targets,
+        host_transformer=True,  # as build_adapter leaves it for a rank that will shard
+    )
+    settings = dataclasses.replace(single_process_settings(cfg), fsdp=WORLD, activation_checkpointing=False)
+    layout = mock.create_autospec(RunLayout, instance=True, settings=settings)
+    layout.will_shard.side_effect = lambda role: role != "rollout"
+    cuda = device_type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated() if cuda else 0
+    with mock.patch.object(policy_model, "build_adapter", lambda *a, **k: adapter):
+        with contextlib.nullcontext() if cuda else DeviceBytes("meta") as device:
+            policy = policy_model.Policy(cfg, device=device_type, layout=layout)
+            mesh = fsdp.trainer_mesh(WORLD, "cuda" if cuda else "cpu")
+            fsdp.shard_policy(policy, mesh, independent_replicas=True)
+    if cuda:
+        device = SimpleNamespace(
+            peak=torch.cuda.max_memory_allocated() - start,
+            live=torch.cuda.memory_allocated() - start,
+            largest=None,
+        )
+    else:
+        device._forget_freed()
+    return {
+        "name": name,
+        "config": f"configs/{config}",
+        "published": source,
+        "params": sum(p.numel() for p in net.parameters()),
+        "whole": whole,
+        "block_fp32": block,
+        "build_peak": device.peak,
+        "build_end": device.live,
+        "largest": device.largest,
+    }
+
+
+def build_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| case | params | whole transformer (old build, per rank) | build peak per rank | "
+        "held after the build | largest block, fp32 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [r["whole"], r["build_peak"], r["build_end"], r["block_fp32"]]
+        lines.append(
+            f"| {r['name']} | {r['params'] / 1e9:.2f} B | "
+            + " | ".join(f"{c / GiB:.2f}" for c in cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 @contextlib.contextmanager
 def fake_group(rank: int = 0):
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -209,9 +304,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", action="store_true", help="print the table for docs/real_scale.md")
     ap.add_argument("--only", action="append", help="cases whose name starts with this (repeatable)")
+    ap.add_argument("--build", action="store_true", help="the build column (BUILD_CASES) instead")
+    ap.add_argument("--device", default="meta", choices=["meta", "cuda"], help="--build: the rank's device")
     a = ap.parse_args(argv)
-    cases = [c for c in CASES if not a.only or any(c[0].startswith(o) for o in a.only)]
+    cases = [
+        c
+        for c in (BUILD_CASES if a.build else CASES)
+        if not a.only or any(c[0].startswith(o) for o in a.only)
+    ]
     rows = []
+    if a.build:
+        with fake_group():
+            for case in cases:
+                rows.append(build_audit(*case, a.device))
+                r = rows[-1]
+                gc.collect()  # (the case's FSDP modules hold reference cycles)
+                if a.device == "cuda":
+                    torch.cuda.empty_cache()
+                print(
+                    f"{r['name']}: build peak {r['build_peak'] / GiB:.2f} GiB on rank 0 of {WORLD} "
+                    f"(whole transformer {r['whole'] / GiB:.2f} GiB)",
+                    flush=True,
+                )
+        if a.markdown:
+            print(build_markdown(rows))
+        if a.json:
+            a.json.write_text(json.dumps({"world": WORLD, "build_rows": rows}, indent=1))
+        return 0
     with fake_group():
         for case in cases:
             rows.append(audit(*case))

@@ -30,6 +30,8 @@ def adapter_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def build_adapter(model_cfg, sampling_cfg, device="cpu", generates: bool = True):
-    """``generates=False``: a rank that never encodes or decodes (a checkpoint's transformer alone)."""
-    return adapter_class(model_cfg.adapter)(model_cfg, sampling_cfg, device, generates)
+def build_adapter(model_cfg, sampling_cfg, device="cpu", generates: bool = True, host_transformer=False):
+    """``generates=False``: a rank that never encodes or decodes (a checkpoint's transformer alone);
+    ``host_transformer``: a rank that will shard keeps the transformer in host memory (FSDP2 moves it
+    to ``device`` one block at a time: ``distributed.fsdp.parallelize``)."""
+    return adapter_class(model_cfg.adapter)(model_cfg, sampling_cfg, device, generates, host_transformer)

@@ -51,9 +51,13 @@ class Adapter(CostHooks, ABC):
         sampling: SamplingConfig,
         device: torch.device | str = "cpu",
         generates: bool = True,
+        host_transformer: bool = False,
     ):
         """``generates=False``: a trainer rank that never encodes nor decodes; from a checkpoint it
-        loads the transformer alone."""
+        loads the transformer alone. ``host_transformer``: a rank that will shard leaves the
+        transformer in host memory; sharding moves it to ``device`` a block at a time, so the device
+        never holds the whole model (``distributed.fsdp.parallelize``)."""
+        self.host_transformer = host_transformer
         self.cfg = model
         self.sampling = sampling
         self.device = torch.device(device)
@@ -69,7 +73,8 @@ class Adapter(CostHooks, ABC):
             self.build_pretrained(path) if generates else self.build_transformer_alone(path)
         else:
             self.build_preset(model.preset)
-        self.transformer.to(self.device)
+        if not host_transformer:
+            self.transformer.to(self.device)
         if isinstance(getattr(self, "vae", None), nn.Module):
             self.vae.to(self.device)
             configure_vae(
@@ -144,6 +149,8 @@ class Adapter(CostHooks, ABC):
 
         kept = TEXT_ENCODER_PARTS if self.cfg.offload_text_encoders else ()
         for name, part in self.pipe.components.items():
+            if self.host_transformer and name.startswith("transformer"):
+                continue  # a rank that will shard: FSDP2 moves it, a block at a time
             if isinstance(part, nn.Module) and name not in kept:
                 part.to(self.device)
 

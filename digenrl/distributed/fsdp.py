@@ -76,6 +76,7 @@ def parallelize(
     reshard_after_forward: bool = True,
     gradient_sum: bool = True,
     independent_replicas: bool = False,
+    device: torch.device | str | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh``; returns it (now an ``FSDPModule``).
 
@@ -90,6 +91,9 @@ def parallelize(
     backward reduce-scatters inside the shard group and the replica groups need not run the same
     passes (FSDP2's own HSDP all-reduces across the replicas in every backward);
     :func:`all_reduce_replicas` then sums the gradient shards over the replicas before the step.
+    ``device``: where a model still in host memory goes (a rank built with ``host_transformer``):
+    each block is cast, moved and sharded in turn, then the root's own tensors, so the device
+    holds the shards plus one full block at most, never the whole model.
     """
     if independent_replicas and mesh.ndim == 2:
         mesh = mesh["shard"]
@@ -108,6 +112,7 @@ def parallelize(
     kept_modules, kept_params = fp32_kept(model)
     for block in transformer_blocks(model):  # cast one block at a time, then shard it: the full fp32
         fp32_master(block)  # copy of one block is the most that ever exists
+        to_device(block, device)
         for sub in kept_modules.pop(block, []):
             fully_shard(sub, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
         fully_shard(
@@ -118,6 +123,7 @@ def parallelize(
             ignored_params=kept_params,
         )
     fp32_master(model)  # the root's own parameters (the blocks' are fp32 shards already)
+    to_device(model, device)  # (and what FSDP leaves whole: kept bare parameters, buffers)
     for sub in kept_modules.pop(model, []):
         fully_shard(sub, mesh=mesh, mp_policy=fp32, reshard_after_forward=False)
     # the root's parameters are needed again right at the start of backward: keep them gathered. A
@@ -132,6 +138,21 @@ def parallelize(
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     return model
+
+
+def to_device(module: nn.Module, device: torch.device | str | None) -> None:
+    """Move ``module``'s tensors that are neither shards nor on ``meta`` to ``device`` in place (the
+    parameter objects stay: FSDP2's ``ignored_params`` and the optimizer name them); None: no move."""
+    if device is None:
+        return
+    for sub in module.modules():
+        for name, p in sub._parameters.items():
+            if p is not None and not isinstance(p, DTensor) and p.device.type != "meta":
+                moved = nn.Parameter(p.data.to(device), requires_grad=p.requires_grad)
+                torch.utils.swap_tensors(p, moved)  # (``p.data =`` cannot change the device type)
+        for name, b in sub._buffers.items():
+            if b is not None and b.device.type != "meta":
+                sub._buffers[name] = b.to(device)
 
 
 def fp32_kept(model: nn.Module) -> tuple[dict[nn.Module, list[nn.Module]], set[nn.Parameter]]:
@@ -245,13 +266,18 @@ def shard_policy(
             policy.cfg.algorithm.kl_beta > 0 or policy.cfg.algorithm.name == "online_dpo"
         ):  # full FT: the reference is the initial weights, in the
             ref = {n: p.dtype for n, p in net.named_parameters()}  # compute dtype they were loaded in
+    # the policy lets go of the whole parameters (its optimizer is rebuilt over the shards): each block
+    # parallelize moves to the device is freed once sharded, not kept to the end
+    trains, policy.optimizer, policy.named_params, policy.params = policy.optimizer is not None, None, {}, []
     parallelize(
         net,
         mesh,
         param_dtype=dtype,
         activation_checkpointing=activation_checkpointing,
         independent_replicas=independent_replicas,
+        device=policy.device if getattr(policy.adapter, "host_transformer", False) else None,
     )
+    policy.adapter.host_transformer = False
     policy.named_params = {n: p for n, p in net.named_parameters() if n in trained}
     policy.params = list(policy.named_params.values())
     if isinstance(ref, dict):  # the initial weights' shards, in their compute dtype (1/N each)
@@ -259,10 +285,10 @@ def shard_policy(
     elif ref is not None:  # a whole frozen copy: keep its shards only
         whole = dict(ref.named_parameters())
         policy._ref = {n: shard_like(whole[n], p) for n, p in policy.named_params.items()}
-    if policy.optimizer is not None:
+    if trains:
         policy.build_optimizer()
     if getattr(policy, "shard_pending", False):
-        if policy.optimizer is not None:
+        if trains:
             policy.build_averages()  # train.ema / the old policy, fp32, from the shards
         policy.shard_pending = False
         return

@@ -26,7 +26,6 @@ from digenrl.engine.worker_outputs import OutputsMember
 from digenrl.engine.worker_setup import ResumeFrom, gc_paused_then_frozen, generates, restarted
 from digenrl.errors import UserError
 from digenrl.placement.layout import RunLayout
-from digenrl.policy.lora import checksum
 from digenrl.policy.model import Policy, compile_transformer, pick_device
 from digenrl.rewards import build_reward, scored_after_unit
 from digenrl.rewards.base import Decoded, Scores, score
@@ -143,7 +142,7 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
             self.policy.adapter.release_generation_modules()
         if cfg.engine.compile_rollout == "on" and self.role == "rollout":
             compile_transformer(self.policy, cfg.engine.compile_mode)
-        self.expected_keys = frozenset(self.policy.weights())
+        self.expected_keys = self.policy.weight_names()
         if self.reward is not None and not restarted():  # dry-run the rewards on this worker's decoded
             # shape (once: a restarted worker was checked at the start, the reward actor may be restarting)
             preflight_reward(self.reward, self.policy.adapter, self.prompts.prompts)
@@ -152,9 +151,8 @@ class EngineWorker(GroupMember, SequenceParallelMember, OutputsMember):
     def ready(self) -> dict:
         if self.init_error is not None:
             raise self.init_error
-        weights = self.policy.weights()  # on a sharded group, a gather every rank joins
-        return {
-            "checksum": checksum(weights),
+        return {  # (on a sharded group, gathers every rank joins)
+            "checksum": self.policy.weights_checksum(),
             "device": str(self.policy.device),
             "pid": os.getpid(),
             "version": self.policy.version,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Mapping
 
 import torch
 
@@ -54,7 +55,11 @@ class Policy:
         sampling = cfg.sampling.model_copy(
             update={"cfg_batching": settings.cfg_batching(trainable), "vae_tiling": settings.vae_tiling}
         )
-        self.adapter = build_adapter(cfg.model, sampling, self.device, generates)
+        # a rank that the layout shards creates its fp32 masters, KL reference, EMA and old policy on its
+        # shards (distributed.fsdp.shard_policy): never a full-size copy of them on a sharded rank; and
+        # its transformer stays in host memory until sharding moves it to the device, block by block
+        self.shard_pending = trainable and layout is not None and layout.will_shard("trainer")
+        self.adapter = build_adapter(cfg.model, sampling, self.device, generates, self.shard_pending)
         net = self.adapter.transformer
         self.lora = cfg.model.lora is not None
         if self.lora:
@@ -62,9 +67,6 @@ class Policy:
         else:
             net.requires_grad_(True)
         self._ref = None  # the KL reference of a full fine-tune: a frozen module, or (sharded) its shards
-        # a rank that the layout shards creates its fp32 masters, KL reference, EMA and old policy on its
-        # shards (distributed.fsdp.shard_policy): never a full-size copy of them on a sharded rank
-        self.shard_pending = trainable and layout is not None and layout.will_shard("trainer")
         if trainable and settings.activation_checkpointing:
             checkpoint_blocks(net)
         self.optimizer = None
@@ -175,6 +177,21 @@ class Policy:
             for k, v in sync_targets(self.adapter.transformer, lora=False).items()
         }
 
+    def weight_names(self) -> frozenset[str]:
+        """The names :meth:`weights` ships, read without copying a tensor (a rank that will shard holds
+        its whole transformer in host memory: a copy would double it)."""
+        from peft.utils import get_peft_model_state_dict
+
+        net = self.adapter.transformer
+        return frozenset(get_peft_model_state_dict(net) if self.lora else sync_targets(net, lora=False))
+
+    def weights_checksum(self) -> str:
+        """``checksum(self.weights())`` read one tensor at a time (each gathered in turn when sharded: every
+        rank calls it), never a copy of the whole model: a rank that will shard holds it in host memory."""
+        if self.lora:
+            return checksum(self.weights())
+        return checksum(_Gathered(sync_targets(self.adapter.transformer, lora=False)))
+
     def agreement_digest(self) -> str:
         """A short digest of the trained parameters, fingerprinted on their own device (a sharded
         tensor gathered there first: every rank calls it in the same order); trainer ranks compare it
@@ -199,7 +216,7 @@ class Policy:
             if expected_checksum is not None:
                 own = net.state_dict()
                 if all(own[k].dtype == v.dtype for k, v in state.items()):
-                    if checksum(self.weights()) != expected_checksum:
+                    if self.weights_checksum() != expected_checksum:
                         raise WeightSyncError("weight checksum mismatch after load")
                 else:  # fp32 masters loaded into a compute-dtype copy: verify what arrived, then the cast
                     if checksum(state) != expected_checksum:
@@ -207,6 +224,22 @@ class Policy:
                     if not all(torch.equal(own[k], v.to(own[k].dtype)) for k, v in state.items()):
                         raise WeightSyncError("weights differ from the received ones after load")
         self.version = version
+
+
+class _Gathered(Mapping):
+    """A state dict whose tensors are gathered whole (``full_tensor``) only when read."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return full_tensor(self.state[name]).detach()
+
+    def __iter__(self):
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
 
 
 def _reshard(net) -> None:
