@@ -111,6 +111,23 @@ def _verl(**params):
     return CostModel(w, cluster, params=CostParams(**params))
 
 
+@pytest.mark.parametrize(
+    "cluster, device, ranks, gb_s",
+    [
+        ("16xH800", "H800", 8, 200),  # one node: NVLink (200 GB/s a direction)
+        ("16xH800", "H800", 16, 200),  # two: 8 NICs x 50 GB/s = 400 carry more than NVLink does
+        ("32xA100", "A100", 32, 200),  # 8 NICs x 25 GB/s = 200 < NVLink's 300
+        ("16xH100_16xL40S", "L40S", 16, 32),  # no NVLink: PCIe bounds it
+    ],
+)
+def test_a_ring_collective_across_nodes_uses_every_nic_of_a_node(cluster, device, ranks, gb_s):
+    """NCCL's rings cross between nodes each on another device's NIC: a device of a ring collective
+    over whole nodes moves min(its link, NICs per node x per-NIC bandwidth), not one NIC's."""
+    w = Workload.from_config(load_config(ROOT / "configs" / "flux1_dev.yaml"))
+    cost = CostModel(w, load_cluster(ROOT / "configs" / "clusters" / f"{cluster}.yaml"))
+    assert cost.link_bw(device, ranks) == pytest.approx(gb_s * 1e9)
+
+
 def test_a_peer_server_pays_per_request_and_a_controller_per_worker():
     base = verl.verl_omni_phases(_verl(serve_request_s=0.0, dispatch_s_per_worker=0.0), "H800", 4)
     paid = verl.verl_omni_phases(_verl(serve_request_s=0.5, dispatch_s_per_worker=2.0), "H800", 4)
@@ -126,13 +143,13 @@ def test_a_peer_server_pays_per_request_and_a_controller_per_worker():
     assert quiet["generation"] == pytest.approx(base["generation"])
 
 
-def test_a_judge_inside_generation_is_waited_for_per_micro_batch():
-    s = replace(verl.PUBLISHED, server_batch=8, judge_in_generation=True)
-    base = verl.verl_omni_phases(_verl(), "H800", 2, replace(s, judge_in_generation=False))
-    got = verl.verl_omni_phases(_verl(judge_rate=4.0), "H800", 2, s)
+def test_a_judge_inside_generation_costs_its_answer_length_in_decode_steps():
+    s = replace(verl.PUBLISHED, server_batch=8, judge_tokens=256)
+    base = verl.verl_omni_phases(_verl(), "H800", 2, replace(s, judge_tokens=0))
+    got = verl.verl_omni_phases(_verl(judge_step_s=0.02, judge_step_per_request_s=1e-4), "H800", 2, s)
     per = _verl().workload.samples / 2
-    calls, c = math.ceil(per / 8), 8 * 2  # two GPUs' micro-batches of 8 scored together
-    assert got["generation"] - base["generation"] == pytest.approx(calls * c / 4.0)
+    inflight = math.ceil(per / 8) * (per / math.ceil(per / 8)) * 2  # both GPUs' images, all in flight
+    assert got["generation"] - base["generation"] == pytest.approx(256 * (0.02 + 1e-4 * inflight))
 
 
 def _line(a, b):
@@ -218,9 +235,9 @@ def test_a_gpu_runs_call_times_join_the_fit_as_own_rows(tmp_path):
         "mfu_rollout": 0.5,
         "mfu_train": 0.4,
         "op_launch_s": 1e-5,
-        "serve_request_s": 0.0,
         "dispatch_s_per_worker": 0.0,
-        "judge_rate": 1.0,
+        "judge_step_s": 0.0,
+        "judge_step_per_request_s": 0.0,
     }
     forward = [r for r in got if "forward" in r.name]
     for r, b in zip(forward, (1, 4)):

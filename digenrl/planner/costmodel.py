@@ -166,11 +166,15 @@ class CostModel:
     # -- bandwidths ----------------------------------------------------------------------
 
     def link_bw(self, device: str, ranks: int) -> float:
-        """Per-device bandwidth of a collective over ``ranks`` devices of one type."""
+        """Per-device bandwidth of a ring collective (all-gather, reduce-scatter, all-reduce) over
+        ``ranks`` devices of one type, packed on whole nodes. Across nodes, NCCL runs one ring per
+        channel and each channel crosses on another device's NIC (one per device, the interconnect's
+        figure): the crossings share a node's NICs, so a device moves min(NVLink, NICs x per-NIC)."""
         spec = DEVICES[device]
-        if ranks <= self.cluster.gpus_per_node:
+        per_node = self.cluster.gpus_per_node
+        if ranks <= per_node:
             return spec.link_bw
-        return min(spec.link_bw, self.cluster.interconnect.bandwidth_gb_s * 1e9)
+        return min(spec.link_bw, self.cluster.interconnect.bandwidth_gb_s * 1e9 * per_node)
 
     def network_bw(self) -> float:
         if self.overheads.transfer_bytes_per_s:

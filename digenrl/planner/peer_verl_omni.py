@@ -128,9 +128,10 @@ class VerlOmniSettings:
     # a request-serving front end (vllm-omni's agent loop) that pays ``CostParams.serve_request_s`` per
     # image; MM-GRPO's in-process diffusers rollout has none
     server: bool = True
-    # the reward judge waited for per micro-batch inside generation (MM-GRPO: compute_reward_async,
-    # diffusers_rollout.py:192-201), at ``CostParams.judge_rate_*``
-    judge_in_generation: bool = False
+    # the reward judge's answer length when it is launched per micro-batch inside generation and
+    # awaited at its end (MM-GRPO: compute_reward_async, diffusers_rollout.py:193-221), priced at
+    # ``CostParams.judge_step_s`` / ``judge_step_per_request_s`` per token; 0 = no such judge
+    judge_tokens: int = 0
     # reward_model.enable_resource_pool=True: every image's score streamed from a judge on this many GPUs
     # of its own into the agent loop, awaited inside the gen timer (ray_diffusion_trainer.py:668-687)
     judge_streamed_gpus: int = 0
@@ -162,12 +163,19 @@ def verl_omni_phases(cost, device: str, n: int, s: VerlOmniSettings = PUBLISHED)
 
     calls, b = batches(per, s.server_batch)
     wake = host_s(cost, device, weights)  # the slept server's weights back from host memory
-    generation = w.steps * calls * roll.rollout_step(b) + roll.encode(w.prompts / n) + roll.decode(per) + wake
+    # the prompt encoded per request, and the negative prompt too with CFG (veRL-Omni's Qwen-Image adapter
+    # :330-348 at 36cdadf3; MM-GRPO's pipeline call per micro-batch of images, diffusers_rollout.py:158)
+    encode = roll.encode(per * w.passes)
+    generation = w.steps * calls * roll.rollout_step(b) + encode + roll.decode(per) + wake
     generation += per * p.serve_request_s if s.server else 0.0
     if s.judge_streamed_gpus:  # scored while generated; the last image's score after it
         generation = max(generation, w.samples * p.model_reward_s / s.judge_streamed_gpus) + p.model_reward_s
-    if s.judge_in_generation and p.judge_rate > 0:  # n GPUs' micro-batches scored at once, waited for
-        generation += calls * b * n / p.judge_rate
+    if s.judge_tokens:  # MM-GRPO: each micro-batch's requests sent once generated, all awaited after the
+        # loop (diffusers_rollout.py:193-201, 213-221 at d91797e); the last image's answer takes
+        # judge_tokens decode steps with every request of the n GPUs still in flight (the answers
+        # outlast generation), each step slower with each of them
+        inflight = calls * b * n
+        generation += s.judge_tokens * (p.judge_step_s + p.judge_step_per_request_s * inflight)
 
     reward = roll.reward(per)  # the judge on the same GPUs (p.model_reward_s per image)
 

@@ -31,7 +31,17 @@ VERL_OMNI_IMAGES_PER_GPU_S = 0.305
 PREDICTED_PHASES = ("generation", "update_actor", "old_log_prob")
 
 
+#: text tokens per pass of veRL-Omni's Qwen-Image rollout and actor: the chat template's 34-token prefix
+#: dropped and the padding stripped (pipelines/qwen_image_flow_grpo/common.py:46-76 at a1139baf;
+#: workers/utils/padding.py). Its OCR prompts (flow_grpo dataset/ocr: data_process/qwenimage_ocr.py:16)
+#: average 212.6 characters, ~47 tokens at ~4.5 characters per token, + the template's 5-token suffix;
+#: the negative prompt " " (:59) keeps ~6. DigenRL pads to ``model.max_text_len`` (256).
+QWEN_TEXT_TOKENS = {"cond": 52, "uncond": 6}
+_TEXT_CFG = f"model.max_text_len={sum(QWEN_TEXT_TOKENS.values()) // 2}"  # one pass of each: their mean
+_TEXT_ONE = f"model.max_text_len={QWEN_TEXT_TOKENS['cond']}"  # no CFG: the prompt's pass only
+
 _VERL_QWEN = (
+    _TEXT_CFG,
     "train.prompts_per_iteration=32",  # data.train_batch_size=32
     "algorithm.timesteps.mode=window",  # sde_window_size=2: two SDE (trained) steps
     "algorithm.timesteps.window=2",
@@ -51,7 +61,7 @@ CALIBRATION = PublishedSetup(
 )
 
 _H = "verl-project/verl-omni docs/algo/performance.md"
-_FULL = (*_VERL_QWEN, "model.lora=null", "sampling.guidance=1.0")  # true_cfg_scale=1.0: one pass
+_FULL = (*_VERL_QWEN, _TEXT_ONE, "model.lora=null", "sampling.guidance=1.0")  # true_cfg_scale=1.0: one pass
 
 OUT_OF_SAMPLE = (
     PublishedSetup(
@@ -124,6 +134,7 @@ OUT_OF_SAMPLE = (
             "train.optimizer_steps=2",  # ppo_mini_batch_size=12 of 24
             "train.micro_batch=12",
             "algorithm.name=diffusion_nft",
+            _TEXT_ONE,
             "sampling.guidance=1.0",  # true_cfg_scale=1.0
             "algorithm.kl_beta=0.0001",  # ref_kl_coef (script :43): a reference forward per trained term
         ),
@@ -132,7 +143,9 @@ OUT_OF_SAMPLE = (
         published_step_s=550.0,
         published_images_per_gpu_s=0.175,
         source=f"{_H} (36cdadf3, 2026-06-17: diffusionnft_trainer/qwen_image/run_qwen_image_ocr_lora.sh)",
-        settings={"micro_batch": 12},
+        # the reference forward runs inside the update at its micro-batch (diffusers_impl.py:1188-1210 at
+        # 36cdadf3), not at the log-prob micro-batch
+        settings={"micro_batch": 12, "log_prob_micro_batch": 12},
         caveat="the row says 24 x 12, the script 24 prompts x rollout.n 16 (0.175 x 4 x 550 = 385 images: "
         "the script's); NFT's training passes counted as DigenRL's diffusion_nft counts them, with the "
         "reference KL's forward (ref_kl_coef, script :43)",

@@ -38,9 +38,9 @@ PARAMS = [
     Param(
         "op_launch_s", 1.2e-5, 1e-6, 2e-4, "seconds per kernel of an eager transformer call (op_counts.py)"
     ),
-    Param("serve_request_s", 0.1, 1e-3, 10.0, "veRL-Omni's rollout server, seconds per request (image)"),
     Param("dispatch_s_per_worker", 0.3, 1e-3, 10.0, "a single controller's step seconds per worker"),
-    Param("judge_rate", 5.0, 0.2, 200.0, "MM-GRPO's judge (UnifiedReward-Think 32B over vLLM): images/s"),
+    Param("judge_step_s", 0.02, 1e-4, 1.0, "MM-GRPO's judge (32B over vLLM): seconds per decode step"),
+    Param("judge_step_per_request_s", 1e-4, 1e-7, 0.1, "... and per request in flight, per step"),
 ]
 
 
@@ -54,9 +54,9 @@ def cost_params(theta: Theta, judge_s: float | None = None) -> CostParams:
         mfu_half_tokens_rollout=0.0,
         mfu_half_tokens_train=0.0,
         op_launch_s=theta["op_launch_s"],
-        serve_request_s=theta["serve_request_s"],
         dispatch_s_per_worker=theta["dispatch_s_per_worker"],
-        judge_rate=theta["judge_rate"],
+        judge_step_s=theta["judge_step_s"],
+        judge_step_per_request_s=theta["judge_step_per_request_s"],
     )
     if judge_s is not None:
         p.model_reward_s = judge_s
@@ -284,9 +284,6 @@ OUTSIDE = {
     "(64 transcriptions of ~20 tokens) is < 2 s, a decode that runs to max_tokens (4096 steps at ~5 ms) is "
     "~21 s. Decides it: the judge's response lengths (genrm_response, logged per image) or its rate "
     "on one H800",
-    "DanceGRPO": "a bound ('within 12 hours'), exceeded: DanceGRPO's model (peers.py) prices batch-1 "
-    "sampling through the fp32 FSDP module at 171 s and training at 289 s; its code path, not a fitted "
-    "number, is what to re-read",
 }
 
 

@@ -57,16 +57,19 @@ _MM_SETTINGS = {
     # (ray_diffusion_trainer.py:358-372, async_utils.py:18-24); veRL-Omni's fixed 9.8 s is not MM-GRPO's
     "push_latency_s": 0.0,
     "server": False,  # diffusers in the rollout worker's process: no request-serving front end
-    "judge_in_generation": True,  # compute_reward_async per micro-batch (diffusers_rollout.py:192-201)
+    # compute_reward_async per micro-batch (diffusers_rollout.py:193-221): the judge's answers are at
+    # most max_completion_tokens 256 (gerl/utils/reward_score/vllm.py:65); a thinking judge uses them
+    "judge_tokens": 256,
 }
 _MM_REWARD = (
     "the reward (UnifiedReward-Think-qwen3vl-32b served by vLLM off these 3 GPUs, README.md:100) is "
-    "awaited per micro-batch inside generate_sequences (diffusers_rollout.py:192-201): its rate is fitted"
+    "launched per micro-batch inside generate_sequences and awaited after the loop (diffusers_rollout.py:"
+    "193-221): its rate is fitted"
 )
 #: what the model of the MM-GRPO rows rests on (the same for the three rows)
 _MM_GAP = (
-    "SD3.5-M's small calls priced by their kernels (op_counts.py); the judge waited for per micro-batch "
-    "inside generation at the fitted constant rate (planner/published_fit.py)"
+    "SD3.5-M's small calls priced by their kernels (op_counts.py); the judge launched per micro-batch "
+    "inside generation, at the fitted constant rate (planner/published_fit.py)"
 )
 
 
