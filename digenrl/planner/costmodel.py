@@ -24,6 +24,7 @@ from digenrl.planner.call_times import (
 from digenrl.planner.constants import FP32_BYTES, FSDP_STEP_SHARE, MIN_UNIT_CV
 from digenrl.planner.gpus import ClusterSpec
 from digenrl.planner.memory import DeviceSetup, MemoryModel
+from digenrl.planner.pair_times import pair_unit_time
 from digenrl.planner.params import ColocationCosts, CostParams, EngineOverheads
 from digenrl.planner.sp_times import SequenceParallelTimes
 from digenrl.planner.workload import Workload
@@ -211,8 +212,15 @@ class CostModel:
         """Seconds for a train unit: one mini-batch's share of ``groups`` groups (all of them with
         one optimizer step per iteration), TSP rank ``tsp_rank`` of ``tsp_degree``."""
         mb = setup.micro_batch if setup else self.workload.micro_batch
-        t = train_unit_time(self.times(device, setup), self.workload, groups, tsp_rank, tsp_degree, mb)
-        return t * self._factor(device, "train")
+        t = self.times(device, setup)
+        if setup is not None and setup.pair_batch:  # timestep-pair batches (pair_times.py)
+            pairs = (setup.pair_batch, setup.shard)
+            return pair_unit_time(t, self.workload, groups, tsp_rank, tsp_degree, mb, *pairs) * self._factor(
+                device, "train"
+            )
+        return train_unit_time(t, self.workload, groups, tsp_rank, tsp_degree, mb) * self._factor(
+            device, "train"
+        )
 
     def step(
         self, device: str, ranks: int, publish: bool, setup: DeviceSetup | None = None

@@ -30,6 +30,7 @@ class DeviceSetup:
     parts: dict = field(default_factory=dict, compare=False)
     why: str = ""
     rollout_batch: int | None = None  # a rollout-only worker: samples per forward (None: the trainer's)
+    pair_batch: int | None = None  # train.pair_batch: rows per timestep-pair forward (None: per step)
 
     def notes(self) -> list[str]:
         out = []
