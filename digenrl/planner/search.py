@@ -15,6 +15,7 @@ from digenrl.placement.plan import Plan, spread_units
 from digenrl.planner import peers as peer_models
 from digenrl.planner.bound import DoesNotFit, bound, pairs_shorten, setups
 from digenrl.planner.costmodel import CostModel
+from digenrl.planner.elastic_search import elastic_twins
 from digenrl.planner.gpus import ClusterSpec
 from digenrl.planner.pair_times import pair_sizes
 from digenrl.planner.sim_result import SimResult
@@ -207,11 +208,12 @@ def search(
     iterations: int = 4,
     wait_for_full_batch: bool = False,
     plans: list[Plan] | None = None,
+    elastic: bool | None = None,
 ) -> SearchResult:
     """Rank the plans (``candidates`` by default), dropping those that do not fit or mean nothing
-    (:func:`refused_plan`); the peers' arrangements (:func:`baselines`) by the same rules, since the
-    engine runs each of them."""
-    start = time.perf_counter()
+    (:func:`refused_plan`), with (``elastic``; default: without ``plans``) the ``tag: auto`` twins of
+    the best (:func:`~digenrl.planner.elastic_search.elastic_twins`)."""
+    start, elastic = time.perf_counter(), plans is None if elastic is None else elastic
     plans = (
         plans
         if plans is not None
@@ -226,7 +228,7 @@ def search(
     fitting, rejected = [], {}
     setup_cache: dict = {}
     for plan in plans:
-        key = (plan.placement, plan.pools, plan.unit_size, plan.tag, plan.rollout_sp, plan.trainer_sp)
+        key = (plan.placement, plan.pools, plan.unit_size, bool(plan.tag), plan.rollout_sp, plan.trainer_sp)
         key += (plan.pair_batch,)
         try:
             if key not in setup_cache:
@@ -283,6 +285,9 @@ def search(
             whole not in best_col or r.iteration_s < best_col[whole].iteration_s
         ):
             best_col[whole] = r
+    if elastic:  # tag: auto, for the best plans only (elastic_search.py)
+        twins = elastic_twins(results, run, lambda p: refused_plan(p, setups(p, cost), cost), top)
+        results, simulated = results + twins, simulated + len(twins)
     results.sort(key=lambda r: (-r.samples_per_s, r.plan.label()))
     best = min(best_col.values(), key=lambda r: r.iteration_s, default=None)
     return SearchResult(
@@ -316,14 +321,7 @@ def ladder(
             **knobs,
         )
         try:
-            res = search(
-                cost,
-                cluster,
-                top=1,
-                iterations=iterations,
-                plans=plans,
-                wait_for_full_batch=wait_for_full_batch,
-            )
+            res = search(cost, cluster, 1, iterations, wait_for_full_batch, plans)
             out.append((name, res.ranked[0] if res.ranked else None))
         except UserError:
             out.append((name, None))
