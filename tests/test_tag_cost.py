@@ -140,3 +140,46 @@ def test_a_rollout_between_train_units_leaves_the_update_intact():
     train_unit(policy, unit, terms)
     for n, g in grads().items():
         assert torch.equal(g, want[n]), n
+
+
+def _sharded_tag(rank, world, out):
+    """Both ranks of an FSDP2 group: train a share, (TAG) roll out a unit through the sharded module
+    together, train again; the same with no rollout between. Each rank's gradient shards saved."""
+    from digenrl.data.prompts import PromptSampler, load_prompts
+    from digenrl.distributed import fsdp
+    from digenrl.engine.fsdp_group import train_share
+    from digenrl.units.rollout import rollout_unit
+
+    policy, unit = unit_and_policy("flux_tiny.yaml", [])
+    fsdp.shard_policy(policy, fsdp.trainer_mesh())
+    share, terms = TrainUnit("train-0-0-0", 0, "rollout-0-0", (0,), 0, 0, 1, 0), 2 * len(unit) * 4
+    cfg = policy.cfg
+    prompts = PromptSampler(load_prompts(cfg.prompts), cfg.train.seed).for_iteration(1, 1)
+    result = {}
+    for tag in (False, True):
+        for p in policy.params:
+            p.grad = None
+        train_share(policy, unit, share, rank, world, terms)
+        if tag:
+            before = {n: p.grad.to_local().clone() for n, p in policy.named_params.items()}
+            rollout_unit(policy, prompts, [0], 1, cfg.train.seed)
+            result["intact"] = all(
+                torch.equal(p.grad.to_local(), before[n]) for n, p in policy.named_params.items()
+            )
+        train_share(policy, unit, share, rank, world, terms)
+        result[tag] = {n: p.grad.to_local().clone() for n, p in policy.named_params.items()}
+    result["optimizer"] = len(policy.optimizer.state)
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_a_sharded_ranks_rollout_leaves_its_gradient_shards_intact(tmp_path):
+    from tests.dist_spawn import spawn
+
+    spawn(_sharded_tag, 2, tmp_path)
+    for rank in (0, 1):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        assert r["intact"] and r["optimizer"] == 0
+        assert r[True].keys() == r[False].keys() and all(
+            torch.equal(r[True][n], r[False][n]) for n in r[False]
+        )
