@@ -212,15 +212,10 @@ class CostModel:
         """Seconds for a train unit: one mini-batch's share of ``groups`` groups (all of them with
         one optimizer step per iteration), TSP rank ``tsp_rank`` of ``tsp_degree``."""
         mb = setup.micro_batch if setup else self.workload.micro_batch
-        t = self.times(device, setup)
+        t, w, f = self.times(device, setup), self.workload, self._factor(device, "train")
         if setup is not None and setup.pair_batch:  # timestep-pair batches (pair_times.py)
-            pairs = (setup.pair_batch, setup.shard)
-            return pair_unit_time(t, self.workload, groups, tsp_rank, tsp_degree, mb, *pairs) * self._factor(
-                device, "train"
-            )
-        return train_unit_time(t, self.workload, groups, tsp_rank, tsp_degree, mb) * self._factor(
-            device, "train"
-        )
+            return pair_unit_time(t, w, groups, tsp_rank, tsp_degree, mb, setup.pair_batch, setup.shard) * f
+        return train_unit_time(t, w, groups, tsp_rank, tsp_degree, mb) * f
 
     def step(
         self, device: str, ranks: int, publish: bool, setup: DeviceSetup | None = None
