@@ -15,6 +15,7 @@
      gap_tsp      + tsp 2
      gap_tsp_tag  + tag
      full         + max_staleness 1
+     full_auto    full with tag auto (elastic TAG: the simulator runs the engine's BTS decision code)
    the simulator's prediction (the engine's Scheduler in virtual time with the profiled costs), then a
    real run of ``digenrl.launch.run_engine`` on a local Ray cluster;
 3. samples/s and bubble fraction of both, over the same iterations (the first and the last left out),
@@ -47,14 +48,17 @@ from digenrl.config.run import load_config  # noqa: E402
 # 1 rollout + 1 trainer logical CPU device (colocated: the same 2 devices both roll out and train).
 # the same workloads and mode definitions as benchmarks/engine_modes.py (one source of truth)
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_modes import MODES, TINY, WORKLOADS  # noqa: E402
+from engine_modes import MODES, TAG_MODES, TINY, WORKLOADS  # noqa: E402
 from fidelity_table import fmt, mode_rows, print_run, print_table, replay_cost, run_row, unit_ms  # noqa: E402
 
 QUIET = ["output.save_samples_every=0", "output.checkpoint_every=0", "train.device=cpu"]
+FIDELITY_MODES = {**MODES, "full_auto": TAG_MODES["full_tag_auto"]}
 
 
 def mode_config(config, workload: str, mode: str, iterations: int, extra: list[str] = ()):
-    overrides = WORKLOADS[workload] + MODES[mode] + [*extra, *QUIET, f"train.iterations={iterations}"]
+    overrides = (
+        WORKLOADS[workload] + FIDELITY_MODES[mode] + [*extra, *QUIET, f"train.iterations={iterations}"]
+    )
     return load_config(config, overrides)
 
 
@@ -73,7 +77,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="balanced")
     ap.add_argument("--calibration", choices=("run", "ray"), default="run")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(FIDELITY_MODES))
     ap.add_argument("--profile", type=Path, default=None, help="reuse a profile.json instead of profiling")
     ap.add_argument(
         "--cpu-sharing",
@@ -125,6 +129,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     base = load_config(args.config, WORKLOADS[args.workload] + extra + QUIET)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if unknown := [m for m in modes if m not in FIDELITY_MODES]:
+        ap.error(f"--modes: unknown {', '.join(unknown)} (known: {', '.join(FIDELITY_MODES)})")
     t0 = time.time()
 
     def profiled(what: str) -> dict:

@@ -11,6 +11,7 @@ from digenrl.config.engine import PoolConfig
 from digenrl.config.run import load_config
 from digenrl.errors import UserError
 from digenrl.placement.plan import Plan
+from digenrl.planner.search import search
 from digenrl.planner.simulator import Simulator, simulate
 from digenrl.schedule.bts import Elastic, UnitTimes
 from digenrl.schedule.driver import drive
@@ -144,6 +145,19 @@ def test_the_simulator_runs_bts_on_the_cost_models_times(tiny_cfg, tag_rollout, 
     assert published and {e.args["bts"]["decisions"] > 0 for e in published} == {True}
     # no spread, the priors exact: each predicted publish time is what the simulator then ran
     assert max(e.args["bts"]["mean_abs_error"] for e in published) == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize(("tag_rollout", "train", "helps"), [(6.0, 1.0, False), (1.0, 0.2, True)])
+def test_the_search_ranks_the_auto_twin_of_its_best_plans(tiny_cfg, tag_rollout, train, helps):
+    """The planner's search simulates ``tag: auto`` for its best disaggregated plans: auto matches
+    TAG where it helps and no TAG where greedy TAG hurts, so it ranks with the better of the two."""
+    cost = SlowTagCost(tiny_cfg("train.prompts_per_iteration=8"), tag_rollout, train)
+    res = search(cost, cost.cluster, top=2, iterations=4, plans=[plan(False), plan(True)], elastic=True)
+    sps = {r.plan.tag: r.samples_per_s for r in res.ranked}
+    assert set(sps) == {False, True, "auto"} and res.simulated == 3
+    assert sps["auto"] == pytest.approx(max(sps[False], sps[True]), rel=1e-6)
+    assert (sps[True] > sps[False]) == helps
+    assert search(cost, cost.cluster, top=2, iterations=4, plans=[plan(True)]).simulated == 1  # given plans
 
 
 def test_measured_times_replace_the_priors():

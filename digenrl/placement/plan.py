@@ -40,6 +40,7 @@ class Plan(EngineKnobs):
     placement: str  # "colocated" | "disaggregated"
     pools: tuple[PoolConfig, ...]
     micro_batch: int | None = None  # None: the config's
+    pair_batch: int | None = None  # train.pair_batch: rows per timestep-pair forward (None: per step)
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -146,6 +147,8 @@ class Plan(EngineKnobs):
                 if self.placement == "colocated" or self.rollout_sp == self.trainer_sp
                 else f"SP{self.rollout_sp}/{self.trainer_sp}"
             )
+        if self.pair_batch:
+            k.append(f"pairs{self.pair_batch}")
         if self.placement == "disaggregated":
             if self.tag:
                 k.append("TAG auto" if self.tag == "auto" else "TAG")
@@ -203,6 +206,7 @@ class Plan(EngineKnobs):
             placement=mode,
             pools=chosen,
             micro_batch=cfg.train.micro_batch,
+            pair_batch=cfg.train.pair_batch,
         )
 
     def typed(self) -> Plan:
@@ -239,7 +243,8 @@ def device_type(pool: PoolConfig) -> str:
 
 def apply_plan(cfg: RunConfig, plan: Plan, device: str) -> RunConfig:
     """``cfg`` with ``plan``'s cluster, placement and engine sections, its micro-batch (when it sets
-    one) and ``train.device`` (``cpu`` or ``cuda``): the config ``plan --write`` writes."""
+    one), its ``train.pair_batch`` (None: per-step forwards) and ``train.device`` (``cpu`` or
+    ``cuda``): the config ``plan --write`` writes."""
 
     data = cfg.model_dump(mode="json")
     data["cluster"] = {"pools": [p.model_dump(mode="json") for p in plan.pools]}
@@ -251,5 +256,5 @@ def apply_plan(cfg: RunConfig, plan: Plan, device: str) -> RunConfig:
     data["engine"] = {**data["engine"], **engine_config_values(plan, cfg.algorithm.group_size)}
     if plan.micro_batch is not None:
         data["train"] = {**data["train"], "micro_batch": plan.micro_batch}
-    data["train"] = {**data["train"], "device": device}
+    data["train"] = {**data["train"], "device": device, "pair_batch": plan.pair_batch}
     return validate_config(data)

@@ -4,6 +4,8 @@ setups and unit times; its result is judged against the bound (``SimResult.effic
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from digenrl.config.engine import PoolConfig
 from digenrl.placement.plan import Plan
 from digenrl.planner.costmodel import CostModel
@@ -44,8 +46,37 @@ def setups(plan: Plan, cost: CostModel) -> dict[str, DeviceSetup]:
             s = cost.colocated_setup(p.device, plan.ranks, plan.unit_size, plan.micro_batch, plan.trainer_sp)
         if not s.fits:
             raise DoesNotFit(s.why, s.need_bytes / max(s.have_bytes, 1.0))
+        if plan.pair_batch and role != "rollout":
+            s = with_pairs(s, plan, p.device, cost, role == "both" or bool(plan.tag))
         out[p.name] = s
     return out
+
+
+def pairs_shorten(plan: Plan, cost: CostModel, paired: dict, plain: dict) -> bool:
+    """Do the plan's pair batches (setups ``paired``) shorten its train units on some trainer pool
+    against its per-step twin (setups ``plain``)? If not, the twin, whose ratio is exactly 1, is as
+    fast, and the search drops the paired plan."""
+    m, parts, D = plan.unit_groups, plan.group_parts, plan.tsp_degree
+    for pool in plan.trainer_pools:
+        with_ = unit_train_time(cost, pool.device, m, parts, 0, D, paired[pool.name])
+        if with_ < unit_train_time(cost, pool.device, m, parts, 0, D, plain[pool.name]) * (1 - 1e-9):
+            return True
+    return False
+
+
+def with_pairs(s: DeviceSetup, plan: Plan, device: str, cost: CostModel, samples: bool) -> DeviceSetup:
+    """``s`` training in timestep-pair forwards of ``plan.pair_batch`` rows (``samples``: the rank also
+    rolls out): a forward holds that many samples' activations, so the cheapest way a rank holds a
+    forward of that many rows (its FSDP degree, checkpointing, CFG mode) -- the rollout's batches stay
+    ``s``'s -- or DoesNotFit."""
+    n = plan.pair_batch
+    fits, miss = cost.memory.setups(
+        device, plan.ranks, samples, plan.unit_size, s.sp, micro_batch=max(n, s.micro_batch)
+    )
+    if not fits:
+        raise DoesNotFit(f"timestep-pair forwards of {n} rows: {miss.why}", miss.need_bytes / miss.have_bytes)
+    best = cost._best(fits, device, plan.ranks, plan.placement == "colocated")
+    return replace(best, micro_batch=s.micro_batch, pair_batch=n, rollout_batch=s.rollout_batch)
 
 
 def bound(plan: Plan, cost: CostModel, setup: dict[str, DeviceSetup] | None = None) -> float:

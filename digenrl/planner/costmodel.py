@@ -24,6 +24,7 @@ from digenrl.planner.call_times import (
 from digenrl.planner.constants import FP32_BYTES, FSDP_STEP_SHARE, MIN_UNIT_CV
 from digenrl.planner.gpus import ClusterSpec
 from digenrl.planner.memory import DeviceSetup, MemoryModel
+from digenrl.planner.pair_times import pair_unit_time
 from digenrl.planner.params import ColocationCosts, CostParams, EngineOverheads
 from digenrl.planner.sp_times import SequenceParallelTimes
 from digenrl.planner.workload import Workload
@@ -215,8 +216,10 @@ class CostModel:
         """Seconds for a train unit: one mini-batch's share of ``groups`` groups (all of them with
         one optimizer step per iteration), TSP rank ``tsp_rank`` of ``tsp_degree``."""
         mb = setup.micro_batch if setup else self.workload.micro_batch
-        t = train_unit_time(self.times(device, setup), self.workload, groups, tsp_rank, tsp_degree, mb)
-        return t * self._factor(device, "train")
+        t, w, f = self.times(device, setup), self.workload, self._factor(device, "train")
+        if setup is not None and setup.pair_batch:  # timestep-pair batches (pair_times.py)
+            return pair_unit_time(t, w, groups, tsp_rank, tsp_degree, mb, setup.pair_batch, setup.shard) * f
+        return train_unit_time(t, w, groups, tsp_rank, tsp_degree, mb) * f
 
     def step(
         self, device: str, ranks: int, publish: bool, setup: DeviceSetup | None = None

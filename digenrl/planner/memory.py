@@ -5,7 +5,7 @@ Details: docs/modules.md, `digenrl.planner.memory`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from digenrl.placement.devices import DEVICES
 from digenrl.planner.constants import ACT_BYTES_PER_TOKEN_HIDDEN, ADAMW_STATE_BYTES, FP32_BYTES, HALF_BYTES
@@ -30,6 +30,7 @@ class DeviceSetup:
     parts: dict = field(default_factory=dict, compare=False)
     why: str = ""
     rollout_batch: int | None = None  # a rollout-only worker: samples per forward (None: the trainer's)
+    pair_batch: int | None = None  # train.pair_batch: rows per timestep-pair forward (None: per step)
 
     def notes(self) -> list[str]:
         out = []
@@ -328,8 +329,11 @@ class MemoryModel:
         self, device: str, ranks: int, tag: bool, groups: float, sp: int = 1
     ) -> tuple[list[DeviceSetup], DeviceSetup]:
         """(every setup of a trainer rank that fits, the last one tried with why it does not);
-        ``tag``: the rank also rolls out units of ``groups``."""
-        return self.setups(device, ranks, tag, groups, sp)
+        ``tag``: the rank also rolls out units of ``groups`` (TAG: its rollout beside its training state)."""
+        fits, miss = self.setups(device, ranks, tag, groups, sp)
+        if tag:
+            miss = replace(miss, why=miss.why.replace("a colocated device", "a TAG trainer rank", 1))
+        return fits, miss
 
     def colocated(
         self, device: str, ranks: int, groups: float, sp: int = 1

@@ -13,9 +13,11 @@ from digenrl.distributed.settings import fsdp_refusal, node_refusal, sp_refusal
 from digenrl.errors import UserError
 from digenrl.placement.plan import Plan, spread_units
 from digenrl.planner import peers as peer_models
-from digenrl.planner.bound import DoesNotFit, bound, setups
+from digenrl.planner.bound import DoesNotFit, bound, pairs_shorten, setups
 from digenrl.planner.costmodel import CostModel
+from digenrl.planner.elastic_search import elastic_twins
 from digenrl.planner.gpus import ClusterSpec
+from digenrl.planner.pair_times import pair_sizes
 from digenrl.planner.sim_result import SimResult
 from digenrl.planner.simulator import simulate
 
@@ -75,7 +77,9 @@ def candidates(
     tag=(False, True),
     staleness=(0, 1),
     sp=(1,),
+    pairs=(None,),
 ) -> list[Plan]:
+    """Every plan at these knob values (``pairs``: ``train.pair_batch``'s, ``pair_times.pair_sizes``)."""
     plans = []
     if colocated:  # on every device, and (mixed clusters) on the devices of one type
         groups = [tuple(cluster.pools)]
@@ -93,10 +97,12 @@ def candidates(
                         group_parts=parts,
                         rollout_sp=q,
                         trainer_sp=q,
+                        pair_batch=pb,
                     )
                     for m, parts in unit_shapes(prompts, group_size, n, sub_groups)
                     for D in tsp
                     if D <= n
+                    for pb in pairs
                 ]
     for (dr, r), (dt, t) in pool_splits(cluster) if disaggregated else []:
         pools = (
@@ -117,6 +123,7 @@ def candidates(
                         group_parts=parts,
                         rollout_sp=qr,
                         trainer_sp=qt,
+                        pair_batch=pb,
                     )
                     for m, parts in unit_shapes(prompts, group_size, r // qr, sub_groups)
                     for D in tsp
@@ -124,6 +131,7 @@ def candidates(
                     for tg in tag
                     for g in gap
                     for st in staleness
+                    for pb in pairs
                 ]
     return plans
 
@@ -200,22 +208,28 @@ def search(
     iterations: int = 4,
     wait_for_full_batch: bool = False,
     plans: list[Plan] | None = None,
+    elastic: bool | None = None,
 ) -> SearchResult:
     """Rank the plans (``candidates`` by default), dropping those that do not fit or mean nothing
-    (:func:`refused_plan`); the peers' arrangements (:func:`baselines`) by the same rules, since the
-    engine runs each of them."""
-    start = time.perf_counter()
+    (:func:`refused_plan`), with (``elastic``; default: without ``plans``) the ``tag: auto`` twins of
+    the best (:func:`~digenrl.planner.elastic_search.elastic_twins`)."""
+    start, elastic = time.perf_counter(), plans is None if elastic is None else elastic
     plans = (
         plans
         if plans is not None
         else candidates(
-            cluster, cost.workload.prompts, group_size=cost.workload.group_size, sp=sp_degrees(cost, cluster)
+            cluster,
+            cost.workload.prompts,
+            group_size=cost.workload.group_size,
+            sp=sp_degrees(cost, cluster),
+            pairs=pair_sizes(cost.workload),
         )
     )
     fitting, rejected = [], {}
     setup_cache: dict = {}
     for plan in plans:
-        key = (plan.placement, plan.pools, plan.unit_size, plan.tag, plan.rollout_sp, plan.trainer_sp)
+        key = (plan.placement, plan.pools, plan.unit_size, bool(plan.tag), plan.rollout_sp, plan.trainer_sp)
+        key += (plan.pair_batch,)
         try:
             if key not in setup_cache:
                 setup_cache[key] = setups(plan, cost)
@@ -227,6 +241,9 @@ def search(
         if isinstance(s, DoesNotFit):
             rejected[plan.label()] = s.args
             continue
+        plain = setup_cache.get(key[:-1] + (None,))
+        if plan.pair_batch and isinstance(plain, dict) and not pairs_shorten(plan, cost, s, plain):
+            continue  # pair batches that save nothing: the per-step plan (exact ratio) is as fast
         why = refused_plan(plan, s, cost)
         if why:  # the runtime would refuse it (resolve.check_sp / fsdp_degree): never proposed
             rejected[plan.label()] = (why, float("inf"))
@@ -268,6 +285,9 @@ def search(
             whole not in best_col or r.iteration_s < best_col[whole].iteration_s
         ):
             best_col[whole] = r
+    if elastic:  # tag: auto, for the best plans only (elastic_search.py)
+        twins = elastic_twins(results, run, lambda p: refused_plan(p, setups(p, cost), cost), top)
+        results, simulated = results + twins, simulated + len(twins)
     results.sort(key=lambda r: (-r.samples_per_s, r.plan.label()))
     best = min(best_col.values(), key=lambda r: r.iteration_s, default=None)
     return SearchResult(
@@ -301,14 +321,7 @@ def ladder(
             **knobs,
         )
         try:
-            res = search(
-                cost,
-                cluster,
-                top=1,
-                iterations=iterations,
-                plans=plans,
-                wait_for_full_batch=wait_for_full_batch,
-            )
+            res = search(cost, cluster, 1, iterations, wait_for_full_batch, plans)
             out.append((name, res.ranked[0] if res.ranked else None))
         except UserError:
             out.append((name, None))

@@ -12,7 +12,8 @@ from digenrl.schedule.scheduler import SchedulerConfig
 def priors(sim, cfg: SchedulerConfig) -> dict[tuple[str, str], float]:
     """(kind, worker) -> predicted seconds, from the cost model (``sim``: a planner Simulator):
     a rollout unit (the worker busy: a rollout-only worker scores a model reward after it, the
-    ``score`` wait), a train unit (TSP rank 0's share), a rank's optimizer step."""
+    ``score`` wait; a TAG rank switches to sampling first), a train unit (TSP rank 0's share), a
+    rank's optimizer step."""
     cost, call = sim.cost, sim.cost.overheads.call_s
     size = cfg.unit_groups / cfg.group_parts
     out = {}
@@ -22,6 +23,8 @@ def priors(sim, cfg: SchedulerConfig) -> dict[tuple[str, str], float]:
         total, _ = cost.rollout_unit(dev, size, setup)
         hidden = cost.reward_hidden(dev, size, setup) if sim.role[w] == "rollout" else 0.0
         out[("rollout", w)], out[("score", w)] = call + total - hidden, hidden
+        if sim.role[w] == "trainer":  # a TAG unit: the switch to sampling (the one back: the next unit's)
+            out[("rollout", w)] += cost.switch(dev, setup)
         if sim.role[w] != "rollout":
             train = unit_train_time(cost, dev, cfg.unit_groups, cfg.group_parts, 0, cfg.tsp_degree, setup)
             out[("train", w)] = call + train

@@ -59,7 +59,8 @@ class Simulator:
         self.now, self.seq = 0.0, 0
         self.running: list[Job] = []
         self.held = {n: 0 for n in self.order}  # weights version each rollout worker holds
-        self.phase = {n: "rollout" for n in self.order}  # colocated: what the device is set up for
+        # what a trainer's device is set up for (colocated devices start sampling, TAG ranks training)
+        self.phase = {n: "train" if self.role[n] == "trainer" else "rollout" for n in self.order}
         self.rolled: dict[str, float] = {}  # rollout uid -> when it ended (its samples leave then)
         self.last_rolled: dict[int, float] = {}  # iteration -> when its last rollout unit ended
         # rollout uid -> when its scores are in (after it: a hidden reward)
@@ -192,7 +193,10 @@ class Simulator:
         return mean * self.rng.lognormvariate(-s2 / 2, math.sqrt(s2))
 
     def _switch(self, worker: str, phase: str, dev: str, setup: DeviceSetup) -> list[Seg]:
-        if self.role[worker] != "both" or self.phase[worker] == phase:
+        """A phase change of a device that trains: colocated, and a TAG rank's Actor -> helper ->
+        Actor (the RFC, verl-omni#321: "both switches are included in scheduling cost"), the same
+        code path on the same module, so the same price (``CostModel.switch``)."""
+        if self.role[worker] == "rollout" or self.phase[worker] == phase:
             return []
         self.phase[worker] = phase
         s = self._d(("switch", dev), lambda: self.cost.switch(dev, setup))
