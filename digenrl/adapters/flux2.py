@@ -99,6 +99,19 @@ FLUX2_DEV = PublishedModel(
 )
 
 
+def unit_scale(model: torch.nn.Module) -> torch.nn.Module:
+    """Every Linear weight widened from torch's U(+-1/sqrt(fan_in)) to U(+-sqrt(3/fan_in)): variance
+    preserving, as a trained model's activations are. At torch's default each bias-free Linear shrinks
+    its input by sqrt(3): through FLUX.2's timestep MLP and modulation every block's gates start ~0.05,
+    and the prompt, which reaches the image only through those gated attentions (no pooled text), moved
+    the tiny model's velocity by 0.1% (tests/test_flux2_adapter.py; configs/flux2_tiny.yaml)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.mul_(3**0.5)
+    return model
+
+
 class Flux2Adapter(TwoPassCFG, PackedLatentAdapter):
     name = "flux2"
     # Flow-Factory src/flow_factory/models/flux/flux2_klein.py ``default_target_modules``: the
@@ -134,13 +147,15 @@ class Flux2Adapter(TwoPassCFG, PackedLatentAdapter):
             raise UserError(f"model.preset: unknown preset '{preset}' for flux2 (available: tiny, tiny_dev)")
         transformer, vae = self.presets[preset]
         with seeded(1234):
-            self.transformer = Flux2Transformer2DModel(**transformer)
+            self.transformer = unit_scale(Flux2Transformer2DModel(**transformer))
             self.vae = AutoencoderKLFlux2(**vae).eval()
             bn = self.vae.bn  # non-trivial statistics, so that decode's de-normalisation is exercised
             bn.running_mean.copy_(0.1 * torch.randn_like(bn.running_mean))
             bn.running_var.copy_(0.5 + torch.rand_like(bn.running_var))
         lm = TinyLM.mistral if transformer["guidance_embeds"] else TinyLM.qwen3
-        self.text = lm(TINY_TEXT_WIDTH, TEXT_LAYERS, self.cfg.max_text_len)
+        # variance-preserving layers: the padded positions after the prompt, which FLUX.2 attends
+        # unmasked, carry it, as the chat template's tokens after it do in the real pipeline
+        self.text = lm(TINY_TEXT_WIDTH, TEXT_LAYERS, self.cfg.max_text_len, init_std=TINY_TEXT_WIDTH**-0.5)
         self.text_layers = (1, 2, 3)
         self.pipe = None
         self.scheduler = self.flow_scheduler({"shift": 3.0, "use_dynamic_shifting": True})

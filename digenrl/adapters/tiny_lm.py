@@ -25,8 +25,20 @@ class TinyLM:
             model.get_input_embeddings().weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(7))
 
     @classmethod
-    def build(cls, model_cls, config_cls, hidden: int, layers: int, max_len: int, seed: int = 4321, **extra):
-        """A random-init ``model_cls`` of ``hidden`` width and ``layers`` layers (2 heads, 1 KV head)."""
+    def build(
+        cls,
+        model_cls,
+        config_cls,
+        hidden: int,
+        layers: int,
+        max_len: int,
+        seed: int = 4321,
+        init_std=0.02,
+        **extra,
+    ):
+        """A random-init ``model_cls`` of ``hidden`` width and ``layers`` layers (2 heads, 1 KV head);
+        ``init_std``: the config's ``initializer_range`` (the LMs' own 0.02: layers that barely mix the
+        tokens; ``hidden ** -0.5``: variance preserving, each token's states carry its context)."""
         config = config_cls(
             vocab_size=512,
             hidden_size=hidden,
@@ -35,25 +47,30 @@ class TinyLM:
             num_attention_heads=2,
             num_key_value_heads=1,
             max_position_embeddings=max(64, max_len),
+            initializer_range=init_std,
             **extra,
         )
         with seeded(seed):
             return cls(model_cls(config), max_len)
 
     @classmethod
-    def qwen3(cls, hidden: int, layers: int, max_len: int, seed: int = 4321) -> TinyLM:
+    def qwen3(cls, hidden: int, layers: int, max_len: int, seed: int = 4321, init_std=0.02) -> TinyLM:
         """``Qwen3Model`` (Z-Image's and FLUX.2 [klein]'s text encoder class), ``hidden`` wide."""
         from transformers import Qwen3Config, Qwen3Model
 
-        return cls.build(Qwen3Model, Qwen3Config, hidden, layers, max_len, seed, head_dim=hidden // 2)
+        return cls.build(
+            Qwen3Model, Qwen3Config, hidden, layers, max_len, seed, init_std, head_dim=hidden // 2
+        )
 
     @classmethod
-    def mistral(cls, hidden: int, layers: int, max_len: int, seed: int = 4321) -> TinyLM:
+    def mistral(cls, hidden: int, layers: int, max_len: int, seed: int = 4321, init_std=0.02) -> TinyLM:
         """``MistralModel``: the language model of FLUX.2 [dev]'s Mistral-Small-3.1 (its vision tower
         is never used for text)."""
         from transformers import MistralConfig, MistralModel
 
-        return cls.build(MistralModel, MistralConfig, hidden, layers, max_len, seed, head_dim=hidden // 2)
+        return cls.build(
+            MistralModel, MistralConfig, hidden, layers, max_len, seed, init_std, head_dim=hidden // 2
+        )
 
     @classmethod
     def qwen2_5_vl(cls, hidden: int, layers: int, max_len: int, seed: int = 4321) -> TinyLM:
