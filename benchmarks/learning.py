@@ -137,9 +137,16 @@ def run_one(overrides: list[str], seconds: float, iterations: int, run_dir: Path
 def eval_before_after(run_dir: Path) -> dict:
     """``digenrl eval --checkpoint RUN --baseline base``'s means per reward: {name: {"before",
     "after"}}, each {"mean", "by_tag"} (by_tag only for tagged prompts)."""
+    import torch
+
     from digenrl.run.evaluate import evaluate_checkpoint, prepare_eval
 
-    report = evaluate_checkpoint(prepare_eval(run_dir, baseline="base"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the engine's CPU workers: on shared cores more threads only spin
+    try:
+        report = evaluate_checkpoint(prepare_eval(run_dir, baseline="base"))
+    finally:
+        torch.set_num_threads(threads)
     keep = lambda r: {k: r[k] for k in ("mean", "by_tag") if k in r}  # noqa: E731
     names = [n for n in report["rewards"] if n != "total"] or ["total"]  # one component: it is the total
     if len(names) > 1:
