@@ -99,6 +99,7 @@ def test_tasks_are_rewards_the_config_knows():
         Path(ref.prompts.file).resolve(),
     )
     assert cfg.reward.components == ref.reward.components and cfg.model.preset is None
+    assert cfg.train.lr == ref.train.lr
 
 
 @pytest.mark.slow
