@@ -114,14 +114,15 @@ def build_pipeline(seed: int):
     )
 
 
-def dataset(rows: list[dict], n: int, seed: int) -> tuple[torch.Tensor, list[str]]:
-    """``n`` drawings (N, 3, H, W) in [-1, 1], a category drawn uniformly, then one of its captions."""
-    rng = random.Random(seed)
+def dataset(rows: list[dict], n: int, seed: int, start: int = 0) -> tuple[torch.Tensor, list[str]]:
+    """``n`` drawings (N, 3, H, W) in [-1, 1], a category drawn uniformly, then one of its captions;
+    ``start`` > 0 draws another set (a resumed run's fresh drawings)."""
+    rng = random.Random(seed if start == 0 else f"{seed}:{start}")
     by_tag = {t: [r for r in rows if r["tag"] == t] for t in TAGS}
     images, prompts = [], []
     for i in range(n):
         meta = rng.choice(by_tag[rng.choice(TAGS)])
-        img, _ = sample_scene(meta, seed * 10_000_000 + i)
+        img, _ = sample_scene(meta, seed * 10_000_000 + start + i)
         images.append(img)
         prompts.append(meta["prompt"])
     x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
@@ -154,18 +155,24 @@ def latents_of(vae, images: torch.Tensor) -> torch.Tensor:
     return torch.cat([vae.encode(images[i : i + 256]).latent_dist.mode() for i in range(0, len(images), 256)])
 
 
-def train_flow(pipe, latents, prompts: list[str], steps: int, batch: int, lr: float, log, every: int, probe):
+def train_flow(pipe, latents, prompts: list[str], args, log, probe, done: int = 0):
+    """``args.flow_steps`` AdamW steps; ``done`` flow steps already trained (a resumed run: its own
+    batches)."""
     from diffusers import FluxPipeline
 
+    steps, batch, every = args.flow_steps, args.batch, args.eval_every
     modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
     params = [p for m in modules for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    # warm-up, then constant: a run of N steps is the first N steps of a longer one (same seed)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    # warm-up, then constant (a run of N steps is the first N steps of a longer one, same seed) or,
+    # with --decay, linearly to 0 at the run's last step
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 100) * (1 - s / steps if args.decay else 1.0)
+    )
     b, c, h, w = latents.shape
     img_ids = FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, "cpu", torch.float32)
     txt_ids = torch.zeros(TEXT_LEN, 3)
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(2 + done)
     for m in modules:
         m.train()
     ema = None
@@ -195,11 +202,11 @@ def train_flow(pipe, latents, prompts: list[str], steps: int, batch: int, lr: fl
         sched.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         if step % 100 == 0 or step == steps - 1:
-            log(f"flow step {step}: loss {ema:.4f}")
+            log(f"flow step {done + step}: loss {ema:.4f}")
         if every and (step + 1) % every == 0 and step + 1 < steps:
             for m in modules:
                 m.eval()
-            probe(step + 1)
+            probe(done + step + 1)
             for m in modules:
                 m.train()
     for m in modules:
@@ -255,6 +262,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--eval-every", type=int, default=500, help="flow steps between score probes (0: none)")
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--decay", action="store_true", help="the learning rate decays linearly to 0")
+    ap.add_argument("--resume", type=Path, help="train on from this script's output (its VAE kept)")
     ap.add_argument("--eval-seeds", type=int, default=4, help="samples per held-out caption")
     ap.add_argument("--sample-steps", type=int, default=16, help="ODE steps (as digenrl eval's)")
     ap.add_argument("--keep-probes", action="store_true", help="save the pipeline at each probe")
@@ -268,13 +277,22 @@ def main(argv=None) -> None:
         print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True)
 
     train, test = split_rows(args.seed)
-    pipe = build_pipeline(args.seed)
-    images, prompts = dataset(train, args.images, args.seed)
+    before = json.loads((args.resume / "pretrain.json").read_text()) if args.resume else {}
+    done = before.get("flow_steps_total", before.get("command", {}).get("flow_steps", 0))
+    images, prompts = dataset(train, args.images, args.seed, start=done and 5 * 10**6 + done)
     log(f"{len(images)} drawings of {len(train)} training captions")
-    train_vae(pipe.vae, images, args.vae_steps, args.batch, log)
-    raw = latents_of(pipe.vae, images)
-    shift, scale = raw.mean().item(), 1 / raw.std().item()
-    pipe.vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    if args.resume:
+        from diffusers import FluxPipeline
+
+        pipe = FluxPipeline.from_pretrained(args.resume)
+        raw = latents_of(pipe.vae, images)
+        shift, scale = pipe.vae.config.shift_factor, pipe.vae.config.scaling_factor
+    else:
+        pipe = build_pipeline(args.seed)
+        train_vae(pipe.vae, images, args.vae_steps, args.batch, log)
+        raw = latents_of(pipe.vae, images)
+        shift, scale = raw.mean().item(), 1 / raw.std().item()
+        pipe.vae.register_to_config(shift_factor=shift, scaling_factor=scale)
     log(f"vae latents: shift_factor {shift:.4f}, scaling_factor {scale:.4f}")
     pipe.set_progress_bar_config(disable=True)
     ceiling = vae_ceiling(pipe.vae, test, args.eval_seeds)
@@ -288,22 +306,14 @@ def main(argv=None) -> None:
         if args.keep_probes:  # the pipeline as a run of --flow-steps {step} ends (same seed)
             pipe.save_pretrained(args.out / f"step-{step}", safe_serialization=True)
 
-    train_flow(
-        pipe,
-        (raw - shift) * scale,
-        prompts,
-        args.flow_steps,
-        args.batch,
-        args.lr,
-        log,
-        args.eval_every,
-        probe,
-    )
+    train_flow(pipe, (raw - shift) * scale, prompts, args, log, probe, done)
     result = evaluate(pipe, test, args.eval_seeds, args.sample_steps, seed=10_000)
     log(f"held-out GenEval-like score {result['overall']:.3f}: {result['by_tag']}")
     pipe.save_pretrained(args.out, safe_serialization=True)
     meta = {
-        "command": vars(args) | {"out": str(args.out)},
+        "command": vars(args) | {"out": str(args.out), "resume": args.resume and str(args.resume)},
+        "resumed": before,  # the run this one trained on from (its pretrain.json), if any
+        "flow_steps_total": done + args.flow_steps,
         "eval": result,
         "vae_ceiling": ceiling,
         "curve": curve,

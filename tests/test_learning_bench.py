@@ -51,6 +51,23 @@ def test_summary_mean_and_standard_error():
     assert row["task"] == "colors"  # runs without a task are the demo's
 
 
+def test_summary_of_the_held_out_scores_before_and_after():
+    """--eval: each run's scores per reward and category, averaged over seeds (mean, standard error)."""
+    b = bench()
+    side = lambda m, t: {"mean": m, "by_tag": {"counting": t}}  # noqa: E731
+    ev = lambda a, t: {"smallworld": {"before": side(0.3, 0.2), "after": side(a, t)}}  # noqa: E731
+    runs = [
+        {"algorithm": "a", "mode": "m", "seed": s, "eval": ev(a, t), **{k: 1.0 for k in b.METRICS}}
+        for s, (a, t) in enumerate([(0.4, 0.5), (0.6, 0.7)])
+    ]
+    (row,) = b.summarize(runs)
+    assert row["eval"]["smallworld/before"] == (0.3, 0.0)
+    assert row["eval"]["smallworld/before/counting"][0] == 0.2
+    assert row["eval"]["smallworld/after"] == (pytest.approx(0.5), pytest.approx(0.1))  # se: 0.1414 / sqrt 2
+    assert row["eval"]["smallworld/after/counting"][0] == pytest.approx(0.6)
+    assert "eval" not in b.summarize([{k: v for k, v in r.items() if k != "eval"} for r in runs])[0]
+
+
 def test_ratio_and_its_standard_error_by_the_delta_method():
     b = bench()
     r, se = b.ratio_se(2.0, 0.2, 1.0, 0.1)  # relative errors 0.1 and 0.1: sqrt(0.02) x 2
@@ -82,6 +99,7 @@ def test_tasks_are_rewards_the_config_knows():
         Path(ref.prompts.file).resolve(),
     )
     assert cfg.reward.components == ref.reward.components and cfg.model.preset is None
+    assert cfg.train.lr == ref.train.lr
 
 
 @pytest.mark.slow

@@ -120,3 +120,20 @@ def test_the_pretraining_script_writes_a_pipeline_and_its_scores(tmp_path):
     assert (tmp_path / "m" / "model_index.json").is_file() and (tmp_path / "m" / "pretrain.json").is_file()
     assert set(data["eval"]["by_tag"]) == set(TAGS) and 0 <= data["eval"]["overall"] <= 1
     assert [c["step"] for c in data["curve"]] == [2] and data["command"]["flow_steps"] == 3
+
+    # --resume: trains on from that directory, its VAE (and latent scaling) kept, its steps counted on
+    more = ["--flow-steps", "2", "--decay", "--eval-every", "1", "--resume", str(tmp_path / "m")]
+    again = run_benchmark_here(
+        "smallworld_pretrain.py",
+        tmp_path,
+        *["--out", str(tmp_path / "m2"), *small[:-4], "--batch", "8", *more],
+        *["--eval-seeds", "1", "--sample-steps", "2"],
+    )
+    assert again["flow_steps_total"] == 5 and again["resumed"]["command"]["flow_steps"] == 3
+    assert [c["step"] for c in again["curve"]] == [4]  # counted from the resumed run's 3
+    from diffusers import FluxPipeline
+
+    a, b = (FluxPipeline.from_pretrained(tmp_path / d) for d in ("m", "m2"))
+    assert a.vae.config.scaling_factor == b.vae.config.scaling_factor
+    assert all(torch.equal(x, y) for x, y in zip(a.vae.parameters(), b.vae.parameters()))
+    assert not all(torch.equal(x, y) for x, y in zip(a.transformer.parameters(), b.transformer.parameters()))
