@@ -263,6 +263,19 @@ def test_peer_calibration_is_smoked_by_the_peer_tests():
 
 
 @pytest.mark.slow
+def test_colour_margin(tmp_path):
+    """Two iterations of the tiny FLUX.2; the paired red / blue margin before and after."""
+    sets = [arg for kv in [*TINY_IMAGE, "sampling.steps=2", "sampling.eval_steps=2"] for arg in ("--set", kv)]
+    cfg = str(ROOT / "configs" / "flux2_tiny.yaml")
+    data = run_benchmark_here(
+        "colour_margin.py", tmp_path, "-c", cfg, "--seeds", "0", "--iterations", "2", *sets
+    )
+    (r,) = data["runs"]
+    assert len(r["rewards"]) == 2 and finite(r["gain"], r["noise"])
+    assert all(finite(*r[k].values()) for k in ("before", "after"))
+
+
+@pytest.mark.slow
 def test_stale_gradient(tmp_path):
     """Every variant trains 2 iterations; a stale variant's probe splits the gradient per trained step."""
     tiny = [*TINY_IMAGE, "sampling.steps=3"]
