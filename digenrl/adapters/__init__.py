@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from digenrl.errors import UserError
@@ -23,6 +24,7 @@ ADAPTERS: dict[str, str] = {
 }
 
 
+@functools.cache
 def adapter_class(name: str):
     if name not in ADAPTERS:
         raise UserError(f"model.adapter: unknown adapter '{name}' (available: {', '.join(sorted(ADAPTERS))})")

@@ -171,6 +171,7 @@ class AnalyticTimes(CallTimes):
             f"{e.source})"
         )
         self.flops = forward_flops(w.shape)  # one pass, one sample
+        self.attention = attention_fraction(w.shape)  # of it, attention's score / value products
         self.sample_tokens = w.shape.tokens.x + w.shape.tokens.text  # tokens one sample's pass processes
         self.weight_bytes = w.params.total * w.dtype_bytes
         self.rollout_overhead_s = self.train_overhead_s = p.unit_overhead_s
@@ -216,8 +217,8 @@ class AnalyticTimes(CallTimes):
         return self.workload.passes * (self._pass(b, "rollout", 1.0, 1.0) + self.fsdp_s)
 
     def train_step(self, b):
-        a = attention_fraction(self.workload.shape)
-        backward = 2.0 if not self.workload.lora else 1.0 + a  # LoRA: no weight gradients for the frozen base
+        # LoRA: no weight gradients for the frozen base
+        backward = 2.0 if not self.workload.lora else 1.0 + self.attention
         factor = 1.0 + backward + (1.0 if self.checkpointing else 0.0)
         reads = 2.0 + (1.0 if self.checkpointing else 0.0)
         fsdp = self.fsdp_s * (3 if not self.workload.lora else 2)

@@ -6,6 +6,8 @@ step and micro-batch (``call_times.train_unit_time``). docs/algorithms.md, "Time
 
 from __future__ import annotations
 
+from collections import Counter
+
 from digenrl.planner.call_times import CallTimes, micro_batches, train_unit_time
 from digenrl.planner.constants import MIN_UNIT_FRACTION
 from digenrl.planner.workload import Workload
@@ -70,9 +72,10 @@ def pair_unit_time(
     b = groups * w.group_size // w.optimizer_steps
     positions = w.positions(tsp_rank, tsp_degree)
     chunks = micro_batches(b * positions, pair_batch)
-    calls = sum(t.train_step(c) for c in chunks)
+    sizes = Counter(chunks)  # most chunks are whole: one call's time per distinct size
+    calls = sum(n * t.train_step(c) for c, n in sizes.items())
     if old_logprob:
-        calls += sum(t.ref_forward(c) for c in chunks)
+        calls += sum(n * t.ref_forward(c) for c, n in sizes.items())
     if w.kl_on_trainer:
         if w.timestep_mode == "random":  # the mini-batch's distinct steps (expected), pairs spread over them
             choices = max(1, w.steps - 1)
