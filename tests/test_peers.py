@@ -143,7 +143,8 @@ def test_verl_omni_batching_and_bypass_as_its_code_runs_them():
     batched = verl.verl_omni_phases(cost, "H800", 4, verl.BATCHED)
     per = w.samples / 4
 
-    ops, elems = forward_ops(w.shape)
+    ops, elems = forward_ops(w.shape, fused=True)  # vLLM-Omni's transformer (op_counts.SERVED_FUSED)
+    assert ops < forward_ops(w.shape)[0]
     bw = DEVICES["H800"].mem_bw * cost.params.mem_bw_efficiency
 
     def call(b):  # by hand: b images' FLOPs at the matmul efficiency, the kernels, the memory-bound bytes
@@ -184,8 +185,7 @@ def test_the_shipped_defaults_are_the_fit_of_every_row():
     )
     assert p.op_launch_s == pytest.approx(f["all"]["op_launch_s"], rel=0.01)
     assert p.dispatch_s_per_worker == pytest.approx(f["all"]["dispatch_s_per_worker"], rel=0.01)
-    assert p.judge_step_s == pytest.approx(f["all"]["judge_step_s"], rel=0.01)
-    assert p.judge_step_per_request_s == pytest.approx(f["all"]["judge_step_per_request_s"], rel=0.01)
+    assert p.serve_seq_step_s == pytest.approx(f["all"]["serve_seq_step_s"], rel=0.01)
     assert len(f["all"]) < len(f["rows"]) and set(f["leave_one_out"]) == {r["group"] for r in f["rows"]}
 
 

@@ -160,6 +160,7 @@ class AnalyticTimes(CallTimes):
         shard: int = 1,
         link_bw: float | None = None,
         cfg_batched: bool = True,
+        fused: bool = False,
     ):
         self.workload, self.dev, self.params = w, dev, p
         self.checkpointing, self.shard, self.cfg_batched = checkpointing, shard, cfg_batched
@@ -176,7 +177,8 @@ class AnalyticTimes(CallTimes):
         self.weight_bytes = w.params.total * w.dtype_bytes
         self.rollout_overhead_s = self.train_overhead_s = p.unit_overhead_s
         # FSDP: every pass all-gathers the weights (and the backward reduce-scatters full-FT gradients)
-        self.ops = forward_ops(w.shape) if p.op_launch_s is not None else None
+        # ``fused``: the transformer as a serving engine runs it (fused norms and QKV: op_counts.py)
+        self.ops = forward_ops(w.shape, fused) if p.op_launch_s is not None else None
         self.fsdp_s = 0.0
         if shard > 1:
             moved = self.weight_bytes * (shard - 1) / shard / (link_bw or dev.link_bw)

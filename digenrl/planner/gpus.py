@@ -26,7 +26,7 @@ from digenrl.placement.plan import device_type
 #: compute in H200): the one fit over every published row and DigenRL's H200 rows
 #: (planner/cost_fit.json, benchmarks/peer_calibration.py; docs/scaling.md, "Calibration on published
 #: numbers"), until a GPU profile replaces it.
-CALIBRATED_HOPPER = (0.530, 0.311)
+CALIBRATED_HOPPER = (0.556, 0.312)
 KERNEL_EFFICIENCY: dict[str, tuple[float, float]] = {
     "H100": CALIBRATED_HOPPER,
     "H800": CALIBRATED_HOPPER,

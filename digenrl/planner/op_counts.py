@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -53,11 +53,17 @@ class OpCounts:
     block_ops: dict[str, int]
     outside_elems: float
     block_elems: dict[str, float]
+    # of those, the kernels a serving engine's fused layers do not launch (vLLM-Omni's transformers: one
+    # fused RMSNorm kernel, one QKV projection per stream -- qwen_image_transformer.py:318-354)
+    fused_outside_ops: int = 0
+    fused_block_ops: dict[str, int] = field(default_factory=dict)
 
-    def per_forward(self, blocks: dict[str, int]) -> tuple[int, float]:
+    def per_forward(self, blocks: dict[str, int], fused: bool = False) -> tuple[int, float]:
         """(kernels, memory-bound elements per token x hidden) of one call of a model with ``blocks``
-        (block kind -> count)."""
+        (block kind -> count); ``fused``: as a serving engine with fused norms and QKV runs it."""
         ops = self.outside_ops + sum(self.block_ops.get(k, 0) * n for k, n in blocks.items())
+        if fused:
+            ops -= self.fused_outside_ops + sum(self.fused_block_ops.get(k, 0) * n for k, n in blocks.items())
         elems = self.outside_elems + sum(self.block_elems.get(k, 0.0) * n for k, n in blocks.items())
         return ops, elems
 
@@ -84,12 +90,40 @@ def block_lists(net) -> dict[str, list]:
     return {n: list(m) for n, m in net.named_children() if isinstance(m, nn.ModuleList)}
 
 
+#: families whose vLLM-Omni transformer fuses its norms and QKV (vllm_omni/diffusion/models/*/ at be81443c:
+#: vLLM's RMSNorm and QKVParallelLinear); veRL-Omni serves its rollouts with them
+SERVED_FUSED = ("qwen_image", "sd3", "wan", "z_image")
+#: projections a serving engine merges into its stream's query projection (one QKV matmul)
+_MERGED = {"to_k": "to_q", "to_v": "to_q", "add_k_proj": "add_q_proj", "add_v_proj": "add_q_proj"}
+
+
+def _fusions(net, where: list[str], total: list[int], fused: dict[str, int]) -> list:
+    """Hooks that count what fusion saves: an RMSNorm's kernels but one, a merged projection's all."""
+    hooks = []
+    for parent in net.modules():
+        for name, m in parent.named_children():
+            norm = type(m).__name__ == "RMSNorm"
+            merged = name in _MERGED and hasattr(parent, _MERGED[name])
+            if not (norm or merged):
+                continue
+            start: list[int] = []
+            hooks.append(m.register_forward_pre_hook(lambda *_, s=start: s.append(total[0]) and None))
+
+            def done(*_, s=start, keep=1 if norm else 0):
+                k = where[-1]
+                fused[k] = fused.get(k, 0) + max(0, total[0] - s.pop() - keep)
+
+            hooks.append(m.register_forward_hook(done))
+    return hooks
+
+
 def count_calls(net, call, tokens_hidden: float) -> OpCounts:
     """Run ``call()`` (one or more calls of ``net``) under a dispatch mode and attribute each kernel to
     the block list it ran in; per-call averages, elements per ``tokens_hidden``."""
     where: list[str] = ["outside"]
     ops: dict[str, int] = {}
     elems: dict[str, float] = {}
+    total, fused = [0], {}
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -97,12 +131,13 @@ def count_calls(net, call, tokens_hidden: float) -> OpCounts:
             if launches_kernel(func):
                 k = where[-1]
                 ops[k] = ops.get(k, 0) + 1
+                total[0] += 1
                 if not is_matmul(func.__name__):
                     moved = _numel(args) + _numel(list((kwargs or {}).values())) + _numel(out)
                     elems[k] = elems.get(k, 0.0) + moved
             return out
 
-    hooks, calls = [], []
+    hooks, calls = _fusions(net, where, total, fused), []
     for name, blocks in block_lists(net).items():
         for b in blocks:
             hooks.append(b.register_forward_pre_hook(lambda *_, n=name: where.append(n) and None))
@@ -121,6 +156,8 @@ def count_calls(net, call, tokens_hidden: float) -> OpCounts:
         block_ops={k: round(ops.get(k, 0) / n / sizes[k]) for k in sizes if sizes[k]},
         outside_elems=elems.get("outside", 0.0) / n / tokens_hidden,
         block_elems={k: elems.get(k, 0.0) / n / sizes[k] / tokens_hidden for k in sizes if sizes[k]},
+        fused_outside_ops=round(fused.get("outside", 0) / n),
+        fused_block_ops={k: round(fused.get(k, 0) / n / sizes[k]) for k in sizes if sizes[k]},
     )
 
 
@@ -162,14 +199,15 @@ def family_counts(family: str) -> OpCounts | None:
     return shipped().get(SAME_TRANSFORMER.get(family, family))
 
 
-def forward_ops(shape) -> tuple[int, float] | None:
-    """(kernels, memory-bound elements per sample) of one transformer call at ``shape``; None when the
-    family has no counts."""
+def forward_ops(shape, fused: bool = False) -> tuple[int, float] | None:
+    """(kernels, memory-bound elements per sample) of one transformer call at ``shape`` (``fused``: as a
+    serving engine runs it); None when the family has no counts."""
 
     counts = family_counts(shape.family)
     if counts is None:
         return None
-    ops, elems = counts.per_forward(published_blocks(shape))
+    base = SAME_TRANSFORMER.get(shape.family, shape.family)
+    ops, elems = counts.per_forward(published_blocks(shape), fused and base in SERVED_FUSED)
     return ops, elems * (shape.tokens.x + shape.tokens.text) * shape.adapter.width(shape.config)
 
 

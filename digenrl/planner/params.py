@@ -37,19 +37,17 @@ class CostParams:
     # then puts it anywhere (0.58 s: leave-one-out worst 66%, median 19%, against 42% / 15% held here)
     serve_request_s: float = 0.001
     # a single controller's step cost per worker (dispatch, gather of every phase's data): peer models
-    dispatch_s_per_worker: float = 1.16
-    # a decode-bound judge server awaited inside generation (MM-GRPO's rows): seconds per decode step,
-    # fixed and per request in flight (a step reads the weights, then every request's KV and logits);
-    # an answer of n tokens takes n steps (fitted on MM-GRPO's rows; 0 = none)
-    judge_step_s: float = 0.0283
-    judge_step_per_request_s: float = 2.69e-4
+    dispatch_s_per_worker: float = 1.167
+    # a VLM judge's server (vLLM), per request in flight and decode step: scheduling, sampling,
+    # detokenizing on the host (planner/judge.py prices the rest from the judge's architecture)
+    serve_seq_step_s: float = 1.83e-4
     vae_mfu: float = 0.25  # VAE decoder convolutions
     mem_bw_efficiency: float = 0.70  # share of peak memory bandwidth a weight-streaming pass reaches
     forward_overhead_s: float = 0.002  # per text-encoder call (and a transformer call of an uncounted family)
     # per kernel a transformer call launches (eager: launch + Python + dispatch), x the kernels counted on
     # the real class (op_counts.py); a backward runs ~2x the forward's kernels. Fitted with the
     # efficiencies (fitted; device-independent: host-bound); None = forward_overhead_s per call instead
-    op_launch_s: float | None = 1.26e-5
+    op_launch_s: float | None = 1.61e-5
     # memory-bound ops (norms, adaLN, activations, residuals): elements counted per token x hidden
     # (op_counts.py), streamed at mem_bw_efficiency; False = FLOPs and the weight stream only
     op_traffic: bool = True

@@ -36,12 +36,20 @@ class PeerRun:
         return self.samples_per_s / self.devices if self.devices else 0.0
 
 
-def times(cost, device: str, checkpointing: bool = False, cfg_batched: bool = True) -> CallTimes:
-    """Per-call times of one unsharded device (a profile's when it measured this type)."""
+def times(
+    cost, device: str, checkpointing: bool = False, cfg_batched: bool = True, fused: bool = False
+) -> CallTimes:
+    """Per-call times of one unsharded device (a profile's when it measured this type); ``fused``: a
+    serving engine's transformer (op_counts.SERVED_FUSED)."""
     if cost.profiled(device):
         return ProfiledTimes(cost.profile)
     return AnalyticTimes(
-        cost.workload, DEVICES[device], cost.params, checkpointing=checkpointing, cfg_batched=cfg_batched
+        cost.workload,
+        DEVICES[device],
+        cost.params,
+        checkpointing=checkpointing,
+        cfg_batched=cfg_batched,
+        fused=fused,
     )
 
 

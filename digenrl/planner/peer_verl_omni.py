@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 
 from digenrl.placement.devices import DEVICES
 from digenrl.planner.constants import ADAMW_STATE_BYTES, FP32_BYTES
+from digenrl.planner.efficiency import device_efficiency
+from digenrl.planner.judge import JudgeModel
 from digenrl.planner.peer_run import (
     PeerRun,
     batches,
@@ -128,10 +130,9 @@ class VerlOmniSettings:
     # a request-serving front end (vllm-omni's agent loop) that pays ``CostParams.serve_request_s`` per
     # image; MM-GRPO's in-process diffusers rollout has none
     server: bool = True
-    # the reward judge's answer length when it is launched per micro-batch inside generation and
-    # awaited at its end (MM-GRPO: compute_reward_async, diffusers_rollout.py:193-221), priced at
-    # ``CostParams.judge_step_s`` / ``judge_step_per_request_s`` per token; 0 = no such judge
-    judge_tokens: int = 0
+    # a VLM judge launched per micro-batch inside generation and awaited at its end (MM-GRPO:
+    # compute_reward_async, diffusers_rollout.py:193-221), priced from its architecture (judge.py)
+    judge: JudgeModel | None = None
     # reward_model.enable_resource_pool=True: every image's score streamed from a judge on this many GPUs
     # of its own into the agent loop, awaited inside the gen timer (ray_diffusion_trainer.py:668-687)
     judge_streamed_gpus: int = 0
@@ -155,7 +156,8 @@ def verl_omni_phases(cost, device: str, n: int, s: VerlOmniSettings = PUBLISHED)
     w, p = cost.workload, cost.params
     per = w.samples / n  # samples each GPU generates, scores and trains
     T, S = w.trained_steps, w.optimizer_steps
-    roll = times(cost, device, cfg_batched=s.cfg_batched)  # the server: an unsharded bf16 copy (TP 1)
+    # the server: an unsharded bf16 copy (TP 1), vLLM-Omni's fused transformer
+    roll = times(cost, device, cfg_batched=s.cfg_batched, fused=s.server)
     train = times(cost, device, checkpointing=s.checkpointing)
     weights = w.params.total * w.dtype_bytes
     shard = min(n, s.fsdp_size) if s.fsdp_size else n
@@ -170,12 +172,20 @@ def verl_omni_phases(cost, device: str, n: int, s: VerlOmniSettings = PUBLISHED)
     generation += per * p.serve_request_s if s.server else 0.0
     if s.judge_streamed_gpus:  # scored while generated; the last image's score after it
         generation = max(generation, w.samples * p.model_reward_s / s.judge_streamed_gpus) + p.model_reward_s
-    if s.judge_tokens:  # MM-GRPO: each micro-batch's requests sent once generated, all awaited after the
-        # loop (diffusers_rollout.py:193-201, 213-221 at d91797e); the last image's answer takes
-        # judge_tokens decode steps with every request of the n GPUs still in flight (the answers
-        # outlast generation), each step slower with each of them
-        inflight = calls * b * n
-        generation += s.judge_tokens * (p.judge_step_s + p.judge_step_per_request_s * inflight)
+    if s.judge:  # MM-GRPO: each micro-batch's requests sent once generated, all awaited after the loop
+        # (diffusers_rollout.py:193-201, 213-221 at d91797e): the last micro-batch of every GPU is
+        # prefilled, then decoded for a whole answer with every request of the n GPUs still in flight
+        # (a micro-batch generates in less than an answer's decode)
+        e = device_efficiency(p, device)
+        generation += s.judge.tail_s(
+            b * n,
+            calls * b * n,
+            w.shape.tokens.pixels,
+            DEVICES[device],
+            e.rollout,
+            p.mem_bw_efficiency,
+            p.serve_seq_step_s,
+        )
 
     reward = roll.reward(per)  # the judge on the same GPUs (p.model_reward_s per image)
 

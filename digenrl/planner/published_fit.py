@@ -19,6 +19,7 @@ from digenrl.planner import peer_verl_omni as verl
 from digenrl.planner import peers as peer_models
 from digenrl.planner.call_times import AnalyticTimes
 from digenrl.planner.costmodel import CostModel
+from digenrl.planner.judge import QWEN25_VL_3B_OCR
 from digenrl.planner.loo import Param, Row, Theta
 from digenrl.planner.params import CostParams
 from digenrl.planner.published import CALIBRATION, OUT_OF_SAMPLE, VERL_OMNI_GENERATION, VERL_OMNI_PHASES
@@ -39,8 +40,7 @@ PARAMS = [
         "op_launch_s", 1.2e-5, 1e-6, 2e-4, "seconds per kernel of an eager transformer call (op_counts.py)"
     ),
     Param("dispatch_s_per_worker", 0.3, 1e-3, 10.0, "a single controller's step seconds per worker"),
-    Param("judge_step_s", 0.02, 1e-4, 1.0, "MM-GRPO's judge (32B over vLLM): seconds per decode step"),
-    Param("judge_step_per_request_s", 1e-4, 1e-7, 0.1, "... and per request in flight, per step"),
+    Param("serve_seq_step_s", 1e-4, 1e-7, 1e-2, "a VLM judge server's host work per request and decode step"),
 ]
 
 
@@ -55,8 +55,7 @@ def cost_params(theta: Theta, judge_s: float | None = None) -> CostParams:
         mfu_half_tokens_train=0.0,
         op_launch_s=theta["op_launch_s"],
         dispatch_s_per_worker=theta["dispatch_s_per_worker"],
-        judge_step_s=theta["judge_step_s"],
-        judge_step_per_request_s=theta["judge_step_per_request_s"],
+        serve_seq_step_s=theta["serve_seq_step_s"],
     )
     if judge_s is not None:
         p.model_reward_s = judge_s
@@ -275,16 +274,48 @@ def own_rows() -> list[Row]:
     return out
 
 
-#: why a row stays outside the leave-one-out bound, with the evidence (benchmarks/peer_calibration.py)
-OUTSIDE = {
-    "veRL-Omni SD3.5-M": "judge-bound, the judge unmeasured: every image's GenRM-OCR request (genrm_ocr.py: "
-    "max_tokens 4096, temperature 0.7) to Qwen2.5-VL-3B at TP 1 is awaited inside the gen timer; priced at "
-    "the 0.227 GPU-s per image read off the Qwen-Image phase (another judge: Qwen3-VL-8B at TP 4) it gives "
-    "14.8 s. Both rows carry ~21 s beyond generation that barely move with batching: a throughput reading "
-    "(64 transcriptions of ~20 tokens) is < 2 s, a decode that runs to max_tokens (4096 steps at ~5 ms) is "
-    "~21 s. Decides it: the judge's response lengths (genrm_response, logged per image) or its rate "
-    "on one H800",
-}
+def sd35_judge_readings(theta: Theta) -> dict[str, float]:
+    """What the SD3.5 rows' judge (GenRM-OCR on Qwen2.5-VL-3B, planner/judge.py) adds to generation
+    under two readings of its answers, and the generation the model prices without it."""
+    judge = QWEN25_VL_3B_OCR
+    g = VERL_OMNI_SD35_GENERATION
+    w, cluster = _setup(g)
+    dev, px, p = DEVICES[next(iter(cluster.devices))], w.shape.tokens.pixels, cost_params(theta)
+    tokens = judge.input_tokens(px)
+    eff = p.mem_bw_efficiency
+    step = judge.decode_step_s(
+        w.samples, tokens + judge.answer_tokens / 2, dev, p.mfu_rollout, eff, p.serve_seq_step_s
+    )
+    cost = CostModel(w, cluster, params=cost_params(theta, 0.0))
+    bare = {
+        b: verl.verl_omni_phases(
+            cost, next(iter(cluster.devices)), g.gpus, replace(verl.PUBLISHED, server_batch=b)
+        )
+        for b in g.points
+    }
+    return {
+        **{f"generation_{b}": v["generation"] for b, v in bare.items()},
+        "short": judge.prefill_s(w.samples, px, dev, p.mfu_rollout) + judge.answer_tokens * step,
+        "runaway": 4096 * judge.decode_step_s(1, tokens + 2048, dev, p.mfu_rollout, eff, p.serve_seq_step_s),
+    }
+
+
+def outside(theta: Theta) -> dict[str, str]:
+    """Why a row stays outside the leave-one-out bound, with the evidence (benchmarks/peer_calibration.py)."""
+    r = sd35_judge_readings(theta)
+    points = VERL_OMNI_SD35_GENERATION.points
+    gen = " / ".join(f"{r[f'generation_{b}']:.1f}" for b in points)
+    beyond = " / ".join(f"{v - r[f'generation_{b}']:.1f}" for b, v in points.items())
+    return {
+        "veRL-Omni SD3.5-M": "judge-bound, the judge unmeasured: every image's GenRM-OCR request (genrm_ocr"
+        ".py: max_tokens 4096, temperature 0.7) to Qwen2.5-VL-3B at TP 1 is awaited inside the gen timer, "
+        "priced at the 0.227 s per image read off the Qwen-Image reward phase (Qwen3-VL-8B at TP 4). "
+        f"Without it the model's generation is {gen} s (serial / batched), and the rows carry {beyond} s "
+        f"beyond it; from the judge's architecture (planner/judge.py) 64 short transcriptions add "
+        f"{r['short']:.1f} s, one answer that runs to max_tokens {r['runaway']:.1f} s. Decides it: the "
+        "judge's response lengths (genrm_response, logged per "
+        "image) or its time on one H800",
+    }
 
 
 def report(loo_fits: bool = True) -> dict:
@@ -297,8 +328,9 @@ def report(loo_fits: bool = True) -> dict:
 
 def _report(table_rows: list[Row], full: Theta, held: dict[str, Theta]) -> dict:
     table = loo.errors(table_rows, full, held)
+    notes = outside(full)
     for t in table:
-        why = next((v for k, v in OUTSIDE.items() if t["name"].startswith(k)), None)
+        why = next((v for k, v in notes.items() if t["name"].startswith(k)), None)
         if why and abs(t["loo_error"]) > 0.30:
             t["outside"] = why
     return {

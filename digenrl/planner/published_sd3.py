@@ -12,6 +12,7 @@ from pathlib import Path
 
 from digenrl.config.run import load_config
 from digenrl.planner.gpus import load_cluster
+from digenrl.planner.judge import UNIFIED_REWARD_THINK_32B
 from digenrl.planner.published_setup import PublishedSetup
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,19 +58,18 @@ _MM_SETTINGS = {
     # (ray_diffusion_trainer.py:358-372, async_utils.py:18-24); veRL-Omni's fixed 9.8 s is not MM-GRPO's
     "push_latency_s": 0.0,
     "server": False,  # diffusers in the rollout worker's process: no request-serving front end
-    # compute_reward_async per micro-batch (diffusers_rollout.py:193-221): the judge's answers are at
-    # most max_completion_tokens 256 (gerl/utils/reward_score/vllm.py:65); a thinking judge uses them
-    "judge_tokens": 256,
+    # compute_reward_async per micro-batch (diffusers_rollout.py:193-221) to a 32B VLM judge
+    "judge": UNIFIED_REWARD_THINK_32B,
 }
 _MM_REWARD = (
     "the reward (UnifiedReward-Think-qwen3vl-32b served by vLLM off these 3 GPUs, README.md:100) is "
     "launched per micro-batch inside generate_sequences and awaited after the loop (diffusers_rollout.py:"
-    "193-221): its rate is fitted"
+    "193-221): priced from its architecture (planner/judge.py), not fitted"
 )
 #: what the model of the MM-GRPO rows rests on (the same for the three rows)
 _MM_GAP = (
     "SD3.5-M's small calls priced by their kernels (op_counts.py); the judge launched per micro-batch "
-    "inside generation, at the fitted constant rate (planner/published_fit.py)"
+    "inside generation, priced from its architecture (planner/judge.py)"
 )
 
 
