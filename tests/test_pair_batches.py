@@ -81,6 +81,31 @@ def test_pair_batches_give_the_per_step_gradient_in_fewer_forwards(family, monke
     assert st_steps["logprob_mismatch"] == 0.0 and st_pairs["logprob_mismatch"] < 1e-4
 
 
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_recomputing_the_old_logprob_in_the_pair_batches_makes_the_first_ratio_one(family, monkeypatch):
+    """train.old_logprob: recompute (veRL-Omni's old_log_prob pass, in each pair forward's own rows):
+    the on-policy ratio is 1 (the pass and the train forward: the same rows, the same kernels), where the
+    rollout's log-prob leaves it off by the batches' rounding (~1e-7 here); logprob_mismatch is logged
+    either way; the gradient is the same to rounding."""
+    policy, unit = unit_and_policy(*FAMILIES[family])
+    kept, _, st_kept = gradient(policy, unit, 5, monkeypatch)
+    policy.cfg.train.old_logprob = "recompute"
+    again, forwards, st_again = gradient(policy, unit, 5, monkeypatch)
+    assert st_kept["logprob_mismatch"] > 0 and (st_kept["ratio_min"], st_kept["ratio_max"]) != (1.0, 1.0)
+    assert st_again["ratio_min"] == st_again["ratio_max"] == 1.0
+    assert st_again["logprob_mismatch"] == pytest.approx(st_kept["logprob_mismatch"], rel=1e-3)
+    assert forwards == math.ceil(int(unit.train_idx.numel()) / 5)  # backward passes: as many as before
+    for name, g in kept.items():
+        torch.testing.assert_close(again[name], g, rtol=1e-3, atol=1e-4 * float(g.abs().max()))
+
+
+def test_recompute_needs_one_optimizer_step():
+    from digenrl.errors import UserError
+
+    with pytest.raises(UserError, match="train.old_logprob: recompute needs train.optimizer_steps 1"):
+        load_config(None, ["train.old_logprob=recompute", "train.optimizer_steps=2"])
+
+
 def test_pairs_are_cut_in_step_order_and_a_step_may_span_two_forwards():
     rows = [[0, 1, 2], [0, 2], [1]]
     groups = [(i, torch.tensor(r), False) for i, r in zip((0, 2, 3), rows)]

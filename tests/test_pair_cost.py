@@ -60,6 +60,15 @@ def test_pairs_pay_the_fixed_cost_once_per_chunk_by_hand():
     )
 
 
+def test_the_engines_old_logprob_knob_is_what_the_planner_prices():
+    """train.old_logprob: recompute (units/train.py: old_logprobs) reaches the workload: the no-grad
+    pass per forward, in pairs and per step, by hand as above; the default prices none."""
+    assert not flux().old_logprob and flux("train.old_logprob=recompute").old_logprob
+    w, t = replace(small(), old_logprob=True), Linear()
+    assert pair_unit_time(t, w, 1, 0, 1, 4, 8) == pytest.approx(3 * F + 18 * C + 3 * R + 18 * Q)
+    assert train_unit_time(t, w, 1, 0, 1, 4) == pytest.approx(6 * F + 18 * C + 6 * R + 18 * Q)
+
+
 def test_a_kl_reference_on_the_trainer_runs_per_step_piece_of_each_chunk():
     assert pieces(3, 6, 8) == [6, 2, 4, 4, 2]  # steps of 6 rows cut at 8, 16: five (chunk, step) pieces
     w = small(kl=True, kl_reference="train")

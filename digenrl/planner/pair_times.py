@@ -59,14 +59,15 @@ def pair_unit_time(
     micro_batch: int,
     pair_batch: int | None,
     shard: int = 1,
-    old_logprob: bool = False,
+    old_logprob: bool | None = None,
 ) -> float:
     """A train unit: its b x positions pairs (b = the mini-batch's samples) as ceil(pairs / pair_batch)
     forward + backward calls of up to ``pair_batch`` rows; a KL reference on the trainer per (chunk,
-    step) piece. ``old_logprob``: also a no-grad forward per chunk before them (veRL-Omni's
-    old_log_prob pass, which makes the ratio's reference the trainer's own kernels; the engine runs
-    none: it keeps the rollout's log-prob and logs ``logprob_mismatch``). Where the engine keeps
-    per-step forwards (:func:`uses_pairs`), ``call_times.train_unit_time``."""
+    step) piece. ``old_logprob`` (default: the workload's ``train.old_logprob: recompute``): also a
+    no-grad forward per chunk before them (veRL-Omni's old_log_prob pass: the ratio's reference from
+    the trainer's own kernels; ``units/train.py: old_logprobs``). Where the engine keeps per-step
+    forwards (:func:`uses_pairs`), ``call_times.train_unit_time``."""
+    old_logprob = w.old_logprob if old_logprob is None else old_logprob
     if not uses_pairs(w, pair_batch, shard):
         return train_unit_time(t, w, groups, tsp_rank, tsp_degree, micro_batch)
     b = groups * w.group_size // w.optimizer_steps
