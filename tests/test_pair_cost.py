@@ -82,8 +82,9 @@ def test_where_the_engine_keeps_per_step_forwards_so_does_the_price():
     kl = small(kl=True, kl_reference="train")  # ...not with a KL reference forward per step
     assert not uses_pairs(kl, 8, shard=2) and uses_pairs(kl, 8, shard=1)
     assert pair_unit_time(t, kl, 1, 0, 1, 4, 8, shard=2) == train_unit_time(t, kl, 1, 0, 1, 4)
-    experts = replace(w, shape=replace(w.shape, experts=2))  # Wan2.2: two experts, ranks would differ
-    assert not uses_pairs(experts, 8, shard=2)
+    experts = replace(w, shape=replace(w.shape, experts=2))  # Wan2.2: each rank runs both experts a chunk
+    assert uses_pairs(experts, 8, shard=2)
+    assert pair_unit_time(t, experts, 1, 0, 1, 4, 8, shard=2) == pytest.approx(6 * F + 18 * C)
     nft = replace(w, forward_process=True)  # diffusion_nft-style losses have no pairs
     assert pair_sizes(nft) == (None,) and pair_unit_time(t, nft, 1, 0, 1, 4, 8) == train_unit_time(
         t, nft, 1, 0, 1, 4

@@ -27,11 +27,11 @@ def pair_sizes(w: Workload) -> tuple[int | None, ...]:
 
 def uses_pairs(w: Workload, pair_batch: int | None, shard: int) -> bool:
     """Does the engine run pair batches here? Not for the forward-process losses; not in a sharded
-    group with two experts or a KL reference forward per step (``engine/fsdp_group.py``: ranks would
-    run different collectives, so the group keeps its per-step passes)."""
+    group with a KL reference forward per step (``engine/fsdp_group.py``: ranks would run different
+    collectives, so the group keeps its per-step passes)."""
     if not pair_batch or w.forward_process:
         return False
-    return shard <= 1 or not (w.shape.experts > 1 or w.kl_on_trainer)
+    return shard <= 1 or not w.kl_on_trainer
 
 
 def pieces(steps: float, rows: float, size: int) -> list[float]:
@@ -75,6 +75,8 @@ def pair_unit_time(
     chunks = micro_batches(b * positions, pair_batch)
     sizes = Counter(chunks)  # most chunks are whole: one call's time per distinct size
     calls = sum(n * t.train_step(c) for c, n in sizes.items())
+    if w.shape.experts > 1 and shard > 1:  # a sharded rank runs both experts per chunk (lockstep)
+        calls = sum(2 * n * t.train_step(c / 2) for c, n in sizes.items())
     if old_logprob:
         calls += sum(n * t.ref_forward(c) for c, n in sizes.items())
     if w.kl_on_trainer:
