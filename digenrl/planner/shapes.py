@@ -12,6 +12,7 @@ from pathlib import Path
 
 from digenrl.adapters import adapter_class
 from digenrl.adapters.cost_hooks import Tokens
+from digenrl.distributed.blocks import transformer_blocks
 from digenrl.errors import UserError
 from digenrl.policy.lora import matching_modules
 
@@ -181,8 +182,6 @@ def _counts(
 def gathered_params(net) -> int:
     """What FSDP2 holds whole at once in a forward of ``net`` sharded per block: the running block and
     the prefetched next (the two largest), and the root's own parameters (embedders, final layers)."""
-    from digenrl.distributed.blocks import transformer_blocks
-
     blocks = transformer_blocks(net)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     sizes = sorted((sum(p.numel() for p in b.parameters()) for b in blocks), reverse=True)
