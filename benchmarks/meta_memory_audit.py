@@ -11,10 +11,12 @@ shards; every tensor must be a shard (no full-size copy), and the total is compa
 ``planner/memory.py``'s parts (activations and FSDP2's gathered block, which live only inside a
 forward, excluded).
 
+``--tag``: also a TAG trainer rank while it rolls out (issue 52: meta_memory_tag.py).
 ``--build``: the build instead (issue 53, item 4): the device bytes of a rank while its transformer is
 moved from host memory and sharded, block by block (``build_audit``).
 
-    python benchmarks/meta_memory_audit.py [--json F] [--markdown] [--only NAME] [--build [--device cuda]]
+    python benchmarks/meta_memory_audit.py [--json F] [--markdown] [--only NAME] [--tag]
+    python benchmarks/meta_memory_audit.py --build [--device cuda]
 """
 
 from __future__ import annotations
@@ -121,18 +123,15 @@ def local_bytes(t) -> tuple[int, bool]:
     return t.numel() * t.element_size(), False
 
 
-def audit(name: str, config: str, sets: list[str]) -> dict:
+def sharded_rank(cfg):
+    """(policy, transformer, published source): rank 0 of 8 built and sharded by the runtime's code on
+    ``meta``, after one gradient and one AdamW step (gradients and optimizer state exist)."""
     from digenrl.adapters import adapter_class
-    from digenrl.config.run import load_config
     from digenrl.engine.fsdp_group import shard_trainer_rank
     from digenrl.placement.layout import RunLayout
-    from digenrl.planner.memory import MemoryModel
-    from digenrl.planner.params import CostParams
-    from digenrl.planner.workload import Workload
     from digenrl.policy import model as policy_model
     from digenrl.policy.settings import single_process_settings
 
-    cfg = load_config(ROOT / "configs" / config, sets)
     net, source = meta_transformer(cfg)
     dtype = getattr(torch, cfg.model.dtype)
     adapter = SimpleNamespace(
@@ -149,7 +148,18 @@ def audit(name: str, config: str, sets: list[str]) -> dict:
     for p in policy.params:  # a backward's gradients, then one step: AdamW's state exists
         p.grad = torch.zeros_like(p)
     policy.optimizer.step()
+    return policy, net, source
 
+
+def audit(name: str, config: str, sets: list[str], rank=None) -> dict:
+    """One case's row; ``rank``: a :func:`sharded_rank` of its config already built."""
+    from digenrl.config.run import load_config
+    from digenrl.planner.memory import MemoryModel
+    from digenrl.planner.params import CostParams
+    from digenrl.planner.workload import Workload
+
+    cfg = load_config(ROOT / "configs" / config, sets)
+    policy, net, source = rank or sharded_rank(cfg)
     held = dict.fromkeys(PARTS, 0)
     whole = []  # tensors that are not shards: full-size copies
     keep = set(getattr(net, "_keep_in_fp32_modules", None) or ())
@@ -306,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", help="cases whose name starts with this (repeatable)")
     ap.add_argument("--build", action="store_true", help="the build column (BUILD_CASES) instead")
     ap.add_argument("--device", default="meta", choices=["meta", "cuda"], help="--build: the rank's device")
+    ap.add_argument(
+        "--tag", action="store_true", help="also a TAG trainer rank rolling out (meta_memory_tag.py)"
+    )
     a = ap.parse_args(argv)
     cases = [
         c
@@ -331,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.json:
             a.json.write_text(json.dumps({"world": WORLD, "build_rows": rows}, indent=1))
         return 0
+    tag_rows = []
     with fake_group():
         for case in cases:
             rows.append(audit(*case))
@@ -340,10 +354,22 @@ def main(argv: list[str] | None = None) -> int:
                 f"({r['difference']:+.1%}), full-size tensors: {r['full_size_count']}",
                 flush=True,
             )
+        if a.tag:
+            from meta_memory_tag import TAG_CASES, tag_audit, tag_markdown
+
+            for case in TAG_CASES:
+                tag_rows.append(r := tag_audit(*case))
+                print(
+                    f"{r['name']}: rank 0 holds {r['total'] / GiB:.2f} GiB while it rolls out, "
+                    f"planner {r['planner'] / GiB:.2f} GiB ({r['difference']:+.1%})",
+                    flush=True,
+                )
     if a.markdown:
         print(markdown(rows))
+        if tag_rows:
+            print(tag_markdown(tag_rows))
     if a.json:
-        a.json.write_text(json.dumps({"world": WORLD, "rows": rows}, indent=1))
+        a.json.write_text(json.dumps({"world": WORLD, "rows": rows, "tag_rows": tag_rows}, indent=1))
     return 0
 
 

@@ -16,6 +16,7 @@ from digenrl.engine.resources import PlacementError
 from digenrl.errors import UserError
 from digenrl.placement.layout import RunLayout
 from digenrl.placement.resolve import resolve
+from digenrl.placement.tag_choice import with_tag
 
 if TYPE_CHECKING:
     from digenrl.checkpoint.compat import CheckpointState
@@ -54,6 +55,8 @@ def run_engine(
             f"({cfg.train.iterations})"
         )
     layout = layout or resolve(cfg)
+    if cfg.engine.tag is None and layout.plan is not None:  # unset: as the layout settled it
+        cfg = with_tag(cfg, layout.plan.tag)
     cfg = with_fault_plan(cfg)  # the environment's faults too: the actors may not see it
     lost = None  # the stop a restart is for
     for restart in itertools.count(1):

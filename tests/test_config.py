@@ -18,7 +18,7 @@ def test_embedded_default_is_the_tiny_flux_demo():
     # colocated, on-policy, no overlap knobs: what learns the most reward per minute on 1 + 1 CPU devices
     e = cfg.engine
     assert cfg.placement.mode == "colocated"
-    assert (e.gap, e.tag, e.tsp_degree, e.max_staleness) == (False, False, 1, 0)
+    assert (e.gap, e.tag, e.tsp_degree, e.max_staleness) == (False, None, 1, 0)  # tag unset: colocated, off
 
 
 def test_the_full_mode_demo_is_the_default_with_the_full_mode_knobs():

@@ -25,7 +25,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def audit(tmp_path_factory):
     only = [arg for case in CASES for arg in ("--only", case)]
-    return run_script("meta_memory_audit.py", tmp_path_factory.mktemp("audit"), *only)
+    return run_script("meta_memory_audit.py", tmp_path_factory.mktemp("audit"), *only, "--tag")
 
 
 def test_every_part_is_sharded_and_agrees_with_the_planner(audit):
@@ -46,3 +46,20 @@ def test_every_part_is_sharded_and_agrees_with_the_planner(audit):
     assert flux["reference"] > 0 and flux["EMA"] > 0 and flux["old policy"] == 0
     assert abs(flux["reference"] - flux["fp32 masters"] / 2) < 0.01 * flux["reference"]  # bf16 shards
     assert nft["old policy"] == nft["fp32 masters"] and nft["reference"] == 0
+
+
+def test_a_tag_rank_rolling_out_holds_what_the_planner_charges(audit):
+    """FLUX.1-dev LoRA, rank 0 of 8, a TAG unit of 4 groups (issue 52): its shards, fp32 masters,
+    accumulated gradients and AdamW state as the training rows; FSDP2's gathered copy (the two largest
+    blocks -- FLUX's double-stream ones, 1.6x the average block the planner used before -- and the
+    root's parameters); the trajectory the sampler itself allocates."""
+    (r,) = audit["tag_rows"]
+    held, planned = r["held"], r["planner_parts"]
+    assert r["full_size_count"] == 0 and r["world"] == 8
+    for part in ("frozen base", "fp32 masters", "fp32 grads", "AdamW state"):
+        assert held[part] == pytest.approx(planned[part], rel=0.01), part
+    assert held["trajectory"] == planned["trajectory"]  # the sampler's buffers, by the planner's formula
+    gathered = held["gathered blocks"] + held["gathered root"]
+    assert gathered == pytest.approx(planned["compute copy"], rel=0.05)  # (LoRA's bf16 copies: the rest)
+    assert held["gathered blocks"] > 1.5 * held["gathered root"] > 0
+    assert abs(r["difference"]) < 0.05

@@ -60,6 +60,15 @@ def test_pairs_pay_the_fixed_cost_once_per_chunk_by_hand():
     )
 
 
+def test_the_engines_old_logprob_knob_is_what_the_planner_prices():
+    """train.old_logprob: recompute (units/train.py: old_logprobs) reaches the workload: the no-grad
+    pass per forward, in pairs and per step, by hand as above; the default prices none."""
+    assert not flux().old_logprob and flux("train.old_logprob=recompute").old_logprob
+    w, t = replace(small(), old_logprob=True), Linear()
+    assert pair_unit_time(t, w, 1, 0, 1, 4, 8) == pytest.approx(3 * F + 18 * C + 3 * R + 18 * Q)
+    assert train_unit_time(t, w, 1, 0, 1, 4) == pytest.approx(6 * F + 18 * C + 6 * R + 18 * Q)
+
+
 def test_a_kl_reference_on_the_trainer_runs_per_step_piece_of_each_chunk():
     assert pieces(3, 6, 8) == [6, 2, 4, 4, 2]  # steps of 6 rows cut at 8, 16: five (chunk, step) pieces
     w = small(kl=True, kl_reference="train")
@@ -73,8 +82,9 @@ def test_where_the_engine_keeps_per_step_forwards_so_does_the_price():
     kl = small(kl=True, kl_reference="train")  # ...not with a KL reference forward per step
     assert not uses_pairs(kl, 8, shard=2) and uses_pairs(kl, 8, shard=1)
     assert pair_unit_time(t, kl, 1, 0, 1, 4, 8, shard=2) == train_unit_time(t, kl, 1, 0, 1, 4)
-    experts = replace(w, shape=replace(w.shape, experts=2))  # Wan2.2: two experts, ranks would differ
-    assert not uses_pairs(experts, 8, shard=2)
+    experts = replace(w, shape=replace(w.shape, experts=2))  # Wan2.2: each rank runs both experts a chunk
+    assert uses_pairs(experts, 8, shard=2)
+    assert pair_unit_time(t, experts, 1, 0, 1, 4, 8, shard=2) == pytest.approx(6 * F + 18 * C)
     nft = replace(w, forward_process=True)  # diffusion_nft-style losses have no pairs
     assert pair_sizes(nft) == (None,) and pair_unit_time(t, nft, 1, 0, 1, 4, 8) == train_unit_time(
         t, nft, 1, 0, 1, 4

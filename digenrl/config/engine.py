@@ -92,11 +92,14 @@ class EngineConfig(_Section):
     tsp_degree: int = Field(
         1, gt=0, le=MAX_STEPS, description="TSP: trained timesteps split over this many ranks"
     )
-    tag: bool | Literal["auto"] = Field(
-        False,
+    tag: bool | Literal["auto"] | None = Field(
+        None,
         description=(
             "TAG (disaggregated): an idle trainer rank rolls out a pending unit -- on (whenever it can), "
-            "off, or auto (only where BTS predicts the iteration ends sooner with it; docs/architecture.md)"
+            "off, or auto (only where BTS predicts the iteration ends sooner with it; docs/architecture.md). "
+            "Unset: auto where the memory model knows a trainer rank holds a rollout unit beside its "
+            "training state at the settings it trains with (GPU types), off elsewhere (CPU pools, untyped "
+            "GPUs, colocated); `config validate` says which"
         ),
     )
     rollout_sp: int = Field(1, gt=0, description="sequence parallelism: devices per rollout worker (Ulysses)")
@@ -181,9 +184,9 @@ class EngineConfig(_Section):
     def _tag(cls, value):
         if value in ("on", "off"):
             return value == "on"
-        if isinstance(value, bool) or value == "auto":
+        if value is None or isinstance(value, bool) or value == "auto":
             return value
-        raise ValueError(f"must be auto, on or off, got {value!r}")
+        raise ValueError(f"must be auto, on or off (or unset), got {value!r}")
 
     @field_validator("compile_rollout", mode="before")
     @classmethod

@@ -95,6 +95,11 @@ class RunConfig(_Section):
                 f"train.optimizer_steps ({self.train.optimizer_steps}) must divide algorithm.group_size "
                 f"({self.algorithm.group_size}): each mini-batch holds an equal slice of every group"
             )
+        if self.train.old_logprob == "recompute" and self.train.optimizer_steps > 1:
+            raise ValueError(
+                "train.old_logprob: recompute needs train.optimizer_steps 1 (the pass runs with the weights "
+                f"that generated the samples, before any update; got {self.train.optimizer_steps} steps)"
+            )
         s, G = self.engine.unit_samples, self.algorithm.group_size
         if s is not None and G % s:
             raise ValueError(f"engine.unit_samples ({s}) must divide algorithm.group_size ({G})")

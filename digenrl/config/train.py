@@ -144,6 +144,16 @@ class TrainConfig(_Section):
             "(logprob_mismatch). null: one forward per trained step and micro-batch (ratio exactly 1)"
         ),
     )
+    old_logprob: Literal["rollout", "recompute"] = Field(
+        "rollout",
+        description=(
+            "the PPO ratio's behaviour log-prob: rollout = as the rollout recorded it (a train forward "
+            "reproduces it exactly only in the rollout's own batches; to rounding in pair batches, "
+            "logprob_mismatch); recompute = first a no-grad forward of each train forward's own rows "
+            "(veRL-Omni's old_log_prob pass): the first update's ratio exactly 1, one more forward "
+            "each, priced by the planner; needs train.optimizer_steps 1"
+        ),
+    )
     # 3e-3: the demo (colocated, on-policy) learns well with it, and so does one-step async (samples one
     # version old, decoupled PPO), which overshot and collapsed late in some runs at 5e-3
     # (docs/algorithms.md, "Stale samples: the step size")

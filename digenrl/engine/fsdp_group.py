@@ -89,13 +89,15 @@ def train_share(policy, samples: Samples, unit, rank: int, degree: int, total_te
     padding = len(own) == 0  # fewer samples than ranks: this rank only keeps the group's passes in step
     mine = select_rows(samples, own if not padding else torch.zeros(1, dtype=torch.long))
     reference = cfg.algorithm.kl_beta > 0 and samples.ref_means is None  # a KL forward per step
-    if cfg.train.pair_batch and not getattr(policy.adapter, "two_experts", False) and not reference:
-        # pair batches: every rank runs its busiest rank's number of forwards (two experts, or a KL
-        # reference forward per step, keep the per-step passes: ranks would run different collectives)
+    if cfg.train.pair_batch and not reference:
+        # pair batches: every rank runs its busiest rank's number of forwards, each forward both of two
+        # experts, high-noise first, on its rows (a dummy row where it has none: the adapter's lockstep);
+        # a KL reference forward per step keeps the per-step passes (ranks would run different ones)
         positions = len(range(unit.tsp_rank, samples.train_idx.shape[1], unit.tsp_degree))
         passes = max(-(-len(s) * positions // cfg.train.pair_batch) for s in shares)
         share = (unit.tsp_rank, unit.tsp_degree)
-        return train_unit(policy, mine, total_terms, *share, padding=padding, pair_passes=passes)
+        with policy.adapter.lockstep(True):
+            return train_unit(policy, mine, total_terms, *share, padding=padding, pair_passes=passes)
     return train_unit(
         policy, mine, total_terms, unit.tsp_rank, unit.tsp_degree, lockstep=steps, padding=padding
     )

@@ -76,7 +76,9 @@ def run_on_ray(
     """
     start = resumed.iteration if resumed is not None else 0
     sched_cfg = layout.scheduler_config(start)  # tag auto: BTS measures unit times on the wall clock
-    scheduler = Scheduler(sched_cfg, layout.scheduled, elastic_for(sched_cfg, layout.scheduled, time.time))
+    priors = {(k, w): s for k, w, s in layout.bts_priors}  # the cost model's, until the run measures
+    elastic = elastic_for(sched_cfg, layout.scheduled, time.time, priors)
+    scheduler = Scheduler(sched_cfg, layout.scheduled, elastic)
     run_dir, history = resume_history(resumed, run_dir)
     check_writable(run_dir or cfg.output.run_dir or default_run_dir(cfg), "output.run_dir")
     if resumed is not None and start == cfg.train.iterations:  # finished already: nothing to do

@@ -47,6 +47,8 @@ class RunLayout:
     rollout_sp_groups: Groups = ()
     trainer_sp_groups: Groups = ()
     verdict: str = "runs"  # or the one-line reason the engine refuses the combination
+    tag_note: str = ""  # engine.tag unset: what it settled to, and why (placement/tag_choice.py)
+    bts_priors: tuple[tuple[str, str, float], ...] = ()  # tag auto: (kind, worker, seconds) BTS starts from
 
     # -- the workers ---------------------------------------------------------------------
 
@@ -149,6 +151,7 @@ class RunLayout:
 
     def to_dict(self) -> dict:
         out = {"mode": self.mode, "verdict": self.verdict, "settings": dataclasses.asdict(self.settings)}
+        out |= {"tag_note": self.tag_note, "bts_priors": [list(p) for p in self.bts_priors]}
         if self.plan is not None:
             out["plan"] = {
                 **{f.name: getattr(self.plan, f.name) for f in dataclasses.fields(self.plan)},
@@ -182,6 +185,8 @@ class RunLayout:
             rollout_sp_groups=_groups(groups.get("rollout_sp_groups", [])),
             trainer_sp_groups=_groups(groups.get("trainer_sp_groups", [])),
             verdict=data["verdict"],
+            tag_note=data.get("tag_note", ""),
+            bts_priors=tuple(tuple(p) for p in data.get("bts_priors", [])),
         )
 
     def write(self, run_dir: Path) -> Path:
@@ -221,6 +226,13 @@ class RunLayout:
             lines.append(
                 f"memory: a trainer rank needs {s.memory_need_gib:.1f} of {s.memory_have_gib:.1f} GiB "
                 f"on {s.memory_device}"
+            )
+        if self.tag_note:
+            lines.append(self.tag_note)
+        if self.bts_priors:
+            n = len(self.bts_priors)
+            lines.append(
+                f"BTS starts from the cost model's unit times ({n}; the run's measured ones replace them)"
             )
         lines.append(f"verdict: {self.verdict}")
         return lines

@@ -5,6 +5,8 @@ Details: docs/modules.md, `digenrl.placement.resolve`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from digenrl.adapters.vae_decode import tiling_mode
 from digenrl.config.run import RunConfig
 from digenrl.distributed.settings import fsdp_refusal, node_refusal, sp_refusal
@@ -20,6 +22,7 @@ from digenrl.placement.preflight import (
     resolve_memory_settings,
     resolve_rollout_batch,
 )
+from digenrl.placement.tag_choice import bts_priors, settle_tag
 from digenrl.policy.settings import Settings, kl_reference
 
 
@@ -31,6 +34,7 @@ def resolve(cfg: RunConfig) -> RunLayout:
     # the memory model, built once for every step below (only where a pool has a known GPU type: the
     # steps use it only there)
     model = memory_model(cfg) if any(known_gpu_type(p) for p in cfg.cluster.pools) else None
+    cfg, tag_note = settle_tag(cfg, model)  # engine.tag unset: auto where TAG is allowed, else off
     plan = check_memory(cfg, model)  # (the plan it built: on devices of known memory)
     check_sp(cfg)
     plan = plan or Plan.from_run_config(cfg)  # the one plan of the run
@@ -64,7 +68,8 @@ def resolve(cfg: RunConfig) -> RunLayout:
         )
     except ValueError as exc:
         raise UserError(f"engine: {exc}") from None
-    return engine_layout(cfg, plan, settings, scheduler)
+    layout = engine_layout(cfg, plan, settings, scheduler)
+    return replace(layout, tag_note=tag_note, bts_priors=bts_priors(cfg, plan))
 
 
 def colocated_batch(cfg: RunConfig, plan: Plan) -> int | None:

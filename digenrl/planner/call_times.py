@@ -329,7 +329,9 @@ def train_unit_time(
     """A train unit: one mini-batch's samples of ``groups`` groups (``groups x G / S``) x the rank's
     trained-step positions; per micro-batch and trained step one forward + backward (+ reference)
     of the samples training it -- every sample at once in fraction / window mode, where they all
-    train the same steps; with random steps, one forward per distinct step of the micro-batch."""
+    train the same steps; with random steps, one forward per distinct step of the micro-batch.
+    ``train.old_logprob: recompute``: a no-grad forward of each forward's rows first."""
+    step = (lambda n: t.train_step(n) + t.ref_forward(n)) if w.old_logprob else t.train_step
     b = groups * w.group_size // w.optimizer_steps
     positions = w.positions(tsp_rank, tsp_degree)
     calls = 0.0
@@ -342,9 +344,9 @@ def train_unit_time(
             choices = max(1, w.steps - 1)
             k = choices * (1 - (1 - min(1.0, positions / choices)) ** size)
             per = size * positions / k if k else 0.0
-            calls += k * (t.train_step(per) + (t.ref_forward(per) if w.kl_on_trainer else 0.0)) if k else 0.0
+            calls += k * (step(per) + (t.ref_forward(per) if w.kl_on_trainer else 0.0)) if k else 0.0
         else:
-            calls += positions * (t.train_step(size) + (t.ref_forward(size) if w.kl_on_trainer else 0.0))
+            calls += positions * (step(size) + (t.ref_forward(size) if w.kl_on_trainer else 0.0))
     return max(MIN_UNIT_FRACTION * calls, calls * t.train_unit_factor + t.train_overhead_s)
 
 

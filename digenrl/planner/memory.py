@@ -148,9 +148,11 @@ class MemoryModel:
         return self.held_passes(cfg_batched) * mb * per
 
     def gathered_block(self) -> float:
-        """FSDP2's all-gathered compute copy: the running block and the prefetched next one."""
+        """FSDP2's all-gathered compute copy: the running block and the prefetched next one (the two
+        largest), and the root's own parameters (``ParamCounts.gathered``; else two average blocks)."""
         p = self.workload.params
-        return 2 * p.total / (p.experts * p.blocks) * self.workload.dtype_bytes
+        whole = p.gathered or 2 * p.total / (p.experts * p.blocks)
+        return whole * self.workload.dtype_bytes
 
     def train_parts(self, shard: int, mb: int, ckpt: bool, sp: int = 1, cfg_batched: bool = True) -> dict:
         w = self.workload

@@ -27,11 +27,11 @@ def pair_sizes(w: Workload) -> tuple[int | None, ...]:
 
 def uses_pairs(w: Workload, pair_batch: int | None, shard: int) -> bool:
     """Does the engine run pair batches here? Not for the forward-process losses; not in a sharded
-    group with two experts or a KL reference forward per step (``engine/fsdp_group.py``: ranks would
-    run different collectives, so the group keeps its per-step passes)."""
+    group with a KL reference forward per step (``engine/fsdp_group.py``: ranks would run different
+    collectives, so the group keeps its per-step passes)."""
     if not pair_batch or w.forward_process:
         return False
-    return shard <= 1 or not (w.shape.experts > 1 or w.kl_on_trainer)
+    return shard <= 1 or not w.kl_on_trainer
 
 
 def pieces(steps: float, rows: float, size: int) -> list[float]:
@@ -59,14 +59,15 @@ def pair_unit_time(
     micro_batch: int,
     pair_batch: int | None,
     shard: int = 1,
-    old_logprob: bool = False,
+    old_logprob: bool | None = None,
 ) -> float:
     """A train unit: its b x positions pairs (b = the mini-batch's samples) as ceil(pairs / pair_batch)
     forward + backward calls of up to ``pair_batch`` rows; a KL reference on the trainer per (chunk,
-    step) piece. ``old_logprob``: also a no-grad forward per chunk before them (veRL-Omni's
-    old_log_prob pass, which makes the ratio's reference the trainer's own kernels; the engine runs
-    none: it keeps the rollout's log-prob and logs ``logprob_mismatch``). Where the engine keeps
-    per-step forwards (:func:`uses_pairs`), ``call_times.train_unit_time``."""
+    step) piece. ``old_logprob`` (default: the workload's ``train.old_logprob: recompute``): also a
+    no-grad forward per chunk before them (veRL-Omni's old_log_prob pass: the ratio's reference from
+    the trainer's own kernels; ``units/train.py: old_logprobs``). Where the engine keeps per-step
+    forwards (:func:`uses_pairs`), ``call_times.train_unit_time``."""
+    old_logprob = w.old_logprob if old_logprob is None else old_logprob
     if not uses_pairs(w, pair_batch, shard):
         return train_unit_time(t, w, groups, tsp_rank, tsp_degree, micro_batch)
     b = groups * w.group_size // w.optimizer_steps
@@ -74,6 +75,8 @@ def pair_unit_time(
     chunks = micro_batches(b * positions, pair_batch)
     sizes = Counter(chunks)  # most chunks are whole: one call's time per distinct size
     calls = sum(n * t.train_step(c) for c, n in sizes.items())
+    if w.shape.experts > 1 and shard > 1:  # a sharded rank runs both experts per chunk (lockstep)
+        calls = sum(2 * n * t.train_step(c / 2) for c, n in sizes.items())
     if old_logprob:
         calls += sum(n * t.ref_forward(c) for c, n in sizes.items())
     if w.kl_on_trainer:

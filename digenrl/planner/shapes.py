@@ -12,6 +12,7 @@ from pathlib import Path
 
 from digenrl.adapters import adapter_class
 from digenrl.adapters.cost_hooks import Tokens
+from digenrl.distributed.blocks import transformer_blocks
 from digenrl.errors import UserError
 from digenrl.policy.lora import matching_modules
 
@@ -122,13 +123,16 @@ class ParamCounts:
     experts: int = 1  # transformers held (total / experts: one expert's parameters)
     frozen: int = 0  # parameters of the experts that do not train
     lora_tensors: int = 0  # LoRA A and B matrices of the trained experts
+    gathered: int = (
+        0  # FSDP2's peak whole copy in a forward: the 2 largest blocks + the root's own (0: unknown)
+    )
 
 
 def param_counts(shape: ModelShape, lora_cfg, default_targets: tuple[str, ...]) -> ParamCounts:
     """Exact counts from the real diffusers class instantiated on the meta device (no memory)."""
     targets = tuple(lora_cfg.targets or default_targets) if lora_cfg is not None else ()
     rank = lora_cfg.rank if lora_cfg is not None else 0
-    total, lora, modules, missing = _counts(
+    total, lora, modules, missing, gathered = _counts(
         shape.family, json.dumps(shape.config, sort_keys=True), targets, rank
     )
     if missing:
@@ -146,6 +150,7 @@ def param_counts(shape: ModelShape, lora_cfg, default_targets: tuple[str, ...]) 
         n,
         (n - trained) * total,
         2 * trained * modules,
+        gathered,
     )
 
 
@@ -171,7 +176,16 @@ def _counts(
     modules = dict(net.named_modules())
     linear = [modules[n] for n in matched if isinstance(modules[n], nn.Linear)]
     lora = sum(rank * (m.in_features + m.out_features) for m in linear)
-    return total, lora, len(linear) if rank else 0, tuple(missing)
+    return total, lora, len(linear) if rank else 0, tuple(missing), gathered_params(net)
+
+
+def gathered_params(net) -> int:
+    """What FSDP2 holds whole at once in a forward of ``net`` sharded per block: the running block and
+    the prefetched next (the two largest), and the root's own parameters (embedders, final layers)."""
+    blocks = transformer_blocks(net)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    sizes = sorted((sum(p.numel() for p in b.parameters()) for b in blocks), reverse=True)
+    return sum(sizes[:2]) + sum(p.numel() for p in net.parameters() if id(p) not in in_blocks)
 
 
 def _init_args(cls) -> set[str]:

@@ -107,6 +107,9 @@ class Workload:
     # where the KL reference runs (algorithm.kl_reference): train (also without a KL term or where rollout
     # cannot run) | rollout | auto (CostModel: rollout on GPU clusters, train on CPU ones)
     kl_reference: str = "train"
+    # train.old_logprob recompute: a no-grad forward of each train forward's rows before it (the ratio's
+    # behaviour log-prob from the trainer's own kernels; veRL-Omni's old_log_prob pass)
+    old_logprob: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
@@ -166,6 +169,7 @@ class Workload:
             reward_terms=terms,
             reward_after_unit=cfg.reward.service is None and any(k != "function" for k, _ in terms),
             kl_reference=_kl_reference(cfg),
+            old_logprob=cfg.train.old_logprob == "recompute" and not nft,
         )
 
     @property

@@ -36,8 +36,8 @@ def tag_mode(tag) -> str:
 
 class UnitTimes:
     """Seconds a unit of ``kind`` takes on ``worker``: the mean of the run's last measurements there,
-    else the profile's prior, else the mean measured on the workers of its ``peers`` group (the same
-    pool), else None (unknown)."""
+    else the mean measured on the workers of its ``peers`` group (the same pool), else the prior (the
+    cost model's), else None (unknown)."""
 
     def __init__(self, priors: dict | None = None, peers: dict[str, str] | None = None):
         self.priors = dict(priors or {})
@@ -51,14 +51,14 @@ class UnitTimes:
         seen = self.measured.get((kind, worker))
         if seen:
             return sum(seen) / len(seen)
-        if (kind, worker) in self.priors:
-            return self.priors[(kind, worker)]
         group = self.peers.get(worker)
         same = [xs for (k, w), xs in self.measured.items() if k == kind and self.peers.get(w) == group]
         alike = [x for xs in same for x in xs]
-        if kind == "score" and not alike:
-            return 0.0  # nothing measured yet: scored inside the unit
-        return sum(alike) / len(alike) if alike else None
+        if alike:
+            return sum(alike) / len(alike)
+        if (kind, worker) in self.priors:
+            return self.priors[(kind, worker)]
+        return 0.0 if kind == "score" else None  # score: nothing released yet, scored inside the unit
 
 
 @dataclass
@@ -355,7 +355,8 @@ class _Asks:
 
 def elastic_for(cfg, workers, clock: Callable[[], float], priors: dict | None = None) -> Elastic | None:
     """The advisor of a disaggregated ``tag: auto`` run (``cfg``: its SchedulerConfig), else None;
-    without ``priors`` every unit time is the run's own measurement (until then TAG is taken)."""
+    ``priors``: the cost model's unit times (``placement/tag_choice.py``); without them every unit
+    time is the run's own measurement (until then TAG is taken)."""
     if cfg.tag != "auto" or cfg.placement != "disaggregated":
         return None
     return Elastic(UnitTimes(priors, {w.name: w.role for w in workers}), clock)

@@ -47,6 +47,7 @@ def unit_samples(group_size: int, parts: int) -> int | None:
 def from_engine_config(engine, group_size: int) -> dict:
     """The knobs of a run config's ``engine`` section (an ``EngineConfig``), by name."""
     out = {f.name: getattr(engine, f.name) for f in fields(EngineKnobs) if f.name != "group_parts"}
+    out["tag"] = False if out["tag"] is None else out["tag"]  # unset: off until resolve() settles it
     return {**out, "group_parts": group_parts(group_size, engine.unit_samples)}
 
 

@@ -71,6 +71,8 @@ def train_unit(
         samples.first_sample,
     )
     pairs = cfg.train.pair_batch if lockstep is None else None  # (lockstep: a group's per-step passes)
+    # train.old_logprob recompute: the on-policy behaviour log-prob from each forward's own rows first
+    recompute = cfg.train.old_logprob == "recompute" and minibatch == 0 and not stale
     if pairs:  # timestep-pair batches: the mini-batch's (sample, step) pairs, pair_batch rows a forward
         batches = [torch.cat(batches)]
     real = 0 if padding else len(batches)
@@ -100,6 +102,8 @@ def train_unit(
             sigma = ad.sigma_input(torch.cat([sig[t["i"]].expand(len(t["sel"])) for t in terms]))
             every = torch.cat([t["sel"] for t in terms])
             c = cond.select(every) if len(every) != len(mb) or len(terms) > 1 else cond
+            if recompute:  # every chunk, idle ones too: a sharded group's ranks run the same forwards
+                old_logprobs(ad, x, sigma, c, terms, sig)
 
             def objective(v, terms=terms):  # each step's rows: its own terms, summed into one backward
                 scalar, extras, at = 0.0, [], 0
@@ -117,11 +121,27 @@ def train_unit(
                 if w is not None:
                     stats.add_is(w)
                 elif minibatch == 0:  # on-policy: the trainer should reproduce the rollout's log-prob
-                    stats.add_mismatch(logp - t["behaviour"])
+                    stats.add_mismatch(logp - t.get("rollout_behaviour", t["behaviour"]))
                 if kl is not None:
                     stats.kl += kl.sum()
                 stats.add(loss, st, len(t["rows"]), total_terms)
     return stats.as_dict()
+
+
+def old_logprobs(ad, x, sigma, c, terms: list[dict], sig) -> None:
+    """veRL-Omni's old_log_prob pass in the train forward's own batch: a no-grad forward of the same
+    rows at the same timesteps; each term's behaviour log-prob becomes its result (the rollout's kept
+    as ``rollout_behaviour``, for ``logprob_mismatch``)."""
+    with torch.no_grad():
+        v = ad.velocity(x, sigma, c)
+    at = 0
+    for t in terms:
+        n = len(t["sel"])
+        logp, mu, _ = logprob_of_velocity(v[at : at + n], t["x"], t["x_next"], sig, t["i"], *t["sde"])
+        t["rollout_behaviour"], t["behaviour"] = t["behaviour"], logp
+        if t["mu_old"] is not None:  # flow_dppo / grpo_guard's behaviour step mean too
+            t["mu_old"] = mu
+        at += n
 
 
 def pair_chunks(groups: list[tuple], size: int) -> list[list[tuple]]:
@@ -162,25 +182,22 @@ def _term(policy, samples, mb, cond, adv, sig, i, sel, idle, stale, total_terms,
         stats.ref_forwards += 1
     a = adv[sel] if adv.ndim == 1 else adv[sel, i]  # branch_advantages depth: per step
 
+    term = {"i": i, "sel": sel, "rows": rows, "x": x, "x_next": x_next, "sde": (kind, eta), "idle": idle}
+    term |= {"behaviour": behaviour, "mu_old": mu_old}  # (replaced by old_logprobs: train.old_logprob)
+
     def objective(v):
         logp, mu, std = logprob_of_velocity(v, x, x_next, sig, i, kind, eta)
         if noise is not None:  # the stale sample's noise around the current mean
             logp = (logp.detach(), recentred_logprob(kind, mu, noise, sig, i, std))
         old = None
-        if mu_old is not None:  # flow_dppo / grpo_guard: the behaviour mean and the step scale
-            old = (mu_old, step_scale(kind, float(sig[i]), float(sig[i + 1]), std))
+        if term["mu_old"] is not None:  # flow_dppo / grpo_guard: the behaviour mean and the step scale
+            old = (term["mu_old"], step_scale(kind, float(sig[i]), float(sig[i + 1]), std))
+        behaviour = term["behaviour"]
         scalar, extras = term_loss(alg, logp, behaviour, a, stale, mu, mu_ref, std, total_terms, old)
         return scalar * (1.0 - idle), (*extras, logp[0] if isinstance(logp, tuple) else logp.detach())
 
-    return {
-        "i": i,
-        "sel": sel,
-        "rows": rows,
-        "x": x,
-        "behaviour": behaviour,
-        "idle": idle,
-        "objective": objective,
-    }
+    term["objective"] = objective
+    return term
 
 
 def recentred_logprob(kind: str, mu: torch.Tensor, noise: torch.Tensor, sigmas, i: int, std: float):
