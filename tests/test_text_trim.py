@@ -164,3 +164,28 @@ def test_trimming_reads_nothing_on_the_host(tiny_cfg):
             batches=[[torch.tensor([0, 1]), torch.tensor([2, 3])]] * 2,
         )
     assert reads == [] and seen[::2][:2] == cond.host["text_len"][[0, 2]].tolist()  # then the negative
+
+
+def test_the_planner_counts_the_prompt_files_tokens_for_a_trimming_family(tiny_cfg, tmp_path):
+    """By hand: the tiny stand-in keeps words (3 and 7: mean 5), the negative " " keeps one; sequential
+    true CFG runs each pass at its own length: (5 + 1) / 2 = 3 per pass; batched: 5. A checkpoint: 45
+    characters / 4.5 + the template's 5-token suffix = 15. FLUX (T5's padding is attended), a missing
+    file or a built-in set: model.max_text_len."""
+    from digenrl.planner.text_tokens import prompt_tokens, text_tokens
+    from digenrl.planner.workload import Workload
+
+    path = tmp_path / "p.txt"
+    path.write_text("a red car\na blue sky over a green field\n")
+    qwen = (*QWEN, f"prompts.file={path}", "model.lora=null")
+    assert text_tokens(tiny_cfg(*qwen, "sampling.cfg_batching=sequential")) == (
+        3,
+        "mean of 2 prompts and the negative prompt",
+    )
+    assert text_tokens(tiny_cfg(*qwen, "sampling.cfg_batching=batched"))[0] == 5
+    w = Workload.from_config(tiny_cfg(*qwen, "sampling.cfg_batching=sequential"))
+    assert w.shape.tokens.text == 3 and w.shape.text_source.startswith("mean of 2")
+    real = tiny_cfg(*qwen, f"model.pretrained={tmp_path}").model
+    assert prompt_tokens(real, "x" * 45) == 15 and prompt_tokens(real, "x" * 4500) == 32  # capped
+    assert text_tokens(tiny_cfg(*QWEN))[0] == 32  # the built-in set
+    assert text_tokens(tiny_cfg(*QWEN, f"prompts.file={tmp_path / 'none.txt'}"))[0] == 32
+    assert text_tokens(tiny_cfg(f"prompts.file={path}")) == (16, "model.max_text_len")  # tiny FLUX
