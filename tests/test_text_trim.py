@@ -189,3 +189,43 @@ def test_the_planner_counts_the_prompt_files_tokens_for_a_trimming_family(tiny_c
     assert text_tokens(tiny_cfg(*QWEN))[0] == 32  # the built-in set
     assert text_tokens(tiny_cfg(*QWEN, f"prompts.file={tmp_path / 'none.txt'}"))[0] == 32
     assert text_tokens(tiny_cfg(f"prompts.file={path}")) == (16, "model.max_text_len")  # tiny FLUX
+
+
+def test_benchmark_smoke(tmp_path):
+    """benchmarks/text_trim.py: the FLOPs follow the adapter's count at both lengths, and the two timed
+    velocities are the same (no timing asserted)."""
+    import json
+
+    from tests.test_benchmarks import bench_module
+
+    bench_module("text_trim.py"[:-3]).main(
+        ["--text", "8", "--repeats", "1", "--json", str(tmp_path / "t.json")]
+    )
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert [f["image_tokens"] for f in data["flops"]] == [1024, 4096]
+    assert (
+        all(f["ratio"] > 1 for f in data["flops"]) and data["flops"][0]["ratio"] > data["flops"][1]["ratio"]
+    )
+    assert data["cpu"]["max_abs_diff"] < 1e-5
+
+
+def test_the_trimmed_calls_flops_are_the_formulas_at_the_trimmed_lengths():
+    """FlopCounterMode over the guided velocity of the tiny config (3 words, the negative 1): the adapter's
+    forward_flops at 3 and at 1 text tokens, where the padded call counts 2 x its max_text_len's."""
+    from pathlib import Path
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from digenrl.config.run import load_config
+    from digenrl.planner.shapes import model_shape
+
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "qwen_tiny.yaml")
+    ad, shape = build_adapter(cfg.model, cfg.sampling), model_shape(cfg.model)
+    cond, x = ad.encode_prompts(["a red apple"]), torch.randn(1, *ad.latent_shape())
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        ad.velocity(x, torch.full((1,), 0.5), cond)
+    t = shape.tokens
+    formula = sum(ad.forward_flops(shape.config, type(t)(t.x, n, 0, 0)) for n in (3, 1))
+    assert counter.get_total_flops() == pytest.approx(formula, rel=0.1)
+    assert formula < 0.8 * 2 * ad.forward_flops(shape.config, t)  # and well under the padded pair
