@@ -47,4 +47,5 @@ class PromptEmbeddingCache:
 
 def _row(cond: Cond, i: int) -> Cond:
     """Row ``i`` as its own tensors (a view would keep the whole encoded batch alive)."""
-    return Cond({k: v[i : i + 1].clone() for k, v in cond.batched.items()}, cond.shared)
+    one = {k: v[i : i + 1].clone() for k, v in cond.batched.items()}
+    return Cond(one, cond.shared, {k: v[i : i + 1].clone() for k, v in cond.host.items()})

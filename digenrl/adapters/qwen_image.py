@@ -75,8 +75,16 @@ QWEN_IMAGE = PublishedModel(
 )
 
 
+def valid_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's valid text length (its last valid position + 1; 0 for none), on the host: read once
+    at encoding, so that no forward reads the device mask."""
+    pos = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask.bool() * pos).amax(1).cpu()
+
+
 class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
     name = "qwen_image"
+    trims_text = True  # each forward runs its rows' longest valid text (pass_inputs)
     default_lora_targets = (
         "to_q",
         "to_k",
@@ -171,12 +179,14 @@ class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
     def encode_prompts(self, prompts: list[str]) -> Cond:
         embeds, mask = self._encode(prompts)
         batched = {"prompt_embeds": embeds, "mask": mask}
+        host = {"text_len": valid_lengths(mask)}
         if self.sampling.guidance > 1:  # true CFG: the negative prompt travels with every sample
             # the pipeline's docs use " " as the empty negative prompt
             neg, neg_mask = self._encode([self.sampling.negative_prompt or " "])
             batched["neg_prompt_embeds"] = neg.expand(len(prompts), -1, -1).clone()
             batched["neg_mask"] = neg_mask.expand(len(prompts), -1).clone()
-        return Cond(batched)
+            host["neg_text_len"] = valid_lengths(neg_mask).expand(len(prompts)).clone()
+        return Cond(batched, host=host)
 
     def img_shapes(self, batch: int) -> list[list[tuple[int, int, int]]]:
         return [[(1, *self._grid())]] * batch
@@ -187,10 +197,20 @@ class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
         return (sigma.to(torch.float32) * 1000).to(self.dtype) / 1000
 
     def pass_inputs(self, cond: Cond, negative: bool) -> dict[str, torch.Tensor]:
-        b = cond.batched
-        if negative:
-            return {"embeds": b["neg_prompt_embeds"], "mask": b["neg_mask"]}
-        return {"embeds": b["prompt_embeds"], "mask": b["mask"]}
+        """One pass's text, trimmed to its rows' longest valid text (the pipeline strips the padding
+        too; the padding is masked, so the output is the same); batched CFG: both passes to the longer."""
+        b, side = cond.batched, "neg_" if negative else ""
+        n = self.text_tokens(cond, side)
+        if self.uses_cfg() and self.cfg_batched:
+            n = max(n, self.text_tokens(cond, "" if negative else "neg_"))
+        return {"embeds": b[f"{side}prompt_embeds"][:, :n], "mask": b[f"{side}mask"][:, :n]}
+
+    def text_tokens(self, cond: Cond, side: str) -> int:
+        """Text tokens one pass runs: the rows' longest valid text, rounded up to ``text_multiple``
+        (sequence parallelism splits the text over its ranks), at most the stored length."""
+        full = cond.batched[f"{side}mask"].shape[1]
+        n = cond.text_len(f"{side}text_len", full)
+        return min(full, -(-n // self.text_multiple) * self.text_multiple)
 
     def forward_pass(
         self, latents: torch.Tensor, t: torch.Tensor, inputs: dict[str, torch.Tensor]

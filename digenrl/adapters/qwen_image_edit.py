@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from digenrl.adapters.cond import Cond
 from digenrl.adapters.cost_hooks import Tokens
 from digenrl.adapters.edit import ImageToken, absent_components, pack, preprocess, read_image
-from digenrl.adapters.qwen_image import QWEN_IMAGE, QwenImageAdapter
+from digenrl.adapters.qwen_image import QWEN_IMAGE, QwenImageAdapter, valid_lengths
 from digenrl.errors import UserError
 
 #: the pipeline's conditioning area (``calculate_dimensions(1024 * 1024, ratio)``)
@@ -110,10 +110,12 @@ class QwenImageEditAdapter(QwenImageAdapter):
         shown = [self.pipe.image_processor.resize(img, h, w) for img in pil] if self.pipe else pixels
         embeds, mask = self._encode_with(prompts, shown)
         batched = {"prompt_embeds": embeds, "mask": mask, "image_latents": self.encode_images(pixels)}
+        host = {"text_len": valid_lengths(mask)}
         if self.sampling.guidance > 1:  # the pipeline encodes the negative prompt with the image too
             neg, neg_mask = self._encode_with([self.sampling.negative_prompt or " "] * len(prompts), shown)
             batched["neg_prompt_embeds"], batched["neg_mask"] = neg, neg_mask
-        return Cond(batched)
+            host["neg_text_len"] = valid_lengths(neg_mask)
+        return Cond(batched, host=host)
 
     def _encode_with(self, prompts: list[str], shown) -> tuple[torch.Tensor, torch.Tensor]:
         """(embeds, mask) of the instructions with the image they refer to, padded to ``max_text_len``:

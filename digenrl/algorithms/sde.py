@@ -137,7 +137,7 @@ def sample(
         for host_rows, rows in batches[i] if batches is not None else [(None, None)]:
             # each forward batch's step apart, at once: its log-prob reduced in the shape the trainer
             # reduces it in, and its velocity used before the next forward runs
-            v = _velocity(adapter, x, sigmas[i], cond, rows)
+            v = _velocity(adapter, x, sigmas[i], cond, rows, host_rows)
             if rows is None:
                 step, lp, mu = sde_step(kind, x, v, sigmas, i, eta, eps)
                 x_next.copy_(step)
@@ -152,10 +152,11 @@ def sample(
     return Trajectory(latents, log_probs, sigmas, sde_mask, noises)
 
 
-def _velocity(adapter, x: torch.Tensor, sigma: torch.Tensor, cond, rows: torch.Tensor | None) -> torch.Tensor:
-    """The model's velocity at noise level ``sigma`` for the given rows (None: all) of the batch."""
+def _velocity(adapter, x: torch.Tensor, sigma: torch.Tensor, cond, rows, host_rows=None) -> torch.Tensor:
+    """The model's velocity at noise level ``sigma`` for the given rows (None: all) of the batch
+    (``host_rows``: the same on the CPU, for the conditioning's host part)."""
     if rows is not None:
-        x, cond = x[rows], cond.select(rows)
+        x, cond = x[rows], cond.select(rows, host_rows)
     return adapter.velocity(x, adapter.sigma_input(sigma.expand(x.shape[0])), cond)
 
 

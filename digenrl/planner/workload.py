@@ -4,7 +4,7 @@ groups, guidance passes, what travels between workers."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from digenrl.adapters import adapter_class
 from digenrl.adapters.vae_decode import tiling_mode
@@ -19,6 +19,7 @@ from digenrl.planner.constants import (
     WEIGHT_FREE_REWARDS,
 )
 from digenrl.planner.shapes import ModelShape, ParamCounts, forward_flops, model_shape, param_counts
+from digenrl.planner.text_tokens import text_tokens
 from digenrl.units.nft import is_forward_process, noise_levels
 
 
@@ -117,6 +118,8 @@ class Workload:
 
         adapter = adapter_class(cfg.model.adapter)
         shape = model_shape(cfg.model)
+        text, shape.text_source = text_tokens(cfg)  # Qwen-Image: its prompts' tokens (trimmed forwards)
+        shape.tokens = replace(shape.tokens, text=text)
         params = param_counts(shape, cfg.model.lora, adapter.default_lora_targets)
         ts, n = cfg.algorithm.timesteps, cfg.sampling.steps
         _, idx = select_timesteps(

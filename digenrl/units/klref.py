@@ -33,7 +33,7 @@ class RolloutReference:
         if not bool(trains.any()):
             if self.lockstep is not None and i in self.lockstep:  # the group's pass, on one row
                 first = torch.zeros(1, dtype=torch.long) if rows is None else rows[:1]
-                self._velocity(adapter, x, sigmas, i, cond, first.to(x.device))
+                self._velocity(adapter, x, sigmas, i, cond, first.to(x.device), first)
             return
         local = trains.nonzero().squeeze(1)
         picked = local if rows is None else rows[local]
@@ -41,14 +41,15 @@ class RolloutReference:
             shape = (len(self.train_idx), self.train_idx.shape[1], *x.shape[1:])
             self.means = torch.zeros(shape, dtype=torch.float32, device=x.device)
         dev_rows = picked.to(x.device)
-        xr, v = self._velocity(adapter, x, sigmas, i, cond, dev_rows)
+        xr, v = self._velocity(adapter, x, sigmas, i, cond, dev_rows, picked)
         std = noise_std(self.kind, sigmas, i, self.eta)  # the trainer's: the step's std, SDE or not
         mu = step_mean(self.kind, xr, v, float(sigmas[i]), float(sigmas[i + 1]), std)
         self.means[dev_rows, hit[local].float().argmax(1).to(x.device)] = mu
 
-    def _velocity(self, adapter, x, sigmas, i, cond, rows):
-        """(x of ``rows``, the reference's velocity there): one forward under the reference."""
-        xr, c = x[rows], cond.select(rows)
+    def _velocity(self, adapter, x, sigmas, i, cond, rows, host_rows):
+        """(x of ``rows``, the reference's velocity there): one forward under the reference
+        (``host_rows``: ``rows`` on the CPU)."""
+        xr, c = x[rows], cond.select(rows, host_rows)
         with torch.no_grad(), self.context():
             v = adapter.velocity(xr, adapter.sigma_input(sigmas[i].expand(len(xr))), c)
         self.forwards += 1
