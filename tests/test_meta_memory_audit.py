@@ -25,6 +25,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def audit(tmp_path_factory):
     only = [arg for case in CASES for arg in ("--only", case)]
+    # --tag runs "meta_memory_tag.py"'s audit of a TAG trainer rank in the same process
     return run_script("meta_memory_audit.py", tmp_path_factory.mktemp("audit"), *only, "--tag")
 
 
