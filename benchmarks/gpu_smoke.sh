@@ -114,6 +114,9 @@ part() {  # part NAME COMMAND...: run it if PARTS lists it and the budget allows
 
 COMMON=(train.device="$DEVICE" train.iterations=2 train.prompts_per_iteration=4 engine.unit_groups=1
         model.height=32 model.width=32 sampling.steps=8 algorithm.group_size=8)
+if [ "$DEVICE" = cpu ]; then  # the dry run's runs at the test suite's tiny size (tests/helpers.py TINY)
+  COMMON+=(train.prompts_per_iteration=2 model.height=16 model.width=16 sampling.steps=4 algorithm.group_size=4)
+fi
 
 train() {  # train NAME override...
   local name=$1; shift
