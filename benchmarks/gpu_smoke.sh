@@ -22,7 +22,7 @@
 #   blocks each), eager and compiled, their kernels per forward, and a Ray actor call's round trip
 #   (the fixed costs per forward and per call of the planner's cost model, issue 51; within ~4 minutes);
 # - fold: benchmarks/fold_gpu_check.py -> fold.json: each planner default the files measure, its
-#   value now and the measured one (docs/real_scale.md, "Folding the GPU check into the planner"), and
+#   value now and the measured one (docs/real_scale.md, "The GPU check, and folding it into the planner"), and
 #   calls.json's fixed seconds per forward and seconds per sample (``call_costs``);
 # - colocated / disaggregated: `digenrl train` of the tiny FLUX, colocated on every visible GPU (>= 2
 #   GPUs: the nccl all-reduce), and with >= 2 GPUs disaggregated (1 rollout GPU + the rest as
