@@ -22,7 +22,7 @@
 #   blocks each), eager and compiled, their kernels per forward, and a Ray actor call's round trip
 #   (the fixed costs per forward and per call of the planner's cost model, issue 51; within ~4 minutes);
 # - fold: benchmarks/fold_gpu_check.py -> fold.json: each planner default the files measure, its
-#   value now and the measured one (docs/real_scale.md, "Folding the GPU check into the planner"), and
+#   value now and the measured one (docs/real_scale.md, "The GPU check, and folding it into the planner"), and
 #   calls.json's fixed seconds per forward and seconds per sample (``call_costs``);
 # - colocated / disaggregated: `digenrl train` of the tiny FLUX, colocated on every visible GPU (>= 2
 #   GPUs: the nccl all-reduce), and with >= 2 GPUs disaggregated (1 rollout GPU + the rest as
@@ -114,6 +114,9 @@ part() {  # part NAME COMMAND...: run it if PARTS lists it and the budget allows
 
 COMMON=(train.device="$DEVICE" train.iterations=2 train.prompts_per_iteration=4 engine.unit_groups=1
         model.height=32 model.width=32 sampling.steps=8 algorithm.group_size=8)
+if [ "$DEVICE" = cpu ]; then  # the dry run's runs at the test suite's tiny size (tests/helpers.py TINY)
+  COMMON+=(train.prompts_per_iteration=2 model.height=16 model.width=16 sampling.steps=4 algorithm.group_size=4)
+fi
 
 train() {  # train NAME override...
   local name=$1; shift

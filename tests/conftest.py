@@ -1,7 +1,13 @@
 import os
 
-import pytest
-import torch
+# One OpenMP thread in every process the suite starts (a `digenrl` CLI run, a benchmark script, the
+# GPU check's dry run), as in this one (below) and in the engine's CPU workers: beside the other
+# xdist worker, a second thread only spins (the GPU check's call costs: 19 s of CPU with two, 4 s
+# with one; benchmarks/RESULTS.md, "The test suite").
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Ray starts its workers at niceness 15: beside any busy process (another user's job, a benchmark) the

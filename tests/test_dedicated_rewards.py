@@ -14,7 +14,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 from digenrl.config.run import load_config  # noqa: E402
 from digenrl.engine import workers  # noqa: E402
 from digenrl.placement.resolve import resolve  # noqa: E402
-from digenrl.rewards import FUNCTION_REWARDS, build_reward, scored_after_unit  # noqa: E402
+from digenrl.rewards import FUNCTION_REWARDS, REWARDS, build_reward, scored_after_unit  # noqa: E402
 from digenrl.schedule.scheduler import Scheduler  # noqa: E402
 from tests.helpers import TINY  # noqa: E402
 
@@ -40,9 +40,10 @@ def clip(tmp_path_factory):
 
 
 def test_only_model_rewards_of_disaggregated_runs_are_scored_after_the_unit(clip):
-    from digenrl.planner.constants import WEIGHT_FREE_REWARDS
+    from digenrl.planner.workload import reward_term_kind
 
-    assert FUNCTION_REWARDS == WEIGHT_FREE_REWARDS  # the runtime and the planner agree on what is a model
+    # the runtime and the planner agree on what is a model (one definition, config/train.py)
+    assert {k for k in REWARDS if reward_term_kind(k) == "function"} == FUNCTION_REWARDS
     assert scored_after_unit(load_config(None, [*BASE, clip]))
     assert not scored_after_unit(load_config(None, BASE))  # prompt_color: a 2 ms function, inline
     assert not scored_after_unit(load_config(None, [*BASE, clip, "placement.mode=colocated"]))

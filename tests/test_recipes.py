@@ -4,7 +4,8 @@ its family with the local trainer.
 The swap for the test (``FAMILY_SIZE``, stated in configs/recipes/README.md): the tiny random-init preset
 instead of the local checkpoint, fp32 at 16-32 px, the built-in colour prompts instead of a prompt
 file, the weight-free ``prompt_color`` reward instead of the model / served rewards (PickScore and
-the rest need local weights or a server), one prompt per iteration, and placement local (no Ray).
+the rest need local weights or a server), one prompt per iteration, placement local (no Ray), and
+for one recipe a larger ``train.micro_batch`` (``MEMORY``: a memory knob, gradients equal to rounding).
 Everything algorithmic -- steps, G, SDE kind, noise level, clip, std mode and ddof, timestep mode,
 window and its range, combine -- runs as the recipe sets it.
 """
@@ -44,6 +45,9 @@ FAMILY_SIZE = {  # per family: a size the tiny preset takes
     "z_image": [*TINY_IMAGE],
     "flux2": [*TINY_IMAGE],
     "hunyuan_video15": [*TINY_IMAGE, "model.frames=5"],
+}
+MEMORY = {  # per recipe: a memory knob lifted where micro-batches of 1 made the run the suite's slowest
+    "unirl_hunyuan_video15_pickscore": ["train.micro_batch=12"],  # a mini-batch's samples in one forward
 }
 
 
@@ -104,7 +108,8 @@ def test_recipe_runs_two_iterations_on_the_tiny_preset(recipe, tmp_path, monkeyp
     if adapter_class(published.model.adapter).edits:
         h, w = (int(kv.split("=")[1]) for kv in size[:2])
         edit = ["prompts.builtin=null", f"prompts.file={write_edit_set(tmp_path / 'edits', h, w)}"]
-    cfg = load_config(recipe, [*COMMON, *size, *edit, f"output.run_dir={tmp_path / 'run'}"])
+    memory = MEMORY.get(recipe.stem, [])
+    cfg = load_config(recipe, [*COMMON, *size, *memory, *edit, f"output.run_dir={tmp_path / 'run'}"])
     alg, samp = cfg.algorithm, cfg.sampling
     # the algorithm is the recipe's, untouched by the swap
     assert (

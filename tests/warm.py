@@ -4,8 +4,8 @@ This is the suite's actor source (``digenrl.engine.cluster.actor_source``, the r
 it): the runtime itself always starts fresh actors.
 
 Starting an engine actor costs ~5 s of CPU before it builds anything (importing torch, Ray and
-diffusers' model classes: docs/engine.md "Warm workers"), and a tiny run is over in about one
-second. Inside :func:`warm_workers` the end of a run leaves its actors alive and empty
+diffusers' model classes: docs/engine.md "Where a run's actors come from"), and a tiny run is over
+in about one second. Inside :func:`warm_workers` the end of a run leaves its actors alive and empty
 (``EngineWorker.retire``); the next run takes the kept actors of the kinds it needs -- the same
 device resource, the same restart budget -- and builds its workers in them
 (:meth:`WarmWorker.rebuild`), starting fresh actors only for the rest; kept actors it does not take

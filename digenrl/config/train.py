@@ -17,6 +17,19 @@ from digenrl.config.base import (
 # -------------------------------------------------------------------------------------- reward
 #: rewards whose model runs elsewhere (a judge or detector service): the scoring worker only waits
 REMOTE_REWARDS = frozenset({"remote", "geneval", "vlm_judge"})
+#: rewards that are plain functions of the pixels (digenrl/rewards/basic.py; no model weights, CPU time
+#: per image only): every other one is a model or a remote judge's client. Named here, where both the
+#: runtime (rewards.scored_after_unit) and the planner (its "function" cost kind) read it.
+FUNCTION_REWARDS = frozenset(
+    {
+        "prompt_color",
+        "prompt_shape",
+        "smallworld",
+        "source_similarity",
+        "jpeg_compressibility",
+        "jpeg_incompressibility",
+    }
+)
 
 
 class RewardTerm(_Section):

@@ -4,9 +4,9 @@ these settings is in docs/scaling.md ("Measured figures")."""
 
 from __future__ import annotations
 
-# rewards whose model runs elsewhere (a judge or detector service): the scoring worker only waits;
-# named once, beside the reward config (a component's ``server``)
-from digenrl.config.train import REMOTE_REWARDS  # noqa: F401
+# rewards whose model runs elsewhere (a judge or detector service): the scoring worker only waits; and
+# rewards with no model weights (functions of the pixels): named once, beside the reward config
+from digenrl.config.train import FUNCTION_REWARDS, REMOTE_REWARDS  # noqa: F401
 
 # ------------------------------------------------------------------------------ profile.json
 
@@ -57,17 +57,6 @@ CALIBRATION_ITERATIONS = 8  # iterations of the engine calibration run (the firs
 # ------------------------------------------------------------------------------ cost model
 
 MIN_UNIT_CV = 0.02  # unit-time spreads below this are simulated as none
-#: rewards with no model weights (JPEG size, prompt colour): CPU time per image only
-WEIGHT_FREE_REWARDS = frozenset(
-    {
-        "prompt_color",
-        "prompt_shape",
-        "smallworld",
-        "source_similarity",
-        "jpeg_compressibility",
-        "jpeg_incompressibility",
-    }
-)
 MIN_CALL_FRACTION = 0.5  # an interpolated call never costs less than this x the cheaper neighbour point
 MIN_UNIT_FRACTION = 0.5  # a composed unit never costs less than this x the sum of its calls
 OPTIMIZER_FIXED_S = 0.001  # per optimizer step beyond streaming the trained state

@@ -12,11 +12,11 @@ from digenrl.algorithms.grpo import select_timesteps
 from digenrl.config.algorithm import rollout_reference_refusal
 from digenrl.planner.constants import (
     FP32_BYTES,
+    FUNCTION_REWARDS,
     HALF_BYTES,
     HOST_REWARDS,
     MEASURED_REWARD_S,
     REMOTE_REWARDS,
-    WEIGHT_FREE_REWARDS,
 )
 from digenrl.planner.shapes import ModelShape, ParamCounts, forward_flops, model_shape, param_counts
 from digenrl.planner.text_tokens import text_tokens
@@ -45,7 +45,7 @@ def reward_term_kind(name: str, server: str = "remote") -> str:
     scoring process's CPU: its time, no device weights) | "remote" (a judge served elsewhere; one
     served on the run's GPUs, ``server: cluster``, is a "model")."""
     kind = name.split(":", 1)[0]  # (rewards.reward_kind: ``kind:label``)
-    if kind in WEIGHT_FREE_REWARDS:
+    if kind in FUNCTION_REWARDS:
         return "function"
     if kind in HOST_REWARDS:
         return "host"

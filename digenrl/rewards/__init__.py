@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from digenrl.config.train import RewardConfig
+from digenrl.config.train import FUNCTION_REWARDS, RewardConfig  # noqa: F401  (FUNCTION_REWARDS re-exported)
 from digenrl.errors import UserError
 from digenrl.rewards import basic, clip_models, geneval, hps, ocr, remote, smallworld, structure, vlm_judge  # noqa: F401  (importing them registers them)
 from digenrl.rewards.base import REWARDS, Reward, RewardArgError, register  # noqa: F401  (re-exported)
@@ -27,20 +27,6 @@ def reward_kind(name: str) -> str:
     components of one kind, e.g. ``remote:hpsv2`` and ``remote:unifiedreward``; logged under the full
     name)."""
     return name.split(":", 1)[0]
-
-
-#: the rewards that are plain functions of the pixels (digenrl/rewards/basic.py): every other one is a
-#: model (CLIP, PickScore, aesthetic) or a remote judge's client (the planner's WEIGHT_FREE_REWARDS)
-FUNCTION_REWARDS = frozenset(
-    {
-        "prompt_color",
-        "prompt_shape",
-        "smallworld",
-        "source_similarity",
-        "jpeg_compressibility",
-        "jpeg_incompressibility",
-    }
-)
 
 
 def scored_after_unit(cfg) -> bool:
