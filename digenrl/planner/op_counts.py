@@ -168,6 +168,8 @@ def count_family(family: str) -> OpCounts:
     ad = build_adapter(cfg.model, cfg.sampling)
     shape = model_shape(cfg.model)
     cond = ad.encode_prompts(["a red apple"])
+    if ad.trims_text:  # per token x hidden at the shape's text: the padded call (no trim to the prompt)
+        cond = type(cond)(cond.batched)
     x = torch.randn(1, *ad.latent_shape())
     tokens_hidden = (shape.tokens.x + shape.tokens.text) * shape.adapter.width(shape.config)
     with torch.no_grad():
