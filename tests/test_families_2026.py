@@ -58,6 +58,13 @@ def test_published_shapes_and_parameter_counts(name):
     assert w.params.blocks == blocks[name]
 
 
+def test_the_shipped_flux2_dev_config_is_costed_as_dev():
+    """configs/flux2_dev.yaml: the planner reads [dev] (32B, 56 blocks, the guidance embedding's one
+    pass) from the checkpoint directory's name, as the recipe's placeholder names it."""
+    w = Workload.from_config(load_config(ROOT / "configs" / "flux2_dev.yaml"))
+    assert (w.params.total, w.params.blocks, w.passes) == (PUBLISHED["FLUX.2-dev"][1], 56, 1)
+
+
 def _counted(cfg, prompt: str):
     """(forward_flops of the configured shape, torch's count of one transformer pass)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
