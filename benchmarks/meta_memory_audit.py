@@ -68,6 +68,8 @@ CASES = [
         ["model.lora=null", "algorithm.kl_beta=0.01", "train.ema={decay: 0.99}"],
     ),
     ("hunyuan_video15 LoRA", "hunyuan_video15.yaml", []),
+    ("flux2_dev LoRA", "flux2_dev.yaml", []),
+    ("flux2_dev full FT + KL", "flux2_dev.yaml", ["model.lora=null", "algorithm.kl_beta=0.01"]),
     ("flux2_klein_4b LoRA", "flux2_klein_4b.yaml", []),
     (
         "flux2_klein_4b full FT + KL + EMA",

@@ -275,6 +275,16 @@ def test_colour_margin(tmp_path):
     assert all(finite(*r[k].values()) for k in ("before", "after"))
 
 
+def test_colour_capacity_steps_the_margin_up():
+    """benchmarks/colour_capacity.py in-process on the tiny FLUX.2 at 16 x 16: the prompt's share of
+    the velocity, and one Adam step on the supervised colour margin raises it (the gradient reaches the
+    LoRA through the prompt's path)."""
+    r = bench_module("colour_capacity").run(ROOT / "configs" / "flux2_tiny.yaml", 1, 1e-2, TINY_IMAGE)
+    assert all(0 < s < 1 for s in r["prompt_share"])
+    before, after = r["margins"]
+    assert abs(before) < 2**0.5 and after > before
+
+
 @pytest.mark.slow
 def test_stale_gradient(tmp_path):
     """Every variant trains 2 iterations; a stale variant's probe splits the gradient per trained step."""

@@ -126,8 +126,8 @@ def test_invalid_values_name_the_dotted_path(override, path, reason):
         (["config", "validate", "--set", "nosuch.key=1"], "nosuch: unknown key"),
         (
             ["config", "show", "--set", "model.adapter=sdxl"],
-            "available: flux, flux2, flux_kontext, hunyuan_video, hunyuan_video15, qwen_image, "
-            "qwen_image_edit, sd3, wan, wan22, z_image",
+            "available: flux, flux2, flux_kontext, hunyuan_video, hunyuan_video15, hunyuan_video15_i2v, "
+            "qwen_image, qwen_image_edit, sd3, wan, wan22, z_image",
         ),
         (["config", "validate", "--config", "MISSING.yaml"], "MISSING.yaml: config file not found"),
         (

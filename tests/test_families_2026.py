@@ -1,6 +1,6 @@
-"""Z-Image, FLUX.2 and HunyuanVideo-1.5 as families: the planner's facts (published shapes, exact
-parameter counts, FLOPs against torch's flop counter), the engine from the CLI (one tiny run per family:
-Z-Image and HunyuanVideo-1.5 colocated, FLUX.2 in the full disaggregated mode), and the trained LoRA in
+"""Z-Image, FLUX.2 and HunyuanVideo-1.5 (text and image to video) as families: the planner's facts
+(published shapes, exact parameter counts, FLOPs against torch's flop counter), the engine from the CLI
+(each tiny config, 2 iterations colocated and in the full disaggregated mode), and the trained LoRA in
 the stock pipeline."""
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ from tests.helpers import FULL_MODE, QUIET, TINY
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 ROOT = Path(__file__).resolve().parents[1]
+FRAME = str(ROOT / "configs" / "edits" / "tiny_16" / "images" / "blue.png")  # a shipped first frame
 CONFIGS = {
     "z_image": ROOT / "configs" / "z_image_tiny.yaml",
     "flux2": ROOT / "configs" / "flux2_tiny.yaml",
     "hunyuan_video15": ROOT / "configs" / "hunyuan_video15_tiny.yaml",
+    "hunyuan_video15_i2v": ROOT / "configs" / "hunyuan_video15_i2v_tiny.yaml",
 }
 
 #: the transformer's parameters on the meta device at the published transformer/config.json, and the
@@ -58,6 +60,13 @@ def test_published_shapes_and_parameter_counts(name):
     assert w.params.blocks == blocks[name]
 
 
+def test_the_shipped_flux2_dev_config_is_costed_as_dev():
+    """configs/flux2_dev.yaml: the planner reads [dev] (32B, 56 blocks, the guidance embedding's one
+    pass) from the checkpoint directory's name, as the recipe's placeholder names it."""
+    w = Workload.from_config(load_config(ROOT / "configs" / "flux2_dev.yaml"))
+    assert (w.params.total, w.params.blocks, w.passes) == (PUBLISHED["FLUX.2-dev"][1], 56, 1)
+
+
 def _counted(cfg, prompt: str):
     """(forward_flops of the configured shape, torch's count of one transformer pass)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -66,7 +75,7 @@ def _counted(cfg, prompt: str):
     from digenrl.adapters import build_adapter
 
     ad = build_adapter(cfg.model, cfg.sampling)
-    cond = ad.encode_prompts([prompt])
+    cond = ad.encode_prompts([prompt], [FRAME]) if ad.edits else ad.encode_prompts([prompt])
     x = torch.randn(1, *ad.latent_shape())
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         ad.forward_pass(x, ad.timestep(torch.full((1,), 0.5)), ad.pass_inputs(cond, False))
@@ -76,50 +85,55 @@ def _counted(cfg, prompt: str):
 @pytest.mark.parametrize("family", CONFIGS)
 def test_flop_formula_matches_torch_flop_counter(family):
     # Z-Image pads image and caption tokens to multiples of 32: a 32-word caption, 64 image tokens
-    sets = ["model.height=32", "model.width=32", "model.max_text_len=32"]
-    cfg = load_config(CONFIGS[family], sets)
+    # (image to video: 16 x 16, the square bucket of its tiny target size; its 729 image tokens attended)
+    side = 16 if family == "hunyuan_video15_i2v" else 32
+    cfg = load_config(
+        CONFIGS[family], [f"model.height={side}", f"model.width={side}", "model.max_text_len=32"]
+    )
     ours, counted = _counted(cfg, " ".join(f"word{i}" for i in range(32)))
     assert ours == pytest.approx(counted, rel=0.05)
 
 
 # ----------------------------------------------------------------------------- the engine (slow)
-RUNS = {
-    "z_image": ["placement.mode=colocated"],
-    "flux2": FULL_MODE,
-    "hunyuan_video15": ["placement.mode=colocated"],
-}
+#: each family's 2 iterations in both engine modes (a tiny config with nothing but itself)
+MODES = {"colocated": ["placement.mode=colocated"], "full": FULL_MODE}
+RUNS = [(family, mode) for family in CONFIGS for mode in MODES]
 
 
 @pytest.fixture(scope="module")
 def engine_runs(tmp_path_factory, ray_cluster):
-    """On the suite's cluster: two iterations of `digenrl train` per family; run dirs by family."""
+    """On the suite's cluster (warm workers), from another working directory (the image-to-video
+    config finds its shipped first frames from its own folder): two iterations of `digenrl train` per
+    family and mode; (exit code, run dir) by (family, mode)."""
     from digenrl.cli.app import main
 
     runs = {}
-    for family, sets in RUNS.items():
-        run = tmp_path_factory.mktemp(family)
+    elsewhere = tmp_path_factory.mktemp("cwd")
+    for family, mode in RUNS:
+        run = tmp_path_factory.mktemp(f"{family}_{mode}")
         argv = ["digenrl", "train", "-c", str(CONFIGS[family]), "--run-dir", str(run)]
-        for kv in [*TINY, *QUIET, "train.iterations=2", *sets]:
+        for kv in [*TINY, *QUIET, "train.iterations=2", *MODES[mode]]:
             argv += ["--set", kv]
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(sys, "argv", argv)
+            mp.chdir(elsewhere)
             with pytest.raises(SystemExit) as exc:
                 main()
-        runs[family] = (exc.value.code, run)
+        runs[family, mode] = (exc.value.code, run)
     return runs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", RUNS)
-def test_engine_trains_two_iterations(engine_runs, family):
-    code, run = engine_runs[family]
+@pytest.mark.parametrize("family, mode", RUNS)
+def test_engine_trains_two_iterations(engine_runs, family, mode):
+    code, run = engine_runs[family, mode]
     assert code == 0
     rows = read_metrics(run)
     assert [r["version"] for r in rows] == [1, 2] and all(r["reward_mean"] > 0 for r in rows)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", RUNS)
+@pytest.mark.parametrize("family", CONFIGS)
 def test_trained_lora_loads_into_the_stock_pipeline_and_changes_its_output(engine_runs, family):
     import diffusers
     from peft.utils import get_peft_model_state_dict
@@ -128,7 +142,7 @@ def test_trained_lora_loads_into_the_stock_pipeline_and_changes_its_output(engin
     from digenrl.algorithms.sde import sample
     from digenrl.policy.model import Policy
 
-    _, run = engine_runs[family]
+    _, run = engine_runs[family, "full"]
     saved = load_file(run / "final" / "pytorch_lora_weights.safetensors")
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in saved.items())  # it trained something
     fresh = Policy(load_config(CONFIGS[family], TINY), trainable=False).adapter
@@ -137,7 +151,10 @@ def test_trained_lora_loads_into_the_stock_pipeline_and_changes_its_output(engin
     parts = {"transformer": fresh.transformer, "vae": fresh.vae, "scheduler": fresh.scheduler}
     names = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "is_distilled")]
     pipe = cls(**{n: parts.get(n) for n in names})
-    cond = fresh.encode_prompts(["a red apple"])
+    if fresh.edits:  # image to video: the prompt with its first frame
+        cond = fresh.encode_prompts(["make it red"], [FRAME])
+    else:
+        cond = fresh.encode_prompts(["a red apple"])
     noise = fresh.initial_noise(1, torch.Generator().manual_seed(0))
     before = sample(fresh, cond, noise, fresh.sigmas(4), "flow_grpo", 0.0, None).latents[:, -1]
     if hasattr(pipe, "load_lora_weights"):

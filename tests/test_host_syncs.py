@@ -27,6 +27,7 @@ from tests.test_pipeline_timesteps import CONFIGS, FAMILIES
 KNOWN_SYNCS = {
     "z_image": ("z_image.py:", "the caption mask's boolean index"),
     "hunyuan_video15": ("transformer_hunyuan_video15.py:", "diffusers' t2v test and token reorder"),
+    "hunyuan_video15_i2v": ("transformer_hunyuan_video15.py:", "diffusers' t2v test and token reorder"),
 }
 
 

@@ -158,6 +158,16 @@ def run_hunyuan15(ad, cond, noise, **_):
     pipeline_of(ad)(**prompt_kwargs(ad, cond), num_frames=ad.cfg.frames, **_common(ad, noise))
 
 
+def run_hunyuan15_i2v(ad, cond, noise, images, **_):
+    """Image to video: one sample per call (the pipeline takes one first frame)."""
+    from tests.test_hunyuan_video15_i2v_adapter import i2v_pipeline, run_pipeline
+
+    cond.batched.update(
+        _bf16(cond, "prompt_embeds", "prompt_embeds_2", "neg_prompt_embeds", "neg_prompt_embeds_2")
+    )
+    run_pipeline(i2v_pipeline(ad), ad, cond, noise, images[0], ad.cfg.frames, STEPS, 0, output_type="latent")
+
+
 def _common(ad, noise) -> dict:
     m = ad.cfg
     return dict(
@@ -180,6 +190,7 @@ FAMILIES = {
     "flux2": ("flux2_tiny.yaml", [], run_flux2),  # [klein]
     "flux2_dev": ("flux2_tiny.yaml", ["model.preset=tiny_dev", "sampling.guidance=4.0"], run_flux2),
     "hunyuan_video15": ("hunyuan_video15_tiny.yaml", [], run_hunyuan15),
+    "hunyuan_video15_i2v": ("hunyuan_video15_i2v_tiny.yaml", [], run_hunyuan15_i2v),
 }
 
 

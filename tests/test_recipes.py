@@ -32,6 +32,7 @@ COMMON = [
     "train.device=cpu",
     "engine.unit_groups=1",
     "placement.mode=local",
+    "train.fsdp=off",  # one local trainer (FLUX.2 [dev] shards its 32B: FSDP x8)
     "output.checkpoint_every=0",
 ]
 FAMILY_SIZE = {  # per family: a size the tiny preset takes
@@ -71,6 +72,7 @@ def test_every_family_has_a_recipe_and_every_recipe_a_readme_row():
         "flow_grpo_qwen_image_edit_counting",
         "flow_factory_z_image_turbo_pickscore",
         "flow_factory_flux2_klein_pickscore",
+        "flow_factory_flux2_dev_clip_pickscore",
         "unirl_hunyuan_video15_pickscore",
     } <= names
     readme = (RECIPES[0].parent / "README.md").read_text()
@@ -104,6 +106,8 @@ def test_recipe_runs_two_iterations_on_the_tiny_preset(recipe, tmp_path, monkeyp
 
     published = load_config(recipe)
     size = FAMILY_SIZE[published.model.adapter]
+    if published.model.adapter == "flux2" and "dev" in Path(published.model.pretrained).name.lower():
+        size = [*size, "model.preset=tiny_dev"]  # [dev]: the guidance embedding, not CFG
     edit = []  # an edit family: a tiny edit set of input images instead of the colour prompts
     if adapter_class(published.model.adapter).edits:
         h, w = (int(kv.split("=")[1]) for kv in size[:2])

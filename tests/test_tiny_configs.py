@@ -1,6 +1,7 @@
 """Every shipped tiny config runs with nothing but itself, from any working directory (issue 56): its
 relative paths (the edit sets beside the configs) are read from the config's folder. One iteration
-each, in this process; the four of tests/test_families.py run there (also from another directory)."""
+each, in this process; those of tests/test_families.py and tests/test_families_2026.py run there (also
+from another directory)."""
 
 import math
 import sys
@@ -11,10 +12,11 @@ import pytest
 from digenrl.config.run import load_config
 from digenrl.run.rundir import read_metrics
 from tests.test_families import FAMILIES
+from tests.test_families_2026 import CONFIGS as FAMILIES_2026
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIGS = sorted((ROOT / "configs").glob("*tiny*.yaml"))
-ELSEWHERE = {(ROOT / p).resolve() for p in FAMILIES.values()}
+ELSEWHERE = {(ROOT / p).resolve() for p in FAMILIES.values()} | set(FAMILIES_2026.values())
 #: what makes one iteration cheap without touching the config's files: fewer denoising steps
 CHEAP = ["train.iterations=1", "sampling.steps=2", "sampling.eval_steps=2"]
 

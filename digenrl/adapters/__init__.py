@@ -21,6 +21,8 @@ ADAPTERS: dict[str, str] = {
     # image editing: a prompt row carries an input image (adapters/edit.py)
     "flux_kontext": "digenrl.adapters.flux_kontext:FluxKontextAdapter",
     "qwen_image_edit": "digenrl.adapters.qwen_image_edit:QwenImageEditAdapter",
+    # image to video: a prompt row carries the first frame
+    "hunyuan_video15_i2v": "digenrl.adapters.hunyuan_video15_i2v:HunyuanVideo15I2VAdapter",
 }
 
 

@@ -117,7 +117,7 @@ class HunyuanVideo15Adapter(TwoPassCFG, Adapter):
         if preset != "tiny":
             raise UserError(f"model.preset: unknown preset '{preset}' for hunyuan_video15 (available: tiny)")
         with seeded(1234):
-            self.transformer = HunyuanVideo15Transformer3DModel(**TINY_TRANSFORMER)
+            self.transformer = HunyuanVideo15Transformer3DModel(**self.presets["tiny"][0])
             self.vae = AutoencoderKLHunyuanVideo15(**TINY_VAE).eval()
             self.byt5 = (ByT5Tokenizer(), T5EncoderModel(T5Config(**TINY_BYT5)).eval())
         self.text = TinyLM.qwen2_5_vl(TINY_TRANSFORMER["text_embed_dim"], 3, self.cfg.max_text_len)
@@ -266,13 +266,9 @@ class HunyuanVideo15Adapter(TwoPassCFG, Adapter):
     def forward_pass(
         self, latents: torch.Tensor, t: torch.Tensor, inputs: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        b, c = latents.shape[:2]
         x = latents.to(self.dtype)
-        zeros = torch.zeros_like(x)
-        x = torch.cat([x, zeros, zeros[:, :1]], dim=1)  # t2v: no condition latents, a zero mask
-        image = torch.zeros(
-            b, IMAGE_TOKENS, self.transformer.config.image_embed_dim, device=x.device, dtype=x.dtype
-        )
+        first, mask, image = self.condition(x, inputs)
+        x = torch.cat([x, first, mask], dim=1)
         with self.autocast():
             out = self.transformer(
                 hidden_states=x,
@@ -285,6 +281,15 @@ class HunyuanVideo15Adapter(TwoPassCFG, Adapter):
                 return_dict=False,
             )[0]
         return out.float()
+
+    def condition(self, x: torch.Tensor, inputs: dict[str, torch.Tensor]):
+        """(condition latents, mask, image embeddings) beside ``x``: t2v has none (zeros, which the
+        transformer masks out)."""
+        zeros = torch.zeros_like(x)
+        image = torch.zeros(
+            len(x), IMAGE_TOKENS, self.transformer.config.image_embed_dim, device=x.device, dtype=x.dtype
+        )
+        return zeros, zeros[:, :1], image
 
     def guide(self, v_cond: torch.Tensor, v_unc: torch.Tensor) -> torch.Tensor:
         return v_unc + self.sampling.guidance * (v_cond - v_unc)

@@ -39,7 +39,12 @@ TINY_CONFIGS = {
     "flux2": "flux2_tiny.yaml",
     "hunyuan_video15": "hunyuan_video15_tiny.yaml",
 }
-SAME_TRANSFORMER = {"flux_kontext": "flux", "qwen_image_edit": "qwen_image", "wan22": "wan"}
+SAME_TRANSFORMER = {
+    "flux_kontext": "flux",
+    "qwen_image_edit": "qwen_image",
+    "wan22": "wan",
+    "hunyuan_video15_i2v": "hunyuan_video15",
+}
 #: ops that launch a matmul-class kernel (compute-bound: priced by FLOPs, not by bytes)
 _MATMUL = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product", "_flash_attention")
 
