@@ -276,7 +276,7 @@ def test_colour_margin(tmp_path):
 
 
 def test_colour_capacity_steps_the_margin_up():
-    """benchmarks/colour_capacity.py in-process on the tiny FLUX.2 at 16 x 16: the prompt's share of
+    """ "colour_capacity.py" (benchmarks/) in-process on the tiny FLUX.2 at 16 x 16: the prompt's share of
     the velocity, and one Adam step on the supervised colour margin raises it (the gradient reaches the
     LoRA through the prompt's path)."""
     r = bench_module("colour_capacity").run(ROOT / "configs" / "flux2_tiny.yaml", 1, 1e-2, TINY_IMAGE)

@@ -171,6 +171,7 @@ def test_the_planner_counts_the_prompt_files_tokens_for_a_trimming_family(tiny_c
     true CFG runs each pass at its own length: (5 + 1) / 2 = 3 per pass; batched: 5. A checkpoint: 45
     characters / 4.5 + the template's 5-token suffix = 15. FLUX (T5's padding is attended), a missing
     file or a built-in set: model.max_text_len."""
+    from digenrl.planner.shapes import model_shape
     from digenrl.planner.text_tokens import prompt_tokens, text_tokens
     from digenrl.planner.workload import Workload
 
@@ -186,9 +187,12 @@ def test_the_planner_counts_the_prompt_files_tokens_for_a_trimming_family(tiny_c
     assert w.shape.tokens.text == 3 and w.shape.text_source.startswith("mean of 2")
     real = tiny_cfg(*qwen, f"model.pretrained={tmp_path}").model
     assert prompt_tokens(real, "x" * 45) == 15 and prompt_tokens(real, "x" * 4500) == 32  # capped
-    assert text_tokens(tiny_cfg(*QWEN))[0] == 32  # the built-in set
-    assert text_tokens(tiny_cfg(*QWEN, f"prompts.file={tmp_path / 'none.txt'}"))[0] == 32
-    assert text_tokens(tiny_cfg(f"prompts.file={path}")) == (16, "model.max_text_len")  # tiny FLUX
+    assert text_tokens(tiny_cfg(*QWEN)) is None  # the built-in set: the adapter's count stands
+    assert text_tokens(tiny_cfg(*QWEN, f"prompts.file={tmp_path / 'none.txt'}")) is None
+    flux = tiny_cfg(f"prompts.file={path}")
+    assert text_tokens(flux) is None  # tiny FLUX: T5's padding is attended
+    assert Workload.from_config(flux).shape.tokens.text == model_shape(flux.model).tokens.text
+    assert Workload.from_config(tiny_cfg(*QWEN, "model.lora=null")).shape.tokens.text == 32
 
 
 def test_benchmark_smoke(tmp_path):

@@ -36,7 +36,7 @@ class ModelShape:
     vae_decode_flops_per_px: float
     text_encoder_params: float
     tokens: Tokens = field(default=None)  # filled by model_shape()
-    text_source: str = "model.max_text_len"  # where tokens.text comes from (planner/text_tokens.py)
+    text_source: str = "the adapter at model.max_text_len"  # where tokens.text comes from (text_tokens.py)
     experts: int = 1  # transformers of this config held in memory (Wan2.2 A14B: 2, one runs per step)
     trained_experts: int = 1  # of them, the ones that train
 

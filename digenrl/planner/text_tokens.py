@@ -1,5 +1,6 @@
-"""Text tokens per pass the planner counts: ``model.max_text_len``, or, for a family whose forwards trim
-the text to their rows' longest valid prompt (``Adapter.trims_text``: Qwen-Image), the run's prompts.
+"""Text tokens per pass the planner counts: the adapter's own at ``model.max_text_len``, or, for a family
+whose forwards trim the text to their rows' longest valid prompt (``Adapter.trims_text``: Qwen-Image),
+the run's prompts.
 
 Details: docs/modules.md, `digenrl.planner.text_tokens`.
 """
@@ -31,19 +32,20 @@ def prompt_tokens(model, text: str) -> int:
     return min(n, model.max_text_len)
 
 
-def text_tokens(cfg) -> tuple[int, str]:
-    """(text tokens per pass, where the number comes from). A trimming family: the mean over the prompt
-    set (a call runs its rows' longest: a little more); with true CFG run sequentially, the mean of the
-    prompt's pass and the negative prompt's (each pass its own length; batched CFG: both at the
-    longer). ``model.max_text_len`` when the family pads, edits (the input image's vision tokens are
-    text too), or no prompt file is there (a built-in set stands in for the real prompts)."""
-    m, full = cfg.model, (cfg.model.max_text_len, "model.max_text_len")
+def text_tokens(cfg) -> tuple[int, str] | None:
+    """(text tokens per pass, where the number comes from) for a family whose forwards trim the text:
+    the mean over the prompt set (a call runs its rows' longest: a little more); with true CFG run
+    sequentially, the mean of the prompt's pass and the negative prompt's (each pass its own length;
+    batched CFG: both at the longer). None -- the adapter's own count at ``model.max_text_len`` stands
+    -- when the family pads, edits (the input image's vision tokens are text too), or no prompt file is
+    there (a built-in set stands in for the real prompts)."""
+    m = cfg.model
     adapter = adapter_class(m.adapter)
     if not adapter.trims_text or adapter.edits or cfg.prompts.file is None:
-        return full
+        return None
     texts = _prompt_texts(cfg.prompts.file)
     if not texts:
-        return full
+        return None
     n = sum(prompt_tokens(m, t) for t in texts) / len(texts)
     source = f"mean of {len(texts)} prompts"
     if cfg.sampling.guidance > 1 and cfg.sampling.cfg_batching != "batched":

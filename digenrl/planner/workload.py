@@ -118,8 +118,9 @@ class Workload:
 
         adapter = adapter_class(cfg.model.adapter)
         shape = model_shape(cfg.model)
-        text, shape.text_source = text_tokens(cfg)  # Qwen-Image: its prompts' tokens (trimmed forwards)
-        shape.tokens = replace(shape.tokens, text=text)
+        trimmed = text_tokens(cfg)  # Qwen-Image: its prompts' tokens (trimmed forwards)
+        if trimmed:
+            shape.tokens, shape.text_source = replace(shape.tokens, text=trimmed[0]), trimmed[1]
         params = param_counts(shape, cfg.model.lora, adapter.default_lora_targets)
         ts, n = cfg.algorithm.timesteps, cfg.sampling.steps
         _, idx = select_timesteps(

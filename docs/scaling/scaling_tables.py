@@ -20,6 +20,7 @@ MODELS = {
     "Wan2.2-T2V-A14B 480p": "wan2.2_t2v_a14b.yaml",
     "Z-Image-Turbo (6B)": "z_image_turbo.yaml",
     "FLUX.2 [klein] (4B)": "flux2_klein_4b.yaml",
+    "FLUX.2 [dev] (32B)": "flux2_dev.yaml",
     "HunyuanVideo-1.5 (8.3B) 480p": "hunyuan_video15.yaml",
 }
 CLUSTERS = ["16xH800", "8xH800_16xH20", "32xA100", "16xH100_16xL40S"]
