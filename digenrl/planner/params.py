@@ -40,7 +40,7 @@ class CostParams:
     dispatch_s_per_worker: float = 1.167
     # a VLM judge's server (vLLM), per request in flight and decode step: scheduling, sampling,
     # detokenizing on the host (planner/judge.py prices the rest from the judge's architecture)
-    serve_seq_step_s: float = 1.98e-4
+    serve_seq_step_s: float = 1.83e-4
     vae_mfu: float = 0.25  # VAE decoder convolutions
     mem_bw_efficiency: float = 0.70  # share of peak memory bandwidth a weight-streaming pass reaches
     forward_overhead_s: float = 0.002  # per text-encoder call (and a transformer call of an uncounted family)
