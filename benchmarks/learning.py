@@ -257,8 +257,8 @@ def compare(
             for seed in seeds:  # interleaved: load drift on a shared machine hits every cell alike
                 for task, algo, mode in cells:
                     sets = [
-                        *overrides,
                         *TASKS[task],
+                        *overrides,  # after the task's: --set train.lr=... changes the task's
                         f"algorithm.name={algo}",
                         *known[mode],
                         f"train.seed={seed}",
