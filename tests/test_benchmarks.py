@@ -455,3 +455,21 @@ def test_ocr_reward(tmp_path):
     assert [r["text_score"] for r in data["rows"]] == [1.0, 1.0]  # the rendered words read
     assert [r["noise_score"] for r in data["rows"]] == [0.0, 0.0]
     assert data["rss_mib_after"] > data["rss_mib_before"] > 0
+
+
+@pytest.mark.slow
+def test_smallworld_sweep_smoke(tmp_path):
+    """ "smallworld_sweep.py": two variants x 3 iterations of the small world, no held-out eval; each run's
+    gain is its last third's mean reward minus its first third's, per 1k samples as the script says."""
+    data = run_script(
+        "smallworld_sweep.py",
+        tmp_path,
+        *("--variant", "base:", "--variant", "lr:train.lr=3e-4"),
+        *("--iterations", "3", "--seeds", "0", "--eval-seeds", "0"),
+    )
+    assert [r["name"] for r in data["runs"]] == ["base", "lr"] and "base" not in data
+    for r in data["runs"]:
+        assert r["iterations"] == 3 and len(r["rewards"]) == 3
+        assert r["gain"] == pytest.approx(r["rewards"][-1] - r["rewards"][0])
+        assert r["gain_per_1k"] == pytest.approx(r["gain"] / (r["samples"] / 1000))
+        assert 0.0 <= r["zero_adv_groups"] <= 1.0 and "held_out" not in r

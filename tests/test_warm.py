@@ -304,7 +304,7 @@ def test_a_kept_process_collects_each_runs_cycles_without_refreezing_them(monkey
             worker.rebuild()
             with gc_paused_then_frozen(freeze=worker.freeze_build):  # what EngineWorker.__init__ does
                 later = weakref.ref(_Cycle())
-            assert gc.get_freeze_count() == frozen
+            assert gc.get_freeze_count() <= frozen  # never grows (another thread's frozen objects may die)
             warm.collect_the_run()
             assert later() is None
         assert built == [False, False]

@@ -45,7 +45,6 @@ class Adapter(CostHooks, ABC):
     preview = None  # LatentRGBDecoder for tiny presets, None = decode with the real VAE
     edits = False  # an edit family: every prompt row has an input image (adapters/edit.py)
     trims_text = False  # a forward runs its rows' longest valid text, not model.max_text_len (masked)
-    text_multiple = 1  # trimmed text lengths round up to it (sequence parallelism: its degree)
 
     def __init__(
         self,

@@ -206,11 +206,12 @@ class QwenImageAdapter(TwoPassCFG, PackedLatentAdapter):
         return {"embeds": b[f"{side}prompt_embeds"][:, :n], "mask": b[f"{side}mask"][:, :n]}
 
     def text_tokens(self, cond: Cond, side: str) -> int:
-        """Text tokens one pass runs: the rows' longest valid text, rounded up to ``text_multiple``
-        (sequence parallelism splits the text over its ranks), at most the stored length."""
+        """Text tokens one pass runs: the rows' longest valid text, rounded up to the transformer's
+        ``sp_degree`` (sequence parallelism splits the text over its ranks), at most the stored length."""
         full = cond.batched[f"{side}mask"].shape[1]
         n = cond.text_len(f"{side}text_len", full)
-        return min(full, -(-n // self.text_multiple) * self.text_multiple)
+        multiple = getattr(self.transformer, "sp_degree", 1)  # sequence parallelism splits the text too
+        return min(full, -(-n // multiple) * multiple)
 
     def forward_pass(
         self, latents: torch.Tensor, t: torch.Tensor, inputs: dict[str, torch.Tensor]

@@ -45,6 +45,7 @@ def enable_sequence_parallel(transformer: nn.Module, mesh: DeviceMesh) -> None:
         _enable_diffusers_ulysses(transformer, mesh)
     else:
         raise ValueError(f"no sequence-parallel plan for {type(transformer).__name__}")
+    transformer.sp_degree = mesh["ulysses"].size()  # what a trimmed text rounds up to (adapters)
 
 
 def sp_problem(

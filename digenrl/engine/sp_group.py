@@ -49,7 +49,6 @@ class SequenceParallelMember:
         sp.enable_sequence_parallel(
             self.policy.adapter.transformer, sp.sp_mesh(degree, self.policy.device.type)
         )
-        self.policy.adapter.text_multiple = degree  # a trimmed text still splits over the ranks
         self.sp_world = degree
 
     def any_member_missed(self, missed: bool) -> bool:
