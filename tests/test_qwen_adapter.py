@@ -13,14 +13,9 @@ from digenrl.errors import UserError
 QWEN = ("model.adapter=qwen_image",)
 
 
-def run_both(cfg, steps=6):
-    """Our ODE trajectory and the pipeline's (per-step latents via its callback, plus its decoded images)."""
+def stock_pipeline(ad):
+    """diffusers' QwenImagePipeline over the adapter's own modules (the text given as embeddings)."""
     from diffusers import QwenImagePipeline
-
-    ad = build_adapter(cfg.model, cfg.sampling)
-    cond = ad.encode_prompts(["a red apple on a table", "a blue sky"])
-    noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
-    ours = sample(ad, cond, noise, ad.sigmas(steps), "flow_grpo", 0.0, None).latents
 
     pipe = QwenImagePipeline(
         scheduler=ad.flow_scheduler(dict(ad.scheduler.config)),
@@ -30,6 +25,17 @@ def run_both(cfg, steps=6):
         transformer=ad.transformer,
     )
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_both(cfg, steps=6):
+    """Our ODE trajectory and the pipeline's (per-step latents via its callback, plus its decoded images)."""
+    ad = build_adapter(cfg.model, cfg.sampling)
+    cond = ad.encode_prompts(["a red apple on a table", "a blue sky"])
+    noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
+    ours = sample(ad, cond, noise, ad.sigmas(steps), "flow_grpo", 0.0, None).latents
+
+    pipe = stock_pipeline(ad)
     seen = []
     images = pipe(
         prompt_embeds=cond.batched["prompt_embeds"],

@@ -63,7 +63,7 @@ def test_trimmed_velocity_equals_the_padded_call(tiny_cfg, tmp_path, family, mod
 def test_pipeline_on_its_own_stripped_text_equals_the_trimmed_sampler(tiny_cfg):
     """QwenImagePipeline given the text as its encode_prompt makes it (each batch's padding stripped to
     its longest prompt; the negative to its own length) and DigenRL's trimmed sampler: one trajectory."""
-    from diffusers import QwenImagePipeline
+    from tests.test_qwen_adapter import stock_pipeline
 
     cfg = tiny_cfg(*QWEN)
     ad = build_adapter(cfg.model, cfg.sampling)
@@ -71,14 +71,7 @@ def test_pipeline_on_its_own_stripped_text_equals_the_trimmed_sampler(tiny_cfg):
     noise = ad.initial_noise(2, torch.Generator().manual_seed(3))
     ours = sample(ad, cond, noise, ad.sigmas(4), "flow_grpo", 0.0, None).latents
     n, m = int(cond.host["text_len"].max()), int(cond.host["neg_text_len"].max())
-    pipe = QwenImagePipeline(
-        scheduler=ad.flow_scheduler(dict(ad.scheduler.config)),
-        vae=ad.vae,
-        text_encoder=None,
-        tokenizer=None,
-        transformer=ad.transformer,
-    )
-    pipe.set_progress_bar_config(disable=True)
+    pipe = stock_pipeline(ad)
     b, seen = cond.batched, []
     pipe(
         prompt_embeds=b["prompt_embeds"][:, :n],
