@@ -11,11 +11,13 @@ from digenrl.errors import UserError
 HV = ("model.adapter=hunyuan_video15", "model.lora.targets=null", "model.frames=5")
 
 
-def pipeline_of(ad):
-    """HunyuanVideo15Pipeline over the adapter's own modules, its guider at the sampling's scale."""
+def pipeline_of(ad, pipeline_cls=None, **extra):
+    """HunyuanVideo15Pipeline (or ``pipeline_cls``, given ``extra`` modules) over the adapter's own
+    modules, its guider at the sampling's scale."""
     from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline
 
-    pipe = HunyuanVideo15Pipeline(
+    pipe = (pipeline_cls or HunyuanVideo15Pipeline)(
+        **extra,
         text_encoder=None,
         tokenizer=None,
         transformer=ad.transformer,

@@ -18,22 +18,16 @@ PROMPTS = ['a red apple with the word "hi"', "a blue sky"]  # one glyph text
 def i2v_pipeline(ad):
     """HunyuanVideo15ImageToVideoPipeline over the adapter's modules (no text encoders), its guider at
     the sampling's scale."""
-    from diffusers import ClassifierFreeGuidance, HunyuanVideo15ImageToVideoPipeline
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
 
-    pipe = HunyuanVideo15ImageToVideoPipeline(
-        text_encoder=None,
-        tokenizer=None,
-        transformer=ad.transformer,
-        vae=ad.vae,
-        scheduler=ad.flow_scheduler(dict(ad.scheduler.config)),
-        text_encoder_2=None,
-        tokenizer_2=None,
-        guider=ClassifierFreeGuidance(guidance_scale=ad.sampling.guidance),
+    from tests.test_hunyuan_video15_adapter import pipeline_of
+
+    return pipeline_of(
+        ad,
+        HunyuanVideo15ImageToVideoPipeline,
         image_encoder=ad.image_encoder,
         feature_extractor=ad.feature_extractor,
     )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def run_pipeline(pipe, ad, cond, noise, image, frames, steps, i, output_type="pt"):
