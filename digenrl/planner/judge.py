@@ -68,40 +68,10 @@ class JudgeModel:
         return self.prefill_s(last, pixels, dev, mfu) + self.answer_tokens * step
 
 
-#: MM-GRPO's reward (README.md:100 at d91797e): UnifiedReward-Think-qwen3vl-32b, fine-tuned from
-#: Qwen3-VL-32B-Instruct (its config.json: LM 64 layers, 8 KV heads of 128; vision patch 16, merge 2),
-#: served by vLLM on one H800 (TP 1 assumed: the script does not say), asked for OCR at temperature 0 with
-#: max_completion_tokens 256 (gerl/utils/reward_score/vllm.py:57-66) -- a thinking judge's answer uses them
-UNIFIED_REWARD_THINK_32B = JudgeModel(
-    name="UnifiedReward-Think-qwen3vl-32b",
-    params=33.36e9,
-    layers=64,
-    kv_heads=8,
-    head_dim=128,
-    patch_px=32,
-    prompt_tokens=40,
-    answer_tokens=256,
-    source="leibniz-csi/mm_grpo gerl/utils/reward_score/vllm.py:57-66 (d91797e); Qwen3-VL-32B config",
-)
-
-#: veRL-Omni's SD3.5 judge (run_sd35_medium_ocr_lora.sh :97): GenRM-OCR on Qwen2.5-VL-3B-Instruct (LM 36
-#: layers, 2 KV heads of 128; vision patch 14, merge 2) at TP 1, temperature 0.7, max_tokens 4096
-#: (genrm_ocr.py:38); an OCR answer is a short transcription (answer_tokens: 24) unless it runs on
-QWEN25_VL_3B_OCR = JudgeModel(
-    name="GenRM-OCR Qwen2.5-VL-3B",
-    params=3.755e9,
-    layers=36,
-    kv_heads=2,
-    head_dim=128,
-    patch_px=28,
-    prompt_tokens=40,
-    answer_tokens=24,
-    source="verl-project/verl-omni verl_omni/utils/reward_score/genrm_ocr.py:34-38; Qwen2.5-VL-3B config",
-)
-
-#: the published configs the parameter counts above are counted from (transformers class, its kwargs)
+#: the judges' published configs (transformers class, its kwargs): their attention shapes and patches,
+#: and what their parameter counts are counted from (:func:`count_params`)
 CONFIGS = {
-    UNIFIED_REWARD_THINK_32B.name: (
+    "UnifiedReward-Think-qwen3vl-32b": (
         "Qwen3VLConfig",
         {
             "text_config": {
@@ -126,7 +96,7 @@ CONFIGS = {
             "tie_word_embeddings": False,
         },
     ),
-    QWEN25_VL_3B_OCR.name: (
+    "GenRM-OCR Qwen2.5-VL-3B": (
         "Qwen2_5_VLConfig",
         {
             "text_config": {
@@ -151,6 +121,44 @@ CONFIGS = {
         },
     ),
 }
+
+
+def _shape(name: str) -> dict:
+    """The attention shape and patch of judge ``name``, read off its config."""
+    _, kwargs = CONFIGS[name]
+    text, vision = kwargs["text_config"], kwargs["vision_config"]
+    return {
+        "layers": text["num_hidden_layers"],
+        "kv_heads": text["num_key_value_heads"],
+        "head_dim": text.get("head_dim", text["hidden_size"] // text["num_attention_heads"]),
+        "patch_px": vision["patch_size"] * vision["spatial_merge_size"],
+    }
+
+
+#: MM-GRPO's reward (README.md:100 at d91797e): UnifiedReward-Think-qwen3vl-32b, fine-tuned from
+#: Qwen3-VL-32B-Instruct (its config.json: LM 64 layers, 8 KV heads of 128; vision patch 16, merge 2),
+#: served by vLLM on one H800 (TP 1 assumed: the script does not say), asked for OCR at temperature 0 with
+#: max_completion_tokens 256 (gerl/utils/reward_score/vllm.py:57-66) -- a thinking judge's answer uses them
+UNIFIED_REWARD_THINK_32B = JudgeModel(
+    name="UnifiedReward-Think-qwen3vl-32b",
+    params=33.36e9,
+    **_shape("UnifiedReward-Think-qwen3vl-32b"),
+    prompt_tokens=40,
+    answer_tokens=256,
+    source="leibniz-csi/mm_grpo gerl/utils/reward_score/vllm.py:57-66 (d91797e); Qwen3-VL-32B config",
+)
+
+#: veRL-Omni's SD3.5 judge (run_sd35_medium_ocr_lora.sh :97): GenRM-OCR on Qwen2.5-VL-3B-Instruct (LM 36
+#: layers, 2 KV heads of 128; vision patch 14, merge 2) at TP 1, temperature 0.7, max_tokens 4096
+#: (genrm_ocr.py:38); an OCR answer is a short transcription (answer_tokens: 24) unless it runs on
+QWEN25_VL_3B_OCR = JudgeModel(
+    name="GenRM-OCR Qwen2.5-VL-3B",
+    params=3.755e9,
+    **_shape("GenRM-OCR Qwen2.5-VL-3B"),
+    prompt_tokens=40,
+    answer_tokens=24,
+    source="verl-project/verl-omni verl_omni/utils/reward_score/genrm_ocr.py:34-38; Qwen2.5-VL-3B config",
+)
 
 
 def count_params(name: str) -> float:
