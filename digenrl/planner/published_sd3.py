@@ -162,6 +162,8 @@ VERL_OMNI_SD35_GENERATION = PublishedGeneration(
     "awaits every image's GenRM-OCR score (Qwen2.5-VL-3B on the 3rd GPU: reward_model.enable_resource_pool"
     "=True (:97) streams scoring into the agent loop, ray_diffusion_trainer.py:668-687, "
     "diffusion_agent_loop.py:257-262,277-305) and the per-request serving (agent loop, T5 prompt "
-    "encoding, VAE decode, transfers): none of it is priced. The GPU is not stated (H800 assumed, as the "
-    "Qwen-Image row of the same table); FA3 (:36-39) is not modelled apart from SDPA",
+    "encoding, VAE decode, transfers): the judge is priced at the Qwen-Image reward phase's rate per image "
+    "(model_reward_s), the rest is not. The GPU is not stated: FA3 (:36-39) runs on Hopper only "
+    "(flash-attention 3 requires sm90), so H800 is assumed, as the Qwen-Image row of the same table; "
+    "FA3 is not modelled apart from SDPA",
 )
