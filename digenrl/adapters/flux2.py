@@ -34,7 +34,8 @@ TINY_TEXT_WIDTH = 16
 # 3/4 of its depth (Qwen3-4B's 9, 18, 27 of 36; Mistral's 10, 20, 30 of 40), [klein] 4B's 5 double to 20
 # single blocks, and (configs/flux2_tiny.yaml) text tokens at half the image tokens, as 512 padded tokens
 # beside a 512 px image's 1024. With 1 + 1 blocks, a 3-layer LM stacked to its last layer and 16 text
-# tokens, "red" vs "blue" moved the velocity 2-5% (Z-Image's tiny preset 6-25%): benchmarks/RESULTS.md
+# tokens, "red" vs "blue" moved the velocity 2-7%; now 10-28% over init seeds (Z-Image's tiny preset
+# 6-25%), and the colour demo learns the prompt's colour: benchmarks/RESULTS.md
 TINY_TEXT_DEPTH = 4
 TINY_KLEIN = dict(
     patch_size=1,
