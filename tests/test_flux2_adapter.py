@@ -2,6 +2,7 @@
 two-pass CFG) and Flux2Pipeline ([dev]: embedded guidance)."""
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from digenrl.algorithms.sde import sample
 from digenrl.errors import UserError
 
 F2 = ("model.adapter=flux2", "model.lora.targets=null")
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "flux2_tiny.yaml"
 
 
 def pipeline_of(ad):
@@ -115,10 +117,13 @@ def test_text_encoders_are_real_lms_and_three_layers_are_stacked(tiny_cfg):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny_dev"])
-def test_tiny_prompt_moves_the_velocity(tiny_cfg, preset):
-    """The tiny FLUX.2 hears its prompt: "red" vs "blue" moves the velocity by >= 1% of its size (at
-    torch's default init 0.1-0.3%: gates ~0.05, and padded text positions blind to the prompt)."""
-    cfg = tiny_cfg(*F2, f"model.preset={preset}", "model.height=32", "model.width=32")
+def test_tiny_prompt_moves_the_velocity(preset):
+    """The shipped tiny FLUX.2 hears its prompt about as loudly as Z-Image's tiny preset: "red" vs "blue"
+    moves the velocity by >= 15% of its norm (Z-Image 6-25% over init seeds; the 1 + 1 block preset with
+    16 text tokens 6%, torch's default init 0.1%: gates ~0.05, padded text positions blind to the prompt)."""
+    from digenrl.config.run import load_config
+
+    cfg = load_config(CONFIG, [f"model.preset={preset}"])
     ad = build_adapter(cfg.model, cfg.sampling)
     acts = {}
     ad.transformer.double_stream_modulation_img.register_forward_hook(lambda m, i, o: acts.update(mod=o))
@@ -126,11 +131,34 @@ def test_tiny_prompt_moves_the_velocity(tiny_cfg, preset):
     noise = ad.initial_noise(1, torch.Generator().manual_seed(3)).expand(2, -1, -1)
     with torch.no_grad():
         v = ad.velocity(noise, torch.full((2,), 0.5), cond)
-    assert (v[0] - v[1]).abs().mean() > 0.01 * v.abs().mean()
+    assert (v[0] - v[1]).norm() > 0.15 * v[0].norm()
     gate = acts["mod"].chunk(6, dim=-1)[2]  # shift, scale, gate of the attention
     assert 0.1 < gate.abs().mean() < 1.0
     pads = cond.batched["prompt_embeds"][:, 4:]  # the padded positions after the 3 words
     assert (pads[0] - pads[1]).abs().mean() > 0.1 * pads.abs().mean()
+
+
+def test_tiny_preset_keeps_the_published_proportions(tiny_cfg):
+    """The stacked layers sit where the pipelines take them in their LMs' depth ((9, 18, 27) of Qwen3-4B's
+    36, (10, 20, 30) of Mistral-Small-3.1's 40), the blocks keep [klein] 4B's double : single ratio, and
+    the shipped config's text is half its image tokens (512 padded tokens beside 1024 at 512 px)."""
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline
+
+    from digenrl.adapters.flux2 import FLUX2_KLEIN_4B
+    from digenrl.config.run import load_config
+
+    for preset, getter, depth in (
+        ("tiny", Flux2KleinPipeline._get_qwen3_prompt_embeds, 36),
+        ("tiny_dev", Flux2Pipeline._get_mistral_3_small_prompt_embeds, 40),
+    ):
+        ad = build_adapter(tiny_cfg(*F2, f"model.preset={preset}").model, tiny_cfg(*F2).sampling)
+        layers = inspect.signature(getter).parameters["hidden_states_layers"].default
+        tiny_depth = ad.text.model.config.num_hidden_layers
+        assert [k / tiny_depth for k in ad.text_layers] == [k / depth for k in layers]
+        c, published = ad.transformer.config, FLUX2_KLEIN_4B.transformer
+        assert c.num_single_layers / c.num_layers == published["num_single_layers"] / published["num_layers"]
+    cfg = load_config(CONFIG)
+    assert cfg.model.max_text_len == 512 * (cfg.model.height // 4) * (cfg.model.width // 4) // 1024
 
 
 def test_lora_targets_all_exist(tiny_cfg):

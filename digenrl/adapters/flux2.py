@@ -29,11 +29,19 @@ from digenrl.errors import UserError
 
 TEXT_LAYERS = 3  # hidden states stacked per token: [klein] Qwen3 (9, 18, 27), [dev] Mistral (10, 20, 30)
 TINY_TEXT_WIDTH = 16
+# The tiny preset keeps the published proportions that decide how loudly the prompt speaks at init (the
+# prompt reaches the image only through attention: no pooled text): the LM's stacked layers at 1/4, 1/2,
+# 3/4 of its depth (Qwen3-4B's 9, 18, 27 of 36; Mistral's 10, 20, 30 of 40), [klein] 4B's 5 double to 20
+# single blocks, and (configs/flux2_tiny.yaml) text tokens at half the image tokens, as 512 padded tokens
+# beside a 512 px image's 1024. With 1 + 1 blocks, a 3-layer LM stacked to its last layer and 16 text
+# tokens, "red" vs "blue" moved the velocity 2-7%; now 10-28% over init seeds (Z-Image's tiny preset
+# 6-25%), and the colour demo learns the prompt's colour: benchmarks/RESULTS.md
+TINY_TEXT_DEPTH = 4
 TINY_KLEIN = dict(
     patch_size=1,
     in_channels=16,  # 4 latent channels x 2x2
-    num_layers=1,
-    num_single_layers=1,
+    num_layers=4,
+    num_single_layers=16,
     attention_head_dim=16,
     num_attention_heads=2,
     joint_attention_dim=TEXT_LAYERS * TINY_TEXT_WIDTH,
@@ -155,8 +163,9 @@ class Flux2Adapter(TwoPassCFG, PackedLatentAdapter):
         lm = TinyLM.mistral if transformer["guidance_embeds"] else TinyLM.qwen3
         # variance-preserving layers: the padded positions after the prompt, which FLUX.2 attends
         # unmasked, carry it, as the chat template's tokens after it do in the real pipeline
-        self.text = lm(TINY_TEXT_WIDTH, TEXT_LAYERS, self.cfg.max_text_len, init_std=TINY_TEXT_WIDTH**-0.5)
-        self.text_layers = (1, 2, 3)
+        width, depth = TINY_TEXT_WIDTH, TINY_TEXT_DEPTH
+        self.text = lm(width, depth, self.cfg.max_text_len, init_std=width**-0.5)
+        self.text_layers = (1, 2, 3)  # 1/4, 1/2, 3/4 of the depth
         self.pipe = None
         self.scheduler = self.flow_scheduler({"shift": 3.0, "use_dynamic_shifting": True})
         self.preview = LatentRGBDecoder(self.transformer.config.in_channels, 2 * self.vae_scale)
