@@ -98,6 +98,17 @@ def disconnect(ours: bool) -> None:
             remove_session(session)
 
 
+def forget_dead_head() -> None:
+    """At the process's end: a connection left to a dead head (:func:`disconnect`) is not shut down
+    by Ray's exit handler, which would wait for the head (~5 s; unbounded on a loaded host)."""
+    import atexit
+
+    import ray
+
+    if ray.is_initialized() and head_problem() is not None:
+        atexit.unregister(ray.shutdown)
+
+
 #: the session directories (Ray's temp dir, /tmp/ray/session_*) of the local clusters started here
 _STARTED: set[str] = set()
 
