@@ -21,7 +21,6 @@ PROBE_S = 1.0  # how often the watch asks whether the head accepts connections
 GRACE_S = 4.0  # the driver's own probe (every 2 s, between Ray calls) reports a dead head first
 LAST_S = 12.0  # a Ray call deaf to signals: the process ends with the run's line (Ray: ~60 s, no word)
 SIGNAL = signal.SIGUSR1  # (simulated with interrupt_main, never sent): wakes the blocked main thread
-_RAY = os.sep + "ray" + os.sep
 
 
 def head_error(address: str, problem: str) -> str:
@@ -55,6 +54,8 @@ class HeadWatch:
         self.noticed = False  # the driver found the head gone itself: its own report follows
         self.lock, self.done = threading.Lock(), threading.Event()
         self.installed, self.previous = False, None
+        ray = sys.modules.get("ray")  # the calls to wake are Ray's: its code's folder
+        self.ray_dir = os.path.dirname(ray.__file__) + os.sep if getattr(ray, "__file__", None) else None
 
     def start(self) -> HeadWatch:
         if threading.current_thread() is threading.main_thread():  # (elsewhere: the last resort only)
@@ -94,7 +95,7 @@ class HeadWatch:
         """In the main thread: raise where it waits in Ray's code (Ray returns the interrupt from
         its call), nowhere else (the driver's own code reaches its next Ray call or probe soon)."""
         if self.problem is not None and not self.noticed:
-            if frame is not None and _RAY in frame.f_code.co_filename:
+            if frame is not None and self.ray_dir and frame.f_code.co_filename.startswith(self.ray_dir):
                 raise KeyboardInterrupt
         elif callable(self.previous):
             self.previous(signum, frame)
