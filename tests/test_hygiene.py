@@ -57,9 +57,27 @@ def head_cluster(prefix: str) -> tuple[int, str, dict]:
     return port, head_dir, env
 
 
-def test_killed_ray_head_stops_the_run_within_seconds(tmp_path):
+def building_worker(head_dir: str) -> bool:
+    """Whether an engine worker of the head in ``head_dir`` builds its model (so the driver waits in
+    ``ray.get`` of its ``ready()``): a ``ray::EngineWorker.__init__`` process of its raylet."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::EngineWorker.__init__"):
+                parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                if head_dir.encode() in Path(f"/proc/{parent}/cmdline").read_bytes():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+@pytest.mark.parametrize("moment", ["mid_run", "start_up"])
+def test_killed_ray_head_stops_the_run_within_seconds(tmp_path, moment):
     """The driver joined a cluster (--ray-address) whose head dies mid-run: one line saying so and
-    how to resume, exit 1, within seconds (Ray alone would hang a minute, then end the process)."""
+    how to resume, exit 1, within seconds (Ray alone would hang a minute, then end the process).
+    At start-up the driver waits in ``ray.get`` for its workers (Ray waits for the dead head there:
+    a minute, then it ends the process without a word): the head watch wakes it, the same line,
+    and the run directory goes again (nothing was written)."""
     port, head_dir, env = head_cluster("dk")
     run = tmp_path / "run"
     try:
@@ -79,9 +97,11 @@ def test_killed_ray_head_stops_the_run_within_seconds(tmp_path):
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 240
         while time.time() < deadline and proc.poll() is None:
+            if moment == "start_up" and building_worker(head_dir):
+                break
             if (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2:
                 break
-            time.sleep(0.5)
+            time.sleep(0.1 if moment == "start_up" else 0.5)
         still_running(proc)
         subprocess.run(
             ["pkill", "-9", "-f", f"(gcs_server|raylet).*{head_dir}"], check=False
@@ -92,7 +112,11 @@ def test_killed_ray_head_stops_the_run_within_seconds(tmp_path):
         assert proc.returncode == 1, err
         last = err.strip().splitlines()[-1]
         assert last.startswith("error: the Ray cluster's head at ") and ":" + str(port) in last, err
-        assert last.endswith(f"resume with: digenrl train --resume {run}")
+        if moment == "mid_run":
+            assert last.endswith(f"resume with: digenrl train --resume {run}")
+        else:
+            assert err.strip() == last and last.endswith("the run stopped."), err
+            assert not run.exists()  # the run's lock and folders went: the run ended, not the process
     finally:
         subprocess.run(["pkill", "-9", "-f", head_dir], check=False)
 
