@@ -52,6 +52,7 @@ class HeadWatch:
         self.explain = lambda exc: exc  # the run's error -> the error it ends with (how to resume)
         self.problem: str | None = None  # set when the watch wakes the driver: why the head is gone
         self.noticed = False  # the driver found the head gone itself: its own report follows
+        self.woke = False  # a Ray call was interrupted: the run's end is on its way (once is enough)
         self.lock, self.done = threading.Lock(), threading.Event()
         self.installed, self.previous = False, None
         ray = sys.modules.get("ray")  # the calls to wake are Ray's: its code's folder
@@ -86,7 +87,7 @@ class HeadWatch:
                     continue
                 self.problem = problem
                 if down < self.last_s:
-                    if self.installed:  # (again each probe, until the driver is in a Ray call)
+                    if self.installed and not self.woke:  # (each probe, until it is in a Ray call)
                         _thread.interrupt_main(SIGNAL)
                     continue
                 self._end()
@@ -95,7 +96,9 @@ class HeadWatch:
         """In the main thread: raise where it waits in Ray's code (Ray returns the interrupt from
         its call), nowhere else (the driver's own code reaches its next Ray call or probe soon)."""
         if self.problem is not None and not self.noticed:
-            if frame is not None and self.ray_dir and frame.f_code.co_filename.startswith(self.ray_dir):
+            in_ray = frame is not None and self.ray_dir and frame.f_code.co_filename.startswith(self.ray_dir)
+            if in_ray and not self.woke:
+                self.woke = True
                 raise KeyboardInterrupt
         elif callable(self.previous):
             self.previous(signum, frame)
@@ -126,7 +129,7 @@ def watching_head(address: str, terminal_fd: int = 2, **timing):
     try:
         yield watch
     except KeyboardInterrupt:
-        if watch.problem is None or watch.noticed:
+        if not watch.woke:  # Ctrl-C
             raise
         raise watch.error() from None
     finally:
@@ -143,7 +146,7 @@ def noticed() -> None:
 
 def woke() -> bool:
     """Whether the watch interrupted the driver's Ray call (a KeyboardInterrupt that is no Ctrl-C)."""
-    return _current is not None and _current.problem is not None
+    return _current is not None and _current.woke
 
 
 def explain(how) -> None:

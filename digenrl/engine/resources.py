@@ -14,6 +14,7 @@ from collections import Counter
 
 from digenrl.config.engine import PoolConfig
 from digenrl.config.run import RunConfig
+from digenrl.engine.head_watch import probe
 from digenrl.errors import UserError
 from digenrl.placement.plan import Worker
 
@@ -49,13 +50,7 @@ def head_problem() -> str | None:
     """Why the connected cluster's head (GCS) does not accept connections, or None when it does."""
     import ray
 
-    try:
-        socket.create_connection(
-            host_port(ray.get_runtime_context().gcs_address), timeout=ADDRESS_PROBE_S
-        ).close()
-        return None
-    except (OSError, ValueError) as exc:
-        return getattr(exc, "strerror", None) or str(exc)
+    return probe(ray.get_runtime_context().gcs_address, timeout=ADDRESS_PROBE_S)
 
 
 def connect(workers: list[Worker], ray_address: str | None) -> bool:
