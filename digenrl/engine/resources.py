@@ -95,7 +95,7 @@ def disconnect(ours: bool) -> None:
 
 def forget_dead_head() -> None:
     """At the process's end: a connection left to a dead head (:func:`disconnect`) is not shut down
-    by Ray's exit handler, which would wait for the head (~5 s; unbounded on a loaded host)."""
+    by Ray's exit handler: it waits ~5 s for the dead head, after the run's line, for nothing."""
     import atexit
 
     import ray
