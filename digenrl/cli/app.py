@@ -348,6 +348,10 @@ def run() -> None:
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    if "ray" in sys.modules:  # a run stopped by a dead head: Ray's exit handler would wait for it
+        from digenrl.engine.resources import forget_dead_head
+
+        forget_dead_head()
     atexit._run_exitfuncs()  # Ray's and W&B's handlers, as a normal exit would run them
     sys.stdout.flush()
     sys.stderr.flush()

@@ -10,6 +10,7 @@ import sys
 from digenrl.checkpoint.optimizer import staging_dir
 from digenrl.checkpoint.store import save_checkpoint_files
 from digenrl.config.run import RunConfig
+from digenrl.engine import head_watch
 from digenrl.engine.recovery import (
     TrainerLost,
     TrainerRankLost,
@@ -133,6 +134,8 @@ class AroundSteps:
         exc = own_error(exc)
         if isinstance(exc, ray.exceptions.RayError):  # a dead head surfaces first as whichever call it broke
             exc = head_lost() or exc
+        if isinstance(exc, KeyboardInterrupt) and head_watch.woke():  # no Ctrl-C: the head watch's
+            exc = head_lost() or exc
         if isinstance(exc, TrainerRankLost):  # where a restart (engine.trainer_restarts) resumes from
             exc.run_dir = self.out.path
         if not (self.stop.forced or isinstance(exc, (TrainerLost, WeightSyncError))):
@@ -147,6 +150,10 @@ class AroundSteps:
                 pass
             except Exception as again:  # noqa: BLE001 -- the first error is the one to report
                 print(f"warning: could not keep the work in progress: {again!r}", file=sys.stderr)
+        return self.explained(exc)
+
+    def explained(self, exc: BaseException) -> BaseException:
+        """``exc`` naming the last checkpoint and how to resume (``run.cadence.stopped``)."""
         return stopped(exc, self.out.path, self.iterations_logged(), self.cfg.train.iterations)
 
     def iterations_logged(self) -> int:

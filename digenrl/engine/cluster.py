@@ -15,6 +15,7 @@ from pathlib import Path
 
 from digenrl.config.run import RunConfig
 from digenrl.engine.faults import FaultInjector, forget_fired
+from digenrl.engine.head_watch import watching_head
 from digenrl.engine.resources import (
     connect,
     disconnect,
@@ -30,6 +31,7 @@ from digenrl.errors import RunStopped, UserError, WeightSyncError, first_line
 from digenrl.placement.layout import RunLayout
 from digenrl.placement.plan import Worker
 from digenrl.progress import progress
+from digenrl.run.rundir import terminal_stderr
 
 REWARD_ROW = "reward"  # the reward actor's timeline row (pool SERVICE_POOL), and its in-flight entries
 
@@ -157,15 +159,26 @@ def ray_workers(cfg: RunConfig, layout: RunLayout, ray_address: str | None, resu
     checkpoint directory when given: read by path); on exit kill them and release everything."""
     import ray
 
-    from digenrl.rewards import scored_after_unit
-
     progress(
         "starting the Ray cluster..."
         if ray_address is None
         else f"joining the Ray cluster at {ray_address}..."
     )
+    ours = connect(layout.workers, ray_address)
+    # a head that dies while the driver waits in a Ray call: the run stops in seconds (head_watch)
+    with watching_head(ray.get_runtime_context().gcs_address, terminal_stderr()):
+        with _started(cfg, layout, ours, resume) as actors:
+            yield actors
+
+
+@contextlib.contextmanager
+def _started(cfg: RunConfig, layout: RunLayout, ours: bool, resume: Path | None):
+    """:func:`ray_workers` once connected (``ours``: by it, so it disconnects)."""
+    import ray
+
+    from digenrl.rewards import scored_after_unit
+
     workers = layout.workers
-    ours = connect(workers, ray_address)
     source = _installed if not ours and _installed is not None else FreshActors()
     actors, reward_actor, pids, clean, workers_on = {}, None, {}, False, {}
     try:

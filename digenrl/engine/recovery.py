@@ -10,6 +10,7 @@ import sys
 import time
 from collections import Counter
 
+from digenrl.engine import head_watch
 from digenrl.engine.cluster import REWARD_ROW
 from digenrl.engine.resources import head_problem
 from digenrl.engine.stall import GroupStalled
@@ -135,8 +136,8 @@ def head_lost() -> TrainerLost | None:
         return None
     import ray
 
-    head = ray.get_runtime_context().gcs_address
-    return TrainerLost(f"the Ray cluster's head at {head} stopped answering ({problem}); the run stopped.")
+    head_watch.noticed()  # the driver reports it: the watch stands down
+    return TrainerLost(head_watch.head_error(ray.get_runtime_context().gcs_address, problem))
 
 
 class GroupRestart:

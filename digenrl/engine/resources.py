@@ -14,6 +14,7 @@ from collections import Counter
 
 from digenrl.config.engine import PoolConfig
 from digenrl.config.run import RunConfig
+from digenrl.engine.head_watch import probe
 from digenrl.errors import UserError
 from digenrl.placement.plan import Worker
 
@@ -49,13 +50,7 @@ def head_problem() -> str | None:
     """Why the connected cluster's head (GCS) does not accept connections, or None when it does."""
     import ray
 
-    try:
-        socket.create_connection(
-            host_port(ray.get_runtime_context().gcs_address), timeout=ADDRESS_PROBE_S
-        ).close()
-        return None
-    except (OSError, ValueError) as exc:
-        return getattr(exc, "strerror", None) or str(exc)
+    return probe(ray.get_runtime_context().gcs_address, timeout=ADDRESS_PROBE_S)
 
 
 def connect(workers: list[Worker], ray_address: str | None) -> bool:
@@ -96,6 +91,17 @@ def disconnect(ours: bool) -> None:
         ray.shutdown()
         if session in _STARTED:  # a local cluster this process started: its session directory goes too
             remove_session(session)
+
+
+def forget_dead_head() -> None:
+    """At the process's end: a connection left to a dead head (:func:`disconnect`) is not shut down
+    by Ray's exit handler: it waits ~5 s for the dead head, after the run's line, for nothing."""
+    import atexit
+
+    import ray
+
+    if ray.is_initialized() and head_problem() is not None:
+        atexit.unregister(ray.shutdown)
 
 
 #: the session directories (Ray's temp dir, /tmp/ray/session_*) of the local clusters started here

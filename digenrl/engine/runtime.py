@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from digenrl.config.run import RunConfig
+from digenrl.engine import head_watch
 from digenrl.engine.around_steps import AroundSteps
 from digenrl.engine.cluster import (
     REWARD_ROW,
@@ -210,6 +211,7 @@ class RayBackend(AroundSteps):
         re-queued unit of the starting version) rank 0's packet of them."""
         import ray
 
+        head_watch.explain(self.explained)  # its last resort, too, names how to resume
         for w in self.role:  # start-up: from the run's start until every worker was ready
             self.timeline.record(w, "start", f"start-{w}", 0, 0, 0.0, time.time() - self.t0)
         rank0 = self.actors[self.rank0]

@@ -95,6 +95,7 @@ def library_output_to_log(terminal_console, enabled: bool = True):
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
+    _TERMINAL["stderr"] = saved[1]
     fd, log_path = tempfile.mkstemp(prefix="digenrl-log-", suffix=".txt")
     terminal = os.fdopen(os.dup(saved[0]), "w", buffering=1)
     old_file = terminal_console.file
@@ -109,11 +110,21 @@ def library_output_to_log(terminal_console, enabled: bool = True):
         log.flush()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
+        _TERMINAL.pop("stderr", None)
         for f in saved:
             os.close(f)
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         terminal_console.file = old_file
         log.flush()  # left open: a library's logging handler may still hold it and write at exit
+
+
+_TERMINAL: dict[str, int] = {}  # the terminal's stderr while library output goes to the log
+
+
+def terminal_stderr() -> int:
+    """The file descriptor of the terminal's stderr (fd 2, unless :func:`library_output_to_log`
+    routes fd 2 to its log): where a line for the user goes from a thread."""
+    return _TERMINAL.get("stderr", 2)
 
 
 def keep_log(log_path: Path | None, run_dir: Path | None) -> Path | None:
