@@ -73,8 +73,9 @@ def spawn(fn, world: int, *args, nprocs: int | None = None, idle_s: float = IDLE
     """Call ``fn(rank, world, *args)`` in ``world`` new processes joined in one gloo group
     (``world=0``: ``nprocs`` processes without a default group); raises if any rank raises or the
     ranks hang (a collective mismatch waits forever: it never passes). A hang is told by the ranks'
-    CPU time, not by the clock: ranks that used under a second of CPU in ``idle_s`` seconds are
-    waiting, while on a loaded machine slow ranks still compute (a wall-clock deadline failed there)."""
+    CPU time, not by the clock: ranks that used under 1/60 of ``idle_s`` in CPU seconds (1 s of 60)
+    in ``idle_s`` seconds are waiting, while on a loaded machine slow ranks still compute (a
+    wall-clock deadline failed there; so did a fixed 1 s of CPU in a 2 s window at load 13)."""
     ctx = mp.start_processes(
         _entry,
         args=(fn, world, free_port(), args),
@@ -87,7 +88,7 @@ def spawn(fn, world: int, *args, nprocs: int | None = None, idle_s: float = IDLE
     used = cpu_seconds(pids) or 0.0
     while not ctx.join(timeout=1.0):
         now, cpu = time.monotonic(), cpu_seconds(pids)
-        if cpu is None or cpu > used + 1.0:  # (no /proc: only the overall limit applies)
+        if cpu is None or cpu > used + idle_s / 60:  # (no /proc: only the overall limit applies)
             last_busy, used = now, cpu if cpu is not None else used
         hung = now - last_busy > idle_s
         if hung or now - start > LIMIT_S:
