@@ -56,7 +56,7 @@ TASKS = {
         f"model.pretrained={ROOT / 'models' / 'smallworld_flux'}",
         "model.lora.targets=null",
         "reward.components=[{name: smallworld, args: {score: flow_grpo}}]",
-        f"prompts.file={ROOT / 'configs' / 'smallworld'}",
+        f"prompts.file={ROOT / 'configs' / 'smallworld_focus'}",  # its four captions
         "train.lr=1e-3",  # the config's: the demo's 3e-3 drove Flow-GRPO's reward down on it
     ],
 }
