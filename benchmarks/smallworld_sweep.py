@@ -1,7 +1,8 @@
 """Does RL learn on the small world? One process (``placement.mode: local``), settings side by side.
 
     python benchmarks/smallworld_sweep.py --iterations 150 --seeds 0,1 [--threads 1] [--eval-seeds 2]
-        --variant lr3e-4:train.lr=3e-4 --variant full1e-3:model.lora=null,train.lr=1e-3 ... [--json F]
+        [--set K=V ...] --variant lr3e-4:train.lr=3e-4 --variant full:model.lora=null,train.lr=1e-4 ...
+        [--json F]
 
 Each variant (a name and comma-separated overrides of configs/smallworld_flux.yaml) trains for
 ``--iterations`` (or its own ``train.iterations``) per seed, the variants of a seed in turn (load
@@ -10,8 +11,9 @@ third's), per 1k samples and per wall-minute; the mean over categories of each o
 iterations' prompts are drawn at random: the category mix moves the plain mean by as much); the
 share of groups whose samples all scored alike (zero advantage: no signal), the training reward
 per category in the first and last third, and the held-out score after it
-(``--eval-seeds`` ODE samples of each of the 35 held-out captions, the partial score, per category;
-the base model's once, first). The load average is recorded beside every run. Not a test.
+(``--eval-seeds`` ODE samples of each test caption, the partial score, per category;
+the base model's once, first; ``--set prompts.file=configs/smallworld``: the whole world's
+captions, to train on and held out). The load average is recorded beside every run. Not a test.
 
 Diagnostics: ``--probe N``: no training, N iterations of rollouts at each variant's settings (the
 reward of the training samples, per category, the spread within groups, the mean |advantage|);
@@ -150,6 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-seeds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--set", action="append", default=[], help="KEY=V for every run and the held-out eval")
     ap.add_argument("--probe", type=int, default=0, help="N: untrained rollouts of N iterations instead")
     args = ap.parse_args(argv)
     import torch
@@ -161,12 +164,12 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     variants = [(v.split(":", 1)[0], [s for s in v.split(":", 1)[1].split(",") if s]) for v in args.variant]
-    cfg = load_config(CONFIG, ["placement.mode=local"])
+    cfg = load_config(CONFIG, ["placement.mode=local", *args.set])
     test = load_prompts(cfg.prompts, split="test")
     result = {"threads": args.threads, "cpu_count": os.cpu_count(), "runs": []}
     if args.probe:
         for name, sets in variants:
-            r = {"name": name, **probe(sets, args.probe)}
+            r = {"name": name, **probe([*args.set, *sets], args.probe)}
             result["runs"].append(r)
             by_tag = " ".join(f"{t}={v:.2f}" for t, v in r["by_tag"].items())
             print(
@@ -183,7 +186,7 @@ def main(argv=None) -> int:
         print(f"base held-out {result['base']['overall']:.3f} {result['base']['by_tag']}", flush=True)
     for seed in [int(s) for s in args.seeds.split(",")]:
         for name, sets in variants:
-            r = run([*sets, f"train.seed={seed}"], args.iterations, args.eval_seeds, test)
+            r = run([*args.set, *sets, f"train.seed={seed}"], args.iterations, args.eval_seeds, test)
             r.update(name=name, seed=seed)
             result["runs"].append(r)
             ho = f", held-out {r['held_out']['overall']:.3f}" if "held_out" in r else ""
