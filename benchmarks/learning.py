@@ -16,14 +16,15 @@ prompt colours) with one mode's engine knobs (the modes of engine_modes.py) and 
 
 Tasks (``--tasks``): ``colors``, the demo's ``prompt_color``; ``shapes``, ``prompt_shape`` (the
 prompt's colour as the shape its object word picks, on gray: it needs spatial structure);
-``smallworld``, the pretrained small-world FLUX on GenEval's categories (docs/smallworld.md). Runs go
+``smallworld``, the pretrained small-world FLUX on four of its GenEval captions
+(configs/smallworld_flux.yaml's; docs/smallworld.md). Runs go
 seed by seed, every task, algorithm and mode of a seed in turn, so that load drifting on a shared
 machine hits them alike, in kept worker processes (tests.warm.warm_workers); the
 table gives the mean and standard error over seeds, and per task and mode the best algorithm's gain
 per minute over Flow-GRPO's, with its standard error (:func:`ratio_se`).
 An ``algorithm.name`` the config does not accept is skipped with one line saying so.
 ``--eval``: after each run, ``digenrl eval --checkpoint RUN --baseline base`` (the last checkpoint
-against the base model, on the task's held-out prompts; per category where the prompts are GenEval's).
+against the base model, on the task's test prompts; per category where the prompts are GenEval's).
 ``--tiny``: 2 iterations, one seed, for the smoke test. Not a test: nothing is asserted.
 """
 
@@ -56,7 +57,7 @@ TASKS = {
         f"model.pretrained={ROOT / 'models' / 'smallworld_flux'}",
         "model.lora.targets=null",
         "reward.components=[{name: smallworld, args: {score: flow_grpo}}]",
-        f"prompts.file={ROOT / 'configs' / 'smallworld'}",
+        f"prompts.file={ROOT / 'configs' / 'smallworld_focus'}",  # its four captions
         "train.lr=1e-3",  # the config's: the demo's 3e-3 drove Flow-GRPO's reward down on it
     ],
 }

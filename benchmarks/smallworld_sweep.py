@@ -1,7 +1,8 @@
 """Does RL learn on the small world? One process (``placement.mode: local``), settings side by side.
 
     python benchmarks/smallworld_sweep.py --iterations 150 --seeds 0,1 [--threads 1] [--eval-seeds 2]
-        --variant lr3e-4:train.lr=3e-4 --variant full1e-3:model.lora=null,train.lr=1e-3 ... [--json F]
+        [--set K=V ...] --variant lr3e-4:train.lr=3e-4 --variant full:model.lora=null,train.lr=1e-4 ...
+        [--json F]
 
 Each variant (a name and comma-separated overrides of configs/smallworld_flux.yaml) trains for
 ``--iterations`` (or its own ``train.iterations``) per seed, the variants of a seed in turn (load
@@ -10,8 +11,15 @@ third's), per 1k samples and per wall-minute; the mean over categories of each o
 iterations' prompts are drawn at random: the category mix moves the plain mean by as much); the
 share of groups whose samples all scored alike (zero advantage: no signal), the training reward
 per category in the first and last third, and the held-out score after it
-(``--eval-seeds`` ODE samples of each of the 35 held-out captions, the partial score, per category;
-the base model's once, first). The load average is recorded beside every run. Not a test.
+(``--eval-seeds`` ODE samples of each test caption, the partial score, per category;
+the base model's once, first; ``--set prompts.file=configs/smallworld``: the whole world's
+captions, to train on and held out). The load average is recorded beside every run. Not a test.
+
+Diagnostics: ``--probe N``: no training, N iterations of rollouts at each variant's settings (the
+reward of the training samples, per category, the spread within groups, the mean |advantage|);
+``reward.components.0.name=brightness,reward.components.0.args={}`` in a variant trains on the
+mean pixel value instead (:class:`Brightness`, registered here only: a reward any policy can raise,
+to tell a defect of the pretrained + LoRA path from a hard reward).
 """
 
 from __future__ import annotations
@@ -25,9 +33,19 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from digenrl.rewards.base import Reward, register
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "smallworld_flux.yaml"
 RUN_SET = ["output.checkpoint_every=0", "output.save_samples_every=0", "output.tensorboard=false"]
+
+
+@register("brightness")
+class Brightness(Reward):
+    """The mean pixel value (the caption ignored): bigger or more objects score higher."""
+
+    def score(self, images, prompts, metadata):
+        return images.float().mean(dim=(1, 2, 3))
 
 
 def third(values: list[float], last: bool) -> float:
@@ -83,7 +101,8 @@ def run(overrides: list[str], iterations: int, eval_seeds: int, test) -> dict:
         "gain": gain,
         "gain_per_1k": gain / (n * iterations / 1000),
         "gain_per_min": gain / (wall / 60),
-        "zero_adv_groups": 1 - statistics.fmean(r["adv_groups/smallworld"] for r in rows),
+        "zero_adv_groups": 1
+        - statistics.fmean(v for r in rows for k, v in r.items() if k.startswith("adv_groups/")),
         "train_by_tag": {t: (col(t, False), col(t, True)) for t in cats},
         "gain_by_tag_mean": statistics.fmean(col(t, True) - col(t, False) for t in cats),
         "rewards": rewards,
@@ -96,6 +115,35 @@ def run(overrides: list[str], iterations: int, eval_seeds: int, test) -> dict:
     return out
 
 
+def probe(overrides: list[str], iterations: int) -> dict:
+    """The training rollouts of ``iterations`` iterations at the variant's settings, untrained."""
+    from digenrl.config.run import load_config
+    from digenrl.engine.local import LocalTrainer
+    from digenrl.units.advantages import assign_advantages
+
+    cfg = load_config(CONFIG, ["placement.mode=local", *RUN_SET, *overrides])
+    trainer, G = LocalTrainer(cfg), cfg.algorithm.group_size
+    tag_of = {p.text: p.meta.get("tag") for p in trainer.prompts.prompts}
+    rewards, tags, spread, adv = [], defaultdict(list), [], []
+    for it in range(iterations):
+        units = trainer.rollout(it)
+        assign_advantages(units, cfg)
+        for u in units:
+            spread += u.rewards.view(-1, G).std(dim=1, correction=0).tolist()
+            adv += u.advantages.abs().tolist()
+            rewards += u.rewards.tolist()
+            for p, r in zip(u.prompts, u.rewards.tolist()):
+                tags[tag_of[p]].append(r)
+    return {
+        "overrides": overrides,
+        "samples": len(rewards),
+        "reward": statistics.fmean(rewards),
+        "by_tag": {t: statistics.fmean(v) for t, v in sorted(tags.items())},
+        "group_std": statistics.fmean(spread),
+        "abs_advantage": statistics.fmean(adv),
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", required=True, help="NAME:KEY=V[,KEY=V...]")
@@ -104,6 +152,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-seeds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--set", action="append", default=[], help="KEY=V for every run and the held-out eval")
+    ap.add_argument("--probe", type=int, default=0, help="N: untrained rollouts of N iterations instead")
     args = ap.parse_args(argv)
     import torch
 
@@ -114,16 +164,29 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     variants = [(v.split(":", 1)[0], [s for s in v.split(":", 1)[1].split(",") if s]) for v in args.variant]
-    cfg = load_config(CONFIG, ["placement.mode=local"])
+    cfg = load_config(CONFIG, ["placement.mode=local", *args.set])
     test = load_prompts(cfg.prompts, split="test")
     result = {"threads": args.threads, "cpu_count": os.cpu_count(), "runs": []}
+    if args.probe:
+        for name, sets in variants:
+            r = {"name": name, **probe([*args.set, *sets], args.probe)}
+            result["runs"].append(r)
+            by_tag = " ".join(f"{t}={v:.2f}" for t, v in r["by_tag"].items())
+            print(
+                f"{name}: reward {r['reward']:.3f} ({r['samples']} samples; {by_tag}), within-group std "
+                f"{r['group_std']:.3f}, mean |A| {r['abs_advantage']:.2f}",
+                flush=True,
+            )
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+        return 0
     if args.eval_seeds:
         base = Policy(cfg, trainable=False)
         result["base"] = held_out(base, build_reward(cfg.reward), test, args.eval_seeds)
         print(f"base held-out {result['base']['overall']:.3f} {result['base']['by_tag']}", flush=True)
     for seed in [int(s) for s in args.seeds.split(",")]:
         for name, sets in variants:
-            r = run([*sets, f"train.seed={seed}"], args.iterations, args.eval_seeds, test)
+            r = run([*args.set, *sets, f"train.seed={seed}"], args.iterations, args.eval_seeds, test)
             r.update(name=name, seed=seed)
             result["runs"].append(r)
             ho = f", held-out {r['held_out']['overall']:.3f}" if "held_out" in r else ""

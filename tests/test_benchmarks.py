@@ -460,14 +460,16 @@ def test_ocr_reward(tmp_path):
 @pytest.mark.slow
 def test_smallworld_sweep_smoke(tmp_path):
     """ "smallworld_sweep.py": two variants x 3 iterations of the small world, no held-out eval; each run's
-    gain is its last third's mean reward minus its first third's, per 1k samples as the script says."""
+    gain is its last third's mean reward minus its first third's, per 1k samples as the script says.
+    The second trains on the script's diagnostic ``brightness`` reward: the mean pixel of its samples."""
+    bright = "bright:train.lr=3e-4,reward.components.0.name=brightness,reward.components.0.args={}"
     data = run_script(
         "smallworld_sweep.py",
         tmp_path,
-        *("--variant", "base:", "--variant", "lr:train.lr=3e-4"),
+        *("--variant", "base:", "--variant", bright),
         *("--iterations", "3", "--seeds", "0", "--eval-seeds", "0"),
     )
-    assert [r["name"] for r in data["runs"]] == ["base", "lr"] and "base" not in data
+    assert [r["name"] for r in data["runs"]] == ["base", "bright"] and "base" not in data
     for r in data["runs"]:
         assert r["iterations"] == 3 and len(r["rewards"]) == 3
         assert r["gain"] == pytest.approx(r["rewards"][-1] - r["rewards"][0])

@@ -25,6 +25,19 @@ def test_the_shipped_prompt_sets_are_the_worlds_split():
         assert [json.loads(line) for line in lines] == rows
 
 
+def test_the_focus_set_is_four_training_captions_evaluated_eight_times_each():
+    """configs/smallworld_focus (the config's prompts): one training caption of each weak category,
+    rows of the world's own train split; its test split is the same rows, 8 samples each."""
+    train_rows, _ = split_rows()
+    focus = ROOT / "configs" / "smallworld_focus"
+    rows = [json.loads(line) for line in (focus / "train_metadata.jsonl").read_text().splitlines()]
+    assert all(r in train_rows for r in rows)
+    assert [r["tag"] for r in rows] == ["two_object", "counting", "colors", "position"]
+    test = [json.loads(line) for line in (focus / "test_metadata.jsonl").read_text().splitlines()]
+    assert test == rows * 8
+    assert load_config(CONFIG).prompts.file.resolve() == focus.resolve()
+
+
 @pytest.fixture(scope="module")
 def pipe():
     from diffusers import FluxPipeline
