@@ -48,6 +48,7 @@ DEFAULT_MODES = ["colocated", "sync", "gap_tsp_tag", "full"]
 RUN_SET = ["output.checkpoint_every=0", "output.save_samples_every=0", "output.tensorboard=false"]
 METRICS = ("gain", "gain_per_min", "gain_per_1k_samples", "samples_per_s", "iterations")
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.warm (a user's run sets no PYTHONPATH)
 #: the learning tasks: each the reward (and prompts, and model) that replace the demo's
 TASKS = {
     "colors": [],

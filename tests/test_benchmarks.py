@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -60,6 +61,17 @@ def test_every_benchmark_has_a_smoke_test():
     here = "".join(t.read_text() for t in Path(__file__).parent.glob("test_*.py"))
     scripts = sorted(p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh"))
     assert scripts and [s for s in scripts if f'"{s}"' not in here] == []
+
+
+def test_a_benchmark_that_imports_the_tests_puts_the_repo_on_its_path():
+    """``python benchmarks/X.py`` puts only benchmarks/ on sys.path, and ``tests`` is not installed: a
+    script importing it must insert the repo root itself (the suite's runs set PYTHONPATH, a user's
+    do not: learning.py failed with ModuleNotFoundError)."""
+    for script in sorted(BENCH.glob("*.py")):
+        text = script.read_text()
+        if re.search(r"^\s*(from tests[ .]|import tests)", text, re.M):
+            inserts = ("sys.path.insert(0, str(ROOT))", "sys.path.insert(0, str(Path(__file__)")
+            assert any(i in text for i in inserts), f"benchmarks/{script.name}: no root on sys.path"
 
 
 @pytest.mark.slow
