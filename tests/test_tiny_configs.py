@@ -26,8 +26,8 @@ def test_every_tiny_config_is_run_here_or_in_test_families():
 
 
 def test_a_config_reads_its_relative_paths_from_its_own_folder(tmp_path, monkeypatch):
-    """From another directory the edit configs find their shipped set; a --set path stays relative to
-    the working directory; a missing one names the path it looked for and why there."""
+    """From another directory the edit configs find their shipped set; a --set path is read from the
+    working directory; a missing one names the path it looked for and why there."""
     from digenrl.data.prompts import check_prompts
     from digenrl.errors import UserError
 
@@ -36,9 +36,11 @@ def test_a_config_reads_its_relative_paths_from_its_own_folder(tmp_path, monkeyp
         cfg = load_config(ROOT / "configs" / f"{name}.yaml")
         assert cfg.prompts.file.is_relative_to(ROOT / "configs" / "edits")
         assert len(check_prompts(cfg)) == 2
+    # a --set path is read from the working directory, and held absolute: a run's saved config.yaml
+    # (read from its checkpoint's folder by `digenrl eval --checkpoint`) finds it there too
     assert load_config(
         ROOT / "configs" / "flux_kontext_tiny.yaml", ["prompts.file=p.jsonl"]
-    ).prompts.file == Path("p.jsonl")
+    ).prompts.file == tmp_path / "p.jsonl"
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "c.yaml").write_text("prompts:\n  file: mine/p.txt\n")
     cfg = load_config(Path("sub/c.yaml"))
@@ -48,6 +50,19 @@ def test_a_config_reads_its_relative_paths_from_its_own_folder(tmp_path, monkeyp
         f"prompts.file: {tmp_path}/sub/mine/p.txt not found (prompts.file: mine/p.txt in sub/c.yaml is read "
         "from that file's folder)"
     )
+
+
+def test_a_set_path_survives_the_runs_saved_config(tmp_path, monkeypatch):
+    """``--set prompts.file=configs/smallworld`` (relative, from the repo) -> the run's config.yaml ->
+    read again from a checkpoint's folder (``digenrl eval --checkpoint``): the same prompt set. It was
+    read against the checkpoint's folder, "not found" (benchmarks/learning.py --eval hit it)."""
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(ROOT / "configs" / "smallworld_flux.yaml", ["prompts.file=configs/smallworld"])
+    saved = tmp_path / "checkpoints" / "iter-000002" / "config.yaml"
+    saved.parent.mkdir(parents=True)
+    saved.write_text(cfg.dump_yaml())
+    monkeypatch.chdir(tmp_path)
+    assert load_config(saved).prompts.file == ROOT / "configs" / "smallworld"
 
 
 @pytest.mark.slow

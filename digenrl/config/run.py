@@ -266,9 +266,10 @@ def load_config(path: Path | None = None, overrides: list[str] | None = None) ->
     naming the dotted path."""
     data = read_yaml(path) if path is not None else {}
     if path is not None:
-        rebase_paths(data, path)  # the file's relative paths are read from its folder; --set's from the cwd
+        rebase_paths(data, path)  # the file's relative paths are read from its folder
     for assignment in overrides or []:
         apply_override(data, assignment)
+    rebase_paths(data, None)  # --set's from the working directory
     try:
         return validate_config(data)
     except ConfigError as exc:

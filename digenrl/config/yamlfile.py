@@ -62,17 +62,23 @@ INPUT_PATHS = (("model", "pretrained"), ("prompts", "file"))
 REWARD_PATH_ARGS = ("path", "processor_path", "head", "tokenizer")
 
 
-def rebase_paths(data: dict, config: Path) -> None:
+def rebase_paths(data: dict, config: Path | None) -> None:
     """Make the relative input paths of config file ``config``'s ``data`` absolute, against the file's
-    folder (in place), so that a config runs from any working directory; each is remembered for the
-    "not found" line (:func:`digenrl.errors.relative_note`)."""
-    folder = Path(config).resolve().parent
+    folder (in place), so that a config runs from any working directory; ``None``: ``--set``'s, against
+    the working directory (so a run's saved config.yaml reads them from there too). Each is remembered
+    for the "not found" line (:func:`digenrl.errors.relative_note`)."""
+    folder = Path(config).resolve().parent if config is not None else Path.cwd()
+    where = (
+        f"in {config} is read from that file's folder"
+        if config is not None
+        else "(--set) is read from the working directory"
+    )
 
     def rebased(value, key: str):
         if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
             return value
         resolved = str(folder / value)
-        RELATIVE[resolved] = f"{key}: {value} in {config} is read from that file's folder"
+        RELATIVE[resolved] = f"{key}: {value} {where}"
         return resolved
 
     for section, key in INPUT_PATHS:
