@@ -38,9 +38,10 @@ def test_a_config_reads_its_relative_paths_from_its_own_folder(tmp_path, monkeyp
         assert len(check_prompts(cfg)) == 2
     # a --set path is read from the working directory, and held absolute: a run's saved config.yaml
     # (read from its checkpoint's folder by `digenrl eval --checkpoint`) finds it there too
-    assert load_config(
-        ROOT / "configs" / "flux_kontext_tiny.yaml", ["prompts.file=p.jsonl"]
-    ).prompts.file == tmp_path / "p.jsonl"
+    assert (
+        load_config(ROOT / "configs" / "flux_kontext_tiny.yaml", ["prompts.file=p.jsonl"]).prompts.file
+        == tmp_path / "p.jsonl"
+    )
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "c.yaml").write_text("prompts:\n  file: mine/p.txt\n")
     cfg = load_config(Path("sub/c.yaml"))
